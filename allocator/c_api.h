@@ -1,0 +1,119 @@
+/* tidepool's C ABI: what PyTorch's pluggable allocator, the Python package and the
+ * LD_PRELOAD shim call. Plain C, no CUDA headers: streams travel as void* (a
+ * cudaStream_t on the cuda backend).
+ *
+ * tidepool_malloc / tidepool_free have exactly the signatures
+ * torch.cuda.memory.CUDAPluggableAllocator expects.
+ *
+ * Errors never cross this boundary as C++ exceptions. A failing call returns NULL (or a
+ * negative status) and leaves a message for tidepool_last_error() on the calling thread.
+ * Note [OOM across the C ABI]: PyTorch's pluggable allocator treats a NULL from
+ * malloc as out-of-memory and raises torch.OutOfMemoryError in the caller; tidepool
+ * therefore returns NULL only for a real OOM (after its whole OOM policy ran) and for
+ * invalid requests, and its message is available through tidepool_last_error() so the
+ * Python package can attach it to the exception.
+ *
+ * Thread-safety: every function may be called from any thread.
+ */
+#ifndef TIDEPOOL_C_API_H
+#define TIDEPOOL_C_API_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <sys/types.h>
+
+#include "allocator/export.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ---- pluggable allocator entry points ------------------------------------------ */
+TIDEPOOL_API void* tidepool_malloc(ssize_t size, int device, void* stream);
+TIDEPOOL_API void tidepool_free(void* ptr, size_t size, int device, void* stream);
+/* Marks `ptr` as used on `stream` too: it is not reused until that stream's work
+ * enqueued before the free has finished. */
+TIDEPOOL_API int tidepool_record_stream(void* ptr, int device, void* stream);
+TIDEPOOL_API int tidepool_empty_cache(int device);
+
+/* ---- tags ------------------------------------------------------------------------ */
+/* Built-in tags; user tags get ids >= TIDEPOOL_TAG_FIRST_USER from tidepool_tag_id. */
+enum {
+  TIDEPOOL_TAG_UNTAGGED = 0,
+  TIDEPOOL_TAG_PARAMETER = 1,
+  TIDEPOOL_TAG_GRADIENT = 2,
+  TIDEPOOL_TAG_ACTIVATION = 3,
+  TIDEPOOL_TAG_OPTIMIZER_STATE = 4,
+  TIDEPOOL_TAG_WORKSPACE = 5,
+  TIDEPOOL_TAG_FIRST_USER = 6,
+  TIDEPOOL_TAG_MAX = 64
+};
+/* Id for a tag name ("parameter", ..., or any user name); creates user tags on first
+ * use. Returns -1 (and sets the last error) when the table is full or name is invalid. */
+TIDEPOOL_API int tidepool_tag_id(const char* name);
+/* Name of a tag id, or NULL. The string lives as long as the process. */
+TIDEPOOL_API const char* tidepool_tag_name(int tag);
+/* Thread-local scope: allocations made by this thread go to the innermost tag. */
+TIDEPOOL_API int tidepool_tag_push(int tag);
+TIDEPOOL_API int tidepool_tag_pop(void);
+TIDEPOOL_API int tidepool_tag_current(void);
+
+/* ---- stats ----------------------------------------------------------------------- */
+typedef struct tidepool_stat_v1 {
+  uint64_t current;   /* bytes now */
+  uint64_t peak;      /* highest `current` since start or the last reset */
+  uint64_t allocated; /* total ever added */
+  uint64_t freed;     /* total ever removed */
+} tidepool_stat_v1;
+
+typedef struct tidepool_tag_stats_v1 {
+  tidepool_stat_v1 bytes; /* live bytes under this tag (as requested, rounded) */
+  uint64_t count;         /* live allocations */
+  uint64_t total_count;   /* allocations ever made */
+} tidepool_tag_stats_v1;
+
+typedef struct tidepool_stats_v1 {
+  uint32_t struct_size; /* set by the caller to sizeof(tidepool_stats_v1) */
+  uint32_t version;     /* set by tidepool: 1 */
+  int32_t device;
+  int32_t backend;          /* 0 host, 1 cuda */
+  tidepool_stat_v1 allocated; /* bytes in live blocks */
+  tidepool_stat_v1 reserved;  /* bytes taken from the backend */
+  uint64_t cached_bytes;      /* reserved - allocated */
+  uint64_t segments_acquired; /* backend allocations ever made */
+  uint64_t segments_released; /* backend allocations ever given back */
+  uint64_t alloc_count, free_count;
+  uint64_t cache_hits, cache_misses;
+  uint64_t oom_count;
+  uint64_t reclaim_calls;
+  uint64_t reclaimed_bytes;
+  double fragmentation; /* 1 - largest free block / cached bytes (0 when none cached) */
+  tidepool_tag_stats_v1 tags[TIDEPOOL_TAG_MAX];
+} tidepool_stats_v1;
+
+/* Fills `out` (out->struct_size must be set). 0 on success, -1 on error. */
+TIDEPOOL_API int tidepool_get_stats_v1(int device, tidepool_stats_v1* out);
+TIDEPOOL_API int tidepool_reset_peak_stats(int device);
+
+/* JSON snapshot of segments, blocks and stats. Returns a malloc'd string the caller
+ * frees with tidepool_string_free, or NULL on error. */
+TIDEPOOL_API char* tidepool_snapshot_json(int device);
+TIDEPOOL_API void tidepool_string_free(char* s);
+
+/* ---- errors ---------------------------------------------------------------------- */
+/* The last error message on this thread ("" if none). Valid until the next call. */
+TIDEPOOL_API const char* tidepool_last_error(void);
+TIDEPOOL_API void tidepool_clear_error(void);
+
+/* ---- configuration --------------------------------------------------------------- */
+/* Selects the backend before first use: "cuda", "host" or "auto" (cuda when a GPU is
+ * present). Returns -1 once any device allocator exists. */
+TIDEPOOL_API int tidepool_set_backend(const char* name);
+/* Name of the backend in use for `device` ("cuda" or "host"). */
+TIDEPOOL_API const char* tidepool_backend_name(int device);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* TIDEPOOL_C_API_H */

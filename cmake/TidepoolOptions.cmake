@@ -1,0 +1,52 @@
+# Compiler warnings, sanitizers, CUDA detection and LibTorch discovery, in one place.
+
+add_compile_options(
+  "$<$<COMPILE_LANGUAGE:CXX>:-Wall;-Wextra;-Wshadow;-Wnon-virtual-dtor;-Wno-unused-parameter>")
+
+if(TIDEPOOL_SANITIZE)
+  message(STATUS "tidepool: sanitizers ${TIDEPOOL_SANITIZE}")
+  add_compile_options("$<$<COMPILE_LANGUAGE:C,CXX>:-fsanitize=${TIDEPOOL_SANITIZE};-fno-omit-frame-pointer;-fno-sanitize-recover=all>")
+  add_link_options("-fsanitize=${TIDEPOOL_SANITIZE}")
+endif()
+
+# --- CUDA -----------------------------------------------------------------------
+set(TIDEPOOL_HAVE_CUDA OFF)
+if(NOT TIDEPOOL_CUDA STREQUAL "OFF")
+  include(CheckLanguage)
+  check_language(CUDA)
+  if(CMAKE_CUDA_COMPILER)
+    if(NOT DEFINED CMAKE_CUDA_ARCHITECTURES)
+      # H200 / H100. Override with -DCMAKE_CUDA_ARCHITECTURES=... for other cards.
+      set(CMAKE_CUDA_ARCHITECTURES 90)
+    endif()
+    enable_language(CUDA)
+    # CMake 3.25 does not know nvcc 13's C++20 flag; the kernels need only C++17.
+    set(CMAKE_CUDA_STANDARD 17)
+    set(CMAKE_CUDA_STANDARD_REQUIRED ON)
+    find_package(CUDAToolkit REQUIRED)
+    set(TIDEPOOL_HAVE_CUDA ON)
+  elseif(TIDEPOOL_CUDA STREQUAL "ON")
+    message(FATAL_ERROR "TIDEPOOL_CUDA=ON but no CUDA compiler was found (is nvcc on PATH?)")
+  endif()
+endif()
+message(STATUS "tidepool: CUDA backend ${TIDEPOOL_HAVE_CUDA}")
+
+# --- LibTorch -------------------------------------------------------------------
+if(TIDEPOOL_WITH_TORCH)
+  find_package(Python3 COMPONENTS Interpreter REQUIRED)
+  execute_process(
+    COMMAND "${Python3_EXECUTABLE}" -c "import torch; print(torch.utils.cmake_prefix_path)"
+    OUTPUT_VARIABLE TIDEPOOL_TORCH_PREFIX OUTPUT_STRIP_TRAILING_WHITESPACE
+    RESULT_VARIABLE _torch_rc ERROR_QUIET)
+  if(NOT _torch_rc EQUAL 0)
+    message(FATAL_ERROR "tidepool: ${Python3_EXECUTABLE} cannot import torch; run scripts/setup "
+                        "or pass -DTIDEPOOL_WITH_TORCH=OFF to build only allocator/ and tiering/")
+  endif()
+  list(APPEND CMAKE_PREFIX_PATH "${TIDEPOOL_TORCH_PREFIX}")
+  # Without this, Torch's CMake runs a GPU-detection program, which fails on a machine
+  # with nvcc but no GPU.
+  if(NOT DEFINED ENV{TORCH_CUDA_ARCH_LIST} AND NOT TORCH_CUDA_ARCH_LIST)
+    set(TORCH_CUDA_ARCH_LIST "9.0" CACHE STRING "CUDA archs for Torch's CMake")
+  endif()
+  find_package(Torch REQUIRED)
+endif()
