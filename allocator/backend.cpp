@@ -1,0 +1,254 @@
+// The backend seam's shared half: the non-virtual public methods of `Backend`.
+//
+// Each public method checks its preconditions here, once for both implementations, and
+// only then calls the private `do_*` hook (the RMM / mimalloc prim.h pattern). A broken
+// precondition is a BackendError whose message names the operation and the bad argument,
+// so a caller bug never reaches the CUDA driver or the host backend's bookkeeping.
+// The fault-injection counters for the reliability tests also live here.
+#include "allocator/backend.h"
+
+#include <array>
+#include <cstdint>
+#include <mutex>
+#include <sstream>
+#include <string>
+
+#include <unistd.h>
+
+namespace tidepool {
+
+// One counter per FaultPoint: how many more operations at that point must fail.
+struct Backend::FaultState {
+  std::mutex mutex;
+  std::array<int, static_cast<std::size_t>(FaultPoint::count_)> pending{};
+};
+
+namespace {
+
+std::string hex(const void* p) {
+  std::ostringstream out;
+  out << p;
+  return out.str();
+}
+
+[[noreturn]] void fail(const char* op, const std::string& what) {
+  throw BackendError(std::string("tidepool backend: ") + op + ": " + what);
+}
+
+void require_nonzero(const char* op, std::size_t bytes) {
+  if (bytes == 0) fail(op, "bytes must be > 0");
+}
+
+void require_ptr(const char* op, const void* p, const char* what) {
+  if (p == nullptr) fail(op, std::string(what) + " is a null pointer");
+}
+
+void require_event(const char* op, Event e, const char* which = "event") {
+  if (!e) fail(op, std::string(which) + " is a null event (create it with create_event)");
+}
+
+std::size_t page_size() {
+  static const std::size_t size = static_cast<std::size_t>(::sysconf(_SC_PAGESIZE));
+  return size;
+}
+
+}  // namespace
+
+Backend::Backend(BackendKind kind, int device, std::size_t granularity)
+    : kind_(kind),
+      device_(device),
+      granularity_(granularity),
+      faults_(std::make_shared<FaultState>()) {
+  if (device < 0) fail("constructor", "device index " + std::to_string(device) + " is negative");
+  if (granularity == 0 || (granularity & (granularity - 1)) != 0)
+    fail("constructor", "granularity " + std::to_string(granularity) + " is not a power of two");
+}
+
+Backend::~Backend() = default;
+
+// --- fault injection ------------------------------------------------------------------
+
+void Backend::inject_fault(FaultPoint point, int count) {
+  const auto index = static_cast<std::size_t>(point);
+  if (index >= faults_->pending.size())
+    fail("inject_fault", "unknown fault point " + std::to_string(index));
+  if (count < 0) fail("inject_fault", "count " + std::to_string(count) + " is negative");
+  // The cuda backend never consults the counters (see backend.h); keeping them at zero
+  // there means a test that injects on cuda sees real behaviour, not a stale fault.
+  if (kind_ == BackendKind::cuda) return;
+  std::lock_guard lock(faults_->mutex);
+  faults_->pending[index] += count;
+}
+
+bool Backend::consume_fault(FaultPoint point) {
+  const auto index = static_cast<std::size_t>(point);
+  if (index >= faults_->pending.size()) return false;
+  std::lock_guard lock(faults_->mutex);
+  if (faults_->pending[index] == 0) return false;
+  --faults_->pending[index];
+  return true;
+}
+
+// --- device memory --------------------------------------------------------------------
+
+void* Backend::device_alloc(std::size_t bytes) {
+  require_nonzero("device_alloc", bytes);
+  return do_device_alloc(bytes);
+}
+
+void Backend::device_free(void* ptr, std::size_t bytes) {
+  require_ptr("device_free", ptr, "ptr");
+  require_nonzero("device_free", bytes);
+  do_device_free(ptr, bytes);
+}
+
+MemInfo Backend::mem_info() { return do_mem_info(); }
+
+// --- streams and events ---------------------------------------------------------------
+
+Stream Backend::create_stream() { return do_create_stream(); }
+
+void Backend::destroy_stream(Stream s) {
+  if (s.handle == nullptr) fail("destroy_stream", "the default (null) stream cannot be destroyed");
+  do_destroy_stream(s);
+}
+
+void Backend::stream_synchronize(Stream s) { do_stream_synchronize(s); }
+
+void Backend::device_synchronize() { do_device_synchronize(); }
+
+Event Backend::create_event() { return do_create_event(); }
+
+void Backend::destroy_event(Event e) {
+  require_event("destroy_event", e);
+  do_destroy_event(e);
+}
+
+void Backend::record_event(Event e, Stream s) {
+  require_event("record_event", e);
+  do_record_event(e, s);
+}
+
+bool Backend::event_query(Event e) {
+  require_event("event_query", e);
+  return do_event_query(e);
+}
+
+void Backend::event_synchronize(Event e) {
+  require_event("event_synchronize", e);
+  do_event_synchronize(e);
+}
+
+void Backend::stream_wait_event(Stream s, Event e) {
+  require_event("stream_wait_event", e);
+  do_stream_wait_event(s, e);
+}
+
+float Backend::event_elapsed_ms(Event start, Event end) {
+  require_event("event_elapsed_ms", start, "start");
+  require_event("event_elapsed_ms", end, "end");
+  return do_event_elapsed_ms(start, end);
+}
+
+// --- copies ---------------------------------------------------------------------------
+
+void Backend::copy_async(void* dst, const void* src, std::size_t bytes, CopyKind kind, Stream s) {
+  if (static_cast<std::uint8_t>(kind) > static_cast<std::uint8_t>(CopyKind::host_to_host))
+    fail("copy_async", "unknown copy kind " + std::to_string(static_cast<int>(kind)));
+  // Zero bytes is a valid no-op, as with cudaMemcpyAsync; null pointers are still a bug.
+  require_ptr("copy_async", dst, "dst");
+  require_ptr("copy_async", src, "src");
+  if (bytes == 0) return;
+  const auto d = reinterpret_cast<std::uintptr_t>(dst);
+  const auto sr = reinterpret_cast<std::uintptr_t>(src);
+  if (d < sr + bytes && sr < d + bytes)
+    fail("copy_async", "source " + hex(src) + " and destination " + hex(dst) + " overlap for " +
+                           std::to_string(bytes) + " bytes");
+  do_copy_async(dst, src, bytes, kind, s);
+}
+
+void Backend::memset_async(void* dst, int value, std::size_t bytes, Stream s) {
+  require_ptr("memset_async", dst, "dst");
+  if (bytes == 0) return;
+  do_memset_async(dst, value, bytes, s);
+}
+
+void Backend::launch_host_func(Stream s, void (*fn)(void*), void* arg) {
+  if (fn == nullptr) fail("launch_host_func", "fn is a null function pointer");
+  do_launch_host_func(s, fn, arg);
+}
+
+// --- pinned host memory ---------------------------------------------------------------
+
+void Backend::host_register(void* ptr, std::size_t bytes) {
+  require_ptr("host_register", ptr, "ptr");
+  require_nonzero("host_register", bytes);
+  if (reinterpret_cast<std::uintptr_t>(ptr) % page_size() != 0)
+    fail("host_register", "ptr " + hex(ptr) + " is not aligned to the page size (" +
+                              std::to_string(page_size()) + " bytes)");
+  do_host_register(ptr, bytes);
+}
+
+void Backend::host_unregister(void* ptr) {
+  require_ptr("host_unregister", ptr, "ptr");
+  do_host_unregister(ptr);
+}
+
+// --- virtual address ranges -----------------------------------------------------------
+
+namespace {
+
+void require_granular(const char* op, std::size_t bytes, std::size_t granularity) {
+  require_nonzero(op, bytes);
+  if (bytes % granularity != 0)
+    fail(op, "bytes " + std::to_string(bytes) + " is not a multiple of the granularity (" +
+                 std::to_string(granularity) + ")");
+}
+
+void require_granular_va(const char* op, const void* va, std::size_t granularity) {
+  require_ptr(op, va, "va");
+  if (reinterpret_cast<std::uintptr_t>(va) % granularity != 0)
+    fail(op, "va " + hex(va) + " is not aligned to the granularity (" +
+                 std::to_string(granularity) + ")");
+}
+
+}  // namespace
+
+void* Backend::reserve_address(std::size_t bytes) {
+  require_granular("reserve_address", bytes, granularity_);
+  return do_reserve_address(bytes);
+}
+
+void Backend::release_address(void* va, std::size_t bytes) {
+  require_granular_va("release_address", va, granularity_);
+  require_granular("release_address", bytes, granularity_);
+  do_release_address(va, bytes);
+}
+
+PhysicalHandle Backend::create_physical(std::size_t bytes, MemoryLocation where) {
+  require_granular("create_physical", bytes, granularity_);
+  if (where != MemoryLocation::device && where != MemoryLocation::host)
+    fail("create_physical", "unknown memory location " + std::to_string(static_cast<int>(where)));
+  return do_create_physical(bytes, where);
+}
+
+void Backend::release_physical(PhysicalHandle h, std::size_t bytes) {
+  if (!h) fail("release_physical", "null physical handle");
+  require_granular("release_physical", bytes, granularity_);
+  do_release_physical(h, bytes);
+}
+
+void Backend::map(void* va, std::size_t bytes, PhysicalHandle h) {
+  require_granular_va("map", va, granularity_);
+  require_granular("map", bytes, granularity_);
+  if (!h) fail("map", "null physical handle");
+  do_map(va, bytes, h);
+}
+
+void Backend::unmap(void* va, std::size_t bytes) {
+  require_granular_va("unmap", va, granularity_);
+  require_granular("unmap", bytes, granularity_);
+  do_unmap(va, bytes);
+}
+
+}  // namespace tidepool

@@ -168,8 +168,8 @@ class TIDEPOOL_API Backend {
   void inject_fault(FaultPoint point, int count = 1);
 
  protected:
-  Backend(BackendKind kind, int device, std::size_t granularity)
-      : kind_(kind), device_(device), granularity_(granularity) {}
+  // Defined in backend.cpp: it also creates the fault-injection state.
+  Backend(BackendKind kind, int device, std::size_t granularity);
 
   // Returns true (and consumes one) if a fault was injected at `point`.
   bool consume_fault(FaultPoint point);
