@@ -1,0 +1,118 @@
+#!/usr/bin/env python3
+"""GPU checks of tidepool inside PyTorch (run by scripts/device-check on the H200).
+
+Each check runs in a fresh interpreter, because PyTorch allows changing the allocator only
+before CUDA initialises:
+  1. global: CUDAPluggableAllocator + change_current_allocator, train a small MLP for a few
+     steps, compare its losses with the native allocator's, read tidepool's stats;
+  2. pool: route one region through torch.cuda.MemPool + use_mem_pool under a user tag and
+     show the region's bytes in tidepool's per-tag stats;
+  3. oom: ask for more than the GPU has and show the Python exception and its message.
+Prints one line per check: name, PASS/FAIL, what was seen.
+"""
+import os
+import subprocess
+import sys
+import textwrap
+
+LIB = os.environ.get("TIDEPOOL_LIBRARY", "")
+
+PRELUDE = textwrap.dedent(
+    f"""
+    import ctypes, json, torch
+    LIB = {LIB!r}
+    lib = ctypes.CDLL(LIB)
+    lib.tidepool_snapshot_json.restype = ctypes.c_void_p
+    lib.tidepool_last_error.restype = ctypes.c_char_p
+    lib.tidepool_tag_id.argtypes = [ctypes.c_char_p]
+    def snapshot():
+        p = lib.tidepool_snapshot_json(0)
+        s = ctypes.string_at(p).decode(); lib.tidepool_string_free(ctypes.c_void_p(p))
+        return json.loads(s)
+    def train(steps=5):
+        torch.manual_seed(0)
+        torch.backends.cudnn.deterministic = True
+        model = torch.nn.Sequential(torch.nn.Linear(512, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 10)).cuda()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        x = torch.randn(256, 512, device="cuda"); y = torch.randint(0, 10, (256,), device="cuda")
+        losses = []
+        for _ in range(steps):
+            opt.zero_grad(); loss = torch.nn.functional.cross_entropy(model(x), y); loss.backward(); opt.step()
+            losses.append(loss.item())
+        return losses
+    """
+)
+
+CHECKS = {
+    "native-reference": "print(json.dumps(train()))",
+    "global": textwrap.dedent(
+        """
+        alloc = torch.cuda.memory.CUDAPluggableAllocator(LIB, "tidepool_malloc", "tidepool_free")
+        torch.cuda.memory.change_current_allocator(alloc)
+        losses = train()
+        snap = snapshot()
+        print(json.dumps(losses))
+        print("STATS", json.dumps(snap.get("stats", snap)).replace("\\n", " ")[:400])
+        """
+    ),
+    "pool": textwrap.dedent(
+        """
+        alloc = torch.cuda.memory.CUDAPluggableAllocator(LIB, "tidepool_malloc", "tidepool_free")
+        pool = torch.cuda.MemPool(alloc._allocator)
+        tag = lib.tidepool_tag_id(b"device_check_region")
+        lib.tidepool_tag_push(tag)
+        with torch.cuda.use_mem_pool(pool):
+            t = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
+        lib.tidepool_tag_pop()
+        snap = snapshot()
+        print("REGION", json.dumps([x for x in json.dumps(snap).split(",") if "device_check_region" in x][:3]))
+        print("SNAPSHOT", json.dumps(snap)[:600])
+        """
+    ),
+    "oom": textwrap.dedent(
+        """
+        alloc = torch.cuda.memory.CUDAPluggableAllocator(LIB, "tidepool_malloc", "tidepool_free")
+        torch.cuda.memory.change_current_allocator(alloc)
+        keep = torch.empty(1 << 20, device="cuda")
+        try:
+            torch.empty(1 << 50, dtype=torch.uint8, device="cuda")
+            print("NO EXCEPTION")
+        except Exception as e:  # torch.OutOfMemoryError is a RuntimeError
+            print("EXC", type(e).__name__, "|", str(e)[:300].replace("\\n", " "))
+            print("LAST_ERROR", (lib.tidepool_last_error() or b"").decode()[:400].replace("\\n", " "))
+        keep.add_(1); torch.cuda.synchronize(); print("ALIVE", float(keep[0]))
+        """
+    ),
+}
+
+
+def run(name):
+    proc = subprocess.run([sys.executable, "-c", PRELUDE + CHECKS[name]], capture_output=True, text=True, timeout=300)
+    return proc.returncode, proc.stdout.strip(), proc.stderr.strip()[-800:]
+
+
+def main():
+    if not LIB or not os.path.exists(LIB):
+        print(f"TIDEPOOL_LIBRARY={LIB!r} does not exist")
+        return 2
+    results = {name: run(name) for name in CHECKS}
+    ok = True
+    ref_rc, ref_out, _ = results["native-reference"]
+    g_rc, g_out, g_err = results["global"]
+    same = g_rc == 0 and ref_rc == 0 and g_out.splitlines()[0] == ref_out.splitlines()[0]
+    ok &= same
+    print(f"global   {'PASS' if same else 'FAIL'}  losses native={ref_out.splitlines()[:1]} tidepool={g_out.splitlines()[:1]} {g_err if g_rc else ''}")
+    print("         " + "\n         ".join(g_out.splitlines()[1:]))
+    p_rc, p_out, p_err = results["pool"]
+    pool_ok = p_rc == 0 and "device_check_region" in p_out
+    ok &= pool_ok
+    print(f"pool     {'PASS' if pool_ok else 'FAIL'}  {p_out[:700]} {p_err if p_rc else ''}")
+    o_rc, o_out, o_err = results["oom"]
+    oom_ok = o_rc == 0 and "EXC" in o_out and "ALIVE" in o_out
+    ok &= oom_ok
+    print(f"oom      {'PASS' if oom_ok else 'FAIL'}  {o_out[:900]} {o_err if o_rc else ''}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
