@@ -132,11 +132,13 @@ class TIDEPOOL_API Backend {
 
   // --- copies -------------------------------------------------------------------------
   // Pre: both ranges are valid for `bytes` and do not overlap. Enqueued on `s`.
+  // Zero bytes is a no-op; null pointers or overlapping ranges are a BackendError.
   void copy_async(void* dst, const void* src, std::size_t bytes, CopyKind kind, Stream s);
   // Enqueues a byte fill on `s` (used by tests and by zero-initialised state).
   void memset_async(void* dst, int value, std::size_t bytes, Stream s);
   // Enqueues a host function on `s`; it runs after everything enqueued before it.
-  // The callback must not call back into the backend for stream work.
+  // The callback must not call back into the backend for stream work. On the host
+  // backend an exception it throws is rethrown by the next synchronize of that stream.
   void launch_host_func(Stream s, void (*fn)(void*), void* arg);
 
   // --- pinned host memory -----------------------------------------------------------
@@ -150,16 +152,21 @@ class TIDEPOOL_API Backend {
   std::size_t granularity() const { return granularity_; }
   // Reserves `bytes` (a multiple of granularity()) of address space, no backing.
   void* reserve_address(std::size_t bytes);
+  // Pre: exactly a range reserve_address returned, with nothing mapped in it any more.
   void release_address(void* va, std::size_t bytes);
   // Creates `bytes` (multiple of granularity) of physical memory in `where`. Device
   // backing counts against the device's capacity. Returns a null handle when out of
   // memory; throws BackendError on other failures.
   PhysicalHandle create_physical(std::size_t bytes, MemoryLocation where);
+  // `bytes` as created. A mapping may outlive the handle (its memory stays until unmap,
+  // as with cuMemRelease); device capacity is returned at once.
   void release_physical(PhysicalHandle h, std::size_t bytes);
   // Maps `h` at `va` (inside a reserved range, granularity-aligned) and makes it
   // readable and writable from the device and, for host backing, from the host.
+  // Maps the first `bytes` of `h` (bytes <= its size); the range must not be mapped yet.
   void map(void* va, std::size_t bytes, PhysicalHandle h);
-  // Pre: no stream still uses the range. The physical handle stays valid.
+  // Pre: no stream still uses the range; it consists of whole mappings (one or more, as
+  // with cuMemUnmap). The physical handle stays valid; the range stays reserved.
   void unmap(void* va, std::size_t bytes);
 
   // --- fault injection (host backend only) ------------------------------------------

@@ -89,6 +89,9 @@ typedef struct tidepool_stats_v1 {
   uint64_t reclaimed_bytes;
   double fragmentation; /* 1 - largest free block / cached bytes (0 when none cached) */
   tidepool_tag_stats_v1 tags[TIDEPOOL_TAG_MAX];
+  /* Appended fields (a caller with an older, shorter struct_size gets the prefix). */
+  tidepool_stat_v1 requested;   /* bytes live callers asked for (allocated is rounded) */
+  uint64_t cross_stream_reuses; /* free blocks handed from one stream to another */
 } tidepool_stats_v1;
 
 /* Fills `out` (out->struct_size must be set). 0 on success, -1 on error. */

@@ -1,0 +1,483 @@
+// The configuration parser (see allocator/config.h, Note [tidepool keys]).
+//
+// PyTorch's allocator-configuration grammar is "key:value" entries separated by commas,
+// where a value may hold a bracketed list with commas of its own
+// ("roundup_power2_divisions:[256:1,512:2,>:8]"). The string is therefore split on
+// commas at bracket depth zero; each entry is either tidepool's (claimed, parsed,
+// validated) or PyTorch's (kept verbatim, in order). Parsing is pure and all-or-nothing:
+// a bad entry throws before anything is applied.
+#include "allocator/config.h"
+
+#include <algorithm>
+#include <cctype>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "allocator/c_api.h"
+
+namespace tidepool {
+
+namespace {
+
+constexpr std::string_view kTidepoolPrefix = "tidepool.";
+
+std::string_view trim(std::string_view s) {
+  const auto is_space = [](char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r'; };
+  while (!s.empty() && is_space(s.front())) s.remove_prefix(1);
+  while (!s.empty() && is_space(s.back())) s.remove_suffix(1);
+  return s;
+}
+
+// Splits on commas outside brackets. Throws on unbalanced brackets, which PyTorch would
+// reject too, because a tidepool entry could otherwise be swallowed into a list.
+std::vector<std::string_view> split_entries(std::string_view conf, std::string_view source) {
+  std::vector<std::string_view> entries;
+  int depth = 0;
+  std::size_t start = 0;
+  for (std::size_t i = 0; i < conf.size(); ++i) {
+    const char c = conf[i];
+    if (c == '[') {
+      ++depth;
+    } else if (c == ']') {
+      if (--depth < 0) {
+        throw ConfigError(std::string(source) + ": unbalanced ']' at position " +
+                          std::to_string(i) + " in '" + std::string(conf) + "'");
+      }
+    } else if (c == ',' && depth == 0) {
+      entries.push_back(conf.substr(start, i - start));
+      start = i + 1;
+    }
+  }
+  if (depth != 0) {
+    throw ConfigError(std::string(source) + ": unbalanced '[' in '" + std::string(conf) + "'");
+  }
+  entries.push_back(conf.substr(start));
+  return entries;
+}
+
+[[noreturn]] void bad_value(std::string_view source, std::string_view key, std::string_view value,
+                            std::string_view allowed) {
+  const std::string where = source.empty() ? std::string() : std::string(source) + ": ";
+  throw ConfigError(where + std::string(key) + ": '" + std::string(value) +
+                    "' is not a valid value; allowed: " + std::string(allowed));
+}
+
+// One tidepool.* key: its name, the values it accepts (for messages), and how it sets
+// the Config. A table rather than an if-chain so the list of keys in "unknown key"
+// messages cannot drift from what is accepted. `set` throws InvalidChoice for a value
+// outside a fixed list (claim_config words the message from `allowed`) or ConfigError
+// with its own detail (sizes).
+struct KeySpec {
+  std::string_view name;
+  std::string_view allowed;
+  std::function<void(Config&, std::string_view value)> set;
+};
+
+struct InvalidChoice {};
+
+template <typename T>
+T pick(std::string_view value, std::initializer_list<std::pair<std::string_view, T>> choices) {
+  for (const auto& [name, result] : choices) {
+    if (value == name) return result;
+  }
+  throw InvalidChoice{};
+}
+
+const std::vector<KeySpec>& key_specs() {
+  static const std::vector<KeySpec> specs = {
+      {"tidepool.mode", "global, pool",
+       [](Config& c, std::string_view v) {
+         c.mode = pick<Mode>(v, {{"global", Mode::global}, {"pool", Mode::pool}});
+       }},
+      {"tidepool.state_budget", "a size (e.g. 0, 4GiB, 512MiB, 1000000) or a percentage (e.g. 25%)",
+       [](Config& c, std::string_view v) { c.state_budget = parse_budget("tidepool.state_budget", v); }},
+      {"tidepool.pinned_budget",
+       "a size (e.g. 16GiB), a percentage of host RAM (e.g. 50%), or unlimited",
+       [](Config& c, std::string_view v) {
+         c.pinned_budget = v == "unlimited" ? Budget{} : parse_budget("tidepool.pinned_budget", v);
+       }},
+      {"tidepool.log", "off, warn, info, debug",
+       [](Config& c, std::string_view v) {
+         c.log = pick<LogLevel>(v, {{"off", LogLevel::off},
+                                    {"warn", LogLevel::warn},
+                                    {"info", LogLevel::info},
+                                    {"debug", LogLevel::debug}});
+       }},
+      {"tidepool.device_backend", "auto, cuda, host",
+       [](Config& c, std::string_view v) {
+         c.device_backend = pick<DeviceBackendChoice>(v, {{"auto", DeviceBackendChoice::automatic},
+                                                          {"cuda", DeviceBackendChoice::cuda},
+                                                          {"host", DeviceBackendChoice::host}});
+       }},
+      {"tidepool.optimizer_hooks", "on, off",
+       [](Config& c, std::string_view v) {
+         c.optimizer_hooks = pick<bool>(v, {{"on", true}, {"off", false}});
+       }},
+  };
+  return specs;
+}
+
+std::string join(const std::vector<std::string_view>& entries) {
+  std::string out;
+  for (std::size_t k = 0; k < entries.size(); ++k) {
+    if (k != 0) out += ',';
+    out += entries[k];
+  }
+  return out;
+}
+
+std::string known_keys() {
+  std::string out = "backend:tidepool";
+  for (const auto& spec : key_specs()) out += ", " + std::string(spec.name);
+  return out;
+}
+
+const char* mode_name(Mode m) { return m == Mode::global ? "global" : "pool"; }
+
+const char* log_name(LogLevel l) {
+  switch (l) {
+    case LogLevel::off: return "off";
+    case LogLevel::warn: return "warn";
+    case LogLevel::info: return "info";
+    case LogLevel::debug: return "debug";
+  }
+  return "warn";
+}
+
+const char* backend_choice_name(DeviceBackendChoice b) {
+  switch (b) {
+    case DeviceBackendChoice::automatic: return "auto";
+    case DeviceBackendChoice::cuda: return "cuda";
+    case DeviceBackendChoice::host: return "host";
+  }
+  return "auto";
+}
+
+std::string budget_json(const Budget& b) {
+  char buf[96];
+  switch (b.kind) {
+    case Budget::Kind::unset: return R"({"kind":"unset"})";
+    case Budget::Kind::bytes:
+      std::snprintf(buf, sizeof buf, R"({"kind":"bytes","bytes":%llu})",
+                    static_cast<unsigned long long>(b.bytes));
+      return buf;
+    case Budget::Kind::fraction:
+      std::snprintf(buf, sizeof buf, R"({"kind":"fraction","fraction":%.17g})", b.fraction);
+      return buf;
+  }
+  return R"({"kind":"unset"})";
+}
+
+std::mutex& active_mutex() {
+  static std::mutex m;
+  return m;
+}
+Config& active_storage() {
+  static Config c;
+  return c;
+}
+
+}  // namespace
+
+// ---- budgets ------------------------------------------------------------------------
+
+std::uint64_t Budget::resolve(std::uint64_t total, std::uint64_t when_unset) const {
+  switch (kind) {
+    case Kind::unset: return when_unset;
+    case Kind::bytes: return bytes;
+    case Kind::fraction: return static_cast<std::uint64_t>(std::floor(fraction * static_cast<double>(total)));
+  }
+  return when_unset;
+}
+
+Budget parse_budget(std::string_view key, std::string_view value) {
+  constexpr std::string_view allowed =
+      "a byte count with an optional unit (B, KiB, MiB, GiB, TiB, KB, MB, GB, TB), e.g. 4GiB, "
+      "or a percentage, e.g. 25%";
+  const std::string text(trim(value));
+  // The number: digits with an optional fraction. strtod alone would accept "inf",
+  // "0x10" and leading signs, none of which is a size.
+  std::size_t i = 0;
+  while (i < text.size() && std::isdigit(static_cast<unsigned char>(text[i]))) ++i;
+  const std::size_t int_digits = i;
+  if (i < text.size() && text[i] == '.') {
+    ++i;
+    while (i < text.size() && std::isdigit(static_cast<unsigned char>(text[i]))) ++i;
+  }
+  if (int_digits == 0) bad_value("", key, value, allowed);
+  const double number = std::strtod(text.substr(0, i).c_str(), nullptr);
+  const std::string_view unit = std::string_view(text).substr(i);
+
+  if (unit == "%") {
+    if (!(number > 0.0 && number <= 100.0)) {
+      throw ConfigError(std::string(key) + ": '" + std::string(value) +
+                        "' is out of range; a percentage must be in (0%, 100%]");
+    }
+    return Budget{Budget::Kind::fraction, 0, number / 100.0};
+  }
+  struct Unit {
+    std::string_view name;
+    double multiplier;
+  };
+  static constexpr Unit units[] = {
+      {"", 1.0},          {"B", 1.0},
+      {"KiB", 1024.0},    {"MiB", 1048576.0},  {"GiB", 1073741824.0}, {"TiB", 1099511627776.0},
+      {"KB", 1e3},        {"MB", 1e6},         {"GB", 1e9},           {"TB", 1e12},
+  };
+  for (const Unit& u : units) {
+    if (unit != u.name) continue;
+    const double bytes = std::floor(number * u.multiplier);
+    // 2^63: far beyond any memory, and exactly representable so the cast is defined.
+    if (bytes >= 9223372036854775808.0) {
+      throw ConfigError(std::string(key) + ": '" + std::string(value) + "' is too large");
+    }
+    if (u.multiplier == 1.0 && i != int_digits) {
+      throw ConfigError(std::string(key) + ": '" + std::string(value) +
+                        "' is not a whole number of bytes; use a unit for fractions, e.g. 1.5GiB");
+    }
+    return Budget{Budget::Kind::bytes, static_cast<std::uint64_t>(bytes), 0.0};
+  }
+  bad_value("", key, value, allowed);
+}
+
+// ---- claiming -------------------------------------------------------------------------
+
+ClaimResult claim_config(std::string_view conf, std::string_view source) {
+  ClaimResult result;
+  std::vector<std::string_view> seen;  // tidepool keys given so far (duplicates are errors)
+  bool other_backend = false;
+  bool tidepool_backend = false;
+  std::string other_backend_entry;
+  std::vector<std::string_view> kept;
+  std::vector<std::string_view> taken;  // tidepool's entries, trimmed
+
+  for (std::string_view entry : split_entries(conf, source)) {
+    const std::string_view trimmed = trim(entry);
+    const std::size_t colon = trimmed.find(':');
+    const std::string_view key = trim(trimmed.substr(0, colon));
+    const std::string_view value =
+        colon == std::string_view::npos ? std::string_view{} : trim(trimmed.substr(colon + 1));
+
+    if (key == "backend") {
+      if (value == "tidepool") {
+        if (tidepool_backend) {
+          throw ConfigError(std::string(source) + ": backend:tidepool is given twice");
+        }
+        tidepool_backend = true;
+        result.config.enabled = true;
+        taken.push_back(trimmed);
+        continue;
+      }
+      other_backend = true;
+      other_backend_entry = std::string(trimmed);
+      kept.push_back(entry);
+      continue;
+    }
+    const bool is_tidepool_key = key == "tidepool" || key.starts_with(kTidepoolPrefix);
+    if (!is_tidepool_key) {
+      // PyTorch's: verbatim. Blank entries are dropped, as the string is rewritten.
+      if (!trimmed.empty()) kept.push_back(entry);
+      continue;
+    }
+    const auto spec = std::find_if(key_specs().begin(), key_specs().end(),
+                                   [&](const KeySpec& s) { return s.name == key; });
+    if (spec == key_specs().end()) {
+      throw ConfigError(std::string(source) + ": unknown key '" + std::string(key) +
+                        "'; tidepool keys are: " + known_keys());
+    }
+    if (std::find(seen.begin(), seen.end(), key) != seen.end()) {
+      throw ConfigError(std::string(source) + ": " + std::string(key) + " is given twice");
+    }
+    if (colon == std::string_view::npos || value.empty()) {
+      throw ConfigError(std::string(source) + ": " + std::string(key) +
+                        " needs a value (key:value); allowed: " + std::string(spec->allowed));
+    }
+    seen.push_back(key);
+    try {
+      spec->set(result.config, value);
+    } catch (const InvalidChoice&) {
+      bad_value(source, key, value, spec->allowed);
+    } catch (const ConfigError& e) {
+      throw ConfigError(std::string(source) + ": " + e.what());
+    }
+    result.config.enabled = true;
+    taken.push_back(trimmed);
+  }
+  if (tidepool_backend && other_backend) {
+    throw ConfigError(std::string(source) + ": backend:tidepool conflicts with '" +
+                      other_backend_entry + "'; name one backend");
+  }
+  result.remaining = join(kept);
+  result.claimed = join(taken);
+  if (!result.config.enabled) result.remaining = std::string(conf);
+  return result;
+}
+
+std::string config_to_json(const Config& c) {
+  std::string out = "{";
+  out += std::string(R"("enabled":)") + (c.enabled ? "true" : "false");
+  out += std::string(R"(,"mode":")") + mode_name(c.mode) + '"';
+  out += R"(,"state_budget":)" + budget_json(c.state_budget);
+  out += R"(,"pinned_budget":)" + budget_json(c.pinned_budget);
+  out += std::string(R"(,"log":")") + log_name(c.log) + '"';
+  out += std::string(R"(,"device_backend":")") + backend_choice_name(c.device_backend) + '"';
+  out += std::string(R"(,"optimizer_hooks":)") + (c.optimizer_hooks ? "true" : "false");
+  out += '}';
+  return out;
+}
+
+// ---- applying -------------------------------------------------------------------------
+
+void apply_config(const Config& config) {
+  if (config.device_backend != DeviceBackendChoice::automatic) {
+    const char* name = backend_choice_name(config.device_backend);
+    // Re-applying the backend in use is a no-op (an inherited configuration applied by
+    // both the LD_PRELOAD shim and the Python hook, say), not an error.
+    const char* in_use = tidepool_backend_name(0);
+    const bool already = in_use != nullptr && std::strcmp(in_use, name) == 0;
+    if (!already && tidepool_set_backend(name) != 0) {
+      throw ConfigError(std::string("tidepool.device_backend:") + name +
+                        " cannot be applied: " + tidepool_last_error() +
+                        " (apply the configuration before the first allocation)");
+    }
+  }
+  std::lock_guard lock(active_mutex());
+  active_storage() = config;
+}
+
+Config active_config() {
+  std::lock_guard lock(active_mutex());
+  return active_storage();
+}
+
+// Note [inherited configuration]: PyTorch's variables lose their tidepool keys in the
+// process that claims them, but child processes (torchrun's workers, multiprocessing)
+// must get tidepool too. So the claimed entries are kept in TIDEPOOL_ALLOC_CONF, which
+// children inherit and install_from_env reads when PyTorch's variables name no tidepool
+// key (those win when they do). Users may set it directly as well.
+constexpr const char* kInheritedVariable = "TIDEPOOL_ALLOC_CONF";
+
+Config install_from_env() {
+  // PYTORCH_ALLOC_CONF is PyTorch's current name, PYTORCH_CUDA_ALLOC_CONF the older
+  // one; both are honoured, but tidepool keys in both would leave it ambiguous which wins.
+  static constexpr const char* kVariables[] = {"PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"};
+  struct Claimed {
+    const char* variable;
+    ClaimResult result;
+  };
+  std::vector<Claimed> named;
+  for (const char* variable : kVariables) {
+    const char* value = std::getenv(variable);
+    if (value == nullptr) continue;
+    ClaimResult r = claim_config(value, variable);
+    if (r.config.enabled) named.push_back({variable, std::move(r)});
+  }
+  if (named.size() > 1) {
+    throw ConfigError(std::string("tidepool keys are set in both ") + named[0].variable + " and " +
+                      named[1].variable + "; put them in one of the two");
+  }
+  if (named.empty()) {
+    // Note [inherited configuration]: a parent that claimed the keys left them here.
+    const char* inherited = std::getenv(kInheritedVariable);
+    if (inherited == nullptr || *inherited == '\0') return Config{};
+    const ClaimResult r = claim_config(inherited, kInheritedVariable);
+    if (!r.remaining.empty()) {
+      throw ConfigError(std::string(kInheritedVariable) + " holds tidepool keys only; '" +
+                        r.remaining + "' belongs in PYTORCH_ALLOC_CONF");
+    }
+    apply_config(r.config);
+    return r.config;
+  }
+  const Claimed& claimed = named.front();
+  apply_config(claimed.result.config);
+  if (claimed.result.remaining.empty()) {
+    ::unsetenv(claimed.variable);
+  } else {
+    ::setenv(claimed.variable, claimed.result.remaining.c_str(), 1);
+  }
+  ::setenv(kInheritedVariable, claimed.result.claimed.c_str(), 1);
+  return claimed.result.config;
+}
+
+}  // namespace tidepool
+
+// ---- C ABI ------------------------------------------------------------------------------
+
+namespace {
+
+// Copies `text` into `out` (NUL-terminated). False when it does not fit; a truncated
+// copy is still written so an error buffer always holds the start of the message.
+bool write_c_string(std::string_view text, char* out, std::size_t size) {
+  if (out == nullptr || size == 0) return false;
+  const std::size_t n = std::min(text.size(), size - 1);
+  std::memcpy(out, text.data(), n);
+  out[n] = '\0';
+  return n == text.size();
+}
+
+int report(const std::exception& e, char* error, std::size_t error_size) {
+  write_c_string(e.what(), error, error_size);
+  return -1;
+}
+
+}  // namespace
+
+extern "C" {
+
+int tidepool_config_claim(const char* conf, char* remaining, size_t remaining_size,
+                          char* config_json, size_t config_json_size, char* error,
+                          size_t error_size) {
+  try {
+    if (conf == nullptr) throw tidepool::ConfigError("tidepool_config_claim: conf is NULL");
+    const tidepool::ClaimResult r = tidepool::claim_config(conf);
+    const bool fits = write_c_string(r.remaining, remaining, remaining_size) &
+                      write_c_string(tidepool::config_to_json(r.config), config_json, config_json_size);
+    if (!fits) {
+      write_c_string("tidepool_config_claim: output buffer too small", error, error_size);
+      return -2;
+    }
+    write_c_string("", error, error_size);
+    return r.config.enabled ? 1 : 0;
+  } catch (const std::exception& e) {
+    return report(e, error, error_size);
+  }
+}
+
+int tidepool_config_apply(const char* conf, char* error, size_t error_size) {
+  try {
+    if (conf == nullptr) throw tidepool::ConfigError("tidepool_config_apply: conf is NULL");
+    tidepool::apply_config(tidepool::claim_config(conf).config);
+    write_c_string("", error, error_size);
+    return 0;
+  } catch (const std::exception& e) {
+    return report(e, error, error_size);
+  }
+}
+
+size_t tidepool_config_active_json(char* out, size_t size) {
+  try {
+    const std::string json = tidepool::config_to_json(tidepool::active_config());
+    if (size > json.size()) write_c_string(json, out, size);
+    return json.size();
+  } catch (...) {
+    return 0;
+  }
+}
+
+int tidepool_install_from_env(char* error, size_t error_size) {
+  try {
+    const tidepool::Config c = tidepool::install_from_env();
+    write_c_string("", error, error_size);
+    return c.enabled ? 1 : 0;
+  } catch (const std::exception& e) {
+    return report(e, error, error_size);
+  }
+}
+
+}  // extern "C"

@@ -1,0 +1,61 @@
+// Blocks and segments: the bookkeeping the caching allocator keeps about device memory.
+// Internal to the allocator (not installed).
+//
+// A Segment is one contiguous address range from the backend: either a plain segment
+// (one device_alloc, fully backed) or an expandable range (reserve_address, backed in
+// granule runs by create_physical + map on demand; see Note [Expandable segments] in
+// caching_allocator.cpp). A segment is cut into Blocks that tile [base, used_end) in
+// address order (prev/next); each block is allocated, free (in its owner's BlockPool),
+// quick (freed, parked uncoalesced in an exact-size quick list), or pending (freed, but
+// waiting for events recorded on other streams).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "allocator/backend.h"
+
+namespace tidepool::detail {
+
+struct StreamPools;
+struct Segment;
+
+enum class BlockState : std::uint8_t { allocated, free, quick, pending };
+
+struct Block {
+  char* ptr = nullptr;
+  std::size_t size = 0;       // rounded, a multiple of kMinBlockSize
+  std::size_t requested = 0;  // what the caller asked for (allocated blocks)
+  Segment* segment = nullptr;
+  Block* prev = nullptr;  // address neighbours inside the segment
+  Block* next = nullptr;
+  StreamPools* owner = nullptr;  // stream whose pool holds (or last held) the block
+  BlockState state = BlockState::free;
+  std::uint8_t tag = 0;
+  // Value of owner->free_seq when the block was freed: the cross-stream fence covers it
+  // once the fence's sequence number reaches it (Note [Cross-stream reuse]).
+  std::uint64_t free_seq = 0;
+  Block* quick_next = nullptr;        // quick-list link
+  std::vector<Stream> extra_streams;  // record_stream() streams besides the owner
+  std::vector<Event> pending_events;  // recorded at free on extra_streams
+};
+
+struct Segment {
+  char* base = nullptr;
+  std::size_t size = 0;  // bytes of address space (plain: all backed)
+  bool expandable = false;
+  bool small = false;            // small-pool segment
+  StreamPools* creator = nullptr; // stream that created it (expandable: whose range grows)
+  Block* first = nullptr;
+  Block* last = nullptr;
+  char* used_end = nullptr;      // end of the tiled part ([base, used_end) has blocks)
+  std::size_t mapped_bytes = 0;  // expandable: bytes backed now; plain: size
+  // Expandable only, one entry per granule: index of the first granule of the mapping run
+  // that backs it, or -1 when unmapped. Run heads also hold the run's handle and length.
+  std::vector<std::int32_t> run_head;
+  std::vector<PhysicalHandle> run_handle;
+  std::vector<std::uint32_t> run_granules;
+};
+
+}  // namespace tidepool::detail

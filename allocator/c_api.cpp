@@ -1,0 +1,226 @@
+// The C ABI of allocator/c_api.h over the per-device caching allocators.
+//
+// Every entry point catches everything: a C++ exception must never unwind into PyTorch or
+// a C caller. Failures return NULL / -1 and leave a message in a thread-local last-error
+// string; misuse (bad pointer, double free, wrong size or device, bad tag calls) also
+// prints one line on stderr, because a caller of tidepool_free (void) cannot see a status.
+// Out-of-memory is reported only through the return value and the last error: PyTorch
+// turns the NULL into torch.OutOfMemoryError and the Python package attaches our message.
+#include "allocator/c_api.h"
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <exception>
+#include <string>
+
+#include "allocator/device_registry.h"
+#include "allocator/tags.h"
+
+namespace {
+
+thread_local std::string t_last_error;
+
+void set_error(const char* what, bool print) {
+  t_last_error = what;
+  if (print) std::fprintf(stderr, "%s\n", what);
+}
+
+// Runs fn; on an exception records it and returns `failed`.
+template <class R, class Fn>
+R guarded(R failed, Fn&& fn) {
+  try {
+    return fn();
+  } catch (const tidepool::OutOfMemoryError& e) {
+    set_error(e.what(), false);
+  } catch (const std::bad_alloc&) {
+    set_error("tidepool: out of host memory for bookkeeping", true);
+  } catch (const std::exception& e) {
+    set_error(e.what(), true);
+  } catch (...) {
+    set_error("tidepool: unknown error", true);
+  }
+  return failed;
+}
+
+// For a free that the named device rejected: the device the pointer belongs to, if any.
+int owning_device(const void* ptr) {
+  for (int d = 0; d < tidepool::kMaxDevices; ++d)
+    if (auto* a = tidepool::existing_device_allocator(d); a != nullptr && a->owns(ptr)) return d;
+  return -1;
+}
+
+}  // namespace
+
+extern "C" {
+
+void* tidepool_malloc(ssize_t size, int device, void* stream) {
+  if (size == 0) return nullptr;
+  if (size < 0) {
+    set_error(("tidepool: tidepool_malloc called with negative size " + std::to_string(size) +
+               " on device " + std::to_string(device))
+                  .c_str(),
+              true);
+    return nullptr;
+  }
+  return guarded<void*>(nullptr, [&] {
+    return tidepool::device_allocator(device).allocate(static_cast<std::size_t>(size),
+                                                       tidepool::Stream{stream});
+  });
+}
+
+void tidepool_free(void* ptr, size_t size, int device, void* stream) {
+  if (ptr == nullptr) return;
+  guarded<int>(-1, [&] {
+    try {
+      tidepool::device_allocator(device).deallocate(ptr, size, tidepool::Stream{stream});
+    } catch (const tidepool::AllocatorUsageError&) {
+      const int owner = owning_device(ptr);
+      if (owner < 0 || owner == device) throw;
+      throw tidepool::AllocatorUsageError(
+          "tidepool: free of a pointer on device " + std::to_string(device) +
+          ", but it was allocated on device " + std::to_string(owner) + "; the block was not freed");
+    }
+    return 0;
+  });
+}
+
+int tidepool_record_stream(void* ptr, int device, void* stream) {
+  return guarded(-1, [&] {
+    tidepool::device_allocator(device).record_stream(ptr, tidepool::Stream{stream});
+    return 0;
+  });
+}
+
+int tidepool_empty_cache(int device) {
+  return guarded(-1, [&] {
+    tidepool::device_allocator(device).empty_cache();
+    return 0;
+  });
+}
+
+int tidepool_tag_id(const char* name) {
+  if (name == nullptr) {
+    set_error("tidepool: tidepool_tag_id(NULL)", true);
+    return -1;
+  }
+  return guarded(-1, [&] { return tidepool::tag_id(name); });
+}
+
+const char* tidepool_tag_name(int tag) { return tidepool::tag_name(tag); }
+
+int tidepool_tag_push(int tag) {
+  return guarded(-1, [&] {
+    tidepool::push_tag(tag);
+    return 0;
+  });
+}
+
+int tidepool_tag_pop(void) {
+  return guarded(-1, [&] {
+    tidepool::pop_tag();
+    return 0;
+  });
+}
+
+int tidepool_tag_current(void) { return tidepool::current_tag(); }
+
+namespace {
+
+tidepool_stat_v1 to_c(const tidepool::Stat& s) { return {s.current, s.peak, s.allocated, s.freed}; }
+
+}  // namespace
+
+int tidepool_get_stats_v1(int device, tidepool_stats_v1* out) {
+  if (out == nullptr) {
+    set_error("tidepool: tidepool_get_stats_v1 given a NULL struct", true);
+    return -1;
+  }
+  constexpr std::uint32_t header = offsetof(tidepool_stats_v1, device);
+  if (out->struct_size < header) {
+    set_error(("tidepool: tidepool_stats_v1.struct_size is " + std::to_string(out->struct_size) +
+               "; set it to sizeof(tidepool_stats_v1) = " + std::to_string(sizeof(tidepool_stats_v1)))
+                  .c_str(),
+              true);
+    return -1;
+  }
+  return guarded(-1, [&] {
+    tidepool::CachingAllocator& a = tidepool::device_allocator(device);
+    const tidepool::AllocatorStats s = a.stats();
+    tidepool_stats_v1 full{};
+    full.version = 1;
+    full.device = device;
+    full.backend = a.backend().kind() == tidepool::BackendKind::cuda ? 1 : 0;
+    full.allocated = to_c(s.allocated);
+    full.reserved = to_c(s.reserved);
+    full.cached_bytes = s.cached_bytes;
+    full.segments_acquired = s.segments_acquired;
+    full.segments_released = s.segments_released;
+    full.alloc_count = s.alloc_count;
+    full.free_count = s.free_count;
+    full.cache_hits = s.cache_hits;
+    full.cache_misses = s.cache_misses;
+    full.oom_count = s.oom_count;
+    full.reclaim_calls = s.reclaim_calls;
+    full.reclaimed_bytes = s.reclaimed_bytes;
+    full.fragmentation = s.fragmentation;
+    for (int t = 0; t < TIDEPOOL_TAG_MAX; ++t) {
+      full.tags[t].bytes = to_c(s.tags[t].bytes);
+      full.tags[t].count = s.tags[t].count;
+      full.tags[t].total_count = s.tags[t].total_count;
+    }
+    full.requested = to_c(s.requested);
+    full.cross_stream_reuses = s.cross_stream_reuses;
+    // A caller built against an older, shorter struct gets the prefix it knows.
+    const std::uint32_t n =
+        std::min<std::uint32_t>(out->struct_size, static_cast<std::uint32_t>(sizeof full));
+    full.struct_size = n;
+    std::memcpy(out, &full, n);
+    return 0;
+  });
+}
+
+int tidepool_reset_peak_stats(int device) {
+  return guarded(-1, [&] {
+    tidepool::device_allocator(device).reset_peak_stats();
+    return 0;
+  });
+}
+
+char* tidepool_snapshot_json(int device) {
+  return guarded<char*>(nullptr, [&] {
+    const std::string json = tidepool::device_allocator(device).snapshot_json();
+    char* out = static_cast<char*>(std::malloc(json.size() + 1));
+    if (out == nullptr) throw std::bad_alloc();
+    std::memcpy(out, json.c_str(), json.size() + 1);
+    return out;
+  });
+}
+
+void tidepool_string_free(char* s) { std::free(s); }
+
+const char* tidepool_last_error(void) { return t_last_error.c_str(); }
+
+void tidepool_clear_error(void) { t_last_error.clear(); }
+
+int tidepool_set_backend(const char* name) {
+  if (name == nullptr) {
+    set_error("tidepool: tidepool_set_backend(NULL)", true);
+    return -1;
+  }
+  return guarded(-1, [&] {
+    tidepool::set_backend(name);
+    return 0;
+  });
+}
+
+const char* tidepool_backend_name(int device) {
+  return guarded<const char*>(nullptr, [&]() -> const char* {
+    if (auto* a = tidepool::existing_device_allocator(device)) return a->backend().name();
+    return tidepool::selected_backend() == tidepool::BackendKind::cuda ? "cuda" : "host";
+  });
+}
+
+}  // extern "C"

@@ -1,0 +1,499 @@
+// The caching allocator's algorithm: allocation, free, stream ordering and the OOM policy.
+//
+// How it works, in eight points:
+//  1. A request is rounded to 512 B (size_classes.h); <= 1 MiB goes to the small pool,
+//     the rest to the large pool. Each stream has its own small and large pool.
+//  2. A pool is a set of free blocks ordered by (size, address): best fit is one
+//     lower_bound. The chosen block is split; the rest stays free in the pool.
+//  3. A free coalesces the block with free neighbours of the same stream, so the pools
+//     hold maximal free ranges. Freed small blocks first park in exact-size quick lists
+//     (Note [Quick lists]).
+//  4. No fit on the stream: take a free block another stream has finished with (Note
+//     [Cross-stream reuse]); else grow: the stream's expandable range gets longer (Note
+//     [Expandable segments]) or, with expandable segments off, a new plain segment.
+//     Optionally, backing moves from free holes to the growing end (Note [Recycling
+//     free runs], segments.cpp).
+//  5. record_stream / a free on a foreign stream records events; the block waits in
+//     `pending` until they complete (process_pending, at the next allocation).
+//  6. Out of memory (Note [OOM policy]): wait for pending blocks, give every fully free
+//     backed range back, retry; then run the reclaim hooks with the lock released;
+//     retry; then throw OutOfMemoryError with the per-tag breakdown.
+//  7. Every block is in `blocks` by address, so a free is checked (unknown pointer,
+//     double free, wrong size) before anything changes.
+//  8. One mutex guards everything; the cached path takes it once per call.
+//
+// Note [Quick lists]
+// A cached alloc+free pair of one size would otherwise split a free block and merge it
+// back each time. Freed small blocks of the allocating stream go to an exact-size LIFO
+// (8 per size) instead, uncoalesced; an allocation of that size pops one. Whenever the
+// pool misses, the stream's quick lists are flushed into the pool first, so parked
+// blocks never cause growth.
+//
+// Note [Cross-stream reuse]
+// A block freed on stream A may still be read by work A has queued. Stream B may use it
+// only after an event recorded on A after the free has completed. Recording an event on
+// every free would cost more than the rest of the free, so fences are lazy: each free
+// into A's pools takes a sequence number; when B looks for memory in A's pools, A gets
+// one fence event (if none is in flight) covering every free so far, and once it has
+// completed, blocks with a sequence number up to the fence's are safe for B. The event
+// is recorded no earlier than any free it covers, so this is conservative.
+//
+// Note [OOM policy]
+// reuse the cache (steps 2-4) -> free cached memory (pending events waited for, fully
+// free ranges released, streams that last used them synchronized) -> retry -> reclaim
+// hooks (no lock held: hooks free memory through this allocator) -> retry -> throw.
+#include "allocator/caching_allocator.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <sstream>
+
+#include "allocator/caching_allocator_impl.h"
+#include "allocator/reclaim.h"
+#include "allocator/size_classes.h"
+#include "allocator/tags.h"
+
+namespace tidepool {
+
+using detail::Block;
+using detail::BlockState;
+using detail::StreamPools;
+
+// ============================================================================ plumbing
+
+CachingAllocator::Impl::Impl(std::unique_ptr<Backend> b, AllocatorOptions o)
+    : backend(std::move(b)), options(o) {
+  if (!backend) throw std::invalid_argument("tidepool: CachingAllocator needs a backend");
+  device = backend->device();
+  granule = backend->granularity();
+  device_total = backend->mem_info().total_bytes;
+  range_bytes = options.expandable_range_bytes;
+  if (range_bytes == 0) range_bytes = device_total;
+  range_bytes = round_up(std::max(range_bytes, granule), granule);
+  blocks.reserve(4096);
+}
+
+StreamPools& CachingAllocator::Impl::pools_for(Stream s) {
+  if (last_stream != nullptr && last_stream->stream == s) return *last_stream;
+  for (auto& p : streams)
+    if (p->stream == s) return *(last_stream = p.get());
+  streams.push_back(std::make_unique<StreamPools>());
+  streams.back()->stream = s;
+  return *(last_stream = streams.back().get());
+}
+
+Block* CachingAllocator::Impl::new_block() {
+  if (spare_blocks.empty()) return new Block();
+  Block* b = spare_blocks.back();
+  spare_blocks.pop_back();
+  return b;
+}
+
+void CachingAllocator::Impl::recycle(Block* b) {
+  *b = Block();
+  spare_blocks.push_back(b);
+}
+
+Event CachingAllocator::Impl::take_event() {
+  if (spare_events.empty()) return backend->create_event();
+  Event e = spare_events.back();
+  spare_events.pop_back();
+  return e;
+}
+
+// ============================================================================ free lists
+
+void CachingAllocator::Impl::merge_into(Block* front, Block* back) {
+  front->size += back->size;
+  front->next = back->next;
+  if (back->next != nullptr)
+    back->next->prev = front;
+  else
+    front->segment->last = front;
+  front->free_seq = std::max(front->free_seq, back->free_seq);
+  blocks.erase(back->ptr);
+  recycle(back);
+}
+
+// Puts `b` into its owner's pool, merged with free neighbours of the same owner.
+// `is_new_free`: the owner just stopped using it (takes a new free sequence number).
+void CachingAllocator::Impl::insert_free(Block* b, bool is_new_free) {
+  StreamPools& owner = *b->owner;
+  detail::BlockPool& pool = owner.pool(b->segment->small);
+  b->state = BlockState::free;
+  if (is_new_free) b->free_seq = ++owner.free_seq;
+  auto mergeable = [&](const Block* n) {
+    return n != nullptr && n->state == BlockState::free && n->owner == b->owner;
+  };
+  if (mergeable(b->prev)) {
+    Block* prev = b->prev;
+    pool.erase(prev);
+    merge_into(prev, b);
+    b = prev;
+  }
+  if (mergeable(b->next)) {
+    pool.erase(b->next);
+    merge_into(b, b->next);
+  }
+  pool.insert(b);
+}
+
+// Cuts the last `tail` bytes of b into a new block, which is returned allocated and in no
+// pool; b keeps the front. Pre: b is in no pool, b->size - tail >= kMinBlockSize.
+Block* CachingAllocator::Impl::carve_tail(Block* b, std::size_t tail) {
+  Block* t = new_block();
+  t->size = tail;
+  b->size -= tail;
+  t->ptr = b->ptr + b->size;
+  t->segment = b->segment;
+  t->owner = b->owner;
+  t->free_seq = b->free_seq;
+  t->state = BlockState::allocated;
+  t->prev = b;
+  t->next = b->next;
+  if (b->next != nullptr)
+    b->next->prev = t;
+  else
+    b->segment->last = t;
+  b->next = t;
+  blocks.emplace(t->ptr, t);
+  return t;
+}
+
+// Pre: b is allocated and in no pool. Returns what exceeds `size` to the free pool.
+void CachingAllocator::Impl::split(Block* b, std::size_t size) {
+  const std::size_t rest = b->size - size;
+  if (rest < kMinBlockSize) return;
+  insert_free(carve_tail(b, rest), false);
+}
+
+void CachingAllocator::Impl::flush_quick(StreamPools& sp) {
+  sp.quick.drain([this](Block* b) { insert_free(b, true); });
+}
+
+void CachingAllocator::Impl::flush_all_quick() {
+  for (auto& sp : streams) flush_quick(*sp);
+}
+
+// ============================================================================ streams
+
+void CachingAllocator::Impl::refresh_fence(StreamPools& sp) {
+  if (sp.fence_in_flight && backend->event_query(sp.fence)) {
+    sp.safe_seq = sp.fence_seq;
+    sp.fence_in_flight = false;
+  }
+  if (!sp.fence_in_flight && sp.free_seq > sp.safe_seq) {
+    if (!sp.fence) sp.fence = backend->create_event();
+    backend->record_event(sp.fence, sp.stream);
+    sp.fence_seq = sp.free_seq;
+    sp.fence_in_flight = true;
+    if (backend->event_query(sp.fence)) {  // the stream may be idle already
+      sp.safe_seq = sp.fence_seq;
+      sp.fence_in_flight = false;
+    }
+  }
+}
+
+// Takes a free block of at least `size` that another stream has finished with, moves it
+// into sp's pool and returns the (possibly merged) block now there.
+Block* CachingAllocator::Impl::steal(StreamPools& sp, std::size_t size, bool small) {
+  for (auto& other : streams) {
+    if (other.get() == &sp || other->pool(small).empty()) continue;
+    refresh_fence(*other);
+    Block* b = other->pool(small).best_fit_freed_before(size, other->safe_seq);
+    if (b == nullptr) continue;
+    other->pool(small).erase(b);
+    b->owner = &sp;
+    b->free_seq = 0;
+    ++stats.cross_stream_reuses;
+    insert_free(b, false);
+    return sp.pool(small).best_fit(size);
+  }
+  return nullptr;
+}
+
+void CachingAllocator::Impl::make_pending(Block* b) {
+  for (Stream s : b->extra_streams) {
+    Event e = take_event();
+    backend->record_event(e, s);
+    b->pending_events.push_back(e);
+  }
+  b->extra_streams.clear();
+  b->state = BlockState::pending;
+  pending.push_back(b);
+}
+
+void CachingAllocator::Impl::process_pending(bool wait) {
+  std::erase_if(pending, [&](Block* b) {
+    for (Event e : b->pending_events) {
+      if (wait)
+        backend->event_synchronize(e);
+      else if (!backend->event_query(e))
+        return false;
+    }
+    for (Event e : b->pending_events) spare_events.push_back(e);
+    b->pending_events.clear();
+    insert_free(b, true);
+    return true;
+  });
+}
+
+// ============================================================================ allocate
+
+// Best fit, except that on expandable segments a fit whose bytes are already backed is
+// preferred over a smaller one that would need new backing (Note [Recycling free runs]):
+// among the smallest few fits, the first with a backed window at its start or its end
+// wins. `at_end` says which end.
+Block* CachingAllocator::Impl::choose_fit(detail::BlockPool& pool, std::size_t size,
+                                          bool& at_end) const {
+  constexpr int kCandidates = 32;
+  at_end = false;
+  Block* fallback = nullptr;
+  int seen = 0;
+  for (auto it = pool.lower_bound(size); it != pool.blocks().end() && seen < kCandidates;
+       ++it, ++seen) {
+    Block* c = *it;
+    if (!c->segment->expandable || !options.prefer_backed_fit) return c;
+    if (fallback == nullptr) fallback = c;
+    if (unbacked_bytes(c->segment, c->ptr, c->ptr + size) == 0) return c;
+    if (c->size - size >= kMinBlockSize &&
+        unbacked_bytes(c->segment, c->ptr + c->size - size, c->ptr + c->size) == 0) {
+      at_end = true;
+      return c;
+    }
+  }
+  return fallback;
+}
+
+Block* CachingAllocator::Impl::try_allocate(StreamPools& sp, std::size_t size, bool small) {
+  detail::BlockPool& pool = sp.pool(small);
+  bool at_end = false;
+  Block* b = choose_fit(pool, size, at_end);
+  if (b == nullptr && !sp.quick.empty()) {
+    flush_quick(sp);
+    b = choose_fit(pool, size, at_end);
+  }
+  if (b == nullptr) b = steal(sp, size, small);
+  if (b == nullptr) b = grow(sp, size, small);
+  if (b == nullptr) return nullptr;
+  pool.erase(b);
+  b->state = BlockState::allocated;  // before splitting: the rest must not merge back
+  if (at_end) {
+    Block* t = carve_tail(b, size);
+    insert_free(b, false);
+    b = t;
+  } else {
+    split(b, size);
+  }
+  bool backed = false;
+  try {
+    backed = ensure_backed(b);
+  } catch (...) {
+    insert_free(b, false);
+    throw;
+  }
+  if (!backed) {
+    insert_free(b, false);
+    return nullptr;
+  }
+  return b;
+}
+
+// try_allocate, and when that fails: wait for pending blocks, give every fully free
+// backed range back and try once more (steps 1-2 of Note [OOM policy]).
+Block* CachingAllocator::Impl::try_allocate_releasing(StreamPools& sp, std::size_t size,
+                                                      bool small) {
+  if (Block* b = try_allocate(sp, size, small)) return b;
+  if (!options.allow_release) return nullptr;
+  flush_all_quick();
+  process_pending(true);
+  release_cached();
+  return try_allocate(sp, size, small);
+}
+
+void* CachingAllocator::Impl::finish_allocation(Block* b, std::size_t bytes, int tag) {
+  b->state = BlockState::allocated;
+  b->requested = bytes;
+  b->tag = static_cast<std::uint8_t>(tag);
+  stats.allocated.add(b->size);
+  stats.requested.add(bytes);
+  ++stats.alloc_count;
+  TagStats& t = stats.tags[tag];
+  t.bytes.add(b->size);
+  ++t.count;
+  ++t.total_count;
+  return b->ptr;
+}
+
+CachingAllocator::CachingAllocator(std::unique_ptr<Backend> backend, AllocatorOptions options)
+    : impl_(std::make_unique<Impl>(std::move(backend), options)) {}
+
+CachingAllocator::~CachingAllocator() { impl_->destroy_everything(); }
+
+void* CachingAllocator::allocate(std::size_t bytes, Stream stream) {
+  if (bytes == 0) return nullptr;
+  if (bytes > kMaxRequest) {
+    throw AllocatorUsageError("tidepool: allocation of " + std::to_string(bytes) +
+                              " bytes on device " + std::to_string(impl_->device) +
+                              " is not a plausible size (limit 2^50; a negative size cast "
+                              "to unsigned?)");
+  }
+  Impl& m = *impl_;
+  const std::size_t size = round_request(bytes);
+  const bool small = is_small(size);
+  const int tag = current_tag();
+  {
+    std::lock_guard lock(m.mutex);
+    if (!m.pending.empty()) m.process_pending(false);
+    StreamPools& sp = m.pools_for(stream);
+    if (small && m.options.quick_lists) {
+      if (Block* b = sp.quick.pop(size)) {
+        ++m.stats.cache_hits;
+        return m.finish_allocation(b, bytes, tag);
+      }
+    }
+    const std::uint64_t acquired_before = m.stats.segments_acquired;
+    if (Block* b = m.try_allocate_releasing(sp, size, small)) {
+      ++(m.stats.segments_acquired == acquired_before ? m.stats.cache_hits
+                                                      : m.stats.cache_misses);
+      return m.finish_allocation(b, bytes, tag);
+    }
+  }
+  // Reclaim hooks run without the lock: they free memory through this allocator.
+  const detail::ReclaimResult reclaimed = detail::run_reclaim_hooks(m.device, size);
+  std::string message;
+  {
+    std::lock_guard lock(m.mutex);
+    m.stats.reclaim_calls += reclaimed.calls;
+    m.stats.reclaimed_bytes += reclaimed.bytes;
+    if (Block* b = m.try_allocate_releasing(m.pools_for(stream), size, small)) {
+      ++m.stats.cache_misses;
+      return m.finish_allocation(b, bytes, tag);
+    }
+    ++m.stats.oom_count;
+    message = m.oom_message(bytes, size, stream, reclaimed.calls, reclaimed.bytes);
+  }
+  throw OutOfMemoryError(std::move(message));
+}
+
+// ============================================================================ free
+
+std::string CachingAllocator::Impl::describe_bad_free(const void* ptr, std::size_t bytes) const {
+  std::ostringstream os;
+  os << "tidepool: invalid free of " << ptr << " (" << bytes << " bytes) on device " << device
+     << ": ";
+  auto it = blocks.find(ptr);
+  if (it != blocks.end()) {
+    os << "double free (the block is already free)";
+    return os.str();
+  }
+  auto seg = segments.upper_bound(static_cast<const char*>(ptr));
+  if (seg != segments.begin()) {
+    --seg;
+    const Segment* s = seg->second;
+    if (static_cast<const char*>(ptr) < s->base + s->size) {
+      os << "the pointer lies inside a tidepool segment but is not the start of a live "
+            "allocation (double free, or a pointer into the middle of a block)";
+      return os.str();
+    }
+  }
+  os << "this allocator never handed out that pointer (another allocator's memory, or a "
+        "wrong device)";
+  return os.str();
+}
+
+void CachingAllocator::deallocate(void* ptr, std::size_t bytes, Stream stream) {
+  if (ptr == nullptr) return;
+  Impl& m = *impl_;
+  std::lock_guard lock(m.mutex);
+  auto it = m.blocks.find(ptr);
+  if (it == m.blocks.end() || it->second->state != BlockState::allocated)
+    throw AllocatorUsageError(m.describe_bad_free(ptr, bytes));
+  Block* b = it->second;
+  if (bytes != b->requested) {
+    throw AllocatorUsageError("tidepool: free of " + std::to_string(bytes) + " bytes at " +
+                              std::to_string(reinterpret_cast<std::uintptr_t>(ptr)) +
+                              " on device " + std::to_string(m.device) +
+                              ", but that allocation has " + std::to_string(b->requested) +
+                              " bytes; the block was not freed");
+  }
+  m.stats.allocated.sub(b->size);
+  m.stats.requested.sub(b->requested);
+  ++m.stats.free_count;
+  TagStats& t = m.stats.tags[b->tag];
+  t.bytes.sub(b->size);
+  --t.count;
+  if (!(stream == b->owner->stream) &&
+      std::find(b->extra_streams.begin(), b->extra_streams.end(), stream) ==
+          b->extra_streams.end())
+    b->extra_streams.push_back(stream);
+  if (!b->extra_streams.empty()) {
+    m.make_pending(b);
+    return;
+  }
+  if (b->segment->small && m.options.quick_lists) {
+    b->state = BlockState::quick;
+    if (b->owner->quick.push(b)) return;
+  }
+  m.insert_free(b, true);
+}
+
+void CachingAllocator::record_stream(void* ptr, Stream stream) {
+  Impl& m = *impl_;
+  std::lock_guard lock(m.mutex);
+  auto it = m.blocks.find(ptr);
+  if (it == m.blocks.end() || it->second->state != BlockState::allocated) {
+    std::ostringstream os;
+    os << "tidepool: record_stream on " << ptr << " (device " << m.device
+       << "), which is not a live allocation of this allocator";
+    throw AllocatorUsageError(os.str());
+  }
+  Block* b = it->second;
+  if (stream == b->owner->stream) return;
+  if (std::find(b->extra_streams.begin(), b->extra_streams.end(), stream) ==
+      b->extra_streams.end())
+    b->extra_streams.push_back(stream);
+}
+
+std::size_t CachingAllocator::empty_cache() {
+  Impl& m = *impl_;
+  std::lock_guard lock(m.mutex);
+  if (!m.options.allow_release) return 0;
+  m.flush_all_quick();
+  m.process_pending(false);
+  return m.release_cached();
+}
+
+// ============================================================================ queries
+
+AllocatorStats CachingAllocator::stats() const {
+  std::lock_guard lock(impl_->mutex);
+  return impl_->compute_stats();
+}
+
+void CachingAllocator::reset_peak_stats() {
+  std::lock_guard lock(impl_->mutex);
+  AllocatorStats& s = impl_->stats;
+  s.allocated.reset_peak();
+  s.requested.reset_peak();
+  s.reserved.reset_peak();
+  for (TagStats& t : s.tags) t.bytes.reset_peak();
+}
+
+std::string CachingAllocator::snapshot_json() const {
+  std::lock_guard lock(impl_->mutex);
+  return impl_->snapshot_json();
+}
+
+std::size_t CachingAllocator::allocation_size(const void* ptr) const {
+  std::lock_guard lock(impl_->mutex);
+  auto it = impl_->blocks.find(ptr);
+  if (it == impl_->blocks.end() || it->second->state != BlockState::allocated) return 0;
+  return it->second->requested;
+}
+
+Backend& CachingAllocator::backend() const { return *impl_->backend; }
+int CachingAllocator::device() const { return impl_->device; }
+const AllocatorOptions& CachingAllocator::options() const { return impl_->options; }
+
+}  // namespace tidepool

@@ -1,0 +1,95 @@
+// The state behind CachingAllocator, shared by the files that implement it:
+//   caching_allocator.cpp  allocation, free, streams, OOM policy (the algorithm)
+//   segments.cpp           getting memory from the backend and giving it back
+//   snapshot.cpp           stats, the OOM message and the JSON snapshot
+// Internal to the allocator (not installed). Every member is guarded by `mutex`.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "allocator/block.h"
+#include "allocator/block_pool.h"
+#include "allocator/caching_allocator.h"
+
+namespace tidepool {
+
+struct CachingAllocator::Impl {
+  using Block = detail::Block;
+  using Segment = detail::Segment;
+  using StreamPools = detail::StreamPools;
+
+  Impl(std::unique_ptr<Backend> b, AllocatorOptions o);
+
+  std::unique_ptr<Backend> backend;
+  AllocatorOptions options;
+  int device = 0;
+  std::size_t granule = 0;       // backend granularity (2 MiB)
+  std::size_t range_bytes = 0;   // address space per expandable range
+  std::size_t device_total = 0;  // backend's total memory: no request above it can succeed
+  mutable std::mutex mutex;
+
+  std::unordered_map<const void*, Block*> blocks;  // every block, by start address
+  std::map<const char*, Segment*> segments;         // every segment, by base address
+  std::vector<std::unique_ptr<StreamPools>> streams;
+  StreamPools* last_stream = nullptr;  // one-entry cache for pools_for
+  std::vector<Block*> pending;         // blocks waiting for record_stream events
+  std::vector<Block*> spare_blocks;    // recycled Block objects
+  std::vector<Event> spare_events;
+  AllocatorStats stats;
+  // free_count at the last recycling scan that found nothing to release: until another
+  // free happens, scanning again is pointless.
+  std::uint64_t futile_recycle_at = UINT64_MAX;
+
+  // --- caching_allocator.cpp ----------------------------------------------------------
+  StreamPools& pools_for(Stream s);
+  Block* new_block();
+  void recycle(Block* b);
+  Event take_event();
+  Block* try_allocate(StreamPools& sp, std::size_t size, bool small);
+  Block* try_allocate_releasing(StreamPools& sp, std::size_t size, bool small);
+  Block* steal(StreamPools& sp, std::size_t size, bool small);
+  void refresh_fence(StreamPools& sp);
+  Block* choose_fit(detail::BlockPool& pool, std::size_t size, bool& at_end) const;
+  Block* carve_tail(Block* b, std::size_t tail);
+  void split(Block* b, std::size_t size);
+  void insert_free(Block* b, bool is_new_free);
+  void merge_into(Block* front, Block* back);
+  void flush_quick(StreamPools& sp);
+  void flush_all_quick();
+  void make_pending(Block* b);
+  void process_pending(bool wait);
+  void* finish_allocation(Block* b, std::size_t bytes, int tag);
+  std::string describe_bad_free(const void* ptr, std::size_t bytes) const;
+
+  // --- segments.cpp ---------------------------------------------------------------------
+  // A free block of at least `size` bytes in sp's pool, from new backend memory (plain) or
+  // the tail of sp's expandable range; null when the backend is out of memory.
+  Block* grow(StreamPools& sp, std::size_t size, bool small);
+  Segment* create_segment(StreamPools& sp, std::size_t bytes, bool small, bool expandable);
+  // Maps any unbacked granule under `b` (expandable segments); false when out of memory.
+  bool ensure_backed(Block* b);
+  // Bytes of whole granules in [lo, hi) of an expandable segment that are not backed.
+  std::size_t unbacked_bytes(const Segment* seg, const char* lo, const char* hi) const;
+  // Gives fully free backed memory back (plain segments, mapping runs), stopping once at
+  // least `want` bytes are found. `wait`: synchronize the streams that last used it;
+  // otherwise take only memory whose frees a completed fence covers, or that `waitable`
+  // (the allocating stream, then synchronized) freed. Lock held.
+  std::size_t release_cached(std::size_t want = SIZE_MAX, bool wait = true,
+                             StreamPools* waitable = nullptr);
+  void destroy_everything();
+
+  // --- snapshot.cpp ---------------------------------------------------------------------
+  AllocatorStats compute_stats() const;
+  std::size_t largest_free_backed() const;
+  std::string oom_message(std::size_t bytes, std::size_t rounded, Stream s,
+                          std::size_t reclaim_calls, std::size_t reclaimed) const;
+  std::string snapshot_json() const;
+};
+
+}  // namespace tidepool

@@ -1,0 +1,107 @@
+// Process-wide per-device allocators (see device_registry.h). Lookup of an existing
+// allocator is one atomic load, because the C ABI does it on every malloc and free.
+#include "allocator/device_registry.h"
+
+#include <array>
+#include <atomic>
+#include <cstdlib>
+#include <mutex>
+#include <optional>
+#include <string>
+
+namespace tidepool {
+namespace {
+
+struct Registry {
+  std::mutex mutex;
+  std::array<std::atomic<CachingAllocator*>, kMaxDevices> allocators{};
+  std::optional<BackendKind> chosen;  // set by set_backend or resolved at first use
+};
+
+Registry& registry() {
+  static Registry* r = new Registry();  // never destroyed, see the header
+  return *r;
+}
+
+std::optional<BackendKind> parse_backend(std::string_view name) {
+  if (name == "host") return BackendKind::host;
+  if (name == "cuda") return BackendKind::cuda;
+  if (name == "auto")
+    return cuda_device_count() > 0 ? BackendKind::cuda : BackendKind::host;
+  return std::nullopt;
+}
+
+// Pre: registry mutex held.
+BackendKind resolve(Registry& r) {
+  if (!r.chosen) {
+    const char* env = std::getenv("TIDEPOOL_BACKEND");
+    std::string_view name = env != nullptr && *env != '\0' ? env : "auto";
+    auto kind = parse_backend(name);
+    if (!kind)
+      throw AllocatorUsageError("tidepool: TIDEPOOL_BACKEND='" + std::string(name) +
+                                "' is not one of cuda, host, auto");
+    r.chosen = kind;
+  }
+  return *r.chosen;
+}
+
+std::unique_ptr<Backend> make_backend(BackendKind kind, int device) {
+  if (kind == BackendKind::cuda) return make_cuda_backend(device);
+  HostBackendOptions options;
+  if (const char* mb = std::getenv("TIDEPOOL_HOST_CAPACITY_MB")) {
+    char* end = nullptr;
+    const unsigned long long v = std::strtoull(mb, &end, 10);
+    if (end == mb || *end != '\0' || v == 0)
+      throw AllocatorUsageError(std::string("tidepool: TIDEPOOL_HOST_CAPACITY_MB='") + mb +
+                                "' is not a positive number of MiB");
+    options.capacity_bytes = static_cast<std::size_t>(v) << 20;
+  }
+  return make_host_backend(device, options);
+}
+
+}  // namespace
+
+CachingAllocator* existing_device_allocator(int device) noexcept {
+  if (device < 0 || device >= kMaxDevices) return nullptr;
+  return registry().allocators[device].load(std::memory_order_acquire);
+}
+
+CachingAllocator& device_allocator(int device) {
+  if (CachingAllocator* a = existing_device_allocator(device)) return *a;
+  Registry& r = registry();
+  std::lock_guard lock(r.mutex);
+  const BackendKind kind = resolve(r);
+  const int limit = kind == BackendKind::cuda ? std::min(cuda_device_count(), kMaxDevices)
+                                              : kMaxDevices;
+  if (device < 0 || device >= limit)
+    throw AllocatorUsageError("tidepool: device " + std::to_string(device) +
+                              " does not exist (the " +
+                              (kind == BackendKind::cuda ? "cuda" : "host") +
+                              " backend has devices 0.." + std::to_string(limit - 1) + ")");
+  if (CachingAllocator* a = r.allocators[device].load(std::memory_order_acquire)) return *a;
+  auto* a = new CachingAllocator(make_backend(kind, device));
+  r.allocators[device].store(a, std::memory_order_release);
+  return *a;
+}
+
+void set_backend(std::string_view name) {
+  auto kind = parse_backend(name);
+  if (!kind)
+    throw AllocatorUsageError("tidepool: backend '" + std::string(name) +
+                              "' is not one of cuda, host, auto");
+  Registry& r = registry();
+  std::lock_guard lock(r.mutex);
+  for (auto& a : r.allocators)
+    if (a.load() != nullptr)
+      throw std::logic_error("tidepool: set_backend('" + std::string(name) +
+                             "') after a device allocator was created; call it first");
+  r.chosen = kind;
+}
+
+BackendKind selected_backend() {
+  Registry& r = registry();
+  std::lock_guard lock(r.mutex);
+  return resolve(r);
+}
+
+}  // namespace tidepool

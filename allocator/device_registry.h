@@ -1,0 +1,35 @@
+// The process-wide caching allocator of each device, as the C ABI and the tiering layer
+// use it. The backend is chosen once, before the first allocator is created: by
+// set_backend(), else by the environment variable TIDEPOOL_BACKEND ("cuda", "host",
+// "auto"; default auto = cuda when cuda_device_count() > 0, else host). The host
+// backend's emulated capacity can be set with TIDEPOOL_HOST_CAPACITY_MB.
+//
+// The instances are created on first use and never destroyed: PyTorch and other static
+// objects may free memory during process tear-down, after our statics would be gone.
+//
+// Tests that want an allocator of their own construct a CachingAllocator directly over a
+// backend they made (make_host_backend), independent of this registry.
+#pragma once
+
+#include <string_view>
+
+#include "allocator/caching_allocator.h"
+#include "allocator/export.h"
+
+namespace tidepool {
+
+// Largest device index the host backend accepts (it emulates devices 0..kMaxDevices-1).
+inline constexpr int kMaxDevices = 16;
+
+// Throws AllocatorUsageError for a device index that does not exist on the chosen
+// backend, BackendError when the backend cannot be created.
+TIDEPOOL_API CachingAllocator& device_allocator(int device);
+// The device's allocator if it already exists, else nullptr. Never creates one.
+TIDEPOOL_API CachingAllocator* existing_device_allocator(int device) noexcept;
+// "cuda", "host" or "auto". Throws AllocatorUsageError for another name, and
+// std::logic_error once any device allocator exists.
+TIDEPOOL_API void set_backend(std::string_view name);
+// The backend kind device allocators use (resolving "auto").
+TIDEPOOL_API BackendKind selected_backend();
+
+}  // namespace tidepool

@@ -1,0 +1,234 @@
+// What the caching allocator reports about itself: the stats struct, the OOM message
+// (c10-style: the request, the device, memory broken down, per-tag usage, a suggestion)
+// and the JSON snapshot of segments and blocks. JSON is written by hand; every string
+// that can come from a user (tag names) is escaped.
+#include <algorithm>
+#include <cinttypes>
+#include <cstdio>
+#include <sstream>
+
+#include "allocator/caching_allocator_impl.h"
+#include "allocator/tags.h"
+
+namespace tidepool {
+
+using detail::Block;
+using detail::BlockState;
+using detail::Segment;
+
+std::string format_bytes(std::uint64_t bytes) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  double v = static_cast<double>(bytes);
+  int u = 0;
+  while (v >= 1024.0 && u < 4) {
+    v /= 1024.0;
+    ++u;
+  }
+  char buf[32];
+  std::snprintf(buf, sizeof buf, u == 0 ? "%.0f %s" : "%.2f %s", v, units[u]);
+  return buf;
+}
+
+namespace {
+
+// Calls fn(lo, hi) for each backed sub-range of block b.
+template <class Fn>
+void for_each_backed(const Block* b, std::size_t granule, Fn&& fn) {
+  const Segment* seg = b->segment;
+  if (!seg->expandable) {
+    fn(b->ptr, b->ptr + b->size);
+    return;
+  }
+  const char* end = b->ptr + b->size;
+  const char* run_lo = nullptr;
+  for (std::size_t g = static_cast<std::size_t>(b->ptr - seg->base) / granule;
+       g < seg->run_head.size() && seg->base + g * granule < end; ++g) {
+    const char* glo = std::max<const char*>(seg->base + g * granule, b->ptr);
+    if (seg->run_head[g] >= 0) {
+      if (run_lo == nullptr) run_lo = glo;
+    } else if (run_lo != nullptr) {
+      fn(run_lo, glo);
+      run_lo = nullptr;
+    }
+  }
+  if (run_lo != nullptr) fn(run_lo, end);
+}
+
+void json_string(std::ostream& os, std::string_view s) {
+  os << '"';
+  for (char c : s) {
+    switch (c) {
+      case '"': os << "\\\""; break;
+      case '\\': os << "\\\\"; break;
+      case '\n': os << "\\n"; break;
+      case '\r': os << "\\r"; break;
+      case '\t': os << "\\t"; break;
+      default:
+        if (static_cast<unsigned char>(c) < 0x20) {
+          char buf[8];
+          std::snprintf(buf, sizeof buf, "\\u%04x", static_cast<unsigned char>(c));
+          os << buf;
+        } else {
+          os << c;
+        }
+    }
+  }
+  os << '"';
+}
+
+void json_pointer(std::ostream& os, const void* p) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "\"0x%" PRIxPTR "\"", reinterpret_cast<std::uintptr_t>(p));
+  os << buf;
+}
+
+void json_stat(std::ostream& os, const char* name, const Stat& s) {
+  os << '"' << name << "\":{\"current\":" << s.current << ",\"peak\":" << s.peak
+     << ",\"allocated\":" << s.allocated << ",\"freed\":" << s.freed << '}';
+}
+
+const char* state_name(BlockState s) {
+  switch (s) {
+    case BlockState::allocated: return "allocated";
+    case BlockState::free: return "free";
+    case BlockState::quick: return "cached";
+    case BlockState::pending: return "pending";
+  }
+  return "?";
+}
+
+}  // namespace
+
+std::size_t CachingAllocator::Impl::largest_free_backed() const {
+  std::size_t largest = 0;
+  for (const auto& [base, seg] : segments) {
+    // Adjacent non-allocated blocks form one free range (quick and pending blocks
+    // included: their memory is cached, just not yet merged).
+    const char* run_lo = nullptr;
+    const char* run_hi = nullptr;
+    for (const Block* b = seg->first; b != nullptr; b = b->next) {
+      if (b->state == BlockState::allocated) {
+        run_lo = run_hi = nullptr;
+        continue;
+      }
+      for_each_backed(b, granule, [&](const char* lo, const char* hi) {
+        if (run_hi != lo) run_lo = lo;
+        run_hi = hi;
+        largest = std::max<std::size_t>(largest, static_cast<std::size_t>(run_hi - run_lo));
+      });
+    }
+  }
+  return largest;
+}
+
+AllocatorStats CachingAllocator::Impl::compute_stats() const {
+  AllocatorStats s = stats;
+  s.cached_bytes = s.reserved.current - s.allocated.current;
+  s.fragmentation =
+      s.cached_bytes == 0
+          ? 0.0
+          : 1.0 - static_cast<double>(std::min<std::size_t>(largest_free_backed(), s.cached_bytes)) /
+                      static_cast<double>(s.cached_bytes);
+  return s;
+}
+
+std::string CachingAllocator::Impl::oom_message(std::size_t bytes, std::size_t rounded, Stream s,
+                                                std::size_t reclaim_calls,
+                                                std::size_t reclaimed) const {
+  const AllocatorStats st = compute_stats();
+  MemInfo info;
+  try {
+    info = backend->mem_info();
+  } catch (...) {
+  }
+  std::ostringstream os;
+  os << "tidepool: out of memory: cannot allocate " << format_bytes(bytes) << " (" << bytes
+     << " bytes, rounded to " << rounded << ") on device " << device << " (" << backend->name()
+     << " backend), stream " << s.handle << ". Device: " << format_bytes(info.total_bytes)
+     << " total, " << format_bytes(info.free_bytes) << " free. tidepool holds "
+     << format_bytes(st.reserved.current) << " reserved, " << format_bytes(st.allocated.current)
+     << " allocated, " << format_bytes(st.cached_bytes) << " cached (largest free block "
+     << format_bytes(largest_free_backed()) << "). By tag:";
+  bool any = false;
+  for (int t = 0; t < kTagCount; ++t) {
+    const TagStats& ts = st.tags[t];
+    if (ts.count == 0) continue;
+    const char* name = tag_name(t);
+    os << (any ? ", " : " ") << (name ? name : "?") << " " << format_bytes(ts.bytes.current)
+       << " in " << ts.count << (ts.count == 1 ? " allocation" : " allocations");
+    any = true;
+  }
+  if (!any) os << " nothing allocated";
+  os << ". Cache emptied and " << reclaim_calls << " reclaim hook call(s) freed "
+     << format_bytes(reclaimed) << ". ";
+  if (info.total_bytes != 0 && bytes > info.total_bytes)
+    os << "The request is larger than the whole device: check the size computation.";
+  else
+    os << "Suggestion: reduce the batch size, free tensors you no longer need, or move "
+          "optimizer state to the host with tidepool's tiering (it registers a reclaim hook).";
+  return os.str();
+}
+
+std::string CachingAllocator::Impl::snapshot_json() const {
+  const AllocatorStats st = compute_stats();
+  std::ostringstream os;
+  os << "{\"version\":1,\"device\":" << device << ",\"backend\":";
+  json_string(os, backend->name());
+  os << ",\"expandable_segments\":" << (options.expandable_segments ? "true" : "false");
+  os << ",\"stats\":{";
+  json_stat(os, "allocated", st.allocated);
+  os << ',';
+  json_stat(os, "requested", st.requested);
+  os << ',';
+  json_stat(os, "reserved", st.reserved);
+  os << ",\"cached_bytes\":" << st.cached_bytes
+     << ",\"segments_acquired\":" << st.segments_acquired
+     << ",\"segments_released\":" << st.segments_released << ",\"alloc_count\":" << st.alloc_count
+     << ",\"free_count\":" << st.free_count << ",\"cache_hits\":" << st.cache_hits
+     << ",\"cache_misses\":" << st.cache_misses << ",\"oom_count\":" << st.oom_count
+     << ",\"reclaim_calls\":" << st.reclaim_calls << ",\"reclaimed_bytes\":" << st.reclaimed_bytes
+     << ",\"cross_stream_reuses\":" << st.cross_stream_reuses
+     << ",\"fragmentation\":" << st.fragmentation << "},\"tags\":[";
+  bool first = true;
+  for (int t = 0; t < tag_count() && t < kTagCount; ++t) {
+    const TagStats& ts = st.tags[t];
+    if (!first) os << ',';
+    first = false;
+    os << "{\"id\":" << t << ",\"name\":";
+    json_string(os, tag_name(t) ? tag_name(t) : "");
+    os << ',';
+    json_stat(os, "bytes", ts.bytes);
+    os << ",\"count\":" << ts.count << ",\"total_count\":" << ts.total_count << '}';
+  }
+  os << "],\"segments\":[";
+  first = true;
+  for (const auto& [base, seg] : segments) {
+    if (!first) os << ',';
+    first = false;
+    os << "{\"address\":";
+    json_pointer(os, seg->base);
+    os << ",\"size\":" << seg->size << ",\"used\":" << (seg->used_end - seg->base)
+       << ",\"backed\":" << seg->mapped_bytes << ",\"expandable\":"
+       << (seg->expandable ? "true" : "false") << ",\"pool\":\""
+       << (seg->small ? "small" : "large") << "\",\"stream\":";
+    json_pointer(os, seg->creator->stream.handle);
+    os << ",\"blocks\":[";
+    for (const Block* b = seg->first; b != nullptr; b = b->next) {
+      if (b != seg->first) os << ',';
+      os << "{\"address\":";
+      json_pointer(os, b->ptr);
+      os << ",\"size\":" << b->size << ",\"state\":\"" << state_name(b->state) << "\",\"stream\":";
+      json_pointer(os, b->owner->stream.handle);
+      if (b->state == BlockState::allocated) {
+        os << ",\"requested\":" << b->requested << ",\"tag\":";
+        json_string(os, tag_name(b->tag) ? tag_name(b->tag) : "");
+      }
+      os << '}';
+    }
+    os << "]}";
+  }
+  os << "]}";
+  return os.str();
+}
+
+}  // namespace tidepool

@@ -1,0 +1,92 @@
+// Tag registry (process-wide names <-> ids) and the per-thread tag stack.
+//
+// Names are written once into fixed slots and published with a release store of the
+// count, so tag_name() reads without a lock; creation takes a mutex.
+#include "allocator/tags.h"
+
+#include <array>
+#include <atomic>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+
+namespace tidepool {
+namespace {
+
+constexpr std::size_t kMaxTagNameLength = 63;
+
+struct TagRegistry {
+  std::array<std::string, kTagCount> names;
+  std::atomic<int> count{0};
+  std::mutex mutex;
+
+  TagRegistry() {
+    const char* builtins[] = {"untagged", "parameter", "gradient",
+                              "activation", "optimizer_state", "workspace"};
+    static_assert(std::size(builtins) == TIDEPOOL_TAG_FIRST_USER);
+    for (int i = 0; i < TIDEPOOL_TAG_FIRST_USER; ++i) names[i] = builtins[i];
+    count.store(TIDEPOOL_TAG_FIRST_USER, std::memory_order_release);
+  }
+};
+
+TagRegistry& registry() {
+  static TagRegistry* r = new TagRegistry();  // never destroyed: names outlive statics
+  return *r;
+}
+
+struct TagStack {
+  std::array<int, kMaxTagDepth> tags{};
+  int depth = 0;
+};
+thread_local TagStack t_stack;
+
+}  // namespace
+
+int tag_id(std::string_view name) {
+  if (name.empty()) throw std::invalid_argument("tidepool: tag name is empty");
+  if (name.size() > kMaxTagNameLength)
+    throw std::invalid_argument("tidepool: tag name longer than 63 characters: '" +
+                                std::string(name.substr(0, 32)) + "...'");
+  TagRegistry& r = registry();
+  std::lock_guard lock(r.mutex);
+  const int n = r.count.load(std::memory_order_relaxed);
+  for (int i = 0; i < n; ++i)
+    if (r.names[i] == name) return i;
+  if (n >= kTagCount)
+    throw std::length_error("tidepool: cannot create tag '" + std::string(name) + "': all " +
+                            std::to_string(kTagCount) + " tag ids are in use");
+  r.names[n] = std::string(name);
+  r.count.store(n + 1, std::memory_order_release);
+  return n;
+}
+
+const char* tag_name(int tag) {
+  TagRegistry& r = registry();
+  if (tag < 0 || tag >= r.count.load(std::memory_order_acquire)) return nullptr;
+  return r.names[tag].c_str();
+}
+
+int tag_count() { return registry().count.load(std::memory_order_acquire); }
+
+void push_tag(int tag) {
+  if (tag < 0 || tag >= tag_count())
+    throw std::invalid_argument("tidepool: push of unknown tag id " + std::to_string(tag));
+  TagStack& s = t_stack;
+  if (s.depth >= kMaxTagDepth)
+    throw std::length_error("tidepool: tag stack deeper than " + std::to_string(kMaxTagDepth) +
+                            " (a push without a pop?)");
+  s.tags[s.depth++] = tag;
+}
+
+void pop_tag() {
+  TagStack& s = t_stack;
+  if (s.depth == 0) throw std::logic_error("tidepool: tag pop with an empty tag stack");
+  --s.depth;
+}
+
+int current_tag() noexcept {
+  const TagStack& s = t_stack;
+  return s.depth == 0 ? kTagUntagged : s.tags[s.depth - 1];
+}
+
+}  // namespace tidepool

@@ -1,0 +1,136 @@
+// The C ABI as PyTorch and the Python package use it: malloc/free with PyTorch's
+// signatures, tags, the versioned stats struct, the JSON snapshot, empty_cache,
+// record_stream and the backend selection. Runs on the host backend.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <string>
+
+#include "allocator/c_api.h"
+#include "allocator/device_registry.h"
+#include "test_support.h"
+
+namespace {
+
+class CApi : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() { ASSERT_EQ(tidepool_set_backend("host"), 0); }
+  static tidepool_stats_v1 stats(int device = 0) {
+    tidepool_stats_v1 s{};
+    s.struct_size = sizeof s;
+    EXPECT_EQ(tidepool_get_stats_v1(device, &s), 0) << tidepool_last_error();
+    return s;
+  }
+};
+
+TEST_F(CApi, MallocFreeAndStatsStruct) {
+  const tidepool_stats_v1 before = stats();
+  EXPECT_EQ(before.version, 1u);
+  EXPECT_EQ(before.struct_size, sizeof(tidepool_stats_v1));
+  EXPECT_EQ(before.backend, 0);
+  void* p = tidepool_malloc(3000, 0, nullptr);
+  ASSERT_NE(p, nullptr) << tidepool_last_error();
+  tidepool_stats_v1 s = stats();
+  EXPECT_EQ(s.allocated.current, before.allocated.current + 3072);
+  EXPECT_EQ(s.alloc_count, before.alloc_count + 1);
+  EXPECT_EQ(s.requested.current, before.requested.current + 3000);
+  EXPECT_GE(s.reserved.current, s.allocated.current);
+  EXPECT_EQ(s.cached_bytes, s.reserved.current - s.allocated.current);
+  tidepool_free(p, 3000, 0, nullptr);
+  s = stats();
+  EXPECT_EQ(s.allocated.current, before.allocated.current);
+  EXPECT_EQ(s.free_count, before.free_count + 1);
+  EXPECT_EQ(tidepool_reset_peak_stats(0), 0);
+  EXPECT_EQ(stats().allocated.peak, stats().allocated.current);
+}
+
+TEST_F(CApi, AnOlderShorterStatsStructGetsItsPrefix) {
+  unsigned char buffer[sizeof(tidepool_stats_v1) + 16];
+  std::memset(buffer, 0xAB, sizeof buffer);
+  auto* s = reinterpret_cast<tidepool_stats_v1*>(buffer);
+  const std::uint32_t short_size = offsetof(tidepool_stats_v1, tags);
+  s->struct_size = short_size;
+  ASSERT_EQ(tidepool_get_stats_v1(0, s), 0);
+  EXPECT_EQ(s->struct_size, short_size);
+  EXPECT_EQ(s->version, 1u);
+  for (std::size_t i = short_size; i < sizeof buffer; ++i) ASSERT_EQ(buffer[i], 0xAB) << i;
+}
+
+TEST_F(CApi, TagsScopeAllocationsPerThread) {
+  const int tag = tidepool_tag_id("c_api_test");
+  ASSERT_GE(tag, TIDEPOOL_TAG_FIRST_USER);
+  EXPECT_EQ(tidepool_tag_id("c_api_test"), tag);
+  EXPECT_STREQ(tidepool_tag_name(tag), "c_api_test");
+  EXPECT_STREQ(tidepool_tag_name(TIDEPOOL_TAG_OPTIMIZER_STATE), "optimizer_state");
+  EXPECT_EQ(tidepool_tag_id("gradient"), TIDEPOOL_TAG_GRADIENT);
+  ASSERT_EQ(tidepool_tag_push(tag), 0);
+  EXPECT_EQ(tidepool_tag_current(), tag);
+  void* p = tidepool_malloc(10000, 0, nullptr);
+  ASSERT_EQ(tidepool_tag_pop(), 0);
+  EXPECT_EQ(tidepool_tag_current(), TIDEPOOL_TAG_UNTAGGED);
+  tidepool_stats_v1 s = stats();
+  EXPECT_EQ(s.tags[tag].count, 1u);
+  EXPECT_EQ(s.tags[tag].bytes.current, 10240u);
+  tidepool_free(p, 10000, 0, nullptr);
+  s = stats();
+  EXPECT_EQ(s.tags[tag].count, 0u);
+  EXPECT_EQ(s.tags[tag].total_count, 1u);
+  EXPECT_EQ(s.tags[tag].bytes.peak, 10240u);
+}
+
+TEST_F(CApi, SnapshotIsValidJsonWithSegmentsBlocksAndEscapedTagNames) {
+  const int tag = tidepool_tag_id("quote\"back\\slash\nnewline");
+  ASSERT_GE(tag, 0) << tidepool_last_error();
+  tidepool_tag_push(tag);
+  void* p = tidepool_malloc(5 << 20, 0, nullptr);
+  tidepool_tag_pop();
+  char* json = tidepool_snapshot_json(0);
+  ASSERT_NE(json, nullptr) << tidepool_last_error();
+  const std::string text = json;
+  tidepool_string_free(json);
+  EXPECT_TRUE(tidepool::test::JsonChecker::valid(text)) << text;
+  EXPECT_NE(text.find("\"segments\":[{"), std::string::npos);
+  EXPECT_NE(text.find("\"state\":\"allocated\""), std::string::npos);
+  EXPECT_NE(text.find("\"requested\":5242880"), std::string::npos);
+  EXPECT_NE(text.find("quote\\\"back\\\\slash\\nnewline"), std::string::npos) << text;
+  EXPECT_FALSE(tidepool::test::JsonChecker::valid("{\"a\":1,}"));  // the checker can fail
+  tidepool_free(p, 5 << 20, 0, nullptr);
+}
+
+TEST_F(CApi, EmptyCacheAndRecordStreamWork) {
+  void* p = tidepool_malloc(40 << 20, 0, nullptr);
+  ASSERT_NE(p, nullptr);
+  EXPECT_EQ(tidepool_record_stream(p, 0, nullptr), 0);  // same stream: a no-op
+  tidepool_free(p, 40 << 20, 0, nullptr);
+  const std::uint64_t reserved = stats().reserved.current;
+  EXPECT_EQ(tidepool_empty_cache(0), 0);
+  EXPECT_LE(stats().reserved.current + (40u << 20), reserved);
+  EXPECT_GT(stats().segments_released, 0u);
+}
+
+TEST_F(CApi, OutOfMemoryIsNullWithTheMessageInTheLastError) {
+  const std::uint64_t ooms = stats().oom_count;
+  ::testing::internal::CaptureStderr();
+  void* p = tidepool_malloc(static_cast<ssize_t>(std::size_t{1} << 40), 0, nullptr);  // 1 TiB
+  const std::string err = ::testing::internal::GetCapturedStderr();
+  EXPECT_EQ(p, nullptr);
+  const std::string message = tidepool_last_error();
+  EXPECT_NE(message.find("out of memory: cannot allocate 1.00 TiB"), std::string::npos) << message;
+  EXPECT_NE(message.find("device 0 (host backend)"), std::string::npos) << message;
+  EXPECT_EQ(err, "") << "OOM is reported through the return value, not on stderr";
+  EXPECT_EQ(stats().oom_count, ooms + 1);
+  void* q = tidepool_malloc(100, 0, nullptr);  // the process and the allocator live on
+  EXPECT_NE(q, nullptr);
+  tidepool_free(q, 100, 0, nullptr);
+}
+
+TEST_F(CApi, BackendIsFixedOnceAnAllocatorExists) {
+  void* p = tidepool_malloc(1, 0, nullptr);
+  EXPECT_STREQ(tidepool_backend_name(0), "host");
+  EXPECT_EQ(tidepool_set_backend("cuda"), -1);
+  EXPECT_NE(std::string(tidepool_last_error()).find("after a device allocator was created"),
+            std::string::npos);
+  tidepool_free(p, 1, 0, nullptr);
+}
+
+}  // namespace

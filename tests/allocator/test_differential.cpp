@@ -1,0 +1,140 @@
+// Randomized differential test: a long random sequence of allocations, frees, tag scopes
+// and empty_cache calls runs against the allocator and a reference model of what must
+// hold: live blocks never overlap, the bytes written into each block are intact when it
+// is freed, and the allocator's stats equal the model's after every step.
+#include <gtest/gtest.h>
+
+#include <map>
+#include <random>
+#include <tuple>
+#include <vector>
+
+#include "allocator/caching_allocator.h"
+#include "allocator/size_classes.h"
+#include "allocator/tags.h"
+#include "test_support.h"
+
+namespace tidepool {
+namespace {
+
+struct LiveBlock {
+  std::size_t size;
+  int tag;
+  unsigned char value;
+  Stream stream;
+};
+
+struct Model {
+  std::map<char*, LiveBlock> live;  // by address, for the overlap check
+  std::uint64_t allocated = 0, requested = 0;
+  std::array<std::uint64_t, kTagCount> tag_bytes{}, tag_count{};
+};
+
+using Param = std::tuple<std::string, bool>;
+
+class Differential : public ::testing::TestWithParam<Param> {};
+
+// Reads `n` bytes at `offset` of block p back to the host.
+std::vector<unsigned char> read_back(Backend& b, char* p, std::size_t offset, std::size_t n,
+                                     Stream s) {
+  std::vector<unsigned char> out(n);
+  b.copy_async(out.data(), p + offset, n, CopyKind::device_to_host, s);
+  b.stream_synchronize(s);
+  return out;
+}
+
+TEST_P(Differential, RandomOperationsMatchTheReferenceModel) {
+  TIDEPOOL_BACKEND_OR_SKIP(backend, std::get<0>(GetParam()), std::size_t{512} << 20);
+  AllocatorOptions o;
+  o.expandable_segments = std::get<1>(GetParam());
+  CachingAllocator alloc(std::move(backend), o);
+  Backend& be = alloc.backend();
+  const Stream streams[2] = {Stream{}, be.create_stream()};
+  const int tags[3] = {kTagUntagged, kTagActivation, tag_id("differential")};
+
+  std::mt19937_64 rng(12345);
+  Model m;
+  const int steps = test::scaled(6000);
+  unsigned char next_value = 1;
+  for (int step = 0; step < steps; ++step) {
+    const int dice = static_cast<int>(rng() % 100);
+    if ((dice < 50 && m.live.size() < 120) || m.live.empty()) {
+      // Sizes: mostly small, some large, a few several MiB.
+      const int kind = static_cast<int>(rng() % 10);
+      std::size_t n = kind < 6   ? 1 + rng() % 4096
+                      : kind < 9 ? 1 + rng() % (2 << 20)
+                                 : (1 << 20) + rng() % (12 << 20);
+      const int tag = tags[rng() % 3];
+      const Stream s = streams[rng() % 2];
+      char* p;
+      {
+        TagScope scope(tag);
+        p = static_cast<char*>(alloc.allocate(n, s));
+      }
+      ASSERT_NE(p, nullptr);
+      // No overlap with any live block.
+      auto after = m.live.lower_bound(p);
+      if (after != m.live.end()) {
+        ASSERT_LE(p + n, after->first) << "overlaps the next block";
+      }
+      if (after != m.live.begin()) {
+        auto before = std::prev(after);
+        ASSERT_LE(before->first + before->second.size, p) << "overlaps the previous block";
+      }
+      const unsigned char value = next_value;
+      next_value = static_cast<unsigned char>(next_value % 250 + 1);
+      be.memset_async(p, value, n, s);
+      m.live.emplace(p, LiveBlock{n, tag, value, s});
+      m.allocated += round_request(n);
+      m.requested += n;
+      m.tag_bytes[tag] += round_request(n);
+      ++m.tag_count[tag];
+    } else if (dice < 97) {
+      auto it = m.live.begin();
+      std::advance(it, static_cast<long>(rng() % m.live.size()));
+      char* p = it->first;
+      const LiveBlock b = it->second;
+      // The bytes written at allocation are intact: head, middle and tail.
+      const std::size_t probe = std::min<std::size_t>(b.size, 256);
+      for (std::size_t off : {std::size_t{0}, (b.size - probe) / 2, b.size - probe}) {
+        const auto bytes = read_back(be, p, off, probe, b.stream);
+        for (std::size_t i = 0; i < probe; ++i)
+          ASSERT_EQ(bytes[i], b.value) << "block " << static_cast<void*>(p) << " byte " << off + i;
+      }
+      alloc.deallocate(p, b.size, b.stream);
+      m.live.erase(it);
+      m.allocated -= round_request(b.size);
+      m.requested -= b.size;
+      m.tag_bytes[b.tag] -= round_request(b.size);
+      --m.tag_count[b.tag];
+    } else {
+      be.device_synchronize();
+      alloc.empty_cache();
+    }
+    const AllocatorStats s = alloc.stats();
+    ASSERT_EQ(s.allocated.current, m.allocated) << "step " << step;
+    ASSERT_EQ(s.requested.current, m.requested) << "step " << step;
+    ASSERT_GE(s.reserved.current, s.allocated.current) << "step " << step;
+    for (int t : tags) {
+      ASSERT_EQ(s.tags[t].bytes.current, m.tag_bytes[t]) << "tag " << t << " step " << step;
+      ASSERT_EQ(s.tags[t].count, m.tag_count[t]) << "tag " << t << " step " << step;
+    }
+  }
+  for (auto& [p, b] : m.live) alloc.deallocate(p, b.size, b.stream);
+  EXPECT_EQ(alloc.stats().allocated.current, 0u);
+  be.device_synchronize();
+  alloc.empty_cache();
+  EXPECT_EQ(alloc.stats().reserved.current, 0u);
+  be.destroy_stream(streams[1]);
+}
+
+std::string param_name(const ::testing::TestParamInfo<Param>& info) {
+  return std::get<0>(info.param) + (std::get<1>(info.param) ? "_expandable" : "_plain");
+}
+
+INSTANTIATE_TEST_SUITE_P(Backends, Differential,
+                         ::testing::Combine(::testing::Values("host", "cuda"), ::testing::Bool()),
+                         param_name);
+
+}  // namespace
+}  // namespace tidepool

@@ -1,0 +1,168 @@
+// The OOM policy (Note [OOM policy]): cached memory is given back before anyone is asked,
+// reclaim hooks run without the allocator's lock and can free through it, the retry then
+// succeeds; with nothing to reclaim, OutOfMemoryError names the request, the device and
+// the per-tag breakdown, and the allocator keeps working afterwards.
+#include <gtest/gtest.h>
+
+#include <vector>
+
+#include "allocator/caching_allocator.h"
+#include "allocator/reclaim.h"
+#include "allocator/tags.h"
+#include "test_support.h"
+
+namespace tidepool {
+namespace {
+
+constexpr std::size_t kMiB = std::size_t{1} << 20;
+
+class HookGuard {
+ public:
+  explicit HookGuard(ReclaimHook h) : id_(register_reclaim_hook(std::move(h))) {}
+  ~HookGuard() { unregister_reclaim_hook(id_); }
+
+ private:
+  int id_;
+};
+
+class Oom : public ::testing::TestWithParam<bool> {
+ protected:
+  Oom() {
+    HostBackendOptions b;
+    b.capacity_bytes = 64 * kMiB;
+    AllocatorOptions o;
+    o.expandable_segments = GetParam();
+    alloc_ = std::make_unique<CachingAllocator>(make_host_backend(0, b), o);
+  }
+  std::unique_ptr<CachingAllocator> alloc_;
+};
+
+TEST_P(Oom, CachedMemoryIsReleasedBeforeHooksAreAsked) {
+  int hook_calls = 0;
+  HookGuard guard([&](int, std::size_t) {
+    ++hook_calls;
+    return std::size_t{0};
+  });
+  // 48 MiB cached in 12 MiB pieces, then one 60 MiB request: only possible after the
+  // cache went back to the backend.
+  std::vector<void*> v;
+  for (int i = 0; i < 4; ++i) v.push_back(alloc_->allocate(12 * kMiB));
+  for (void* p : v) alloc_->deallocate(p, 12 * kMiB);
+  void* big = alloc_->allocate(60 * kMiB);
+  EXPECT_NE(big, nullptr);
+  EXPECT_EQ(hook_calls, 0);
+  // Plain segments must go back to the backend for this; an expandable range just
+  // grows its free tail by the missing 12 MiB.
+  if (!GetParam()) {
+    EXPECT_GT(alloc_->stats().segments_released, 0u);
+  }
+  alloc_->deallocate(big, 60 * kMiB);
+}
+
+TEST_P(Oom, ReclaimHookFreesMemoryAndTheRetrySucceeds) {
+  std::vector<void*> cold;
+  {
+    TagScope scope(kTagOptimizerState);
+    for (int i = 0; i < 3; ++i) cold.push_back(alloc_->allocate(16 * kMiB));
+  }
+  int calls = 0;
+  HookGuard guard([&](int device, std::size_t needed) {
+    ++calls;
+    EXPECT_EQ(device, 0);
+    EXPECT_GE(needed, 24 * kMiB);
+    std::size_t freed = 0;
+    for (void* p : cold) {  // frees through the allocator: no lock may be held here
+      alloc_->deallocate(p, 16 * kMiB);
+      freed += 16 * kMiB;
+    }
+    cold.clear();
+    return freed;
+  });
+  void* p = alloc_->allocate(24 * kMiB);
+  ASSERT_NE(p, nullptr);
+  EXPECT_EQ(calls, 1);
+  const AllocatorStats s = alloc_->stats();
+  EXPECT_EQ(s.reclaim_calls, 1u);
+  EXPECT_EQ(s.reclaimed_bytes, 48 * kMiB);
+  EXPECT_EQ(s.oom_count, 0u);
+  EXPECT_EQ(s.tags[kTagOptimizerState].count, 0u);
+  alloc_->deallocate(p, 24 * kMiB);
+}
+
+TEST_P(Oom, NothingToReclaimGivesAClearErrorAndTheAllocatorLivesOn) {
+  const int tag = tag_id("kv_cache");
+  std::vector<void*> held;
+  {
+    TagScope scope(kTagActivation);
+    held.push_back(alloc_->allocate(20 * kMiB));
+  }
+  {
+    TagScope scope(tag);
+    held.push_back(alloc_->allocate(20 * kMiB));
+  }
+  try {
+    alloc_->allocate(40 * kMiB);
+    FAIL() << "expected OutOfMemoryError";
+  } catch (const OutOfMemoryError& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("out of memory"), std::string::npos) << m;
+    EXPECT_NE(m.find("40.00 MiB"), std::string::npos) << m;
+    EXPECT_NE(m.find("device 0"), std::string::npos) << m;
+    EXPECT_NE(m.find("activation 20.00 MiB in 1 allocation"), std::string::npos) << m;
+    EXPECT_NE(m.find("kv_cache 20.00 MiB"), std::string::npos) << m;
+    EXPECT_NE(m.find("Suggestion"), std::string::npos) << m;
+  }
+  EXPECT_EQ(alloc_->stats().oom_count, 1u);
+  EXPECT_EQ(alloc_->stats().allocated.current, 40 * kMiB);
+  // Still usable, and catchable as std::bad_alloc too.
+  void* small = alloc_->allocate(1000);
+  EXPECT_NE(small, nullptr);
+  alloc_->deallocate(small, 1000);
+  EXPECT_THROW(alloc_->allocate(50 * kMiB), std::bad_alloc);
+  for (void* p : held) alloc_->deallocate(p, 20 * kMiB);
+  void* now = alloc_->allocate(40 * kMiB);
+  EXPECT_NE(now, nullptr);
+  alloc_->deallocate(now, 40 * kMiB);
+}
+
+TEST_P(Oom, ARequestLargerThanTheDeviceSaysSo) {
+  try {
+    alloc_->allocate(1024 * kMiB);
+    FAIL() << "expected OutOfMemoryError";
+  } catch (const OutOfMemoryError& e) {
+    EXPECT_NE(std::string(e.what()).find("larger than the whole device"), std::string::npos)
+        << e.what();
+  }
+}
+
+TEST_P(Oom, AThrowingHookDoesNotBreakThePolicy) {
+  HookGuard guard([](int, std::size_t) -> std::size_t { throw std::runtime_error("hook bug"); });
+  void* a = alloc_->allocate(40 * kMiB);
+  EXPECT_THROW(alloc_->allocate(40 * kMiB), OutOfMemoryError);
+  alloc_->deallocate(a, 40 * kMiB);
+}
+
+TEST_P(Oom, ATransientBackendFailureIsRetriedAfterReleasingTheCache) {
+  void* warm = alloc_->allocate(8 * kMiB);
+  alloc_->deallocate(warm, 8 * kMiB);
+  alloc_->backend().inject_fault(GetParam() ? FaultPoint::create_physical : FaultPoint::device_alloc);
+  void* p = alloc_->allocate(32 * kMiB);
+  EXPECT_NE(p, nullptr);
+  EXPECT_EQ(alloc_->stats().oom_count, 0u);
+  alloc_->deallocate(p, 32 * kMiB);
+}
+
+TEST_P(Oom, AbsurdSizesAreUsageErrorsNotOom) {
+  EXPECT_THROW(alloc_->allocate(~std::size_t{0}), AllocatorUsageError);
+  EXPECT_THROW(alloc_->allocate(std::size_t{1} << 60), AllocatorUsageError);
+  EXPECT_EQ(alloc_->stats().oom_count, 0u);
+}
+
+std::string segment_kind(const ::testing::TestParamInfo<bool>& p) {
+  return p.param ? "expandable" : "plain";
+}
+
+INSTANTIATE_TEST_SUITE_P(Segments, Oom, ::testing::Bool(), segment_kind);
+
+}  // namespace
+}  // namespace tidepool

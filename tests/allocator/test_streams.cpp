@@ -1,0 +1,126 @@
+// Stream ordering rules (Note [Stream contract] in caching_allocator.h), on the host
+// backend whose streams really run asynchronously: a stream is held busy by a host
+// function that waits for the test's signal, so "work still pending" is real.
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <chrono>
+#include <thread>
+
+#include "allocator/caching_allocator.h"
+#include "test_support.h"
+
+namespace tidepool {
+namespace {
+
+// Holds a stream: everything enqueued after hold() waits until release().
+class StreamHold {
+ public:
+  StreamHold(Backend& b, Stream s) { b.launch_host_func(s, &StreamHold::wait, this); }
+  ~StreamHold() { release(); }
+  void release() { open_.store(true); }
+
+ private:
+  static void wait(void* self) {
+    auto* h = static_cast<StreamHold*>(self);
+    while (!h->open_.load()) std::this_thread::sleep_for(std::chrono::microseconds(100));
+  }
+  std::atomic<bool> open_{false};
+};
+
+class Streams : public ::testing::Test {
+ protected:
+  Streams() : alloc_(make_host_backend(0)) {
+    a_ = alloc_.backend().create_stream();
+    b_ = alloc_.backend().create_stream();
+  }
+  ~Streams() override {
+    alloc_.backend().destroy_stream(a_);
+    alloc_.backend().destroy_stream(b_);
+  }
+  CachingAllocator alloc_;
+  Stream a_, b_;
+};
+
+constexpr std::size_t kSize = 4 << 20;
+
+TEST_F(Streams, SameStreamReusesAFreedBlockAtOnceEvenWithWorkPending) {
+  StreamHold hold(alloc_.backend(), a_);
+  void* p = alloc_.allocate(kSize, a_);
+  alloc_.deallocate(p, kSize, a_);
+  EXPECT_EQ(alloc_.allocate(kSize, a_), p);
+  alloc_.deallocate(p, kSize, a_);
+  hold.release();
+  alloc_.backend().stream_synchronize(a_);
+}
+
+TEST_F(Streams, OtherStreamWaitsUntilTheFreeingStreamsWorkIsDone) {
+  void* p = alloc_.allocate(kSize, a_);
+  auto hold = std::make_unique<StreamHold>(alloc_.backend(), a_);  // A's queued work uses p
+  alloc_.deallocate(p, kSize, a_);
+  void* q = alloc_.allocate(kSize, b_);  // B has nothing cached: it looks at A's pool
+  EXPECT_NE(q, p) << "stream B got memory stream A may still be using";
+  EXPECT_EQ(alloc_.stats().cross_stream_reuses, 0u);
+  hold->release();
+  alloc_.backend().stream_synchronize(a_);
+  // A has passed the free: B (still holding q, so again with nothing cached) gets p.
+  void* r = alloc_.allocate(kSize, b_);
+  EXPECT_EQ(r, p);
+  EXPECT_EQ(alloc_.stats().cross_stream_reuses, 1u);
+  alloc_.deallocate(r, kSize, b_);
+  alloc_.deallocate(q, kSize, b_);
+}
+
+TEST_F(Streams, RecordStreamHoldsTheBlockUntilThatStreamPassesTheFree) {
+  void* p = alloc_.allocate(kSize, a_);
+  StreamHold hold(alloc_.backend(), b_);
+  alloc_.record_stream(p, b_);  // B's queued work reads p
+  alloc_.deallocate(p, kSize, a_);
+  // Even stream A must not get p back while B has not passed the free.
+  void* q = alloc_.allocate(kSize, a_);
+  EXPECT_NE(q, p);
+  alloc_.deallocate(q, kSize, a_);
+  const std::string snap = alloc_.snapshot_json();
+  EXPECT_NE(snap.find("\"pending\""), std::string::npos) << snap;
+  hold.release();
+  alloc_.backend().stream_synchronize(b_);
+  // Events done: the next allocation on A processes them and may reuse p's memory.
+  void* r = alloc_.allocate(2 * kSize, a_);
+  EXPECT_EQ(alloc_.snapshot_json().find("\"pending\""), std::string::npos);
+  alloc_.deallocate(r, 2 * kSize, a_);
+}
+
+TEST_F(Streams, FreeOnAnotherStreamActsAsRecordStream) {
+  void* p = alloc_.allocate(kSize, a_);
+  StreamHold hold(alloc_.backend(), b_);
+  alloc_.deallocate(p, kSize, b_);  // B used it last
+  void* q = alloc_.allocate(kSize, a_);
+  EXPECT_NE(q, p);
+  alloc_.deallocate(q, kSize, a_);
+  hold.release();
+  alloc_.backend().stream_synchronize(b_);
+}
+
+TEST_F(Streams, EmptyCacheKeepsBlocksWaitingForEvents) {
+  void* p = alloc_.allocate(kSize, a_);
+  StreamHold hold(alloc_.backend(), b_);
+  alloc_.record_stream(p, b_);
+  alloc_.deallocate(p, kSize, a_);
+  alloc_.empty_cache();  // must not hand p's memory back while B may still read it
+  EXPECT_GE(alloc_.stats().reserved.current, kSize);
+  hold.release();
+  alloc_.backend().stream_synchronize(b_);
+  alloc_.allocate(0, a_);  // no-op
+  void* q = alloc_.allocate(512, a_);  // processes the completed events
+  alloc_.deallocate(q, 512, a_);
+  alloc_.empty_cache();
+  EXPECT_LT(alloc_.stats().reserved.current, kSize);
+}
+
+TEST_F(Streams, RecordStreamOnAnUnknownPointerIsAClearError) {
+  int x = 0;
+  EXPECT_THROW(alloc_.record_stream(&x, b_), AllocatorUsageError);
+}
+
+}  // namespace
+}  // namespace tidepool

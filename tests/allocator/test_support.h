@@ -1,0 +1,155 @@
+// Shared helpers of the allocator tests: which backends to run on, allocators over a
+// fresh backend, an iteration scale (TIDEPOOL_TEST_SCALE) and a small JSON checker.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <cctype>
+#include <cstdlib>
+#include <memory>
+#include <string>
+#include <string_view>
+
+#include "allocator/backend.h"
+#include "allocator/caching_allocator.h"
+
+namespace tidepool::test {
+
+// Multiplier for iteration counts: TIDEPOOL_TEST_SCALE=0.1 under slow sanitizers, 10 for
+// soak runs. Defaults to 1.
+inline double scale() {
+  const char* s = std::getenv("TIDEPOOL_TEST_SCALE");
+  if (s == nullptr || *s == '\0') return 1.0;
+  const double v = std::atof(s);
+  return v > 0 ? v : 1.0;
+}
+inline int scaled(int n) { return std::max(1, static_cast<int>(n * scale())); }
+
+// A backend of the named kind ("host" or "cuda"), or nullptr (and a GTEST_SKIP by the
+// caller) when "cuda" is asked for on a machine without a GPU.
+inline std::unique_ptr<Backend> make_backend(const std::string& kind,
+                                             std::size_t host_capacity = std::size_t{1} << 30) {
+  if (kind == "cuda") {
+    if (cuda_device_count() == 0) return nullptr;
+    return make_cuda_backend(0);
+  }
+  HostBackendOptions o;
+  o.capacity_bytes = host_capacity;
+  return make_host_backend(0, o);
+}
+
+#define TIDEPOOL_BACKEND_OR_SKIP(var, kind, ...)                   \
+  auto var = ::tidepool::test::make_backend(kind, ##__VA_ARGS__);  \
+  if (!var) {                                                      \
+    GTEST_SKIP() << "no CUDA device on this machine";              \
+  }                                                                \
+  static_assert(true)
+
+// Minimal recursive-descent JSON validator (RFC 8259 grammar, no semantic checks).
+class JsonChecker {
+ public:
+  static bool valid(std::string_view text) {
+    JsonChecker c(text);
+    c.ws();
+    if (!c.value()) return false;
+    c.ws();
+    return c.i_ == text.size();
+  }
+
+ private:
+  explicit JsonChecker(std::string_view t) : t_(t) {}
+  bool eof() const { return i_ >= t_.size(); }
+  char peek() const { return eof() ? '\0' : t_[i_]; }
+  void ws() {
+    while (!eof() && (peek() == ' ' || peek() == '\n' || peek() == '\t' || peek() == '\r')) ++i_;
+  }
+  bool lit(std::string_view w) {
+    if (t_.substr(i_, w.size()) != w) return false;
+    i_ += w.size();
+    return true;
+  }
+  bool value() {
+    switch (peek()) {
+      case '{': return object();
+      case '[': return array();
+      case '"': return string();
+      case 't': return lit("true");
+      case 'f': return lit("false");
+      case 'n': return lit("null");
+      default: return number();
+    }
+  }
+  bool object() {
+    ++i_;
+    ws();
+    if (peek() == '}') return ++i_, true;
+    for (;;) {
+      ws();
+      if (!string()) return false;
+      ws();
+      if (peek() != ':') return false;
+      ++i_;
+      ws();
+      if (!value()) return false;
+      ws();
+      if (peek() == ',') { ++i_; continue; }
+      if (peek() == '}') return ++i_, true;
+      return false;
+    }
+  }
+  bool array() {
+    ++i_;
+    ws();
+    if (peek() == ']') return ++i_, true;
+    for (;;) {
+      ws();
+      if (!value()) return false;
+      ws();
+      if (peek() == ',') { ++i_; continue; }
+      if (peek() == ']') return ++i_, true;
+      return false;
+    }
+  }
+  bool string() {
+    if (peek() != '"') return false;
+    ++i_;
+    while (!eof()) {
+      const char c = t_[i_++];
+      if (c == '"') return true;
+      if (static_cast<unsigned char>(c) < 0x20) return false;
+      if (c == '\\') {
+        const char e = peek();
+        ++i_;
+        if (e == 'u') {
+          for (int k = 0; k < 4; ++k, ++i_)
+            if (!std::isxdigit(static_cast<unsigned char>(peek()))) return false;
+        } else if (std::string_view("\"\\/bfnrt").find(e) == std::string_view::npos) {
+          return false;
+        }
+      }
+    }
+    return false;
+  }
+  bool number() {
+    const std::size_t start = i_;
+    if (peek() == '-') ++i_;
+    if (!std::isdigit(static_cast<unsigned char>(peek()))) return false;
+    while (std::isdigit(static_cast<unsigned char>(peek()))) ++i_;
+    if (peek() == '.') {
+      ++i_;
+      if (!std::isdigit(static_cast<unsigned char>(peek()))) return false;
+      while (std::isdigit(static_cast<unsigned char>(peek()))) ++i_;
+    }
+    if (peek() == 'e' || peek() == 'E') {
+      ++i_;
+      if (peek() == '+' || peek() == '-') ++i_;
+      if (!std::isdigit(static_cast<unsigned char>(peek()))) return false;
+      while (std::isdigit(static_cast<unsigned char>(peek()))) ++i_;
+    }
+    return i_ > start;
+  }
+  std::string_view t_;
+  std::size_t i_ = 0;
+};
+
+}  // namespace tidepool::test

@@ -1,0 +1,82 @@
+// Tags: names and ids, the thread-local stack, RAII scoping, limits.
+#include <gtest/gtest.h>
+
+#include <string>
+#include <thread>
+
+#include "allocator/tags.h"
+
+namespace tidepool {
+namespace {
+
+TEST(Tags, BuiltInsHaveTheirCApiIds) {
+  EXPECT_EQ(tag_id("untagged"), kTagUntagged);
+  EXPECT_EQ(tag_id("parameter"), kTagParameter);
+  EXPECT_EQ(tag_id("gradient"), kTagGradient);
+  EXPECT_EQ(tag_id("activation"), kTagActivation);
+  EXPECT_EQ(tag_id("optimizer_state"), kTagOptimizerState);
+  EXPECT_EQ(tag_id("workspace"), kTagWorkspace);
+  EXPECT_STREQ(tag_name(kTagWorkspace), "workspace");
+}
+
+TEST(Tags, UserTagsAreCreatedOnceAndKeepTheirName) {
+  const int a = tag_id("tags_test_user");
+  EXPECT_GE(a, TIDEPOOL_TAG_FIRST_USER);
+  EXPECT_EQ(tag_id("tags_test_user"), a);
+  EXPECT_STREQ(tag_name(a), "tags_test_user");
+  EXPECT_EQ(tag_name(tag_count()), nullptr);
+}
+
+TEST(Tags, ScopesNestAndUnwind) {
+  EXPECT_EQ(current_tag(), kTagUntagged);
+  {
+    TagScope outer(kTagParameter);
+    EXPECT_EQ(current_tag(), kTagParameter);
+    {
+      TagScope inner("activation");
+      EXPECT_EQ(current_tag(), kTagActivation);
+    }
+    EXPECT_EQ(current_tag(), kTagParameter);
+  }
+  EXPECT_EQ(current_tag(), kTagUntagged);
+}
+
+TEST(Tags, TheStackIsPerThread) {
+  TagScope here(kTagGradient);
+  int seen = -1;
+  std::thread([&] { seen = current_tag(); }).join();
+  EXPECT_EQ(seen, kTagUntagged);
+  EXPECT_EQ(current_tag(), kTagGradient);
+}
+
+TEST(Tags, MisuseIsAClearError) {
+  EXPECT_THROW(pop_tag(), std::logic_error);
+  EXPECT_THROW(push_tag(-1), std::invalid_argument);
+  EXPECT_THROW(push_tag(kTagCount), std::invalid_argument);
+  EXPECT_THROW(tag_id(""), std::invalid_argument);
+  EXPECT_THROW(tag_id(std::string(100, 'x')), std::invalid_argument);
+  int pushed = 0;
+  try {
+    for (; pushed < kMaxTagDepth + 1; ++pushed) push_tag(kTagParameter);
+  } catch (const std::length_error&) {
+  }
+  EXPECT_EQ(pushed, kMaxTagDepth);
+  for (int i = 0; i < pushed; ++i) pop_tag();
+  EXPECT_EQ(current_tag(), kTagUntagged);
+}
+
+TEST(Tags, TheTableFillsUpWithAClearError) {
+  bool full = false;
+  for (int i = 0; i < kTagCount + 1 && !full; ++i) {
+    try {
+      tag_id("fill_" + std::to_string(i));
+    } catch (const std::length_error& e) {
+      full = true;
+      EXPECT_NE(std::string(e.what()).find("all 64 tag ids are in use"), std::string::npos);
+    }
+  }
+  EXPECT_TRUE(full);
+}
+
+}  // namespace
+}  // namespace tidepool
