@@ -1,0 +1,196 @@
+// HostArena: pinned slabs sub-allocated by mimalloc, direct pinned mappings, the budget,
+// RLIMIT_MEMLOCK, and the pageable fallback that must be reported, not silent.
+#include <sys/resource.h>
+
+#include <algorithm>
+#include <cstring>
+#include <thread>
+
+#include "tests/tiering/tiering_test_util.h"
+#include "tiering/host_arena.h"
+
+namespace tidepool {
+namespace {
+
+using tiering_test::test_host_options;
+
+class HostArenaTest : public tiering_test::TieringTest {};
+
+TEST_P(HostArenaTest, BlocksAreAlignedPinnedDistinctAndHoldTheirBytes) {
+  HostArena arena(backend(), test_host_options());
+  std::vector<HostBlock> blocks;
+  std::mt19937 rng(1);
+  for (int i = 0; i < 300; ++i) {
+    const std::size_t n = 1 + rng() % (256 << 10);
+    HostBlock b = arena.allocate(n);
+    ASSERT_TRUE(b);
+    EXPECT_EQ(b.tier, HostTier::pinned);
+    EXPECT_EQ(b.bytes, n);
+    EXPECT_EQ(reinterpret_cast<std::uintptr_t>(b.ptr) % 256, 0u);
+    std::memset(b.ptr, i & 0xff, n);
+    blocks.push_back(b);
+  }
+  // No block overlaps another: each still holds its own fill.
+  for (std::size_t i = 0; i < blocks.size(); ++i) {
+    const auto* p = static_cast<const unsigned char*>(blocks[i].ptr);
+    ASSERT_TRUE(std::all_of(p, p + blocks[i].bytes, [&](unsigned char c) { return c == (i & 0xff); }))
+        << "block " << i << " was overwritten";
+  }
+  const HostArenaStats s = arena.stats();
+  EXPECT_GE(s.slab_count, 1u);
+  EXPECT_EQ(s.pageable_allocs, 0u);
+  EXPECT_LE(s.pinned_registered_bytes, s.pinned_budget_bytes);
+  for (auto& b : blocks) arena.deallocate(b);
+  EXPECT_EQ(arena.stats().pinned_in_use_bytes, 0u);
+}
+
+TEST_P(HostArenaTest, SlabMemoryIsRegisteredWithTheBackend) {
+  // host_register of a range that is already registered fails on both backends, so a
+  // successful re-registration proves the block was not pinned.
+  HostArena arena(backend(), test_host_options());
+  HostBlock small = arena.allocate(4096);
+  HostBlock large = arena.allocate(8 << 20);  // direct mapping
+  EXPECT_EQ(arena.stats().direct_count, 1u);
+  EXPECT_EQ(reinterpret_cast<std::uintptr_t>(large.ptr) % 4096, 0u);
+  EXPECT_THROW(backend().host_register(large.ptr, 4096), BackendError);
+  arena.deallocate(small);
+  arena.deallocate(large);
+  EXPECT_EQ(arena.stats().direct_count, 0u);
+}
+
+TEST_P(HostArenaTest, BudgetSpentFallsBackToPageableAndSaysSo) {
+  HostArena arena(backend(), test_host_options(std::size_t{32} << 20));  // < one 64 MiB slab
+  HostBlock b = arena.allocate(1 << 20);
+  EXPECT_EQ(b.tier, HostTier::pageable);
+  const HostArenaStats s = arena.stats();
+  EXPECT_EQ(s.pageable_allocs, 1u);
+  EXPECT_EQ(s.fallback_budget, 1u);
+  EXPECT_EQ(s.pageable_in_use_bytes, std::size_t{1} << 20);
+  EXPECT_NE(s.last_fallback_reason.find("budget"), std::string::npos) << s.last_fallback_reason;
+  EXPECT_EQ(s.pinned_registered_bytes, 0u);
+  std::memset(b.ptr, 7, b.bytes);
+  arena.deallocate(b);
+  EXPECT_EQ(arena.stats().pageable_in_use_bytes, 0u);
+}
+
+TEST_P(HostArenaTest, DirectAllocationsStayWithinTheBudget) {
+  HostArena arena(backend(), test_host_options(std::size_t{20} << 20));
+  HostBlock a = arena.allocate(8 << 20);
+  HostBlock b = arena.allocate(8 << 20);
+  HostBlock c = arena.allocate(8 << 20);  // 24 MiB > 20 MiB budget
+  EXPECT_EQ(a.tier, HostTier::pinned);
+  EXPECT_EQ(b.tier, HostTier::pinned);
+  EXPECT_EQ(c.tier, HostTier::pageable);
+  EXPECT_LE(arena.stats().pinned_registered_bytes, std::size_t{20} << 20);
+  arena.deallocate(a);
+  HostBlock d = arena.allocate(8 << 20);  // room again
+  EXPECT_EQ(d.tier, HostTier::pinned);
+  for (auto& x : {b, c, d}) arena.deallocate(x);
+}
+
+TEST_P(HostArenaTest, NoFallbackMeansAClearError) {
+  HostArenaOptions o = test_host_options(std::size_t{4} << 20);
+  o.allow_pageable_fallback = false;
+  HostArena arena(backend(), o);
+  try {
+    (void)arena.allocate(1 << 20);
+    FAIL() << "expected HostArenaError";
+  } catch (const HostArenaError& e) {
+    EXPECT_NE(std::string(e.what()).find("pinned budget"), std::string::npos) << e.what();
+  }
+}
+
+TEST_P(HostArenaTest, RegistrationFailureFallsBackAndIsCounted) {
+  if (!on_host()) GTEST_SKIP() << "fault injection is a host-backend feature";
+  HostArena arena(backend(), test_host_options());
+  backend().inject_fault(FaultPoint::host_register, 1);
+  HostBlock b = arena.allocate(8 << 20);
+  EXPECT_EQ(b.tier, HostTier::pageable);
+  HostArenaStats s = arena.stats();
+  EXPECT_EQ(s.register_failures, 1u);
+  EXPECT_EQ(s.fallback_register_failed, 1u);
+  EXPECT_NE(s.last_fallback_reason.find("host_register"), std::string::npos);
+  HostBlock c = arena.allocate(8 << 20);  // the fault is spent: pinned again
+  EXPECT_EQ(c.tier, HostTier::pinned);
+  arena.deallocate(b);
+  arena.deallocate(c);
+}
+
+TEST_P(HostArenaTest, BadInputIsRejected) {
+  HostArenaOptions o = test_host_options();
+  o.slab_bytes = 48 << 20;  // not a multiple of 32 MiB
+  EXPECT_THROW(HostArena(backend(), o), HostArenaError);
+  o = test_host_options();
+  o.direct_threshold_bytes = 0;
+  EXPECT_THROW(HostArena(backend(), o), HostArenaError);
+  HostArena arena(backend(), test_host_options());
+  EXPECT_THROW((void)arena.allocate(0), HostArenaError);
+  EXPECT_THROW((void)arena.allocate(std::size_t{1} << 62), HostArenaError);
+  int on_stack = 0;
+  EXPECT_THROW(arena.deallocate(HostBlock{&on_stack, 4, HostTier::pinned}), HostArenaError);
+}
+
+TEST_P(HostArenaTest, BudgetRespectsTheLockedMemoryLimit) {
+  rlimit limit{};
+  ASSERT_EQ(getrlimit(RLIMIT_MEMLOCK, &limit), 0);
+  HostArenaOptions o;
+  o.pinned_budget_bytes = std::size_t{1} << 40;
+  o.respect_memlock_limit = true;
+  HostArena arena(backend(), o);
+  if (limit.rlim_cur == RLIM_INFINITY) {
+    EXPECT_EQ(arena.pinned_budget_bytes(), std::size_t{1} << 40);
+    EXPECT_FALSE(arena.stats().budget_capped_by_memlock);
+  } else {
+    EXPECT_EQ(arena.pinned_budget_bytes(), static_cast<std::size_t>(limit.rlim_cur));
+    EXPECT_TRUE(arena.stats().budget_capped_by_memlock);
+  }
+}
+
+TEST_P(HostArenaTest, SlabsAreReusedByTheNextArena) {
+  // Note [mimalloc arenas are forever]: far more arenas than mimalloc's 64-arena limit
+  // can come and go, because their slabs are recycled.
+  for (int i = 0; i < 80; ++i) {
+    HostArena arena(backend(), test_host_options());
+    HostBlock b = arena.allocate(1000);
+    std::memset(b.ptr, 1, b.bytes);
+    arena.deallocate(b);
+  }
+}
+
+TEST_P(HostArenaTest, ThreadsAllocateAndFreeEachOthersBlocks) {
+  HostArena arena(backend(), test_host_options());
+  constexpr int kThreads = 4;
+  std::vector<std::vector<HostBlock>> made(kThreads);
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      std::mt19937 rng(t);
+      for (int i = 0; i < 200; ++i) {
+        HostBlock b = arena.allocate(64 + rng() % 65536);
+        std::memset(b.ptr, t, b.bytes);
+        made[t].push_back(b);
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  threads.clear();
+  // Each thread frees the blocks another thread made (mimalloc's cross-thread free).
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      for (HostBlock& b : made[(t + 1) % kThreads]) {
+        const auto* p = static_cast<const unsigned char*>(b.ptr);
+        EXPECT_EQ(p[0], (t + 1) % kThreads);
+        EXPECT_EQ(p[b.bytes - 1], (t + 1) % kThreads);
+        arena.deallocate(b);
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  EXPECT_EQ(arena.stats().pinned_in_use_bytes, 0u);
+}
+
+INSTANTIATE_TEST_SUITE_P(Backends, HostArenaTest, TIDEPOOL_TIERING_BACKENDS,
+                         tiering_test::backend_name);
+
+}  // namespace
+}  // namespace tidepool

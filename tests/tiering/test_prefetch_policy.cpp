@@ -1,0 +1,81 @@
+// PrefetchPolicy: the first step is recorded, later steps replay it; eviction follows
+// the furthest next use; deviations re-sync; unknown handles and LRU before a schedule.
+#include <gtest/gtest.h>
+
+#include "tiering/prefetch_policy.h"
+
+namespace tidepool {
+namespace {
+
+using Ids = std::vector<PrefetchPolicy::HandleId>;
+
+PrefetchPolicy recorded(const Ids& order) {
+  PrefetchPolicy p;
+  p.begin_step();
+  for (auto h : order) p.on_acquire(h);
+  p.end_step();
+  return p;
+}
+
+TEST(PrefetchPolicy, FirstStepBecomesTheSchedule) {
+  PrefetchPolicy p = recorded({1, 2, 3, 2, 4});
+  EXPECT_EQ(p.schedule_length(), 5u);
+  EXPECT_TRUE(p.replaying());
+  p.begin_step();
+  EXPECT_EQ(p.upcoming(10), (Ids{1, 2, 3, 4}));
+  p.on_acquire(1);
+  EXPECT_EQ(p.upcoming(2), (Ids{2, 3}));
+}
+
+TEST(PrefetchPolicy, EvictsTheFurthestNextUse) {
+  PrefetchPolicy p = recorded({1, 2, 3, 4});
+  p.begin_step();
+  p.on_acquire(1);
+  p.on_acquire(2);
+  // Position is at 3: next uses are 3 -> 0, 4 -> 1, 1 -> 2, 2 -> 3.
+  EXPECT_EQ(p.eviction_score(3), 0u);
+  EXPECT_EQ(p.eviction_score(4), 1u);
+  EXPECT_EQ(p.eviction_score(1), 2u);
+  EXPECT_EQ(p.eviction_score(2), 3u);
+  EXPECT_GT(p.eviction_score(99), p.eviction_score(2));  // not in the schedule: first out
+}
+
+TEST(PrefetchPolicy, DeviationResyncsToTheNextOccurrence) {
+  PrefetchPolicy p = recorded({1, 2, 3, 4, 5});
+  p.begin_step();
+  p.on_acquire(1);
+  p.on_acquire(4);  // skipped 2 and 3
+  EXPECT_EQ(p.off_schedule_acquires(), 1u);
+  EXPECT_EQ(p.upcoming(1), (Ids{5}));
+}
+
+TEST(PrefetchPolicy, WithoutScheduleEvictsLeastRecentlyUsed) {
+  PrefetchPolicy p;
+  p.on_acquire(1);
+  p.on_acquire(2);
+  p.on_acquire(3);
+  EXPECT_GT(p.eviction_score(1), p.eviction_score(2));
+  EXPECT_GT(p.eviction_score(2), p.eviction_score(3));
+  EXPECT_TRUE(p.upcoming(4).empty());
+}
+
+TEST(PrefetchPolicy, ForgetRemovesAHandleAndKeepsThePosition) {
+  PrefetchPolicy p = recorded({1, 2, 3});
+  p.begin_step();
+  p.on_acquire(1);
+  p.forget(2);
+  EXPECT_EQ(p.schedule_length(), 2u);
+  EXPECT_EQ(p.upcoming(5), (Ids{3, 1}));
+}
+
+TEST(PrefetchPolicy, EmptyStepRecordsNothing) {
+  PrefetchPolicy p;
+  p.begin_step();
+  p.end_step();
+  EXPECT_FALSE(p.replaying());
+  p.begin_step();
+  EXPECT_TRUE(p.recording());
+}
+
+}  // namespace
+}  // namespace tidepool

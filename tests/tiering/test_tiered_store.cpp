@@ -1,0 +1,289 @@
+// TieredStore behaviour: residency, clean vs dirty eviction, the budget and its errors,
+// the recorded prefetch schedule, reclaim, and fault injection at the seam (the last good
+// copy must stay readable after every failure).
+#include <cstring>
+
+#include "allocator/c_api.h"
+#include "tests/tiering/tiering_test_util.h"
+#include "tiering/stats_json.h"
+#include "tiering/tiered_store.h"
+
+namespace tidepool {
+namespace {
+
+using tiering_test::first_difference;
+using tiering_test::random_bytes;
+
+constexpr int kTag = TIDEPOOL_TAG_OPTIMIZER_STATE;
+
+class TieredStoreTest : public tiering_test::TieringStreamTest {
+ protected:
+  TieredStoreOptions options(std::size_t budget) {
+    TieredStoreOptions o;
+    o.device_budget_bytes = budget;
+    o.host = tiering_test::test_host_options();
+    o.copy.chunk_bytes = 64 << 10;
+    return o;
+  }
+  // Writes `data` through the device pointer of an acquired handle, on stream_.
+  void write_device(void* dev, const std::vector<unsigned char>& data) {
+    backend().copy_async(dev, data.data(), data.size(), CopyKind::host_to_device, stream_);
+    backend().stream_synchronize(stream_);  // `data` may go out of scope after this
+  }
+  std::vector<unsigned char> contents(TieredStore& s, TieredStore::Handle h) {
+    std::vector<unsigned char> out(s.size(h));
+    s.read(h, out.data());
+    return out;
+  }
+};
+
+TEST_P(TieredStoreTest, NewHandlesAreZeroOnEitherTier) {
+  TieredStore store(backend(), options(1 << 20));
+  for (Tier t : {Tier::host, Tier::device}) {
+    auto h = store.create(100000, kTag, t);
+    EXPECT_EQ(store.resident(h), t == Tier::device);
+    void* dev = store.acquire(h, stream_);
+    const auto seen = read_device(dev, 100000, stream_);
+    store.release(h, false);
+    EXPECT_TRUE(std::all_of(seen.begin(), seen.end(), [](unsigned char c) { return c == 0; }));
+    store.destroy(h);
+  }
+}
+
+TEST_P(TieredStoreTest, DirtyEvictionCopiesBackCleanEvictionDoesNot) {
+  TieredStore store(backend(), options(1 << 20));
+  auto h = store.create(300000, kTag);
+  const auto data = random_bytes(300000, 7);
+  write_device(store.acquire(h, stream_), data);
+  store.release(h, /*dirty=*/true);
+  store.evict(h);
+  EXPECT_FALSE(store.resident(h));
+  EXPECT_EQ(first_difference(contents(store, h).data(), data.data(), data.size()), -1);
+  const auto d2h_before = store.stats().copy.d2h.bytes;
+  EXPECT_EQ(d2h_before, 300000u);
+
+  // Acquire again, only read: a clean eviction drops the copy without moving bytes.
+  const auto seen = read_device(store.acquire(h, stream_), 300000, stream_);
+  EXPECT_EQ(first_difference(seen.data(), data.data(), data.size()), -1);
+  store.release(h, /*dirty=*/false);
+  store.evict(h);
+  const TieredStoreStats s = store.stats();
+  EXPECT_EQ(s.copy.d2h.bytes, d2h_before);
+  EXPECT_EQ(s.evictions, 2u);
+  EXPECT_EQ(s.evictions_clean, 1u);
+  store.synchronize();
+  EXPECT_EQ(store.device_bytes(), 0u);
+}
+
+TEST_P(TieredStoreTest, BudgetEvictsFurthestAndErrorsWhenAllAreAcquired) {
+  TieredStore store(backend(), options(256 << 10));
+  auto a = store.create(100 << 10, kTag);
+  auto b = store.create(100 << 10, kTag);
+  auto c = store.create(100 << 10, kTag);
+  store.acquire(a, stream_);
+  store.acquire(b, stream_);
+  try {
+    store.acquire(c, stream_);
+    FAIL() << "expected TieringError";
+  } catch (const TieringError& e) {
+    EXPECT_NE(std::string(e.what()).find("acquired"), std::string::npos) << e.what();
+  }
+  EXPECT_LE(store.device_bytes(), store.device_budget_bytes());
+  store.release(a, false);
+  store.acquire(c, stream_);  // evicts a
+  EXPECT_FALSE(store.resident(a));
+  EXPECT_LE(store.device_bytes(), store.device_budget_bytes());
+  store.release(b, false);
+  store.release(c, false);
+}
+
+TEST_P(TieredStoreTest, MisuseIsAClearError) {
+  TieredStore store(backend(), options(1 << 20));
+  EXPECT_THROW(store.create(0, kTag), TieringError);
+  EXPECT_THROW(store.create(2 << 20, kTag), TieringError);  // larger than the budget
+  auto h = store.create(4096, kTag);
+  EXPECT_THROW(store.release(h, false), TieringError);     // not acquired
+  EXPECT_THROW(store.acquire(h + 1000, stream_), TieringError);
+  store.acquire(h, stream_);
+  EXPECT_THROW(store.evict(h), TieringError);
+  EXPECT_THROW(store.destroy(h), TieringError);
+  std::vector<unsigned char> buf(4096);
+  EXPECT_THROW(store.read(h, buf.data()), TieringError);
+  store.release(h, false);
+  store.destroy(h);
+  EXPECT_THROW(store.destroy(h), TieringError);
+  EXPECT_THROW(TieredStore(backend(), options(0)), TieringError);
+}
+
+TEST_P(TieredStoreTest, RecordedStepIsPrefetchedOnReplay) {
+  TieredStore store(backend(), options(600 << 10));
+  std::vector<TieredStore::Handle> hs;
+  for (int i = 0; i < 8; ++i) hs.push_back(store.create(100 << 10, kTag));
+  for (int step = 0; step < 4; ++step) {
+    store.begin_step();
+    for (auto h : hs) {
+      store.acquire(h, stream_);
+      store.release(h, true);
+      ASSERT_LE(store.device_bytes(), store.device_budget_bytes());
+    }
+    store.end_step();
+  }
+  const TieredStoreStats s = store.stats();
+  // Step 1 records (all misses); later steps find most handles already in flight.
+  EXPECT_GT(s.prefetch_issued, 0u);
+  EXPECT_GT(s.prefetch_hits, 8u);
+  EXPECT_LT(s.misses, 8u + 3u * 8u);
+  EXPECT_LE(s.device_peak_bytes, store.device_budget_bytes());
+}
+
+TEST_P(TieredStoreTest, PrefetchNeverExceedsTheBudgetOrEvictsSoonerUses) {
+  TieredStore store(backend(), options(200 << 10));
+  auto a = store.create(100 << 10, kTag);
+  auto b = store.create(100 << 10, kTag);
+  auto c = store.create(100 << 10, kTag);
+  store.acquire(a, stream_);
+  store.acquire(b, stream_);
+  store.prefetch(c, stream_);  // no room, nothing released: skipped
+  EXPECT_FALSE(store.resident(c));
+  EXPECT_EQ(store.stats().prefetch_skipped, 1u);
+  store.release(a, false);
+  store.release(b, false);
+  EXPECT_LE(store.device_bytes(), store.device_budget_bytes());
+}
+
+TEST_P(TieredStoreTest, ReclaimEvictsReleasedState) {
+  TieredStore store(backend(), options(1 << 20));
+  auto a = store.create(200 << 10, kTag, Tier::device);
+  auto b = store.create(200 << 10, kTag, Tier::device);
+  store.acquire(b, stream_);
+  const std::size_t freed = store.reclaim(1 << 20);
+  EXPECT_EQ(freed, std::size_t{200} << 10);  // a only: b is acquired
+  EXPECT_FALSE(store.resident(a));
+  EXPECT_TRUE(store.resident(b));
+  store.release(b, false);
+  EXPECT_EQ(store.stats().reclaim_calls, 1u);
+}
+
+TEST_P(TieredStoreTest, TagOperationsOnlyTouchThatTag) {
+  TieredStore store(backend(), options(1 << 20));
+  auto a = store.create(1000, kTag, Tier::device);
+  auto b = store.create(1000, TIDEPOOL_TAG_WORKSPACE, Tier::device);
+  store.evict_tag(kTag);
+  EXPECT_FALSE(store.resident(a));
+  EXPECT_TRUE(store.resident(b));
+  store.prefetch_tag(kTag, stream_);
+  EXPECT_TRUE(store.resident(a));
+}
+
+TEST_P(TieredStoreTest, StatsJsonHasTheTelemetry) {
+  TieredStore store(backend(), options(1 << 20));
+  auto h = store.create(1000, kTag);
+  store.acquire(h, stream_);
+  store.release(h, true);
+  store.evict(h);
+  store.synchronize();
+  const std::string json = store.stats_json();
+  for (const char* key : {"\"h2d\":{\"bytes\":1000", "\"d2h\":{\"bytes\":1000", "\"gb_per_s\"",
+                          "\"exposed_wait_ms\"", "\"hidden_ms\"", "\"evictions\":1",
+                          "\"prefetch_hits\"", "\"misses\":1", "\"pageable_allocs\":0"}) {
+    EXPECT_NE(json.find(key), std::string::npos) << key << " missing in " << json;
+  }
+}
+
+// ---- fault injection ---------------------------------------------------------------------
+
+class TieredStoreFaultTest : public TieredStoreTest {};
+
+TEST_P(TieredStoreFaultTest, FailedLoadKeepsTheHostCopy) {
+  TieredStore store(backend(), options(1 << 20));
+  auto h = store.create(200000, kTag);
+  const auto data = random_bytes(200000, 3);
+  store.write(h, data.data());
+  backend().inject_fault(FaultPoint::copy, 1);
+  EXPECT_THROW(store.acquire(h, stream_), TieringError);
+  EXPECT_FALSE(store.resident(h));
+  EXPECT_EQ(store.device_bytes(), 0u);
+  EXPECT_EQ(first_difference(contents(store, h).data(), data.data(), data.size()), -1);
+  const auto seen = read_device(store.acquire(h, stream_), 200000, stream_);  // works again
+  EXPECT_EQ(first_difference(seen.data(), data.data(), data.size()), -1);
+  store.release(h, false);
+}
+
+TEST_P(TieredStoreFaultTest, FailedCopyBackKeepsTheDeviceCopy) {
+  TieredStore store(backend(), options(1 << 20));
+  auto h = store.create(200000, kTag);
+  const auto data = random_bytes(200000, 4);
+  write_device(store.acquire(h, stream_), data);
+  store.release(h, true);
+  backend().inject_fault(FaultPoint::copy, 1);
+  try {
+    store.evict(h);
+    FAIL() << "expected TieringError";
+  } catch (const TieringError& e) {
+    EXPECT_NE(std::string(e.what()).find("device copy is kept"), std::string::npos) << e.what();
+  }
+  EXPECT_TRUE(store.resident(h));
+  EXPECT_EQ(first_difference(contents(store, h).data(), data.data(), data.size()), -1);
+  store.evict(h);  // the fault is spent
+  EXPECT_EQ(first_difference(contents(store, h).data(), data.data(), data.size()), -1);
+}
+
+TEST_P(TieredStoreFaultTest, DeviceOutOfMemoryIsAClearErrorAndLosesNothing) {
+  TieredStore store(backend(), options(1 << 20));
+  auto h = store.create(5000, kTag);
+  const auto data = random_bytes(5000, 5);
+  store.write(h, data.data());
+  backend().inject_fault(FaultPoint::device_alloc, 1);
+  try {
+    store.acquire(h, stream_);
+    FAIL() << "expected TieringError";
+  } catch (const TieringError& e) {
+    EXPECT_NE(std::string(e.what()).find("out of memory"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(first_difference(contents(store, h).data(), data.data(), data.size()), -1);
+}
+
+TEST_P(TieredStoreFaultTest, RegistrationFailureUsesReportedPageableMemory) {
+  TieredStore store(backend(), options(16 << 20));
+  backend().inject_fault(FaultPoint::host_register, 1);
+  auto h = store.create(8 << 20, kTag);  // a direct pinned mapping would be registered
+  EXPECT_EQ(store.host_tier(h), HostTier::pageable);
+  const TieredStoreStats s = store.stats();
+  EXPECT_EQ(s.host.fallback_register_failed, 1u);
+  EXPECT_EQ(s.host.pageable_allocs, 1u);
+  const auto data = random_bytes(8 << 20, 6);
+  store.write(h, data.data());
+  store.acquire(h, stream_);
+  store.release(h, true);
+  store.evict(h);
+  EXPECT_EQ(first_difference(contents(store, h).data(), data.data(), data.size()), -1);
+}
+
+TEST_P(TieredStoreFaultTest, ExhaustedHostArenaIsAClearErrorAndKeepsOthers) {
+  TieredStoreOptions o = options(64 << 20);
+  o.host.pinned_budget_bytes = 16 << 20;
+  o.host.allow_pageable_fallback = false;
+  TieredStore store(backend(), o);
+  auto h = store.create(8 << 20, kTag);
+  const auto data = random_bytes(8 << 20, 8);
+  store.write(h, data.data());
+  try {
+    store.create(12 << 20, kTag);
+    FAIL() << "expected TieringError";
+  } catch (const TieringError& e) {
+    EXPECT_NE(std::string(e.what()).find("pinned budget"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(first_difference(contents(store, h).data(), data.data(), data.size()), -1);
+}
+
+INSTANTIATE_TEST_SUITE_P(Backends, TieredStoreTest, TIDEPOOL_TIERING_BACKENDS,
+                         tiering_test::backend_name);
+#ifndef TIDEPOOL_TIERING_GPU_BUILD  // fault injection exists on the host backend only
+INSTANTIATE_TEST_SUITE_P(Host, TieredStoreFaultTest, ::testing::Values(BackendKind::host),
+                         tiering_test::backend_name);
+#else
+GTEST_ALLOW_UNINSTANTIATED_PARAMETERIZED_TEST(TieredStoreFaultTest);
+#endif
+
+}  // namespace
+}  // namespace tidepool

@@ -1,0 +1,110 @@
+// Shared pieces of the tiering tests: the backend parameter, scale, and byte patterns.
+//
+// Each test_*.cpp instantiates its suites on the host backend. The gpu_test_*.cpp files
+// define TIDEPOOL_TIERING_BACKENDS as the cuda backend and include the same test file,
+// so the identical battery runs on a GPU where one exists (and skips itself otherwise).
+// Device memory is only ever touched through the seam (copies, memsets), never by host
+// loads and stores, so the tests are valid on both backends.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <cstdlib>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "allocator/backend.h"
+#include "tiering/host_arena.h"
+
+#ifndef TIDEPOOL_TIERING_BACKENDS
+#define TIDEPOOL_TIERING_BACKENDS ::testing::Values(::tidepool::BackendKind::host)
+#endif
+
+namespace tidepool::tiering_test {
+
+// Multiplies iteration counts (TIDEPOOL_TEST_SCALE, default 1).
+inline int scale() {
+  const char* env = std::getenv("TIDEPOOL_TEST_SCALE");
+  const int s = env ? std::atoi(env) : 1;
+  return s > 0 ? s : 1;
+}
+
+inline std::string backend_name(const ::testing::TestParamInfo<BackendKind>& info) {
+  return info.param == BackendKind::host ? "host" : "cuda";
+}
+
+// Host arena options for tests: an explicit pinned budget, not capped by this machine's
+// RLIMIT_MEMLOCK (the host backend records registrations without locking pages).
+inline HostArenaOptions test_host_options(std::size_t pinned_budget = std::size_t{512} << 20) {
+  HostArenaOptions o;
+  o.pinned_budget_bytes = pinned_budget;
+  o.respect_memlock_limit = false;
+  return o;
+}
+
+// Fixture: builds the parameter's backend; skips the cuda one without a GPU.
+class TieringTest : public ::testing::TestWithParam<BackendKind> {
+ protected:
+  void SetUp() override {
+    if (GetParam() == BackendKind::cuda) {
+      if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";
+      backend_ = make_cuda_backend(0);
+    } else {
+      HostBackendOptions o;
+      o.capacity_bytes = capacity_bytes();
+      backend_ = make_host_backend(0, o);
+    }
+  }
+  virtual std::size_t capacity_bytes() const { return std::size_t{1} << 30; }
+  bool on_host() const { return GetParam() == BackendKind::host; }
+  Backend& backend() { return *backend_; }
+
+  // Copies `bytes` of device memory at `dev` to a host vector (waits on `s`).
+  std::vector<unsigned char> read_device(const void* dev, std::size_t bytes, Stream s) {
+    std::vector<unsigned char> out(bytes);
+    backend_->copy_async(out.data(), dev, bytes, CopyKind::device_to_host, s);
+    backend_->stream_synchronize(s);
+    return out;
+  }
+
+  std::unique_ptr<Backend> backend_;
+};
+
+// TieringTest with one stream of its own for the test's device work.
+class TieringStreamTest : public TieringTest {
+ protected:
+  void SetUp() override {
+    TieringTest::SetUp();
+    if (IsSkipped()) return;
+    stream_ = backend().create_stream();
+  }
+  void TearDown() override {
+    if (backend_ && stream_.handle) backend().destroy_stream(stream_);
+  }
+  Stream stream_;
+};
+
+// Deterministic random bytes.
+inline std::vector<unsigned char> random_bytes(std::size_t n, std::uint64_t seed) {
+  std::vector<unsigned char> v(n);
+  std::mt19937_64 rng(seed);
+  for (std::size_t i = 0; i < n; i += 8) {
+    const std::uint64_t r = rng();
+    for (std::size_t k = 0; k < 8 && i + k < n; ++k) v[i + k] = static_cast<unsigned char>(r >> (8 * k));
+  }
+  return v;
+}
+
+// Index of the first differing byte, or -1.
+inline long first_difference(const unsigned char* a, const unsigned char* b, std::size_t n) {
+  for (std::size_t i = 0; i < n; ++i) {
+    if (a[i] != b[i]) return static_cast<long>(i);
+  }
+  return -1;
+}
+
+}  // namespace tidepool::tiering_test

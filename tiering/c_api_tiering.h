@@ -1,0 +1,82 @@
+/* tidepool's tiering C ABI: what the Python hooks call around optimizer.step(), and
+ * the VMM-backed allocation entry points the allocator routes tierable tags to.
+ * Plain C, no CUDA headers: streams travel as void* (a cudaStream_t on cuda).
+ *
+ * Errors never cross this boundary as C++ exceptions: a failing call returns a negative
+ * status (or NULL) and leaves a message for tidepool_tiering_last_error() on the calling
+ * thread. Status codes: 0 ok, -1 error (see the message).
+ *
+ * By tag: evict / prefetch move every VMM range with that tag (pointer-stable) and every
+ * handle with that tag in the device's tiered stores. By pointer: the VMM range holding
+ * `ptr`.
+ *
+ * Thread-safety: every function may be called from any thread.
+ */
+#ifndef TIDEPOOL_C_API_TIERING_H
+#define TIDEPOOL_C_API_TIERING_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "allocator/export.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ---- pointer-stable (VMM-backed) allocations ------------------------------------ */
+/* Device-backed range of at least `size` bytes under `tag`, migratable later without
+ * changing its address. NULL on OOM or bad input (message set). `stream` is unused
+ * today (backing is created synchronously) and kept for the pluggable signature. */
+TIDEPOOL_API void* tidepool_vmm_malloc(size_t size, int device, int tag, void* stream);
+TIDEPOOL_API int tidepool_vmm_free(void* ptr, int device);
+/* Work on `stream` uses `ptr`: migration waits for that stream first. */
+TIDEPOOL_API int tidepool_vmm_record_stream(void* ptr, int device, void* stream);
+/* 1 if `ptr` lies in a VMM range of `device`, else 0. */
+TIDEPOOL_API int tidepool_vmm_owns(const void* ptr, int device);
+
+/* ---- evict / prefetch -------------------------------------------------------------- */
+TIDEPOOL_API int tidepool_evict_tag(int device, int tag);
+TIDEPOOL_API int tidepool_prefetch_tag(int device, int tag, void* stream);
+TIDEPOOL_API int tidepool_evict_ptr(int device, void* ptr);
+TIDEPOOL_API int tidepool_prefetch_ptr(int device, void* ptr, void* stream);
+
+/* ---- stats ---------------------------------------------------------------------------- */
+typedef struct tidepool_tiering_stats_v1 {
+  uint32_t struct_size; /* set by the caller to sizeof(tidepool_tiering_stats_v1) */
+  uint32_t version;     /* set by tidepool: 1 */
+  int32_t device;
+  uint32_t stores;      /* live tiered stores on the device */
+  /* copy engines of all stores */
+  uint64_t h2d_bytes, d2h_bytes;
+  double h2d_busy_ms, d2h_busy_ms;
+  double h2d_gb_per_s, d2h_gb_per_s;
+  double exposed_wait_ms; /* host time callers were blocked on transfers */
+  double hidden_ms;       /* busy time not exposed */
+  /* residency */
+  uint64_t device_bytes, device_budget_bytes;
+  uint64_t acquires, prefetch_issued, prefetch_hits, prefetch_late, misses, prefetch_skipped;
+  uint64_t evictions, evictions_clean;
+  uint64_t reclaim_calls, reclaimed_bytes;
+  /* host tiers */
+  uint64_t pinned_host_bytes, pageable_host_bytes, pageable_fallbacks;
+  /* pointer-stable ranges */
+  uint64_t vmm_ranges, vmm_device_bytes, vmm_host_bytes;
+  uint64_t vmm_bytes_to_host, vmm_bytes_to_device, vmm_failed_migrations;
+  double vmm_migration_ms;
+} tidepool_tiering_stats_v1;
+
+/* Fills `out` (out->struct_size must be at least the v1 size). 0 ok, -1 error. */
+TIDEPOOL_API int tidepool_get_tiering_stats_v1(int device, tidepool_tiering_stats_v1* out);
+/* JSON: {"stores":[...],"vmm":{...}}. malloc'd; release with free() (or
+ * tidepool_string_free, which is free()). NULL on error. */
+TIDEPOOL_API char* tidepool_tiering_snapshot_json(int device);
+
+/* The last tiering error on this thread ("" if none). */
+TIDEPOOL_API const char* tidepool_tiering_last_error(void);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* TIDEPOOL_C_API_TIERING_H */

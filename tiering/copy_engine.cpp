@@ -1,0 +1,150 @@
+// CopyEngine: chunked transfers on dedicated H2D / D2H streams with lazy timing.
+// See copy_engine.h for the contract.
+#include "tiering/copy_engine.h"
+
+#include <algorithm>
+
+namespace tidepool {
+
+namespace {
+CopyKind copy_kind(Direction d) {
+  return d == Direction::host_to_device ? CopyKind::host_to_device : CopyKind::device_to_host;
+}
+// A transfer's timing events are kept until they complete; past this many pending ones
+// the oldest are waited for, so the list cannot grow without bound.
+constexpr std::size_t kMaxPendingTimings = 4096;
+}  // namespace
+
+CopyEngine::CopyEngine(Backend& backend, CopyEngineOptions options)
+    : backend_(backend), options_(options) {
+  if (options_.chunk_bytes == 0) throw BackendError("copy engine: chunk_bytes must be > 0");
+  h2d_ = backend_.create_stream();
+  try {
+    d2h_ = backend_.create_stream();
+  } catch (...) {
+    backend_.destroy_stream(h2d_);
+    throw;
+  }
+}
+
+CopyEngine::~CopyEngine() {
+  try {
+    std::lock_guard lock(mutex_);
+    close_batch_locked(Direction::host_to_device);
+    close_batch_locked(Direction::device_to_host);
+    backend_.stream_synchronize(h2d_);
+    backend_.stream_synchronize(d2h_);
+    collect_timings_locked(/*wait=*/true);
+    for (Event e : free_events_) backend_.destroy_event(e);
+    backend_.destroy_stream(h2d_);
+    backend_.destroy_stream(d2h_);
+  } catch (const BackendError&) {
+    // Destructors do not throw; a failing backend leaks its streams.
+  }
+}
+
+Event CopyEngine::take_event_locked() {
+  if (free_events_.empty()) return backend_.create_event();
+  Event e = free_events_.back();
+  free_events_.pop_back();
+  return e;
+}
+
+// Ends the open timing batch of `direction`: its end event goes after everything enqueued
+// so far, and the pair waits in pending_timings_ until it completes.
+void CopyEngine::close_batch_locked(Direction direction) {
+  OpenBatch& batch = batches_[static_cast<int>(direction)];
+  if (!batch.open) return;
+  const Event end = take_event_locked();
+  backend_.record_event(end, stream(direction));
+  pending_timings_.push_back(Timing{batch.start, end, direction});
+  batch.open = false;
+  if (pending_timings_.size() > kMaxPendingTimings) collect_timings_locked(/*wait=*/true);
+}
+
+void CopyEngine::transfer(void* dst, const void* src, std::size_t bytes, Direction direction,
+                          Event done, std::span<const Event> wait_for) {
+  const Stream s = stream(direction);
+  for (Event e : wait_for) {
+    if (e) backend_.stream_wait_event(s, e);
+  }
+  OpenBatch& batch = batches_[static_cast<int>(direction)];
+  if (options_.time_transfers) {
+    std::lock_guard lock(mutex_);
+    if (!batch.open) {
+      batch.start = take_event_locked();
+      backend_.record_event(batch.start, s);
+      batch.open = true;
+      batch.bytes = 0;
+    }
+  }
+  std::size_t chunks = 0;
+  try {
+    for (std::size_t off = 0; off < bytes; off += options_.chunk_bytes) {
+      const std::size_t n = std::min(options_.chunk_bytes, bytes - off);
+      backend_.copy_async(static_cast<char*>(dst) + off, static_cast<const char*>(src) + off, n,
+                          copy_kind(direction), s);
+      chunks++;
+    }
+  } catch (...) {
+    if (options_.time_transfers) {
+      std::lock_guard lock(mutex_);
+      close_batch_locked(direction);
+    }
+    throw;
+  }
+  if (done) backend_.record_event(done, s);
+  std::lock_guard lock(mutex_);
+  DirectionStats& d = direction == Direction::host_to_device ? stats_.h2d : stats_.d2h;
+  d.bytes += bytes;
+  d.transfers++;
+  d.chunks += chunks;
+  if (options_.time_transfers) {
+    batch.bytes += bytes;
+    if (batch.bytes >= options_.timing_batch_bytes) close_batch_locked(direction);
+  }
+}
+
+void CopyEngine::collect_timings_locked(bool wait) {
+  while (!pending_timings_.empty()) {
+    Timing& t = pending_timings_.front();
+    if (wait) {
+      backend_.event_synchronize(t.end);
+    } else if (!backend_.event_query(t.end)) {
+      break;  // streams run in order: later timings are not done either
+    }
+    const float ms = backend_.event_elapsed_ms(t.start, t.end);
+    DirectionStats& d = t.direction == Direction::host_to_device ? stats_.h2d : stats_.d2h;
+    d.busy_ms += std::max(0.0f, ms);
+    free_events_.push_back(t.start);
+    free_events_.push_back(t.end);
+    pending_timings_.pop_front();
+    wait = false;  // only the oldest is waited for; the rest as far as they are done
+  }
+}
+
+void CopyEngine::wait_exposed(Event e) {
+  if (!e || backend_.event_query(e)) return;
+  const auto t0 = std::chrono::steady_clock::now();
+  backend_.event_synchronize(e);
+  const double ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  std::lock_guard lock(mutex_);
+  stats_.exposed_wait_ms += ms;
+  stats_.exposed_waits++;
+}
+
+void CopyEngine::synchronize() {
+  backend_.stream_synchronize(h2d_);
+  backend_.stream_synchronize(d2h_);
+}
+
+CopyEngineStats CopyEngine::stats() {
+  std::lock_guard lock(mutex_);
+  close_batch_locked(Direction::host_to_device);
+  close_batch_locked(Direction::device_to_host);
+  collect_timings_locked(/*wait=*/false);
+  return stats_;
+}
+
+}  // namespace tidepool

@@ -1,0 +1,367 @@
+// HostArena: pinned slabs sub-allocated by mimalloc exclusive arenas, direct pinned
+// mappings for large requests, and the pageable fallback. See host_arena.h for the
+// design; the notes below explain the mimalloc details.
+//
+// Note [Slab alignment and the probe]
+// mimalloc 2.0.9 requires an arena to start on a 32 MiB boundary and to be at least
+// 32 MiB long; a misaligned region is accepted by mi_manage_os_memory_ex and then every
+// allocation from it silently returns NULL (and may corrupt mimalloc's global state).
+// Slabs are therefore mmap'ed 32 MiB too large and trimmed to the aligned part, and the
+// first heap created for a slab makes a probe allocation that must land inside the slab.
+//
+// Note [No decommit of pinned pages]
+// mi_manage_os_memory_ex(is_committed = true) makes mimalloc treat the arena as pinned:
+// it never decommits or resets pages in it. That matters: MADV_DONTNEED on a registered
+// page would silently detach it from the page the device DMAs to.
+#include "tiering/host_arena.h"
+
+#include <mimalloc.h>
+#include <sys/mman.h>
+#include <sys/resource.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+#include <unordered_map>
+
+namespace tidepool {
+
+namespace {
+
+constexpr std::size_t kArenaAlign = std::size_t{32} << 20;  // mimalloc 2.0.9 segment size
+constexpr std::size_t kBlockAlign = 256;
+constexpr std::size_t kPageBytes = 4096;
+
+std::size_t round_up(std::size_t n, std::size_t to) { return (n + to - 1) / to * to; }
+
+std::size_t physical_memory_bytes() {
+  const long pages = sysconf(_SC_PHYS_PAGES);
+  const long page = sysconf(_SC_PAGE_SIZE);
+  return pages > 0 && page > 0 ? static_cast<std::size_t>(pages) * static_cast<std::size_t>(page)
+                               : std::size_t{8} << 30;
+}
+
+// Maps `bytes` of fresh anonymous memory starting on an `align` boundary, or nullptr.
+void* map_aligned(std::size_t bytes, std::size_t align) {
+  const std::size_t reserve = bytes + align;
+  void* raw = mmap(nullptr, reserve, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (raw == MAP_FAILED) return nullptr;
+  const auto start = reinterpret_cast<std::uintptr_t>(raw);
+  const std::uintptr_t aligned = (start + align - 1) / align * align;
+  if (aligned > start) munmap(raw, aligned - start);
+  const std::uintptr_t end = start + reserve;
+  if (end > aligned + bytes) munmap(reinterpret_cast<void*>(aligned + bytes), end - aligned - bytes);
+  return reinterpret_cast<void*>(aligned);
+}
+
+}  // namespace
+
+const char* host_tier_name(HostTier tier) {
+  return tier == HostTier::pinned ? "pinned" : "pageable";
+}
+
+// ---- the process-wide slab pool -------------------------------------------------------
+// See Note [mimalloc arenas are forever].
+
+struct HostArena::Slab {
+  char* base = nullptr;
+  std::size_t bytes = 0;
+  mi_arena_id_t arena_id = 0;
+  std::size_t live_blocks = 0;  // guarded by the owning HostArena's mutex
+  bool ever_used = false;       // a probe may fail on a used slab only because it is full
+  bool contains(const void* p) const {
+    const char* c = static_cast<const char*>(p);
+    return c >= base && c < base + bytes;
+  }
+};
+
+namespace {
+
+std::mutex& pool_mutex() {
+  static std::mutex m;
+  return m;
+}
+std::vector<HostArena::Slab*>& idle_slabs() {
+  static auto* v = new std::vector<HostArena::Slab*>();  // never destroyed: slabs outlive statics
+  return *v;
+}
+
+// This thread's heap for a slab's arena, created (and probed) on first use.
+// Returns nullptr after throwing is impossible; throws HostArenaError on a failed probe.
+mi_heap_t* thread_heap(const HostArena::Slab& slab) {
+  thread_local std::unordered_map<mi_arena_id_t, mi_heap_t*> heaps;
+  auto it = heaps.find(slab.arena_id);
+  if (it != heaps.end()) return it->second;
+  mi_heap_t* heap = mi_heap_new_in_arena(slab.arena_id);
+  if (heap == nullptr) {
+    throw HostArenaError("host arena: mi_heap_new_in_arena failed for the pinned slab at " +
+                         std::to_string(reinterpret_cast<std::uintptr_t>(slab.base)));
+  }
+  // Note [Slab alignment and the probe]. A full slab also returns NULL, so the probe
+  // only fails the set-up on a slab nothing was ever allocated from.
+  void* probe = mi_heap_malloc(heap, 64);
+  if (probe == nullptr && !slab.ever_used) {
+    mi_heap_delete(heap);
+    throw HostArenaError(
+        "host arena: mimalloc returned NULL from a fresh exclusive arena (slab " +
+        std::to_string(slab.bytes >> 20) + " MiB); the region must be 32 MiB-aligned and "
+        "at least 32 MiB (mimalloc 2.0.9 fails silently otherwise)");
+  }
+  if (probe != nullptr && !slab.contains(probe)) {
+    mi_free(probe);
+    mi_heap_delete(heap);
+    throw HostArenaError("host arena: mimalloc allocated outside the exclusive arena");
+  }
+  if (probe != nullptr) mi_free(probe);
+  heaps.emplace(slab.arena_id, heap);
+  return heap;
+}
+
+}  // namespace
+
+// ---- construction -----------------------------------------------------------------------
+
+HostArena::HostArena(Backend& backend, HostArenaOptions options)
+    : backend_(backend), options_(options) {
+  if (options_.slab_bytes == 0 || options_.slab_bytes % kArenaAlign != 0) {
+    throw HostArenaError("host arena: slab_bytes (" + std::to_string(options_.slab_bytes) +
+                         ") must be a positive multiple of 32 MiB");
+  }
+  if (options_.direct_threshold_bytes == 0 ||
+      options_.direct_threshold_bytes > options_.slab_bytes / 2) {
+    throw HostArenaError("host arena: direct_threshold_bytes must be in (0, slab_bytes/2]");
+  }
+  budget_ = options_.pinned_budget_bytes != 0 ? options_.pinned_budget_bytes
+                                              : physical_memory_bytes() / 4;
+  if (options_.respect_memlock_limit) {
+    rlimit limit{};
+    if (getrlimit(RLIMIT_MEMLOCK, &limit) == 0 && limit.rlim_cur != RLIM_INFINITY &&
+        limit.rlim_cur < budget_) {
+      budget_ = static_cast<std::size_t>(limit.rlim_cur);
+      stats_.budget_capped_by_memlock = true;
+    }
+  }
+  stats_.pinned_budget_bytes = budget_;
+}
+
+HostArena::~HostArena() {
+  std::vector<Slab*> reusable;
+  for (Slab* slab : slabs_) {
+    // A slab with live blocks is leaked as it is: its memory must stay valid for them.
+    if (slab->live_blocks != 0) continue;
+    try {
+      backend_.host_unregister(slab->base);
+      reusable.push_back(slab);
+    } catch (const BackendError&) {
+      // Still registered with a backend we are leaving: do not hand it to another.
+    }
+  }
+  {
+    std::lock_guard pool_lock(pool_mutex());
+    for (Slab* slab : reusable) idle_slabs().push_back(slab);
+  }
+  for (auto& [ptr, bytes] : direct_) {
+    try {
+      backend_.host_unregister(ptr);
+    } catch (const BackendError&) {
+    }
+    munmap(ptr, bytes);
+  }
+}
+
+// ---- allocation ---------------------------------------------------------------------------
+
+HostBlock HostArena::allocate(std::size_t bytes) {
+  if (bytes == 0) throw HostArenaError("host arena: allocate(0)");
+  if (bytes > (std::size_t{1} << 46)) {
+    throw HostArenaError("host arena: absurd size " + std::to_string(bytes));
+  }
+  std::lock_guard lock(mutex_);
+  std::string why_not;
+  void* p = nullptr;
+  std::size_t charged = 0;
+  if (bytes >= options_.direct_threshold_bytes) {
+    p = allocate_direct_pinned(bytes, &why_not);
+    charged = bytes;
+  } else {
+    p = allocate_in_slabs(bytes);
+    if (p == nullptr) {
+      Slab* slab = add_slab(options_.slab_bytes, &why_not);
+      if (slab != nullptr) {
+        p = mi_heap_malloc_aligned(thread_heap(*slab), bytes, kBlockAlign);
+        if (p != nullptr) {
+          slab->live_blocks++;
+          slab->ever_used = true;
+        }
+      }
+    }
+    charged = bytes;
+  }
+  if (p != nullptr) {
+    stats_.pinned_in_use_bytes += charged;
+    stats_.pinned_peak_bytes = std::max(stats_.pinned_peak_bytes, stats_.pinned_in_use_bytes);
+    stats_.pinned_allocs++;
+    return HostBlock{p, bytes, HostTier::pinned};
+  }
+  if (!options_.allow_pageable_fallback) {
+    throw HostArenaError("host arena: cannot provide " + std::to_string(bytes) +
+                         " pinned bytes (" + why_not + ") and the pageable fallback is off");
+  }
+  return allocate_pageable(bytes, why_not);
+}
+
+void* HostArena::allocate_in_slabs(std::size_t bytes) {
+  // Newest slab first: older ones are the likeliest to be full.
+  for (auto it = slabs_.rbegin(); it != slabs_.rend(); ++it) {
+    void* p = mi_heap_malloc_aligned(thread_heap(**it), bytes, kBlockAlign);
+    if (p == nullptr) continue;
+    if (!(*it)->contains(p)) {
+      mi_free(p);
+      throw HostArenaError("host arena: mimalloc returned memory outside its exclusive arena");
+    }
+    (*it)->live_blocks++;
+    (*it)->ever_used = true;
+    return p;
+  }
+  return nullptr;
+}
+
+bool HostArena::register_range(void* ptr, std::size_t bytes, std::string* why_not) {
+  try {
+    backend_.host_register(ptr, bytes);
+    return true;
+  } catch (const BackendError& e) {
+    stats_.register_failures++;
+    *why_not = std::string("host_register failed: ") + e.what();
+    return false;
+  }
+}
+
+HostArena::Slab* HostArena::add_slab(std::size_t bytes, std::string* why_not) {
+  if (stats_.pinned_registered_bytes + bytes > budget_) {
+    *why_not = "pinned budget of " + std::to_string(budget_) + " bytes spent";
+    return nullptr;
+  }
+  Slab* slab = nullptr;
+  {
+    std::lock_guard pool_lock(pool_mutex());
+    auto& idle = idle_slabs();
+    auto it = std::find_if(idle.begin(), idle.end(), [&](Slab* s) { return s->bytes == bytes; });
+    if (it != idle.end()) {
+      slab = *it;
+      idle.erase(it);
+    }
+  }
+  if (slab != nullptr) {
+    if (!register_range(slab->base, slab->bytes, why_not)) {
+      std::lock_guard pool_lock(pool_mutex());
+      idle_slabs().push_back(slab);
+      return nullptr;
+    }
+  } else {
+    void* base = map_aligned(bytes, kArenaAlign);
+    if (base == nullptr) {
+      *why_not = "mmap of a " + std::to_string(bytes >> 20) + " MiB slab failed: " + std::strerror(errno);
+      return nullptr;
+    }
+    if (!register_range(base, bytes, why_not)) {
+      munmap(base, bytes);
+      return nullptr;
+    }
+    mi_arena_id_t id = 0;
+    // Fresh anonymous memory is zero; committed (Note [No decommit of pinned pages]).
+    if (!mi_manage_os_memory_ex(base, bytes, /*is_committed=*/true, /*is_large=*/false,
+                                /*is_zero=*/true, /*numa_node=*/-1, /*exclusive=*/true, &id)) {
+      backend_.host_unregister(base);
+      munmap(base, bytes);
+      throw HostArenaError("host arena: mi_manage_os_memory_ex refused a slab (mimalloc allows "
+                           "at most 64 arenas per process)");
+    }
+    slab = new Slab{static_cast<char*>(base), bytes, id, 0, false};
+  }
+  slabs_.push_back(slab);
+  stats_.pinned_registered_bytes += bytes;
+  stats_.slab_count++;
+  return slab;
+}
+
+void* HostArena::allocate_direct_pinned(std::size_t bytes, std::string* why_not) {
+  const std::size_t mapped = round_up(bytes, kPageBytes);
+  if (stats_.pinned_registered_bytes + mapped > budget_) {
+    *why_not = "pinned budget of " + std::to_string(budget_) + " bytes spent";
+    return nullptr;
+  }
+  void* p = mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (p == MAP_FAILED) {
+    *why_not = std::string("mmap failed: ") + std::strerror(errno);
+    return nullptr;
+  }
+  if (!register_range(p, mapped, why_not)) {
+    munmap(p, mapped);
+    return nullptr;
+  }
+  direct_.emplace(p, mapped);
+  stats_.pinned_registered_bytes += mapped;
+  stats_.direct_count++;
+  return p;
+}
+
+HostBlock HostArena::allocate_pageable(std::size_t bytes, const std::string& reason) {
+  void* p = mi_malloc_aligned(bytes, kBlockAlign);
+  if (p == nullptr) {
+    throw HostArenaError("host arena: out of host memory: " + std::to_string(bytes) +
+                         " pageable bytes after pinned failed (" + reason + ")");
+  }
+  stats_.pageable_in_use_bytes += bytes;
+  stats_.pageable_peak_bytes = std::max(stats_.pageable_peak_bytes, stats_.pageable_in_use_bytes);
+  stats_.pageable_allocs++;
+  if (reason.rfind("host_register", 0) == 0) {
+    stats_.fallback_register_failed++;
+  } else {
+    stats_.fallback_budget++;
+  }
+  stats_.last_fallback_reason = reason;
+  return HostBlock{p, bytes, HostTier::pageable};
+}
+
+void HostArena::deallocate(const HostBlock& block) {
+  if (!block) return;
+  std::lock_guard lock(mutex_);
+  if (block.tier == HostTier::pageable) {
+    if (block.bytes > stats_.pageable_in_use_bytes) {
+      throw HostArenaError("host arena: deallocate of a pageable block it did not hand out");
+    }
+    mi_free(block.ptr);
+    stats_.pageable_in_use_bytes -= block.bytes;
+    return;
+  }
+  if (auto it = direct_.find(block.ptr); it != direct_.end()) {
+    const std::size_t mapped = it->second;
+    direct_.erase(it);
+    try {
+      backend_.host_unregister(block.ptr);
+    } catch (const BackendError&) {
+      // Unmapping below releases the pages either way.
+    }
+    munmap(block.ptr, mapped);
+    stats_.pinned_registered_bytes -= mapped;
+    stats_.direct_count--;
+    stats_.pinned_in_use_bytes -= block.bytes;
+    return;
+  }
+  auto slab = std::find_if(slabs_.begin(), slabs_.end(),
+                           [&](Slab* s) { return s->contains(block.ptr); });
+  if (slab == slabs_.end()) {
+    throw HostArenaError("host arena: deallocate of a pointer it does not own");
+  }
+  mi_free(block.ptr);
+  (*slab)->live_blocks--;
+  stats_.pinned_in_use_bytes -= block.bytes;
+}
+
+HostArenaStats HostArena::stats() const {
+  std::lock_guard lock(mutex_);
+  return stats_;
+}
+
+}  // namespace tidepool

@@ -1,0 +1,137 @@
+// JSON renderings of the tiering stats. A tiny writer is enough: the values are numbers,
+// booleans and one free-text reason, which is escaped.
+#include "tiering/stats_json.h"
+
+#include <cstdio>
+
+#include "tiering/tiered_store.h"
+#include "tiering/vmm_migration.h"
+
+namespace tidepool {
+
+namespace {
+
+// Appends `"key": value` pairs, comma-separated, inside braces.
+class JsonObject {
+ public:
+  JsonObject& num(const char* key, double v) {
+    char buf[64];
+    std::snprintf(buf, sizeof buf, "%.6g", v);
+    return raw(key, buf);
+  }
+  JsonObject& num(const char* key, unsigned long long v) { return raw(key, std::to_string(v)); }
+  JsonObject& boolean(const char* key, bool v) { return raw(key, v ? "true" : "false"); }
+  JsonObject& str(const char* key, const std::string& v) {
+    std::string quoted = "\"";
+    for (char c : v) {
+      if (c == '"' || c == '\\') {
+        quoted += '\\';
+        quoted += c;
+      } else if (static_cast<unsigned char>(c) < 0x20) {
+        char buf[8];
+        std::snprintf(buf, sizeof buf, "\\u%04x", c);
+        quoted += buf;
+      } else {
+        quoted += c;
+      }
+    }
+    return raw(key, quoted + "\"");
+  }
+  JsonObject& raw(const char* key, const std::string& json) {
+    body_ += body_.empty() ? "" : ",";
+    body_ += "\"";
+    body_ += key;
+    body_ += "\":";
+    body_ += json;
+    return *this;
+  }
+  std::string done() const { return "{" + body_ + "}"; }
+
+ private:
+  std::string body_;
+};
+
+using ull = unsigned long long;
+
+std::string direction_json(const DirectionStats& d) {
+  return JsonObject()
+      .num("bytes", ull(d.bytes))
+      .num("transfers", ull(d.transfers))
+      .num("chunks", ull(d.chunks))
+      .num("busy_ms", d.busy_ms)
+      .num("gb_per_s", d.gb_per_s())
+      .done();
+}
+
+}  // namespace
+
+std::string to_json(const HostArenaStats& s) {
+  return JsonObject()
+      .num("pinned_budget_bytes", ull(s.pinned_budget_bytes))
+      .boolean("budget_capped_by_memlock", s.budget_capped_by_memlock)
+      .num("pinned_registered_bytes", ull(s.pinned_registered_bytes))
+      .num("slab_count", ull(s.slab_count))
+      .num("direct_count", ull(s.direct_count))
+      .num("pinned_in_use_bytes", ull(s.pinned_in_use_bytes))
+      .num("pinned_peak_bytes", ull(s.pinned_peak_bytes))
+      .num("pinned_allocs", ull(s.pinned_allocs))
+      .num("pageable_in_use_bytes", ull(s.pageable_in_use_bytes))
+      .num("pageable_peak_bytes", ull(s.pageable_peak_bytes))
+      .num("pageable_allocs", ull(s.pageable_allocs))
+      .num("fallback_budget", ull(s.fallback_budget))
+      .num("fallback_register_failed", ull(s.fallback_register_failed))
+      .num("register_failures", ull(s.register_failures))
+      .str("last_fallback_reason", s.last_fallback_reason)
+      .done();
+}
+
+std::string to_json(const CopyEngineStats& s) {
+  return JsonObject()
+      .raw("h2d", direction_json(s.h2d))
+      .raw("d2h", direction_json(s.d2h))
+      .num("exposed_wait_ms", s.exposed_wait_ms)
+      .num("exposed_waits", ull(s.exposed_waits))
+      .num("hidden_ms", s.hidden_ms())
+      .done();
+}
+
+std::string to_json(const TieredStoreStats& s) {
+  return JsonObject()
+      .num("device_budget_bytes", ull(s.device_budget_bytes))
+      .num("device_bytes", ull(s.device_bytes))
+      .num("device_peak_bytes", ull(s.device_peak_bytes))
+      .num("handles", ull(s.handles))
+      .num("resident_handles", ull(s.resident_handles))
+      .num("acquired_handles", ull(s.acquired_handles))
+      .num("acquires", ull(s.acquires))
+      .num("prefetch_issued", ull(s.prefetch_issued))
+      .num("prefetch_hits", ull(s.prefetch_hits))
+      .num("prefetch_late", ull(s.prefetch_late))
+      .num("misses", ull(s.misses))
+      .num("prefetch_skipped", ull(s.prefetch_skipped))
+      .num("evictions", ull(s.evictions))
+      .num("evictions_clean", ull(s.evictions_clean))
+      .num("reclaim_calls", ull(s.reclaim_calls))
+      .num("reclaimed_bytes", ull(s.reclaimed_bytes))
+      .num("budget_waits", ull(s.budget_waits))
+      .num("buffers_reused", ull(s.buffers_reused))
+      .raw("host", to_json(s.host))
+      .raw("copy", to_json(s.copy))
+      .done();
+}
+
+std::string to_json(const VmmStats& s) {
+  return JsonObject()
+      .num("ranges", ull(s.ranges))
+      .num("device_backed_bytes", ull(s.device_backed_bytes))
+      .num("host_backed_bytes", ull(s.host_backed_bytes))
+      .num("migrations_to_host", ull(s.migrations_to_host))
+      .num("migrations_to_device", ull(s.migrations_to_device))
+      .num("bytes_to_host", ull(s.bytes_to_host))
+      .num("bytes_to_device", ull(s.bytes_to_device))
+      .num("migration_ms", s.migration_ms)
+      .num("failed_migrations", ull(s.failed_migrations))
+      .done();
+}
+
+}  // namespace tidepool

@@ -1,0 +1,610 @@
+// TieredStore: residency of handles between the host tiers and the device budget.
+//
+// Note [Handle state machine]
+// A handle always has a host block. Its device side is one of:
+//
+//   HOST       dev == null. host copy valid (after host_ready, if a copy-back is in flight).
+//   LOADING    dev != null, H2D copy in flight; dev_ready completes when it lands.
+//   RESIDENT   dev != null, dev_ready done (streams wait on dev_ready anyway, so LOADING
+//              and RESIDENT are handled alike). dev_dirty: device newer than host.
+//   ACQUIRED   RESIDENT/LOADING with pins > 0: may not be evicted, destroyed or read.
+//
+//   HOST     --acquire/prefetch--> LOADING   (device buffer taken within the budget;
+//                                             H2D waits on host_ready)
+//   LOADING  --(event)-----------> RESIDENT
+//   RESIDENT --acquire-----------> ACQUIRED  (stream waits on dev_ready; pins++)
+//   ACQUIRED --release(dirty)----> RESIDENT  (pins--; dirty -> host copy stale)
+//   RESIDENT --evict-------------> HOST      (dirty: D2H after the use streams, host_ready
+//                                             recorded after it; clean: no copy. The
+//                                             buffer is freed once the D2H stream passes
+//                                             free_after: a PendingFree, still charged to
+//                                             the budget until it is reaped)
+//
+// Invariants: host_valid || dev != null (someone holds the latest bytes);
+// device_bytes_ = bytes of resident handles + pending frees <= budget, always.
+// A failed copy leaves the state as it was before the operation (H2D failure: buffer
+// freed, still HOST; D2H failure: still RESIDENT and dirty), so the last good copy stays.
+//
+// Note [Locking]
+// One mutex guards the store. Backend calls are made under it; they never call back
+// into the store (host-backend stream workers only run copies). reclaim() is called from
+// an allocator's OOM path, possibly while this store is itself allocating device memory
+// on the same thread; it therefore only try_locks and gives up (returns 0) when busy.
+#include "tiering/tiered_store.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "allocator/caching_allocator.h"
+#include "allocator/tags.h"
+#include "tiering/stats_json.h"
+#include "tiering/tiering_registry.h"
+
+namespace tidepool {
+
+struct TieredStore::Entry {
+  Handle id = 0;
+  std::size_t bytes = 0;
+  int tag = 0;
+  HostBlock host;
+  void* dev = nullptr;
+  Event dev_ready;   // recorded on the H2D stream after the load
+  Event host_ready;  // recorded on the D2H stream after a copy-back
+  bool host_valid = true;
+  bool dev_dirty = false;
+  bool prefetched = false;  // loaded by prefetch and not acquired since
+  int pins = 0;
+  std::vector<Stream> use_streams;  // streams that used `dev` since it was loaded
+};
+
+namespace {
+thread_local bool t_inside_store = false;  // Note [Locking]: re-entry from an OOM hook
+
+struct InsideStore {
+  InsideStore() { t_inside_store = true; }
+  ~InsideStore() { t_inside_store = false; }
+};
+}  // namespace
+
+DeviceMemorySource caching_allocator_source(CachingAllocator& allocator, int tag) {
+  DeviceMemorySource source;
+  source.allocate = [&allocator, tag](std::size_t n, Stream s) -> void* {
+    TagScope scope(tag);
+    try {
+      return allocator.allocate(n, s);
+    } catch (const std::bad_alloc&) {
+      return nullptr;  // the store evicts its own released state and retries
+    }
+  };
+  source.deallocate = [&allocator](void* p, std::size_t n, Stream s) { allocator.deallocate(p, n, s); };
+  return source;
+}
+
+// ---- construction -----------------------------------------------------------------------
+
+TieredStore::TieredStore(Backend& backend, TieredStoreOptions options, DeviceMemorySource device)
+    : backend_(backend),
+      options_(options),
+      device_(std::move(device)),
+      host_(backend, options.host),
+      copies_(backend, options.copy) {
+  if (options_.device_budget_bytes == 0) throw TieringError("tiered store: device budget is 0");
+  if (!device_.allocate || !device_.deallocate) {
+    device_.allocate = [&b = backend_](std::size_t n, Stream) { return b.device_alloc(n); };
+    device_.deallocate = [&b = backend_](void* p, std::size_t n, Stream) { b.device_free(p, n); };
+  }
+  stats_.device_budget_bytes = options_.device_budget_bytes;
+  detail::register_tiered_store(backend_.device(), this);
+}
+
+TieredStore::~TieredStore() {
+  detail::unregister_tiered_store(backend_.device(), this);
+  try {
+    backend_.device_synchronize();
+    std::lock_guard lock(mutex_);
+    reap_frees_locked(/*wait_all=*/true);
+    for (auto& [id, e] : entries_) {
+      if (e->dev != nullptr) device_.deallocate(e->dev, e->bytes, copies_.stream(Direction::device_to_host));
+      host_.deallocate(e->host);
+      free_events_.push_back(e->dev_ready);
+      free_events_.push_back(e->host_ready);
+    }
+    for (Event ev : free_events_) backend_.destroy_event(ev);
+  } catch (const std::exception&) {
+    // A destructor does not throw; a failing backend leaks what it still holds.
+  }
+}
+
+Event TieredStore::take_event_locked() {
+  if (free_events_.empty()) return backend_.create_event();
+  Event ev = free_events_.back();
+  free_events_.pop_back();
+  return ev;
+}
+
+void TieredStore::give_event_locked(Event e) { free_events_.push_back(e); }
+
+TieredStore::Entry& TieredStore::entry_locked(Handle h, const char* op) {
+  auto it = entries_.find(h);
+  if (it == entries_.end()) {
+    throw TieringError(std::string("tiered store: ") + op + " of unknown handle " +
+                       std::to_string(h));
+  }
+  return *it->second;
+}
+
+void TieredStore::note_device_bytes_locked() {
+  stats_.device_peak_bytes = std::max(stats_.device_peak_bytes, device_bytes_);
+}
+
+// ---- create / destroy ---------------------------------------------------------------------
+
+TieredStore::Handle TieredStore::create(std::size_t bytes, int tag, Tier initial) {
+  if (bytes == 0) throw TieringError("tiered store: create of 0 bytes");
+  if (bytes > options_.device_budget_bytes) {
+    throw TieringError("tiered store: a handle of " + std::to_string(bytes) +
+                       " bytes can never fit the device budget of " +
+                       std::to_string(options_.device_budget_bytes) + " bytes");
+  }
+  HostBlock host;
+  try {
+    host = host_.allocate(bytes);
+  } catch (const HostArenaError& e) {
+    throw TieringError(std::string("tiered store: create: ") + e.what());
+  }
+  std::memset(host.ptr, 0, bytes);
+  std::lock_guard lock(mutex_);
+  InsideStore inside;
+  auto e = std::make_unique<Entry>();
+  e->bytes = bytes;
+  e->tag = tag;
+  e->host = host;
+  try {
+    e->dev_ready = take_event_locked();
+    e->host_ready = take_event_locked();
+    if (initial == Tier::device) {
+      const DeviceBuffer buf = device_allocate_locked(bytes, e.get(), /*may_wait=*/true);
+      e->dev = buf.ptr;
+      const Stream s = copies_.stream(Direction::host_to_device);
+      if (buf.wait) {
+        backend_.stream_wait_event(s, buf.wait);
+        give_event_locked(buf.wait);
+      }
+      backend_.memset_async(buf.ptr, 0, bytes, s);
+      backend_.record_event(e->dev_ready, s);
+    }
+  } catch (...) {
+    if (e->dev != nullptr) {
+      backend_.stream_synchronize(copies_.stream(Direction::host_to_device));
+      device_.deallocate(e->dev, bytes, copies_.stream(Direction::host_to_device));
+      device_bytes_ -= bytes;
+    }
+    if (e->dev_ready) give_event_locked(e->dev_ready);
+    if (e->host_ready) give_event_locked(e->host_ready);
+    host_.deallocate(host);
+    throw;
+  }
+  e->id = next_handle_++;
+  const Handle id = e->id;
+  entries_.emplace(id, std::move(e));
+  return id;
+}
+
+void TieredStore::destroy(Handle h) {
+  std::lock_guard lock(mutex_);
+  InsideStore inside;
+  Entry& e = entry_locked(h, "destroy");
+  if (e.pins > 0) throw TieringError("tiered store: destroy of an acquired handle");
+  if (e.dev != nullptr) {
+    e.dev_dirty = false;  // the contents die with the handle: no copy back
+    evict_locked(e);
+  }
+  // Copies that read or write the host block must be done before it is reused.
+  backend_.event_synchronize(e.host_ready);
+  backend_.event_synchronize(e.dev_ready);
+  host_.deallocate(e.host);
+  give_event_locked(e.dev_ready);
+  give_event_locked(e.host_ready);
+  policy_.forget(h);
+  entries_.erase(h);
+}
+
+// ---- device memory and the budget ----------------------------------------------------------
+
+void TieredStore::reap_frees_locked(bool wait_all) {
+  auto keep = pending_frees_.begin();
+  for (auto it = pending_frees_.begin(); it != pending_frees_.end(); ++it) {
+    if (wait_all) {
+      copies_.wait_exposed(it->after);
+    } else if (!backend_.event_query(it->after)) {
+      if (keep != it) *keep = std::move(*it);
+      ++keep;
+      continue;
+    }
+    device_.deallocate(it->ptr, it->bytes, copies_.stream(Direction::device_to_host));
+    device_bytes_ -= it->bytes;
+    give_event_locked(it->after);
+  }
+  pending_frees_.erase(keep, pending_frees_.end());
+}
+
+// Frees room for `bytes` within the budget. Evicts released handles, furthest next use
+// first; for a prefetch (may_wait false) only handles needed later than the incoming one,
+// and it never blocks. When enough is already on its way out, a pending free of exactly
+// `bytes` is taken over in stream order instead of waiting on the host (equal sizes are
+// the rule for optimizer state). See make_room_locked's declaration for the result.
+long TieredStore::make_room_locked(std::size_t bytes, const Entry* incoming, bool may_wait) {
+  const std::size_t budget = options_.device_budget_bytes;
+  const std::size_t incoming_score =
+      incoming != nullptr && !may_wait ? policy_.eviction_score(incoming->id) : 0;
+  while (true) {
+    reap_frees_locked(/*wait_all=*/false);
+    if (device_bytes_ + bytes <= budget) return -1;
+    std::size_t in_flight = 0;
+    for (const PendingFree& f : pending_frees_) in_flight += f.bytes;
+    if (device_bytes_ - in_flight + bytes > budget) {
+      Entry* victim = nullptr;
+      std::size_t victim_score = 0;
+      for (auto& [id, e] : entries_) {
+        if (e->dev == nullptr || e->pins > 0 || e.get() == incoming) continue;
+        const std::size_t score = policy_.eviction_score(id);
+        if (!may_wait && score <= incoming_score) continue;
+        if (victim == nullptr || score > victim_score) {
+          victim = e.get();
+          victim_score = score;
+        }
+      }
+      if (victim != nullptr) {
+        evict_locked(*victim);
+        continue;
+      }
+      if (in_flight == 0) return -2;  // everything left is acquired (or needed sooner)
+    }
+    for (std::size_t i = 0; i < pending_frees_.size(); ++i) {
+      if (pending_frees_[i].bytes == bytes) return static_cast<long>(i);
+    }
+    if (!may_wait || pending_frees_.empty()) return -2;
+    stats_.budget_waits++;
+    copies_.wait_exposed(pending_frees_.front().after);
+  }
+}
+
+TieredStore::DeviceBuffer TieredStore::device_allocate_locked(std::size_t bytes,
+                                                              const Entry* incoming,
+                                                              bool may_wait) {
+  const long room = make_room_locked(bytes, incoming, may_wait);
+  if (room == -2) {
+    if (!may_wait) return {};
+    std::size_t acquired = 0;
+    for (auto& [id, e] : entries_) {
+      if (e->pins > 0 && e->dev != nullptr) acquired += e->bytes;
+    }
+    throw TieringError("tiered store: no room for " + std::to_string(bytes) +
+                       " bytes in the device budget of " +
+                       std::to_string(options_.device_budget_bytes) + " bytes: " +
+                       std::to_string(acquired) + " bytes are held by acquired handles");
+  }
+  if (room >= 0) {  // take over a buffer on its way out: bytes stay charged
+    const PendingFree f = pending_frees_[static_cast<std::size_t>(room)];
+    pending_frees_.erase(pending_frees_.begin() + room);
+    stats_.buffers_reused++;
+    return DeviceBuffer{f.ptr, f.after};
+  }
+  const Stream s = copies_.stream(Direction::host_to_device);
+  void* p = device_.allocate(bytes, s);
+  // The device itself is out of memory (others use it too): give back what we hold.
+  while (p == nullptr) {
+    if (!may_wait) return {};
+    bool evicted = false;
+    for (auto& [id, e] : entries_) {
+      if (e->dev != nullptr && e->pins == 0 && e.get() != incoming) {
+        evict_locked(*e);
+        evicted = true;
+        break;
+      }
+    }
+    if (!evicted && pending_frees_.empty()) {
+      throw TieringError("tiered store: the device is out of memory for " +
+                         std::to_string(bytes) + " bytes of tiered state (the store holds " +
+                         std::to_string(device_bytes_) + " bytes, none of them evictable now)");
+    }
+    reap_frees_locked(/*wait_all=*/true);
+    p = device_.allocate(bytes, s);
+  }
+  device_bytes_ += bytes;
+  note_device_bytes_locked();
+  return DeviceBuffer{p, {}};
+}
+
+// ---- moving data --------------------------------------------------------------------------
+
+bool TieredStore::load_locked(Entry& e, bool for_prefetch) {
+  const DeviceBuffer buf = device_allocate_locked(e.bytes, &e, /*may_wait=*/!for_prefetch);
+  if (buf.ptr == nullptr) return false;
+  const Event waits[] = {e.host_ready, buf.wait};
+  try {
+    copies_.transfer(buf.ptr, e.host.ptr, e.bytes, Direction::host_to_device, e.dev_ready, waits);
+  } catch (const BackendError& err) {
+    // Chunks enqueued before the failure may still write to the buffer.
+    backend_.stream_synchronize(copies_.stream(Direction::host_to_device));
+    if (buf.wait) give_event_locked(buf.wait);
+    device_.deallocate(buf.ptr, e.bytes, copies_.stream(Direction::host_to_device));
+    device_bytes_ -= e.bytes;
+    throw TieringError(std::string("tiered store: copy to the device failed (the host copy is "
+                                   "intact): ") + err.what());
+  }
+  // The wait is enqueued; an event may be re-recorded after that (Note [Stream semantics]).
+  if (buf.wait) give_event_locked(buf.wait);
+  e.dev = buf.ptr;
+  e.prefetched = for_prefetch;
+  return true;
+}
+
+void TieredStore::evict_locked(Entry& e) {
+  const Stream d2h = copies_.stream(Direction::device_to_host);
+  // The D2H stream must pass every use of the buffer and its own load.
+  std::vector<Event> use_events;
+  use_events.reserve(e.use_streams.size());
+  for (Stream s : e.use_streams) {
+    Event ev = take_event_locked();
+    backend_.record_event(ev, s);
+    use_events.push_back(ev);
+  }
+  for (Event ev : use_events) {
+    backend_.stream_wait_event(d2h, ev);  // captures the point now: the event is free again
+    give_event_locked(ev);
+  }
+  backend_.stream_wait_event(d2h, e.dev_ready);
+  if (e.dev_dirty) {
+    try {
+      copies_.transfer(e.host.ptr, e.dev, e.bytes, Direction::device_to_host, e.host_ready);
+    } catch (const BackendError& err) {
+      backend_.stream_synchronize(d2h);
+      throw TieringError(std::string("tiered store: copy back to the host failed (the device "
+                                     "copy is kept): ") + err.what());
+    }
+    e.dev_dirty = false;
+  } else {
+    stats_.evictions_clean++;
+  }
+  Event after = take_event_locked();
+  backend_.record_event(after, d2h);
+  pending_frees_.push_back(PendingFree{e.dev, e.bytes, after});
+  e.dev = nullptr;
+  e.host_valid = true;
+  e.prefetched = false;
+  e.use_streams.clear();
+  stats_.evictions++;
+}
+
+void TieredStore::prefetch_ahead_locked() {
+  if (!policy_.replaying()) return;
+  for (PrefetchPolicy::HandleId id : policy_.upcoming(options_.prefetch_lookahead)) {
+    auto it = entries_.find(id);
+    if (it == entries_.end() || it->second->dev != nullptr) continue;
+    if (!load_locked(*it->second, /*for_prefetch=*/true)) {
+      stats_.prefetch_skipped++;
+      return;  // back-pressure: later handles wait for the next acquire
+    }
+    stats_.prefetch_issued++;
+  }
+}
+
+// ---- the public operations -------------------------------------------------------------------
+
+void TieredStore::prefetch(Handle h, Stream stream) {
+  std::lock_guard lock(mutex_);
+  InsideStore inside;
+  Entry& e = entry_locked(h, "prefetch");
+  if (e.dev != nullptr) return;
+  if (load_locked(e, /*for_prefetch=*/true)) {
+    stats_.prefetch_issued++;
+  } else {
+    stats_.prefetch_skipped++;
+  }
+}
+
+void* TieredStore::acquire(Handle h, Stream stream) {
+  std::lock_guard lock(mutex_);
+  InsideStore inside;
+  Entry& e = entry_locked(h, "acquire");
+  if (e.dev == nullptr) {
+    load_locked(e, /*for_prefetch=*/false);
+    stats_.misses++;
+  } else if (e.prefetched) {
+    stats_.prefetch_hits++;
+    if (!backend_.event_query(e.dev_ready)) stats_.prefetch_late++;
+    e.prefetched = false;
+  }
+  backend_.stream_wait_event(stream, e.dev_ready);
+  e.pins++;
+  if (std::find(e.use_streams.begin(), e.use_streams.end(), stream) == e.use_streams.end()) {
+    e.use_streams.push_back(stream);
+  }
+  stats_.acquires++;
+  policy_.on_acquire(h);
+  try {
+    prefetch_ahead_locked();
+  } catch (const std::exception&) {
+    // A prefetch is a hint: its failure must not fail this acquire. The handle it was
+    // for stays on the host and the next acquire of it reports the error.
+  }
+  return e.dev;
+}
+
+void TieredStore::release(Handle h, bool dirty) {
+  std::lock_guard lock(mutex_);
+  Entry& e = entry_locked(h, "release");
+  if (e.pins == 0) throw TieringError("tiered store: release of a handle that is not acquired");
+  e.pins--;
+  if (dirty) {
+    e.dev_dirty = true;
+    e.host_valid = false;
+  }
+}
+
+void TieredStore::evict(Handle h) {
+  std::lock_guard lock(mutex_);
+  InsideStore inside;
+  Entry& e = entry_locked(h, "evict");
+  if (e.pins > 0) throw TieringError("tiered store: evict of an acquired handle");
+  if (e.dev != nullptr) evict_locked(e);
+}
+
+void TieredStore::evict_tag(int tag) {
+  std::lock_guard lock(mutex_);
+  InsideStore inside;
+  for (auto& [id, e] : entries_) {
+    if (e->tag == tag && e->dev != nullptr && e->pins == 0) evict_locked(*e);
+  }
+}
+
+void TieredStore::prefetch_tag(int tag, Stream stream) {
+  std::lock_guard lock(mutex_);
+  InsideStore inside;
+  for (auto& [id, e] : entries_) {
+    if (e->tag != tag || e->dev != nullptr) continue;
+    if (!load_locked(*e, /*for_prefetch=*/true)) {
+      stats_.prefetch_skipped++;
+      return;
+    }
+    stats_.prefetch_issued++;
+  }
+}
+
+std::size_t TieredStore::reclaim(std::size_t bytes_needed) {
+  if (t_inside_store) return 0;  // Note [Locking]
+  std::unique_lock lock(mutex_, std::try_to_lock);
+  if (!lock.owns_lock()) return 0;
+  InsideStore inside;
+  stats_.reclaim_calls++;
+  const std::size_t before = device_bytes_;
+  std::size_t scheduled = 0;
+  while (scheduled < bytes_needed) {
+    Entry* victim = nullptr;
+    std::size_t victim_score = 0;
+    for (auto& [id, e] : entries_) {
+      if (e->dev == nullptr || e->pins > 0) continue;
+      const std::size_t score = policy_.eviction_score(id);
+      if (victim == nullptr || score > victim_score) {
+        victim = e.get();
+        victim_score = score;
+      }
+    }
+    if (victim == nullptr) break;
+    scheduled += victim->bytes;
+    try {
+      evict_locked(*victim);
+    } catch (const TieringError&) {
+      break;  // a failed copy-back keeps the device copy; free what we could
+    }
+  }
+  reap_frees_locked(/*wait_all=*/true);
+  const std::size_t freed = before - device_bytes_;
+  stats_.reclaimed_bytes += freed;
+  return freed;
+}
+
+void TieredStore::begin_step() {
+  std::lock_guard lock(mutex_);
+  policy_.begin_step();
+}
+
+void TieredStore::end_step() {
+  std::lock_guard lock(mutex_);
+  policy_.end_step();
+}
+
+void TieredStore::read(Handle h, void* dst) {
+  std::lock_guard lock(mutex_);
+  InsideStore inside;
+  Entry& e = entry_locked(h, "read");
+  if (e.pins > 0) throw TieringError("tiered store: read of an acquired handle");
+  if (e.dev != nullptr && e.dev_dirty) {
+    const Stream d2h = copies_.stream(Direction::device_to_host);
+    std::vector<Event> waits{e.dev_ready};
+    for (Stream s : e.use_streams) {
+      Event ev = take_event_locked();
+      backend_.record_event(ev, s);
+      waits.push_back(ev);
+    }
+    Event done = take_event_locked();
+    try {
+      copies_.transfer(dst, e.dev, e.bytes, Direction::device_to_host, done, waits);
+      backend_.event_synchronize(done);
+    } catch (const BackendError& err) {
+      backend_.stream_synchronize(d2h);
+      for (std::size_t i = 1; i < waits.size(); ++i) give_event_locked(waits[i]);
+      give_event_locked(done);
+      throw TieringError(std::string("tiered store: read: copy from the device failed: ") +
+                         err.what());
+    }
+    for (std::size_t i = 1; i < waits.size(); ++i) give_event_locked(waits[i]);
+    give_event_locked(done);
+    return;
+  }
+  backend_.event_synchronize(e.host_ready);
+  std::memcpy(dst, e.host.ptr, e.bytes);
+}
+
+void TieredStore::write(Handle h, const void* src) {
+  std::lock_guard lock(mutex_);
+  InsideStore inside;
+  Entry& e = entry_locked(h, "write");
+  if (e.pins > 0) throw TieringError("tiered store: write of an acquired handle");
+  if (e.dev != nullptr) {
+    e.dev_dirty = false;  // overwritten below: no copy back
+    evict_locked(e);
+  }
+  backend_.event_synchronize(e.host_ready);
+  backend_.event_synchronize(e.dev_ready);  // a load may still be reading the host block
+  std::memcpy(e.host.ptr, src, e.bytes);
+  e.host_valid = true;
+}
+
+// ---- queries ----------------------------------------------------------------------------------
+
+std::size_t TieredStore::size(Handle h) const {
+  std::lock_guard lock(mutex_);
+  return const_cast<TieredStore*>(this)->entry_locked(h, "size").bytes;
+}
+int TieredStore::tag(Handle h) const {
+  std::lock_guard lock(mutex_);
+  return const_cast<TieredStore*>(this)->entry_locked(h, "tag").tag;
+}
+bool TieredStore::resident(Handle h) const {
+  std::lock_guard lock(mutex_);
+  return const_cast<TieredStore*>(this)->entry_locked(h, "resident").dev != nullptr;
+}
+HostTier TieredStore::host_tier(Handle h) const {
+  std::lock_guard lock(mutex_);
+  return const_cast<TieredStore*>(this)->entry_locked(h, "host_tier").host.tier;
+}
+std::size_t TieredStore::device_bytes() const {
+  std::lock_guard lock(mutex_);
+  return device_bytes_;
+}
+
+void TieredStore::synchronize() {
+  std::lock_guard lock(mutex_);
+  copies_.synchronize();
+  reap_frees_locked(/*wait_all=*/true);
+}
+
+TieredStoreStats TieredStore::stats() {
+  std::lock_guard lock(mutex_);
+  TieredStoreStats s = stats_;
+  s.device_bytes = device_bytes_;
+  s.handles = entries_.size();
+  for (auto& [id, e] : entries_) {
+    if (e->dev != nullptr) s.resident_handles++;
+    if (e->pins > 0) s.acquired_handles++;
+  }
+  s.host = host_.stats();
+  s.copy = copies_.stats();
+  return s;
+}
+
+std::string TieredStore::stats_json() { return to_json(stats()); }
+
+}  // namespace tidepool

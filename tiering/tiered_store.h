@@ -1,0 +1,199 @@
+// The tiered store: buffers (optimizer state) that live in host memory and are on the
+// device exactly while code uses them. The handle state machine is written at the top of
+// tiered_store.cpp; the policy is in prefetch_policy.h; the copies in copy_engine.h.
+//
+// Use:
+//   TieredStore store(backend, {.device_budget_bytes = 8 << 30});
+//   Handle m = store.create(bytes, TIDEPOOL_TAG_OPTIMIZER_STATE);
+//   store.begin_step();
+//   float* p = static_cast<float*>(store.acquire(m, stream));  // valid on `stream`
+//   ... kernels on `stream` read/write p ...
+//   store.release(m, /*dirty=*/true);
+//   store.end_step();
+//
+// Guarantees:
+//   - the bytes the store holds on the device (resident handles + buffers whose release
+//     waits on a stream) never exceed the budget; prefetch never evicts a handle needed
+//     sooner than the one it brings in, and never waits;
+//   - acquire never blocks the host on a copy unless the budget forces it to wait for an
+//     eviction to finish (counted as exposed copy time);
+//   - a failed copy, registration or allocation throws TieringError and leaves the last
+//     good copy of the data readable through read().
+//
+// Thread-safety: every method may be called from any thread concurrently.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "allocator/backend.h"
+#include "allocator/c_api.h"
+#include "allocator/export.h"
+#include "tiering/copy_engine.h"
+#include "tiering/host_arena.h"
+#include "tiering/prefetch_policy.h"
+
+namespace tidepool {
+
+class TIDEPOOL_API TieringError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+enum class Tier : std::uint8_t { device, host };
+
+// Where device buffers come from. Default (empty functions): the backend directly. The
+// caching allocator plugs in here (allocate(bytes, stream) / deallocate(ptr, bytes,
+// stream)); allocate returns nullptr when out of memory.
+struct DeviceMemorySource {
+  std::function<void*(std::size_t bytes, Stream stream)> allocate;
+  std::function<void(void* ptr, std::size_t bytes, Stream stream)> deallocate;
+};
+
+class CachingAllocator;
+// Device buffers from the caching allocator, tagged `tag` (optimizer_state by default) so
+// its per-tag stats show the tiered state; its out-of-memory error becomes nullptr.
+TIDEPOOL_API DeviceMemorySource caching_allocator_source(CachingAllocator& allocator,
+                                                         int tag = TIDEPOOL_TAG_OPTIMIZER_STATE);
+
+struct TieredStoreOptions {
+  std::size_t device_budget_bytes = std::size_t{1} << 30;
+  std::size_t prefetch_lookahead = 64;  // handles ahead of the current acquire
+  HostArenaOptions host;
+  CopyEngineOptions copy;
+};
+
+struct TieredStoreStats {
+  std::size_t device_budget_bytes = 0;
+  std::size_t device_bytes = 0;  // held now (resident + waiting to be freed)
+  std::size_t device_peak_bytes = 0;
+  std::size_t handles = 0;
+  std::size_t resident_handles = 0;
+  std::size_t acquired_handles = 0;
+  std::uint64_t acquires = 0;
+  std::uint64_t prefetch_issued = 0;
+  std::uint64_t prefetch_hits = 0;   // acquire found the copy in flight or done
+  std::uint64_t prefetch_late = 0;   // ... but the copy had not finished yet
+  std::uint64_t misses = 0;          // acquire had to start the copy itself
+  std::uint64_t prefetch_skipped = 0;  // back-pressure: no room without harming sooner uses
+  std::uint64_t evictions = 0;
+  std::uint64_t evictions_clean = 0;  // dropped without a copy back
+  std::uint64_t reclaim_calls = 0;
+  std::uint64_t reclaimed_bytes = 0;
+  std::uint64_t budget_waits = 0;  // acquire had to wait for a buffer to be freed
+  std::uint64_t buffers_reused = 0;  // loads that took over a buffer on its way out
+  HostArenaStats host;
+  CopyEngineStats copy;
+};
+
+class TIDEPOOL_API TieredStore {
+ public:
+  using Handle = std::uint64_t;  // 0 is never a valid handle
+
+  TieredStore(Backend& backend, TieredStoreOptions options, DeviceMemorySource device = {});
+  // Waits for all transfers, frees every buffer. Handles still acquired are a caller bug
+  // but are freed too.
+  ~TieredStore();
+  TieredStore(const TieredStore&) = delete;
+  TieredStore& operator=(const TieredStore&) = delete;
+
+  // A zero-filled buffer of `bytes`, tagged `tag`, resident in `initial`.
+  // Throws TieringError (bytes == 0, larger than the budget, no memory).
+  Handle create(std::size_t bytes, int tag, Tier initial = Tier::host);
+  // Pre: not acquired. Frees both copies once the streams that used them are done.
+  void destroy(Handle h);
+
+  // A hint: start moving `h` to the device now if the budget allows without evicting a
+  // handle that is needed sooner. Never blocks. `stream` is the stream that will use it.
+  void prefetch(Handle h, Stream stream);
+  // A device pointer to the latest contents of `h`, valid for work enqueued on `stream`
+  // after this call until release(). Acquires nest (count). Throws TieringError.
+  void* acquire(Handle h, Stream stream);
+  // Ends one acquire. dirty: the device copy was written, the host copy is now stale.
+  void release(Handle h, bool dirty);
+  // Drops the device copy, copying it back first only if it is dirty. Pre: not acquired.
+  void evict(Handle h);
+
+  void evict_tag(int tag);
+  void prefetch_tag(int tag, Stream stream);
+  // Evicts released handles (furthest next use first) until `bytes_needed` device bytes
+  // are freed, and waits for them to be freed. Returns the bytes freed. Safe to call from
+  // an allocator's OOM path: returns 0 instead of blocking if the store is busy.
+  std::size_t reclaim(std::size_t bytes_needed);
+
+  // Step boundaries for the recorded prefetch schedule (see prefetch_policy.h).
+  void begin_step();
+  void end_step();
+
+  // Copies the latest contents of `h` to host memory `dst` (waits). Pre: not acquired.
+  void read(Handle h, void* dst);
+  // Replaces the contents of `h` with `src` (the device copy, if any, is dropped).
+  void write(Handle h, const void* src);
+
+  std::size_t size(Handle h) const;
+  int tag(Handle h) const;
+  bool resident(Handle h) const;
+  HostTier host_tier(Handle h) const;
+  std::size_t device_bytes() const;
+  std::size_t device_budget_bytes() const { return options_.device_budget_bytes; }
+  // Blocks until all transfers and pending frees are done.
+  void synchronize();
+
+  TieredStoreStats stats();
+  std::string stats_json();
+
+  Backend& backend() const { return backend_; }
+
+ private:
+  struct Entry;
+  // A device buffer freed once the D2H stream passes `after` (still charged to the budget
+  // until then).
+  struct PendingFree {
+    void* ptr;
+    std::size_t bytes;
+    Event after;
+  };
+  // A device buffer for a load: fresh, or a pending free of the same size taken over in
+  // stream order (`wait`: the H2D stream must wait on it, then it goes back to the pool).
+  struct DeviceBuffer {
+    void* ptr = nullptr;
+    Event wait;
+  };
+
+  Entry& entry_locked(Handle h, const char* op);
+  bool load_locked(Entry& e, bool for_prefetch);
+  void evict_locked(Entry& e);
+  // Returns the index of a same-size pending free to take over, -1 for fresh room, or -2
+  // when there is no room.
+  long make_room_locked(std::size_t bytes, const Entry* incoming, bool may_wait);
+  void reap_frees_locked(bool wait_all);
+  DeviceBuffer device_allocate_locked(std::size_t bytes, const Entry* incoming, bool may_wait);
+  void prefetch_ahead_locked();
+  Event take_event_locked();
+  void give_event_locked(Event e);
+  void note_device_bytes_locked();
+
+  Backend& backend_;
+  TieredStoreOptions options_;
+  DeviceMemorySource device_;
+  HostArena host_;
+  CopyEngine copies_;
+  PrefetchPolicy policy_;
+
+  mutable std::mutex mutex_;
+  std::unordered_map<Handle, std::unique_ptr<Entry>> entries_;
+  std::vector<PendingFree> pending_frees_;
+  std::vector<Event> free_events_;
+  Handle next_handle_ = 1;
+  std::size_t device_bytes_ = 0;
+  TieredStoreStats stats_;
+};
+
+}  // namespace tidepool

@@ -1,0 +1,47 @@
+// The process-wide tiering objects of each device, reached by the C ABI: the VmmPool for
+// pointer-held tierable allocations, and every live TieredStore (stores register
+// themselves on construction), so "evict tag X on device D" reaches all of them.
+//
+// The registry borrows a Backend per device: by default the backend of the device's
+// caching allocator (device_allocator(device).backend(), created on first use), so both
+// share streams and capacity; set_tiering_backend() names another one (tests).
+//
+// OOM: the registry registers one allocator reclaim hook (allocator/reclaim.h) when the
+// first store registers; on a device OOM it asks that device's stores to evict released
+// state (TieredStore::reclaim). Going through the registry, not a hook per store, means
+// a store being destroyed is never called: it leaves the registry first, under the same
+// lock. The hook only try_locks the registry, so it cannot deadlock with a thread that
+// holds the registry and waits for a store whose owner is inside the allocator.
+//
+// Thread-safety: every function may be called from any thread.
+#pragma once
+
+#include <cstddef>
+#include <functional>
+
+#include "allocator/backend.h"
+#include "allocator/export.h"
+
+namespace tidepool {
+
+class TieredStore;
+class VmmPool;
+
+// Borrows `backend` for `device` (not owned; must outlive tiering use). Throws
+// TieringError when the device's VmmPool already exists on another backend.
+TIDEPOOL_API void set_tiering_backend(int device, Backend* backend);
+// The device's VmmPool, created on first use.
+TIDEPOOL_API VmmPool& tiering_vmm_pool(int device);
+// Calls `fn` on every registered store of `device` (under the registry lock: `fn` must
+// not create or destroy stores).
+TIDEPOOL_API void for_each_tiered_store(int device, const std::function<void(TieredStore&)>& fn);
+
+namespace detail {
+// What the allocator's reclaim hook runs: reclaim on every store of `device` until
+// `bytes_needed` are freed. Returns bytes freed (0 when the registry is busy).
+std::size_t reclaim_tiered_stores(int device, std::size_t bytes_needed);
+void register_tiered_store(int device, TieredStore* store);
+void unregister_tiered_store(int device, TieredStore* store);
+}  // namespace detail
+
+}  // namespace tidepool

@@ -1,0 +1,284 @@
+// VmmPool: VA-stable ranges whose physical backing moves between device and host.
+// See vmm_migration.h for the algorithm and the failure guarantees.
+#include "tiering/vmm_migration.h"
+
+#include <algorithm>
+#include <chrono>
+#include <string>
+
+#include "tiering/tiered_store.h"  // TieringError
+
+namespace tidepool {
+
+namespace {
+std::size_t round_up(std::size_t n, std::size_t to) { return (n + to - 1) / to * to; }
+const char* location_name(MemoryLocation w) {
+  return w == MemoryLocation::device ? "device" : "host";
+}
+}  // namespace
+
+VmmPool::VmmPool(Backend& backend) : backend_(backend) {
+  scratch_bytes_ = backend_.granularity() * kChunkGranules;
+  stream_ = backend_.create_stream();
+  sync_event_ = backend_.create_event();
+  scratch_ = backend_.reserve_address(scratch_bytes_);
+}
+
+VmmPool::~VmmPool() {
+  try {
+    std::lock_guard lock(mutex_);
+    backend_.stream_synchronize(stream_);
+    for (auto& [base, r] : ranges_) {
+      wait_for_users_locked(r);
+      release_range_locked(r);
+    }
+    ranges_.clear();
+    backend_.release_address(scratch_, scratch_bytes_);
+    backend_.destroy_event(sync_event_);
+    backend_.destroy_stream(stream_);
+  } catch (const std::exception&) {
+    // Destructors do not throw; a failing backend leaks its mappings.
+  }
+}
+
+VmmPool::Range* VmmPool::find_locked(const void* ptr) {
+  return const_cast<Range*>(static_cast<const VmmPool*>(this)->find_locked(ptr));
+}
+
+const VmmPool::Range* VmmPool::find_locked(const void* ptr) const {
+  const char* p = static_cast<const char*>(ptr);
+  auto it = ranges_.upper_bound(p);
+  if (it == ranges_.begin()) return nullptr;
+  --it;
+  const Range& r = it->second;
+  return p < r.base + r.bytes ? &r : nullptr;
+}
+
+void VmmPool::release_range_locked(Range& r) {
+  for (Chunk& c : r.chunks) {
+    backend_.unmap(r.base + c.offset, c.bytes);
+    backend_.release_physical(c.physical, c.bytes);
+    (c.where == MemoryLocation::device ? stats_.device_backed_bytes : stats_.host_backed_bytes) -=
+        c.bytes;
+  }
+  backend_.release_address(r.base, r.bytes);
+  stats_.ranges--;
+}
+
+void* VmmPool::allocate(std::size_t bytes, int tag, MemoryLocation where) {
+  if (bytes == 0) throw TieringError("vmm pool: allocate(0)");
+  if (bytes > (std::size_t{1} << 46)) {
+    throw TieringError("vmm pool: absurd size " + std::to_string(bytes));
+  }
+  const std::size_t g = backend_.granularity();
+  const std::size_t total = round_up(bytes, g);
+  std::lock_guard lock(mutex_);
+  Range r;
+  r.bytes = total;
+  r.tag = tag;
+  // Undoes a half-built range: unmaps and releases the chunks made so far.
+  auto unwind = [&] {
+    for (Chunk& c : r.chunks) {
+      backend_.unmap(r.base + c.offset, c.bytes);
+      backend_.release_physical(c.physical, c.bytes);
+    }
+    backend_.release_address(r.base, total);
+  };
+  try {
+    r.base = static_cast<char*>(backend_.reserve_address(total));
+  } catch (const BackendError& e) {
+    throw TieringError(std::string("vmm pool: reserving ") + std::to_string(total) +
+                       " bytes of address space failed: " + e.what());
+  }
+  try {
+    for (std::size_t off = 0; off < total; off += scratch_bytes_) {
+      const std::size_t n = std::min(scratch_bytes_, total - off);
+      PhysicalHandle h = backend_.create_physical(n, where);
+      if (!h) {
+        unwind();
+        return nullptr;
+      }
+      try {
+        backend_.map(r.base + off, n, h);
+      } catch (...) {
+        backend_.release_physical(h, n);
+        throw;
+      }
+      r.chunks.push_back(Chunk{off, n, h, where});
+    }
+  } catch (const BackendError& e) {
+    unwind();
+    throw TieringError(std::string("vmm pool: allocate of ") + std::to_string(bytes) +
+                       " bytes failed: " + e.what());
+  }
+  (where == MemoryLocation::device ? stats_.device_backed_bytes : stats_.host_backed_bytes) +=
+      total;
+  stats_.ranges++;
+  char* base = r.base;
+  ranges_.emplace(base, std::move(r));
+  return base;
+}
+
+void VmmPool::deallocate(void* ptr) {
+  std::lock_guard lock(mutex_);
+  auto it = ranges_.find(static_cast<const char*>(ptr));
+  if (it == ranges_.end()) {
+    throw TieringError("vmm pool: deallocate of a pointer it does not own (or not a range base)");
+  }
+  wait_for_users_locked(it->second);
+  release_range_locked(it->second);
+  ranges_.erase(it);
+}
+
+void VmmPool::record_use(const void* ptr, Stream stream) {
+  std::lock_guard lock(mutex_);
+  Range* r = find_locked(ptr);
+  if (r == nullptr) throw TieringError("vmm pool: record_use of a pointer it does not own");
+  for (Stream s : r->use_streams) {
+    if (s == stream) return;
+  }
+  r->use_streams.push_back(stream);
+}
+
+void VmmPool::wait_for_users_locked(Range& r) {
+  for (Stream s : r.use_streams) {
+    backend_.record_event(sync_event_, s);
+    backend_.event_synchronize(sync_event_);
+  }
+  r.use_streams.clear();
+}
+
+void VmmPool::migrate(const void* ptr, MemoryLocation to) {
+  std::lock_guard lock(mutex_);
+  Range* r = find_locked(ptr);
+  if (r == nullptr) throw TieringError("vmm pool: migrate of a pointer it does not own");
+  wait_for_users_locked(*r);
+  const auto t0 = std::chrono::steady_clock::now();
+  try {
+    for (Chunk& c : r->chunks) {
+      if (c.where != to) migrate_chunk_locked(*r, c, to);
+    }
+  } catch (...) {
+    stats_.failed_migrations++;
+    stats_.migration_ms +=
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    throw;
+  }
+  stats_.migration_ms +=
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+}
+
+// One chunk: new backing in `to`, filled through the scratch VA, swapped in at the
+// original address. Every failure path leaves the old backing mapped at the original
+// address and releases what it created.
+void VmmPool::migrate_chunk_locked(Range& r, Chunk& c, MemoryLocation to) {
+  char* va = r.base + c.offset;
+  PhysicalHandle fresh;
+  try {
+    fresh = backend_.create_physical(c.bytes, to);
+  } catch (const BackendError& e) {
+    throw TieringError(std::string("vmm pool: migrate: creating ") + location_name(to) +
+                       " memory failed: " + e.what());
+  }
+  if (!fresh) {
+    throw TieringError("vmm pool: migrate: out of " + std::string(location_name(to)) +
+                       " memory for a " + std::to_string(c.bytes) +
+                       "-byte chunk (data stays where it was)");
+  }
+  try {
+    backend_.map(scratch_, c.bytes, fresh);
+  } catch (const BackendError& e) {
+    backend_.release_physical(fresh, c.bytes);
+    throw TieringError(std::string("vmm pool: migrate: mapping the new backing failed (data "
+                                   "stays where it was): ") + e.what());
+  }
+  try {
+    backend_.copy_async(scratch_, va, c.bytes, CopyKind::device_to_device, stream_);
+    backend_.stream_synchronize(stream_);
+  } catch (const BackendError& e) {
+    try {
+      backend_.stream_synchronize(stream_);
+    } catch (const BackendError&) {
+    }
+    backend_.unmap(scratch_, c.bytes);
+    backend_.release_physical(fresh, c.bytes);
+    throw TieringError(std::string("vmm pool: migrate: copy failed (data stays where it "
+                                   "was): ") + e.what());
+  }
+  backend_.unmap(scratch_, c.bytes);
+  backend_.unmap(va, c.bytes);
+  try {
+    backend_.map(va, c.bytes, fresh);
+  } catch (const BackendError& e) {
+    backend_.map(va, c.bytes, c.physical);  // put the old backing back
+    backend_.release_physical(fresh, c.bytes);
+    throw TieringError(std::string("vmm pool: migrate: remapping the original address "
+                                   "failed (old backing restored): ") + e.what());
+  }
+  backend_.release_physical(c.physical, c.bytes);
+  (c.where == MemoryLocation::device ? stats_.device_backed_bytes : stats_.host_backed_bytes) -=
+      c.bytes;
+  (to == MemoryLocation::device ? stats_.device_backed_bytes : stats_.host_backed_bytes) +=
+      c.bytes;
+  if (to == MemoryLocation::host) {
+    stats_.migrations_to_host++;
+    stats_.bytes_to_host += c.bytes;
+  } else {
+    stats_.migrations_to_device++;
+    stats_.bytes_to_device += c.bytes;
+  }
+  c.physical = fresh;
+  c.where = to;
+}
+
+std::size_t VmmPool::migrate_tag(int tag, MemoryLocation to) {
+  std::vector<const char*> bases;
+  {
+    std::lock_guard lock(mutex_);
+    for (auto& [base, r] : ranges_) {
+      if (r.tag == tag) bases.push_back(base);
+    }
+  }
+  std::size_t moved = 0;
+  for (const char* base : bases) {
+    if (!owns(base)) continue;  // freed meanwhile
+    migrate(base, to);
+    moved++;
+  }
+  return moved;
+}
+
+bool VmmPool::owns(const void* ptr) const {
+  std::lock_guard lock(mutex_);
+  return find_locked(ptr) != nullptr;
+}
+
+void* VmmPool::base_of(const void* ptr) const {
+  std::lock_guard lock(mutex_);
+  const Range* r = find_locked(ptr);
+  return r != nullptr ? r->base : nullptr;
+}
+
+std::size_t VmmPool::size_of(const void* ptr) const {
+  std::lock_guard lock(mutex_);
+  const Range* r = find_locked(ptr);
+  return r != nullptr ? r->bytes : 0;
+}
+
+std::size_t VmmPool::bytes_in(const void* ptr, MemoryLocation where) const {
+  std::lock_guard lock(mutex_);
+  const Range* r = find_locked(ptr);
+  if (r == nullptr) return 0;
+  std::size_t n = 0;
+  for (const Chunk& c : r->chunks) {
+    if (c.where == where) n += c.bytes;
+  }
+  return n;
+}
+
+VmmStats VmmPool::stats() const {
+  std::lock_guard lock(mutex_);
+  return stats_;
+}
+
+}  // namespace tidepool
