@@ -1,0 +1,121 @@
+// Benchmarks of tidepool::linalg::lstsq against at::linalg_lstsq, same run, same data.
+// Each case reports time and, as counters, the relative error against the known solution
+// (rel_error) — speed without accuracy would hide the failure the issue is about.
+//
+// CPU: 2e7×5 fp32, κ ≈ 1: tidepool vs torch gelsd (the most accurate LAPACK driver) and
+// torch's default (gelsy, which truncates this problem to rank 1).
+// GPU (skipped at run time without a device): 4,194,304×8 fp32 vs torch's CUDA lstsq
+// (target ≥ 50× faster); 16,777,216×8 and 268,435,456×8 (torch fails there); and a
+// "read A once" baseline (torch's sum over A, bytes/s reported) for the within-2× target.
+#include <benchmark/benchmark.h>
+
+#include <map>
+#include <optional>
+#include <string>
+#include <tuple>
+
+#include <ATen/ATen.h>
+
+#include "optimizers/linalg/lstsq.h"
+
+namespace {
+
+struct Problem {
+  at::Tensor A;
+  at::Tensor b;
+  at::Tensor x;
+};
+
+// One problem per (rows, k, device), built once: Gaussian A (κ ≈ 1), b = A·x exactly
+// representable up to fp32 rounding, x = 1..k.
+const Problem& problem(int64_t rows, int64_t k, at::Device device) {
+  static std::map<std::tuple<int64_t, int64_t, std::string>, Problem> cache;
+  auto key = std::make_tuple(rows, k, device.str());
+  auto found = cache.find(key);
+  if (found != cache.end()) return found->second;
+  cache.clear();  // keep one large problem alive at a time (268M×8 is 8.6 GB)
+  at::manual_seed(42);
+  const auto options = at::TensorOptions().device(device);
+  Problem p;
+  p.A = at::randn({rows, k}, options);
+  p.x = at::linspace(1.0, static_cast<double>(k), k, options);
+  p.b = p.A.mv(p.x);
+  return cache.emplace(key, std::move(p)).first->second;
+}
+
+double relative_error(const at::Tensor& solution, const at::Tensor& x) {
+  const auto s = solution.reshape({-1}).to(at::kCPU, at::kDouble);
+  const auto r = x.to(at::kCPU, at::kDouble);
+  return ((s - r).abs().max() / r.abs().max()).item<double>();
+}
+
+bool require_gpu(benchmark::State& state) {
+  if (at::hasCUDA()) return true;
+  state.SkipWithError("no CUDA device");
+  return false;
+}
+
+void BM_TidepoolLstsq(benchmark::State& state, at::Device device) {
+  if (device.is_cuda() && !require_gpu(state)) return;
+  const auto& p = problem(state.range(0), state.range(1), device);
+  tidepool::linalg::LstsqResult result;
+  for (auto _ : state) {
+    result = tidepool::linalg::lstsq(p.A, p.b);  // returns after the host solve: synchronised
+    benchmark::DoNotOptimize(result.solution);
+  }
+  state.counters["rel_error"] = relative_error(result.solution, p.x);
+  state.counters["rank"] = static_cast<double>(result.rank);
+  state.SetLabel(result.method_name);
+  state.SetBytesProcessed(state.iterations() * static_cast<int64_t>(p.A.nbytes()));
+}
+
+void BM_TorchLstsq(benchmark::State& state, at::Device device, std::optional<std::string> driver) {
+  if (device.is_cuda() && !require_gpu(state)) return;
+  const auto& p = problem(state.range(0), state.range(1), device);
+  at::Tensor solution;
+  try {
+    for (auto _ : state) {
+      solution = std::get<0>(at::linalg_lstsq(p.A, p.b.unsqueeze(1), std::nullopt, driver));
+      // A copy to the host waits for the solve: torch's CUDA lstsq returns asynchronously.
+      benchmark::DoNotOptimize(solution.cpu());
+    }
+  } catch (const std::exception& error) {
+    state.SkipWithError((std::string("at::linalg_lstsq failed: ") + error.what()).substr(0, 200).c_str());
+    return;
+  }
+  state.counters["rel_error"] = relative_error(solution, p.x);
+  state.SetLabel(driver.value_or("default"));
+  state.SetBytesProcessed(state.iterations() * static_cast<int64_t>(p.A.nbytes()));
+}
+
+// The floor: one read of A at the bandwidth torch's reduction reaches in this run.
+void BM_ReadAOnce(benchmark::State& state) {
+  if (!require_gpu(state)) return;
+  const auto& p = problem(state.range(0), state.range(1), at::kCUDA);
+  for (auto _ : state) benchmark::DoNotOptimize(p.A.sum().item<float>());
+  state.SetBytesProcessed(state.iterations() * static_cast<int64_t>(p.A.nbytes()));
+}
+
+const at::Device kCpu(at::kCPU);
+const at::Device kCuda(at::kCUDA);
+
+BENCHMARK_CAPTURE(BM_TidepoolLstsq, cpu, kCpu)->Args({20'000'000, 5})->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(BM_TorchLstsq, cpu_gelsd, kCpu, std::string("gelsd"))
+    ->Args({20'000'000, 5})->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(BM_TorchLstsq, cpu_default, kCpu, std::nullopt)
+    ->Args({20'000'000, 5})->Unit(benchmark::kMillisecond);
+
+// GPU: per size, tidepool, the read-once floor and torch next to each other (one problem
+// is cached at a time, so grouping by size builds each A once).
+BENCHMARK_CAPTURE(BM_TidepoolLstsq, cuda, kCuda)->Args({4'194'304, 8})->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_ReadAOnce)->Args({4'194'304, 8})->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(BM_TorchLstsq, cuda_default, kCuda, std::nullopt)->Args({4'194'304, 8})->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(BM_TidepoolLstsq, cuda, kCuda)->Args({16'777'216, 8})->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_ReadAOnce)->Args({16'777'216, 8})->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(BM_TorchLstsq, cuda_default, kCuda, std::nullopt)->Args({16'777'216, 8})->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(BM_TidepoolLstsq, cuda, kCuda)->Args({268'435'456, 8})->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_ReadAOnce)->Args({268'435'456, 8})->Unit(benchmark::kMillisecond);
+
+}  // namespace
+
+BENCHMARK_MAIN();

@@ -1,0 +1,197 @@
+// The Gram pass of lstsq: G = XᵀX for X = [A | B] given as column vectors, fp64 accumulation,
+// one read of X, never more than one block of rows upcast at a time.
+//
+// Why fp64 accumulation: summing 2e7 fp32 products in fp32 loses ~3e-2 relative, which is
+// the error torch's fp32 LAPACK drivers show on the 2e7×5 problem. Every element is
+// upcast before it is multiplied, so the only rounding is fp64's (~1e-16·√blocks).
+//
+// CPU: gram_cpu.cpp's loop over raw column pointers (threads over fixed row chunks).
+// CUDA: gram_kernels.cu reads X once with fp64 register accumulators when m ≤ 16; wider
+// sets fall back to blocks of rows stacked, upcast and multiplied with cuBLAS fp64 gemm
+// (more traffic, but k > 15 is rare for lstsq's users).
+#include "optimizers/linalg/gram.h"
+
+#include <algorithm>
+#include <stdexcept>
+#include <string>
+#include <utility>
+
+#include "optimizers/linalg/gram_cpu.h"
+
+#if TIDEPOOL_HAVE_CUDA
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include "optimizers/linalg/gram_kernels.h"
+#endif
+
+namespace tidepool::linalg::detail {
+namespace {
+
+constexpr int64_t kCpuBlockRows = int64_t{1} << 15;
+constexpr int64_t kCudaBlockRows = int64_t{1} << 22;
+
+int64_t block_rows_for(const at::Tensor& column) {
+  return column.is_cuda() ? kCudaBlockRows : kCpuBlockRows;
+}
+
+// Rows [begin, begin+count) of every column, side by side, as a (count × m) fp64 block.
+at::Tensor fp64_block(const std::vector<at::Tensor>& columns, int64_t begin, int64_t count) {
+  std::vector<at::Tensor> slices;
+  slices.reserve(columns.size());
+  for (const auto& column : columns) slices.push_back(column.narrow(0, begin, count));
+  return at::stack(slices, 1).to(at::kDouble);
+}
+
+at::Tensor blocked_gram(const std::vector<at::Tensor>& columns) {
+  const int64_t rows = columns.front().size(0);
+  const int64_t m = static_cast<int64_t>(columns.size());
+  const int64_t block = block_rows_for(columns.front());
+  auto G = at::zeros({m, m}, columns.front().options().dtype(at::kDouble));
+  for (int64_t begin = 0; begin < rows; begin += block) {
+    const auto X = fp64_block(columns, begin, std::min(block, rows - begin));
+    G.addmm_(X.t(), X);
+  }
+  return G.cpu();
+}
+
+// Raw pointers and strides of 1-D CPU columns of dtype T.
+template <typename T>
+std::pair<std::vector<const T*>, std::vector<int64_t>> raw_columns(const std::vector<at::Tensor>& columns) {
+  std::pair<std::vector<const T*>, std::vector<int64_t>> raw;
+  for (const auto& column : columns) {
+    raw.first.push_back(column.data_ptr<T>());
+    raw.second.push_back(column.stride(0));
+  }
+  return raw;
+}
+
+template <typename T>
+at::Tensor host_gram(const std::vector<at::Tensor>& columns) {
+  const int m = static_cast<int>(columns.size());
+  std::vector<std::pair<int, int>> pairs;
+  for (int a = 0; a < m; ++a) {
+    for (int b = a; b < m; ++b) pairs.emplace_back(a, b);
+  }
+  const auto [data, stride] = raw_columns<T>(columns);
+  const auto sums = cpu_inner_products<T>(data, stride, columns.front().size(0), pairs);
+  auto G = at::empty({m, m}, at::kDouble);
+  auto g = G.accessor<double, 2>();
+  for (size_t p = 0; p < pairs.size(); ++p) {
+    g[pairs[p].first][pairs[p].second] = sums[p];
+    g[pairs[p].second][pairs[p].first] = sums[p];
+  }
+  return G;
+}
+
+// ⟨columns[0], columns[j]⟩ for every j.
+template <typename T>
+at::Tensor host_dots(const std::vector<at::Tensor>& columns) {
+  std::vector<std::pair<int, int>> pairs;
+  for (int j = 1; j < static_cast<int>(columns.size()); ++j) pairs.emplace_back(0, j);
+  const auto [data, stride] = raw_columns<T>(columns);
+  const auto sums = cpu_inner_products<T>(data, stride, columns.front().size(0), pairs);
+  return at::tensor(at::ArrayRef<double>(sums), at::TensorOptions().dtype(at::kDouble));
+}
+
+#if TIDEPOOL_HAVE_CUDA
+// One pass of gram_kernels.cu; the per-block partials are summed on the host in block order.
+at::Tensor kernel_gram(const std::vector<at::Tensor>& columns) {
+  const auto& first = columns.front();
+  const c10::cuda::CUDAGuard guard(first.device());
+  const int m = static_cast<int>(columns.size());
+  const int64_t rows = first.size(0);
+  const int pairs = m * (m + 1) / 2;
+  cuda::ColumnSet set{};
+  for (int j = 0; j < m; ++j) {
+    set.data[j] = columns[j].data_ptr();
+    set.stride[j] = columns[j].stride(0);
+  }
+  const int grid = cuda::gram_grid_size(rows);
+  // Workspace from the PyTorch caching allocator (tidepool's allocator has no C++ entry
+  // point for optimizers/ yet); it is returned when `partials` goes out of scope.
+  auto partials = at::empty({grid, pairs}, first.options().dtype(at::kDouble));
+  const cudaError_t status =
+      cuda::launch_gram_partials(set, m, rows, first.scalar_type() == at::kDouble,
+                                 partials.data_ptr<double>(), c10::cuda::getCurrentCUDAStream());
+  if (status != cudaSuccess) {
+    throw std::runtime_error(std::string("tidepool::linalg: Gram kernel launch failed: ") +
+                             cudaGetErrorString(status));
+  }
+  const auto host = partials.cpu();  // synchronises with the stream
+  const double* p = host.data_ptr<double>();
+  auto G = at::empty({m, m}, at::kDouble);
+  auto g = G.accessor<double, 2>();
+  int pair = 0;
+  for (int a = 0; a < m; ++a) {
+    for (int b = a; b < m; ++b, ++pair) {
+      double total = 0.0;
+      for (int blk = 0; blk < grid; ++blk) total += p[static_cast<int64_t>(blk) * pairs + pair];
+      g[a][b] = total;
+      g[b][a] = total;
+    }
+  }
+  return G;
+}
+#endif
+
+}  // namespace
+
+std::vector<at::Tensor> columns_of(const at::Tensor& matrix) {
+  std::vector<at::Tensor> columns;
+  columns.reserve(static_cast<size_t>(matrix.size(1)));
+  for (int64_t j = 0; j < matrix.size(1); ++j) columns.push_back(matrix.select(1, j));
+  return columns;
+}
+
+at::Tensor gram_of_columns(const std::vector<at::Tensor>& columns) {
+  if (columns.empty()) throw std::invalid_argument("tidepool::linalg: Gram of zero columns");
+#if TIDEPOOL_HAVE_CUDA
+  if (columns.front().is_cuda() && static_cast<int>(columns.size()) <= cuda::kMaxKernelColumns) {
+    return kernel_gram(columns);
+  }
+#endif
+  if (columns.front().is_cpu()) {
+    return columns.front().scalar_type() == at::kDouble ? host_gram<double>(columns) : host_gram<float>(columns);
+  }
+  return blocked_gram(columns);
+}
+
+at::Tensor dots_with(const at::Tensor& v, const std::vector<at::Tensor>& columns) {
+  const int64_t rows = v.size(0);
+  const int64_t m = static_cast<int64_t>(columns.size());
+  if (m == 0) return at::zeros({0}, at::kDouble);
+  if (v.is_cpu()) {
+    std::vector<at::Tensor> all{v};
+    all.insert(all.end(), columns.begin(), columns.end());
+    return v.scalar_type() == at::kDouble ? host_dots<double>(all) : host_dots<float>(all);
+  }
+  const int64_t block = block_rows_for(v);
+  auto dots = at::zeros({m}, v.options().dtype(at::kDouble));
+  for (int64_t begin = 0; begin < rows; begin += block) {
+    const int64_t count = std::min(block, rows - begin);
+    const auto X = fp64_block(columns, begin, count);
+    dots.addmv_(X.t(), v.narrow(0, begin, count).to(at::kDouble));
+  }
+  return dots.cpu();
+}
+
+std::vector<double> direct_residual_norms(const std::vector<at::Tensor>& a_columns,
+                                          const std::vector<at::Tensor>& b_columns,
+                                          const at::Tensor& x) {
+  const auto& first = b_columns.front();
+  const int64_t rows = first.size(0);
+  const int64_t block = block_rows_for(first);
+  const auto x_here = x.to(first.device());
+  auto squares = at::zeros({static_cast<int64_t>(b_columns.size())},
+                              first.options().dtype(at::kDouble));
+  for (int64_t begin = 0; begin < rows; begin += block) {
+    const int64_t count = std::min(block, rows - begin);
+    const auto residual = fp64_block(b_columns, begin, count) - fp64_block(a_columns, begin, count).mm(x_here);
+    squares += residual.square().sum(0);
+  }
+  const auto norms = squares.sqrt().cpu();
+  return std::vector<double>(norms.data_ptr<double>(), norms.data_ptr<double>() + norms.numel());
+}
+
+}  // namespace tidepool::linalg::detail

@@ -1,0 +1,30 @@
+// The Gram pass of lstsq: inner products of a set of column vectors with fp64 accumulation,
+// read chunk by chunk (internal to tidepool_optim).
+#pragma once
+
+#include <vector>
+
+#include <ATen/ATen.h>
+
+namespace tidepool::linalg::detail {
+
+// G[a][b] = ⟨columns[a], columns[b]⟩ as an m×m fp64 CPU tensor. The columns are 1-D tensors
+// of one length, dtype and device (strided views are fine: a column of a row-major matrix
+// is one). CPU: one threaded loop over the raw columns (gram_cpu.cpp). CUDA: one kernel
+// pass (m ≤ 16) or chunked fp64 cuBLAS. Never materialises more than one block of rows.
+at::Tensor gram_of_columns(const std::vector<at::Tensor>& columns);
+
+// ⟨v, columns[j]⟩ for every j as an fp64 CPU tensor, read in blocks of rows, fp64
+// accumulation. Same requirements as gram_of_columns.
+at::Tensor dots_with(const at::Tensor& v, const std::vector<at::Tensor>& columns);
+
+// ‖b_j − Σ_i x_ij a_i‖₂ for every column b_j of `b_columns`, computed directly in fp64
+// blocks of rows (one more read of the columns). x is k×r fp64 (any device).
+std::vector<double> direct_residual_norms(const std::vector<at::Tensor>& a_columns,
+                                          const std::vector<at::Tensor>& b_columns,
+                                          const at::Tensor& x);
+
+// Columns of a 2-D matrix as strided 1-D views (no copy).
+std::vector<at::Tensor> columns_of(const at::Tensor& matrix);
+
+}  // namespace tidepool::linalg::detail

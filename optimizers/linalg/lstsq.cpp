@@ -1,0 +1,262 @@
+// tidepool::linalg::lstsq and lstsq_columns: input validation and method selection.
+//
+// Both entry points reduce the problem to a list of A's columns (strided views of a dense
+// A, or the caller's separate vectors) plus B's columns, so the Gram pass, the fallbacks
+// and the residuals are one code path. The selection rule is written at the top of
+// lstsq.h; the numerics live in gram.cpp (the pass over A), small_solve.cpp (the host fp64
+// solves) and dense_factor.cpp (the fallbacks that read A again).
+//
+// Non-finite input is caught for free on the Gram path: a NaN or Inf anywhere in column j
+// makes G_jj non-finite, so checking the small G replaces a separate pass over A.
+#include "optimizers/linalg/lstsq.h"
+
+#include <cmath>
+#include <limits>
+#include <optional>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+
+#include "optimizers/linalg/dense_factor.h"
+#include "optimizers/linalg/gram.h"
+#include "optimizers/linalg/small_solve.h"
+
+namespace tidepool::linalg {
+namespace {
+
+using detail::SmallSolution;
+
+[[noreturn]] void fail(const std::string& message) {
+  throw std::invalid_argument("tidepool::linalg::lstsq: " + message);
+}
+
+std::string describe(const at::Tensor& t) {
+  std::ostringstream out;
+  out << t.sizes() << " " << t.scalar_type() << " on " << t.device();
+  return out.str();
+}
+
+// The validated problem: A's and B's columns, all 1-D, same length, dtype and device.
+struct Problem {
+  std::vector<at::Tensor> a_columns;
+  std::vector<at::Tensor> b_columns;
+  bool vector_rhs = false;
+  int64_t rows = 0;
+  int64_t k = 0;
+  at::ScalarType dtype = at::kFloat;
+  at::Device device = at::kCPU;
+};
+
+void check_options(const LstsqOptions& options) {
+  if (!std::isfinite(options.rcond)) fail("options.rcond must be finite");
+  if (!(options.tikhonov >= 0.0) || !std::isfinite(options.tikhonov)) {
+    fail("options.tikhonov must be finite and >= 0, got " + std::to_string(options.tikhonov));
+  }
+  if (std::isnan(options.gram_condition_limit) || options.gram_condition_limit == 0.0) {
+    fail("options.gram_condition_limit must be > 0 (or negative for the default)");
+  }
+  if (options.svd_below_elements < 0) fail("options.svd_below_elements must be >= 0");
+}
+
+void check_dtype_and_device(const at::Tensor& t, const char* name, const Problem& problem) {
+  if (t.scalar_type() != problem.dtype) {
+    fail(std::string(name) + " has dtype " + std::string(c10::toString(t.scalar_type())) + " but A has " +
+         std::string(c10::toString(problem.dtype)) + "; convert both to float32 or float64");
+  }
+  if (t.device() != problem.device) {
+    fail(std::string(name) + " is on " + t.device().str() + " but A is on " + problem.device.str() +
+         "; move both to one device");
+  }
+}
+
+void set_dtype_and_device(const at::Tensor& first, const char* name, Problem& problem) {
+  if (first.scalar_type() != at::kFloat && first.scalar_type() != at::kDouble) {
+    fail(std::string("unsupported dtype ") + std::string(c10::toString(first.scalar_type())) + " for " + name +
+         "; lstsq takes float32 or float64");
+  }
+  if (!first.is_cpu() && !first.is_cuda()) fail(std::string(name) + " must be on the CPU or a CUDA device");
+#if !TIDEPOOL_HAVE_CUDA
+  if (first.is_cuda()) fail("this libtidepool_optim was built without CUDA; " + std::string(name) + " is on " + first.device().str());
+#endif
+  problem.dtype = first.scalar_type();
+  problem.device = first.device();
+}
+
+void add_rhs(const at::Tensor& B, Problem& problem) {
+  if (!B.defined()) fail("B is undefined");
+  if (B.dim() != 1 && B.dim() != 2) fail("B must be 1-D (N) or 2-D (N×r), got " + describe(B));
+  check_dtype_and_device(B, "B", problem);
+  if (B.size(0) != problem.rows) {
+    fail("A has " + std::to_string(problem.rows) + " rows but B has " + std::to_string(B.size(0)));
+  }
+  problem.vector_rhs = B.dim() == 1;
+  if (problem.vector_rhs) {
+    problem.b_columns = {B};
+  } else {
+    if (B.size(1) == 0) fail("B has no columns: " + describe(B));
+    problem.b_columns = detail::columns_of(B);
+  }
+}
+
+Problem dense_problem(const at::Tensor& A, const at::Tensor& B) {
+  if (!A.defined()) fail("A is undefined");
+  if (A.dim() != 2) fail("A must be 2-D (N×k), got " + describe(A));
+  if (A.size(0) == 0 || A.size(1) == 0) fail("A is empty: " + describe(A));
+  Problem problem;
+  set_dtype_and_device(A, "A", problem);
+  problem.rows = A.size(0);
+  problem.k = A.size(1);
+  problem.a_columns = detail::columns_of(A);
+  add_rhs(B, problem);
+  return problem;
+}
+
+Problem column_problem(const std::vector<at::Tensor>& columns, const at::Tensor& B) {
+  if (columns.empty()) fail("no columns given (A would be empty)");
+  Problem problem;
+  for (size_t j = 0; j < columns.size(); ++j) {
+    const auto& column = columns[j];
+    const std::string name = "column " + std::to_string(j);
+    if (!column.defined()) fail(name + " is undefined");
+    if (column.dim() != 1) fail(name + " must be 1-D, got " + describe(column));
+    if (j == 0) {
+      set_dtype_and_device(column, "column 0", problem);
+      problem.rows = column.size(0);
+      if (problem.rows == 0) fail("column 0 is empty");
+    }
+    check_dtype_and_device(column, name.c_str(), problem);
+    if (column.size(0) != problem.rows) {
+      fail(name + " has " + std::to_string(column.size(0)) + " rows but column 0 has " +
+           std::to_string(problem.rows));
+    }
+  }
+  problem.k = static_cast<int64_t>(columns.size());
+  problem.a_columns = columns;
+  add_rhs(B, problem);
+  return problem;
+}
+
+void check_finite_gram(const at::Tensor& G) {
+  if (!at::isfinite(G).all().item<bool>()) {
+    fail("A or B contains NaN or Inf (or values so large that their squares overflow float64)");
+  }
+}
+
+// A and B as fp64 tensors on their device: what the fallbacks that read A again work on.
+at::Tensor fp64_matrix(const std::vector<at::Tensor>& columns) {
+  return at::stack(columns, 1).to(at::kDouble);
+}
+
+SmallSolution run_svd(const Problem& problem, const LstsqOptions& options, double rcond) {
+  auto A = fp64_matrix(problem.a_columns);
+  auto B = fp64_matrix(problem.b_columns);
+  if (!at::isfinite(A).all().item<bool>() || !at::isfinite(B).all().item<bool>()) {
+    fail("A or B contains NaN or Inf");
+  }
+  const auto squared_norms = A.square().sum(0).cpu();
+  const auto scale = detail::column_scales(squared_norms, options.equilibrate);
+  const double lambda = detail::tikhonov_lambda(options, squared_norms.sum().item<double>(), problem.k);
+  const auto R = detail::householder_r_factor(at::cat({A * scale.to(A.device()), B}, 1));
+  return detail::solve_from_r_factor(R, problem.k, scale, rcond, lambda);
+}
+
+std::optional<SmallSolution> run_cholesky_qr(const Problem& problem, const LstsqOptions& options,
+                                             const at::Tensor& G, double rcond) {
+  const auto diagonal = G.diagonal().narrow(0, 0, problem.k).clone();
+  const auto scale = detail::column_scales(diagonal, options.equilibrate);
+  const double lambda = detail::tikhonov_lambda(options, diagonal.sum().item<double>(), problem.k);
+  const auto A = fp64_matrix(problem.a_columns) * scale.to(problem.device);
+  const auto factors = detail::shifted_cholesky_qr3(A, fp64_matrix(problem.b_columns));
+  if (!factors) return std::nullopt;
+  auto solution =
+      detail::solve_from_r_factor(at::cat({factors->R, factors->QtB}, 1), problem.k, scale, rcond, lambda);
+  solution.method = LstsqMethod::cholesky_qr;
+  // R and QᵀB describe only B's part in range(A); the residual needs one more pass.
+  solution.residual_norms = detail::direct_residual_norms(problem.a_columns, problem.b_columns, solution.x);
+  return solution;
+}
+
+SmallSolution select_and_solve(const Problem& problem, const LstsqOptions& options, double rcond) {
+  const LstsqMethod method = options.method;
+  const bool tiny = problem.rows < problem.k || problem.rows * problem.k <= options.svd_below_elements;
+  if (method == LstsqMethod::svd || (method == LstsqMethod::automatic && tiny)) {
+    return run_svd(problem, options, rcond);
+  }
+
+  std::vector<at::Tensor> all_columns = problem.a_columns;
+  all_columns.insert(all_columns.end(), problem.b_columns.begin(), problem.b_columns.end());
+  const auto G = detail::gram_of_columns(all_columns);
+  check_finite_gram(G);
+
+  if (method == LstsqMethod::gram_cholesky || method == LstsqMethod::gram_eigh) {
+    return *detail::solve_from_gram(G, problem.k, options, rcond, method, /*may_decline=*/false);
+  }
+  if (method == LstsqMethod::cholesky_qr) {
+    if (auto solution = run_cholesky_qr(problem, options, G, rcond)) return *solution;
+    throw std::runtime_error(
+        "tidepool::linalg::lstsq: cholesky_qr broke down (A is numerically rank-deficient); "
+        "use method automatic or svd");
+  }
+  if (auto solution = detail::solve_from_gram(G, problem.k, options, rcond, LstsqMethod::gram_cholesky,
+                                              /*may_decline=*/true)) {
+    return *solution;
+  }
+  // CholeskyQR3's R is trusted only well inside its proven range (κ ≲ u⁻¹): an exactly
+  // singular A can come out of it with a tiny but non-zero σ_min, so anything near the
+  // limit of fp64 goes to the Householder QR + SVD, which decides the rank reliably.
+  constexpr double kCholeskyQrTrustedCondition = 1e11;
+  if (auto solution = run_cholesky_qr(problem, options, G, rcond);
+      solution && solution->rank == problem.k && solution->condition <= kCholeskyQrTrustedCondition) {
+    return *solution;
+  }
+  return run_svd(problem, options, rcond);
+}
+
+LstsqResult solve(const Problem& problem, const LstsqOptions& requested) {
+  check_options(requested);
+  const auto options = detail::resolve_defaults(requested, problem.dtype, problem.rows, problem.k);
+  const double rcond = options.rcond;
+  SmallSolution small = select_and_solve(problem, options, rcond);
+  if (options.exact_residual &&
+      (small.method == LstsqMethod::gram_cholesky || small.method == LstsqMethod::gram_eigh)) {
+    small.residual_norms = detail::direct_residual_norms(problem.a_columns, problem.b_columns, small.x);
+  }
+
+  LstsqResult result;
+  auto solution = small.x.to(problem.device, problem.dtype);
+  result.solution = problem.vector_rhs ? solution.squeeze(1) : solution;
+  result.method = small.method;
+  result.method_name = method_name(small.method);
+  result.rank = small.rank;
+  result.condition = small.condition;
+  result.rcond = rcond;
+  result.residual_norms = small.residual_norms;
+  double squares = 0.0;
+  for (const double norm : small.residual_norms) squares += norm * norm;
+  result.residual_norm = std::sqrt(squares);
+  return result;
+}
+
+}  // namespace
+
+const char* method_name(LstsqMethod method) {
+  switch (method) {
+    case LstsqMethod::automatic: return "automatic";
+    case LstsqMethod::gram_cholesky: return "gram_cholesky";
+    case LstsqMethod::cholesky_qr: return "cholesky_qr";
+    case LstsqMethod::svd: return "svd";
+    case LstsqMethod::gram_eigh: return "gram_eigh";
+  }
+  return "unknown";
+}
+
+LstsqResult lstsq(const at::Tensor& A, const at::Tensor& B, const LstsqOptions& options) {
+  return solve(dense_problem(A, B), options);
+}
+
+LstsqResult lstsq_columns(const std::vector<at::Tensor>& columns, const at::Tensor& B,
+                          const LstsqOptions& options) {
+  return solve(column_problem(columns, B), options);
+}
+
+}  // namespace tidepool::linalg

@@ -1,0 +1,63 @@
+// The host-side fp64 solves shared by every lstsq method (internal to tidepool_optim): the
+// k×k Gram system (Cholesky or eigendecomposition) and the minimum-norm solve from the
+// R factor of [A·D | B]. Both CPU and CUDA inputs end here, which is why the two devices
+// agree: everything after the one pass over A is the same fp64 code on the same host.
+#pragma once
+
+#include <optional>
+#include <vector>
+
+#include <ATen/ATen.h>
+
+#include "optimizers/linalg/lstsq.h"
+
+namespace tidepool::linalg::detail {
+
+// A solution in fp64 on the host, before it is cast back to the input's dtype/device.
+struct SmallSolution {
+  at::Tensor x;  // k×r fp64 CPU, in the caller's (unequilibrated) variables
+  LstsqMethod method = LstsqMethod::automatic;
+  int64_t rank = 0;
+  double condition = 0.0;
+  std::vector<double> residual_norms;
+};
+
+// 1/‖a_j‖ from the Gram diagonal (k fp64 CPU); 1 for zero columns or when equilibration
+// is off, so a zero column stays zero and shows up as rank deficiency.
+at::Tensor column_scales(const at::Tensor& gram_diagonal, bool equilibrate);
+
+// The rcond used when options.rcond < 0: max(k·eps(dtype), 10·√N·eps64). The first term
+// is the precision of the data (fp32 input is exact in fp64, but means no more than
+// eps32); the second the rounding of an fp64 factorisation over N rows, below which an
+// exactly singular A cannot be told from a merely ill-conditioned one. Never eps·N, which
+// is what makes torch's gelsy cut a well-conditioned 2e7×5 fp32 problem to rank 1.
+double resolve_rcond(const LstsqOptions& options, at::ScalarType dtype, int64_t rows, int64_t k);
+
+// options with rcond and gram_condition_limit resolved for this dtype and size (the
+// defaults documented in lstsq.h).
+LstsqOptions resolve_defaults(const LstsqOptions& options, at::ScalarType dtype, int64_t rows, int64_t k);
+
+// λ in absolute terms: options.tikhonov, times trace(AᵀA)/k when relative.
+double tikhonov_lambda(const LstsqOptions& options, double gram_trace, int64_t k);
+
+// Solves from G = [A|B]ᵀ[A|B] ((k+r)×(k+r) fp64 CPU). `method` is gram_cholesky or
+// gram_eigh. Returns nullopt, when `may_decline`, if the equilibrated AᵀA is more
+// ill-conditioned than options.gram_condition_limit, not positive definite, or of rank < k
+// at rcond (the caller then falls back to a method that reads A again). Without `may_decline`, gram_cholesky
+// that breaks down throws std::runtime_error.
+std::optional<SmallSolution> solve_from_gram(const at::Tensor& G, int64_t k,
+                                             const LstsqOptions& options, double rcond,
+                                             LstsqMethod method, bool may_decline);
+
+// ‖b_j − A x_j‖ from the Gram matrix: √(bᵀb − 2xᵀAᵀb + xᵀAᵀAx), clamped at 0 (absolute
+// error ~eps64·‖b‖²).
+std::vector<double> gram_residual_norms(const at::Tensor& G, int64_t k, const at::Tensor& x);
+
+// Minimum-norm solution from R (p×(k+r) fp64 CPU, upper trapezoidal), the R factor of
+// [A·diag(scale) | B]: min ‖R_A y − R_B‖ via the SVD of R_A (with √λ·diag(scale) stacked
+// under it when λ > 0), singular values below rcond·σ_max dropped, x = scale ⊙ y.
+// Residual norms are exact: B − AX = Q(R_B − R_A y).
+SmallSolution solve_from_r_factor(const at::Tensor& R, int64_t k, const at::Tensor& scale,
+                                  double rcond, double lambda);
+
+}  // namespace tidepool::linalg::detail

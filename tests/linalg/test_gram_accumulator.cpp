@@ -1,0 +1,140 @@
+// Tests of tidepool::linalg::GramAccumulator, driven the way AADL drives it: a ring buffer
+// of history columns, one set_column per step, a solve per step. Incremental results must
+// equal a from-scratch Gram pass and lstsq_columns on the same columns.
+#include <gtest/gtest.h>
+
+#include <limits>
+#include <stdexcept>
+#include <string>
+
+#include "optimizers/linalg/gram_accumulator.h"
+#include "tests/linalg/lstsq_test_problems.h"
+
+namespace tidepool::linalg {
+namespace {
+
+using testing::expect_invalid;
+using testing::relative_error;
+
+constexpr int64_t kRows = 20000;
+
+at::Tensor fresh_gram(const std::vector<at::Tensor>& columns) {
+  const auto X = at::stack(columns, 1).to(at::kDouble);
+  return X.t().mm(X);
+}
+
+TEST(GramAccumulator, RingBufferUpdatesEqualFromScratchAndLstsqColumns) {
+  for (const auto dtype : {at::kFloat, at::kDouble}) {
+    constexpr int64_t kCapacity = 5;
+    GramAccumulator accumulator(kCapacity);
+    at::manual_seed(21);
+    // A drifting iterate, as an optimizer's history looks: each column = previous + step.
+    auto current = at::randn({kRows}, dtype);
+    for (int64_t step = 0; step < 13; ++step) {
+      current = current + 0.1 * at::randn({kRows}, dtype);
+      const int64_t slot = step % kCapacity;
+      accumulator.set_column(slot, current.clone());
+      ASSERT_EQ(accumulator.live_columns(), std::min<int64_t>(step + 1, kCapacity));
+      if (step < 2) continue;
+
+      // Logical order oldest → newest, the newest column is the right-hand side.
+      std::vector<int64_t> order;
+      const int64_t live = accumulator.live_columns();
+      for (int64_t i = live; i > 0; --i) order.push_back((step + 1 - i) % kCapacity);
+      std::vector<at::Tensor> columns;
+      for (const int64_t s : order) columns.push_back(accumulator.column(s));
+
+      EXPECT_LT(relative_error(accumulator.gram(order), fresh_gram(columns)), 1e-13);
+      const std::vector<int64_t> a_slots(order.begin(), order.end() - 1);
+      const auto incremental = accumulator.solve(a_slots, order.back());
+      const std::vector<at::Tensor> a_columns(columns.begin(), columns.end() - 1);
+      const auto dense = lstsq_columns(a_columns, columns.back());
+      EXPECT_LT(relative_error(incremental.solution, dense.solution), dtype == at::kFloat ? 1e-5 : 1e-9)
+          << "step " << step;
+      EXPECT_EQ(incremental.rank, static_cast<int64_t>(a_slots.size()));
+    }
+    // recompute() from the stored columns gives the same matrix.
+    const std::vector<int64_t> all{0, 1, 2, 3, 4};
+    const auto before = accumulator.gram(all);
+    accumulator.recompute();
+    EXPECT_LT(relative_error(accumulator.gram(all), before), 1e-13);
+  }
+}
+
+TEST(GramAccumulator, ReplacingAndRemovingColumnsUpdatesOnlyTheirEntries) {
+  GramAccumulator accumulator(4);
+  at::manual_seed(22);
+  std::vector<at::Tensor> columns;
+  for (int64_t j = 0; j < 4; ++j) {
+    columns.push_back(at::randn({kRows}, at::kDouble));
+    accumulator.set_column(j, columns.back());
+  }
+  columns[2] = at::randn({kRows}, at::kDouble);  // AADL: replace the newest column
+  accumulator.set_column(2, columns[2]);
+  EXPECT_LT(relative_error(accumulator.gram({0, 1, 2, 3}), fresh_gram(columns)), 1e-13);
+  EXPECT_DOUBLE_EQ(accumulator.inner_product(2, 0), accumulator.inner_product(0, 2));
+
+  accumulator.remove_column(1);
+  EXPECT_FALSE(accumulator.has_column(1));
+  EXPECT_EQ(accumulator.live_columns(), 3);
+  EXPECT_LT(relative_error(accumulator.gram({0, 2, 3}), fresh_gram({columns[0], columns[2], columns[3]})), 1e-13);
+  accumulator.clear();
+  EXPECT_EQ(accumulator.live_columns(), 0);
+}
+
+TEST(GramAccumulator, IllConditionedHistoryFallsBackToMinimumNormFromTheGram) {
+  GramAccumulator accumulator(4);
+  at::manual_seed(23);
+  const auto a = at::randn({kRows}, at::kDouble);
+  const auto b = at::randn({kRows}, at::kDouble);
+  accumulator.set_column(0, a);
+  accumulator.set_column(1, a.clone());  // exact duplicate: singular AᵀA
+  accumulator.set_column(2, b);
+  accumulator.set_column(3, 2.0 * a + b + 0.01 * at::randn({kRows}, at::kDouble));
+  const auto result = accumulator.solve({0, 1, 2}, 3);
+  EXPECT_EQ(result.method, LstsqMethod::gram_eigh);
+  EXPECT_EQ(result.rank, 2);
+  const auto A = at::stack({a, a, b}, 1);
+  const auto reference = at::linalg_pinv(A, 1e-10).mv(accumulator.column(3));
+  EXPECT_LT(relative_error(result.solution, reference), 1e-8);
+  EXPECT_NEAR(result.solution[0].item<double>(), 1.0, 1e-2);  // 2·a split over two copies
+
+  // Tikhonov regularises the singular system: κ(AᵀA + λI) ≈ 2/1e-3 is within fp64's
+  // default gram_condition_limit (1e4), so Cholesky takes it.
+  LstsqOptions options;
+  options.tikhonov = 1e-3;
+  EXPECT_EQ(accumulator.solve({0, 1, 2}, 3, options).method, LstsqMethod::gram_cholesky);
+  // Forced methods that re-read the columns go through lstsq_columns.
+  options = {};
+  options.method = LstsqMethod::svd;
+  const auto svd = accumulator.solve({0, 1, 2}, 3, options);
+  EXPECT_EQ(svd.method, LstsqMethod::svd);
+  EXPECT_LT(relative_error(svd.solution, reference), 1e-10);
+}
+
+TEST(GramAccumulator, BadInputIsRejectedAndLeavesStateUnchanged) {
+  GramAccumulator accumulator(3);
+  const auto a = at::randn({100}, at::kDouble);
+  accumulator.set_column(0, a);
+  const auto before = accumulator.gram({0});
+  expect_invalid([] { GramAccumulator bad(0); }, "capacity");
+  expect_invalid([&] { accumulator.set_column(3, a); }, "outside [0, 3)");
+  expect_invalid([&] { accumulator.set_column(-1, a); }, "outside");
+  expect_invalid([&] { accumulator.set_column(1, at::randn({99}, at::kDouble)); }, "does not match");
+  expect_invalid([&] { accumulator.set_column(1, at::randn({100}, at::kFloat)); }, "does not match");
+  expect_invalid([&] { accumulator.set_column(1, at::randn({10, 10}, at::kDouble)); }, "1-D");
+  expect_invalid([&] { accumulator.set_column(1, at::ones({100}, at::kInt)); }, "unsupported dtype");
+  auto with_nan = at::randn({100}, at::kDouble);
+  with_nan[5] = std::numeric_limits<double>::quiet_NaN();
+  expect_invalid([&] { accumulator.set_column(1, with_nan); }, "NaN or Inf");
+  expect_invalid([&] { accumulator.inner_product(0, 2); }, "slot 2 is empty");
+  expect_invalid([&] { accumulator.solve({}, 0); }, "no columns");
+  expect_invalid([&] { accumulator.solve({1}, 0); }, "empty");
+  expect_invalid([&] { accumulator.remove_column(2); }, "empty");
+  EXPECT_EQ(accumulator.live_columns(), 1);
+  EXPECT_FALSE(accumulator.has_column(1));
+  EXPECT_TRUE(at::equal(accumulator.gram({0}), before));
+}
+
+}  // namespace
+}  // namespace tidepool::linalg

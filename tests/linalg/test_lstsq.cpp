@@ -1,0 +1,343 @@
+// CPU tests of tidepool::linalg::lstsq / lstsq_columns: constructed problems with known
+// solutions (the 2e7×5 fp32 case torch gets wrong, κ up to 1e10 in fp64), residual
+// orthogonality, several right-hand sides, rank deficiency, Tikhonov, the streaming form,
+// and bad input.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <limits>
+#include <stdexcept>
+#include <string>
+
+#include "optimizers/linalg/lstsq.h"
+#include "tests/linalg/lstsq_test_problems.h"
+
+namespace tidepool::linalg {
+namespace {
+
+using testing::expect_invalid;
+using testing::matrix_with_condition;
+using testing::relative_error;
+
+const auto kF64 = at::TensorOptions().dtype(at::kDouble);
+
+TEST(Lstsq, WellConditionedFp64UsesGramCholeskyAndIsExact) {
+  const auto A = matrix_with_condition(20000, 5, 10.0, 1);
+  const auto x = testing::values({1.0, -2.0, 3.0, -4.0, 5.0});
+  const auto result = lstsq(A, A.mv(x));
+  EXPECT_EQ(result.method, LstsqMethod::gram_cholesky);
+  EXPECT_STREQ(result.method_name, "gram_cholesky");
+  EXPECT_EQ(result.rank, 5);
+  // van der Sluis: equilibration raises κ by at most √k.
+  EXPECT_LT(result.condition, 10.0 * std::sqrt(5.0));
+  EXPECT_GT(result.condition, 10.0 / 3.0);
+  EXPECT_EQ(result.solution.sizes(), at::IntArrayRef({5}));
+  EXPECT_EQ(result.solution.scalar_type(), at::kDouble);
+  EXPECT_LT(relative_error(result.solution, x), 100.0 * 100.0 * std::numeric_limits<double>::epsilon());
+}
+
+// The headline case: torch's default cuts this to rank 1, its fp32 drivers lose
+// ~3e-2 to fp32 accumulation. fp64 accumulation must get it to 1e-6.
+TEST(Lstsq, Fp32TwentyMillionByFiveComesOutWithin1e6) {
+  const int64_t rows = 20'000'000 * testing::test_scale();
+  at::manual_seed(7);
+  const auto A = at::randn({rows, 5}, at::kFloat);  // κ ≈ 1 for Gaussian tall A
+  const auto x = testing::values({1, 2, 3, 4, 5}, at::kFloat);
+  const auto b = A.mv(x);
+  const auto result = lstsq(A, b);
+  EXPECT_EQ(result.method, LstsqMethod::gram_cholesky);
+  EXPECT_EQ(result.rank, 5);
+  EXPECT_LT(result.condition, 1.01);
+  EXPECT_EQ(result.solution.scalar_type(), at::kFloat);
+  EXPECT_LT(relative_error(result.solution, x), 1e-6);
+}
+
+class LstsqCondition : public ::testing::TestWithParam<double> {};
+
+// Consistent systems: a backward-stable method gets x to ~κ·eps64; the Gram method alone
+// would give κ²·eps64, so automatic must leave it above gram_condition_limit.
+TEST_P(LstsqCondition, RecoversKnownSolutionToConditionTimesEps) {
+  const double condition = GetParam();
+  const auto A = matrix_with_condition(10000, 6, condition, 2);
+  const auto x = at::linspace(1.0, 6.0, 6, kF64);
+  const auto result = lstsq(A, A.mv(x));
+  EXPECT_EQ(result.rank, 6);
+  // The Gram route is accurate to ~κ²·eps64, the QR routes to ~κ·eps64.
+  const double eps = std::numeric_limits<double>::epsilon();
+  const double growth = result.method == LstsqMethod::gram_cholesky ? condition * condition : condition;
+  EXPECT_LT(relative_error(result.solution, x), 100.0 * eps * growth) << "method " << result.method_name;
+  // fp64's default gram_condition_limit is 1e4 on κ(AᵀA), i.e. κ(A) ≤ 100.
+  if (condition < 100.0) {
+    EXPECT_EQ(result.method, LstsqMethod::gram_cholesky);
+  } else if (condition > 100.0) {
+    EXPECT_NE(result.method, LstsqMethod::gram_cholesky);
+  }
+  // The estimate is of the equilibrated A: at most √k worse than κ (van der Sluis).
+  EXPECT_GT(result.condition, condition / 100.0);
+  EXPECT_LT(result.condition, condition * std::sqrt(6.0) * 1.01);
+}
+
+INSTANTIATE_TEST_SUITE_P(UpTo1e10, LstsqCondition, ::testing::Values(1.0, 1e2, 1e4, 1e6, 1e8, 1e10));
+
+// A proxy, testable on the CPU, for "CPU and CUDA give the same answer": permuting the
+// rows changes every summation order (as a different device does) but not the solution.
+// Consistent systems: the difference is then rounding only, ~κ·eps64 on the QR routes and
+// ~κ²·eps64 ≤ 1e-12 on the Gram route (fp64 default limit).
+class LstsqRowOrder : public ::testing::TestWithParam<double> {};
+
+TEST_P(LstsqRowOrder, DoesNotChangeTheAnswer) {
+  const double condition = GetParam();
+  const auto A = matrix_with_condition(20000, 6, condition, 40);
+  const auto b = A.mv(at::linspace(1.0, 6.0, 6, kF64));
+  const auto permutation = at::randperm(20000, at::TensorOptions().dtype(at::kLong));
+  for (const auto dtype : {at::kDouble, at::kFloat}) {
+    const auto Ad = A.to(dtype);
+    const auto bd = b.to(dtype);
+    const auto original = lstsq(Ad, bd);
+    const auto permuted = lstsq(Ad.index_select(0, permutation), bd.index_select(0, permutation));
+    EXPECT_EQ(original.method, permuted.method);
+    EXPECT_LT(relative_error(permuted.solution, original.solution), dtype == at::kDouble ? 1e-10 : 1e-6)
+        << original.method_name << " " << at::toString(dtype);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(UpTo1e6, LstsqRowOrder, ::testing::Values(1.0, 1e3, 1e6));
+
+class LstsqMethods : public ::testing::TestWithParam<LstsqMethod> {};
+
+TEST_P(LstsqMethods, ResidualIsOrthogonalToRangeAndReportedNormIsRight) {
+  const auto A = matrix_with_condition(8000, 4, 1e3, 3);
+  at::manual_seed(4);
+  const auto b = A.mv(at::randn({4}, kF64)) + 0.1 * at::randn({8000}, kF64);
+  LstsqOptions options;
+  options.method = GetParam();
+  const auto result = lstsq(A, b, options);
+  EXPECT_EQ(result.method, GetParam());
+  const auto residual = b - A.mv(result.solution);
+  const double orthogonality =
+      A.t().mv(residual).abs().max().item<double>() / (A.norm().item<double>() * residual.norm().item<double>());
+  EXPECT_LT(orthogonality, 1e-9);
+  EXPECT_NEAR(result.residual_norm, residual.norm().item<double>(), 1e-8 * b.norm().item<double>());
+  ASSERT_EQ(result.residual_norms.size(), 1u);
+}
+
+INSTANTIATE_TEST_SUITE_P(Forced, LstsqMethods,
+                         ::testing::Values(LstsqMethod::gram_cholesky, LstsqMethod::cholesky_qr,
+                                           LstsqMethod::svd, LstsqMethod::gram_eigh),
+                         [](const ::testing::TestParamInfo<LstsqMethod>& test) {
+                           return std::string(method_name(test.param));
+                         });
+
+TEST(Lstsq, MultipleRightHandSidesMatchSeparateSolves) {
+  const auto A = matrix_with_condition(6000, 5, 50.0, 5);
+  at::manual_seed(6);
+  const auto B = at::randn({6000, 3}, kF64);
+  for (const auto method : {LstsqMethod::automatic, LstsqMethod::svd, LstsqMethod::cholesky_qr}) {
+    LstsqOptions options;
+    options.method = method;
+    const auto together = lstsq(A, B, options);
+    ASSERT_EQ(together.solution.sizes(), at::IntArrayRef({5, 3}));
+    ASSERT_EQ(together.residual_norms.size(), 3u);
+    double squares = 0.0;
+    for (int64_t j = 0; j < 3; ++j) {
+      const auto alone = lstsq(A, B.select(1, j), options);
+      EXPECT_LT(relative_error(together.solution.select(1, j), alone.solution), 1e-12);
+      const double direct = (B.select(1, j) - A.mv(together.solution.select(1, j))).norm().item<double>();
+      EXPECT_NEAR(together.residual_norms[static_cast<size_t>(j)], direct, 1e-9 * direct);
+      squares += direct * direct;
+    }
+    EXPECT_NEAR(together.residual_norm, std::sqrt(squares), 1e-9 * std::sqrt(squares));
+  }
+}
+
+// The minimum-norm solution, computed independently with the pseudo-inverse.
+at::Tensor min_norm_reference(const at::Tensor& A, const at::Tensor& b) {
+  return at::linalg_pinv(A, 1e-10).mv(b);
+}
+
+TEST(Lstsq, DuplicatedColumnGivesMinimumNormAndRank) {
+  at::manual_seed(8);
+  const auto base = at::randn({5000, 3}, kF64) * testing::values({1.0, 10.0, 0.1});
+  const auto A = at::cat({base, base.narrow(1, 0, 1)}, 1);  // column 3 = column 0
+  const auto b = base.mv(testing::values({1.0, 2.0, 3.0})) + 0.01 * at::randn({5000}, kF64);
+  const auto result = lstsq(A, b);
+  EXPECT_EQ(result.method, LstsqMethod::svd);
+  EXPECT_EQ(result.rank, 3);
+  EXPECT_TRUE(std::isinf(result.condition) || result.condition > 1e12);
+  EXPECT_LT(relative_error(result.solution, min_norm_reference(A, b)), 1e-10);
+  // Minimum norm splits the duplicated coefficient evenly.
+  EXPECT_NEAR(result.solution[0].item<double>(), result.solution[3].item<double>(), 1e-10);
+}
+
+TEST(Lstsq, ZeroColumnGetsZeroCoefficientAndLowersRank) {
+  for (const auto method : {LstsqMethod::automatic, LstsqMethod::svd, LstsqMethod::gram_eigh}) {
+    at::manual_seed(9);
+    auto A = at::randn({4000, 4}, kF64);
+    A.select(1, 2).zero_();
+    const auto b = at::randn({4000}, kF64);
+    LstsqOptions options;
+    options.method = method;
+    const auto result = lstsq(A, b, options);
+    EXPECT_EQ(result.rank, 3) << method_name(method);
+    EXPECT_EQ(result.solution[2].item<double>(), 0.0) << method_name(method);
+    EXPECT_LT(relative_error(result.solution, min_norm_reference(A, b)), 1e-9) << method_name(method);
+  }
+}
+
+TEST(Lstsq, WideAndTinyProblemsUseMinimumNormSvd) {
+  at::manual_seed(10);
+  const auto wide = at::randn({3, 7}, kF64);
+  const auto b = at::randn({3}, kF64);
+  const auto result = lstsq(wide, b);
+  EXPECT_EQ(result.method, LstsqMethod::svd);
+  EXPECT_EQ(result.rank, 3);
+  EXPECT_LT(relative_error(result.solution, min_norm_reference(wide, b)), 1e-12);
+  EXPECT_LT(result.residual_norm, 1e-12);
+
+  const auto tiny = at::randn({20, 4}, kF64);
+  EXPECT_EQ(lstsq(tiny, at::randn({20}, kF64)).method, LstsqMethod::svd);
+}
+
+TEST(Lstsq, RcondTruncatesSmallSingularValuesWhenAsked) {
+  const auto A = matrix_with_condition(5000, 5, 1e6, 11);
+  const auto b = A.mv(at::ones({5}, kF64));
+  LstsqOptions options;
+  options.equilibrate = false;  // so that σ are exactly the constructed ones
+  options.rcond = 1e-2;         // σ = 1, 3.2e-2, 1e-3, 3.2e-5, 1e-6: keeps 2
+  const auto result = lstsq(A, b, options);
+  EXPECT_EQ(result.method, LstsqMethod::svd);
+  EXPECT_EQ(result.rank, 2);
+  EXPECT_DOUBLE_EQ(result.rcond, 1e-2);
+  EXPECT_EQ(lstsq(A, b).rank, 5);
+}
+
+TEST(Lstsq, TikhonovMatchesClosedFormAbsoluteAndRelative) {
+  const auto A = matrix_with_condition(6000, 5, 1e5, 12);
+  at::manual_seed(13);
+  const auto b = at::randn({6000}, kF64);
+  const auto gram = A.t().mm(A);
+  for (const bool relative : {false, true}) {
+    for (const auto method : {LstsqMethod::automatic, LstsqMethod::svd, LstsqMethod::gram_eigh}) {
+      LstsqOptions options;
+      options.method = method;
+      options.tikhonov = 1e-4;
+      options.tikhonov_relative = relative;
+      const double lambda = relative ? 1e-4 * gram.trace().item<double>() / 5.0 : 1e-4;
+      const auto expected = at::linalg_solve(gram + lambda * at::eye(5, kF64), A.t().mv(b));
+      const auto result = lstsq(A, b, options);
+      EXPECT_LT(relative_error(result.solution, expected), 1e-9) << method_name(method) << relative;
+    }
+  }
+}
+
+TEST(Lstsq, ExactResidualOptionAgreesWithGramResidual) {
+  const auto A = matrix_with_condition(9000, 3, 5.0, 14);
+  at::manual_seed(15);
+  const auto b = at::randn({9000}, kF64);
+  LstsqOptions options;
+  options.exact_residual = true;
+  const auto exact = lstsq(A, b, options);
+  const auto gram = lstsq(A, b);
+  EXPECT_NEAR(exact.residual_norm, (b - A.mv(exact.solution)).norm().item<double>(), 1e-12);
+  EXPECT_NEAR(gram.residual_norm, exact.residual_norm, 1e-8);
+}
+
+TEST(LstsqColumns, StreamingFormEqualsDenseForm) {
+  const auto A = matrix_with_condition(12000, 5, 1e2, 16).to(at::kFloat);
+  at::manual_seed(17);
+  const auto B = at::randn({12000, 2}, at::kFloat);
+  // Columns as separate allocations, one of them a strided view into a larger buffer.
+  std::vector<at::Tensor> columns;
+  for (int64_t j = 0; j < 5; ++j) columns.push_back(A.select(1, j).contiguous());
+  const auto padded = at::zeros({12000, 3}, at::kFloat);
+  padded.select(1, 1).copy_(A.select(1, 4));
+  columns[4] = padded.select(1, 1);
+  for (const auto method : {LstsqMethod::automatic, LstsqMethod::cholesky_qr, LstsqMethod::svd}) {
+    LstsqOptions options;
+    options.method = method;
+    const auto dense = lstsq(A, B, options);
+    const auto streamed = lstsq_columns(columns, B, options);
+    EXPECT_EQ(streamed.method, dense.method);
+    EXPECT_EQ(streamed.rank, dense.rank);
+    EXPECT_LT(relative_error(streamed.solution, dense.solution), 1e-6);
+    EXPECT_NEAR(streamed.residual_norm, dense.residual_norm, 1e-9 * dense.residual_norm);
+  }
+}
+
+TEST(LstsqColumns, IllConditionedColumnsFallBackLikeDense) {
+  const auto A = matrix_with_condition(6000, 4, 1e9, 18);
+  const auto x = testing::values({1.0, 2.0, 3.0, 4.0});
+  const auto b = A.mv(x);
+  std::vector<at::Tensor> columns;
+  for (int64_t j = 0; j < 4; ++j) columns.push_back(A.select(1, j).contiguous());
+  const auto result = lstsq_columns(columns, b);
+  EXPECT_NE(result.method, LstsqMethod::gram_cholesky);
+  EXPECT_LT(relative_error(result.solution, x), 1e-4);
+}
+
+TEST(LstsqErrors, NonFiniteInputIsRejectedOnEveryPath) {
+  const auto A = at::randn({5000, 3}, kF64);
+  const auto b = at::randn({5000}, kF64);
+  auto with_nan = A.clone();
+  with_nan[1234][1] = std::numeric_limits<double>::quiet_NaN();
+  auto b_inf = b.clone();
+  b_inf[17] = std::numeric_limits<double>::infinity();
+  for (const auto method : {LstsqMethod::automatic, LstsqMethod::svd, LstsqMethod::cholesky_qr}) {
+    LstsqOptions options;
+    options.method = method;
+    expect_invalid([&] { lstsq(with_nan, b, options); }, "NaN or Inf");
+    expect_invalid([&] { lstsq(A, b_inf, options); }, "NaN or Inf");
+  }
+  auto tiny = at::randn({10, 2}, kF64);
+  tiny[3][0] = -std::numeric_limits<double>::infinity();
+  expect_invalid([&] { lstsq(tiny, at::randn({10}, kF64)); }, "NaN or Inf");
+}
+
+TEST(LstsqErrors, ShapesDtypesDevicesAndOptions) {
+  const auto A = at::randn({100, 3}, kF64);
+  const auto b = at::randn({100}, kF64);
+  expect_invalid([&] { lstsq(at::Tensor(), b); }, "A is undefined");
+  expect_invalid([&] { lstsq(at::randn({100}, kF64), b); }, "A must be 2-D");
+  expect_invalid([&] { lstsq(at::randn({0, 3}, kF64), at::randn({0}, kF64)); }, "empty");
+  expect_invalid([&] { lstsq(at::randn({100, 0}, kF64), b); }, "empty");
+  expect_invalid([&] { lstsq(A, at::randn({99}, kF64)); }, "100 rows but B has 99");
+  expect_invalid([&] { lstsq(A, at::randn({100, 0}, kF64)); }, "no columns");
+  expect_invalid([&] { lstsq(A, at::randn({100, 2, 2}, kF64)); }, "B must be 1-D");
+  expect_invalid([&] { lstsq(A.to(at::kInt), b.to(at::kInt)); }, "unsupported dtype");
+  expect_invalid([&] { lstsq(A.to(at::kHalf), b.to(at::kHalf)); }, "unsupported dtype");
+  expect_invalid([&] { lstsq(A, b.to(at::kFloat)); }, "dtype");
+  expect_invalid([&] { lstsq(A, at::empty({100}, kF64.device(at::kMeta))); }, "is on meta");
+  expect_invalid([&] { lstsq(A.to(at::kMeta), b); }, "CPU or a CUDA device");
+  LstsqOptions negative;
+  negative.tikhonov = -1.0;
+  expect_invalid([&] { lstsq(A, b, negative); }, "tikhonov");
+  LstsqOptions nan_rcond;
+  nan_rcond.rcond = std::numeric_limits<double>::quiet_NaN();
+  expect_invalid([&] { lstsq(A, b, nan_rcond); }, "rcond");
+}
+
+TEST(LstsqErrors, StreamingColumnsAreChecked) {
+  const auto b = at::randn({100}, kF64);
+  const auto good = at::randn({100}, kF64);
+  expect_invalid([&] { lstsq_columns({}, b); }, "no columns");
+  expect_invalid([&] { lstsq_columns({good, at::randn({99}, kF64)}, b); }, "column 1 has 99 rows");
+  expect_invalid([&] { lstsq_columns({good, at::randn({100, 1}, kF64)}, b); }, "must be 1-D");
+  expect_invalid([&] { lstsq_columns({good, at::randn({100})}, b); }, "dtype");
+  expect_invalid([&] { lstsq_columns({good, at::Tensor()}, b); }, "undefined");
+}
+
+TEST(LstsqErrors, ForcedGramCholeskyOnSingularInputSaysWhatToDo) {
+  auto A = at::randn({3000, 3}, kF64);
+  A.select(1, 1).copy_(A.select(1, 0));
+  LstsqOptions options;
+  options.method = LstsqMethod::gram_cholesky;
+  try {
+    lstsq(A, at::randn({3000}, kF64), options);
+    ADD_FAILURE() << "expected a breakdown";
+  } catch (const std::runtime_error& error) {
+    EXPECT_NE(std::string(error.what()).find("not positive definite"), std::string::npos) << error.what();
+  }
+}
+
+}  // namespace
+}  // namespace tidepool::linalg
