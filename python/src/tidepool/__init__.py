@@ -1,0 +1,132 @@
+"""tidepool: a CUDA caching allocator with optimizer-state tiering for PyTorch.
+
+Turn it on without changing code:
+
+    PYTORCH_CUDA_ALLOC_CONF=backend:tidepool python train.py
+
+(see python/README.md for the tidepool.* keys). The API below is for those who want
+more: tagged regions, statistics, snapshots, explicit evict/prefetch.
+
+This module is imported by the start-up hook in every Python process, so it imports
+nothing heavy at module level (no ctypes, no torch): everything loads on first use.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+__all__ = ["region", "stats", "snapshot", "evict", "prefetch", "status", "config", "install",
+           "ConfigError", "LibraryError", "TidepoolInactiveWarning"]
+__version__ = "0.1.0"
+
+
+def __getattr__(name):  # PEP 562: the exception classes load their modules on first use
+    if name == "ConfigError":
+        from ._config import ConfigError
+        return ConfigError
+    if name == "LibraryError":
+        from ._lib import LibraryError
+        return LibraryError
+    if name == "TidepoolInactiveWarning":
+        from ._install import TidepoolInactiveWarning
+        return TidepoolInactiveWarning
+    raise AttributeError(f"module 'tidepool' has no attribute {name!r}")
+
+
+def status() -> str:
+    """'active: mode global', 'inactive: <reason>' or 'not enabled: ...'."""
+    from ._install import STATE
+    return STATE.status
+
+
+def config() -> dict:
+    """The configuration libtidepool applied (allocator/config.h), as a dict."""
+    from ._config import active_config
+    return active_config()
+
+
+def install(conf: str | None = None) -> str:
+    """Installs tidepool now, for programs that cannot use the start-up hook.
+
+    With `conf` (tidepool keys, e.g. "backend:tidepool,tidepool.mode:pool") that
+    configuration is applied; without, the environment is claimed as the hook does.
+    torch must not have used CUDA yet. Returns status().
+    """
+    import torch
+
+    from . import _config, _install, _startup
+    if conf is None:
+        _startup.start()  # installs at once: torch is imported
+        if _install.STATE.torch is None:
+            raise _config.ConfigError(
+                "tidepool.install(): neither PYTORCH_ALLOC_CONF nor PYTORCH_CUDA_ALLOC_CONF "
+                "names tidepool; set one or pass the keys as conf")
+    else:
+        applied = _config.apply(conf)
+        if not applied["enabled"]:
+            raise _config.ConfigError(f"tidepool.install(): {conf!r} names no tidepool key")
+        _install.install(torch, applied)
+    return status()
+
+
+def _device(device) -> int:
+    if device is not None:
+        return int(getattr(device, "index", device) or 0)
+    from ._install import STATE
+    if STATE.active:
+        return STATE.torch.cuda.current_device()
+    return 0
+
+
+def _stream(device: int, stream):
+    if stream is not None:
+        return getattr(stream, "cuda_stream", stream)
+    from ._install import STATE
+    if STATE.active:
+        return STATE.torch.cuda.current_stream(device).cuda_stream
+    return None
+
+
+@contextlib.contextmanager
+def region(tag: str | int = "user"):
+    """Allocations made by this thread inside the block carry `tag` (for stats and for
+    evict/prefetch). In pool mode they are also served from tidepool's MemPool."""
+    from . import _install, _tags
+    tag_id = _tags.tag_id(tag)
+    pool = _install.pool()
+    with contextlib.ExitStack() as stack:
+        if pool is not None:
+            stack.enter_context(_install.STATE.torch.cuda.use_mem_pool(pool))
+        _tags.push(tag_id)
+        try:
+            yield tag_id
+        finally:
+            _tags.pop()
+
+
+def stats(device=None) -> dict:
+    """Allocator statistics, keyed like torch.cuda.memory_stats() ("allocated_bytes.all.
+    current", "reserved_bytes.all.peak", ...), plus "tag.<name>.current|peak|allocated|
+    freed|count|total_count" for every tag used and transfer figures when tiering is built."""
+    from ._stats import stats as read
+    return read(_device(device))
+
+
+def snapshot(device=None) -> dict:
+    """Segments, blocks and stats of the allocator, parsed from its JSON snapshot."""
+    from ._stats import snapshot as read
+    return read(_device(device))
+
+
+def evict(tag: str | int = "optimizer_state", device=None, stream=None) -> None:
+    """Moves every allocation under `tag` to host memory, ordered after `stream`'s work."""
+    from . import _tags, _tiering
+    d = _device(device)
+    _tiering.evict_tag(d, _tags.tag_id(tag), _stream(d, stream))
+
+
+def prefetch(tag: str | int = "optimizer_state", device=None, stream=None) -> None:
+    """Starts bringing every allocation under `tag` back to the device; usable on `stream`."""
+    from . import _tags, _tiering
+    d = _device(device)
+    _tiering.prefetch_tag(d, _tags.tag_id(tag), _stream(d, stream))

@@ -1,0 +1,105 @@
+"""Installs tidepool into a freshly imported torch, and keeps what was installed.
+
+Two modes (tidepool.mode, see allocator/config.h):
+  global  torch.cuda.memory.CUDAPluggableAllocator(libtidepool_pluggable,
+          tidepool_pluggable_malloc, tidepool_pluggable_free) + change_current_allocator:
+          every CUDA allocation of the process is tidepool's (no PyTorch caching on top;
+          tidepool caches itself; optimizer state goes to pointer-stable ranges).
+  pool    PyTorch keeps its own allocator; a torch.cuda.MemPool backed by tidepool
+          serves tidepool.region() and optimizer steps. Inside a region PyTorch's
+          caching allocator asks tidepool for whole segments.
+Without a usable CUDA device tidepool stays inactive: a TidepoolInactiveWarning (unless
+tidepool.log:off) and `import torch` carries on as usual.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+
+from . import _lib
+
+
+class TidepoolInactiveWarning(RuntimeWarning):
+    """tidepool was asked for but cannot act in this process (e.g. no CUDA device)."""
+
+
+class _State:
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.status = "not enabled: PYTORCH_CUDA_ALLOC_CONF names no tidepool key"
+        self.active = False
+        self.config: dict | None = None
+        self.torch = None
+        self.allocator = None  # the CUDAPluggableAllocator
+        self.pool = None  # the MemPool, pool mode only, created on first use
+        self.optimizer_hooks = None  # the two RemovableHandles
+
+
+STATE = _State()
+
+
+def _inactive(reason: str, config: dict) -> None:
+    STATE.status = f"inactive: {reason}"
+    STATE.active = False
+    if config.get("log") != "off":
+        warnings.warn(f"tidepool: {reason}; tidepool is inactive and PyTorch uses its own "
+                      "allocator", TidepoolInactiveWarning, stacklevel=3)
+
+
+def entry_points(config: dict) -> tuple[str, str, str]:
+    """(library, malloc, free) for CUDAPluggableAllocator: the router in
+    libtidepool_pluggable.so (optimizer state to pointer-stable, evictable ranges), or,
+    in a build without it, libtidepool's own pair (state then stays on the device)."""
+    router = _lib.pluggable_path()
+    if router is not None:
+        return router, "tidepool_pluggable_malloc", "tidepool_pluggable_free"
+    if config.get("log") != "off":
+        warnings.warn("tidepool: libtidepool_pluggable.so is missing; optimizer state will not "
+                      "be moved off the device", TidepoolInactiveWarning, stacklevel=3)
+    return _lib.library_path(), "tidepool_malloc", "tidepool_free"
+
+
+def install(torch, config: dict) -> None:
+    """Installs tidepool as `config` (the active configuration's JSON) says."""
+    with STATE.lock:
+        if STATE.torch is not None:
+            return  # installed already (e.g. tidepool.install() after the hook)
+        STATE.torch = torch
+        STATE.config = config
+        if not torch.cuda.is_available():
+            _inactive("no CUDA device is available", config)
+            return
+        if config.get("device_backend") == "host":
+            _inactive("tidepool.device_backend:host serves host memory, which cannot back "
+                      "CUDA tensors", config)
+            return
+        path, malloc_name, free_name = entry_points(config)
+        try:
+            STATE.allocator = torch.cuda.memory.CUDAPluggableAllocator(path, malloc_name, free_name)
+            if config["mode"] == "global":
+                torch.cuda.memory.change_current_allocator(STATE.allocator)
+        except RuntimeError as e:
+            raise RuntimeError(
+                f"tidepool: cannot install the allocator from {path} ({e}). tidepool must be "
+                "installed before CUDA is first used in this process") from e
+        if config.get("optimizer_hooks", True):
+            from . import _optim_hooks
+
+            STATE.optimizer_hooks = _optim_hooks.register(torch)
+        STATE.active = True
+        STATE.status = f"active: mode {config['mode']}"
+        if config.get("log") in ("info", "debug"):
+            import sys
+
+            print(f"tidepool: installed ({STATE.status}, library {path})", file=sys.stderr)
+
+
+def pool():
+    """The tidepool MemPool in pool mode (created on first use), else None."""
+    if not STATE.active or STATE.config["mode"] != "pool":
+        return None
+    with STATE.lock:
+        if STATE.pool is None:
+            STATE.pool = STATE.torch.cuda.MemPool(STATE.allocator.allocator())
+        return STATE.pool

@@ -1,0 +1,176 @@
+"""Finds and loads libtidepool.so and declares its C ABI for ctypes.
+
+Everything the package does goes through this C ABI (allocator/c_api.h,
+allocator/config.h, and the tiering functions when the build has them), so Python,
+the LD_PRELOAD shim and C++ trainers share one implementation.
+
+Where the library is:
+  1. $TIDEPOOL_LIBRARY (a path to libtidepool.so), for tests and development builds;
+  2. the copy installed with this package (tidepool/lib/libtidepool.so*).
+The pluggable-allocator entry points (libtidepool_pluggable.so) are found the same way
+($TIDEPOOL_PLUGGABLE_LIBRARY, else beside libtidepool).
+
+libtidepool.so needs libcudart.so.13 when it was built with CUDA. PyPI's torch keeps
+that in site-packages/nvidia/cu13/lib, which is not on the loader's search path, so
+the loader loads that copy first (RTLD_GLOBAL). The dynamic loader then resolves
+libtidepool's dependency by its soname to the very file torch itself uses later.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import glob
+import os
+import sys
+import threading
+
+__all__ = ["LibraryError", "library_path", "load", "optional", "check", "last_error"]
+
+
+class LibraryError(RuntimeError):
+    """libtidepool.so could not be found or loaded, or lacks a function."""
+
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+_CUDART_SONAME = "libcudart.so.13"
+
+
+def library_path() -> str:
+    """Absolute path of the libtidepool.so this process uses (or would use)."""
+    override = os.environ.get("TIDEPOOL_LIBRARY")
+    if override:
+        if not os.path.isfile(override):
+            raise LibraryError(f"TIDEPOOL_LIBRARY={override!r} is not a file")
+        return os.path.abspath(override)
+    candidates = sorted(glob.glob(os.path.join(_PACKAGE_DIR, "lib", "libtidepool.so*")), key=len)
+    if not candidates:
+        raise LibraryError(
+            f"libtidepool.so is not installed in {os.path.join(_PACKAGE_DIR, 'lib')}; "
+            "install the package with `pip install ./python` or set TIDEPOOL_LIBRARY "
+            "to a built libtidepool.so")
+    return candidates[0]
+
+
+def pluggable_path() -> str | None:
+    """libtidepool_pluggable.so, the malloc/free pair handed to PyTorch (it routes
+    optimizer state to pointer-stable ranges): $TIDEPOOL_PLUGGABLE_LIBRARY, else beside
+    libtidepool. None when this build has none."""
+    override = os.environ.get("TIDEPOOL_PLUGGABLE_LIBRARY")
+    if override:
+        if not os.path.isfile(override):
+            raise LibraryError(f"TIDEPOOL_PLUGGABLE_LIBRARY={override!r} is not a file")
+        return os.path.abspath(override)
+    candidate = os.path.join(os.path.dirname(library_path()), "libtidepool_pluggable.so")
+    return candidate if os.path.isfile(candidate) else None
+
+
+def preload_wheel_cudart() -> str | None:
+    """Loads libcudart from PyPI's nvidia wheel, if present and not loaded yet."""
+    for entry in sys.path:
+        path = os.path.join(entry or ".", "nvidia", "cu13", "lib", _CUDART_SONAME)
+        if os.path.isfile(path):
+            try:
+                ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+            except OSError:
+                return None
+            return path
+    return None
+
+
+def _load_mode() -> int:
+    """Note [load mode]: libtidepool links Debian's libmimalloc.so.2, which exports
+    malloc/free/operator new/delete of its own. Measured with torch 2.11 + triton: loaded
+    RTLD_GLOBAL before torch (the start-up hook's case) all is well, and so is
+    RTLD_LOCAL after torch; the other two orders crash when triton's extension loads
+    (memory from one allocator freed by the other). Until libtidepool stops exporting an
+    allocator into the process, the mode follows the order."""
+    return ctypes.RTLD_LOCAL if "torch" in sys.modules else ctypes.RTLD_GLOBAL
+
+
+# name -> (restype, argtypes). Functions every build has.
+_REQUIRED = {
+    "tidepool_config_claim": (ctypes.c_int, [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t,
+                                             ctypes.c_char_p, ctypes.c_size_t, ctypes.c_char_p,
+                                             ctypes.c_size_t]),
+    "tidepool_config_apply": (ctypes.c_int, [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t]),
+    "tidepool_config_active_json": (ctypes.c_size_t, [ctypes.c_char_p, ctypes.c_size_t]),
+    "tidepool_install_from_env": (ctypes.c_int, [ctypes.c_char_p, ctypes.c_size_t]),
+}
+# Functions of the allocator's C ABI; looked up lazily so that a partial build still
+# claims configuration and reports what is missing when it is used.
+_ALLOCATOR = {
+    "tidepool_malloc": (ctypes.c_void_p, [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]),
+    "tidepool_free": (None, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]),
+    "tidepool_empty_cache": (ctypes.c_int, [ctypes.c_int]),
+    "tidepool_tag_id": (ctypes.c_int, [ctypes.c_char_p]),
+    "tidepool_tag_name": (ctypes.c_char_p, [ctypes.c_int]),
+    "tidepool_tag_push": (ctypes.c_int, [ctypes.c_int]),
+    "tidepool_tag_pop": (ctypes.c_int, []),
+    "tidepool_tag_current": (ctypes.c_int, []),
+    "tidepool_get_stats_v1": (ctypes.c_int, [ctypes.c_int, ctypes.c_void_p]),
+    "tidepool_reset_peak_stats": (ctypes.c_int, [ctypes.c_int]),
+    "tidepool_snapshot_json": (ctypes.c_void_p, [ctypes.c_int]),
+    "tidepool_string_free": (None, [ctypes.c_void_p]),
+    "tidepool_last_error": (ctypes.c_char_p, []),
+    "tidepool_clear_error": (None, []),
+    "tidepool_set_backend": (ctypes.c_int, [ctypes.c_char_p]),
+    "tidepool_backend_name": (ctypes.c_char_p, [ctypes.c_int]),
+}
+
+
+def load() -> ctypes.CDLL:
+    """The loaded library (loads it on first use). Raises LibraryError."""
+    global _lib
+    with _lock:
+        if _lib is not None:
+            return _lib
+        path = library_path()
+        preload_wheel_cudart()
+        try:
+            lib = ctypes.CDLL(path, mode=_load_mode())
+        except OSError as e:
+            raise LibraryError(f"cannot load {path}: {e}") from e
+        for name, (restype, argtypes) in _REQUIRED.items():
+            try:
+                fn = getattr(lib, name)
+            except AttributeError:
+                raise LibraryError(f"{path} lacks {name}; it is not a matching libtidepool build") from None
+            fn.restype, fn.argtypes = restype, argtypes
+        for name, (restype, argtypes) in _ALLOCATOR.items():
+            fn = getattr(lib, name, None)
+            if fn is not None:
+                fn.restype, fn.argtypes = restype, argtypes
+        _lib = lib
+        return lib
+
+
+def optional(name: str):
+    """The C function `name`, or None when this build does not have it."""
+    return getattr(load(), name, None)
+
+
+def function(name: str, what: str):
+    """The C function `name`; raises LibraryError naming `what` when the build lacks it."""
+    fn = optional(name)
+    if fn is None:
+        raise LibraryError(f"{what} is not available in this build of libtidepool ({name} is missing)")
+    return fn
+
+
+def last_error() -> str:
+    fn = optional("tidepool_last_error")
+    if fn is None:
+        return ""
+    message = fn()
+    return message.decode("utf-8", "replace") if message else ""
+
+
+def check(status: int, what: str) -> int:
+    """Raises RuntimeError with tidepool's last error when a C call returned < 0."""
+    if status < 0:
+        detail = last_error()
+        raise RuntimeError(f"tidepool: {what} failed" + (f": {detail}" if detail else ""))
+    return status

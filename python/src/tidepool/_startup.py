@@ -1,0 +1,114 @@
+"""Claims tidepool's configuration at start-up and installs tidepool when torch is
+imported, before CUDA initialises.
+
+Order of events in a process started with PYTORCH_CUDA_ALLOC_CONF=backend:tidepool,...:
+  1. site runs tidepool_autoload.pth -> tidepool._autoload -> start() here;
+  2. start() lets libtidepool claim the tidepool keys (tidepool::install_from_env): the
+     variable now holds only PyTorch's own entries, so PyTorch will accept it;
+  3. start() puts a finder at the front of sys.meta_path that waits for `import torch`
+     (it never imports torch itself);
+  4. when torch's own module has finished executing, the finder's loader calls
+     _install.install(torch): the pluggable allocator or the MemPool, and the global
+     optimizer step hooks. CUDA is not initialised by `import torch`, so this is in time.
+Under LD_PRELOAD=libtidepool_preload.so the shim has done step 2 and serves cudaMalloc;
+the hook then stands aside.
+A configuration error found in step 2 is raised at step 4 as tidepool.ConfigError, from
+`import torch`, so a training script stops at once with the message; other Python
+programs that never import torch (pip, tools) are left alone.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.util
+import sys
+
+from . import _install
+
+_error: BaseException | None = None
+_config: dict | None = None
+_finder: "_TorchImportFinder | None" = None
+
+
+def preload_shim_loaded() -> bool:
+    """True when libtidepool_preload.so is mapped into this process (LD_PRELOAD)."""
+    try:
+        with open("/proc/self/maps") as maps:
+            return any("libtidepool_preload" in line for line in maps)
+    except OSError:
+        return False
+
+
+def start() -> None:
+    """Claims the environment and arranges installation at `import torch`."""
+    global _error, _config, _finder
+    from . import _config as config_module
+    from ._lib import LibraryError
+
+    if preload_shim_loaded():
+        # The shim already claimed the keys and serves cudaMalloc; PyTorch's allocator
+        # stays in place on top of it, as the user asked by preloading.
+        _install.STATE.status = "active: through the LD_PRELOAD shim (libtidepool_preload.so)"
+        return
+
+    try:
+        if config_module.install_from_env():
+            _config = config_module.active_config()
+    except (config_module.ConfigError, LibraryError) as e:
+        _error = e
+    if _config is None and _error is None:
+        return  # the variable mentioned "tidepool" but named no tidepool key
+    if "torch" in sys.modules:
+        on_torch_imported(sys.modules["torch"])
+    elif _finder is None:
+        _finder = _TorchImportFinder()
+        sys.meta_path.insert(0, _finder)
+
+
+def on_torch_imported(torch) -> None:
+    if _error is not None:
+        from ._config import ConfigError
+
+        if isinstance(_error, ConfigError):
+            raise ConfigError(str(_error)) from None
+        raise RuntimeError(
+            f"tidepool: the allocator configuration names tidepool, but {_error}") from None
+    _install.install(torch, _config)
+
+
+class _PostImportLoader(importlib.abc.Loader):
+    """Runs torch's own loader, then tidepool's installation."""
+
+    def __init__(self, loader):
+        self._loader = loader
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module):
+        # Give torch its real loader back first, so nothing downstream sees this wrapper.
+        module.__loader__ = self._loader
+        if module.__spec__ is not None:
+            module.__spec__.loader = self._loader
+        if _error is not None:
+            on_torch_imported(module)  # raises before torch runs
+        self._loader.exec_module(module)
+        on_torch_imported(module)
+
+
+class _TorchImportFinder(importlib.abc.MetaPathFinder):
+    """Finds nothing itself: wraps the loader of `torch` that the other finders find."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        global _finder
+        if fullname != "torch":
+            return None
+        # One-shot: out of the way before the real search, so that search cannot recurse.
+        if self in sys.meta_path:
+            sys.meta_path.remove(self)
+        _finder = None
+        spec = importlib.util.find_spec("torch")
+        if spec is None or spec.loader is None:
+            return spec
+        spec.loader = _PostImportLoader(spec.loader)
+        return spec

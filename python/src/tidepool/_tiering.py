@@ -1,0 +1,84 @@
+"""The tiering layer's C ABI (tiering/c_api_tiering.h), called by tag: move every
+allocation under a tag to host memory (evict) or bring it back (prefetch),
+pointer-stable. A build without tiering says so instead of pretending."""
+
+from __future__ import annotations
+
+import ctypes
+
+from . import _lib
+
+
+class TieringStatsV1(ctypes.Structure):
+    """Mirror of tidepool_tiering_stats_v1; field for field, in order."""
+    _fields_ = (
+        [("struct_size", ctypes.c_uint32), ("version", ctypes.c_uint32),
+         ("device", ctypes.c_int32), ("stores", ctypes.c_uint32),
+         ("h2d_bytes", ctypes.c_uint64), ("d2h_bytes", ctypes.c_uint64)]
+        + [(n, ctypes.c_double) for n in ("h2d_busy_ms", "d2h_busy_ms", "h2d_gb_per_s",
+                                          "d2h_gb_per_s", "exposed_wait_ms", "hidden_ms")]
+        + [(n, ctypes.c_uint64) for n in (
+            "device_bytes", "device_budget_bytes", "acquires", "prefetch_issued", "prefetch_hits",
+            "prefetch_late", "misses", "prefetch_skipped", "evictions", "evictions_clean",
+            "reclaim_calls", "reclaimed_bytes", "pinned_host_bytes", "pageable_host_bytes",
+            "pageable_fallbacks", "vmm_ranges", "vmm_device_bytes", "vmm_host_bytes",
+            "vmm_bytes_to_host", "vmm_bytes_to_device", "vmm_failed_migrations")]
+        + [("vmm_migration_ms", ctypes.c_double)])
+
+
+_SIGNATURES = {
+    "tidepool_evict_tag": (ctypes.c_int, [ctypes.c_int, ctypes.c_int]),
+    "tidepool_prefetch_tag": (ctypes.c_int, [ctypes.c_int, ctypes.c_int, ctypes.c_void_p]),
+    "tidepool_get_tiering_stats_v1": (ctypes.c_int, [ctypes.c_int, ctypes.c_void_p]),
+    "tidepool_tiering_last_error": (ctypes.c_char_p, []),
+}
+
+
+def _fn(name: str):
+    fn = _lib.function(name, "optimizer-state tiering")
+    fn.restype, fn.argtypes = _SIGNATURES[name]
+    return fn
+
+
+def available() -> bool:
+    return all(_lib.optional(n) is not None for n in ("tidepool_evict_tag", "tidepool_prefetch_tag"))
+
+
+def _check(status: int, what: str) -> None:
+    if status < 0:
+        message = _fn("tidepool_tiering_last_error")()
+        detail = message.decode("utf-8", "replace") if message else ""
+        raise RuntimeError(f"tidepool: {what} failed" + (f": {detail}" if detail else ""))
+
+
+def evict_tag(device: int, tag: int, stream: int | None = None) -> None:
+    """Evicts after everything enqueued so far on `stream` (tidepool_evict_tag itself
+    takes no stream, so the stream is synchronised first: a migration must not race
+    kernels still using the memory)."""
+    if stream is not None:
+        from ._install import STATE
+        torch = STATE.torch
+        if torch is None:
+            raise RuntimeError("tidepool: evicting after a stream needs torch with tidepool installed")
+        torch.cuda.ExternalStream(stream, device=device).synchronize()
+    _check(_fn("tidepool_evict_tag")(device, tag), f"evicting tag {tag} on device {device}")
+
+
+def prefetch_tag(device: int, tag: int, stream: int | None = None) -> None:
+    _check(_fn("tidepool_prefetch_tag")(device, tag, stream),
+           f"prefetching tag {tag} on device {device}")
+
+
+def transfer_stats(device: int) -> dict:
+    """'transfer.*' and 'tiering.*' keys for tidepool.stats(); {} without tiering."""
+    if _lib.optional("tidepool_get_tiering_stats_v1") is None:
+        return {}
+    raw = TieringStatsV1()
+    raw.struct_size = ctypes.sizeof(TieringStatsV1)
+    _check(_fn("tidepool_get_tiering_stats_v1")(device, ctypes.byref(raw)),
+           f"reading tiering stats of device {device}")
+    out = {}
+    for name, _ in TieringStatsV1._fields_[4:]:
+        prefix = "transfer" if name.startswith(("h2d", "d2h", "exposed", "hidden")) else "tiering"
+        out[f"{prefix}.{name}"] = getattr(raw, name)
+    return out

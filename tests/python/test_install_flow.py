@@ -1,0 +1,212 @@
+"""What installation does inside torch, on a machine without a GPU: torch's CUDA entry
+points are replaced by recorders (is_available -> True), so the test sees exactly which
+allocator is registered, when the MemPool is made, and what the optimizer step hooks do
+around a real torch.optim step (tags through the real libtidepool)."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+from tidepool import _config, _install, _lib, _optim_hooks, _tags, _tiering
+import tidepool
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    calls = []
+
+    class FakePluggableAllocator:
+        def __init__(self, path, alloc_fn, free_fn):
+            calls.append(("pluggable", path, alloc_fn, free_fn))
+            self.handle = object()
+
+        def allocator(self):
+            return self.handle
+
+    class FakeMemPool:
+        def __init__(self, allocator):
+            calls.append(("mempool", allocator))
+
+    @contextlib.contextmanager
+    def fake_use_mem_pool(pool, device=None):
+        calls.append(("enter_pool", device))
+        yield
+        calls.append(("exit_pool", device))
+
+    monkeypatch.setattr(torch.cuda.memory, "CUDAPluggableAllocator", FakePluggableAllocator)
+    monkeypatch.setattr(torch.cuda.memory, "change_current_allocator",
+                        lambda allocator: calls.append(("change_current_allocator", allocator)))
+    monkeypatch.setattr(torch.cuda, "MemPool", FakeMemPool)
+    monkeypatch.setattr(torch.cuda, "use_mem_pool", fake_use_mem_pool)
+    monkeypatch.setattr(_install, "STATE", _install._State())
+    yield calls
+    for handle in _install.STATE.optimizer_hooks or ():
+        handle.remove()
+
+
+def install(**overrides) -> None:
+    """_install.install with `overrides` as tidepool.* keys, while torch.cuda claims a
+    device. Only for the install call: torch.optim consults is_available too, and torch's
+    real CUDA calls behind it would crash on this GPU-less machine."""
+    conf = ",".join(["backend:tidepool"] + [f"tidepool.{k}:{v}" for k, v in overrides.items()])
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch.cuda, "is_available", lambda: True)
+        _install.install(torch, _config.claim(conf).config)
+
+
+def test_global_mode_replaces_the_current_allocator(fake_cuda):
+    install()
+    allocator = _install.STATE.allocator
+    assert fake_cuda == [("pluggable", _lib.pluggable_path(), "tidepool_pluggable_malloc",
+                          "tidepool_pluggable_free"),
+                         ("change_current_allocator", allocator)]
+    assert tidepool.status() == "active: mode global"
+    assert len(_install.STATE.optimizer_hooks) == 2
+    assert _install.pool() is None
+    install()  # a second install is a no-op
+    assert len(fake_cuda) == 2
+
+
+def test_pool_mode_keeps_pytorchs_allocator_and_makes_the_pool_on_first_use(fake_cuda):
+    install(mode="pool")
+    assert [c[0] for c in fake_cuda] == ["pluggable"]
+    pool = _install.pool()
+    assert _install.pool() is pool
+    assert fake_cuda[1] == ("mempool", _install.STATE.allocator.handle)
+    assert len(fake_cuda) == 2
+
+
+def test_region_tags_and_in_pool_mode_routes_to_the_pool(fake_cuda):
+    install(mode="pool")
+    outside = _tags.current()
+    with tidepool.region("activations_of_block_3") as tag:
+        assert _tags.current() == tag
+        assert _tags.tag_name(tag) == "activations_of_block_3"
+        assert fake_cuda[-1] == ("enter_pool", None)
+    assert _tags.current() == outside
+    assert fake_cuda[-1] == ("exit_pool", None)
+
+
+def test_host_backend_cannot_back_cuda_tensors(fake_cuda):
+    with pytest.warns(_install.TidepoolInactiveWarning, match="device_backend:host"):
+        install(device_backend="host")
+    assert fake_cuda == []
+    assert tidepool.status().startswith("inactive: tidepool.device_backend:host")
+
+
+def test_optimizer_hooks_off_registers_none(fake_cuda):
+    install(optimizer_hooks="off")
+    assert _install.STATE.optimizer_hooks is None
+
+
+class RecordingSGD(torch.optim.SGD):
+    """SGD that notes the allocation tag in force while its step runs."""
+
+    seen_tags: list
+
+    def step(self, closure=None):
+        type(self).seen_tags.append(_tags.current())
+        return super().step(closure)
+
+
+@pytest.fixture
+def fake_tiering(monkeypatch):
+    moves = []
+    monkeypatch.setattr(_tiering, "available", lambda: True)
+    monkeypatch.setattr(_tiering, "prefetch_tag",
+                        lambda d, tag, stream: moves.append(("prefetch", d, tag, stream)))
+    monkeypatch.setattr(_tiering, "evict_tag",
+                        lambda d, tag, stream: moves.append(("evict", d, tag, stream)))
+    monkeypatch.setattr(_optim_hooks, "_cuda_devices", lambda optimizer: [0])
+    monkeypatch.setattr(_optim_hooks, "_stream", lambda torch, d: 4242)
+    return moves
+
+
+@pytest.mark.parametrize("mode", ["global", "pool"])
+def test_each_step_runs_tagged_between_prefetch_and_evict(fake_cuda, fake_tiering, mode):
+    install(mode=mode, state_budget="1GiB")
+    p = torch.nn.Parameter(torch.ones(4))
+    optimizer = RecordingSGD([p], lr=0.5, momentum=0.9)
+    RecordingSGD.seen_tags = []
+    outside = _tags.current()
+    for _ in range(2):
+        p.grad = torch.ones(4)
+        optimizer.step()
+    # The first step creates the momentum buffers; the second only has temporaries.
+    assert RecordingSGD.seen_tags == [_tags.OPTIMIZER_STATE, _tags.WORKSPACE]
+    assert _tags.current() == outside
+    assert fake_tiering == [("prefetch", 0, _tags.OPTIMIZER_STATE, 4242),
+                            ("evict", 0, _tags.OPTIMIZER_STATE, 4242)] * 2
+    pool_events = [c for c in fake_cuda if c[0] in ("enter_pool", "exit_pool")]
+    assert pool_events == ([("enter_pool", 0), ("exit_pool", 0)] * 2 if mode == "pool" else [])
+    # The update itself is SGD's, untouched: two momentum steps of 0.5 * (1, 1.9).
+    assert torch.allclose(p.detach(), torch.full((4,), 1 - 0.5 - 0.95))
+
+
+def test_parameters_added_later_get_their_state_tagged(fake_cuda, fake_tiering):
+    install()
+    a, b = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(3))
+    optimizer = RecordingSGD([a], lr=0.1, momentum=0.9)
+    RecordingSGD.seen_tags = []
+    a.grad = torch.ones(2)
+    optimizer.step()
+    optimizer.step()
+    optimizer.add_param_group({"params": [b]})
+    b.grad = torch.ones(3)
+    optimizer.step()
+    assert RecordingSGD.seen_tags == [_tags.OPTIMIZER_STATE, _tags.WORKSPACE, _tags.OPTIMIZER_STATE]
+
+
+def test_without_the_router_library_libtidepools_own_pair_is_used(fake_cuda, monkeypatch):
+    monkeypatch.setattr(_lib, "pluggable_path", lambda: None)
+    with pytest.warns(_install.TidepoolInactiveWarning, match="libtidepool_pluggable.so is missing"):
+        install()
+    assert fake_cuda[0] == ("pluggable", _lib.library_path(), "tidepool_malloc", "tidepool_free")
+
+
+def test_with_no_state_budget_nothing_is_prefetched(fake_cuda, fake_tiering):
+    # Note [state budget 0] in _optim_hooks.py: the state stays on the host.
+    install()
+    p = torch.nn.Parameter(torch.ones(4))
+    optimizer = torch.optim.AdamW([p])
+    for _ in range(2):
+        p.grad = torch.ones(4)
+        optimizer.step()
+    assert fake_tiering == [("evict", 0, _tags.OPTIMIZER_STATE, 4242)] * 2
+
+
+def test_a_step_that_raises_does_not_leave_its_tag_open(fake_cuda, fake_tiering):
+    install()
+    p = torch.nn.Parameter(torch.ones(2))
+    optimizer = torch.optim.AdamW([p])
+    outside = _tags.current()
+    p.grad = torch.ones(2)
+    with pytest.raises(RuntimeError, match="boom"):
+        def closure():
+            raise RuntimeError("boom")
+        optimizer.step(closure)
+    assert _tags.current() == _tags.OPTIMIZER_STATE  # torch ran no post-hook
+    p.grad = torch.ones(2)
+    optimizer.step()  # the next pre-hook closes the dangling scope first
+    assert _tags.current() == outside
+
+
+def test_stock_adamw_foreach_and_plain_give_identical_results_with_the_hooks(fake_cuda, fake_tiering):
+    torch.manual_seed(0)
+    grads = [torch.randn(5, 3) for _ in range(3)]
+
+    def train(foreach):
+        p = torch.nn.Parameter(torch.linspace(-1, 1, 15).reshape(5, 3))
+        optimizer = torch.optim.AdamW([p], lr=1e-2, foreach=foreach)
+        for g in grads:
+            p.grad = g.clone()
+            optimizer.step()
+        return p.detach().clone()
+
+    reference = train(False)
+    install()
+    assert torch.equal(train(False), reference)
+    assert torch.allclose(train(True), reference, rtol=0, atol=1e-6)

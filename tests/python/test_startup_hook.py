@@ -1,0 +1,187 @@
+"""The start-up hook (tidepool_autoload.pth -> tidepool._autoload): each test starts a
+fresh interpreter with the allocator variables set, as a user's shell would."""
+
+from __future__ import annotations
+
+import json
+
+
+def test_named_tidepool_is_claimed_at_startup_and_installed_at_import_torch(run_python):
+    result = run_python("""
+        import json, os, sys, warnings
+        before_torch = {
+            "env": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
+            "finder_first": type(sys.meta_path[0]).__name__,
+            "torch_loaded": "torch" in sys.modules,
+        }
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            import torch
+        import tidepool
+        x = torch.ones(3) * 2  # torch works
+        print(json.dumps({
+            "before": before_torch,
+            "finder_left": any(type(f).__name__ == "_TorchImportFinder" for f in sys.meta_path),
+            "loader": type(torch.__loader__).__name__,
+            "spec_loader": type(torch.__spec__.loader).__name__,
+            "status": tidepool.status(),
+            "warnings": [(w.category.__name__, str(w.message)) for w in caught
+                         if "tidepool" in str(w.message)],
+            "config": tidepool.config(),
+            "sum": x.sum().item(),
+        }))
+    """, PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True,backend:tidepool,"
+                                 "tidepool.state_budget:2GiB,max_split_size_mb:256")
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    assert out["before"] == {"env": "expandable_segments:True,max_split_size_mb:256",
+                             "finder_first": "_TorchImportFinder", "torch_loaded": False}
+    assert not out["finder_left"]
+    assert out["loader"] == out["spec_loader"] == "SourceFileLoader"
+    assert out["sum"] == 6.0
+    # This machine has no GPU: tidepool says so and stays out of the way.
+    assert out["status"] == "inactive: no CUDA device is available"
+    assert out["warnings"] == [[
+        "TidepoolInactiveWarning",
+        "tidepool: no CUDA device is available; tidepool is inactive and PyTorch uses its own "
+        "allocator"]]
+    assert out["config"]["enabled"] is True
+    assert out["config"]["state_budget"] == {"kind": "bytes", "bytes": 2 << 30}
+
+
+def test_child_processes_inherit_the_configuration(run_python):
+    # torchrun, multiprocessing: the parent claimed the keys, the child gets them from
+    # TIDEPOOL_ALLOC_CONF while PyTorch's variable stays clean.
+    result = run_python("""
+        import os, subprocess, sys
+        import torch
+        child = subprocess.run([sys.executable, "-c",
+            "import site, os, json; site.addsitedir(%r); import torch, tidepool; "
+            "print(json.dumps([os.environ.get('PYTORCH_CUDA_ALLOC_CONF'), "
+            "tidepool.config()['state_budget'], tidepool.status()]))" % SITE_DIR],
+            capture_output=True, text=True)
+        print(os.environ["TIDEPOOL_ALLOC_CONF"])
+        print(child.stdout.strip())
+    """, PYTORCH_CUDA_ALLOC_CONF="backend:tidepool,tidepool.state_budget:2GiB,tidepool.log:off,"
+                                 "expandable_segments:True")
+    lines = result.stdout.strip().splitlines()
+    assert lines[0] == "backend:tidepool,tidepool.state_budget:2GiB,tidepool.log:off"
+    assert json.loads(lines[1]) == ["expandable_segments:True", {"kind": "bytes", "bytes": 2 << 30},
+                                    "inactive: no CUDA device is available"]
+
+
+def test_nothing_happens_when_tidepool_is_not_named(run_python):
+    result = run_python("""
+        import os, sys
+        import torch
+        import tidepool
+        print(os.environ.get("PYTORCH_CUDA_ALLOC_CONF"))
+        print(sorted(m for m in sys.modules if m.startswith("tidepool")))
+        print(any("tidepool" in type(f).__module__ for f in sys.meta_path))
+        print(tidepool.status())
+    """, PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True")
+    lines = result.stdout.strip().splitlines()
+    assert lines[0] == "expandable_segments:True"
+    # The hook looked at the variables and loaded nothing: no ctypes wrapper, no finder.
+    assert lines[1] == "['tidepool', 'tidepool._autoload']"
+    assert lines[2] == "False"
+    assert lines[3].startswith("not enabled")
+    assert "tidepool" not in result.stderr
+
+
+def test_the_hook_is_cheap_when_not_named(run_python):
+    result = run_python("""
+        import sys
+        print("ctypes" in sys.modules, "tidepool._lib" in sys.modules, "torch" in sys.modules)
+    """)
+    assert result.stdout.split() == ["False", "False", "False"]
+
+
+def test_pytorch_alloc_conf_left_empty_is_unset_and_log_off_is_silent(run_python):
+    result = run_python("""
+        import os, warnings
+        print(repr(os.environ.get("PYTORCH_ALLOC_CONF")))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            import torch
+        import tidepool
+        print(tidepool.status())
+        print([str(w.message) for w in caught if "tidepool" in str(w.message)])
+    """, PYTORCH_ALLOC_CONF="backend:tidepool,tidepool.log:off,tidepool.mode:pool")
+    assert result.stdout.strip().splitlines() == [
+        "None", "inactive: no CUDA device is available", "[]"]
+    assert result.stderr.strip() == "" or "tidepool" not in result.stderr
+
+
+def test_a_bad_key_stops_import_torch_with_the_parser_message(run_python):
+    result = run_python("""
+        import os
+        print(os.environ["PYTORCH_CUDA_ALLOC_CONF"])
+        import torch
+    """, check=False, PYTORCH_CUDA_ALLOC_CONF="backend:tidepool,tidepool.mdoe:pool")
+    assert result.returncode == 1
+    # Nothing was rewritten: the variable still says what the user wrote.
+    assert result.stdout.strip() == "backend:tidepool,tidepool.mdoe:pool"
+    assert result.stderr.strip().splitlines()[-1] == (
+        "tidepool._config.ConfigError: PYTORCH_CUDA_ALLOC_CONF: unknown key 'tidepool.mdoe'; "
+        "tidepool keys are: backend:tidepool, tidepool.mode, tidepool.state_budget, "
+        "tidepool.pinned_budget, tidepool.log, tidepool.device_backend, tidepool.optimizer_hooks")
+
+
+def test_a_bad_value_leaves_programs_that_never_import_torch_alone(run_python):
+    result = run_python("print('ok')", PYTORCH_CUDA_ALLOC_CONF="tidepool.state_budget:lots")
+    assert result.stdout.strip() == "ok"
+
+
+def test_keys_in_both_variables_are_an_error(run_python):
+    result = run_python("import torch", check=False, PYTORCH_ALLOC_CONF="backend:tidepool",
+                        PYTORCH_CUDA_ALLOC_CONF="tidepool.log:info")
+    assert result.returncode == 1
+    assert ("tidepool keys are set in both PYTORCH_ALLOC_CONF and PYTORCH_CUDA_ALLOC_CONF; put "
+            "them in one of the two") in result.stderr
+
+
+def test_autoload_can_be_turned_off(run_python):
+    result = run_python("""
+        import os, sys
+        print(os.environ["PYTORCH_CUDA_ALLOC_CONF"], "tidepool._startup" in sys.modules)
+    """, PYTORCH_CUDA_ALLOC_CONF="backend:tidepool", TIDEPOOL_AUTOLOAD="0")
+    assert result.stdout.split() == ["backend:tidepool", "False"]
+
+
+def test_torch_imported_before_the_hook_is_installed_at_once(run_python):
+    # As when another start-up hook imports torch first: the hook finds torch in
+    # sys.modules and installs at once instead of waiting for an import.
+    result = run_python("""
+        import os, sys
+        import torch
+        site.addsitedir(SITE_DIR)
+        import tidepool
+        print(os.environ.get("PYTORCH_CUDA_ALLOC_CONF"))
+        print(any("tidepool" in type(f).__module__ for f in sys.meta_path))
+        print(tidepool.status())
+    """, hook_first=False, PYTORCH_CUDA_ALLOC_CONF="backend:tidepool,tidepool.log:off")
+    assert result.stdout.strip().splitlines() == [
+        "None", "False", "inactive: no CUDA device is available"]
+
+
+def test_explicit_install_without_the_hook(run_python):
+    result = run_python("""
+        import torch, tidepool
+        print(tidepool.install("backend:tidepool,tidepool.log:off"))
+        try:
+            tidepool.install("expandable_segments:True")
+        except tidepool.ConfigError as e:
+            print(e)
+    """)
+    assert result.stdout.strip().splitlines() == [
+        "inactive: no CUDA device is available",
+        "tidepool.install(): 'expandable_segments:True' names no tidepool key"]
+
+
+def test_a_missing_library_is_reported_at_import_torch(run_python):
+    result = run_python("import torch", check=False, TIDEPOOL_LIBRARY="/nonexistent/libtidepool.so",
+                        PYTORCH_CUDA_ALLOC_CONF="backend:tidepool")
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines()[-1] == (
+        "RuntimeError: tidepool: the allocator configuration names tidepool, but "
+        "TIDEPOOL_LIBRARY='/nonexistent/libtidepool.so' is not a file")

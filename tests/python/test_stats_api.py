@@ -1,0 +1,104 @@
+"""tidepool.stats() / snapshot() / region() / evict() / prefetch() against the real
+libtidepool on its host backend (the "device" memory is host RAM, so this runs without
+a GPU). One fresh interpreter: the backend must be chosen before the first allocation."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+SCRIPT = """
+import ctypes, json
+import tidepool
+from tidepool import _config, _lib
+
+_config.apply("backend:tidepool,tidepool.device_backend:host")
+lib = _lib.load()
+out = {}
+MiB = 1 << 20
+with tidepool.region("kv_cache") as kv:
+    a = lib.tidepool_malloc(3 * MiB, 0, None)
+    with tidepool.region("optimizer_state"):
+        b = lib.tidepool_malloc(MiB, 0, None)
+    c = lib.tidepool_malloc(MiB, 0, None)
+out["ptrs_ok"] = all((a, b, c))
+s = tidepool.stats(0)
+out["during"] = {k: v for k, v in s.items()
+                 if k.startswith(("tag.", "allocated_bytes.all", "requested_bytes.all"))}
+out["backend"] = s["backend"]
+out["allocation_current"] = s["allocation.all.current"]
+out["has_transfer_keys"] = any(k.startswith("transfer.") for k in s)
+snap = tidepool.snapshot(0)
+out["snapshot_keys"] = sorted(snap)
+tidepool.evict("kv_cache", device=0)
+tidepool.prefetch("kv_cache", device=0)
+for p, n in ((a, 3 * MiB), (b, MiB), (c, MiB)):
+    lib.tidepool_free(p, n, 0, None)
+after = tidepool.stats(0)
+out["after"] = {k: after[k] for k in ("allocated_bytes.all.current", "allocated_bytes.all.peak",
+                                      "tag.kv_cache.current", "tag.kv_cache.freed")}
+try:
+    tidepool.stats(99)
+except RuntimeError as e:
+    out["bad_device"] = str(e)
+try:
+    with tidepool.region(""):
+        pass
+except ValueError as e:
+    out["bad_tag"] = str(e)
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def report(run_python_module):
+    result = run_python_module(SCRIPT)
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def run_python_module():
+    import subprocess
+    import sys
+
+    from conftest import clean_env
+
+    def run(code):
+        result = subprocess.run([sys.executable, "-c", code], env=clean_env(),
+                                capture_output=True, text=True, timeout=120)
+        assert result.returncode == 0, result.stderr
+        return result
+    return run
+
+
+def test_stats_count_bytes_per_tag_in_torch_style_keys(report):
+    MiB = 1 << 20
+    assert report["ptrs_ok"]
+    assert report["backend"] == "host"
+    during = report["during"]
+    assert during["allocated_bytes.all.current"] == 5 * MiB
+    assert during["allocated_bytes.all.peak"] == 5 * MiB
+    assert during["requested_bytes.all.current"] == 5 * MiB
+    assert during["tag.kv_cache.current"] == 4 * MiB
+    assert during["tag.kv_cache.count"] == 2
+    assert during["tag.optimizer_state.current"] == MiB
+    assert during["tag.optimizer_state.total_count"] == 1
+    assert report["allocation_current"] == 3
+    assert report["has_transfer_keys"]
+
+
+def test_frees_show_in_current_and_freed_and_peak_stays(report):
+    MiB = 1 << 20
+    assert report["after"] == {"allocated_bytes.all.current": 0,
+                               "allocated_bytes.all.peak": 5 * MiB,
+                               "tag.kv_cache.current": 0, "tag.kv_cache.freed": 4 * MiB}
+
+
+def test_snapshot_is_parsed_json(report):
+    assert {"segments", "stats", "tags"} <= set(report["snapshot_keys"])
+
+
+def test_errors_are_clear(report):
+    assert report["bad_device"].startswith("tidepool: reading stats of device 99 failed")
+    assert report["bad_tag"] == "tidepool: a tag is a non-empty name or an id, not ''"
