@@ -2,9 +2,9 @@
 // Internal to the allocator (not installed).
 //
 // A Segment is one contiguous address range from the backend: either a plain segment
-// (one device_alloc, fully backed) or an expandable range (reserve_address, backed in
-// granule runs by create_physical + map on demand; see Note [Expandable segments] in
-// caching_allocator.cpp). A segment is cut into Blocks that tile [base, used_end) in
+// (one device_alloc, fully backed) or an expandable range (reserve_address, backed slot
+// by slot by create_physical + map on demand, or by moving a free slot's handle; see
+// Notes [Expandable segments] and [Moving free runs] in segments.cpp). A segment is cut into Blocks that tile [base, used_end) in
 // address order (prev/next); each block is allocated, free (in its owner's BlockPool),
 // quick (freed, parked uncoalesced in an exact-size quick list), or pending (freed, but
 // waiting for events recorded on other streams).
@@ -12,6 +12,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <set>
 #include <vector>
 
 #include "allocator/backend.h"
@@ -51,11 +52,19 @@ struct Segment {
   Block* last = nullptr;
   char* used_end = nullptr;      // end of the tiled part ([base, used_end) has blocks)
   std::size_t mapped_bytes = 0;  // expandable: bytes backed now; plain: size
+  // Expandable only: granules per mapping slot. The range is backed slot by slot, each
+  // slot by one physical handle of the slot's size, so any free slot's handle can back
+  // any unmapped slot of the same length (Note [Moving free runs] in segments.cpp). Near
+  // the device's capacity a slot may be backed by shorter runs instead; those never move.
+  std::size_t slot_granules = 1;
   // Expandable only, one entry per granule: index of the first granule of the mapping run
   // that backs it, or -1 when unmapped. Run heads also hold the run's handle and length.
   std::vector<std::int32_t> run_head;
   std::vector<PhysicalHandle> run_handle;
   std::vector<std::uint32_t> run_granules;
+  // Expandable only: the head granule of every mapping run, in address order, so scans
+  // for free runs visit the runs instead of every granule of the (device-sized) range.
+  std::set<std::uint32_t> mapped_runs;
 };
 
 }  // namespace tidepool::detail

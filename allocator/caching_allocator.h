@@ -22,6 +22,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <memory>
 #include <string>
 
@@ -33,31 +34,64 @@
 namespace tidepool {
 
 struct AllocatorOptions {
-  // Grow per-stream reserved address ranges mapped granule by granule (Note [Expandable
-  // segments]) instead of one device_alloc per segment.
+  // Grow per-stream reserved address ranges backed slot by slot (Note [Expandable
+  // segments], segments.cpp) instead of one device_alloc per segment.
   bool expandable_segments = true;
   // false: never give memory back to the backend (not even on OOM or empty_cache). The
-  // trace replay uses it as the baseline its modeled time is compared with.
+  // trace replay uses it, with move_free_runs off, as the baseline its modeled time is
+  // compared with.
   bool allow_release = true;
+  // Expandable segments: before creating physical memory for a block, move the backing
+  // of a slot that lies wholly in free blocks elsewhere (unmap there, map here) instead
+  // (Note [Moving free runs], segments.cpp). Physical memory then follows the live bytes
+  // without new backend allocations (GPT-2's trace: 1.024 reserved per live byte instead
+  // of 1.069); costs one unmap + one map per slot moved.
+  bool move_free_runs = true;
+  // Moves happen only when new backing would make reserved memory exceed the peak of
+  // allocated memory by more than this fraction; below it, new physical memory is
+  // created (once: it is not released unless under pressure), which saves the moves a
+  // growing working set would otherwise cause. -1: move whenever a free slot exists.
+  double move_slack = 0.01;
+  // Once backing the best fit would need moves, place the block at whichever end of it
+  // (or of a free block of the same size) is already backed, if one is: GPT-2's trace
+  // then needs 76 moves instead of 176, at the same packing.
+  bool backed_fit_when_moving = true;
   // Exact-size quick lists for freed small blocks (Note [Quick lists]).
   bool quick_lists = true;
-  // Expandable segments: when backing new granules would make reserved memory exceed
-  // the peak of allocated memory by more than this fraction, fully free mapping runs
-  // elsewhere are released first (Note [Recycling free runs] in segments.cpp). Negative
-  // (the default): never; memory is then given back only under pressure (the OOM
-  // policy) and by empty_cache. 0.02 brings GPT-2's trace from 1.069 to 1.026 reserved
-  // per live byte, at the price of ~2.6x more backend calls.
+  // Expandable segments: when backing new slots would make reserved memory exceed the
+  // peak of allocated memory by more than this fraction, fully free mapping runs
+  // elsewhere are released to the backend first (Note [Recycling free runs] in
+  // segments.cpp). Negative (the default): never; memory is then given back only under
+  // pressure (the OOM policy) and by empty_cache. Superseded by move_free_runs, which
+  // packs as well without backend allocations.
   double recycle_slack = -1.0;
-  // Expandable segments: among the smallest few fitting free blocks, prefer one whose
-  // bytes are already backed over the best fit that would need new backing. Fewer
-  // backend calls when recycling (GPT-2: 1.39x instead of 2.6x the baseline's modeled
-  // time) but worse packing (ratio 1.039 instead of 1.026); off by default.
+  // Expandable segments: among the smallest few fitting free blocks, always prefer one
+  // whose bytes are already backed over the best fit that would need new backing. Fewer
+  // backend calls, worse packing (GPT-2: 1.028 instead of 1.024 with moves); off.
   bool prefer_backed_fit = false;
   // Address space reserved per expandable range; 0: the backend's total memory.
   std::size_t expandable_range_bytes = 0;
-  // Longest run of granules mapped with one physical allocation. Longer runs mean fewer
-  // backend calls; shorter ones let pressure release finer pieces.
-  std::size_t max_map_run_bytes = std::size_t{64} << 20;
+  // Expandable large-pool ranges are backed in slots of this size (rounded down to the
+  // granule), one physical allocation each; small-pool ranges in single granules.
+  // Larger slots mean fewer backend allocations; smaller ones waste less at the edges
+  // of live data (GPT-2's trace with moves: 16 MiB 1.020 reserved per live byte and 502
+  // allocations, 32 MiB 1.024 and 254, 64 MiB 1.040 and 131).
+  std::size_t map_slot_bytes = std::size_t{32} << 20;
+};
+
+// Counters of the VA mapping calls the allocator made (expandable segments), kept apart
+// from the backend allocations in AllocatorStats::segments_acquired/released: a map or an
+// unmap moves existing physical memory and costs far less than cuMemCreate/cuMemRelease.
+struct MappingStats {
+  // Calls that succeeded. Each map backs a new or a moved run (or puts a run back where
+  // it was when mapping it elsewhere failed); each unmap precedes a release or a move.
+  std::uint64_t map_calls = 0;
+  std::uint64_t unmap_calls = 0;
+  std::uint64_t runs_moved = 0;   // free runs moved to back another block
+  std::uint64_t bytes_moved = 0;
+  // Stream synchronizations a move waited for (the run held blocks the allocating stream
+  // had freed with no completed fence after them yet).
+  std::uint64_t move_syncs = 0;
 };
 
 class TIDEPOOL_API CachingAllocator {
@@ -80,6 +114,7 @@ class TIDEPOOL_API CachingAllocator {
   std::size_t empty_cache();
 
   AllocatorStats stats() const;
+  MappingStats mapping_stats() const;
   void reset_peak_stats();
   // JSON document: device, backend, totals, per-tag stats, segments with their blocks.
   std::string snapshot_json() const;

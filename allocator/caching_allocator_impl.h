@@ -5,6 +5,7 @@
 // Internal to the allocator (not installed). Every member is guarded by `mutex`.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -45,6 +46,9 @@ struct CachingAllocator::Impl {
   // free_count at the last recycling scan that found nothing to release: until another
   // free happens, scanning again is pointless.
   std::uint64_t futile_recycle_at = UINT64_MAX;
+  // free_count at the last search for movable free runs that found none.
+  std::uint64_t futile_move_at = UINT64_MAX;
+  MappingStats mapping;
 
   // --- caching_allocator.cpp ----------------------------------------------------------
   StreamPools& pools_for(Stream s);
@@ -74,7 +78,43 @@ struct CachingAllocator::Impl {
   Segment* create_segment(StreamPools& sp, std::size_t bytes, bool small, bool expandable);
   // Maps any unbacked granule under `b` (expandable segments); false when out of memory.
   bool ensure_backed(Block* b);
-  // Bytes of whole granules in [lo, hi) of an expandable segment that are not backed.
+  // A mapping run lying wholly in free blocks, which can be moved (Note [Moving free
+  // runs]). `needs_sync`: it holds blocks the allocating stream freed that no completed
+  // fence covers yet, so that stream must be synchronized before the run is unmapped.
+  struct FreeRun {
+    Segment* segment;
+    std::size_t head;
+    std::size_t granules;
+    bool needs_sync;
+    bool whole_slot;  // one run backing a whole slot: only those move
+  };
+  // Every free run that may move now. `unsettled`: set when free runs were skipped
+  // because another stream may still use them (a later search may find them settled).
+  std::vector<FreeRun> find_free_runs(StreamPools& allocating, bool& unsettled);
+  // Whether backing [ptr, ptr+size) of seg would take reserved memory past the point
+  // where moves start (Note [Moving free runs]).
+  bool backing_needs_moves(const Segment* seg, const char* ptr, std::size_t size) const;
+  // (1 + slack) x the peak of allocated memory, counting a block of `size` bytes about to
+  // be allocated: the reserved bytes above which moves (move_slack) or releases
+  // (recycle_slack) start.
+  std::uint64_t reserved_budget(std::size_t size, double slack) const;
+  // Backs the unmapped slot at granule `head` of seg (`granules` long) with a run of the
+  // same length taken from `movable`; false when none has that length.
+  bool move_free_run(Segment* seg, std::size_t head, std::size_t granules,
+                     std::vector<FreeRun>& movable, StreamPools& allocating);
+  // Granules of the slot starting at granule `head` (the last slot of a range may be short).
+  static std::size_t slot_length(const Segment* seg, std::size_t head) {
+    return std::min<std::size_t>(seg->slot_granules, seg->run_head.size() - head);
+  }
+  // create_physical + map of granules [head, head+granules) of seg; false when out of memory.
+  bool create_run(Segment* seg, std::size_t head, std::size_t granules);
+  // Whether the device has room to back a whole slot of `bytes` (Note [Moving free runs]).
+  bool whole_slot_affordable(std::size_t bytes);
+  // Backend::map / unmap of one run plus its bookkeeping (run tables, mapped_bytes,
+  // mapping counters); reserved bytes are the caller's business.
+  void map_run(Segment* seg, std::size_t head, std::size_t granules, PhysicalHandle h);
+  PhysicalHandle unmap_run(Segment* seg, std::size_t head);
+  // Bytes that backing [lo, hi) of an expandable segment would add: its unmapped slots.
   std::size_t unbacked_bytes(const Segment* seg, const char* lo, const char* hi) const;
   // Gives fully free backed memory back (plain segments, mapping runs), stopping once at
   // least `want` bytes are found. `wait`: synchronize the streams that last used it;

@@ -10,27 +10,49 @@
 // stream reserves one large address range per pool (Backend::reserve_address, the
 // device's total size; address space costs nothing) and tiles it with blocks from the
 // start. When no free block fits, the range grows at its end: the last block, if free,
-// is extended, else a new block is appended; only the granules (2 MiB) under blocks in
-// use are backed, by create_physical + map, in runs of up to max_map_run_bytes. Since
-// everything a stream frees stays contiguous with its neighbours, free blocks coalesce
-// across what would have been segment boundaries, and reserved memory stays within a
-// granule of the stream's high-water mark of live bytes plus holes. Under memory
-// pressure (and in empty_cache) each mapping run lying wholly inside free blocks is
-// unmapped and its physical memory released; the blocks stay and are re-backed on reuse.
-// PyTorch's expandable segments (CUDA VMM) are the model.
+// is extended, else a new block is appended. Only the slots under blocks in use are
+// backed: a large-pool range is cut into slots of map_slot_bytes (32 MiB), a small-pool
+// range into granules (2 MiB), and each slot is backed whole by one create_physical +
+// map. Since everything a stream frees stays contiguous with its neighbours, free blocks
+// coalesce across what would have been segment boundaries. Under memory pressure (and in
+// empty_cache) each mapping run lying wholly inside free blocks is unmapped and its
+// physical memory released; the blocks stay and are re-backed on reuse. PyTorch's
+// expandable segments (CUDA VMM) are the model. Near the device's capacity (less than
+// four slots' worth free) a slot is backed only in the granules the block needs, so that
+// a mostly free slot cannot pin memory another request needs.
+//
+// Note [Moving free runs]
+// A range never shrinks by itself, so without more its backing would follow the
+// high-water mark of the range, holes included: in GPT-2's trace a 392 MiB hole sits
+// between live 785 MiB blocks at the peak (1.069 reserved per live byte). Physical
+// memory is separate from addresses, so a hole's backing can move instead: before a slot
+// is backed with new physical memory while reserved memory would exceed
+// (1 + move_slack) x the peak of allocated memory, a slot lying wholly in free blocks
+// elsewhere (any range of the device, any stream) is unmapped there and its handle
+// mapped here. Only free blocks' memory moves, so no live byte changes address or
+// content; reserved memory (the physical memory held, all of it mapped) stays the same;
+// the backend sees an unmap and a map, no allocation. Slots all have one size, so any
+// free slot fits any unmapped one (a handle maps whole: there is no offset); smaller
+// slots waste less around live data but need more backend allocations (GPT-2: 16 MiB
+// 1.020, 32 MiB 1.024, 64 MiB 1.040). New physical memory is then created only when no
+// slot anywhere is wholly free, so peak reserved is the peak of the bytes of slots
+// touched by live blocks. Safety as for releases: a slot qualifies once a completed
+// fence covers the frees in it (Note [Cross-stream reuse]); a slot the allocating stream
+// itself freed may also move after that stream is synchronized (counted in
+// MappingStats::move_syncs; slots needing no synchronization are taken first). To cut
+// the moves, choose_fit places a block at whichever end of its best fit is already
+// backed once backing would need moves (backed_fit_when_moving): 76 moves instead of 176
+// over GPT-2's trace, same packing.
 //
 // Note [Recycling free runs]
-// A range never shrinks by itself, so reserved memory follows the high-water mark of
-// each range, holes included: in GPT-2's trace a 392 MiB hole sits between live 785 MiB
-// blocks at the peak (ratio 1.069). Because physical memory is separate from addresses,
-// the hole's backing can move: with options.recycle_slack >= 0, before new granules are
-// backed while reserved memory would exceed (1 + slack) x peak allocated, mapping runs
-// lying wholly in free blocks are released first (only runs whose streams are known to
-// be done with them, or the allocating stream's own, which is then synchronized). This
-// reaches 1.026 on GPT-2 but costs a release and a create per recycled run, which the
-// replay's cost model charges like cudaFree + cudaMalloc; it is off by default.
+// The older alternative, off by default: with options.recycle_slack >= 0, before new
+// slots are backed while reserved memory would exceed (1 + slack) x peak allocated,
+// mapping runs lying wholly in free blocks are released to the backend first (only runs
+// whose streams are known to be done with them, or the allocating stream's own, which
+// is then synchronized). It packs like moving but costs a release and a create per run,
+// which the replay's cost model charges like cudaFree + cudaMalloc.
 // choose_fit's optional preference for backed blocks (prefer_backed_fit) keeps
-// allocations out of recycled holes while backed free memory fits, so fewer runs bounce
+// allocations out of released holes while backed free memory fits, so fewer runs bounce
 // back and forth, at some cost in packing.
 #include <algorithm>
 #include <set>
@@ -60,6 +82,8 @@ CachingAllocator::Impl::Segment* CachingAllocator::Impl::create_segment(StreamPo
   seg->used_end = seg->base;
   if (expandable) {
     const std::size_t granules = bytes / granule;
+    // Small ranges hold at most a few MiB of small blocks: granule slots waste least.
+    seg->slot_granules = small ? 1 : std::max<std::size_t>(1, options.map_slot_bytes / granule);
     seg->run_head.assign(granules, -1);
     seg->run_handle.assign(granules, PhysicalHandle{});
     seg->run_granules.assign(granules, 0);
@@ -127,55 +151,151 @@ Block* CachingAllocator::Impl::grow(StreamPools& sp, std::size_t size, bool smal
 bool CachingAllocator::Impl::ensure_backed(Block* b) {
   Segment* seg = b->segment;
   if (!seg->expandable) return true;
-  const std::size_t first = static_cast<std::size_t>(b->ptr - seg->base) / granule;
-  const std::size_t end =
-      (static_cast<std::size_t>(b->ptr - seg->base) + b->size + granule - 1) / granule;
-  const std::size_t max_run = std::max<std::size_t>(1, options.max_map_run_bytes / granule);
+  const std::size_t offset = static_cast<std::size_t>(b->ptr - seg->base);
+  const std::size_t first = offset / granule;
+  const std::size_t end = (offset + b->size + granule - 1) / granule;
   if (options.recycle_slack >= 0 && options.allow_release &&
       futile_recycle_at != stats.free_count &&
       stats.reserved.current - stats.allocated.current >= granule) {
     // Note [Recycling free runs]
     const std::size_t unbacked = unbacked_bytes(seg, b->ptr, b->ptr + b->size);
-    const double live_peak = static_cast<double>(
-        std::max<std::uint64_t>(stats.allocated.peak, stats.allocated.current + b->size));
-    const auto budget = static_cast<std::uint64_t>(live_peak * (1.0 + options.recycle_slack));
+    const std::uint64_t budget = reserved_budget(b->size, options.recycle_slack);
     const std::uint64_t after = stats.reserved.current + unbacked;
     if (unbacked != 0 && after > budget && release_cached(after - budget, false, b->owner) == 0)
       futile_recycle_at = stats.free_count;
   }
-  for (std::size_t g = first; g < end;) {
-    if (seg->run_head[g] >= 0) {
-      ++g;
-      continue;
+  // Note [Moving free runs]: moves start once new backing would take reserved memory
+  // past (1 + move_slack) x the peak of allocated memory. Movable slots are looked for
+  // once per call, and not at all while no block was freed since a search found none.
+  const bool may_move = options.move_free_runs && futile_move_at != stats.free_count;
+  const std::uint64_t move_above = reserved_budget(b->size, options.move_slack);
+  bool searched = false;
+  std::vector<FreeRun> movable;
+  const std::size_t per_slot = seg->slot_granules;
+  for (std::size_t head = first / per_slot * per_slot; head < end; head += per_slot) {
+    const std::size_t length = slot_length(seg, head);
+    const std::size_t lo = std::max(head, first);
+    const std::size_t hi = std::min(head + length, end);
+    bool needed = false;  // some granule under b is unmapped
+    bool empty = true;    // no granule of the slot is mapped
+    for (std::size_t g = head; g < head + length; ++g) {
+      const bool mapped = seg->run_head[g] >= 0;
+      empty = empty && !mapped;
+      needed = needed || (!mapped && g >= lo && g < hi);
     }
-    std::size_t run_end = g;
-    while (run_end < end && seg->run_head[run_end] < 0 && run_end - g < max_run) ++run_end;
-    const std::size_t bytes = (run_end - g) * granule;
-    PhysicalHandle h = backend->create_physical(bytes, MemoryLocation::device);
-    if (!h) return false;
-    try {
-      backend->map(seg->base + g * granule, bytes, h);
-    } catch (...) {
-      backend->release_physical(h, bytes);
-      throw;
+    if (!needed) continue;
+    if (empty) {
+      const std::size_t bytes = length * granule;
+      if (may_move && stats.reserved.current + bytes > move_above) {
+        if (!searched) {
+          searched = true;
+          bool unsettled = false;
+          movable = find_free_runs(*b->owner, unsettled);
+          if (movable.empty() && !unsettled) futile_move_at = stats.free_count;
+        }
+        if (move_free_run(seg, head, length, movable, *b->owner)) continue;
+      }
+      if (whole_slot_affordable(bytes)) {
+        if (!create_run(seg, head, length)) return false;
+        continue;
+      }
     }
-    for (std::size_t i = g; i < run_end; ++i) seg->run_head[i] = static_cast<std::int32_t>(g);
-    seg->run_handle[g] = h;
-    seg->run_granules[g] = static_cast<std::uint32_t>(run_end - g);
-    seg->mapped_bytes += bytes;
-    stats.reserved.add(bytes);
-    ++stats.segments_acquired;
-    g = run_end;
+    // Near the device's capacity (or in a slot already backed piecewise), back only the
+    // granules b needs: a whole slot would pin memory no other request could use.
+    for (std::size_t g = lo; g < hi;) {
+      if (seg->run_head[g] >= 0) {
+        ++g;
+        continue;
+      }
+      std::size_t run_end = g;
+      while (run_end < hi && seg->run_head[run_end] < 0) ++run_end;
+      if (!create_run(seg, g, run_end - g)) return false;
+      g = run_end;
+    }
   }
   return true;
 }
 
+std::uint64_t CachingAllocator::Impl::reserved_budget(std::size_t size, double slack) const {
+  const double live_peak = static_cast<double>(
+      std::max<std::uint64_t>(stats.allocated.peak, stats.allocated.current + size));
+  return static_cast<std::uint64_t>(std::max(0.0, live_peak * (1.0 + slack)));
+}
+
+bool CachingAllocator::Impl::backing_needs_moves(const Segment* seg, const char* ptr,
+                                                 std::size_t size) const {
+  const std::size_t unbacked = unbacked_bytes(seg, ptr, ptr + size);
+  return unbacked != 0 &&
+         stats.reserved.current + unbacked > reserved_budget(size, options.move_slack);
+}
+
+bool CachingAllocator::Impl::whole_slot_affordable(std::size_t bytes) {
+  // Headroom factor: a slot may be created whole while the device has at least this many
+  // slots' worth free; below that, backing goes granule by granule.
+  constexpr std::size_t kWholeSlotHeadroom = 4;
+  return backend->mem_info().free_bytes >= kWholeSlotHeadroom * bytes;
+}
+
+bool CachingAllocator::Impl::create_run(Segment* seg, std::size_t head, std::size_t granules) {
+  const std::size_t bytes = granules * granule;
+  const PhysicalHandle h = backend->create_physical(bytes, MemoryLocation::device);
+  if (!h) return false;
+  try {
+    map_run(seg, head, granules, h);
+  } catch (...) {
+    backend->release_physical(h, bytes);
+    throw;
+  }
+  stats.reserved.add(bytes);
+  ++stats.segments_acquired;
+  return true;
+}
+
+void CachingAllocator::Impl::map_run(Segment* seg, std::size_t head, std::size_t granules,
+                                     PhysicalHandle h) {
+  const std::size_t bytes = granules * granule;
+  backend->map(seg->base + head * granule, bytes, h);
+  ++mapping.map_calls;
+  for (std::size_t i = head; i < head + granules; ++i)
+    seg->run_head[i] = static_cast<std::int32_t>(head);
+  seg->run_handle[head] = h;
+  seg->run_granules[head] = static_cast<std::uint32_t>(granules);
+  seg->mapped_runs.insert(static_cast<std::uint32_t>(head));
+  seg->mapped_bytes += bytes;
+}
+
+PhysicalHandle CachingAllocator::Impl::unmap_run(Segment* seg, std::size_t head) {
+  const std::size_t granules = seg->run_granules[head];
+  const std::size_t bytes = granules * granule;
+  backend->unmap(seg->base + head * granule, bytes);
+  ++mapping.unmap_calls;
+  const PhysicalHandle h = seg->run_handle[head];
+  for (std::size_t i = head; i < head + granules; ++i) seg->run_head[i] = -1;
+  seg->run_handle[head] = PhysicalHandle{};
+  seg->run_granules[head] = 0;
+  seg->mapped_runs.erase(static_cast<std::uint32_t>(head));
+  seg->mapped_bytes -= bytes;
+  return h;
+}
+
 std::size_t CachingAllocator::Impl::unbacked_bytes(const Segment* seg, const char* lo,
                                                    const char* hi) const {
-  std::size_t n = 0;
+  // As ensure_backed would back it: an empty slot whole, else its missing granules.
+  const std::size_t per_slot = seg->slot_granules;
+  const std::size_t first = static_cast<std::size_t>(lo - seg->base) / granule;
   const std::size_t end = (static_cast<std::size_t>(hi - seg->base) + granule - 1) / granule;
-  for (std::size_t g = static_cast<std::size_t>(lo - seg->base) / granule; g < end; ++g)
-    if (seg->run_head[g] < 0) n += granule;
+  std::size_t n = 0;
+  for (std::size_t head = first / per_slot * per_slot; head < end; head += per_slot) {
+    const std::size_t length = slot_length(seg, head);
+    std::size_t missing = 0;
+    bool empty = true;
+    for (std::size_t g = head; g < head + length; ++g) {
+      const bool mapped = seg->run_head[g] >= 0;
+      empty = empty && !mapped;
+      if (!mapped && g >= first && g < end) ++missing;
+    }
+    if (missing != 0) n += (empty ? length : missing) * granule;
+  }
   return n;
 }
 
@@ -205,6 +325,83 @@ bool all_free(Block*& cursor, const char* lo, const char* hi, bool settled_only,
 
 }  // namespace
 
+std::vector<CachingAllocator::Impl::FreeRun> CachingAllocator::Impl::find_free_runs(
+    StreamPools& allocating, bool& unsettled) {
+  unsettled = false;
+  // Runs of other streams qualify once a completed fence covers their frees (no wait);
+  // bring every stream's fence up to date first (at most one event per stream).
+  for (auto& sp : streams) refresh_fence(*sp);
+  std::vector<FreeRun> found;
+  for (auto& [base, seg] : segments) {
+    if (!seg->expandable || seg->mapped_runs.empty()) continue;
+    Block* cursor = seg->first;
+    for (const std::uint32_t g : seg->mapped_runs) {
+      const char* lo = seg->base + g * granule;
+      const char* hi = lo + seg->run_granules[g] * granule;
+      if (!all_free(cursor, lo, hi, false)) continue;
+      if (!all_free(cursor, lo, hi, true, &allocating)) {
+        // Free, but another stream may still use it: a later search may find it settled.
+        unsettled = true;
+        continue;
+      }
+      bool needs_sync = false;
+      for (const Block* b = cursor; b != nullptr && b->ptr < hi; b = b->next)
+        needs_sync = needs_sync || b->free_seq > b->owner->safe_seq;
+      const bool whole_slot = g % seg->slot_granules == 0 &&
+                              seg->run_granules[g] == slot_length(seg, g);
+      found.push_back({seg, g, seg->run_granules[g], needs_sync, whole_slot});
+    }
+  }
+  return found;
+}
+
+bool CachingAllocator::Impl::move_free_run(Segment* seg, std::size_t head,
+                                           std::size_t granules, std::vector<FreeRun>& movable,
+                                           StreamPools& allocating) {
+  // A physical handle maps whole (Backend::map has no offset), so only a whole slot of
+  // the same length fits. Among those, one that needs no stream synchronization, and
+  // among those the one found last: scans go in address order, so that is the free slot
+  // highest in its range, the least likely to be reused soon.
+  std::size_t pick = movable.size();
+  for (std::size_t i = movable.size(); i-- > 0;) {
+    const FreeRun& r = movable[i];
+    if (r.granules != granules || !r.whole_slot) continue;
+    if (pick == movable.size()) pick = i;
+    if (!r.needs_sync) {
+      pick = i;
+      break;
+    }
+  }
+  if (pick == movable.size()) return false;
+  const FreeRun run = movable[pick];
+  movable.erase(movable.begin() + static_cast<std::ptrdiff_t>(pick));
+  // Work the allocating stream queued before its frees may still use the run's memory
+  // through the old addresses: unmapping must wait for it.
+  if (run.needs_sync && allocating.free_seq > allocating.safe_seq) {
+    backend->stream_synchronize(allocating.stream);
+    allocating.safe_seq = allocating.free_seq;
+    ++mapping.move_syncs;
+  }
+  const PhysicalHandle h = unmap_run(run.segment, run.head);
+  try {
+    map_run(seg, head, run.granules, h);
+  } catch (...) {
+    // Put the memory back where it was; if even that fails, give it to the backend so
+    // that nothing leaks and reserved stays true.
+    try {
+      map_run(run.segment, run.head, run.granules, h);
+    } catch (...) {
+      backend->release_physical(h, run.granules * granule);
+      stats.reserved.sub(run.granules * granule);
+      ++stats.segments_released;
+    }
+    throw;
+  }
+  ++mapping.runs_moved;
+  mapping.bytes_moved += run.granules * granule;
+  return true;
+}
+
 std::size_t CachingAllocator::Impl::release_cached(std::size_t want, bool wait,
                                                    StreamPools* waitable) {
   if (!options.allow_release) return 0;
@@ -233,8 +430,8 @@ std::size_t CachingAllocator::Impl::release_cached(std::size_t want, bool wait,
       continue;
     }
     Block* cursor = seg->first;
-    for (std::size_t g = 0; g < seg->run_head.size() && found_bytes < want; ++g) {
-      if (seg->run_head[g] != static_cast<std::int32_t>(g)) continue;
+    for (const std::uint32_t g : seg->mapped_runs) {
+      if (found_bytes >= want) break;
       const char* lo = seg->base + g * granule;
       const char* hi = lo + seg->run_granules[g] * granule;
       if (!all_free(cursor, lo, hi, !wait, waitable)) continue;
@@ -272,14 +469,8 @@ std::size_t CachingAllocator::Impl::release_cached(std::size_t want, bool wait,
       delete seg;
       continue;
     }
-    const std::size_t n = seg->run_granules[r.head];
-    const std::size_t bytes = n * granule;
-    backend->unmap(seg->base + r.head * granule, bytes);
-    backend->release_physical(seg->run_handle[r.head], bytes);
-    for (std::size_t i = r.head; i < r.head + n; ++i) seg->run_head[i] = -1;
-    seg->run_handle[r.head] = PhysicalHandle{};
-    seg->run_granules[r.head] = 0;
-    seg->mapped_bytes -= bytes;
+    const std::size_t bytes = seg->run_granules[r.head] * granule;
+    backend->release_physical(unmap_run(seg, r.head), bytes);
     stats.reserved.sub(bytes);
     ++stats.segments_released;
     released += bytes;
@@ -298,8 +489,7 @@ void CachingAllocator::Impl::destroy_everything() {
       if (!seg->expandable) {
         backend->device_free(seg->base, seg->size);
       } else {
-        for (std::size_t g = 0; g < seg->run_head.size(); ++g) {
-          if (seg->run_head[g] != static_cast<std::int32_t>(g)) continue;
+        for (const std::uint32_t g : seg->mapped_runs) {
           const std::size_t bytes = seg->run_granules[g] * granule;
           backend->unmap(seg->base + g * granule, bytes);
           backend->release_physical(seg->run_handle[g], bytes);

@@ -2,8 +2,11 @@
 // when a GPU exists) and with both segment kinds (expandable ranges and plain segments).
 #include <gtest/gtest.h>
 
+#include <atomic>
+#include <chrono>
 #include <cstring>
 #include <set>
+#include <thread>
 #include <tuple>
 #include <vector>
 
@@ -18,19 +21,8 @@ namespace {
 using Param = std::tuple<std::string, bool>;  // backend kind, expandable segments
 
 class Battery : public ::testing::TestWithParam<Param> {
- protected:
-  void SetUp() override {
-    auto backend = test::make_backend(std::get<0>(GetParam()));
-    if (!backend) GTEST_SKIP() << "no CUDA device on this machine";
-    AllocatorOptions o;
-    o.expandable_segments = std::get<1>(GetParam());
-    alloc_ = std::make_unique<CachingAllocator>(std::move(backend), o);
-  }
-  Backend& backend() { return alloc_->backend(); }
-
+ public:
   // Fills [p, p+n) with `value` through the backend and checks it reads back.
-  void fill_and_check(void* p, std::size_t n, int value) { fill_and_check(backend(), p, n, value); }
-  void check(void* p, std::size_t n, int value) { check(backend(), p, n, value); }
   static void fill_and_check(Backend& b, void* p, std::size_t n, int value) {
     b.memset_async(p, value, n, {});
     check(b, p, n, value);
@@ -42,6 +34,19 @@ class Battery : public ::testing::TestWithParam<Param> {
     for (std::size_t i = 0; i < n; ++i)
       ASSERT_EQ(host[i], static_cast<unsigned char>(value)) << "byte " << i << " of " << p;
   }
+
+ protected:
+  void SetUp() override {
+    auto backend = test::make_backend(std::get<0>(GetParam()));
+    if (!backend) GTEST_SKIP() << "no CUDA device on this machine";
+    AllocatorOptions o;
+    o.expandable_segments = std::get<1>(GetParam());
+    alloc_ = std::make_unique<CachingAllocator>(std::move(backend), o);
+  }
+  Backend& backend() { return alloc_->backend(); }
+
+  void fill_and_check(void* p, std::size_t n, int value) { fill_and_check(backend(), p, n, value); }
+  void check(void* p, std::size_t n, int value) { check(backend(), p, n, value); }
 
   std::unique_ptr<CachingAllocator> alloc_;
 };
@@ -193,7 +198,10 @@ TEST_P(Battery, OwnsAndAllocationSizeKnowLiveBlocksOnly) {
 }
 
 TEST_P(Battery, FragmentationCountsHolesAndDropsToZeroWhenEmptied) {
-  const std::size_t n = 12 << 20;  // a multiple of the granule, and its own plain segment
+  // A multiple of the granule, its own plain segment, and six of them fill whole mapping
+  // slots (32 MiB): the backed memory past the last block of a range is not counted in
+  // any free block by the fragmentation figure.
+  const std::size_t n = 16 << 20;
   std::vector<void*> v;
   for (int i = 0; i < 6; ++i) v.push_back(alloc_->allocate(n));
   for (int i = 0; i < 6; i += 2) alloc_->deallocate(v[i], n);  // three separated holes
@@ -215,6 +223,8 @@ TEST_P(Battery, RecyclingMovesBackingFromAHoleToTheGrowingEnd) {
   for (const double slack : {-1.0, 0.0}) {
     AllocatorOptions o;
     o.recycle_slack = slack;
+    o.move_free_runs = false;  // the release path alone (moves are tested below)
+    o.map_slot_bytes = 2 << 20;
     CachingAllocator a(test::make_backend(std::get<0>(GetParam())), o);
     void* hole = a.allocate(8 * mib);
     void* keep = a.allocate(8 * mib);
@@ -227,7 +237,7 @@ TEST_P(Battery, RecyclingMovesBackingFromAHoleToTheGrowingEnd) {
       EXPECT_EQ(s.segments_released, 0u);
     } else {
       EXPECT_EQ(s.reserved.current, 20 * mib) << "the hole's backing should have moved";
-      EXPECT_EQ(s.segments_released, 1u);
+      EXPECT_EQ(s.segments_released, 8 * mib / o.map_slot_bytes);
     }
     // The recycled hole is backed again when it is used.
     void* reuse = a.allocate(8 * mib);
@@ -238,6 +248,214 @@ TEST_P(Battery, RecyclingMovesBackingFromAHoleToTheGrowingEnd) {
     a.deallocate(keep, 8 * mib);
   }
 }
+
+// ------------------------------------------------------------------- moving free runs
+// Note [Moving free runs] (segments.cpp): a mapping slot lying wholly in free blocks is
+// unmapped and mapped where a block needs backing, instead of creating physical memory.
+// These run with slots of two granules and moves whenever a free slot exists.
+class Moves : public ::testing::TestWithParam<std::string> {
+ protected:
+  std::unique_ptr<CachingAllocator> make(bool moves = true) {
+    auto backend = test::make_backend(GetParam());
+    if (!backend) return nullptr;
+    slot_ = 2 * backend->granularity();
+    AllocatorOptions o;
+    o.map_slot_bytes = slot_;
+    o.move_free_runs = moves;
+    o.move_slack = -1;  // move whenever a free slot exists
+    return std::make_unique<CachingAllocator>(std::move(backend), o);
+  }
+  // Every map is a new or a moved run; every unmap a moved or released one.
+  static void expect_mapping_accounts(const CachingAllocator& a) {
+    const AllocatorStats s = a.stats();
+    const MappingStats m = a.mapping_stats();
+    EXPECT_EQ(m.map_calls, s.segments_acquired + m.runs_moved);
+    EXPECT_EQ(m.unmap_calls, s.segments_released + m.runs_moved);
+  }
+  // Enqueues on s a host function that returns once `go` is true: s runs nothing after
+  // it until then.
+  static void hold_until(Backend& be, Stream s, std::atomic<bool>& go) {
+    be.launch_host_func(
+        s, [](void* flag) {
+          while (!static_cast<std::atomic<bool>*>(flag)->load()) std::this_thread::yield();
+        },
+        &go);
+  }
+  std::size_t slot_ = 0;
+};
+
+#define TIDEPOOL_ALLOCATOR_OR_SKIP(var, ...)                \
+  auto var = make(__VA_ARGS__);                             \
+  if (!var) {                                               \
+    GTEST_SKIP() << "no CUDA device on this machine";      \
+  }                                                         \
+  static_assert(true)
+
+TEST_P(Moves, AHolesSlotsBackGrowthWithoutNewPhysicalMemory) {
+  for (const bool moves : {false, true}) {
+    SCOPED_TRACE(moves ? "moves on" : "moves off");
+    TIDEPOOL_ALLOCATOR_OR_SKIP(a, moves);
+    Backend& be = a->backend();
+    char* hole = static_cast<char*>(a->allocate(2 * slot_));
+    char* keep = static_cast<char*>(a->allocate(2 * slot_));
+    Battery::fill_and_check(be, keep, 2 * slot_, 7);
+    a->deallocate(hole, 2 * slot_);
+    const std::uint64_t acquired = a->stats().segments_acquired;
+    // Does not fit the hole: the range grows by four slots.
+    char* grown = static_cast<char*>(a->allocate(4 * slot_));
+    EXPECT_EQ(grown, keep + 2 * slot_);
+    Battery::fill_and_check(be, grown, 4 * slot_, 9);
+    Battery::check(be, keep, 2 * slot_, 7);
+    AllocatorStats s = a->stats();
+    const MappingStats m = a->mapping_stats();
+    EXPECT_EQ(s.reserved.current, (moves ? 6 : 8) * slot_);
+    EXPECT_EQ(s.segments_acquired, acquired + (moves ? 2 : 4));
+    EXPECT_EQ(m.runs_moved, moves ? 2u : 0u);
+    EXPECT_EQ(m.bytes_moved, moves ? 2 * slot_ : 0u);
+    EXPECT_EQ(s.segments_released, 0u);
+    expect_mapping_accounts(*a);
+    // The hole is backed again when it is reused; the moved memory stays where it went.
+    char* again = static_cast<char*>(a->allocate(2 * slot_));
+    EXPECT_EQ(again, hole);
+    Battery::fill_and_check(be, again, 2 * slot_, 3);
+    Battery::check(be, keep, 2 * slot_, 7);
+    Battery::check(be, grown, 4 * slot_, 9);
+    s = a->stats();
+    EXPECT_EQ(s.reserved.current, 8 * slot_);
+    EXPECT_EQ(s.reserved.peak, 8 * slot_);
+    expect_mapping_accounts(*a);
+    a->deallocate(again, 2 * slot_);
+    a->deallocate(grown, 4 * slot_);
+    a->deallocate(keep, 2 * slot_);
+    EXPECT_EQ(a->empty_cache(), 8 * slot_);
+    EXPECT_EQ(a->stats().reserved.current, 0u);
+  }
+}
+
+TEST_P(Moves, ASlotIsUnmappedOnlyAfterTheAllocatingStreamsWorkOnIt) {
+  TIDEPOOL_ALLOCATOR_OR_SKIP(a);
+  Backend& be = a->backend();
+  const Stream s = be.create_stream();
+  char* x = static_cast<char*>(a->allocate(slot_, s));
+  char* keep = static_cast<char*>(a->allocate(slot_, s));
+  // Work still queued on s writes x after its free: the stream is held for 200 ms first.
+  std::atomic<bool> go{false};
+  hold_until(be, s, go);
+  std::thread releaser([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    go = true;
+  });
+  be.memset_async(x, 0xAA, slot_, s);
+  a->deallocate(x, slot_, s);
+  // Grows by two slots: x's slot moves (after s has passed the memset), one is created.
+  char* y = static_cast<char*>(a->allocate(2 * slot_, s));
+  releaser.join();
+  EXPECT_EQ(a->mapping_stats().runs_moved, 1u);
+  EXPECT_EQ(a->mapping_stats().move_syncs, 1u);
+  be.memset_async(y, 0x55, 2 * slot_, s);
+  be.stream_synchronize(s);
+  Battery::check(be, y, 2 * slot_, 0x55);
+  expect_mapping_accounts(*a);
+  a->deallocate(y, 2 * slot_, s);
+  a->deallocate(keep, slot_, s);
+  be.destroy_stream(s);
+}
+
+TEST_P(Moves, AnotherStreamsSlotMovesOnlyOnceItsFenceHasPassed) {
+  TIDEPOOL_ALLOCATOR_OR_SKIP(a);
+  Backend& be = a->backend();
+  const Stream other = be.create_stream();
+  std::atomic<bool> go{false};
+  char* x = static_cast<char*>(a->allocate(slot_, other));
+  hold_until(be, other, go);
+  be.memset_async(x, 0xAA, slot_, other);
+  a->deallocate(x, slot_, other);
+  // `other` is blocked: its free slot must not move; new memory is created instead.
+  const std::uint64_t acquired = a->stats().segments_acquired;
+  void* y = a->allocate(slot_);
+  EXPECT_EQ(a->mapping_stats().runs_moved, 0u);
+  EXPECT_EQ(a->stats().segments_acquired, acquired + 1);
+  go = true;
+  be.stream_synchronize(other);
+  // Now a fence recorded on the idle stream completes at once and the slot can move,
+  // from the other stream's range into this one's, without waiting. (Two slots: one
+  // would simply reuse x's block in place, Note [Cross-stream reuse].)
+  void* z = a->allocate(2 * slot_);
+  EXPECT_EQ(a->mapping_stats().runs_moved, 1u);
+  EXPECT_EQ(a->mapping_stats().move_syncs, 0u);
+  EXPECT_EQ(a->stats().segments_acquired, acquired + 2);
+  Battery::fill_and_check(be, z, 2 * slot_, 4);
+  expect_mapping_accounts(*a);
+  a->deallocate(z, 2 * slot_);
+  a->deallocate(y, slot_);
+  be.destroy_stream(other);
+}
+
+TEST_P(Moves, AFailedMapPutsTheSlotBackOrReleasesIt) {
+  if (GetParam() != "host") GTEST_SKIP() << "fault injection exists on the host backend only";
+  TIDEPOOL_ALLOCATOR_OR_SKIP(a);
+  Backend& be = a->backend();
+  void* hole = a->allocate(slot_);
+  char* keep = static_cast<char*>(a->allocate(slot_));
+  Battery::fill_and_check(be, keep, slot_, 6);
+  a->deallocate(hole, slot_);
+  // The map at the new place fails; mapping it back where it was succeeds.
+  be.inject_fault(FaultPoint::map, 1);
+  EXPECT_THROW(a->allocate(2 * slot_), BackendError);
+  AllocatorStats s = a->stats();
+  EXPECT_EQ(s.reserved.current, 2 * slot_);
+  EXPECT_EQ(s.allocated.current, slot_);
+  EXPECT_EQ(s.segments_released, 0u);
+  const MappingStats m = a->mapping_stats();
+  EXPECT_EQ(m.runs_moved, 0u);
+  EXPECT_EQ(m.unmap_calls, 1u);
+  EXPECT_EQ(m.map_calls, s.segments_acquired + 1);  // the map back where it was
+  // The slot is back: reusing the hole needs no new memory.
+  void* again = a->allocate(slot_);
+  EXPECT_EQ(again, hole);
+  EXPECT_EQ(a->stats().segments_acquired, s.segments_acquired);
+  Battery::fill_and_check(be, again, slot_, 2);
+  a->deallocate(again, slot_);
+  // Both maps fail: the memory goes back to the backend rather than leak.
+  be.inject_fault(FaultPoint::map, 2);
+  EXPECT_THROW(a->allocate(2 * slot_), BackendError);
+  s = a->stats();
+  EXPECT_EQ(s.reserved.current, slot_);
+  EXPECT_EQ(s.segments_released, 1u);
+  EXPECT_EQ(a->mapping_stats().unmap_calls, 2u);
+  Battery::check(be, keep, slot_, 6);
+  // Still usable; at the end the backend has every byte back.
+  void* big = a->allocate(2 * slot_);
+  Battery::fill_and_check(be, big, 2 * slot_, 8);
+  a->deallocate(big, 2 * slot_);
+  a->deallocate(keep, slot_);
+  a->empty_cache();
+  EXPECT_EQ(a->stats().reserved.current, 0u);
+  const MemInfo mi = be.mem_info();
+  EXPECT_EQ(mi.free_bytes, mi.total_bytes);
+}
+
+TEST_P(Moves, NearCapacityOnlyTheGranulesABlockNeedsAreBacked) {
+  if (GetParam() != "host") GTEST_SKIP() << "needs a small device";
+  HostBackendOptions b;
+  b.capacity_bytes = 64 << 20;
+  AllocatorOptions o;  // default 32 MiB slots: two fill this device
+  CachingAllocator a(make_host_backend(0, b), o);
+  // A whole slot for the first block would leave too little headroom: 20 MiB backed.
+  void* first = a.allocate(20 << 20);
+  EXPECT_EQ(a.stats().reserved.current, std::size_t{20} << 20);
+  void* second = a.allocate(20 << 20);
+  EXPECT_EQ(a.stats().reserved.current, std::size_t{40} << 20);
+  // So small blocks still find memory.
+  void* small = a.allocate(1000);
+  EXPECT_NE(small, nullptr);
+  a.deallocate(small, 1000);
+  a.deallocate(second, 20 << 20);
+  a.deallocate(first, 20 << 20);
+}
+
+INSTANTIATE_TEST_SUITE_P(Backends, Moves, ::testing::Values("host", "cuda"),
+                         [](const ::testing::TestParamInfo<std::string>& p) { return p.param; });
 
 std::string param_name(const ::testing::TestParamInfo<Param>& info) {
   return std::get<0>(info.param) + (std::get<1>(info.param) ? "_expandable" : "_plain");
