@@ -1,0 +1,201 @@
+// Apollo step throughput. Baseline in the same run: the reference's sequence of LibTorch
+// ops written out plainly (no tidepool), with its state resident in plain tensors. Compared:
+// tidepool's Apollo (ops path on the CPU, fused kernels on CUDA) with resident state and
+// with host-staged state, and on CUDA the seeds' approach (state in pageable CPU tensors,
+// .to() per parameter), and on the CPU state in the tiered store (host backend). Sizes: 2^16 … 2^22 parameters on the CPU; 2^28 parameters in mixed
+// tensor sizes on the GPU (skipped when no CUDA device is present). Counters report
+// parameters per second and bytes/param moved where state crosses the link.
+#include <benchmark/benchmark.h>
+
+#include <cmath>
+#include <limits>
+#include <memory>
+#include <vector>
+
+#include <torch/cuda.h>
+#include <torch/torch.h>
+
+#include "optimizers/apollo.h"
+#include "allocator/backend.h"
+#include "optimizers/state_placement.h"
+#include "optimizers/tiered_placement.h"
+#include "tiering/tiered_store.h"
+
+namespace {
+
+// Mixed tensor sizes summing to `total` elements: halves, quarters, … and the remainder.
+std::vector<int64_t> mixed_sizes(int64_t total) {
+  std::vector<int64_t> sizes;
+  int64_t left = total;
+  int64_t chunk = total / 2;
+  while (left > 0 && chunk >= 1024) {
+    sizes.push_back(chunk);
+    left -= chunk;
+    chunk /= 2;
+  }
+  if (left > 0) sizes.push_back(left);
+  return sizes;
+}
+
+struct Problem {
+  std::vector<torch::Tensor> params;
+  explicit Problem(int64_t total, torch::Device device) {
+    torch::manual_seed(0);
+    for (int64_t n : mixed_sizes(total)) {
+      auto p = torch::randn({n}, torch::TensorOptions().device(device)).set_requires_grad(true);
+      p.mutable_grad() = torch::randn_like(p) * 1e-2;
+      params.push_back(p);
+    }
+  }
+};
+
+void sync(const torch::Device& device) {
+  if (device.is_cuda()) torch::cuda::synchronize(device.index());
+}
+
+bool want_cuda(benchmark::State& state) {
+  if (!torch::cuda::is_available()) {
+    state.SkipWithError("no CUDA device");
+    return false;
+  }
+  return true;
+}
+
+// The reference step (constant rebound, L2 decay 0), state in plain tensors on `location`.
+struct ReferenceState {
+  torch::Tensor m, B, d;
+  int64_t step = 0;
+};
+
+void reference_step(torch::Tensor& p, ReferenceState& s, double lr) {
+  torch::NoGradGuard no_grad;
+  const double beta = 0.9, eps = 1e-4 / 0.01;
+  s.step += 1;
+  const double alpha = (1 - beta) / (1 - std::pow(beta, static_cast<double>(s.step)));
+  torch::Tensor delta_grad = p.grad() - s.m;
+  s.m.add_(delta_grad, alpha);
+  const torch::Tensor denom = torch::linalg_vector_norm(s.d, 4).add(eps);
+  s.d.div_(denom);
+  const torch::Tensor v_sq = s.d.mul(s.d);
+  const torch::Tensor delta =
+      delta_grad.div_(denom).mul_(s.d).sum().mul(-alpha) - s.B.mul(v_sq).sum();
+  s.B.addcmul_(v_sq, delta);
+  s.d.copy_(s.m.div(s.B.abs().clamp_(0.01)));
+  p.add_(s.d, -lr);
+}
+
+void run_reference(benchmark::State& state, torch::Device device, bool pageable_round_trip) {
+  Problem problem(state.range(0), device);
+  std::vector<ReferenceState> states;
+  const auto where = pageable_round_trip ? torch::Device(torch::kCPU) : device;
+  for (const auto& p : problem.params) {
+    states.push_back({torch::zeros_like(p, p.options().device(where)),
+                      torch::zeros_like(p, p.options().device(where)),
+                      torch::zeros_like(p, p.options().device(where))});
+  }
+  for (auto _ : state) {
+    for (size_t i = 0; i < problem.params.size(); ++i) {
+      if (!pageable_round_trip) {
+        reference_step(problem.params[i], states[i], 1e-3);
+        continue;
+      }
+      // The seeds' approach: bring the state over with .to(), step, and send it back.
+      ReferenceState on_device{states[i].m.to(device), states[i].B.to(device),
+                               states[i].d.to(device), states[i].step};
+      reference_step(problem.params[i], on_device, 1e-3);
+      states[i] = {on_device.m.to(torch::kCPU), on_device.B.to(torch::kCPU),
+                   on_device.d.to(torch::kCPU), on_device.step};
+    }
+    sync(device);
+  }
+  state.counters["params/s"] = benchmark::Counter(
+      static_cast<double>(state.range(0)), benchmark::Counter::kIsIterationInvariantRate);
+}
+
+enum class Where { resident, host_staged, tiered };
+
+void run_tidepool(benchmark::State& state, torch::Device device, Where where, bool fused) {
+  Problem problem(state.range(0), device);
+  // Declared first so it is destroyed last: the store (kept alive by the placement) uses it.
+  std::unique_ptr<tidepool::Backend> backend;
+  std::shared_ptr<tidepool::TieredStore> store;
+  std::shared_ptr<tidepool::optim::StatePlacement> placement;
+  std::shared_ptr<tidepool::optim::HostStagedPlacement> staged;
+  if (where == Where::tiered) {
+    // CPU only here: the host backend's "device" memory is host memory LibTorch can use.
+    // Budget: two thirds of the state (12 B/param), so the step streams it; it must hold
+    // the three states of the largest tensor (half the parameters) at once: 6 B/param.
+    backend = tidepool::make_host_backend();
+    tidepool::TieredStoreOptions options;
+    options.device_budget_bytes = static_cast<std::size_t>(state.range(0)) * 8;
+    store = std::make_shared<tidepool::TieredStore>(*backend, options);
+    placement = std::make_shared<tidepool::optim::TieredPlacement>(store);
+  } else if (where == Where::host_staged) {
+    staged = std::make_shared<tidepool::optim::HostStagedPlacement>();
+    placement = staged;
+  } else {
+    placement = std::make_shared<tidepool::optim::ResidentPlacement>();
+  }
+  tidepool::optim::Apollo apollo(problem.params,
+                                 tidepool::optim::ApolloOptions(1e-3).warmup(0), placement);
+  apollo.set_fused_kernels(fused);
+  for (auto _ : state) {
+    apollo.step();
+    sync(device);
+  }
+  state.counters["params/s"] = benchmark::Counter(
+      static_cast<double>(state.range(0)), benchmark::Counter::kIsIterationInvariantRate);
+  if (staged) {
+    const double moved = static_cast<double>(staged->traffic().to_device.load() +
+                                             staged->traffic().to_host.load());
+    state.counters["B/param"] =
+        moved / static_cast<double>(state.iterations()) / static_cast<double>(state.range(0));
+  }
+}
+
+// ---- CPU ----------------------------------------------------------------------------------
+
+void BM_Cpu_Reference(benchmark::State& s) { run_reference(s, torch::kCPU, false); }
+void BM_Cpu_Apollo_Resident(benchmark::State& s) {
+  run_tidepool(s, torch::kCPU, Where::resident, true);
+}
+void BM_Cpu_Apollo_HostStaged(benchmark::State& s) {
+  run_tidepool(s, torch::kCPU, Where::host_staged, true);
+}
+void BM_Cpu_Apollo_Tiered(benchmark::State& s) {
+  run_tidepool(s, torch::kCPU, Where::tiered, true);
+}
+
+BENCHMARK(BM_Cpu_Reference)->RangeMultiplier(4)->Range(1 << 16, 1 << 22)->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_Cpu_Apollo_Resident)->RangeMultiplier(4)->Range(1 << 16, 1 << 22)->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_Cpu_Apollo_HostStaged)->RangeMultiplier(4)->Range(1 << 16, 1 << 22)->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_Cpu_Apollo_Tiered)->RangeMultiplier(4)->Range(1 << 16, 1 << 22)->Unit(benchmark::kMillisecond);
+
+// ---- GPU (2^28 parameters; skipped without CUDA) -------------------------------------------
+
+void BM_Gpu_Reference(benchmark::State& s) {
+  if (want_cuda(s)) run_reference(s, torch::Device(torch::kCUDA, 0), false);
+}
+void BM_Gpu_SeedsPageableTo(benchmark::State& s) {
+  if (want_cuda(s)) run_reference(s, torch::Device(torch::kCUDA, 0), true);
+}
+void BM_Gpu_Apollo_Fused_Resident(benchmark::State& s) {
+  if (want_cuda(s)) run_tidepool(s, torch::Device(torch::kCUDA, 0), Where::resident, true);
+}
+void BM_Gpu_Apollo_Ops_Resident(benchmark::State& s) {
+  if (want_cuda(s)) run_tidepool(s, torch::Device(torch::kCUDA, 0), Where::resident, false);
+}
+void BM_Gpu_Apollo_Fused_HostStaged(benchmark::State& s) {
+  if (want_cuda(s)) run_tidepool(s, torch::Device(torch::kCUDA, 0), Where::host_staged, true);
+}
+
+constexpr int64_t kGpuParams = int64_t{1} << 28;
+BENCHMARK(BM_Gpu_Reference)->Arg(kGpuParams)->Unit(benchmark::kMillisecond)->Iterations(5);
+BENCHMARK(BM_Gpu_SeedsPageableTo)->Arg(kGpuParams)->Unit(benchmark::kMillisecond)->Iterations(2);
+BENCHMARK(BM_Gpu_Apollo_Fused_Resident)->Arg(kGpuParams)->Unit(benchmark::kMillisecond)->Iterations(5);
+BENCHMARK(BM_Gpu_Apollo_Ops_Resident)->Arg(kGpuParams)->Unit(benchmark::kMillisecond)->Iterations(5);
+BENCHMARK(BM_Gpu_Apollo_Fused_HostStaged)->Arg(kGpuParams)->Unit(benchmark::kMillisecond)->Iterations(3);
+
+}  // namespace
+
+BENCHMARK_MAIN();

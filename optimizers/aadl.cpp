@@ -1,0 +1,275 @@
+// AADL: Anderson acceleration wrapped around any torch::optim::Optimizer (see aadl.h for the
+// algorithm and anderson_history.h for how the history and its matrices are kept).
+#include "optimizers/aadl.h"
+
+#include <cmath>
+#include <string>
+#include <utility>
+
+namespace tidepool::optim {
+
+namespace {
+
+constexpr int64_t kArchiveFormat = 1;
+// Singular values of the equilibrated Gram matrix below this fraction of the largest count
+// as zero: σ(G) = σ(DR)², so this drops directions of DR below ~3e-7 of the strongest,
+// which is where fp64 Gram entries stop carrying information.
+constexpr double kGramRcond = 1e-13;
+
+std::vector<torch::optim::OptimizerParamGroup> mirror_groups(
+    const std::shared_ptr<torch::optim::Optimizer>& inner) {
+  TORCH_CHECK(inner != nullptr, "AADL: the inner optimizer must not be null");
+  std::vector<torch::optim::OptimizerParamGroup> groups;
+  for (const auto& group : inner->param_groups()) {
+    groups.emplace_back(group.params());
+  }
+  return groups;
+}
+
+std::unique_ptr<torch::optim::OptimizerOptions> mirror_defaults(
+    const std::shared_ptr<torch::optim::Optimizer>& inner) {
+  TORCH_CHECK(inner != nullptr, "AADL: the inner optimizer must not be null");
+  return inner->defaults().clone();
+}
+
+// The group's parameters as one vector (the reference's parameters_to_vector).
+torch::Tensor flatten(const std::vector<torch::Tensor>& params) {
+  std::vector<torch::Tensor> pieces;
+  pieces.reserve(params.size());
+  for (const auto& p : params) {
+    TORCH_CHECK(p.scalar_type() == params.front().scalar_type() &&
+                    p.device() == params.front().device(),
+                "AADL: all parameters of a group must share dtype and device (got ",
+                p.scalar_type(), " on ", p.device(), " and ", params.front().scalar_type(),
+                " on ", params.front().device(), ")");
+    pieces.push_back(p.detach().reshape(-1));
+  }
+  return torch::cat(pieces);
+}
+
+// Copies a vector back into the group's parameters (vector_to_parameters).
+void unflatten(const torch::Tensor& vector, const std::vector<torch::Tensor>& params) {
+  int64_t offset = 0;
+  for (const auto& p : params) {
+    const int64_t n = p.numel();
+    p.detach().copy_(vector.narrow(0, offset, n).view(p.sizes()));
+    offset += n;
+  }
+}
+
+double loss_value(const torch::Tensor& loss) {
+  TORCH_CHECK(loss.defined() && loss.numel() == 1,
+              "AADL: the closure must return a scalar loss");
+  return loss.item<double>();
+}
+
+}  // namespace
+
+// ---- options -----------------------------------------------------------------------------
+
+const char* to_string(AndersonType type) {
+  return type == AndersonType::anderson ? "anderson" : "anderson_normal_equation";
+}
+
+AADLOptions& AADLOptions::acceleration_type(std::string_view name) {
+  if (name == "anderson") return acceleration_type(AndersonType::anderson);
+  if (name == "anderson_normal_equation") {
+    return acceleration_type(AndersonType::anderson_normal_equation);
+  }
+  TORCH_CHECK(false, "AADL: unknown acceleration_type '", std::string(name),
+              "' (expected 'anderson' or 'anderson_normal_equation')");
+}
+
+void AADLOptions::validate() const {
+  TORCH_CHECK(std::isfinite(relaxation()) && relaxation() > 0.0, "AADL: invalid relaxation ",
+              relaxation(), " (must be > 0)");
+  TORCH_CHECK(wait_iterations() >= 0, "AADL: invalid wait_iterations ", wait_iterations(),
+              " (must be >= 0)");
+  TORCH_CHECK(history_depth() >= 3, "AADL: invalid history_depth ", history_depth(),
+              " (must be >= 3: acceleration needs three stored iterates)");
+  TORCH_CHECK(store_each_nth() >= 1, "AADL: invalid store_each_nth ", store_each_nth(),
+              " (must be >= 1)");
+  TORCH_CHECK(frequency() >= 1, "AADL: invalid frequency ", frequency(), " (must be >= 1)");
+  TORCH_CHECK(std::isfinite(reg_acc()) && reg_acc() >= 0.0, "AADL: invalid reg_acc ",
+              reg_acc(), " (must be >= 0)");
+}
+
+// ---- construction ------------------------------------------------------------------------
+
+AADL::AADL(std::shared_ptr<torch::optim::Optimizer> inner, AADLOptions options,
+           std::shared_ptr<StatePlacement> history_placement)
+    : torch::optim::Optimizer(mirror_groups(inner), mirror_defaults(inner)),
+      inner_(std::move(inner)),
+      options_(options) {
+  options_.validate();
+  for (const auto& group : inner_->param_groups()) {
+    TORCH_CHECK(!group.params().empty(), "AADL: a parameter group of the inner optimizer is empty");
+    std::shared_ptr<StatePlacement> placement = history_placement;
+    if (!placement) {
+      placement = group.params().front().is_cuda()
+                      ? std::shared_ptr<StatePlacement>(std::make_shared<HostStagedPlacement>())
+                      : std::shared_ptr<StatePlacement>(std::make_shared<ResidentPlacement>());
+    }
+    histories_.push_back(
+        std::make_unique<AndersonHistory>(options_.history_depth(), std::move(placement)));
+  }
+}
+
+// ---- the step ----------------------------------------------------------------------------
+
+torch::Tensor AADL::extrapolate(const AndersonHistory& history) const {
+  const int64_t k = history.size() - 2;
+  torch::Tensor gram = history.gram().clone();
+  if (options_.reg_acc() != 0.0) gram.diagonal().add_(options_.reg_acc());
+  // Equilibrate: unit diagonal (unit-norm DR columns), undone on γ.
+  torch::Tensor scale = gram.diagonal().sqrt();
+  scale = torch::where(scale > 0, scale, torch::ones_like(scale));
+  const torch::Tensor scaled = gram / scale.unsqueeze(1) / scale.unsqueeze(0);
+  const torch::Tensor rhs = (history.rhs() / scale).unsqueeze(1);
+  const torch::Tensor y =
+      std::get<0>(torch::linalg_lstsq(scaled, rhs, kGramRcond, std::string("gelsd"))).squeeze(1);
+  const torch::Tensor gamma = y / scale;
+  // Both terms written as x_{m−1} + Σ_l u_l·DX_l (l = 0 … k), so the history is streamed
+  // once and differences are taken before scaling (less cancellation than Σ w_j x_j):
+  //   x_AA = x_{m−1} − Σ_{i<k} γ_i·DX_{i+1}            (DX_i + DR_i = DX_{i+1})
+  //   X[:,:−1]α = x_{m−1} − Σ_l A_l·DX_l, A_l = Σ_{j≤l} α_j = γ_l (l < k), 1 (l = k)
+  const double beta = options_.relaxation();
+  const auto g = gamma.accessor<double, 1>();
+  torch::Tensor u = torch::zeros({k + 1}, torch::kFloat64);
+  auto w = u.accessor<double, 1>();
+  for (int64_t l = 0; l <= k; ++l) {
+    const double anderson = l >= 1 ? -g[l - 1] : 0.0;
+    const double average = l < k ? -g[l] : -1.0;
+    w[l] = beta * anderson + (1.0 - beta) * average;
+  }
+  return history.combine(u);
+}
+
+torch::Tensor AADL::step(LossClosure closure) {
+  TORCH_CHECK(inner_->param_groups().size() == histories_.size(), "AADL: the inner optimizer has ",
+              inner_->param_groups().size(), " parameter groups, it had ", histories_.size(),
+              " when wrapped");
+  torch::Tensor loss = inner_->step(closure);
+  torch::NoGradGuard no_grad;
+
+  store_counter_ += 1;
+  if (store_counter_ >= options_.store_each_nth()) {
+    store_counter_ = 0;
+    for (size_t g = 0; g < histories_.size(); ++g) {
+      histories_[g]->push(flatten(inner_->param_groups()[g].params()));
+    }
+  }
+
+  call_counter_ += 1;
+  if (call_counter_ <= options_.wait_iterations() || call_counter_ % options_.frequency() != 0) {
+    return loss;
+  }
+  for (size_t g = 0; g < histories_.size(); ++g) {
+    AndersonHistory& history = *histories_[g];
+    if (history.size() < 3) continue;
+    const auto& params = inner_->param_groups()[g].params();
+    const torch::Tensor accelerated = extrapolate(history);
+    if (!closure) {
+      unflatten(accelerated, params);
+      continue;
+    }
+    const torch::Tensor plain = flatten(params);
+    const double plain_loss = loss_value(closure());
+    unflatten(accelerated, params);
+    const double accelerated_loss = loss_value(closure());
+    if (accelerated_loss < plain_loss) {
+      history.replace_newest(accelerated);
+      ++accepted_;
+    } else {
+      unflatten(plain, params);
+      ++rejected_;
+    }
+  }
+  return loss;
+}
+
+// ---- save / load -------------------------------------------------------------------------
+
+namespace {
+
+c10::IValue read_value(torch::serialize::InputArchive& archive, const std::string& key) {
+  c10::IValue value;
+  TORCH_CHECK(archive.try_read(key, value), "AADL::load: the archive has no '", key, "'");
+  return value;
+}
+
+torch::Tensor read_tensor(torch::serialize::InputArchive& archive, const std::string& key) {
+  torch::Tensor tensor;
+  TORCH_CHECK(archive.try_read(key, tensor, true), "AADL::load: the archive has no '", key, "'");
+  return tensor;
+}
+
+}  // namespace
+
+void AADL::save(torch::serialize::OutputArchive& archive) const {
+  archive.write("aadl_format", c10::IValue(kArchiveFormat));
+  archive.write("call_counter", c10::IValue(call_counter_));
+  archive.write("store_counter", c10::IValue(store_counter_));
+  archive.write("accepted", c10::IValue(accepted_));
+  archive.write("rejected", c10::IValue(rejected_));
+  torch::serialize::OutputArchive inner_archive;
+  inner_->save(inner_archive);
+  archive.write("inner", inner_archive);
+  archive.write("group_count", c10::IValue(static_cast<int64_t>(histories_.size())));
+  for (size_t g = 0; g < histories_.size(); ++g) {
+    torch::serialize::OutputArchive history_archive;
+    const std::vector<torch::Tensor> vectors = histories_[g]->read_host();
+    history_archive.write("count", c10::IValue(static_cast<int64_t>(vectors.size())));
+    for (size_t i = 0; i < vectors.size(); ++i) {
+      history_archive.write("vector_" + std::to_string(i), vectors[i], true);
+    }
+    history_archive.write("gram", histories_[g]->gram(), true);
+    history_archive.write("rhs", histories_[g]->rhs(), true);
+    archive.write("history_" + std::to_string(g), history_archive);
+  }
+}
+
+void AADL::load(torch::serialize::InputArchive& archive) {
+  TORCH_CHECK(read_value(archive, "aadl_format").toInt() == kArchiveFormat,
+              "AADL::load: not an AADL archive of format ", kArchiveFormat);
+  const int64_t group_count = read_value(archive, "group_count").toInt();
+  TORCH_CHECK(group_count == static_cast<int64_t>(histories_.size()), "AADL::load: the archive has ",
+              group_count, " groups, this optimizer ", histories_.size());
+  struct Saved {
+    std::vector<torch::Tensor> vectors;
+    torch::Tensor gram, rhs;
+  };
+  std::vector<Saved> saved(histories_.size());
+  for (size_t g = 0; g < histories_.size(); ++g) {
+    torch::serialize::InputArchive history_archive;
+    TORCH_CHECK(archive.try_read("history_" + std::to_string(g), history_archive),
+                "AADL::load: the archive has no history for group ", g);
+    const int64_t count = read_value(history_archive, "count").toInt();
+    TORCH_CHECK(count >= 0 && count <= options_.history_depth(), "AADL::load: ", count,
+                " history vectors for history_depth ", options_.history_depth());
+    const int64_t numel = flatten(inner_->param_groups()[g].params()).numel();
+    for (int64_t i = 0; i < count; ++i) {
+      torch::Tensor v = read_tensor(history_archive, "vector_" + std::to_string(i));
+      TORCH_CHECK(v.dim() == 1 && v.numel() == numel, "AADL::load: history vector ", i,
+                  " of group ", g, " has ", v.numel(), " elements, the group ", numel);
+      saved[g].vectors.push_back(v);
+    }
+    saved[g].gram = read_tensor(history_archive, "gram");
+    saved[g].rhs = read_tensor(history_archive, "rhs");
+  }
+  torch::serialize::InputArchive inner_archive;
+  TORCH_CHECK(archive.try_read("inner", inner_archive),
+              "AADL::load: the archive has no inner optimizer");
+  inner_->load(inner_archive);
+  for (size_t g = 0; g < histories_.size(); ++g) {
+    const auto& first = inner_->param_groups()[g].params().front();
+    histories_[g]->restore(saved[g].vectors, saved[g].gram, saved[g].rhs,
+                          first.options().requires_grad(false));
+  }
+  call_counter_ = read_value(archive, "call_counter").toInt();
+  store_counter_ = read_value(archive, "store_counter").toInt();
+  accepted_ = read_value(archive, "accepted").toInt();
+  rejected_ = read_value(archive, "rejected").toInt();
+}
+
+}  // namespace tidepool::optim

@@ -1,0 +1,95 @@
+// tidepool::optim::AADL — Anderson acceleration around any torch::optim::Optimizer, after
+// the published reference (ORNL/AADL @9765262, `AADL.accelerate`), as DESIGN.md
+// "optimizers/" describes it:
+//
+//   step(closure):
+//     1. the inner optimizer steps (with the closure, if given).
+//     2. every store_each_nth-th call, each group's parameters, flattened, join that group's
+//        history (a ring buffer of history_depth vectors, see anderson_history.h).
+//     3. when calls > wait_iterations and calls % frequency == 0, for each group whose
+//        history holds ≥ 3 vectors: γ = argmin ‖DX[:,−1] − DRγ‖² + reg_acc‖γ‖² (solved in
+//        fp64 on the host from the incrementally kept Gram matrix), x_AA = X[:,−2] + DX[:,−1]
+//        − (DX[:,:−1] + DR)γ, relaxed: x = β·x_AA + (1 − β)·X[:,:−1]α.
+//        With a closure (the safeguard): the closure is called with grad mode off at the
+//        plain iterate and at x; x is kept, and replaces the newest history vector, only if
+//        its loss is strictly lower, else the plain iterate is restored. Without a closure
+//        x is loaded and the history is left as it is.
+//   Returns the loss the inner optimizer's step returned.
+//
+// acceleration_type anderson and anderson_normal_equation name the reference's two ways of
+// solving the same least-squares problem; here both use the same fp64 solve (equilibrated
+// Gram matrix, LAPACK gelsd minimum-norm), which matches the reference to ~1e-9.
+//
+// AADL's own param_groups() mirror the inner optimizer's parameters so that zero_grad() and
+// parameters() work; change learning rates on inner().
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string_view>
+#include <vector>
+
+#include <torch/torch.h>
+
+#include "allocator/export.h"
+#include "optimizers/anderson_history.h"
+#include "optimizers/state_placement.h"
+
+namespace tidepool::optim {
+
+enum class AndersonType { anderson, anderson_normal_equation };
+
+TIDEPOOL_API const char* to_string(AndersonType type);
+
+struct TIDEPOOL_API AADLOptions {
+  TORCH_ARG(AndersonType, acceleration_type) = AndersonType::anderson;
+  TORCH_ARG(double, relaxation) = 0.1;
+  TORCH_ARG(int64_t, wait_iterations) = 1;
+  TORCH_ARG(int64_t, history_depth) = 15;
+  TORCH_ARG(int64_t, store_each_nth) = 1;
+  TORCH_ARG(int64_t, frequency) = 1;
+  TORCH_ARG(double, reg_acc) = 0.0;
+
+ public:
+  // "anderson" | "anderson_normal_equation"; anything else throws c10::Error naming it.
+  AADLOptions& acceleration_type(std::string_view name);
+  // Throws c10::Error naming the first invalid option (relaxation ≤ 0, wait_iterations < 0,
+  // history_depth < 3, store_each_nth < 1, frequency < 1, reg_acc < 0, non-finite values).
+  void validate() const;
+};
+
+class TIDEPOOL_API AADL : public torch::optim::Optimizer {
+ public:
+  // history_placement: where the history vectors live; null means host memory for CUDA
+  // parameters (HostStagedPlacement) and plain resident tensors for CPU parameters.
+  AADL(std::shared_ptr<torch::optim::Optimizer> inner, AADLOptions options = {},
+       std::shared_ptr<StatePlacement> history_placement = nullptr);
+
+  torch::Tensor step(LossClosure closure = nullptr) override;
+
+  // Saves the inner optimizer (nested archive "inner"), the counters and every group's
+  // history with its matrices; load restores them into this optimizer's placement.
+  void save(torch::serialize::OutputArchive& archive) const override;
+  void load(torch::serialize::InputArchive& archive) override;
+
+  torch::optim::Optimizer& inner() noexcept { return *inner_; }
+  const AADLOptions& options() const noexcept { return options_; }
+  const AndersonHistory& history(size_t group) const { return *histories_.at(group); }
+  // How many accelerated iterates were kept / rejected by the safeguard so far.
+  int64_t accepted() const noexcept { return accepted_; }
+  int64_t rejected() const noexcept { return rejected_; }
+
+ private:
+  // Solves the group's least-squares problem and returns the extrapolated vector.
+  torch::Tensor extrapolate(const AndersonHistory& history) const;
+
+  std::shared_ptr<torch::optim::Optimizer> inner_;
+  AADLOptions options_;
+  std::vector<std::unique_ptr<AndersonHistory>> histories_;
+  int64_t call_counter_ = 0;
+  int64_t store_counter_ = 0;
+  int64_t accepted_ = 0;
+  int64_t rejected_ = 0;
+};
+
+}  // namespace tidepool::optim

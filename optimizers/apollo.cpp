@@ -1,0 +1,395 @@
+// Apollo on LibTorch: options and their checks, the per-parameter state kept through a
+// StatePlacement, the two implementations of the step (LibTorch ops; fused CUDA kernels),
+// and save/load. The algorithm is in apollo.h and DESIGN.md "optimizers/".
+#include "optimizers/apollo.h"
+
+#include <cmath>
+#include <limits>
+#include <utility>
+
+#if TIDEPOOL_HAVE_CUDA
+#include <c10/cuda/CUDAStream.h>
+
+#include "optimizers/apollo_kernels.h"
+#endif
+
+namespace tidepool::optim {
+
+namespace {
+
+constexpr double kConstantRebound = 0.01;
+constexpr int64_t kArchiveFormat = 1;
+
+bool finite(double x) { return std::isfinite(x); }
+
+// The reference's default: L2 for rebound constant, decoupled for belief.
+ApolloWeightDecay decay_type(const ApolloOptions& o) {
+  if (o.weight_decay_type()) return *o.weight_decay_type();
+  return o.rebound() == ApolloRebound::constant ? ApolloWeightDecay::L2
+                                                : ApolloWeightDecay::decoupled;
+}
+
+}  // namespace
+
+// ---- options -----------------------------------------------------------------------------
+
+const char* to_string(ApolloRebound rebound) {
+  return rebound == ApolloRebound::belief ? "belief" : "constant";
+}
+
+const char* to_string(ApolloWeightDecay type) {
+  switch (type) {
+    case ApolloWeightDecay::L2: return "L2";
+    case ApolloWeightDecay::decoupled: return "decoupled";
+    case ApolloWeightDecay::stable: return "stable";
+  }
+  return "?";
+}
+
+ApolloOptions::ApolloOptions(double lr) : lr_(lr) {}
+
+ApolloOptions& ApolloOptions::rebound(std::string_view name) {
+  if (name == "constant") return rebound(ApolloRebound::constant);
+  if (name == "belief") return rebound(ApolloRebound::belief);
+  TORCH_CHECK(false, "Apollo: invalid rebound '", std::string(name),
+              "' (expected 'constant' or 'belief')");
+}
+
+ApolloOptions& ApolloOptions::weight_decay_type(std::string_view name) {
+  if (name == "L2") return weight_decay_type(ApolloWeightDecay::L2);
+  if (name == "decoupled") return weight_decay_type(ApolloWeightDecay::decoupled);
+  if (name == "stable") return weight_decay_type(ApolloWeightDecay::stable);
+  TORCH_CHECK(false, "Apollo: invalid weight_decay_type '", std::string(name),
+              "' (expected 'L2', 'decoupled' or 'stable')");
+}
+
+void ApolloOptions::validate() const {
+  TORCH_CHECK(finite(lr()) && lr() > 0.0, "Apollo: invalid learning rate ", lr(),
+              " (must be > 0)");
+  TORCH_CHECK(finite(eps()) && eps() >= 0.0, "Apollo: invalid eps ", eps(), " (must be >= 0)");
+  TORCH_CHECK(finite(beta()) && beta() >= 0.0 && beta() < 1.0, "Apollo: invalid beta ", beta(),
+              " (must be in [0, 1))");
+  TORCH_CHECK(warmup() >= 0, "Apollo: invalid warmup ", warmup(), " (must be >= 0)");
+  const double init = init_lr().value_or(lr() / 1000.0);
+  const double ramp_to = base_lr().value_or(lr());
+  TORCH_CHECK(finite(init) && init >= 0.0 && init <= ramp_to, "Apollo: invalid init_lr ", init,
+              " (must be in [0, lr = ", ramp_to, "])");
+  TORCH_CHECK(finite(weight_decay()) && weight_decay() >= 0.0, "Apollo: invalid weight_decay ",
+              weight_decay(), " (must be >= 0)");
+}
+
+// ---- construction ------------------------------------------------------------------------
+
+Apollo::Apollo(const std::vector<torch::optim::OptimizerParamGroup>& param_groups,
+               ApolloOptions defaults, std::shared_ptr<StatePlacement> placement)
+    : torch::optim::Optimizer(param_groups,
+                              std::make_unique<ApolloOptions>(std::move(defaults))),
+      placement_(std::move(placement)) {
+  TORCH_CHECK(placement_ != nullptr, "Apollo: the state placement must not be null");
+  static_cast<const ApolloOptions&>(this->defaults()).validate();
+  resolve_group_options();
+}
+
+Apollo::Apollo(std::vector<torch::Tensor> params, ApolloOptions defaults,
+               std::shared_ptr<StatePlacement> placement)
+    : Apollo({torch::optim::OptimizerParamGroup(std::move(params))}, std::move(defaults),
+             std::move(placement)) {}
+
+// Fills the reference's defaults that depend on other options (init_lr = lr/1000,
+// weight_decay_type by rebound, base_lr = lr) once, so later lr changes do not move them.
+void Apollo::resolve_group_options() {
+  for (auto& group : param_groups_) {
+    auto& options = static_cast<ApolloOptions&>(group.options());
+    options.validate();
+    if (!options.base_lr()) options.base_lr(options.lr());
+    if (!options.init_lr()) options.init_lr(options.lr() / 1000.0);
+    options.weight_decay_type(decay_type(options));
+  }
+}
+
+bool Apollo::has_fused_kernels() noexcept {
+#if TIDEPOOL_HAVE_CUDA
+  return true;
+#else
+  return false;
+#endif
+}
+
+ApolloParamState& Apollo::state_for(const torch::Tensor& param) {
+  auto& slot = state_[param.unsafeGetTensorImpl()];
+  if (!slot) {
+    auto state = std::make_unique<ApolloParamState>();
+    const torch::Tensor zeros = torch::zeros_like(param, at::MemoryFormat::Contiguous);
+    state->exp_avg_grad = placement_->create(zeros);
+    state->approx_hessian = placement_->create(zeros);
+    state->update = placement_->create(zeros);
+    slot = std::move(state);
+  }
+  return static_cast<ApolloParamState&>(*slot);
+}
+
+// ---- the step ----------------------------------------------------------------------------
+
+namespace {
+
+struct StepScalars {
+  double alpha;  // (1 − β) / (1 − βᵗ)
+  double lr;     // η after warmup
+};
+
+StepScalars step_scalars(const ApolloOptions& o, int64_t steps_taken) {
+  StepScalars s{};
+  const double base = o.base_lr().value_or(o.lr());
+  const double init = o.init_lr().value_or(base / 1000.0);
+  s.lr = steps_taken < o.warmup()
+             ? (base - init) * static_cast<double>(steps_taken) / static_cast<double>(o.warmup()) +
+                   init
+             : o.lr();
+  const double bias_correction = 1.0 - std::pow(o.beta(), static_cast<double>(steps_taken + 1));
+  s.alpha = (1.0 - o.beta()) / bias_correction;
+  return s;
+}
+
+// The reference's sequence of tensor operations (apollo.py @7adf28f), for any device.
+void step_with_ops(torch::Tensor& p, const torch::Tensor& raw_grad, torch::Tensor& m,
+                   torch::Tensor& B, torch::Tensor& d, const ApolloOptions& o,
+                   const StepScalars& s) {
+  const ApolloWeightDecay decay = decay_type(o);
+  const bool belief = o.rebound() == ApolloRebound::belief;
+  torch::Tensor grad = raw_grad;
+  if (o.weight_decay() != 0.0 && decay == ApolloWeightDecay::L2) {
+    grad = grad.add(p, o.weight_decay());  // a copy: p.grad stays untouched
+  }
+  torch::Tensor delta_grad = grad - m;
+  torch::Tensor rebound;
+  double eps = o.eps();
+  if (belief) {
+    rebound = torch::linalg_vector_norm(delta_grad, std::numeric_limits<double>::infinity());
+  } else {
+    eps = eps / kConstantRebound;
+  }
+  m.add_(delta_grad, s.alpha);
+  const torch::Tensor denom = torch::linalg_vector_norm(d, 4).add(eps);
+  d.div_(denom);
+  const torch::Tensor v_sq = d.mul(d);
+  const torch::Tensor delta =
+      delta_grad.div_(denom).mul_(d).sum().mul(-s.alpha) - B.mul(v_sq).sum();
+  B.addcmul_(v_sq, delta);
+  const torch::Tensor D = belief ? torch::maximum(B.abs(), rebound).add_(eps / s.alpha)
+                                 : B.abs().clamp_(kConstantRebound);
+  d.copy_(m.div(D));
+  if (o.weight_decay() != 0.0 && decay != ApolloWeightDecay::L2) {
+    const double wd = decay == ApolloWeightDecay::stable
+                          ? o.weight_decay() / D.mean().item<double>()
+                          : o.weight_decay();
+    d.add_(p, wd);
+  }
+  p.add_(d, -s.lr);
+}
+
+#if TIDEPOOL_HAVE_CUDA
+void step_with_kernels(torch::Tensor& p, const torch::Tensor& raw_grad, torch::Tensor& m,
+                       torch::Tensor& B, torch::Tensor& d, const ApolloOptions& o,
+                       const StepScalars& s) {
+  kernels::ApolloStepArgs args;
+  args.alpha = s.alpha;
+  args.eps = o.eps();
+  args.lr = s.lr;
+  args.weight_decay = o.weight_decay();
+  args.belief = o.rebound() == ApolloRebound::belief;
+  switch (decay_type(o)) {
+    case ApolloWeightDecay::L2: args.decay = kernels::ApolloDecayMode::l2; break;
+    case ApolloWeightDecay::decoupled: args.decay = kernels::ApolloDecayMode::decoupled; break;
+    case ApolloWeightDecay::stable: args.decay = kernels::ApolloDecayMode::stable; break;
+  }
+  if (o.weight_decay() == 0.0) args.decay = kernels::ApolloDecayMode::none;
+  // The kernels take contiguous memory; a non-contiguous parameter goes through a copy.
+  torch::Tensor param = p.is_contiguous() ? p : p.contiguous();
+  const torch::Tensor grad = raw_grad.contiguous();
+  torch::Tensor scratch = torch::empty(
+      {static_cast<int64_t>(kernels::apollo_scratch_doubles())},
+      p.options().dtype(torch::kFloat64));
+  void* stream = c10::cuda::getCurrentCUDAStream(p.device().index()).stream();
+  int rc = 0;
+  if (p.scalar_type() == torch::kFloat32) {
+    rc = kernels::apollo_step(param.data_ptr<float>(), grad.data_ptr<float>(),
+                              m.data_ptr<float>(), B.data_ptr<float>(), d.data_ptr<float>(),
+                              p.numel(), args, scratch.data_ptr<double>(), stream);
+  } else {
+    rc = kernels::apollo_step(param.data_ptr<double>(), grad.data_ptr<double>(),
+                              m.data_ptr<double>(), B.data_ptr<double>(), d.data_ptr<double>(),
+                              p.numel(), args, scratch.data_ptr<double>(), stream);
+  }
+  TORCH_CHECK(rc == 0, "Apollo: fused CUDA step failed: ", kernels::apollo_error_string(rc));
+  if (!param.is_same(p)) p.copy_(param);
+}
+#endif
+
+}  // namespace
+
+torch::Tensor Apollo::step(LossClosure closure) {
+  torch::NoGradGuard no_grad;
+  torch::Tensor loss;
+  if (closure != nullptr) {
+    at::AutoGradMode enable_grad(true);
+    loss = closure();
+  }
+  for (auto& group : param_groups_) {
+    const auto& options = static_cast<const ApolloOptions&>(group.options());
+    options.validate();  // options may have been changed through param_groups()
+    // Parameters that take a step, in order; the next one's state is prefetched while the
+    // current one is computed.
+    std::vector<torch::Tensor> stepping;
+    for (const auto& p : group.params()) {
+      if (!p.grad().defined()) continue;
+      TORCH_CHECK(!p.grad().is_sparse(), "Apollo does not support sparse gradients");
+      TORCH_CHECK(p.scalar_type() == torch::kFloat32 || p.scalar_type() == torch::kFloat64,
+                  "Apollo: parameters must be float32 or float64, got ", p.scalar_type());
+      stepping.push_back(p);
+    }
+    for (size_t i = 0; i < stepping.size(); ++i) {
+      torch::Tensor p = stepping[i];
+      ApolloParamState& state = state_for(p);
+      if (i + 1 < stepping.size()) {
+        ApolloParamState& next = state_for(stepping[i + 1]);
+        next.exp_avg_grad->prefetch();
+        next.approx_hessian->prefetch();
+        next.update->prefetch();
+      }
+      torch::Tensor m = state.exp_avg_grad->acquire();
+      torch::Tensor B = state.approx_hessian->acquire();
+      torch::Tensor d = state.update->acquire();
+      const StepScalars scalars = step_scalars(options, state.step);
+      const bool use_kernels = fused_kernels_ && has_fused_kernels() && p.is_cuda();
+      if (use_kernels) {
+#if TIDEPOOL_HAVE_CUDA
+        step_with_kernels(p, p.grad(), m, B, d, options, scalars);
+#endif
+      } else {
+        step_with_ops(p, p.grad(), m, B, d, options, scalars);
+      }
+      state.step += 1;
+      state.exp_avg_grad->release(/*dirty=*/true);
+      state.approx_hessian->release(/*dirty=*/true);
+      state.update->release(/*dirty=*/true);
+    }
+  }
+  return loss;
+}
+
+// ---- save / load -------------------------------------------------------------------------
+
+namespace {
+
+void write_options(torch::serialize::OutputArchive& archive, const ApolloOptions& o) {
+  archive.write("lr", c10::IValue(o.lr()));
+  archive.write("beta", c10::IValue(o.beta()));
+  archive.write("eps", c10::IValue(o.eps()));
+  archive.write("rebound", c10::IValue(std::string(to_string(o.rebound()))));
+  archive.write("warmup", c10::IValue(o.warmup()));
+  archive.write("init_lr", c10::IValue(o.init_lr().value_or(o.lr() / 1000.0)));
+  archive.write("base_lr", c10::IValue(o.base_lr().value_or(o.lr())));
+  archive.write("weight_decay", c10::IValue(o.weight_decay()));
+  archive.write("weight_decay_type",
+                c10::IValue(std::string(to_string(decay_type(o)))));
+}
+
+c10::IValue read_value(torch::serialize::InputArchive& archive, const std::string& key) {
+  c10::IValue value;
+  TORCH_CHECK(archive.try_read(key, value), "Apollo::load: the archive has no '", key, "'");
+  return value;
+}
+
+void read_options(torch::serialize::InputArchive& archive, ApolloOptions& o) {
+  o.lr(read_value(archive, "lr").toDouble());
+  o.beta(read_value(archive, "beta").toDouble());
+  o.eps(read_value(archive, "eps").toDouble());
+  o.rebound(read_value(archive, "rebound").toStringRef());
+  o.warmup(read_value(archive, "warmup").toInt());
+  o.init_lr(read_value(archive, "init_lr").toDouble());
+  o.base_lr(read_value(archive, "base_lr").toDouble());
+  o.weight_decay(read_value(archive, "weight_decay").toDouble());
+  o.weight_decay_type(read_value(archive, "weight_decay_type").toStringRef());
+  o.validate();
+}
+
+}  // namespace
+
+void Apollo::save(torch::serialize::OutputArchive& archive) const {
+  archive.write("apollo_format", c10::IValue(kArchiveFormat));
+  archive.write("group_count", c10::IValue(static_cast<int64_t>(param_groups_.size())));
+  int64_t index = 0;  // parameters are numbered across groups, in group order
+  for (size_t g = 0; g < param_groups_.size(); ++g) {
+    const auto& group = param_groups_[g];
+    torch::serialize::OutputArchive group_archive;
+    write_options(group_archive, static_cast<const ApolloOptions&>(group.options()));
+    group_archive.write("param_count", c10::IValue(static_cast<int64_t>(group.params().size())));
+    for (const auto& p : group.params()) {
+      auto it = state_.find(p.unsafeGetTensorImpl());
+      if (it != state_.end()) {
+        const auto& state = static_cast<const ApolloParamState&>(*it->second);
+        torch::serialize::OutputArchive param_archive;
+        param_archive.write("step", c10::IValue(state.step));
+        param_archive.write("exp_avg_grad", state.exp_avg_grad->read_host(), true);
+        param_archive.write("approx_hessian", state.approx_hessian->read_host(), true);
+        param_archive.write("update", state.update->read_host(), true);
+        group_archive.write("state_" + std::to_string(index), param_archive);
+      }
+      ++index;
+    }
+    archive.write("group_" + std::to_string(g), group_archive);
+  }
+}
+
+void Apollo::load(torch::serialize::InputArchive& archive) {
+  TORCH_CHECK(read_value(archive, "apollo_format").toInt() == kArchiveFormat,
+              "Apollo::load: not an Apollo archive of format ", kArchiveFormat);
+  const int64_t group_count = read_value(archive, "group_count").toInt();
+  TORCH_CHECK(group_count == static_cast<int64_t>(param_groups_.size()),
+              "Apollo::load: the archive has ", group_count, " parameter groups, this optimizer ",
+              param_groups_.size());
+  // Read everything first so that a bad archive leaves this optimizer unchanged.
+  std::vector<ApolloOptions> options;
+  std::vector<std::pair<torch::Tensor, std::unique_ptr<ApolloParamState>>> states;
+  int64_t index = 0;
+  for (size_t g = 0; g < param_groups_.size(); ++g) {
+    const auto& group = param_groups_[g];
+    torch::serialize::InputArchive group_archive;
+    TORCH_CHECK(archive.try_read("group_" + std::to_string(g), group_archive),
+                "Apollo::load: the archive has no group ", g);
+    options.emplace_back(1.0);
+    read_options(group_archive, options.back());
+    const int64_t param_count = read_value(group_archive, "param_count").toInt();
+    TORCH_CHECK(param_count == static_cast<int64_t>(group.params().size()),
+                "Apollo::load: group ", g, " has ", param_count,
+                " parameters in the archive, this optimizer ", group.params().size());
+    for (const auto& p : group.params()) {
+      torch::serialize::InputArchive param_archive;
+      if (group_archive.try_read("state_" + std::to_string(index), param_archive)) {
+        auto state = std::make_unique<ApolloParamState>();
+        state->step = read_value(param_archive, "step").toInt();
+        const auto adopt = [&](const char* key) {
+          torch::Tensor t;
+          TORCH_CHECK(param_archive.try_read(key, t, true), "Apollo::load: parameter ", index,
+                      " has no '", key, "'");
+          TORCH_CHECK(t.sizes() == p.sizes(), "Apollo::load: '", key, "' of parameter ", index,
+                      " has shape ", t.sizes(), ", the parameter ", p.sizes());
+          return std::shared_ptr<StateBuffer>(
+              placement_->create(t.to(p.options(), false, false, at::MemoryFormat::Contiguous)));
+        };
+        state->exp_avg_grad = adopt("exp_avg_grad");
+        state->approx_hessian = adopt("approx_hessian");
+        state->update = adopt("update");
+        states.emplace_back(p, std::move(state));
+      }
+      ++index;
+    }
+  }
+  for (size_t g = 0; g < param_groups_.size(); ++g) {
+    param_groups_[g].set_options(std::make_unique<ApolloOptions>(options[g]));
+  }
+  state_.clear();
+  for (auto& [p, state] : states) state_[p.unsafeGetTensorImpl()] = std::move(state);
+}
+
+}  // namespace tidepool::optim

@@ -1,0 +1,113 @@
+// tidepool::optim::Apollo — Apollo (Ma 2020, "Apollo: An Adaptive Parameter-wise Diagonal
+// Quasi-Newton Method"), a torch::optim::Optimizer whose per-parameter state (m, B, d) lives
+// wherever a StatePlacement puts it.
+//
+// The update follows the published reference (XuezheMax/apollo optim/apollo.py @7adf28f),
+// step by step as written in DESIGN.md "optimizers/"; the golden trajectories in
+// ../shared/golden pin it down to ~1e-12 in fp64.
+//
+// Two implementations of the same step:
+//   - LibTorch ops (any device, fp32/fp64): the reference's sequence of tensor operations.
+//   - fused CUDA kernels (CUDA tensors, fp32/fp64, optimizers/apollo_kernels.cu): one
+//     reduction pass (‖d‖₄, ⟨δ,d⟩, ⟨B,d²⟩, ‖δ‖∞ in fp64), one elementwise pass that updates
+//     m, B, d and θ, plus a second reduction for mean(D) with weight_decay_type stable.
+//     No host synchronisation inside the step.
+//
+// Save/load write the options of every group and, per parameter (numbered in group order),
+// step, exp_avg_grad, approx_hessian and update, through torch::serialize archives; load
+// puts the state into this optimizer's placement whatever placement saved it.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include <torch/torch.h>
+
+#include "allocator/export.h"
+#include "optimizers/state_placement.h"
+
+namespace tidepool::optim {
+
+enum class ApolloRebound { constant, belief };
+enum class ApolloWeightDecay { L2, decoupled, stable };
+
+TIDEPOOL_API const char* to_string(ApolloRebound rebound);
+TIDEPOOL_API const char* to_string(ApolloWeightDecay type);
+
+struct TIDEPOOL_API ApolloOptions
+    : public torch::optim::OptimizerCloneableOptions<ApolloOptions> {
+  explicit ApolloOptions(double lr);
+
+  TORCH_ARG(double, lr);
+  TORCH_ARG(double, beta) = 0.9;
+  TORCH_ARG(double, eps) = 1e-4;
+  TORCH_ARG(ApolloRebound, rebound) = ApolloRebound::constant;
+  TORCH_ARG(int64_t, warmup) = 500;
+  // Unset: lr / 1000 (resolved when the group joins an optimizer).
+  TORCH_ARG(std::optional<double>, init_lr);
+  TORCH_ARG(double, weight_decay) = 0.0;
+  // Unset: L2 for rebound constant, decoupled for belief (resolved like init_lr).
+  TORCH_ARG(std::optional<ApolloWeightDecay>, weight_decay_type);
+  // The lr the warmup ramps to (the reference's base_lr): unset means lr when the group
+  // joins the optimizer; it does not follow later lr changes, as in the reference.
+  TORCH_ARG(std::optional<double>, base_lr);
+
+ public:
+  // By name, as the reference spells them ("constant" | "belief", "L2" | "decoupled" |
+  // "stable"); an unknown name throws c10::Error naming it.
+  ApolloOptions& rebound(std::string_view name);
+  ApolloOptions& weight_decay_type(std::string_view name);
+
+  double get_lr() const override { return lr(); }
+  void set_lr(const double lr) override { this->lr(lr); }
+
+  // Throws c10::Error naming the first invalid option (lr ≤ 0, eps < 0, beta outside
+  // [0, 1), warmup < 0, init_lr outside [0, lr], weight_decay < 0, non-finite values).
+  void validate() const;
+};
+
+// Per-parameter state. Copies (clone()) share the buffers.
+struct TIDEPOOL_API ApolloParamState
+    : public torch::optim::OptimizerCloneableParamState<ApolloParamState> {
+  int64_t step = 0;
+  std::shared_ptr<StateBuffer> exp_avg_grad;    // m
+  std::shared_ptr<StateBuffer> approx_hessian;  // B
+  std::shared_ptr<StateBuffer> update;          // d
+};
+
+class TIDEPOOL_API Apollo : public torch::optim::Optimizer {
+ public:
+  Apollo(const std::vector<torch::optim::OptimizerParamGroup>& param_groups,
+         ApolloOptions defaults,
+         std::shared_ptr<StatePlacement> placement = default_placement());
+  Apollo(std::vector<torch::Tensor> params, ApolloOptions defaults,
+         std::shared_ptr<StatePlacement> placement = default_placement());
+
+  // One Apollo step for every parameter with a gradient. With a closure, it is called
+  // with grad mode on and its loss returned. Sparse gradients throw.
+  torch::Tensor step(LossClosure closure = nullptr) override;
+
+  void save(torch::serialize::OutputArchive& archive) const override;
+  void load(torch::serialize::InputArchive& archive) override;
+
+  const StatePlacement& placement() const noexcept { return *placement_; }
+  // Fused CUDA kernels for CUDA parameters (default on when built with CUDA). Off: the
+  // LibTorch-ops path everywhere (used by the benchmarks as the baseline).
+  void set_fused_kernels(bool enabled) noexcept { fused_kernels_ = enabled; }
+  bool fused_kernels() const noexcept { return fused_kernels_; }
+  // True when this build has the fused CUDA path at all.
+  static bool has_fused_kernels() noexcept;
+
+ private:
+  ApolloParamState& state_for(const torch::Tensor& param);
+  void resolve_group_options();
+
+  std::shared_ptr<StatePlacement> placement_;
+  bool fused_kernels_ = true;
+};
+
+}  // namespace tidepool::optim

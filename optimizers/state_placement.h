@@ -1,0 +1,104 @@
+// Where optimizer state lives: the small interface Apollo's per-parameter state and AADL's
+// history go through, so the same optimizer code runs with its state resident on the
+// compute device or kept elsewhere and brought in around each use.
+//
+// Protocol for one StateBuffer (written once, here):
+//   prefetch()        a hint: start making the contents available on the compute device.
+//   acquire()         returns a tensor on the compute device holding the contents; it stays
+//                     valid until release(). At most one acquire is outstanding per buffer.
+//   release(dirty)    ends the use; with dirty = true the tensor's contents are the new
+//                     contents of the buffer (written back where the placement keeps them).
+//   read_host()       a CPU copy of the contents (for saving), allowed when not acquired.
+// Copies are ordered on the compute device's current stream, so a result never depends on
+// where the state lives: placements move bytes, they do not round or reorder arithmetic.
+//
+// Placements provided here:
+//   ResidentPlacement    the state is a tensor on the compute device (acquire is free).
+//   HostStagedPlacement  the state lives in host memory (pinned when the compute device is
+//                        CUDA); acquire copies it into a staging tensor on the device, and
+//                        release(dirty) copies it back and frees the staging tensor, so the
+//                        device holds only the buffers currently acquired.
+// And in tiered_placement.h:
+//   TieredPlacement      the state lives in tiering/'s TieredStore: host memory, on the
+//                        device only while acquired or prefetched, under a device budget.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include <torch/torch.h>
+
+#include "allocator/export.h"
+
+namespace tidepool::optim {
+
+// One state tensor whose storage a placement owns. Non-virtual public interface (checks the
+// acquire/release pairing once, here) over private hooks each placement implements.
+class TIDEPOOL_API StateBuffer {
+ public:
+  StateBuffer(const StateBuffer&) = delete;
+  StateBuffer& operator=(const StateBuffer&) = delete;
+  virtual ~StateBuffer() = default;
+
+  void prefetch();
+  torch::Tensor acquire();
+  void release(bool dirty);
+  torch::Tensor read_host() const;
+
+  bool acquired() const noexcept { return acquired_; }
+  const torch::TensorOptions& options() const noexcept { return options_; }
+  at::IntArrayRef sizes() const noexcept { return sizes_; }
+
+ protected:
+  StateBuffer(at::IntArrayRef sizes, torch::TensorOptions options);
+
+ private:
+  virtual void do_prefetch() {}
+  virtual torch::Tensor do_acquire() = 0;
+  virtual void do_release(torch::Tensor& working, bool dirty) = 0;
+  virtual torch::Tensor do_read_host() const = 0;
+
+  std::vector<int64_t> sizes_;
+  torch::TensorOptions options_;  // dtype and compute device of the acquired tensor
+  torch::Tensor working_;         // the tensor handed out by the outstanding acquire
+  bool acquired_ = false;
+};
+
+// Makes StateBuffers. create() returns a buffer holding `initial` (copied; shape, dtype and
+// compute device taken from it).
+class TIDEPOOL_API StatePlacement {
+ public:
+  virtual ~StatePlacement() = default;
+  virtual std::unique_ptr<StateBuffer> create(const torch::Tensor& initial) = 0;
+  virtual std::string name() const = 0;
+};
+
+class TIDEPOOL_API ResidentPlacement final : public StatePlacement {
+ public:
+  std::unique_ptr<StateBuffer> create(const torch::Tensor& initial) override;
+  std::string name() const override { return "resident"; }
+};
+
+class TIDEPOOL_API HostStagedPlacement final : public StatePlacement {
+ public:
+  // Bytes copied host → compute device (stage-in) and back (write-back), over all buffers
+  // this placement created; counted when the copy is issued.
+  struct Traffic {
+    std::atomic<int64_t> to_device{0};
+    std::atomic<int64_t> to_host{0};
+  };
+
+  std::unique_ptr<StateBuffer> create(const torch::Tensor& initial) override;
+  std::string name() const override { return "host_staged"; }
+  const Traffic& traffic() const noexcept { return *traffic_; }
+
+ private:
+  std::shared_ptr<Traffic> traffic_ = std::make_shared<Traffic>();
+};
+
+// The placement used when an optimizer is given none.
+TIDEPOOL_API std::shared_ptr<StatePlacement> default_placement();
+
+}  // namespace tidepool::optim

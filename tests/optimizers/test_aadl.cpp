@@ -1,0 +1,165 @@
+// AADL and its history beyond the golden trajectories: option checks, the incremental Gram
+// matrix against one formed directly, the extrapolation against the reference formula,
+// the no-closure rule (history untouched), history placement, save/load.
+#include <gtest/gtest.h>
+
+#include <sstream>
+#include <string>
+
+#include "expect_error.h"
+#include "optimizers/aadl.h"
+#include "optimizers/anderson_history.h"
+
+namespace {
+
+using tidepool::optim::AADL;
+using tidepool::optim::AADLOptions;
+using tidepool::optim::AndersonHistory;
+
+using tidepool::testing::expect_error_mentions;
+
+std::shared_ptr<torch::optim::SGD> sgd(const torch::Tensor& p) {
+  return std::make_shared<torch::optim::SGD>(std::vector<torch::Tensor>{p},
+                                             torch::optim::SGDOptions(0.1));
+}
+
+TEST(AADLOptions, InvalidValuesAreRejectedWithTheirName) {
+  auto p = torch::zeros({3}, torch::kFloat64).set_requires_grad(true);
+  const auto make = [&](AADLOptions o) { return [&p, o] { AADL(sgd(p), o); }; };
+  expect_error_mentions(make(AADLOptions().relaxation(0.0)), "relaxation");
+  expect_error_mentions(make(AADLOptions().wait_iterations(-1)), "wait_iterations");
+  expect_error_mentions(make(AADLOptions().history_depth(2)), "history_depth");
+  expect_error_mentions(make(AADLOptions().store_each_nth(0)), "store_each_nth");
+  expect_error_mentions(make(AADLOptions().frequency(0)), "frequency");
+  expect_error_mentions(make(AADLOptions().reg_acc(-1.0)), "reg_acc");
+  expect_error_mentions([] { AADLOptions().acceleration_type("rna"); }, "rna");
+  expect_error_mentions([] { AADL(nullptr); }, "inner optimizer");
+}
+
+// DR and b formed directly from the stacked history, as the reference does.
+void direct_matrices(const std::vector<torch::Tensor>& xs, torch::Tensor& G, torch::Tensor& c) {
+  const torch::Tensor X = torch::stack(xs, 1);
+  const torch::Tensor DX = X.slice(1, 1) - X.slice(1, 0, -1);
+  const torch::Tensor DR = DX.slice(1, 1) - DX.slice(1, 0, -1);
+  G = DR.t().matmul(DR);
+  c = DR.t().matmul(DX.select(1, DX.size(1) - 1));
+}
+
+TEST(AndersonHistory, IncrementalGramMatchesDirectThroughEvictionAndReplacement) {
+  torch::manual_seed(3);
+  AndersonHistory history(4, std::make_shared<tidepool::optim::ResidentPlacement>());
+  std::vector<torch::Tensor> kept;
+  const auto check = [&] {
+    torch::Tensor G, c;
+    direct_matrices(kept, G, c);
+    ASSERT_EQ(history.gram().sizes(), G.sizes());
+    EXPECT_TRUE(torch::allclose(history.gram(), G, 1e-12, 1e-12));
+    EXPECT_TRUE(torch::allclose(history.rhs(), c, 1e-12, 1e-12));
+  };
+  // A length that is not a multiple of the streaming chunk exercises the tail.
+  const int64_t n = (int64_t{1} << 18) + 17;
+  for (int i = 0; i < 7; ++i) {
+    torch::Tensor x = torch::randn({n}, torch::kFloat64) * (1.0 / (i + 1));
+    history.push(x);
+    kept.push_back(x);
+    if (kept.size() > 4) kept.erase(kept.begin());
+    if (kept.size() >= 3) check();
+  }
+  torch::Tensor replacement = torch::randn({n}, torch::kFloat64);
+  history.replace_newest(replacement);
+  kept.back() = replacement;
+  check();
+  expect_error_mentions([&] { history.push(torch::zeros({5}, torch::kFloat64)); }, "length");
+}
+
+TEST(AADL, ExtrapolationMatchesTheReferenceFormula) {
+  // Without a closure the accelerated point is loaded as is: compare it with
+  // x = β·x_AA + (1−β)·X[:,:-1]α computed from a dense least-squares solve.
+  torch::manual_seed(5);
+  auto p = torch::randn({50}, torch::kFloat64).set_requires_grad(true);
+  const torch::Tensor A = torch::diag(torch::linspace(0.5, 1.5, 50, torch::kFloat64));
+  const double beta = 0.7;
+  AADL opt(sgd(p), AADLOptions().relaxation(beta).history_depth(5).wait_iterations(4));
+  std::vector<torch::Tensor> xs;
+  for (int step = 0; step < 5; ++step) {
+    p.mutable_grad() = A.matmul(p.detach()) - 1.0;
+    opt.step();
+    xs.push_back(opt.history(0).newest());
+  }
+  // Step 5 was the first accelerated one: p holds the extrapolation of xs.
+  const torch::Tensor X = torch::stack(xs, 1);
+  const torch::Tensor DX = X.slice(1, 1) - X.slice(1, 0, -1);
+  const torch::Tensor DR = DX.slice(1, 1) - DX.slice(1, 0, -1);
+  const torch::Tensor b = DX.select(1, DX.size(1) - 1);
+  const torch::Tensor gamma =
+      std::get<0>(torch::linalg_lstsq(DR, b.unsqueeze(1), c10::nullopt, std::string("gelsd")))
+          .squeeze(1);
+  const torch::Tensor x_aa = X.select(1, 3) + b - (DX.slice(1, 0, -1) + DR).matmul(gamma);
+  torch::Tensor alpha = torch::zeros({4}, torch::kFloat64);
+  alpha[0] = gamma[0];
+  alpha.slice(0, 1, 3).copy_(gamma.slice(0, 1) - gamma.slice(0, 0, -1));
+  alpha[3] = 1 - gamma[2];
+  const torch::Tensor expected = beta * x_aa + (1 - beta) * X.slice(1, 0, -1).matmul(alpha);
+  EXPECT_TRUE(torch::allclose(p.detach(), expected, 1e-9, 1e-12));
+  // The history keeps the plain iterate when there is no closure.
+  EXPECT_TRUE(torch::equal(opt.history(0).newest(), xs.back()));
+  EXPECT_FALSE(torch::allclose(p.detach(), xs.back()));
+}
+
+TEST(AADL, SafeguardRejectsAWorseExtrapolation) {
+  // A closure whose loss is lowest at the plain iterate: every candidate is rejected and
+  // the parameters stay on the inner optimizer's path.
+  auto p = torch::full({4}, 1.0, torch::kFloat64).set_requires_grad(true);
+  auto q = p.detach().clone().set_requires_grad(true);
+  AADL opt(sgd(p), AADLOptions().relaxation(1.0).history_depth(4));
+  auto plain = sgd(q);
+  for (int step = 0; step < 6; ++step) {
+    const torch::Tensor g = torch::cos(p.detach() * (step + 1));
+    opt.step([&] {
+      if (torch::GradMode::is_enabled()) {
+        p.mutable_grad() = g.clone();
+        return torch::zeros({}, torch::kFloat64);
+      }
+      // Zero at the newest stored iterate (the plain one), positive anywhere else.
+      return (p.detach() - opt.history(0).newest()).pow(2).sum();
+    });
+    q.mutable_grad() = g.clone();
+    plain->step();
+    EXPECT_TRUE(torch::equal(p.detach(), q.detach())) << "step " << step;
+  }
+  EXPECT_GT(opt.rejected(), 0);
+  EXPECT_EQ(opt.accepted(), 0);
+}
+
+TEST(AADL, HistoryPlacementDoesNotChangeAnyBit) {
+  const auto run = [](std::shared_ptr<tidepool::optim::StatePlacement> placement) {
+    torch::manual_seed(11);
+    auto p = torch::randn({300}, torch::kFloat32).set_requires_grad(true);
+    AADL opt(sgd(p), AADLOptions().relaxation(0.5).history_depth(5), placement);
+    for (int step = 0; step < 12; ++step) {
+      p.mutable_grad() = torch::tanh(p.detach()) - 0.1;
+      opt.step();
+    }
+    return p.detach().clone();
+  };
+  const torch::Tensor resident = run(std::make_shared<tidepool::optim::ResidentPlacement>());
+  const torch::Tensor staged = run(std::make_shared<tidepool::optim::HostStagedPlacement>());
+  EXPECT_TRUE(torch::equal(resident, staged));
+}
+
+TEST(AADL, LoadRejectsAnArchiveOfAnotherOptimizer) {
+  auto p = torch::zeros({3}, torch::kFloat64).set_requires_grad(true);
+  torch::optim::SGD plain({p}, torch::optim::SGDOptions(0.1));
+  std::stringstream bytes;
+  {
+    torch::serialize::OutputArchive archive;
+    plain.save(archive);
+    archive.save_to(bytes);
+  }
+  AADL opt(sgd(p));
+  torch::serialize::InputArchive in;
+  in.load_from(bytes);
+  expect_error_mentions([&] { opt.load(in); }, "aadl_format");
+}
+
+}  // namespace

@@ -1,0 +1,150 @@
+// Apollo's contract beyond the golden trajectories: option checks and defaults, sparse
+// gradients, parameter groups, zero_grad, step(closure), save/load errors.
+#include <gtest/gtest.h>
+
+#include <sstream>
+#include <string>
+
+#include "expect_error.h"
+#include "optimizers/apollo.h"
+
+namespace {
+
+using tidepool::optim::Apollo;
+using tidepool::optim::ApolloOptions;
+using tidepool::optim::ApolloRebound;
+using tidepool::optim::ApolloWeightDecay;
+
+torch::Tensor param(int64_t n, double value = 0.5) {
+  return torch::full({n}, value, torch::kFloat64).set_requires_grad(true);
+}
+
+using tidepool::testing::expect_error_mentions;
+
+TEST(ApolloOptions, InvalidValuesAreRejectedWithTheirName) {
+  const auto make = [](ApolloOptions o) { return [o] { Apollo({param(3)}, o); }; };
+  expect_error_mentions(make(ApolloOptions(-1.0)), "learning rate");
+  expect_error_mentions(make(ApolloOptions(0.0)), "learning rate");
+  expect_error_mentions(make(ApolloOptions(0.1).init_lr(0.2)), "init_lr");
+  expect_error_mentions(make(ApolloOptions(0.1).init_lr(-1e-3)), "init_lr");
+  expect_error_mentions(make(ApolloOptions(0.1).beta(1.0)), "beta");
+  expect_error_mentions(make(ApolloOptions(0.1).beta(-0.1)), "beta");
+  expect_error_mentions(make(ApolloOptions(0.1).eps(-1.0)), "eps");
+  expect_error_mentions(make(ApolloOptions(0.1).warmup(-1)), "warmup");
+  expect_error_mentions(make(ApolloOptions(0.1).weight_decay(-1.0)), "weight_decay");
+  expect_error_mentions([] { ApolloOptions(0.1).rebound("bouncy"); }, "bouncy");
+  expect_error_mentions([] { ApolloOptions(0.1).weight_decay_type("L3"); }, "L3");
+}
+
+TEST(ApolloOptions, DefaultsFollowTheReference) {
+  Apollo constant({param(3)}, ApolloOptions(0.5));
+  const auto& c = static_cast<const ApolloOptions&>(constant.param_groups()[0].options());
+  EXPECT_DOUBLE_EQ(*c.init_lr(), 0.5 / 1000);
+  EXPECT_EQ(*c.weight_decay_type(), ApolloWeightDecay::L2);
+  EXPECT_DOUBLE_EQ(c.beta(), 0.9);
+  EXPECT_DOUBLE_EQ(c.eps(), 1e-4);
+  EXPECT_EQ(c.warmup(), 500);
+  Apollo belief({param(3)}, ApolloOptions(0.5).rebound("belief"));
+  const auto& b = static_cast<const ApolloOptions&>(belief.param_groups()[0].options());
+  EXPECT_EQ(*b.weight_decay_type(), ApolloWeightDecay::decoupled);
+}
+
+TEST(Apollo, SparseGradientIsRejected) {
+  auto p = param(4);
+  Apollo opt({p}, ApolloOptions(0.1));
+  p.mutable_grad() = torch::sparse_coo_tensor(torch::tensor({{1}}, torch::kLong),
+                                              torch::tensor({1.0}, torch::kFloat64), {4});
+  const torch::Tensor before = p.detach().clone();
+  expect_error_mentions([&] { opt.step(); }, "sparse");
+  EXPECT_TRUE(torch::equal(before, p.detach()));
+}
+
+TEST(Apollo, ParametersWithoutGradientsAreLeftAlone) {
+  auto a = param(4);
+  auto b = param(4);
+  Apollo opt({a, b}, ApolloOptions(0.1).warmup(0));
+  a.mutable_grad() = torch::ones_like(a);
+  opt.step();
+  EXPECT_FALSE(torch::equal(a.detach(), torch::full({4}, 0.5, torch::kFloat64)));
+  EXPECT_TRUE(torch::equal(b.detach(), torch::full({4}, 0.5, torch::kFloat64)));
+  EXPECT_EQ(opt.state().size(), 1u);
+}
+
+TEST(Apollo, ClosureIsCalledWithGradAndItsLossReturned) {
+  auto p = param(3);
+  Apollo opt({p}, ApolloOptions(0.1));
+  int calls = 0;
+  const torch::Tensor loss = opt.step([&] {
+    ++calls;
+    EXPECT_TRUE(torch::GradMode::is_enabled());
+    opt.zero_grad();
+    torch::Tensor l = (p * p).sum();
+    l.backward();
+    return l;
+  });
+  EXPECT_EQ(calls, 1);
+  EXPECT_NEAR(loss.item<double>(), 0.75, 1e-15);
+  opt.zero_grad();
+  EXPECT_FALSE(p.grad().defined());
+}
+
+TEST(Apollo, GroupsUseTheirOwnOptions) {
+  // Two groups in one optimizer step exactly like two optimizers with those options.
+  auto a1 = param(5, 0.3), b1 = param(5, -0.2);
+  auto a2 = param(5, 0.3), b2 = param(5, -0.2);
+  std::vector<torch::optim::OptimizerParamGroup> groups;
+  groups.emplace_back(std::vector<torch::Tensor>{a1});
+  groups.emplace_back(std::vector<torch::Tensor>{b1},
+                      std::make_unique<ApolloOptions>(ApolloOptions(0.05).rebound("belief")));
+  Apollo together(groups, ApolloOptions(0.2).warmup(2));
+  Apollo first({a2}, ApolloOptions(0.2).warmup(2));
+  Apollo second({b2}, ApolloOptions(0.05).rebound("belief"));
+  for (int step = 0; step < 5; ++step) {
+    for (auto* p : {&a1, &b1, &a2, &b2}) p->mutable_grad() = p->detach() * 2 + 0.1 * step;
+    together.step();
+    first.step();
+    second.step();
+  }
+  EXPECT_TRUE(torch::equal(a1.detach(), a2.detach()));
+  EXPECT_TRUE(torch::equal(b1.detach(), b2.detach()));
+}
+
+TEST(Apollo, Float32OpsPathTracksFloat64) {
+  auto p64 = torch::linspace(-1, 1, 64, torch::kFloat64).set_requires_grad(true);
+  auto p32 = p64.detach().to(torch::kFloat32).set_requires_grad(true);
+  Apollo o64({p64}, ApolloOptions(0.01).warmup(3));
+  Apollo o32({p32}, ApolloOptions(0.01).warmup(3));
+  for (int step = 0; step < 20; ++step) {
+    p64.mutable_grad() = torch::sin(3 * p64.detach());
+    p32.mutable_grad() = torch::sin(3 * p32.detach());
+    o64.step();
+    o32.step();
+  }
+  EXPECT_LE((p32.detach().to(torch::kFloat64) - p64.detach()).abs().max().item<double>(), 1e-5);
+}
+
+TEST(Apollo, LoadRejectsAMismatchedOptimizerAndKeepsItsState) {
+  auto p = param(3);
+  Apollo source({p, param(2)}, ApolloOptions(0.1));
+  std::stringstream bytes;
+  {
+    torch::serialize::OutputArchive archive;
+    source.save(archive);
+    archive.save_to(bytes);
+  }
+  auto q = param(3);
+  Apollo target({q}, ApolloOptions(0.3));
+  q.mutable_grad() = torch::ones_like(q);
+  target.step();
+  torch::serialize::InputArchive in;
+  in.load_from(bytes);
+  expect_error_mentions([&] { target.load(in); }, "parameters");
+  EXPECT_EQ(target.state().size(), 1u);
+  EXPECT_DOUBLE_EQ(target.param_groups()[0].options().get_lr(), 0.3);
+}
+
+TEST(Apollo, NullPlacementIsRejected) {
+  expect_error_mentions([] { Apollo({param(2)}, ApolloOptions(0.1), nullptr); }, "placement");
+}
+
+}  // namespace
