@@ -12,7 +12,8 @@
 //   HOST     --acquire/prefetch--> LOADING   (device buffer taken within the budget;
 //                                             H2D waits on host_ready)
 //   LOADING  --(event)-----------> RESIDENT
-//   RESIDENT --acquire-----------> ACQUIRED  (stream waits on dev_ready; pins++)
+//   RESIDENT --acquire-----------> ACQUIRED  (stream waits on dev_ready and on the
+//                                             earlier use streams; pins++)
 //   ACQUIRED --release(dirty)----> RESIDENT  (pins--; dirty -> host copy stale)
 //   RESIDENT --evict-------------> HOST      (dirty: D2H after the use streams, host_ready
 //                                             recorded after it; clean: no copy. The
@@ -36,7 +37,9 @@
 #include <cstring>
 
 #include "allocator/caching_allocator.h"
+#include "allocator/config.h"
 #include "allocator/tags.h"
+#include "allocator/tier_routing.h"
 #include "tiering/stats_json.h"
 #include "tiering/tiering_registry.h"
 
@@ -88,6 +91,12 @@ TieredStore::TieredStore(Backend& backend, TieredStoreOptions options, DeviceMem
       device_(std::move(device)),
       host_(backend, options.host),
       copies_(backend, options.copy) {
+  if (options_.device_budget_bytes == TieredStoreOptions::kDeviceBudgetFromConfig) {
+    const auto configured = configured_state_budget_bytes(active_config(), backend_);
+    options_.device_budget_bytes = configured.value_or(0) != 0
+                                       ? *configured
+                                       : TieredStoreOptions::kDefaultDeviceBudget;
+  }
   if (options_.device_budget_bytes == 0) throw TieringError("tiered store: device budget is 0");
   if (!device_.allocate || !device_.deallocate) {
     device_.allocate = [&b = backend_](std::size_t n, Stream) { return b.device_alloc(n); };
@@ -417,6 +426,19 @@ void* TieredStore::acquire(Handle h, Stream stream) {
     e.prefetched = false;
   }
   backend_.stream_wait_event(stream, e.dev_ready);
+  // "The latest contents" include work still queued on the streams that used the buffer
+  // before (a release only ends the host's claim, not the stream's writes or reads): the
+  // new stream waits for them, else its reads miss those writes and its writes race them.
+  for (Stream used : e.use_streams) {
+    if (used == stream) continue;
+    Event ev = take_event_locked();
+    backend_.record_event(ev, used);
+    backend_.stream_wait_event(stream, ev);  // captures the point now: the event is free again
+    give_event_locked(ev);
+  }
+  // With no other holder left, `stream` is now ordered after every earlier use, so later
+  // waits (evict, read, the next acquire) need only this stream.
+  if (e.pins == 0) e.use_streams.clear();
   e.pins++;
   if (std::find(e.use_streams.begin(), e.use_streams.end(), stream) == e.use_streams.end()) {
     e.use_streams.push_back(stream);

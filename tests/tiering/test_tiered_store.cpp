@@ -1,7 +1,11 @@
 // TieredStore behaviour: residency, clean vs dirty eviction, the budget and its errors,
 // the recorded prefetch schedule, reclaim, and fault injection at the seam (the last good
 // copy must stay readable after every failure).
+#include <chrono>
+#include <condition_variable>
 #include <cstring>
+#include <mutex>
+#include <thread>
 
 #include "allocator/c_api.h"
 #include "tests/tiering/tiering_test_util.h"
@@ -73,6 +77,80 @@ TEST_P(TieredStoreTest, DirtyEvictionCopiesBackCleanEvictionDoesNot) {
   EXPECT_EQ(s.evictions_clean, 1u);
   store.synchronize();
   EXPECT_EQ(store.device_bytes(), 0u);
+}
+
+// Holds a stream: work enqueued after launch_host_func(s, &StreamGate::wait, &gate) runs
+// only once open() is called.
+struct StreamGate {
+  std::mutex mutex;
+  std::condition_variable opened_cv;
+  bool opened = false;
+  static void wait(void* self) {
+    auto* gate = static_cast<StreamGate*>(self);
+    std::unique_lock lock(gate->mutex);
+    gate->opened_cv.wait(lock, [gate] { return gate->opened; });
+  }
+  void open() {
+    {
+      std::lock_guard lock(mutex);
+      opened = true;
+    }
+    opened_cv.notify_all();
+  }
+};
+
+// Regression (data loss in the integrity test): a release ends the caller's claim, not the
+// work its stream still has queued. An acquire on another stream must order its work after
+// that work: its reads must see the earlier writes, and its writes must land after them
+// and after the earlier reads. Stream A is held by a gate, so A's read and write have
+// certainly not run when B's work is enqueued: without the ordering, B overtakes A.
+TEST_P(TieredStoreTest, AcquireOnAnotherStreamWaitsForEarlierUses) {
+  // A D2H copy to pageable memory blocks the host on CUDA while the gate holds the stream.
+  if (!on_host()) GTEST_SKIP() << "needs host-backend copies that never block the caller";
+  Backend& b = backend();
+  TieredStore store(b, options(1 << 20));
+  constexpr std::size_t n = 200000;
+  auto h = store.create(n, kTag);
+  const auto old_data = random_bytes(n, 21);
+  const auto a_data = random_bytes(n, 22);
+  const auto b_data = random_bytes(n, 23);
+  store.write(h, old_data.data());
+  const Stream other = b.create_stream();
+  StreamGate gate;
+  std::vector<unsigned char> seen_by_a(n), seen_by_b(n);
+
+  b.launch_host_func(stream_, &StreamGate::wait, &gate);
+  void* dev_a = store.acquire(h, stream_);
+  b.copy_async(seen_by_a.data(), dev_a, n, CopyKind::device_to_host, stream_);
+  b.copy_async(dev_a, a_data.data(), n, CopyKind::host_to_device, stream_);
+  store.release(h, /*dirty=*/true);
+
+  void* dev_b = store.acquire(h, other);
+  b.copy_async(seen_by_b.data(), dev_b, n, CopyKind::device_to_host, other);
+  b.copy_async(dev_b, b_data.data(), n / 2, CopyKind::host_to_device, other);
+  store.release(h, /*dirty=*/true);
+  const Event b_done = b.create_event();
+  b.record_event(b_done, other);
+  // Without the ordering B finishes in microseconds; 50 ms only bounds what a correct
+  // store costs this test. (No ASSERT before open(): a held stream would hang teardown.)
+  bool b_ran_while_a_held = false;
+  for (int i = 0; i < 50 && !b_ran_while_a_held; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    b_ran_while_a_held = b.event_query(b_done);
+  }
+  gate.open();
+  b.stream_synchronize(other);
+  b.stream_synchronize(stream_);
+  EXPECT_FALSE(b_ran_while_a_held) << "stream B passed its acquire before A's queued work ran";
+  EXPECT_EQ(first_difference(seen_by_a.data(), old_data.data(), n), -1);
+  EXPECT_EQ(first_difference(seen_by_b.data(), a_data.data(), n), -1);
+  std::vector<unsigned char> expected(b_data.begin(), b_data.begin() + n / 2);
+  expected.insert(expected.end(), a_data.begin() + n / 2, a_data.end());
+  EXPECT_EQ(first_difference(contents(store, h).data(), expected.data(), n), -1);
+  store.evict(h);  // the copy back must see both streams' writes as well
+  EXPECT_EQ(first_difference(contents(store, h).data(), expected.data(), n), -1);
+  b.destroy_event(b_done);
+  b.destroy_stream(other);
 }
 
 TEST_P(TieredStoreTest, BudgetEvictsFurthestAndErrorsWhenAllAreAcquired) {
