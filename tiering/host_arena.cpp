@@ -13,16 +13,33 @@
 // mi_manage_os_memory_ex(is_committed = true) makes mimalloc treat the arena as pinned:
 // it never decommits or resets pages in it. That matters: MADV_DONTNEED on a registered
 // page would silently detach it from the page the device DMAs to.
+//
+// Note [mimalloc is loaded RTLD_LOCAL]
+// Debian's libmimalloc.so.2 is built to override malloc/free/operator new/delete. Were it
+// a DT_NEEDED dependency of libtidepool.so, loading libtidepool (RTLD_GLOBAL, or before
+// anything else) would hand the process two allocators, and memory from one gets freed by
+// the other (this crashed python when triton's extension loaded after torch). So
+// libtidepool does not link mimalloc: the first pinned slab dlopen()s it RTLD_LOCAL, whose
+// symbols then bind to nobody but us, and the few mi_* functions used here are looked up
+// with dlsym (typed from mimalloc.h by decltype). Not RTLD_DEEPBIND: that breaks ASan.
+// Without mimalloc the slabs are unavailable (the error names the package) but direct
+// pinned mappings and the pageable fallback, which use neither, keep working.
 #include "tiering/host_arena.h"
 
-#include <mimalloc.h>
+#include <dlfcn.h>
+#include <mimalloc.h>  // types and prototypes only: see Note [mimalloc is loaded RTLD_LOCAL]
 #include <sys/mman.h>
 #include <sys/resource.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
+#include <map>
 #include <unordered_map>
+
+#include "allocator/config.h"
+#include "allocator/tier_routing.h"
 
 namespace tidepool {
 
@@ -34,11 +51,56 @@ constexpr std::size_t kPageBytes = 4096;
 
 std::size_t round_up(std::size_t n, std::size_t to) { return (n + to - 1) / to * to; }
 
-std::size_t physical_memory_bytes() {
-  const long pages = sysconf(_SC_PHYS_PAGES);
-  const long page = sysconf(_SC_PAGE_SIZE);
-  return pages > 0 && page > 0 ? static_cast<std::size_t>(pages) * static_cast<std::size_t>(page)
-                               : std::size_t{8} << 30;
+// The mi_* functions this file uses, from a libmimalloc loaded RTLD_LOCAL.
+struct MimallocApi {
+  decltype(&::mi_manage_os_memory_ex) manage_os_memory_ex = nullptr;
+  decltype(&::mi_heap_new_in_arena) heap_new_in_arena = nullptr;
+  decltype(&::mi_heap_malloc) heap_malloc = nullptr;
+  decltype(&::mi_heap_malloc_aligned) heap_malloc_aligned = nullptr;
+  decltype(&::mi_heap_delete) heap_delete = nullptr;
+  decltype(&::mi_free) free = nullptr;
+  std::string error;  // non-empty: the library or a function is missing, and why
+};
+
+template <typename Fn>
+bool resolve(void* handle, const char* name, Fn* out, std::string* error) {
+  *out = reinterpret_cast<Fn>(dlsym(handle, name));
+  if (*out == nullptr && error->empty()) *error = std::string("it lacks ") + name;
+  return *out != nullptr;
+}
+
+MimallocApi load_mimalloc(const std::string& soname) {
+  MimallocApi api;
+  // Never dlclose()d: slabs are handed to mimalloc for the life of the process.
+  void* handle = dlopen(soname.c_str(), RTLD_LOCAL | RTLD_NOW);
+  std::string why;
+  if (handle == nullptr) {
+    const char* dl_error = dlerror();
+    why = dl_error != nullptr ? dl_error : "dlopen failed";
+  } else {
+    resolve(handle, "mi_manage_os_memory_ex", &api.manage_os_memory_ex, &why);
+    resolve(handle, "mi_heap_new_in_arena", &api.heap_new_in_arena, &why);
+    resolve(handle, "mi_heap_malloc", &api.heap_malloc, &why);
+    resolve(handle, "mi_heap_malloc_aligned", &api.heap_malloc_aligned, &why);
+    resolve(handle, "mi_heap_delete", &api.heap_delete, &why);
+    resolve(handle, "mi_free", &api.free, &why);
+  }
+  if (!why.empty()) {
+    api.error = "mimalloc is unavailable for the pinned slabs: cannot use " + soname + " (" +
+                why + "); install the libmimalloc2 package (mimalloc >= 2.0.9)";
+  }
+  return api;
+}
+
+// The library `soname`, loaded (or found missing) once per process. Never destroyed:
+// slabs and thread heaps keep pointing into it.
+const MimallocApi& mimalloc(const std::string& soname) {
+  static std::mutex mutex;
+  static auto* loaded = new std::map<std::string, MimallocApi>();
+  std::lock_guard lock(mutex);
+  auto it = loaded->find(soname);
+  if (it == loaded->end()) it = loaded->emplace(soname, load_mimalloc(soname)).first;
+  return it->second;  // std::map: references stay valid as entries are added
 }
 
 // Maps `bytes` of fresh anonymous memory starting on an `align` boundary, or nullptr.
@@ -67,6 +129,7 @@ struct HostArena::Slab {
   char* base = nullptr;
   std::size_t bytes = 0;
   mi_arena_id_t arena_id = 0;
+  const MimallocApi* mi = nullptr;  // the library that manages this slab
   std::size_t live_blocks = 0;  // guarded by the owning HostArena's mutex
   bool ever_used = false;       // a probe may fail on a used slab only because it is full
   bool contains(const void* p) const {
@@ -92,27 +155,28 @@ mi_heap_t* thread_heap(const HostArena::Slab& slab) {
   thread_local std::unordered_map<mi_arena_id_t, mi_heap_t*> heaps;
   auto it = heaps.find(slab.arena_id);
   if (it != heaps.end()) return it->second;
-  mi_heap_t* heap = mi_heap_new_in_arena(slab.arena_id);
+  const MimallocApi& mi = *slab.mi;
+  mi_heap_t* heap = mi.heap_new_in_arena(slab.arena_id);
   if (heap == nullptr) {
     throw HostArenaError("host arena: mi_heap_new_in_arena failed for the pinned slab at " +
                          std::to_string(reinterpret_cast<std::uintptr_t>(slab.base)));
   }
   // Note [Slab alignment and the probe]. A full slab also returns NULL, so the probe
   // only fails the set-up on a slab nothing was ever allocated from.
-  void* probe = mi_heap_malloc(heap, 64);
+  void* probe = mi.heap_malloc(heap, 64);
   if (probe == nullptr && !slab.ever_used) {
-    mi_heap_delete(heap);
+    mi.heap_delete(heap);
     throw HostArenaError(
         "host arena: mimalloc returned NULL from a fresh exclusive arena (slab " +
         std::to_string(slab.bytes >> 20) + " MiB); the region must be 32 MiB-aligned and "
         "at least 32 MiB (mimalloc 2.0.9 fails silently otherwise)");
   }
   if (probe != nullptr && !slab.contains(probe)) {
-    mi_free(probe);
-    mi_heap_delete(heap);
+    mi.free(probe);
+    mi.heap_delete(heap);
     throw HostArenaError("host arena: mimalloc allocated outside the exclusive arena");
   }
-  if (probe != nullptr) mi_free(probe);
+  if (probe != nullptr) mi.free(probe);
   heaps.emplace(slab.arena_id, heap);
   return heap;
 }
@@ -131,8 +195,16 @@ HostArena::HostArena(Backend& backend, HostArenaOptions options)
       options_.direct_threshold_bytes > options_.slab_bytes / 2) {
     throw HostArenaError("host arena: direct_threshold_bytes must be in (0, slab_bytes/2]");
   }
-  budget_ = options_.pinned_budget_bytes != 0 ? options_.pinned_budget_bytes
-                                              : physical_memory_bytes() / 4;
+  // An explicit budget wins; else tidepool.pinned_budget (tier_routing.h); else a
+  // quarter of RAM. A configured 0 means: no pinned memory, all of it pageable.
+  if (options_.pinned_budget_bytes != 0) {
+    budget_ = options_.pinned_budget_bytes;
+  } else if (auto configured = configured_pinned_budget_bytes(active_config())) {
+    budget_ = *configured;
+    stats_.budget_from_config = true;
+  } else {
+    budget_ = host_memory_bytes() / 4;
+  }
   if (options_.respect_memlock_limit) {
     rlimit limit{};
     if (getrlimit(RLIMIT_MEMLOCK, &limit) == 0 && limit.rlim_cur != RLIM_INFINITY &&
@@ -188,7 +260,7 @@ HostBlock HostArena::allocate(std::size_t bytes) {
     if (p == nullptr) {
       Slab* slab = add_slab(options_.slab_bytes, &why_not);
       if (slab != nullptr) {
-        p = mi_heap_malloc_aligned(thread_heap(*slab), bytes, kBlockAlign);
+        p = slab->mi->heap_malloc_aligned(thread_heap(*slab), bytes, kBlockAlign);
         if (p != nullptr) {
           slab->live_blocks++;
           slab->ever_used = true;
@@ -213,10 +285,10 @@ HostBlock HostArena::allocate(std::size_t bytes) {
 void* HostArena::allocate_in_slabs(std::size_t bytes) {
   // Newest slab first: older ones are the likeliest to be full.
   for (auto it = slabs_.rbegin(); it != slabs_.rend(); ++it) {
-    void* p = mi_heap_malloc_aligned(thread_heap(**it), bytes, kBlockAlign);
+    void* p = (*it)->mi->heap_malloc_aligned(thread_heap(**it), bytes, kBlockAlign);
     if (p == nullptr) continue;
     if (!(*it)->contains(p)) {
-      mi_free(p);
+      (*it)->mi->free(p);
       throw HostArenaError("host arena: mimalloc returned memory outside its exclusive arena");
     }
     (*it)->live_blocks++;
@@ -238,6 +310,11 @@ bool HostArena::register_range(void* ptr, std::size_t bytes, std::string* why_no
 }
 
 HostArena::Slab* HostArena::add_slab(std::size_t bytes, std::string* why_not) {
+  const MimallocApi& mi = mimalloc(options_.mimalloc_library);
+  if (!mi.error.empty()) {
+    *why_not = mi.error;
+    return nullptr;
+  }
   if (stats_.pinned_registered_bytes + bytes > budget_) {
     *why_not = "pinned budget of " + std::to_string(budget_) + " bytes spent";
     return nullptr;
@@ -246,7 +323,7 @@ HostArena::Slab* HostArena::add_slab(std::size_t bytes, std::string* why_not) {
   {
     std::lock_guard pool_lock(pool_mutex());
     auto& idle = idle_slabs();
-    auto it = std::find_if(idle.begin(), idle.end(), [&](Slab* s) { return s->bytes == bytes; });
+    auto it = std::find_if(idle.begin(), idle.end(), [&](Slab* s) { return s->bytes == bytes && s->mi == &mi; });
     if (it != idle.end()) {
       slab = *it;
       idle.erase(it);
@@ -270,14 +347,14 @@ HostArena::Slab* HostArena::add_slab(std::size_t bytes, std::string* why_not) {
     }
     mi_arena_id_t id = 0;
     // Fresh anonymous memory is zero; committed (Note [No decommit of pinned pages]).
-    if (!mi_manage_os_memory_ex(base, bytes, /*is_committed=*/true, /*is_large=*/false,
+    if (!mi.manage_os_memory_ex(base, bytes, /*is_committed=*/true, /*is_large=*/false,
                                 /*is_zero=*/true, /*numa_node=*/-1, /*exclusive=*/true, &id)) {
       backend_.host_unregister(base);
       munmap(base, bytes);
       throw HostArenaError("host arena: mi_manage_os_memory_ex refused a slab (mimalloc allows "
                            "at most 64 arenas per process)");
     }
-    slab = new Slab{static_cast<char*>(base), bytes, id, 0, false};
+    slab = new Slab{static_cast<char*>(base), bytes, id, &mi, 0, false};
   }
   slabs_.push_back(slab);
   stats_.pinned_registered_bytes += bytes;
@@ -307,7 +384,9 @@ void* HostArena::allocate_direct_pinned(std::size_t bytes, std::string* why_not)
 }
 
 HostBlock HostArena::allocate_pageable(std::size_t bytes, const std::string& reason) {
-  void* p = mi_malloc_aligned(bytes, kBlockAlign);
+  // The process allocator, not mimalloc: the fallback must work without it.
+  void* p = nullptr;
+  if (posix_memalign(&p, kBlockAlign, bytes) != 0) p = nullptr;
   if (p == nullptr) {
     throw HostArenaError("host arena: out of host memory: " + std::to_string(bytes) +
                          " pageable bytes after pinned failed (" + reason + ")");
@@ -317,6 +396,8 @@ HostBlock HostArena::allocate_pageable(std::size_t bytes, const std::string& rea
   stats_.pageable_allocs++;
   if (reason.rfind("host_register", 0) == 0) {
     stats_.fallback_register_failed++;
+  } else if (reason.rfind("mimalloc", 0) == 0) {
+    stats_.fallback_no_mimalloc++;
   } else {
     stats_.fallback_budget++;
   }
@@ -331,7 +412,7 @@ void HostArena::deallocate(const HostBlock& block) {
     if (block.bytes > stats_.pageable_in_use_bytes) {
       throw HostArenaError("host arena: deallocate of a pageable block it did not hand out");
     }
-    mi_free(block.ptr);
+    std::free(block.ptr);
     stats_.pageable_in_use_bytes -= block.bytes;
     return;
   }
@@ -354,7 +435,7 @@ void HostArena::deallocate(const HostBlock& block) {
   if (slab == slabs_.end()) {
     throw HostArenaError("host arena: deallocate of a pointer it does not own");
   }
-  mi_free(block.ptr);
+  (*slab)->mi->free(block.ptr);
   (*slab)->live_blocks--;
   stats_.pinned_in_use_bytes -= block.bytes;
 }

@@ -3,7 +3,9 @@
 // Pinned memory comes from slabs: anonymous mappings over-reserved and trimmed so they
 // start 32 MiB-aligned, page-locked once through Backend::host_register (cudaHostRegister
 // on the cuda backend: 44 ms/GiB against 393 ms/GiB for cudaHostAlloc), then handed to a
-// mimalloc *exclusive* arena that only this tier's heaps allocate from. Requests of at
+// mimalloc *exclusive* arena that only this tier's heaps allocate from. mimalloc is
+// dlopen()ed RTLD_LOCAL on the first slab, never linked (Note [mimalloc is loaded
+// RTLD_LOCAL] in host_arena.cpp): without it, slabs fall back like a spent budget. Requests of at
 // least `direct_threshold_bytes` skip mimalloc and get a registered mapping of their own
 // (mimalloc would round them up to whole 32 MiB arena blocks).
 //
@@ -51,13 +53,17 @@ struct HostArenaOptions {
   std::size_t slab_bytes = std::size_t{64} << 20;
   // Requests this large or larger get a registered mapping of their own.
   std::size_t direct_threshold_bytes = std::size_t{4} << 20;
-  // Pinned bytes this arena may register (slabs + direct mappings). 0 means: a quarter
-  // of physical memory.
+  // Pinned bytes this arena may register (slabs + direct mappings). 0 means: the
+  // configured tidepool.pinned_budget (allocator/tier_routing.h) when there is one,
+  // else a quarter of physical memory.
   std::size_t pinned_budget_bytes = 0;
   // Cap the budget at RLIMIT_MEMLOCK when that limit is finite.
   bool respect_memlock_limit = true;
   // Serve from pageable memory when pinned memory is unavailable (else throw).
   bool allow_pageable_fallback = true;
+  // The mimalloc the slabs use, dlopen()ed RTLD_LOCAL on the first slab. When it cannot
+  // be loaded, slab-sized requests fall back (or throw) with a reason naming it.
+  std::string mimalloc_library = "libmimalloc.so.2";
 };
 
 // One host allocation. Hand the whole block back to deallocate().
@@ -71,6 +77,7 @@ struct HostBlock {
 struct HostArenaStats {
   std::size_t pinned_budget_bytes = 0;
   bool budget_capped_by_memlock = false;
+  bool budget_from_config = false;  // tidepool.pinned_budget set it (no explicit option)
   std::size_t pinned_registered_bytes = 0;  // slabs + direct mappings now registered
   std::size_t slab_count = 0;
   std::size_t direct_count = 0;
@@ -82,6 +89,7 @@ struct HostArenaStats {
   std::uint64_t pageable_allocs = 0;        // fallbacks, by any reason
   std::uint64_t fallback_budget = 0;         // ... because the pinned budget was spent
   std::uint64_t fallback_register_failed = 0;  // ... because host_register failed
+  std::uint64_t fallback_no_mimalloc = 0;      // ... because libmimalloc could not be loaded
   std::uint64_t register_failures = 0;
   std::string last_fallback_reason;
 };

@@ -64,7 +64,13 @@ TIDEPOOL_API DeviceMemorySource caching_allocator_source(CachingAllocator& alloc
                                                          int tag = TIDEPOOL_TAG_OPTIMIZER_STATE);
 
 struct TieredStoreOptions {
-  std::size_t device_budget_bytes = std::size_t{1} << 30;
+  // kDeviceBudgetFromConfig: tidepool.state_budget (allocator/tier_routing.h) when the
+  // configuration enables tidepool and the budget it gives is not 0 (0 means "keep no
+  // state between steps", which the optimizer hooks implement by evicting; a store
+  // still needs room within a step), else kDefaultDeviceBudget. Any other value wins.
+  static constexpr std::size_t kDeviceBudgetFromConfig = static_cast<std::size_t>(-1);
+  static constexpr std::size_t kDefaultDeviceBudget = std::size_t{1} << 30;
+  std::size_t device_budget_bytes = kDeviceBudgetFromConfig;
   std::size_t prefetch_lookahead = 64;  // handles ahead of the current acquire
   HostArenaOptions host;
   CopyEngineOptions copy;

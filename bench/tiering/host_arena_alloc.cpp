@@ -50,10 +50,15 @@ void BM_MallocFree(benchmark::State& state) {
 }
 
 void BM_MiMallocFree(benchmark::State& state) {
-  static const auto mi_malloc = reinterpret_cast<MiMalloc>(dlsym(RTLD_DEFAULT, "mi_malloc"));
-  static const auto mi_free = reinterpret_cast<MiFree>(dlsym(RTLD_DEFAULT, "mi_free"));
+  // Loaded RTLD_LOCAL, as the host arena does, so mimalloc does not become the
+  // process's malloc (which would skew the malloc baseline).
+  static void* const library = dlopen("libmimalloc.so.2", RTLD_LOCAL | RTLD_NOW);
+  static const auto mi_malloc =
+      reinterpret_cast<MiMalloc>(library != nullptr ? dlsym(library, "mi_malloc") : nullptr);
+  static const auto mi_free =
+      reinterpret_cast<MiFree>(library != nullptr ? dlsym(library, "mi_free") : nullptr);
   if (mi_malloc == nullptr || mi_free == nullptr) {
-    state.SkipWithError("mi_malloc not found in the loaded libraries");
+    state.SkipWithError("libmimalloc.so.2 could not be loaded (install libmimalloc2)");
     return;
   }
   const auto bytes = static_cast<std::size_t>(state.range(0));

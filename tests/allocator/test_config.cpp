@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 
 #include "allocator/c_api.h"
+#include "allocator/tier_routing.h"
 
 #include <cstdlib>
 #include <optional>
@@ -355,6 +356,37 @@ TEST(ConfigApply, DeviceBackendIsSelectedBeforeTheFirstAllocationOnly) {
   EXPECT_EQ(active_config(), before);  // nothing half-applied
   EXPECT_STREQ(tidepool_backend_name(0), "host");
   tidepool_free(p, 4096, 0, nullptr);
+}
+
+// ---- the budgets in bytes, for tiering (allocator/tier_routing.h) ----------------------
+
+TEST(TierRouting, BudgetsResolveToBytesAgainstDeviceAndHostMemory) {
+  HostBackendOptions o;
+  o.capacity_bytes = std::size_t{1} << 30;
+  auto backend = make_host_backend(0, o);
+  const Config absolute =
+      claim_config("tidepool.state_budget:1.5GiB,tidepool.pinned_budget:512MiB").config;
+  EXPECT_EQ(configured_state_budget_bytes(absolute, *backend), std::size_t{3} << 29);
+  EXPECT_EQ(configured_pinned_budget_bytes(absolute), std::size_t{512} << 20);
+
+  const Config percent = claim_config("tidepool.state_budget:50%,tidepool.pinned_budget:25%").config;
+  EXPECT_EQ(configured_state_budget_bytes(percent, *backend), backend->mem_info().total_bytes / 2);
+  EXPECT_EQ(configured_pinned_budget_bytes(percent), host_memory_bytes() / 4);
+  EXPECT_GT(host_memory_bytes(), std::size_t{64} << 20);
+}
+
+TEST(TierRouting, NothingConfiguredMeansNoBudget) {
+  HostBackendOptions o;
+  auto backend = make_host_backend(0, o);
+  // tidepool not enabled: the configuration sets nothing, whatever its fields say.
+  EXPECT_EQ(configured_state_budget_bytes(Config{}, *backend), std::nullopt);
+  EXPECT_EQ(configured_pinned_budget_bytes(Config{}), std::nullopt);
+  // Enabled with defaults: state budget 0 (keep nothing), pinned budget unset.
+  const Config defaults = claim_config("backend:tidepool").config;
+  EXPECT_EQ(configured_state_budget_bytes(defaults, *backend), std::size_t{0});
+  EXPECT_EQ(configured_pinned_budget_bytes(defaults), std::nullopt);
+  EXPECT_EQ(configured_pinned_budget_bytes(claim_config("tidepool.pinned_budget:unlimited").config),
+            std::nullopt);
 }
 
 }  // namespace

@@ -27,7 +27,7 @@ sys.path.insert(0, str(PACKAGE_SRC))
 
 def pytest_sessionstart(session):
     # Load libtidepool before any test imports torch: the order of a real process, where
-    # the start-up hook loads it first (see Note [load mode] in tidepool/_lib.py).
+    # the start-up hook loads it first (other orders: test_load_order.py).
     if os.environ.get("TIDEPOOL_LIBRARY"):
         from tidepool import _lib
         _lib.load()

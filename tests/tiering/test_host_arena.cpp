@@ -189,6 +189,56 @@ TEST_P(HostArenaTest, ThreadsAllocateAndFreeEachOthersBlocks) {
   EXPECT_EQ(arena.stats().pinned_in_use_bytes, 0u);
 }
 
+// Note [mimalloc is loaded RTLD_LOCAL] in host_arena.cpp: without mimalloc the slabs are
+// unavailable, and that is reported, not silent; direct mappings need no mimalloc.
+HostArenaOptions options_with_mimalloc(const char* library, bool allow_pageable_fallback = true) {
+  HostArenaOptions o = test_host_options();
+  o.mimalloc_library = library;
+  o.allow_pageable_fallback = allow_pageable_fallback;
+  return o;
+}
+constexpr const char* kNoSuchMimalloc = "libtidepool_test_no_such_mimalloc.so.2";
+
+TEST_P(HostArenaTest, MissingMimallocFallsBackNamingThePackage) {
+  HostArena arena(backend(), options_with_mimalloc(kNoSuchMimalloc));
+  HostBlock small = arena.allocate(4096);
+  EXPECT_EQ(small.tier, HostTier::pageable);
+  std::memset(small.ptr, 0x5a, small.bytes);
+  EXPECT_EQ(reinterpret_cast<std::uintptr_t>(small.ptr) % 256, 0u);
+  HostBlock large = arena.allocate(8 << 20);
+  EXPECT_EQ(large.tier, HostTier::pinned);
+  const HostArenaStats s = arena.stats();
+  EXPECT_EQ(s.fallback_no_mimalloc, 1u);
+  EXPECT_EQ(s.fallback_budget, 0u);
+  EXPECT_EQ(s.slab_count, 0u);
+  EXPECT_NE(s.last_fallback_reason.find("libmimalloc2"), std::string::npos) << s.last_fallback_reason;
+  EXPECT_NE(s.last_fallback_reason.find("libtidepool_test_no_such_mimalloc"), std::string::npos);
+  arena.deallocate(small);
+  arena.deallocate(large);
+  EXPECT_EQ(arena.stats().pageable_in_use_bytes, 0u);
+}
+
+TEST_P(HostArenaTest, MissingMimallocWithoutFallbackThrowsNamingThePackage) {
+  HostArena arena(backend(), options_with_mimalloc(kNoSuchMimalloc, /*allow_pageable_fallback=*/false));
+  try {
+    arena.allocate(4096);
+    FAIL() << "allocate without mimalloc and without the fallback must throw";
+  } catch (const HostArenaError& e) {
+    EXPECT_NE(std::string(e.what()).find("libmimalloc2"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(arena.stats().pinned_in_use_bytes, 0u);
+}
+
+TEST_P(HostArenaTest, ALibraryWithoutTheArenaApiIsRejected) {
+  // libc loads fine but has no mi_* functions: the reason names the missing one.
+  HostArena arena(backend(), options_with_mimalloc("libc.so.6"));
+  HostBlock b = arena.allocate(4096);
+  EXPECT_EQ(b.tier, HostTier::pageable);
+  EXPECT_NE(arena.stats().last_fallback_reason.find("mi_manage_os_memory_ex"), std::string::npos)
+      << arena.stats().last_fallback_reason;
+  arena.deallocate(b);
+}
+
 INSTANTIATE_TEST_SUITE_P(Backends, HostArenaTest, TIDEPOOL_TIERING_BACKENDS,
                          tiering_test::backend_name);
 

@@ -80,14 +80,13 @@ def preload_wheel_cudart() -> str | None:
     return None
 
 
-def _load_mode() -> int:
-    """Note [load mode]: libtidepool links Debian's libmimalloc.so.2, which exports
-    malloc/free/operator new/delete of its own. Measured with torch 2.11 + triton: loaded
-    RTLD_GLOBAL before torch (the start-up hook's case) all is well, and so is
-    RTLD_LOCAL after torch; the other two orders crash when triton's extension loads
-    (memory from one allocator freed by the other). Until libtidepool stops exporting an
-    allocator into the process, the mode follows the order."""
-    return ctypes.RTLD_LOCAL if "torch" in sys.modules else ctypes.RTLD_GLOBAL
+# Note [load mode]: RTLD_GLOBAL, whatever was imported before, so that the LD_PRELOAD
+# shim, libtidepool_pluggable.so and this package all see one libtidepool. That is safe
+# because libtidepool exports no allocator into the process: it does not link
+# Debian's malloc-overriding libmimalloc.so.2 but dlopen()s it RTLD_LOCAL for the pinned
+# host arena (tiering/host_arena.cpp). tests/python/test_load_order.py loads it before
+# and after torch, then imports triton, which is where two allocators used to crash.
+_LOAD_MODE = ctypes.RTLD_GLOBAL
 
 
 # name -> (restype, argtypes). Functions every build has.
@@ -130,7 +129,7 @@ def load() -> ctypes.CDLL:
         path = library_path()
         preload_wheel_cudart()
         try:
-            lib = ctypes.CDLL(path, mode=_load_mode())
+            lib = ctypes.CDLL(path, mode=_LOAD_MODE)
         except OSError as e:
             raise LibraryError(f"cannot load {path}: {e}") from e
         for name, (restype, argtypes) in _REQUIRED.items():
