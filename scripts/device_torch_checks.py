@@ -88,7 +88,10 @@ CHECKS = {
 
 def run(name):
     proc = subprocess.run([sys.executable, "-c", PRELUDE + CHECKS[name]], capture_output=True, text=True, timeout=300)
-    return proc.returncode, proc.stdout.strip(), proc.stderr.strip()[-800:]
+    err = proc.stderr.strip()[-1200:]
+    if proc.returncode != 0:
+        err = f"[exit {proc.returncode}] {err}"
+    return proc.returncode, proc.stdout.strip(), err
 
 
 def main():
@@ -99,18 +102,18 @@ def main():
     ok = True
     ref_rc, ref_out, _ = results["native-reference"]
     g_rc, g_out, g_err = results["global"]
-    same = g_rc == 0 and ref_rc == 0 and g_out.splitlines()[0] == ref_out.splitlines()[0]
+    same = g_rc == 0 and ref_rc == 0 and bool(g_out) and g_out.splitlines()[0] == ref_out.splitlines()[0]
     ok &= same
-    print(f"global   {'PASS' if same else 'FAIL'}  losses native={ref_out.splitlines()[:1]} tidepool={g_out.splitlines()[:1]} {g_err if g_rc else ''}")
+    print(f"global   {'PASS' if same else 'FAIL'}  losses native={ref_out.splitlines()[:1]} tidepool={g_out.splitlines()[:1]} {g_err if g_rc or not g_out else ''}")
     print("         " + "\n         ".join(g_out.splitlines()[1:]))
     p_rc, p_out, p_err = results["pool"]
     pool_ok = p_rc == 0 and "device_check_region" in p_out
     ok &= pool_ok
-    print(f"pool     {'PASS' if pool_ok else 'FAIL'}  {p_out[:700]} {p_err if p_rc else ''}")
+    print(f"pool     {'PASS' if pool_ok else 'FAIL'}  {p_out[:700]} {p_err if p_rc or not p_out else ''}")
     o_rc, o_out, o_err = results["oom"]
     oom_ok = o_rc == 0 and "EXC" in o_out and "ALIVE" in o_out
     ok &= oom_ok
-    print(f"oom      {'PASS' if oom_ok else 'FAIL'}  {o_out[:900]} {o_err if o_rc else ''}")
+    print(f"oom      {'PASS' if oom_ok else 'FAIL'}  {o_out[:900]} {o_err if o_rc or not o_out else ''}")
     return 0 if ok else 1
 
 
