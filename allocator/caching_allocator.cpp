@@ -373,6 +373,14 @@ void* CachingAllocator::allocate(std::size_t bytes, Stream stream) {
       return m.finish_allocation(b, bytes, tag);
     }
   }
+  // A request larger than the whole device can never be met: fail before asking the
+  // hooks to evict anything. (On the H200 a 1 PiB request once came back non-null from
+  // the segment path; this keeps such sizes away from it while that is investigated.)
+  if (m.device_total != 0 && size > m.device_total) {
+    std::lock_guard lock(m.mutex);
+    ++m.stats.oom_count;
+    throw OutOfMemoryError(m.oom_message(bytes, size, stream, 0, 0));
+  }
   // Reclaim hooks run without the lock: they free memory through this allocator.
   const detail::ReclaimResult reclaimed = detail::run_reclaim_hooks(m.device, size);
   std::string message;

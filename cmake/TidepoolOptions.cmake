@@ -3,6 +3,12 @@
 add_compile_options(
   "$<$<COMPILE_LANGUAGE:CXX>:-Wall;-Wextra;-Wshadow;-Wnon-virtual-dtor;-Wno-unused-parameter>")
 
+# Our shared libraries never re-export what they link from static archives. Some
+# toolchains (the H200 image's) link libstdc++ and librt statically here; exported, those
+# copies of __cxa_throw & co. get interposed by the process's libstdc++.so once torch is
+# loaded, and the first C++ exception thrown inside libtidepool crashed the process.
+set(CMAKE_SHARED_LINKER_FLAGS "${CMAKE_SHARED_LINKER_FLAGS} -Wl,--exclude-libs,ALL")
+
 if(TIDEPOOL_SANITIZE)
   message(STATUS "tidepool: sanitizers ${TIDEPOOL_SANITIZE}")
   add_compile_options("$<$<COMPILE_LANGUAGE:C,CXX>:-fsanitize=${TIDEPOOL_SANITIZE};-fno-omit-frame-pointer;-fno-sanitize-recover=all>")

@@ -13,7 +13,16 @@
 // VMM ranges lets the common case (no optimizer state yet, or a workspace pointer while
 // state exists) skip the lookup only while no range is live; otherwise
 // tidepool_vmm_owns answers (one map lookup in the tiering layer).
+//
+// Note [OOM into PyTorch]: PyTorch's CUDAPluggableAllocator does not check the pointer
+// its malloc returns, so a NULL would become a tensor over address 0 (seen on the H200:
+// torch.empty of 1 PiB "succeeded"). These entry points are called only by PyTorch's
+// C++ code, never through a C caller, so a failed allocation throws a C++ exception
+// with tidepool's message instead; PyTorch turns it into a Python RuntimeError and the
+// process lives on. C callers keep using tidepool_malloc, which returns NULL.
 #include <atomic>
+#include <stdexcept>
+#include <string>
 
 #include "allocator/c_api.h"
 #include "allocator/export.h"
@@ -43,7 +52,15 @@ TIDEPOOL_API void* tidepool_pluggable_malloc(ssize_t size, int device, void* str
     // free cached blocks, evict cold state) may still find room; the block then is not
     // migratable, which costs memory later, not correctness.
   }
-  return tidepool_malloc(size, device, stream);
+  void* p = tidepool_malloc(size, device, stream);
+  if (p == nullptr && size > 0) {  // Note [OOM into PyTorch]
+    const char* why = tidepool_last_error();
+    throw std::runtime_error(why != nullptr && why[0] != '\0'
+                                 ? std::string(why)
+                                 : "tidepool: allocation of " + std::to_string(size) +
+                                       " bytes failed on device " + std::to_string(device));
+  }
+  return p;
 }
 
 TIDEPOOL_API void tidepool_pluggable_free(void* ptr, size_t size, int device, void* stream) {

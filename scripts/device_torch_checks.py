@@ -16,11 +16,15 @@ import sys
 import textwrap
 
 LIB = os.environ.get("TIDEPOOL_LIBRARY", "")
+# The malloc/free pair the Python package hands to PyTorch (preload/pluggable_entry.cpp):
+# it throws on OOM, since PyTorch does not check for NULL (Note [OOM into PyTorch]).
+ROUTER = os.environ.get("TIDEPOOL_PLUGGABLE", "")
 
 PRELUDE = textwrap.dedent(
     f"""
     import ctypes, json, torch
     LIB = {LIB!r}
+    ROUTER = {ROUTER!r}
     lib = ctypes.CDLL(LIB)
     lib.tidepool_snapshot_json.restype = ctypes.c_void_p
     lib.tidepool_last_error.restype = ctypes.c_char_p
@@ -71,7 +75,7 @@ CHECKS = {
     ),
     "oom": textwrap.dedent(
         """
-        alloc = torch.cuda.memory.CUDAPluggableAllocator(LIB, "tidepool_malloc", "tidepool_free")
+        alloc = torch.cuda.memory.CUDAPluggableAllocator(ROUTER, "tidepool_pluggable_malloc", "tidepool_pluggable_free")
         torch.cuda.memory.change_current_allocator(alloc)
         keep = torch.empty(1 << 20, device="cuda")
         try:
@@ -111,7 +115,7 @@ def main():
     ok &= pool_ok
     print(f"pool     {'PASS' if pool_ok else 'FAIL'}  {p_out[:700]} {p_err if p_rc or not p_out else ''}")
     o_rc, o_out, o_err = results["oom"]
-    oom_ok = o_rc == 0 and "EXC" in o_out and "ALIVE" in o_out
+    oom_ok = o_rc == 0 and o_out.startswith("EXC ") and "ALIVE" in o_out
     ok &= oom_ok
     print(f"oom      {'PASS' if oom_ok else 'FAIL'}  {o_out[:900]} {o_err if o_rc or not o_out else ''}")
     return 0 if ok else 1
