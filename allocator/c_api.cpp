@@ -4,8 +4,12 @@
 // a C caller. Failures return NULL / -1 and leave a message in a thread-local last-error
 // string; misuse (bad pointer, double free, wrong size or device, bad tag calls) also
 // prints one line on stderr, because a caller of tidepool_free (void) cannot see a status.
-// Out-of-memory is reported only through the return value and the last error: PyTorch
-// turns the NULL into torch.OutOfMemoryError and the Python package attaches our message.
+// Out-of-memory is reported only through the return value and the last error, except in
+// tidepool_pytorch_malloc, which throws (Note [OOM into PyTorch] in c_api.h).
+//
+// tidepool_malloc / tidepool_free / tidepool_record_stream first offer the request to the
+// tier route (tier_routing.h, Note [tier route]): tierable tags above the size threshold
+// go to the tiering layer's pointer-stable ranges, the rest to the caching allocator.
 #include "allocator/c_api.h"
 
 #include <algorithm>
@@ -14,10 +18,12 @@
 #include <cstdlib>
 #include <cstring>
 #include <exception>
+#include <stdexcept>
 #include <string>
 
 #include "allocator/device_registry.h"
 #include "allocator/tags.h"
+#include "allocator/tier_routing.h"
 
 namespace {
 
@@ -54,6 +60,8 @@ int owning_device(const void* ptr) {
 
 }  // namespace
 
+void tidepool::set_last_error(std::string_view message) { t_last_error.assign(message); }
+
 extern "C" {
 
 void* tidepool_malloc(ssize_t size, int device, void* stream) {
@@ -66,17 +74,20 @@ void* tidepool_malloc(ssize_t size, int device, void* stream) {
     return nullptr;
   }
   return guarded<void*>(nullptr, [&] {
-    return tidepool::device_allocator(device).allocate(static_cast<std::size_t>(size),
-                                                       tidepool::Stream{stream});
+    const auto bytes = static_cast<std::size_t>(size);
+    if (void* routed = tidepool::detail::route_allocate(bytes, device, stream)) return routed;
+    return tidepool::device_allocator(device).allocate(bytes, tidepool::Stream{stream});
   });
 }
 
 void tidepool_free(void* ptr, size_t size, int device, void* stream) {
   if (ptr == nullptr) return;
   guarded<int>(-1, [&] {
+    if (tidepool::detail::route_free(ptr, size, device, /*always_ask=*/false)) return 0;
     try {
       tidepool::device_allocator(device).deallocate(ptr, size, tidepool::Stream{stream});
     } catch (const tidepool::AllocatorUsageError&) {
+      if (tidepool::detail::route_free(ptr, size, device, /*always_ask=*/true)) return 0;
       const int owner = owning_device(ptr);
       if (owner < 0 || owner == device) throw;
       throw tidepool::AllocatorUsageError(
@@ -87,9 +98,28 @@ void tidepool_free(void* ptr, size_t size, int device, void* stream) {
   });
 }
 
+void* tidepool_pytorch_malloc(ssize_t size, int device, void* stream) {
+  void* p = tidepool_malloc(size, device, stream);
+  if (p == nullptr && size != 0) {  // Note [OOM into PyTorch]
+    if (!t_last_error.empty()) throw std::runtime_error(t_last_error);
+    throw std::runtime_error("tidepool: allocation of " + std::to_string(size) +
+                             " bytes failed on device " + std::to_string(device));
+  }
+  return p;
+}
+
+void tidepool_pytorch_free(void* ptr, size_t size, int device, void* stream) {
+  tidepool_free(ptr, size, device, stream);
+}
+
 int tidepool_record_stream(void* ptr, int device, void* stream) {
   return guarded(-1, [&] {
-    tidepool::device_allocator(device).record_stream(ptr, tidepool::Stream{stream});
+    if (tidepool::detail::route_record_stream(ptr, device, stream, /*always_ask=*/false)) return 0;
+    try {
+      tidepool::device_allocator(device).record_stream(ptr, tidepool::Stream{stream});
+    } catch (const tidepool::AllocatorUsageError&) {
+      if (!tidepool::detail::route_record_stream(ptr, device, stream, /*always_ask=*/true)) throw;
+    }
     return 0;
   });
 }

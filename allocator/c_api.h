@@ -3,15 +3,26 @@
  * cudaStream_t on the cuda backend).
  *
  * tidepool_malloc / tidepool_free have exactly the signatures
- * torch.cuda.memory.CUDAPluggableAllocator expects.
+ * torch.cuda.memory.CUDAPluggableAllocator expects. Both route: an allocation under a
+ * tierable tag (optimizer_state) of at least tidepool.tier_min_bytes becomes a
+ * pointer-stable range the tiering layer can move between device and host memory;
+ * everything else is the caching allocator's (Note [tier route] in tier_routing.h).
  *
- * Errors never cross this boundary as C++ exceptions. A failing call returns NULL (or a
- * negative status) and leaves a message for tidepool_last_error() on the calling thread.
- * Note [OOM across the C ABI]: PyTorch's pluggable allocator treats a NULL from
- * malloc as out-of-memory and raises torch.OutOfMemoryError in the caller; tidepool
- * therefore returns NULL only for a real OOM (after its whole OOM policy ran) and for
- * invalid requests, and its message is available through tidepool_last_error() so the
- * Python package can attach it to the exception.
+ * Errors never cross this boundary as C++ exceptions, with one deliberate exception:
+ * tidepool_pytorch_malloc (Note [OOM into PyTorch]). A failing call returns NULL (or a
+ * negative status) and leaves a message for tidepool_last_error() on the calling thread;
+ * the tiering C ABI (tiering/c_api_tiering.h) reports into the same slot.
+ * Note [OOM across the C ABI]: tidepool_malloc returns NULL only for a real OOM (after
+ * its whole OOM policy ran) and for invalid requests, with its message in
+ * tidepool_last_error().
+ *
+ * Note [OOM into PyTorch]: PyTorch's CUDAPluggableAllocator does not check the pointer
+ * its malloc returns, so a NULL would become a tensor over address 0 (seen on the H200:
+ * torch.empty of 1 PiB "succeeded"). tidepool_pytorch_malloc is called only by
+ * PyTorch's C++ code, never by a C caller, so where tidepool_malloc would return NULL it
+ * throws a std::runtime_error carrying tidepool's message instead; PyTorch turns it into
+ * a Python RuntimeError and the process lives on. Hand PyTorch the pair
+ * tidepool_pytorch_malloc / tidepool_pytorch_free; C callers use tidepool_malloc.
  *
  * Thread-safety: every function may be called from any thread.
  */
@@ -31,6 +42,11 @@ extern "C" {
 /* ---- pluggable allocator entry points ------------------------------------------ */
 TIDEPOOL_API void* tidepool_malloc(ssize_t size, int device, void* stream);
 TIDEPOOL_API void tidepool_free(void* ptr, size_t size, int device, void* stream);
+/* For torch.cuda.memory.CUDAPluggableAllocator (and LibTorch's createCustomAllocator):
+ * tidepool_malloc, except that a failure throws (Note [OOM into PyTorch]); never call it
+ * from C. tidepool_pytorch_free is tidepool_free. */
+TIDEPOOL_API void* tidepool_pytorch_malloc(ssize_t size, int device, void* stream);
+TIDEPOOL_API void tidepool_pytorch_free(void* ptr, size_t size, int device, void* stream);
 /* Marks `ptr` as used on `stream` too: it is not reused until that stream's work
  * enqueued before the free has finished. */
 TIDEPOOL_API int tidepool_record_stream(void* ptr, int device, void* stream);
@@ -116,7 +132,15 @@ TIDEPOOL_API int tidepool_set_backend(const char* name);
 TIDEPOOL_API const char* tidepool_backend_name(int device);
 
 #ifdef __cplusplus
-}
+}  /* extern "C" */
+
+#include <string_view>
+
+namespace tidepool {
+/* The calling thread's tidepool_last_error() slot, for the other C ABIs of libtidepool
+ * (tiering/c_api_tiering.cpp), so that a caller reads every error in one place. */
+TIDEPOOL_API void set_last_error(std::string_view message);
+}  // namespace tidepool
 #endif
 
 #endif /* TIDEPOOL_C_API_H */

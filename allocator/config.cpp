@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "allocator/c_api.h"
+#include "allocator/tier_routing.h"
 
 namespace tidepool {
 
@@ -81,6 +82,7 @@ struct KeySpec {
 
 struct InvalidChoice {};
 
+
 template <typename T>
 T pick(std::string_view value, std::initializer_list<std::pair<std::string_view, T>> choices) {
   for (const auto& [name, result] : choices) {
@@ -118,6 +120,10 @@ const std::vector<KeySpec>& key_specs() {
       {"tidepool.optimizer_hooks", "on, off",
        [](Config& c, std::string_view v) {
          c.optimizer_hooks = pick<bool>(v, {{"on", true}, {"off", false}});
+       }},
+      {"tidepool.tier_min_bytes", "a byte count with an optional unit, e.g. 0, 1MiB, 262144",
+       [](Config& c, std::string_view v) {
+         c.tier_min_bytes = parse_byte_count("tidepool.tier_min_bytes", v);
        }},
   };
   return specs;
@@ -196,10 +202,16 @@ std::uint64_t Budget::resolve(std::uint64_t total, std::uint64_t when_unset) con
   return when_unset;
 }
 
-Budget parse_budget(std::string_view key, std::string_view value) {
-  constexpr std::string_view allowed =
-      "a byte count with an optional unit (B, KiB, MiB, GiB, TiB, KB, MB, GB, TB), e.g. 4GiB, "
-      "or a percentage, e.g. 25%";
+namespace {
+
+// A SIZE of Note [tidepool keys]; a percentage only when `allow_percent`.
+Budget parse_size(std::string_view key, std::string_view value, bool allow_percent) {
+  const std::string_view allowed =
+      allow_percent
+          ? "a byte count with an optional unit (B, KiB, MiB, GiB, TiB, KB, MB, GB, TB), e.g. "
+            "4GiB, or a percentage, e.g. 25%"
+          : "a byte count with an optional unit (B, KiB, MiB, GiB, TiB, KB, MB, GB, TB), e.g. "
+            "1MiB; not a percentage";
   const std::string text(trim(value));
   // The number: digits with an optional fraction. strtod alone would accept "inf",
   // "0x10" and leading signs, none of which is a size.
@@ -215,6 +227,7 @@ Budget parse_budget(std::string_view key, std::string_view value) {
   const std::string_view unit = std::string_view(text).substr(i);
 
   if (unit == "%") {
+    if (!allow_percent) bad_value("", key, value, allowed);
     if (!(number > 0.0 && number <= 100.0)) {
       throw ConfigError(std::string(key) + ": '" + std::string(value) +
                         "' is out of range; a percentage must be in (0%, 100%]");
@@ -244,6 +257,16 @@ Budget parse_budget(std::string_view key, std::string_view value) {
     return Budget{Budget::Kind::bytes, static_cast<std::uint64_t>(bytes), 0.0};
   }
   bad_value("", key, value, allowed);
+}
+
+}  // namespace
+
+Budget parse_budget(std::string_view key, std::string_view value) {
+  return parse_size(key, value, /*allow_percent=*/true);
+}
+
+std::uint64_t parse_byte_count(std::string_view key, std::string_view value) {
+  return parse_size(key, value, /*allow_percent=*/false).bytes;
 }
 
 // ---- claiming -------------------------------------------------------------------------
@@ -328,6 +351,7 @@ std::string config_to_json(const Config& c) {
   out += std::string(R"(,"log":")") + log_name(c.log) + '"';
   out += std::string(R"(,"device_backend":")") + backend_choice_name(c.device_backend) + '"';
   out += std::string(R"(,"optimizer_hooks":)") + (c.optimizer_hooks ? "true" : "false");
+  out += R"(,"tier_min_bytes":)" + std::to_string(c.tier_min_bytes);
   out += '}';
   return out;
 }
@@ -349,6 +373,7 @@ void apply_config(const Config& config) {
   }
   std::lock_guard lock(active_mutex());
   active_storage() = config;
+  set_tier_min_bytes(static_cast<std::size_t>(config.tier_min_bytes));
 }
 
 Config active_config() {

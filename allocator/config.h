@@ -22,6 +22,12 @@
 //                                    present); host serves "device" memory from host RAM
 //   tidepool.optimizer_hooks:on|off  tag optimizer state created in torch.optim step()
 //                                    and prefetch/evict it around each step (default on)
+//   tidepool.tier_min_bytes:BYTES    optimizer-state allocations smaller than this stay
+//                                    in the caching allocator instead of a pointer-stable,
+//                                    migratable range (default 1MiB; 0 routes every size;
+//                                    see kDefaultTierMinBytes, Note [tier route] in
+//                                    tier_routing.h)
+// BYTES is a byte count with an optional unit as below (no percentage).
 // SIZE is a byte count with an optional unit — B, KiB, MiB, GiB, TiB (powers of 1024) or
 // KB, MB, GB, TB (powers of 1000), e.g. 4GiB, 1.5GiB, 65536 — or a percentage of the
 // memory it budgets (device memory for state_budget, host RAM for pinned_budget), e.g. 25%.
@@ -64,6 +70,14 @@ struct TIDEPOOL_API Budget {
   friend bool operator==(const Budget&, const Budget&) = default;
 };
 
+// 1 MiB: a routed range is whole 2 MiB granules, so a request of s bytes occupies
+// ceil(s / 2 MiB) granules. For s >= 1 MiB the rounding at most doubles the footprint (the
+// worst case, s just above a granule boundary, wastes < s); below 1 MiB the waste grows
+// without bound (a 4 KiB bias would take 2 MiB, 512x). Tensors under 1 MiB are biases and
+// norm weights, a small fraction of any model's optimizer state, so leaving them on the
+// device costs less than rounding them up and moving each of them every step.
+inline constexpr std::uint64_t kDefaultTierMinBytes = std::uint64_t{1} << 20;
+
 struct Config {
   bool enabled = false;  // backend:tidepool or any tidepool.* key was named
   Mode mode = Mode::global;
@@ -72,6 +86,7 @@ struct Config {
   LogLevel log = LogLevel::warn;
   DeviceBackendChoice device_backend = DeviceBackendChoice::automatic;
   bool optimizer_hooks = true;
+  std::uint64_t tier_min_bytes = kDefaultTierMinBytes;
   friend bool operator==(const Config&, const Config&) = default;
 };
 
@@ -98,10 +113,13 @@ TIDEPOOL_API std::string config_to_json(const Config& config);
 
 // Parses a SIZE value (see Note [tidepool keys]); throws ConfigError naming `key`.
 TIDEPOOL_API Budget parse_budget(std::string_view key, std::string_view value);
+// Parses a BYTES value (a SIZE without percentage); throws ConfigError naming `key`.
+TIDEPOOL_API std::uint64_t parse_byte_count(std::string_view key, std::string_view value);
 
 // Makes `config` the active configuration of this process: selects the backend (throws
-// ConfigError when an allocator already exists with another backend) and stores the
-// budgets and log level for the tiering layer to read through active_config().
+// ConfigError when an allocator already exists with another backend), sets the tier
+// route's size threshold (tier_routing.h), and stores the budgets and log level for the
+// tiering layer to read through active_config().
 TIDEPOOL_API void apply_config(const Config& config);
 
 // The configuration last applied (a default, disabled Config before any).

@@ -1,16 +1,45 @@
-// The configured memory budgets in bytes, for the tiering layer: tidepool.state_budget
-// (device memory optimizer state may keep between steps) and tidepool.pinned_budget
-// (pinned host memory), see Note [tidepool keys] in config.h. A percentage is resolved
-// against the device's total memory (Backend::mem_info) or the host's physical RAM.
+// What the allocator layer knows about tiering, without calling it (layers point down):
 //
-// The tiering objects (TieredStore, HostArena) take these as their defaults; an explicit
-// option of theirs wins. "nullopt" means the configuration sets no budget, so the caller
-// keeps its own default.
+//  - The tier route: the hook through which the tiering layer takes over allocations
+//    under tierable tags (optimizer_state) at or above tidepool.tier_min_bytes, so that
+//    tidepool_malloc / tidepool_free (allocator/c_api.h) serve them from pointer-stable,
+//    migratable ranges. See Note [tier route].
+//  - The configured memory budgets in bytes: tidepool.state_budget (device memory
+//    optimizer state may keep) and tidepool.pinned_budget (pinned host memory), see
+//    Note [tidepool keys] in config.h. A percentage is resolved against the device's
+//    total memory (Backend::mem_info) or the host's physical RAM. The tiering objects
+//    (TieredStore, HostArena, the tag prefetch of the tiering C ABI) take these as their
+//    defaults; an explicit option of theirs wins. "nullopt" means the configuration sets
+//    no budget, so the caller keeps its own default.
 //
-// Thread-safety: pure functions of their arguments (and, for host RAM, of sysconf).
+// Note [tier route]
+//   The tiering layer registers one TierRoute (tiering/tiering_registry.cpp, from a
+//   static initializer of libtidepool.so). Registration from a static initializer is
+//   robust to load order: the route slot here is a constant-initialized atomic pointer,
+//   so it is valid before any dynamic initializer runs, and the loader runs every
+//   initializer of libtidepool.so before dlopen() returns or main() starts, i.e. before
+//   anyone can call tidepool_malloc. Registering when the configuration is applied
+//   instead would leave C++ users who never apply one (tests, trainers that link
+//   tidepool directly) without routing, and would make the allocator depend on the
+//   order of set-up calls.
+//   A request is routed when the route exists, the calling thread's tag is in
+//   route.tags, and the size is >= tier_min_bytes() (tidepool.tier_min_bytes, default
+//   kDefaultTierMinBytes in config.h). If the route declines (no device memory for a
+//   fresh range) or fails, the caching allocator serves the request: such a block is not
+//   migratable, which costs device memory later, not correctness.
+//   The free side asks the route whether it owns the pointer only while the route has
+//   live ranges (a counter here) and the size handed back is at least tier_min_bytes(),
+//   so frees of small blocks, and all frees before any optimizer state exists, cost
+//   nothing extra. A pointer the caching allocator rejects is offered to the route as
+//   well, so both shortcuts are optimisations, never a source of truth (a range routed
+//   under an older, lower threshold, or made by the tiering C ABI, is still found).
+//
+// Thread-safety: every function may be called from any thread; the budget functions are
+// pure functions of their arguments (and, for host RAM, of sysconf).
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <optional>
 
 #include "allocator/backend.h"
@@ -18,6 +47,49 @@
 #include "allocator/export.h"
 
 namespace tidepool {
+
+// ---- the tier route --------------------------------------------------------------------
+
+// Callbacks of the layer that serves tierable allocations. All four are required; each
+// may throw (the C ABI turns exceptions into its error slot).
+struct TierRoute {
+  std::uint64_t tags = 0;  // bit t set: allocations under tag t are routed
+  // A range of at least `bytes` on `device`, usable on `stream`; nullptr when the device
+  // has no memory for it (the caching allocator is tried next).
+  void* (*allocate)(std::size_t bytes, int device, int tag, void* stream) = nullptr;
+  // Whether `ptr` is the base of a live range of the route on `device`.
+  bool (*owns)(const void* ptr, int device) = nullptr;
+  void (*deallocate)(void* ptr, int device) = nullptr;
+  // Work on `stream` uses `ptr`: the range is not moved or released before it finishes.
+  void (*record_stream)(void* ptr, int device, void* stream) = nullptr;
+};
+
+// Installs `route` (static storage; not copied). Registering the same route again is a
+// no-op; a different one throws std::logic_error (one tiering layer per process).
+// Throws std::invalid_argument when a callback is missing.
+TIDEPOOL_API void register_tier_route(const TierRoute* route);
+// The route, or nullptr before registration.
+TIDEPOOL_API const TierRoute* tier_route() noexcept;
+
+// tidepool.tier_min_bytes as applied (apply_config sets it; kDefaultTierMinBytes before).
+TIDEPOOL_API void set_tier_min_bytes(std::size_t bytes) noexcept;
+TIDEPOOL_API std::size_t tier_min_bytes() noexcept;
+
+namespace detail {
+// For allocator/c_api.cpp. route_allocate: a routed allocation of `bytes` for the
+// calling thread's tag, or nullptr when the request is not routed or the route declined
+// or failed (then the caching allocator serves it; a failure is reported on stderr once
+// per process). route_free / route_record_stream: true when the route owned `ptr` and
+// handled it; `always_ask` skips the shortcuts of the Note (for pointers the caching
+// allocator rejected). `size` is the size the caller hands back on free.
+void* route_allocate(std::size_t bytes, int device, void* stream);
+bool route_free(void* ptr, std::size_t size, int device, bool always_ask);
+bool route_record_stream(void* ptr, int device, void* stream, bool always_ask);
+// Live ranges handed out through route_allocate and not yet freed.
+std::size_t routed_live_ranges() noexcept;
+}  // namespace detail
+
+// ---- budgets ---------------------------------------------------------------------------
 
 // Physical RAM of this machine in bytes (sysconf); throws std::runtime_error when the
 // system does not say.

@@ -12,7 +12,8 @@
 //     tidepool keys and rewrites the variables for PyTorch. A bad key stops the program
 //     with the parser's message (exit status 2). Preloading the shim is itself the request to use
 //     tidepool, so backend:tidepool need not be named.
-//   - cudaMalloc → tidepool_malloc on the current device; the shim remembers each
+//   - cudaMalloc → tidepool_malloc on the current device (which routes optimizer state,
+//     when a caller tags it, to pointer-stable ranges itself); the shim remembers each
 //     pointer with its size and device, because cudaFree gives neither. cudaFree of a
 //     remembered pointer synchronises the device first (cudaFree's own contract, which
 //     callers rely on) and → tidepool_free; any other pointer goes to the real cudaFree.

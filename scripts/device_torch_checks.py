@@ -16,9 +16,9 @@ import sys
 import textwrap
 
 LIB = os.environ.get("TIDEPOOL_LIBRARY", "")
-# The malloc/free pair the Python package hands to PyTorch (preload/pluggable_entry.cpp):
+# The malloc/free pair the Python package hands to PyTorch lives in libtidepool itself:
 # it throws on OOM, since PyTorch does not check for NULL (Note [OOM into PyTorch]).
-ROUTER = os.environ.get("TIDEPOOL_PLUGGABLE", "")
+ROUTER = LIB
 
 PRELUDE = textwrap.dedent(
     f"""
@@ -75,7 +75,7 @@ CHECKS = {
     ),
     "oom": textwrap.dedent(
         """
-        alloc = torch.cuda.memory.CUDAPluggableAllocator(ROUTER, "tidepool_pluggable_malloc", "tidepool_pluggable_free")
+        alloc = torch.cuda.memory.CUDAPluggableAllocator(ROUTER, "tidepool_pytorch_malloc", "tidepool_pytorch_free")
         torch.cuda.memory.change_current_allocator(alloc)
         keep = torch.empty(1 << 20, device="cuda")
         try:

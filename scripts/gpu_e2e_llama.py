@@ -24,9 +24,8 @@ Usage: python scripts/gpu_e2e_llama.py [--steps 6] [--layers 22] [--out results.
 The package must be installed (`pip install ./python`), or, from a build tree:
   cmake -S . -B build-gpu -DTIDEPOOL_WITH_TORCH=OFF -DTIDEPOOL_BUILD_TESTS=OFF \
         -DTIDEPOOL_BUILD_BENCH=OFF -DTIDEPOOL_BUILD_EXAMPLES=OFF
-  cmake --build build-gpu -j16 --target tidepool tidepool_pluggable tidepool_preload
+  cmake --build build-gpu -j16 --target tidepool tidepool_preload
   TIDEPOOL_LIBRARY=build-gpu/allocator/libtidepool.so \
-  TIDEPOOL_PLUGGABLE_LIBRARY=build-gpu/preload/libtidepool_pluggable.so \
   TIDEPOOL_PRELOAD_LIBRARY=build-gpu/preload/libtidepool_preload.so \
   PYTHONPATH=python/src python scripts/gpu_e2e_llama.py --out e2e.json
 (the workers then run the .pth hook's import themselves). transformers must be

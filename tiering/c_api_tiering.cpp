@@ -1,13 +1,30 @@
 // The tiering C ABI (c_api_tiering.h): thin wrappers over the device's VmmPool and
 // tiered stores (tiering_registry.h) that turn exceptions into status codes and a
-// thread-local message.
+// message in the allocator's thread-local error slot (tidepool_last_error), so that a
+// caller of both C ABIs reads every error in one place.
+//
+// Note [prefetch within the state budget]
+//   tidepool.state_budget is the device memory optimizer state may occupy. The VmmPool
+//   enforces it on every migration towards the device (Note [VMM device budget] in
+//   vmm_migration.h: a chunk that would take the pool's device-backed bytes over the
+//   budget stays host-backed, where kernels still reach it through the same pointer,
+//   only over the link). What this file adds is the order: a tag prefetch walks the
+//   tag's ranges oldest first (tiering_registry.h: the order the optimizer created and
+//   then walks its state), so when the budget cuts, it is the state used first that is
+//   on the device; and it adds up the bytes left on the host for the caller. With no
+//   configured budget (tidepool not enabled by a configuration) everything comes back.
+//   Tiered stores apply their own device budget (TieredStore's device_budget_bytes,
+//   which defaults to the same key).
 #include "tiering/c_api_tiering.h"
 
+#include <algorithm>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <exception>
 #include <string>
 
+#include "allocator/c_api.h"
 #include "tiering/stats_json.h"
 #include "tiering/tiered_store.h"
 #include "tiering/tiering_registry.h"
@@ -15,23 +32,30 @@
 
 namespace {
 
-thread_local std::string t_last_error;
-
 // Runs `fn`, mapping exceptions to `on_error` and the thread's last error message.
 template <typename Fn, typename R>
 R guarded(const char* what, R on_error, Fn&& fn) {
   try {
-    t_last_error.clear();
     return fn();
   } catch (const std::exception& e) {
-    t_last_error = std::string(what) + ": " + e.what();
+    tidepool::set_last_error(std::string(what) + ": " + e.what());
   } catch (...) {
-    t_last_error = std::string(what) + ": unknown error";
+    tidepool::set_last_error(std::string(what) + ": unknown error");
   }
   return on_error;
 }
 
 tidepool::Stream as_stream(void* s) { return tidepool::Stream{s}; }
+
+// Note [prefetch within the state budget]. Returns the bytes of the tag's ranges left
+// host-backed by the budget.
+std::uint64_t prefetch_ranges_within_budget(int device, int tag) {
+  tidepool::VmmPool& pool = tidepool::tiering_vmm_pool(device);
+  std::uint64_t left_on_host = 0;
+  for (void* p : tidepool::tierable_ranges(device, tag))
+    left_on_host += pool.migrate(p, tidepool::MemoryLocation::device).bytes_left;
+  return left_on_host;
+}
 
 }  // namespace
 
@@ -40,12 +64,12 @@ using tidepool::TieredStore;
 
 extern "C" {
 
-void* tidepool_vmm_malloc(size_t size, int device, int tag, void* /*stream*/) {
+void* tidepool_vmm_malloc(size_t size, int device, int tag, void* stream) {
   return guarded("tidepool_vmm_malloc", static_cast<void*>(nullptr), [&]() -> void* {
-    void* p = tidepool::tiering_vmm_pool(device).allocate(size, tag, MemoryLocation::device);
+    void* p = tidepool::allocate_tierable_range(device, size, tag, as_stream(stream));
     if (p == nullptr) {
-      t_last_error = "tidepool_vmm_malloc: device " + std::to_string(device) +
-                     " is out of memory for " + std::to_string(size) + " bytes";
+      tidepool::set_last_error("tidepool_vmm_malloc: device " + std::to_string(device) +
+                               " is out of memory for " + std::to_string(size) + " bytes");
     }
     return p;
   });
@@ -53,7 +77,7 @@ void* tidepool_vmm_malloc(size_t size, int device, int tag, void* /*stream*/) {
 
 int tidepool_vmm_free(void* ptr, int device) {
   return guarded("tidepool_vmm_free", -1, [&] {
-    if (ptr != nullptr) tidepool::tiering_vmm_pool(device).deallocate(ptr);
+    if (ptr != nullptr) tidepool::free_tierable_range(device, ptr);
     return 0;
   });
 }
@@ -78,13 +102,20 @@ int tidepool_evict_tag(int device, int tag) {
   });
 }
 
-int tidepool_prefetch_tag(int device, int tag, void* stream) {
+int tidepool_prefetch_tag_within_budget(int device, int tag, void* stream,
+                                        uint64_t* bytes_left_on_host) {
   return guarded("tidepool_prefetch_tag", -1, [&] {
-    tidepool::tiering_vmm_pool(device).migrate_tag(tag, MemoryLocation::device);
+    if (bytes_left_on_host != nullptr) *bytes_left_on_host = 0;
+    const std::uint64_t left = prefetch_ranges_within_budget(device, tag);
     tidepool::for_each_tiered_store(device,
                                     [&](TieredStore& s) { s.prefetch_tag(tag, as_stream(stream)); });
+    if (bytes_left_on_host != nullptr) *bytes_left_on_host = left;
     return 0;
   });
+}
+
+int tidepool_prefetch_tag(int device, int tag, void* stream) {
+  return tidepool_prefetch_tag_within_budget(device, tag, stream, nullptr);
 }
 
 int tidepool_evict_ptr(int device, void* ptr) {
@@ -103,49 +134,55 @@ int tidepool_prefetch_ptr(int device, void* ptr, void* /*stream*/) {
 
 int tidepool_get_tiering_stats_v1(int device, tidepool_tiering_stats_v1* out) {
   return guarded("tidepool_get_tiering_stats_v1", -1, [&] {
-    if (out == nullptr || out->struct_size < sizeof(tidepool_tiering_stats_v1)) {
-      throw tidepool::TieringError("out is NULL or out->struct_size is too small");
+    if (out == nullptr || out->struct_size < TIDEPOOL_TIERING_STATS_V1_MIN_SIZE) {
+      throw tidepool::TieringError("out is NULL or out->struct_size is less than " +
+                                   std::to_string(TIDEPOOL_TIERING_STATS_V1_MIN_SIZE));
     }
-    const uint32_t size = out->struct_size;
-    std::memset(out, 0, sizeof *out);
-    out->struct_size = size;
-    out->version = 1;
-    out->device = device;
+    // Filled in full here; the caller gets the prefix its struct_size covers.
+    const uint32_t size = std::min<uint32_t>(out->struct_size, sizeof(tidepool_tiering_stats_v1));
+    tidepool_tiering_stats_v1 full{};
+    full.version = 1;
+    full.device = device;
     tidepool::for_each_tiered_store(device, [&](TieredStore& store) {
       const tidepool::TieredStoreStats s = store.stats();
-      out->stores++;
-      out->h2d_bytes += s.copy.h2d.bytes;
-      out->d2h_bytes += s.copy.d2h.bytes;
-      out->h2d_busy_ms += s.copy.h2d.busy_ms;
-      out->d2h_busy_ms += s.copy.d2h.busy_ms;
-      out->exposed_wait_ms += s.copy.exposed_wait_ms;
-      out->hidden_ms += s.copy.hidden_ms();
-      out->device_bytes += s.device_bytes;
-      out->device_budget_bytes += s.device_budget_bytes;
-      out->acquires += s.acquires;
-      out->prefetch_issued += s.prefetch_issued;
-      out->prefetch_hits += s.prefetch_hits;
-      out->prefetch_late += s.prefetch_late;
-      out->misses += s.misses;
-      out->prefetch_skipped += s.prefetch_skipped;
-      out->evictions += s.evictions;
-      out->evictions_clean += s.evictions_clean;
-      out->reclaim_calls += s.reclaim_calls;
-      out->reclaimed_bytes += s.reclaimed_bytes;
-      out->pinned_host_bytes += s.host.pinned_in_use_bytes;
-      out->pageable_host_bytes += s.host.pageable_in_use_bytes;
-      out->pageable_fallbacks += s.host.pageable_allocs;
+      full.stores++;
+      full.h2d_bytes += s.copy.h2d.bytes;
+      full.d2h_bytes += s.copy.d2h.bytes;
+      full.h2d_busy_ms += s.copy.h2d.busy_ms;
+      full.d2h_busy_ms += s.copy.d2h.busy_ms;
+      full.exposed_wait_ms += s.copy.exposed_wait_ms;
+      full.hidden_ms += s.copy.hidden_ms();
+      full.device_bytes += s.device_bytes;
+      full.device_budget_bytes += s.device_budget_bytes;
+      full.acquires += s.acquires;
+      full.prefetch_issued += s.prefetch_issued;
+      full.prefetch_hits += s.prefetch_hits;
+      full.prefetch_late += s.prefetch_late;
+      full.misses += s.misses;
+      full.prefetch_skipped += s.prefetch_skipped;
+      full.evictions += s.evictions;
+      full.evictions_clean += s.evictions_clean;
+      full.reclaim_calls += s.reclaim_calls;
+      full.reclaimed_bytes += s.reclaimed_bytes;
+      full.pinned_host_bytes += s.host.pinned_in_use_bytes;
+      full.pageable_host_bytes += s.host.pageable_in_use_bytes;
+      full.pageable_fallbacks += s.host.pageable_allocs;
     });
-    if (out->h2d_busy_ms > 0) out->h2d_gb_per_s = double(out->h2d_bytes) / (out->h2d_busy_ms * 1e6);
-    if (out->d2h_busy_ms > 0) out->d2h_gb_per_s = double(out->d2h_bytes) / (out->d2h_busy_ms * 1e6);
+    if (full.h2d_busy_ms > 0) full.h2d_gb_per_s = double(full.h2d_bytes) / (full.h2d_busy_ms * 1e6);
+    if (full.d2h_busy_ms > 0) full.d2h_gb_per_s = double(full.d2h_bytes) / (full.d2h_busy_ms * 1e6);
     const tidepool::VmmStats v = tidepool::tiering_vmm_pool(device).stats();
-    out->vmm_ranges = v.ranges;
-    out->vmm_device_bytes = v.device_backed_bytes;
-    out->vmm_host_bytes = v.host_backed_bytes;
-    out->vmm_bytes_to_host = v.bytes_to_host;
-    out->vmm_bytes_to_device = v.bytes_to_device;
-    out->vmm_failed_migrations = v.failed_migrations;
-    out->vmm_migration_ms = v.migration_ms;
+    full.vmm_ranges = v.ranges;
+    full.vmm_device_bytes = v.device_backed_bytes;
+    full.vmm_host_bytes = v.host_backed_bytes;
+    full.vmm_bytes_to_host = v.bytes_to_host;
+    full.vmm_bytes_to_device = v.bytes_to_device;
+    full.vmm_failed_migrations = v.failed_migrations;
+    full.vmm_migration_ms = v.migration_ms;
+    full.vmm_device_budget_bytes = v.has_device_budget ? v.device_budget_bytes : UINT64_MAX;
+    full.vmm_budget_stops = v.budget_stops;
+    full.vmm_bytes_left_on_host = v.bytes_left_on_host;
+    full.struct_size = size;
+    std::memcpy(out, &full, size);
     return 0;
   });
 }
@@ -167,6 +204,6 @@ char* tidepool_tiering_snapshot_json(int device) {
   });
 }
 
-const char* tidepool_tiering_last_error(void) { return t_last_error.c_str(); }
+const char* tidepool_tiering_last_error(void) { return tidepool_last_error(); }
 
 }  // extern "C"

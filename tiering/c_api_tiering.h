@@ -1,14 +1,22 @@
 /* tidepool's tiering C ABI: what the Python hooks call around optimizer.step(), and
- * the VMM-backed allocation entry points the allocator routes tierable tags to.
- * Plain C, no CUDA headers: streams travel as void* (a cudaStream_t on cuda).
+ * the VMM-backed (pointer-stable) allocation entry points. tidepool_malloc routes
+ * allocations under optimizer_state of at least tidepool.tier_min_bytes to the same
+ * ranges by itself (Note [tier route] in allocator/tier_routing.h); tidepool_free and
+ * tidepool_record_stream accept them. Plain C, no CUDA headers: streams travel as void*
+ * (a cudaStream_t on cuda).
  *
  * Errors never cross this boundary as C++ exceptions: a failing call returns a negative
- * status (or NULL) and leaves a message for tidepool_tiering_last_error() on the calling
- * thread. Status codes: 0 ok, -1 error (see the message).
+ * status (or NULL) and leaves a message for tidepool_last_error() (allocator/c_api.h) on
+ * the calling thread, the same slot the allocator's C ABI uses. Status codes: 0 ok, -1
+ * error (see the message).
  *
- * By tag: evict / prefetch move every VMM range with that tag (pointer-stable) and every
- * handle with that tag in the device's tiered stores. By pointer: the VMM range holding
- * `ptr`.
+ * By tag: evict moves every VMM range with that tag (pointer-stable) and every handle
+ * with that tag in the device's tiered stores to host memory. Prefetch brings them back
+ * within tidepool.state_budget (Note [prefetch within the state budget] in
+ * c_api_tiering.cpp): the ranges made by tidepool_vmm_malloc or by tidepool_malloc's
+ * route, oldest first, as long as the device's VMM-backed bytes stay within the budget;
+ * the rest stays host-backed, still usable at the same address. By pointer: the VMM
+ * range holding `ptr` (a prefetch also within the budget).
  *
  * Thread-safety: every function may be called from any thread.
  */
@@ -26,8 +34,8 @@ extern "C" {
 
 /* ---- pointer-stable (VMM-backed) allocations ------------------------------------ */
 /* Device-backed range of at least `size` bytes under `tag`, migratable later without
- * changing its address. NULL on OOM or bad input (message set). `stream` is unused
- * today (backing is created synchronously) and kept for the pluggable signature. */
+ * changing its address. NULL on OOM or bad input (message set). Migration waits for
+ * the work on `stream` (as tidepool_vmm_record_stream). */
 TIDEPOOL_API void* tidepool_vmm_malloc(size_t size, int device, int tag, void* stream);
 TIDEPOOL_API int tidepool_vmm_free(void* ptr, int device);
 /* Work on `stream` uses `ptr`: migration waits for that stream first. */
@@ -38,6 +46,10 @@ TIDEPOOL_API int tidepool_vmm_owns(const void* ptr, int device);
 /* ---- evict / prefetch -------------------------------------------------------------- */
 TIDEPOOL_API int tidepool_evict_tag(int device, int tag);
 TIDEPOOL_API int tidepool_prefetch_tag(int device, int tag, void* stream);
+/* tidepool_prefetch_tag, also writing to *bytes_left_on_host (when not NULL) how many
+ * bytes of the tag's ranges stayed host-backed because of tidepool.state_budget. */
+TIDEPOOL_API int tidepool_prefetch_tag_within_budget(int device, int tag, void* stream,
+                                                     uint64_t* bytes_left_on_host);
 TIDEPOOL_API int tidepool_evict_ptr(int device, void* ptr);
 TIDEPOOL_API int tidepool_prefetch_ptr(int device, void* ptr, void* stream);
 
@@ -64,15 +76,25 @@ typedef struct tidepool_tiering_stats_v1 {
   uint64_t vmm_ranges, vmm_device_bytes, vmm_host_bytes;
   uint64_t vmm_bytes_to_host, vmm_bytes_to_device, vmm_failed_migrations;
   double vmm_migration_ms;
+  /* Appended (a caller with an older, shorter struct_size gets the prefix it knows).
+   * The device budget of the VMM ranges (tidepool.state_budget; UINT64_MAX: none), how
+   * many prefetches it cut short, and the bytes those left in host memory. */
+  uint64_t vmm_device_budget_bytes, vmm_budget_stops, vmm_bytes_left_on_host;
 } tidepool_tiering_stats_v1;
 
-/* Fills `out` (out->struct_size must be at least the v1 size). 0 ok, -1 error. */
+/* The size of tidepool_tiering_stats_v1 as first released; struct_size may not be less. */
+#define TIDEPOOL_TIERING_STATS_V1_MIN_SIZE \
+  (offsetof(tidepool_tiering_stats_v1, vmm_migration_ms) + sizeof(double))
+
+/* Fills `out` (out->struct_size must be at least TIDEPOOL_TIERING_STATS_V1_MIN_SIZE; it
+ * is set to the bytes written). 0 ok, -1 error. */
 TIDEPOOL_API int tidepool_get_tiering_stats_v1(int device, tidepool_tiering_stats_v1* out);
 /* JSON: {"stores":[...],"vmm":{...}}. malloc'd; release with free() (or
  * tidepool_string_free, which is free()). NULL on error. */
 TIDEPOOL_API char* tidepool_tiering_snapshot_json(int device);
 
-/* The last tiering error on this thread ("" if none). */
+/* Deprecated: tidepool_last_error(), which tiering errors now land in; kept so that
+ * callers built against the separate slot keep working. */
 TIDEPOOL_API const char* tidepool_tiering_last_error(void);
 
 #ifdef __cplusplus

@@ -4,6 +4,8 @@
 
 #include <algorithm>
 
+#include "tiering/teardown.h"
+
 namespace tidepool {
 
 namespace {
@@ -27,20 +29,35 @@ CopyEngine::CopyEngine(Backend& backend, CopyEngineOptions options)
   }
 }
 
+// Each step runs even when an earlier one failed (teardown.h): a backend that is gone
+// (a CUDA context destroyed at exit) costs a line on stderr, never an abort.
 CopyEngine::~CopyEngine() {
-  try {
-    std::lock_guard lock(mutex_);
+  Teardown teardown("copy engine");
+  std::lock_guard lock(mutex_);
+  teardown.attempt("closing the timing batches", [&] {
     close_batch_locked(Direction::host_to_device);
     close_batch_locked(Direction::device_to_host);
-    backend_.stream_synchronize(h2d_);
-    backend_.stream_synchronize(d2h_);
-    collect_timings_locked(/*wait=*/true);
-    for (Event e : free_events_) backend_.destroy_event(e);
-    backend_.destroy_stream(h2d_);
-    backend_.destroy_stream(d2h_);
-  } catch (const BackendError&) {
-    // Destructors do not throw; a failing backend leaks its streams.
+  });
+  const bool h2d_idle = teardown.attempt("draining the H2D stream",
+                                         [&] { backend_.stream_synchronize(h2d_); });
+  const bool d2h_idle = teardown.attempt("draining the D2H stream",
+                                         [&] { backend_.stream_synchronize(d2h_); });
+  // Collecting waits on events: only worth it (and only safe) on streams that drained.
+  if (h2d_idle && d2h_idle) {
+    teardown.attempt("collecting timings", [&] { collect_timings_locked(/*wait=*/true); });
   }
+  for (const Timing& t : pending_timings_) {
+    free_events_.push_back(t.start);
+    free_events_.push_back(t.end);
+  }
+  for (const OpenBatch& b : batches_) {
+    if (b.open) free_events_.push_back(b.start);
+  }
+  for (Event e : free_events_) {
+    teardown.attempt("destroying an event", [&] { backend_.destroy_event(e); });
+  }
+  teardown.attempt("destroying the H2D stream", [&] { backend_.destroy_stream(h2d_); });
+  teardown.attempt("destroying the D2H stream", [&] { backend_.destroy_stream(d2h_); });
 }
 
 Event CopyEngine::take_event_locked() {

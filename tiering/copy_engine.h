@@ -64,7 +64,8 @@ struct CopyEngineStats {
 class TIDEPOOL_API CopyEngine {
  public:
   explicit CopyEngine(Backend& backend, CopyEngineOptions options = {});
-  // Drains both streams, then destroys them and the timing events.
+  // Drains both streams, then destroys them and the timing events. Never throws: a
+  // backend failure is reported on stderr and the rest is still released (teardown.h).
   ~CopyEngine();
   CopyEngine(const CopyEngine&) = delete;
   CopyEngine& operator=(const CopyEngine&) = delete;

@@ -40,6 +40,7 @@
 
 #include "allocator/config.h"
 #include "allocator/tier_routing.h"
+#include "tiering/teardown.h"
 
 namespace tidepool {
 
@@ -148,6 +149,12 @@ std::vector<HostArena::Slab*>& idle_slabs() {
   static auto* v = new std::vector<HostArena::Slab*>();  // never destroyed: slabs outlive statics
   return *v;
 }
+// Slabs no arena may reuse (live blocks leaked by their owner, or still registered with
+// a backend that failed to unregister them). Kept reachable; never destroyed.
+std::vector<HostArena::Slab*>& abandoned_slabs() {
+  static auto* v = new std::vector<HostArena::Slab*>();
+  return *v;
+}
 
 // This thread's heap for a slab's arena, created (and probed) on first use.
 // Returns nullptr after throwing is impossible; throws HostArenaError on a failed probe.
@@ -216,27 +223,29 @@ HostArena::HostArena(Backend& backend, HostArenaOptions options)
   stats_.pinned_budget_bytes = budget_;
 }
 
+// Never throws (teardown.h). A slab that still has live blocks, or that the backend would
+// not unregister, can be handed to no other arena: it goes to the abandoned list, still
+// mapped and reachable (so it is a known leak, not a lost pointer).
 HostArena::~HostArena() {
+  Teardown teardown("host arena");
   std::vector<Slab*> reusable;
+  std::vector<Slab*> abandoned;
   for (Slab* slab : slabs_) {
-    // A slab with live blocks is leaked as it is: its memory must stay valid for them.
-    if (slab->live_blocks != 0) continue;
-    try {
-      backend_.host_unregister(slab->base);
+    if (slab->live_blocks == 0 &&
+        teardown.attempt("unregistering a slab", [&] { backend_.host_unregister(slab->base); })) {
       reusable.push_back(slab);
-    } catch (const BackendError&) {
-      // Still registered with a backend we are leaving: do not hand it to another.
+    } else {
+      abandoned.push_back(slab);
     }
   }
-  {
+  teardown.attempt("returning slabs to the pool", [&] {
     std::lock_guard pool_lock(pool_mutex());
-    for (Slab* slab : reusable) idle_slabs().push_back(slab);
-  }
+    idle_slabs().insert(idle_slabs().end(), reusable.begin(), reusable.end());
+    abandoned_slabs().insert(abandoned_slabs().end(), abandoned.begin(), abandoned.end());
+  });
   for (auto& [ptr, bytes] : direct_) {
-    try {
-      backend_.host_unregister(ptr);
-    } catch (const BackendError&) {
-    }
+    // Unmapping releases the pages whether or not the backend forgot the registration.
+    teardown.attempt("unregistering a direct mapping", [&] { backend_.host_unregister(ptr); });
     munmap(ptr, bytes);
   }
 }

@@ -99,6 +99,7 @@ class TIDEPOOL_API HostArena {
   // Validates the options (throws HostArenaError naming the bad one). Maps nothing yet.
   HostArena(Backend& backend, HostArenaOptions options = {});
   // Pre: every block was deallocated (blocks still live are leaked, with their slab).
+  // Never throws: a backend failure is reported on stderr (teardown.h).
   ~HostArena();
   HostArena(const HostArena&) = delete;
   HostArena& operator=(const HostArena&) = delete;

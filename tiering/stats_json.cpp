@@ -131,6 +131,10 @@ std::string to_json(const VmmStats& s) {
       .num("bytes_to_device", ull(s.bytes_to_device))
       .num("migration_ms", s.migration_ms)
       .num("failed_migrations", ull(s.failed_migrations))
+      .boolean("has_device_budget", s.has_device_budget)
+      .num("device_budget_bytes", ull(s.device_budget_bytes))
+      .num("budget_stops", ull(s.budget_stops))
+      .num("bytes_left_on_host", ull(s.bytes_left_on_host))
       .done();
 }
 

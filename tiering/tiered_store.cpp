@@ -26,6 +26,18 @@
 // A failed copy leaves the state as it was before the operation (H2D failure: buffer
 // freed, still HOST; D2H failure: still RESIDENT and dirty), so the last good copy stays.
 //
+// Note [Both directions at once]
+// Loads go on the copy engine's H2D stream and copy-backs on its D2H stream, so an
+// eviction and a prefetch issued together use both directions of the link. Nothing
+// between them makes the host wait: chunks are enqueued back to back, each transfer
+// records one completion event, and a load orders itself after a copy-back only through
+// stream waits on events (host_ready, or the event of a buffer it takes over). The host
+// blocks only in acquire() under pressure (no released handle left to evict and no
+// same-size buffer on its way out to take over: it waits for the oldest pending free,
+// counted in budget_waits and exposed time; or the device itself is out of memory), after
+// a failed copy, and in read()/write()/destroy()/synchronize(), which wait by contract.
+// prefetch() and evict() never wait (a prefetch without room is skipped).
+//
 // Note [Locking]
 // One mutex guards the store. Backend calls are made under it; they never call back
 // into the store (host-backend stream workers only run copies). reclaim() is called from
@@ -41,6 +53,7 @@
 #include "allocator/tags.h"
 #include "allocator/tier_routing.h"
 #include "tiering/stats_json.h"
+#include "tiering/teardown.h"
 #include "tiering/tiering_registry.h"
 
 namespace tidepool {
@@ -106,22 +119,38 @@ TieredStore::TieredStore(Backend& backend, TieredStoreOptions options, DeviceMem
   detail::register_tiered_store(backend_.device(), this);
 }
 
+// Every release step runs even when an earlier one failed (teardown.h). Buffers are only
+// handed back once the device is known to be idle: if it cannot be synchronised (the
+// backend is gone), a copy may still be reading or writing them, so they are leaked
+// rather than reused under a running transfer. Events are destroyed either way.
 TieredStore::~TieredStore() {
-  detail::unregister_tiered_store(backend_.device(), this);
-  try {
-    backend_.device_synchronize();
-    std::lock_guard lock(mutex_);
-    reap_frees_locked(/*wait_all=*/true);
-    for (auto& [id, e] : entries_) {
-      if (e->dev != nullptr) device_.deallocate(e->dev, e->bytes, copies_.stream(Direction::device_to_host));
-      host_.deallocate(e->host);
-      free_events_.push_back(e->dev_ready);
-      free_events_.push_back(e->host_ready);
-    }
-    for (Event ev : free_events_) backend_.destroy_event(ev);
-  } catch (const std::exception&) {
-    // A destructor does not throw; a failing backend leaks what it still holds.
+  Teardown teardown("tiered store");
+  teardown.attempt("leaving the tiering registry",
+                   [&] { detail::unregister_tiered_store(backend_.device(), this); });
+  const bool idle =
+      teardown.attempt("synchronising the device", [&] { backend_.device_synchronize(); });
+  std::lock_guard lock(mutex_);
+  const Stream d2h = copies_.stream(Direction::device_to_host);
+  for (const PendingFree& f : pending_frees_) {
+    if (idle) teardown.attempt("freeing a device buffer", [&] { device_.deallocate(f.ptr, f.bytes, d2h); });
+    free_events_.push_back(f.after);
   }
+  pending_frees_.clear();
+  for (auto& [id, e] : entries_) {
+    if (idle) {
+      if (e->dev != nullptr) {
+        teardown.attempt("freeing a device buffer", [&] { device_.deallocate(e->dev, e->bytes, d2h); });
+      }
+      teardown.attempt("freeing a host block", [&] { host_.deallocate(e->host); });
+    }
+    free_events_.push_back(e->dev_ready);
+    free_events_.push_back(e->host_ready);
+  }
+  entries_.clear();
+  for (Event ev : free_events_) {
+    teardown.attempt("destroying an event", [&] { backend_.destroy_event(ev); });
+  }
+  free_events_.clear();
 }
 
 Event TieredStore::take_event_locked() {

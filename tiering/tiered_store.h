@@ -105,7 +105,9 @@ class TIDEPOOL_API TieredStore {
 
   TieredStore(Backend& backend, TieredStoreOptions options, DeviceMemorySource device = {});
   // Waits for all transfers, frees every buffer. Handles still acquired are a caller bug
-  // but are freed too.
+  // but are freed too. Never throws: when the backend fails (e.g. its CUDA context is
+  // already gone at process exit) the error is reported once on stderr, events and
+  // streams are released, and buffers a transfer might still use are leaked (teardown.h).
   ~TieredStore();
   TieredStore(const TieredStore&) = delete;
   TieredStore& operator=(const TieredStore&) = delete;

@@ -1,13 +1,17 @@
 // The per-device tiering registry behind the C ABI. See tiering_registry.h.
 #include "tiering/tiering_registry.h"
 
+#include <cstdint>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <set>
+#include <unordered_map>
 
 #include "allocator/device_registry.h"
 #include "allocator/reclaim.h"
+#include "allocator/tags.h"
+#include "allocator/tier_routing.h"
 #include "tiering/tiered_store.h"
 #include "tiering/vmm_migration.h"
 
@@ -38,6 +42,28 @@ Backend& backend_locked(int device, DeviceTiering& d) {
   return *d.backend;
 }
 
+// The ranges of allocate_tierable_range, per device, in allocation order. A mutex of its
+// own: owns() is asked on frees, and must not wait behind a store operation that holds
+// the registry lock.
+struct TierableRanges {
+  struct Range {
+    void* base;
+    int tag;
+  };
+  std::uint64_t next_sequence = 0;
+  std::map<std::uint64_t, Range> by_age;
+  std::unordered_map<const void*, std::uint64_t> sequence_of;
+};
+
+std::mutex& ranges_mutex() {
+  static std::mutex m;
+  return m;
+}
+std::map<int, TierableRanges>& tierable() {
+  static auto* r = new std::map<int, TierableRanges>();  // never destroyed, as registry()
+  return *r;
+}
+
 }  // namespace
 
 void set_tiering_backend(int device, Backend* backend) {
@@ -57,6 +83,76 @@ VmmPool& tiering_vmm_pool(int device) {
   if (!d.vmm) d.vmm = std::make_unique<VmmPool>(backend_locked(device, d));
   return *d.vmm;
 }
+
+void* allocate_tierable_range(int device, std::size_t bytes, int tag, Stream stream) {
+  VmmPool& pool = tiering_vmm_pool(device);
+  void* p = pool.allocate(bytes, tag, MemoryLocation::device);
+  if (p == nullptr) return nullptr;
+  try {
+    // PyTorch gives a pluggable allocator no record_stream for other streams; at least
+    // the allocating stream's work must finish before the range moves.
+    pool.record_use(p, stream);
+    std::lock_guard lock(ranges_mutex());
+    TierableRanges& t = tierable()[device];
+    const std::uint64_t sequence = t.next_sequence++;
+    t.by_age.emplace(sequence, TierableRanges::Range{p, tag});
+    t.sequence_of.emplace(p, sequence);
+  } catch (...) {
+    pool.deallocate(p);
+    throw;
+  }
+  return p;
+}
+
+void free_tierable_range(int device, void* ptr) {
+  VmmPool& pool = tiering_vmm_pool(device);
+  // Held across deallocate: the address may be handed out again as soon as it is
+  // released, and its new record must not be erased by this free.
+  std::lock_guard lock(ranges_mutex());
+  pool.deallocate(ptr);
+  TierableRanges& t = tierable()[device];
+  if (auto it = t.sequence_of.find(ptr); it != t.sequence_of.end()) {
+    t.by_age.erase(it->second);
+    t.sequence_of.erase(it);
+  }
+}
+
+bool is_tierable_range(int device, const void* ptr) {
+  std::lock_guard lock(ranges_mutex());
+  auto it = tierable().find(device);
+  return it != tierable().end() && it->second.sequence_of.count(ptr) != 0;
+}
+
+std::vector<void*> tierable_ranges(int device, int tag) {
+  std::vector<void*> out;
+  std::lock_guard lock(ranges_mutex());
+  auto it = tierable().find(device);
+  if (it == tierable().end()) return out;
+  for (const auto& [sequence, range] : it->second.by_age)
+    if (range.tag == tag) out.push_back(range.base);
+  return out;
+}
+
+namespace {
+
+// Note [tier route] (allocator/tier_routing.h): optimizer_state allocations reaching
+// tidepool_malloc become tierable ranges.
+const TierRoute kTierRoute{
+    std::uint64_t{1} << kTagOptimizerState,
+    [](std::size_t bytes, int device, int tag, void* stream) {
+      return allocate_tierable_range(device, bytes, tag, Stream{stream});
+    },
+    [](const void* ptr, int device) { return is_tierable_range(device, ptr); },
+    [](void* ptr, int device) { free_tierable_range(device, ptr); },
+    [](void* ptr, int device, void* stream) {
+      tiering_vmm_pool(device).record_use(ptr, Stream{stream});
+    },
+};
+
+// Runs while libtidepool.so is loaded, before anyone can allocate (see the Note).
+[[maybe_unused]] const bool g_tier_route_registered = (register_tier_route(&kTierRoute), true);
+
+}  // namespace
 
 void for_each_tiered_store(int device, const std::function<void(TieredStore&)>& fn) {
   std::lock_guard lock(registry_mutex());

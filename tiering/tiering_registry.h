@@ -6,6 +6,14 @@
 // caching allocator (device_allocator(device).backend(), created on first use), so both
 // share streams and capacity; set_tiering_backend() names another one (tests).
 //
+// Tierable ranges: allocate_tierable_range is how pointer-stable ranges are made for the
+// C ABI (tidepool_vmm_malloc) and for the allocator's tier route (Note [tier route] in
+// allocator/tier_routing.h), which this file registers from a static initializer of
+// libtidepool.so: allocations under optimizer_state reaching tidepool_malloc become such
+// ranges. The registry remembers them in allocation order, which is the order an
+// optimizer creates (and then walks) its state, so a budget-limited prefetch
+// (tidepool_prefetch_tag) brings back the state the step needs first.
+//
 // OOM: the registry registers one allocator reclaim hook (allocator/reclaim.h) when the
 // first store registers; on a device OOM it asks that device's stores to evict released
 // state (TieredStore::reclaim). Going through the registry, not a hook per store, means
@@ -18,6 +26,7 @@
 
 #include <cstddef>
 #include <functional>
+#include <vector>
 
 #include "allocator/backend.h"
 #include "allocator/export.h"
@@ -35,6 +44,18 @@ TIDEPOOL_API VmmPool& tiering_vmm_pool(int device);
 // Calls `fn` on every registered store of `device` (under the registry lock: `fn` must
 // not create or destroy stores).
 TIDEPOOL_API void for_each_tiered_store(int device, const std::function<void(TieredStore&)>& fn);
+
+// A pointer-stable range of at least `bytes` in `device`'s VmmPool, device-backed, under
+// `tag`, whose migration waits for `stream`'s work. nullptr when the device has no
+// memory for it; throws TieringError for bad input.
+TIDEPOOL_API void* allocate_tierable_range(int device, std::size_t bytes, int tag, Stream stream);
+// Releases a range of `device`'s VmmPool (after the streams that used it). Throws
+// TieringError for a pointer that is not the base of one.
+TIDEPOOL_API void free_tierable_range(int device, void* ptr);
+// Whether `ptr` is the base of a range made by allocate_tierable_range on `device`.
+TIDEPOOL_API bool is_tierable_range(int device, const void* ptr);
+// Bases of the live ranges of allocate_tierable_range on `device` under `tag`, oldest first.
+TIDEPOOL_API std::vector<void*> tierable_ranges(int device, int tag);
 
 namespace detail {
 // What the allocator's reclaim hook runs: reclaim on every store of `device` until

@@ -6,6 +6,9 @@
 #include <chrono>
 #include <string>
 
+#include "allocator/config.h"
+#include "allocator/tier_routing.h"
+#include "tiering/teardown.h"
 #include "tiering/tiered_store.h"  // TieringError
 
 namespace tidepool {
@@ -17,28 +20,32 @@ const char* location_name(MemoryLocation w) {
 }
 }  // namespace
 
-VmmPool::VmmPool(Backend& backend) : backend_(backend) {
+VmmPool::VmmPool(Backend& backend, VmmPoolOptions options)
+    : backend_(backend), options_(options) {
   scratch_bytes_ = backend_.granularity() * kChunkGranules;
   stream_ = backend_.create_stream();
   sync_event_ = backend_.create_event();
   scratch_ = backend_.reserve_address(scratch_bytes_);
 }
 
+// Every release step runs even when an earlier one failed (teardown.h). A range whose
+// users could not be waited for stays mapped (a kernel may still read it); the others
+// are unmapped and released.
 VmmPool::~VmmPool() {
-  try {
-    std::lock_guard lock(mutex_);
-    backend_.stream_synchronize(stream_);
-    for (auto& [base, r] : ranges_) {
-      wait_for_users_locked(r);
-      release_range_locked(r);
+  Teardown teardown("vmm pool");
+  std::lock_guard lock(mutex_);
+  teardown.attempt("draining the migration stream", [&] { backend_.stream_synchronize(stream_); });
+  for (auto& [base, r] : ranges_) {
+    if (teardown.attempt("waiting for the streams that used a range",
+                         [&] { wait_for_users_locked(r); })) {
+      release_range_locked(r, &teardown);
     }
-    ranges_.clear();
-    backend_.release_address(scratch_, scratch_bytes_);
-    backend_.destroy_event(sync_event_);
-    backend_.destroy_stream(stream_);
-  } catch (const std::exception&) {
-    // Destructors do not throw; a failing backend leaks its mappings.
   }
+  ranges_.clear();
+  teardown.attempt("releasing the scratch range",
+                   [&] { backend_.release_address(scratch_, scratch_bytes_); });
+  teardown.attempt("destroying the sync event", [&] { backend_.destroy_event(sync_event_); });
+  teardown.attempt("destroying the migration stream", [&] { backend_.destroy_stream(stream_); });
 }
 
 VmmPool::Range* VmmPool::find_locked(const void* ptr) {
@@ -54,14 +61,22 @@ const VmmPool::Range* VmmPool::find_locked(const void* ptr) const {
   return p < r.base + r.bytes ? &r : nullptr;
 }
 
-void VmmPool::release_range_locked(Range& r) {
+void VmmPool::release_range_locked(Range& r, Teardown* teardown) {
+  // Throws at the first failure, or with a Teardown records it and goes on.
+  auto step = [teardown](const char* what, auto&& fn) {
+    if (teardown == nullptr) {
+      fn();
+    } else {
+      teardown->attempt(what, fn);
+    }
+  };
   for (Chunk& c : r.chunks) {
-    backend_.unmap(r.base + c.offset, c.bytes);
-    backend_.release_physical(c.physical, c.bytes);
+    step("unmapping a chunk", [&] { backend_.unmap(r.base + c.offset, c.bytes); });
+    step("releasing a chunk's backing", [&] { backend_.release_physical(c.physical, c.bytes); });
     (c.where == MemoryLocation::device ? stats_.device_backed_bytes : stats_.host_backed_bytes) -=
         c.bytes;
   }
-  backend_.release_address(r.base, r.bytes);
+  step("releasing a range's address space", [&] { backend_.release_address(r.base, r.bytes); });
   stats_.ranges--;
 }
 
@@ -148,15 +163,36 @@ void VmmPool::wait_for_users_locked(Range& r) {
   r.use_streams.clear();
 }
 
-void VmmPool::migrate(const void* ptr, MemoryLocation to) {
+std::optional<std::size_t> VmmPool::device_budget_bytes() const {
+  if (options_.device_budget_bytes == VmmPoolOptions::kNoDeviceBudget) return std::nullopt;
+  if (options_.device_budget_bytes != VmmPoolOptions::kDeviceBudgetFromConfig) {
+    return options_.device_budget_bytes;
+  }
+  return configured_state_budget_bytes(active_config(), backend_);
+}
+
+MigrationResult VmmPool::migrate(const void* ptr, MemoryLocation to) {
+  // Resolved outside the lock: a percentage asks the backend for the device's size.
+  const std::optional<std::size_t> budget =
+      to == MemoryLocation::device ? device_budget_bytes() : std::nullopt;
   std::lock_guard lock(mutex_);
   Range* r = find_locked(ptr);
   if (r == nullptr) throw TieringError("vmm pool: migrate of a pointer it does not own");
+  MigrationResult result;
+  result.ranges = 1;
   wait_for_users_locked(*r);
   const auto t0 = std::chrono::steady_clock::now();
   try {
     for (Chunk& c : r->chunks) {
-      if (c.where != to) migrate_chunk_locked(*r, c, to);
+      if (c.where == to) continue;
+      // Note [VMM device budget]: a chunk that would exceed it stays; a later, smaller
+      // one may still fit.
+      if (budget && stats_.device_backed_bytes + c.bytes > *budget) {
+        result.bytes_left += c.bytes;
+        continue;
+      }
+      migrate_chunk_locked(*r, c, to);
+      result.bytes_moved += c.bytes;
     }
   } catch (...) {
     stats_.failed_migrations++;
@@ -164,8 +200,13 @@ void VmmPool::migrate(const void* ptr, MemoryLocation to) {
         std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
     throw;
   }
+  if (result.bytes_left > 0) {
+    stats_.budget_stops++;
+    stats_.bytes_left_on_host += result.bytes_left;
+  }
   stats_.migration_ms +=
       std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  return result;
 }
 
 // One chunk: new backing in `to`, filled through the scratch VA, swapped in at the
@@ -231,7 +272,7 @@ void VmmPool::migrate_chunk_locked(Range& r, Chunk& c, MemoryLocation to) {
   c.where = to;
 }
 
-std::size_t VmmPool::migrate_tag(int tag, MemoryLocation to) {
+MigrationResult VmmPool::migrate_tag(int tag, MemoryLocation to) {
   std::vector<const char*> bases;
   {
     std::lock_guard lock(mutex_);
@@ -239,13 +280,15 @@ std::size_t VmmPool::migrate_tag(int tag, MemoryLocation to) {
       if (r.tag == tag) bases.push_back(base);
     }
   }
-  std::size_t moved = 0;
+  MigrationResult total;
   for (const char* base : bases) {
     if (!owns(base)) continue;  // freed meanwhile
-    migrate(base, to);
-    moved++;
+    const MigrationResult r = migrate(base, to);
+    total.ranges += r.ranges;
+    total.bytes_moved += r.bytes_moved;
+    total.bytes_left += r.bytes_left;
   }
-  return moved;
+  return total;
 }
 
 bool VmmPool::owns(const void* ptr) const {
@@ -277,8 +320,12 @@ std::size_t VmmPool::bytes_in(const void* ptr, MemoryLocation where) const {
 }
 
 VmmStats VmmPool::stats() const {
+  const std::optional<std::size_t> budget = device_budget_bytes();
   std::lock_guard lock(mutex_);
-  return stats_;
+  VmmStats s = stats_;
+  s.has_device_budget = budget.has_value();
+  s.device_budget_bytes = budget.value_or(0);
+  return s;
 }
 
 }  // namespace tidepool

@@ -13,6 +13,17 @@
 // or map that fails) undoes that chunk's step and throws TieringError; chunks moved
 // before the failure stay moved, and every byte stays readable at the same address.
 //
+// Note [VMM device budget]
+// Moving state to the device (a prefetch before the optimizer step) respects a device
+// budget for the pool: by default tidepool.state_budget (allocator/tier_routing.h) when
+// the configuration enables tidepool, else none. A migration to the device moves a
+// chunk only if the pool's device-backed bytes stay within the budget with it; a chunk
+// that would exceed it stays on the host (still readable at the same address, over the
+// link), a later smaller one may still fit, and the result says how many bytes stayed.
+// Prefetching never exceeds the budget; a budget of 0 moves nothing.
+// Allocation is not limited by the budget (new state is created where it is asked for);
+// only migration towards the device is.
+//
 // On the cuda backend `to == host` is CU_MEM_LOCATION_TYPE_HOST_NUMA memory the GPU
 // reaches over the link; on the host backend memfd_create + mmap(MAP_FIXED), so this
 // logic runs in CI.
@@ -25,12 +36,15 @@
 #include <cstdint>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <vector>
 
 #include "allocator/backend.h"
 #include "allocator/export.h"
 
 namespace tidepool {
+
+class Teardown;
 
 struct VmmStats {
   std::uint64_t ranges = 0;
@@ -42,14 +56,38 @@ struct VmmStats {
   std::uint64_t bytes_to_device = 0;
   double migration_ms = 0;  // wall time inside migrate(), waits for users excluded
   std::uint64_t failed_migrations = 0;
+  // Note [VMM device budget]
+  bool has_device_budget = false;
+  std::uint64_t device_budget_bytes = 0;  // when has_device_budget
+  std::uint64_t budget_stops = 0;         // migrations to the device it cut short
+  std::uint64_t bytes_left_on_host = 0;   // bytes those migrations left on the host
+};
+
+struct VmmPoolOptions {
+  // Note [VMM device budget]. kDeviceBudgetFromConfig: tidepool.state_budget, read at
+  // each migration (the configuration may be applied after the pool exists);
+  // kNoDeviceBudget: unlimited; any other value is the budget in bytes.
+  static constexpr std::size_t kDeviceBudgetFromConfig = static_cast<std::size_t>(-1);
+  static constexpr std::size_t kNoDeviceBudget = static_cast<std::size_t>(-2);
+  std::size_t device_budget_bytes = kDeviceBudgetFromConfig;
+};
+
+// What a migration did.
+struct MigrationResult {
+  std::size_t ranges = 0;       // ranges visited
+  std::size_t bytes_moved = 0;  // backing moved to the target
+  // Bytes that stayed where they were because the device budget would have been exceeded
+  // (migrations to the device only).
+  std::size_t bytes_left = 0;
 };
 
 class TIDEPOOL_API VmmPool {
  public:
   static constexpr std::size_t kChunkGranules = 32;  // 64 MiB chunks at 2 MiB granularity
 
-  explicit VmmPool(Backend& backend);
-  // Frees every range still allocated.
+  explicit VmmPool(Backend& backend, VmmPoolOptions options = {});
+  // Frees every range still allocated. Never throws (teardown.h): a backend failure is
+  // reported on stderr and what can be released still is.
   ~VmmPool();
   VmmPool(const VmmPool&) = delete;
   VmmPool& operator=(const VmmPool&) = delete;
@@ -64,10 +102,15 @@ class TIDEPOOL_API VmmPool {
 
   // Notes that work on `stream` uses the range holding `ptr`; migrate() waits for it.
   void record_use(const void* ptr, Stream stream);
-  // Moves the whole range holding `ptr` to `to`, keeping its address. Throws TieringError.
-  void migrate(const void* ptr, MemoryLocation to);
-  // migrate() for every range with `tag`; returns the number of ranges moved.
-  std::size_t migrate_tag(int tag, MemoryLocation to);
+  // Moves the range holding `ptr` to `to`, keeping its address: all of it to the host;
+  // to the device as much as the device budget allows (Note [VMM device budget]).
+  // Throws TieringError (unknown pointer, a failed step; data stays readable).
+  MigrationResult migrate(const void* ptr, MemoryLocation to);
+  // migrate() for every range with `tag`, in address order (towards the device: as much
+  // as fits the budget, the rest counted in bytes_left).
+  MigrationResult migrate_tag(int tag, MemoryLocation to);
+  // The device budget in force now (nullopt: none). Note [VMM device budget].
+  std::optional<std::size_t> device_budget_bytes() const;
 
   bool owns(const void* ptr) const;
   // Base address and rounded size of the range holding `ptr` (nullptr/0 if none).
@@ -98,9 +141,10 @@ class TIDEPOOL_API VmmPool {
   const Range* find_locked(const void* ptr) const;
   void wait_for_users_locked(Range& r);
   void migrate_chunk_locked(Range& r, Chunk& c, MemoryLocation to);
-  void release_range_locked(Range& r);
+  void release_range_locked(Range& r, Teardown* teardown = nullptr);
 
   Backend& backend_;
+  VmmPoolOptions options_;
   Stream stream_;
   Event sync_event_;
   void* scratch_ = nullptr;  // reserved VA of one full chunk, where new backing is filled

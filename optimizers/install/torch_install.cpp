@@ -23,11 +23,13 @@ namespace tidepool::optim {
 namespace {
 
 #ifdef TIDEPOOL_HAVE_CUDA
+// The PyTorch-facing pair: LibTorch does not check the pointer either, so an OOM must
+// arrive as an exception (Note [OOM into PyTorch] in allocator/c_api.h).
 void* libtorch_alloc(size_t bytes, int device, cudaStream_t stream) {
-  return tidepool_malloc(static_cast<ssize_t>(bytes), device, stream);
+  return tidepool_pytorch_malloc(static_cast<ssize_t>(bytes), device, stream);
 }
 void libtorch_free(void* ptr, size_t bytes, int device, cudaStream_t stream) {
-  tidepool_free(ptr, bytes, device, stream);
+  tidepool_pytorch_free(ptr, bytes, device, stream);
 }
 
 // Whether this process already swapped LibTorch's allocator (a second swap would fail:

@@ -1,9 +1,11 @@
 // The C ABI as PyTorch and the Python package use it: malloc/free with PyTorch's
-// signatures, tags, the versioned stats struct, the JSON snapshot, empty_cache,
-// record_stream and the backend selection. Runs on the host backend.
+// signatures, the throwing pair handed to PyTorch, tags, the versioned stats struct, the
+// JSON snapshot, empty_cache, record_stream and the backend selection. Runs on the host
+// backend. (Routing to the tiering layer: tests/tiering/test_c_api_tiering.cpp.)
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <stdexcept>
 #include <string>
 
 #include "allocator/c_api.h"
@@ -122,6 +124,33 @@ TEST_F(CApi, OutOfMemoryIsNullWithTheMessageInTheLastError) {
   void* q = tidepool_malloc(100, 0, nullptr);  // the process and the allocator live on
   EXPECT_NE(q, nullptr);
   tidepool_free(q, 100, 0, nullptr);
+}
+
+// Note [OOM into PyTorch]: where tidepool_malloc returns NULL, the PyTorch entry point
+// throws a std::runtime_error carrying the same message.
+TEST_F(CApi, PytorchMallocThrowsTidepoolsMessageWhereMallocReturnsNull) {
+  std::string thrown;
+  try {
+    tidepool_pytorch_malloc(static_cast<ssize_t>(std::size_t{1} << 40), 0, nullptr);  // 1 TiB
+  } catch (const std::runtime_error& e) {
+    thrown = e.what();
+  }
+  EXPECT_NE(thrown.find("out of memory: cannot allocate 1.00 TiB"), std::string::npos) << thrown;
+  EXPECT_EQ(thrown, tidepool_last_error());
+  ::testing::internal::CaptureStderr();  // the negative size is also reported on stderr
+  EXPECT_THROW(tidepool_pytorch_malloc(-5, 0, nullptr), std::runtime_error);
+  ::testing::internal::GetCapturedStderr();
+  EXPECT_NE(std::string(tidepool_last_error()).find("negative size -5"), std::string::npos);
+  EXPECT_EQ(tidepool_pytorch_malloc(0, 0, nullptr), nullptr);  // size 0: no memory, no error
+
+  const tidepool_stats_v1 before = stats();
+  void* p = tidepool_pytorch_malloc(5000, 0, nullptr);
+  ASSERT_NE(p, nullptr);
+  EXPECT_EQ(stats().alloc_count, before.alloc_count + 1);
+  EXPECT_EQ(stats().requested.current, before.requested.current + 5000);
+  tidepool_pytorch_free(p, 5000, 0, nullptr);
+  EXPECT_EQ(stats().free_count, before.free_count + 1);
+  EXPECT_EQ(stats().requested.current, before.requested.current);
 }
 
 TEST_F(CApi, BackendIsFixedOnceAnAllocatorExists) {

@@ -82,12 +82,14 @@ TEST(ConfigClaim, DefaultsWhenOnlyBackendIsNamed) {
   EXPECT_EQ(c.log, LogLevel::warn);
   EXPECT_EQ(c.device_backend, DeviceBackendChoice::automatic);
   EXPECT_TRUE(c.optimizer_hooks);
+  EXPECT_EQ(c.tier_min_bytes, kDefaultTierMinBytes);
 }
 
 TEST(ConfigClaim, EveryKeyAndValue) {
   const Config c = claim_config(
                        "tidepool.mode:pool,tidepool.state_budget:25%,tidepool.pinned_budget:16GiB,"
-                       "tidepool.log:off,tidepool.device_backend:host,tidepool.optimizer_hooks:off")
+                       "tidepool.log:off,tidepool.device_backend:host,tidepool.optimizer_hooks:off,"
+                       "tidepool.tier_min_bytes:2MiB")
                        .config;
   EXPECT_EQ(c.mode, Mode::pool);
   EXPECT_EQ(c.state_budget.kind, Budget::Kind::fraction);
@@ -96,6 +98,7 @@ TEST(ConfigClaim, EveryKeyAndValue) {
   EXPECT_EQ(c.log, LogLevel::off);
   EXPECT_EQ(c.device_backend, DeviceBackendChoice::host);
   EXPECT_FALSE(c.optimizer_hooks);
+  EXPECT_EQ(c.tier_min_bytes, std::uint64_t{2} << 20);
 
   EXPECT_EQ(claim_config("tidepool.device_backend:cuda").config.device_backend,
             DeviceBackendChoice::cuda);
@@ -138,13 +141,49 @@ TEST(ConfigBudget, BadSizesNameTheKeyAndTheForm) {
   EXPECT_NE(error_of([] { parse_budget("k", "99999999TiB"); }).find("too large"), std::string::npos);
 }
 
+TEST(ConfigTierMinBytes, DefaultsToOneMiBAndTakesByteCounts) {
+  EXPECT_EQ(Config{}.tier_min_bytes, std::uint64_t{1} << 20);
+  EXPECT_EQ(claim_config("backend:tidepool").config.tier_min_bytes, std::uint64_t{1} << 20);
+  EXPECT_EQ(claim_config("tidepool.tier_min_bytes:256KiB").config.tier_min_bytes, 262144u);
+  EXPECT_EQ(claim_config("tidepool.tier_min_bytes:0").config.tier_min_bytes, 0u);
+  EXPECT_EQ(claim_config("tidepool.tier_min_bytes:3000000").config.tier_min_bytes, 3000000u);
+  EXPECT_EQ(claim_config("tidepool.tier_min_bytes:1.5MiB").config.tier_min_bytes, 1572864u);
+}
+
+TEST(ConfigTierMinBytes, BadValuesNameTheKeyAndSayWhatItTakes) {
+  EXPECT_EQ(error_of([] { claim_config("tidepool.tier_min_bytes:10%", "X"); }),
+            "X: tidepool.tier_min_bytes: '10%' is not a valid value; allowed: a byte count with "
+            "an optional unit (B, KiB, MiB, GiB, TiB, KB, MB, GB, TB), e.g. 1MiB; not a percentage");
+  for (const char* v : {"lots", "-1", "1e6", "2 MiB", "inf"}) {
+    const std::string msg =
+        error_of([&] { claim_config(std::string("tidepool.tier_min_bytes:") + v, "X"); });
+    const std::string expected = std::string("X: tidepool.tier_min_bytes: '") + v + "' is not a valid value";
+    EXPECT_EQ(msg.rfind(expected, 0), 0u) << msg;
+  }
+  EXPECT_NE(error_of([] { claim_config("tidepool.tier_min_bytes:1.5"); }).find("whole number of bytes"),
+            std::string::npos);
+  EXPECT_NE(error_of([] { claim_config("tidepool.tier_min_bytes:99999999TiB"); }).find("too large"),
+            std::string::npos);
+  EXPECT_EQ(error_of([] { claim_config("tidepool.tier_min_bytes", "X"); }),
+            "X: tidepool.tier_min_bytes needs a value (key:value); allowed: a byte count with an "
+            "optional unit, e.g. 0, 1MiB, 262144");
+}
+
+TEST(ConfigTierMinBytes, ApplyingSetsTheRoutesThreshold) {
+  apply_config(claim_config("tidepool.tier_min_bytes:4MiB").config);
+  EXPECT_EQ(tier_min_bytes(), std::size_t{4} << 20);
+  apply_config(Config{});
+  EXPECT_EQ(tier_min_bytes(), kDefaultTierMinBytes);
+}
+
 TEST(ConfigErrors, UnknownKeyNamesItAndListsTheKnownOnes) {
   const std::string msg =
       error_of([] { claim_config("backend:tidepool,tidepool.moed:pool", "PYTORCH_CUDA_ALLOC_CONF"); });
   EXPECT_EQ(msg,
             "PYTORCH_CUDA_ALLOC_CONF: unknown key 'tidepool.moed'; tidepool keys are: "
             "backend:tidepool, tidepool.mode, tidepool.state_budget, tidepool.pinned_budget, "
-            "tidepool.log, tidepool.device_backend, tidepool.optimizer_hooks");
+            "tidepool.log, tidepool.device_backend, tidepool.optimizer_hooks, "
+            "tidepool.tier_min_bytes");
   EXPECT_NE(error_of([] { claim_config("tidepool:on"); }).find("unknown key 'tidepool'"),
             std::string::npos);
 }
@@ -185,11 +224,14 @@ TEST(ConfigJson, DescribesEveryField) {
                                .config),
             R"({"enabled":true,"mode":"pool","state_budget":{"kind":"fraction","fraction":0.10000000000000001},)"
             R"("pinned_budget":{"kind":"bytes","bytes":2048},"log":"info","device_backend":"auto",)"
-            R"("optimizer_hooks":true})");
+            R"("optimizer_hooks":true,"tier_min_bytes":1048576})");
   EXPECT_EQ(config_to_json(Config{}),
             R"({"enabled":false,"mode":"global","state_budget":{"kind":"bytes","bytes":0},)"
             R"("pinned_budget":{"kind":"unset"},"log":"warn","device_backend":"auto",)"
-            R"("optimizer_hooks":true})");
+            R"("optimizer_hooks":true,"tier_min_bytes":1048576})");
+  EXPECT_NE(config_to_json(claim_config("tidepool.tier_min_bytes:64KiB").config)
+                .find(R"("tier_min_bytes":65536})"),
+            std::string::npos);
 }
 
 TEST(ConfigCApi, ClaimStatusesAndBuffers) {

@@ -9,7 +9,8 @@ from tidepool import _config
 from tidepool._config import ConfigError, claim
 
 KNOWN_KEYS = ("backend:tidepool, tidepool.mode, tidepool.state_budget, tidepool.pinned_budget, "
-              "tidepool.log, tidepool.device_backend, tidepool.optimizer_hooks")
+              "tidepool.log, tidepool.device_backend, tidepool.optimizer_hooks, "
+              "tidepool.tier_min_bytes")
 
 
 @pytest.mark.parametrize("conf, remaining", [
@@ -42,17 +43,17 @@ def test_defaults():
     assert claim("backend:tidepool").config == {
         "enabled": True, "mode": "global", "state_budget": {"kind": "bytes", "bytes": 0},
         "pinned_budget": {"kind": "unset"}, "log": "warn", "device_backend": "auto",
-        "optimizer_hooks": True}
+        "optimizer_hooks": True, "tier_min_bytes": 1 << 20}
 
 
 def test_every_key():
     config = claim("backend:tidepool,tidepool.mode:pool,tidepool.state_budget:4GiB,"
                    "tidepool.pinned_budget:50%,tidepool.log:debug,tidepool.device_backend:cuda,"
-                   "tidepool.optimizer_hooks:off").config
+                   "tidepool.optimizer_hooks:off,tidepool.tier_min_bytes:256KiB").config
     assert config == {
         "enabled": True, "mode": "pool", "state_budget": {"kind": "bytes", "bytes": 4 << 30},
         "pinned_budget": {"kind": "fraction", "fraction": 0.5}, "log": "debug",
-        "device_backend": "cuda", "optimizer_hooks": False}
+        "device_backend": "cuda", "optimizer_hooks": False, "tier_min_bytes": 256 << 10}
 
 
 @pytest.mark.parametrize("value, expected", [
@@ -62,6 +63,11 @@ def test_every_key():
 def test_state_budget_sizes(value, expected):
     assert claim(f"tidepool.state_budget:{value}").config["state_budget"] == {
         "kind": "bytes", "bytes": expected}
+
+
+@pytest.mark.parametrize("value, expected", [("0", 0), ("4096", 4096), ("2MiB", 2 << 20), ("1MB", 10**6)])
+def test_tier_min_bytes_sizes(value, expected):
+    assert claim(f"tidepool.tier_min_bytes:{value}").config["tier_min_bytes"] == expected
 
 
 def test_unknown_key_names_the_key_and_lists_the_known_ones():
@@ -83,6 +89,11 @@ def test_unknown_key_names_the_key_and_lists_the_known_ones():
     ("tidepool.state_budget:-4GiB", "tidepool.state_budget: '-4GiB' is not a valid value"),
     ("tidepool.state_budget:120%", "a percentage must be in (0%, 100%]"),
     ("tidepool.pinned_budget:4 GiB", "tidepool.pinned_budget: '4 GiB' is not a valid value"),
+    ("tidepool.tier_min_bytes:5%", "tidepool.tier_min_bytes: '5%' is not a valid value; allowed: a "
+     "byte count with an optional unit (B, KiB, MiB, GiB, TiB, KB, MB, GB, TB), e.g. 1MiB; not a "
+     "percentage"),
+    ("tidepool.tier_min_bytes:small", "tidepool.tier_min_bytes: 'small' is not a valid value"),
+    ("tidepool.tier_min_bytes:0.5", "not a whole number of bytes"),
     ("tidepool.mode", "tidepool.mode needs a value (key:value); allowed: global, pool"),
     ("tidepool.log:info,tidepool.log:debug", "tidepool.log is given twice"),
     ("backend:native,backend:tidepool",

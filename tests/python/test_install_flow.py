@@ -60,8 +60,8 @@ def install(**overrides) -> None:
 def test_global_mode_replaces_the_current_allocator(fake_cuda):
     install()
     allocator = _install.STATE.allocator
-    assert fake_cuda == [("pluggable", _lib.pluggable_path(), "tidepool_pluggable_malloc",
-                          "tidepool_pluggable_free"),
+    assert fake_cuda == [("pluggable", _lib.library_path(), "tidepool_pytorch_malloc",
+                          "tidepool_pytorch_free"),
                          ("change_current_allocator", allocator)]
     assert tidepool.status() == "active: mode global"
     assert len(_install.STATE.optimizer_hooks) == 2
@@ -160,11 +160,13 @@ def test_parameters_added_later_get_their_state_tagged(fake_cuda, fake_tiering):
     assert RecordingSGD.seen_tags == [_tags.OPTIMIZER_STATE, _tags.WORKSPACE, _tags.OPTIMIZER_STATE]
 
 
-def test_without_the_router_library_libtidepools_own_pair_is_used(fake_cuda, monkeypatch):
-    monkeypatch.setattr(_lib, "pluggable_path", lambda: None)
-    with pytest.warns(_install.TidepoolInactiveWarning, match="libtidepool_pluggable.so is missing"):
+def test_a_library_without_the_pytorch_entry_points_is_a_clear_error(fake_cuda, monkeypatch):
+    real_optional = _lib.optional
+    monkeypatch.setattr(_lib, "optional",
+                        lambda name: None if name == "tidepool_pytorch_malloc" else real_optional(name))
+    with pytest.raises(_lib.LibraryError, match="tidepool_pytorch_malloc is missing"):
         install()
-    assert fake_cuda[0] == ("pluggable", _lib.library_path(), "tidepool_malloc", "tidepool_free")
+    assert fake_cuda == []
 
 
 def test_with_no_state_budget_nothing_is_prefetched(fake_cuda, fake_tiering):

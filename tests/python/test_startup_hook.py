@@ -124,7 +124,8 @@ def test_a_bad_key_stops_import_torch_with_the_parser_message(run_python):
     assert result.stderr.strip().splitlines()[-1] == (
         "tidepool._config.ConfigError: PYTORCH_CUDA_ALLOC_CONF: unknown key 'tidepool.mdoe'; "
         "tidepool keys are: backend:tidepool, tidepool.mode, tidepool.state_budget, "
-        "tidepool.pinned_budget, tidepool.log, tidepool.device_backend, tidepool.optimizer_hooks")
+        "tidepool.pinned_budget, tidepool.log, tidepool.device_backend, tidepool.optimizer_hooks, "
+        "tidepool.tier_min_bytes")
 
 
 def test_a_bad_value_leaves_programs_that_never_import_torch_alone(run_python):

@@ -13,7 +13,9 @@ import ctypes, json
 import tidepool
 from tidepool import _config, _lib
 
-_config.apply("backend:tidepool,tidepool.device_backend:host")
+# tier_min_bytes above 1 MiB: the optimizer_state allocation below stays in the caching
+# allocator, whose per-tag stats this test reads (routing: test_tier_routing.py).
+_config.apply("backend:tidepool,tidepool.device_backend:host,tidepool.tier_min_bytes:2MiB")
 lib = _lib.load()
 out = {}
 MiB = 1 << 20

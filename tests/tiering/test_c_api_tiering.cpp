@@ -1,12 +1,19 @@
 // The tiering C ABI: VMM-backed allocations moved by pointer and by tag, tag operations
 // reaching the device's tiered stores, versioned stats, the JSON snapshot, the allocator's
-// reclaim hook reaching the stores on an allocator OOM, and errors as return codes with a message.
+// reclaim hook reaching the stores on an allocator OOM, errors as return codes with a
+// message in tidepool_last_error, tag prefetch within tidepool.state_budget, and the
+// allocator's tier route (tidepool_malloc of optimizer state -> pointer-stable ranges).
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <string>
+#include <vector>
 
 #include "allocator/c_api.h"
 #include "allocator/caching_allocator.h"
+#include "allocator/config.h"
 #include "allocator/device_registry.h"
+#include "allocator/tier_routing.h"
 #include "tests/tiering/tiering_test_util.h"
 #include "tiering/c_api_tiering.h"
 #include "tiering/tiered_store.h"
@@ -23,7 +30,8 @@ constexpr int kTag = TIDEPOOL_TAG_OPTIMIZER_STATE;
 
 class CApiTieringTest : public ::testing::Test {
  protected:
-  static void SetUpTestSuite() {
+  static void SetUpTestSuite() {  // once per process: suites derived from this one share it
+    if (backend_ != nullptr) return;
     backend_ = make_host_backend(kDevice).release();
     set_tiering_backend(kDevice, backend_);
   }
@@ -33,13 +41,13 @@ Backend* CApiTieringTest::backend_ = nullptr;
 
 TEST_F(CApiTieringTest, PointerAndTagMigrationKeepTheAddress) {
   auto* p = static_cast<unsigned char*>(tidepool_vmm_malloc(100000, kDevice, kTag, nullptr));
-  ASSERT_NE(p, nullptr) << tidepool_tiering_last_error();
+  ASSERT_NE(p, nullptr) << tidepool_last_error();
   EXPECT_EQ(tidepool_vmm_owns(p + 10, kDevice), 1);
   std::memset(p, 0x5a, 100000);  // host backend: device memory is host-addressable
-  ASSERT_EQ(tidepool_evict_ptr(kDevice, p), 0) << tidepool_tiering_last_error();
+  ASSERT_EQ(tidepool_evict_ptr(kDevice, p), 0) << tidepool_last_error();
   VmmPool& pool = tiering_vmm_pool(kDevice);
   EXPECT_EQ(pool.bytes_in(p, MemoryLocation::host), pool.size_of(p));
-  ASSERT_EQ(tidepool_prefetch_tag(kDevice, kTag, nullptr), 0) << tidepool_tiering_last_error();
+  ASSERT_EQ(tidepool_prefetch_tag(kDevice, kTag, nullptr), 0) << tidepool_last_error();
   EXPECT_EQ(pool.bytes_in(p, MemoryLocation::device), pool.size_of(p));
   ASSERT_EQ(tidepool_evict_tag(kDevice, kTag), 0);
   EXPECT_EQ(pool.bytes_in(p, MemoryLocation::host), pool.size_of(p));
@@ -62,7 +70,7 @@ TEST_F(CApiTieringTest, TagOperationsReachTheStoresAndStatsAddThemUp) {
 
   tidepool_tiering_stats_v1 s{};
   s.struct_size = sizeof s;
-  ASSERT_EQ(tidepool_get_tiering_stats_v1(kDevice, &s), 0) << tidepool_tiering_last_error();
+  ASSERT_EQ(tidepool_get_tiering_stats_v1(kDevice, &s), 0) << tidepool_last_error();
   EXPECT_EQ(s.version, 1u);
   EXPECT_EQ(s.stores, 1u);
   EXPECT_EQ(s.h2d_bytes, 4096u);
@@ -104,25 +112,275 @@ TEST(TieringRegistry, DefaultsToTheDeviceAllocatorsBackend) {
   if (cuda_device_count() > 0) GTEST_SKIP() << "device 7 is a host-backend device index";
   constexpr int kOtherDevice = 7;
   void* p = tidepool_vmm_malloc(4096, kOtherDevice, kTag, nullptr);
-  ASSERT_NE(p, nullptr) << tidepool_tiering_last_error();
+  ASSERT_NE(p, nullptr) << tidepool_last_error();
   EXPECT_EQ(&tiering_vmm_pool(kOtherDevice).backend(), &device_allocator(kOtherDevice).backend());
   EXPECT_EQ(tidepool_vmm_free(p, kOtherDevice), 0);
 }
 
-TEST_F(CApiTieringTest, ErrorsAreCodesWithAMessage) {
+TEST_F(CApiTieringTest, ErrorsAreCodesWithAMessageInTheAllocatorsErrorSlot) {
   int x = 0;
+  tidepool_clear_error();
   EXPECT_EQ(tidepool_evict_ptr(kDevice, &x), -1);
-  EXPECT_NE(std::strstr(tidepool_tiering_last_error(), "does not own"), nullptr)
-      << tidepool_tiering_last_error();
+  const std::string message = tidepool_last_error();
+  EXPECT_EQ(message.rfind("tidepool_evict_ptr: ", 0), 0u) << message;
+  EXPECT_NE(std::strstr(tidepool_last_error(), "does not own"), nullptr) << tidepool_last_error();
+  // The deprecated alias reads the same slot.
+  EXPECT_STREQ(tidepool_tiering_last_error(), tidepool_last_error());
+  tidepool_clear_error();
   EXPECT_EQ(tidepool_vmm_free(&x, kDevice), -1);
+  EXPECT_EQ(std::string(tidepool_last_error()).rfind("tidepool_vmm_free: ", 0), 0u);
+  tidepool_clear_error();
   EXPECT_EQ(tidepool_vmm_malloc(0, kDevice, kTag, nullptr), nullptr);
-  EXPECT_STRNE(tidepool_tiering_last_error(), "");
+  EXPECT_NE(std::strstr(tidepool_last_error(), "allocate(0)"), nullptr) << tidepool_last_error();
   tidepool_tiering_stats_v1 s{};
   s.struct_size = 8;
   EXPECT_EQ(tidepool_get_tiering_stats_v1(kDevice, &s), -1);
   EXPECT_EQ(tidepool_get_tiering_stats_v1(kDevice, nullptr), -1);
   EXPECT_EQ(tidepool_evict_tag(-1, kTag), -1);
   EXPECT_EQ(tidepool_vmm_free(nullptr, kDevice), 0);  // like free(NULL)
+}
+
+// ---- tag prefetch within tidepool.state_budget ------------------------------------------
+
+constexpr std::size_t kMiB = std::size_t{1} << 20;
+
+// Applies `conf` for one test and restores the default (disabled) configuration after.
+class ConfigScope {
+ public:
+  explicit ConfigScope(const char* conf) { apply_config(claim_config(conf).config); }
+  ~ConfigScope() { apply_config(Config{}); }
+  ConfigScope(const ConfigScope&) = delete;
+  ConfigScope& operator=(const ConfigScope&) = delete;
+};
+
+class PrefetchBudgetTest : public CApiTieringTest {
+ protected:
+  // Ranges of `sizes` under a tag of this test's own, evicted to the host.
+  void make_evicted(std::initializer_list<std::size_t> sizes) {
+    tag_ = tidepool_tag_id("prefetch_budget_test");
+    ASSERT_GE(tag_, 0) << tidepool_last_error();
+    for (std::size_t n : sizes) {
+      void* p = tidepool_vmm_malloc(n, kDevice, tag_, nullptr);
+      ASSERT_NE(p, nullptr) << tidepool_last_error();
+      ranges_.push_back(p);
+    }
+    ASSERT_EQ(tidepool_evict_tag(kDevice, tag_), 0) << tidepool_last_error();
+  }
+  void TearDown() override {
+    for (void* p : ranges_) EXPECT_EQ(tidepool_vmm_free(p, kDevice), 0) << tidepool_last_error();
+  }
+  std::uint64_t prefetch() {
+    std::uint64_t left = 12345;
+    EXPECT_EQ(tidepool_prefetch_tag_within_budget(kDevice, tag_, nullptr, &left), 0)
+        << tidepool_last_error();
+    return left;
+  }
+  std::size_t on_device(int i) const {
+    return tiering_vmm_pool(kDevice).bytes_in(ranges_[i], MemoryLocation::device);
+  }
+  int tag_ = -1;
+  std::vector<void*> ranges_;
+};
+
+TEST_F(PrefetchBudgetTest, StopsBeforeTheBudgetAndReportsWhatStayedOnTheHost) {
+  const ConfigScope config("backend:tidepool,tidepool.state_budget:5MiB");
+  make_evicted({2 * kMiB, 2 * kMiB, 2 * kMiB});
+  EXPECT_EQ(prefetch(), 2 * kMiB);
+  EXPECT_EQ(on_device(0), 2 * kMiB);  // oldest first
+  EXPECT_EQ(on_device(1), 2 * kMiB);
+  EXPECT_EQ(on_device(2), 0u);
+  EXPECT_EQ(tiering_vmm_pool(kDevice).bytes_in(ranges_[2], MemoryLocation::host), 2 * kMiB);
+  EXPECT_EQ(prefetch(), 2 * kMiB);  // what is resident counts: nothing more comes back
+  EXPECT_EQ(tidepool_prefetch_tag(kDevice, tag_, nullptr), 0);
+  EXPECT_EQ(on_device(2), 0u);
+
+  tidepool_tiering_stats_v1 s{};
+  s.struct_size = sizeof s;
+  ASSERT_EQ(tidepool_get_tiering_stats_v1(kDevice, &s), 0) << tidepool_last_error();
+  EXPECT_EQ(s.vmm_device_budget_bytes, 5 * kMiB);
+  EXPECT_GE(s.vmm_budget_stops, 3u);
+  EXPECT_GE(s.vmm_bytes_left_on_host, 6 * kMiB);
+}
+
+TEST_F(CApiTieringTest, AnOlderShorterTieringStatsStructGetsItsPrefix) {
+  unsigned char buffer[sizeof(tidepool_tiering_stats_v1) + 8];
+  std::memset(buffer, 0xAB, sizeof buffer);
+  auto* s = reinterpret_cast<tidepool_tiering_stats_v1*>(buffer);
+  s->struct_size = TIDEPOOL_TIERING_STATS_V1_MIN_SIZE;
+  ASSERT_EQ(tidepool_get_tiering_stats_v1(kDevice, s), 0) << tidepool_last_error();
+  EXPECT_EQ(s->struct_size, TIDEPOOL_TIERING_STATS_V1_MIN_SIZE);
+  EXPECT_EQ(s->version, 1u);
+  for (std::size_t i = TIDEPOOL_TIERING_STATS_V1_MIN_SIZE; i < sizeof buffer; ++i)
+    ASSERT_EQ(buffer[i], 0xAB) << i;
+  s->struct_size = TIDEPOOL_TIERING_STATS_V1_MIN_SIZE - 1;
+  EXPECT_EQ(tidepool_get_tiering_stats_v1(kDevice, s), -1);
+  EXPECT_NE(std::string(tidepool_last_error()).find("struct_size is less than"), std::string::npos);
+}
+
+TEST_F(PrefetchBudgetTest, ARangeThatDoesNotFitIsSkippedForALaterOneThatDoes) {
+  const ConfigScope config("backend:tidepool,tidepool.state_budget:7MiB");
+  make_evicted({4 * kMiB, 4 * kMiB, 2 * kMiB});
+  EXPECT_EQ(prefetch(), 4 * kMiB);
+  EXPECT_EQ(on_device(0), 4 * kMiB);
+  EXPECT_EQ(on_device(1), 0u);
+  EXPECT_EQ(on_device(2), 2 * kMiB);
+}
+
+TEST_F(PrefetchBudgetTest, BudgetZeroKeepsEverythingOnTheHost) {
+  const ConfigScope config("backend:tidepool");  // state_budget defaults to 0
+  make_evicted({2 * kMiB, 4 * kMiB});
+  EXPECT_EQ(prefetch(), 6 * kMiB);
+  EXPECT_EQ(on_device(0) + on_device(1), 0u);
+}
+
+TEST_F(PrefetchBudgetTest, WithoutAConfigurationEverythingComesBack) {
+  const ConfigScope config("");  // tidepool not enabled: no budget
+  make_evicted({2 * kMiB, 4 * kMiB});
+  EXPECT_EQ(prefetch(), 0u);
+  EXPECT_EQ(on_device(0), 2 * kMiB);
+  EXPECT_EQ(on_device(1), 4 * kMiB);
+}
+
+TEST_F(PrefetchBudgetTest, APercentageIsOfTheDevicesMemory) {
+  // A percentage that comes to 3 MiB of this device: one 2 MiB range fits, two do not.
+  const double total = static_cast<double>(backend_->mem_info().total_bytes);
+  char conf[96];
+  std::snprintf(conf, sizeof conf, "backend:tidepool,tidepool.state_budget:%.9f%%",
+                300.0 * static_cast<double>(kMiB) / total);
+  const ConfigScope config(conf);
+  make_evicted({2 * kMiB, 2 * kMiB});
+  EXPECT_EQ(prefetch(), 2 * kMiB);
+  EXPECT_EQ(on_device(0), 2 * kMiB);
+}
+
+// ---- the allocator's tier route --------------------------------------------------------
+
+// tidepool_malloc's routing needs a device whose caching allocator and VMM pool are both
+// on the host backend (the test reads the memory through the pointers).
+constexpr int kRouteDevice = 3;
+
+class TierRouteTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() { tidepool_set_backend("host"); }  // fails if already chosen
+  void SetUp() override {
+    if (std::strcmp(tidepool_backend_name(kRouteDevice), "host") != 0)
+      GTEST_SKIP() << "the process's backend is not host";
+    set_tier_min_bytes(kDefaultTierMinBytes);
+  }
+  void TearDown() override { set_tier_min_bytes(kDefaultTierMinBytes); }
+  static tidepool_stats_v1 stats() {
+    tidepool_stats_v1 s{};
+    s.struct_size = sizeof s;
+    EXPECT_EQ(tidepool_get_stats_v1(kRouteDevice, &s), 0) << tidepool_last_error();
+    return s;
+  }
+  // tidepool_malloc under optimizer_state.
+  static void* malloc_state(std::size_t bytes) {
+    EXPECT_EQ(tidepool_tag_push(kTag), 0);
+    void* p = tidepool_malloc(static_cast<ssize_t>(bytes), kRouteDevice, nullptr);
+    EXPECT_EQ(tidepool_tag_pop(), 0);
+    return p;
+  }
+  static bool routed(void* p) { return tidepool_vmm_owns(p, kRouteDevice) == 1; }
+};
+
+TEST_F(TierRouteTest, OptimizerStateAtOrAboveTheThresholdBecomesAPointerStableRange) {
+  ASSERT_NE(tier_route(), nullptr) << "libtidepool's tiering layer registers the route at load";
+  const tidepool_stats_v1 before = stats();
+  void* big = malloc_state(kDefaultTierMinBytes);
+  void* small = malloc_state(kDefaultTierMinBytes - 1);
+  void* untagged = tidepool_malloc(3 * kMiB, kRouteDevice, nullptr);
+  ASSERT_TRUE(big && small && untagged) << tidepool_last_error();
+  EXPECT_TRUE(routed(big));
+  EXPECT_FALSE(routed(small));
+  EXPECT_FALSE(routed(untagged));
+  // The caching allocator served the small state and the untagged block only.
+  const tidepool_stats_v1 during = stats();
+  EXPECT_EQ(during.tags[kTag].count, before.tags[kTag].count + 1);
+  EXPECT_EQ(during.requested.current,
+            before.requested.current + (kDefaultTierMinBytes - 1) + 3 * kMiB);
+  EXPECT_EQ(tidepool_record_stream(big, kRouteDevice, nullptr), 0) << tidepool_last_error();
+
+  // The routed range moves to the host and back at the same address with its bytes.
+  std::memset(big, 0x3c, kDefaultTierMinBytes);
+  ASSERT_EQ(tidepool_evict_ptr(kRouteDevice, big), 0) << tidepool_last_error();
+  EXPECT_EQ(tiering_vmm_pool(kRouteDevice).bytes_in(big, MemoryLocation::device), 0u);
+  ASSERT_EQ(tidepool_prefetch_ptr(kRouteDevice, big, nullptr), 0) << tidepool_last_error();
+  const auto* bytes = static_cast<const unsigned char*>(big);
+  for (std::size_t i = 0; i < kDefaultTierMinBytes; i += 4093) ASSERT_EQ(bytes[i], 0x3c) << i;
+
+  const std::uint64_t ranges = tiering_vmm_pool(kRouteDevice).stats().ranges;
+  ::testing::internal::CaptureStderr();
+  tidepool_free(big, kDefaultTierMinBytes, kRouteDevice, nullptr);
+  tidepool_free(small, kDefaultTierMinBytes - 1, kRouteDevice, nullptr);
+  tidepool_free(untagged, 3 * kMiB, kRouteDevice, nullptr);
+  EXPECT_EQ(::testing::internal::GetCapturedStderr(), "");
+  EXPECT_EQ(tiering_vmm_pool(kRouteDevice).stats().ranges, ranges - 1);
+  EXPECT_EQ(stats().requested.current, before.requested.current);
+}
+
+TEST_F(TierRouteTest, TheThresholdFollowsTidepoolTierMinBytes) {
+  void* kept = nullptr;
+  {
+    const ConfigScope config("tidepool.tier_min_bytes:0");
+    void* tiny = malloc_state(256);
+    EXPECT_TRUE(routed(tiny));
+    tidepool_free(tiny, 256, kRouteDevice, nullptr);
+    kept = malloc_state(256);
+    EXPECT_TRUE(routed(kept));
+  }
+  // Freed under the default threshold again: the free path's size shortcut sends it to
+  // the caching allocator first, which rejects it, and the route still takes it back.
+  const std::uint64_t ranges = tiering_vmm_pool(kRouteDevice).stats().ranges;
+  ::testing::internal::CaptureStderr();
+  tidepool_free(kept, 256, kRouteDevice, nullptr);
+  EXPECT_EQ(::testing::internal::GetCapturedStderr(), "");
+  EXPECT_EQ(tiering_vmm_pool(kRouteDevice).stats().ranges, ranges - 1);
+  {
+    const ConfigScope config("tidepool.tier_min_bytes:8MiB");
+    void* p = malloc_state(4 * kMiB);
+    EXPECT_FALSE(routed(p));
+    tidepool_free(p, 4 * kMiB, kRouteDevice, nullptr);
+  }
+  EXPECT_EQ(tier_min_bytes(), kDefaultTierMinBytes);  // the default configuration again
+}
+
+TEST_F(TierRouteTest, AFreedRangeFreedAgainIsAClearErrorAndChangesNothing) {
+  void* p = malloc_state(2 * kMiB);
+  ASSERT_TRUE(routed(p));
+  tidepool_free(p, 2 * kMiB, kRouteDevice, nullptr);
+  const tidepool_stats_v1 before = stats();
+  ::testing::internal::CaptureStderr();
+  tidepool_free(p, 2 * kMiB, kRouteDevice, nullptr);
+  const std::string printed = ::testing::internal::GetCapturedStderr();
+  EXPECT_NE(printed.find("tidepool: "), std::string::npos) << printed;
+  EXPECT_EQ(printed, std::string(tidepool_last_error()) + "\n");
+  EXPECT_EQ(stats().free_count, before.free_count);
+  void* q = malloc_state(2 * kMiB);  // the route and the allocator live on
+  EXPECT_TRUE(routed(q));
+  tidepool_free(q, 2 * kMiB, kRouteDevice, nullptr);
+}
+
+TEST_F(TierRouteTest, ARangeFromTheTieringCAbiCanBeFreedThroughTidepoolFree) {
+  // The live-range shortcut of the free path must not hide a range it did not count.
+  void* p = tidepool_vmm_malloc(2 * kMiB, kRouteDevice, kTag, nullptr);
+  ASSERT_NE(p, nullptr) << tidepool_last_error();
+  const std::uint64_t ranges = tiering_vmm_pool(kRouteDevice).stats().ranges;
+  tidepool_free(p, 2 * kMiB, kRouteDevice, nullptr);
+  EXPECT_EQ(tiering_vmm_pool(kRouteDevice).stats().ranges, ranges - 1);
+}
+
+TEST(TierRouteRegistration, ADifferentRouteOrAnIncompleteOneIsRefused) {
+  const TierRoute* installed = tier_route();
+  ASSERT_NE(installed, nullptr);
+  EXPECT_NO_THROW(register_tier_route(installed));  // the same one again: a no-op
+  static const TierRoute other = *installed;
+  EXPECT_THROW(register_tier_route(&other), std::logic_error);
+  TierRoute incomplete = *installed;
+  incomplete.owns = nullptr;
+  EXPECT_THROW(register_tier_route(&incomplete), std::invalid_argument);
+  EXPECT_THROW(register_tier_route(nullptr), std::invalid_argument);
+  EXPECT_EQ(tier_route(), installed);
 }
 
 }  // namespace

@@ -1,9 +1,12 @@
 // VmmPool: pointer-stable migration between device and host backing. The address never
 // changes, the bytes follow, and every failure at the seam (no memory in the target, a
 // map or copy that fails) leaves the data readable at the same address.
+#include <cstdint>
 #include <cstring>
+#include <functional>
 
 #include "allocator/c_api.h"
+#include "allocator/config.h"
 #include "tests/tiering/tiering_test_util.h"
 #include "tiering/tiered_store.h"
 #include "tiering/vmm_migration.h"
@@ -72,7 +75,7 @@ TEST_P(VmmMigrationTest, TagMigrationMovesOnlyThatTag) {
   VmmPool pool(backend());
   void* a = pool.allocate(1000, kTag);
   void* b = pool.allocate(1000, TIDEPOOL_TAG_WORKSPACE);
-  EXPECT_EQ(pool.migrate_tag(kTag, MemoryLocation::host), 1u);
+  EXPECT_EQ(pool.migrate_tag(kTag, MemoryLocation::host).ranges, 1u);
   EXPECT_EQ(pool.bytes_in(a, MemoryLocation::host), backend().granularity());
   EXPECT_EQ(pool.bytes_in(b, MemoryLocation::device), backend().granularity());
   pool.deallocate(a);
@@ -91,6 +94,134 @@ TEST_P(VmmMigrationTest, BadInputIsAClearError) {
   EXPECT_FALSE(pool.owns(&x));
   EXPECT_TRUE(pool.owns(static_cast<char*>(p) + 64));
   pool.deallocate(p);
+}
+
+// ---- the device budget for state (Note [VMM device budget]) --------------------------------
+
+TEST_P(VmmMigrationTest, PrefetchStopsAtTheBudgetAndReportsWhatStayedOnTheHost) {
+  const std::size_t g = backend().granularity();
+  VmmPool pool(backend(), VmmPoolOptions{.device_budget_bytes = 3 * g});
+  void* a = pool.allocate(2 * g, kTag);
+  void* b = pool.allocate(2 * g, kTag);
+  const auto data_a = random_bytes(2 * g, 21);
+  const auto data_b = random_bytes(2 * g, 22);
+  fill(a, data_a);
+  fill(b, data_b);
+  // Allocation is not limited by the budget (4 granules on the device now).
+  EXPECT_EQ(pool.stats().device_backed_bytes, 4 * g);
+  EXPECT_EQ(pool.migrate_tag(kTag, MemoryLocation::host).bytes_moved, 4 * g);
+
+  // Ranges go in address order: the lower one fits, the other (one 2-granule chunk)
+  // would exceed the budget and stays.
+  const bool a_first = std::less<void*>()(a, b);
+  void* fits = a_first ? a : b;
+  void* stays = a_first ? b : a;
+  const MigrationResult r = pool.migrate_tag(kTag, MemoryLocation::device);
+  EXPECT_EQ(r.ranges, 2u);
+  EXPECT_EQ(r.bytes_moved, 2 * g);
+  EXPECT_EQ(r.bytes_left, 2 * g);
+  EXPECT_EQ(pool.bytes_in(fits, MemoryLocation::device), 2 * g);
+  EXPECT_EQ(pool.bytes_in(stays, MemoryLocation::host), 2 * g);
+  EXPECT_LE(pool.stats().device_backed_bytes, 3 * g);
+  EXPECT_EQ(difference(a, data_a), -1);
+  EXPECT_EQ(difference(b, data_b), -1);  // readable on either side
+
+  // By pointer too; once the other range leaves the device, it fits.
+  EXPECT_EQ(pool.migrate(stays, MemoryLocation::device).bytes_left, 2 * g);
+  pool.migrate(fits, MemoryLocation::host);
+  const MigrationResult rb = pool.migrate(stays, MemoryLocation::device);
+  EXPECT_EQ(rb.bytes_moved, 2 * g);
+  EXPECT_EQ(rb.bytes_left, 0u);
+  EXPECT_EQ(difference(a, data_a), -1);
+  EXPECT_EQ(difference(b, data_b), -1);
+
+  const VmmStats s = pool.stats();
+  EXPECT_TRUE(s.has_device_budget);
+  EXPECT_EQ(s.device_budget_bytes, 3 * g);
+  EXPECT_EQ(s.budget_stops, 2u);
+  EXPECT_EQ(s.bytes_left_on_host, 4 * g);
+  pool.deallocate(a);
+  pool.deallocate(b);
+}
+
+TEST_P(VmmMigrationTest, PrefetchFillsTheBudgetWithWhatFits) {
+  const std::size_t g = backend().granularity();
+  VmmPool pool(backend(), VmmPoolOptions{.device_budget_bytes = 3 * g});
+  std::vector<void*> ranges;
+  for (std::size_t granules : {2, 2, 1}) ranges.push_back(pool.allocate(granules * g, kTag, MemoryLocation::host));
+  // In any address order, one 2-granule range stays and the other two fill the budget.
+  const MigrationResult r = pool.migrate_tag(kTag, MemoryLocation::device);
+  EXPECT_EQ(r.bytes_moved, 3 * g);
+  EXPECT_EQ(r.bytes_left, 2 * g);
+  EXPECT_EQ(pool.stats().device_backed_bytes, 3 * g);
+  EXPECT_EQ(pool.bytes_in(ranges[2], MemoryLocation::device), g);
+  for (void* p : ranges) pool.deallocate(p);
+}
+
+TEST_P(VmmMigrationTest, BudgetCanSplitARangeBetweenDeviceAndHost) {
+  const std::size_t g = backend().granularity();
+  const std::size_t n = (VmmPool::kChunkGranules + 4) * g;  // two chunks: 32 and 4 granules
+  VmmPool pool(backend(), VmmPoolOptions{.device_budget_bytes = (VmmPool::kChunkGranules + 1) * g});
+  void* p = pool.allocate(n, kTag, MemoryLocation::host);
+  // A cheap pattern (word index) rather than random bytes: 72 MiB under sanitizers.
+  std::vector<unsigned char> data(n);
+  for (std::size_t i = 0; i < n; i += sizeof(std::uint64_t)) {
+    const std::uint64_t word = i * 0x9E3779B97F4A7C15ull;
+    std::memcpy(data.data() + i, &word, sizeof word);
+  }
+  fill(p, data);
+  const MigrationResult r = pool.migrate(p, MemoryLocation::device);
+  EXPECT_EQ(r.bytes_moved, VmmPool::kChunkGranules * g);
+  EXPECT_EQ(r.bytes_left, 4 * g);
+  EXPECT_EQ(pool.bytes_in(p, MemoryLocation::device), VmmPool::kChunkGranules * g);
+  EXPECT_EQ(pool.base_of(static_cast<char*>(p) + n - 1), p);
+  // One pointer, two kinds of backing, the same bytes.
+  EXPECT_TRUE(read_device(p, n, stream_) == data);
+  pool.deallocate(p);
+}
+
+TEST_P(VmmMigrationTest, WithoutABudgetEverythingMoves) {
+  const std::size_t g = backend().granularity();
+  VmmPool pool(backend(), VmmPoolOptions{.device_budget_bytes = VmmPoolOptions::kNoDeviceBudget});
+  void* p = pool.allocate(5 * g, kTag, MemoryLocation::host);
+  const MigrationResult r = pool.migrate_tag(kTag, MemoryLocation::device);
+  EXPECT_EQ(r.bytes_moved, 5 * g);
+  EXPECT_EQ(r.bytes_left, 0u);
+  EXPECT_FALSE(pool.stats().has_device_budget);
+  pool.deallocate(p);
+}
+
+// The default budget is tidepool.state_budget, read at each migration.
+class VmmBudgetConfigTest : public VmmMigrationTest {
+ protected:
+  void TearDown() override {
+    apply_config(Config{});
+    VmmMigrationTest::TearDown();
+  }
+};
+
+TEST_P(VmmBudgetConfigTest, StateBudgetFromTheConfigurationLimitsPrefetch) {
+  const std::size_t g = backend().granularity();
+  VmmPool pool(backend());
+  void* a = pool.allocate(2 * g, kTag, MemoryLocation::host);
+  void* b = pool.allocate(2 * g, kTag, MemoryLocation::host);
+  EXPECT_FALSE(pool.device_budget_bytes().has_value());  // tidepool not configured
+
+  apply_config(claim_config("tidepool.state_budget:0").config);
+  EXPECT_EQ(pool.device_budget_bytes(), std::optional<std::size_t>(0));
+  MigrationResult r = pool.migrate_tag(kTag, MemoryLocation::device);
+  EXPECT_EQ(r.bytes_moved, 0u);  // 0: the state stays on the host, reached in place
+  EXPECT_EQ(r.bytes_left, 4 * g);
+
+  apply_config(claim_config("tidepool.state_budget:" + std::to_string(3 * g)).config);
+  r = pool.migrate_tag(kTag, MemoryLocation::device);
+  EXPECT_EQ(r.bytes_moved, 2 * g);
+  EXPECT_EQ(r.bytes_left, 2 * g);
+  EXPECT_EQ(pool.bytes_in(a, MemoryLocation::device) + pool.bytes_in(b, MemoryLocation::device),
+            2 * g);  // one of the two ranges
+  EXPECT_EQ(pool.stats().device_backed_bytes, 2 * g);
+  pool.deallocate(a);
+  pool.deallocate(b);
 }
 
 // ---- fault injection (host backend) ------------------------------------------------------
@@ -140,6 +271,8 @@ TEST_P(VmmMigrationFaultTest, OutOfDeviceMemoryOnAllocateIsNull) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Backends, VmmMigrationTest, TIDEPOOL_TIERING_BACKENDS,
+                         tiering_test::backend_name);
+INSTANTIATE_TEST_SUITE_P(Backends, VmmBudgetConfigTest, TIDEPOOL_TIERING_BACKENDS,
                          tiering_test::backend_name);
 #ifndef TIDEPOOL_TIERING_GPU_BUILD  // fault injection exists on the host backend only
 INSTANTIATE_TEST_SUITE_P(Host, VmmMigrationFaultTest, ::testing::Values(BackendKind::host),

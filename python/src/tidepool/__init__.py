@@ -125,8 +125,10 @@ def evict(tag: str | int = "optimizer_state", device=None, stream=None) -> None:
     _tiering.evict_tag(d, _tags.tag_id(tag), _stream(d, stream))
 
 
-def prefetch(tag: str | int = "optimizer_state", device=None, stream=None) -> None:
-    """Starts bringing every allocation under `tag` back to the device; usable on `stream`."""
+def prefetch(tag: str | int = "optimizer_state", device=None, stream=None) -> int:
+    """Brings the allocations under `tag` back to the device, usable on `stream`, as far
+    as tidepool.state_budget allows. Returns the bytes that stayed in host memory (still
+    usable at the same addresses, only slower)."""
     from . import _tags, _tiering
     d = _device(device)
-    _tiering.prefetch_tag(d, _tags.tag_id(tag), _stream(d, stream))
+    return _tiering.prefetch_tag(d, _tags.tag_id(tag), _stream(d, stream))

@@ -1,10 +1,11 @@
 """Installs tidepool into a freshly imported torch, and keeps what was installed.
 
 Two modes (tidepool.mode, see allocator/config.h):
-  global  torch.cuda.memory.CUDAPluggableAllocator(libtidepool_pluggable,
-          tidepool_pluggable_malloc, tidepool_pluggable_free) + change_current_allocator:
+  global  torch.cuda.memory.CUDAPluggableAllocator(libtidepool.so,
+          tidepool_pytorch_malloc, tidepool_pytorch_free) + change_current_allocator:
           every CUDA allocation of the process is tidepool's (no PyTorch caching on top;
-          tidepool caches itself; optimizer state goes to pointer-stable ranges).
+          tidepool caches itself; optimizer state of at least tidepool.tier_min_bytes
+          goes to pointer-stable ranges).
   pool    PyTorch keeps its own allocator; a torch.cuda.MemPool backed by tidepool
           serves tidepool.region() and optimizer steps. Inside a region PyTorch's
           caching allocator asks tidepool for whole segments.
@@ -47,17 +48,14 @@ def _inactive(reason: str, config: dict) -> None:
                       "allocator", TidepoolInactiveWarning, stacklevel=3)
 
 
-def entry_points(config: dict) -> tuple[str, str, str]:
-    """(library, malloc, free) for CUDAPluggableAllocator: the router in
-    libtidepool_pluggable.so (optimizer state to pointer-stable, evictable ranges), or,
-    in a build without it, libtidepool's own pair (state then stays on the device)."""
-    router = _lib.pluggable_path()
-    if router is not None:
-        return router, "tidepool_pluggable_malloc", "tidepool_pluggable_free"
-    if config.get("log") != "off":
-        warnings.warn("tidepool: libtidepool_pluggable.so is missing; optimizer state will not "
-                      "be moved off the device", TidepoolInactiveWarning, stacklevel=3)
-    return _lib.library_path(), "tidepool_malloc", "tidepool_free"
+def entry_points() -> tuple[str, str, str]:
+    """(library, malloc, free) for CUDAPluggableAllocator: libtidepool's PyTorch pair,
+    which routes optimizer state to pointer-stable, evictable ranges and throws
+    tidepool's message on failure. LibraryError when the build lacks it."""
+    path = _lib.library_path()
+    for name in _lib.PYTORCH_ENTRY_POINTS:
+        _lib.function(name, "the PyTorch allocator entry points")
+    return (path, *_lib.PYTORCH_ENTRY_POINTS)
 
 
 def install(torch, config: dict) -> None:
@@ -74,7 +72,11 @@ def install(torch, config: dict) -> None:
             _inactive("tidepool.device_backend:host serves host memory, which cannot back "
                       "CUDA tensors", config)
             return
-        path, malloc_name, free_name = entry_points(config)
+        try:
+            path, malloc_name, free_name = entry_points()
+        except _lib.LibraryError:
+            STATE.torch = STATE.config = None  # nothing installed; a fixed library may retry
+            raise
         try:
             STATE.allocator = torch.cuda.memory.CUDAPluggableAllocator(path, malloc_name, free_name)
             if config["mode"] == "global":

@@ -7,8 +7,7 @@ the LD_PRELOAD shim and C++ trainers share one implementation.
 Where the library is:
   1. $TIDEPOOL_LIBRARY (a path to libtidepool.so), for tests and development builds;
   2. the copy installed with this package (tidepool/lib/libtidepool.so*).
-The pluggable-allocator entry points (libtidepool_pluggable.so) are found the same way
-($TIDEPOOL_PLUGGABLE_LIBRARY, else beside libtidepool).
+PyTorch's CUDAPluggableAllocator is handed the same library (PYTORCH_ENTRY_POINTS).
 
 libtidepool.so needs libcudart.so.13 when it was built with CUDA. PyPI's torch keeps
 that in site-packages/nvidia/cu13/lib, which is not on the loader's search path, so
@@ -24,7 +23,8 @@ import os
 import sys
 import threading
 
-__all__ = ["LibraryError", "library_path", "load", "optional", "check", "last_error"]
+__all__ = ["LibraryError", "PYTORCH_ENTRY_POINTS", "library_path", "load", "optional", "check",
+           "last_error"]
 
 
 class LibraryError(RuntimeError):
@@ -36,6 +36,12 @@ _lib: ctypes.CDLL | None = None
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 _CUDART_SONAME = "libcudart.so.13"
+
+# The malloc/free pair of libtidepool.so for torch.cuda.memory.CUDAPluggableAllocator:
+# they route optimizer state to pointer-stable ranges and, unlike tidepool_malloc, throw
+# tidepool's message on failure (PyTorch does not check for NULL; Note [OOM into
+# PyTorch] in allocator/c_api.h).
+PYTORCH_ENTRY_POINTS = ("tidepool_pytorch_malloc", "tidepool_pytorch_free")
 
 
 def library_path() -> str:
@@ -54,19 +60,6 @@ def library_path() -> str:
     return candidates[0]
 
 
-def pluggable_path() -> str | None:
-    """libtidepool_pluggable.so, the malloc/free pair handed to PyTorch (it routes
-    optimizer state to pointer-stable ranges): $TIDEPOOL_PLUGGABLE_LIBRARY, else beside
-    libtidepool. None when this build has none."""
-    override = os.environ.get("TIDEPOOL_PLUGGABLE_LIBRARY")
-    if override:
-        if not os.path.isfile(override):
-            raise LibraryError(f"TIDEPOOL_PLUGGABLE_LIBRARY={override!r} is not a file")
-        return os.path.abspath(override)
-    candidate = os.path.join(os.path.dirname(library_path()), "libtidepool_pluggable.so")
-    return candidate if os.path.isfile(candidate) else None
-
-
 def preload_wheel_cudart() -> str | None:
     """Loads libcudart from PyPI's nvidia wheel, if present and not loaded yet."""
     for entry in sys.path:
@@ -81,7 +74,7 @@ def preload_wheel_cudart() -> str | None:
 
 
 # Note [load mode]: RTLD_GLOBAL, whatever was imported before, so that the LD_PRELOAD
-# shim, libtidepool_pluggable.so and this package all see one libtidepool. That is safe
+# shim, PyTorch's CUDAPluggableAllocator and this package all see one libtidepool. That is safe
 # because libtidepool exports no allocator into the process: it does not link
 # Debian's malloc-overriding libmimalloc.so.2 but dlopen()s it RTLD_LOCAL for the pinned
 # host arena (tiering/host_arena.cpp). tests/python/test_load_order.py loads it before

@@ -64,7 +64,8 @@ def _state_budget_allows_prefetch() -> bool:
     reach it in place through the pointer-stable mapping (~82 GB/s on the H200, about
     the rate a prefetch+evict round trip would move it at), so the state never occupies
     device memory between or during steps. With a budget, the state is prefetched
-    before the step and the tiering layer keeps what fits."""
+    before the step as far as it fits in the budget (the tiering layer stops there; the
+    rest is used in host memory)."""
     budget = (_install.STATE.config or {}).get("state_budget", {"kind": "bytes", "bytes": 0})
     return not (budget.get("kind") == "bytes" and budget.get("bytes", 0) == 0)
 

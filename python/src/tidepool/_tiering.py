@@ -1,6 +1,7 @@
 """The tiering layer's C ABI (tiering/c_api_tiering.h), called by tag: move every
-allocation under a tag to host memory (evict) or bring it back (prefetch),
-pointer-stable. A build without tiering says so instead of pretending."""
+allocation under a tag to host memory (evict) or bring it back (prefetch, within
+tidepool.state_budget), pointer-stable. Its errors land in tidepool_last_error, as the
+allocator's do. A build without tiering says so instead of pretending."""
 
 from __future__ import annotations
 
@@ -23,14 +24,17 @@ class TieringStatsV1(ctypes.Structure):
             "reclaim_calls", "reclaimed_bytes", "pinned_host_bytes", "pageable_host_bytes",
             "pageable_fallbacks", "vmm_ranges", "vmm_device_bytes", "vmm_host_bytes",
             "vmm_bytes_to_host", "vmm_bytes_to_device", "vmm_failed_migrations")]
-        + [("vmm_migration_ms", ctypes.c_double)])
+        + [("vmm_migration_ms", ctypes.c_double)]
+        # appended after the first release of v1 (a shorter struct_size gets the prefix)
+        + [(n, ctypes.c_uint64) for n in (
+            "vmm_device_budget_bytes", "vmm_budget_stops", "vmm_bytes_left_on_host")])
 
 
 _SIGNATURES = {
     "tidepool_evict_tag": (ctypes.c_int, [ctypes.c_int, ctypes.c_int]),
-    "tidepool_prefetch_tag": (ctypes.c_int, [ctypes.c_int, ctypes.c_int, ctypes.c_void_p]),
+    "tidepool_prefetch_tag_within_budget": (ctypes.c_int, [ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
+                                                           ctypes.POINTER(ctypes.c_uint64)]),
     "tidepool_get_tiering_stats_v1": (ctypes.c_int, [ctypes.c_int, ctypes.c_void_p]),
-    "tidepool_tiering_last_error": (ctypes.c_char_p, []),
 }
 
 
@@ -41,14 +45,12 @@ def _fn(name: str):
 
 
 def available() -> bool:
-    return all(_lib.optional(n) is not None for n in ("tidepool_evict_tag", "tidepool_prefetch_tag"))
+    return all(_lib.optional(n) is not None
+               for n in ("tidepool_evict_tag", "tidepool_prefetch_tag_within_budget"))
 
 
 def _check(status: int, what: str) -> None:
-    if status < 0:
-        message = _fn("tidepool_tiering_last_error")()
-        detail = message.decode("utf-8", "replace") if message else ""
-        raise RuntimeError(f"tidepool: {what} failed" + (f": {detail}" if detail else ""))
+    _lib.check(status, what)
 
 
 def evict_tag(device: int, tag: int, stream: int | None = None) -> None:
@@ -64,9 +66,14 @@ def evict_tag(device: int, tag: int, stream: int | None = None) -> None:
     _check(_fn("tidepool_evict_tag")(device, tag), f"evicting tag {tag} on device {device}")
 
 
-def prefetch_tag(device: int, tag: int, stream: int | None = None) -> None:
-    _check(_fn("tidepool_prefetch_tag")(device, tag, stream),
+def prefetch_tag(device: int, tag: int, stream: int | None = None) -> int:
+    """Brings the tag's allocations back to the device, oldest first, while they fit in
+    tidepool.state_budget. Returns the bytes that stayed in host memory (still usable
+    at the same addresses, over the link)."""
+    left_on_host = ctypes.c_uint64(0)
+    _check(_fn("tidepool_prefetch_tag_within_budget")(device, tag, stream, ctypes.byref(left_on_host)),
            f"prefetching tag {tag} on device {device}")
+    return left_on_host.value
 
 
 def transfer_stats(device: int) -> dict:

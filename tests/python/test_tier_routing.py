@@ -1,0 +1,90 @@
+"""The allocator entry points PyTorch is given (tidepool_pytorch_malloc/free of
+libtidepool.so, the names the package hands to CUDAPluggableAllocator): allocations under
+optimizer_state of at least tidepool.tier_min_bytes become pointer-stable ranges that
+evict() moves to host memory and prefetch() brings back, within tidepool.state_budget, at
+the same address with the same bytes; smaller state and other tags go to the caching
+allocator. Tiering errors reach Python with tidepool's message. Runs on the host backend
+(its "device" memory is host RAM, so the test can read through the pointers), in a fresh
+interpreter because the backend is chosen before the first allocation."""
+
+from __future__ import annotations
+
+import json
+
+SCRIPT = """
+import ctypes, json
+import tidepool
+from tidepool import _config, _lib, _tiering
+
+_config.apply("backend:tidepool,tidepool.device_backend:host,tidepool.state_budget:5MiB")
+lib = _lib.load()
+malloc_name, free_name = _lib.PYTORCH_ENTRY_POINTS
+malloc, free = getattr(lib, malloc_name), getattr(lib, free_name)
+malloc.restype = ctypes.c_void_p
+malloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+free.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+owns = lib.tidepool_vmm_owns
+owns.restype, owns.argtypes = ctypes.c_int, [ctypes.c_void_p, ctypes.c_int]
+MiB = 1 << 20
+pattern = bytes(range(256)) * (4 * MiB // 256)
+
+def figures():
+    s = tidepool.stats(0)
+    return {k: s[k] for k in ("allocated_bytes.all.current", "tiering.vmm_ranges",
+                              "tiering.vmm_device_bytes", "tiering.vmm_host_bytes")}
+
+out = {}
+with tidepool.region("optimizer_state"):
+    state = malloc(4 * MiB, 0, None)
+    more_state = malloc(2 * MiB, 0, None)
+    bias_state = malloc(64 << 10, 0, None)   # under tidepool.tier_min_bytes (1 MiB)
+workspace = malloc(MiB, 0, None)
+ctypes.memmove(state, pattern, len(pattern))
+out["owns"] = [owns(p, 0) for p in (state, more_state, bias_state, workspace)]
+out["allocated"] = figures()
+tidepool.evict("optimizer_state", device=0)
+out["evicted"] = figures()
+out["intact_on_host"] = ctypes.string_at(state, len(pattern)) == pattern
+out["left_on_host"] = tidepool.prefetch("optimizer_state", device=0)
+out["prefetched"] = figures()
+out["intact_after_prefetch"] = ctypes.string_at(state, len(pattern)) == pattern
+for p, n in ((state, 4 * MiB), (more_state, 2 * MiB), (bias_state, 64 << 10), (workspace, MiB)):
+    free(p, n, 0, None)
+out["freed"] = figures()
+print(json.dumps(out))
+"""
+
+
+def test_optimizer_state_is_pointer_stable_migrates_and_prefetch_keeps_to_the_budget(run_python):
+    out = json.loads(run_python(SCRIPT).stdout.strip().splitlines()[-1])
+    MiB = 1 << 20
+    assert out["owns"] == [1, 1, 0, 0]
+    # The small state and the workspace are the caching allocator's (64 KiB + 1 MiB).
+    assert out["allocated"]["allocated_bytes.all.current"] == MiB + (64 << 10)
+    assert out["allocated"]["tiering.vmm_ranges"] == 2
+    assert out["allocated"]["tiering.vmm_device_bytes"] == 6 * MiB
+    assert out["evicted"]["tiering.vmm_device_bytes"] == 0
+    assert out["evicted"]["tiering.vmm_host_bytes"] == 6 * MiB
+    assert out["intact_on_host"] and out["intact_after_prefetch"]
+    # state_budget 5 MiB: the 4 MiB range (the oldest) comes back, the 2 MiB one stays.
+    assert out["left_on_host"] == 2 * MiB
+    assert out["prefetched"]["tiering.vmm_device_bytes"] == 4 * MiB
+    assert out["prefetched"]["tiering.vmm_host_bytes"] == 2 * MiB
+    assert out["freed"] == {"allocated_bytes.all.current": 0, "tiering.vmm_ranges": 0,
+                            "tiering.vmm_device_bytes": 0, "tiering.vmm_host_bytes": 0}
+
+
+def test_a_tiering_failure_reaches_python_with_tidepools_message(run_python):
+    # The tiering C ABI reports into tidepool_last_error, which the package reads.
+    out = run_python("""
+        from tidepool import _config, _tiering
+        _config.apply("backend:tidepool,tidepool.device_backend:host")
+        for call in (lambda: _tiering.prefetch_tag(-1, 4, None), lambda: _tiering.evict_tag(-1, 4)):
+            try:
+                call()
+            except RuntimeError as e:
+                print(e)
+        """).stdout.strip().splitlines()
+    assert out == [
+        "tidepool: prefetching tag 4 on device -1 failed: tidepool_prefetch_tag: tiering: invalid device -1",
+        "tidepool: evicting tag 4 on device -1 failed: tidepool_evict_tag: tiering: invalid device -1"]

@@ -1,0 +1,90 @@
+// FailingBackend: a test backend that forwards every call to a real backend (the host
+// backend) until it is told to die; from then on every call throws BackendError, as the
+// cuda backend does once its context is destroyed at process exit.
+//
+// fail_after(n) lets n more calls through, then fails all of them, so a test can sweep n
+// and make a teardown fail at each of its steps in turn. The seam's own fault injection
+// (Backend::inject_fault) fails one kind of operation a counted number of times; this
+// one fails everything, for good.
+#pragma once
+
+#include <atomic>
+#include <string>
+
+#include "allocator/backend.h"
+
+namespace tidepool::tiering_test {
+
+class FailingBackend final : public Backend {
+ public:
+  explicit FailingBackend(Backend& inner)
+      : Backend(inner.kind(), inner.device(), inner.granularity()), inner_(inner) {}
+
+  // After `calls` more calls, every call throws. Negative: never fail (the default).
+  void fail_after(long calls) { remaining_.store(calls); }
+  // Calls that failed so far.
+  long failed_calls() const { return failed_.load(); }
+
+ private:
+  void gate(const char* op) {
+    if (remaining_.load() < 0) return;
+    if (remaining_.fetch_sub(1) > 0) return;
+    remaining_.store(0);
+    failed_.fetch_add(1);
+    throw BackendError(std::string("failing backend: ") + op + ": the backend is gone");
+  }
+
+  void* do_device_alloc(std::size_t b) override { return gate("device_alloc"), inner_.device_alloc(b); }
+  void do_device_free(void* p, std::size_t b) override { gate("device_free"); inner_.device_free(p, b); }
+  MemInfo do_mem_info() override { return gate("mem_info"), inner_.mem_info(); }
+  Stream do_create_stream() override { return gate("create_stream"), inner_.create_stream(); }
+  void do_destroy_stream(Stream s) override { gate("destroy_stream"); inner_.destroy_stream(s); }
+  void do_stream_synchronize(Stream s) override { gate("stream_synchronize"); inner_.stream_synchronize(s); }
+  void do_device_synchronize() override { gate("device_synchronize"); inner_.device_synchronize(); }
+  Event do_create_event() override { return gate("create_event"), inner_.create_event(); }
+  void do_destroy_event(Event e) override { gate("destroy_event"); inner_.destroy_event(e); }
+  void do_record_event(Event e, Stream s) override { gate("record_event"); inner_.record_event(e, s); }
+  bool do_event_query(Event e) override { return gate("event_query"), inner_.event_query(e); }
+  void do_event_synchronize(Event e) override { gate("event_synchronize"); inner_.event_synchronize(e); }
+  void do_stream_wait_event(Stream s, Event e) override {
+    gate("stream_wait_event");
+    inner_.stream_wait_event(s, e);
+  }
+  float do_event_elapsed_ms(Event a, Event b) override {
+    return gate("event_elapsed_ms"), inner_.event_elapsed_ms(a, b);
+  }
+  void do_copy_async(void* dst, const void* src, std::size_t b, CopyKind k, Stream s) override {
+    gate("copy_async");
+    inner_.copy_async(dst, src, b, k, s);
+  }
+  void do_memset_async(void* dst, int v, std::size_t b, Stream s) override {
+    gate("memset_async");
+    inner_.memset_async(dst, v, b, s);
+  }
+  void do_launch_host_func(Stream s, void (*fn)(void*), void* arg) override {
+    gate("launch_host_func");
+    inner_.launch_host_func(s, fn, arg);
+  }
+  void do_host_register(void* p, std::size_t b) override { gate("host_register"); inner_.host_register(p, b); }
+  void do_host_unregister(void* p) override { gate("host_unregister"); inner_.host_unregister(p); }
+  void* do_reserve_address(std::size_t b) override { return gate("reserve_address"), inner_.reserve_address(b); }
+  void do_release_address(void* va, std::size_t b) override {
+    gate("release_address");
+    inner_.release_address(va, b);
+  }
+  PhysicalHandle do_create_physical(std::size_t b, MemoryLocation w) override {
+    return gate("create_physical"), inner_.create_physical(b, w);
+  }
+  void do_release_physical(PhysicalHandle h, std::size_t b) override {
+    gate("release_physical");
+    inner_.release_physical(h, b);
+  }
+  void do_map(void* va, std::size_t b, PhysicalHandle h) override { gate("map"); inner_.map(va, b, h); }
+  void do_unmap(void* va, std::size_t b) override { gate("unmap"); inner_.unmap(va, b); }
+
+  Backend& inner_;
+  std::atomic<long> remaining_{-1};
+  std::atomic<long> failed_{0};
+};
+
+}  // namespace tidepool::tiering_test
