@@ -6,9 +6,11 @@
 // upcast before it is multiplied, so the only rounding is fp64's (~1e-16·√blocks).
 //
 // CPU: gram_cpu.cpp's loop over raw column pointers (threads over fixed row chunks).
-// CUDA: gram_kernels.cu reads X once with fp64 register accumulators when m ≤ 16; wider
-// sets fall back to blocks of rows stacked, upcast and multiplied with cuBLAS fp64 gemm
-// (more traffic, but k > 15 is rare for lstsq's users).
+// CUDA: gram_kernels.cu reads X once (coalesced 16-byte loads, fp64 accumulation, a
+// deterministic two-pass reduction on the device) when m ≤ 16. Wider sets fall back to
+// blocks of rows stacked, upcast and multiplied with cuBLAS fp64 gemm (more traffic: AADL
+// with ≥ 16 history columns lands here; a kernel for m ≤ 32 would need its pair groups
+// spread over more warps).
 #include "optimizers/linalg/gram.h"
 
 #include <algorithm>
@@ -95,40 +97,41 @@ at::Tensor host_dots(const std::vector<at::Tensor>& columns) {
 }
 
 #if TIDEPOOL_HAVE_CUDA
-// One pass of gram_kernels.cu; the per-block partials are summed on the host in block order.
+// One pass of gram_kernels.cu: per-block partials and their fixed-order reduction both run
+// on the device; only the m(m+1)/2 sums cross to the host.
 at::Tensor kernel_gram(const std::vector<at::Tensor>& columns) {
   const auto& first = columns.front();
   const c10::cuda::CUDAGuard guard(first.device());
   const int m = static_cast<int>(columns.size());
   const int64_t rows = first.size(0);
-  const int pairs = m * (m + 1) / 2;
+  const int64_t pairs = m * (m + 1) / 2;
   cuda::ColumnSet set{};
   for (int j = 0; j < m; ++j) {
     set.data[j] = columns[j].data_ptr();
     set.stride[j] = columns[j].stride(0);
   }
-  const int grid = cuda::gram_grid_size(rows);
-  // Workspace from the PyTorch caching allocator (tidepool's allocator has no C++ entry
-  // point for optimizers/ yet); it is returned when `partials` goes out of scope.
-  auto partials = at::empty({grid, pairs}, first.options().dtype(at::kDouble));
+  // Workspace (partials, then the packed triangle) from the PyTorch caching allocator
+  // (tidepool's allocator has no C++ entry point for optimizers/ yet); it is returned when
+  // `workspace` goes out of scope, stream-ordered.
+  const int64_t partial_doubles = cuda::gram_workspace_doubles(rows, m);
+  auto workspace = at::empty({partial_doubles + pairs}, first.options().dtype(at::kDouble));
+  double* partials = workspace.data_ptr<double>();
   const cudaError_t status =
-      cuda::launch_gram_partials(set, m, rows, first.scalar_type() == at::kDouble,
-                                 partials.data_ptr<double>(), c10::cuda::getCurrentCUDAStream());
+      cuda::launch_gram(set, m, rows, first.scalar_type() == at::kDouble, partials,
+                        partials + partial_doubles, c10::cuda::getCurrentCUDAStream());
   if (status != cudaSuccess) {
     throw std::runtime_error(std::string("tidepool::linalg: Gram kernel launch failed: ") +
                              cudaGetErrorString(status));
   }
-  const auto host = partials.cpu();  // synchronises with the stream
-  const double* p = host.data_ptr<double>();
+  const auto packed = workspace.narrow(0, partial_doubles, pairs).cpu();  // synchronises
+  const double* sums = packed.data_ptr<double>();
   auto G = at::empty({m, m}, at::kDouble);
   auto g = G.accessor<double, 2>();
-  int pair = 0;
+  int64_t pair = 0;
   for (int a = 0; a < m; ++a) {
     for (int b = a; b < m; ++b, ++pair) {
-      double total = 0.0;
-      for (int blk = 0; blk < grid; ++blk) total += p[static_cast<int64_t>(blk) * pairs + pair];
-      g[a][b] = total;
-      g[b][a] = total;
+      g[a][b] = sums[pair];
+      g[b][a] = sums[pair];
     }
   }
   return G;

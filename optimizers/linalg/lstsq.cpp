@@ -137,8 +137,13 @@ Problem column_problem(const std::vector<at::Tensor>& columns, const at::Tensor&
 }
 
 void check_finite_gram(const at::Tensor& G) {
-  if (!at::isfinite(G).all().item<bool>()) {
-    fail("A or B contains NaN or Inf (or values so large that their squares overflow float64)");
+  // A plain loop: G is a small fp64 CPU tensor, and three ATen ops here cost more than it.
+  const auto values = G.contiguous();
+  const double* g = values.data_ptr<double>();
+  for (int64_t i = 0; i < values.numel(); ++i) {
+    if (!std::isfinite(g[i])) {
+      fail("A or B contains NaN or Inf (or values so large that their squares overflow float64)");
+    }
   }
 }
 

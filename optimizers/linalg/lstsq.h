@@ -61,8 +61,11 @@ struct LstsqOptions {
   double gram_condition_limit = -1.0;
   // automatic uses SVD directly when N·k is at most this.
   int64_t svd_below_elements = 4096;
-  // The Gram method gets the residual from the Gram matrix for free (absolute error
-  // ~eps64·‖b‖²); true spends one more pass over A for b − Ax computed directly.
+  // The Gram method gets the residual from the Gram matrix for free, r² = bᵀb − 2xᵀAᵀb +
+  // xᵀAᵀAx, but that is a cancellation: r² carries an absolute error of ~√N·eps64·(‖b‖ +
+  // ‖A‖_F‖x‖)², so r is reliable only well above √(√N·eps64)·(‖b‖ + ‖A‖_F‖x‖) (~3e-7 of
+  // that scale at N = 2e5); a nearly consistent system reports noise of that size. true
+  // spends one more pass over A for b − Ax computed directly in fp64.
   bool exact_residual = false;
 };
 

@@ -23,20 +23,13 @@
 #include <limits>
 #include <stdexcept>
 
+#include "optimizers/linalg/small_dense.h"
+
 namespace tidepool::linalg::detail {
 namespace {
 
 constexpr double kEps64 = std::numeric_limits<double>::epsilon();
 constexpr double kInf = std::numeric_limits<double>::infinity();
-
-double condition_from_eigenvalues(const at::Tensor& eigenvalues) {
-  // eigvalsh returns ascending eigenvalues of a symmetric matrix σ_i²-like quantities.
-  const double smallest = eigenvalues[0].item<double>();
-  const double largest = eigenvalues[-1].item<double>();
-  if (largest <= 0.0) return kInf;
-  if (smallest <= 0.0) return kInf;
-  return std::sqrt(largest / smallest);
-}
 
 int64_t count_above(const at::Tensor& values, double threshold) {
   return (values > threshold).sum().item<int64_t>();
@@ -72,16 +65,24 @@ double tikhonov_lambda(const LstsqOptions& options, double gram_trace, int64_t k
 }
 
 std::vector<double> gram_residual_norms(const at::Tensor& G, int64_t k, const at::Tensor& x) {
-  const int64_t r = G.size(0) - k;
-  const auto GAA = G.narrow(0, 0, k).narrow(1, 0, k);
-  const auto C = G.narrow(0, 0, k).narrow(1, k, r);
+  const auto Gc = G.to(at::kCPU, at::kDouble).contiguous();
+  const auto xc = x.to(at::kCPU, at::kDouble).contiguous();
+  const int64_t m = Gc.size(0);
+  const int64_t r = m - k;
+  const double* g = Gc.data_ptr<double>();
+  const double* xs = xc.data_ptr<double>();  // k×r
   std::vector<double> norms(static_cast<size_t>(r));
   for (int64_t j = 0; j < r; ++j) {
-    const auto xj = x.select(1, j);
-    const double bb = G[k + j][k + j].item<double>();
-    const double squared = bb - 2.0 * xj.dot(C.select(1, j)).item<double>() +
-                           xj.dot(GAA.mv(xj)).item<double>();
-    norms[static_cast<size_t>(j)] = std::sqrt(std::max(squared, 0.0));
+    const double bb = g[(k + j) * m + k + j];
+    double cross = 0.0;      // xᵀAᵀb
+    double quadratic = 0.0;  // xᵀAᵀAx
+    for (int64_t i = 0; i < k; ++i) {
+      cross += xs[i * r + j] * g[i * m + k + j];
+      double row = 0.0;
+      for (int64_t l = 0; l < k; ++l) row += g[i * m + l] * xs[l * r + j];
+      quadratic += xs[i * r + j] * row;
+    }
+    norms[static_cast<size_t>(j)] = std::sqrt(std::max(bb - 2.0 * cross + quadratic, 0.0));
   }
   return norms;
 }
@@ -89,38 +90,60 @@ std::vector<double> gram_residual_norms(const at::Tensor& G, int64_t k, const at
 std::optional<SmallSolution> solve_from_gram(const at::Tensor& G, int64_t k,
                                              const LstsqOptions& options, double rcond,
                                              LstsqMethod method, bool may_decline) {
-  const int64_t r = G.size(0) - k;
-  const auto GAA = G.narrow(0, 0, k).narrow(1, 0, k);
-  const auto C = G.narrow(0, 0, k).narrow(1, k, r);
-  const auto scale = column_scales(GAA.diagonal().clone(), options.equilibrate);
-  const double lambda = tikhonov_lambda(options, GAA.trace().item<double>(), k);
+  // Plain loops on the (k+r)² doubles (small_dense.h says why), so this fast path costs
+  // microseconds, not tens of ATen dispatches.
+  const auto Gc = G.to(at::kCPU, at::kDouble).contiguous();
+  const int64_t m = Gc.size(0);
+  const int64_t r = m - k;
+  const double* g = Gc.data_ptr<double>();
+  const int n = static_cast<int>(k);
 
-  // Note [Equilibration].
-  auto Ghat = GAA * scale.unsqueeze(0) * scale.unsqueeze(1);
-  if (lambda > 0.0) Ghat += at::diag(lambda * scale * scale);
-  const auto Chat = C * scale.unsqueeze(1);
+  // Note [Equilibration]: scale as column_scales() does (1 for a zero column or when off).
+  std::vector<double> scale(static_cast<size_t>(k), 1.0);
+  double trace = 0.0;
+  for (int64_t j = 0; j < k; ++j) {
+    const double d = g[j * m + j];
+    trace += d;
+    if (options.equilibrate && d > 0.0) scale[static_cast<size_t>(j)] = 1.0 / std::sqrt(std::max(d, std::numeric_limits<double>::min()));
+  }
+  const double lambda = tikhonov_lambda(options, trace, k);
+  std::vector<double> ghat(static_cast<size_t>(k * k));
+  std::vector<double> chat(static_cast<size_t>(k * r));
+  for (int64_t i = 0; i < k; ++i) {
+    const double si = scale[static_cast<size_t>(i)];
+    for (int64_t j = 0; j < k; ++j) ghat[static_cast<size_t>(i * k + j)] = g[i * m + j] * si * scale[static_cast<size_t>(j)];
+    ghat[static_cast<size_t>(i * k + i)] += lambda * si * si;
+    for (int64_t j = 0; j < r; ++j) chat[static_cast<size_t>(i * r + j)] = g[i * m + k + j] * si;
+  }
 
-  const auto eigenvalues = at::linalg_eigvalsh(Ghat);
-  const double condition = condition_from_eigenvalues(eigenvalues);
+  const auto eigenvalues = dense::symmetric_eigenvalues(ghat, n);  // ascending
+  const double smallest = eigenvalues.front();
+  const double largest = eigenvalues.back();
+  const double condition = (largest <= 0.0 || smallest <= 0.0) ? kInf : std::sqrt(largest / smallest);
   const double gram_condition = condition * condition;
-  const double largest = eigenvalues[-1].item<double>();
 
   SmallSolution out;
   out.condition = condition;
   if (method == LstsqMethod::gram_cholesky) {
     if (may_decline && !(gram_condition <= options.gram_condition_limit)) return std::nullopt;
-    auto [L, info] = at::linalg_cholesky_ex(Ghat);
-    if (info.item<int64_t>() != 0) {
+    auto factor = ghat;
+    if (!dense::cholesky_lower(factor, n)) {
       if (may_decline) return std::nullopt;
       throw std::runtime_error(
           "tidepool::linalg::lstsq: gram_cholesky: the equilibrated AᵀA is not positive "
           "definite (A is rank-deficient or κ(A) ≳ 1e8); use method automatic, svd or gram_eigh, "
           "or set tikhonov");
     }
-    out.x = at::cholesky_solve(Chat, L) * scale.unsqueeze(1);
+    auto y = chat;
+    dense::cholesky_solve(factor, n, y, static_cast<int>(r));
+    for (int64_t i = 0; i < k; ++i) {
+      for (int64_t j = 0; j < r; ++j) y[static_cast<size_t>(i * r + j)] *= scale[static_cast<size_t>(i)];
+    }
+    out.x = at::from_blob(y.data(), {k, r}, at::TensorOptions().dtype(at::kDouble)).clone();
     // Note [Condition from the Gram matrix]: the rank is resolved to ~√eps64 only.
-    out.rank = count_above(eigenvalues.clamp_min(0).sqrt(), std::max(rcond, std::sqrt(kEps64)) *
-                                                                std::sqrt(std::max(largest, 0.0)));
+    const double threshold = std::max(rcond, std::sqrt(kEps64)) * std::sqrt(std::max(largest, 0.0));
+    out.rank = std::count_if(eigenvalues.begin(), eigenvalues.end(),
+                             [threshold](double e) { return std::sqrt(std::max(e, 0.0)) > threshold; });
     // An rcond above 1/κ asks for truncation, which Cholesky cannot do.
     if (may_decline && out.rank < k) return std::nullopt;
   } else {
@@ -130,7 +153,9 @@ std::optional<SmallSolution> solve_from_gram(const at::Tensor& G, int64_t k,
     // that rank, so that ‖x‖ (not ‖D⁻¹x‖) is minimal.
     const double cutoff =
         std::max(rcond * rcond, 10.0 * static_cast<double>(k) * kEps64) * std::max(largest, 0.0);
-    out.rank = count_above(eigenvalues, cutoff);
+    out.rank = std::count_if(eigenvalues.begin(), eigenvalues.end(), [cutoff](double e) { return e > cutoff; });
+    const auto GAA = Gc.narrow(0, 0, k).narrow(1, 0, k);
+    const auto C = Gc.narrow(0, 0, k).narrow(1, k, r);
     auto Graw = GAA.clone();
     if (lambda > 0.0) Graw += lambda * at::eye(k, GAA.options());
     auto [w, V] = at::linalg_eigh(Graw);  // ascending: keep the last `rank`
@@ -139,7 +164,7 @@ std::optional<SmallSolution> solve_from_gram(const at::Tensor& G, int64_t k,
     out.x = Vr.mm((1.0 / wr).unsqueeze(1) * Vr.t().mm(C));
   }
   out.method = method;
-  out.residual_norms = gram_residual_norms(G, k, out.x);
+  out.residual_norms = gram_residual_norms(Gc, k, out.x);
   return out;
 }
 

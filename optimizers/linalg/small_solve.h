@@ -49,8 +49,9 @@ std::optional<SmallSolution> solve_from_gram(const at::Tensor& G, int64_t k,
                                              const LstsqOptions& options, double rcond,
                                              LstsqMethod method, bool may_decline);
 
-// ‖b_j − A x_j‖ from the Gram matrix: √(bᵀb − 2xᵀAᵀb + xᵀAᵀAx), clamped at 0 (absolute
-// error ~eps64·‖b‖²).
+// ‖b_j − A x_j‖ from the Gram matrix: √(bᵀb − 2xᵀAᵀb + xᵀAᵀAx), clamped at 0. The square
+// has absolute error ~√N·eps64·(‖b‖ + ‖A‖_F‖x‖)², so the norm is only good to the square
+// root of that (see LstsqOptions::exact_residual).
 std::vector<double> gram_residual_norms(const at::Tensor& G, int64_t k, const at::Tensor& x);
 
 // Minimum-norm solution from R (p×(k+r) fp64 CPU, upper trapezoidal), the R factor of

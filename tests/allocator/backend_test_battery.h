@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "allocator/backend.h"
+#include "tests/support/test_scale.h"
 
 namespace tidepool {
 // How gtest prints the parameter (found by ADL): "host" / "cuda", not a byte dump.
@@ -38,12 +39,6 @@ inline void PrintTo(BackendKind kind, std::ostream* out) {
 
 namespace tidepool::testing {
 
-// Multiplies the iteration counts of the stress tests (TIDEPOOL_TEST_SCALE, default 1).
-inline int test_scale() {
-  const char* env = std::getenv("TIDEPOOL_TEST_SCALE");
-  const int scale = env ? std::atoi(env) : 1;
-  return scale > 0 ? scale : 1;
-}
 
 // Blocks the stream that runs `wait` until `open()` is called.
 struct Gate {
@@ -471,7 +466,7 @@ TEST_P(BackendBattery, BadInputIsAClearError) {
 // streams with events; run under TSan in CI.
 TEST_P(BackendBattery, ConcurrentThreadsOnSharedStreams) {
   constexpr int kThreads = 4;
-  const int iterations = 40 * test_scale();
+  const auto iterations = test_support::scaled(40);
   const std::size_t region = 16 << 10;
   std::vector<Stream> streams{Stream{}, new_stream(), new_stream()};
   std::byte* dev = device_buffer(region * kThreads);
@@ -511,7 +506,7 @@ TEST_P(BackendBattery, ConcurrentThreadsOnSharedStreams) {
 
 TEST_P(BackendBattery, ConcurrentMappingFromManyThreads) {
   constexpr int kThreads = 4;
-  const int iterations = 5 * test_scale();
+  const auto iterations = test_support::scaled(5);
   const std::size_t g = backend().granularity();
   std::atomic<int> failures{0};
   std::vector<std::thread> threads;

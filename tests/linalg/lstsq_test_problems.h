@@ -49,12 +49,5 @@ void expect_invalid(Call&& call, const std::string& fragment) {
   }
 }
 
-// TIDEPOOL_TEST_SCALE (default 1) multiplies the sizes of the large tests.
-inline int64_t test_scale() {
-  const char* value = std::getenv("TIDEPOOL_TEST_SCALE");
-  if (value == nullptr) return 1;
-  const long long scale = std::atoll(value);
-  return scale < 1 ? 1 : scale;
-}
 
 }  // namespace tidepool::linalg::testing

@@ -11,6 +11,7 @@
 
 #include "optimizers/linalg/lstsq.h"
 #include "tests/linalg/lstsq_test_problems.h"
+#include "tests/support/test_scale.h"
 
 namespace tidepool::linalg {
 namespace {
@@ -39,7 +40,7 @@ TEST(Lstsq, WellConditionedFp64UsesGramCholeskyAndIsExact) {
 // The headline case: torch's default cuts this to rank 1, its fp32 drivers lose
 // ~3e-2 to fp32 accumulation. fp64 accumulation must get it to 1e-6.
 TEST(Lstsq, Fp32TwentyMillionByFiveComesOutWithin1e6) {
-  const int64_t rows = 20'000'000 * testing::test_scale();
+  const int64_t rows = test_support::scaled(20'000'000);
   at::manual_seed(7);
   const auto A = at::randn({rows, 5}, at::kFloat);  // κ ≈ 1 for Gaussian tall A
   const auto x = testing::values({1, 2, 3, 4, 5}, at::kFloat);

@@ -52,7 +52,7 @@ struct ShadowRange {
 };
 
 TEST_P(TieringIntegrityTest, RandomOperationsLoseNoByteAndKeepTheBudget) {
-  const long ops = kBaseOps * tiering_test::scale();
+  const long ops = test_support::scaled(kBaseOps);
   Backend& b = backend();
   TieredStoreOptions o;
   o.device_budget_bytes = kBudget;
@@ -207,7 +207,7 @@ TEST_P(TieringIntegrityTest, ConcurrentThreadsKeepTheirDataAndTheBudget) {
   TieredStore store(b, o);
   VmmPool vmm(b);
   constexpr int kThreads = 4;
-  const int iterations = 1500 * tiering_test::scale();
+  const auto iterations = test_support::scaled(1500);
   std::atomic<bool> stop{false};
   std::atomic<bool> budget_ok{true};
   std::vector<std::thread> threads;

@@ -19,6 +19,7 @@
 
 #include "allocator/backend.h"
 #include "tiering/host_arena.h"
+#include "tests/support/test_scale.h"
 
 #ifndef TIDEPOOL_TIERING_BACKENDS
 #define TIDEPOOL_TIERING_BACKENDS ::testing::Values(::tidepool::BackendKind::host)
@@ -26,12 +27,6 @@
 
 namespace tidepool::tiering_test {
 
-// Multiplies iteration counts (TIDEPOOL_TEST_SCALE, default 1).
-inline int scale() {
-  const char* env = std::getenv("TIDEPOOL_TEST_SCALE");
-  const int s = env ? std::atoi(env) : 1;
-  return s > 0 ? s : 1;
-}
 
 inline std::string backend_name(const ::testing::TestParamInfo<BackendKind>& info) {
   return info.param == BackendKind::host ? "host" : "cuda";
