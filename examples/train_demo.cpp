@@ -1,30 +1,41 @@
 // tidepool_train_demo: trains a small MLP on synthetic data (a random "teacher" network, no
 // downloads) first with tidepool::optim::Apollo, then with tidepool::optim::AADL around SGD,
-// with the optimizer state / Anderson history kept in host memory (HostStagedPlacement) and
-// staged onto the compute device around each use. Per step it prints the loss, the memory
-// the step's tensors hold on the compute device by role, the bytes the placement moved and
-// the rate it moved them at, and tidepool's own per-tag counters.
+// with Apollo's state and AADL's Anderson history in tidepool's tiered store: kept in host
+// memory, brought onto the compute device around each use under a device budget smaller
+// than the state, the device buffers taken from tidepool's caching allocator under their
+// own tags (optimizer_state, aadl_history).
 //
-// Runs on the GPU when one is present (cuda), on the host otherwise, and says which.
+// Per step it prints the loss, the device memory per tag (tidepool's per-tag counters for
+// the tiered state; LibTorch's own tensors for parameters and gradients), the most device
+// memory the tiered state held during the step, the bytes moved each way and the rate the
+// copy engine achieved while moving them.
+//
+// Runs on the GPU when one is present (cuda backend), on the host backend otherwise (the
+// "device" is then host memory standing in for it), and says which.
 // Usage: tidepool_train_demo [--steps N] [--device cpu|cuda] [--hidden H]
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <string>
 
 #include <torch/cuda.h>
 #include <torch/torch.h>
 
 #include "allocator/c_api.h"
+#include "allocator/device_registry.h"
 #include "optimizers/aadl.h"
+#include "optimizers/anderson_history.h"
 #include "optimizers/apollo.h"
-#include "optimizers/state_placement.h"
+#include "optimizers/tiered_placement.h"
+#include "tiering/tiered_store.h"
 
 namespace {
 
 struct Args {
-  int steps = 25;
+  int steps = 12;
   int hidden = 256;
   std::string device;  // empty: cuda if available
 };
@@ -48,10 +59,14 @@ Args parse_args(int argc, char** argv) {
     std::fprintf(stderr, "--steps and --hidden must be positive\n");
     std::exit(2);
   }
+  if (!a.device.empty() && a.device != "cpu" && a.device != "cuda") {
+    std::fprintf(stderr, "--device must be cpu or cuda, got '%s'\n", a.device.c_str());
+    std::exit(2);
+  }
   return a;
 }
 
-double mib(int64_t bytes) { return static_cast<double>(bytes) / (1024.0 * 1024.0); }
+double mib(double bytes) { return bytes / (1024.0 * 1024.0); }
 
 int64_t bytes_of(const std::vector<torch::Tensor>& tensors, bool grads) {
   int64_t total = 0;
@@ -62,25 +77,37 @@ int64_t bytes_of(const std::vector<torch::Tensor>& tensors, bool grads) {
   return total;
 }
 
-// tidepool's per-tag counters for the device (allocations that went through tidepool).
-std::string tidepool_tags(int device) {
+// tidepool's counters for one tag on device 0: bytes held now and the peak since the
+// last reset.
+std::pair<double, double> tag_mib(int tag) {
   tidepool_stats_v1 stats{};
   stats.struct_size = sizeof(stats);
-  if (tidepool_get_stats_v1(device, &stats) != 0) return "tidepool stats: unavailable";
-  char line[256];
-  std::snprintf(line, sizeof(line),
-                "tidepool tags (MiB, allocations made through tidepool; LibTorch tensors here use "
-                "torch's own allocator): parameter %.2f gradient %.2f activation %.2f "
-                "optimizer_state %.2f",
-                mib(static_cast<int64_t>(stats.tags[TIDEPOOL_TAG_PARAMETER].bytes.current)),
-                mib(static_cast<int64_t>(stats.tags[TIDEPOOL_TAG_GRADIENT].bytes.current)),
-                mib(static_cast<int64_t>(stats.tags[TIDEPOOL_TAG_ACTIVATION].bytes.current)),
-                mib(static_cast<int64_t>(stats.tags[TIDEPOOL_TAG_OPTIMIZER_STATE].bytes.current)));
-  return line;
+  if (tidepool_get_stats_v1(0, &stats) != 0) return {0.0, 0.0};
+  const auto& s = stats.tags[tag].bytes;
+  return {mib(static_cast<double>(s.current)), mib(static_cast<double>(s.peak))};
 }
 
 void synchronize(const torch::Device& device) {
   if (device.is_cuda()) torch::cuda::synchronize(device.index());
+}
+
+// One tiered store over tidepool's allocator for device 0, its buffers tagged `tag`.
+std::shared_ptr<tidepool::TieredStore> make_store(std::size_t budget, int tag) {
+  tidepool::CachingAllocator& allocator = tidepool::device_allocator(0);
+  tidepool::TieredStoreOptions options;
+  options.device_budget_bytes = budget;
+  return std::make_shared<tidepool::TieredStore>(
+      allocator.backend(), options, tidepool::caching_allocator_source(allocator, tag));
+}
+
+struct Traffic {
+  std::uint64_t h2d = 0, d2h = 0;
+  double busy_ms = 0;
+};
+
+Traffic traffic(tidepool::TieredStore& store) {
+  const auto s = store.stats();
+  return {s.copy.h2d.bytes, s.copy.d2h.bytes, s.copy.h2d.busy_ms + s.copy.d2h.busy_ms};
 }
 
 }  // namespace
@@ -92,12 +119,22 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "--device cuda requested but no CUDA device is available\n");
     return 2;
   }
+  // The tiered store's backend must match where LibTorch computes (tiered_placement.h).
+  if (tidepool_set_backend(cuda ? "cuda" : "host") != 0) {
+    std::fprintf(stderr, "cannot select the %s backend: %s\n", cuda ? "cuda" : "host",
+                 tidepool_last_error());
+    return 1;
+  }
   const torch::Device device = cuda ? torch::Device(torch::kCUDA, 0) : torch::Device(torch::kCPU);
+  // On the host backend the "device" copies run on the backend's stream threads, and
+  // LibTorch's OpenMP workers spin-wait between ops: on a small machine they starve the
+  // copies (a 24x slower run measured on 2 cores). One compute thread; the model is small.
+  if (!cuda) torch::set_num_threads(1);
   std::printf("tidepool_train_demo: running on %s (%s)\n", cuda ? "the GPU" : "the host",
               cuda ? "cuda backend" : "host backend; no GPU found or requested");
 
   torch::manual_seed(0);
-  const int64_t in = 32, out = 8, batch = 512;
+  const int64_t in = 32, out = 8, batch = 512, hidden_layers = 4;
   torch::nn::Sequential teacher(torch::nn::Linear(in, 64), torch::nn::Tanh(),
                                 torch::nn::Linear(64, out));
   const torch::Tensor X = torch::randn({batch, in}).to(device);
@@ -110,22 +147,24 @@ int main(int argc, char** argv) {
 
   const auto make_model = [&] {
     torch::manual_seed(1);
-    torch::nn::Sequential model(torch::nn::Linear(in, args.hidden), torch::nn::Tanh(),
-                                torch::nn::Linear(args.hidden, args.hidden), torch::nn::Tanh(),
-                                torch::nn::Linear(args.hidden, out));
+    torch::nn::Sequential model(torch::nn::Linear(in, args.hidden), torch::nn::Tanh());
+    for (int64_t l = 0; l < hidden_layers; ++l) {
+      model->push_back(torch::nn::Linear(args.hidden, args.hidden));
+      model->push_back(torch::nn::Tanh());
+    }
+    model->push_back(torch::nn::Linear(args.hidden, out));
     model->to(device);
     return model;
   };
 
   const auto train = [&](const char* label, torch::nn::Sequential& model,
-                         torch::optim::Optimizer& optimizer,
-                         const tidepool::optim::HostStagedPlacement& placement) {
+                         torch::optim::Optimizer& optimizer, tidepool::optim::TieredPlacement& placement,
+                         int tag) {
     const std::vector<torch::Tensor> params = model->parameters();
-    std::printf("\n== %s: %lld parameters, state in host memory (%s placement)\n", label,
-                static_cast<long long>(bytes_of(params, false) / 4), placement.name().c_str());
+    tidepool::TieredStore& store = placement.store();
     for (int step = 1; step <= args.steps; ++step) {
-      const int64_t in_before = placement.traffic().to_device.load();
-      const int64_t out_before = placement.traffic().to_host.load();
+      const Traffic before = traffic(store);
+      placement.reset_peak_device_bytes();
       const auto start = std::chrono::steady_clock::now();
       const torch::Tensor loss = optimizer.step([&] {
         const bool grad = torch::GradMode::is_enabled();
@@ -135,35 +174,82 @@ int main(int argc, char** argv) {
         return l;
       });
       synchronize(device);
+      store.synchronize();  // the step's write-backs are part of its traffic
       const double seconds =
           std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-      const int64_t moved_in = placement.traffic().to_device.load() - in_before;
-      const int64_t moved_out = placement.traffic().to_host.load() - out_before;
-      std::printf("%-6s step %3d  loss %.6f  %s MiB: param %.2f grad %.2f  moved in %.2f "
-                  "out %.2f MiB  %.2f GB/s over the step (%.1f ms)\n",
-                  label, step, loss.item<double>(), cuda ? "device" : "host",
-                  mib(bytes_of(params, false)), mib(bytes_of(params, true)), mib(moved_in),
-                  mib(moved_out), static_cast<double>(moved_in + moved_out) / seconds / 1e9,
+      const Traffic after = traffic(store);
+      const double moved = static_cast<double>((after.h2d - before.h2d) + (after.d2h - before.d2h));
+      const double busy_ms = after.busy_ms - before.busy_ms;
+      const auto [tag_now, tag_peak] = tag_mib(tag);
+      std::printf("%-6s step %3d  loss %.6f  device MiB: parameter %.2f gradient %.2f %s %.2f "
+                  "(peak %.2f, tiered peak this step %.2f of budget %.2f)  moved in %.2f out %.2f "
+                  "MiB  %.2f GB/s while copying, %.2f GB/s over the step (%.1f ms)\n",
+                  label, step, loss.item<double>(), mib(static_cast<double>(bytes_of(params, false))),
+                  mib(static_cast<double>(bytes_of(params, true))), tidepool_tag_name(tag), tag_now,
+                  tag_peak, mib(static_cast<double>(placement.peak_device_bytes())),
+                  mib(static_cast<double>(store.device_budget_bytes())),
+                  mib(static_cast<double>(after.h2d - before.h2d)),
+                  mib(static_cast<double>(after.d2h - before.d2h)),
+                  busy_ms > 0 ? moved / (busy_ms * 1e6) : 0.0, moved / seconds / 1e9,
                   seconds * 1e3);
     }
-    std::printf("%s\n", tidepool_tags(0).c_str());
+    const auto s = store.stats();
+    std::printf("%s: tiered store: %llu acquires, %llu prefetch hits (%llu late), %llu misses, "
+                "%llu evictions, device peak %.2f MiB of %.2f MiB budget\n",
+                label, static_cast<unsigned long long>(s.acquires),
+                static_cast<unsigned long long>(s.prefetch_hits),
+                static_cast<unsigned long long>(s.prefetch_late),
+                static_cast<unsigned long long>(s.misses),
+                static_cast<unsigned long long>(s.evictions),
+                mib(static_cast<double>(s.device_peak_bytes)),
+                mib(static_cast<double>(s.device_budget_bytes)));
   };
 
+  // Both stores live until the end of main: the caching allocator keeps the blocks a
+  // store gave back associated with the store's copy streams, which die with the store.
+  std::shared_ptr<tidepool::TieredStore> apollo_store, history_store;
   {
     auto model = make_model();
-    auto placement = std::make_shared<tidepool::optim::HostStagedPlacement>();
-    tidepool::optim::Apollo apollo(model->parameters(),
-                                   tidepool::optim::ApolloOptions(0.01).warmup(10), placement);
-    train("apollo", model, apollo, *placement);
+    const auto params = model->parameters();
+    int64_t largest = 0;
+    for (const auto& p : params) largest = std::max<int64_t>(largest, static_cast<int64_t>(p.nbytes()));
+    const int64_t state_bytes = 3 * bytes_of(params, false);
+    // Room for the parameter being computed and two more (m, B, d each): well below the
+    // whole state, so the step streams it.
+    const auto budget = static_cast<std::size_t>(3 * 3 * largest);
+    apollo_store = make_store(budget, TIDEPOOL_TAG_OPTIMIZER_STATE);
+    auto placement = std::make_shared<tidepool::optim::TieredPlacement>(apollo_store);
+    tidepool::optim::Apollo apollo(params, tidepool::optim::ApolloOptions(0.01).warmup(10),
+                                   placement);
+    std::printf("\n== apollo: %lld parameters, state %.2f MiB in the tiered store, device budget "
+                "%.2f MiB\n",
+                static_cast<long long>(bytes_of(params, false) / 4),
+                mib(static_cast<double>(state_bytes)), mib(static_cast<double>(budget)));
+    train("apollo", model, apollo, *placement, TIDEPOOL_TAG_OPTIMIZER_STATE);
   }
   {
     auto model = make_model();
-    auto placement = std::make_shared<tidepool::optim::HostStagedPlacement>();
-    auto sgd = std::make_shared<torch::optim::SGD>(model->parameters(),
-                                                   torch::optim::SGDOptions(0.1));
-    tidepool::optim::AADL aadl(sgd, tidepool::optim::AADLOptions().relaxation(0.5).history_depth(5),
-                               placement);
-    train("aadl", model, aadl, *placement);
+    const auto params = model->parameters();
+    const int64_t depth = 5;
+    const int64_t vector_bytes = bytes_of(params, false);
+    const int64_t chunk_bytes =
+        std::min<int64_t>(vector_bytes, tidepool::optim::AndersonHistory::kStoreChunk * 4);
+    // A pass holds chunk c of every vector and prefetches chunk c+1.
+    const auto budget = static_cast<std::size_t>(2 * depth * chunk_bytes);
+    const int tag = tidepool_tag_id("aadl_history");
+    history_store = make_store(budget, tag);
+    // The history is only read between writes: written back (dropped: it is clean) after
+    // each pass, so between passes it lives in host memory only.
+    auto placement = std::make_shared<tidepool::optim::TieredPlacement>(
+        history_store, tidepool::Stream{}, tag, tidepool::optim::WriteBack::on_release);
+    auto sgd = std::make_shared<torch::optim::SGD>(params, torch::optim::SGDOptions(0.1));
+    tidepool::optim::AADL aadl(
+        sgd, tidepool::optim::AADLOptions().relaxation(0.5).history_depth(depth), placement);
+    std::printf("\n== aadl (SGD inside): %lld parameters, history of %lld vectors (%.2f MiB) in "
+                "the tiered store, device budget %.2f MiB\n",
+                static_cast<long long>(vector_bytes / 4), static_cast<long long>(depth),
+                mib(static_cast<double>(depth * vector_bytes)), mib(static_cast<double>(budget)));
+    train("aadl", model, aadl, *placement, tag);
     std::printf("aadl: %lld accelerated iterates kept, %lld rejected by the safeguard\n",
                 static_cast<long long>(aadl.accepted()), static_cast<long long>(aadl.rejected()));
   }

@@ -61,7 +61,10 @@ struct TIDEPOOL_API AADLOptions {
 class TIDEPOOL_API AADL : public torch::optim::Optimizer {
  public:
   // history_placement: where the history vectors live; null means host memory for CUDA
-  // parameters (HostStagedPlacement) and plain resident tensors for CPU parameters.
+  // parameters (HostStagedPlacement) and plain resident tensors for CPU parameters. A
+  // TieredPlacement keeps them in the tiered store; every pass streams them chunk by chunk
+  // (anderson_history.h), so its device budget needs room for about two chunks per vector,
+  // not for the history.
   AADL(std::shared_ptr<torch::optim::Optimizer> inner, AADLOptions options = {},
        std::shared_ptr<StatePlacement> history_placement = nullptr);
 

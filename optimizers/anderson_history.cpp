@@ -9,37 +9,59 @@ namespace tidepool::optim {
 
 namespace {
 
-// Elements per column per chunk of a streaming pass: with the deepest history (15) the fp64
-// chunk matrices stay around 30 MiB, small next to what they stream.
-constexpr int64_t kChunk = int64_t{1} << 18;
-
-// Acquires every buffer for the duration of one pass and releases them unmodified.
-class AcquiredColumns {
+// One pass over the history, chunk index by chunk index (see anderson_history.h): acquires
+// chunk c of every vector, prefetches chunk c+1 of every vector, hands the acquired chunks
+// to the caller as one fp64 m × length matrix per compute sub-chunk, releases chunk c
+// unmodified (also when the use throws: StateLease).
+class ChunkedPass {
  public:
-  explicit AcquiredColumns(const std::deque<std::unique_ptr<StateBuffer>>& buffers)
-      : buffers_(buffers) {
-    for (const auto& buffer : buffers_) columns_.push_back(buffer->acquire());
-  }
-  ~AcquiredColumns() {
-    for (const auto& buffer : buffers_) buffer->release(/*dirty=*/false);
-  }
-  AcquiredColumns(const AcquiredColumns&) = delete;
-  AcquiredColumns& operator=(const AcquiredColumns&) = delete;
+  explicit ChunkedPass(const std::deque<AndersonHistory::Column>& columns) : columns_(columns) {}
 
-  // Rows [start, start + length) of every column as an fp64 m × length matrix.
-  torch::Tensor chunk(int64_t start, int64_t length) const {
-    std::vector<torch::Tensor> slices;
-    slices.reserve(columns_.size());
-    for (const auto& column : columns_) slices.push_back(column.narrow(0, start, length));
-    return torch::stack(slices).to(torch::kFloat64);
+  // fn(start, X): X is the fp64 m × length matrix of rows [start, start + length).
+  template <typename Fn>
+  void run(Fn&& fn) {
+    const size_t chunks = columns_.front().size();
+    for (size_t c = 0; c < chunks; ++c) {
+      Acquired acquired(columns_, c);
+      if (c + 1 < chunks) {
+        for (const auto& column : columns_) column[c + 1]->prefetch();
+      }
+      const int64_t base = static_cast<int64_t>(c) * AndersonHistory::kStoreChunk;
+      const int64_t n = acquired.tensors.front().numel();
+      for (int64_t offset = 0; offset < n; offset += AndersonHistory::kComputeChunk) {
+        const int64_t length = std::min(AndersonHistory::kComputeChunk, n - offset);
+        std::vector<torch::Tensor> slices;
+        slices.reserve(acquired.tensors.size());
+        for (const auto& t : acquired.tensors) slices.push_back(t.narrow(0, offset, length));
+        fn(base + offset, torch::stack(slices).to(torch::kFloat64));
+      }
+    }
   }
-  int64_t length() const { return columns_.front().numel(); }
-  const torch::Tensor& front() const { return columns_.front(); }
 
  private:
-  const std::deque<std::unique_ptr<StateBuffer>>& buffers_;
-  std::vector<torch::Tensor> columns_;
+  // Chunk c of every vector, acquired (released unmodified when it goes).
+  struct Acquired {
+    Acquired(const std::deque<AndersonHistory::Column>& columns, size_t c) {
+      leases.reserve(columns.size());
+      for (const auto& column : columns) {
+        leases.emplace_back(*column[c]);
+        tensors.push_back(leases.back().tensor());
+      }
+    }
+    std::vector<StateLease> leases;
+    std::vector<torch::Tensor> tensors;
+  };
+
+  const std::deque<AndersonHistory::Column>& columns_;
 };
+
+// The contents of one stored vector as one tensor on the compute device.
+torch::Tensor gather(const AndersonHistory::Column& column) {
+  std::vector<torch::Tensor> pieces;
+  pieces.reserve(column.size());
+  for (const auto& chunk : column) pieces.push_back(StateLease(*chunk).tensor().clone());
+  return torch::cat(pieces);
+}
 
 }  // namespace
 
@@ -72,16 +94,28 @@ void AndersonHistory::drop_newest_column() {
   if (k > 0) gram_ = gram_.slice(0, 0, k - 1).slice(1, 0, k - 1).contiguous();
 }
 
+AndersonHistory::Column AndersonHistory::store(const torch::Tensor& x) const {
+  Column column;
+  for (int64_t start = 0; start < x.numel(); start += kStoreChunk) {
+    column.push_back(placement_->create(x.narrow(0, start, std::min(kStoreChunk, x.numel() - start))));
+  }
+  return column;
+}
+
 void AndersonHistory::append(const torch::Tensor& x) {
-  TORCH_CHECK(x.dim() == 1, "AndersonHistory: vectors must be 1-D, got ", x.sizes());
+  TORCH_CHECK(x.dim() == 1 && x.numel() > 0, "AndersonHistory: vectors must be 1-D and not "
+              "empty, got ", x.sizes());
   if (!columns_.empty()) {
-    const auto& first = *columns_.front();
-    TORCH_CHECK(x.numel() == first.sizes()[0] && x.scalar_type() == first.options().dtype() &&
+    const StateBuffer& first = *columns_.front().front();
+    TORCH_CHECK(x.numel() == length_ && x.scalar_type() == first.options().dtype() &&
                     x.device() == first.options().device(),
                 "AndersonHistory: vector of length ", x.numel(), " (", x.scalar_type(), ", ",
-                x.device(), ") does not match the stored ones (length ", first.sizes()[0], ")");
+                x.device(), ") does not match the stored ones (length ", length_, ", ",
+                first.options().dtype(), ", ", first.options().device(), ")");
   }
-  columns_.push_back(placement_->create(x));
+  Column column = store(x);
+  length_ = x.numel();
+  columns_.push_back(std::move(column));
   update_matrices();
 }
 
@@ -95,19 +129,15 @@ void AndersonHistory::update_matrices() {
   }
   const int64_t k = m - 2;
   TORCH_INTERNAL_ASSERT(gram_.size(0) == k - 1, "AndersonHistory: Gram matrix out of step");
-  AcquiredColumns columns(columns_);
-  const auto fp64 = columns.front().options().dtype(torch::kFloat64);
+  const auto fp64 = columns_.front().front()->options().dtype(torch::kFloat64);
   torch::Tensor new_row = torch::zeros({k}, fp64);
   torch::Tensor rhs = torch::zeros({k}, fp64);
-  const int64_t n = columns.length();
-  for (int64_t start = 0; start < n; start += kChunk) {
-    const int64_t length = std::min(kChunk, n - start);
-    const torch::Tensor X = columns.chunk(start, length);
+  ChunkedPass(columns_).run([&](int64_t, const torch::Tensor& X) {
     const torch::Tensor DX = X.slice(0, 1) - X.slice(0, 0, m - 1);
     const torch::Tensor DR = DX.slice(0, 1) - DX.slice(0, 0, m - 2);
     new_row.add_(DR.matmul(DR[k - 1]));
     rhs.add_(DR.matmul(DX[m - 2]));
-  }
+  });
   const torch::Tensor row = new_row.cpu();
   torch::Tensor gram = torch::zeros({k, k}, torch::kFloat64);
   if (k > 1) gram.slice(0, 0, k - 1).slice(1, 0, k - 1).copy_(gram_);
@@ -121,31 +151,28 @@ torch::Tensor AndersonHistory::combine(const torch::Tensor& u) const {
   const int64_t m = size();
   TORCH_CHECK(m >= 2 && u.numel() == m - 1, "AndersonHistory::combine: ", u.numel(),
               " weights for ", m, " vectors");
-  AcquiredColumns columns(columns_);
-  const torch::Tensor& like = columns.front();
-  const torch::Tensor weights = u.to(like.options().dtype(torch::kFloat64));
-  torch::Tensor out = torch::empty_like(like);
-  const int64_t n = columns.length();
-  for (int64_t start = 0; start < n; start += kChunk) {
-    const int64_t length = std::min(kChunk, n - start);
-    const torch::Tensor X = columns.chunk(start, length);
+  const StateBuffer& first = *columns_.front().front();
+  const torch::Tensor weights = u.to(first.options().dtype(torch::kFloat64));
+  torch::Tensor out = torch::empty({length_}, first.options());
+  ChunkedPass(columns_).run([&](int64_t start, const torch::Tensor& X) {
     const torch::Tensor DX = X.slice(0, 1) - X.slice(0, 0, m - 1);
-    out.narrow(0, start, length).copy_(X[m - 1] + weights.matmul(DX));
-  }
+    out.narrow(0, start, X.size(1)).copy_(X[m - 1] + weights.matmul(DX));
+  });
   return out;
 }
 
 torch::Tensor AndersonHistory::newest() const {
   TORCH_CHECK(size() > 0, "AndersonHistory::newest on an empty history");
-  StateBuffer& buffer = *columns_.back();
-  torch::Tensor copy = buffer.acquire().clone();
-  buffer.release(/*dirty=*/false);
-  return copy;
+  return gather(columns_.back());
 }
 
 std::vector<torch::Tensor> AndersonHistory::read_host() const {
   std::vector<torch::Tensor> out;
-  for (const auto& buffer : columns_) out.push_back(buffer->read_host());
+  for (const auto& column : columns_) {
+    std::vector<torch::Tensor> pieces;
+    for (const auto& chunk : column) pieces.push_back(chunk->read_host());
+    out.push_back(torch::cat(pieces));
+  }
   return out;
 }
 
@@ -159,13 +186,14 @@ void AndersonHistory::restore(const std::vector<torch::Tensor>& vectors,
                   rhs.size(0) == k,
               "AndersonHistory::restore: matrices of shape ", gram.sizes(), " and ",
               rhs.sizes(), " do not fit ", m, " vectors");
-  std::deque<std::unique_ptr<StateBuffer>> columns;
+  std::deque<Column> columns;
   for (const auto& v : vectors) {
-    TORCH_CHECK(v.dim() == 1 && v.numel() == vectors.front().numel(),
-                "AndersonHistory::restore: vectors must be 1-D and of one length");
-    columns.push_back(placement_->create(v.to(compute)));
+    TORCH_CHECK(v.dim() == 1 && v.numel() > 0 && v.numel() == vectors.front().numel(),
+                "AndersonHistory::restore: vectors must be 1-D, not empty and of one length");
+    columns.push_back(store(v.to(compute)));
   }
   columns_ = std::move(columns);
+  length_ = vectors.empty() ? 0 : vectors.front().numel();
   gram_ = gram.to(torch::kFloat64).cpu().contiguous();
   rhs_ = rhs.to(torch::kFloat64).cpu().contiguous();
 }

@@ -13,8 +13,19 @@
 // no N×k matrix is ever built. The extrapolation, written as x_{m−1} + Σ_l u_l DX_l, is one
 // more streaming pass (combine()).
 //
-// The vectors live in StateBuffers of a StatePlacement; all arithmetic runs on the compute
-// device in a fixed chunk order, so where the history lives does not change any bit.
+// Storage and streaming. Each vector is stored as chunks of kStoreChunk elements, one
+// StateBuffer each, in a StatePlacement (host memory by default, or the tiered store). A
+// pass walks the chunk index: it acquires chunk c of every stored vector, hints the
+// placement to prefetch chunk c+1 of every vector, computes, and releases chunk c — so the
+// compute device holds about two chunks per vector (m · 2 · kStoreChunk elements), never
+// m full vectors. Inside a chunk the arithmetic runs in sub-chunks of kComputeChunk
+// elements in a fixed order, on the compute device, so where the history lives (and how
+// it is chunked for storage) does not change any bit.
+//
+// Why not linalg::GramAccumulator: it keeps every column as a whole tensor it reads again
+// for each new inner product, and its columns would be the k DR differences (a second
+// depth × parameters copy). Here only the iterates x are stored, DR is formed in fp64 from
+// them chunk by chunk, and each pass needs one chunk per vector on the device at a time.
 #pragma once
 
 #include <cstdint>
@@ -31,6 +42,11 @@ namespace tidepool::optim {
 
 class TIDEPOOL_API AndersonHistory {
  public:
+  // Elements per stored chunk (one StateBuffer), and per step of the arithmetic inside one.
+  static constexpr int64_t kStoreChunk = int64_t{1} << 20;
+  static constexpr int64_t kComputeChunk = int64_t{1} << 18;
+  static_assert(kStoreChunk % kComputeChunk == 0, "sub-chunks must tile a stored chunk");
+
   AndersonHistory(int64_t depth, std::shared_ptr<StatePlacement> placement);
 
   // x: a 1-D tensor on the compute device; all pushes must agree in length, dtype, device.
@@ -55,14 +71,23 @@ class TIDEPOOL_API AndersonHistory {
   void restore(const std::vector<torch::Tensor>& vectors, const torch::Tensor& gram,
                const torch::Tensor& rhs, const torch::TensorOptions& compute);
 
+  // The length of the stored vectors (0 while empty and never pushed).
+  int64_t length() const noexcept { return length_; }
+  const StatePlacement& placement() const noexcept { return *placement_; }
+
+  // One stored vector: its chunks in order.
+  using Column = std::vector<std::unique_ptr<StateBuffer>>;
+
  private:
   void drop_newest_column();
   void append(const torch::Tensor& x);
   void update_matrices();
+  Column store(const torch::Tensor& x) const;
 
   int64_t depth_;
   std::shared_ptr<StatePlacement> placement_;
-  std::deque<std::unique_ptr<StateBuffer>> columns_;
+  std::deque<Column> columns_;
+  int64_t length_ = 0;
   torch::Tensor gram_;  // fp64 CPU, k×k
   torch::Tensor rhs_;   // fp64 CPU, k
 };

@@ -234,11 +234,17 @@ torch::Tensor Apollo::step(LossClosure closure) {
     at::AutoGradMode enable_grad(true);
     loss = closure();
   }
+  // The state is acquired in the same order every step (groups, then parameters, then
+  // m, B, d), bracketed by the placement's step boundaries: a tiered placement's store
+  // records that order in the first step and replays it as its prefetch schedule, loading
+  // as far ahead as its budget allows while this loop computes (tiered_placement.h).
+  StepScope step_scope(*placement_);
   for (auto& group : param_groups_) {
     const auto& options = static_cast<const ApolloOptions&>(group.options());
     options.validate();  // options may have been changed through param_groups()
     // Parameters that take a step, in order; the next one's state is prefetched while the
-    // current one is computed.
+    // current one is computed (a hint, also for placements without a schedule and for
+    // the first step, before one is recorded).
     std::vector<torch::Tensor> stepping;
     for (const auto& p : group.params()) {
       if (!p.grad().defined()) continue;
@@ -256,9 +262,12 @@ torch::Tensor Apollo::step(LossClosure closure) {
         next.approx_hessian->prefetch();
         next.update->prefetch();
       }
-      torch::Tensor m = state.exp_avg_grad->acquire();
-      torch::Tensor B = state.approx_hessian->acquire();
-      torch::Tensor d = state.update->acquire();
+      StateLease m_lease(*state.exp_avg_grad);
+      StateLease B_lease(*state.approx_hessian);
+      StateLease d_lease(*state.update);
+      torch::Tensor m = m_lease.tensor();
+      torch::Tensor B = B_lease.tensor();
+      torch::Tensor d = d_lease.tensor();
       const StepScalars scalars = step_scalars(options, state.step);
       const bool use_kernels = fused_kernels_ && has_fused_kernels() && p.is_cuda();
       if (use_kernels) {
@@ -269,9 +278,12 @@ torch::Tensor Apollo::step(LossClosure closure) {
         step_with_ops(p, p.grad(), m, B, d, options, scalars);
       }
       state.step += 1;
-      state.exp_avg_grad->release(/*dirty=*/true);
-      state.approx_hessian->release(/*dirty=*/true);
-      state.update->release(/*dirty=*/true);
+      // Ends the use: with a tiered placement that writes back on release, the copy back
+      // is only enqueued (after the step's kernels, on the store's D2H stream).
+      m = B = d = torch::Tensor();
+      m_lease.release(/*dirty=*/true);
+      B_lease.release(/*dirty=*/true);
+      d_lease.release(/*dirty=*/true);
     }
   }
   return loss;

@@ -12,6 +12,11 @@
 // Copies are ordered on the compute device's current stream, so a result never depends on
 // where the state lives: placements move bytes, they do not round or reorder arithmetic.
 //
+// Step boundaries (StatePlacement::begin_step / end_step, or the StepScope guard): an
+// optimizer brackets each step's acquires with them, in the same order every step, so a
+// placement that learns the access order can replay it (TieredPlacement: the store records
+// the first step's order and later prefetches ahead along it as far as its budget allows).
+//
 // Placements provided here:
 //   ResidentPlacement    the state is a tensor on the compute device (acquire is free).
 //   HostStagedPlacement  the state lives in host memory (pinned when the compute device is
@@ -19,14 +24,17 @@
 //                        release(dirty) copies it back and frees the staging tensor, so the
 //                        device holds only the buffers currently acquired.
 // And in tiered_placement.h:
-//   TieredPlacement      the state lives in tiering/'s TieredStore: host memory, on the
-//                        device only while acquired or prefetched, under a device budget.
+//   TieredPlacement      the state lives in tiering/'s TieredStore: host memory, brought
+//                        onto the device ahead of use and written back after it, under a
+//                        device budget (kept there between steps when it all fits).
 #pragma once
 
 #include <atomic>
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include <torch/torch.h>
 
@@ -66,6 +74,41 @@ class TIDEPOOL_API StateBuffer {
   bool acquired_ = false;
 };
 
+// One acquire of a StateBuffer as a scope: release(dirty) ends it; if the scope is left
+// first (an exception), the buffer is released unmodified, so a failed step leaves no
+// buffer acquired.
+class StateLease {
+ public:
+  explicit StateLease(StateBuffer& buffer) : buffer_(&buffer), tensor_(buffer.acquire()) {}
+  ~StateLease() {
+    if (buffer_ == nullptr) return;
+    tensor_ = torch::Tensor();
+    try {
+      buffer_->release(/*dirty=*/false);
+    } catch (...) {
+      // A destructor does not throw; the buffer's owner reports the failure on next use.
+    }
+  }
+  StateLease(StateLease&& other) noexcept
+      : buffer_(std::exchange(other.buffer_, nullptr)), tensor_(std::move(other.tensor_)) {}
+  StateLease(const StateLease&) = delete;
+  StateLease& operator=(const StateLease&) = delete;
+  StateLease& operator=(StateLease&&) = delete;
+
+  // The acquired contents on the compute device (undefined after release).
+  const torch::Tensor& tensor() const noexcept { return tensor_; }
+  void release(bool dirty) {
+    TORCH_CHECK(buffer_ != nullptr, "tidepool: StateLease released twice");
+    StateBuffer* buffer = std::exchange(buffer_, nullptr);
+    tensor_ = torch::Tensor();  // drop our view before the placement may move the bytes
+    buffer->release(dirty);
+  }
+
+ private:
+  StateBuffer* buffer_;
+  torch::Tensor tensor_;
+};
+
 // Makes StateBuffers. create() returns a buffer holding `initial` (copied; shape, dtype and
 // compute device taken from it).
 class TIDEPOOL_API StatePlacement {
@@ -73,6 +116,23 @@ class TIDEPOOL_API StatePlacement {
   virtual ~StatePlacement() = default;
   virtual std::unique_ptr<StateBuffer> create(const torch::Tensor& initial) = 0;
   virtual std::string name() const = 0;
+  // Step boundaries (see the top of this file). Default: nothing to learn.
+  virtual void begin_step() {}
+  virtual void end_step() {}
+};
+
+// begin_step() now, end_step() when the scope ends, also when the step throws.
+class StepScope {
+ public:
+  explicit StepScope(StatePlacement& placement) : placement_(placement) {
+    placement_.begin_step();
+  }
+  ~StepScope() { placement_.end_step(); }
+  StepScope(const StepScope&) = delete;
+  StepScope& operator=(const StepScope&) = delete;
+
+ private:
+  StatePlacement& placement_;
 };
 
 class TIDEPOOL_API ResidentPlacement final : public StatePlacement {

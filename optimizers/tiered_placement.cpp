@@ -1,44 +1,113 @@
-// TieredPlacement: StateBuffers backed by TieredStore handles (see tiered_placement.h).
+// TieredPlacement: StateBuffers backed by TieredStore handles (see tiered_placement.h for
+// streams, the prefetch schedule, the write-back modes and the peak measure).
 #include "optimizers/tiered_placement.h"
 
 #include <utility>
 
+#if TIDEPOOL_HAVE_CUDA
+#include <c10/cuda/CUDAStream.h>
+#endif
+
 namespace tidepool::optim {
+
+const char* to_string(WriteBack mode) {
+  switch (mode) {
+    case WriteBack::automatic: return "automatic";
+    case WriteBack::on_release: return "on_release";
+    case WriteBack::on_demand: return "on_demand";
+  }
+  return "?";
+}
 
 namespace {
 
 class TieredBuffer final : public StateBuffer {
  public:
-  TieredBuffer(const torch::Tensor& initial, std::shared_ptr<TieredStore> store, Stream stream,
-               int tag)
+  TieredBuffer(const torch::Tensor& initial, std::shared_ptr<TieredStore> store,
+               Stream host_stream, int tag, WriteBack write_back,
+               std::shared_ptr<TieredPlacement::Shared> shared)
       : StateBuffer(initial.sizes(), initial.options()),
         store_(std::move(store)),
-        stream_(stream) {
+        host_stream_(host_stream),
+        write_back_(write_back),
+        shared_(std::move(shared)) {
     const bool cuda_store = store_->backend().kind() == BackendKind::cuda;
     TORCH_CHECK(cuda_store == initial.is_cuda(), "TieredPlacement: a ",
                 store_->backend().name(), " tiered store cannot hold state for ",
                 initial.device(), " tensors");
+#if !TIDEPOOL_HAVE_CUDA
+    TORCH_CHECK(!initial.is_cuda(), "TieredPlacement: CUDA state needs tidepool_optim built "
+                "with CUDA (TIDEPOOL_HAVE_CUDA)");
+#endif
     TORCH_CHECK(initial.nbytes() > 0, "TieredPlacement: empty state tensors are not supported");
     const torch::Tensor host = initial.to(torch::kCPU).contiguous();
     handle_ = store_->create(host.nbytes(), tag);
-    store_->write(handle_, host.data_ptr());
+    try {
+      store_->write(handle_, host.data_ptr());
+    } catch (...) {
+      store_->destroy(handle_);
+      throw;
+    }
+    bytes_ = host.nbytes();
+    shared_->live_bytes += bytes_;
   }
   ~TieredBuffer() override {
-    if (acquired()) release(false);
-    store_->destroy(handle_);
+    try {
+      if (acquired()) release(false);
+      store_->destroy(handle_);
+    } catch (const std::exception&) {
+      // A destructor does not throw; the store frees what it still holds when it goes.
+    }
+    shared_->live_bytes -= bytes_;
   }
 
  private:
-  void do_prefetch() override { store_->prefetch(handle_, stream_); }
+  // The stream the state is used on (see tiered_placement.h).
+  Stream use_stream() const {
+#if TIDEPOOL_HAVE_CUDA
+    if (options().device().is_cuda()) {
+      return Stream{static_cast<void*>(
+          c10::cuda::getCurrentCUDAStream(options().device().index()).stream())};
+    }
+#endif
+    return host_stream_;
+  }
+
+  // Device bytes only grow inside prefetch and acquire: sampling after them sees the peak.
+  void note_device_bytes() {
+    const std::size_t now = store_->device_bytes();
+    std::size_t peak = shared_->peak_device_bytes.load();
+    while (now > peak && !shared_->peak_device_bytes.compare_exchange_weak(peak, now)) {
+    }
+  }
+
+  bool write_back_on_release() const {
+    switch (write_back_) {
+      case WriteBack::on_release: return true;
+      case WriteBack::on_demand: return false;
+      case WriteBack::automatic: break;
+    }
+    return shared_->live_bytes.load() > store_->device_budget_bytes();
+  }
+
+  void do_prefetch() override {
+    store_->prefetch(handle_, use_stream());
+    note_device_bytes();
+  }
   torch::Tensor do_acquire() override {
-    void* ptr = store_->acquire(handle_, stream_);
+    const Stream stream = use_stream();
+    void* ptr = store_->acquire(handle_, stream);
+    note_device_bytes();
     // CPU compute runs on this thread: wait for the stage-in before touching the bytes.
-    if (!options().device().is_cuda()) store_->backend().stream_synchronize(stream_);
+    if (!options().device().is_cuda()) store_->backend().stream_synchronize(stream);
     return torch::from_blob(ptr, sizes(), options());
   }
   void do_release(torch::Tensor& working, bool dirty) override {
     working = torch::Tensor();  // drop the view before the store may move the bytes
     store_->release(handle_, dirty);
+    // evict() only enqueues: the D2H stream waits on an event of the use stream, copies
+    // back (dirty) and frees the buffer after that; nothing here waits for the device.
+    if (write_back_on_release()) store_->evict(handle_);
   }
   torch::Tensor do_read_host() const override {
     torch::Tensor out = torch::empty(sizes(), options().device(torch::kCPU));
@@ -47,19 +116,24 @@ class TieredBuffer final : public StateBuffer {
   }
 
   std::shared_ptr<TieredStore> store_;
-  Stream stream_;
+  Stream host_stream_;
+  WriteBack write_back_;
+  std::shared_ptr<TieredPlacement::Shared> shared_;
   TieredStore::Handle handle_ = 0;
+  std::size_t bytes_ = 0;
 };
 
 }  // namespace
 
-TieredPlacement::TieredPlacement(std::shared_ptr<TieredStore> store, Stream stream, int tag)
-    : store_(std::move(store)), stream_(stream), tag_(tag) {
+TieredPlacement::TieredPlacement(std::shared_ptr<TieredStore> store, Stream host_stream, int tag,
+                                 WriteBack write_back)
+    : store_(std::move(store)), host_stream_(host_stream), tag_(tag), write_back_(write_back) {
   TORCH_CHECK(store_ != nullptr, "TieredPlacement: the tiered store must not be null");
 }
 
 std::unique_ptr<StateBuffer> TieredPlacement::create(const torch::Tensor& initial) {
-  return std::make_unique<TieredBuffer>(initial, store_, stream_, tag_);
+  return std::make_unique<TieredBuffer>(initial, store_, host_stream_, tag_, write_back_,
+                                        shared_);
 }
 
 }  // namespace tidepool::optim

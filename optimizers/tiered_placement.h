@@ -4,15 +4,38 @@
 //
 // The store's backend must match the compute device of the tensors: the host backend for
 // CPU tensors (its "device" memory is host memory that LibTorch reads through from_blob),
-// the cuda backend of the same GPU for CUDA tensors. The copies run on `stream`:
-//   - CPU tensors: acquire waits for the stream before handing out the tensor (LibTorch CPU
-//     ops run on the calling thread), so results cannot depend on the copies' timing;
-//   - CUDA tensors: pass LibTorch's current stream (its cudaStream_t as Stream::handle) so
-//     the kernels are ordered after the store's copies.
+// the cuda backend of the same GPU for CUDA tensors. Which stream the state is used on:
+//   - CUDA tensors: LibTorch's current CUDA stream at each prefetch/acquire (the stream the
+//     optimizer's kernels are about to run on), so kernels are ordered after the store's
+//     H2D copies and the write-back after the kernels, by events, without a host wait;
+//   - CPU tensors: `host_stream` (default: the backend's default stream); acquire waits for
+//     it before handing out the tensor, since LibTorch CPU ops run on the calling thread.
+//
+// The pipeline an optimizer gets (Apollo brackets its step with begin_step/end_step):
+//   - the store records the order of acquires in the first step and, in every later step,
+//     each acquire prefetches the handles that come next in that order on the store's H2D
+//     stream, as many as the device budget holds (back-pressure, never an OOM);
+//   - write-back: with WriteBack::on_release, release(dirty) evicts at once: the copy back
+//     is enqueued on the store's D2H stream after an event on the use stream and release
+//     returns without waiting, so parameter i−1's write-back runs while i is computed and
+//     i+1 is loaded; the buffer is handed to the next load of the same size in stream
+//     order. With on_demand the state stays on the device until the store needs the room
+//     (furthest next use first). automatic (the default) picks on_release while the bytes
+//     this placement holds exceed the store's budget (the state cannot all stay), else
+//     on_demand (no traffic at all once everything is resident).
+// peak_device_bytes(): the most device memory the store held, sampled after every
+// prefetch and acquire made through this placement (the only calls that allocate device
+// memory), since construction or the last reset_peak_device_bytes(): for a store used by
+// one optimizer, the staging windows of the pipeline.
+//
 // Placement does not round or reorder arithmetic: trajectories are bitwise identical to
 // ResidentPlacement (tested on the host backend with a budget that forces evictions).
+// One store serves one optimizer's steps: begin_step/end_step of two optimizers on one
+// store would interleave in one recorded schedule.
 #pragma once
 
+#include <atomic>
+#include <cstddef>
 #include <memory>
 #include <string>
 
@@ -25,20 +48,41 @@
 
 namespace tidepool::optim {
 
+enum class WriteBack { automatic, on_release, on_demand };
+
+TIDEPOOL_API const char* to_string(WriteBack mode);
+
 class TIDEPOOL_API TieredPlacement final : public StatePlacement {
  public:
+  // What the buffers of one placement share with it.
+  struct Shared {
+    std::atomic<std::size_t> live_bytes{0};       // bytes of all live buffers
+    std::atomic<std::size_t> peak_device_bytes{0};
+  };
+
   // `store` must outlive every buffer created here (the shared_ptr keeps it alive).
-  TieredPlacement(std::shared_ptr<TieredStore> store, Stream stream = {},
-                  int tag = TIDEPOOL_TAG_OPTIMIZER_STATE);
+  TieredPlacement(std::shared_ptr<TieredStore> store, Stream host_stream = {},
+                  int tag = TIDEPOOL_TAG_OPTIMIZER_STATE,
+                  WriteBack write_back = WriteBack::automatic);
 
   std::unique_ptr<StateBuffer> create(const torch::Tensor& initial) override;
   std::string name() const override { return "tiered"; }
+  // The store's recorded schedule (see the top of this file).
+  void begin_step() override { store_->begin_step(); }
+  void end_step() override { store_->end_step(); }
+
   TieredStore& store() const noexcept { return *store_; }
+  WriteBack write_back() const noexcept { return write_back_; }
+  std::size_t live_bytes() const noexcept { return shared_->live_bytes.load(); }
+  std::size_t peak_device_bytes() const noexcept { return shared_->peak_device_bytes.load(); }
+  void reset_peak_device_bytes() { shared_->peak_device_bytes = store_->device_bytes(); }
 
  private:
   std::shared_ptr<TieredStore> store_;
-  Stream stream_;
+  Stream host_stream_;
   int tag_;
+  WriteBack write_back_;
+  std::shared_ptr<Shared> shared_ = std::make_shared<Shared>();
 };
 
 }  // namespace tidepool::optim

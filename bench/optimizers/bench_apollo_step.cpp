@@ -1,10 +1,14 @@
 // Apollo step throughput. Baseline in the same run: the reference's sequence of LibTorch
 // ops written out plainly (no tidepool), with its state resident in plain tensors. Compared:
-// tidepool's Apollo (ops path on the CPU, fused kernels on CUDA) with resident state and
-// with host-staged state, and on CUDA the seeds' approach (state in pageable CPU tensors,
-// .to() per parameter), and on the CPU state in the tiered store (host backend). Sizes: 2^16 … 2^22 parameters on the CPU; 2^28 parameters in mixed
-// tensor sizes on the GPU (skipped when no CUDA device is present). Counters report
-// parameters per second and bytes/param moved where state crosses the link.
+// tidepool's Apollo (ops path on the CPU, fused kernels on CUDA) with resident state, with
+// host-staged state and with state in the tiered store (host backend on the CPU, cuda
+// backend over tidepool's caching allocator on the GPU), and on CUDA the seeds' approach
+// (state in pageable CPU tensors, .to() per parameter). On the GPU the same run also
+// measures the link: pinned copies in both directions at once (the tiered step's floor is
+// 24 B/param at that rate). Sizes: 2^16 … 2^22 parameters on the CPU; 2^28 parameters in
+// mixed tensor sizes on the GPU (skipped when no CUDA device is present). Counters:
+// parameters per second, bytes/param moved where state crosses the link, and for tiered
+// state staging_MiB, the most device memory the store held during the steps.
 #include <benchmark/benchmark.h>
 
 #include <cmath>
@@ -15,8 +19,9 @@
 #include <torch/cuda.h>
 #include <torch/torch.h>
 
-#include "optimizers/apollo.h"
 #include "allocator/backend.h"
+#include "allocator/device_registry.h"
+#include "optimizers/apollo.h"
 #include "optimizers/state_placement.h"
 #include "optimizers/tiered_placement.h"
 #include "tiering/tiered_store.h"
@@ -121,15 +126,24 @@ void run_tidepool(benchmark::State& state, torch::Device device, Where where, bo
   std::shared_ptr<tidepool::TieredStore> store;
   std::shared_ptr<tidepool::optim::StatePlacement> placement;
   std::shared_ptr<tidepool::optim::HostStagedPlacement> staged;
+  std::shared_ptr<tidepool::optim::TieredPlacement> tiered;
   if (where == Where::tiered) {
-    // CPU only here: the host backend's "device" memory is host memory LibTorch can use.
-    // Budget: two thirds of the state (12 B/param), so the step streams it; it must hold
-    // the three states of the largest tensor (half the parameters) at once: 6 B/param.
-    backend = tidepool::make_host_backend();
+    // Budget: two thirds of the state (8 of 12 B/param), so the step streams it; it must
+    // hold the three states of the largest tensor (half the parameters) at once: 6 B/param.
     tidepool::TieredStoreOptions options;
     options.device_budget_bytes = static_cast<std::size_t>(state.range(0)) * 8;
-    store = std::make_shared<tidepool::TieredStore>(*backend, options);
-    placement = std::make_shared<tidepool::optim::TieredPlacement>(store);
+    if (device.is_cuda()) {
+      // Device buffers from tidepool's caching allocator (cudaMalloc per load otherwise).
+      tidepool::CachingAllocator& allocator = tidepool::device_allocator(device.index());
+      store = std::make_shared<tidepool::TieredStore>(
+          allocator.backend(), options, tidepool::caching_allocator_source(allocator));
+    } else {
+      // The host backend's "device" memory is host memory LibTorch's CPU ops can use.
+      backend = tidepool::make_host_backend();
+      store = std::make_shared<tidepool::TieredStore>(*backend, options);
+    }
+    tiered = std::make_shared<tidepool::optim::TieredPlacement>(store);
+    placement = tiered;
   } else if (where == Where::host_staged) {
     staged = std::make_shared<tidepool::optim::HostStagedPlacement>();
     placement = staged;
@@ -151,6 +165,44 @@ void run_tidepool(benchmark::State& state, torch::Device device, Where where, bo
     state.counters["B/param"] =
         moved / static_cast<double>(state.iterations()) / static_cast<double>(state.range(0));
   }
+  if (tiered) {
+    store->synchronize();
+    const auto stats = store->stats();
+    // Includes the first step's loads (the benchmark's warm-up iteration is not separate).
+    const double moved = static_cast<double>(stats.copy.h2d.bytes + stats.copy.d2h.bytes);
+    state.counters["B/param"] =
+        moved / static_cast<double>(state.iterations()) / static_cast<double>(state.range(0));
+    state.counters["staging_MiB"] =
+        static_cast<double>(tiered->peak_device_bytes()) / (1024.0 * 1024.0);
+  }
+}
+
+// The link's rate with pinned host memory, both directions at once on two streams of the
+// backend: the floor of a tiered step is 24 B/param at this rate.
+void run_pinned_bidirectional(benchmark::State& state, int device) {
+  tidepool::Backend& backend = tidepool::device_allocator(device).backend();
+  const auto bytes = static_cast<std::size_t>(state.range(0));
+  const auto pinned = torch::TensorOptions().dtype(torch::kUInt8).pinned_memory(true);
+  const auto on_device = torch::TensorOptions().dtype(torch::kUInt8).device(torch::kCUDA, device);
+  torch::Tensor host_in = torch::ones({state.range(0)}, pinned);
+  torch::Tensor host_out = torch::empty({state.range(0)}, pinned);
+  torch::Tensor dev_in = torch::empty({state.range(0)}, on_device);
+  torch::Tensor dev_out = torch::ones({state.range(0)}, on_device);
+  sync(torch::Device(torch::kCUDA, device));
+  const tidepool::Stream h2d = backend.create_stream();
+  const tidepool::Stream d2h = backend.create_stream();
+  for (auto _ : state) {
+    backend.copy_async(dev_in.data_ptr(), host_in.data_ptr(), bytes,
+                       tidepool::CopyKind::host_to_device, h2d);
+    backend.copy_async(host_out.data_ptr(), dev_out.data_ptr(), bytes,
+                       tidepool::CopyKind::device_to_host, d2h);
+    backend.stream_synchronize(h2d);
+    backend.stream_synchronize(d2h);
+  }
+  backend.destroy_stream(h2d);
+  backend.destroy_stream(d2h);
+  state.counters["GB/s"] = benchmark::Counter(2.0 * static_cast<double>(bytes),
+                                              benchmark::Counter::kIsIterationInvariantRate);
 }
 
 // ---- CPU ----------------------------------------------------------------------------------
@@ -188,6 +240,12 @@ void BM_Gpu_Apollo_Ops_Resident(benchmark::State& s) {
 void BM_Gpu_Apollo_Fused_HostStaged(benchmark::State& s) {
   if (want_cuda(s)) run_tidepool(s, torch::Device(torch::kCUDA, 0), Where::host_staged, true);
 }
+void BM_Gpu_Apollo_Fused_Tiered(benchmark::State& s) {
+  if (want_cuda(s)) run_tidepool(s, torch::Device(torch::kCUDA, 0), Where::tiered, true);
+}
+void BM_Gpu_PinnedBidirectional(benchmark::State& s) {
+  if (want_cuda(s)) run_pinned_bidirectional(s, 0);
+}
 
 constexpr int64_t kGpuParams = int64_t{1} << 28;
 BENCHMARK(BM_Gpu_Reference)->Arg(kGpuParams)->Unit(benchmark::kMillisecond)->Iterations(5);
@@ -195,6 +253,8 @@ BENCHMARK(BM_Gpu_SeedsPageableTo)->Arg(kGpuParams)->Unit(benchmark::kMillisecond
 BENCHMARK(BM_Gpu_Apollo_Fused_Resident)->Arg(kGpuParams)->Unit(benchmark::kMillisecond)->Iterations(5);
 BENCHMARK(BM_Gpu_Apollo_Ops_Resident)->Arg(kGpuParams)->Unit(benchmark::kMillisecond)->Iterations(5);
 BENCHMARK(BM_Gpu_Apollo_Fused_HostStaged)->Arg(kGpuParams)->Unit(benchmark::kMillisecond)->Iterations(3);
+BENCHMARK(BM_Gpu_Apollo_Fused_Tiered)->Arg(kGpuParams)->Unit(benchmark::kMillisecond)->Iterations(4);
+BENCHMARK(BM_Gpu_PinnedBidirectional)->Arg(int64_t{1} << 30)->Unit(benchmark::kMillisecond)->Iterations(5);
 
 }  // namespace
 

@@ -1,8 +1,9 @@
 // tidepool_golden [--float32] [--verbose] FILE.json...: runs tidepool's optimizer on each
 // golden trajectory file and prints one line per file (name, steps, largest scaled
-// deviation |x − ref|/(1e-3 + |ref|), largest absolute deviation, PASS/FAIL). fp64 (default)
-// passes at the README's 1e-6 scaled tolerance; --float32 runs in fp32 and passes within
-// 1e-4 absolute. --verbose adds one line per step. Exits 1 when any file fails or cannot be
+// deviation |x − ref|/(1e-3 + |ref|), largest absolute deviation, PASS/FAIL). Pass/fail is
+// judge()'s rule (golden_runner.h), the same as the test batteries': fp64 (default) at the
+// README's tolerance; --float32 runs in fp32, within 1e-4 absolute. --verbose adds one line
+// per step. Exits 1 when any file fails or cannot be
 // read, 2 on usage errors.
 #include <cstdio>
 #include <cstring>
@@ -47,14 +48,13 @@ int main(int argc, char** argv) {
         }
       }
       const auto d = tidepool::testing::compare(golden, run);
-      const bool within = float32 ? d.max_abs <= 1e-4
-                                  : d.within(tidepool::testing::kGoldenTolerance);
-      const bool pass = within && d.steps == static_cast<int64_t>(golden.steps.size());
-      std::printf("%-28s %s steps %3lld  max deviation %.3e (step %lld)  abs %.3e  loss %.3e  %s\n",
+      const auto v = tidepool::testing::judge(golden, d, options.dtype);
+      std::printf("%-28s %s steps %3lld  max deviation %.3e (step %lld)  abs %.3e  loss %.3e  "
+                  "%s %.3e <= %.1e: %s\n",
                   golden.name.c_str(), float32 ? "fp32" : "fp64", static_cast<long long>(d.steps),
                   d.max_scaled, static_cast<long long>(d.worst_step), d.max_abs,
-                  d.max_loss_scaled, pass ? "PASS" : "FAIL");
-      if (!pass) ++failures;
+                  d.max_loss_scaled, v.measure, v.measured, v.bound, v.pass ? "PASS" : "FAIL");
+      if (!v.pass) ++failures;
     } catch (const std::exception& e) {
       std::printf("%-28s ERROR %s\n", file.c_str(), e.what());
       ++failures;

@@ -18,6 +18,8 @@ namespace tidepool::testing {
 // The README's tolerance: |x − ref| ≤ kGoldenTolerance · (kGoldenFloor + |ref|).
 inline constexpr double kGoldenTolerance = 1e-6;
 inline constexpr double kGoldenFloor = 1e-3;
+// fp32 runs against the fp64 reference (issue 5): |x − ref| ≤ kFloat32Tolerance.
+inline constexpr double kFloat32Tolerance = 1e-4;
 
 struct GoldenStep {
   double loss = 0.0;
@@ -69,12 +71,29 @@ struct Deviation {
   double max_abs = 0.0;     // max over steps and elements of |x − ref|
   int64_t worst_step = 0;   // 1-based
   int64_t steps = 0;
-  bool within(double tolerance) const {
-    return max_scaled <= tolerance && max_loss_scaled <= tolerance;
-  }
 };
 
 Deviation compare(const GoldenCase& golden, const Trajectory& run);
+
+// Pass or fail, decided in this one place for the CPU and GPU test batteries and the
+// tidepool_golden checker:
+//   fp64: the golden README's rule, exactly: every parameter at every step within
+//         |x − ref| ≤ 1e-6·(1e-3 + |ref|) (max_scaled), the loss too (max_loss_scaled).
+//   fp32: within 1e-4 of the fp64 reference, absolute (max_abs): the README's relative
+//         rule is for fp64 runs; with its 1e-3 floor it would ask 1e-7 of entries near
+//         zero, below fp32's own rounding after 25–30 steps. One measured exception:
+//         aadl_sgd_anderson_closure, where the safeguard accepts Anderson points and the
+//         ill-conditioned extrapolation amplifies fp32 rounding — the published Python
+//         AADL, run in fp32 on that file, ends 8e-3 (peak 1.3e-2) from its own fp64
+//         trajectory; it is held to that, 1.3e-2.
+// Both also require the run to cover every step of the file.
+struct Verdict {
+  bool pass = false;
+  double measured = 0.0;  // the deviation the rule bounds
+  double bound = 0.0;
+  const char* measure = "";  // "scaled" or "absolute"
+};
+Verdict judge(const GoldenCase& golden, const Deviation& deviation, torch::Dtype dtype);
 
 // True when every parameter at every step is bitwise equal.
 bool bitwise_equal(const Trajectory& a, const Trajectory& b);
