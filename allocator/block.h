@@ -7,7 +7,9 @@
 // Notes [Expandable segments] and [Moving free runs] in segments.cpp). A segment is cut into Blocks that tile [base, used_end) in
 // address order (prev/next); each block is allocated, free (in its owner's BlockPool),
 // quick (freed, parked uncoalesced in an exact-size quick list), or pending (freed, but
-// waiting for events recorded on other streams).
+// waiting for events recorded on other streams). A block held by a thread cache (Note
+// [Thread caches], thread_cache.cpp) stays `allocated` here while its thread parks and
+// reuses it; Block::in_thread_cache says which.
 #pragma once
 
 #include <cstddef>
@@ -21,6 +23,7 @@ namespace tidepool::detail {
 
 struct StreamPools;
 struct Segment;
+struct ThreadCache;
 
 enum class BlockState : std::uint8_t { allocated, free, quick, pending };
 
@@ -40,6 +43,11 @@ struct Block {
   Block* quick_next = nullptr;        // quick-list link
   std::vector<Stream> extra_streams;  // record_stream() streams besides the owner
   std::vector<Event> pending_events;  // recorded at free on extra_streams
+  // Non-null while a thread cache is responsible for the block (Note [Thread caches]):
+  // the block is `allocated` to the shared state, and the holder's mutex guards
+  // requested, tag, extra_streams, quick_next and in_thread_cache.
+  ThreadCache* holder = nullptr;
+  bool in_thread_cache = false;  // freed by its holder's thread, parked in its lists
 };
 
 struct Segment {

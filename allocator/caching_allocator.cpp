@@ -21,7 +21,9 @@
 //     retry; then throw OutOfMemoryError with the per-tag breakdown.
 //  7. Every block is in `blocks` by address, so a free is checked (unknown pointer,
 //     double free, wrong size) before anything changes.
-//  8. One mutex guards everything; the cached path takes it once per call.
+//  8. One mutex guards the shared state; a shared-path call takes it once. Small blocks a
+//     thread frees on their own stream park in that thread's cache, whose pairs take
+//     only the cache's own, uncontended mutex (Note [Thread caches], thread_cache.cpp).
 //
 // Note [Quick lists]
 // A cached alloc+free pair of one size would otherwise split a free block and merge it
@@ -53,6 +55,7 @@
 #include "allocator/reclaim.h"
 #include "allocator/size_classes.h"
 #include "allocator/tags.h"
+#include "allocator/thread_cache.h"
 
 namespace tidepool {
 
@@ -63,7 +66,7 @@ using detail::StreamPools;
 // ============================================================================ plumbing
 
 CachingAllocator::Impl::Impl(std::unique_ptr<Backend> b, AllocatorOptions o)
-    : backend(std::move(b)), options(o) {
+    : backend(std::move(b)), options(o), id(next_id()) {
   if (!backend) throw std::invalid_argument("tidepool: CachingAllocator needs a backend");
   device = backend->device();
   granule = backend->granularity();
@@ -288,6 +291,11 @@ Block* CachingAllocator::Impl::try_allocate(StreamPools& sp, std::size_t size, b
     b = choose_fit(pool, size, at_end);
   }
   if (b == nullptr) b = steal(sp, size, small);
+  if (b == nullptr && drain_thread_caches() != 0) {
+    // Blocks parked in thread caches never cause growth (Note [Thread caches]).
+    b = choose_fit(pool, size, at_end);
+    if (b == nullptr) b = steal(sp, size, small);
+  }
   if (b == nullptr) b = grow(sp, size, small);
   if (b == nullptr) return nullptr;
   pool.erase(b);
@@ -319,6 +327,7 @@ Block* CachingAllocator::Impl::try_allocate_releasing(StreamPools& sp, std::size
                                                       bool small) {
   if (Block* b = try_allocate(sp, size, small)) return b;
   if (!options.allow_release) return nullptr;
+  drain_thread_caches();
   flush_all_quick();
   process_pending(true);
   release_cached();
@@ -342,7 +351,10 @@ void* CachingAllocator::Impl::finish_allocation(Block* b, std::size_t bytes, int
 CachingAllocator::CachingAllocator(std::unique_ptr<Backend> backend, AllocatorOptions options)
     : impl_(std::make_unique<Impl>(std::move(backend), options)) {}
 
-CachingAllocator::~CachingAllocator() { impl_->destroy_everything(); }
+CachingAllocator::~CachingAllocator() {
+  impl_->detach_thread_caches();
+  impl_->destroy_everything();
+}
 
 void* CachingAllocator::allocate(std::size_t bytes, Stream stream) {
   if (bytes == 0) return nullptr;
@@ -356,6 +368,15 @@ void* CachingAllocator::allocate(std::size_t bytes, Stream stream) {
   const std::size_t size = round_request(bytes);
   const bool small = is_small(size);
   const int tag = current_tag();
+  detail::ThreadCache* tc = m.find_thread_cache();
+  if (small && tc != nullptr) {
+    // Fast path (Note [Thread caches]): a block this thread freed on `stream`.
+    std::lock_guard cache_lock(tc->mutex);
+    if (Block* b = tc->pop(stream, size)) {
+      tc->note_alloc(b, bytes, tag);
+      return b->ptr;
+    }
+  }
   {
     std::lock_guard lock(m.mutex);
     if (!m.pending.empty()) m.process_pending(false);
@@ -363,20 +384,22 @@ void* CachingAllocator::allocate(std::size_t bytes, Stream stream) {
     if (small && m.options.quick_lists) {
       if (Block* b = sp.quick.pop(size)) {
         ++m.stats.cache_hits;
-        return m.finish_allocation(b, bytes, tag);
+        return m.finish_shared_allocation(b, bytes, tag, tc);
       }
     }
     const std::uint64_t acquired_before = m.stats.segments_acquired;
     if (Block* b = m.try_allocate_releasing(sp, size, small)) {
       ++(m.stats.segments_acquired == acquired_before ? m.stats.cache_hits
                                                       : m.stats.cache_misses);
-      return m.finish_allocation(b, bytes, tag);
+      return m.finish_shared_allocation(b, bytes, tag, tc);
     }
   }
   // A request larger than the whole device can never be met: fail at once instead of
   // asking the reclaim hooks to evict state that could not make room anyway.
   if (m.device_total != 0 && size > m.device_total) {
     std::lock_guard lock(m.mutex);
+    const auto cache_locks = m.lock_thread_caches();
+    m.fold_locked_thread_caches();
     ++m.stats.oom_count;
     throw OutOfMemoryError(m.oom_message(bytes, size, stream, 0, 0));
   }
@@ -389,8 +412,10 @@ void* CachingAllocator::allocate(std::size_t bytes, Stream stream) {
     m.stats.reclaimed_bytes += reclaimed.bytes;
     if (Block* b = m.try_allocate_releasing(m.pools_for(stream), size, small)) {
       ++m.stats.cache_misses;
-      return m.finish_allocation(b, bytes, tag);
+      return m.finish_shared_allocation(b, bytes, tag, tc);
     }
+    const auto cache_locks = m.lock_thread_caches();
+    m.fold_locked_thread_caches();
     ++m.stats.oom_count;
     message = m.oom_message(bytes, size, stream, reclaimed.calls, reclaimed.bytes);
   }
@@ -423,21 +448,56 @@ std::string CachingAllocator::Impl::describe_bad_free(const void* ptr, std::size
   return os.str();
 }
 
+std::string CachingAllocator::Impl::describe_double_free(const void* ptr,
+                                                         std::size_t bytes) const {
+  std::ostringstream os;
+  os << "tidepool: invalid free of " << ptr << " (" << bytes << " bytes) on device " << device
+     << ": double free (the block is already free)";
+  return os.str();
+}
+
+std::string CachingAllocator::Impl::describe_wrong_size(const void* ptr, std::size_t bytes,
+                                                        std::size_t requested) const {
+  return "tidepool: free of " + std::to_string(bytes) + " bytes at " +
+         std::to_string(reinterpret_cast<std::uintptr_t>(ptr)) + " on device " +
+         std::to_string(device) + ", but that allocation has " + std::to_string(requested) +
+         " bytes; the block was not freed";
+}
+
 void CachingAllocator::deallocate(void* ptr, std::size_t bytes, Stream stream) {
   if (ptr == nullptr) return;
   Impl& m = *impl_;
+  if (detail::ThreadCache* tc = m.find_thread_cache()) {
+    // Fast path (Note [Thread caches]): a block this thread's cache holds, freed on its
+    // own stream with no other stream recorded, parks in the cache.
+    std::lock_guard cache_lock(tc->mutex);
+    if (Block* b = tc->held.find(ptr)) {
+      if (b->in_thread_cache) throw AllocatorUsageError(m.describe_double_free(ptr, bytes));
+      if (bytes != b->requested)
+        throw AllocatorUsageError(m.describe_wrong_size(ptr, bytes, b->requested));
+      if (stream == b->owner->stream && b->extra_streams.empty() &&
+          tc->push(b, stream, m.options.thread_cache_bytes)) {
+        tc->note_free(b);
+        return;
+      }
+    }
+  }
   std::lock_guard lock(m.mutex);
   auto it = m.blocks.find(ptr);
   if (it == m.blocks.end() || it->second->state != BlockState::allocated)
     throw AllocatorUsageError(m.describe_bad_free(ptr, bytes));
   Block* b = it->second;
-  if (bytes != b->requested) {
-    throw AllocatorUsageError("tidepool: free of " + std::to_string(bytes) + " bytes at " +
-                              std::to_string(reinterpret_cast<std::uintptr_t>(ptr)) +
-                              " on device " + std::to_string(m.device) +
-                              ", but that allocation has " + std::to_string(b->requested) +
-                              " bytes; the block was not freed");
+  if (detail::ThreadCache* holder = b->holder) {
+    // The shared path takes the block over from the cache that holds it.
+    std::lock_guard cache_lock(holder->mutex);
+    if (b->in_thread_cache) throw AllocatorUsageError(m.describe_double_free(ptr, bytes));
+    if (bytes != b->requested)
+      throw AllocatorUsageError(m.describe_wrong_size(ptr, bytes, b->requested));
+    holder->fold_into(m.stats);  // the allocation may be counted in its deltas
+    Impl::release_held(*holder, b);
   }
+  if (bytes != b->requested)
+    throw AllocatorUsageError(m.describe_wrong_size(ptr, bytes, b->requested));
   m.stats.allocated.sub(b->size);
   m.stats.requested.sub(b->requested);
   ++m.stats.free_count;
@@ -470,6 +530,16 @@ void CachingAllocator::record_stream(void* ptr, Stream stream) {
     throw AllocatorUsageError(os.str());
   }
   Block* b = it->second;
+  std::unique_lock<detail::SpinLock> cache_lock;
+  if (b->holder != nullptr) {
+    cache_lock = std::unique_lock(b->holder->mutex);
+    if (b->in_thread_cache) {
+      std::ostringstream os;
+      os << "tidepool: record_stream on " << ptr << " (device " << m.device
+         << "), which was already freed";
+      throw AllocatorUsageError(os.str());
+    }
+  }
   if (stream == b->owner->stream) return;
   if (std::find(b->extra_streams.begin(), b->extra_streams.end(), stream) ==
       b->extra_streams.end())
@@ -480,6 +550,7 @@ std::size_t CachingAllocator::empty_cache() {
   Impl& m = *impl_;
   std::lock_guard lock(m.mutex);
   if (!m.options.allow_release) return 0;
+  m.drain_thread_caches();
   m.flush_all_quick();
   m.process_pending(false);
   return m.release_cached();
@@ -489,6 +560,8 @@ std::size_t CachingAllocator::empty_cache() {
 
 AllocatorStats CachingAllocator::stats() const {
   std::lock_guard lock(impl_->mutex);
+  const auto cache_locks = impl_->lock_thread_caches();
+  impl_->fold_locked_thread_caches();
   return impl_->compute_stats();
 }
 
@@ -499,6 +572,8 @@ MappingStats CachingAllocator::mapping_stats() const {
 
 void CachingAllocator::reset_peak_stats() {
   std::lock_guard lock(impl_->mutex);
+  const auto cache_locks = impl_->lock_thread_caches();
+  impl_->fold_locked_thread_caches();
   AllocatorStats& s = impl_->stats;
   s.allocated.reset_peak();
   s.requested.reset_peak();
@@ -508,6 +583,8 @@ void CachingAllocator::reset_peak_stats() {
 
 std::string CachingAllocator::snapshot_json() const {
   std::lock_guard lock(impl_->mutex);
+  const auto cache_locks = impl_->lock_thread_caches();
+  impl_->fold_locked_thread_caches();
   return impl_->snapshot_json();
 }
 
@@ -515,7 +592,10 @@ std::size_t CachingAllocator::allocation_size(const void* ptr) const {
   std::lock_guard lock(impl_->mutex);
   auto it = impl_->blocks.find(ptr);
   if (it == impl_->blocks.end() || it->second->state != BlockState::allocated) return 0;
-  return it->second->requested;
+  const Block* b = it->second;
+  if (b->holder == nullptr) return b->requested;
+  std::lock_guard cache_lock(b->holder->mutex);
+  return b->in_thread_cache ? 0 : b->requested;
 }
 
 Backend& CachingAllocator::backend() const { return *impl_->backend; }

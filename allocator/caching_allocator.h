@@ -13,7 +13,11 @@
 //
 // Thread-safety: every public method may be called from any thread; a free from another
 // thread than the allocating one is legal. One mutex per allocator guards its state; it
-// is never held while reclaim hooks run.
+// is never held while reclaim hooks run. Small blocks a thread frees on the stream it
+// allocated them on may park in that thread's cache (Note [Thread caches]); they count as
+// cached (reserved, not allocated), are reused only on that stream, and return to the
+// shared pools on empty_cache, flush_thread_caches, under memory pressure and at thread
+// exit.
 //
 // Errors: allocate throws OutOfMemoryError (a std::bad_alloc) when the OOM policy could
 // not find memory, AllocatorUsageError for an absurd size. deallocate/record_stream throw
@@ -58,6 +62,10 @@ struct AllocatorOptions {
   bool backed_fit_when_moving = true;
   // Exact-size quick lists for freed small blocks (Note [Quick lists]).
   bool quick_lists = true;
+  // Per-thread caches of freed small blocks (Note [Thread caches], thread_cache.cpp): at
+  // most this many bytes per thread and allocator; 0 turns them off. A cached pair on
+  // one stream by one thread then takes no allocator-wide mutex.
+  std::size_t thread_cache_bytes = std::size_t{4} << 20;
   // Expandable segments: when backing new slots would make reserved memory exceed the
   // peak of allocated memory by more than this fraction, fully free mapping runs
   // elsewhere are released to the backend first (Note [Recycling free runs] in
@@ -112,6 +120,10 @@ class TIDEPOOL_API CachingAllocator {
   // used it; blocks still waiting for record_stream events are kept). Returns bytes
   // released. A no-op when options.allow_release is false.
   std::size_t empty_cache();
+  // Moves every block parked in any thread's cache back into the shared pools (they then
+  // serve other threads, and other streams once their stream has passed the free). Call
+  // it before destroying a stream that threads freed blocks on. Returns blocks moved.
+  std::size_t flush_thread_caches();
 
   AllocatorStats stats() const;
   MappingStats mapping_stats() const;

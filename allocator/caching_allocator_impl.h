@@ -2,6 +2,7 @@
 //   caching_allocator.cpp  allocation, free, streams, OOM policy (the algorithm)
 //   segments.cpp           getting memory from the backend and giving it back
 //   snapshot.cpp           stats, the OOM message and the JSON snapshot
+//   thread_cache.cpp       per-thread caches of freed small blocks (Note [Thread caches])
 // Internal to the allocator (not installed). Every member is guarded by `mutex`.
 #pragma once
 
@@ -19,6 +20,10 @@
 #include "allocator/caching_allocator.h"
 
 namespace tidepool {
+namespace detail {
+struct ThreadCache;
+class SpinLock;
+}
 
 struct CachingAllocator::Impl {
   using Block = detail::Block;
@@ -49,6 +54,10 @@ struct CachingAllocator::Impl {
   // free_count at the last search for movable free runs that found none.
   std::uint64_t futile_move_at = UINT64_MAX;
   MappingStats mapping;
+  // Note [Thread caches] (thread_cache.cpp): the caches of every thread that allocated
+  // here, and the id they find this allocator by (addresses are reused, ids are not).
+  const std::uint64_t id;
+  std::vector<std::shared_ptr<detail::ThreadCache>> thread_caches;
 
   // --- caching_allocator.cpp ----------------------------------------------------------
   StreamPools& pools_for(Stream s);
@@ -70,6 +79,38 @@ struct CachingAllocator::Impl {
   void process_pending(bool wait);
   void* finish_allocation(Block* b, std::size_t bytes, int tag);
   std::string describe_bad_free(const void* ptr, std::size_t bytes) const;
+  std::string describe_wrong_size(const void* ptr, std::size_t bytes, std::size_t requested) const;
+  std::string describe_double_free(const void* ptr, std::size_t bytes) const;
+
+  // --- thread_cache.cpp ---------------------------------------------------------------
+  // The calling thread's cache for this allocator, or null; takes no lock.
+  detail::ThreadCache* find_thread_cache() const;
+  // The calling thread's cache, created and registered on first use; null once the
+  // thread is exiting (its thread_local state is gone). Lock held.
+  detail::ThreadCache* thread_cache();
+  // Every cached block of every thread back into the pools; returns blocks moved. Lock
+  // held; takes each cache's mutex.
+  std::size_t drain_thread_caches();
+  // Every cache's mutex, in registry order (readers of held blocks' fields and of the
+  // deltas take them all; the lock is held).
+  std::vector<std::unique_lock<detail::SpinLock>> lock_thread_caches() const;
+  // Every thread's statistics deltas into `stats`. Lock and every cache's mutex held.
+  void fold_locked_thread_caches();
+  // A cache's cached blocks into the pools (both mutexes held).
+  std::size_t drain_thread_cache(detail::ThreadCache& tc);
+  // Ends tc's responsibility for held block b (both mutexes held); b stays as it is.
+  static void release_held(detail::ThreadCache& tc, Block* b);
+  // finish_allocation for the shared path. With thread caches, under this thread's cache
+  // mutex: its deltas are folded first (so the shared peak sees its current bytes), and
+  // a small block becomes held by the cache, so its free can take the fast path. `tc`:
+  // this thread's cache if the caller looked it up (null: looked up or created here).
+  void* finish_shared_allocation(Block* b, std::size_t bytes, int tag, detail::ThreadCache* tc);
+  // Thread exit: folds, drains and unregisters tc (lifecycle mutex and lock held).
+  void release_thread_cache(detail::ThreadCache& tc);
+  // Destructor: cuts every cache loose; takes the lifecycle mutex and the lock.
+  void detach_thread_caches();
+  // A fresh allocator id.
+  static std::uint64_t next_id();
 
   // --- segments.cpp ---------------------------------------------------------------------
   // A free block of at least `size` bytes in sp's pool, from new backend memory (plain) or
@@ -125,6 +166,7 @@ struct CachingAllocator::Impl {
   void destroy_everything();
 
   // --- snapshot.cpp ---------------------------------------------------------------------
+  // All three read held blocks: the lock and every thread cache's mutex must be held.
   AllocatorStats compute_stats() const;
   std::size_t largest_free_backed() const;
   std::string oom_message(std::size_t bytes, std::size_t rounded, Stream s,

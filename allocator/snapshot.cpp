@@ -107,7 +107,9 @@ std::size_t CachingAllocator::Impl::largest_free_backed() const {
     const char* run_lo = nullptr;
     const char* run_hi = nullptr;
     for (const Block* b = seg->first; b != nullptr; b = b->next) {
-      if (b->state == BlockState::allocated) {
+      // A block parked in a thread cache is allocated to the shared state but cached
+      // memory all the same (its holder's mutex is held by the caller).
+      if (b->state == BlockState::allocated && !(b->holder != nullptr && b->in_thread_cache)) {
         run_lo = run_hi = nullptr;
         continue;
       }
@@ -116,6 +118,19 @@ std::size_t CachingAllocator::Impl::largest_free_backed() const {
         run_hi = hi;
         largest = std::max<std::size_t>(largest, static_cast<std::size_t>(run_hi - run_lo));
       });
+    }
+    // An expandable range is backed slot by slot, but blocks tile it only up to used_end:
+    // the backed rest of the last slot holds no block yet is free memory, contiguous with
+    // a free last block.
+    if (!seg->expandable) continue;
+    for (std::size_t g = static_cast<std::size_t>(seg->used_end - seg->base) / granule;
+         g < seg->run_head.size() && seg->run_head[g] >= 0; ++g) {
+      const char* lo = std::max<const char*>(seg->base + g * granule, seg->used_end);
+      const char* hi = seg->base + (g + 1) * granule;
+      if (lo == hi) continue;
+      if (run_hi != lo) run_lo = lo;
+      run_hi = hi;
+      largest = std::max<std::size_t>(largest, static_cast<std::size_t>(run_hi - run_lo));
     }
   }
   return largest;
@@ -217,9 +232,11 @@ std::string CachingAllocator::Impl::snapshot_json() const {
       if (b != seg->first) os << ',';
       os << "{\"address\":";
       json_pointer(os, b->ptr);
-      os << ",\"size\":" << b->size << ",\"state\":\"" << state_name(b->state) << "\",\"stream\":";
+      const bool thread_cached = b->holder != nullptr && b->in_thread_cache;
+      os << ",\"size\":" << b->size << ",\"state\":\""
+         << (thread_cached ? "thread_cached" : state_name(b->state)) << "\",\"stream\":";
       json_pointer(os, b->owner->stream.handle);
-      if (b->state == BlockState::allocated) {
+      if (b->state == BlockState::allocated && !thread_cached) {
         os << ",\"requested\":" << b->requested << ",\"tag\":";
         json_string(os, tag_name(b->tag) ? tag_name(b->tag) : "");
       }

@@ -1,13 +1,16 @@
 // tidepool_bench_alloc: the caching allocator's hot path against baselines in the same run.
 //
-//   CachedPair    alloc+free of one cached size, single thread (and 8 threads)
+//   CachedPair    alloc+free of one cached size, on 1, 2 and 8 threads
 //   Mixed64Live   a ring of 64 live blocks of mixed sizes: free the oldest, allocate anew
 //
 // Each shape runs on tidepool (host backend, and the cuda backend when a GPU is present)
 // and on glibc malloc+free; on GPU builds also on cudaMallocAsync/cudaFreeAsync. The
+// HostShared rows run the host backend with the per-thread caches off
+// (thread_cache_bytes = 0: every call takes the allocator's mutex), the baseline that
+// Note [Thread caches] is measured against. The
 // targets (issue 2): on the host backend a cached pair <= 5x glibc's; on the GPU machine
 // <= 100 ns and faster than cudaMallocAsync. PyTorch's native allocator
-// (c10 raw_alloc/raw_delete) is measured by the GPU device-check script, which has torch.
+// (c10 raw_alloc/raw_delete) is compared in tidepool_bench_alloc_c10 (CUDA + LibTorch builds).
 #include <benchmark/benchmark.h>
 
 #include <array>
@@ -17,6 +20,7 @@
 
 #include "allocator/backend.h"
 #include "allocator/caching_allocator.h"
+#include "pair_loop.h"
 
 #ifdef TIDEPOOL_BENCH_CUDA
 #include <cuda_runtime.h>
@@ -31,9 +35,15 @@ using tidepool::CachingAllocator;
 CachingAllocator* allocator_for(const std::string& kind) {
   // Function-local statics: initialised once even when 8 benchmark threads arrive at once.
   static CachingAllocator* host = new CachingAllocator(tidepool::make_host_backend(0));
+  static CachingAllocator* host_shared = [] {
+    tidepool::AllocatorOptions o;
+    o.thread_cache_bytes = 0;
+    return new CachingAllocator(tidepool::make_host_backend(0), o);
+  }();
   static CachingAllocator* cuda = tidepool::cuda_device_count() > 0
                                       ? new CachingAllocator(tidepool::make_cuda_backend(0))
                                       : nullptr;
+  if (kind == "host_shared") return host_shared;
   return kind == "cuda" ? cuda : host;
 }
 
@@ -76,17 +86,7 @@ void BM_Glibc_Mixed64Live(benchmark::State& state) {
 // ---- tidepool -------------------------------------------------------------------------
 
 void tidepool_cached_pair(benchmark::State& state, const std::string& kind) {
-  CachingAllocator* a = allocator_for(kind);
-  if (a == nullptr) {
-    state.SkipWithError("no CUDA device");
-    return;
-  }
-  const auto n = static_cast<std::size_t>(state.range(0));
-  for (auto _ : state) {
-    void* p = a->allocate(n);
-    benchmark::DoNotOptimize(p);
-    a->deallocate(p, n);
-  }
+  tidepool::bench::cached_pair(state, allocator_for(kind));
 }
 
 void tidepool_mixed(benchmark::State& state, const std::string& kind) {
@@ -111,6 +111,10 @@ void tidepool_mixed(benchmark::State& state, const std::string& kind) {
 
 void BM_Tidepool_Host_CachedPair(benchmark::State& s) { tidepool_cached_pair(s, "host"); }
 void BM_Tidepool_Host_Mixed64Live(benchmark::State& s) { tidepool_mixed(s, "host"); }
+void BM_Tidepool_HostShared_CachedPair(benchmark::State& s) {
+  tidepool_cached_pair(s, "host_shared");
+}
+void BM_Tidepool_HostShared_Mixed64Live(benchmark::State& s) { tidepool_mixed(s, "host_shared"); }
 void BM_Tidepool_Cuda_CachedPair(benchmark::State& s) { tidepool_cached_pair(s, "cuda"); }
 void BM_Tidepool_Cuda_Mixed64Live(benchmark::State& s) { tidepool_mixed(s, "cuda"); }
 
@@ -138,12 +142,16 @@ BENCHMARK(BM_CudaMallocAsync_CachedPair)->Arg(4096)->Threads(8)->UseRealTime();
 
 BENCHMARK(BM_Glibc_CachedPair)->Arg(4096)->Arg(1 << 20);
 BENCHMARK(BM_Tidepool_Host_CachedPair)->Arg(4096)->Arg(1 << 20);
+BENCHMARK(BM_Tidepool_HostShared_CachedPair)->Arg(4096)->Arg(1 << 20);
 BENCHMARK(BM_Tidepool_Cuda_CachedPair)->Arg(4096)->Arg(1 << 20);
 BENCHMARK(BM_Glibc_Mixed64Live);
 BENCHMARK(BM_Tidepool_Host_Mixed64Live);
+BENCHMARK(BM_Tidepool_HostShared_Mixed64Live);
 BENCHMARK(BM_Tidepool_Cuda_Mixed64Live);
-BENCHMARK(BM_Glibc_CachedPair)->Arg(4096)->Threads(8)->UseRealTime();
-BENCHMARK(BM_Tidepool_Host_CachedPair)->Arg(4096)->Threads(8)->UseRealTime();
-BENCHMARK(BM_Tidepool_Cuda_CachedPair)->Arg(4096)->Threads(8)->UseRealTime();
+// Several threads, each its own pairs: real time per pair across all threads.
+BENCHMARK(BM_Glibc_CachedPair)->Arg(4096)->ThreadRange(2, 8)->UseRealTime();
+BENCHMARK(BM_Tidepool_Host_CachedPair)->Arg(4096)->ThreadRange(2, 8)->UseRealTime();
+BENCHMARK(BM_Tidepool_HostShared_CachedPair)->Arg(4096)->ThreadRange(2, 8)->UseRealTime();
+BENCHMARK(BM_Tidepool_Cuda_CachedPair)->Arg(4096)->ThreadRange(2, 8)->UseRealTime();
 
 BENCHMARK_MAIN();

@@ -199,8 +199,8 @@ TEST_P(Battery, OwnsAndAllocationSizeKnowLiveBlocksOnly) {
 
 TEST_P(Battery, FragmentationCountsHolesAndDropsToZeroWhenEmptied) {
   // A multiple of the granule, its own plain segment, and six of them fill whole mapping
-  // slots (32 MiB): the backed memory past the last block of a range is not counted in
-  // any free block by the fragmentation figure.
+  // slots (32 MiB), so no backed memory lies past the last block of a range (that case
+  // has its own test below).
   const std::size_t n = 16 << 20;
   std::vector<void*> v;
   for (int i = 0; i < 6; ++i) v.push_back(alloc_->allocate(n));
@@ -215,6 +215,26 @@ TEST_P(Battery, FragmentationCountsHolesAndDropsToZeroWhenEmptied) {
   const AllocatorStats s = alloc_->stats();
   EXPECT_EQ(s.reserved.current, 0u);
   EXPECT_EQ(s.fragmentation, 0.0);
+}
+
+TEST_P(Battery, FragmentationCountsTheBackedTailOfTheLastSlotAsFree) {
+  if (!std::get<1>(GetParam())) GTEST_SKIP() << "mapping slots belong to expandable segments";
+  // One 4 MiB block backs a whole 32 MiB slot (the default map_slot_bytes); blocks tile
+  // the range only up to the end of the last block, so the other 28 MiB lie past it.
+  const std::size_t mib = 1 << 20;
+  void* a = alloc_->allocate(4 * mib);
+  AllocatorStats s = alloc_->stats();
+  ASSERT_EQ(s.reserved.current, 32 * mib);
+  ASSERT_EQ(s.cached_bytes, 28 * mib);
+  EXPECT_LT(s.fragmentation, 1e-9) << "the backed tail is one free range";
+  // A free last block and the tail after it are one contiguous free range too.
+  void* b = alloc_->allocate(4 * mib);
+  alloc_->deallocate(b, 4 * mib);
+  s = alloc_->stats();
+  ASSERT_EQ(s.cached_bytes, 28 * mib);
+  EXPECT_LT(s.fragmentation, 1e-9);
+  EXPECT_NE(alloc_->snapshot_json().find("\"state\":\"free\""), std::string::npos);
+  alloc_->deallocate(a, 4 * mib);
 }
 
 TEST_P(Battery, RecyclingMovesBackingFromAHoleToTheGrowingEnd) {

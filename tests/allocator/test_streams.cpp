@@ -13,20 +13,7 @@
 namespace tidepool {
 namespace {
 
-// Holds a stream: everything enqueued after hold() waits until release().
-class StreamHold {
- public:
-  StreamHold(Backend& b, Stream s) { b.launch_host_func(s, &StreamHold::wait, this); }
-  ~StreamHold() { release(); }
-  void release() { open_.store(true); }
-
- private:
-  static void wait(void* self) {
-    auto* h = static_cast<StreamHold*>(self);
-    while (!h->open_.load()) std::this_thread::sleep_for(std::chrono::microseconds(100));
-  }
-  std::atomic<bool> open_{false};
-};
+using test::StreamHold;
 
 class Streams : public ::testing::Test {
  protected:

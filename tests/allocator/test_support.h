@@ -4,11 +4,14 @@
 
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <cctype>
+#include <chrono>
 #include <cstdlib>
 #include <memory>
 #include <string>
 #include <string_view>
+#include <thread>
 
 #include "allocator/backend.h"
 #include "allocator/caching_allocator.h"
@@ -44,6 +47,24 @@ inline std::unique_ptr<Backend> make_backend(const std::string& kind,
     GTEST_SKIP() << "no CUDA device on this machine";              \
   }                                                                \
   static_assert(true)
+
+// Holds a stream busy: everything enqueued on it after construction waits until release()
+// (a host function that spins on a flag), so "work still pending on the stream" is real.
+class StreamHold {
+ public:
+  StreamHold(Backend& b, Stream s) { b.launch_host_func(s, &StreamHold::wait, this); }
+  ~StreamHold() { release(); }
+  StreamHold(const StreamHold&) = delete;
+  StreamHold& operator=(const StreamHold&) = delete;
+  void release() { open_.store(true); }
+
+ private:
+  static void wait(void* self) {
+    auto* h = static_cast<StreamHold*>(self);
+    while (!h->open_.load()) std::this_thread::sleep_for(std::chrono::microseconds(100));
+  }
+  std::atomic<bool> open_{false};
+};
 
 // Minimal recursive-descent JSON validator (RFC 8259 grammar, no semantic checks).
 class JsonChecker {

@@ -1,0 +1,249 @@
+// ThreadCache: one thread's private cache of freed small blocks for one allocator, so
+// that a cached alloc+free pair on one stream by one thread takes no device mutex (Note
+// [Thread caches] in thread_cache.cpp). Internal to the allocator (not installed).
+//
+// Locking: `mutex` (a SpinLock) guards everything here and, for every block in `held`, that block's
+// requested/tag/in_thread_cache/extra_streams/quick_next fields. The owning thread takes
+// only `mutex` on its fast path. The allocator takes it while holding its own mutex
+// (order: lifecycle mutex -> allocator mutex -> cache mutex; never the reverse), to drain
+// the cache, fold its statistics, or look at a held block.
+#pragma once
+
+#include <algorithm>
+#include <array>
+#include <cstdint>
+#include <memory>
+#include <atomic>
+#include <thread>
+
+#include "allocator/block.h"
+#include "allocator/caching_allocator.h"
+#include "allocator/held_table.h"
+#include "allocator/size_classes.h"
+#include "allocator/stats.h"
+#include "allocator/tags.h"
+
+namespace tidepool::detail {
+
+// What one thread did to one Stat since its deltas were last folded into the shared
+// stats. `high` is the highest `current` reached since then: the shared value at fold
+// time plus `high` is the peak this thread saw (Note [Thread caches]: exact while one
+// thread at a time uses the cache path).
+struct StatDelta {
+  std::int64_t current = 0;
+  std::int64_t high = 0;
+  std::uint64_t added = 0;
+  std::uint64_t removed = 0;
+
+  void add(std::uint64_t n) {
+    current += static_cast<std::int64_t>(n);
+    added += n;
+    high = std::max(high, current);
+  }
+  void sub(std::uint64_t n) {
+    current -= static_cast<std::int64_t>(n);
+    removed += n;
+  }
+  void fold_into(Stat& s) {
+    s.peak = std::max(s.peak, s.current + static_cast<std::uint64_t>(high));
+    s.current += static_cast<std::uint64_t>(current);  // modular: current may be negative
+    s.allocated += added;
+    s.freed += removed;
+    *this = StatDelta();
+  }
+};
+
+struct TagDelta {
+  StatDelta bytes;
+  std::int64_t count = 0;
+  std::uint64_t total_count = 0;
+};
+
+// The cache's lock. Its thread takes it on every fast-path call and the allocator only on
+// drains, folds and shared frees of held blocks, so it is almost never contended: a
+// test-and-set lock costs one atomic exchange where an uncontended pthread mutex pair
+// cost about a third of the cached pair (perf on the host backend).
+class SpinLock {
+ public:
+  void lock() noexcept {
+    while (locked_.exchange(true, std::memory_order_acquire))
+      while (locked_.load(std::memory_order_relaxed)) std::this_thread::yield();
+  }
+  bool try_lock() noexcept { return !locked_.exchange(true, std::memory_order_acquire); }
+  void unlock() noexcept { locked_.store(false, std::memory_order_release); }
+
+ private:
+  std::atomic<bool> locked_{false};
+};
+
+struct ThreadCache {
+  // Blocks of one size class per stream at most this many; bytes in all lists at most the
+  // allocator's options().thread_cache_bytes.
+  static constexpr std::uint8_t kPerClass = 4;
+  // Streams one thread caches for at a time; frees on further streams take the shared path.
+  static constexpr int kStreamSlots = 4;
+  static_assert(kTagCount <= 64, "tag_dirty is a 64-bit mask");
+
+  struct StreamSlot {
+    Stream stream;
+    bool used = false;
+    std::size_t blocks = 0;  // in all lists of the slot
+    std::unique_ptr<std::array<Block*, kSmallClasses>> heads;  // LIFO per size class
+    std::unique_ptr<std::array<std::uint8_t, kSmallClasses>> counts;
+    // Bit c: class c's list is not empty, so a drain visits only the lists in use.
+    std::array<std::uint64_t, (kSmallClasses + 63) / 64> nonempty{};
+  };
+
+  ThreadCache(std::uint64_t id, CachingAllocator::Impl* a) : allocator_id(id), allocator(a) {}
+
+  const std::uint64_t allocator_id;  // CachingAllocator::Impl::id, never reused
+  SpinLock mutex;
+  // The allocator this cache belongs to; null once it was released (thread exit) or the
+  // allocator was destroyed. Written under the lifecycle, allocator and cache mutexes.
+  CachingAllocator::Impl* allocator;
+
+  // Every block this cache is responsible for, live (handed out by this thread) or cached
+  // (freed into `slots`), by address. Each has block->holder == this.
+  // A thread holding more frees the rest through the shared path.
+  HeldTable held;
+  std::array<StreamSlot, kStreamSlots> slots;
+  std::size_t cached_bytes = 0;
+
+  // Statistics of the fast path, folded into the allocator's under both mutexes.
+  bool dirty = false;
+  StatDelta allocated, requested;
+  std::array<TagDelta, kTagCount> tags{};
+  std::uint64_t tag_dirty = 0;  // bit t: tags[t] changed since the last fold
+  std::uint64_t alloc_count = 0, free_count = 0, cache_hits = 0;
+
+  // A cached block of exactly `rounded` bytes freed on `s`, or null.
+  Block* pop(Stream s, std::size_t rounded) {
+    StreamSlot* slot = find_slot(s);
+    if (slot == nullptr) return nullptr;
+    const std::size_t c = small_class(rounded);
+    Block* b = (*slot->heads)[c];
+    if (b == nullptr) return nullptr;
+    (*slot->heads)[c] = b->quick_next;
+    b->quick_next = nullptr;
+    if (--(*slot->counts)[c] == 0) slot->nonempty[c / 64] &= ~(std::uint64_t{1} << (c % 64));
+    --slot->blocks;
+    cached_bytes -= b->size;
+    return b;
+  }
+
+  // Parks held block b, freed on its own stream `s`; false when it does not fit (the
+  // caller frees it through the shared path instead).
+  bool push(Block* b, Stream s, std::size_t budget) {
+    if (cached_bytes + b->size > budget) return false;
+    StreamSlot* slot = find_slot(s);
+    if (slot == nullptr) slot = claim_slot(s);
+    if (slot == nullptr) return false;
+    const std::size_t c = small_class(b->size);
+    if ((*slot->counts)[c] >= kPerClass) return false;
+    b->quick_next = (*slot->heads)[c];
+    (*slot->heads)[c] = b;
+    ++(*slot->counts)[c];
+    slot->nonempty[c / 64] |= std::uint64_t{1} << (c % 64);
+    ++slot->blocks;
+    cached_bytes += b->size;
+    b->in_thread_cache = true;
+    return true;
+  }
+
+  // Empties every list, calling fn(block) for each cached block.
+  template <class Fn>
+  void drain(Fn&& fn) {
+    if (cached_bytes == 0) return;
+    for (StreamSlot& slot : slots) {
+      if (slot.blocks == 0) continue;
+      for (std::size_t w = 0; w < slot.nonempty.size(); ++w) {
+        for (std::uint64_t bits = slot.nonempty[w]; bits != 0; bits &= bits - 1) {
+          const std::size_t c = w * 64 + static_cast<std::size_t>(__builtin_ctzll(bits));
+          while (Block* b = (*slot.heads)[c]) {
+            (*slot.heads)[c] = b->quick_next;
+            b->quick_next = nullptr;
+            cached_bytes -= b->size;
+            fn(b);
+          }
+          (*slot.counts)[c] = 0;
+        }
+        slot.nonempty[w] = 0;
+      }
+      slot.blocks = 0;
+    }
+  }
+
+  void note_alloc(Block* b, std::size_t bytes, int tag) {
+    b->in_thread_cache = false;
+    b->requested = bytes;
+    b->tag = static_cast<std::uint8_t>(tag);
+    allocated.add(b->size);
+    requested.add(bytes);
+    TagDelta& t = tags[tag];
+    t.bytes.add(b->size);
+    ++t.count;
+    ++t.total_count;
+    tag_dirty |= std::uint64_t{1} << tag;
+    ++alloc_count;
+    ++cache_hits;
+    dirty = true;
+  }
+
+  void note_free(const Block* b) {
+    allocated.sub(b->size);
+    requested.sub(b->requested);
+    TagDelta& t = tags[b->tag];
+    t.bytes.sub(b->size);
+    --t.count;
+    tag_dirty |= std::uint64_t{1} << b->tag;
+    ++free_count;
+    dirty = true;
+  }
+
+  // Adds the deltas to `s` and clears them.
+  void fold_into(AllocatorStats& s) {
+    if (!dirty) return;
+    allocated.fold_into(s.allocated);
+    requested.fold_into(s.requested);
+    for (std::uint64_t m = tag_dirty; m != 0; m &= m - 1) {
+      const int t = __builtin_ctzll(m);
+      TagDelta& d = tags[t];
+      d.bytes.fold_into(s.tags[t].bytes);
+      s.tags[t].count += static_cast<std::uint64_t>(d.count);
+      s.tags[t].total_count += d.total_count;
+      d = TagDelta();
+    }
+    tag_dirty = 0;
+    s.alloc_count += alloc_count;
+    s.free_count += free_count;
+    s.cache_hits += cache_hits;
+    alloc_count = free_count = cache_hits = 0;
+    dirty = false;
+  }
+
+ private:
+  StreamSlot* find_slot(Stream s) {
+    for (StreamSlot& slot : slots)
+      if (slot.used && slot.stream == s) return &slot;
+    return nullptr;
+  }
+  // A free slot for `s` (an empty one may be taken over), or null when all hold blocks.
+  StreamSlot* claim_slot(Stream s) {
+    for (StreamSlot& slot : slots) {
+      if (slot.used && slot.blocks != 0) continue;
+      if (!slot.heads) {
+        slot.heads = std::make_unique<std::array<Block*, kSmallClasses>>();
+        slot.counts = std::make_unique<std::array<std::uint8_t, kSmallClasses>>();
+      }
+      slot.heads->fill(nullptr);
+      slot.counts->fill(0);
+      slot.nonempty.fill(0);
+      slot.stream = s;
+      slot.used = true;
+      return &slot;
+    }
+    return nullptr;
+  }
+};
+
+}  // namespace tidepool::detail
