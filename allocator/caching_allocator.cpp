@@ -41,6 +41,23 @@
 // completed, blocks with a sequence number up to the fence's are safe for B. The event
 // is recorded no earlier than any free it covers, so this is conservative.
 //
+// Note [Released streams]
+// A stream's pools, fence and thread-cache lists all name its handle, and a backend may
+// give a later stream the same handle. So before a stream is destroyed it is released
+// (release_stream, Note [Stream contract]): the allocator waits for the stream, moves
+// its thread-cached and quick-listed blocks into its pools, and then moves every block
+// the stream owns (free, pending, live) to one pool of no stream, `released`, and forgets
+// the stream. The stream's work is done, so released free blocks are safe for any stream
+// at once: steal() takes them before any other stream's, with no fence. Released memory
+// lying wholly in free released blocks goes back to the backend at once (plain segments,
+// mapping runs), and released expandable ranges that end up unbacked and empty give
+// their address space back, so creating and destroying streams (one per tiered store)
+// does not pile up reservations. A block still live at the release is freed later on any
+// live stream X, as the contract already says for a free on a foreign stream, with the
+// allocating stream's part done: it becomes X's block, freed on X. Recorded uses by the
+// released stream are dropped from live blocks (that stream has finished them); pending
+// blocks keep their events, which name events, not streams.
+//
 // Note [OOM policy]
 // reuse the cache (steps 2-4) -> free cached memory (pending events waited for, fully
 // free ranges released, streams that last used them synchronized) -> retry -> reclaim
@@ -66,8 +83,12 @@ using detail::StreamPools;
 // ============================================================================ plumbing
 
 CachingAllocator::Impl::Impl(std::unique_ptr<Backend> b, AllocatorOptions o)
-    : backend(std::move(b)), options(o), id(next_id()) {
+    : backend(std::move(b)),
+      options(o),
+      released(std::make_unique<StreamPools>()),
+      id(next_id()) {
   if (!backend) throw std::invalid_argument("tidepool: CachingAllocator needs a backend");
+  released->safe_seq = UINT64_MAX;  // Note [Released streams]: no stream to wait for
   device = backend->device();
   granule = backend->granularity();
   device_total = backend->mem_info().total_bytes;
@@ -200,13 +221,19 @@ void CachingAllocator::Impl::refresh_fence(StreamPools& sp) {
 
 // Takes a free block of at least `size` that another stream has finished with, moves it
 // into sp's pool and returns the (possibly merged) block now there.
+// Released streams' blocks first: they need no fence (Note [Released streams]).
 Block* CachingAllocator::Impl::steal(StreamPools& sp, std::size_t size, bool small) {
+  StreamPools* from = released.get();
+  Block* b = released->pool(small).best_fit(size);
   for (auto& other : streams) {
+    if (b != nullptr) break;
     if (other.get() == &sp || other->pool(small).empty()) continue;
     refresh_fence(*other);
-    Block* b = other->pool(small).best_fit_freed_before(size, other->safe_seq);
-    if (b == nullptr) continue;
-    other->pool(small).erase(b);
+    b = other->pool(small).best_fit_freed_before(size, other->safe_seq);
+    from = other.get();
+  }
+  if (b != nullptr) {
+    from->pool(small).erase(b);
     b->owner = &sp;
     b->free_seq = 0;
     ++stats.cross_stream_reuses;
@@ -214,6 +241,60 @@ Block* CachingAllocator::Impl::steal(StreamPools& sp, std::size_t size, bool sma
     return sp.pool(small).best_fit(size);
   }
   return nullptr;
+}
+
+void CachingAllocator::Impl::retire_pools(StreamPools& sp) {
+  StreamPools* const to = released.get();
+  // Free blocks merge with released neighbours; collected first, as merging recycles.
+  std::vector<Block*> free_blocks(sp.small.blocks().begin(), sp.small.blocks().end());
+  free_blocks.insert(free_blocks.end(), sp.large.blocks().begin(), sp.large.blocks().end());
+  for (Block* b : free_blocks) {
+    sp.pool(b->segment->small).erase(b);
+    b->owner = to;
+    b->free_seq = 0;
+    insert_free(b, false);
+  }
+  // Live and pending blocks: their later free or completion lands in `released`.
+  for (auto& [ptr, b] : blocks)
+    if (b->owner == &sp) b->owner = to;
+  for (auto& [base, seg] : segments)
+    if (seg->creator == &sp) seg->creator = to;
+  sp.small_ranges.clear();
+  sp.large_ranges.clear();
+  if (sp.fence) {
+    spare_events.push_back(sp.fence);  // the stream was synchronized: the fence is done
+    sp.fence = Event{};
+  }
+  sp.fence_in_flight = false;
+}
+
+std::size_t CachingAllocator::Impl::release_stream_locked(Stream s) {
+  // Work queued on s may still use its blocks: wait first (a stream destroyed already
+  // fails here, before anything changed).
+  backend->stream_synchronize(s);
+  // Blocks parked for s in thread caches and quick lists back into s's pools.
+  for (auto& c : thread_caches) {
+    c->fold_into(stats);
+    c->drain_stream(s, [&](Block* b) {
+      release_held(*c, b);
+      insert_free(b, true);
+    });
+  }
+  auto it = std::find_if(streams.begin(), streams.end(),
+                         [&](const std::unique_ptr<StreamPools>& p) { return p->stream == s; });
+  // s has finished the uses record_stream named on other streams' blocks.
+  for (auto& [ptr, b] : blocks)
+    if (!b->extra_streams.empty()) std::erase(b->extra_streams, s);
+  if (it == streams.end()) return 0;
+  StreamPools& sp = **it;
+  flush_quick(sp);
+  retire_pools(sp);
+  if (last_stream == &sp) last_stream = nullptr;
+  streams.erase(it);
+  if (!options.allow_release) return 0;
+  const std::size_t bytes = release_cached(SIZE_MAX, true, nullptr, released.get());
+  drop_empty_released_ranges();
+  return bytes;
 }
 
 void CachingAllocator::Impl::make_pending(Block* b) {
@@ -475,7 +556,7 @@ void CachingAllocator::deallocate(void* ptr, std::size_t bytes, Stream stream) {
       if (b->in_thread_cache) throw AllocatorUsageError(m.describe_double_free(ptr, bytes));
       if (bytes != b->requested)
         throw AllocatorUsageError(m.describe_wrong_size(ptr, bytes, b->requested));
-      if (stream == b->owner->stream && b->extra_streams.empty() &&
+      if (b->owner != m.released.get() && stream == b->owner->stream && b->extra_streams.empty() &&
           tc->push(b, stream, m.options.thread_cache_bytes)) {
         tc->note_free(b);
         return;
@@ -498,6 +579,9 @@ void CachingAllocator::deallocate(void* ptr, std::size_t bytes, Stream stream) {
   }
   if (bytes != b->requested)
     throw AllocatorUsageError(m.describe_wrong_size(ptr, bytes, b->requested));
+  // Allocated on a stream released since: now a block of the freeing stream, freed on it
+  // (Note [Released streams]).
+  if (b->owner == m.released.get()) b->owner = &m.pools_for(stream);
   m.stats.allocated.sub(b->size);
   m.stats.requested.sub(b->requested);
   ++m.stats.free_count;
@@ -540,7 +624,7 @@ void CachingAllocator::record_stream(void* ptr, Stream stream) {
       throw AllocatorUsageError(os.str());
     }
   }
-  if (stream == b->owner->stream) return;
+  if (b->owner != m.released.get() && stream == b->owner->stream) return;
   if (std::find(b->extra_streams.begin(), b->extra_streams.end(), stream) ==
       b->extra_streams.end())
     b->extra_streams.push_back(stream);
@@ -553,7 +637,16 @@ std::size_t CachingAllocator::empty_cache() {
   m.drain_thread_caches();
   m.flush_all_quick();
   m.process_pending(false);
-  return m.release_cached();
+  const std::size_t bytes = m.release_cached();
+  m.drop_empty_released_ranges();
+  return bytes;
+}
+
+std::size_t CachingAllocator::release_stream(Stream stream) {
+  Impl& m = *impl_;
+  std::lock_guard lock(m.mutex);
+  const auto cache_locks = m.lock_thread_caches();
+  return m.release_stream_locked(stream);
 }
 
 // ============================================================================ queries

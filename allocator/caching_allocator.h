@@ -10,6 +10,13 @@
 // is then held back until those streams pass the point of the free. Freeing on a stream
 // other than the allocating one counts as record_stream(p, that stream) + a free on the
 // allocating stream.
+// A stream used with the allocator (allocate, deallocate, record_stream) must be released
+// with release_stream(s) before it is destroyed: the allocator keeps per-stream pools,
+// fences and thread-cache lists under the stream's handle, and would otherwise later
+// record events on the dead stream or mistake a new stream with the same handle for it.
+// After release_stream(s), blocks still live from s stay valid and are freed on any live
+// stream (as a free on that stream); s itself must not be passed again until a stream is
+// (re)created with that handle, which then starts with nothing cached.
 //
 // Thread-safety: every public method may be called from any thread; a free from another
 // thread than the allocating one is legal. One mutex per allocator guards its state; it
@@ -121,9 +128,19 @@ class TIDEPOOL_API CachingAllocator {
   // released. A no-op when options.allow_release is false.
   std::size_t empty_cache();
   // Moves every block parked in any thread's cache back into the shared pools (they then
-  // serve other threads, and other streams once their stream has passed the free). Call
-  // it before destroying a stream that threads freed blocks on. Returns blocks moved.
+  // serve other threads, and other streams once their stream has passed the free).
+  // Returns blocks moved. (Before destroying a stream, call release_stream instead.)
   std::size_t flush_thread_caches();
+  // "Stream `stream` is about to be destroyed" (Note [Stream contract]). Waits for the
+  // stream, moves what threads cached for it back, drops it from live blocks' recorded
+  // streams, and hands every block it owns to a pool of no stream that any stream may
+  // reuse at once; of that, fully free backed memory is given back to the backend (and
+  // empty address ranges the stream created), unless options.allow_release is false.
+  // Live blocks allocated on it stay valid (free them on a live stream). Afterwards the
+  // allocator never refers to the stream again. Returns bytes given back to the backend.
+  // Throws BackendError when the stream cannot be synchronized (e.g. already destroyed);
+  // nothing has changed then. A stream the allocator never saw costs one synchronize.
+  std::size_t release_stream(Stream stream);
 
   AllocatorStats stats() const;
   MappingStats mapping_stats() const;

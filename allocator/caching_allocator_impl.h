@@ -43,6 +43,12 @@ struct CachingAllocator::Impl {
   std::unordered_map<const void*, Block*> blocks;  // every block, by start address
   std::map<const char*, Segment*> segments;         // every segment, by base address
   std::vector<std::unique_ptr<StreamPools>> streams;
+  // Note [Released streams] (caching_allocator.cpp): the blocks of streams given up with
+  // release_stream, free and live. It has no stream of its own (its `stream` is never
+  // used): its free blocks are safe for every stream at once (safe_seq is the maximum),
+  // it is in no `streams` entry, so pools_for never returns it and no fence is ever
+  // recorded for it. Created with the allocator and never replaced.
+  const std::unique_ptr<StreamPools> released;
   StreamPools* last_stream = nullptr;  // one-entry cache for pools_for
   std::vector<Block*> pending;         // blocks waiting for record_stream events
   std::vector<Block*> spare_blocks;    // recycled Block objects
@@ -73,6 +79,10 @@ struct CachingAllocator::Impl {
   void split(Block* b, std::size_t size);
   void insert_free(Block* b, bool is_new_free);
   void merge_into(Block* front, Block* back);
+  // release_stream's work (Note [Released streams]); lock and every cache mutex held.
+  std::size_t release_stream_locked(Stream s);
+  // Moves every block of sp (free, pending or live) to `released`; sp then holds nothing.
+  void retire_pools(StreamPools& sp);
   void flush_quick(StreamPools& sp);
   void flush_all_quick();
   void make_pending(Block* b);
@@ -161,8 +171,14 @@ struct CachingAllocator::Impl {
   // least `want` bytes are found. `wait`: synchronize the streams that last used it;
   // otherwise take only memory whose frees a completed fence covers, or that `waitable`
   // (the allocating stream, then synchronized) freed. Lock held.
+  // `only_owner`: release only memory whose blocks all belong to that pool (release_stream
+  // passes `released`).
   std::size_t release_cached(std::size_t want = SIZE_MAX, bool wait = true,
-                             StreamPools* waitable = nullptr);
+                             StreamPools* waitable = nullptr,
+                             const StreamPools* only_owner = nullptr);
+  // Gives back the address space of expandable ranges of released streams that hold
+  // nothing any more (no backing, every block free in `released`). Returns ranges dropped.
+  std::size_t drop_empty_released_ranges();
   void destroy_everything();
 
   // --- snapshot.cpp ---------------------------------------------------------------------

@@ -312,11 +312,13 @@ struct Releasable {
 // a completed fence, Note [Cross-stream reuse]). `cursor` walks forward through the
 // segment's blocks across successive calls.
 // Blocks of `waitable` (the stream allocating now) qualify too: their stream is waited for.
+// `only_owner`: every block must belong to that pool.
 bool all_free(Block*& cursor, const char* lo, const char* hi, bool settled_only,
-              const StreamPools* waitable = nullptr) {
+              const StreamPools* waitable = nullptr, const StreamPools* only_owner = nullptr) {
   while (cursor != nullptr && cursor->ptr + cursor->size <= lo) cursor = cursor->next;
   for (Block* b = cursor; b != nullptr && b->ptr < hi; b = b->next) {
     if (b->state != BlockState::free) return false;
+    if (only_owner != nullptr && b->owner != only_owner) return false;
     if (settled_only && b->free_seq > b->owner->safe_seq && b->owner != waitable) return false;
   }
   // Granules past used_end hold no blocks; they are free by construction.
@@ -403,7 +405,8 @@ bool CachingAllocator::Impl::move_free_run(Segment* seg, std::size_t head,
 }
 
 std::size_t CachingAllocator::Impl::release_cached(std::size_t want, bool wait,
-                                                   StreamPools* waitable) {
+                                                   StreamPools* waitable,
+                                                   const StreamPools* only_owner) {
   if (!options.allow_release) return 0;
   // Without waiting, only memory whose streams are known to be past the frees qualifies:
   // bring every stream's fence up to date first (records at most one event per stream).
@@ -414,7 +417,9 @@ std::size_t CachingAllocator::Impl::release_cached(std::size_t want, bool wait,
   std::set<void*> streams_to_sync;
   auto note_owners = [&](const char* lo, const char* hi, Block* from) {
     for (Block* b = from; b != nullptr && b->ptr < hi; b = b->next)
-      if (b->ptr + b->size > lo) streams_to_sync.insert(b->owner->stream.handle);
+      // Released streams' blocks are settled and their streams gone: nothing to wait for.
+      if (b->ptr + b->size > lo && b->owner != released.get())
+        streams_to_sync.insert(b->owner->stream.handle);
   };
   for (auto& [base, seg] : segments) {
     if (found_bytes >= want) break;
@@ -422,7 +427,7 @@ std::size_t CachingAllocator::Impl::release_cached(std::size_t want, bool wait,
       // Every block free (blocks of different streams do not merge, so there may be
       // several).
       Block* cursor = seg->first;
-      if (all_free(cursor, seg->base, seg->base + seg->size, !wait, waitable)) {
+      if (all_free(cursor, seg->base, seg->base + seg->size, !wait, waitable, only_owner)) {
         found.push_back({seg, 0});
         found_bytes += seg->size;
         note_owners(seg->base, seg->base + seg->size, seg->first);
@@ -434,7 +439,7 @@ std::size_t CachingAllocator::Impl::release_cached(std::size_t want, bool wait,
       if (found_bytes >= want) break;
       const char* lo = seg->base + g * granule;
       const char* hi = lo + seg->run_granules[g] * granule;
-      if (!all_free(cursor, lo, hi, !wait, waitable)) continue;
+      if (!all_free(cursor, lo, hi, !wait, waitable, only_owner)) continue;
       found.push_back({seg, g});
       found_bytes += seg->run_granules[g] * granule;
       note_owners(lo, hi, cursor);
@@ -450,7 +455,7 @@ std::size_t CachingAllocator::Impl::release_cached(std::size_t want, bool wait,
     backend->stream_synchronize(waitable->stream);
     waitable->safe_seq = waitable->free_seq;
   }
-  std::size_t released = 0;
+  std::size_t released_bytes = 0;
   for (const Releasable& r : found) {
     Segment* seg = r.segment;
     if (!seg->expandable) {
@@ -465,7 +470,7 @@ std::size_t CachingAllocator::Impl::release_cached(std::size_t want, bool wait,
       backend->device_free(seg->base, seg->size);
       stats.reserved.sub(seg->size);
       ++stats.segments_released;
-      released += seg->size;
+      released_bytes += seg->size;
       delete seg;
       continue;
     }
@@ -473,9 +478,36 @@ std::size_t CachingAllocator::Impl::release_cached(std::size_t want, bool wait,
     backend->release_physical(unmap_run(seg, r.head), bytes);
     stats.reserved.sub(bytes);
     ++stats.segments_released;
-    released += bytes;
+    released_bytes += bytes;
   }
-  return released;
+  return released_bytes;
+}
+
+std::size_t CachingAllocator::Impl::drop_empty_released_ranges() {
+  std::size_t dropped = 0;
+  for (auto it = segments.begin(); it != segments.end();) {
+    Segment* seg = it->second;
+    Block* cursor = seg->first;
+    // Only ranges a released stream created: a live stream's range stays on its list of
+    // ranges to grow even when released blocks fill it.
+    if (!seg->expandable || seg->creator != released.get() || !seg->mapped_runs.empty() ||
+        !all_free(cursor, seg->base, seg->used_end, false, nullptr, released.get())) {
+      ++it;
+      continue;
+    }
+    backend->release_address(seg->base, seg->size);  // first: a throw changes nothing
+    for (Block* b = seg->first; b != nullptr;) {
+      Block* next = b->next;
+      released->pool(seg->small).erase(b);
+      blocks.erase(b->ptr);
+      recycle(b);
+      b = next;
+    }
+    it = segments.erase(it);
+    delete seg;
+    ++dropped;
+  }
+  return dropped;
 }
 
 void CachingAllocator::Impl::destroy_everything() {

@@ -215,6 +215,13 @@ std::string CachingAllocator::Impl::snapshot_json() const {
     json_stat(os, "bytes", ts.bytes);
     os << ",\"count\":" << ts.count << ",\"total_count\":" << ts.total_count << '}';
   }
+  // A released stream's pool has no stream (Note [Released streams]): named "released".
+  auto json_stream = [this](std::ostream& out, const detail::StreamPools* sp) {
+    if (sp == released.get())
+      out << "\"released\"";
+    else
+      json_pointer(out, sp->stream.handle);
+  };
   os << "],\"segments\":[";
   first = true;
   for (const auto& [base, seg] : segments) {
@@ -226,7 +233,7 @@ std::string CachingAllocator::Impl::snapshot_json() const {
        << ",\"backed\":" << seg->mapped_bytes << ",\"expandable\":"
        << (seg->expandable ? "true" : "false") << ",\"pool\":\""
        << (seg->small ? "small" : "large") << "\",\"stream\":";
-    json_pointer(os, seg->creator->stream.handle);
+    json_stream(os, seg->creator);
     os << ",\"blocks\":[";
     for (const Block* b = seg->first; b != nullptr; b = b->next) {
       if (b != seg->first) os << ',';
@@ -235,7 +242,7 @@ std::string CachingAllocator::Impl::snapshot_json() const {
       const bool thread_cached = b->holder != nullptr && b->in_thread_cache;
       os << ",\"size\":" << b->size << ",\"state\":\""
          << (thread_cached ? "thread_cached" : state_name(b->state)) << "\",\"stream\":";
-      json_pointer(os, b->owner->stream.handle);
+      json_stream(os, b->owner);
       if (b->state == BlockState::allocated && !thread_cached) {
         os << ",\"requested\":" << b->requested << ",\"tag\":";
         json_string(os, tag_name(b->tag) ? tag_name(b->tag) : "");

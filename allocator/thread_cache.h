@@ -173,6 +173,27 @@ struct ThreadCache {
     }
   }
 
+  // Empties the lists of stream `s` only, calling fn(block) for each cached block, and
+  // frees the slot (CachingAllocator::release_stream: `s` is about to be destroyed, and a
+  // later stream may get the same handle).
+  template <class Fn>
+  void drain_stream(Stream s, Fn&& fn) {
+    StreamSlot* slot = find_slot(s);
+    if (slot == nullptr) return;
+    for (std::size_t c = 0; c < kSmallClasses; ++c) {
+      while (Block* b = (*slot->heads)[c]) {
+        (*slot->heads)[c] = b->quick_next;
+        b->quick_next = nullptr;
+        cached_bytes -= b->size;
+        fn(b);
+      }
+      (*slot->counts)[c] = 0;
+    }
+    slot->nonempty.fill(0);
+    slot->blocks = 0;
+    slot->used = false;
+  }
+
   void note_alloc(Block* b, std::size_t bytes, int tag) {
     b->in_thread_cache = false;
     b->requested = bytes;

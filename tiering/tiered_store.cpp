@@ -93,6 +93,7 @@ DeviceMemorySource caching_allocator_source(CachingAllocator& allocator, int tag
     }
   };
   source.deallocate = [&allocator](void* p, std::size_t n, Stream s) { allocator.deallocate(p, n, s); };
+  source.release_stream = [&allocator](Stream s) { allocator.release_stream(s); };
   return source;
 }
 
@@ -151,6 +152,15 @@ TieredStore::~TieredStore() {
     teardown.attempt("destroying an event", [&] { backend_.destroy_event(ev); });
   }
   free_events_.clear();
+  // copies_ destroys its streams after this body: the memory source must forget them
+  // first (Note [Stream contract] in caching_allocator.h). Done even when the device
+  // could not be synchronized: the source then keeps the leaked buffers as live blocks.
+  if (device_.release_stream) {
+    for (Direction d : {Direction::host_to_device, Direction::device_to_host}) {
+      teardown.attempt("releasing a copy stream from the memory source",
+                       [&] { device_.release_stream(copies_.stream(d)); });
+    }
+  }
 }
 
 Event TieredStore::take_event_locked() {

@@ -51,10 +51,14 @@ enum class Tier : std::uint8_t { device, host };
 
 // Where device buffers come from. Default (empty functions): the backend directly. The
 // caching allocator plugs in here (allocate(bytes, stream) / deallocate(ptr, bytes,
-// stream)); allocate returns nullptr when out of memory.
+// stream)); allocate returns nullptr when out of memory. release_stream (optional): the
+// store's copy streams are about to be destroyed; called by the destructor for both,
+// after every buffer was freed (the caching allocator's release_stream: it must not keep
+// anything under a dead stream's handle).
 struct DeviceMemorySource {
   std::function<void*(std::size_t bytes, Stream stream)> allocate;
   std::function<void(void* ptr, std::size_t bytes, Stream stream)> deallocate;
+  std::function<void(Stream stream)> release_stream;
 };
 
 class CachingAllocator;
@@ -104,8 +108,9 @@ class TIDEPOOL_API TieredStore {
   using Handle = std::uint64_t;  // 0 is never a valid handle
 
   TieredStore(Backend& backend, TieredStoreOptions options, DeviceMemorySource device = {});
-  // Waits for all transfers, frees every buffer. Handles still acquired are a caller bug
-  // but are freed too. Never throws: when the backend fails (e.g. its CUDA context is
+  // Waits for all transfers, frees every buffer, then releases the copy streams from the
+  // memory source (DeviceMemorySource::release_stream) before the copy engine destroys
+  // them. Handles still acquired are a caller bug but are freed too. Never throws: when the backend fails (e.g. its CUDA context is
   // already gone at process exit) the error is reported once on stderr, events and
   // streams are released, and buffers a transfer might still use are leaked (teardown.h).
   ~TieredStore();

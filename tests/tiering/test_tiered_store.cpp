@@ -8,6 +8,7 @@
 #include <thread>
 
 #include "allocator/c_api.h"
+#include "allocator/caching_allocator.h"
 #include "tests/tiering/tiering_test_util.h"
 #include "tiering/stats_json.h"
 #include "tiering/tiered_store.h"
@@ -354,6 +355,96 @@ TEST_P(TieredStoreFaultTest, ExhaustedHostArenaIsAClearErrorAndKeepsOthers) {
   EXPECT_EQ(first_difference(contents(store, h).data(), data.data(), data.size()), -1);
 }
 
+// Stores built one after another on one caching allocator (what a process that creates
+// and destroys optimizers does): each store's copy engine allocates device buffers on its
+// own H2D stream, frees them on its D2H stream, and destroys both streams with the store.
+// The allocator must never touch those streams again (Note [Stream contract] in
+// caching_allocator.h: the store releases them from the allocator before destroying
+// them), while the memory they cached keeps serving later stores and other streams.
+class TieredStoreOnAllocatorTest : public ::testing::TestWithParam<BackendKind> {
+ protected:
+  void SetUp() override {
+    std::unique_ptr<Backend> backend;
+    if (GetParam() == BackendKind::cuda) {
+      if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";
+      backend = make_cuda_backend(0);
+    } else {
+      HostBackendOptions o;
+      o.capacity_bytes = std::size_t{512} << 20;
+      backend = make_host_backend(0, o);
+    }
+    AllocatorOptions ao;
+    ao.map_slot_bytes = 4 << 20;  // small slots: free runs move between streams often
+    allocator_ = std::make_unique<CachingAllocator>(std::move(backend), ao);
+    stream_ = allocator_->backend().create_stream();
+  }
+  void TearDown() override {
+    if (!allocator_) return;
+    allocator_->release_stream(stream_);
+    allocator_->backend().destroy_stream(stream_);
+  }
+  TieredStoreOptions options() const {
+    TieredStoreOptions o;
+    o.device_budget_bytes = 12 << 20;
+    o.host = tiering_test::test_host_options();
+    o.copy.chunk_bytes = 256 << 10;
+    return o;
+  }
+  // One store's life: handles of small and large sizes, acquired, written, released,
+  // evicted under budget pressure, read back; then the store is destroyed.
+  void run_store(std::uint64_t seed) {
+    TieredStore store(allocator_->backend(), options(), caching_allocator_source(*allocator_));
+    const std::size_t sizes[] = {64 << 10, 300000, 1536 << 10, 3 << 20, 5 << 20, 700000};
+    std::vector<TieredStore::Handle> handles;
+    std::vector<std::vector<unsigned char>> data;
+    for (std::size_t i = 0; i < std::size(sizes); ++i) {
+      handles.push_back(store.create(sizes[i], kTag, i % 2 == 0 ? Tier::device : Tier::host));
+      data.push_back(tiering_test::random_bytes(sizes[i], seed + i));
+    }
+    for (int pass = 0; pass < 2; ++pass) {
+      for (std::size_t i = 0; i < handles.size(); ++i) {
+        void* dev = store.acquire(handles[i], stream_);
+        allocator_->backend().copy_async(dev, data[i].data(), sizes[i], CopyKind::host_to_device,
+                                         stream_);
+        allocator_->backend().stream_synchronize(stream_);
+        store.release(handles[i], /*dirty=*/true);
+        if (i % 3 == 1) store.evict(handles[i]);
+      }
+    }
+    for (std::size_t i = 0; i < handles.size(); ++i) {
+      std::vector<unsigned char> out(sizes[i]);
+      store.read(handles[i], out.data());
+      EXPECT_EQ(first_difference(out.data(), data[i].data(), sizes[i]), -1) << "handle " << i;
+    }
+    store.destroy(handles[0]);  // the rest die with the store
+  }
+  std::unique_ptr<CachingAllocator> allocator_;
+  Stream stream_;
+};
+
+TEST_P(TieredStoreOnAllocatorTest, StoresComeAndGoOnOneAllocator) {
+  const int rounds = 4;
+  for (int round = 0; round < rounds; ++round) {
+    run_store(100 * static_cast<std::uint64_t>(round));
+    const AllocatorStats s = allocator_->stats();
+    EXPECT_EQ(s.tags[kTag].bytes.current, 0u) << "round " << round;
+    EXPECT_EQ(s.allocated.current, 0u) << "round " << round;
+    // Traffic on a live stream between stores: large enough that the allocator looks at
+    // every stream's free memory (steals, moves free runs, grows).
+    std::vector<std::pair<void*, std::size_t>> live;
+    for (std::size_t bytes : {std::size_t{24} << 20, std::size_t{3} << 20, std::size_t{40} << 20,
+                              std::size_t{512} << 10, std::size_t{9} << 20}) {
+      live.emplace_back(allocator_->allocate(bytes, stream_), bytes);
+    }
+    for (auto [p, bytes] : live) allocator_->deallocate(p, bytes, stream_);
+  }
+  allocator_->backend().stream_synchronize(stream_);
+  allocator_->empty_cache();
+  const AllocatorStats s = allocator_->stats();
+  EXPECT_EQ(s.allocated.current, 0u);
+  EXPECT_EQ(s.reserved.current, 0u) << allocator_->snapshot_json();
+}
+
 INSTANTIATE_TEST_SUITE_P(Backends, TieredStoreTest, TIDEPOOL_TIERING_BACKENDS,
                          tiering_test::backend_name);
 #ifndef TIDEPOOL_TIERING_GPU_BUILD  // fault injection exists on the host backend only
@@ -362,6 +453,8 @@ INSTANTIATE_TEST_SUITE_P(Host, TieredStoreFaultTest, ::testing::Values(BackendKi
 #else
 GTEST_ALLOW_UNINSTANTIATED_PARAMETERIZED_TEST(TieredStoreFaultTest);
 #endif
+INSTANTIATE_TEST_SUITE_P(Backends, TieredStoreOnAllocatorTest, TIDEPOOL_TIERING_BACKENDS,
+                         tiering_test::backend_name);
 
 }  // namespace
 }  // namespace tidepool
