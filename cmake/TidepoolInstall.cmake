@@ -5,6 +5,12 @@ set(_tidepool_targets tidepool)
 if(TARGET tidepool_optim)
   list(APPEND _tidepool_targets tidepool_optim)
 endif()
+# Installed libraries find each other ($ORIGIN) and what they were linked against outside
+# the build tree (LibTorch's lib/ inside the torch wheel) without LD_LIBRARY_PATH: a
+# trainer linking tidepool::optim gets libc10_cuda etc. through libtidepool_optim's own
+# RUNPATH, which the trainer's RUNPATH would not cover (it is not transitive).
+set_target_properties(${_tidepool_targets} PROPERTIES
+  INSTALL_RPATH "$ORIGIN" INSTALL_RPATH_USE_LINK_PATH TRUE)
 install(TARGETS ${_tidepool_targets} EXPORT tidepoolTargets
   LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR}
   ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR}

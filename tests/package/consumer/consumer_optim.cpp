@@ -23,8 +23,8 @@ int run_optimizer_check() {
   auto w = torch::zeros({16, 1}, torch::requires_grad());
   double first_loss = 0.0, last_loss = 0.0;
   {
-    tidepool::optim::Apollo apollo({w}, tidepool::optim::ApolloOptions(0.1).warmup(5), placement);
-    for (int step = 0; step < 30; ++step) {
+    tidepool::optim::Apollo apollo({w}, tidepool::optim::ApolloOptions(0.01).warmup(10), placement);
+    for (int step = 0; step < 100; ++step) {
       apollo.zero_grad();
       auto loss = (x.matmul(w) - y).pow(2).mean();
       loss.backward();
