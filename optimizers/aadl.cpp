@@ -6,6 +6,8 @@
 #include <string>
 #include <utility>
 
+#include "optimizers/linalg/lstsq.h"
+
 namespace tidepool::optim {
 
 namespace {
@@ -126,8 +128,13 @@ torch::Tensor AADL::extrapolate(const AndersonHistory& history) const {
   scale = torch::where(scale > 0, scale, torch::ones_like(scale));
   const torch::Tensor scaled = gram / scale.unsqueeze(1) / scale.unsqueeze(0);
   const torch::Tensor rhs = (history.rhs() / scale).unsqueeze(1);
-  const torch::Tensor y =
-      std::get<0>(torch::linalg_lstsq(scaled, rhs, kGramRcond, std::string("gelsd"))).squeeze(1);
+  // Minimum-norm, rank-revealing, in fp64 on the host: tidepool::linalg's SVD route (what
+  // gelsd computes), so the solve is the same code on every device.
+  linalg::LstsqOptions solve;
+  solve.method = linalg::LstsqMethod::svd;
+  solve.rcond = kGramRcond;
+  solve.equilibrate = false;  // done above, where the Gram diagonal is at hand
+  const torch::Tensor y = linalg::lstsq(scaled, rhs, solve).solution.squeeze(1);
   const torch::Tensor gamma = y / scale;
   // Both terms written as x_{m−1} + Σ_l u_l·DX_l (l = 0 … k), so the history is streamed
   // once and differences are taken before scaling (less cancellation than Σ w_j x_j):
