@@ -15,30 +15,20 @@
 
 #include "allocator/backend.h"
 #include "allocator/caching_allocator.h"
+#include "tests/support/test_backend.h"
+#include "tests/support/test_scale.h"
 
 namespace tidepool::test {
 
-// Multiplier for iteration counts: TIDEPOOL_TEST_SCALE=0.1 under slow sanitizers, 10 for
-// soak runs. Defaults to 1.
-inline double scale() {
-  const char* s = std::getenv("TIDEPOOL_TEST_SCALE");
-  if (s == nullptr || *s == '\0') return 1.0;
-  const double v = std::atof(s);
-  return v > 0 ? v : 1.0;
-}
-inline int scaled(int n) { return std::max(1, static_cast<int>(n * scale())); }
+// Iteration counts times TIDEPOOL_TEST_SCALE (tests/support/test_scale.h).
+inline int scaled(int n) { return static_cast<int>(test_support::scaled(n)); }
 
 // A backend of the named kind ("host" or "cuda"), or nullptr (and a GTEST_SKIP by the
 // caller) when "cuda" is asked for on a machine without a GPU.
 inline std::unique_ptr<Backend> make_backend(const std::string& kind,
                                              std::size_t host_capacity = std::size_t{1} << 30) {
-  if (kind == "cuda") {
-    if (cuda_device_count() == 0) return nullptr;
-    return make_cuda_backend(0);
-  }
-  HostBackendOptions o;
-  o.capacity_bytes = host_capacity;
-  return make_host_backend(0, o);
+  return test_support::make_test_backend(kind == "cuda" ? BackendKind::cuda : BackendKind::host,
+                                         host_capacity);
 }
 
 #define TIDEPOOL_BACKEND_OR_SKIP(var, kind, ...)                   \

@@ -19,6 +19,7 @@
 
 #include "allocator/backend.h"
 #include "tiering/host_arena.h"
+#include "tests/support/test_backend.h"
 #include "tests/support/test_scale.h"
 
 #ifndef TIDEPOOL_TIERING_BACKENDS
@@ -45,14 +46,8 @@ inline HostArenaOptions test_host_options(std::size_t pinned_budget = std::size_
 class TieringTest : public ::testing::TestWithParam<BackendKind> {
  protected:
   void SetUp() override {
-    if (GetParam() == BackendKind::cuda) {
-      if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device";
-      backend_ = make_cuda_backend(0);
-    } else {
-      HostBackendOptions o;
-      o.capacity_bytes = capacity_bytes();
-      backend_ = make_host_backend(0, o);
-    }
+    backend_ = test_support::make_test_backend(GetParam(), capacity_bytes());
+    if (!backend_) GTEST_SKIP() << "no CUDA device";
   }
   virtual std::size_t capacity_bytes() const { return std::size_t{1} << 30; }
   bool on_host() const { return GetParam() == BackendKind::host; }
