@@ -20,7 +20,9 @@
 #include <exception>
 #include <stdexcept>
 #include <string>
+#include <utility>
 
+#include "allocator/c_api_guard.h"
 #include "allocator/device_registry.h"
 #include "allocator/tags.h"
 #include "allocator/tier_routing.h"
@@ -34,21 +36,12 @@ void set_error(const char* what, bool print) {
   if (print) std::fprintf(stderr, "%s\n", what);
 }
 
-// Runs fn; on an exception records it and returns `failed`.
+// This ABI's errors: the message alone, misuse printed too (see the top of the file).
+constexpr tidepool::detail::CErrorStyle kAllocatorErrors{nullptr, true};
+
 template <class R, class Fn>
 R guarded(R failed, Fn&& fn) {
-  try {
-    return fn();
-  } catch (const tidepool::OutOfMemoryError& e) {
-    set_error(e.what(), false);
-  } catch (const std::bad_alloc&) {
-    set_error("tidepool: out of host memory for bookkeeping", true);
-  } catch (const std::exception& e) {
-    set_error(e.what(), true);
-  } catch (...) {
-    set_error("tidepool: unknown error", true);
-  }
-  return failed;
+  return tidepool::detail::guarded(kAllocatorErrors, failed, std::forward<Fn>(fn));
 }
 
 // For a free that the named device rejected: the device the pointer belongs to, if any.
@@ -61,6 +54,38 @@ int owning_device(const void* ptr) {
 }  // namespace
 
 void tidepool::set_last_error(std::string_view message) { t_last_error.assign(message); }
+
+void tidepool::detail::record_current_exception(const CErrorStyle& style) noexcept {
+  const auto record = [&](const char* what, bool misuse) {
+    if (style.prefix == nullptr) {
+      set_error(what, style.print && misuse);
+    } else {
+      set_error((std::string(style.prefix) + ": " + what).c_str(), style.print && misuse);
+    }
+  };
+  try {
+    try {
+      throw;
+    } catch (const OutOfMemoryError& e) {
+      record(e.what(), false);
+    } catch (const std::bad_alloc&) {
+      record("tidepool: out of host memory for bookkeeping", true);
+    } catch (const std::exception& e) {
+      record(e.what(), true);
+    } catch (...) {
+      record("tidepool: unknown error", true);
+    }
+  } catch (...) {
+    // No memory even for the message: the failure value alone reaches the caller.
+  }
+}
+
+char* tidepool::detail::malloc_c_string(const std::string& s) {
+  char* out = static_cast<char*>(std::malloc(s.size() + 1));
+  if (out == nullptr) throw std::bad_alloc();
+  std::memcpy(out, s.c_str(), s.size() + 1);
+  return out;
+}
 
 extern "C" {
 
@@ -127,6 +152,21 @@ int tidepool_record_stream(void* ptr, int device, void* stream) {
 int tidepool_empty_cache(int device) {
   return guarded(-1, [&] {
     tidepool::device_allocator(device).empty_cache();
+    return 0;
+  });
+}
+
+int tidepool_release_stream(int device, void* stream) {
+  return guarded(-1, [&] {
+    tidepool::device_allocator(device).release_stream(tidepool::Stream{stream});
+    return 0;
+  });
+}
+
+int tidepool_flush_thread_caches(void) {
+  return guarded(-1, [] {
+    for (int d = 0; d < tidepool::kMaxDevices; ++d)
+      if (auto* a = tidepool::existing_device_allocator(d)) a->flush_thread_caches();
     return 0;
   });
 }
@@ -221,11 +261,7 @@ int tidepool_reset_peak_stats(int device) {
 
 char* tidepool_snapshot_json(int device) {
   return guarded<char*>(nullptr, [&] {
-    const std::string json = tidepool::device_allocator(device).snapshot_json();
-    char* out = static_cast<char*>(std::malloc(json.size() + 1));
-    if (out == nullptr) throw std::bad_alloc();
-    std::memcpy(out, json.c_str(), json.size() + 1);
-    return out;
+    return tidepool::detail::malloc_c_string(tidepool::device_allocator(device).snapshot_json());
   });
 }
 

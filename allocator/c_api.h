@@ -51,6 +51,18 @@ TIDEPOOL_API void tidepool_pytorch_free(void* ptr, size_t size, int device, void
  * enqueued before the free has finished. */
 TIDEPOOL_API int tidepool_record_stream(void* ptr, int device, void* stream);
 TIDEPOOL_API int tidepool_empty_cache(int device);
+/* "`stream` (a cudaStream_t) is about to be destroyed": call it before cudaStreamDestroy.
+ * Waits for the stream, returns what tidepool cached for it to pools any stream may use
+ * (giving fully free memory back to the device), and forgets the stream, so that a later
+ * stream with the same handle starts afresh. Blocks still live from it stay valid; free
+ * them on a live stream. -1 for a bad device, the default (NULL) stream (never
+ * destroyed, so never released) or a stream that cannot be synchronized (already
+ * destroyed). */
+TIDEPOOL_API int tidepool_release_stream(int device, void* stream);
+/* Moves the small blocks every thread parked in its per-thread cache, on every device,
+ * back to the shared pools (where any thread may reuse them); they stay cached memory.
+ * tidepool_empty_cache does this itself before giving memory back. 0, or -1 on error. */
+TIDEPOOL_API int tidepool_flush_thread_caches(void);
 
 /* ---- tags ------------------------------------------------------------------------ */
 /* Built-in tags; user tags get ids >= TIDEPOOL_TAG_FIRST_USER from tidepool_tag_id. */

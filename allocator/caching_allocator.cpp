@@ -450,8 +450,9 @@ void* CachingAllocator::allocate(std::size_t bytes, Stream stream) {
   const bool small = is_small(size);
   const int tag = current_tag();
   detail::ThreadCache* tc = m.find_thread_cache();
-  if (small && tc != nullptr) {
-    // Fast path (Note [Thread caches]): a block this thread freed on `stream`.
+  if (small && tc != nullptr && tc->may_have(small_class(size))) {
+    // Fast path (Note [Thread caches]): a block this thread freed on `stream`. A class the
+    // cache holds no block of goes straight to the shared path, without the cache lock.
     std::lock_guard cache_lock(tc->mutex);
     if (Block* b = tc->pop(stream, size)) {
       tc->note_alloc(b, bytes, tag);
@@ -548,16 +549,17 @@ std::string CachingAllocator::Impl::describe_wrong_size(const void* ptr, std::si
 void CachingAllocator::deallocate(void* ptr, std::size_t bytes, Stream stream) {
   if (ptr == nullptr) return;
   Impl& m = *impl_;
-  if (detail::ThreadCache* tc = m.find_thread_cache()) {
+  if (detail::ThreadCache* tc = m.find_thread_cache(); tc != nullptr && tc->holds_any()) {
     // Fast path (Note [Thread caches]): a block this thread's cache holds, freed on its
-    // own stream with no other stream recorded, parks in the cache.
+    // own stream with no other stream recorded, parks in the cache. A cache holding no
+    // block cannot hold ptr: the shared path, without the cache lock.
     std::lock_guard cache_lock(tc->mutex);
     if (Block* b = tc->held.find(ptr)) {
       if (b->in_thread_cache) throw AllocatorUsageError(m.describe_double_free(ptr, bytes));
       if (bytes != b->requested)
         throw AllocatorUsageError(m.describe_wrong_size(ptr, bytes, b->requested));
-      if (b->owner != m.released.get() && stream == b->owner->stream && b->extra_streams.empty() &&
-          tc->push(b, stream, m.options.thread_cache_bytes)) {
+      if (tc->parking() && b->owner != m.released.get() && stream == b->owner->stream &&
+          b->extra_streams.empty() && tc->push(b, stream, m.options.thread_cache_bytes)) {
         tc->note_free(b);
         return;
       }
@@ -644,6 +646,11 @@ std::size_t CachingAllocator::empty_cache() {
 
 std::size_t CachingAllocator::release_stream(Stream stream) {
   Impl& m = *impl_;
+  if (stream.handle == nullptr) {
+    throw AllocatorUsageError("tidepool: release_stream of the default (null) stream on device " +
+                              std::to_string(m.device) +
+                              ": the default stream is never destroyed, so it is never released");
+  }
   std::lock_guard lock(m.mutex);
   const auto cache_locks = m.lock_thread_caches();
   return m.release_stream_locked(stream);

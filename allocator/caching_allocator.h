@@ -140,6 +140,7 @@ class TIDEPOOL_API CachingAllocator {
   // allocator never refers to the stream again. Returns bytes given back to the backend.
   // Throws BackendError when the stream cannot be synchronized (e.g. already destroyed);
   // nothing has changed then. A stream the allocator never saw costs one synchronize.
+  // Throws AllocatorUsageError for the default (null) stream, which is never destroyed.
   std::size_t release_stream(Stream stream);
 
   AllocatorStats stats() const;

@@ -25,7 +25,10 @@ struct ThreadCache;
 class SpinLock;
 }
 
-struct CachingAllocator::Impl {
+// Hidden although CachingAllocator is exported: nothing outside libtidepool.so uses it, and
+// a member of an exported class would be called through the PLT even from inside the
+// library, and could not be inlined (perf: the thread-cache lookup on every call).
+struct __attribute__((visibility("hidden"))) CachingAllocator::Impl {
   using Block = detail::Block;
   using Segment = detail::Segment;
   using StreamPools = detail::StreamPools;

@@ -6,7 +6,9 @@
 // requested/tag/in_thread_cache/extra_streams/quick_next fields. The owning thread takes
 // only `mutex` on its fast path. The allocator takes it while holding its own mutex
 // (order: lifecycle mutex -> allocator mutex -> cache mutex; never the reverse), to drain
-// the cache, fold its statistics, or look at a held block.
+// the cache, fold its statistics, or look at a held block. The owning thread also reads
+// three atomics without it (the miss hint, the dirty flag, the held count: see "called by
+// the owning thread only" below).
 #pragma once
 
 #include <algorithm>
@@ -83,6 +85,7 @@ struct ThreadCache {
   // Streams one thread caches for at a time; frees on further streams take the shared path.
   static constexpr int kStreamSlots = 4;
   static_assert(kTagCount <= 64, "tag_dirty is a 64-bit mask");
+  static constexpr std::size_t kClassWords = (kSmallClasses + 63) / 64;
 
   struct StreamSlot {
     Stream stream;
@@ -91,7 +94,7 @@ struct ThreadCache {
     std::unique_ptr<std::array<Block*, kSmallClasses>> heads;  // LIFO per size class
     std::unique_ptr<std::array<std::uint8_t, kSmallClasses>> counts;
     // Bit c: class c's list is not empty, so a drain visits only the lists in use.
-    std::array<std::uint64_t, (kSmallClasses + 63) / 64> nonempty{};
+    std::array<std::uint64_t, kClassWords> nonempty{};
   };
 
   ThreadCache(std::uint64_t id, CachingAllocator::Impl* a) : allocator_id(id), allocator(a) {}
@@ -109,12 +112,31 @@ struct ThreadCache {
   std::array<StreamSlot, kStreamSlots> slots;
   std::size_t cached_bytes = 0;
 
-  // Statistics of the fast path, folded into the allocator's under both mutexes.
-  bool dirty = false;
+  // Bit c: some slot may hold a block of size class c (Note [Thread caches]: the miss
+  // hint). Written only under `mutex`; read by the owning thread without it.
+  std::array<std::atomic<std::uint64_t>, kClassWords> maybe_cached{};
+
+  // False only if no slot holds a block of class `c`. Called by the owning thread without
+  // the mutex: only that thread parks blocks, and it sets the bit before it parks one;
+  // other threads only take blocks out, so a clear bit it reads is never stale.
+  bool may_have(std::size_t c) const {
+    return (maybe_cached[c / 64].load(std::memory_order_relaxed) >> (c % 64)) & 1;
+  }
+
+  // Statistics of the fast path, folded into the allocator's under both mutexes. `dirty`
+  // is set by the owning thread only and may be read by it without the mutex (is_dirty).
+  std::atomic<bool> dirty{false};
   StatDelta allocated, requested;
   std::array<TagDelta, kTagCount> tags{};
   std::uint64_t tag_dirty = 0;  // bit t: tags[t] changed since the last fold
   std::uint64_t alloc_count = 0, free_count = 0, cache_hits = 0;
+
+  // Hit rate over the current window (should_hold); the owning thread's only.
+  static constexpr std::uint32_t kProbeWindow = 256;
+  static constexpr std::uint32_t kBypassWindow = 16 * kProbeWindow;
+  static constexpr std::uint32_t kMinHitRatio = 4;
+  std::uint32_t window_misses = 0, window_hits = 0;
+  bool bypass = false;
 
   // A cached block of exactly `rounded` bytes freed on `s`, or null.
   Block* pop(Stream s, std::size_t rounded) {
@@ -125,7 +147,10 @@ struct ThreadCache {
     if (b == nullptr) return nullptr;
     (*slot->heads)[c] = b->quick_next;
     b->quick_next = nullptr;
-    if (--(*slot->counts)[c] == 0) slot->nonempty[c / 64] &= ~(std::uint64_t{1} << (c % 64));
+    if (--(*slot->counts)[c] == 0) {
+      slot->nonempty[c / 64] &= ~(std::uint64_t{1} << (c % 64));
+      forget_class_if_unused(c);
+    }
     --slot->blocks;
     cached_bytes -= b->size;
     return b;
@@ -144,6 +169,9 @@ struct ThreadCache {
     (*slot->heads)[c] = b;
     ++(*slot->counts)[c];
     slot->nonempty[c / 64] |= std::uint64_t{1} << (c % 64);
+    std::atomic<std::uint64_t>& hint = maybe_cached[c / 64];
+    hint.store(hint.load(std::memory_order_relaxed) | std::uint64_t{1} << (c % 64),
+               std::memory_order_relaxed);
     ++slot->blocks;
     cached_bytes += b->size;
     b->in_thread_cache = true;
@@ -171,6 +199,7 @@ struct ThreadCache {
       }
       slot.blocks = 0;
     }
+    for (auto& hint : maybe_cached) hint.store(0, std::memory_order_relaxed);
   }
 
   // Empties the lists of stream `s` only, calling fn(block) for each cached block, and
@@ -192,6 +221,13 @@ struct ThreadCache {
     slot->nonempty.fill(0);
     slot->blocks = 0;
     slot->used = false;
+    // The other slots' classes stay hinted.
+    for (std::size_t w = 0; w < kClassWords; ++w) {
+      std::uint64_t bits = 0;
+      for (const StreamSlot& other : slots)
+        if (other.used) bits |= other.nonempty[w];
+      maybe_cached[w].store(bits, std::memory_order_relaxed);
+    }
   }
 
   void note_alloc(Block* b, std::size_t bytes, int tag) {
@@ -207,7 +243,8 @@ struct ThreadCache {
     tag_dirty |= std::uint64_t{1} << tag;
     ++alloc_count;
     ++cache_hits;
-    dirty = true;
+    ++window_hits;
+    dirty.store(true, std::memory_order_relaxed);
   }
 
   void note_free(const Block* b) {
@@ -218,12 +255,12 @@ struct ThreadCache {
     --t.count;
     tag_dirty |= std::uint64_t{1} << b->tag;
     ++free_count;
-    dirty = true;
+    dirty.store(true, std::memory_order_relaxed);
   }
 
   // Adds the deltas to `s` and clears them.
   void fold_into(AllocatorStats& s) {
-    if (!dirty) return;
+    if (!dirty.load(std::memory_order_relaxed)) return;
     allocated.fold_into(s.allocated);
     requested.fold_into(s.requested);
     for (std::uint64_t m = tag_dirty; m != 0; m &= m - 1) {
@@ -239,10 +276,51 @@ struct ThreadCache {
     s.free_count += free_count;
     s.cache_hits += cache_hits;
     alloc_count = free_count = cache_hits = 0;
-    dirty = false;
+    dirty.store(false, std::memory_order_relaxed);
   }
 
+  // ---- Called by the owning thread only, without the mutex (Note [Thread caches]: the
+  // miss path). Each relies on only the owner adding state: other threads only drain,
+  // fold and take held blocks over, so a "nothing there" the owner reads is never stale.
+
+  // No delta waits to be folded.
+  bool is_dirty() const { return dirty.load(std::memory_order_relaxed); }
+  // The cache holds at least one block (live or parked).
+  bool holds_any() const { return held.size() != 0; }
+
+  // Whether the block of a small allocation through the shared path should be held, so
+  // that its free can park it here. Bypass: over a window of kProbeWindow such misses
+  // with fewer than one hit per kMinHitRatio misses the cache earns less than holding
+  // costs (Mixed64Live: exact-size classes, mixed sizes), so for the next kBypassWindow
+  // misses nothing new is held or parked and the thread uses the shared path as with
+  // caches off; then it probes again.
+  bool should_hold() {
+    ++window_misses;
+    if (bypass) {
+      if (window_misses < kBypassWindow) return false;
+      bypass = false;
+      window_misses = window_hits = 0;
+      return true;
+    }
+    if (window_misses >= kProbeWindow) {
+      bypass = window_hits * kMinHitRatio < window_misses;
+      window_misses = window_hits = 0;
+    }
+    return !bypass;
+  }
+  // Frees park only while not bypassing.
+  bool parking() const { return !bypass; }
+
  private:
+  // Clears class c's hint bit once no slot holds a block of class c.
+  void forget_class_if_unused(std::size_t c) {
+    const std::uint64_t bit = std::uint64_t{1} << (c % 64);
+    for (const StreamSlot& slot : slots)
+      if (slot.used && (slot.nonempty[c / 64] & bit) != 0) return;
+    std::atomic<std::uint64_t>& hint = maybe_cached[c / 64];
+    hint.store(hint.load(std::memory_order_relaxed) & ~bit, std::memory_order_relaxed);
+  }
+
   StreamSlot* find_slot(Stream s) {
     for (StreamSlot& slot : slots)
       if (slot.used && slot.stream == s) return &slot;

@@ -1,12 +1,15 @@
 // The C ABI as PyTorch and the Python package use it: malloc/free with PyTorch's
 // signatures, the throwing pair handed to PyTorch, tags, the versioned stats struct, the
-// JSON snapshot, empty_cache, record_stream and the backend selection. Runs on the host
-// backend. (Routing to the tiering layer: tests/tiering/test_c_api_tiering.cpp.)
+// JSON snapshot, empty_cache, record_stream, release_stream, flush_thread_caches and the
+// backend selection. Runs on the host backend. (Routing to the tiering layer:
+// tests/tiering/test_c_api_tiering.cpp.)
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <future>
 #include <stdexcept>
 #include <string>
+#include <thread>
 
 #include "allocator/c_api.h"
 #include "allocator/device_registry.h"
@@ -151,6 +154,103 @@ TEST_F(CApi, PytorchMallocThrowsTidepoolsMessageWhereMallocReturnsNull) {
   tidepool_pytorch_free(p, 5000, 0, nullptr);
   EXPECT_EQ(stats().free_count, before.free_count + 1);
   EXPECT_EQ(stats().requested.current, before.requested.current);
+}
+
+using tidepool::test::count_of;
+
+std::size_t thread_cached_blocks(int device = 0) {
+  char* json = tidepool_snapshot_json(device);
+  EXPECT_NE(json, nullptr) << tidepool_last_error();
+  if (json == nullptr) return 0;
+  const std::size_t n = count_of(json, "\"thread_cached\"");
+  tidepool_string_free(json);
+  return n;
+}
+
+// Note [Released streams] through the C ABI: the stream's cached memory goes back before
+// the stream is destroyed, and blocks still live from it stay usable.
+TEST_F(CApi, ReleaseStreamGivesTheStreamsCachedMemoryBack) {
+  tidepool::Backend& backend = tidepool::device_allocator(0).backend();
+  const tidepool::Stream s = backend.create_stream();
+  constexpr std::size_t kBig = std::size_t{24} << 20;  // a segment of its own
+  void* big = tidepool_malloc(kBig, 0, s.handle);
+  void* small = tidepool_malloc(4096, 0, s.handle);
+  void* live = tidepool_malloc(8192, 0, s.handle);
+  ASSERT_TRUE(big != nullptr && small != nullptr && live != nullptr) << tidepool_last_error();
+  tidepool_free(big, kBig, 0, s.handle);
+  tidepool_free(small, 4096, 0, s.handle);  // parks in this thread's cache, for s
+  const std::size_t parked = thread_cached_blocks();
+  ASSERT_GE(parked, 1u);
+  const tidepool_stats_v1 before = stats();
+
+  ASSERT_EQ(tidepool_release_stream(0, s.handle), 0) << tidepool_last_error();
+  backend.destroy_stream(s);
+  const tidepool_stats_v1 after = stats();
+  EXPECT_LE(after.reserved.current + kBig, before.reserved.current);
+  EXPECT_GT(after.segments_released, before.segments_released);
+  EXPECT_EQ(after.allocated.current, before.allocated.current) << "live blocks stay live";
+  EXPECT_EQ(thread_cached_blocks(), parked - 1) << "nothing stays cached for the dead stream";
+  tidepool_free(live, 8192, 0, nullptr);  // on a live stream, as the contract says
+  EXPECT_EQ(stats().allocated.current, before.allocated.current - 8192);
+}
+
+TEST_F(CApi, ReleaseStreamRejectsBadInputAndChangesNothing) {
+  tidepool::Backend& backend = tidepool::device_allocator(0).backend();
+  const tidepool::Stream s = backend.create_stream();
+  void* p = tidepool_malloc(4096, 0, s.handle);
+  ASSERT_NE(p, nullptr) << tidepool_last_error();
+  const tidepool_stats_v1 before = stats();
+  const auto fails_with = [](int status, const std::string& expected) {
+    EXPECT_EQ(status, -1);
+    const std::string message = tidepool_last_error();
+    EXPECT_NE(message.find(expected), std::string::npos) << message;
+  };
+
+  ::testing::internal::CaptureStderr();
+  fails_with(tidepool_release_stream(-1, s.handle), "device -1");
+  fails_with(tidepool_release_stream(tidepool::kMaxDevices, s.handle),
+             "device " + std::to_string(tidepool::kMaxDevices));
+  fails_with(tidepool_release_stream(0, nullptr), "default (null) stream");
+  const tidepool::Stream gone = backend.create_stream();
+  backend.destroy_stream(gone);
+  fails_with(tidepool_release_stream(0, gone.handle), "unknown stream");
+  const std::string err = ::testing::internal::GetCapturedStderr();
+  EXPECT_EQ(count_of(err, "\n"), 4u) << "misuse is printed too:\n" << err;
+
+  const tidepool_stats_v1 after = stats();
+  EXPECT_EQ(after.allocated.current, before.allocated.current);
+  EXPECT_EQ(after.reserved.current, before.reserved.current);
+  tidepool_free(p, 4096, 0, s.handle);  // s is still known: the failed calls released nothing
+  EXPECT_EQ(tidepool_release_stream(0, s.handle), 0) << tidepool_last_error();
+  backend.destroy_stream(s);
+}
+
+TEST_F(CApi, FlushThreadCachesEmptiesEveryThreadsCache) {
+  // Another thread parks a block and stays alive (a thread's exit would flush its cache
+  // itself) until the flush is done. This thread's block is live meanwhile: an allocation
+  // that finds no free block drains every cache first.
+  void* p = tidepool_malloc(4096, 0, nullptr);
+  ASSERT_NE(p, nullptr) << tidepool_last_error();
+  std::promise<void> parked, flushed;
+  std::thread other([&] {
+    void* q = tidepool_malloc(8192, 0, nullptr);
+    tidepool_free(q, 8192, 0, nullptr);
+    parked.set_value();
+    flushed.get_future().wait();
+  });
+  parked.get_future().wait();
+  tidepool_free(p, 4096, 0, nullptr);
+  EXPECT_GE(thread_cached_blocks(), 2u);
+  const tidepool_stats_v1 before = stats();
+
+  EXPECT_EQ(tidepool_flush_thread_caches(), 0) << tidepool_last_error();
+  flushed.set_value();
+  other.join();
+  EXPECT_EQ(thread_cached_blocks(), 0u);
+  const tidepool_stats_v1 after = stats();
+  EXPECT_EQ(after.allocated.current, before.allocated.current) << "parked blocks stay cached";
+  EXPECT_EQ(after.reserved.current, before.reserved.current);
+  EXPECT_EQ(tidepool_flush_thread_caches(), 0) << "nothing left to move is no error";
 }
 
 TEST_F(CApi, BackendIsFixedOnceAnAllocatorExists) {

@@ -163,4 +163,12 @@ class JsonChecker {
   std::size_t i_ = 0;
 };
 
+// Occurrences of `what` in `text` (blocks of a state in a snapshot, lines of a message).
+inline std::size_t count_of(const std::string& text, const std::string& what) {
+  std::size_t n = 0;
+  for (std::size_t at = text.find(what); at != std::string::npos; at = text.find(what, at + 1))
+    ++n;
+  return n;
+}
+
 }  // namespace tidepool::test

@@ -2,7 +2,8 @@
 // thread frees on its own stream parks in that thread's cache and comes back to the same
 // thread on the same stream; stats stay exact; parked blocks go back to the shared pools
 // on empty_cache, under memory pressure (another thread's cache included) and at thread
-// exit; the bad-free checks still hold on the fast path. Host backend: its streams run
+// exit; the bad-free checks still hold on the fast path; a cache that keeps missing is
+// bypassed for a while. Host backend: its streams run
 // asynchronously, so "work still pending" is real.
 #include <gtest/gtest.h>
 
@@ -18,6 +19,7 @@
 #include "allocator/caching_allocator.h"
 #include "allocator/size_classes.h"
 #include "allocator/tags.h"
+#include "allocator/thread_cache.h"
 #include "test_support.h"
 
 namespace tidepool {
@@ -46,12 +48,7 @@ class Signal {
   bool set_ = false;
 };
 
-std::size_t count_of(const std::string& text, const std::string& what) {
-  std::size_t n = 0;
-  for (std::size_t at = text.find(what); at != std::string::npos; at = text.find(what, at + 1))
-    ++n;
-  return n;
-}
+using test::count_of;
 
 std::unique_ptr<CachingAllocator> make_allocator(std::size_t thread_cache_bytes,
                                                  std::size_t capacity = std::size_t{1} << 30) {
@@ -127,6 +124,44 @@ TEST(ThreadCache, OffMeansNoBlockIsEverParked) {
   EXPECT_EQ(a->flush_thread_caches(), 0u);
   EXPECT_EQ(a->allocate(4096), p) << "the shared quick list still reuses it";
   a->deallocate(p, 4096);
+}
+
+// Note [Thread caches], the miss path: a thread whose cache keeps missing (every request
+// a new size class) stops holding and parking blocks, taking the shared path as with
+// caches off, keeps exact stats, and after the bypass window parks again.
+TEST(ThreadCache, AThreadThatKeepsMissingBypassesItsCacheThenProbesAgain) {
+  using detail::ThreadCache;
+  auto a = make_allocator(256 * kMiB);  // the budget never limits here
+  std::size_t next_class = 1;
+  std::uint64_t pairs = 0;
+  // Allocates and frees one block of a class not requested for a while (no hit: what is
+  // parked is of other classes); true when its free parked it.
+  const auto miss_and_parked = [&] {
+    const std::size_t bytes = next_class * kMinBlockSize;
+    next_class = next_class % 1000 + 1;
+    void* p = a->allocate(bytes);
+    a->deallocate(p, bytes);
+    ++pairs;
+    return count_of(a->snapshot_json(),
+                    "\"size\":" + std::to_string(bytes) + ",\"state\":\"thread_cached\"") == 1;
+  };
+  EXPECT_TRUE(miss_and_parked()) << "a fresh cache holds and parks";
+  for (std::uint32_t i = 1; i < ThreadCache::kProbeWindow - 1; ++i) miss_and_parked();
+  EXPECT_FALSE(miss_and_parked()) << "a window of misses without a hit: bypass";
+  a->flush_thread_caches();  // nothing parked is left to hit
+  for (std::uint32_t i = 1; i < ThreadCache::kBypassWindow; ++i)
+    ASSERT_FALSE(miss_and_parked()) << "bypassing, miss " << i;
+  EXPECT_TRUE(miss_and_parked()) << "after the bypass window the cache probes again";
+  EXPECT_TRUE(miss_and_parked());
+
+  a->flush_thread_caches();
+  const AllocatorStats st = a->stats();
+  EXPECT_EQ(st.allocated.current, 0u);
+  EXPECT_EQ(st.requested.current, 0u);
+  EXPECT_EQ(st.alloc_count, pairs);
+  EXPECT_EQ(st.free_count, pairs);
+  EXPECT_EQ(st.tags[kTagUntagged].count, 0u);
+  EXPECT_EQ(st.tags[kTagUntagged].total_count, pairs);
 }
 
 TEST(ThreadCache, ParkedBytesStayWithinTheBudget) {
