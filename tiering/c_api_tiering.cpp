@@ -19,12 +19,12 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
 #include <cstring>
-#include <exception>
 #include <string>
+#include <utility>
 
 #include "allocator/c_api.h"
+#include "allocator/c_api_guard.h"
 #include "tiering/stats_json.h"
 #include "tiering/tiered_store.h"
 #include "tiering/tiering_registry.h"
@@ -32,17 +32,12 @@
 
 namespace {
 
-// Runs `fn`, mapping exceptions to `on_error` and the thread's last error message.
+// Runs `fn`, mapping exceptions to `on_error` and the thread's last error message,
+// which names the entry point `what` (allocator/c_api_guard.h).
 template <typename Fn, typename R>
 R guarded(const char* what, R on_error, Fn&& fn) {
-  try {
-    return fn();
-  } catch (const std::exception& e) {
-    tidepool::set_last_error(std::string(what) + ": " + e.what());
-  } catch (...) {
-    tidepool::set_last_error(std::string(what) + ": unknown error");
-  }
-  return on_error;
+  return tidepool::detail::guarded(tidepool::detail::CErrorStyle{what, false}, on_error,
+                                   std::forward<Fn>(fn));
 }
 
 tidepool::Stream as_stream(void* s) { return tidepool::Stream{s}; }
@@ -50,11 +45,9 @@ tidepool::Stream as_stream(void* s) { return tidepool::Stream{s}; }
 // Note [prefetch within the state budget]. Returns the bytes of the tag's ranges left
 // host-backed by the budget.
 std::uint64_t prefetch_ranges_within_budget(int device, int tag) {
-  tidepool::VmmPool& pool = tidepool::tiering_vmm_pool(device);
-  std::uint64_t left_on_host = 0;
-  for (void* p : tidepool::tierable_ranges(device, tag))
-    left_on_host += pool.migrate(p, tidepool::MemoryLocation::device).bytes_left;
-  return left_on_host;
+  return tidepool::tiering_vmm_pool(device)
+      .migrate_tag(tag, tidepool::MemoryLocation::device)
+      .bytes_left;
 }
 
 }  // namespace
@@ -197,10 +190,7 @@ char* tidepool_tiering_snapshot_json(int device) {
       first = false;
     });
     json += "],\"vmm\":" + tidepool::to_json(tidepool::tiering_vmm_pool(device).stats()) + "}";
-    char* out = static_cast<char*>(std::malloc(json.size() + 1));
-    if (out == nullptr) throw std::bad_alloc();
-    std::memcpy(out, json.c_str(), json.size() + 1);
-    return out;
+    return tidepool::detail::malloc_c_string(json);
   });
 }
 

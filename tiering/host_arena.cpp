@@ -33,12 +33,14 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <map>
 #include <unordered_map>
 
 #include "allocator/config.h"
+#include "allocator/stats.h"
 #include "allocator/tier_routing.h"
 #include "tiering/teardown.h"
 
@@ -212,6 +214,7 @@ HostArena::HostArena(Backend& backend, HostArenaOptions options)
   } else {
     budget_ = host_memory_bytes() / 4;
   }
+  stats_.pinned_budget_requested_bytes = budget_;
   if (options_.respect_memlock_limit) {
     rlimit limit{};
     if (getrlimit(RLIMIT_MEMLOCK, &limit) == 0 && limit.rlim_cur != RLIM_INFINITY &&
@@ -392,6 +395,42 @@ void* HostArena::allocate_direct_pinned(std::size_t bytes, std::string* why_not)
   return p;
 }
 
+namespace {
+// The warning's text: cause, budget asked for, remedy, consequence.
+std::string pageable_fallback_warning(const HostArenaStats& s, std::size_t bytes,
+                                      const std::string& reason) {
+  constexpr const char* kRaise =
+      "raise the locked-memory limit (shell: ulimit -l unlimited; systemd: "
+      "LimitMEMLOCK=infinity; docker: --ulimit memlock=-1)";
+  const std::string requested = format_bytes(s.pinned_budget_requested_bytes);
+  std::string cause, remedy;
+  if (s.budget_capped_by_memlock && reason.rfind("mimalloc", 0) != 0) {
+    cause = "pinned host memory is capped by RLIMIT_MEMLOCK at " + format_bytes(s.pinned_budget_bytes) +
+            " (pinned budget requested: " + requested + ")";
+    remedy = kRaise;
+  } else if (reason.rfind("host_register", 0) == 0) {
+    rlimit limit{};
+    const bool finite = getrlimit(RLIMIT_MEMLOCK, &limit) == 0 && limit.rlim_cur != RLIM_INFINITY;
+    cause = "pinning host memory failed (" + reason + "; pinned budget requested: " + requested +
+            (finite ? ", RLIMIT_MEMLOCK: " + format_bytes(limit.rlim_cur) : std::string()) + ")";
+    remedy = finite ? kRaise : "free host memory or lower tidepool.pinned_budget";
+  } else if (reason.rfind("mimalloc", 0) == 0) {
+    cause = reason;
+    remedy = "make libmimalloc.so.2 loadable (Debian/Ubuntu package libmimalloc2.0)";
+  } else if (reason.find("budget") != std::string::npos) {
+    cause = "the pinned host budget of " + format_bytes(s.pinned_budget_bytes) + " is spent";
+    remedy = "raise tidepool.pinned_budget (or HostArenaOptions::pinned_budget_bytes)";
+  } else {
+    cause = "pinned host memory could not serve a request" + (reason.empty() ? "" : " (" + reason + ")");
+    remedy = "raise tidepool.pinned_budget or free host memory";
+  }
+  return "tidepool: " + cause + "; tiered state from here on (this block: " + format_bytes(bytes) +
+         ") lives in pageable memory, so its copies run at pageable speed and are not "
+         "asynchronous. To fix: " + remedy +
+         ". To silence: tidepool.log:off or HostArenaOptions::warn_on_pageable_fallback = false.";
+}
+}  // namespace
+
 HostBlock HostArena::allocate_pageable(std::size_t bytes, const std::string& reason) {
   // The process allocator, not mimalloc: the fallback must work without it.
   void* p = nullptr;
@@ -411,7 +450,17 @@ HostBlock HostArena::allocate_pageable(std::size_t bytes, const std::string& rea
     stats_.fallback_budget++;
   }
   stats_.last_fallback_reason = reason;
+  warn_fallback_once_locked(bytes, reason);
   return HostBlock{p, bytes, HostTier::pageable};
+}
+
+// One line, once per arena: a silent fallback costs a training run its overlap (every copy
+// of that state blocks the host) and nothing else would tell the user why.
+void HostArena::warn_fallback_once_locked(std::size_t bytes, const std::string& reason) {
+  if (stats_.fallback_warned || !options_.warn_on_pageable_fallback) return;
+  if (active_config().log == LogLevel::off) return;
+  stats_.fallback_warned = true;
+  std::fprintf(stderr, "%s\n", pageable_fallback_warning(stats_, bytes, reason).c_str());
 }
 
 void HostArena::deallocate(const HostBlock& block) {

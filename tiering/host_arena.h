@@ -10,8 +10,12 @@
 // (mimalloc would round them up to whole 32 MiB arena blocks).
 //
 // When the pinned budget is spent, or registration fails, allocations fall back to
-// pageable host memory. The fallback is never silent: every block says its tier, and the
-// stats count fallback bytes and the reason.
+// pageable host memory. The fallback is never silent: every block says its tier, the
+// stats count fallback bytes and the reason, and the first fallback of an arena prints
+// one warning line on stderr naming the cause (e.g. the RLIMIT_MEMLOCK cap), the budget
+// that was asked for, how to raise the limit, and what it costs (copies at pageable
+// speed, not asynchronous). Silenced by warn_on_pageable_fallback = false or the
+// configuration key tidepool.log:off.
 //
 // Note [mimalloc arenas are forever]
 // mimalloc 2.0.9 cannot forget an arena (and has at most 64 per process), so a slab,
@@ -61,6 +65,10 @@ struct HostArenaOptions {
   bool respect_memlock_limit = true;
   // Serve from pageable memory when pinned memory is unavailable (else throw).
   bool allow_pageable_fallback = true;
+  // Print one "tidepool: ..." line on stderr at this arena's first pageable fallback
+  // (see above). The configuration key tidepool.log:off (allocator/config.h; e.g.
+  // TIDEPOOL_ALLOC_CONF=tidepool.log:off) silences it too. Stats count it either way.
+  bool warn_on_pageable_fallback = true;
   // The mimalloc the slabs use, dlopen()ed RTLD_LOCAL on the first slab. When it cannot
   // be loaded, slab-sized requests fall back (or throw) with a reason naming it.
   std::string mimalloc_library = "libmimalloc.so.2";
@@ -76,6 +84,7 @@ struct HostBlock {
 
 struct HostArenaStats {
   std::size_t pinned_budget_bytes = 0;
+  std::size_t pinned_budget_requested_bytes = 0;  // before the RLIMIT_MEMLOCK cap
   bool budget_capped_by_memlock = false;
   bool budget_from_config = false;  // tidepool.pinned_budget set it (no explicit option)
   std::size_t pinned_registered_bytes = 0;  // slabs + direct mappings now registered
@@ -92,6 +101,7 @@ struct HostArenaStats {
   std::uint64_t fallback_no_mimalloc = 0;      // ... because libmimalloc could not be loaded
   std::uint64_t register_failures = 0;
   std::string last_fallback_reason;
+  bool fallback_warned = false;  // the stderr warning was printed (once per arena)
 };
 
 class TIDEPOOL_API HostArena {
@@ -121,6 +131,7 @@ class TIDEPOOL_API HostArena {
   Slab* add_slab(std::size_t bytes, std::string* why_not);    // nullptr: why_not says
   void* allocate_direct_pinned(std::size_t bytes, std::string* why_not);
   HostBlock allocate_pageable(std::size_t bytes, const std::string& reason);
+  void warn_fallback_once_locked(std::size_t bytes, const std::string& reason);
   bool register_range(void* ptr, std::size_t bytes, std::string* why_not);
 
   Backend& backend_;

@@ -68,7 +68,9 @@ std::string direction_json(const DirectionStats& d) {
 std::string to_json(const HostArenaStats& s) {
   return JsonObject()
       .num("pinned_budget_bytes", ull(s.pinned_budget_bytes))
+      .num("pinned_budget_requested_bytes", ull(s.pinned_budget_requested_bytes))
       .boolean("budget_capped_by_memlock", s.budget_capped_by_memlock)
+      .boolean("budget_from_config", s.budget_from_config)
       .num("pinned_registered_bytes", ull(s.pinned_registered_bytes))
       .num("slab_count", ull(s.slab_count))
       .num("direct_count", ull(s.direct_count))
@@ -80,8 +82,10 @@ std::string to_json(const HostArenaStats& s) {
       .num("pageable_allocs", ull(s.pageable_allocs))
       .num("fallback_budget", ull(s.fallback_budget))
       .num("fallback_register_failed", ull(s.fallback_register_failed))
+      .num("fallback_no_mimalloc", ull(s.fallback_no_mimalloc))
       .num("register_failures", ull(s.register_failures))
       .str("last_fallback_reason", s.last_fallback_reason)
+      .boolean("fallback_warned", s.fallback_warned)
       .done();
 }
 
@@ -115,6 +119,7 @@ std::string to_json(const TieredStoreStats& s) {
       .num("reclaimed_bytes", ull(s.reclaimed_bytes))
       .num("budget_waits", ull(s.budget_waits))
       .num("buffers_reused", ull(s.buffers_reused))
+      .num("frees_stream_ordered", ull(s.frees_stream_ordered))
       .raw("host", to_json(s.host))
       .raw("copy", to_json(s.copy))
       .done();

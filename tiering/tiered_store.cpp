@@ -31,12 +31,13 @@
 // eviction and a prefetch issued together use both directions of the link. Nothing
 // between them makes the host wait: chunks are enqueued back to back, each transfer
 // records one completion event, and a load orders itself after a copy-back only through
-// stream waits on events (host_ready, or the event of a buffer it takes over). The host
-// blocks only in acquire() under pressure (no released handle left to evict and no
-// same-size buffer on its way out to take over: it waits for the oldest pending free,
-// counted in budget_waits and exposed time; or the device itself is out of memory), after
-// a failed copy, and in read()/write()/destroy()/synchronize(), which wait by contract.
-// prefetch() and evict() never wait (a prefetch without room is skipped).
+// stream waits on events (host_ready, or the events of the buffers on their way out whose
+// memory it reuses: Note [Loads over write-backs] in tiered_store.h). The host blocks
+// only in acquire() under pressure (no released handle left to evict and no room the
+// buffers on their way out can give in stream order: it waits for the oldest pending
+// free, counted in budget_waits and exposed time; or the device itself is out of
+// memory), after a failed copy, and in read()/write()/destroy()/synchronize(), which wait
+// by contract. prefetch() and evict() never wait (a prefetch without room is skipped).
 //
 // Note [Locking]
 // One mutex guards the store. Backend calls are made under it; they never call back
@@ -94,6 +95,7 @@ DeviceMemorySource caching_allocator_source(CachingAllocator& allocator, int tag
   };
   source.deallocate = [&allocator](void* p, std::size_t n, Stream s) { allocator.deallocate(p, n, s); };
   source.release_stream = [&allocator](Stream s) { allocator.release_stream(s); };
+  source.stream_ordered = true;
   return source;
 }
 
@@ -277,17 +279,18 @@ void TieredStore::reap_frees_locked(bool wait_all) {
 }
 
 // Frees room for `bytes` within the budget. Evicts released handles, furthest next use
-// first; for a prefetch (may_wait false) only handles needed later than the incoming one,
-// and it never blocks. When enough is already on its way out, a pending free of exactly
-// `bytes` is taken over in stream order instead of waiting on the host (equal sizes are
-// the rule for optimizer state). See make_room_locked's declaration for the result.
-long TieredStore::make_room_locked(std::size_t bytes, const Entry* incoming, bool may_wait) {
+// first; for a prefetch (may_wait false) only handles needed later than the incoming one.
+// Once the pending frees would leave room when their write-backs finish, the load gets it
+// from them in stream order (room_from_pending_locked) instead of waiting on the host;
+// only an acquire whose room the pending frees cannot give that way waits, oldest first.
+TieredStore::Room TieredStore::make_room_locked(std::size_t bytes, const Entry* incoming,
+                                                bool may_wait) {
   const std::size_t budget = options_.device_budget_bytes;
   const std::size_t incoming_score =
       incoming != nullptr && !may_wait ? policy_.eviction_score(incoming->id) : 0;
   while (true) {
     reap_frees_locked(/*wait_all=*/false);
-    if (device_bytes_ + bytes <= budget) return -1;
+    if (device_bytes_ + bytes <= budget) return {Room::Kind::fresh, 0};
     std::size_t in_flight = 0;
     for (const PendingFree& f : pending_frees_) in_flight += f.bytes;
     if (device_bytes_ - in_flight + bytes > budget) {
@@ -306,37 +309,77 @@ long TieredStore::make_room_locked(std::size_t bytes, const Entry* incoming, boo
         evict_locked(*victim);
         continue;
       }
-      if (in_flight == 0) return -2;  // everything left is acquired (or needed sooner)
+      if (in_flight == 0) return {Room::Kind::none, 0};  // all acquired (or needed sooner)
     }
-    for (std::size_t i = 0; i < pending_frees_.size(); ++i) {
-      if (pending_frees_[i].bytes == bytes) return static_cast<long>(i);
-    }
-    if (!may_wait || pending_frees_.empty()) return -2;
+    const Room room = room_from_pending_locked(bytes);
+    if (room.kind != Room::Kind::none) return room;
+    if (!may_wait || pending_frees_.empty()) return {Room::Kind::none, 0};
     stats_.budget_waits++;
     copies_.wait_exposed(pending_frees_.front().after);
   }
 }
 
+// Note [Loads over write-backs] (tiered_store.h), in order of preference: a pending free
+// of exactly `bytes` (no allocator traffic, no waste); with a stream-ordered source, the
+// oldest pending frees that leave room (their write-backs finish first).
+TieredStore::Room TieredStore::room_from_pending_locked(std::size_t bytes) const {
+  for (std::size_t i = 0; i < pending_frees_.size(); ++i) {
+    if (pending_frees_[i].bytes == bytes) return {Room::Kind::take_over, i};
+  }
+  if (device_.stream_ordered) {
+    std::size_t held = device_bytes_;
+    for (std::size_t i = 0; i < pending_frees_.size(); ++i) {
+      held -= pending_frees_[i].bytes;
+      if (held + bytes <= options_.device_budget_bytes) return {Room::Kind::release_pending, i + 1};
+    }
+  }
+  return {Room::Kind::none, 0};
+}
+
+// Hands the first `count` pending frees back to the (stream-ordered) source on the H2D
+// stream, after making that stream wait for their write-backs: the source may give their
+// memory to the next allocation on the H2D stream at once, and everything the store
+// enqueues there from now on runs after those write-backs and the uses before them.
+void TieredStore::release_pending_locked(std::size_t count) {
+  const Stream h2d = copies_.stream(Direction::host_to_device);
+  for (std::size_t i = 0; i < count; ++i) backend_.stream_wait_event(h2d, pending_frees_[i].after);
+  for (std::size_t i = 0; i < count; ++i) {
+    const PendingFree& f = pending_frees_[i];
+    device_.deallocate(f.ptr, f.bytes, h2d);
+    device_bytes_ -= f.bytes;
+    give_event_locked(f.after);  // the waits are enqueued: the events may be re-recorded
+    stats_.frees_stream_ordered++;
+  }
+  pending_frees_.erase(pending_frees_.begin(), pending_frees_.begin() + static_cast<long>(count));
+}
+
 TieredStore::DeviceBuffer TieredStore::device_allocate_locked(std::size_t bytes,
                                                               const Entry* incoming,
                                                               bool may_wait) {
-  const long room = make_room_locked(bytes, incoming, may_wait);
-  if (room == -2) {
-    if (!may_wait) return {};
-    std::size_t acquired = 0;
-    for (auto& [id, e] : entries_) {
-      if (e->pins > 0 && e->dev != nullptr) acquired += e->bytes;
+  const Room room = make_room_locked(bytes, incoming, may_wait);
+  switch (room.kind) {
+    case Room::Kind::none: {
+      if (!may_wait) return {};
+      std::size_t acquired = 0;
+      for (auto& [id, e] : entries_) {
+        if (e->pins > 0 && e->dev != nullptr) acquired += e->bytes;
+      }
+      throw TieringError("tiered store: no room for " + std::to_string(bytes) +
+                         " bytes in the device budget of " +
+                         std::to_string(options_.device_budget_bytes) + " bytes: " +
+                         std::to_string(acquired) + " bytes are held by acquired handles");
     }
-    throw TieringError("tiered store: no room for " + std::to_string(bytes) +
-                       " bytes in the device budget of " +
-                       std::to_string(options_.device_budget_bytes) + " bytes: " +
-                       std::to_string(acquired) + " bytes are held by acquired handles");
-  }
-  if (room >= 0) {  // take over a buffer on its way out: bytes stay charged
-    const PendingFree f = pending_frees_[static_cast<std::size_t>(room)];
-    pending_frees_.erase(pending_frees_.begin() + room);
-    stats_.buffers_reused++;
-    return DeviceBuffer{f.ptr, f.after};
+    case Room::Kind::take_over: {  // a buffer on its way out: its bytes stay charged
+      const PendingFree f = pending_frees_[room.n];
+      pending_frees_.erase(pending_frees_.begin() + static_cast<long>(room.n));
+      stats_.buffers_reused++;
+      return DeviceBuffer{f.ptr, f.after};
+    }
+    case Room::Kind::release_pending:
+      release_pending_locked(room.n);
+      break;
+    case Room::Kind::fresh:
+      break;
   }
   const Stream s = copies_.stream(Direction::host_to_device);
   void* p = device_.allocate(bytes, s);

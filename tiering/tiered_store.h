@@ -20,6 +20,26 @@
 //   - a failed copy, registration or allocation throws TieringError and leaves the last
 //     good copy of the data readable through read().
 //
+// Note [Loads over write-backs]
+// An eviction's buffer stays charged to the budget until its write-back (D2H) is done: a
+// PendingFree. A load that finds no room within the budget, but would have it once those
+// write-backs finish, does not wait on the host. It takes (1) a pending free of exactly
+// its size, or else (2), with a stream-ordered memory source (the caching allocator:
+// DeviceMemorySource::stream_ordered), the oldest pending frees whose bytes leave room:
+// the H2D stream is made to wait for their write-back events, they are handed back to
+// the source on the H2D stream (uncharged), and the load's buffer is allocated fresh on
+// that stream, where the source may serve it from that very memory (its stream contract
+// makes this safe: memory freed on a stream is reused by later work on that stream). So
+// loads overlap write-backs of other sizes; the load's copy is always enqueued after the
+// write-backs whose memory it may reuse, never before; and the bytes charged (resident
+// buffers + pending frees) never exceed the budget, because (1) moves a charged buffer
+// from one owner to another and (2) uncharges before it allocates. Only without such
+// room (a non-stream-ordered source, e.g. the backend's device_alloc, and no pending
+// free of the same size) does an acquire wait on the host for the oldest write-back and
+// a prefetch get skipped. Taking over a larger pending free was rejected: the surplus
+// would stay charged to a handle that may then be acquired, so an acquire could fail
+// although the acquired handles' own sizes fit the budget.
+//
 // Thread-safety: every method may be called from any thread concurrently.
 #pragma once
 
@@ -55,10 +75,17 @@ enum class Tier : std::uint8_t { device, host };
 // store's copy streams are about to be destroyed; called by the destructor for both,
 // after every buffer was freed (the caching allocator's release_stream: it must not keep
 // anything under a dead stream's handle).
+// stream_ordered: deallocate(p, n, s) may be called while work on other streams that s
+// already waits for still uses p, and makes p reusable by work enqueued on s after the
+// call (Note [Stream contract] in caching_allocator.h). The store then hands buffers
+// whose write-back is in flight back in stream order, so a load can reuse their memory
+// before the write-back has finished (Note [Loads over write-backs]). false: deallocate
+// only once no stream uses p (the backend's device_free).
 struct DeviceMemorySource {
   std::function<void*(std::size_t bytes, Stream stream)> allocate;
   std::function<void(void* ptr, std::size_t bytes, Stream stream)> deallocate;
   std::function<void(Stream stream)> release_stream;
+  bool stream_ordered = false;
 };
 
 class CachingAllocator;
@@ -99,6 +126,9 @@ struct TieredStoreStats {
   std::uint64_t reclaimed_bytes = 0;
   std::uint64_t budget_waits = 0;  // acquire had to wait for a buffer to be freed
   std::uint64_t buffers_reused = 0;  // loads that took over a buffer on its way out
+  // Buffers on their way out handed back to a stream-ordered source for a load, which
+  // waits for their write-back on the H2D stream (Note [Loads over write-backs]).
+  std::uint64_t frees_stream_ordered = 0;
   HostArenaStats host;
   CopyEngineStats copy;
 };
@@ -179,13 +209,26 @@ class TIDEPOOL_API TieredStore {
     void* ptr = nullptr;
     Event wait;
   };
+  // How a load gets its room (Note [Loads over write-backs]).
+  struct Room {
+    enum class Kind : std::uint8_t {
+      fresh,            // within the budget now: allocate
+      take_over,        // pending_frees_[n] becomes the load's buffer
+      release_pending,  // the first n pending frees go back to the source in stream
+                        // order, then allocate
+      none,             // no room (for a prefetch: not without waiting)
+    };
+    Kind kind = Kind::none;
+    std::size_t n = 0;
+  };
 
   Entry& entry_locked(Handle h, const char* op);
   bool load_locked(Entry& e, bool for_prefetch);
   void evict_locked(Entry& e);
-  // Returns the index of a same-size pending free to take over, -1 for fresh room, or -2
-  // when there is no room.
-  long make_room_locked(std::size_t bytes, const Entry* incoming, bool may_wait);
+  Room make_room_locked(std::size_t bytes, const Entry* incoming, bool may_wait);
+  // Room from the pending frees alone, without waiting; none if they cannot give it.
+  Room room_from_pending_locked(std::size_t bytes) const;
+  void release_pending_locked(std::size_t count);
   void reap_frees_locked(bool wait_all);
   DeviceBuffer device_allocate_locked(std::size_t bytes, const Entry* incoming, bool may_wait);
   void prefetch_ahead_locked();

@@ -6,7 +6,7 @@
 #include <memory>
 #include <mutex>
 #include <set>
-#include <unordered_map>
+#include <unordered_set>
 
 #include "allocator/device_registry.h"
 #include "allocator/reclaim.h"
@@ -42,18 +42,10 @@ Backend& backend_locked(int device, DeviceTiering& d) {
   return *d.backend;
 }
 
-// The ranges of allocate_tierable_range, per device, in allocation order. A mutex of its
-// own: owns() is asked on frees, and must not wait behind a store operation that holds
-// the registry lock.
-struct TierableRanges {
-  struct Range {
-    void* base;
-    int tag;
-  };
-  std::uint64_t next_sequence = 0;
-  std::map<std::uint64_t, Range> by_age;
-  std::unordered_map<const void*, std::uint64_t> sequence_of;
-};
+// The bases of allocate_tierable_range's ranges, per device (their tags and ages live in
+// the VmmPool). A mutex of its own: is_tierable_range is asked on frees, and must not
+// wait behind a store operation that holds the registry lock.
+using TierableRanges = std::unordered_set<const void*>;
 
 std::mutex& ranges_mutex() {
   static std::mutex m;
@@ -93,10 +85,7 @@ void* allocate_tierable_range(int device, std::size_t bytes, int tag, Stream str
     // the allocating stream's work must finish before the range moves.
     pool.record_use(p, stream);
     std::lock_guard lock(ranges_mutex());
-    TierableRanges& t = tierable()[device];
-    const std::uint64_t sequence = t.next_sequence++;
-    t.by_age.emplace(sequence, TierableRanges::Range{p, tag});
-    t.sequence_of.emplace(p, sequence);
+    tierable()[device].insert(p);
   } catch (...) {
     pool.deallocate(p);
     throw;
@@ -110,27 +99,13 @@ void free_tierable_range(int device, void* ptr) {
   // released, and its new record must not be erased by this free.
   std::lock_guard lock(ranges_mutex());
   pool.deallocate(ptr);
-  TierableRanges& t = tierable()[device];
-  if (auto it = t.sequence_of.find(ptr); it != t.sequence_of.end()) {
-    t.by_age.erase(it->second);
-    t.sequence_of.erase(it);
-  }
+  tierable()[device].erase(ptr);
 }
 
 bool is_tierable_range(int device, const void* ptr) {
   std::lock_guard lock(ranges_mutex());
   auto it = tierable().find(device);
-  return it != tierable().end() && it->second.sequence_of.count(ptr) != 0;
-}
-
-std::vector<void*> tierable_ranges(int device, int tag) {
-  std::vector<void*> out;
-  std::lock_guard lock(ranges_mutex());
-  auto it = tierable().find(device);
-  if (it == tierable().end()) return out;
-  for (const auto& [sequence, range] : it->second.by_age)
-    if (range.tag == tag) out.push_back(range.base);
-  return out;
+  return it != tierable().end() && it->second.count(ptr) != 0;
 }
 
 namespace {

@@ -54,8 +54,6 @@ TIDEPOOL_API void* allocate_tierable_range(int device, std::size_t bytes, int ta
 TIDEPOOL_API void free_tierable_range(int device, void* ptr);
 // Whether `ptr` is the base of a range made by allocate_tierable_range on `device`.
 TIDEPOOL_API bool is_tierable_range(int device, const void* ptr);
-// Bases of the live ranges of allocate_tierable_range on `device` under `tag`, oldest first.
-TIDEPOOL_API std::vector<void*> tierable_ranges(int device, int tag);
 
 namespace detail {
 // What the allocator's reclaim hook runs: reclaim on every store of `device` until

@@ -91,6 +91,7 @@ void* VmmPool::allocate(std::size_t bytes, int tag, MemoryLocation where) {
   Range r;
   r.bytes = total;
   r.tag = tag;
+  r.sequence = next_sequence_++;
   // Undoes a half-built range: unmaps and releases the chunks made so far.
   auto unwind = [&] {
     for (Chunk& c : r.chunks) {
@@ -178,12 +179,17 @@ MigrationResult VmmPool::migrate(const void* ptr, MemoryLocation to) {
   std::lock_guard lock(mutex_);
   Range* r = find_locked(ptr);
   if (r == nullptr) throw TieringError("vmm pool: migrate of a pointer it does not own");
+  return migrate_locked(*r, to, budget);
+}
+
+MigrationResult VmmPool::migrate_locked(Range& r, MemoryLocation to,
+                                        std::optional<std::size_t> budget) {
   MigrationResult result;
   result.ranges = 1;
-  wait_for_users_locked(*r);
+  wait_for_users_locked(r);
   const auto t0 = std::chrono::steady_clock::now();
   try {
-    for (Chunk& c : r->chunks) {
+    for (Chunk& c : r.chunks) {
       if (c.where == to) continue;
       // Note [VMM device budget]: a chunk that would exceed it stays; a later, smaller
       // one may still fit.
@@ -191,7 +197,7 @@ MigrationResult VmmPool::migrate(const void* ptr, MemoryLocation to) {
         result.bytes_left += c.bytes;
         continue;
       }
-      migrate_chunk_locked(*r, c, to);
+      migrate_chunk_locked(r, c, to);
       result.bytes_moved += c.bytes;
     }
   } catch (...) {
@@ -273,17 +279,25 @@ void VmmPool::migrate_chunk_locked(Range& r, Chunk& c, MemoryLocation to) {
 }
 
 MigrationResult VmmPool::migrate_tag(int tag, MemoryLocation to) {
-  std::vector<const char*> bases;
+  const std::optional<std::size_t> budget =
+      to == MemoryLocation::device ? device_budget_bytes() : std::nullopt;
+  // (sequence, base) of the tag's ranges, oldest first. The lock is let go between ranges
+  // (a migration waits for streams); the sequence tells a range freed meanwhile, whose
+  // address a new range may have taken, from the one listed.
+  std::vector<std::pair<std::uint64_t, const char*>> order;
   {
     std::lock_guard lock(mutex_);
     for (auto& [base, r] : ranges_) {
-      if (r.tag == tag) bases.push_back(base);
+      if (r.tag == tag) order.emplace_back(r.sequence, base);
     }
   }
+  std::sort(order.begin(), order.end());
   MigrationResult total;
-  for (const char* base : bases) {
-    if (!owns(base)) continue;  // freed meanwhile
-    const MigrationResult r = migrate(base, to);
+  for (const auto& [sequence, base] : order) {
+    std::lock_guard lock(mutex_);
+    auto it = ranges_.find(base);
+    if (it == ranges_.end() || it->second.sequence != sequence) continue;  // freed meanwhile
+    const MigrationResult r = migrate_locked(it->second, to, budget);
     total.ranges += r.ranges;
     total.bytes_moved += r.bytes_moved;
     total.bytes_left += r.bytes_left;

@@ -106,8 +106,11 @@ class TIDEPOOL_API VmmPool {
   // to the device as much as the device budget allows (Note [VMM device budget]).
   // Throws TieringError (unknown pointer, a failed step; data stays readable).
   MigrationResult migrate(const void* ptr, MemoryLocation to);
-  // migrate() for every range with `tag`, in address order (towards the device: as much
-  // as fits the budget, the rest counted in bytes_left).
+  // migrate() for every range with `tag`, in allocation order, oldest first: towards the
+  // device as much as fits the budget, so a budget-limited prefetch brings back the
+  // state allocated first (for an optimizer, its first parameters, which its step uses
+  // first); the rest is counted in bytes_left. Ranges freed meanwhile are skipped; one
+  // allocated meanwhile is not visited. The C ABI's evict and prefetch by tag use it.
   MigrationResult migrate_tag(int tag, MemoryLocation to);
   // The device budget in force now (nullopt: none). Note [VMM device budget].
   std::optional<std::size_t> device_budget_bytes() const;
@@ -133,6 +136,7 @@ class TIDEPOOL_API VmmPool {
     char* base = nullptr;
     std::size_t bytes = 0;
     int tag = 0;
+    std::uint64_t sequence = 0;  // allocation order (migrate_tag)
     std::vector<Chunk> chunks;
     std::vector<Stream> use_streams;
   };
@@ -141,6 +145,7 @@ class TIDEPOOL_API VmmPool {
   const Range* find_locked(const void* ptr) const;
   void wait_for_users_locked(Range& r);
   void migrate_chunk_locked(Range& r, Chunk& c, MemoryLocation to);
+  MigrationResult migrate_locked(Range& r, MemoryLocation to, std::optional<std::size_t> budget);
   void release_range_locked(Range& r, Teardown* teardown = nullptr);
 
   Backend& backend_;
@@ -151,6 +156,7 @@ class TIDEPOOL_API VmmPool {
   std::size_t scratch_bytes_ = 0;
   mutable std::mutex mutex_;
   std::map<const char*, Range> ranges_;  // by base address
+  std::uint64_t next_sequence_ = 0;
   VmmStats stats_;
 };
 

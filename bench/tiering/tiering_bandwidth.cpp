@@ -44,81 +44,19 @@
 #include "tiering/host_arena.h"
 #include "tiering/tiered_store.h"
 #include "tiering/vmm_migration.h"
+#include "bench/tiering/bench_state.h"
 
 namespace {
 
 using namespace tidepool;
+using namespace tidepool::bench_state;
 using Clock = std::chrono::steady_clock;
-
-constexpr std::size_t kMinTensor = std::size_t{64} << 10;
-constexpr std::size_t kMaxTensor = std::size_t{64} << 20;
-constexpr std::size_t kTensorAlign = 4096;
 
 enum class Mode { h2d, d2h, bidir };
 const char* mode_name(Mode m) { return m == Mode::h2d ? "h2d" : m == Mode::d2h ? "d2h" : "bidir"; }
 
 double seconds_since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
-}
-
-// ---- configuration from the environment -------------------------------------------------
-
-// "268435456", "256M", "1G", "512K" (powers of 1024).
-std::size_t parse_bytes(const char* name, const std::string& text) {
-  std::size_t pos = 0;
-  unsigned long long n = 0;
-  try {
-    n = std::stoull(text, &pos);
-  } catch (const std::exception&) {
-    throw std::invalid_argument(std::string(name) + "=" + text + " is not a byte count");
-  }
-  const std::string unit = text.substr(pos);
-  int shift = 0;
-  if (unit == "K" || unit == "KiB") shift = 10;
-  else if (unit == "M" || unit == "MiB") shift = 20;
-  else if (unit == "G" || unit == "GiB") shift = 30;
-  else if (!unit.empty()) throw std::invalid_argument(std::string(name) + "=" + text + ": unknown unit");
-  const std::size_t bytes = static_cast<std::size_t>(n) << shift;
-  if (bytes < kMinTensor) {
-    throw std::invalid_argument(std::string(name) + "=" + text + " is below one 64 KiB tensor");
-  }
-  return bytes / kTensorAlign * kTensorAlign;
-}
-
-BackendKind choose_backend() {
-  if (const char* env = std::getenv("TIDEPOOL_BENCH_BACKEND")) {
-    const std::string v = env;
-    if (v == "host") return BackendKind::host;
-    if (v == "cuda") return BackendKind::cuda;
-    throw std::invalid_argument("TIDEPOOL_BENCH_BACKEND=" + v + ": expected host or cuda");
-  }
-  return cuda_device_count() > 0 ? BackendKind::cuda : BackendKind::host;
-}
-
-std::size_t choose_total_bytes(BackendKind kind) {
-  if (const char* env = std::getenv("TIDEPOOL_BENCH_BYTES")) return parse_bytes("TIDEPOOL_BENCH_BYTES", env);
-  return kind == BackendKind::cuda ? std::size_t{1} << 30 : std::size_t{256} << 20;
-}
-
-// Sizes in [kMinTensor, kMaxTensor], multiples of 4 KiB, log-uniform, summing to `total`.
-std::vector<std::size_t> mixed_tensor_sizes(std::size_t total) {
-  std::mt19937_64 rng(20261129);
-  std::uniform_real_distribution<double> log_size(std::log(double(kMinTensor)), std::log(double(kMaxTensor)));
-  std::vector<std::size_t> sizes;
-  std::size_t remaining = total;
-  while (remaining > 0) {
-    std::size_t s = static_cast<std::size_t>(std::exp(log_size(rng))) / kTensorAlign * kTensorAlign;
-    s = std::clamp(s, kMinTensor, kMaxTensor);
-    if (s >= remaining) {
-      s = remaining;
-    } else if (remaining - s < kMinTensor) {
-      // Never leave a sliver: take all of it, or leave exactly one smallest tensor.
-      s = remaining <= kMaxTensor ? remaining : remaining - kMinTensor;
-    }
-    sizes.push_back(s);
-    remaining -= s;
-  }
-  return sizes;
 }
 
 // ---- the objects the benchmarks share ---------------------------------------------------

@@ -6,6 +6,8 @@
 #include <cstring>
 #include <thread>
 
+#include "allocator/config.h"
+#include "allocator/stats.h"
 #include "tests/tiering/tiering_test_util.h"
 #include "tiering/host_arena.h"
 
@@ -144,6 +146,120 @@ TEST_P(HostArenaTest, BudgetRespectsTheLockedMemoryLimit) {
     EXPECT_EQ(arena.pinned_budget_bytes(), static_cast<std::size_t>(limit.rlim_cur));
     EXPECT_TRUE(arena.stats().budget_capped_by_memlock);
   }
+}
+
+// ---- the pageable-fallback warning ------------------------------------------------------
+
+// Lowers RLIMIT_MEMLOCK's soft limit to at most 8 MiB for its lifetime (a process may
+// always lower it and raise it back up to the hard limit).
+class MemlockLimit {
+ public:
+  MemlockLimit() {
+    EXPECT_EQ(getrlimit(RLIMIT_MEMLOCK, &saved_), 0);
+    rlimit lowered = saved_;
+    lowered.rlim_cur = std::min<rlim_t>(saved_.rlim_max, rlim_t{8} << 20);
+    EXPECT_EQ(setrlimit(RLIMIT_MEMLOCK, &lowered), 0);
+  }
+  ~MemlockLimit() { setrlimit(RLIMIT_MEMLOCK, &saved_); }
+  MemlockLimit(const MemlockLimit&) = delete;
+  MemlockLimit& operator=(const MemlockLimit&) = delete;
+
+ private:
+  rlimit saved_{};
+};
+
+HostArenaOptions memlock_capped_options() {
+  HostArenaOptions o;
+  o.pinned_budget_bytes = std::size_t{1} << 30;  // "requested", then capped
+  o.respect_memlock_limit = true;
+  return o;
+}
+
+// Allocates two blocks that cannot be pinned (the 1 MiB request needs a 64 MiB slab, over
+// a budget of at most 8 MiB) and returns what the arena printed on stderr meanwhile.
+std::string stderr_of_two_fallbacks(HostArena& arena) {
+  testing::internal::CaptureStderr();
+  HostBlock a = arena.allocate(1 << 20);
+  HostBlock b = arena.allocate(1 << 20);
+  const std::string printed = testing::internal::GetCapturedStderr();
+  EXPECT_EQ(a.tier, HostTier::pageable);
+  EXPECT_EQ(b.tier, HostTier::pageable);
+  arena.deallocate(a);
+  arena.deallocate(b);
+  return printed;
+}
+
+std::size_t count_of(const std::string& text, const std::string& what) {
+  std::size_t n = 0;
+  for (auto at = text.find(what); at != std::string::npos; at = text.find(what, at + 1)) ++n;
+  return n;
+}
+
+TEST_P(HostArenaTest, MemlockCappedFallbackWarnsOnceWithLimitBudgetAndRemedy) {
+  MemlockLimit limit;
+  HostArena arena(backend(), memlock_capped_options());
+  ASSERT_TRUE(arena.stats().budget_capped_by_memlock);
+  const std::string printed = stderr_of_two_fallbacks(arena);
+  EXPECT_EQ(count_of(printed, "tidepool:"), 1u) << printed;  // once per arena
+  EXPECT_EQ(count_of(printed, "\n"), 1u) << printed;          // one line
+  for (const char* part : {"RLIMIT_MEMLOCK", "1.00 GiB", "ulimit -l", "LimitMEMLOCK",
+                           "--ulimit memlock", "pageable speed", "not asynchronous",
+                           "tidepool.log:off", "warn_on_pageable_fallback"}) {
+    EXPECT_NE(printed.find(part), std::string::npos) << "missing '" << part << "' in: " << printed;
+  }
+  EXPECT_NE(printed.find(format_bytes(arena.pinned_budget_bytes())), std::string::npos) << printed;
+  const HostArenaStats s = arena.stats();
+  EXPECT_TRUE(s.fallback_warned);
+  EXPECT_EQ(s.pinned_budget_requested_bytes, std::size_t{1} << 30);
+  EXPECT_EQ(s.pageable_allocs, 2u);
+
+  HostArena next(backend(), memlock_capped_options());  // once per arena, not per process
+  EXPECT_EQ(count_of(stderr_of_two_fallbacks(next), "tidepool:"), 1u);
+}
+
+TEST_P(HostArenaTest, FallbackWarningIsSilencedByTheOption) {
+  MemlockLimit limit;
+  HostArenaOptions o = memlock_capped_options();
+  o.warn_on_pageable_fallback = false;
+  HostArena arena(backend(), o);
+  EXPECT_EQ(stderr_of_two_fallbacks(arena), "");
+  EXPECT_FALSE(arena.stats().fallback_warned);
+  EXPECT_EQ(arena.stats().pageable_allocs, 2u);  // still counted
+}
+
+TEST_P(HostArenaTest, FallbackWarningIsSilencedByTidepoolLogOff) {
+  MemlockLimit limit;
+  const Config saved = active_config();
+  Config quiet = saved;
+  quiet.log = LogLevel::off;
+  apply_config(quiet);
+  HostArena arena(backend(), memlock_capped_options());
+  const std::string printed = stderr_of_two_fallbacks(arena);
+  apply_config(saved);
+  EXPECT_EQ(printed, "");
+}
+
+TEST_P(HostArenaTest, FallbackWarningNamesAFailedRegistration) {
+  if (!on_host()) GTEST_SKIP() << "fault injection is a host-backend feature";
+  HostArena arena(backend(), test_host_options());
+  backend().inject_fault(FaultPoint::host_register, 1);
+  testing::internal::CaptureStderr();
+  HostBlock b = arena.allocate(8 << 20);
+  const std::string printed = testing::internal::GetCapturedStderr();
+  EXPECT_EQ(b.tier, HostTier::pageable);
+  EXPECT_EQ(count_of(printed, "tidepool:"), 1u) << printed;
+  EXPECT_NE(printed.find("pinning host memory failed"), std::string::npos) << printed;
+  EXPECT_NE(printed.find("host_register"), std::string::npos) << printed;
+  EXPECT_NE(printed.find("not asynchronous"), std::string::npos) << printed;
+  arena.deallocate(b);
+}
+
+TEST_P(HostArenaTest, FallbackWarningForASpentBudgetNamesTheBudgetKey) {
+  HostArena arena(backend(), test_host_options(std::size_t{32} << 20));  // < one slab
+  const std::string printed = stderr_of_two_fallbacks(arena);
+  EXPECT_EQ(count_of(printed, "tidepool:"), 1u) << printed;
+  EXPECT_NE(printed.find("32.00 MiB"), std::string::npos) << printed;
+  EXPECT_NE(printed.find("tidepool.pinned_budget"), std::string::npos) << printed;
 }
 
 TEST_P(HostArenaTest, SlabsAreReusedByTheNextArena) {

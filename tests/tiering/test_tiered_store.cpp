@@ -1,6 +1,7 @@
 // TieredStore behaviour: residency, clean vs dirty eviction, the budget and its errors,
 // the recorded prefetch schedule, reclaim, and fault injection at the seam (the last good
 // copy must stay readable after every failure).
+#include <array>
 #include <chrono>
 #include <condition_variable>
 #include <cstring>
@@ -18,6 +19,7 @@ namespace {
 
 using tiering_test::first_difference;
 using tiering_test::random_bytes;
+using tiering_test::StreamGate;
 
 constexpr int kTag = TIDEPOOL_TAG_OPTIMIZER_STATE;
 
@@ -34,6 +36,15 @@ class TieredStoreTest : public tiering_test::TieringStreamTest {
   void write_device(void* dev, const std::vector<unsigned char>& data) {
     backend().copy_async(dev, data.data(), data.size(), CopyKind::host_to_device, stream_);
     backend().stream_synchronize(stream_);  // `data` may go out of scope after this
+  }
+  // Three 100 KiB handles on the host, the first two acquired on stream_: the room
+  // left in the budget decides what happens to the third.
+  std::array<TieredStore::Handle, 3> acquire_two_of_three(TieredStore& store) {
+    std::array<TieredStore::Handle, 3> h{};
+    for (auto& x : h) x = store.create(100 << 10, kTag);
+    store.acquire(h[0], stream_);
+    store.acquire(h[1], stream_);
+    return h;
   }
   std::vector<unsigned char> contents(TieredStore& s, TieredStore::Handle h) {
     std::vector<unsigned char> out(s.size(h));
@@ -79,26 +90,6 @@ TEST_P(TieredStoreTest, DirtyEvictionCopiesBackCleanEvictionDoesNot) {
   store.synchronize();
   EXPECT_EQ(store.device_bytes(), 0u);
 }
-
-// Holds a stream: work enqueued after launch_host_func(s, &StreamGate::wait, &gate) runs
-// only once open() is called.
-struct StreamGate {
-  std::mutex mutex;
-  std::condition_variable opened_cv;
-  bool opened = false;
-  static void wait(void* self) {
-    auto* gate = static_cast<StreamGate*>(self);
-    std::unique_lock lock(gate->mutex);
-    gate->opened_cv.wait(lock, [gate] { return gate->opened; });
-  }
-  void open() {
-    {
-      std::lock_guard lock(mutex);
-      opened = true;
-    }
-    opened_cv.notify_all();
-  }
-};
 
 // Regression (data loss in the integrity test): a release ends the caller's claim, not the
 // work its stream still has queued. An acquire on another stream must order its work after
@@ -156,11 +147,7 @@ TEST_P(TieredStoreTest, AcquireOnAnotherStreamWaitsForEarlierUses) {
 
 TEST_P(TieredStoreTest, BudgetEvictsFurthestAndErrorsWhenAllAreAcquired) {
   TieredStore store(backend(), options(256 << 10));
-  auto a = store.create(100 << 10, kTag);
-  auto b = store.create(100 << 10, kTag);
-  auto c = store.create(100 << 10, kTag);
-  store.acquire(a, stream_);
-  store.acquire(b, stream_);
+  const auto [a, b, c] = acquire_two_of_three(store);
   try {
     store.acquire(c, stream_);
     FAIL() << "expected TieringError";
@@ -217,11 +204,7 @@ TEST_P(TieredStoreTest, RecordedStepIsPrefetchedOnReplay) {
 
 TEST_P(TieredStoreTest, PrefetchNeverExceedsTheBudgetOrEvictsSoonerUses) {
   TieredStore store(backend(), options(200 << 10));
-  auto a = store.create(100 << 10, kTag);
-  auto b = store.create(100 << 10, kTag);
-  auto c = store.create(100 << 10, kTag);
-  store.acquire(a, stream_);
-  store.acquire(b, stream_);
+  const auto [a, b, c] = acquire_two_of_three(store);
   store.prefetch(c, stream_);  // no room, nothing released: skipped
   EXPECT_FALSE(store.resident(c));
   EXPECT_EQ(store.stats().prefetch_skipped, 1u);

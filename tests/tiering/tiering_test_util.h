@@ -11,8 +11,10 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <condition_variable>
 #include <cstdlib>
 #include <memory>
+#include <mutex>
 #include <random>
 #include <string>
 #include <vector>
@@ -76,6 +78,26 @@ class TieringStreamTest : public TieringTest {
     if (backend_ && stream_.handle) backend().destroy_stream(stream_);
   }
   Stream stream_;
+};
+
+// Holds a stream: work enqueued after launch_host_func(s, &StreamGate::wait, &gate) runs
+// only once open() is called.
+struct StreamGate {
+  std::mutex mutex;
+  std::condition_variable opened_cv;
+  bool opened = false;
+  static void wait(void* self) {
+    auto* gate = static_cast<StreamGate*>(self);
+    std::unique_lock lock(gate->mutex);
+    gate->opened_cv.wait(lock, [gate] { return gate->opened; });
+  }
+  void open() {
+    {
+      std::lock_guard lock(mutex);
+      opened = true;
+    }
+    opened_cv.notify_all();
+  }
 };
 
 // Deterministic random bytes.
