@@ -38,6 +38,7 @@
 #include "allocator/device_registry.h"
 #include "allocator/tags.h"
 #include "optimizers/linalg/dense_factor.h"
+#include "optimizers/linalg/tsqr_plan.h"
 
 namespace tidepool::linalg::detail {
 namespace {
@@ -110,13 +111,6 @@ class Workspace {
   at::Tensor fallback_;
 };
 
-// Rows per Xgeqrf call for m columns: at most 2²⁷ elements (see Note [Why chunks]), and at
-// least m rows so that every full chunk contributes an m×m triangle.
-int64_t chunk_rows_for(int64_t cols) {
-  constexpr int64_t kMaxChunkElements = int64_t{1} << 27;
-  return std::max(cols, kMaxChunkElements / std::max<int64_t>(cols, 1));
-}
-
 // R factor of one chunk (rows×cols fp64 on the device, rows·cols ≤ 2²⁷): min(rows,cols)×cols,
 // upper trapezoidal, on the device. Xgeqrf's status lands in info[0] (device int32) and is
 // checked by the caller after all chunks, with one synchronisation; `host_work` is the
@@ -153,31 +147,28 @@ at::Tensor cusolver_r_factor(const at::Tensor& X) {
   const c10::cuda::CUDAGuard guard(X.device());
   const int64_t rows = X.size(0);
   const int64_t cols = X.size(1);
-  const int64_t chunk_rows = chunk_rows_for(cols);
-  const int64_t chunks = (rows + chunk_rows - 1) / chunk_rows;
-  auto infos = at::zeros({chunks}, X.options().dtype(at::kInt));
+  const TsqrPlan plan = tsqr_plan(rows, cols);  // throws for an empty X
+  auto infos = at::zeros({plan.chunks}, X.options().dtype(at::kInt));
 
   DeviceSolver& solver = solver_for(X.device().index());
   const std::lock_guard<std::mutex> lock(solver.mutex);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   check_cusolver(cusolverDnSetStream(solver.handle, stream), "SetStream");
   std::vector<at::Tensor> triangles;
-  std::vector<std::vector<unsigned char>> host_works(static_cast<size_t>(chunks));
-  triangles.reserve(static_cast<size_t>(chunks));
-  for (int64_t c = 0; c < chunks; ++c) {
-    const int64_t begin = c * chunk_rows;
-    const int64_t count = std::min(chunk_rows, rows - begin);
-    triangles.push_back(chunk_r_factor(solver, X.narrow(0, begin, count), infos.narrow(0, c, 1),
+  std::vector<std::vector<unsigned char>> host_works(static_cast<size_t>(plan.chunks));
+  triangles.reserve(static_cast<size_t>(plan.chunks));
+  for (int64_t c = 0; c < plan.chunks; ++c) {
+    triangles.push_back(chunk_r_factor(solver, X.narrow(0, plan.begin(c), plan.count(c)), infos.narrow(0, c, 1),
                                        host_works[static_cast<size_t>(c)], stream));
   }
   const auto host_infos = infos.cpu();  // synchronises with the stream
-  for (int64_t c = 0; c < chunks; ++c) {
+  for (int64_t c = 0; c < plan.chunks; ++c) {
     if (const int status = host_infos[c].item<int>(); status != 0) {
       throw std::runtime_error("tidepool::linalg: cuSOLVER Xgeqrf reported info = " + std::to_string(status) +
                                " on row chunk " + std::to_string(c));
     }
   }
-  if (chunks == 1) return triangles.front().cpu().contiguous();
+  if (plan.chunks == 1) return triangles.front().cpu().contiguous();
   // The tree's root: R of the stacked chunk triangles, fp64 LAPACK on the host.
   const auto stacked = at::cat(triangles, 0).cpu();
   return std::get<1>(at::linalg_qr(stacked, "r")).contiguous();

@@ -37,6 +37,24 @@ int64_t block_rows_for(const at::Tensor& column) {
   return column.is_cuda() ? kCudaBlockRows : kCpuBlockRows;
 }
 
+// The CPU loop and the CUDA kernel read raw pointers (the kernel's data_ptr() checks no
+// dtype), so a column of another dtype, device or length would be read as garbage or fault
+// instead of being rejected. The public entry points validate their input; this guards
+// every caller of this file, for the cost of a loop over ≤ ~32 tensors.
+void check_columns(const std::vector<at::Tensor>& columns) {
+  const auto& first = columns.front();
+  if (first.scalar_type() != at::kFloat && first.scalar_type() != at::kDouble) {
+    throw std::invalid_argument(std::string("tidepool::linalg: the Gram pass takes float32 or float64 columns, got ") +
+                                c10::toString(first.scalar_type()));
+  }
+  for (const auto& column : columns) {
+    if (column.dim() != 1 || column.size(0) != first.size(0) || column.scalar_type() != first.scalar_type() ||
+        column.device() != first.device()) {
+      throw std::invalid_argument("tidepool::linalg: the Gram pass needs 1-D columns of one length, dtype and device");
+    }
+  }
+}
+
 // Rows [begin, begin+count) of every column, side by side, as a (count × m) fp64 block.
 at::Tensor fp64_block(const std::vector<at::Tensor>& columns, int64_t begin, int64_t count) {
   std::vector<at::Tensor> slices;
@@ -149,6 +167,7 @@ std::vector<at::Tensor> columns_of(const at::Tensor& matrix) {
 
 at::Tensor gram_of_columns(const std::vector<at::Tensor>& columns) {
   if (columns.empty()) throw std::invalid_argument("tidepool::linalg: Gram of zero columns");
+  check_columns(columns);
 #if TIDEPOOL_HAVE_CUDA
   if (columns.front().is_cuda() && static_cast<int>(columns.size()) <= cuda::kMaxKernelColumns) {
     return kernel_gram(columns);
@@ -164,9 +183,10 @@ at::Tensor dots_with(const at::Tensor& v, const std::vector<at::Tensor>& columns
   const int64_t rows = v.size(0);
   const int64_t m = static_cast<int64_t>(columns.size());
   if (m == 0) return at::zeros({0}, at::kDouble);
+  std::vector<at::Tensor> all{v};
+  all.insert(all.end(), columns.begin(), columns.end());
+  check_columns(all);
   if (v.is_cpu()) {
-    std::vector<at::Tensor> all{v};
-    all.insert(all.end(), columns.begin(), columns.end());
     return v.scalar_type() == at::kDouble ? host_dots<double>(all) : host_dots<float>(all);
   }
   const int64_t block = block_rows_for(v);

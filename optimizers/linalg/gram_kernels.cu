@@ -30,89 +30,26 @@
 //      per (pair, block), stored pair-major in `workspace`; a second kernel, one block per
 //      pair, sums a pair's partials in a fixed order. No atomics anywhere.
 // Indices: global element offsets are int64 (N·stride beyond 2³¹ is the normal case);
-// offsets inside one tile are < kRows·kMaxKernelColumns = 8192 and are int.
+// offsets inside one tile are < kRows·kMaxKernelColumns = 8192 and are int. All of that
+// arithmetic (launch shape, panels, vector split, index maps) lives in gram_plan.h, where
+// the CPU tests check it; this file holds only what runs on the device.
 #include "optimizers/linalg/gram_kernels.h"
 
 #include <cstdint>
+#include <cstring>
+#include <type_traits>
 
 namespace tidepool::linalg::cuda {
 namespace {
 
-constexpr int kThreads = 256;
-constexpr int kWarps = kThreads / 32;
-constexpr int kMaxBlocks = 2048;  // ≥ 15 blocks per SM on an H200 (132 SMs): small tail
-
-// Tile height: 512 rows up to 10 columns (≤ 41 KB of fp64 tile), else 256 (≤ 33 KB), so
-// two blocks fit per SM with static shared memory (< 48 KB per block).
-constexpr int tile_rows(int m) { return m <= 10 ? 512 : 256; }
-constexpr int pair_count(int m) { return m * (m + 1) / 2; }
-// Pair groups: ≤ 45 pairs (m ≤ 9) in one thread; m ≤ 12 in two groups (≤ 39 each); m ≤ 16
-// in four (≤ 34 each). Register budget: __launch_bounds__(256, 2) allows 128 per thread.
-constexpr int pair_groups(int m) { return m <= 9 ? 1 : (m <= 12 ? 2 : 4); }
-constexpr int pairs_per_group(int m) { return (pair_count(m) + pair_groups(m) - 1) / pair_groups(m); }
-// Loads each thread issues before it stores any: 4, or 2 when more than 40 accumulators
-// (m = 9) leave too few registers for four 16-byte vectors without spilling.
-constexpr int load_batch(int m) { return pairs_per_group(m) > 40 ? 2 : 4; }
-
-static_assert(tile_rows(1) * kMaxKernelColumns < (1 << 22),
-              "row_of() divides by a float reciprocal, exact only below 2^22");
-static_assert(kThreads % (32 * pair_groups(kMaxKernelColumns)) == 0, "warps split evenly over pair groups");
-static_assert(pairs_per_group(kMaxKernelColumns) * pair_groups(kMaxKernelColumns) >= pair_count(kMaxKernelColumns),
-              "groups cover all pairs");
-
-// Adjacent columns read as one block of memory: element (r, c) is at base + r·row_stride + c.
-struct Panel {
-  const void* base;
-  int64_t row_stride;    // in elements
-  int first_column;      // column of X that c = 0 is
-  int width;             // columns in the panel
-  float inverse_width;   // 1/width, for row_of()
-  int vectorised;        // row_stride == width and width·sizeof(T) ≥ 16: read as 16-byte vectors
-};
-
-struct PanelSet {
-  Panel panel[kMaxKernelColumns];
-  int count;
-};
-
+// The 16-byte vector type of T: float4 or double2 (four or two lanes).
 template <typename T>
-struct Vector16;  // the 16-byte vector type of T
-template <>
-struct Vector16<float> {
-  using type = float4;
-  static constexpr int kLanes = 4;
-  __device__ static void unpack(const float4& v, float (&out)[4]) {
-    out[0] = v.x;
-    out[1] = v.y;
-    out[2] = v.z;
-    out[3] = v.w;
-  }
-};
-template <>
-struct Vector16<double> {
-  using type = double2;
-  static constexpr int kLanes = 2;
-  __device__ static void unpack(const double2& v, double (&out)[2]) {
-    out[0] = v.x;
-    out[1] = v.y;
-  }
-};
+using Vector16 = std::conditional_t<std::is_same_v<T, float>, float4, double2>;
+static_assert(sizeof(Vector16<float>) == kVectorBytes && sizeof(Vector16<double>) == kVectorBytes);
 
-// f / width for 0 ≤ f < 2²²: (f + ½)/w = r + (c + ½)/w lies at least ½/w away from an
-// integer, and the float product's relative error (≤ 2⁻²³) moves it by less than
-// (f + ½)·2⁻²³/w < ½/w, so truncation gives r exactly. Four instructions instead of an
-// integer division by a run-time width.
-__device__ __forceinline__ int row_of(int f, float inverse_width) {
-  return __float2int_rz((static_cast<float>(f) + 0.5f) * inverse_width);
-}
-
-// Stores element f of a panel's tile (row r = f / width, column c = f mod width of the
-// panel) into the column-major fp64 tile.
 template <typename T, int kPitch>
 __device__ __forceinline__ void store_element(double* tile, const Panel& panel, int f, T value) {
-  const int r = row_of(f, panel.inverse_width);
-  const int c = f - r * panel.width;
-  tile[(panel.first_column + c) * kPitch + r] = static_cast<double>(value);
+  tile[tile_index(panel, f, kPitch)] = static_cast<double>(value);
 }
 
 // Rows [row0, row0 + n) of a panel with row_stride == width: the flat elements
@@ -120,17 +57,16 @@ __device__ __forceinline__ void store_element(double* tile, const Panel& panel, 
 // (`head` scalars before it, `tail` after the last whole vector).
 template <typename T, int kPitch, int kLoadBatch>
 __device__ void load_vectorised(const Panel& panel, int64_t row0, int n, double* tile) {
-  using V = Vector16<T>;
-  using Vec = typename V::type;
-  constexpr int kLanes = V::kLanes;
+  using Vec = Vector16<T>;
+  constexpr int kLanes = kVectorBytes / static_cast<int>(sizeof(T));
   const T* segment = static_cast<const T*>(panel.base) + row0 * panel.width;  // int64 offset
   const int count = n * panel.width;                                          // ≤ 8192
-  // segment is sizeof(T)-aligned (checked on the host), so misalign is a whole number of
-  // elements and `head` elements bring it to a 16-byte boundary.
-  const int misalign = static_cast<int>((reinterpret_cast<uintptr_t>(segment) % 16) / sizeof(T));
-  const int head = min((kLanes - misalign) % kLanes, count);
-  const int vectors = (count - head) / kLanes;
-  const int body_end = head + vectors * kLanes;  // elements [body_end, count) are the tail
+  // segment is sizeof(T)-aligned (checked on the host), so `head` whole elements bring it
+  // to a 16-byte boundary.
+  const VectorSplit split = vector_split(reinterpret_cast<uintptr_t>(segment), count, static_cast<int>(sizeof(T)));
+  const int head = split.head;
+  const int vectors = split.vectors;
+  const int body_end = split.body_end;  // elements [body_end, count) are the tail
   const Vec* body = reinterpret_cast<const Vec*>(segment + head);  // 16-byte aligned
 
   for (int v0 = threadIdx.x; v0 < vectors; v0 += kThreads * kLoadBatch) {
@@ -145,7 +81,7 @@ __device__ void load_vectorised(const Panel& panel, int64_t row0, int n, double*
       const int v = v0 + u * kThreads;
       if (v < vectors) {
         T lanes[kLanes];
-        V::unpack(loaded[u], lanes);
+        memcpy(lanes, &loaded[u], sizeof(Vec));  // register moves, no aliasing questions
 #pragma unroll
         for (int q = 0; q < kLanes; ++q) store_element<T, kPitch>(tile, panel, head + v * kLanes + q, lanes[q]);
       }
@@ -171,11 +107,7 @@ __device__ void load_elements(const Panel& panel, int64_t row0, int n, double* t
 #pragma unroll
     for (int u = 0; u < kLoadBatch; ++u) {
       const int e = e0 + u * kThreads;
-      if (e < count) {
-        const int r = row_of(e, panel.inverse_width);
-        const int c = e - r * panel.width;
-        loaded[u] = __ldg(base + (row0 + r) * panel.row_stride + c);  // int64 offset
-      }
+      if (e < count) loaded[u] = __ldg(base + element_offset(panel, row0, e));  // int64 offset
     }
 #pragma unroll
     for (int u = 0; u < kLoadBatch; ++u) {
@@ -210,7 +142,7 @@ __device__ void prefetch_rows(const PanelSet& panels, int64_t row0, int n) {
 // registers; x_j that the group never uses are never loaded.
 template <int M, int kGroup>
 __device__ __forceinline__ void accumulate_group(const double* tile, int r, double* acc) {
-  constexpr int kPitch = tile_rows(M) + 1;
+  constexpr int kPitch = tile_pitch(M);
   constexpr int kPerGroup = pairs_per_group(M);
   constexpr int kFirst = kGroup * kPerGroup;
   double x[M];
@@ -245,13 +177,14 @@ template <typename T, int M>
 __global__ void __launch_bounds__(kThreads, 2)
     gram_partials_kernel(PanelSet panels, int64_t rows, int64_t rows_per_block, double* partials) {
   constexpr int kRows = tile_rows(M);
-  constexpr int kPitch = kRows + 1;
+  constexpr int kPitch = tile_pitch(M);
   constexpr int kGroups = pair_groups(M);
   constexpr int kPerGroup = pairs_per_group(M);
   constexpr int kPairs = pair_count(M);
   constexpr int kRowStep = kThreads / kGroups;  // rows of a tile one pass of the block covers
   __shared__ double tile[M * kPitch];
   __shared__ double warp_sums[kWarps][kPerGroup];
+  static_assert(sizeof(tile) + sizeof(warp_sums) == partials_shared_bytes(M), "gram_plan.h's size is the kernel's");
 
   const int lane = static_cast<int>(threadIdx.x) % 32;
   const int warp = static_cast<int>(threadIdx.x) / 32;
@@ -314,21 +247,6 @@ __global__ void __launch_bounds__(kThreads) reduce_partials_kernel(const double*
   }
 }
 
-// The launch shape for (rows, m): tiles of tile_rows(m) rows, ⌈tiles / kMaxBlocks⌉ tiles
-// per block, as many blocks as that takes (≤ kMaxBlocks, each with ≥ 1 row).
-struct LaunchShape {
-  int64_t rows_per_block;
-  int blocks;
-};
-
-LaunchShape launch_shape(int64_t rows, int m) {
-  const int64_t tile = tile_rows(m);
-  const int64_t tiles = (rows + tile - 1) / tile;
-  const int64_t tiles_per_block = (tiles + kMaxBlocks - 1) / kMaxBlocks;
-  const int64_t rows_per_block = tiles_per_block * tile;
-  return {rows_per_block, static_cast<int>((rows + rows_per_block - 1) / rows_per_block)};
-}
-
 template <typename T, int M>
 cudaError_t launch_for(const PanelSet& panels, int64_t rows, double* workspace, double* gram, cudaStream_t stream) {
   const LaunchShape shape = launch_shape(rows, M);
@@ -350,34 +268,7 @@ cudaError_t dispatch_columns(const PanelSet& panels, int m, int64_t rows, double
   }
 }
 
-// Merges adjacent columns into panels (see the top of the file). Column j + 1 joins the
-// panel of column j when its data pointer is one element after column j's and its stride
-// is the panel's: then element (r, c) of the panel is base + r·stride + c for every
-// column in it, whatever the stride.
-PanelSet make_panels(const ColumnSet& columns, int m, size_t element_size) {
-  PanelSet set{};
-  for (int j = 0; j < m;) {
-    Panel panel{columns.data[j], columns.stride[j], j, 1, 1.0f, 0};
-    const auto* base = static_cast<const unsigned char*>(columns.data[j]);
-    while (j + panel.width < m && columns.stride[j + panel.width] == panel.row_stride &&
-           static_cast<const unsigned char*>(columns.data[j + panel.width]) ==
-               base + static_cast<size_t>(panel.width) * element_size) {
-      ++panel.width;
-    }
-    panel.inverse_width = 1.0f / static_cast<float>(panel.width);
-    panel.vectorised = panel.row_stride == panel.width && panel.width * element_size >= 16 ? 1 : 0;
-    set.panel[set.count++] = panel;
-    j += panel.width;
-  }
-  return set;
-}
-
 }  // namespace
-
-int64_t gram_workspace_doubles(int64_t rows, int m) {
-  if (rows < 1 || m < 1) return 0;
-  return static_cast<int64_t>(launch_shape(rows, m).blocks) * pair_count(m);
-}
 
 cudaError_t launch_gram(const ColumnSet& columns, int m, int64_t rows, bool is_fp64, double* workspace,
                         double* gram, cudaStream_t stream) {

@@ -49,12 +49,15 @@ Layout row_major_plus_vectors(int64_t k, int64_t vectors) {
   };
 }
 
-// Rows 1..N of an (N+1)×k matrix and elements 1..N of a vector: data pointers 4·k (or 8·k)
-// and 4 (or 8) bytes past an allocation, so the vector loads start with a scalar head.
-Layout offset_views(int64_t k) {
-  return [k](int64_t rows, at::ScalarType dtype) {
-    auto columns = columns_of(at::randn({rows + 1, k}, on_gpu(dtype)).narrow(0, 1, rows));
-    columns.push_back(at::randn({rows + 1}, on_gpu(dtype)).narrow(0, 1, rows));
+// A row-major N×k matrix and a vector that start `offset` elements into their allocations
+// (which are 16-byte aligned): with offset·size not a multiple of 16 the vector loads start
+// with a scalar head. (Rows 1..N of an (N+1)×k matrix would not do for k = 4 or 8: the
+// offset k·size is then a multiple of 16.)
+Layout offset_views(int64_t k, int64_t offset) {
+  return [k, offset](int64_t rows, at::ScalarType dtype) {
+    const auto flat = at::randn({rows * k + offset}, on_gpu(dtype));
+    auto columns = columns_of(flat.narrow(0, offset, rows * k).view({rows, k}));
+    columns.push_back(at::randn({rows + offset}, on_gpu(dtype)).narrow(0, offset, rows));
     return columns;
   };
 }
@@ -128,8 +131,9 @@ std::vector<GramCase> gram_cases() {
     cases.push_back({"row_major_5_plus_2" + suffix, row_major_plus_vectors(5, 2), 77'777, dtype});
     cases.push_back({"row_major_3" + suffix, row_major_plus_vectors(3, 0), 65'537, dtype});
     cases.push_back({"single_column" + suffix, row_major_plus_vectors(1, 0), 99'999, dtype});
-    cases.push_back({"offset_views_5" + suffix, offset_views(5), 100'001, dtype});
-    cases.push_back({"offset_views_8" + suffix, offset_views(8), 4'099, dtype});
+    cases.push_back({"offset_views_5_by_1" + suffix, offset_views(5, 1), 100'001, dtype});
+    cases.push_back({"offset_views_8_by_1" + suffix, offset_views(8, 1), 4'099, dtype});
+    cases.push_back({"offset_views_8_by_3" + suffix, offset_views(8, 3), 1'027, dtype});
     cases.push_back({"column_slices" + suffix, column_slices(), 50'001, dtype});
     cases.push_back({"column_major_7" + suffix, column_major(7), 70'001, dtype});
     cases.push_back({"stride_zero" + suffix, with_stride_zero(), 30'011, dtype});
