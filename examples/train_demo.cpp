@@ -194,12 +194,14 @@ int main(int argc, char** argv) {
                   seconds * 1e3);
     }
     const auto s = store.stats();
+    // acquire wait: host time the optimizer spent blocked in acquires (what loading ahead
+    // of use hides; tiered_placement.h).
     std::printf("%s: tiered store: %llu acquires, %llu prefetch hits (%llu late), %llu misses, "
-                "%llu evictions, device peak %.2f MiB of %.2f MiB budget\n",
+                "acquire wait %.1f ms, %llu evictions, device peak %.2f MiB of %.2f MiB budget\n",
                 label, static_cast<unsigned long long>(s.acquires),
                 static_cast<unsigned long long>(s.prefetch_hits),
                 static_cast<unsigned long long>(s.prefetch_late),
-                static_cast<unsigned long long>(s.misses),
+                static_cast<unsigned long long>(s.misses), placement.acquire_wait_seconds() * 1e3,
                 static_cast<unsigned long long>(s.evictions),
                 mib(static_cast<double>(s.device_peak_bytes)),
                 mib(static_cast<double>(s.device_budget_bytes)));

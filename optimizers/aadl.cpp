@@ -156,11 +156,26 @@ torch::Tensor AADL::step(LossClosure closure) {
   TORCH_CHECK(inner_->param_groups().size() == histories_.size(), "AADL: the inner optimizer has ",
               inner_->param_groups().size(), " parameter groups, it had ", histories_.size(),
               " when wrapped");
+  // What this step does, decided before anything runs (the counters only move once the
+  // inner step succeeded): whether the parameters join the history, whether to accelerate.
+  const bool stores = store_counter_ + 1 >= options_.store_each_nth();
+  const int64_t call = call_counter_ + 1;
+  const bool accelerates = call > options_.wait_iterations() && call % options_.frequency() == 0;
+  // Note [Loading the history ahead of use] (anderson_history.h): the first pass this step
+  // makes over each history starts loading now, while the inner optimizer steps (and,
+  // with a closure, runs the forward and backward pass).
+  for (const auto& history : histories_) {
+    if (stores) {
+      history->prefetch(AndersonHistory::Pass::after_push);
+    } else if (accelerates && history->size() >= 3) {
+      history->prefetch(AndersonHistory::Pass::combine);
+    }
+  }
   torch::Tensor loss = inner_->step(closure);
   torch::NoGradGuard no_grad;
 
   store_counter_ += 1;
-  if (store_counter_ >= options_.store_each_nth()) {
+  if (stores) {
     store_counter_ = 0;
     for (size_t g = 0; g < histories_.size(); ++g) {
       histories_[g]->push(flatten(inner_->param_groups()[g].params()));
@@ -168,9 +183,7 @@ torch::Tensor AADL::step(LossClosure closure) {
   }
 
   call_counter_ += 1;
-  if (call_counter_ <= options_.wait_iterations() || call_counter_ % options_.frequency() != 0) {
-    return loss;
-  }
+  if (!accelerates) return loss;
   for (size_t g = 0; g < histories_.size(); ++g) {
     AndersonHistory& history = *histories_[g];
     if (history.size() < 3) continue;
@@ -181,6 +194,10 @@ torch::Tensor AADL::step(LossClosure closure) {
       continue;
     }
     const torch::Tensor plain = flatten(params);
+    // The pass replace_newest makes loads during the two closure calls (forward passes);
+    // after a rejection the next step's first pass reads them (Note [Loading the history
+    // ahead of use]).
+    history.prefetch(AndersonHistory::Pass::after_replace_newest);
     const double plain_loss = loss_value(closure());
     unflatten(accelerated, params);
     const double accelerated_loss = loss_value(closure());

@@ -14,7 +14,9 @@
 //        plain iterate and at x; x is kept, and replaces the newest history vector, only if
 //        its loss is strictly lower, else the plain iterate is restored. Without a closure
 //        x is loaded and the history is left as it is.
-//   Returns the loss the inner optimizer's step returned.
+//   Returns the loss the inner optimizer's step returned. The chunks of history the
+//   step's passes read start loading on entry, before the inner step (Note [Loading the
+//   history ahead of use] in anderson_history.h).
 //
 // acceleration_type anderson and anderson_normal_equation name the reference's two ways of
 // solving the same least-squares problem; here both use the same fp64 solve (equilibrated

@@ -9,10 +9,17 @@ namespace tidepool::optim {
 
 namespace {
 
-// One pass over the history, chunk index by chunk index (see anderson_history.h): acquires
-// chunk c of every vector, prefetches chunk c+1 of every vector, hands the acquired chunks
-// to the caller as one fp64 m × length matrix per compute sub-chunk, releases chunk c
-// unmodified (also when the use throws: StateLease).
+// Hints the placement to load chunk c of columns [first, last), in pass order.
+void prefetch_chunk(const std::deque<AndersonHistory::Column>& columns, size_t first,
+                    size_t last, size_t c) {
+  for (size_t i = first; i < last; ++i) columns[i][c]->prefetch();
+}
+
+// One pass over the history, chunk index by chunk index (see anderson_history.h): loads
+// chunk 0 of every vector before the first acquire (Note [Loading the history ahead of
+// use]), then for each c acquires chunk c of every vector, prefetches chunk c+1 of every
+// vector, hands the acquired chunks to the caller as one fp64 m × length matrix per
+// compute sub-chunk, releases chunk c unmodified (also when the use throws: StateLease).
 class ChunkedPass {
  public:
   explicit ChunkedPass(const std::deque<AndersonHistory::Column>& columns) : columns_(columns) {}
@@ -21,11 +28,10 @@ class ChunkedPass {
   template <typename Fn>
   void run(Fn&& fn) {
     const size_t chunks = columns_.front().size();
+    prefetch_chunk(columns_, 0, columns_.size(), 0);
     for (size_t c = 0; c < chunks; ++c) {
       Acquired acquired(columns_, c);
-      if (c + 1 < chunks) {
-        for (const auto& column : columns_) column[c + 1]->prefetch();
-      }
+      if (c + 1 < chunks) prefetch_chunk(columns_, 0, columns_.size(), c + 1);
       const int64_t base = static_cast<int64_t>(c) * AndersonHistory::kStoreChunk;
       const int64_t n = acquired.tensors.front().numel();
       for (int64_t offset = 0; offset < n; offset += AndersonHistory::kComputeChunk) {
@@ -86,6 +92,27 @@ void AndersonHistory::replace_newest(const torch::Tensor& x) {
   TORCH_CHECK(size() > 0, "AndersonHistory: replace_newest on an empty history");
   drop_newest_column();
   append(x);
+}
+
+void AndersonHistory::prefetch(Pass pass) const {
+  const auto m = static_cast<size_t>(size());
+  size_t first = 0, last = m;  // the stored vectors the pass reads
+  switch (pass) {
+    case Pass::after_push:
+      // push drops the oldest when full; the pass runs once three vectors are held.
+      if (m == static_cast<size_t>(depth_)) first = 1;
+      if (m - first + 1 < 3) return;
+      break;
+    case Pass::after_replace_newest:
+      // replace_newest drops the newest and stores x in its place.
+      if (m < 3) return;
+      last = m - 1;
+      break;
+    case Pass::combine:
+      if (m < 2) return;
+      break;
+  }
+  prefetch_chunk(columns_, first, last, 0);
 }
 
 void AndersonHistory::drop_newest_column() {

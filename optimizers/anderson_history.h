@@ -18,9 +18,47 @@
 // pass walks the chunk index: it acquires chunk c of every stored vector, hints the
 // placement to prefetch chunk c+1 of every vector, computes, and releases chunk c — so the
 // compute device holds about two chunks per vector (m · 2 · kStoreChunk elements), never
-// m full vectors. Inside a chunk the arithmetic runs in sub-chunks of kComputeChunk
-// elements in a fixed order, on the compute device, so where the history lives (and how
-// it is chunked for storage) does not change any bit.
+// m full vectors. Chunk 0 is loaded before the pass (Note [Loading the history ahead of
+// use]). Inside a chunk the arithmetic runs in sub-chunks of kComputeChunk elements in a
+// fixed order, on the compute device, so where the history lives (and how it is chunked
+// for storage, and when it is loaded) does not change any bit.
+//
+// Note [Loading the history ahead of use]
+// A pass needs chunk c of every vector at once (the arithmetic stacks them), so while it
+// computes chunk c it can load chunk c+1, but chunk 0 must be loaded before the pass —
+// and when each vector is a single chunk (every group under kStoreChunk parameters),
+// chunk 0 is everything: prefetching only c+1 loaded nothing ahead (0 prefetch hits, every
+// acquire waited for its load). So the first chunk of every vector a pass reads is loaded
+// as early as its reader knows the pass will come:
+//   - AADL::step, on entry, before the inner optimizer steps (with a closure, that step
+//     runs the forward and backward pass): prefetch(the step's first pass), so the loads
+//     overlap the whole forward/backward and the inner update;
+//   - AADL's safeguard, before its two closure calls (two forward passes):
+//     prefetch(Pass::after_replace_newest). If the candidate is rejected, no pass follows
+//     in this step: the chunks stay loaded (within the budget) and the next step's first
+//     pass, which reads the same vectors, finds them there — all but the oldest when the
+//     history is full, which the next push drops (its chunk was loaded for nothing: the
+//     price of having the replace pass's first vector ready when the candidate is kept);
+//   - every pass, before its first acquire, prefetches chunk 0 of each vector it reads, in
+//     the order it reads them: a no-op for chunks already loaded ahead; the vector pushed
+//     just now (its contents reach the store only in push) and anything not hinted load
+//     back to back, so each acquire waits for its own chunk only.
+// Not at the end of every step (which would also hide a forward/backward run outside
+// step()): the optimizer does not know another step comes (evaluation, a checkpoint, the
+// end of training), and the chunks would stay on the device between steps, in the memory
+// the activations need, where a placement that writes back on release keeps the history
+// in host memory between uses; step entry is the earliest point where a pass is certain.
+// Not the store's recorded schedule (StepScope, as Apollo): the history's buffers change
+// every step (a vector joins, the oldest goes), so a schedule recorded in one step names
+// buffers that are gone a few steps later, while the history knows exactly which buffers
+// each pass reads.
+// Budget: a prefetch is a hint; the tiered store skips one that does not fit its budget
+// (it never waits and never exceeds the budget), so loading ahead holds at most one chunk
+// per vector, within the two a pass holds anyway (HostStagedPlacement, which has no
+// budget, stages that one chunk per vector during the forward/backward: kStoreChunk
+// elements at most). A step that throws leaves the loaded chunks unacquired: the store
+// evicts them when it needs the room, or frees them with their vector; nothing stays
+// acquired.
 //
 // Why not linalg::GramAccumulator: it keeps every column as a whole tensor it reads again
 // for each new inner product, and its columns would be the k DR differences (a second
@@ -52,6 +90,14 @@ class TIDEPOOL_API AndersonHistory {
   // x: a 1-D tensor on the compute device; all pushes must agree in length, dtype, device.
   void push(const torch::Tensor& x);
   void replace_newest(const torch::Tensor& x);
+
+  // The passes over the history, for prefetch(): the one push(x) and replace_newest(x)
+  // run after storing x (when the history then holds ≥ 3 vectors), and combine().
+  enum class Pass { after_push, after_replace_newest, combine };
+  // A hint: starts loading the first stored chunk of every vector already stored that
+  // `pass`, run next, will read, in the order it reads them (Note [Loading the history
+  // ahead of use]); nothing when that pass would not run. Never changes a result.
+  void prefetch(Pass pass) const;
 
   int64_t size() const noexcept { return static_cast<int64_t>(columns_.size()); }
   int64_t depth() const noexcept { return depth_; }

@@ -2,6 +2,7 @@
 // streams, the prefetch schedule, the write-back modes and the peak measure).
 #include "optimizers/tiered_placement.h"
 
+#include <chrono>
 #include <utility>
 
 #if TIDEPOOL_HAVE_CUDA
@@ -95,11 +96,15 @@ class TieredBuffer final : public StateBuffer {
     note_device_bytes();
   }
   torch::Tensor do_acquire() override {
+    const auto start = std::chrono::steady_clock::now();
     const Stream stream = use_stream();
     void* ptr = store_->acquire(handle_, stream);
     note_device_bytes();
     // CPU compute runs on this thread: wait for the stage-in before touching the bytes.
     if (!options().device().is_cuda()) store_->backend().stream_synchronize(stream);
+    shared_->acquire_wait_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                    std::chrono::steady_clock::now() - start)
+                                    .count();
     return torch::from_blob(ptr, sizes(), options());
   }
   void do_release(torch::Tensor& working, bool dirty) override {

@@ -27,6 +27,10 @@
 // prefetch and acquire made through this placement (the only calls that allocate device
 // memory), since construction or the last reset_peak_device_bytes(): for a store used by
 // one optimizer, the staging windows of the pipeline.
+// acquire_wait_seconds(): host time spent inside acquire() of this placement's buffers
+// (the store's acquire plus, for CPU tensors, the wait for the stage-in): what loading
+// ahead of use saves. On CUDA an acquire only enqueues a wait, so this stays near zero
+// unless the budget makes the store wait for room.
 //
 // Placement does not round or reorder arithmetic: trajectories are bitwise identical to
 // ResidentPlacement (tested on the host backend with a budget that forces evictions).
@@ -36,6 +40,7 @@
 
 #include <atomic>
 #include <cstddef>
+#include <cstdint>
 #include <memory>
 #include <string>
 
@@ -58,6 +63,7 @@ class TIDEPOOL_API TieredPlacement final : public StatePlacement {
   struct Shared {
     std::atomic<std::size_t> live_bytes{0};       // bytes of all live buffers
     std::atomic<std::size_t> peak_device_bytes{0};
+    std::atomic<std::int64_t> acquire_wait_ns{0};
   };
 
   // `store` must outlive every buffer created here (the shared_ptr keeps it alive).
@@ -76,6 +82,9 @@ class TIDEPOOL_API TieredPlacement final : public StatePlacement {
   std::size_t live_bytes() const noexcept { return shared_->live_bytes.load(); }
   std::size_t peak_device_bytes() const noexcept { return shared_->peak_device_bytes.load(); }
   void reset_peak_device_bytes() { shared_->peak_device_bytes = store_->device_bytes(); }
+  double acquire_wait_seconds() const noexcept {
+    return static_cast<double>(shared_->acquire_wait_ns.load()) * 1e-9;
+  }
 
  private:
   std::shared_ptr<TieredStore> store_;

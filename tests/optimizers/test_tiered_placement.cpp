@@ -2,15 +2,20 @@
 // LibTorch's CPU ops can use): Apollo's step pipeline (the recorded order replayed as a
 // prefetch schedule more than one parameter ahead, write-back on release, everything kept
 // resident when it fits) and AADL's history streamed chunk by chunk under a budget smaller
-// than the history. Every case must give bitwise the same parameters as resident state.
+// than the history, loaded ahead of every pass also when each vector is one chunk (and
+// left with nothing held when a step throws). Every case must give bitwise the same
+// parameters as resident state.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <functional>
 #include <memory>
+#include <stdexcept>
 #include <vector>
 
 #include "allocator/backend.h"
 #include "expect_error.h"
+#include "optimizers/aadl.h"
 #include "optimizers/anderson_history.h"
 #include "optimizers/apollo.h"
 #include "optimizers/state_placement.h"
@@ -164,18 +169,25 @@ TEST(StateLease, AFailedAcquireLeavesNothingAcquired) {
   }
 }
 
+// LibTorch's OpenMP workers spin between ops and starve the host backend's copy threads
+// on a small machine (measured on 2 cores: 36 s instead of 1.5 s): one compute thread
+// while this lives.
+class OneComputeThread {
+ public:
+  OneComputeThread() : threads_(at::get_num_threads()) { at::set_num_threads(1); }
+  ~OneComputeThread() { at::set_num_threads(threads_); }
+  OneComputeThread(const OneComputeThread&) = delete;
+  OneComputeThread& operator=(const OneComputeThread&) = delete;
+
+ private:
+  int threads_;
+};
+
 // AADL's history, tiered under a budget smaller than the history: each pass holds about
 // two chunks per vector on the device, never all the vectors; the matrices and the
 // extrapolation are bitwise those of a resident history.
 TEST(TieredAADL, HistoryStreamsInChunksUnderABudgetSmallerThanTheHistory) {
-  // LibTorch's OpenMP workers spin between ops and starve the host backend's copy threads
-  // on a small machine (measured on 2 cores: 36 s instead of 1.5 s); one thread here.
-  const int threads = at::get_num_threads();
-  at::set_num_threads(1);
-  struct RestoreThreads {
-    int n;
-    ~RestoreThreads() { at::set_num_threads(n); }
-  } restore{threads};
+  const OneComputeThread one_thread;
   // 4 stored chunks per vector (the last one short), 5 vectors: 5 × 12 MiB of history.
   const int64_t n = 3 * AndersonHistory::kStoreChunk + 1000;
   const int64_t depth = 5;
@@ -207,6 +219,144 @@ TEST(TieredAADL, HistoryStreamsInChunksUnderABudgetSmallerThanTheHistory) {
   EXPECT_LE(placement->peak_device_bytes(), budget);
   EXPECT_GT(stats.evictions, 0u);
   EXPECT_GT(stats.prefetch_issued, 0u);
+}
+
+// ---- AADL with a single-chunk history: loaded ahead of every pass -----------------------
+
+constexpr int64_t kAADLDepth = 5;
+constexpr int64_t kAADLElements = 3000;  // one group, far below one stored chunk
+
+// What a closure should do at one step (for the failure cases).
+struct ClosurePlan {
+  int throw_in_gradient_call_at = 0;  // step whose forward/backward (inside the inner step) throws
+  int throw_in_safeguard_at = 0;      // step whose safeguard evaluation throws
+};
+
+// Trains one vector with AADL around SGD, with a closure (so the safeguard runs and the
+// inner step runs the forward/backward). `in_forward(step)` runs inside every gradient
+// evaluation; steps that throw (plan) are checked to throw and leave nothing acquired.
+torch::Tensor train_aadl(const std::shared_ptr<StatePlacement>& placement, int steps,
+                         const ClosurePlan& plan = {},
+                         const std::function<void(int)>& in_forward = {},
+                         const std::function<void()>& after_throw = {}) {
+  torch::manual_seed(7);
+  auto p = torch::randn({kAADLElements}, torch::kFloat32).set_requires_grad(true);
+  const torch::Tensor curvature = torch::linspace(0.2, 2.0, kAADLElements);
+  auto sgd = std::make_shared<torch::optim::SGD>(std::vector<torch::Tensor>{p},
+                                                 torch::optim::SGDOptions(0.2));
+  tidepool::optim::AADL aadl(
+      sgd, tidepool::optim::AADLOptions().relaxation(0.5).history_depth(kAADLDepth), placement);
+  for (int step = 1; step <= steps; ++step) {
+    const auto closure = [&] {
+      const bool gradient = torch::GradMode::is_enabled();
+      if (gradient && in_forward) in_forward(step);
+      if ((gradient && step == plan.throw_in_gradient_call_at) ||
+          (!gradient && step == plan.throw_in_safeguard_at)) {
+        throw std::runtime_error("closure failed on purpose");
+      }
+      if (gradient) aadl.zero_grad();
+      const torch::Tensor x = p;
+      torch::Tensor loss = (0.5f * curvature * x * x + 0.3f * torch::sin(2.0f * x)).sum();
+      if (gradient) loss.backward();
+      return loss;
+    };
+    if (step == plan.throw_in_gradient_call_at || step == plan.throw_in_safeguard_at) {
+      EXPECT_THROW(aadl.step(closure), std::runtime_error) << "step " << step;
+      if (after_throw) after_throw();
+    } else {
+      aadl.step(closure);
+    }
+  }
+  EXPECT_GT(aadl.accepted() + aadl.rejected(), 0) << "the safeguard never ran";
+  return p.detach().clone();
+}
+
+// Note [Loading the history ahead of use]: with every vector a single stored chunk there
+// is no "chunk c+1" to load while chunk c is computed; the chunks each pass reads must be
+// on their way before it starts. Every acquire finds its chunk prefetched, the vectors
+// the step's first pass reads are loading while the forward/backward runs, the budget of
+// two chunks per vector holds, and no bit changes.
+TEST(TieredAADL, SingleChunkHistoryIsLoadedAheadOfEveryPass) {
+  const OneComputeThread one_thread;
+  static_assert(kAADLElements < AndersonHistory::kStoreChunk);
+  const int steps = 12;
+  const torch::Tensor resident =
+      train_aadl(std::make_shared<tidepool::optim::ResidentPlacement>(), steps);
+
+  const std::size_t vector_bytes = kAADLElements * sizeof(float);
+  const std::size_t budget = 2 * kAADLDepth * vector_bytes;
+  auto backend = tidepool::make_host_backend();
+  auto store = host_store(*backend, budget);
+  auto placement = std::make_shared<TieredPlacement>(store, tidepool::Stream{},
+                                                     TIDEPOOL_TAG_OPTIMIZER_STATE,
+                                                     WriteBack::on_release);
+  // Loaded (or loading) while the inner step's forward/backward runs, per step.
+  std::vector<std::size_t> loaded_in_forward;
+  const torch::Tensor tiered = train_aadl(placement, steps, {}, [&](int) {
+    loaded_in_forward.push_back(store->stats().resident_handles);
+  });
+  EXPECT_TRUE(torch::equal(resident, tiered));
+
+  // Step s pushes its iterate; its first pass (from s = 3, when three vectors are held)
+  // reads the s − 1 vectors stored before, but the oldest once the history is full.
+  ASSERT_EQ(loaded_in_forward.size(), static_cast<size_t>(steps));
+  for (int step = 3; step <= steps; ++step) {
+    const auto surviving = static_cast<std::size_t>(std::min<int64_t>(step - 1, kAADLDepth - 1));
+    EXPECT_GE(loaded_in_forward[step - 1], surviving)
+        << "step " << step << ": the history was not loading during the forward pass";
+  }
+  const auto stats = store->stats();
+  EXPECT_GT(stats.acquires, 0u);
+  EXPECT_EQ(stats.prefetch_hits, stats.acquires) << "an acquire found its chunk not loading";
+  EXPECT_EQ(stats.misses, 0u);
+  EXPECT_EQ(stats.prefetch_skipped, 0u) << "two chunks per vector must hold every prefetch";
+  EXPECT_GT(stats.evictions, 0u) << "on_release: the history lives on the host between uses";
+  EXPECT_LE(stats.device_peak_bytes, budget);
+  EXPECT_LE(placement->peak_device_bytes(), budget);
+}
+
+// A budget of exactly one chunk per vector (what a pass must hold at once): loading ahead
+// must neither push the store over it nor leave a pass without room, and stays exact.
+TEST(TieredAADL, SingleChunkHistoryInTheSmallestBudgetStaysExact) {
+  const OneComputeThread one_thread;
+  const int steps = 10;
+  const std::size_t budget = kAADLDepth * kAADLElements * sizeof(float);
+  auto backend = tidepool::make_host_backend();
+  auto store = host_store(*backend, budget);
+  auto placement = std::make_shared<TieredPlacement>(store, tidepool::Stream{},
+                                                     TIDEPOOL_TAG_OPTIMIZER_STATE,
+                                                     WriteBack::on_release);
+  EXPECT_TRUE(torch::equal(train_aadl(std::make_shared<tidepool::optim::ResidentPlacement>(), steps),
+                           train_aadl(placement, steps)));
+  EXPECT_LE(store->stats().device_peak_bytes, budget);
+}
+
+// A step that throws after its history started loading (in the forward/backward, or in
+// the safeguard's evaluation after the replace pass was hinted) leaves nothing acquired,
+// later steps go on bitwise as with resident state, and destroying the optimizer frees
+// every device byte the loads took.
+TEST(TieredAADL, AStepThatThrowsAfterLoadingAheadLeavesNothingHeld) {
+  const OneComputeThread one_thread;
+  const int steps = 10;
+  const ClosurePlan plan{.throw_in_gradient_call_at = 5, .throw_in_safeguard_at = 7};
+  const torch::Tensor resident =
+      train_aadl(std::make_shared<tidepool::optim::ResidentPlacement>(), steps, plan);
+
+  auto backend = tidepool::make_host_backend();
+  auto store = host_store(*backend, 2 * kAADLDepth * kAADLElements * sizeof(float));
+  auto placement = std::make_shared<TieredPlacement>(store);
+  int throws = 0;
+  const torch::Tensor tiered = train_aadl(placement, steps, plan, {}, [&] {
+    ++throws;
+    EXPECT_EQ(store->stats().acquired_handles, 0u);
+  });
+  EXPECT_EQ(throws, 2);
+  EXPECT_TRUE(torch::equal(resident, tiered));
+  EXPECT_GT(store->stats().prefetch_hits, 0u);
+  store->synchronize();
+  const auto after = store->stats();
+  EXPECT_EQ(after.handles, 0u);
+  EXPECT_EQ(after.device_bytes, 0u);
 }
 
 }  // namespace
