@@ -15,7 +15,6 @@
 
 #include <atomic>
 #include <chrono>
-#include <condition_variable>
 #include <cstddef>
 #include <cstdlib>
 #include <cstring>
@@ -28,6 +27,7 @@
 #include <vector>
 
 #include "allocator/backend.h"
+#include "tests/support/stream_gate.h"
 #include "tests/support/test_scale.h"
 
 namespace tidepool {
@@ -40,25 +40,7 @@ inline void PrintTo(BackendKind kind, std::ostream* out) {
 namespace tidepool::testing {
 
 
-// Blocks the stream that runs `wait` until `open()` is called.
-struct Gate {
-  std::mutex mutex;
-  std::condition_variable cv;
-  bool is_open = false;
-
-  static void wait(void* self) {
-    auto* gate = static_cast<Gate*>(self);
-    std::unique_lock lock(gate->mutex);
-    gate->cv.wait(lock, [gate] { return gate->is_open; });
-  }
-  void open() {
-    {
-      std::lock_guard lock(mutex);
-      is_open = true;
-    }
-    cv.notify_all();
-  }
-};
+using Gate = test_support::StreamGate;
 
 inline void increment_counter(void* counter) {
   static_cast<std::atomic<int>*>(counter)->fetch_add(1);

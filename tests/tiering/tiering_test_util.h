@@ -11,16 +11,15 @@
 
 #include <cstddef>
 #include <cstdint>
-#include <condition_variable>
 #include <cstdlib>
 #include <memory>
-#include <mutex>
 #include <random>
 #include <string>
 #include <vector>
 
 #include "allocator/backend.h"
 #include "tiering/host_arena.h"
+#include "tests/support/stream_gate.h"
 #include "tests/support/test_backend.h"
 #include "tests/support/test_scale.h"
 
@@ -80,25 +79,7 @@ class TieringStreamTest : public TieringTest {
   Stream stream_;
 };
 
-// Holds a stream: work enqueued after launch_host_func(s, &StreamGate::wait, &gate) runs
-// only once open() is called.
-struct StreamGate {
-  std::mutex mutex;
-  std::condition_variable opened_cv;
-  bool opened = false;
-  static void wait(void* self) {
-    auto* gate = static_cast<StreamGate*>(self);
-    std::unique_lock lock(gate->mutex);
-    gate->opened_cv.wait(lock, [gate] { return gate->opened; });
-  }
-  void open() {
-    {
-      std::lock_guard lock(mutex);
-      opened = true;
-    }
-    opened_cv.notify_all();
-  }
-};
+using test_support::StreamGate;
 
 // Deterministic random bytes.
 inline std::vector<unsigned char> random_bytes(std::size_t n, std::uint64_t seed) {
