@@ -396,28 +396,39 @@ void* HostArena::allocate_direct_pinned(std::size_t bytes, std::string* why_not)
 }
 
 namespace {
+// Why pinned memory failed, read once from the reason its failure path wrote; the stats
+// and the warning both go by it.
+enum class FallbackCause { register_failed, no_mimalloc, budget_spent, other };
+
+FallbackCause fallback_cause(const std::string& reason) {
+  if (reason.rfind("host_register", 0) == 0) return FallbackCause::register_failed;
+  if (reason.rfind("mimalloc", 0) == 0) return FallbackCause::no_mimalloc;
+  if (reason.find("budget") != std::string::npos) return FallbackCause::budget_spent;
+  return FallbackCause::other;
+}
+
 // The warning's text: cause, budget asked for, remedy, consequence.
 std::string pageable_fallback_warning(const HostArenaStats& s, std::size_t bytes,
-                                      const std::string& reason) {
+                                      const std::string& reason, FallbackCause why) {
   constexpr const char* kRaise =
       "raise the locked-memory limit (shell: ulimit -l unlimited; systemd: "
       "LimitMEMLOCK=infinity; docker: --ulimit memlock=-1)";
   const std::string requested = format_bytes(s.pinned_budget_requested_bytes);
   std::string cause, remedy;
-  if (s.budget_capped_by_memlock && reason.rfind("mimalloc", 0) != 0) {
+  if (s.budget_capped_by_memlock && why != FallbackCause::no_mimalloc) {
     cause = "pinned host memory is capped by RLIMIT_MEMLOCK at " + format_bytes(s.pinned_budget_bytes) +
             " (pinned budget requested: " + requested + ")";
     remedy = kRaise;
-  } else if (reason.rfind("host_register", 0) == 0) {
+  } else if (why == FallbackCause::register_failed) {
     rlimit limit{};
     const bool finite = getrlimit(RLIMIT_MEMLOCK, &limit) == 0 && limit.rlim_cur != RLIM_INFINITY;
     cause = "pinning host memory failed (" + reason + "; pinned budget requested: " + requested +
             (finite ? ", RLIMIT_MEMLOCK: " + format_bytes(limit.rlim_cur) : std::string()) + ")";
     remedy = finite ? kRaise : "free host memory or lower tidepool.pinned_budget";
-  } else if (reason.rfind("mimalloc", 0) == 0) {
+  } else if (why == FallbackCause::no_mimalloc) {
     cause = reason;
     remedy = "make libmimalloc.so.2 loadable (Debian/Ubuntu package libmimalloc2.0)";
-  } else if (reason.find("budget") != std::string::npos) {
+  } else if (why == FallbackCause::budget_spent) {
     cause = "the pinned host budget of " + format_bytes(s.pinned_budget_bytes) + " is spent";
     remedy = "raise tidepool.pinned_budget (or HostArenaOptions::pinned_budget_bytes)";
   } else {
@@ -442,25 +453,23 @@ HostBlock HostArena::allocate_pageable(std::size_t bytes, const std::string& rea
   stats_.pageable_in_use_bytes += bytes;
   stats_.pageable_peak_bytes = std::max(stats_.pageable_peak_bytes, stats_.pageable_in_use_bytes);
   stats_.pageable_allocs++;
-  if (reason.rfind("host_register", 0) == 0) {
+  const FallbackCause why = fallback_cause(reason);
+  if (why == FallbackCause::register_failed) {
     stats_.fallback_register_failed++;
-  } else if (reason.rfind("mimalloc", 0) == 0) {
+  } else if (why == FallbackCause::no_mimalloc) {
     stats_.fallback_no_mimalloc++;
   } else {
     stats_.fallback_budget++;
   }
   stats_.last_fallback_reason = reason;
-  warn_fallback_once_locked(bytes, reason);
+  // One line, once per arena: a silent fallback costs a training run its overlap (every
+  // copy of that state blocks the host) and nothing else would tell the user why.
+  if (!stats_.fallback_warned && options_.warn_on_pageable_fallback &&
+      active_config().log != LogLevel::off) {
+    stats_.fallback_warned = true;
+    std::fprintf(stderr, "%s\n", pageable_fallback_warning(stats_, bytes, reason, why).c_str());
+  }
   return HostBlock{p, bytes, HostTier::pageable};
-}
-
-// One line, once per arena: a silent fallback costs a training run its overlap (every copy
-// of that state blocks the host) and nothing else would tell the user why.
-void HostArena::warn_fallback_once_locked(std::size_t bytes, const std::string& reason) {
-  if (stats_.fallback_warned || !options_.warn_on_pageable_fallback) return;
-  if (active_config().log == LogLevel::off) return;
-  stats_.fallback_warned = true;
-  std::fprintf(stderr, "%s\n", pageable_fallback_warning(stats_, bytes, reason).c_str());
 }
 
 void HostArena::deallocate(const HostBlock& block) {

@@ -131,7 +131,6 @@ class TIDEPOOL_API HostArena {
   Slab* add_slab(std::size_t bytes, std::string* why_not);    // nullptr: why_not says
   void* allocate_direct_pinned(std::size_t bytes, std::string* why_not);
   HostBlock allocate_pageable(std::size_t bytes, const std::string& reason);
-  void warn_fallback_once_locked(std::size_t bytes, const std::string& reason);
   bool register_range(void* ptr, std::size_t bytes, std::string* why_not);
 
   Backend& backend_;
