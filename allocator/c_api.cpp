@@ -158,7 +158,10 @@ int tidepool_empty_cache(int device) {
 
 int tidepool_release_stream(int device, void* stream) {
   return guarded(-1, [&] {
+    // The allocator first: it refuses a bad device, the NULL stream and a destroyed
+    // stream before anything changed, and it waits for the stream's work.
     tidepool::device_allocator(device).release_stream(tidepool::Stream{stream});
+    tidepool::detail::route_release_stream(device, stream);
     return 0;
   });
 }

@@ -48,9 +48,10 @@ bool should_ask(const TierRoute* route, bool always_ask) noexcept {
 
 void register_tier_route(const TierRoute* route) {
   if (route == nullptr || route->allocate == nullptr || route->owns == nullptr ||
-      route->deallocate == nullptr || route->record_stream == nullptr) {
+      route->deallocate == nullptr || route->record_stream == nullptr ||
+      route->release_stream == nullptr) {
     throw std::invalid_argument(
-        "tidepool: register_tier_route needs a route with all four callbacks");
+        "tidepool: register_tier_route needs a route with all five callbacks");
   }
   const TierRoute* expected = nullptr;
   if (!g_route.compare_exchange_strong(expected, route) && expected != route) {
@@ -101,6 +102,12 @@ bool route_record_stream(void* ptr, int device, void* stream, bool always_ask) {
   if (!should_ask(route, always_ask) || !route->owns(ptr, device)) return false;
   route->record_stream(ptr, device, stream);
   return true;
+}
+
+void route_release_stream(int device, void* stream) {
+  // Not behind the live-range shortcut: ranges made by the tiering C ABI directly are not
+  // counted there, and release is rare.
+  if (const TierRoute* route = tier_route()) route->release_stream(device, stream);
 }
 
 std::size_t routed_live_ranges() noexcept { return g_live_routed.load(std::memory_order_relaxed); }

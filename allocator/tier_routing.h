@@ -50,7 +50,7 @@ namespace tidepool {
 
 // ---- the tier route --------------------------------------------------------------------
 
-// Callbacks of the layer that serves tierable allocations. All four are required; each
+// Callbacks of the layer that serves tierable allocations. All five are required; each
 // may throw (the C ABI turns exceptions into its error slot).
 struct TierRoute {
   std::uint64_t tags = 0;  // bit t set: allocations under tag t are routed
@@ -62,6 +62,10 @@ struct TierRoute {
   void (*deallocate)(void* ptr, int device) = nullptr;
   // Work on `stream` uses `ptr`: the range is not moved or released before it finishes.
   void (*record_stream)(void* ptr, int device, void* stream) = nullptr;
+  // `stream` is about to be destroyed (tidepool_release_stream; the allocator has waited
+  // for it): forget every use of it recorded on the device's ranges, so no later move
+  // waits on a dead handle. Throws for a stream that is already destroyed, changing nothing.
+  void (*release_stream)(int device, void* stream) = nullptr;
 };
 
 // Installs `route` (static storage; not copied). Registering the same route again is a
@@ -85,6 +89,8 @@ namespace detail {
 void* route_allocate(std::size_t bytes, int device, void* stream);
 bool route_free(void* ptr, std::size_t size, int device, bool always_ask);
 bool route_record_stream(void* ptr, int device, void* stream, bool always_ask);
+// route->release_stream when a route is registered (every range, not only counted ones).
+void route_release_stream(int device, void* stream);
 // Live ranges handed out through route_allocate and not yet freed.
 std::size_t routed_live_ranges() noexcept;
 }  // namespace detail

@@ -152,25 +152,35 @@ torch::Tensor AADL::extrapolate(const AndersonHistory& history) const {
   return history.combine(u);
 }
 
+AADL::NextStep AADL::next_step() const noexcept {
+  const int64_t call = call_counter_ + 1;
+  return NextStep{store_counter_ + 1 >= options_.store_each_nth(),
+                  call > options_.wait_iterations() && call % options_.frequency() == 0};
+}
+
+void AADL::prefetch() const { prefetch(next_step()); }
+
+void AADL::prefetch(NextStep next) const {
+  for (const auto& history : histories_) {
+    if (next.stores) {
+      history->prefetch(AndersonHistory::Pass::after_push);
+    } else if (next.accelerates && history->size() >= 3) {
+      history->prefetch(AndersonHistory::Pass::combine);
+    }
+  }
+}
+
 torch::Tensor AADL::step(LossClosure closure) {
   TORCH_CHECK(inner_->param_groups().size() == histories_.size(), "AADL: the inner optimizer has ",
               inner_->param_groups().size(), " parameter groups, it had ", histories_.size(),
               " when wrapped");
   // What this step does, decided before anything runs (the counters only move once the
-  // inner step succeeded): whether the parameters join the history, whether to accelerate.
-  const bool stores = store_counter_ + 1 >= options_.store_each_nth();
-  const int64_t call = call_counter_ + 1;
-  const bool accelerates = call > options_.wait_iterations() && call % options_.frequency() == 0;
+  // inner step succeeded).
+  const auto [stores, accelerates] = next_step();
   // Note [Loading the history ahead of use] (anderson_history.h): the first pass this step
   // makes over each history starts loading now, while the inner optimizer steps (and,
   // with a closure, runs the forward and backward pass).
-  for (const auto& history : histories_) {
-    if (stores) {
-      history->prefetch(AndersonHistory::Pass::after_push);
-    } else if (accelerates && history->size() >= 3) {
-      history->prefetch(AndersonHistory::Pass::combine);
-    }
-  }
+  prefetch(NextStep{stores, accelerates});
   torch::Tensor loss = inner_->step(closure);
   torch::NoGradGuard no_grad;
 

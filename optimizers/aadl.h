@@ -15,8 +15,8 @@
 //        its loss is strictly lower, else the plain iterate is restored. Without a closure
 //        x is loaded and the history is left as it is.
 //   Returns the loss the inner optimizer's step returned. The chunks of history the
-//   step's passes read start loading on entry, before the inner step (Note [Loading the
-//   history ahead of use] in anderson_history.h).
+//   step's passes read start loading on entry, before the inner step, or earlier through
+//   prefetch() (Note [Loading the history ahead of use] in anderson_history.h).
 //
 // acceleration_type anderson and anderson_normal_equation name the reference's two ways of
 // solving the same least-squares problem; here both use the same fp64 solve (equilibrated
@@ -72,6 +72,14 @@ class TIDEPOOL_API AADL : public torch::optim::Optimizer {
 
   torch::Tensor step(LossClosure closure = nullptr) override;
 
+  // Starts loading the part of the history that the next step() reads first; a hint that
+  // never changes a result. step() does this itself on entry, which overlaps the loads
+  // with the inner step (and, with a closure, with its forward and backward pass). A
+  // trainer that runs forward and backward outside step() calls prefetch() before its
+  // forward pass to get the same overlap. Note [Loading the history ahead of use] in
+  // anderson_history.h.
+  void prefetch() const;
+
   // Saves the inner optimizer (nested archive "inner"), the counters and every group's
   // history with its matrices; load restores them into this optimizer's placement.
   void save(torch::serialize::OutputArchive& archive) const override;
@@ -85,6 +93,13 @@ class TIDEPOOL_API AADL : public torch::optim::Optimizer {
   int64_t rejected() const noexcept { return rejected_; }
 
  private:
+  // What the next step() does, decided by the counters alone.
+  struct NextStep {
+    bool stores = false;       // the parameters join the history
+    bool accelerates = false;  // groups with ≥ 3 vectors extrapolate
+  };
+  NextStep next_step() const noexcept;
+  void prefetch(NextStep next) const;
   // Solves the group's least-squares problem and returns the extrapolated vector.
   torch::Tensor extrapolate(const AndersonHistory& history) const;
 

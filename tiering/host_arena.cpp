@@ -458,8 +458,10 @@ HostBlock HostArena::allocate_pageable(std::size_t bytes, const std::string& rea
     stats_.fallback_register_failed++;
   } else if (why == FallbackCause::no_mimalloc) {
     stats_.fallback_no_mimalloc++;
-  } else {
+  } else if (why == FallbackCause::budget_spent) {
     stats_.fallback_budget++;
+  } else {
+    stats_.fallback_other++;
   }
   stats_.last_fallback_reason = reason;
   // One line, once per arena: a silent fallback costs a training run its overlap (every

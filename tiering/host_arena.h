@@ -99,6 +99,7 @@ struct HostArenaStats {
   std::uint64_t fallback_budget = 0;         // ... because the pinned budget was spent
   std::uint64_t fallback_register_failed = 0;  // ... because host_register failed
   std::uint64_t fallback_no_mimalloc = 0;      // ... because libmimalloc could not be loaded
+  std::uint64_t fallback_other = 0;  // ... for another reason (mmap of a slab failed, ...)
   std::uint64_t register_failures = 0;
   std::string last_fallback_reason;
   bool fallback_warned = false;  // the stderr warning was printed (once per arena)

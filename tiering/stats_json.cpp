@@ -83,6 +83,7 @@ std::string to_json(const HostArenaStats& s) {
       .num("fallback_budget", ull(s.fallback_budget))
       .num("fallback_register_failed", ull(s.fallback_register_failed))
       .num("fallback_no_mimalloc", ull(s.fallback_no_mimalloc))
+      .num("fallback_other", ull(s.fallback_other))
       .num("register_failures", ull(s.register_failures))
       .str("last_fallback_reason", s.last_fallback_reason)
       .boolean("fallback_warned", s.fallback_warned)

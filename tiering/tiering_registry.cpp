@@ -76,6 +76,12 @@ VmmPool& tiering_vmm_pool(int device) {
   return *d.vmm;
 }
 
+VmmPool* existing_tiering_vmm_pool(int device) {
+  std::lock_guard lock(registry_mutex());
+  auto it = registry().find(device);
+  return it == registry().end() ? nullptr : it->second.vmm.get();
+}
+
 void* allocate_tierable_range(int device, std::size_t bytes, int tag, Stream stream) {
   VmmPool& pool = tiering_vmm_pool(device);
   void* p = pool.allocate(bytes, tag, MemoryLocation::device);
@@ -121,6 +127,9 @@ const TierRoute kTierRoute{
     [](void* ptr, int device) { free_tierable_range(device, ptr); },
     [](void* ptr, int device, void* stream) {
       tiering_vmm_pool(device).record_use(ptr, Stream{stream});
+    },
+    [](int device, void* stream) {
+      if (VmmPool* pool = existing_tiering_vmm_pool(device)) pool->release_stream(Stream{stream});
     },
 };
 

@@ -41,6 +41,8 @@ class VmmPool;
 TIDEPOOL_API void set_tiering_backend(int device, Backend* backend);
 // The device's VmmPool, created on first use.
 TIDEPOOL_API VmmPool& tiering_vmm_pool(int device);
+// The device's VmmPool if it exists yet, else nullptr (creates nothing).
+TIDEPOOL_API VmmPool* existing_tiering_vmm_pool(int device);
 // Calls `fn` on every registered store of `device` (under the registry lock: `fn` must
 // not create or destroy stores).
 TIDEPOOL_API void for_each_tiered_store(int device, const std::function<void(TieredStore&)>& fn);

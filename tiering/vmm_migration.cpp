@@ -156,6 +156,12 @@ void VmmPool::record_use(const void* ptr, Stream stream) {
   r->use_streams.push_back(stream);
 }
 
+void VmmPool::release_stream(Stream stream) {
+  std::lock_guard lock(mutex_);
+  backend_.stream_synchronize(stream);
+  for (auto& [base, r] : ranges_) std::erase(r.use_streams, stream);
+}
+
 void VmmPool::wait_for_users_locked(Range& r) {
   for (Stream s : r.use_streams) {
     backend_.record_event(sync_event_, s);

@@ -102,6 +102,10 @@ class TIDEPOOL_API VmmPool {
 
   // Notes that work on `stream` uses the range holding `ptr`; migrate() waits for it.
   void record_use(const void* ptr, Stream stream);
+  // `stream` is about to be destroyed: waits for its work, then forgets it on every range
+  // (a later migrate or deallocate would otherwise wait on a dead handle). A stream the
+  // backend no longer knows throws BackendError before anything changed.
+  void release_stream(Stream stream);
   // Moves the range holding `ptr` to `to`, keeping its address: all of it to the host;
   // to the device as much as the device budget allows (Note [VMM device budget]).
   // Throws TieringError (unknown pointer, a failed step; data stays readable).

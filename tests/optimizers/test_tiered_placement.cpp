@@ -3,7 +3,8 @@
 // prefetch schedule more than one parameter ahead, write-back on release, everything kept
 // resident when it fits) and AADL's history streamed chunk by chunk under a budget smaller
 // than the history, loaded ahead of every pass also when each vector is one chunk (and
-// left with nothing held when a step throws). Every case must give bitwise the same
+// left with nothing held when a step throws), or before a forward pass run outside step()
+// through AADL::prefetch(). Every case must give bitwise the same
 // parameters as resident state.
 #include <gtest/gtest.h>
 
@@ -313,6 +314,63 @@ TEST(TieredAADL, SingleChunkHistoryIsLoadedAheadOfEveryPass) {
   EXPECT_GT(stats.evictions, 0u) << "on_release: the history lives on the host between uses";
   EXPECT_LE(stats.device_peak_bytes, budget);
   EXPECT_LE(placement->peak_device_bytes(), budget);
+}
+
+// A trainer that runs forward and backward itself, then calls step() without a closure:
+// AADL::prefetch() before the forward pass loads the history the step reads first while
+// that pass runs (without it, nothing is on its way then), and changes no bit.
+torch::Tensor train_aadl_outside_step(const std::shared_ptr<StatePlacement>& placement,
+                                      int steps, bool prefetch_before_forward,
+                                      const std::function<void(int)>& in_forward = {}) {
+  torch::manual_seed(7);
+  auto p = torch::randn({kAADLElements}, torch::kFloat32).set_requires_grad(true);
+  const torch::Tensor curvature = torch::linspace(0.2, 2.0, kAADLElements);
+  auto sgd = std::make_shared<torch::optim::SGD>(std::vector<torch::Tensor>{p},
+                                                 torch::optim::SGDOptions(0.2));
+  tidepool::optim::AADL aadl(
+      sgd, tidepool::optim::AADLOptions().relaxation(0.5).history_depth(kAADLDepth), placement);
+  for (int step = 1; step <= steps; ++step) {
+    if (prefetch_before_forward) aadl.prefetch();
+    aadl.zero_grad();
+    if (in_forward) in_forward(step);
+    (0.5f * curvature * p * p + 0.3f * torch::sin(2.0f * p)).sum().backward();
+    aadl.step();
+  }
+  return p.detach().clone();
+}
+
+TEST(TieredAADL, PrefetchBeforeAForwardPassOutsideStepLoadsTheHistoryThen) {
+  const OneComputeThread one_thread;
+  const int steps = 8;
+  const torch::Tensor resident = train_aadl_outside_step(
+      std::make_shared<tidepool::optim::ResidentPlacement>(), steps, false);
+  for (const bool prefetch : {false, true}) {
+    SCOPED_TRACE(prefetch ? "with prefetch()" : "without prefetch()");
+    const std::size_t budget = 2 * kAADLDepth * kAADLElements * sizeof(float);
+    auto backend = tidepool::make_host_backend();
+    auto store = host_store(*backend, budget);
+    auto placement = std::make_shared<TieredPlacement>(store, tidepool::Stream{},
+                                                       TIDEPOOL_TAG_OPTIMIZER_STATE,
+                                                       WriteBack::on_release);
+    std::vector<std::size_t> loaded_in_forward;
+    const torch::Tensor tiered = train_aadl_outside_step(placement, steps, prefetch, [&](int) {
+      store->synchronize();  // what was started by now has arrived
+      loaded_in_forward.push_back(store->stats().resident_handles);
+    });
+    EXPECT_TRUE(torch::equal(resident, tiered));
+    // From step 3 the step's first pass (after its push) reads the vectors stored before,
+    // but the oldest once the history is full.
+    for (int step = 3; step <= steps; ++step) {
+      const auto surviving =
+          static_cast<std::size_t>(std::min<int64_t>(step - 1, kAADLDepth - 1));
+      if (prefetch) {
+        EXPECT_GE(loaded_in_forward[step - 1], surviving) << "step " << step;
+      } else {
+        EXPECT_EQ(loaded_in_forward[step - 1], 0u) << "step " << step;
+      }
+    }
+    EXPECT_LE(store->stats().device_peak_bytes, budget);
+  }
 }
 
 // A budget of exactly one chunk per vector (what a pass must hold at once): loading ahead

@@ -2,7 +2,8 @@
 // reaching the device's tiered stores, versioned stats, the JSON snapshot, the allocator's
 // reclaim hook reaching the stores on an allocator OOM, errors as return codes with a
 // message in tidepool_last_error, tag prefetch within tidepool.state_budget, and the
-// allocator's tier route (tidepool_malloc of optimizer state -> pointer-stable ranges).
+// allocator's tier route (tidepool_malloc of optimizer state -> pointer-stable ranges,
+// and tidepool_release_stream reaching them).
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -370,6 +371,40 @@ TEST_F(TierRouteTest, ARangeFromTheTieringCAbiCanBeFreedThroughTidepoolFree) {
   EXPECT_EQ(tiering_vmm_pool(kRouteDevice).stats().ranges, ranges - 1);
 }
 
+TEST_F(TierRouteTest, AReleasedStreamIsForgottenByTheRangesThatRecordedIt) {
+  // A range allocated and recorded on a stream the program then releases and destroys:
+  // moving the range later must not wait on the dead handle.
+  Backend& backend = device_allocator(kRouteDevice).backend();
+  const Stream s = backend.create_stream();
+  ASSERT_EQ(tidepool_tag_push(kTag), 0);
+  void* allocated_on_s = tidepool_malloc(2 * kMiB, kRouteDevice, s.handle);
+  ASSERT_EQ(tidepool_tag_pop(), 0);
+  void* recorded_on_s = tidepool_vmm_malloc(2 * kMiB, kRouteDevice, kTag, nullptr);
+  ASSERT_TRUE(allocated_on_s && recorded_on_s) << tidepool_last_error();
+  ASSERT_TRUE(routed(allocated_on_s));
+  ASSERT_EQ(tidepool_record_stream(recorded_on_s, kRouteDevice, s.handle), 0)
+      << tidepool_last_error();
+  std::memset(allocated_on_s, 0x5a, 2 * kMiB);
+
+  ASSERT_EQ(tidepool_release_stream(kRouteDevice, s.handle), 0) << tidepool_last_error();
+  backend.destroy_stream(s);
+  for (void* p : {allocated_on_s, recorded_on_s}) {
+    EXPECT_EQ(tidepool_evict_ptr(kRouteDevice, p), 0) << tidepool_last_error();
+    EXPECT_EQ(tidepool_prefetch_ptr(kRouteDevice, p, nullptr), 0) << tidepool_last_error();
+  }
+  const auto* bytes = static_cast<const unsigned char*>(allocated_on_s);
+  for (std::size_t i = 0; i < 2 * kMiB; i += 4093) ASSERT_EQ(bytes[i], 0x5a) << i;
+
+  // Released again once destroyed: a clear error, and the ranges are untouched.
+  EXPECT_EQ(tidepool_release_stream(kRouteDevice, s.handle), -1);
+  EXPECT_EQ(tiering_vmm_pool(kRouteDevice).bytes_in(allocated_on_s, MemoryLocation::device),
+            2 * kMiB);
+  ::testing::internal::CaptureStderr();
+  tidepool_free(allocated_on_s, 2 * kMiB, kRouteDevice, nullptr);
+  tidepool_free(recorded_on_s, 2 * kMiB, kRouteDevice, nullptr);
+  EXPECT_EQ(::testing::internal::GetCapturedStderr(), "");
+}
+
 TEST(TierRouteRegistration, ADifferentRouteOrAnIncompleteOneIsRefused) {
   const TierRoute* installed = tier_route();
   ASSERT_NE(installed, nullptr);
@@ -378,6 +413,9 @@ TEST(TierRouteRegistration, ADifferentRouteOrAnIncompleteOneIsRefused) {
   EXPECT_THROW(register_tier_route(&other), std::logic_error);
   TierRoute incomplete = *installed;
   incomplete.owns = nullptr;
+  EXPECT_THROW(register_tier_route(&incomplete), std::invalid_argument);
+  incomplete = *installed;
+  incomplete.release_stream = nullptr;
   EXPECT_THROW(register_tier_route(&incomplete), std::invalid_argument);
   EXPECT_THROW(register_tier_route(nullptr), std::invalid_argument);
   EXPECT_EQ(tier_route(), installed);

@@ -2,7 +2,11 @@
 // RLIMIT_MEMLOCK, and the pageable fallback that must be reported, not silent.
 #include <sys/resource.h>
 
+#include <unistd.h>
+
 #include <algorithm>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <thread>
 
@@ -116,6 +120,49 @@ TEST_P(HostArenaTest, RegistrationFailureFallsBackAndIsCounted) {
   EXPECT_EQ(c.tier, HostTier::pinned);
   arena.deallocate(b);
   arena.deallocate(c);
+}
+
+// A slab whose mmap fails (the address space is capped) falls back to pageable memory and
+// is counted as a cause of its own, not as a spent budget. In a child process: the cap
+// cannot be lifted again by an unprivileged process, and sanitizers reserve more address
+// space than any cap leaves.
+TEST_P(HostArenaTest, AFailedSlabMappingFallsBackAndIsCountedAsItsOwnCause) {
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+  GTEST_SKIP() << "sanitizers need more address space than the cap leaves";
+#endif
+  if (!on_host()) GTEST_SKIP() << "the CUDA runtime needs more address space than the cap leaves";
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  const auto child = [this] {
+    HostArenaOptions o = test_host_options();
+    o.warn_on_pageable_fallback = false;
+    // A first arena loads mimalloc and keeps its slab, so the second needs a slab of its own.
+    HostArena first(backend(), o);
+    HostBlock kept = first.allocate(4096);
+    HostArena arena(backend(), o);
+    long pages = 0;
+    if (FILE* f = std::fopen("/proc/self/statm", "r")) {
+      if (std::fscanf(f, "%ld", &pages) != 1) pages = 0;
+      std::fclose(f);
+    }
+    if (pages <= 0) std::_Exit(10);
+    const rlim_t cap = static_cast<rlim_t>(pages) * static_cast<rlim_t>(sysconf(_SC_PAGESIZE)) +
+                       (rlim_t{16} << 20);  // < one 64 MiB slab, > a 4 KiB pageable block
+    const rlimit limit{cap, cap};
+    if (setrlimit(RLIMIT_AS, &limit) != 0) std::_Exit(11);
+    HostBlock b = arena.allocate(4096);
+    const HostArenaStats s = arena.stats();
+    if (b.tier != HostTier::pageable) std::_Exit(12);
+    if (s.fallback_other != 1 || s.fallback_budget != 0 || s.fallback_register_failed != 0 ||
+        s.pageable_allocs != 1)
+      std::_Exit(13);
+    if (s.last_fallback_reason.find("mmap") == std::string::npos) std::_Exit(14);
+    std::memset(b.ptr, 1, b.bytes);
+    arena.deallocate(b);
+    first.deallocate(kept);
+    std::_Exit(0);
+  };
+  EXPECT_EXIT(child(), ::testing::ExitedWithCode(0), "")
+      << "exit 12: not pageable; 13: counted under another cause; 14: reason without mmap";
 }
 
 TEST_P(HostArenaTest, BadInputIsRejected) {
