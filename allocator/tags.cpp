@@ -34,11 +34,23 @@ TagRegistry& registry() {
   return *r;
 }
 
+// The calling thread's stack. Note [Static TLS] (thread_cache.cpp): libtidepool's whole
+// TLS block lives in the static TLS that glibc keeps spare for dlopen()ed libraries, so
+// it must stay small; the stack keeps its first kInlineDepth entries here and the rest,
+// only while the nesting is that deep, on the heap. Constant-initialised and trivially
+// destructible: reading it costs no TLS wrapper, and it is valid in any thread_local
+// destructor. current_tag() (every allocation) reads `top` alone.
 struct TagStack {
-  std::array<int, kMaxTagDepth> tags{};
+  static constexpr int kInlineDepth = 16;
   int depth = 0;
+  int top = kTagUntagged;  // innermost tag; kTagUntagged when depth == 0
+  std::array<int, kInlineDepth> inline_tags{};
+  int* deeper = nullptr;  // entries kInlineDepth.. while depth > kInlineDepth
+
+  int at(int i) const { return i < kInlineDepth ? inline_tags[i] : deeper[i - kInlineDepth]; }
 };
-thread_local TagStack t_stack;
+static_assert(TagStack::kInlineDepth < kMaxTagDepth);
+constinit thread_local TagStack t_stack [[gnu::tls_model("initial-exec")]]{};
 
 }  // namespace
 
@@ -75,18 +87,30 @@ void push_tag(int tag) {
   if (s.depth >= kMaxTagDepth)
     throw std::length_error("tidepool: tag stack deeper than " + std::to_string(kMaxTagDepth) +
                             " (a push without a pop?)");
-  s.tags[s.depth++] = tag;
+  if (s.depth < TagStack::kInlineDepth) {
+    s.inline_tags[s.depth] = tag;
+  } else {
+    // Allocated before anything changes: a bad_alloc leaves the stack as it was.
+    if (s.deeper == nullptr) s.deeper = new int[kMaxTagDepth - TagStack::kInlineDepth];
+    s.deeper[s.depth - TagStack::kInlineDepth] = tag;
+  }
+  ++s.depth;
+  s.top = tag;
 }
 
 void pop_tag() {
   TagStack& s = t_stack;
   if (s.depth == 0) throw std::logic_error("tidepool: tag pop with an empty tag stack");
   --s.depth;
+  s.top = s.depth == 0 ? kTagUntagged : s.at(s.depth - 1);
+  // Freed as soon as the nesting is shallow again, so a thread that exits with its scopes
+  // closed leaves nothing behind (the stack has no destructor, see above).
+  if (s.depth == TagStack::kInlineDepth) {
+    delete[] s.deeper;
+    s.deeper = nullptr;
+  }
 }
 
-int current_tag() noexcept {
-  const TagStack& s = t_stack;
-  return s.depth == 0 ? kTagUntagged : s.tags[s.depth - 1];
-}
+int current_tag() noexcept { return t_stack.top; }
 
 }  // namespace tidepool

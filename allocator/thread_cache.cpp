@@ -88,8 +88,22 @@ std::atomic<std::uint64_t> g_next_allocator_id{1};
 // matches a live allocator.
 // Initial-exec TLS: a fixed offset from the thread pointer, where the default model for a
 // shared library calls __tls_get_addr on every lookup (callgrind, Mixed64Live: 40 of
-// ~650 instructions per pair). It takes 24 bytes of the static TLS that glibc keeps
-// spare for libraries loaded with dlopen (Python's import of tidepool).
+// ~650 instructions per pair). See Note [Static TLS].
+//
+// Note [Static TLS]
+// One initial-exec variable marks libtidepool.so STATIC_TLS: the loader must then place
+// the library's *whole* TLS block (every thread_local in it, of any model) in the static
+// TLS that glibc keeps spare for libraries loaded with dlopen (Python's import of
+// tidepool), and dlopen fails ("cannot allocate memory in static TLS block") when too
+// little is left. Measured on the CI machine (glibc 2.36, x86-64): a single initial-exec
+// block of 1700 bytes loads into a fresh python3, 1400 after `import torch` (2.11, CUDA
+// wheel). libtidepool's block was 1193 bytes while the tag stack held 256 entries in
+// place; it is now 241 (tags.cpp keeps 16 in place), and tests/lint (check_static_tls.py)
+// fails when it grows past 512 bytes, the part of the spare static TLS glibc reserves for
+// such libraries (tunable glibc.rtld.optional_static_tls). Since the block is
+// static anyway, hot variables may as well be initial-exec (the tag stack is). Measured
+// against the default model in the same run: dropping initial-exec everywhere (no
+// STATIC_TLS at all) cost 2-16 ns on a 24-37 ns cached pair on the loaded CI machine.
 struct LastLookup {
   std::uint64_t id = 0;
   ThreadCache* cache = nullptr;

@@ -65,6 +65,25 @@ TEST(Tags, MisuseIsAClearError) {
   EXPECT_EQ(current_tag(), kTagUntagged);
 }
 
+TEST(Tags, EveryLevelOfADeepStackComesBackInOrder) {
+  // Deep enough to leave the stack's inline part (16 levels) and come back, twice.
+  const int user = tag_id("deep-stack-test");
+  const auto tag_at = [&](int level) { return level % 3 == 0 ? user : level % 6; };
+  for (int round = 0; round < 2; ++round) {
+    for (int level = 0; level < kMaxTagDepth; ++level) {
+      push_tag(tag_at(level));
+      ASSERT_EQ(current_tag(), tag_at(level)) << "push at level " << level;
+    }
+    for (int level = kMaxTagDepth - 1; level > 0; --level) {
+      pop_tag();
+      ASSERT_EQ(current_tag(), tag_at(level - 1)) << "pop to level " << level - 1;
+    }
+    pop_tag();
+    EXPECT_EQ(current_tag(), kTagUntagged);
+  }
+  EXPECT_THROW(pop_tag(), std::logic_error);
+}
+
 TEST(Tags, TheTableFillsUpWithAClearError) {
   bool full = false;
   for (int i = 0; i < kTagCount + 1 && !full; ++i) {
