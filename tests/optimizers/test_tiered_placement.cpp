@@ -233,20 +233,35 @@ struct ClosurePlan {
   int throw_in_safeguard_at = 0;      // step whose safeguard evaluation throws
 };
 
-// Trains one vector with AADL around SGD, with a closure (so the safeguard runs and the
-// inner step runs the forward/backward). `in_forward(step)` runs inside every gradient
-// evaluation; steps that throw (plan) are checked to throw and leave nothing acquired.
+// One vector trained with AADL around SGD on a separable non-convex loss.
+struct AADLProblem {
+  explicit AADLProblem(const std::shared_ptr<StatePlacement>& placement)
+      : p((torch::manual_seed(7), torch::randn({kAADLElements}, torch::kFloat32))
+              .set_requires_grad(true)),
+        curvature(torch::linspace(0.2, 2.0, kAADLElements)),
+        aadl(std::make_shared<torch::optim::SGD>(std::vector<torch::Tensor>{p},
+                                                 torch::optim::SGDOptions(0.2)),
+             tidepool::optim::AADLOptions().relaxation(0.5).history_depth(kAADLDepth),
+             placement) {}
+
+  torch::Tensor loss() const {
+    return (0.5f * curvature * p * p + 0.3f * torch::sin(2.0f * p)).sum();
+  }
+
+  torch::Tensor p;
+  torch::Tensor curvature;
+  tidepool::optim::AADL aadl;
+};
+
+// Trains the AADLProblem with a closure (so the safeguard runs and the inner step runs
+// the forward/backward). `in_forward(step)` runs inside every gradient evaluation; steps
+// that throw (plan) are checked to throw and leave nothing acquired.
 torch::Tensor train_aadl(const std::shared_ptr<StatePlacement>& placement, int steps,
                          const ClosurePlan& plan = {},
                          const std::function<void(int)>& in_forward = {},
                          const std::function<void()>& after_throw = {}) {
-  torch::manual_seed(7);
-  auto p = torch::randn({kAADLElements}, torch::kFloat32).set_requires_grad(true);
-  const torch::Tensor curvature = torch::linspace(0.2, 2.0, kAADLElements);
-  auto sgd = std::make_shared<torch::optim::SGD>(std::vector<torch::Tensor>{p},
-                                                 torch::optim::SGDOptions(0.2));
-  tidepool::optim::AADL aadl(
-      sgd, tidepool::optim::AADLOptions().relaxation(0.5).history_depth(kAADLDepth), placement);
+  AADLProblem problem(placement);
+  tidepool::optim::AADL& aadl = problem.aadl;
   for (int step = 1; step <= steps; ++step) {
     const auto closure = [&] {
       const bool gradient = torch::GradMode::is_enabled();
@@ -256,8 +271,7 @@ torch::Tensor train_aadl(const std::shared_ptr<StatePlacement>& placement, int s
         throw std::runtime_error("closure failed on purpose");
       }
       if (gradient) aadl.zero_grad();
-      const torch::Tensor x = p;
-      torch::Tensor loss = (0.5f * curvature * x * x + 0.3f * torch::sin(2.0f * x)).sum();
+      torch::Tensor loss = problem.loss();
       if (gradient) loss.backward();
       return loss;
     };
@@ -269,7 +283,7 @@ torch::Tensor train_aadl(const std::shared_ptr<StatePlacement>& placement, int s
     }
   }
   EXPECT_GT(aadl.accepted() + aadl.rejected(), 0) << "the safeguard never ran";
-  return p.detach().clone();
+  return problem.p.detach().clone();
 }
 
 // Note [Loading the history ahead of use]: with every vector a single stored chunk there
@@ -322,21 +336,15 @@ TEST(TieredAADL, SingleChunkHistoryIsLoadedAheadOfEveryPass) {
 torch::Tensor train_aadl_outside_step(const std::shared_ptr<StatePlacement>& placement,
                                       int steps, bool prefetch_before_forward,
                                       const std::function<void(int)>& in_forward = {}) {
-  torch::manual_seed(7);
-  auto p = torch::randn({kAADLElements}, torch::kFloat32).set_requires_grad(true);
-  const torch::Tensor curvature = torch::linspace(0.2, 2.0, kAADLElements);
-  auto sgd = std::make_shared<torch::optim::SGD>(std::vector<torch::Tensor>{p},
-                                                 torch::optim::SGDOptions(0.2));
-  tidepool::optim::AADL aadl(
-      sgd, tidepool::optim::AADLOptions().relaxation(0.5).history_depth(kAADLDepth), placement);
+  AADLProblem problem(placement);
   for (int step = 1; step <= steps; ++step) {
-    if (prefetch_before_forward) aadl.prefetch();
-    aadl.zero_grad();
+    if (prefetch_before_forward) problem.aadl.prefetch();
+    problem.aadl.zero_grad();
     if (in_forward) in_forward(step);
-    (0.5f * curvature * p * p + 0.3f * torch::sin(2.0f * p)).sum().backward();
-    aadl.step();
+    problem.loss().backward();
+    problem.aadl.step();
   }
-  return p.detach().clone();
+  return problem.p.detach().clone();
 }
 
 TEST(TieredAADL, PrefetchBeforeAForwardPassOutsideStepLoadsTheHistoryThen) {
