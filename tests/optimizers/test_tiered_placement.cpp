@@ -286,6 +286,20 @@ torch::Tensor train_aadl(const std::shared_ptr<StatePlacement>& placement, int s
   return problem.p.detach().clone();
 }
 
+// A placement that writes the history back as soon as a pass releases it, so it lives on
+// the host between uses and whatever is on the device during a forward pass was loaded
+// ahead for the step.
+std::shared_ptr<TieredPlacement> writing_back_on_release(std::shared_ptr<TieredStore> store) {
+  return std::make_shared<TieredPlacement>(std::move(store), tidepool::Stream{},
+                                           TIDEPOOL_TAG_OPTIMIZER_STATE, WriteBack::on_release);
+}
+
+// Vectors the first pass of `step` reads (from step 3, when three vectors are held): the
+// s − 1 stored before, but the oldest once the history is full.
+std::size_t first_pass_vectors(int step) {
+  return static_cast<std::size_t>(std::min<int64_t>(step - 1, kAADLDepth - 1));
+}
+
 // Note [Loading the history ahead of use]: with every vector a single stored chunk there
 // is no "chunk c+1" to load while chunk c is computed; the chunks each pass reads must be
 // on their way before it starts. Every acquire finds its chunk prefetched, the vectors
@@ -302,9 +316,7 @@ TEST(TieredAADL, SingleChunkHistoryIsLoadedAheadOfEveryPass) {
   const std::size_t budget = 2 * kAADLDepth * vector_bytes;
   auto backend = tidepool::make_host_backend();
   auto store = host_store(*backend, budget);
-  auto placement = std::make_shared<TieredPlacement>(store, tidepool::Stream{},
-                                                     TIDEPOOL_TAG_OPTIMIZER_STATE,
-                                                     WriteBack::on_release);
+  auto placement = writing_back_on_release(store);
   // Loaded (or loading) while the inner step's forward/backward runs, per step.
   std::vector<std::size_t> loaded_in_forward;
   const torch::Tensor tiered = train_aadl(placement, steps, {}, [&](int) {
@@ -312,12 +324,9 @@ TEST(TieredAADL, SingleChunkHistoryIsLoadedAheadOfEveryPass) {
   });
   EXPECT_TRUE(torch::equal(resident, tiered));
 
-  // Step s pushes its iterate; its first pass (from s = 3, when three vectors are held)
-  // reads the s − 1 vectors stored before, but the oldest once the history is full.
   ASSERT_EQ(loaded_in_forward.size(), static_cast<size_t>(steps));
   for (int step = 3; step <= steps; ++step) {
-    const auto surviving = static_cast<std::size_t>(std::min<int64_t>(step - 1, kAADLDepth - 1));
-    EXPECT_GE(loaded_in_forward[step - 1], surviving)
+    EXPECT_GE(loaded_in_forward[step - 1], first_pass_vectors(step))
         << "step " << step << ": the history was not loading during the forward pass";
   }
   const auto stats = store->stats();
@@ -357,22 +366,17 @@ TEST(TieredAADL, PrefetchBeforeAForwardPassOutsideStepLoadsTheHistoryThen) {
     const std::size_t budget = 2 * kAADLDepth * kAADLElements * sizeof(float);
     auto backend = tidepool::make_host_backend();
     auto store = host_store(*backend, budget);
-    auto placement = std::make_shared<TieredPlacement>(store, tidepool::Stream{},
-                                                       TIDEPOOL_TAG_OPTIMIZER_STATE,
-                                                       WriteBack::on_release);
+    auto placement = writing_back_on_release(store);
     std::vector<std::size_t> loaded_in_forward;
     const torch::Tensor tiered = train_aadl_outside_step(placement, steps, prefetch, [&](int) {
       store->synchronize();  // what was started by now has arrived
       loaded_in_forward.push_back(store->stats().resident_handles);
     });
     EXPECT_TRUE(torch::equal(resident, tiered));
-    // From step 3 the step's first pass (after its push) reads the vectors stored before,
-    // but the oldest once the history is full.
+    ASSERT_EQ(loaded_in_forward.size(), static_cast<size_t>(steps));
     for (int step = 3; step <= steps; ++step) {
-      const auto surviving =
-          static_cast<std::size_t>(std::min<int64_t>(step - 1, kAADLDepth - 1));
       if (prefetch) {
-        EXPECT_GE(loaded_in_forward[step - 1], surviving) << "step " << step;
+        EXPECT_GE(loaded_in_forward[step - 1], first_pass_vectors(step)) << "step " << step;
       } else {
         EXPECT_EQ(loaded_in_forward[step - 1], 0u) << "step " << step;
       }
@@ -389,9 +393,7 @@ TEST(TieredAADL, SingleChunkHistoryInTheSmallestBudgetStaysExact) {
   const std::size_t budget = kAADLDepth * kAADLElements * sizeof(float);
   auto backend = tidepool::make_host_backend();
   auto store = host_store(*backend, budget);
-  auto placement = std::make_shared<TieredPlacement>(store, tidepool::Stream{},
-                                                     TIDEPOOL_TAG_OPTIMIZER_STATE,
-                                                     WriteBack::on_release);
+  auto placement = writing_back_on_release(store);
   EXPECT_TRUE(torch::equal(train_aadl(std::make_shared<tidepool::optim::ResidentPlacement>(), steps),
                            train_aadl(placement, steps)));
   EXPECT_LE(store->stats().device_peak_bytes, budget);
