@@ -44,7 +44,8 @@ R guarded(R failed, Fn&& fn) {
   return tidepool::detail::guarded(kAllocatorErrors, failed, std::forward<Fn>(fn));
 }
 
-// For a free that the named device rejected: the device the pointer belongs to, if any.
+// The device whose caching allocator owns `ptr`, or -1: for a free that the named device
+// rejected, and for record_stream from PyTorch, which names no device.
 int owning_device(const void* ptr) {
   for (int d = 0; d < tidepool::kMaxDevices; ++d)
     if (auto* a = tidepool::existing_device_allocator(d); a != nullptr && a->owns(ptr)) return d;
@@ -146,6 +147,18 @@ int tidepool_record_stream(void* ptr, int device, void* stream) {
       if (!tidepool::detail::route_record_stream(ptr, device, stream, /*always_ask=*/true)) throw;
     }
     return 0;
+  });
+}
+
+int tidepool_pytorch_record_stream(void* ptr, void* stream) {
+  // Note [record_stream from PyTorch]: PyTorch does not say the device; the owner does.
+  if (ptr == nullptr) return 1;
+  return guarded(-1, [&] {
+    if (const int owner = owning_device(ptr); owner >= 0)
+      return tidepool_record_stream(ptr, owner, stream);
+    for (int d = 0; d < tidepool::kMaxDevices; ++d)  // a pointer-stable range
+      if (tidepool::detail::route_record_stream(ptr, d, stream, /*always_ask=*/true)) return 0;
+    return 1;
   });
 }
 

@@ -24,6 +24,16 @@
  * a Python RuntimeError and the process lives on. Hand PyTorch the pair
  * tidepool_pytorch_malloc / tidepool_pytorch_free; C callers use tidepool_malloc.
  *
+ * Note [record_stream from PyTorch]: PyTorch's CUDAPluggableAllocator drops
+ * Tensor.record_stream unless a record-stream function is set on it (it is a no-op by
+ * default), and the Python class offers no way to set one. Without it, memory another
+ * stream still reads is handed out again on the allocating stream as soon as PyTorch
+ * frees it: a silent data race in any multi-stream program. tidepool_pytorch_record_stream
+ * has the shape of that function (pointer and stream, no device); the LibTorch install
+ * sets it as the record-stream function, and the Python package, which cannot, wraps
+ * torch.Tensor.record_stream to call it (global mode; in pool mode PyTorch's own
+ * allocator keeps the blocks and honours record_stream itself).
+ *
  * Thread-safety: every function may be called from any thread.
  */
 #ifndef TIDEPOOL_C_API_H
@@ -50,6 +60,11 @@ TIDEPOOL_API void tidepool_pytorch_free(void* ptr, size_t size, int device, void
 /* Marks `ptr` as used on `stream` too: it is not reused until that stream's work
  * enqueued before the free has finished. */
 TIDEPOOL_API int tidepool_record_stream(void* ptr, int device, void* stream);
+/* tidepool_record_stream for PyTorch (Note [record_stream from PyTorch]): the device is
+ * the one whose allocator (or pointer-stable range) owns `ptr`. 0 when recorded; 1 when
+ * tidepool does not own `ptr` (NULL, or memory from elsewhere: nothing to do, as PyTorch's
+ * own allocator ignores pointers it did not hand out); -1 on error (tidepool_last_error). */
+TIDEPOOL_API int tidepool_pytorch_record_stream(void* ptr, void* stream);
 TIDEPOOL_API int tidepool_empty_cache(int device);
 /* "`stream` (a cudaStream_t) is about to be destroyed": call it before cudaStreamDestroy.
  * Waits for the stream, returns what tidepool cached for it to pools any stream may use

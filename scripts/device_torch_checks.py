@@ -7,7 +7,10 @@ before CUDA initialises:
      steps, compare its losses with the native allocator's, read tidepool's stats;
   2. pool: route one region through torch.cuda.MemPool + use_mem_pool under a user tag and
      show the region's bytes in tidepool's per-tag stats;
-  3. oom: ask for more than the GPU has and show the Python exception and its message.
+  3. oom: ask for more than the GPU has and show the Python exception and its message;
+  4. record_stream: global mode through the package's record_stream wrapper; a tensor
+     read on a side stream and freed is not handed out again before that read (Note
+     [record_stream from PyTorch]), and the read sees the tensor's own values.
 Prints one line per check: name, PASS/FAIL, what was seen.
 """
 import os
@@ -16,6 +19,7 @@ import sys
 import textwrap
 
 LIB = os.environ.get("TIDEPOOL_LIBRARY", "")
+PYSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python", "src")
 # The malloc/free pair the Python package hands to PyTorch lives in libtidepool itself:
 # it throws on OOM, since PyTorch does not check for NULL (Note [OOM into PyTorch]).
 ROUTER = LIB
@@ -25,6 +29,7 @@ PRELUDE = textwrap.dedent(
     import ctypes, json, torch
     LIB = {LIB!r}
     ROUTER = {ROUTER!r}
+    PYSRC = {PYSRC!r}
     lib = ctypes.CDLL(LIB)
     lib.tidepool_snapshot_json.restype = ctypes.c_void_p
     lib.tidepool_last_error.restype = ctypes.c_char_p
@@ -87,6 +92,30 @@ CHECKS = {
         keep.add_(1); torch.cuda.synchronize(); print("ALIVE", float(keep[0]))
         """
     ),
+    "record_stream": textwrap.dedent(
+        """
+        import sys
+        sys.path.insert(0, PYSRC)
+        alloc = torch.cuda.memory.CUDAPluggableAllocator(ROUTER, "tidepool_pytorch_malloc", "tidepool_pytorch_free")
+        torch.cuda.memory.change_current_allocator(alloc)
+        from tidepool import _record_stream
+        _record_stream.register(torch)
+        n = 8 << 20
+        x = torch.ones(n, device="cuda")
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(200_000_000)  # the read comes well after the next writes
+            total = x.sum()
+        x.record_stream(side)
+        freed = x.data_ptr()
+        del x
+        y = torch.full((n,), 2.0, device="cuda")
+        reused = y.data_ptr() == freed
+        torch.cuda.synchronize()
+        print("REUSED", reused, "SUM", float(total), "EXPECTED", float(n))
+        """
+    ),
 }
 
 
@@ -118,6 +147,10 @@ def main():
     oom_ok = o_rc == 0 and o_out.startswith("EXC ") and "ALIVE" in o_out
     ok &= oom_ok
     print(f"oom      {'PASS' if oom_ok else 'FAIL'}  {o_out[:900]} {o_err if o_rc or not o_out else ''}")
+    r_rc, r_out, r_err = results["record_stream"]
+    rs_ok = r_rc == 0 and "REUSED False" in r_out and r_out.endswith(f"SUM {float(8 << 20)} EXPECTED {float(8 << 20)}")
+    ok &= rs_ok
+    print(f"record   {'PASS' if rs_ok else 'FAIL'}  {r_out[:300]} {r_err if r_rc or not r_out else ''}")
     return 0 if ok else 1
 
 

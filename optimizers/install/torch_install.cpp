@@ -14,6 +14,8 @@
 #include <torch/cuda.h>
 
 #include <mutex>
+#include <stdexcept>
+#include <string>
 
 #include "allocator/c_api.h"
 #endif
@@ -30,6 +32,14 @@ void* libtorch_alloc(size_t bytes, int device, cudaStream_t stream) {
 }
 void libtorch_free(void* ptr, size_t bytes, int device, cudaStream_t stream) {
   tidepool_pytorch_free(ptr, bytes, device, stream);
+}
+// Tensor::record_stream. Memory tidepool did not hand out is ignored, as c10's own
+// allocator does; a failure is an exception LibTorch reports (c10::Error upstream).
+void libtorch_record_stream(void* ptr, cudaStream_t stream) {
+  if (tidepool_pytorch_record_stream(ptr, stream) < 0) {
+    throw std::runtime_error(std::string("tidepool: record_stream failed: ") +
+                             tidepool_last_error());
+  }
 }
 
 // Whether this process already swapped LibTorch's allocator (a second swap would fail:
@@ -48,6 +58,15 @@ void swap_libtorch_allocator() {
   try {
     auto allocator = torch::cuda::CUDAPluggableAllocator::createCustomAllocator(libtorch_alloc,
                                                                                  libtorch_free);
+    // Note [record_stream from PyTorch] (allocator/c_api.h): without this, LibTorch's
+    // record_stream is a no-op for a pluggable allocator.
+    auto* pluggable =
+        dynamic_cast<torch::cuda::CUDAPluggableAllocator::CUDAPluggableAllocator*>(allocator.get());
+    if (pluggable == nullptr) {
+      throw InstallError("tidepool: LibTorch's createCustomAllocator did not return a "
+                         "CUDAPluggableAllocator; record_stream could not be connected");
+    }
+    pluggable->set_record_stream_fn(libtorch_record_stream);
     torch::cuda::CUDAPluggableAllocator::changeCurrentAllocator(allocator);
   } catch (const c10::Error& e) {
     throw InstallError(std::string("tidepool: cannot make tidepool LibTorch's CUDA allocator: ") +

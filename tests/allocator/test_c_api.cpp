@@ -14,6 +14,7 @@
 #include "allocator/c_api.h"
 #include "allocator/device_registry.h"
 #include "test_support.h"
+#include "tests/support/stream_gate.h"
 
 namespace {
 
@@ -111,6 +112,39 @@ TEST_F(CApi, EmptyCacheAndRecordStreamWork) {
   EXPECT_EQ(tidepool_empty_cache(0), 0);
   EXPECT_LE(stats().reserved.current + (40u << 20), reserved);
   EXPECT_GT(stats().segments_released, 0u);
+}
+
+// Note [record_stream from PyTorch]: PyTorch names no device; the owner of the pointer
+// is found, and the block is held back from its allocating stream until the recorded
+// stream has passed the call.
+TEST_F(CApi, PyTorchRecordStreamFindsTheDeviceAndHoldsTheBlock) {
+  constexpr int kDevice = 2;  // not device 0: the owner must be found, not assumed
+  constexpr std::size_t kBytes = 6 << 20;
+  tidepool::Backend& backend = tidepool::device_allocator(kDevice).backend();
+  const tidepool::Stream side = backend.create_stream();
+  tidepool::test_support::StreamGate gate;
+  const tidepool::test_support::StreamGate::OpenOnExit open_on_exit{gate};
+  backend.launch_host_func(side, &tidepool::test_support::StreamGate::wait, &gate);
+
+  void* p = tidepool_malloc(kBytes, kDevice, nullptr);
+  ASSERT_NE(p, nullptr) << tidepool_last_error();
+  EXPECT_EQ(tidepool_pytorch_record_stream(p, side.handle), 0) << tidepool_last_error();
+  tidepool_free(p, kBytes, kDevice, nullptr);
+  void* q = tidepool_malloc(kBytes, kDevice, nullptr);
+  EXPECT_NE(q, p) << "handed out again while the recorded stream is held";
+  gate.open();
+  backend.stream_synchronize(side);
+  tidepool_free(q, kBytes, kDevice, nullptr);
+  void* r = tidepool_malloc(kBytes, kDevice, nullptr);
+  EXPECT_TRUE(r == p || r == q) << "the held block is free again once the stream passed";
+  tidepool_free(r, kBytes, kDevice, nullptr);
+
+  // Memory tidepool did not hand out is left alone, as PyTorch's allocator does.
+  int outside = 0;
+  EXPECT_EQ(tidepool_pytorch_record_stream(&outside, side.handle), 1);
+  EXPECT_EQ(tidepool_pytorch_record_stream(nullptr, side.handle), 1);
+  EXPECT_EQ(tidepool_release_stream(kDevice, side.handle), 0) << tidepool_last_error();
+  backend.destroy_stream(side);
 }
 
 TEST_F(CApi, OutOfMemoryIsNullWithTheMessageInTheLastError) {

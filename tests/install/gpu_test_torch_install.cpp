@@ -1,8 +1,13 @@
 // tidepool::optim::install_from_env on a machine with CUDA: tidepool becomes LibTorch's
 // CUDA allocator, so a CUDA tensor's memory is counted by tidepool's stats, and a second
-// call is harmless. Skips itself without CUDA (label gpu).
+// call is harmless; Tensor::record_stream reaches tidepool (Note [record_stream from
+// PyTorch] in allocator/c_api.h). Skips itself without CUDA (label gpu).
 #include "optimizers/install/torch_install.h"
 
+#include <ATen/cuda/Sleep.h>
+#include <c10/cuda/CUDAEvent.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
 #include <gtest/gtest.h>
 #include <torch/cuda.h>
 #include <torch/torch.h>
@@ -35,6 +40,35 @@ TEST(TorchInstallGpu, GlobalModeMakesTidepoolLibTorchsCudaAllocator) {
   torch::cuda::synchronize();
   EXPECT_EQ(tidepool_allocated_bytes(0), before);
   EXPECT_EQ(install_from_env().state, InstallState::installed);
+}
+
+// A tensor read on a side stream and freed on its allocating stream: with record_stream
+// its memory must not be handed out again until the side stream is past the read, or the
+// next tensor's writes race with it.
+TEST(TorchInstallGpu, RecordStreamHoldsMemoryUntilTheOtherStreamHasReadIt) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA";
+  setenv("PYTORCH_ALLOC_CONF", "backend:tidepool", 1);
+  ASSERT_EQ(install_from_env().state, InstallState::installed);
+  const auto options = torch::TensorOptions().device(torch::kCUDA, 0);
+  constexpr int64_t n = int64_t{8} << 20;
+  torch::Tensor x = torch::ones({n}, options);
+  const void* freed = x.data_ptr();
+  const c10::cuda::CUDAStream side = c10::cuda::getStreamFromPool(false, 0);
+  c10::cuda::CUDAEvent written;
+  written.record(c10::cuda::getCurrentCUDAStream(0));
+  written.block(side);
+  torch::Tensor sum;
+  {
+    const c10::cuda::CUDAStreamGuard guard(side);
+    at::cuda::sleep(int64_t{200} << 20);  // the read comes well after the next writes
+    sum = x.sum();
+  }
+  x.record_stream(side);
+  x = torch::Tensor();
+  const torch::Tensor next = torch::full({n}, 2.0f, options);
+  EXPECT_NE(next.data_ptr(), freed) << "handed out again while the side stream still reads it";
+  torch::cuda::synchronize();
+  EXPECT_EQ(sum.item<float>(), static_cast<float>(n));
 }
 
 }  // namespace

@@ -6,11 +6,13 @@ around a real torch.optim step (tags through the real libtidepool)."""
 from __future__ import annotations
 
 import contextlib
+import ctypes
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from tidepool import _config, _install, _lib, _optim_hooks, _tags, _tiering
+from tidepool import _config, _install, _lib, _optim_hooks, _record_stream, _tags, _tiering
 import tidepool
 
 
@@ -45,6 +47,8 @@ def fake_cuda(monkeypatch):
     yield calls
     for handle in _install.STATE.optimizer_hooks or ():
         handle.remove()
+    if _install.STATE.record_stream is not None:
+        _install.STATE.record_stream.remove()
 
 
 def install(**overrides) -> None:
@@ -100,6 +104,67 @@ def test_host_backend_cannot_back_cuda_tensors(fake_cuda):
 def test_optimizer_hooks_off_registers_none(fake_cuda):
     install(optimizer_hooks="off")
     assert _install.STATE.optimizer_hooks is None
+
+
+def test_global_mode_connects_record_stream(fake_cuda):
+    original = torch.Tensor.record_stream
+    install()
+    wrapped = torch.Tensor.record_stream
+    assert wrapped is not original and wrapped.__wrapped__ is original
+    _install.STATE.record_stream.remove()
+    assert torch.Tensor.record_stream is original
+
+
+def test_pool_mode_leaves_record_stream_to_pytorchs_allocator(fake_cuda):
+    original = torch.Tensor.record_stream
+    install(mode="pool")
+    assert torch.Tensor.record_stream is original
+    assert _install.STATE.record_stream is None
+
+
+def fake_tensor(ptr, cuda=True):
+    return SimpleNamespace(is_cuda=cuda,
+                           untyped_storage=lambda: SimpleNamespace(data_ptr=lambda: ptr))
+
+
+def test_record_stream_hands_tidepool_the_storage_and_the_stream(monkeypatch):
+    calls = []
+
+    def recorder(ptr, stream):
+        calls.append((ptr.value, stream.value))
+        return 0
+
+    monkeypatch.setattr(_lib, "function", lambda name, what: recorder)
+    stream = SimpleNamespace(cuda_stream=0x5000)
+    _record_stream.record_in_tidepool(fake_tensor(0x1234), stream)
+    _record_stream.record_in_tidepool(fake_tensor(0x1234, cuda=False), stream)  # not CUDA
+    _record_stream.record_in_tidepool(fake_tensor(0), stream)  # empty storage
+    assert calls == [(0x1234, 0x5000)]
+
+
+def test_record_stream_of_memory_tidepool_did_not_hand_out_is_left_alone():
+    # The real libtidepool (host backend): 1 for a foreign pointer, no exception; a
+    # pointer it handed out is recorded (same stream here: a no-op that succeeds).
+    outside = ctypes.create_string_buffer(64)
+    stream = SimpleNamespace(cuda_stream=None)
+    fn = _lib.function("tidepool_pytorch_record_stream", "record_stream for PyTorch")
+    assert fn(ctypes.cast(outside, ctypes.c_void_p), None) == 1
+    _record_stream.record_in_tidepool(fake_tensor(ctypes.addressof(outside)), stream)
+    lib = _lib.load()
+    ptr = lib.tidepool_malloc(1 << 20, 0, None)
+    assert ptr, _lib.last_error()
+    try:
+        assert fn(ctypes.c_void_p(ptr), None) == 0
+        _record_stream.record_in_tidepool(fake_tensor(ptr), stream)
+    finally:
+        lib.tidepool_free(ctypes.c_void_p(ptr), 1 << 20, 0, None)
+
+
+def test_a_failed_record_stream_raises_with_tidepools_message(monkeypatch):
+    monkeypatch.setattr(_lib, "function", lambda name, what: lambda ptr, stream: -1)
+    monkeypatch.setattr(_lib, "last_error", lambda: "tidepool: the stream is gone")
+    with pytest.raises(RuntimeError, match="record_stream failed: tidepool: the stream is gone"):
+        _record_stream.record_in_tidepool(fake_tensor(0x10), SimpleNamespace(cuda_stream=0x20))
 
 
 class RecordingSGD(torch.optim.SGD):

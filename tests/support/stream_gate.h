@@ -27,6 +27,12 @@ struct StreamGate {
     }
     opened_cv.notify_all();
   }
+
+  // Opens the gate when the scope ends, so a failed ASSERT does not leave a stream held.
+  struct OpenOnExit {
+    StreamGate& gate;
+    ~OpenOnExit() { gate.open(); }
+  };
 };
 
 }  // namespace tidepool::test_support

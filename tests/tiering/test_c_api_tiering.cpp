@@ -3,10 +3,12 @@
 // reclaim hook reaching the stores on an allocator OOM, errors as return codes with a
 // message in tidepool_last_error, tag prefetch within tidepool.state_budget, and the
 // allocator's tier route (tidepool_malloc of optimizer state -> pointer-stable ranges,
-// and tidepool_release_stream reaching them).
+// tidepool_release_stream and tidepool_pytorch_record_stream reaching them).
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <future>
 #include <string>
 #include <vector>
 
@@ -403,6 +405,30 @@ TEST_F(TierRouteTest, AReleasedStreamIsForgottenByTheRangesThatRecordedIt) {
   tidepool_free(allocated_on_s, 2 * kMiB, kRouteDevice, nullptr);
   tidepool_free(recorded_on_s, 2 * kMiB, kRouteDevice, nullptr);
   EXPECT_EQ(::testing::internal::GetCapturedStderr(), "");
+}
+
+// record_stream from PyTorch (Note [record_stream from PyTorch], allocator/c_api.h)
+// names no device: a pointer-stable range is found through the route, and moving it
+// then waits for the recorded stream.
+TEST_F(TierRouteTest, PyTorchRecordStreamReachesAPointerStableRange) {
+  Backend& backend = device_allocator(kRouteDevice).backend();
+  const Stream s = backend.create_stream();
+  tiering_test::StreamGate gate;
+  const tiering_test::StreamGate::OpenOnExit open_on_exit{gate};
+  backend.launch_host_func(s, &tiering_test::StreamGate::wait, &gate);
+  void* p = malloc_state(2 * kMiB);
+  ASSERT_TRUE(routed(p));
+  ASSERT_EQ(tidepool_pytorch_record_stream(p, s.handle), 0) << tidepool_last_error();
+  auto evicted = std::async(std::launch::async, [&] { return tidepool_evict_ptr(kRouteDevice, p); });
+  // Not a timing bound: a wait that ends early is the failure.
+  EXPECT_EQ(evicted.wait_for(std::chrono::milliseconds(200)), std::future_status::timeout)
+      << "the range moved while the stream PyTorch recorded was still held";
+  gate.open();
+  EXPECT_EQ(evicted.get(), 0) << tidepool_last_error();
+  EXPECT_EQ(tiering_vmm_pool(kRouteDevice).bytes_in(p, MemoryLocation::device), 0u);
+  ASSERT_EQ(tidepool_release_stream(kRouteDevice, s.handle), 0) << tidepool_last_error();
+  backend.destroy_stream(s);
+  tidepool_free(p, 2 * kMiB, kRouteDevice, nullptr);
 }
 
 TEST(TierRouteRegistration, ADifferentRouteOrAnIncompleteOneIsRefused) {

@@ -5,7 +5,8 @@ Two modes (tidepool.mode, see allocator/config.h):
           tidepool_pytorch_malloc, tidepool_pytorch_free) + change_current_allocator:
           every CUDA allocation of the process is tidepool's (no PyTorch caching on top;
           tidepool caches itself; optimizer state of at least tidepool.tier_min_bytes
-          goes to pointer-stable ranges).
+          goes to pointer-stable ranges). torch.Tensor.record_stream is wrapped so that
+          it reaches tidepool (_record_stream.py).
   pool    PyTorch keeps its own allocator; a torch.cuda.MemPool backed by tidepool
           serves tidepool.region() and optimizer steps. Inside a region PyTorch's
           caching allocator asks tidepool for whole segments.
@@ -35,6 +36,7 @@ class _State:
         self.allocator = None  # the CUDAPluggableAllocator
         self.pool = None  # the MemPool, pool mode only, created on first use
         self.optimizer_hooks = None  # the two RemovableHandles
+        self.record_stream = None  # global mode: the handle of the record_stream wrapper
 
 
 STATE = _State()
@@ -81,6 +83,9 @@ def install(torch, config: dict) -> None:
             STATE.allocator = torch.cuda.memory.CUDAPluggableAllocator(path, malloc_name, free_name)
             if config["mode"] == "global":
                 torch.cuda.memory.change_current_allocator(STATE.allocator)
+                from . import _record_stream
+
+                STATE.record_stream = _record_stream.register(torch)
         except RuntimeError as e:
             raise RuntimeError(
                 f"tidepool: cannot install the allocator from {path} ({e}). tidepool must be "

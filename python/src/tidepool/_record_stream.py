@@ -1,0 +1,59 @@
+"""torch.Tensor.record_stream, connected to tidepool in global mode.
+
+PyTorch's CUDAPluggableAllocator ignores record_stream unless a record-stream function
+is set on it, and its Python class cannot set one (Note [record_stream from PyTorch] in
+allocator/c_api.h). Without it, a tensor that another stream still reads is handed out
+again on its allocating stream as soon as it is freed: a silent data race. So in global
+mode the package wraps torch.Tensor.record_stream: PyTorch's own method runs first (its
+checks and errors stay as they are), then tidepool_pytorch_record_stream holds the
+memory until that stream has passed the point of the call. Memory tidepool did not hand
+out is left alone, as PyTorch's allocator does. record_stream called from C++ inside
+PyTorch does not pass through here; in a LibTorch trainer install_from_env connects it
+in C++.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+from . import _lib
+
+
+def record_in_tidepool(tensor, stream) -> None:
+    """Makes tidepool hold `tensor`'s memory until `stream` passes this point."""
+    if not tensor.is_cuda:
+        return
+    ptr = tensor.untyped_storage().data_ptr()
+    if ptr == 0:  # empty storage: nothing was allocated
+        return
+    fn = _lib.function("tidepool_pytorch_record_stream", "record_stream for PyTorch")
+    _lib.check(fn(ctypes.c_void_p(ptr), ctypes.c_void_p(stream.cuda_stream)),
+               "record_stream")
+
+
+class Handle:
+    """Puts PyTorch's own record_stream back on remove()."""
+
+    def __init__(self, torch, original):
+        self._torch, self._original = torch, original
+
+    def remove(self) -> None:
+        if self._original is not None:
+            self._torch.Tensor.record_stream = self._original
+            self._original = None
+
+
+def register(torch) -> Handle:
+    """Wraps torch.Tensor.record_stream (once) and returns the handle that undoes it."""
+    original = torch.Tensor.record_stream
+
+    @functools.wraps(original)
+    def record_stream(self, stream):
+        result = original(self, stream)
+        record_in_tidepool(self, stream)
+        return result
+
+    record_stream.__tidepool__ = True
+    torch.Tensor.record_stream = record_stream
+    return Handle(torch, original)
