@@ -20,20 +20,27 @@ void prefetch_chunk(const std::deque<AndersonHistory::Column>& columns, size_t f
 // use]), then for each c acquires chunk c of every vector, prefetches chunk c+1 of every
 // vector, hands the acquired chunks to the caller as one fp64 m × length matrix per
 // compute sub-chunk, releases chunk c unmodified (also when the use throws: StateLease).
+// `newest`, when defined, is the contents of the last vector, already on the compute
+// device (the vector push() has just stored): its chunks are read from there instead of
+// being loaded back from the placement, which holds the same bytes.
 class ChunkedPass {
  public:
-  explicit ChunkedPass(const std::deque<AndersonHistory::Column>& columns) : columns_(columns) {}
+  ChunkedPass(const std::deque<AndersonHistory::Column>& columns, torch::Tensor newest = {})
+      : columns_(columns),
+        newest_(std::move(newest)),
+        stored_(columns.size() - (newest_.defined() ? 1 : 0)) {}
 
   // fn(start, X): X is the fp64 m × length matrix of rows [start, start + length).
   template <typename Fn>
   void run(Fn&& fn) {
     const size_t chunks = columns_.front().size();
-    prefetch_chunk(columns_, 0, columns_.size(), 0);
+    prefetch_chunk(columns_, 0, stored_, 0);
     for (size_t c = 0; c < chunks; ++c) {
-      Acquired acquired(columns_, c);
-      if (c + 1 < chunks) prefetch_chunk(columns_, 0, columns_.size(), c + 1);
+      Acquired acquired(columns_, stored_, c);
+      if (c + 1 < chunks) prefetch_chunk(columns_, 0, stored_, c + 1);
       const int64_t base = static_cast<int64_t>(c) * AndersonHistory::kStoreChunk;
-      const int64_t n = acquired.tensors.front().numel();
+      const int64_t n = columns_.front()[c]->sizes()[0];
+      if (newest_.defined()) acquired.tensors.push_back(newest_.narrow(0, base, n));
       for (int64_t offset = 0; offset < n; offset += AndersonHistory::kComputeChunk) {
         const int64_t length = std::min(AndersonHistory::kComputeChunk, n - offset);
         std::vector<torch::Tensor> slices;
@@ -45,12 +52,12 @@ class ChunkedPass {
   }
 
  private:
-  // Chunk c of every vector, acquired (released unmodified when it goes).
+  // Chunk c of the first `count` vectors, acquired (released unmodified when it goes).
   struct Acquired {
-    Acquired(const std::deque<AndersonHistory::Column>& columns, size_t c) {
-      leases.reserve(columns.size());
-      for (const auto& column : columns) {
-        leases.emplace_back(*column[c]);
+    Acquired(const std::deque<AndersonHistory::Column>& columns, size_t count, size_t c) {
+      leases.reserve(count);
+      for (size_t i = 0; i < count; ++i) {
+        leases.emplace_back(*columns[i][c]);
         tensors.push_back(leases.back().tensor());
       }
     }
@@ -59,6 +66,8 @@ class ChunkedPass {
   };
 
   const std::deque<AndersonHistory::Column>& columns_;
+  torch::Tensor newest_;
+  size_t stored_;  // vectors read from the placement: all but a defined newest_
 };
 
 // The contents of one stored vector as one tensor on the compute device.
@@ -143,11 +152,11 @@ void AndersonHistory::append(const torch::Tensor& x) {
   Column column = store(x);
   length_ = x.numel();
   columns_.push_back(std::move(column));
-  update_matrices();
+  update_matrices(x);
 }
 
-// The streaming pass after a vector was appended: G's new row/column and all of c.
-void AndersonHistory::update_matrices() {
+// The streaming pass after `newest` was appended: G's new row/column and all of c.
+void AndersonHistory::update_matrices(const torch::Tensor& newest) {
   const int64_t m = size();
   if (m < 3) {
     gram_ = torch::zeros({0, 0}, torch::kFloat64);
@@ -159,7 +168,7 @@ void AndersonHistory::update_matrices() {
   const auto fp64 = columns_.front().front()->options().dtype(torch::kFloat64);
   torch::Tensor new_row = torch::zeros({k}, fp64);
   torch::Tensor rhs = torch::zeros({k}, fp64);
-  ChunkedPass(columns_).run([&](int64_t, const torch::Tensor& X) {
+  ChunkedPass(columns_, newest).run([&](int64_t, const torch::Tensor& X) {
     const torch::Tensor DX = X.slice(0, 1) - X.slice(0, 0, m - 1);
     const torch::Tensor DR = DX.slice(0, 1) - DX.slice(0, 0, m - 2);
     new_row.add_(DR.matmul(DR[k - 1]));

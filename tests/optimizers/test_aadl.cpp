@@ -3,12 +3,14 @@
 // the no-closure rule (history untouched), history placement, save/load.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <sstream>
 #include <string>
 
 #include "expect_error.h"
 #include "optimizers/aadl.h"
 #include "optimizers/anderson_history.h"
+#include "optimizers/state_placement.h"
 
 namespace {
 
@@ -70,6 +72,34 @@ TEST(AndersonHistory, IncrementalGramMatchesDirectThroughEvictionAndReplacement)
   kept.back() = replacement;
   check();
   expect_error_mentions([&] { history.push(torch::zeros({5}, torch::kFloat64)); }, "length");
+}
+
+// What a pass brings to the compute device: the Gram column pass after a push reads the
+// m − 1 older vectors from the placement and the new one from the caller's tensor (it is
+// already there); the extrapolation reads all m. Over two chunks per vector and a tail.
+TEST(AndersonHistory, APushDoesNotLoadBackTheVectorItJustStored) {
+  constexpr int64_t kDepth = 4;
+  const int64_t n = 2 * AndersonHistory::kStoreChunk + 5;
+  auto placement = std::make_shared<tidepool::optim::HostStagedPlacement>();
+  AndersonHistory history(kDepth, placement);
+  AndersonHistory resident(kDepth, std::make_shared<tidepool::optim::ResidentPlacement>());
+  torch::manual_seed(4);
+  const auto loaded = [&] { return placement->traffic().to_device.load(); };
+  const int64_t vector_bytes = n * static_cast<int64_t>(sizeof(float));
+  for (int i = 0; i < kDepth + 2; ++i) {
+    const torch::Tensor x = torch::randn({n}) * (1.0f / static_cast<float>(i + 1));
+    const int64_t before = loaded();
+    history.push(x);
+    resident.push(x);
+    const int64_t older = std::min<int64_t>(history.size(), kDepth) - 1;
+    EXPECT_EQ(loaded() - before, history.size() >= 3 ? older * vector_bytes : 0) << "push " << i;
+  }
+  EXPECT_TRUE(torch::equal(history.gram(), resident.gram()));
+  EXPECT_TRUE(torch::equal(history.rhs(), resident.rhs()));
+  const torch::Tensor u = torch::linspace(-0.5, 0.5, kDepth - 1, torch::kFloat64);
+  const int64_t before = loaded();
+  EXPECT_TRUE(torch::equal(history.combine(u), resident.combine(u)));
+  EXPECT_EQ(loaded() - before, kDepth * vector_bytes);
 }
 
 TEST(AADL, ExtrapolationMatchesTheReferenceFormula) {

@@ -1,0 +1,210 @@
+// AADL acceleration step throughput (issue: "AADL acceleration step, history_depth 5 in
+// host memory, 2^28 parameters: <= 1.3x the floor of moving what must cross the link").
+//
+// One parameter group of mixed tensor sizes, SGD inside AADL (history_depth 5, every step
+// accelerates once the history holds three vectors); the history is filled before the
+// timed steps, so each timed step pushes into a full ring: the inner SGD step, the pass
+// that adds one Gram column, the fp64 solve on the host, and the extrapolation pass.
+//
+// Where the history lives: resident on the compute device (the arithmetic alone, the
+// comparison that shows what the link costs), host-staged (pinned host memory, AADL's
+// default for CUDA parameters) and the tiered store (budget: two stored chunks per vector,
+// so every pass streams the history over the link).
+//
+// The floor, on the GPU, measured in the same run (the link's pinned H2D, D2H and
+// both-ways rates, timed right before the benchmark's steps): with the history in host
+// memory a full step must bring the m − 1 older vectors to the device twice (the Gram
+// column pass and the extrapolation each read them; the newest vector is on the device)
+// and send the new vector to the host once: H2D 2(m − 1)·4N bytes, D2H 4N bytes. Floor
+// time = the largest of H2D/h2d_rate, D2H/d2h_rate and (H2D + D2H)/both_rate. Counters:
+// floor_ms, floor_ratio (step time ÷ floor), and B/param actually moved per step.
+// On the CPU there is no link: the counters are params/s, and the resident and tiered
+// (host backend) placements compare the store's overhead.
+#include <benchmark/benchmark.h>
+
+#include <algorithm>
+#include <chrono>
+#include <memory>
+#include <vector>
+
+#include <torch/cuda.h>
+#include <torch/torch.h>
+
+#include "allocator/backend.h"
+#include "allocator/device_registry.h"
+#include "optimizers/aadl.h"
+#include "optimizers/anderson_history.h"
+#include "optimizers/state_placement.h"
+#include "optimizers/tiered_placement.h"
+#include "tiering/tiered_store.h"
+
+namespace {
+
+constexpr int64_t kDepth = 5;
+
+// Mixed tensor sizes summing to `total` elements: halves, quarters, … and the remainder.
+std::vector<int64_t> mixed_sizes(int64_t total) {
+  std::vector<int64_t> sizes;
+  int64_t left = total;
+  for (int64_t chunk = total / 2; left > 0 && chunk >= 1024; chunk /= 2) {
+    sizes.push_back(chunk);
+    left -= chunk;
+  }
+  if (left > 0) sizes.push_back(left);
+  return sizes;
+}
+
+void sync(const torch::Device& device) {
+  if (device.is_cuda()) torch::cuda::synchronize(device.index());
+}
+
+bool want_cuda(benchmark::State& state) {
+  if (!torch::cuda::is_available()) {
+    state.SkipWithError("no CUDA device");
+    return false;
+  }
+  return true;
+}
+
+// Pinned-memory rates of the link in bytes/s: H2D, D2H, and both at once on two streams.
+struct LinkRates {
+  double h2d = 0, d2h = 0, both = 0;
+};
+
+LinkRates measure_link(int device) {
+  tidepool::Backend& backend = tidepool::device_allocator(device).backend();
+  constexpr int64_t kBytes = int64_t{1} << 30;
+  const auto pinned = torch::TensorOptions().dtype(torch::kUInt8).pinned_memory(true);
+  const auto on_device = torch::TensorOptions().dtype(torch::kUInt8).device(torch::kCUDA, device);
+  torch::Tensor host_in = torch::ones({kBytes}, pinned), host_out = torch::empty({kBytes}, pinned);
+  torch::Tensor dev_in = torch::empty({kBytes}, on_device), dev_out = torch::ones({kBytes}, on_device);
+  sync(torch::Device(torch::kCUDA, device));
+  const tidepool::Stream h2d = backend.create_stream(), d2h = backend.create_stream();
+  const auto best_rate = [&](bool up, bool down) {
+    double best = 0;
+    for (int rep = 0; rep < 3; ++rep) {
+      const auto start = std::chrono::steady_clock::now();
+      if (up) backend.copy_async(dev_in.data_ptr(), host_in.data_ptr(), kBytes,
+                                 tidepool::CopyKind::host_to_device, h2d);
+      if (down) backend.copy_async(host_out.data_ptr(), dev_out.data_ptr(), kBytes,
+                                   tidepool::CopyKind::device_to_host, d2h);
+      backend.stream_synchronize(h2d);
+      backend.stream_synchronize(d2h);
+      const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      best = std::max(best, static_cast<double>(kBytes) * ((up ? 1 : 0) + (down ? 1 : 0)) / s);
+    }
+    return best;
+  };
+  LinkRates rates{best_rate(true, false), best_rate(false, true), best_rate(true, true)};
+  backend.destroy_stream(h2d);
+  backend.destroy_stream(d2h);
+  return rates;
+}
+
+enum class Where { resident, host_staged, tiered };
+
+void run_aadl(benchmark::State& state, torch::Device device, Where where) {
+  const int64_t n = state.range(0);
+  torch::manual_seed(0);
+  std::vector<torch::Tensor> params;
+  for (int64_t size : mixed_sizes(n)) {
+    auto p = torch::randn({size}, torch::TensorOptions().device(device)).set_requires_grad(true);
+    p.mutable_grad() = torch::randn_like(p) * 1e-2;
+    params.push_back(p);
+  }
+  // Declared first so it is destroyed last: the store (kept alive by the placement) uses it.
+  std::unique_ptr<tidepool::Backend> backend;
+  std::shared_ptr<tidepool::TieredStore> store;
+  std::shared_ptr<tidepool::optim::StatePlacement> placement;
+  std::shared_ptr<tidepool::optim::HostStagedPlacement> staged;
+  if (where == Where::tiered) {
+    tidepool::TieredStoreOptions options;
+    options.device_budget_bytes = static_cast<std::size_t>(2 * kDepth) *
+                                  tidepool::optim::AndersonHistory::kStoreChunk * sizeof(float);
+    if (device.is_cuda()) {
+      tidepool::CachingAllocator& allocator = tidepool::device_allocator(device.index());
+      store = std::make_shared<tidepool::TieredStore>(
+          allocator.backend(), options, tidepool::caching_allocator_source(allocator));
+    } else {
+      backend = tidepool::make_host_backend();
+      store = std::make_shared<tidepool::TieredStore>(*backend, options);
+    }
+    placement = std::make_shared<tidepool::optim::TieredPlacement>(store);
+  } else if (where == Where::host_staged) {
+    staged = std::make_shared<tidepool::optim::HostStagedPlacement>();
+    placement = staged;
+  } else {
+    placement = std::make_shared<tidepool::optim::ResidentPlacement>();
+  }
+  auto sgd = std::make_shared<torch::optim::SGD>(params, torch::optim::SGDOptions(1e-4));
+  tidepool::optim::AADL aadl(
+      sgd, tidepool::optim::AADLOptions().history_depth(kDepth).relaxation(0.5).wait_iterations(0),
+      placement);
+  for (int64_t i = 0; i < kDepth; ++i) aadl.step();  // a full ring before timing
+  sync(device);
+  const LinkRates link = device.is_cuda() ? measure_link(device.index()) : LinkRates{};
+  const int64_t to_device_before = staged ? staged->traffic().to_device.load() : 0;
+  const int64_t to_host_before = staged ? staged->traffic().to_host.load() : 0;
+  const auto store_before = store ? store->stats() : tidepool::TieredStoreStats{};
+
+  double elapsed_s = 0;  // the same wall time the benchmark reports (UseRealTime)
+  for (auto _ : state) {
+    const auto start = std::chrono::steady_clock::now();
+    aadl.step();
+    sync(device);
+    elapsed_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  }
+
+  const auto steps = static_cast<double>(state.iterations());
+  state.counters["params/s"] = benchmark::Counter(static_cast<double>(n),
+                                                  benchmark::Counter::kIsIterationInvariantRate);
+  double moved = 0;
+  if (staged) {
+    moved = static_cast<double>(staged->traffic().to_device.load() - to_device_before +
+                                staged->traffic().to_host.load() - to_host_before);
+  }
+  if (store) {
+    store->synchronize();
+    const auto s = store->stats();
+    moved = static_cast<double>(s.copy.h2d.bytes - store_before.copy.h2d.bytes +
+                                s.copy.d2h.bytes - store_before.copy.d2h.bytes);
+  }
+  if (moved > 0) state.counters["B/param"] = moved / steps / static_cast<double>(n);
+  if (device.is_cuda() && where != Where::resident) {
+    const double h2d = 2.0 * (kDepth - 1) * 4.0 * static_cast<double>(n);
+    const double d2h = 4.0 * static_cast<double>(n);
+    const double floor_s = std::max({h2d / link.h2d, d2h / link.d2h, (h2d + d2h) / link.both});
+    state.counters["floor_ms"] = floor_s * 1e3;
+    state.counters["floor_ratio"] = elapsed_s / steps / floor_s;
+    state.counters["link_h2d_GB/s"] = link.h2d * 1e-9;
+    state.counters["link_both_GB/s"] = link.both * 1e-9;
+  }
+}
+
+// ---- CPU ----------------------------------------------------------------------------------
+
+void BM_Cpu_AADL_Resident(benchmark::State& s) { run_aadl(s, torch::kCPU, Where::resident); }
+void BM_Cpu_AADL_Tiered(benchmark::State& s) { run_aadl(s, torch::kCPU, Where::tiered); }
+BENCHMARK(BM_Cpu_AADL_Resident)->RangeMultiplier(4)->Range(1 << 18, 1 << 22)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_Cpu_AADL_Tiered)->RangeMultiplier(4)->Range(1 << 18, 1 << 22)->Unit(benchmark::kMillisecond)->UseRealTime();
+
+// ---- GPU (2^28 parameters; skipped without CUDA) -------------------------------------------
+
+void BM_Gpu_AADL_Resident(benchmark::State& s) {
+  if (want_cuda(s)) run_aadl(s, torch::Device(torch::kCUDA, 0), Where::resident);
+}
+void BM_Gpu_AADL_HostStaged(benchmark::State& s) {
+  if (want_cuda(s)) run_aadl(s, torch::Device(torch::kCUDA, 0), Where::host_staged);
+}
+void BM_Gpu_AADL_Tiered(benchmark::State& s) {
+  if (want_cuda(s)) run_aadl(s, torch::Device(torch::kCUDA, 0), Where::tiered);
+}
+
+constexpr int64_t kGpuParams = int64_t{1} << 28;
+BENCHMARK(BM_Gpu_AADL_Resident)->Arg(kGpuParams)->Unit(benchmark::kMillisecond)->Iterations(3)->UseRealTime();
+BENCHMARK(BM_Gpu_AADL_HostStaged)->Arg(kGpuParams)->Unit(benchmark::kMillisecond)->Iterations(3)->UseRealTime();
+BENCHMARK(BM_Gpu_AADL_Tiered)->Arg(kGpuParams)->Unit(benchmark::kMillisecond)->Iterations(3)->UseRealTime();
+
+}  // namespace
+
+BENCHMARK_MAIN();
