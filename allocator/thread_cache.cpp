@@ -55,8 +55,11 @@
 //    more, folded and probed a 32 KiB held table (L1 misses). With the miss path above,
 //    the small-first held table and the cheap lookup (initial-exec TLS, hidden Impl),
 //    callgrind counts 650 instructions and 3.75 L1 misses per Mixed64Live pair with
-//    caches on against 676 and 3.36 off (was 645 and 4.48 against 690 and 3.53); wall
-//    clock on the loaded 2-core machine was within its noise (+-20% between runs).
+//    caches on against 676 and 3.36 off (was 645 and 4.48 against 690 and 3.53). On a
+//    quiet host, caches on against off in the same run with interleaved repetitions
+//    (bench/RESULTS.md, 2026-11-30): pair 23.4 ns against 30.2; 8 threads 11.8 ns against
+//    89.7; Mixed64Live 59.4 ns against 62.4 (0.95x; 1.04-1.08x in two runs without
+//    interleaving, within the noise).
 #include "allocator/thread_cache.h"
 
 #include <atomic>
