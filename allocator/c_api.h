@@ -72,9 +72,9 @@ TIDEPOOL_API int tidepool_empty_cache(int device);
  * stream with the same handle starts afresh. Blocks still live from it stay valid; free
  * them on a live stream. The pointer-stable ranges of the device (optimizer state routed
  * to tiering, tidepool_vmm_malloc) forget their recorded uses by it too, so a later
- * evict or prefetch does not wait on the destroyed handle. -1 for a bad device, the default (NULL) stream (never
- * destroyed, so never released) or a stream that cannot be synchronized (already
- * destroyed). */
+ * evict or prefetch does not wait on the destroyed handle. -1 for a bad device, the
+ * default (NULL) stream (never destroyed, so never released) or a stream that cannot be
+ * synchronized (already destroyed). */
 TIDEPOOL_API int tidepool_release_stream(int device, void* stream);
 /* Moves the small blocks every thread parked in its per-thread cache, on every device,
  * back to the shared pools (where any thread may reuse them); they stay cached memory.
