@@ -179,6 +179,14 @@ int tidepool_release_stream(int device, void* stream) {
   });
 }
 
+int tidepool_empty_cache_all(void) {
+  return guarded(-1, [] {
+    for (int d = 0; d < tidepool::kMaxDevices; ++d)
+      if (auto* a = tidepool::existing_device_allocator(d)) a->empty_cache();
+    return 0;
+  });
+}
+
 int tidepool_flush_thread_caches(void) {
   return guarded(-1, [] {
     for (int d = 0; d < tidepool::kMaxDevices; ++d)

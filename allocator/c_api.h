@@ -66,6 +66,9 @@ TIDEPOOL_API int tidepool_record_stream(void* ptr, int device, void* stream);
  * own allocator ignores pointers it did not hand out); -1 on error (tidepool_last_error). */
 TIDEPOOL_API int tidepool_pytorch_record_stream(void* ptr, void* stream);
 TIDEPOOL_API int tidepool_empty_cache(int device);
+/* tidepool_empty_cache on every device tidepool has an allocator for (creating none), as
+ * torch.cuda.empty_cache() empties every device's cache. 0, or -1 on error. */
+TIDEPOOL_API int tidepool_empty_cache_all(void);
 /* "`stream` (a cudaStream_t) is about to be destroyed": call it before cudaStreamDestroy.
  * Waits for the stream, returns what tidepool cached for it to pools any stream may use
  * (giving fully free memory back to the device), and forgets the stream, so that a later

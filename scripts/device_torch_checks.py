@@ -10,7 +10,14 @@ before CUDA initialises:
   3. oom: ask for more than the GPU has and show the Python exception and its message;
   4. record_stream: global mode through the package's record_stream wrapper; a tensor
      read on a side stream and freed is not handed out again before that read (Note
-     [record_stream from PyTorch]), and the read sees the tensor's own values.
+     [record_stream from PyTorch]), and the read sees the tensor's own values;
+  5. memory_api: global mode through the package; after training, torch.cuda's memory
+     statistics (max_memory_allocated, memory_reserved, memory_summary,
+     reset_peak_memory_stats) answer from tidepool instead of raising, and empty_cache
+     gives cached memory back;
+  6. cudnn_benchmark: global mode with torch.backends.cudnn.benchmark = True (PyTorch's
+     cuDNN autotuner asks the allocator for cacheInfo, which pluggable allocators lack,
+     pytorch#98481): a conv net trains, or the check shows the error.
 Prints one line per check: name, PASS/FAIL, what was seen.
 """
 import os
@@ -116,6 +123,40 @@ CHECKS = {
         print("REUSED", reused, "SUM", float(total), "EXPECTED", float(n))
         """
     ),
+    "memory_api": textwrap.dedent(
+        """
+        import sys
+        sys.path.insert(0, PYSRC)
+        alloc = torch.cuda.memory.CUDAPluggableAllocator(ROUTER, "tidepool_pytorch_malloc", "tidepool_pytorch_free")
+        torch.cuda.memory.change_current_allocator(alloc)
+        from tidepool import _torch_memory
+        _torch_memory.register(torch)
+        train()
+        peak = torch.cuda.max_memory_allocated(); reserved = torch.cuda.memory_reserved()
+        summary_ok = "Allocated memory" in torch.cuda.memory_summary()
+        torch.cuda.reset_peak_memory_stats()
+        reset_ok = torch.cuda.max_memory_allocated() == torch.cuda.memory_allocated()
+        import gc; gc.collect(); torch.cuda.synchronize(); torch.cuda.empty_cache()
+        print("PEAK", peak, "RESERVED", reserved, "AFTER_EMPTY", torch.cuda.memory_reserved(),
+              "SUMMARY", summary_ok, "RESET", reset_ok)
+        """
+    ),
+    "cudnn_benchmark": textwrap.dedent(
+        """
+        alloc = torch.cuda.memory.CUDAPluggableAllocator(ROUTER, "tidepool_pytorch_malloc", "tidepool_pytorch_free")
+        torch.cuda.memory.change_current_allocator(alloc)
+        torch.backends.cudnn.benchmark = True
+        net = torch.nn.Sequential(torch.nn.Conv2d(3, 32, 3), torch.nn.ReLU(), torch.nn.Conv2d(32, 8, 3)).cuda()
+        x = torch.randn(16, 3, 64, 64, device="cuda")
+        try:
+            for _ in range(3):
+                net(x).sum().backward()
+            torch.cuda.synchronize()
+            print("TRAINED")
+        except Exception as e:
+            print("EXC", type(e).__name__, "|", str(e)[:300].replace("\\n", " "))
+        """
+    ),
 }
 
 
@@ -151,6 +192,16 @@ def main():
     rs_ok = r_rc == 0 and "REUSED False" in r_out and r_out.endswith(f"SUM {float(8 << 20)} EXPECTED {float(8 << 20)}")
     ok &= rs_ok
     print(f"record   {'PASS' if rs_ok else 'FAIL'}  {r_out[:300]} {r_err if r_rc or not r_out else ''}")
+    m_rc, m_out, m_err = results["memory_api"]
+    fields = m_out.split()
+    mem_ok = (m_rc == 0 and len(fields) >= 10 and int(fields[1]) > 0
+              and int(fields[5]) < int(fields[3]) and fields[7] == "True" and fields[9] == "True")
+    ok &= mem_ok
+    print(f"memory   {'PASS' if mem_ok else 'FAIL'}  {m_out[:300]} {m_err if m_rc or not m_out else ''}")
+    c_rc, c_out, c_err = results["cudnn_benchmark"]
+    cudnn_ok = c_rc == 0 and c_out.startswith("TRAINED")
+    ok &= cudnn_ok
+    print(f"cudnn    {'PASS' if cudnn_ok else 'FAIL'}  {c_out[:300]} {c_err if c_rc or not c_out else ''}")
     return 0 if ok else 1
 
 

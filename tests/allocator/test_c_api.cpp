@@ -147,6 +147,24 @@ TEST_F(CApi, PyTorchRecordStreamFindsTheDeviceAndHoldsTheBlock) {
   backend.destroy_stream(side);
 }
 
+TEST_F(CApi, EmptyCacheAllEmptiesEveryDeviceAndCreatesNone) {
+  constexpr std::size_t kBytes = 24 << 20;
+  for (int device : {0, 4}) {
+    void* p = tidepool_malloc(kBytes, device, nullptr);
+    ASSERT_NE(p, nullptr) << tidepool_last_error();
+    tidepool_free(p, kBytes, device, nullptr);
+  }
+  const std::uint64_t reserved0 = stats(0).reserved.current;
+  const std::uint64_t reserved4 = stats(4).reserved.current;
+  ASSERT_GE(reserved0, kBytes);
+  ASSERT_GE(reserved4, kBytes);
+  ASSERT_EQ(tidepool::existing_device_allocator(11), nullptr);
+  EXPECT_EQ(tidepool_empty_cache_all(), 0) << tidepool_last_error();
+  EXPECT_LE(stats(0).reserved.current + kBytes, reserved0);
+  EXPECT_LE(stats(4).reserved.current + kBytes, reserved4);
+  EXPECT_EQ(tidepool::existing_device_allocator(11), nullptr);
+}
+
 TEST_F(CApi, OutOfMemoryIsNullWithTheMessageInTheLastError) {
   const std::uint64_t ooms = stats().oom_count;
   ::testing::internal::CaptureStderr();

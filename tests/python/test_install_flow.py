@@ -12,7 +12,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tidepool import _config, _install, _lib, _optim_hooks, _record_stream, _tags, _tiering
+from tidepool import (_config, _install, _lib, _optim_hooks, _record_stream, _stats, _tags,
+                      _tiering, _torch_memory)
 import tidepool
 
 
@@ -49,6 +50,8 @@ def fake_cuda(monkeypatch):
         handle.remove()
     if _install.STATE.record_stream is not None:
         _install.STATE.record_stream.remove()
+    if _install.STATE.torch_memory is not None:
+        _install.STATE.torch_memory.remove()
 
 
 def install(**overrides) -> None:
@@ -120,6 +123,66 @@ def test_pool_mode_leaves_record_stream_to_pytorchs_allocator(fake_cuda):
     install(mode="pool")
     assert torch.Tensor.record_stream is original
     assert _install.STATE.record_stream is None
+
+
+MEMORY_FUNCTIONS = ("memory_stats_as_nested_dict", "reset_peak_memory_stats", "empty_cache")
+
+
+def test_global_mode_answers_torch_cuda_memory_functions_and_pool_mode_leaves_them(fake_cuda):
+    originals = {name: getattr(torch.cuda.memory, name) for name in MEMORY_FUNCTIONS}
+    install(mode="pool")
+    assert all(getattr(torch.cuda.memory, n) is f for n, f in originals.items())
+    for handle in _install.STATE.optimizer_hooks:
+        handle.remove()
+    _install.STATE = _install._State()
+    install()
+    for name, original in originals.items():
+        assert getattr(torch.cuda.memory, name) is not original
+        assert getattr(torch.cuda, name) is getattr(torch.cuda.memory, name)
+        assert getattr(torch.cuda.memory, name).__wrapped__ is original
+    _install.STATE.torch_memory.remove()
+    assert all(getattr(torch.cuda.memory, n) is f and getattr(torch.cuda, n) is f
+               for n, f in originals.items())
+
+
+def test_torch_cuda_memory_figures_come_from_tidepool(fake_cuda, monkeypatch):
+    # On the host backend, with torch believing CUDA is initialised: what a training
+    # script's memory logging calls, through PyTorch's own functions above ours.
+    install()
+    for module in (torch.cuda, torch.cuda.memory):  # memory.py holds its own binding
+        monkeypatch.setattr(module, "is_initialized", lambda: True)
+    emptied = []
+    monkeypatch.setattr(torch._C, "_cuda_emptyCache", lambda: emptied.append(True))
+    lib = _lib.load()
+    size = 3 << 20
+    ptr = lib.tidepool_malloc(size, 0, None)
+    assert ptr, _lib.last_error()
+    try:
+        raw = _stats.raw_stats(0)
+        assert torch.cuda.memory_allocated(0) == raw.allocated.current >= size
+        assert torch.cuda.max_memory_allocated(0) == raw.allocated.peak
+        assert torch.cuda.memory_reserved(0) == raw.reserved.current >= size
+        assert torch.cuda.max_memory_reserved(0) == raw.reserved.peak
+        stats = torch.cuda.memory_stats(0)
+        assert stats["allocation.all.current"] == raw.alloc_count - raw.free_count
+        assert stats["num_ooms"] == raw.oom_count
+        assert "Allocated memory" in torch.cuda.memory_summary(0)
+    finally:
+        lib.tidepool_free(ctypes.c_void_p(ptr), size, 0, None)
+    torch.cuda.reset_peak_memory_stats(0)
+    assert torch.cuda.max_memory_allocated(0) == torch.cuda.memory_allocated(0)
+    reserved = torch.cuda.memory_reserved(0)
+    torch.cuda.empty_cache()
+    assert emptied == [True], "PyTorch's own empty_cache still runs"
+    assert torch.cuda.memory_reserved(0) <= reserved - size
+
+
+def test_before_cuda_is_initialised_the_stats_are_empty_as_in_pytorch(fake_cuda, monkeypatch):
+    install()
+    for module in (torch.cuda, torch.cuda.memory):
+        monkeypatch.setattr(module, "is_initialized", lambda: False)
+    assert torch.cuda.memory.memory_stats_as_nested_dict(0) == {}
+    assert torch.cuda.memory_allocated(0) == 0
 
 
 def fake_tensor(ptr, cuda=True):

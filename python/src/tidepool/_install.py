@@ -6,7 +6,8 @@ Two modes (tidepool.mode, see allocator/config.h):
           every CUDA allocation of the process is tidepool's (no PyTorch caching on top;
           tidepool caches itself; optimizer state of at least tidepool.tier_min_bytes
           goes to pointer-stable ranges). torch.Tensor.record_stream is wrapped so that
-          it reaches tidepool (_record_stream.py).
+          it reaches tidepool (_record_stream.py), and torch.cuda's memory statistics and
+          empty_cache answer from tidepool (_torch_memory.py).
   pool    PyTorch keeps its own allocator; a torch.cuda.MemPool backed by tidepool
           serves tidepool.region() and optimizer steps. Inside a region PyTorch's
           caching allocator asks tidepool for whole segments.
@@ -37,6 +38,7 @@ class _State:
         self.pool = None  # the MemPool, pool mode only, created on first use
         self.optimizer_hooks = None  # the two RemovableHandles
         self.record_stream = None  # global mode: the handle of the record_stream wrapper
+        self.torch_memory = None  # global mode: the handle of the torch.cuda memory functions
 
 
 STATE = _State()
@@ -86,6 +88,9 @@ def install(torch, config: dict) -> None:
                 from . import _record_stream
 
                 STATE.record_stream = _record_stream.register(torch)
+                from . import _torch_memory
+
+                STATE.torch_memory = _torch_memory.register(torch)
         except RuntimeError as e:
             raise RuntimeError(
                 f"tidepool: cannot install the allocator from {path} ({e}). tidepool must be "

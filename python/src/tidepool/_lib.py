@@ -98,6 +98,7 @@ _ALLOCATOR = {
     "tidepool_free": (None, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]),
     "tidepool_pytorch_record_stream": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_void_p]),
     "tidepool_empty_cache": (ctypes.c_int, [ctypes.c_int]),
+    "tidepool_empty_cache_all": (ctypes.c_int, []),
     "tidepool_tag_id": (ctypes.c_int, [ctypes.c_char_p]),
     "tidepool_tag_name": (ctypes.c_char_p, [ctypes.c_int]),
     "tidepool_tag_push": (ctypes.c_int, [ctypes.c_int]),

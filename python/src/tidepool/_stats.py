@@ -46,11 +46,17 @@ def _stat_keys(out: dict, prefix: str, stat: Stat) -> None:
         out[f"{prefix}.{field}"] = getattr(stat, field)
 
 
-def stats(device: int = 0) -> dict:
+def raw_stats(device: int) -> StatsV1:
+    """The allocator's stats struct of `device`, as the C ABI fills it."""
     raw = StatsV1()
     raw.struct_size = ctypes.sizeof(StatsV1)
     fn = _lib.function("tidepool_get_stats_v1", "allocator statistics")
     _lib.check(fn(device, ctypes.byref(raw)), f"reading stats of device {device}")
+    return raw
+
+
+def stats(device: int = 0) -> dict:
+    raw = raw_stats(device)
     out: dict = {"backend": "cuda" if raw.backend == 1 else "host", "device": raw.device}
     _stat_keys(out, "allocated_bytes.all", raw.allocated)
     _stat_keys(out, "reserved_bytes.all", raw.reserved)

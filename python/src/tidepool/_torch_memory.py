@@ -1,0 +1,125 @@
+"""torch.cuda's memory statistics and empty_cache, answered by tidepool in global mode.
+
+PyTorch's CUDAPluggableAllocator raises for getDeviceStats and resetPeakStats ("does not
+yet support") and does nothing for emptyCache unless C++ hooks are set, which its Python
+class cannot do. So under `tidepool.mode:global` a training script that logs
+torch.cuda.max_memory_allocated() would stop with a RuntimeError, and
+torch.cuda.empty_cache() would keep every cached byte. The package replaces, in
+torch.cuda.memory and in torch.cuda:
+
+  memory_stats_as_nested_dict   what memory_stats(), memory_allocated(),
+                                max_memory_allocated(), memory_reserved(),
+                                max_memory_reserved() and memory_summary() read: the
+                                figures of tidepool's caching allocator in PyTorch's keys;
+  reset_peak_memory_stats       tidepool_reset_peak_stats;
+  empty_cache                   PyTorch's, then tidepool_empty_cache_all.
+
+What the keys mean here: "all" is tidepool's caching allocator; tidepool keeps one pool
+per stream and does not split small from large blocks, so "large_pool" repeats "all"
+and "small_pool" is zero. Optimizer state in pointer-stable ranges (tidepool.tier_min_bytes
+and up) is not in these figures: it is reported by tidepool.stats() ("tiering.vmm_*"),
+since it moves between device and host memory. A remove() handle puts PyTorch's
+functions back.
+"""
+
+from __future__ import annotations
+
+from . import _lib, _stats
+
+_POOLS = ("all", "large_pool", "small_pool")
+
+
+def _stat(stat) -> dict:
+    return {"current": stat.current, "peak": stat.peak, "allocated": stat.allocated,
+            "freed": stat.freed}
+
+
+def _count(current: int, allocated: int, freed: int) -> dict:
+    # tidepool keeps no peak of counts; the current value is the best lower bound.
+    return {"current": current, "peak": current, "allocated": allocated, "freed": freed}
+
+
+def _pools(all_pools: dict) -> dict:
+    zero = dict.fromkeys(all_pools, 0)
+    return {"all": all_pools, "large_pool": dict(all_pools), "small_pool": zero}
+
+
+def nested_stats(device: int) -> dict:
+    """torch.cuda.memory_stats_as_nested_dict(device) from tidepool's stats."""
+    raw = _stats.raw_stats(device)
+    allocations = _count(raw.alloc_count - raw.free_count, raw.alloc_count, raw.free_count)
+    segments = _count(raw.segments_acquired - raw.segments_released, raw.segments_acquired,
+                      raw.segments_released)
+    no_inactive = {"current": 0, "peak": 0, "allocated": 0, "freed": 0}
+    return {
+        "allocated_bytes": _pools(_stat(raw.allocated)),
+        # A block is active from its allocation to its free (tidepool holds pending blocks
+        # back without counting them as allocated).
+        "active_bytes": _pools(_stat(raw.allocated)),
+        "requested_bytes": _pools(_stat(raw.requested)),
+        "reserved_bytes": _pools(_stat(raw.reserved)),
+        # Split-off free blocks coalesce and can always be released with their range.
+        "inactive_split_bytes": _pools(dict(no_inactive)),
+        "allocation": _pools(allocations),
+        "active": _pools(dict(allocations)),
+        "segment": _pools(segments),
+        "inactive_split": _pools(dict(no_inactive)),
+        "num_alloc_retries": raw.reclaim_calls,
+        "num_ooms": raw.oom_count,
+        "num_device_alloc": raw.segments_acquired,
+        "num_device_free": raw.segments_released,
+        "num_sync_all_streams": 0,
+        "oversize_allocations": _count(0, 0, 0),
+        "oversize_segments": _count(0, 0, 0),
+        "max_split_size": -1,  # PyTorch's "no limit": tidepool splits any block
+    }
+
+
+class Handle:
+    """Puts PyTorch's functions back on remove()."""
+
+    def __init__(self, torch, originals: dict):
+        self._torch, self._originals = torch, originals
+
+    def remove(self) -> None:
+        for (module, name), fn in self._originals.items():
+            setattr(module, name, fn)
+        self._originals = {}
+
+
+def register(torch) -> Handle:
+    """Replaces the functions named at the top of this module (global mode only)."""
+    memory = torch.cuda.memory
+    device_index = torch.cuda._utils._get_device_index
+
+    def memory_stats_as_nested_dict(device=None):
+        if not torch.cuda.is_initialized():
+            return {}  # as PyTorch: no CUDA work yet, nothing allocated
+        return nested_stats(device_index(device, optional=True))
+
+    def reset_peak_memory_stats(device=None):
+        fn = _lib.function("tidepool_reset_peak_stats", "peak statistics")
+        d = device_index(device, optional=True)
+        _lib.check(fn(d), f"resetting the peak statistics of device {d}")
+
+    original_empty_cache = memory.empty_cache
+
+    def empty_cache():
+        original_empty_cache()
+        fn = _lib.function("tidepool_empty_cache_all", "empty_cache")
+        _lib.check(fn(), "empty_cache")
+
+    replacements = {"memory_stats_as_nested_dict": memory_stats_as_nested_dict,
+                    "reset_peak_memory_stats": reset_peak_memory_stats,
+                    "empty_cache": empty_cache}
+    originals = {}
+    for name, fn in replacements.items():
+        original = getattr(memory, name)
+        fn.__doc__, fn.__name__ = original.__doc__, original.__name__
+        fn.__wrapped__ = original
+        # torch.cuda re-exports them; a name there still bound to PyTorch's is replaced too.
+        for module in (memory, torch.cuda):
+            if getattr(module, name, None) is original:
+                originals[(module, name)] = original
+                setattr(module, name, fn)
+    return Handle(torch, originals)
