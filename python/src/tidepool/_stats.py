@@ -62,7 +62,9 @@ def stats(device: int = 0) -> dict:
     _stat_keys(out, "reserved_bytes.all", raw.reserved)
     _stat_keys(out, "requested_bytes.all", raw.requested)
     out["num_cross_stream_reuses"] = raw.cross_stream_reuses
-    out["inactive_split_bytes.all.current"] = raw.cached_bytes
+    # Free memory tidepool keeps reserved (reserved − allocated): all of it releasable, so
+    # not PyTorch's inactive_split_bytes (split blocks that cannot be given back).
+    out["cached_bytes"] = raw.cached_bytes
     out["segment.all.allocated"] = raw.segments_acquired
     out["segment.all.freed"] = raw.segments_released
     out["segment.all.current"] = raw.segments_acquired - raw.segments_released
