@@ -27,11 +27,9 @@
 #include <memory>
 #include <vector>
 
-#include <torch/cuda.h>
 #include <torch/torch.h>
 
-#include "allocator/backend.h"
-#include "allocator/device_registry.h"
+#include "bench/optimizers/bench_common.h"
 #include "optimizers/aadl.h"
 #include "optimizers/anderson_history.h"
 #include "optimizers/state_placement.h"
@@ -42,63 +40,27 @@ namespace {
 
 constexpr int64_t kDepth = 5;
 
-// Mixed tensor sizes summing to `total` elements: halves, quarters, … and the remainder.
-std::vector<int64_t> mixed_sizes(int64_t total) {
-  std::vector<int64_t> sizes;
-  int64_t left = total;
-  for (int64_t chunk = total / 2; left > 0 && chunk >= 1024; chunk /= 2) {
-    sizes.push_back(chunk);
-    left -= chunk;
-  }
-  if (left > 0) sizes.push_back(left);
-  return sizes;
-}
+using tidepool::bench_optim::mixed_sizes;
+using tidepool::bench_optim::sync;
+using tidepool::bench_optim::want_cuda;
 
-void sync(const torch::Device& device) {
-  if (device.is_cuda()) torch::cuda::synchronize(device.index());
-}
-
-bool want_cuda(benchmark::State& state) {
-  if (!torch::cuda::is_available()) {
-    state.SkipWithError("no CUDA device");
-    return false;
-  }
-  return true;
-}
-
-// Pinned-memory rates of the link in bytes/s: H2D, D2H, and both at once on two streams.
+// Pinned-memory rates of the link in bytes/s: H2D, D2H, and both at once on two streams
+// (the best of three 1 GiB copies each).
 struct LinkRates {
   double h2d = 0, d2h = 0, both = 0;
 };
 
 LinkRates measure_link(int device) {
-  tidepool::Backend& backend = tidepool::device_allocator(device).backend();
-  constexpr int64_t kBytes = int64_t{1} << 30;
-  const auto pinned = torch::TensorOptions().dtype(torch::kUInt8).pinned_memory(true);
-  const auto on_device = torch::TensorOptions().dtype(torch::kUInt8).device(torch::kCUDA, device);
-  torch::Tensor host_in = torch::ones({kBytes}, pinned), host_out = torch::empty({kBytes}, pinned);
-  torch::Tensor dev_in = torch::empty({kBytes}, on_device), dev_out = torch::ones({kBytes}, on_device);
-  sync(torch::Device(torch::kCUDA, device));
-  const tidepool::Stream h2d = backend.create_stream(), d2h = backend.create_stream();
+  tidepool::bench_optim::LinkCopies link(device, int64_t{1} << 30);
   const auto best_rate = [&](bool up, bool down) {
     double best = 0;
     for (int rep = 0; rep < 3; ++rep) {
-      const auto start = std::chrono::steady_clock::now();
-      if (up) backend.copy_async(dev_in.data_ptr(), host_in.data_ptr(), kBytes,
-                                 tidepool::CopyKind::host_to_device, h2d);
-      if (down) backend.copy_async(host_out.data_ptr(), dev_out.data_ptr(), kBytes,
-                                   tidepool::CopyKind::device_to_host, d2h);
-      backend.stream_synchronize(h2d);
-      backend.stream_synchronize(d2h);
-      const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-      best = std::max(best, static_cast<double>(kBytes) * ((up ? 1 : 0) + (down ? 1 : 0)) / s);
+      const double bytes = static_cast<double>(link.bytes()) * ((up ? 1 : 0) + (down ? 1 : 0));
+      best = std::max(best, bytes / link.copy(up, down));
     }
     return best;
   };
-  LinkRates rates{best_rate(true, false), best_rate(false, true), best_rate(true, true)};
-  backend.destroy_stream(h2d);
-  backend.destroy_stream(d2h);
-  return rates;
+  return LinkRates{best_rate(true, false), best_rate(false, true), best_rate(true, true)};
 }
 
 enum class Where { resident, host_staged, tiered };
@@ -113,7 +75,7 @@ void run_aadl(benchmark::State& state, torch::Device device, Where where) {
     params.push_back(p);
   }
   // Declared first so it is destroyed last: the store (kept alive by the placement) uses it.
-  std::unique_ptr<tidepool::Backend> backend;
+  std::unique_ptr<tidepool::bench_optim::BenchStore> bench_store;
   std::shared_ptr<tidepool::TieredStore> store;
   std::shared_ptr<tidepool::optim::StatePlacement> placement;
   std::shared_ptr<tidepool::optim::HostStagedPlacement> staged;
@@ -121,14 +83,8 @@ void run_aadl(benchmark::State& state, torch::Device device, Where where) {
     tidepool::TieredStoreOptions options;
     options.device_budget_bytes = static_cast<std::size_t>(2 * kDepth) *
                                   tidepool::optim::AndersonHistory::kStoreChunk * sizeof(float);
-    if (device.is_cuda()) {
-      tidepool::CachingAllocator& allocator = tidepool::device_allocator(device.index());
-      store = std::make_shared<tidepool::TieredStore>(
-          allocator.backend(), options, tidepool::caching_allocator_source(allocator));
-    } else {
-      backend = tidepool::make_host_backend();
-      store = std::make_shared<tidepool::TieredStore>(*backend, options);
-    }
+    bench_store = std::make_unique<tidepool::bench_optim::BenchStore>(device, options);
+    store = bench_store->store;
     placement = std::make_shared<tidepool::optim::TieredPlacement>(store);
   } else if (where == Where::host_staged) {
     staged = std::make_shared<tidepool::optim::HostStagedPlacement>();

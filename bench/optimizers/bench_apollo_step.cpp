@@ -16,11 +16,9 @@
 #include <memory>
 #include <vector>
 
-#include <torch/cuda.h>
 #include <torch/torch.h>
 
-#include "allocator/backend.h"
-#include "allocator/device_registry.h"
+#include "bench/optimizers/bench_common.h"
 #include "optimizers/apollo.h"
 #include "optimizers/state_placement.h"
 #include "optimizers/tiered_placement.h"
@@ -28,19 +26,9 @@
 
 namespace {
 
-// Mixed tensor sizes summing to `total` elements: halves, quarters, … and the remainder.
-std::vector<int64_t> mixed_sizes(int64_t total) {
-  std::vector<int64_t> sizes;
-  int64_t left = total;
-  int64_t chunk = total / 2;
-  while (left > 0 && chunk >= 1024) {
-    sizes.push_back(chunk);
-    left -= chunk;
-    chunk /= 2;
-  }
-  if (left > 0) sizes.push_back(left);
-  return sizes;
-}
+using tidepool::bench_optim::mixed_sizes;
+using tidepool::bench_optim::sync;
+using tidepool::bench_optim::want_cuda;
 
 struct Problem {
   std::vector<torch::Tensor> params;
@@ -53,18 +41,6 @@ struct Problem {
     }
   }
 };
-
-void sync(const torch::Device& device) {
-  if (device.is_cuda()) torch::cuda::synchronize(device.index());
-}
-
-bool want_cuda(benchmark::State& state) {
-  if (!torch::cuda::is_available()) {
-    state.SkipWithError("no CUDA device");
-    return false;
-  }
-  return true;
-}
 
 // The reference step (constant rebound, L2 decay 0), state in plain tensors on `location`.
 struct ReferenceState {
@@ -122,7 +98,7 @@ enum class Where { resident, host_staged, tiered };
 void run_tidepool(benchmark::State& state, torch::Device device, Where where, bool fused) {
   Problem problem(state.range(0), device);
   // Declared first so it is destroyed last: the store (kept alive by the placement) uses it.
-  std::unique_ptr<tidepool::Backend> backend;
+  std::unique_ptr<tidepool::bench_optim::BenchStore> bench_store;
   std::shared_ptr<tidepool::TieredStore> store;
   std::shared_ptr<tidepool::optim::StatePlacement> placement;
   std::shared_ptr<tidepool::optim::HostStagedPlacement> staged;
@@ -132,16 +108,8 @@ void run_tidepool(benchmark::State& state, torch::Device device, Where where, bo
     // hold the three states of the largest tensor (half the parameters) at once: 6 B/param.
     tidepool::TieredStoreOptions options;
     options.device_budget_bytes = static_cast<std::size_t>(state.range(0)) * 8;
-    if (device.is_cuda()) {
-      // Device buffers from tidepool's caching allocator (cudaMalloc per load otherwise).
-      tidepool::CachingAllocator& allocator = tidepool::device_allocator(device.index());
-      store = std::make_shared<tidepool::TieredStore>(
-          allocator.backend(), options, tidepool::caching_allocator_source(allocator));
-    } else {
-      // The host backend's "device" memory is host memory LibTorch's CPU ops can use.
-      backend = tidepool::make_host_backend();
-      store = std::make_shared<tidepool::TieredStore>(*backend, options);
-    }
+    bench_store = std::make_unique<tidepool::bench_optim::BenchStore>(device, options);
+    store = bench_store->store;
     tiered = std::make_shared<tidepool::optim::TieredPlacement>(store);
     placement = tiered;
   } else if (where == Where::host_staged) {
@@ -180,28 +148,9 @@ void run_tidepool(benchmark::State& state, torch::Device device, Where where, bo
 // The link's rate with pinned host memory, both directions at once on two streams of the
 // backend: the floor of a tiered step is 24 B/param at this rate.
 void run_pinned_bidirectional(benchmark::State& state, int device) {
-  tidepool::Backend& backend = tidepool::device_allocator(device).backend();
-  const auto bytes = static_cast<std::size_t>(state.range(0));
-  const auto pinned = torch::TensorOptions().dtype(torch::kUInt8).pinned_memory(true);
-  const auto on_device = torch::TensorOptions().dtype(torch::kUInt8).device(torch::kCUDA, device);
-  torch::Tensor host_in = torch::ones({state.range(0)}, pinned);
-  torch::Tensor host_out = torch::empty({state.range(0)}, pinned);
-  torch::Tensor dev_in = torch::empty({state.range(0)}, on_device);
-  torch::Tensor dev_out = torch::ones({state.range(0)}, on_device);
-  sync(torch::Device(torch::kCUDA, device));
-  const tidepool::Stream h2d = backend.create_stream();
-  const tidepool::Stream d2h = backend.create_stream();
-  for (auto _ : state) {
-    backend.copy_async(dev_in.data_ptr(), host_in.data_ptr(), bytes,
-                       tidepool::CopyKind::host_to_device, h2d);
-    backend.copy_async(host_out.data_ptr(), dev_out.data_ptr(), bytes,
-                       tidepool::CopyKind::device_to_host, d2h);
-    backend.stream_synchronize(h2d);
-    backend.stream_synchronize(d2h);
-  }
-  backend.destroy_stream(h2d);
-  backend.destroy_stream(d2h);
-  state.counters["GB/s"] = benchmark::Counter(2.0 * static_cast<double>(bytes),
+  tidepool::bench_optim::LinkCopies link(device, state.range(0));
+  for (auto _ : state) link.copy(true, true);
+  state.counters["GB/s"] = benchmark::Counter(2.0 * static_cast<double>(link.bytes()),
                                               benchmark::Counter::kIsIterationInvariantRate);
 }
 
