@@ -42,6 +42,13 @@ void libtorch_record_stream(void* ptr, cudaStream_t stream) {
   }
 }
 
+// emptyCache: every device's cached memory goes back, as c10's own allocator does.
+void libtorch_empty_cache() {
+  if (tidepool_empty_cache_all() < 0) {
+    throw std::runtime_error(std::string("tidepool: empty_cache failed: ") + tidepool_last_error());
+  }
+}
+
 // Whether this process already swapped LibTorch's allocator (a second swap would fail:
 // ours is initialised by then).
 bool& installed_flag() {
@@ -59,7 +66,8 @@ void swap_libtorch_allocator() {
     auto allocator = torch::cuda::CUDAPluggableAllocator::createCustomAllocator(libtorch_alloc,
                                                                                  libtorch_free);
     // Note [record_stream from PyTorch] (allocator/c_api.h): without this, LibTorch's
-    // record_stream is a no-op for a pluggable allocator.
+    // record_stream is a no-op for a pluggable allocator. (Device statistics cannot be
+    // connected: CUDAPluggableAllocator has no hook for them and raises.)
     auto* pluggable =
         dynamic_cast<torch::cuda::CUDAPluggableAllocator::CUDAPluggableAllocator*>(allocator.get());
     if (pluggable == nullptr) {
@@ -67,6 +75,9 @@ void swap_libtorch_allocator() {
                          "CUDAPluggableAllocator; record_stream could not be connected");
     }
     pluggable->set_record_stream_fn(libtorch_record_stream);
+    // c10::cuda::CUDACachingAllocator::emptyCache() calls the reset function, and does
+    // nothing without one.
+    pluggable->set_reset_fn(libtorch_empty_cache);
     torch::cuda::CUDAPluggableAllocator::changeCurrentAllocator(allocator);
   } catch (const c10::Error& e) {
     throw InstallError(std::string("tidepool: cannot make tidepool LibTorch's CUDA allocator: ") +

@@ -1,10 +1,11 @@
 // tidepool::optim::install_from_env on a machine with CUDA: tidepool becomes LibTorch's
 // CUDA allocator, so a CUDA tensor's memory is counted by tidepool's stats, and a second
-// call is harmless; Tensor::record_stream reaches tidepool (Note [record_stream from
-// PyTorch] in allocator/c_api.h). Skips itself without CUDA (label gpu).
+// call is harmless; Tensor::record_stream (Note [record_stream from PyTorch] in
+// allocator/c_api.h) and c10's emptyCache reach tidepool. Skips itself without CUDA (label gpu).
 #include "optimizers/install/torch_install.h"
 
 #include <ATen/cuda/Sleep.h>
+#include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAEvent.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -40,6 +41,23 @@ TEST(TorchInstallGpu, GlobalModeMakesTidepoolLibTorchsCudaAllocator) {
   torch::cuda::synchronize();
   EXPECT_EQ(tidepool_allocated_bytes(0), before);
   EXPECT_EQ(install_from_env().state, InstallState::installed);
+}
+
+// c10's emptyCache reaches tidepool: its cached memory goes back to the device.
+TEST(TorchInstallGpu, EmptyCacheGivesTidepoolsCachedMemoryBack) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA";
+  setenv("PYTORCH_ALLOC_CONF", "backend:tidepool", 1);
+  ASSERT_EQ(install_from_env().state, InstallState::installed);
+  { torch::Tensor t = torch::ones({int64_t{64} << 20}, torch::TensorOptions().device(torch::kCUDA, 0)); }
+  torch::cuda::synchronize();
+  tidepool_stats_v1 stats{};
+  stats.struct_size = sizeof(stats);
+  ASSERT_EQ(tidepool_get_stats_v1(0, &stats), 0) << tidepool_last_error();
+  const std::uint64_t cached = stats.reserved.current;
+  ASSERT_GE(cached, std::uint64_t{256} << 20);
+  c10::cuda::CUDACachingAllocator::emptyCache();
+  ASSERT_EQ(tidepool_get_stats_v1(0, &stats), 0) << tidepool_last_error();
+  EXPECT_LE(stats.reserved.current + (std::uint64_t{256} << 20), cached);
 }
 
 // A tensor read on a side stream and freed on its allocating stream: with record_stream
