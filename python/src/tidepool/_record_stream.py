@@ -15,9 +15,8 @@ in C++.
 from __future__ import annotations
 
 import ctypes
-import functools
 
-from . import _lib
+from . import _lib, _patches
 
 
 def record_in_tidepool(tensor, stream) -> None:
@@ -32,28 +31,16 @@ def record_in_tidepool(tensor, stream) -> None:
                "record_stream")
 
 
-class Handle:
-    """Puts PyTorch's own record_stream back on remove()."""
-
-    def __init__(self, torch, original):
-        self._torch, self._original = torch, original
-
-    def remove(self) -> None:
-        if self._original is not None:
-            self._torch.Tensor.record_stream = self._original
-            self._original = None
-
-
-def register(torch) -> Handle:
-    """Wraps torch.Tensor.record_stream (once) and returns the handle that undoes it."""
+def register(torch) -> _patches.Patches:
+    """Wraps torch.Tensor.record_stream; remove() on the result undoes it."""
     original = torch.Tensor.record_stream
 
-    @functools.wraps(original)
     def record_stream(self, stream):
         result = original(self, stream)
         record_in_tidepool(self, stream)
         return result
 
-    record_stream.__tidepool__ = True
-    torch.Tensor.record_stream = record_stream
-    return Handle(torch, original)
+    record_stream.__name__ = original.__name__
+    patches = _patches.Patches()
+    patches.replace(torch.Tensor, "record_stream", record_stream)
+    return patches

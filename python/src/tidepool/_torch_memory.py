@@ -18,13 +18,12 @@ What the keys mean here: "all" is tidepool's caching allocator; tidepool keeps o
 per stream and does not split small from large blocks, so "large_pool" repeats "all"
 and "small_pool" is zero. Optimizer state in pointer-stable ranges (tidepool.tier_min_bytes
 and up) is not in these figures: it is reported by tidepool.stats() ("tiering.vmm_*"),
-since it moves between device and host memory. A remove() handle puts PyTorch's
-functions back.
+since it moves between device and host memory.
 """
 
 from __future__ import annotations
 
-from . import _lib, _stats
+from . import _lib, _patches, _stats
 
 _POOLS = ("all", "large_pool", "small_pool")
 
@@ -75,20 +74,9 @@ def nested_stats(device: int) -> dict:
     }
 
 
-class Handle:
-    """Puts PyTorch's functions back on remove()."""
-
-    def __init__(self, torch, originals: dict):
-        self._torch, self._originals = torch, originals
-
-    def remove(self) -> None:
-        for (module, name), fn in self._originals.items():
-            setattr(module, name, fn)
-        self._originals = {}
-
-
-def register(torch) -> Handle:
-    """Replaces the functions named at the top of this module (global mode only)."""
+def register(torch) -> _patches.Patches:
+    """Replaces the functions named at the top of this module (global mode only);
+    remove() on the result puts PyTorch's back."""
     memory = torch.cuda.memory
     device_index = torch.cuda._utils._get_device_index
 
@@ -109,17 +97,11 @@ def register(torch) -> Handle:
         fn = _lib.function("tidepool_empty_cache_all", "empty_cache")
         _lib.check(fn(), "empty_cache")
 
-    replacements = {"memory_stats_as_nested_dict": memory_stats_as_nested_dict,
-                    "reset_peak_memory_stats": reset_peak_memory_stats,
-                    "empty_cache": empty_cache}
-    originals = {}
-    for name, fn in replacements.items():
-        original = getattr(memory, name)
-        fn.__doc__, fn.__name__ = original.__doc__, original.__name__
-        fn.__wrapped__ = original
+    patches = _patches.Patches()
+    for fn in (memory_stats_as_nested_dict, reset_peak_memory_stats, empty_cache):
+        original = getattr(memory, fn.__name__)
         # torch.cuda re-exports them; a name there still bound to PyTorch's is replaced too.
-        for module in (memory, torch.cuda):
-            if getattr(module, name, None) is original:
-                originals[(module, name)] = original
-                setattr(module, name, fn)
-    return Handle(torch, originals)
+        if getattr(torch.cuda, fn.__name__, None) is original:
+            patches.replace(torch.cuda, fn.__name__, fn)
+        patches.replace(memory, fn.__name__, fn)
+    return patches
