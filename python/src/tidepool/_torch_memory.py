@@ -25,9 +25,6 @@ from __future__ import annotations
 
 from . import _lib, _patches, _stats
 
-_POOLS = ("all", "large_pool", "small_pool")
-
-
 def _stat(stat) -> dict:
     return {"current": stat.current, "peak": stat.peak, "allocated": stat.allocated,
             "freed": stat.freed}
@@ -49,7 +46,6 @@ def nested_stats(device: int) -> dict:
     allocations = _count(raw.alloc_count - raw.free_count, raw.alloc_count, raw.free_count)
     segments = _count(raw.segments_acquired - raw.segments_released, raw.segments_acquired,
                       raw.segments_released)
-    no_inactive = {"current": 0, "peak": 0, "allocated": 0, "freed": 0}
     return {
         "allocated_bytes": _pools(_stat(raw.allocated)),
         # A block is active from its allocation to its free (tidepool holds pending blocks
@@ -58,11 +54,11 @@ def nested_stats(device: int) -> dict:
         "requested_bytes": _pools(_stat(raw.requested)),
         "reserved_bytes": _pools(_stat(raw.reserved)),
         # Split-off free blocks coalesce and can always be released with their range.
-        "inactive_split_bytes": _pools(dict(no_inactive)),
+        "inactive_split_bytes": _pools(_count(0, 0, 0)),
         "allocation": _pools(allocations),
         "active": _pools(dict(allocations)),
         "segment": _pools(segments),
-        "inactive_split": _pools(dict(no_inactive)),
+        "inactive_split": _pools(_count(0, 0, 0)),
         "num_alloc_retries": raw.reclaim_calls,
         "num_ooms": raw.oom_count,
         "num_device_alloc": raw.segments_acquired,
