@@ -45,6 +45,13 @@ PRELUDE = textwrap.dedent(
         p = lib.tidepool_snapshot_json(0)
         s = ctypes.string_at(p).decode(); lib.tidepool_string_free(ctypes.c_void_p(p))
         return json.loads(s)
+    def use_tidepool_globally():
+        # The pair the package hands PyTorch (throws on OOM), as the process's allocator;
+        # the package sources importable for the checks that use its wrappers.
+        import sys
+        sys.path.insert(0, PYSRC)
+        alloc = torch.cuda.memory.CUDAPluggableAllocator(ROUTER, "tidepool_pytorch_malloc", "tidepool_pytorch_free")
+        torch.cuda.memory.change_current_allocator(alloc)
     def train(steps=5):
         torch.manual_seed(0)
         torch.backends.cudnn.deterministic = True
@@ -87,8 +94,7 @@ CHECKS = {
     ),
     "oom": textwrap.dedent(
         """
-        alloc = torch.cuda.memory.CUDAPluggableAllocator(ROUTER, "tidepool_pytorch_malloc", "tidepool_pytorch_free")
-        torch.cuda.memory.change_current_allocator(alloc)
+        use_tidepool_globally()
         keep = torch.empty(1 << 20, device="cuda")
         try:
             torch.empty(1 << 50, dtype=torch.uint8, device="cuda")
@@ -101,10 +107,7 @@ CHECKS = {
     ),
     "record_stream": textwrap.dedent(
         """
-        import sys
-        sys.path.insert(0, PYSRC)
-        alloc = torch.cuda.memory.CUDAPluggableAllocator(ROUTER, "tidepool_pytorch_malloc", "tidepool_pytorch_free")
-        torch.cuda.memory.change_current_allocator(alloc)
+        use_tidepool_globally()
         from tidepool import _record_stream
         _record_stream.register(torch)
         n = 8 << 20
@@ -125,10 +128,7 @@ CHECKS = {
     ),
     "memory_api": textwrap.dedent(
         """
-        import sys
-        sys.path.insert(0, PYSRC)
-        alloc = torch.cuda.memory.CUDAPluggableAllocator(ROUTER, "tidepool_pytorch_malloc", "tidepool_pytorch_free")
-        torch.cuda.memory.change_current_allocator(alloc)
+        use_tidepool_globally()
         from tidepool import _torch_memory
         _torch_memory.register(torch)
         train()
@@ -143,8 +143,7 @@ CHECKS = {
     ),
     "cudnn_benchmark": textwrap.dedent(
         """
-        alloc = torch.cuda.memory.CUDAPluggableAllocator(ROUTER, "tidepool_pytorch_malloc", "tidepool_pytorch_free")
-        torch.cuda.memory.change_current_allocator(alloc)
+        use_tidepool_globally()
         torch.backends.cudnn.benchmark = True
         net = torch.nn.Sequential(torch.nn.Conv2d(3, 32, 3), torch.nn.ReLU(), torch.nn.Conv2d(32, 8, 3)).cuda()
         x = torch.randn(16, 3, 64, 64, device="cuda")
