@@ -34,18 +34,24 @@ std::unique_ptr<torch::optim::OptimizerOptions> mirror_defaults(
   return inner->defaults().clone();
 }
 
-// The group's parameters as one vector (the reference's parameters_to_vector).
-torch::Tensor flatten(const std::vector<torch::Tensor>& params) {
-  std::vector<torch::Tensor> pieces;
-  pieces.reserve(params.size());
+// A group's parameters must flatten into one vector: one dtype, one device. Checked for
+// every group before a step changes anything.
+void check_group(const std::vector<torch::Tensor>& params) {
   for (const auto& p : params) {
     TORCH_CHECK(p.scalar_type() == params.front().scalar_type() &&
                     p.device() == params.front().device(),
                 "AADL: all parameters of a group must share dtype and device (got ",
                 p.scalar_type(), " on ", p.device(), " and ", params.front().scalar_type(),
                 " on ", params.front().device(), ")");
-    pieces.push_back(p.detach().reshape(-1));
   }
+}
+
+// The group's parameters as one vector (the reference's parameters_to_vector).
+torch::Tensor flatten(const std::vector<torch::Tensor>& params) {
+  check_group(params);
+  std::vector<torch::Tensor> pieces;
+  pieces.reserve(params.size());
+  for (const auto& p : params) pieces.push_back(p.detach().reshape(-1));
   return torch::cat(pieces);
 }
 
@@ -119,7 +125,8 @@ AADL::AADL(std::shared_ptr<torch::optim::Optimizer> inner, AADLOptions options,
 
 // ---- the step ----------------------------------------------------------------------------
 
-torch::Tensor AADL::extrapolate(const AndersonHistory& history) const {
+torch::Tensor AADL::extrapolate(const AndersonHistory& history, const torch::Tensor& newest,
+                                const torch::Tensor& out) const {
   const int64_t k = history.size() - 2;
   torch::Tensor gram = history.gram().clone();
   if (options_.reg_acc() != 0.0) gram.diagonal().add_(options_.reg_acc());
@@ -149,7 +156,7 @@ torch::Tensor AADL::extrapolate(const AndersonHistory& history) const {
     const double average = l < k ? -g[l] : -1.0;
     w[l] = beta * anderson + (1.0 - beta) * average;
   }
-  return history.combine(u);
+  return history.combine(u, newest, out);
 }
 
 AADL::NextStep AADL::next_step() const noexcept {
@@ -177,6 +184,7 @@ torch::Tensor AADL::step(LossClosure closure) {
   // What this step does, decided before anything runs (the counters only move once the
   // inner step succeeded).
   const auto [stores, accelerates] = next_step();
+  for (const auto& group : inner_->param_groups()) check_group(group.params());
   // Note [Loading the history ahead of use] (anderson_history.h): the first pass this step
   // makes over each history starts loading now, while the inner optimizer steps (and,
   // with a closure, runs the forward and backward pass).
@@ -184,26 +192,29 @@ torch::Tensor AADL::step(LossClosure closure) {
   torch::Tensor loss = inner_->step(closure);
   torch::NoGradGuard no_grad;
 
-  store_counter_ += 1;
-  if (stores) {
-    store_counter_ = 0;
-    for (size_t g = 0; g < histories_.size(); ++g) {
-      histories_[g]->push(flatten(inner_->param_groups()[g].params()));
-    }
-  }
-
+  store_counter_ = stores ? 0 : store_counter_ + 1;
   call_counter_ += 1;
-  if (!accelerates) return loss;
+  // Group by group: a group's push and extrapolation read only its own parameters, and its
+  // safeguard writes only those, so this order gives the same bits as all pushes first,
+  // while holding one group's flattened vector at a time.
   for (size_t g = 0; g < histories_.size(); ++g) {
     AndersonHistory& history = *histories_[g];
-    if (history.size() < 3) continue;
     const auto& params = inner_->param_groups()[g].params();
-    const torch::Tensor accelerated = extrapolate(history);
+    // The vector stored this step, still on the compute device: the passes below read it
+    // from here instead of loading it back (anderson_history.h, "Storage and streaming").
+    torch::Tensor pushed;
+    if (stores) {
+      pushed = flatten(params);
+      history.push(pushed);
+    }
+    if (!accelerates || history.size() < 3) continue;
     if (!closure) {
-      unflatten(accelerated, params);
+      // The plain iterate is not needed again: the extrapolation overwrites it in place.
+      unflatten(extrapolate(history, pushed, pushed), params);
       continue;
     }
-    const torch::Tensor plain = flatten(params);
+    const torch::Tensor plain = pushed.defined() ? pushed : flatten(params);
+    const torch::Tensor accelerated = extrapolate(history, pushed, {});
     // The pass replace_newest makes loads during the two closure calls (forward passes);
     // after a rejection the next step's first pass reads them (Note [Loading the history
     // ahead of use]).

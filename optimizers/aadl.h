@@ -100,8 +100,10 @@ class TIDEPOOL_API AADL : public torch::optim::Optimizer {
   };
   NextStep next_step() const noexcept;
   void prefetch(NextStep next) const;
-  // Solves the group's least-squares problem and returns the extrapolated vector.
-  torch::Tensor extrapolate(const AndersonHistory& history) const;
+  // Solves the group's least-squares problem and returns the extrapolated vector;
+  // `newest` and `out` as in AndersonHistory::combine.
+  torch::Tensor extrapolate(const AndersonHistory& history, const torch::Tensor& newest,
+                            const torch::Tensor& out) const;
 
   std::shared_ptr<torch::optim::Optimizer> inner_;
   AADLOptions options_;

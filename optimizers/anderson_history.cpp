@@ -183,18 +183,29 @@ void AndersonHistory::update_matrices(const torch::Tensor& newest) {
   rhs_ = rhs.cpu();
 }
 
-torch::Tensor AndersonHistory::combine(const torch::Tensor& u) const {
+torch::Tensor AndersonHistory::combine(const torch::Tensor& u, const torch::Tensor& newest,
+                                      const torch::Tensor& out) const {
   const int64_t m = size();
   TORCH_CHECK(m >= 2 && u.numel() == m - 1, "AndersonHistory::combine: ", u.numel(),
               " weights for ", m, " vectors");
   const StateBuffer& first = *columns_.front().front();
+  const auto fits = [&](const torch::Tensor& t) {
+    return !t.defined() || (t.dim() == 1 && t.numel() == length_ &&
+                            t.scalar_type() == first.options().dtype() &&
+                            t.device() == first.options().device());
+  };
+  TORCH_CHECK(fits(newest) && fits(out), "AndersonHistory::combine: the newest vector and the "
+              "output must be 1-D tensors of ", length_, " elements (", first.options().dtype(),
+              ", ", first.options().device(), ")");
+  TORCH_CHECK(!out.defined() || out.is_contiguous(),
+              "AndersonHistory::combine: the output must be contiguous");
   const torch::Tensor weights = u.to(first.options().dtype(torch::kFloat64));
-  torch::Tensor out = torch::empty({length_}, first.options());
-  ChunkedPass(columns_).run([&](int64_t start, const torch::Tensor& X) {
+  torch::Tensor result = out.defined() ? out : torch::empty({length_}, first.options());
+  ChunkedPass(columns_, newest).run([&](int64_t start, const torch::Tensor& X) {
     const torch::Tensor DX = X.slice(0, 1) - X.slice(0, 0, m - 1);
-    out.narrow(0, start, X.size(1)).copy_(X[m - 1] + weights.matmul(DX));
+    result.narrow(0, start, X.size(1)).copy_(X[m - 1] + weights.matmul(DX));
   });
-  return out;
+  return result;
 }
 
 torch::Tensor AndersonHistory::newest() const {

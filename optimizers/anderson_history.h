@@ -20,9 +20,12 @@
 // compute device holds about two chunks per vector (m · 2 · kStoreChunk elements), never
 // m full vectors. Chunk 0 is loaded before the pass (Note [Loading the history ahead of
 // use]). The pass that push() and replace_newest() run reads the vector just stored from
-// the caller's tensor, still on the compute device, instead of loading it back: with the
-// history in host memory an accelerated step brings 4(2m − 1) bytes per fp32 parameter to
-// the device instead of 8m. Inside a chunk the arithmetic runs in sub-chunks of
+// the caller's tensor, still on the compute device, instead of loading it back, and so does
+// the extrapolation (combine()) when its caller passes that tensor (AADL does, in a step
+// that stored): with the history in host memory an accelerated step brings 8(m − 1) bytes
+// per fp32 parameter to the device instead of 8m — only what must cross the link, the
+// m − 1 older vectors for each of the two passes. Inside a chunk the arithmetic runs in
+// sub-chunks of
 // kComputeChunk elements in a fixed order, on the compute device, so where the history
 // lives (and how it is chunked for storage, and when it is loaded) does not change any bit.
 //
@@ -110,7 +113,16 @@ class TIDEPOOL_API AndersonHistory {
 
   // x_{m−1} + Σ_l u_l·DX_l for u (fp64 CPU, size() − 1 entries), in the history's dtype on
   // the compute device.
-  torch::Tensor combine(const torch::Tensor& u) const;
+  //   newest  when defined, the newest stored vector's contents on the compute device (the
+  //           tensor just given to push() or replace_newest()): read from there instead of
+  //           loaded back from the placement. It must hold the same bytes; only its shape,
+  //           dtype and device are checked.
+  //   out     when defined (same shape, dtype, device), the result is written there and out
+  //           is returned; it may be `newest` itself (each part of it is read before that
+  //           part is written), so a caller that no longer needs the plain iterate spends
+  //           no second vector on the device.
+  torch::Tensor combine(const torch::Tensor& u, const torch::Tensor& newest = {},
+                        const torch::Tensor& out = {}) const;
   // The newest vector (a copy on the compute device).
   torch::Tensor newest() const;
 

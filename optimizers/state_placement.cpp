@@ -69,7 +69,11 @@ class HostStagedBuffer final : public StateBuffer {
     // Pinned memory lets the device copies run asynchronously on the current stream.
     if (initial.is_cuda()) host_options = host_options.pinned_memory(true);
     host_ = torch::empty(initial.sizes(), host_options);
-    host_.copy_(initial);
+    // Stream-ordered like every other copy here, so the host does not wait: the caller's
+    // later work on the stream (overwriting or freeing `initial`), a stage_in of this
+    // buffer and do_read_host's synchronize all come after it; PyTorch's pinned-memory
+    // allocator keeps host_ until the copy is done even if this buffer goes first.
+    host_.copy_(initial, /*non_blocking=*/initial.is_cuda());
   }
 
  private:

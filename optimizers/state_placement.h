@@ -110,7 +110,9 @@ class StateLease {
 };
 
 // Makes StateBuffers. create() returns a buffer holding `initial` (copied; shape, dtype and
-// compute device taken from it).
+// compute device taken from it). The copy is complete, or ordered on the compute device's
+// current stream, when create() returns: the caller may then overwrite or free `initial`
+// with work on that stream (AADL writes its extrapolation over the vector it just stored).
 class TIDEPOOL_API StatePlacement {
  public:
   virtual ~StatePlacement() = default;

@@ -76,7 +76,8 @@ TEST(AndersonHistory, IncrementalGramMatchesDirectThroughEvictionAndReplacement)
 
 // What a pass brings to the compute device: the Gram column pass after a push reads the
 // m − 1 older vectors from the placement and the new one from the caller's tensor (it is
-// already there); the extrapolation reads all m. Over two chunks per vector and a tail.
+// already there); the extrapolation reads all m, or m − 1 when given the newest vector,
+// also when it writes its result over that vector. Over two chunks per vector and a tail.
 TEST(AndersonHistory, APushDoesNotLoadBackTheVectorItJustStored) {
   constexpr int64_t kDepth = 4;
   const int64_t n = 2 * AndersonHistory::kStoreChunk + 5;
@@ -86,20 +87,77 @@ TEST(AndersonHistory, APushDoesNotLoadBackTheVectorItJustStored) {
   torch::manual_seed(4);
   const auto loaded = [&] { return placement->traffic().to_device.load(); };
   const int64_t vector_bytes = n * static_cast<int64_t>(sizeof(float));
+  torch::Tensor newest;
   for (int i = 0; i < kDepth + 2; ++i) {
     const torch::Tensor x = torch::randn({n}) * (1.0f / static_cast<float>(i + 1));
     const int64_t before = loaded();
     history.push(x);
     resident.push(x);
+    newest = x;
     const int64_t older = std::min<int64_t>(history.size(), kDepth) - 1;
     EXPECT_EQ(loaded() - before, history.size() >= 3 ? older * vector_bytes : 0) << "push " << i;
   }
   EXPECT_TRUE(torch::equal(history.gram(), resident.gram()));
   EXPECT_TRUE(torch::equal(history.rhs(), resident.rhs()));
   const torch::Tensor u = torch::linspace(-0.5, 0.5, kDepth - 1, torch::kFloat64);
-  const int64_t before = loaded();
-  EXPECT_TRUE(torch::equal(history.combine(u), resident.combine(u)));
+  const torch::Tensor expected = resident.combine(u);
+  int64_t before = loaded();
+  EXPECT_TRUE(torch::equal(history.combine(u), expected));
   EXPECT_EQ(loaded() - before, kDepth * vector_bytes);
+  before = loaded();
+  EXPECT_TRUE(torch::equal(history.combine(u, newest), expected));
+  EXPECT_EQ(loaded() - before, (kDepth - 1) * vector_bytes);
+  torch::Tensor overwritten = newest.clone();
+  before = loaded();
+  const torch::Tensor in_place = history.combine(u, overwritten, overwritten);
+  EXPECT_EQ(in_place.data_ptr(), overwritten.data_ptr());
+  EXPECT_TRUE(torch::equal(overwritten, expected));
+  EXPECT_EQ(loaded() - before, (kDepth - 1) * vector_bytes);
+  expect_error_mentions([&] { history.combine(u, newest.narrow(0, 0, n - 1)); }, "1-D tensors");
+  expect_error_mentions([&] { history.combine(u, {}, newest.to(torch::kFloat64)); },
+                        "1-D tensors");
+}
+
+// One accelerated step of AADL over a full history in host memory brings 2(m − 1) vectors
+// to the device: the Gram pass and the extrapolation each read the m − 1 older ones, never
+// the vector the step stored. With a safeguard that keeps the candidate, the pass after
+// replace_newest reads the m − 1 older ones once more.
+TEST(AADL, AnAcceleratedStepLoadsOnlyTheOlderVectors) {
+  constexpr int64_t kDepth = 4;
+  const int64_t n = 2 * AndersonHistory::kStoreChunk + 5;
+  const int64_t vector_bytes = n * static_cast<int64_t>(sizeof(float));
+  for (const bool with_closure : {false, true}) {
+    SCOPED_TRACE(with_closure ? "with a closure" : "without a closure");
+    torch::manual_seed(6);
+    auto p = torch::randn({n}).set_requires_grad(true);
+    auto placement = std::make_shared<tidepool::optim::HostStagedPlacement>();
+    AADL opt(sgd(p), AADLOptions().history_depth(kDepth).wait_iterations(kDepth), placement);
+    const auto gradient = [&] { p.mutable_grad() = torch::sin(p.detach()); };
+    for (int step = 0; step < kDepth; ++step) {
+      gradient();
+      opt.step();
+    }
+    ASSERT_EQ(opt.history(0).size(), kDepth);
+    const int64_t before = placement->traffic().to_device.load();
+    if (with_closure) {
+      // Lower at every point but the plain iterate: the candidate is kept.
+      const torch::Tensor plain_point = p.detach() - 0.1f * torch::sin(p.detach());
+      opt.step([&] {
+        if (torch::GradMode::is_enabled()) {
+          gradient();
+          return torch::zeros({});
+        }
+        return -(p.detach() - plain_point).abs().sum();
+      });
+      EXPECT_EQ(opt.accepted(), 1);
+    } else {
+      gradient();
+      opt.step();
+    }
+    const int64_t older = kDepth - 1;
+    EXPECT_EQ(placement->traffic().to_device.load() - before,
+              (with_closure ? 3 : 2) * older * vector_bytes);
+  }
 }
 
 TEST(AADL, ExtrapolationMatchesTheReferenceFormula) {
