@@ -169,11 +169,34 @@ int tidepool_empty_cache(int device) {
   });
 }
 
+int tidepool_cache_info(int device, size_t* largest_block) {
+  if (largest_block == nullptr) {
+    set_error("tidepool: tidepool_cache_info given a NULL largest_block", true);
+    return -1;
+  }
+  return guarded(-1, [&] {
+    tidepool::CachingAllocator& allocator = tidepool::device_allocator(device);
+    // As c10's allocator: free device memory is the optimistic first guess, a larger free
+    // cached block wins.
+    *largest_block = std::max(allocator.backend().mem_info().free_bytes,
+                              allocator.largest_free_block());
+    return 0;
+  });
+}
+
 int tidepool_release_stream(int device, void* stream) {
   return guarded(-1, [&] {
     // The allocator first: it refuses a bad device, the NULL stream and a destroyed
-    // stream before anything changed, and it waits for the stream's work.
-    tidepool::device_allocator(device).release_stream(tidepool::Stream{stream});
+    // stream before anything changed, and it waits for the stream's work. A device
+    // tidepool never allocated on has nothing cached for any stream: its allocator (on
+    // CUDA, a context on that device) is not created just to find that out.
+    const tidepool::Stream s{stream};
+    if (tidepool::CachingAllocator* allocator = tidepool::existing_device_allocator(device)) {
+      allocator->release_stream(s);
+    } else {
+      tidepool::check_device(device);
+      tidepool::CachingAllocator::require_releasable(device, s);
+    }
     tidepool::detail::route_release_stream(device, stream);
     return 0;
   });

@@ -66,6 +66,11 @@ TIDEPOOL_API int tidepool_record_stream(void* ptr, int device, void* stream);
  * own allocator ignores pointers it did not hand out); -1 on error (tidepool_last_error). */
 TIDEPOOL_API int tidepool_pytorch_record_stream(void* ptr, void* stream);
 TIDEPOOL_API int tidepool_empty_cache(int device);
+/* What c10's cacheInfo answers for PyTorch's own allocator, which cuDNN's autotuner
+ * (torch.backends.cudnn.benchmark) sizes its workspace by: the larger of the device's
+ * free memory and the largest free block tidepool has cached there, in *largest_block.
+ * 0, or -1 for a bad device or a NULL largest_block. */
+TIDEPOOL_API int tidepool_cache_info(int device, size_t* largest_block);
 /* tidepool_empty_cache on every device tidepool has an allocator for (creating none), as
  * torch.cuda.empty_cache() empties every device's cache. 0, or -1 on error. */
 TIDEPOOL_API int tidepool_empty_cache_all(void);
@@ -75,9 +80,10 @@ TIDEPOOL_API int tidepool_empty_cache_all(void);
  * stream with the same handle starts afresh. Blocks still live from it stay valid; free
  * them on a live stream. The pointer-stable ranges of the device (optimizer state routed
  * to tiering, tidepool_vmm_malloc) forget their recorded uses by it too, so a later
- * evict or prefetch does not wait on the destroyed handle. -1 for a bad device, the
- * default (NULL) stream (never destroyed, so never released) or a stream that cannot be
- * synchronized (already destroyed). */
+ * evict or prefetch does not wait on the destroyed handle. A device tidepool has not
+ * allocated on yet holds nothing for the stream: nothing is created there (no CUDA
+ * context). -1 for a bad device, the default (NULL) stream (never destroyed, so never
+ * released) or a stream that cannot be synchronized (already destroyed). */
 TIDEPOOL_API int tidepool_release_stream(int device, void* stream);
 /* Moves the small blocks every thread parked in its per-thread cache, on every device,
  * back to the shared pools (where any thread may reuse them); they stay cached memory.

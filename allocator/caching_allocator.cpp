@@ -644,13 +644,17 @@ std::size_t CachingAllocator::empty_cache() {
   return bytes;
 }
 
-std::size_t CachingAllocator::release_stream(Stream stream) {
-  Impl& m = *impl_;
+void CachingAllocator::require_releasable(int device, Stream stream) {
   if (stream.handle == nullptr) {
     throw AllocatorUsageError("tidepool: release_stream of the default (null) stream on device " +
-                              std::to_string(m.device) +
+                              std::to_string(device) +
                               ": the default stream is never destroyed, so it is never released");
   }
+}
+
+std::size_t CachingAllocator::release_stream(Stream stream) {
+  Impl& m = *impl_;
+  require_releasable(m.device, stream);
   std::lock_guard lock(m.mutex);
   const auto cache_locks = m.lock_thread_caches();
   return m.release_stream_locked(stream);
@@ -663,6 +667,12 @@ AllocatorStats CachingAllocator::stats() const {
   const auto cache_locks = impl_->lock_thread_caches();
   impl_->fold_locked_thread_caches();
   return impl_->compute_stats();
+}
+
+std::size_t CachingAllocator::largest_free_block() const {
+  std::lock_guard lock(impl_->mutex);
+  const auto cache_locks = impl_->lock_thread_caches();
+  return impl_->largest_free_backed();
 }
 
 MappingStats CachingAllocator::mapping_stats() const {

@@ -142,8 +142,14 @@ class TIDEPOOL_API CachingAllocator {
   // nothing has changed then. A stream the allocator never saw costs one synchronize.
   // Throws AllocatorUsageError for the default (null) stream, which is never destroyed.
   std::size_t release_stream(Stream stream);
+  // The check release_stream makes before anything else, for callers that may not have an
+  // allocator to call (the C ABI, on a device tidepool never allocated on).
+  static void require_releasable(int device, Stream stream);
 
   AllocatorStats stats() const;
+  // The largest contiguous free range of cached (backed) memory: what one allocation can
+  // get without asking the backend for more.
+  std::size_t largest_free_block() const;
   MappingStats mapping_stats() const;
   void reset_peak_stats();
   // JSON document: device, backend, totals, per-tag stats, segments with their blocks.

@@ -59,17 +59,8 @@ std::unique_ptr<Backend> make_backend(BackendKind kind, int device) {
   return make_host_backend(device, options);
 }
 
-}  // namespace
-
-CachingAllocator* existing_device_allocator(int device) noexcept {
-  if (device < 0 || device >= kMaxDevices) return nullptr;
-  return registry().allocators[device].load(std::memory_order_acquire);
-}
-
-CachingAllocator& device_allocator(int device) {
-  if (CachingAllocator* a = existing_device_allocator(device)) return *a;
-  Registry& r = registry();
-  std::lock_guard lock(r.mutex);
+// The backend kind, after checking that `device` exists on it; r.mutex held.
+BackendKind checked_kind_locked(Registry& r, int device) {
   const BackendKind kind = resolve(r);
   const int limit = kind == BackendKind::cuda ? std::min(cuda_device_count(), kMaxDevices)
                                               : kMaxDevices;
@@ -78,6 +69,28 @@ CachingAllocator& device_allocator(int device) {
                               " does not exist (the " +
                               (kind == BackendKind::cuda ? "cuda" : "host") +
                               " backend has devices 0.." + std::to_string(limit - 1) + ")");
+  return kind;
+}
+
+}  // namespace
+
+CachingAllocator* existing_device_allocator(int device) noexcept {
+  if (device < 0 || device >= kMaxDevices) return nullptr;
+  return registry().allocators[device].load(std::memory_order_acquire);
+}
+
+void check_device(int device) {
+  if (existing_device_allocator(device) != nullptr) return;
+  Registry& r = registry();
+  std::lock_guard lock(r.mutex);
+  checked_kind_locked(r, device);
+}
+
+CachingAllocator& device_allocator(int device) {
+  if (CachingAllocator* a = existing_device_allocator(device)) return *a;
+  Registry& r = registry();
+  std::lock_guard lock(r.mutex);
+  const BackendKind kind = checked_kind_locked(r, device);
   if (CachingAllocator* a = r.allocators[device].load(std::memory_order_acquire)) return *a;
   auto* a = new CachingAllocator(make_backend(kind, device));
   r.allocators[device].store(a, std::memory_order_release);

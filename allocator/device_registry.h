@@ -26,6 +26,9 @@ inline constexpr int kMaxDevices = 16;
 TIDEPOOL_API CachingAllocator& device_allocator(int device);
 // The device's allocator if it already exists, else nullptr. Never creates one.
 TIDEPOOL_API CachingAllocator* existing_device_allocator(int device) noexcept;
+// Throws what device_allocator(device) throws for a device that does not exist, without
+// creating an allocator (on CUDA, a context on that device).
+TIDEPOOL_API void check_device(int device);
 // "cuda", "host" or "auto". Throws AllocatorUsageError for another name, and
 // std::logic_error once any device allocator exists.
 TIDEPOOL_API void set_backend(std::string_view name);

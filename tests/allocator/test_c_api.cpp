@@ -5,6 +5,8 @@
 // tests/tiering/test_c_api_tiering.cpp.)
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <future>
 #include <stdexcept>
@@ -147,6 +149,50 @@ TEST_F(CApi, PyTorchRecordStreamFindsTheDeviceAndHoldsTheBlock) {
   backend.destroy_stream(side);
 }
 
+TEST_F(CApi, CacheInfoIsTheLargerOfFreeDeviceMemoryAndTheLargestCachedBlock) {
+  tidepool::CachingAllocator& allocator = tidepool::device_allocator(0);
+  constexpr std::size_t kBlock = std::size_t{16} << 20;
+  void* p = tidepool_malloc(kBlock, 0, nullptr);
+  ASSERT_NE(p, nullptr) << tidepool_last_error();
+  tidepool_free(p, kBlock, 0, nullptr);  // cached: a free block of at least kBlock
+  std::size_t largest = 0;
+  ASSERT_EQ(tidepool_cache_info(0, &largest), 0) << tidepool_last_error();
+  EXPECT_GE(allocator.largest_free_block(), kBlock);
+  EXPECT_EQ(largest, std::max(allocator.backend().mem_info().free_bytes,
+                              allocator.largest_free_block()));
+  ::testing::internal::CaptureStderr();
+  EXPECT_EQ(tidepool_cache_info(0, nullptr), -1);
+  EXPECT_NE(std::string(tidepool_last_error()).find("NULL largest_block"), std::string::npos);
+  largest = 7;
+  EXPECT_EQ(tidepool_cache_info(-1, &largest), -1);
+  EXPECT_NE(std::string(tidepool_last_error()).find("device -1"), std::string::npos)
+      << tidepool_last_error();
+  EXPECT_EQ(largest, 7u) << "a failed call writes nothing";
+  ::testing::internal::GetCapturedStderr();
+}
+
+TEST_F(CApi, CacheInfoReportsACachedBlockLargerThanTheFreeDeviceMemory) {
+  // A device whose host backend has 64 MiB: after a 48 MiB block is freed, it is cached,
+  // and the device has at most 16 MiB free.
+  constexpr int kSmall = 12;  // no other test in this binary uses it
+  ASSERT_EQ(tidepool::existing_device_allocator(kSmall), nullptr);
+  ASSERT_EQ(setenv("TIDEPOOL_HOST_CAPACITY_MB", "64", 1), 0);
+  tidepool::CachingAllocator& allocator = tidepool::device_allocator(kSmall);
+  unsetenv("TIDEPOOL_HOST_CAPACITY_MB");
+  constexpr std::size_t kBlock = std::size_t{48} << 20;
+  void* p = tidepool_malloc(kBlock, kSmall, nullptr);
+  ASSERT_NE(p, nullptr) << tidepool_last_error();
+  tidepool_free(p, kBlock, kSmall, nullptr);
+  ASSERT_LT(allocator.backend().mem_info().free_bytes, kBlock);
+  std::size_t largest = 0;
+  ASSERT_EQ(tidepool_cache_info(kSmall, &largest), 0) << tidepool_last_error();
+  EXPECT_GE(largest, kBlock);
+  EXPECT_EQ(largest, allocator.largest_free_block());
+  EXPECT_EQ(tidepool_empty_cache(kSmall), 0) << tidepool_last_error();
+  ASSERT_EQ(tidepool_cache_info(kSmall, &largest), 0) << tidepool_last_error();
+  EXPECT_EQ(largest, allocator.backend().mem_info().free_bytes) << "nothing cached any more";
+}
+
 TEST_F(CApi, EmptyCacheAllEmptiesEveryDeviceAndCreatesNone) {
   constexpr std::size_t kBytes = 24 << 20;
   for (int device : {0, 4}) {
@@ -273,6 +319,29 @@ TEST_F(CApi, ReleaseStreamRejectsBadInputAndChangesNothing) {
   EXPECT_EQ(after.allocated.current, before.allocated.current);
   EXPECT_EQ(after.reserved.current, before.reserved.current);
   tidepool_free(p, 4096, 0, s.handle);  // s is still known: the failed calls released nothing
+  EXPECT_EQ(tidepool_release_stream(0, s.handle), 0) << tidepool_last_error();
+  backend.destroy_stream(s);
+}
+
+TEST_F(CApi, ReleaseStreamOnADeviceWithoutAnAllocatorCreatesNone) {
+  constexpr int kUnused = tidepool::kMaxDevices - 1;  // no test in this binary allocates there
+  ASSERT_EQ(tidepool::existing_device_allocator(kUnused), nullptr);
+  tidepool::Backend& backend = tidepool::device_allocator(0).backend();
+  const tidepool::Stream s = backend.create_stream();
+  EXPECT_EQ(tidepool_release_stream(kUnused, s.handle), 0) << tidepool_last_error();
+  EXPECT_EQ(tidepool::existing_device_allocator(kUnused), nullptr);
+  // The checks still hold there.
+  ::testing::internal::CaptureStderr();
+  EXPECT_EQ(tidepool_release_stream(kUnused, nullptr), -1);
+  EXPECT_NE(std::string(tidepool_last_error()).find("default (null) stream on device " +
+                                                    std::to_string(kUnused)),
+            std::string::npos)
+      << tidepool_last_error();
+  EXPECT_EQ(tidepool_release_stream(tidepool::kMaxDevices, s.handle), -1);
+  EXPECT_NE(std::string(tidepool_last_error()).find("does not exist"), std::string::npos)
+      << tidepool_last_error();
+  ::testing::internal::GetCapturedStderr();
+  EXPECT_EQ(tidepool::existing_device_allocator(kUnused), nullptr);
   EXPECT_EQ(tidepool_release_stream(0, s.handle), 0) << tidepool_last_error();
   backend.destroy_stream(s);
 }

@@ -204,17 +204,21 @@ TEST_P(Battery, FragmentationCountsHolesAndDropsToZeroWhenEmptied) {
   const std::size_t n = 16 << 20;
   std::vector<void*> v;
   for (int i = 0; i < 6; ++i) v.push_back(alloc_->allocate(n));
+  EXPECT_EQ(alloc_->largest_free_block(), 0u) << "all six blocks live";
   for (int i = 0; i < 6; i += 2) alloc_->deallocate(v[i], n);  // three separated holes
   EXPECT_GT(alloc_->stats().fragmentation, 0.5);
+  EXPECT_EQ(alloc_->largest_free_block(), n) << "one hole";
   for (int i = 1; i < 6; i += 2) alloc_->deallocate(v[i], n);
   if (std::get<1>(GetParam())) {
     // One contiguous range: everything cached is one free block.
     EXPECT_LT(alloc_->stats().fragmentation, 1e-9);
+    EXPECT_EQ(alloc_->largest_free_block(), 6 * n);
   }
   alloc_->empty_cache();
   const AllocatorStats s = alloc_->stats();
   EXPECT_EQ(s.reserved.current, 0u);
   EXPECT_EQ(s.fragmentation, 0.0);
+  EXPECT_EQ(alloc_->largest_free_block(), 0u);
 }
 
 TEST_P(Battery, FragmentationCountsTheBackedTailOfTheLastSlotAsFree) {
