@@ -12,6 +12,11 @@ torch.cuda.memory and in torch.cuda:
                                 max_memory_reserved() and memory_summary() read: the
                                 figures of tidepool's caching allocator in PyTorch's keys;
   reset_peak_memory_stats       tidepool_reset_peak_stats;
+  reset_accumulated_memory_stats
+                                the running totals these figures show ("allocated",
+                                "freed", num_ooms, num_device_alloc, ...) count from the
+                                call on; tidepool's own totals (tidepool.stats()) are kept
+                                since start, as the C ABI documents them;
   empty_cache                   PyTorch's, then tidepool_empty_cache_all.
 
 What the keys mean here: "all" is tidepool's caching allocator; tidepool keeps one pool
@@ -25,9 +30,18 @@ from __future__ import annotations
 
 from . import _lib, _patches, _stats
 
-def _stat(stat) -> dict:
-    return {"current": stat.current, "peak": stat.peak, "allocated": stat.allocated,
-            "freed": stat.freed}
+def _totals(raw) -> dict:
+    """The running totals in tidepool's stats that reset_accumulated_memory_stats zeroes
+    in PyTorch's figures, by name."""
+    totals = {}
+    for name in ("allocated", "requested", "reserved"):
+        stat = getattr(raw, name)
+        totals[name + ".allocated"] = stat.allocated
+        totals[name + ".freed"] = stat.freed
+    for name in ("alloc_count", "free_count", "segments_acquired", "segments_released",
+                 "reclaim_calls", "oom_count"):
+        totals[name] = getattr(raw, name)
+    return totals
 
 
 def _count(current: int, allocated: int, freed: int) -> dict:
@@ -40,29 +54,40 @@ def _pools(all_pools: dict) -> dict:
     return {"all": all_pools, "large_pool": dict(all_pools), "small_pool": zero}
 
 
-def nested_stats(device: int) -> dict:
-    """torch.cuda.memory_stats_as_nested_dict(device) from tidepool's stats."""
+def nested_stats(device: int, since: dict | None = None) -> dict:
+    """torch.cuda.memory_stats_as_nested_dict(device) from tidepool's stats; `since`, the
+    _totals() taken at the last reset_accumulated_memory_stats, is subtracted from the
+    running totals."""
     raw = _stats.raw_stats(device)
-    allocations = _count(raw.alloc_count - raw.free_count, raw.alloc_count, raw.free_count)
-    segments = _count(raw.segments_acquired - raw.segments_released, raw.segments_acquired,
-                      raw.segments_released)
+    base = since or {}
+    total = {name: value - base.get(name, 0) for name, value in _totals(raw).items()}
+
+    def stat(name):
+        current = getattr(raw, name)
+        return {"current": current.current, "peak": current.peak,
+                "allocated": total[name + ".allocated"], "freed": total[name + ".freed"]}
+
+    allocations = _count(raw.alloc_count - raw.free_count, total["alloc_count"],
+                         total["free_count"])
+    segments = _count(raw.segments_acquired - raw.segments_released,
+                      total["segments_acquired"], total["segments_released"])
     return {
-        "allocated_bytes": _pools(_stat(raw.allocated)),
+        "allocated_bytes": _pools(stat("allocated")),
         # A block is active from its allocation to its free (tidepool holds pending blocks
         # back without counting them as allocated).
-        "active_bytes": _pools(_stat(raw.allocated)),
-        "requested_bytes": _pools(_stat(raw.requested)),
-        "reserved_bytes": _pools(_stat(raw.reserved)),
+        "active_bytes": _pools(stat("allocated")),
+        "requested_bytes": _pools(stat("requested")),
+        "reserved_bytes": _pools(stat("reserved")),
         # Split-off free blocks coalesce and can always be released with their range.
         "inactive_split_bytes": _pools(_count(0, 0, 0)),
         "allocation": _pools(allocations),
         "active": _pools(dict(allocations)),
         "segment": _pools(segments),
         "inactive_split": _pools(_count(0, 0, 0)),
-        "num_alloc_retries": raw.reclaim_calls,
-        "num_ooms": raw.oom_count,
-        "num_device_alloc": raw.segments_acquired,
-        "num_device_free": raw.segments_released,
+        "num_alloc_retries": total["reclaim_calls"],
+        "num_ooms": total["oom_count"],
+        "num_device_alloc": total["segments_acquired"],
+        "num_device_free": total["segments_released"],
         "num_sync_all_streams": 0,
         "oversize_allocations": _count(0, 0, 0),
         "oversize_segments": _count(0, 0, 0),
@@ -76,10 +101,17 @@ def register(torch) -> _patches.Patches:
     memory = torch.cuda.memory
     device_index = torch.cuda._utils._get_device_index
 
+    since: dict[int, dict] = {}  # device -> _totals() at its last accumulated reset
+
     def memory_stats_as_nested_dict(device=None):
         if not torch.cuda.is_initialized():
             return {}  # as PyTorch: no CUDA work yet, nothing allocated
-        return nested_stats(device_index(device, optional=True))
+        d = device_index(device, optional=True)
+        return nested_stats(d, since.get(d))
+
+    def reset_accumulated_memory_stats(device=None):
+        d = device_index(device, optional=True)
+        since[d] = _totals(_stats.raw_stats(d))
 
     def reset_peak_memory_stats(device=None):
         fn = _lib.function("tidepool_reset_peak_stats", "peak statistics")
@@ -94,7 +126,8 @@ def register(torch) -> _patches.Patches:
         _lib.check(fn(), "empty_cache")
 
     patches = _patches.Patches()
-    for fn in (memory_stats_as_nested_dict, reset_peak_memory_stats, empty_cache):
+    for fn in (memory_stats_as_nested_dict, reset_peak_memory_stats,
+               reset_accumulated_memory_stats, empty_cache):
         original = getattr(memory, fn.__name__)
         # torch.cuda re-exports them; a name there still bound to PyTorch's is replaced too.
         if getattr(torch.cuda, fn.__name__, None) is original:
