@@ -2,9 +2,11 @@
 include(GNUInstallDirs)
 include(CMakePackageConfigHelpers)
 set(_tidepool_targets tidepool)
-if(TARGET tidepool_optim)
-  list(APPEND _tidepool_targets tidepool_optim)
-endif()
+foreach(_target tidepool_torch_cuda tidepool_optim)
+  if(TARGET ${_target})
+    list(APPEND _tidepool_targets ${_target})
+  endif()
+endforeach()
 # Installed libraries find each other ($ORIGIN) and what they were linked against outside
 # the build tree (LibTorch's lib/ inside the torch wheel) without LD_LIBRARY_PATH: a
 # trainer linking tidepool::optim gets libc10_cuda etc. through libtidepool_optim's own

@@ -38,21 +38,33 @@ endif()
 message(STATUS "tidepool: CUDA backend ${TIDEPOOL_HAVE_CUDA}")
 
 # --- LibTorch -------------------------------------------------------------------
-if(TIDEPOOL_WITH_TORCH)
+# tidepool_find_torch(<found> REQUIRED|OPTIONAL): LibTorch from the torch that
+# ${Python3_EXECUTABLE} imports (torch.utils.cmake_prefix_path). Sets <found> to TRUE or
+# FALSE; REQUIRED makes a Python without torch a fatal error. A macro: find_package(Torch)
+# must set TORCH_LIBRARIES in the caller's scope.
+macro(tidepool_find_torch _found _mode)
   find_package(Python3 COMPONENTS Interpreter REQUIRED)
   execute_process(
     COMMAND "${Python3_EXECUTABLE}" -c "import torch; print(torch.utils.cmake_prefix_path)"
     OUTPUT_VARIABLE TIDEPOOL_TORCH_PREFIX OUTPUT_STRIP_TRAILING_WHITESPACE
-    RESULT_VARIABLE _torch_rc ERROR_QUIET)
-  if(NOT _torch_rc EQUAL 0)
+    RESULT_VARIABLE _tidepool_torch_rc ERROR_QUIET)
+  if(_tidepool_torch_rc EQUAL 0)
+    list(APPEND CMAKE_PREFIX_PATH "${TIDEPOOL_TORCH_PREFIX}")
+    # Without this, Torch's CMake runs a GPU-detection program, which fails on a machine
+    # with nvcc but no GPU.
+    if(NOT DEFINED ENV{TORCH_CUDA_ARCH_LIST} AND NOT TORCH_CUDA_ARCH_LIST)
+      set(TORCH_CUDA_ARCH_LIST "9.0" CACHE STRING "CUDA archs for Torch's CMake")
+    endif()
+    find_package(Torch REQUIRED)
+    set(${_found} TRUE)
+  elseif("${_mode}" STREQUAL "REQUIRED")
     message(FATAL_ERROR "tidepool: ${Python3_EXECUTABLE} cannot import torch; run scripts/setup "
                         "or pass -DTIDEPOOL_WITH_TORCH=OFF to build only allocator/ and tiering/")
+  else()
+    set(${_found} FALSE)
   endif()
-  list(APPEND CMAKE_PREFIX_PATH "${TIDEPOOL_TORCH_PREFIX}")
-  # Without this, Torch's CMake runs a GPU-detection program, which fails on a machine
-  # with nvcc but no GPU.
-  if(NOT DEFINED ENV{TORCH_CUDA_ARCH_LIST} AND NOT TORCH_CUDA_ARCH_LIST)
-    set(TORCH_CUDA_ARCH_LIST "9.0" CACHE STRING "CUDA archs for Torch's CMake")
-  endif()
-  find_package(Torch REQUIRED)
+endmacro()
+
+if(TIDEPOOL_WITH_TORCH)
+  tidepool_find_torch(_tidepool_torch_found REQUIRED)
 endif()

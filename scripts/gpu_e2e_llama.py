@@ -21,11 +21,13 @@ no transformers, tidepool not installed).
 
 Usage: python scripts/gpu_e2e_llama.py [--steps 6] [--layers 22] [--out results.json]
        python scripts/gpu_e2e_llama.py --worker plain --tiny --device cpu   (self-test)
-The package must be installed (`pip install ./python`), or, from a build tree:
-  cmake -S . -B build-gpu -DTIDEPOOL_WITH_TORCH=OFF -DTIDEPOOL_BUILD_TESTS=OFF \
-        -DTIDEPOOL_BUILD_BENCH=OFF -DTIDEPOOL_BUILD_EXAMPLES=OFF
-  cmake --build build-gpu -j16 --target tidepool tidepool_preload
+The package must be installed (`pip install --no-build-isolation ./python`), or, from a
+build tree (scripts/device-check's):
+  cmake -S . -B build-gpu -DTIDEPOOL_BUILD_TESTS=OFF -DTIDEPOOL_BUILD_BENCH=OFF \
+        -DTIDEPOOL_BUILD_EXAMPLES=OFF
+  cmake --build build-gpu -j16 --target tidepool tidepool_preload tidepool_torch_cuda
   TIDEPOOL_LIBRARY=build-gpu/allocator/libtidepool.so \
+  TIDEPOOL_TORCH_CUDA_LIBRARY=build-gpu/optimizers/install/libtidepool_torch_cuda.so \
   TIDEPOOL_PRELOAD_LIBRARY=build-gpu/preload/libtidepool_preload.so \
   PYTHONPATH=python/src python scripts/gpu_e2e_llama.py --out e2e.json
 (the workers then run the .pth hook's import themselves). transformers must be
@@ -120,7 +122,7 @@ def worker(args) -> dict:
             import tidepool._autoload  # noqa: F401
         except ImportError as e:
             return {"cannot_run": f"the tidepool package is not importable ({e}); "
-                                  "pip install ./python, or set PYTHONPATH=python/src"}
+                                  "pip install --no-build-isolation ./python, or set PYTHONPATH=python/src"}
     import torch
     try:
         from transformers import LlamaForCausalLM

@@ -1,23 +1,15 @@
 // install_from_env for LibTorch trainers: the configuration, then (global mode, CUDA
-// present) tidepool as LibTorch's CUDA allocator. See torch_install.h.
-//
-// Note [pluggable allocator in LibTorch]
-// torch::cuda::CUDAPluggableAllocator::createCustomAllocator wraps an alloc/free pair
-// (std::function<void*(size_t, int, cudaStream_t)> and
-// std::function<void(void*, size_t, int, cudaStream_t)> in torch 2.11), and
-// changeCurrentAllocator makes it c10's CUDA allocator; LibTorch refuses (c10::Error)
-// once its own allocator has been initialised, hence "call it first in main".
+// present) tidepool as LibTorch's CUDA allocator (torch_cuda_allocator.h). See
+// torch_install.h.
 #include "optimizers/install/torch_install.h"
 
 #ifdef TIDEPOOL_HAVE_CUDA
-#include <torch/csrc/cuda/CUDAPluggableAllocator.h>
+#include <c10/util/Exception.h>
 #include <torch/cuda.h>
 
-#include <mutex>
-#include <stdexcept>
 #include <string>
 
-#include "allocator/c_api.h"
+#include "optimizers/install/torch_cuda_allocator.h"
 #endif
 
 namespace tidepool::optim {
@@ -25,60 +17,10 @@ namespace tidepool::optim {
 namespace {
 
 #ifdef TIDEPOOL_HAVE_CUDA
-// The PyTorch-facing pair: LibTorch does not check the pointer either, so an OOM must
-// arrive as an exception (Note [OOM into PyTorch] in allocator/c_api.h).
-void* libtorch_alloc(size_t bytes, int device, cudaStream_t stream) {
-  return tidepool_pytorch_malloc(static_cast<ssize_t>(bytes), device, stream);
-}
-void libtorch_free(void* ptr, size_t bytes, int device, cudaStream_t stream) {
-  tidepool_pytorch_free(ptr, bytes, device, stream);
-}
-// Tensor::record_stream. Memory tidepool did not hand out is ignored, as c10's own
-// allocator does; a failure is an exception LibTorch reports (c10::Error upstream).
-void libtorch_record_stream(void* ptr, cudaStream_t stream) {
-  if (tidepool_pytorch_record_stream(ptr, stream) < 0) {
-    throw std::runtime_error(std::string("tidepool: record_stream failed: ") +
-                             tidepool_last_error());
-  }
-}
-
-// emptyCache: every device's cached memory goes back, as c10's own allocator does.
-void libtorch_empty_cache() {
-  if (tidepool_empty_cache_all() < 0) {
-    throw std::runtime_error(std::string("tidepool: empty_cache failed: ") + tidepool_last_error());
-  }
-}
-
-// Whether this process already swapped LibTorch's allocator (a second swap would fail:
-// ours is initialised by then).
-bool& installed_flag() {
-  static bool installed = false;
-  return installed;
-}
-std::mutex& install_mutex() {
-  static std::mutex m;
-  return m;
-}
-
 // Makes tidepool LibTorch's CUDA allocator. Throws InstallError when LibTorch refuses.
 void swap_libtorch_allocator() {
   try {
-    auto allocator = torch::cuda::CUDAPluggableAllocator::createCustomAllocator(libtorch_alloc,
-                                                                                 libtorch_free);
-    // Note [record_stream from PyTorch] (allocator/c_api.h): without this, LibTorch's
-    // record_stream is a no-op for a pluggable allocator. (Device statistics cannot be
-    // connected: CUDAPluggableAllocator has no hook for them and raises.)
-    auto* pluggable =
-        dynamic_cast<torch::cuda::CUDAPluggableAllocator::CUDAPluggableAllocator*>(allocator.get());
-    if (pluggable == nullptr) {
-      throw InstallError("tidepool: LibTorch's createCustomAllocator did not return a "
-                         "CUDAPluggableAllocator; record_stream could not be connected");
-    }
-    pluggable->set_record_stream_fn(libtorch_record_stream);
-    // c10::cuda::CUDACachingAllocator::emptyCache() calls the reset function, and does
-    // nothing without one.
-    pluggable->set_reset_fn(libtorch_empty_cache);
-    torch::cuda::CUDAPluggableAllocator::changeCurrentAllocator(allocator);
+    install_torch_cuda_allocator();
   } catch (const c10::Error& e) {
     throw InstallError(std::string("tidepool: cannot make tidepool LibTorch's CUDA allocator: ") +
                        e.what_without_backtrace() +
@@ -133,11 +75,7 @@ InstallStatus install_from_env() {
     status.message = "inactive: no CUDA (torch::cuda::is_available() is false)";
     return status;
   }
-  std::lock_guard lock(install_mutex());
-  if (!installed_flag()) {
-    swap_libtorch_allocator();
-    installed_flag() = true;
-  }
+  swap_libtorch_allocator();  // once per process; later calls change nothing
   status.state = InstallState::installed;
   status.message = "installed: tidepool is LibTorch's CUDA allocator (global mode)";
   return status;

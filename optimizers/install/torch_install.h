@@ -10,13 +10,12 @@
 // It runs tidepool::install_from_env() (allocator/config.h: claims the tidepool keys of
 // PYTORCH_ALLOC_CONF / PYTORCH_CUDA_ALLOC_CONF, rewrites them for LibTorch, applies the
 // configuration) and then, when the configuration asks for global mode and CUDA is
-// available, makes tidepool LibTorch's CUDA allocator through
-// torch::cuda::CUDAPluggableAllocator (tidepool_pytorch_malloc / tidepool_pytorch_free of
-// the C ABI), with Tensor::record_stream and c10's emptyCache connected to tidepool
-// (tidepool_pytorch_record_stream, tidepool_empty_cache_all); c10's device statistics
-// (getDeviceStats, resetPeakStats) cannot be connected and raise, as for any pluggable
-// allocator: read tidepool's (tidepool_get_stats_v1). In pool mode nothing is swapped:
-// only tidepool regions use tidepool.
+// available, makes tidepool LibTorch's CUDA allocator (torch_cuda_allocator.h: a
+// torch::cuda::CUDAPluggableAllocator over tidepool_pytorch_malloc / tidepool_pytorch_free,
+// with cacheInfo for cuDNN's autotuner, Tensor::record_stream, c10's emptyCache and
+// resetPeakStats connected to tidepool); c10's getDeviceStats still raises, as for any
+// pluggable allocator: read tidepool's (tidepool_get_stats_v1). In pool mode nothing is
+// swapped: only tidepool regions use tidepool.
 //
 // Not being able to install is a status, not an exception: a machine without CUDA (or a
 // build without it) reports `inactive_no_cuda` and the trainer runs on LibTorch's own

@@ -3,8 +3,9 @@
 into a fresh virtual environment, and check in a new interpreter that the package
 really works from there (not from the source tree the pytest suite uses):
 
-  - the wheel holds libtidepool, the start-up .pth and the package, and the library
-    names no build directory in its RUNPATH;
+  - the wheel holds libtidepool, the start-up .pth and the package (and, in a CUDA build,
+    libtidepool_torch_cuda.so, built against this torch), and no library names a build
+    directory in its RUNPATH;
   - without tidepool keys, `import torch` leaves libtidepool unloaded;
   - with them, the .pth hook claims the tidepool keys, leaves PyTorch's own key in the
     variable, loads the installed library and applies tidepool.state_budget;
@@ -43,6 +44,15 @@ def check_wheel_contents(wheel: str) -> None:
             raise SystemExit(f"{wheel}: {required} is missing (has: {sorted(names)})")
     if not any(n.startswith("tidepool/lib/libtidepool.so") for n in names):
         raise SystemExit(f"{wheel}: no tidepool/lib/libtidepool.so* (has: {sorted(names)})")
+    if cuda_build(names) and not any(n.startswith("tidepool/lib/libtidepool_torch_cuda.so")
+                                     for n in names):
+        raise SystemExit(f"{wheel}: a CUDA build built with torch at hand lacks "
+                         f"tidepool/lib/libtidepool_torch_cuda.so (has: {sorted(names)})")
+
+
+def cuda_build(names: list[str]) -> bool:
+    # The LD_PRELOAD shim is built exactly when CUDA is.
+    return any(n.startswith("tidepool/lib/libtidepool_preload.so") for n in names)
 
 
 def check_runpath(site: str, build_dirs: list[str]) -> None:
@@ -67,14 +77,16 @@ PROBE = textwrap.dedent("""
     if report["loaded"]:
         report["library"] = lib.library_path()
         report["budget"] = tidepool.stats().get("tiering.vmm_device_budget_bytes")
+        report["torch_cuda"] = lib.torch_cuda_library_path()
+        report["torch_cuda_loads"] = lib.load_torch_cuda()[1] or "yes"
     print(json.dumps(report))
 """)
 
 
 def probe(python: str, cwd: str, conf: str | None) -> dict:
     env = {k: v for k, v in os.environ.items()
-           if k not in ("PYTHONPATH", "TIDEPOOL_LIBRARY", "PYTORCH_CUDA_ALLOC_CONF",
-                        "PYTORCH_ALLOC_CONF")}
+           if k not in ("PYTHONPATH", "TIDEPOOL_LIBRARY", "TIDEPOOL_TORCH_CUDA_LIBRARY",
+                        "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")}
     if conf is not None:
         env["PYTORCH_CUDA_ALLOC_CONF"] = conf
     out = run([python, "-c", PROBE], cwd=cwd, env=env).stdout.strip().splitlines()
@@ -122,6 +134,11 @@ def main(argv: list[str]) -> int:
         raise SystemExit(f"the library loaded is not the installed one: {claimed}")
     if claimed["budget"] != 1 << 30:
         raise SystemExit(f"tidepool.state_budget:1GiB was not applied: {claimed}")
+    if cuda_build(zipfile.ZipFile(wheels[0]).namelist()):
+        if not (claimed["torch_cuda"] or "").startswith(os.path.join(site, "tidepool", "lib")):
+            raise SystemExit(f"the installed libtidepool_torch_cuda.so is not found: {claimed}")
+        if claimed["torch_cuda_loads"] != "yes":
+            raise SystemExit(f"libtidepool_torch_cuda.so does not load against this torch: {claimed}")
 
     step("import torch with an unknown tidepool key")
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "TIDEPOOL_LIBRARY")}

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import os
+import warnings
 from types import SimpleNamespace
 
 import pytest
@@ -45,6 +47,10 @@ def fake_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "MemPool", FakeMemPool)
     monkeypatch.setattr(torch.cuda, "use_mem_pool", fake_use_mem_pool)
     monkeypatch.setattr(_install, "STATE", _install._State())
+    # Global mode through torch's CUDAPluggableAllocator class unless a test hands in a
+    # libtidepool_torch_cuda (test_global_mode_prefers_libtidepool_torch_cuda): the real
+    # one would swap c10's allocator in this process for good.
+    monkeypatch.setattr(_lib, "load_torch_cuda", lambda: (None, "test: no libtidepool_torch_cuda"))
     yield calls
     for handle in _install.STATE.optimizer_hooks or ():
         handle.remove()
@@ -59,9 +65,88 @@ def install(**overrides) -> None:
     device. Only for the install call: torch.optim consults is_available too, and torch's
     real CUDA calls behind it would crash on this GPU-less machine."""
     conf = ",".join(["backend:tidepool"] + [f"tidepool.{k}:{v}" for k, v in overrides.items()])
-    with pytest.MonkeyPatch.context() as patch:
+    with pytest.MonkeyPatch.context() as patch, warnings.catch_warnings():
+        # What the fallback warns about has its own test.
+        warnings.simplefilter("ignore", _install.TidepoolFallbackWarning)
         patch.setattr(torch.cuda, "is_available", lambda: True)
         _install.install(torch, _config.claim(conf).config)
+
+
+def test_global_mode_prefers_libtidepool_torch_cuda(fake_cuda, monkeypatch):
+    # It connects cacheInfo and record_stream in C++: no Python record_stream wrapper, no
+    # torch CUDAPluggableAllocator object, no fallback warning; the memory statistics
+    # still answer from tidepool.
+    swaps = []
+    shim = SimpleNamespace(tidepool_torch_install_cuda_allocator=lambda: swaps.append(1) or 0)
+    monkeypatch.setattr(_lib, "load_torch_cuda", lambda: (shim, ""))
+    monkeypatch.setattr(_lib, "torch_cuda_library_path", lambda: "/lib/libtidepool_torch_cuda.so")
+    original = torch.Tensor.record_stream
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", _install.TidepoolFallbackWarning)
+        install()
+    assert swaps == [1]
+    assert fake_cuda == [], "torch's CUDAPluggableAllocator is neither made nor installed"
+    assert torch.Tensor.record_stream is original and _install.STATE.record_stream is None
+    assert _install.STATE.torch_memory is not None
+    assert _install.STATE.cuda_allocator == "/lib/libtidepool_torch_cuda.so"
+    assert tidepool.status() == "active: mode global"
+
+
+def test_a_refused_swap_is_an_error_with_tidepools_message(fake_cuda, monkeypatch):
+    shim = SimpleNamespace(tidepool_torch_install_cuda_allocator=lambda: -1)
+    monkeypatch.setattr(_lib, "load_torch_cuda", lambda: (shim, ""))
+    monkeypatch.setattr(_lib, "last_error", lambda: "Can't swap an already initialized allocator")
+    with pytest.raises(RuntimeError, match="already initialized allocator.*before CUDA is first used"):
+        install()
+    assert fake_cuda == []
+
+
+def test_without_libtidepool_torch_cuda_global_mode_falls_back_and_says_why(fake_cuda):
+    config = _config.claim("backend:tidepool").config
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch.cuda, "is_available", lambda: True)
+        with pytest.warns(_install.TidepoolFallbackWarning,
+                          match="test: no libtidepool_torch_cuda.*cudnn.benchmark"):
+            _install.install(torch, config)
+    assert [c[0] for c in fake_cuda] == ["pluggable", "change_current_allocator"]
+    assert _install.STATE.cuda_allocator == "torch.cuda.memory.CUDAPluggableAllocator"
+    assert tidepool.TidepoolFallbackWarning is _install.TidepoolFallbackWarning
+
+
+def test_the_fallback_is_silent_with_log_off(fake_cuda):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", _install.TidepoolFallbackWarning)
+        config = _config.claim("backend:tidepool,tidepool.log:off").config
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(torch.cuda, "is_available", lambda: True)
+            _install.install(torch, config)
+    assert _install.STATE.cuda_allocator == "torch.cuda.memory.CUDAPluggableAllocator"
+
+
+@pytest.mark.skipif(not os.environ.get("TIDEPOOL_TORCH_CUDA_LIBRARY"),
+                    reason="no libtidepool_torch_cuda.so in this build (CUDA builds only)")
+def test_the_real_libtidepool_torch_cuda_becomes_c10s_allocator(run_python):
+    # In a fresh interpreter (the swap is for the life of the process), with torch told a
+    # device is there: c10's CUDA allocator is no longer the native one, and the Python
+    # record_stream wrapper is not needed.
+    result = run_python(
+        """
+        import torch
+        torch.cuda.is_available = lambda: True
+        from tidepool import _config, _install
+        before = torch.cuda.memory.get_allocator_backend()
+        original = torch.Tensor.record_stream
+        _install.install(torch, _config.claim("backend:tidepool,tidepool.optimizer_hooks:off").config)
+        print("BEFORE", before, "AFTER", torch.cuda.memory.get_allocator_backend())
+        print("WRAPPED", torch.Tensor.record_stream is not original)
+        print("VIA", _install.STATE.cuda_allocator)
+        """,
+        hook_first=False,
+        TIDEPOOL_TORCH_CUDA_LIBRARY=os.environ["TIDEPOOL_TORCH_CUDA_LIBRARY"])
+    assert "BEFORE native AFTER pluggable" in result.stdout, result.stdout + result.stderr
+    assert "WRAPPED False" in result.stdout
+    assert "VIA " + os.environ["TIDEPOOL_TORCH_CUDA_LIBRARY"] in result.stdout
+    assert "TidepoolFallbackWarning" not in result.stderr
 
 
 def test_global_mode_replaces_the_current_allocator(fake_cuda):
@@ -125,7 +210,8 @@ def test_pool_mode_leaves_record_stream_to_pytorchs_allocator(fake_cuda):
     assert _install.STATE.record_stream is None
 
 
-MEMORY_FUNCTIONS = ("memory_stats_as_nested_dict", "reset_peak_memory_stats", "empty_cache")
+MEMORY_FUNCTIONS = ("memory_stats_as_nested_dict", "reset_peak_memory_stats",
+                    "reset_accumulated_memory_stats", "empty_cache")
 
 
 def test_global_mode_answers_torch_cuda_memory_functions_and_pool_mode_leaves_them(fake_cuda):
@@ -175,6 +261,46 @@ def test_torch_cuda_memory_figures_come_from_tidepool(fake_cuda, monkeypatch):
     torch.cuda.empty_cache()
     assert emptied == [True], "PyTorch's own empty_cache still runs"
     assert torch.cuda.memory_reserved(0) <= reserved - size
+
+
+def test_reset_accumulated_memory_stats_counts_the_totals_from_the_call_on(fake_cuda,
+                                                                          monkeypatch):
+    install()
+    for module in (torch.cuda, torch.cuda.memory):
+        monkeypatch.setattr(module, "is_initialized", lambda: True)
+    lib = _lib.load()
+    size = 1 << 20
+    held = lib.tidepool_malloc(size, 0, None)
+    passing = lib.tidepool_malloc(size, 0, None)
+    assert held and passing, _lib.last_error()
+    lib.tidepool_free(ctypes.c_void_p(passing), size, 0, None)
+    fresh = None
+    try:
+        before = torch.cuda.memory_stats(0)
+        assert before["allocation.all.allocated"] >= 2
+        totals_before = _stats.raw_stats(0).alloc_count
+        torch.cuda.reset_accumulated_memory_stats(0)
+        after = torch.cuda.memory_stats(0)
+        for key in ("allocation.all.allocated", "allocation.all.freed",
+                    "allocated_bytes.all.allocated", "allocated_bytes.all.freed",
+                    "reserved_bytes.all.allocated", "segment.all.allocated",
+                    "num_device_alloc", "num_ooms", "num_alloc_retries"):
+            assert after[key] == 0, key
+        for key in ("allocation.all.current", "allocated_bytes.all.current",
+                    "allocated_bytes.all.peak", "reserved_bytes.all.current"):
+            assert after[key] == before[key], key
+        fresh = lib.tidepool_malloc(size, 0, None)
+        assert fresh, _lib.last_error()
+        counted = torch.cuda.memory_stats(0)
+        assert counted["allocation.all.allocated"] == 1
+        assert counted["allocated_bytes.all.allocated"] == (
+            counted["allocated_bytes.all.current"] - after["allocated_bytes.all.current"])
+        # tidepool's own totals are not reset.
+        assert _stats.raw_stats(0).alloc_count == totals_before + 1
+    finally:
+        lib.tidepool_free(ctypes.c_void_p(held), size, 0, None)
+        if fresh:
+            lib.tidepool_free(ctypes.c_void_p(fresh), size, 0, None)
 
 
 def test_before_cuda_is_initialised_the_stats_are_empty_as_in_pytorch(fake_cuda, monkeypatch):

@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 
 __all__ = ["region", "stats", "snapshot", "evict", "prefetch", "status", "config", "install",
-           "ConfigError", "LibraryError", "TidepoolInactiveWarning"]
+           "ConfigError", "LibraryError", "TidepoolInactiveWarning", "TidepoolFallbackWarning"]
 __version__ = "0.1.0"
 
 
@@ -27,9 +27,9 @@ def __getattr__(name):  # PEP 562: the exception classes load their modules on f
     if name == "LibraryError":
         from ._lib import LibraryError
         return LibraryError
-    if name == "TidepoolInactiveWarning":
-        from ._install import TidepoolInactiveWarning
-        return TidepoolInactiveWarning
+    if name in ("TidepoolInactiveWarning", "TidepoolFallbackWarning"):
+        from . import _install
+        return getattr(_install, name)
     raise AttributeError(f"module 'tidepool' has no attribute {name!r}")
 
 

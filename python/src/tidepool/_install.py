@@ -1,13 +1,17 @@
 """Installs tidepool into a freshly imported torch, and keeps what was installed.
 
 Two modes (tidepool.mode, see allocator/config.h):
-  global  torch.cuda.memory.CUDAPluggableAllocator(libtidepool.so,
-          tidepool_pytorch_malloc, tidepool_pytorch_free) + change_current_allocator:
-          every CUDA allocation of the process is tidepool's (no PyTorch caching on top;
+  global  every CUDA allocation of the process is tidepool's (no PyTorch caching on top;
           tidepool caches itself; optimizer state of at least tidepool.tier_min_bytes
-          goes to pointer-stable ranges). torch.Tensor.record_stream is wrapped so that
-          it reaches tidepool (_record_stream.py), and torch.cuda's memory statistics and
-          empty_cache answer from tidepool (_torch_memory.py).
+          goes to pointer-stable ranges). c10's CUDA allocator becomes, preferably,
+          libtidepool_torch_cuda.so's (optimizers/install/torch_cuda_allocator.h), whose
+          cacheInfo (cuDNN's autotuner) and record_stream (also from PyTorch's C++) reach
+          tidepool; without that library (a package built without torch, or against
+          another torch) torch.cuda.memory.CUDAPluggableAllocator(libtidepool.so,
+          tidepool_pytorch_malloc, tidepool_pytorch_free) + change_current_allocator,
+          with torch.Tensor.record_stream wrapped to reach tidepool (_record_stream.py)
+          and a warning that cudnn.benchmark cannot work. Either way torch.cuda's memory
+          statistics and empty_cache answer from tidepool (_torch_memory.py).
   pool    PyTorch keeps its own allocator; a torch.cuda.MemPool backed by tidepool
           serves tidepool.region() and optimizer steps. Inside a region PyTorch's
           caching allocator asks tidepool for whole segments.
@@ -34,7 +38,8 @@ class _State:
         self.active = False
         self.config: dict | None = None
         self.torch = None
-        self.allocator = None  # the CUDAPluggableAllocator
+        self.allocator = None  # the CUDAPluggableAllocator (pool mode; global-mode fallback)
+        self.cuda_allocator = None  # global mode: what c10's CUDA allocator is
         self.pool = None  # the MemPool, pool mode only, created on first use
         self.optimizer_hooks = None  # the two RemovableHandles
         self.record_stream = None  # global mode: the handle of the record_stream wrapper
@@ -82,15 +87,11 @@ def install(torch, config: dict) -> None:
             STATE.torch = STATE.config = None  # nothing installed; a fixed library may retry
             raise
         try:
-            STATE.allocator = torch.cuda.memory.CUDAPluggableAllocator(path, malloc_name, free_name)
             if config["mode"] == "global":
-                torch.cuda.memory.change_current_allocator(STATE.allocator)
-                from . import _record_stream
-
-                STATE.record_stream = _record_stream.register(torch)
-                from . import _torch_memory
-
-                STATE.torch_memory = _torch_memory.register(torch)
+                _install_global(torch, config, path, malloc_name, free_name)
+            else:
+                STATE.allocator = torch.cuda.memory.CUDAPluggableAllocator(path, malloc_name,
+                                                                           free_name)
         except RuntimeError as e:
             raise RuntimeError(
                 f"tidepool: cannot install the allocator from {path} ({e}). tidepool must be "
@@ -104,7 +105,40 @@ def install(torch, config: dict) -> None:
         if config.get("log") in ("info", "debug"):
             import sys
 
-            print(f"tidepool: installed ({STATE.status}, library {path})", file=sys.stderr)
+            via = f", c10's CUDA allocator: {STATE.cuda_allocator}" if STATE.cuda_allocator else ""
+            print(f"tidepool: installed ({STATE.status}, library {path}{via})", file=sys.stderr)
+
+
+class TidepoolFallbackWarning(RuntimeWarning):
+    """Global mode runs on torch's CUDAPluggableAllocator class: cuDNN autotuning and
+    record_stream from PyTorch's C++ do not reach tidepool."""
+
+
+def _install_global(torch, config: dict, path: str, malloc_name: str, free_name: str) -> None:
+    """Makes tidepool c10's CUDA allocator (see the top of this module)."""
+    shim, why_not = _lib.load_torch_cuda()
+    if shim is not None:
+        _lib.check(shim.tidepool_torch_install_cuda_allocator(),
+                   "making tidepool PyTorch's CUDA allocator")
+        STATE.cuda_allocator = _lib.torch_cuda_library_path()
+    else:
+        STATE.allocator = torch.cuda.memory.CUDAPluggableAllocator(path, malloc_name, free_name)
+        torch.cuda.memory.change_current_allocator(STATE.allocator)
+        from . import _record_stream
+
+        STATE.record_stream = _record_stream.register(torch)
+        STATE.cuda_allocator = "torch.cuda.memory.CUDAPluggableAllocator"
+        if config.get("log") != "off":
+            warnings.warn(
+                f"tidepool: {why_not}, so tidepool runs on torch's CUDAPluggableAllocator, "
+                "which cannot answer cuDNN's autotuner: torch.backends.cudnn.benchmark = True "
+                "fails in convolutions, and record_stream calls from PyTorch's C++ are not "
+                "seen. Install the package with `pip install --no-build-isolation ./python` "
+                "against this torch to build libtidepool_torch_cuda.so.",
+                TidepoolFallbackWarning, stacklevel=4)
+    from . import _torch_memory
+
+    STATE.torch_memory = _torch_memory.register(torch)
 
 
 def pool():

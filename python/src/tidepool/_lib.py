@@ -8,6 +8,8 @@ Where the library is:
   1. $TIDEPOOL_LIBRARY (a path to libtidepool.so), for tests and development builds;
   2. the copy installed with this package (tidepool/lib/libtidepool.so*).
 PyTorch's CUDAPluggableAllocator is handed the same library (PYTORCH_ENTRY_POINTS).
+Global mode prefers libtidepool_torch_cuda.so (load_torch_cuda), found the same way
+($TIDEPOOL_TORCH_CUDA_LIBRARY, then tidepool/lib/).
 
 libtidepool.so needs libcudart.so.13 when it was built with CUDA. PyPI's torch keeps
 that in site-packages/nvidia/cu13/lib, which is not on the loader's search path, so
@@ -24,7 +26,7 @@ import sys
 import threading
 
 __all__ = ["LibraryError", "PYTORCH_ENTRY_POINTS", "library_path", "load", "optional", "check",
-           "last_error"]
+           "last_error", "torch_cuda_library_path", "load_torch_cuda"]
 
 
 class LibraryError(RuntimeError):
@@ -55,9 +57,47 @@ def library_path() -> str:
     if not candidates:
         raise LibraryError(
             f"libtidepool.so is not installed in {os.path.join(_PACKAGE_DIR, 'lib')}; "
-            "install the package with `pip install ./python` or set TIDEPOOL_LIBRARY "
-            "to a built libtidepool.so")
+            "install the package with `pip install --no-build-isolation ./python` or set "
+            "TIDEPOOL_LIBRARY to a built libtidepool.so")
     return candidates[0]
+
+
+def torch_cuda_library_path() -> str | None:
+    """libtidepool_torch_cuda.so (optimizers/install/torch_cuda_allocator.h): tidepool as
+    c10's CUDA allocator with cacheInfo and record_stream connected, built against the
+    torch the package was built with. $TIDEPOOL_TORCH_CUDA_LIBRARY (tests and development
+    builds; empty means none), else the copy installed with the package, else None (a
+    build without torch at build time, see python/CMakeLists.txt)."""
+    override = os.environ.get("TIDEPOOL_TORCH_CUDA_LIBRARY")
+    if override is not None:
+        if not override:
+            return None
+        if not os.path.isfile(override):
+            raise LibraryError(f"TIDEPOOL_TORCH_CUDA_LIBRARY={override!r} is not a file")
+        return os.path.abspath(override)
+    candidates = sorted(glob.glob(os.path.join(_PACKAGE_DIR, "lib", "libtidepool_torch_cuda.so*")),
+                        key=len)
+    return candidates[0] if candidates else None
+
+
+def load_torch_cuda() -> tuple[ctypes.CDLL | None, str]:
+    """(library, "") for torch_cuda_library_path(), or (None, why not). Call it after
+    `import torch`: the library's LibTorch dependencies resolve to the copies torch has
+    loaded. One that does not load (built against another torch) is a reason, not an
+    error: the caller falls back to torch's CUDAPluggableAllocator class."""
+    path = torch_cuda_library_path()
+    if path is None:
+        return None, "libtidepool_torch_cuda.so is not installed (the package was built without torch)"
+    load()  # its dependency on libtidepool resolves to the copy this package uses
+    try:
+        shim = ctypes.CDLL(path)
+    except OSError as e:
+        return None, f"cannot load {path} ({e}); rebuild the package against this torch"
+    fn = getattr(shim, "tidepool_torch_install_cuda_allocator", None)
+    if fn is None:
+        return None, f"{path} lacks tidepool_torch_install_cuda_allocator"
+    fn.restype, fn.argtypes = ctypes.c_int, []
+    return shim, ""
 
 
 def preload_wheel_cudart() -> str | None:

@@ -1,0 +1,103 @@
+// TorchCudaAllocator: LibTorch's CUDAPluggableAllocator over tidepool's PyTorch pair, with
+// cacheInfo, recordStream, emptyCache and resetPeakStats connected to tidepool (see
+// torch_cuda_allocator.h for why each one matters), and its one-time installation.
+//
+// Note [pluggable allocator in LibTorch]
+// torch::cuda::CUDAPluggableAllocator (torch 2.11) takes the pair as
+// std::function<void*(size_t, int, cudaStream_t)> and
+// std::function<void(void*, size_t, int, cudaStream_t)>; its other hooks are either
+// set_*_fn setters (record stream, reset = emptyCache) or virtual functions that raise
+// (cacheInfo, resetPeakStats, getDeviceStats, ...), which a subclass overrides.
+// changeCurrentAllocator makes an allocator c10's; LibTorch refuses (c10::Error) once
+// its current allocator has been initialised, hence "before CUDA is first used".
+#include "optimizers/install/torch_cuda_allocator.h"
+
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/cuda/CUDAPluggableAllocator.h>
+
+#include <mutex>
+#include <string>
+
+#include "allocator/c_api.h"
+
+namespace tidepool::optim {
+namespace {
+
+using Pluggable = torch::cuda::CUDAPluggableAllocator::CUDAPluggableAllocator;
+
+// The PyTorch-facing pair: LibTorch does not check the pointer either, so an OOM must
+// arrive as an exception (Note [OOM into PyTorch] in allocator/c_api.h).
+void* torch_alloc(size_t bytes, int device, cudaStream_t stream) {
+  return tidepool_pytorch_malloc(static_cast<ssize_t>(bytes), device, stream);
+}
+void torch_free(void* ptr, size_t bytes, int device, cudaStream_t stream) {
+  tidepool_pytorch_free(ptr, bytes, device, stream);
+}
+
+// Tensor::record_stream (Note [record_stream from PyTorch] in allocator/c_api.h). Memory
+// tidepool did not hand out is ignored, as c10's own allocator does.
+void torch_record_stream(void* ptr, cudaStream_t stream) {
+  TORCH_CHECK(tidepool_pytorch_record_stream(ptr, stream) >= 0,
+              "tidepool: record_stream failed: ", tidepool_last_error());
+}
+
+// c10's emptyCache: every device's cached memory goes back, as c10's own allocator does.
+void torch_empty_cache() {
+  TORCH_CHECK(tidepool_empty_cache_all() == 0, "tidepool: empty_cache failed: ",
+              tidepool_last_error());
+}
+
+class TorchCudaAllocator final : public Pluggable {
+ public:
+  TorchCudaAllocator() : Pluggable(torch_alloc, torch_free) {
+    set_record_stream_fn(torch_record_stream);
+    set_reset_fn(torch_empty_cache);
+  }
+
+  void cacheInfo(c10::DeviceIndex device, size_t* largest_block) override {
+    TORCH_CHECK(tidepool_cache_info(device, largest_block) == 0, "tidepool: cacheInfo of device ",
+                static_cast<int>(device), " failed: ", tidepool_last_error());
+  }
+
+  void resetPeakStats(c10::DeviceIndex device) override {
+    TORCH_CHECK(tidepool_reset_peak_stats(device) == 0, "tidepool: resetPeakStats of device ",
+                static_cast<int>(device), " failed: ", tidepool_last_error());
+  }
+};
+
+std::mutex& install_mutex() {
+  static std::mutex m;
+  return m;
+}
+
+}  // namespace
+
+std::shared_ptr<c10::cuda::CUDACachingAllocator::CUDAAllocator> make_torch_cuda_allocator() {
+  return std::make_shared<TorchCudaAllocator>();
+}
+
+void install_torch_cuda_allocator() {
+  std::lock_guard lock(install_mutex());
+  // A second swap would fail (ours is initialised by then) and gain nothing.
+  static bool installed = false;
+  if (installed) return;
+  torch::cuda::CUDAPluggableAllocator::changeCurrentAllocator(make_torch_cuda_allocator());
+  installed = true;
+}
+
+}  // namespace tidepool::optim
+
+int tidepool_torch_install_cuda_allocator(void) {
+  try {
+    tidepool::optim::install_torch_cuda_allocator();
+    return 0;
+  } catch (const c10::Error& e) {
+    tidepool::set_last_error(std::string("tidepool: cannot make tidepool PyTorch's CUDA allocator: ") +
+                             e.what_without_backtrace());
+  } catch (const std::exception& e) {
+    tidepool::set_last_error(std::string("tidepool: cannot make tidepool PyTorch's CUDA allocator: ") +
+                             e.what());
+  }
+  return -1;
+}

@@ -1,0 +1,53 @@
+// tidepool as c10's CUDA allocator, with the hooks PyTorch calls during training that its
+// plain pluggable allocator leaves out.
+//
+// torch::cuda::CUDAPluggableAllocator wraps an alloc/free pair; what else c10 asks of a
+// CUDA allocator it answers with "does not yet support ..." or nothing. Some of those
+// calls come from PyTorch itself, not from the user, so a training script that works with
+// PyTorch's allocator would stop, or silently race, with a plain pluggable one:
+//   cacheInfo       cuDNN's autotuner (torch.backends.cudnn.benchmark = True) asks for
+//                   the largest block it may take as workspace in every convolution it
+//                   tunes; the plain class raises there (pytorch#98481).
+//                   -> tidepool_cache_info: what c10's own allocator answers.
+//   recordStream    Tensor::record_stream, also from PyTorch's C++ internals, is dropped
+//                   without a record-stream function: memory a side stream still reads is
+//                   handed out again. -> tidepool_pytorch_record_stream.
+//   emptyCache      does nothing without a reset function. -> tidepool_empty_cache_all.
+//   resetPeakStats  raises. -> tidepool_reset_peak_stats.
+// getDeviceStats and resetAccumulatedStats still raise here: a C++ trainer reads
+// tidepool_get_stats_v1 (allocator/c_api.h); the Python package answers torch.cuda's
+// memory statistics itself (python/src/tidepool/_torch_memory.py).
+//
+// Two ways in, both before LibTorch's CUDA allocator is first used:
+//   C++     tidepool::optim::install_from_env() (torch_install.h) in global mode;
+//   C ABI   tidepool_torch_install_cuda_allocator(), which the Python package calls in
+//           global mode through ctypes (libtidepool_torch_cuda.so, built against the
+//           torch the package was built with).
+#pragma once
+
+#include <memory>
+
+#include "allocator/export.h"
+
+namespace c10::cuda::CUDACachingAllocator {
+class CUDAAllocator;
+}
+
+namespace tidepool::optim {
+
+// A new allocator object (not installed): for tests that call its hooks directly.
+TIDEPOOL_API std::shared_ptr<c10::cuda::CUDACachingAllocator::CUDAAllocator>
+make_torch_cuda_allocator();
+
+// Makes a make_torch_cuda_allocator() c10's CUDA allocator, once per process: later calls
+// change nothing. Throws c10::Error when LibTorch refuses (its own CUDA allocator has
+// been used already).
+TIDEPOOL_API void install_torch_cuda_allocator();
+
+}  // namespace tidepool::optim
+
+extern "C" {
+// install_torch_cuda_allocator() for C callers: 0 when tidepool is c10's CUDA allocator
+// (now or from an earlier call), -1 with the reason in tidepool_last_error().
+TIDEPOOL_API int tidepool_torch_install_cuda_allocator(void);
+}

@@ -1,0 +1,95 @@
+// tidepool as c10's CUDA allocator (optimizers/install/torch_cuda_allocator.h), without a
+// GPU: the hooks the plain pluggable allocator raises for or drops answer from tidepool
+// (here over the host backend), both on the allocator object and through c10's own entry
+// points once it is installed; installing twice is harmless. The CUDA memory paths
+// (malloc, record_stream) are in gpu_test_torch_install.cpp.
+#include <gtest/gtest.h>
+
+#if TIDEPOOL_HAVE_TORCH_CUDA
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/util/Exception.h>
+
+#include <string>
+
+#include "allocator/c_api.h"
+#include "optimizers/install/torch_cuda_allocator.h"
+
+namespace tidepool::optim {
+namespace {
+
+class TorchCudaAllocatorTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() { ASSERT_EQ(tidepool_set_backend("host"), 0) << tidepool_last_error(); }
+
+  static tidepool_stats_v1 stats() {
+    tidepool_stats_v1 s{};
+    s.struct_size = sizeof s;
+    EXPECT_EQ(tidepool_get_stats_v1(0, &s), 0) << tidepool_last_error();
+    return s;
+  }
+  // A freed 8 MiB block: cached memory, and a peak above the current allocation.
+  static void cache_a_block() {
+    constexpr std::size_t kBlock = std::size_t{8} << 20;
+    void* p = tidepool_malloc(kBlock, 0, nullptr);
+    ASSERT_NE(p, nullptr) << tidepool_last_error();
+    tidepool_free(p, kBlock, 0, nullptr);
+  }
+  static std::size_t tidepool_cache_info_of(int device) {
+    std::size_t largest = 0;
+    EXPECT_EQ(tidepool_cache_info(device, &largest), 0) << tidepool_last_error();
+    return largest;
+  }
+};
+
+TEST_F(TorchCudaAllocatorTest, CacheInfoAnswersWhatTidepoolAnswers) {
+  cache_a_block();
+  const auto allocator = make_torch_cuda_allocator();
+  std::size_t largest = 0;
+  allocator->cacheInfo(0, &largest);
+  EXPECT_GE(largest, std::size_t{8} << 20);
+  EXPECT_EQ(largest, tidepool_cache_info_of(0));
+  // A device that does not exist is c10's error, with tidepool's message.
+  ::testing::internal::CaptureStderr();
+  try {
+    allocator->cacheInfo(99, &largest);
+    ADD_FAILURE() << "cacheInfo of device 99 did not throw";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("device 99 does not exist"), std::string::npos) << e.what();
+  }
+  ::testing::internal::GetCapturedStderr();
+}
+
+TEST_F(TorchCudaAllocatorTest, ResetPeakStatsAndEmptyCacheReachTidepool) {
+  cache_a_block();
+  const auto allocator = make_torch_cuda_allocator();
+  ASSERT_GT(stats().allocated.peak, stats().allocated.current);
+  allocator->resetPeakStats(0);
+  EXPECT_EQ(stats().allocated.peak, stats().allocated.current);
+  ASSERT_GT(stats().cached_bytes, 0u);
+  allocator->emptyCache();
+  EXPECT_EQ(stats().cached_bytes, 0u) << "c10's emptyCache gives tidepool's cache back";
+}
+
+TEST_F(TorchCudaAllocatorTest, InstalledItIsWhatC10Calls) {
+  ASSERT_EQ(tidepool_torch_install_cuda_allocator(), 0) << tidepool_last_error();
+  EXPECT_EQ(tidepool_torch_install_cuda_allocator(), 0) << "a second call changes nothing";
+  cache_a_block();
+  std::size_t largest = 0;
+  c10::cuda::CUDACachingAllocator::cacheInfo(0, &largest);  // what cuDNN's autotuner calls
+  EXPECT_EQ(largest, tidepool_cache_info_of(0));
+  c10::cuda::CUDACachingAllocator::resetPeakStats(0);
+  EXPECT_EQ(stats().allocated.peak, stats().allocated.current);
+  c10::cuda::CUDACachingAllocator::emptyCache();
+  EXPECT_EQ(stats().cached_bytes, 0u);
+}
+
+}  // namespace
+}  // namespace tidepool::optim
+
+#else
+
+TEST(TorchCudaAllocatorTest, NeedsACudaBuild) {
+  GTEST_SKIP() << "tidepool_torch_cuda is built only with CUDA";
+}
+
+#endif
