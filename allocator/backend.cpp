@@ -8,10 +8,13 @@
 #include "allocator/backend.h"
 
 #include <array>
+#include <atomic>
 #include <cstdint>
+#include <limits>
 #include <mutex>
 #include <sstream>
 #include <string>
+#include <unordered_set>
 
 #include <unistd.h>
 
@@ -21,6 +24,16 @@ namespace tidepool {
 struct Backend::FaultState {
   std::mutex mutex;
   std::array<int, static_cast<std::size_t>(FaultPoint::count_)> pending{};
+};
+
+// The device limit and what counts against it. release_physical is not told where a
+// handle's memory lives, so the device-located handles are remembered (physical memory
+// comes in 2 MiB granules: few handles, created and released off the hot path).
+struct Backend::DeviceLimit {
+  std::atomic<std::size_t> limit{std::numeric_limits<std::size_t>::max()};
+  std::atomic<std::size_t> in_use{0};
+  std::mutex handles_mutex;
+  std::unordered_set<std::uint64_t> device_handles;
 };
 
 namespace {
@@ -58,7 +71,8 @@ Backend::Backend(BackendKind kind, int device, std::size_t granularity)
     : kind_(kind),
       device_(device),
       granularity_(granularity),
-      faults_(std::make_shared<FaultState>()) {
+      faults_(std::make_shared<FaultState>()),
+      limit_(std::make_unique<DeviceLimit>()) {
   if (device < 0) fail("constructor", "device index " + std::to_string(device) + " is negative");
   if (granularity == 0 || (granularity & (granularity - 1)) != 0)
     fail("constructor", "granularity " + std::to_string(granularity) + " is not a power of two");
@@ -93,16 +107,46 @@ bool Backend::consume_fault(FaultPoint point) {
 
 void* Backend::device_alloc(std::size_t bytes) {
   require_nonzero("device_alloc", bytes);
-  return do_device_alloc(bytes);
+  if (!claim_device_bytes(bytes)) return nullptr;
+  void* p = nullptr;
+  try {
+    p = do_device_alloc(bytes);
+  } catch (...) {
+    unclaim_device_bytes(bytes);
+    throw;
+  }
+  if (p == nullptr) unclaim_device_bytes(bytes);
+  return p;
 }
 
 void Backend::device_free(void* ptr, std::size_t bytes) {
   require_ptr("device_free", ptr, "ptr");
   require_nonzero("device_free", bytes);
   do_device_free(ptr, bytes);
+  unclaim_device_bytes(bytes);
 }
 
 MemInfo Backend::mem_info() { return do_mem_info(); }
+
+// --- device memory limit --------------------------------------------------------------
+
+void Backend::set_device_limit(std::size_t bytes) { limit_->limit.store(bytes); }
+
+std::size_t Backend::device_limit() const { return limit_->limit.load(); }
+
+std::size_t Backend::device_bytes_in_use() const { return limit_->in_use.load(); }
+
+bool Backend::claim_device_bytes(std::size_t bytes) {
+  // Claimed before the allocation, so two threads cannot both pass the check.
+  std::size_t used = limit_->in_use.load();
+  do {
+    const std::size_t limit = limit_->limit.load();
+    if (bytes > limit || used > limit - bytes) return false;
+  } while (!limit_->in_use.compare_exchange_weak(used, used + bytes));
+  return true;
+}
+
+void Backend::unclaim_device_bytes(std::size_t bytes) { limit_->in_use.fetch_sub(bytes); }
 
 // --- streams and events ---------------------------------------------------------------
 
@@ -229,13 +273,40 @@ PhysicalHandle Backend::create_physical(std::size_t bytes, MemoryLocation where)
   require_granular("create_physical", bytes, granularity_);
   if (where != MemoryLocation::device && where != MemoryLocation::host)
     fail("create_physical", "unknown memory location " + std::to_string(static_cast<int>(where)));
-  return do_create_physical(bytes, where);
+  if (where == MemoryLocation::host) return do_create_physical(bytes, where);
+  if (!claim_device_bytes(bytes)) return PhysicalHandle{};
+  PhysicalHandle h{};
+  try {
+    h = do_create_physical(bytes, where);
+  } catch (...) {
+    unclaim_device_bytes(bytes);
+    throw;
+  }
+  if (!h) {
+    unclaim_device_bytes(bytes);
+    return h;
+  }
+  try {
+    std::lock_guard lock(limit_->handles_mutex);
+    limit_->device_handles.insert(h.value);
+  } catch (...) {  // std::bad_alloc: give the memory back rather than lose track of it
+    do_release_physical(h, bytes);
+    unclaim_device_bytes(bytes);
+    throw;
+  }
+  return h;
 }
 
 void Backend::release_physical(PhysicalHandle h, std::size_t bytes) {
   if (!h) fail("release_physical", "null physical handle");
   require_granular("release_physical", bytes, granularity_);
   do_release_physical(h, bytes);
+  bool on_device = false;
+  {
+    std::lock_guard lock(limit_->handles_mutex);
+    on_device = limit_->device_handles.erase(h.value) != 0;
+  }
+  if (on_device) unclaim_device_bytes(bytes);
 }
 
 void Backend::map(void* va, std::size_t bytes, PhysicalHandle h) {

@@ -108,6 +108,19 @@ class TIDEPOOL_API Backend {
   void device_free(void* ptr, std::size_t bytes);
   MemInfo mem_info();
 
+  // --- device memory limit (torch.cuda.set_per_process_memory_fraction) -------------
+  // At most `bytes` of device memory through this backend at a time: device_alloc and
+  // device-located create_physical count against it, by everyone using this backend (the
+  // caching allocator and the tiering layer's pointer-stable ranges alike). Over it they
+  // answer out-of-memory, as the device would, so callers' OOM handling runs (the
+  // allocator's: free cache, reclaim hooks, retry, a clear error). SIZE_MAX: no limit
+  // (the default). A limit below what is in use frees nothing; allocations fail until
+  // enough is given back.
+  void set_device_limit(std::size_t bytes);
+  std::size_t device_limit() const;
+  // Device bytes allocated through this backend and not given back yet.
+  std::size_t device_bytes_in_use() const;
+
   // --- streams and events -----------------------------------------------------------
   Stream create_stream();
   // Pre: no work pending on `s` that anyone waits for. Drains the stream first.
@@ -209,11 +222,17 @@ class TIDEPOOL_API Backend {
   virtual void do_map(void* va, std::size_t bytes, PhysicalHandle h) = 0;
   virtual void do_unmap(void* va, std::size_t bytes) = 0;
 
+  // Claims `bytes` against the device limit; false (nothing claimed) when over it.
+  bool claim_device_bytes(std::size_t bytes);
+  void unclaim_device_bytes(std::size_t bytes);
+
   BackendKind kind_;
   int device_;
   std::size_t granularity_;
   struct FaultState;
   std::shared_ptr<FaultState> faults_;
+  struct DeviceLimit;
+  std::unique_ptr<DeviceLimit> limit_;
 };
 
 struct HostBackendOptions {

@@ -13,11 +13,14 @@
 #include "allocator/c_api.h"
 
 #include <algorithm>
+#include <array>
+#include <atomic>
 #include <cstddef>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <exception>
+#include <limits>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -30,9 +33,12 @@
 namespace {
 
 thread_local std::string t_last_error;
+// Whether t_last_error is an out-of-memory (an OutOfMemoryError, after the OOM policy).
+thread_local bool t_last_error_is_oom = false;
 
 void set_error(const char* what, bool print) {
   t_last_error = what;
+  t_last_error_is_oom = false;
   if (print) std::fprintf(stderr, "%s\n", what);
 }
 
@@ -42,6 +48,19 @@ constexpr tidepool::detail::CErrorStyle kAllocatorErrors{nullptr, true};
 template <class R, class Fn>
 R guarded(R failed, Fn&& fn) {
   return tidepool::detail::guarded(kAllocatorErrors, failed, std::forward<Fn>(fn));
+}
+
+// What tidepool_set_memory_fraction last set per device (the limit itself is the
+// backend's, in bytes; PyTorch hands back the fraction as it was given).
+std::atomic<double>& memory_fraction(int device) {
+  struct Fractions {
+    std::array<std::atomic<double>, tidepool::kMaxDevices> of;
+    Fractions() {
+      for (auto& f : of) f.store(1.0);
+    }
+  };
+  static Fractions fractions;
+  return fractions.of[static_cast<std::size_t>(device)];
 }
 
 // The device whose caching allocator owns `ptr`, or -1: for a free that the named device
@@ -54,7 +73,10 @@ int owning_device(const void* ptr) {
 
 }  // namespace
 
-void tidepool::set_last_error(std::string_view message) { t_last_error.assign(message); }
+void tidepool::set_last_error(std::string_view message) {
+  t_last_error.assign(message);
+  t_last_error_is_oom = false;
+}
 
 void tidepool::detail::record_current_exception(const CErrorStyle& style) noexcept {
   const auto record = [&](const char* what, bool misuse) {
@@ -69,6 +91,7 @@ void tidepool::detail::record_current_exception(const CErrorStyle& style) noexce
       throw;
     } catch (const OutOfMemoryError& e) {
       record(e.what(), false);
+      t_last_error_is_oom = true;
     } catch (const std::bad_alloc&) {
       record("tidepool: out of host memory for bookkeeping", true);
     } catch (const std::exception& e) {
@@ -176,11 +199,39 @@ int tidepool_cache_info(int device, size_t* largest_block) {
   }
   return guarded(-1, [&] {
     tidepool::CachingAllocator& allocator = tidepool::device_allocator(device);
-    // As c10's allocator: free device memory is the optimistic first guess, a larger free
-    // cached block wins.
-    *largest_block = std::max(allocator.backend().mem_info().free_bytes,
-                              allocator.largest_free_block());
+    tidepool::Backend& backend = allocator.backend();
+    // As c10's allocator: free device memory (within this process's share, when a memory
+    // fraction is set) is the optimistic first guess, a larger free cached block wins.
+    const std::size_t limit = backend.device_limit();
+    const std::size_t in_use = std::min(limit, backend.device_bytes_in_use());
+    const std::size_t free_bytes = std::min(backend.mem_info().free_bytes, limit - in_use);
+    *largest_block = std::max(free_bytes, allocator.largest_free_block());
     return 0;
+  });
+}
+
+int tidepool_set_memory_fraction(double fraction, int device) {
+  if (!(fraction >= 0.0 && fraction <= 1.0)) {  // NaN fails both
+    set_error(("tidepool: memory fraction " + std::to_string(fraction) + " for device " +
+               std::to_string(device) + " is outside [0, 1]")
+                  .c_str(),
+              true);
+    return -1;
+  }
+  return guarded(-1, [&] {
+    tidepool::Backend& backend = tidepool::device_allocator(device).backend();
+    const double total = static_cast<double>(backend.mem_info().total_bytes);
+    backend.set_device_limit(fraction == 1.0 ? std::numeric_limits<std::size_t>::max()
+                                             : static_cast<std::size_t>(fraction * total));
+    memory_fraction(device).store(fraction);
+    return 0;
+  });
+}
+
+double tidepool_get_memory_fraction(int device) {
+  return guarded(-1.0, [&] {
+    tidepool::check_device(device);
+    return memory_fraction(device).load();
   });
 }
 
@@ -316,7 +367,12 @@ void tidepool_string_free(char* s) { std::free(s); }
 
 const char* tidepool_last_error(void) { return t_last_error.c_str(); }
 
-void tidepool_clear_error(void) { t_last_error.clear(); }
+void tidepool_clear_error(void) {
+  t_last_error.clear();
+  t_last_error_is_oom = false;
+}
+
+int tidepool_last_error_is_out_of_memory(void) { return t_last_error_is_oom ? 1 : 0; }
 
 int tidepool_set_backend(const char* name) {
   if (name == nullptr) {

@@ -71,6 +71,16 @@ TIDEPOOL_API int tidepool_empty_cache(int device);
  * free memory and the largest free block tidepool has cached there, in *largest_block.
  * 0, or -1 for a bad device or a NULL largest_block. */
 TIDEPOOL_API int tidepool_cache_info(int device, size_t* largest_block);
+/* torch.cuda.set_per_process_memory_fraction for tidepool: from now on at most
+ * fraction x the device's total memory is allocated through tidepool on `device`, by its
+ * caching allocator and its pointer-stable ranges together (Backend::set_device_limit).
+ * A request beyond that goes through the OOM policy (cached memory freed, reclaim hooks:
+ * the tiering layer evicts optimizer state, retry) and then fails with the clear error,
+ * which names the limit. fraction in [0, 1]; 1 lifts the limit. Memory already in use
+ * stays. 0, or -1 for a fraction outside [0, 1] (or NaN) or a bad device. */
+TIDEPOOL_API int tidepool_set_memory_fraction(double fraction, int device);
+/* The fraction last set on `device` (1.0 when none), or -1.0 for a bad device. */
+TIDEPOOL_API double tidepool_get_memory_fraction(int device);
 /* tidepool_empty_cache on every device tidepool has an allocator for (creating none), as
  * torch.cuda.empty_cache() empties every device's cache. 0, or -1 on error. */
 TIDEPOOL_API int tidepool_empty_cache_all(void);
@@ -161,6 +171,10 @@ TIDEPOOL_API void tidepool_string_free(char* s);
 /* The last error message on this thread ("" if none). Valid until the next call. */
 TIDEPOOL_API const char* tidepool_last_error(void);
 TIDEPOOL_API void tidepool_clear_error(void);
+/* 1 when this thread's last error is an out-of-memory (the request did not fit after the
+ * whole OOM policy ran), 0 for any other error or none: lets a caller tell "too big for
+ * now" from a bad request, as PyTorch does with torch.OutOfMemoryError. */
+TIDEPOOL_API int tidepool_last_error_is_out_of_memory(void);
 
 /* ---- configuration --------------------------------------------------------------- */
 /* Selects the backend before first use: "cuda", "host" or "auto" (cuda when a GPU is

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cinttypes>
 #include <cstdio>
+#include <limits>
 #include <sstream>
 
 #include "allocator/caching_allocator_impl.h"
@@ -160,9 +161,15 @@ std::string CachingAllocator::Impl::oom_message(std::size_t bytes, std::size_t r
   os << "tidepool: out of memory: cannot allocate " << format_bytes(bytes) << " (" << bytes
      << " bytes, rounded to " << rounded << ") on device " << device << " (" << backend->name()
      << " backend), stream " << s.handle << ". Device: " << format_bytes(info.total_bytes)
-     << " total, " << format_bytes(info.free_bytes) << " free. tidepool holds "
-     << format_bytes(st.reserved.current) << " reserved, " << format_bytes(st.allocated.current)
-     << " allocated, " << format_bytes(st.cached_bytes) << " cached (largest free block "
+     << " total, " << format_bytes(info.free_bytes) << " free";
+  const std::size_t limit = backend->device_limit();
+  if (limit != std::numeric_limits<std::size_t>::max()) {
+    os << ", of which this process may use " << format_bytes(limit) << " (memory fraction; "
+       << format_bytes(backend->device_bytes_in_use()) << " in use)";
+  }
+  os << ". tidepool holds " << format_bytes(st.reserved.current) << " reserved, "
+     << format_bytes(st.allocated.current) << " allocated, " << format_bytes(st.cached_bytes)
+     << " cached (largest free block "
      << format_bytes(largest_free_backed()) << "). By tag:";
   bool any = false;
   for (int t = 0; t < kTagCount; ++t) {
@@ -178,6 +185,9 @@ std::string CachingAllocator::Impl::oom_message(std::size_t bytes, std::size_t r
      << format_bytes(reclaimed) << ". ";
   if (info.total_bytes != 0 && bytes > info.total_bytes)
     os << "The request is larger than the whole device: check the size computation.";
+  else if (limit != std::numeric_limits<std::size_t>::max() && bytes > limit)
+    os << "The request is larger than this process's share of the device "
+          "(torch.cuda.set_per_process_memory_fraction / tidepool_set_memory_fraction).";
   else
     os << "Suggestion: reduce the batch size, free tensors you no longer need, or move "
           "optimizer state to the host with tidepool's tiering (it registers a reclaim hook).";

@@ -15,7 +15,9 @@ before CUDA initialises:
      statistics (max_memory_allocated, memory_reserved, memory_summary,
      reset_peak_memory_stats, reset_accumulated_memory_stats) answer from tidepool
      instead of raising, and empty_cache gives cached memory back;
-  6. cudnn_benchmark: global mode with torch.backends.cudnn.benchmark = True (PyTorch's
+  6. memory_fraction: global mode; torch.cuda.set_per_process_memory_fraction(0.1) caps
+     tidepool: a request past a tenth of the device is an OutOfMemoryError naming it;
+  7. cudnn_benchmark: global mode with torch.backends.cudnn.benchmark = True (PyTorch's
      cuDNN autotuner asks the allocator for cacheInfo, which pluggable allocators lack,
      pytorch#98481): a conv net trains, or the check shows the error.
 Prints one line per check: name, PASS/FAIL, what was seen.
@@ -156,6 +158,22 @@ CHECKS = {
               "SUMMARY", summary_ok, "RESET", reset_ok)
         """
     ),
+    "memory_fraction": textwrap.dedent(
+        """
+        use_tidepool_globally()
+        from tidepool import _torch_memory
+        _torch_memory.register(torch)
+        torch.cuda.set_per_process_memory_fraction(0.1)
+        total = torch.cuda.get_device_properties(0).total_memory
+        keep = torch.empty(int(0.05 * total), dtype=torch.uint8, device="cuda")
+        try:
+            torch.empty(int(0.1 * total), dtype=torch.uint8, device="cuda")
+            print("NO EXCEPTION")
+        except Exception as e:
+            print("EXC", type(e).__name__, "FRACTION_NAMED", "memory fraction" in str(e),
+                  "GET", torch.cuda.get_per_process_memory_fraction())
+        """
+    ),
     "cudnn_benchmark": textwrap.dedent(
         """
         print("VIA", use_tidepool_globally(pluggable_class=os.environ.get("CHECK_PLUGGABLE") == "1"))
@@ -201,7 +219,9 @@ def main():
     ok &= pool_ok
     print(f"pool     {'PASS' if pool_ok else 'FAIL'}  {p_out[:700]} {p_err if p_rc or not p_out else ''}")
     o_rc, o_out, o_err = results["oom"]
-    oom_ok = o_rc == 0 and o_out.startswith("EXC ") and "ALIVE" in o_out
+    # libtidepool_torch_cuda raises torch.OutOfMemoryError, as PyTorch's own allocator does.
+    oom_ok = (o_rc == 0 and o_out.startswith("EXC OutOfMemoryError" if TORCH_CUDA else "EXC ")
+              and "ALIVE" in o_out)
     ok &= oom_ok
     print(f"oom      {'PASS' if oom_ok else 'FAIL'}  {o_out[:900]} {o_err if o_rc or not o_out else ''}")
     r_rc, r_out, r_err = results["record_stream"]
@@ -214,6 +234,10 @@ def main():
               and int(fields[5]) < int(fields[3]) and fields[7] == "True" and fields[9] == "True")
     ok &= mem_ok
     print(f"memory   {'PASS' if mem_ok else 'FAIL'}  {m_out[:300]} {m_err if m_rc or not m_out else ''}")
+    f_rc, f_out, f_err = results["memory_fraction"]
+    fraction_ok = f_rc == 0 and f_out.startswith("EXC OutOfMemoryError FRACTION_NAMED True GET 0.1")
+    ok &= fraction_ok
+    print(f"fraction {'PASS' if fraction_ok else 'FAIL'}  {f_out[:300]} {f_err if f_rc or not f_out else ''}")
     c_rc, c_out, c_err = results["cudnn_benchmark"]
     cudnn_ok = c_rc == 0 and "TRAINED" in c_out
     ok &= cudnn_ok

@@ -12,7 +12,7 @@ Checks, each in a fresh process (the allocator is chosen at process start):
               once on the H200, DESIGN.md);
   cap_plain / cap_tidepool
               a memory cap (torch.cuda.set_per_process_memory_fraction, plus a ballast
-              allocation so the cap binds tidepool's allocator too) between the two
+              allocation so the cap is physical for every way in) between the two
               peaks: the plain run must hit OutOfMemoryError, the tidepool run must train;
   preload     LD_PRELOAD=libtidepool_preload.so: the same losses, and tidepool served
               the device memory.
@@ -101,8 +101,9 @@ class PeakSampler:
 def cap_device_memory(torch, cap_bytes: int) -> int:
     """Leaves `cap_bytes` of device memory (counted as the sampler counts: everything in
     use on the device) to this process. set_per_process_memory_fraction binds PyTorch's
-    native allocator only, so a ballast taken straight from libcudart (past any allocator,
-    and past the LD_PRELOAD shim) makes the cap bind tidepool as well."""
+    native allocator and, in global mode, tidepool (tidepool_set_memory_fraction); a
+    ballast taken straight from libcudart (past any allocator, and past the LD_PRELOAD
+    shim) makes the cap physical too, so every run meets the same device."""
     import ctypes
     free, total = torch.cuda.mem_get_info()
     torch.cuda.set_per_process_memory_fraction(min(1.0, cap_bytes / total))

@@ -1,5 +1,6 @@
 // TorchCudaAllocator: LibTorch's CUDAPluggableAllocator over tidepool's PyTorch pair, with
-// cacheInfo, recordStream, emptyCache and resetPeakStats connected to tidepool (see
+// cacheInfo, recordStream, emptyCache, resetPeakStats and the memory fraction connected
+// to tidepool (see
 // torch_cuda_allocator.h for why each one matters), and its one-time installation.
 //
 // Note [pluggable allocator in LibTorch]
@@ -26,10 +27,16 @@ namespace {
 
 using Pluggable = torch::cuda::CUDAPluggableAllocator::CUDAPluggableAllocator;
 
-// The PyTorch-facing pair: LibTorch does not check the pointer either, so an OOM must
-// arrive as an exception (Note [OOM into PyTorch] in allocator/c_api.h).
+// LibTorch does not check the pointer, so a failure must arrive as an exception (Note
+// [OOM into PyTorch] in allocator/c_api.h): running out of memory as c10's
+// OutOfMemoryError, what PyTorch's own allocator throws (Python: torch.OutOfMemoryError,
+// which training loops catch to retry with a smaller batch), anything else as c10::Error.
 void* torch_alloc(size_t bytes, int device, cudaStream_t stream) {
-  return tidepool_pytorch_malloc(static_cast<ssize_t>(bytes), device, stream);
+  void* p = tidepool_malloc(static_cast<ssize_t>(bytes), device, stream);
+  if (p != nullptr || bytes == 0) return p;
+  const std::string message = tidepool_last_error();
+  TORCH_CHECK_WITH(OutOfMemoryError, tidepool_last_error_is_out_of_memory() == 0, message);
+  TORCH_CHECK(false, message.empty() ? "tidepool: allocation failed" : message);
 }
 void torch_free(void* ptr, size_t bytes, int device, cudaStream_t stream) {
   tidepool_pytorch_free(ptr, bytes, device, stream);
@@ -48,11 +55,26 @@ void torch_empty_cache() {
               tidepool_last_error());
 }
 
+// torch.cuda.set_per_process_memory_fraction: the cap binds all of tidepool's memory on
+// the device (tidepool_set_memory_fraction).
+void torch_set_memory_fraction(double fraction, int device) {
+  TORCH_CHECK(tidepool_set_memory_fraction(fraction, device) == 0,
+              "tidepool: setMemoryFraction failed: ", tidepool_last_error());
+}
+
 class TorchCudaAllocator final : public Pluggable {
  public:
   TorchCudaAllocator() : Pluggable(torch_alloc, torch_free) {
     set_record_stream_fn(torch_record_stream);
     set_reset_fn(torch_empty_cache);
+    set_memory_fraction_fn(torch_set_memory_fraction);
+  }
+
+  double getMemoryFraction(c10::DeviceIndex device) override {
+    const double fraction = tidepool_get_memory_fraction(device);
+    TORCH_CHECK(fraction >= 0.0, "tidepool: getMemoryFraction of device ",
+                static_cast<int>(device), " failed: ", tidepool_last_error());
+    return fraction;
   }
 
   void cacheInfo(c10::DeviceIndex device, size_t* largest_block) override {

@@ -14,6 +14,13 @@
 //                   handed out again. -> tidepool_pytorch_record_stream.
 //   emptyCache      does nothing without a reset function. -> tidepool_empty_cache_all.
 //   resetPeakStats  raises. -> tidepool_reset_peak_stats.
+//   setMemoryFraction / getMemoryFraction
+//                   torch.cuda.set_per_process_memory_fraction is silently ignored without
+//                   a memory-fraction function, and its getter raises.
+//                   -> tidepool_set_memory_fraction / tidepool_get_memory_fraction: the
+//                   cap binds all of tidepool's device memory, optimizer state included.
+// And malloc: out of memory is c10's OutOfMemoryError (Python: torch.OutOfMemoryError), as
+// with PyTorch's own allocator, not the RuntimeError the plain pair can throw.
 // getDeviceStats and resetAccumulatedStats still raise here: a C++ trainer reads
 // tidepool_get_stats_v1 (allocator/c_api.h); the Python package answers torch.cuda's
 // memory statistics itself (python/src/tidepool/_torch_memory.py).

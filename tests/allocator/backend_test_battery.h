@@ -16,6 +16,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstddef>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
@@ -347,6 +348,40 @@ TEST_P(BackendBattery, MemsetFillsBytes) {
     const unsigned char want = (i >= 10 && i < 30) ? 0x01 : 0xab;
     ASSERT_EQ(seen[i], want) << "byte " << i;
   }
+}
+
+// --- device memory limit ---------------------------------------------------------------
+
+// set_device_limit (the memory fraction): device_alloc and device physical memory count
+// against it together and get out-of-memory beyond it; host physical memory does not;
+// what is given back counts again; lifting it restores the device's own limit.
+TEST_P(BackendBattery, DeviceLimitBindsDeviceAllocationsTogether) {
+  const std::size_t g = backend().granularity();
+  ASSERT_EQ(backend().device_limit(), SIZE_MAX);
+  const std::size_t before = backend().device_bytes_in_use();
+  backend().set_device_limit(before + 3 * g);
+  void* a = backend().device_alloc(2 * g);
+  ASSERT_NE(a, nullptr);
+  EXPECT_EQ(backend().device_bytes_in_use(), before + 2 * g);
+  EXPECT_EQ(backend().device_alloc(2 * g), nullptr) << "over the limit: out of memory";
+  PhysicalHandle dev = backend().create_physical(g, MemoryLocation::device);
+  ASSERT_TRUE(dev) << "exactly up to the limit";
+  EXPECT_FALSE(backend().create_physical(g, MemoryLocation::device));
+  PhysicalHandle host = backend().create_physical(g, MemoryLocation::host);
+  EXPECT_TRUE(host) << "host memory is not device memory";
+  EXPECT_EQ(backend().device_bytes_in_use(), before + 3 * g);
+  backend().release_physical(dev, g);
+  backend().release_physical(host, g);
+  EXPECT_EQ(backend().device_bytes_in_use(), before + 2 * g);
+  void* b = backend().device_alloc(g);
+  EXPECT_NE(b, nullptr) << "given back, counted again";
+  backend().device_free(a, 2 * g);
+  backend().device_free(b, g);
+  EXPECT_EQ(backend().device_bytes_in_use(), before);
+  backend().set_device_limit(SIZE_MAX);
+  void* c = backend().device_alloc(8 * g);
+  EXPECT_NE(c, nullptr);
+  backend().device_free(c, 8 * g);
 }
 
 // --- virtual address ranges -------------------------------------------------------------

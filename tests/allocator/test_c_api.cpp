@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <future>
@@ -193,6 +194,42 @@ TEST_F(CApi, CacheInfoReportsACachedBlockLargerThanTheFreeDeviceMemory) {
   EXPECT_EQ(largest, allocator.backend().mem_info().free_bytes) << "nothing cached any more";
 }
 
+TEST_F(CApi, MemoryFractionCapsTheDeviceAndRejectsBadFractions) {
+  // A device with 64 MiB: a fraction of 0.5 leaves 32 MiB to this process.
+  constexpr int kCapped = 13;  // no other test in this binary uses it
+  ASSERT_EQ(tidepool::existing_device_allocator(kCapped), nullptr);
+  ASSERT_EQ(setenv("TIDEPOOL_HOST_CAPACITY_MB", "64", 1), 0);
+  tidepool::CachingAllocator& allocator = tidepool::device_allocator(kCapped);
+  unsetenv("TIDEPOOL_HOST_CAPACITY_MB");
+  EXPECT_EQ(tidepool_get_memory_fraction(kCapped), 1.0);
+  ASSERT_EQ(tidepool_set_memory_fraction(0.5, kCapped), 0) << tidepool_last_error();
+  EXPECT_EQ(tidepool_get_memory_fraction(kCapped), 0.5);
+  EXPECT_EQ(allocator.backend().device_limit(), std::size_t{32} << 20);
+  std::size_t largest = 0;
+  ASSERT_EQ(tidepool_cache_info(kCapped, &largest), 0) << tidepool_last_error();
+  EXPECT_LE(largest, std::size_t{32} << 20) << "cuDNN is offered this process's share only";
+
+  constexpr std::size_t kOver = std::size_t{40} << 20;
+  EXPECT_EQ(tidepool_malloc(kOver, kCapped, nullptr), nullptr);
+  EXPECT_NE(std::string(tidepool_last_error()).find("memory fraction"), std::string::npos)
+      << tidepool_last_error();
+
+  ::testing::internal::CaptureStderr();
+  for (const double bad : {-0.1, 1.5, std::nan("")}) {
+    EXPECT_EQ(tidepool_set_memory_fraction(bad, kCapped), -1) << bad;
+    EXPECT_NE(std::string(tidepool_last_error()).find("outside [0, 1]"), std::string::npos);
+  }
+  EXPECT_EQ(tidepool_set_memory_fraction(0.5, -1), -1);
+  EXPECT_EQ(tidepool_get_memory_fraction(tidepool::kMaxDevices), -1.0);
+  ::testing::internal::GetCapturedStderr();
+  EXPECT_EQ(tidepool_get_memory_fraction(kCapped), 0.5) << "failed calls change nothing";
+
+  ASSERT_EQ(tidepool_set_memory_fraction(1.0, kCapped), 0) << tidepool_last_error();
+  void* p = tidepool_malloc(kOver, kCapped, nullptr);
+  EXPECT_NE(p, nullptr) << "1 lifts the limit: " << tidepool_last_error();
+  tidepool_free(p, kOver, kCapped, nullptr);
+}
+
 TEST_F(CApi, EmptyCacheAllEmptiesEveryDeviceAndCreatesNone) {
   constexpr std::size_t kBytes = 24 << 20;
   for (int device : {0, 4}) {
@@ -222,9 +259,20 @@ TEST_F(CApi, OutOfMemoryIsNullWithTheMessageInTheLastError) {
   EXPECT_NE(message.find("device 0 (host backend)"), std::string::npos) << message;
   EXPECT_EQ(err, "") << "OOM is reported through the return value, not on stderr";
   EXPECT_EQ(stats().oom_count, ooms + 1);
+  EXPECT_EQ(tidepool_last_error_is_out_of_memory(), 1);
   void* q = tidepool_malloc(100, 0, nullptr);  // the process and the allocator live on
   EXPECT_NE(q, nullptr);
   tidepool_free(q, 100, 0, nullptr);
+  // Any other error, and clearing, say "not out of memory".
+  ::testing::internal::CaptureStderr();
+  EXPECT_EQ(tidepool_malloc(static_cast<ssize_t>(std::size_t{1} << 60), 0, nullptr), nullptr);
+  ::testing::internal::GetCapturedStderr();
+  EXPECT_EQ(tidepool_last_error_is_out_of_memory(), 0) << "an absurd size is a bad request";
+  void* again = tidepool_malloc(static_cast<ssize_t>(std::size_t{1} << 40), 0, nullptr);
+  EXPECT_EQ(again, nullptr);
+  ASSERT_EQ(tidepool_last_error_is_out_of_memory(), 1);
+  tidepool_clear_error();
+  EXPECT_EQ(tidepool_last_error_is_out_of_memory(), 0);
 }
 
 // Note [OOM into PyTorch]: where tidepool_malloc returns NULL, the PyTorch entry point

@@ -4,6 +4,7 @@
 // the per-tag breakdown, and the allocator keeps working afterwards.
 #include <gtest/gtest.h>
 
+#include <cstdint>
 #include <vector>
 
 #include "allocator/caching_allocator.h"
@@ -133,6 +134,50 @@ TEST_P(Oom, ARequestLargerThanTheDeviceSaysSo) {
     EXPECT_NE(std::string(e.what()).find("larger than the whole device"), std::string::npos)
         << e.what();
   }
+}
+
+// A memory fraction (the backend's device limit) below the device's capacity is out of
+// memory like the device's own end: the reclaim hooks run and the retry succeeds; with
+// nothing to reclaim, the error names the limit.
+TEST_P(Oom, AMemoryFractionLimitRunsThePolicyAndTheErrorNamesIt) {
+  alloc_->backend().set_device_limit(32 * kMiB);
+  void* held = alloc_->allocate(24 * kMiB);
+  int hook_calls = 0;
+  {
+    HookGuard guard([&](int, std::size_t) {
+      ++hook_calls;
+      if (held == nullptr) return std::size_t{0};
+      alloc_->deallocate(held, 24 * kMiB);
+      held = nullptr;
+      return 24 * kMiB;
+    });
+    void* p = alloc_->allocate(16 * kMiB);  // 24 + 16 > 32: only once the hook gave 24 back
+    EXPECT_NE(p, nullptr);
+    EXPECT_EQ(hook_calls, 1);
+    EXPECT_LE(alloc_->backend().device_bytes_in_use(), 32 * kMiB);
+    alloc_->deallocate(p, 16 * kMiB);
+  }
+  held = alloc_->allocate(24 * kMiB);
+  try {
+    alloc_->allocate(16 * kMiB);
+    FAIL() << "expected OutOfMemoryError";
+  } catch (const OutOfMemoryError& e) {
+    EXPECT_NE(std::string(e.what()).find("this process may use 32.00 MiB (memory fraction"),
+              std::string::npos)
+        << e.what();
+  }
+  try {
+    alloc_->allocate(40 * kMiB);  // the device has 64 MiB
+    FAIL() << "expected OutOfMemoryError";
+  } catch (const OutOfMemoryError& e) {
+    EXPECT_NE(std::string(e.what()).find("larger than this process's share"), std::string::npos)
+        << e.what();
+  }
+  alloc_->deallocate(held, 24 * kMiB);
+  alloc_->backend().set_device_limit(SIZE_MAX);
+  void* all = alloc_->allocate(48 * kMiB);
+  EXPECT_NE(all, nullptr) << "the limit lifted";
+  alloc_->deallocate(all, 48 * kMiB);
 }
 
 TEST_P(Oom, AThrowingHookDoesNotBreakThePolicy) {

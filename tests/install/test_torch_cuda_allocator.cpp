@@ -8,6 +8,7 @@
 #if TIDEPOOL_HAVE_TORCH_CUDA
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/util/Exception.h>
+#include <torch/csrc/cuda/CUDAPluggableAllocator.h>
 
 #include <string>
 
@@ -70,6 +71,48 @@ TEST_F(TorchCudaAllocatorTest, ResetPeakStatsAndEmptyCacheReachTidepool) {
   EXPECT_EQ(stats().cached_bytes, 0u) << "c10's emptyCache gives tidepool's cache back";
 }
 
+TEST_F(TorchCudaAllocatorTest, TheMemoryFractionReachesTidepool) {
+  const auto allocator = make_torch_cuda_allocator();
+  allocator->setMemoryFraction(0.25, 0);
+  EXPECT_EQ(tidepool_get_memory_fraction(0), 0.25);
+  EXPECT_EQ(allocator->getMemoryFraction(0), 0.25);
+  ::testing::internal::CaptureStderr();
+  EXPECT_THROW(allocator->setMemoryFraction(2.0, 0), c10::Error);
+  ::testing::internal::GetCapturedStderr();
+  EXPECT_EQ(allocator->getMemoryFraction(0), 0.25) << "a refused fraction changes nothing";
+  allocator->setMemoryFraction(1.0, 0);
+  EXPECT_EQ(allocator->getMemoryFraction(0), 1.0);
+}
+
+// Through the allocator's own malloc (what LibTorch calls for every CUDA tensor; here over
+// the host backend, 8 GiB): running out is c10's OutOfMemoryError, as with PyTorch's own
+// allocator; a bad request is a plain c10::Error.
+TEST_F(TorchCudaAllocatorTest, OutOfMemoryIsC10sOutOfMemoryError) {
+  const auto allocator =
+      std::dynamic_pointer_cast<torch::cuda::CUDAPluggableAllocator::CUDAPluggableAllocator>(
+          make_torch_cuda_allocator());
+  ASSERT_NE(allocator, nullptr);
+  void* p = allocator->malloc(4096, 0, nullptr);
+  ASSERT_NE(p, nullptr);
+  allocator->raw_delete(p);
+  try {
+    allocator->malloc(std::size_t{64} << 30, 0, nullptr);
+    ADD_FAILURE() << "64 GiB on an 8 GiB device did not throw";
+  } catch (const c10::OutOfMemoryError& e) {
+    EXPECT_NE(std::string(e.what()).find("tidepool: out of memory"), std::string::npos) << e.what();
+  }
+  ::testing::internal::CaptureStderr();
+  try {
+    allocator->malloc(std::size_t{1} << 60, 0, nullptr);
+    ADD_FAILURE() << "an absurd size did not throw";
+  } catch (const c10::OutOfMemoryError& e) {
+    ADD_FAILURE() << "an absurd size is a bad request, not out of memory: " << e.what();
+  } catch (const c10::Error& e) {
+    EXPECT_EQ(tidepool_last_error_is_out_of_memory(), 0);
+  }
+  ::testing::internal::GetCapturedStderr();
+}
+
 TEST_F(TorchCudaAllocatorTest, InstalledItIsWhatC10Calls) {
   ASSERT_EQ(tidepool_torch_install_cuda_allocator(), 0) << tidepool_last_error();
   EXPECT_EQ(tidepool_torch_install_cuda_allocator(), 0) << "a second call changes nothing";
@@ -81,6 +124,9 @@ TEST_F(TorchCudaAllocatorTest, InstalledItIsWhatC10Calls) {
   EXPECT_EQ(stats().allocated.peak, stats().allocated.current);
   c10::cuda::CUDACachingAllocator::emptyCache();
   EXPECT_EQ(stats().cached_bytes, 0u);
+  c10::cuda::CUDACachingAllocator::setMemoryFraction(0.5, 0);  // set_per_process_memory_fraction
+  EXPECT_EQ(c10::cuda::CUDACachingAllocator::getMemoryFraction(0), 0.5);
+  c10::cuda::CUDACachingAllocator::setMemoryFraction(1.0, 0);
 }
 
 }  // namespace

@@ -211,7 +211,8 @@ def test_pool_mode_leaves_record_stream_to_pytorchs_allocator(fake_cuda):
 
 
 MEMORY_FUNCTIONS = ("memory_stats_as_nested_dict", "reset_peak_memory_stats",
-                    "reset_accumulated_memory_stats", "empty_cache")
+                    "reset_accumulated_memory_stats", "empty_cache",
+                    "set_per_process_memory_fraction", "get_per_process_memory_fraction")
 
 
 def test_global_mode_answers_torch_cuda_memory_functions_and_pool_mode_leaves_them(fake_cuda):
@@ -301,6 +302,27 @@ def test_reset_accumulated_memory_stats_counts_the_totals_from_the_call_on(fake_
         lib.tidepool_free(ctypes.c_void_p(held), size, 0, None)
         if fresh:
             lib.tidepool_free(ctypes.c_void_p(fresh), size, 0, None)
+
+
+def test_the_memory_fraction_caps_tidepool(fake_cuda, monkeypatch):
+    # torch's CUDAPluggableAllocator class ignores set_per_process_memory_fraction and
+    # raises for the getter; in global mode both reach tidepool (after PyTorch's checks).
+    install()
+    reached_c10 = []
+    monkeypatch.setattr(torch.cuda.memory, "_lazy_init", lambda: None)
+    monkeypatch.setattr(torch._C, "_cuda_setMemoryFraction",
+                        lambda fraction, device: reached_c10.append((fraction, device)))
+    try:
+        torch.cuda.set_per_process_memory_fraction(0.5, 0)
+        assert reached_c10 == [(0.5, 0)], "PyTorch's own path still runs"
+        assert _lib.load().tidepool_get_memory_fraction(0) == 0.5
+        assert torch.cuda.get_per_process_memory_fraction(0) == 0.5
+        with pytest.raises(ValueError, match="Allowed range"):
+            torch.cuda.set_per_process_memory_fraction(2.0, 0)
+        assert torch.cuda.get_per_process_memory_fraction(0) == 0.5
+    finally:
+        assert _lib.load().tidepool_set_memory_fraction(1.0, 0) == 0
+    assert torch.cuda.get_per_process_memory_fraction(0) == 1.0
 
 
 def test_before_cuda_is_initialised_the_stats_are_empty_as_in_pytorch(fake_cuda, monkeypatch):

@@ -17,7 +17,16 @@ torch.cuda.memory and in torch.cuda:
                                 "freed", num_ooms, num_device_alloc, ...) count from the
                                 call on; tidepool's own totals (tidepool.stats()) are kept
                                 since start, as the C ABI documents them;
-  empty_cache                   PyTorch's, then tidepool_empty_cache_all.
+  empty_cache                   PyTorch's, then tidepool_empty_cache_all;
+  set_per_process_memory_fraction
+                                PyTorch's (its checks, and the C++ hook where
+                                libtidepool_torch_cuda.so is c10's allocator), then
+                                tidepool_set_memory_fraction, which torch's
+                                CUDAPluggableAllocator class would not reach: the cap binds
+                                all of tidepool's memory on the device, optimizer state in
+                                pointer-stable ranges included;
+  get_per_process_memory_fraction
+                                tidepool_get_memory_fraction (torch's pluggable class raises).
 
 What the keys mean here: "all" is tidepool's caching allocator; tidepool keeps one pool
 per stream and does not split small from large blocks, so "large_pool" repeats "all"
@@ -119,6 +128,20 @@ def register(torch) -> _patches.Patches:
         _lib.check(fn(d), f"resetting the peak statistics of device {d}")
 
     original_empty_cache = memory.empty_cache
+    original_set_fraction = memory.set_per_process_memory_fraction
+
+    def set_per_process_memory_fraction(fraction, device=None):
+        original_set_fraction(fraction, device)  # validates, as PyTorch does
+        d = device_index(device, optional=True)
+        fn = _lib.function("tidepool_set_memory_fraction", "the memory fraction")
+        _lib.check(fn(fraction, d), f"setting the memory fraction of device {d}")
+
+    def get_per_process_memory_fraction(device=None):
+        d = device_index(device, optional=True)
+        fn = _lib.function("tidepool_get_memory_fraction", "the memory fraction")
+        fraction = fn(d)
+        _lib.check(-1 if fraction < 0 else 0, f"reading the memory fraction of device {d}")
+        return fraction
 
     def empty_cache():
         original_empty_cache()
@@ -127,7 +150,8 @@ def register(torch) -> _patches.Patches:
 
     patches = _patches.Patches()
     for fn in (memory_stats_as_nested_dict, reset_peak_memory_stats,
-               reset_accumulated_memory_stats, empty_cache):
+               reset_accumulated_memory_stats, empty_cache, set_per_process_memory_fraction,
+               get_per_process_memory_fraction):
         original = getattr(memory, fn.__name__)
         # torch.cuda re-exports them; a name there still bound to PyTorch's is replaced too.
         if getattr(torch.cuda, fn.__name__, None) is original:
