@@ -24,6 +24,16 @@ namespace {
 class CApi : public ::testing::Test {
  protected:
   static void SetUpTestSuite() { ASSERT_EQ(tidepool_set_backend("host"), 0); }
+  // The allocator of `device`, created now over a host backend of 64 MiB (the capacity is
+  // read when a device's allocator is made). Each caller uses a device no other test in
+  // this binary touches.
+  static tidepool::CachingAllocator& small_device(int device) {
+    EXPECT_EQ(tidepool::existing_device_allocator(device), nullptr) << "device " << device;
+    EXPECT_EQ(setenv("TIDEPOOL_HOST_CAPACITY_MB", "64", 1), 0);
+    tidepool::CachingAllocator& allocator = tidepool::device_allocator(device);
+    unsetenv("TIDEPOOL_HOST_CAPACITY_MB");
+    return allocator;
+  }
   static tidepool_stats_v1 stats(int device = 0) {
     tidepool_stats_v1 s{};
     s.struct_size = sizeof s;
@@ -175,11 +185,8 @@ TEST_F(CApi, CacheInfoIsTheLargerOfFreeDeviceMemoryAndTheLargestCachedBlock) {
 TEST_F(CApi, CacheInfoReportsACachedBlockLargerThanTheFreeDeviceMemory) {
   // A device whose host backend has 64 MiB: after a 48 MiB block is freed, it is cached,
   // and the device has at most 16 MiB free.
-  constexpr int kSmall = 12;  // no other test in this binary uses it
-  ASSERT_EQ(tidepool::existing_device_allocator(kSmall), nullptr);
-  ASSERT_EQ(setenv("TIDEPOOL_HOST_CAPACITY_MB", "64", 1), 0);
-  tidepool::CachingAllocator& allocator = tidepool::device_allocator(kSmall);
-  unsetenv("TIDEPOOL_HOST_CAPACITY_MB");
+  constexpr int kSmall = 12;
+  tidepool::CachingAllocator& allocator = small_device(kSmall);
   constexpr std::size_t kBlock = std::size_t{48} << 20;
   void* p = tidepool_malloc(kBlock, kSmall, nullptr);
   ASSERT_NE(p, nullptr) << tidepool_last_error();
@@ -196,11 +203,8 @@ TEST_F(CApi, CacheInfoReportsACachedBlockLargerThanTheFreeDeviceMemory) {
 
 TEST_F(CApi, MemoryFractionCapsTheDeviceAndRejectsBadFractions) {
   // A device with 64 MiB: a fraction of 0.5 leaves 32 MiB to this process.
-  constexpr int kCapped = 13;  // no other test in this binary uses it
-  ASSERT_EQ(tidepool::existing_device_allocator(kCapped), nullptr);
-  ASSERT_EQ(setenv("TIDEPOOL_HOST_CAPACITY_MB", "64", 1), 0);
-  tidepool::CachingAllocator& allocator = tidepool::device_allocator(kCapped);
-  unsetenv("TIDEPOOL_HOST_CAPACITY_MB");
+  constexpr int kCapped = 13;
+  tidepool::CachingAllocator& allocator = small_device(kCapped);
   EXPECT_EQ(tidepool_get_memory_fraction(kCapped), 1.0);
   ASSERT_EQ(tidepool_set_memory_fraction(0.5, kCapped), 0) << tidepool_last_error();
   EXPECT_EQ(tidepool_get_memory_fraction(kCapped), 0.5);
