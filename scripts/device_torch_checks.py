@@ -17,7 +17,9 @@ before CUDA initialises:
      instead of raising, and empty_cache gives cached memory back;
   6. memory_fraction: global mode; torch.cuda.set_per_process_memory_fraction(0.1) caps
      tidepool: a request past a tenth of the device is an OutOfMemoryError naming it;
-  7. cudnn_benchmark: global mode with torch.backends.cudnn.benchmark = True (PyTorch's
+  7. cuda_graph: global mode; torch.cuda.graph capture is refused with an error naming
+     tidepool.mode:pool (global mode has no memory pools for a captured graph);
+  8. cudnn_benchmark: global mode with torch.backends.cudnn.benchmark = True (PyTorch's
      cuDNN autotuner asks the allocator for cacheInfo, which pluggable allocators lack,
      pytorch#98481): a conv net trains, or the check shows the error.
 Prints one line per check: name, PASS/FAIL, what was seen.
@@ -174,6 +176,19 @@ CHECKS = {
                   "GET", torch.cuda.get_per_process_memory_fraction())
         """
     ),
+    "cuda_graph": textwrap.dedent(
+        """
+        use_tidepool_globally()
+        x = torch.ones(1 << 20, device="cuda")
+        g = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(g):
+                y = x * 2
+            print("CAPTURED")
+        except Exception as e:
+            print("EXC", type(e).__name__, "POOL_MODE_NAMED", "tidepool.mode:pool" in str(e))
+        """
+    ),
     "cudnn_benchmark": textwrap.dedent(
         """
         print("VIA", use_tidepool_globally(pluggable_class=os.environ.get("CHECK_PLUGGABLE") == "1"))
@@ -238,6 +253,12 @@ def main():
     fraction_ok = f_rc == 0 and f_out.startswith("EXC OutOfMemoryError FRACTION_NAMED True GET 0.1")
     ok &= fraction_ok
     print(f"fraction {'PASS' if fraction_ok else 'FAIL'}  {f_out[:300]} {f_err if f_rc or not f_out else ''}")
+    g_rc, g_out, g_err = results["cuda_graph"]
+    # Refused clearly (no memory pools in global mode), never captured over reusable memory.
+    graph_ok = g_rc == 0 and (g_out.startswith("EXC") and "POOL_MODE_NAMED True" in g_out
+                              if TORCH_CUDA else bool(g_out))
+    ok &= graph_ok
+    print(f"graph    {'PASS' if graph_ok else 'FAIL'}  {g_out[:300]} {g_err if g_rc or not g_out else ''}")
     c_rc, c_out, c_err = results["cudnn_benchmark"]
     cudnn_ok = c_rc == 0 and "TRAINED" in c_out
     ok &= cudnn_ok

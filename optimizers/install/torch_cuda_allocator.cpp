@@ -62,12 +62,34 @@ void torch_set_memory_fraction(double fraction, int device) {
               "tidepool: setMemoryFraction failed: ", tidepool_last_error());
 }
 
+// Memory pools: torch.cuda.MemPool, and the private pool a CUDA graph capture allocates
+// from (torch.cuda.graph, torch.compile(mode="reduce-overhead")). tidepool's global mode
+// has no pools: the plain pluggable class ignores beginAllocateToPool, so memory a
+// captured graph still uses would be handed out again after capture and the next replay
+// would overwrite it. Refusing, with the way out, is the honest answer.
+[[noreturn]] void refuse_pools(c10::DeviceIndex device) {
+  TORCH_CHECK(false, "tidepool: memory pools (torch.cuda.MemPool, and the private pool of a "
+              "CUDA graph capture: torch.cuda.graph, torch.compile(mode=\"reduce-overhead\")) "
+              "are not supported in tidepool's global mode (device ", static_cast<int>(device),
+              "): their memory would be reused outside the pool. Use tidepool.mode:pool, which "
+              "keeps PyTorch's allocator for them");
+}
+
 class TorchCudaAllocator final : public Pluggable {
  public:
   TorchCudaAllocator() : Pluggable(torch_alloc, torch_free) {
     set_record_stream_fn(torch_record_stream);
     set_reset_fn(torch_empty_cache);
     set_memory_fraction_fn(torch_set_memory_fraction);
+  }
+
+  void createOrIncrefPool(c10::DeviceIndex device, c10::cuda::MempoolId_t /*mempool_id*/,
+                          std::shared_ptr<CUDAAllocator> /*allocator*/) override {
+    refuse_pools(device);
+  }
+  void beginAllocateToPool(c10::DeviceIndex device, c10::cuda::MempoolId_t /*mempool_id*/,
+                           std::function<bool(cudaStream_t)> /*filter*/) override {
+    refuse_pools(device);
   }
 
   double getMemoryFraction(c10::DeviceIndex device) override {

@@ -19,6 +19,11 @@
 //                   a memory-fraction function, and its getter raises.
 //                   -> tidepool_set_memory_fraction / tidepool_get_memory_fraction: the
 //                   cap binds all of tidepool's device memory, optimizer state included.
+//   createOrIncrefPool / beginAllocateToPool
+//                   memory pools (torch.cuda.MemPool, CUDA graph capture's private pool)
+//                   are ignored or refused with a generic message; tidepool has no pools,
+//                   and memory a captured graph uses would be reused after capture.
+//                   -> a clear error naming tidepool.mode:pool, which supports them.
 // And malloc: out of memory is c10's OutOfMemoryError (Python: torch.OutOfMemoryError), as
 // with PyTorch's own allocator, not the RuntimeError the plain pair can throw.
 // getDeviceStats and resetAccumulatedStats still raise here: a C++ trainer reads

@@ -113,6 +113,23 @@ TEST_F(TorchCudaAllocatorTest, OutOfMemoryIsC10sOutOfMemoryError) {
   ::testing::internal::GetCapturedStderr();
 }
 
+// CUDA graph capture and torch.cuda.MemPool need memory pools, which global mode lacks:
+// a clear error that names the way out, not memory reused under a captured graph.
+TEST_F(TorchCudaAllocatorTest, MemoryPoolsAreRefusedNamingPoolMode) {
+  const auto allocator = make_torch_cuda_allocator();
+  const auto refused = [](const auto& call) {
+    try {
+      call();
+      ADD_FAILURE() << "a memory pool was not refused";
+    } catch (const c10::Error& e) {
+      EXPECT_NE(std::string(e.what()).find("tidepool.mode:pool"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("CUDA graph"), std::string::npos) << e.what();
+    }
+  };
+  refused([&] { allocator->createOrIncrefPool(0, {1, 0}, nullptr); });
+  refused([&] { allocator->beginAllocateToPool(0, {1, 0}, [](cudaStream_t) { return true; }); });
+}
+
 TEST_F(TorchCudaAllocatorTest, InstalledItIsWhatC10Calls) {
   ASSERT_EQ(tidepool_torch_install_cuda_allocator(), 0) << tidepool_last_error();
   EXPECT_EQ(tidepool_torch_install_cuda_allocator(), 0) << "a second call changes nothing";
