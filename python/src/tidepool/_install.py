@@ -134,8 +134,9 @@ def _install_global(torch, config: dict, path: str, malloc_name: str, free_name:
                 "which cannot answer cuDNN's autotuner: torch.backends.cudnn.benchmark = True "
                 "fails in convolutions, record_stream calls from PyTorch's C++ are not seen, "
                 "and CUDA graph capture is not refused although global mode has no memory "
-                "pools for it. Install the package with `pip install --no-build-isolation ./python` "
-                "against this torch to build libtidepool_torch_cuda.so.",
+                "pools for it. Install the package with "
+                "`pip install --no-build-isolation ./python` against this torch to build "
+                "libtidepool_torch_cuda.so.",
                 TidepoolFallbackWarning, stacklevel=4)
     from . import _torch_memory
 

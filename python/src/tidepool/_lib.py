@@ -46,38 +46,38 @@ _CUDART_SONAME = "libcudart.so.13"
 PYTORCH_ENTRY_POINTS = ("tidepool_pytorch_malloc", "tidepool_pytorch_free")
 
 
-def library_path() -> str:
-    """Absolute path of the libtidepool.so this process uses (or would use)."""
-    override = os.environ.get("TIDEPOOL_LIBRARY")
+def _find_library(variable: str, name: str) -> str | None:
+    """$variable when set (it must name a file), else the copy of `name` installed with
+    this package (tidepool/lib/name*, the shortest name: the unversioned one), else None."""
+    override = os.environ.get(variable)
     if override:
         if not os.path.isfile(override):
-            raise LibraryError(f"TIDEPOOL_LIBRARY={override!r} is not a file")
+            raise LibraryError(f"{variable}={override!r} is not a file")
         return os.path.abspath(override)
-    candidates = sorted(glob.glob(os.path.join(_PACKAGE_DIR, "lib", "libtidepool.so*")), key=len)
-    if not candidates:
+    candidates = sorted(glob.glob(os.path.join(_PACKAGE_DIR, "lib", name + "*")), key=len)
+    return candidates[0] if candidates else None
+
+
+def library_path() -> str:
+    """Absolute path of the libtidepool.so this process uses (or would use)."""
+    path = _find_library("TIDEPOOL_LIBRARY", "libtidepool.so")
+    if path is None:
         raise LibraryError(
             f"libtidepool.so is not installed in {os.path.join(_PACKAGE_DIR, 'lib')}; "
             "install the package with `pip install --no-build-isolation ./python` or set "
             "TIDEPOOL_LIBRARY to a built libtidepool.so")
-    return candidates[0]
+    return path
 
 
 def torch_cuda_library_path() -> str | None:
     """libtidepool_torch_cuda.so (optimizers/install/torch_cuda_allocator.h): tidepool as
     c10's CUDA allocator with cacheInfo and record_stream connected, built against the
     torch the package was built with. $TIDEPOOL_TORCH_CUDA_LIBRARY (tests and development
-    builds; empty means none), else the copy installed with the package, else None (a
-    build without torch at build time, see python/CMakeLists.txt)."""
-    override = os.environ.get("TIDEPOOL_TORCH_CUDA_LIBRARY")
-    if override is not None:
-        if not override:
-            return None
-        if not os.path.isfile(override):
-            raise LibraryError(f"TIDEPOOL_TORCH_CUDA_LIBRARY={override!r} is not a file")
-        return os.path.abspath(override)
-    candidates = sorted(glob.glob(os.path.join(_PACKAGE_DIR, "lib", "libtidepool_torch_cuda.so*")),
-                        key=len)
-    return candidates[0] if candidates else None
+    builds; set but empty means none), else the copy installed with the package, else None
+    (a build without torch at build time, see python/CMakeLists.txt)."""
+    if os.environ.get("TIDEPOOL_TORCH_CUDA_LIBRARY") == "":
+        return None
+    return _find_library("TIDEPOOL_TORCH_CUDA_LIBRARY", "libtidepool_torch_cuda.so")
 
 
 def load_torch_cuda() -> tuple[ctypes.CDLL | None, str]:
