@@ -4,8 +4,12 @@
 // count, so tag_name() reads without a lock; creation takes a mutex.
 #include "allocator/tags.h"
 
+#include <pthread.h>
+
 #include <array>
 #include <atomic>
+#include <cstring>
+#include <memory>
 #include <mutex>
 #include <stdexcept>
 #include <string>
@@ -39,7 +43,9 @@ TagRegistry& registry() {
 // it must stay small; the stack keeps its first kInlineDepth entries here and the rest,
 // only while the nesting is that deep, on the heap. Constant-initialised and trivially
 // destructible: reading it costs no TLS wrapper, and it is valid in any thread_local
-// destructor. current_tag() (every allocation) reads `top` alone.
+// destructor. current_tag() (every allocation) reads `top` alone. A thread that ends with
+// its stack still deeper than that has the heap part freed by a pthread key's destructor
+// (deeper_key), which costs no static TLS and nothing on the shallow path.
 struct TagStack {
   static constexpr int kInlineDepth = 16;
   int depth = 0;
@@ -51,6 +57,37 @@ struct TagStack {
 };
 static_assert(TagStack::kInlineDepth < kMaxTagDepth);
 constinit thread_local TagStack t_stack [[gnu::tls_model("initial-exec")]]{};
+
+// Threads whose stack has a heap part now (tag_stacks_on_heap).
+std::atomic<int> g_stacks_on_heap{0};
+
+// Runs at the exit of a thread whose stack still has a heap part (glibc runs key
+// destructors after thread_local destructors, so nothing pushes a tag afterwards): frees
+// it and leaves the stack at its inline depth.
+void free_deeper_at_thread_exit(void* deeper) {
+  TagStack& s = t_stack;
+  if (s.deeper == deeper) {
+    s.deeper = nullptr;
+    s.depth = TagStack::kInlineDepth;
+    s.top = s.inline_tags[TagStack::kInlineDepth - 1];
+  }
+  delete[] static_cast<int*>(deeper);
+  g_stacks_on_heap.fetch_sub(1, std::memory_order_relaxed);
+}
+
+// The key whose per-thread value is the thread's heap part, created on the first push
+// that needs one. Throws std::runtime_error when the process has no key left.
+pthread_key_t deeper_key() {
+  static const pthread_key_t key = [] {
+    pthread_key_t k;
+    if (const int err = pthread_key_create(&k, free_deeper_at_thread_exit); err != 0)
+      throw std::runtime_error("tidepool: tag stack deeper than " +
+                               std::to_string(TagStack::kInlineDepth) +
+                               ": pthread_key_create failed (" + std::strerror(err) + ")");
+    return k;
+  }();
+  return key;
+}
 
 }  // namespace
 
@@ -90,8 +127,16 @@ void push_tag(int tag) {
   if (s.depth < TagStack::kInlineDepth) {
     s.inline_tags[s.depth] = tag;
   } else {
-    // Allocated before anything changes: a bad_alloc leaves the stack as it was.
-    if (s.deeper == nullptr) s.deeper = new int[kMaxTagDepth - TagStack::kInlineDepth];
+    if (s.deeper == nullptr) {
+      // Set up before anything changes: a failure leaves the stack as it was.
+      const pthread_key_t key = deeper_key();
+      std::unique_ptr<int[]> deeper(new int[kMaxTagDepth - TagStack::kInlineDepth]);
+      if (const int err = pthread_setspecific(key, deeper.get()); err != 0)
+        throw std::runtime_error(std::string("tidepool: tag push: pthread_setspecific failed (") +
+                                 std::strerror(err) + ")");
+      s.deeper = deeper.release();
+      g_stacks_on_heap.fetch_add(1, std::memory_order_relaxed);
+    }
     s.deeper[s.depth - TagStack::kInlineDepth] = tag;
   }
   ++s.depth;
@@ -103,14 +148,18 @@ void pop_tag() {
   if (s.depth == 0) throw std::logic_error("tidepool: tag pop with an empty tag stack");
   --s.depth;
   s.top = s.depth == 0 ? kTagUntagged : s.at(s.depth - 1);
-  // Freed as soon as the nesting is shallow again, so a thread that exits with its scopes
-  // closed leaves nothing behind (the stack has no destructor, see above).
-  if (s.depth == TagStack::kInlineDepth) {
+  // Freed as soon as the nesting is shallow again (and forgotten by the key, whose
+  // destructor then has nothing to do at thread exit).
+  if (s.depth == TagStack::kInlineDepth && s.deeper != nullptr) {
+    pthread_setspecific(deeper_key(), nullptr);  // cannot fail: the key exists, the value is null
     delete[] s.deeper;
     s.deeper = nullptr;
+    g_stacks_on_heap.fetch_sub(1, std::memory_order_relaxed);
   }
 }
 
 int current_tag() noexcept { return t_stack.top; }
+
+int tag_stacks_on_heap() noexcept { return g_stacks_on_heap.load(std::memory_order_relaxed); }
 
 }  // namespace tidepool

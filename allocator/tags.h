@@ -39,6 +39,10 @@ TIDEPOOL_API void push_tag(int tag);
 TIDEPOOL_API void pop_tag();
 // Innermost tag of this thread, kTagUntagged when the stack is empty.
 TIDEPOOL_API int current_tag() noexcept;
+// Threads whose stack is now deeper than the part kept in place (16 levels), so that it
+// holds heap memory; a thread that ends with its scopes still open gives it back then.
+// For tests.
+TIDEPOOL_API int tag_stacks_on_heap() noexcept;
 
 // RAII scope: allocations made by this thread inside the scope carry `tag`.
 class TIDEPOOL_API TagScope {

@@ -1,8 +1,10 @@
 // Tags: names and ids, the thread-local stack, RAII scoping, limits.
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "allocator/tags.h"
 
@@ -82,6 +84,34 @@ TEST(Tags, EveryLevelOfADeepStackComesBackInOrder) {
     EXPECT_EQ(current_tag(), kTagUntagged);
   }
   EXPECT_THROW(pop_tag(), std::logic_error);
+}
+
+// A thread that ends with more than the stack's inline part open (a scope leaked on an
+// error path, a C caller's missing pops) gives the heap part back at its exit; one that
+// closes its scopes gives it back on the way down.
+TEST(Tags, AThreadEndingWithADeepStackOpenLeavesNothingBehind) {
+  ASSERT_EQ(tag_stacks_on_heap(), 0);
+  std::atomic<int> deep{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 4; ++t)
+    threads.emplace_back([&, t] {
+      for (int level = 0; level < 20 + t; ++level) push_tag(kTagActivation);
+      deep.fetch_add(tag_stacks_on_heap() > 0 ? 1 : 0);
+    });
+  for (auto& th : threads) th.join();
+  EXPECT_EQ(deep.load(), 4) << "each thread's stack went past its inline part";
+  EXPECT_EQ(tag_stacks_on_heap(), 0) << "every heap part was freed at thread exit";
+
+  std::thread([] {
+    for (int level = 0; level < 40; ++level) push_tag(kTagGradient);
+    EXPECT_EQ(tag_stacks_on_heap(), 1);
+    for (int level = 0; level < 40; ++level) pop_tag();
+    EXPECT_EQ(tag_stacks_on_heap(), 0) << "freed once the nesting is shallow again";
+    for (int level = 0; level < 17; ++level) push_tag(kTagGradient);
+    EXPECT_EQ(current_tag(), kTagGradient);
+  }).join();
+  EXPECT_EQ(tag_stacks_on_heap(), 0);
+  EXPECT_EQ(current_tag(), kTagUntagged) << "other threads' stacks are not this one's";
 }
 
 TEST(Tags, TheTableFillsUpWithAClearError) {
