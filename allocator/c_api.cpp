@@ -43,11 +43,10 @@ void set_error(const char* what, bool print) {
 }
 
 // This ABI's errors: the message alone, misuse printed too (see the top of the file).
-constexpr tidepool::detail::CErrorStyle kAllocatorErrors{nullptr, true};
-
 template <class R, class Fn>
 R guarded(R failed, Fn&& fn) {
-  return tidepool::detail::guarded(kAllocatorErrors, failed, std::forward<Fn>(fn));
+  return tidepool::detail::guarded(tidepool::detail::kAllocatorErrorStyle, failed,
+                                   std::forward<Fn>(fn));
 }
 
 // What tidepool_set_memory_fraction last set per device (the limit itself is the
@@ -295,39 +294,23 @@ int tidepool_tag_pop(void) {
 
 int tidepool_tag_current(void) { return tidepool::current_tag(); }
 
-namespace {
-
-tidepool_stat_v1 to_c(const tidepool::Stat& s) { return {s.current, s.peak, s.allocated, s.freed}; }
-
-}  // namespace
-
 int tidepool_get_stats_v1(int device, tidepool_stats_v1* out) {
-  if (out == nullptr) {
-    set_error("tidepool: tidepool_get_stats_v1 given a NULL struct", true);
-    return -1;
-  }
-  constexpr std::uint32_t header = offsetof(tidepool_stats_v1, device);
-  if (out->struct_size < header) {
-    set_error(("tidepool: tidepool_stats_v1.struct_size is " + std::to_string(out->struct_size) +
-               "; set it to sizeof(tidepool_stats_v1) = " + std::to_string(sizeof(tidepool_stats_v1)))
-                  .c_str(),
-              true);
-    return -1;
-  }
   return guarded(-1, [&] {
+    tidepool::detail::check_versioned_struct(out, offsetof(tidepool_stats_v1, device),
+                                             "tidepool_stats_v1");
     tidepool::CachingAllocator& a = tidepool::device_allocator(device);
     const tidepool::AllocatorStats s = a.stats();
     tidepool_stats_v1 full{};
     full.version = 1;
     full.device = device;
     full.backend = a.backend().kind() == tidepool::BackendKind::cuda ? 1 : 0;
-    full.allocated = to_c(s.allocated);
-    full.reserved = to_c(s.reserved);
+    full.allocated = tidepool::detail::to_c_stat(s.allocated);
+    full.reserved = tidepool::detail::to_c_stat(s.reserved);
     full.cached_bytes = s.cached_bytes;
-    full.segments_acquired = s.segments_acquired;
-    full.segments_released = s.segments_released;
-    full.alloc_count = s.alloc_count;
-    full.free_count = s.free_count;
+    full.segments_acquired = s.segments.allocated;
+    full.segments_released = s.segments.freed;
+    full.alloc_count = s.allocations.allocated;
+    full.free_count = s.allocations.freed;
     full.cache_hits = s.cache_hits;
     full.cache_misses = s.cache_misses;
     full.oom_count = s.oom_count;
@@ -335,17 +318,15 @@ int tidepool_get_stats_v1(int device, tidepool_stats_v1* out) {
     full.reclaimed_bytes = s.reclaimed_bytes;
     full.fragmentation = s.fragmentation;
     for (int t = 0; t < TIDEPOOL_TAG_MAX; ++t) {
-      full.tags[t].bytes = to_c(s.tags[t].bytes);
+      full.tags[t].bytes = tidepool::detail::to_c_stat(s.tags[t].bytes);
       full.tags[t].count = s.tags[t].count;
       full.tags[t].total_count = s.tags[t].total_count;
     }
-    full.requested = to_c(s.requested);
+    full.requested = tidepool::detail::to_c_stat(s.requested);
     full.cross_stream_reuses = s.cross_stream_reuses;
-    // A caller built against an older, shorter struct gets the prefix it knows.
-    const std::uint32_t n =
-        std::min<std::uint32_t>(out->struct_size, static_cast<std::uint32_t>(sizeof full));
-    full.struct_size = n;
-    std::memcpy(out, &full, n);
+    full.allocations = tidepool::detail::to_c_stat(s.allocations);
+    full.segments = tidepool::detail::to_c_stat(s.segments);
+    tidepool::detail::copy_versioned_struct(out, full);
     return 0;
   });
 }

@@ -156,11 +156,67 @@ typedef struct tidepool_stats_v1 {
   /* Appended fields (a caller with an older, shorter struct_size gets the prefix). */
   tidepool_stat_v1 requested;   /* bytes live callers asked for (allocated is rounded) */
   uint64_t cross_stream_reuses; /* free blocks handed from one stream to another */
+  /* Counts with their peaks: live allocations (allocated = alloc_count, freed =
+   * free_count) and live backend allocations (allocated = segments_acquired, freed =
+   * segments_released). */
+  tidepool_stat_v1 allocations;
+  tidepool_stat_v1 segments;
 } tidepool_stats_v1;
 
-/* Fills `out` (out->struct_size must be set). 0 on success, -1 on error. */
+/* Fills `out` (out->struct_size must be set; Note [Versioned structs]: a caller built
+ * against an older, shorter struct gets the prefix it knows). 0 on success, -1 on error. */
 TIDEPOOL_API int tidepool_get_stats_v1(int device, tidepool_stats_v1* out);
+/* Every peak (bytes and counts, per tag too) becomes the current value. */
 TIDEPOOL_API int tidepool_reset_peak_stats(int device);
+
+/* ---- PyTorch's view of the stats ------------------------------------------------- */
+/* Note [PyTorch's view of the stats]: torch.cuda.memory_stats() and LibTorch's
+ * c10::cuda::CUDACachingAllocator::getDeviceStats read c10's DeviceStats. This struct is
+ * that struct, field for field, filled from tidepool's stats of the device; the c10
+ * allocator of libtidepool_torch_cuda.so and the Python package copy it without
+ * interpreting it, so both show the same figures. What they mean here:
+ *   - index TIDEPOOL_POOL_ALL is the whole caching allocator. tidepool keeps one pool per
+ *     stream, not c10's split of blocks up to 1 MiB from larger ones, so LARGE repeats ALL
+ *     and SMALL is zero.
+ *   - active = allocated (tidepool holds blocks freed while other streams still use them
+ *     back without counting them); inactive_split is zero (free blocks coalesce and go
+ *     back with their range); oversize_*, num_sync_all_streams are zero; max_split_size is
+ *     -1, PyTorch's "no limit".
+ *   - num_alloc_retries counts reclaim-hook calls (tidepool's retry after freeing cache
+ *     is inside the same request), num_device_alloc/free the backend allocations.
+ *   - Optimizer state in pointer-stable ranges (tier route) is not included: it moves
+ *     between device and host memory; tidepool_get_tiering_stats_v1 reports it.
+ * The running totals (the `allocated` and `freed` of every stat, and the num_* counts)
+ * count from the last tidepool_pytorch_reset_accumulated_stats of the device, as c10's
+ * resetAccumulatedStats makes them; currents and peaks are tidepool's. tidepool's own
+ * stats (tidepool_get_stats_v1) keep counting since start. */
+enum { TIDEPOOL_POOL_ALL = 0, TIDEPOOL_POOL_SMALL = 1, TIDEPOOL_POOL_LARGE = 2 };
+typedef struct tidepool_pytorch_stats_v1 {
+  uint32_t struct_size; /* set by the caller to sizeof(tidepool_pytorch_stats_v1) */
+  uint32_t version;     /* set by tidepool: 1 */
+  tidepool_stat_v1 allocation[3];     /* counts */
+  tidepool_stat_v1 segment[3];
+  tidepool_stat_v1 active[3];
+  tidepool_stat_v1 inactive_split[3];
+  tidepool_stat_v1 allocated_bytes[3]; /* bytes */
+  tidepool_stat_v1 reserved_bytes[3];
+  tidepool_stat_v1 active_bytes[3];
+  tidepool_stat_v1 inactive_split_bytes[3];
+  tidepool_stat_v1 requested_bytes[3];
+  uint64_t num_alloc_retries;
+  uint64_t num_ooms;
+  tidepool_stat_v1 oversize_allocations;
+  tidepool_stat_v1 oversize_segments;
+  uint64_t num_sync_all_streams;
+  uint64_t num_device_alloc;
+  uint64_t num_device_free;
+  int64_t max_split_size;
+} tidepool_pytorch_stats_v1;
+/* Fills `out` (Note [Versioned structs]). 0, or -1 on error (tidepool_last_error). */
+TIDEPOOL_API int tidepool_get_pytorch_stats_v1(int device, tidepool_pytorch_stats_v1* out);
+/* c10's resetAccumulatedStats: the running totals of the PyTorch view count from now on.
+ * 0, or -1 for a bad device. */
+TIDEPOOL_API int tidepool_pytorch_reset_accumulated_stats(int device);
 
 /* JSON snapshot of segments, blocks and stats. Returns a malloc'd string the caller
  * frees with tidepool_string_free, or NULL on error. */

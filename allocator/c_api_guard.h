@@ -1,11 +1,19 @@
-// What libtidepool's two C ABIs (allocator/c_api.cpp, tiering/c_api_tiering.cpp) share
-// at their boundary: turning an exception into a failure value plus a message in the
-// calling thread's tidepool_last_error() slot, and handing a string to a C caller.
-// Internal (not installed); both users are compiled into libtidepool.so, where the two
+// What libtidepool's C ABIs (allocator/c_api.cpp, allocator/pytorch_stats.cpp,
+// tiering/c_api_tiering.cpp) share at their boundary: turning an exception into a failure
+// value plus a message in the calling thread's tidepool_last_error() slot, handing a string
+// to a C caller, and filling a caller's versioned stats struct.
+// Internal (not installed); every user is compiled into libtidepool.so, where the two
 // functions below are defined (allocator/c_api.cpp, next to set_last_error).
 #pragma once
 
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <stdexcept>
 #include <string>
+
+#include "allocator/c_api.h"
+#include "allocator/stats.h"
 
 namespace tidepool::detail {
 
@@ -35,6 +43,33 @@ R guarded(const CErrorStyle& style, R failed, Fn&& fn) noexcept {
   }
   return failed;
 }
+
+// The allocator ABI's way: plain messages, misuse printed on stderr too.
+inline constexpr CErrorStyle kAllocatorErrorStyle{nullptr, true};
+
+// Note [Versioned structs]: a C stats struct (tidepool_stats_v1, ...) starts with
+// `uint32_t struct_size`, which the caller sets to the size it was built with. Fields are
+// only ever appended, so tidepool fills the prefix that size covers, and a caller built
+// against an older, shorter version keeps working. Throws std::invalid_argument naming
+// `type` when `out` is NULL or its struct_size is below `min_size` (the first version's).
+template <class T>
+void check_versioned_struct(const T* out, std::uint32_t min_size, const char* type) {
+  if (out == nullptr) throw std::invalid_argument(std::string(type) + " pointer is NULL");
+  if (out->struct_size < min_size)
+    throw std::invalid_argument(std::string(type) + ".struct_size is less than " +
+                                std::to_string(min_size) + " (it is " +
+                                std::to_string(out->struct_size) + "); set it to sizeof(" + type +
+                                ") = " + std::to_string(sizeof(T)));
+}
+// Copies the prefix of `full` that out->struct_size covers into `out` (checked first).
+template <class T>
+void copy_versioned_struct(T* out, T full) {
+  const auto n = std::min<std::uint32_t>(out->struct_size, static_cast<std::uint32_t>(sizeof(T)));
+  full.struct_size = n;
+  std::memcpy(out, &full, n);
+}
+
+inline tidepool_stat_v1 to_c_stat(const Stat& s) { return {s.current, s.peak, s.allocated, s.freed}; }
 
 // A malloc'd, NUL-terminated copy of s, which the C caller frees with
 // tidepool_string_free (free). Throws std::bad_alloc when malloc fails.

@@ -421,7 +421,7 @@ void* CachingAllocator::Impl::finish_allocation(Block* b, std::size_t bytes, int
   b->tag = static_cast<std::uint8_t>(tag);
   stats.allocated.add(b->size);
   stats.requested.add(bytes);
-  ++stats.alloc_count;
+  stats.allocations.add(1);
   TagStats& t = stats.tags[tag];
   t.bytes.add(b->size);
   ++t.count;
@@ -469,10 +469,10 @@ void* CachingAllocator::allocate(std::size_t bytes, Stream stream) {
         return m.finish_shared_allocation(b, bytes, tag, tc);
       }
     }
-    const std::uint64_t acquired_before = m.stats.segments_acquired;
+    const std::uint64_t acquired_before = m.stats.segments.allocated;
     if (Block* b = m.try_allocate_releasing(sp, size, small)) {
-      ++(m.stats.segments_acquired == acquired_before ? m.stats.cache_hits
-                                                      : m.stats.cache_misses);
+      ++(m.stats.segments.allocated == acquired_before ? m.stats.cache_hits
+                                                       : m.stats.cache_misses);
       return m.finish_shared_allocation(b, bytes, tag, tc);
     }
   }
@@ -586,7 +586,7 @@ void CachingAllocator::deallocate(void* ptr, std::size_t bytes, Stream stream) {
   if (b->owner == m.released.get()) b->owner = &m.pools_for(stream);
   m.stats.allocated.sub(b->size);
   m.stats.requested.sub(b->requested);
-  ++m.stats.free_count;
+  m.stats.allocations.sub(1);
   TagStats& t = m.stats.tags[b->tag];
   t.bytes.sub(b->size);
   --t.count;
@@ -688,6 +688,8 @@ void CachingAllocator::reset_peak_stats() {
   s.allocated.reset_peak();
   s.requested.reset_peak();
   s.reserved.reset_peak();
+  s.allocations.reset_peak();
+  s.segments.reset_peak();
   for (TagStats& t : s.tags) t.bytes.reset_peak();
 }
 

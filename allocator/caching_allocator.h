@@ -95,7 +95,7 @@ struct AllocatorOptions {
 };
 
 // Counters of the VA mapping calls the allocator made (expandable segments), kept apart
-// from the backend allocations in AllocatorStats::segments_acquired/released: a map or an
+// from the backend allocations in AllocatorStats::segments: a map or an
 // unmap moves existing physical memory and costs far less than cuMemCreate/cuMemRelease.
 struct MappingStats {
   // Calls that succeeded. Each map backs a new or a moved run (or puts a run back where

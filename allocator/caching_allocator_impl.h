@@ -57,10 +57,10 @@ struct __attribute__((visibility("hidden"))) CachingAllocator::Impl {
   std::vector<Block*> spare_blocks;    // recycled Block objects
   std::vector<Event> spare_events;
   AllocatorStats stats;
-  // free_count at the last recycling scan that found nothing to release: until another
+  // allocations.freed at the last recycling scan that found nothing to release: until another
   // free happens, scanning again is pointless.
   std::uint64_t futile_recycle_at = UINT64_MAX;
-  // free_count at the last search for movable free runs that found none.
+  // allocations.freed at the last search for movable free runs that found none.
   std::uint64_t futile_move_at = UINT64_MAX;
   MappingStats mapping;
   // Note [Thread caches] (thread_cache.cpp): the caches of every thread that allocated

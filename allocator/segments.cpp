@@ -90,7 +90,7 @@ CachingAllocator::Impl::Segment* CachingAllocator::Impl::create_segment(StreamPo
   } else {
     seg->mapped_bytes = bytes;
     stats.reserved.add(bytes);
-    ++stats.segments_acquired;
+    stats.segments.add(1);
   }
   segments.emplace(seg->base, seg);
   return seg;
@@ -155,19 +155,19 @@ bool CachingAllocator::Impl::ensure_backed(Block* b) {
   const std::size_t first = offset / granule;
   const std::size_t end = (offset + b->size + granule - 1) / granule;
   if (options.recycle_slack >= 0 && options.allow_release &&
-      futile_recycle_at != stats.free_count &&
+      futile_recycle_at != stats.allocations.freed &&
       stats.reserved.current - stats.allocated.current >= granule) {
     // Note [Recycling free runs]
     const std::size_t unbacked = unbacked_bytes(seg, b->ptr, b->ptr + b->size);
     const std::uint64_t budget = reserved_budget(b->size, options.recycle_slack);
     const std::uint64_t after = stats.reserved.current + unbacked;
     if (unbacked != 0 && after > budget && release_cached(after - budget, false, b->owner) == 0)
-      futile_recycle_at = stats.free_count;
+      futile_recycle_at = stats.allocations.freed;
   }
   // Note [Moving free runs]: moves start once new backing would take reserved memory
   // past (1 + move_slack) x the peak of allocated memory. Movable slots are looked for
   // once per call, and not at all while no block was freed since a search found none.
-  const bool may_move = options.move_free_runs && futile_move_at != stats.free_count;
+  const bool may_move = options.move_free_runs && futile_move_at != stats.allocations.freed;
   const std::uint64_t move_above = reserved_budget(b->size, options.move_slack);
   bool searched = false;
   std::vector<FreeRun> movable;
@@ -191,7 +191,7 @@ bool CachingAllocator::Impl::ensure_backed(Block* b) {
           searched = true;
           bool unsettled = false;
           movable = find_free_runs(*b->owner, unsettled);
-          if (movable.empty() && !unsettled) futile_move_at = stats.free_count;
+          if (movable.empty() && !unsettled) futile_move_at = stats.allocations.freed;
         }
         if (move_free_run(seg, head, length, movable, *b->owner)) continue;
       }
@@ -247,7 +247,7 @@ bool CachingAllocator::Impl::create_run(Segment* seg, std::size_t head, std::siz
     throw;
   }
   stats.reserved.add(bytes);
-  ++stats.segments_acquired;
+  stats.segments.add(1);
   return true;
 }
 
@@ -395,7 +395,7 @@ bool CachingAllocator::Impl::move_free_run(Segment* seg, std::size_t head,
     } catch (...) {
       backend->release_physical(h, run.granules * granule);
       stats.reserved.sub(run.granules * granule);
-      ++stats.segments_released;
+      stats.segments.sub(1);
     }
     throw;
   }
@@ -469,7 +469,7 @@ std::size_t CachingAllocator::Impl::release_cached(std::size_t want, bool wait,
       segments.erase(seg->base);
       backend->device_free(seg->base, seg->size);
       stats.reserved.sub(seg->size);
-      ++stats.segments_released;
+      stats.segments.sub(1);
       released_bytes += seg->size;
       delete seg;
       continue;
@@ -477,7 +477,7 @@ std::size_t CachingAllocator::Impl::release_cached(std::size_t want, bool wait,
     const std::size_t bytes = seg->run_granules[r.head] * granule;
     backend->release_physical(unmap_run(seg, r.head), bytes);
     stats.reserved.sub(bytes);
-    ++stats.segments_released;
+    stats.segments.sub(1);
     released_bytes += bytes;
   }
   return released_bytes;

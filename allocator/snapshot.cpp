@@ -206,10 +206,14 @@ std::string CachingAllocator::Impl::snapshot_json() const {
   json_stat(os, "requested", st.requested);
   os << ',';
   json_stat(os, "reserved", st.reserved);
+  os << ',';
+  json_stat(os, "allocations", st.allocations);
+  os << ',';
+  json_stat(os, "segments", st.segments);
   os << ",\"cached_bytes\":" << st.cached_bytes
-     << ",\"segments_acquired\":" << st.segments_acquired
-     << ",\"segments_released\":" << st.segments_released << ",\"alloc_count\":" << st.alloc_count
-     << ",\"free_count\":" << st.free_count << ",\"cache_hits\":" << st.cache_hits
+     << ",\"segments_acquired\":" << st.segments.allocated
+     << ",\"segments_released\":" << st.segments.freed << ",\"alloc_count\":" << st.allocations.allocated
+     << ",\"free_count\":" << st.allocations.freed << ",\"cache_hits\":" << st.cache_hits
      << ",\"cache_misses\":" << st.cache_misses << ",\"oom_count\":" << st.oom_count
      << ",\"reclaim_calls\":" << st.reclaim_calls << ",\"reclaimed_bytes\":" << st.reclaimed_bytes
      << ",\"cross_stream_reuses\":" << st.cross_stream_reuses

@@ -41,10 +41,12 @@ struct AllocatorStats {
   Stat allocated;  // bytes in live blocks (rounded sizes)
   Stat requested;  // bytes live callers asked for (unrounded)
   Stat reserved;   // bytes backed by the backend (plain segments + mapped granules)
-  std::uint64_t cached_bytes = 0;       // reserved - allocated
-  std::uint64_t segments_acquired = 0;  // backend allocations (device_alloc/create_physical)
-  std::uint64_t segments_released = 0;  // backend frees (device_free/release_physical)
-  std::uint64_t alloc_count = 0, free_count = 0;
+  std::uint64_t cached_bytes = 0;  // reserved - allocated
+  // Counts, not bytes. allocations: live blocks handed out (allocated = allocations ever
+  // made, freed = ever freed). segments: live backend allocations (device_alloc /
+  // create_physical; allocated = acquired from the backend, freed = given back).
+  Stat allocations;
+  Stat segments;
   std::uint64_t cache_hits = 0;    // served without asking the backend for memory
   std::uint64_t cache_misses = 0;  // needed new backend memory
   std::uint64_t oom_count = 0;     // OutOfMemoryError thrown

@@ -129,7 +129,8 @@ struct ThreadCache {
   StatDelta allocated, requested;
   std::array<TagDelta, kTagCount> tags{};
   std::uint64_t tag_dirty = 0;  // bit t: tags[t] changed since the last fold
-  std::uint64_t alloc_count = 0, free_count = 0, cache_hits = 0;
+  StatDelta allocations;  // a count: +1 per allocation, -1 per free
+  std::uint64_t cache_hits = 0;
 
   // Hit rate over the current window (should_hold); the owning thread's only.
   static constexpr std::uint32_t kProbeWindow = 256;
@@ -241,7 +242,7 @@ struct ThreadCache {
     ++t.count;
     ++t.total_count;
     tag_dirty |= std::uint64_t{1} << tag;
-    ++alloc_count;
+    allocations.add(1);
     ++cache_hits;
     ++window_hits;
     dirty.store(true, std::memory_order_relaxed);
@@ -254,7 +255,7 @@ struct ThreadCache {
     t.bytes.sub(b->size);
     --t.count;
     tag_dirty |= std::uint64_t{1} << b->tag;
-    ++free_count;
+    allocations.sub(1);
     dirty.store(true, std::memory_order_relaxed);
   }
 
@@ -272,10 +273,9 @@ struct ThreadCache {
       d = TagDelta();
     }
     tag_dirty = 0;
-    s.alloc_count += alloc_count;
-    s.free_count += free_count;
+    allocations.fold_into(s.allocations);
     s.cache_hits += cache_hits;
-    alloc_count = free_count = cache_hits = 0;
+    cache_hits = 0;
     dirty.store(false, std::memory_order_relaxed);
   }
 

@@ -127,12 +127,8 @@ int tidepool_prefetch_ptr(int device, void* ptr, void* /*stream*/) {
 
 int tidepool_get_tiering_stats_v1(int device, tidepool_tiering_stats_v1* out) {
   return guarded("tidepool_get_tiering_stats_v1", -1, [&] {
-    if (out == nullptr || out->struct_size < TIDEPOOL_TIERING_STATS_V1_MIN_SIZE) {
-      throw tidepool::TieringError("out is NULL or out->struct_size is less than " +
-                                   std::to_string(TIDEPOOL_TIERING_STATS_V1_MIN_SIZE));
-    }
-    // Filled in full here; the caller gets the prefix its struct_size covers.
-    const uint32_t size = std::min<uint32_t>(out->struct_size, sizeof(tidepool_tiering_stats_v1));
+    tidepool::detail::check_versioned_struct(out, TIDEPOOL_TIERING_STATS_V1_MIN_SIZE,
+                                             "tidepool_tiering_stats_v1");
     tidepool_tiering_stats_v1 full{};
     full.version = 1;
     full.device = device;
@@ -174,8 +170,7 @@ int tidepool_get_tiering_stats_v1(int device, tidepool_tiering_stats_v1* out) {
     full.vmm_device_budget_bytes = v.has_device_budget ? v.device_budget_bytes : UINT64_MAX;
     full.vmm_budget_stops = v.budget_stops;
     full.vmm_bytes_left_on_host = v.bytes_left_on_host;
-    full.struct_size = size;
-    std::memcpy(out, &full, size);
+    tidepool::detail::copy_versioned_struct(out, full);
     return 0;
   });
 }

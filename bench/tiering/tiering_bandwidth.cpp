@@ -295,7 +295,7 @@ void bm_store(benchmark::State& state, Bench& bench, Mode mode) {
   };
   pass();  // first touch of the allocator's buffers
   const TieredStoreStats before = store.stats();
-  const std::uint64_t segments_before = bench.allocator().stats().segments_acquired;
+  const std::uint64_t segments_before = bench.allocator().stats().segments.allocated;
   const MappingStats maps_before = bench.allocator().mapping_stats();
   double seconds = 0;
   for (auto _ : state) {
@@ -304,7 +304,7 @@ void bm_store(benchmark::State& state, Bench& bench, Mode mode) {
     seconds += s;
   }
   const TieredStoreStats after = store.stats();
-  const std::uint64_t segments_after = bench.allocator().stats().segments_acquired;
+  const std::uint64_t segments_after = bench.allocator().stats().segments.allocated;
   const MappingStats maps_after = bench.allocator().mapping_stats();
   bench.backend().destroy_stream(compute);
   report_rate(state, bench, seconds);

@@ -1,7 +1,7 @@
 // TorchCudaAllocator: LibTorch's CUDAPluggableAllocator over tidepool's PyTorch pair, with
-// cacheInfo, recordStream, emptyCache, resetPeakStats and the memory fraction connected
-// to tidepool (see
-// torch_cuda_allocator.h for why each one matters), and its one-time installation.
+// cacheInfo, recordStream, emptyCache, the memory statistics (getDeviceStats and both
+// resets) and the memory fraction connected to tidepool (see torch_cuda_allocator.h for
+// why each one matters), and its one-time installation.
 //
 // Note [pluggable allocator in LibTorch]
 // torch::cuda::CUDAPluggableAllocator (torch 2.11) takes the pair as
@@ -17,6 +17,8 @@
 #include <c10/util/Exception.h>
 #include <torch/csrc/cuda/CUDAPluggableAllocator.h>
 
+#include <cstddef>
+#include <cstdint>
 #include <mutex>
 #include <string>
 
@@ -75,6 +77,51 @@ void torch_set_memory_fraction(double fraction, int device) {
               "keeps PyTorch's allocator for them");
 }
 
+// c10's DeviceStats from tidepool's PyTorch view (Note [PyTorch's view of the stats] in
+// allocator/c_api.h), which is laid out as c10's struct: a copy, no interpretation.
+using C10Stat = c10::CachingAllocator::Stat;
+static_assert(static_cast<int>(c10::CachingAllocator::StatType::AGGREGATE) == TIDEPOOL_POOL_ALL &&
+              static_cast<int>(c10::CachingAllocator::StatType::SMALL_POOL) == TIDEPOOL_POOL_SMALL &&
+              static_cast<int>(c10::CachingAllocator::StatType::LARGE_POOL) == TIDEPOOL_POOL_LARGE);
+
+C10Stat to_c10(const tidepool_stat_v1& s) {
+  C10Stat out;
+  out.current = static_cast<int64_t>(s.current);
+  out.peak = static_cast<int64_t>(s.peak);
+  out.allocated = static_cast<int64_t>(s.allocated);
+  out.freed = static_cast<int64_t>(s.freed);
+  return out;
+}
+
+c10::CachingDeviceAllocator::DeviceStats device_stats(c10::DeviceIndex device) {
+  tidepool_pytorch_stats_v1 v{};
+  v.struct_size = sizeof v;
+  TORCH_CHECK(tidepool_get_pytorch_stats_v1(device, &v) == 0, "tidepool: getDeviceStats of device ",
+              static_cast<int>(device), " failed: ", tidepool_last_error());
+  c10::CachingDeviceAllocator::DeviceStats out;
+  const auto pools = [](c10::CachingAllocator::StatArray& to, const tidepool_stat_v1 (&from)[3]) {
+    for (std::size_t p = 0; p < to.size(); ++p) to[p] = to_c10(from[p]);
+  };
+  pools(out.allocation, v.allocation);
+  pools(out.segment, v.segment);
+  pools(out.active, v.active);
+  pools(out.inactive_split, v.inactive_split);
+  pools(out.allocated_bytes, v.allocated_bytes);
+  pools(out.reserved_bytes, v.reserved_bytes);
+  pools(out.active_bytes, v.active_bytes);
+  pools(out.inactive_split_bytes, v.inactive_split_bytes);
+  pools(out.requested_bytes, v.requested_bytes);
+  out.num_alloc_retries = static_cast<int64_t>(v.num_alloc_retries);
+  out.num_ooms = static_cast<int64_t>(v.num_ooms);
+  out.oversize_allocations = to_c10(v.oversize_allocations);
+  out.oversize_segments = to_c10(v.oversize_segments);
+  out.num_sync_all_streams = static_cast<int64_t>(v.num_sync_all_streams);
+  out.num_device_alloc = static_cast<int64_t>(v.num_device_alloc);
+  out.num_device_free = static_cast<int64_t>(v.num_device_free);
+  out.max_split_size = v.max_split_size;
+  return out;
+}
+
 class TorchCudaAllocator final : public Pluggable {
  public:
   TorchCudaAllocator() : Pluggable(torch_alloc, torch_free) {
@@ -102,6 +149,18 @@ class TorchCudaAllocator final : public Pluggable {
   void cacheInfo(c10::DeviceIndex device, size_t* largest_block) override {
     TORCH_CHECK(tidepool_cache_info(device, largest_block) == 0, "tidepool: cacheInfo of device ",
                 static_cast<int>(device), " failed: ", tidepool_last_error());
+  }
+
+  // torch.cuda.memory_stats() and everything that reads it (memory_allocated,
+  // max_memory_reserved, memory_summary, ...), and LibTorch's getDeviceStats.
+  c10::CachingDeviceAllocator::DeviceStats getDeviceStats(c10::DeviceIndex device) override {
+    return device_stats(device);
+  }
+
+  void resetAccumulatedStats(c10::DeviceIndex device) override {
+    TORCH_CHECK(tidepool_pytorch_reset_accumulated_stats(device) == 0,
+                "tidepool: resetAccumulatedStats of device ", static_cast<int>(device),
+                " failed: ", tidepool_last_error());
   }
 
   void resetPeakStats(c10::DeviceIndex device) override {

@@ -14,6 +14,12 @@
 //                   handed out again. -> tidepool_pytorch_record_stream.
 //   emptyCache      does nothing without a reset function. -> tidepool_empty_cache_all.
 //   resetPeakStats  raises. -> tidepool_reset_peak_stats.
+//   getDeviceStats / resetAccumulatedStats
+//                   raise: torch.cuda.memory_stats(), memory_allocated(),
+//                   max_memory_reserved(), memory_summary(), ... stop a training script
+//                   that logs them. -> tidepool_get_pytorch_stats_v1 /
+//                   tidepool_pytorch_reset_accumulated_stats (Note [PyTorch's view of the
+//                   stats] in allocator/c_api.h).
 //   setMemoryFraction / getMemoryFraction
 //                   torch.cuda.set_per_process_memory_fraction is silently ignored without
 //                   a memory-fraction function, and its getter raises.
@@ -26,9 +32,6 @@
 //                   -> a clear error naming tidepool.mode:pool, which supports them.
 // And malloc: out of memory is c10's OutOfMemoryError (Python: torch.OutOfMemoryError), as
 // with PyTorch's own allocator, not the RuntimeError the plain pair can throw.
-// getDeviceStats and resetAccumulatedStats still raise here: a C++ trainer reads
-// tidepool_get_stats_v1 (allocator/c_api.h); the Python package answers torch.cuda's
-// memory statistics itself (python/src/tidepool/_torch_memory.py).
 //
 // Two ways in, both before LibTorch's CUDA allocator is first used:
 //   C++     tidepool::optim::install_from_env() (torch_install.h) in global mode;

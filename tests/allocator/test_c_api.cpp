@@ -59,8 +59,15 @@ TEST_F(CApi, MallocFreeAndStatsStruct) {
   s = stats();
   EXPECT_EQ(s.allocated.current, before.allocated.current);
   EXPECT_EQ(s.free_count, before.free_count + 1);
+  EXPECT_EQ(s.allocations.allocated, s.alloc_count);
+  EXPECT_EQ(s.allocations.freed, s.free_count);
+  EXPECT_EQ(s.allocations.current, s.alloc_count - s.free_count);
+  EXPECT_GE(s.allocations.peak, before.allocations.current + 1);
+  EXPECT_EQ(s.segments.allocated, s.segments_acquired);
+  EXPECT_EQ(s.segments.freed, s.segments_released);
   EXPECT_EQ(tidepool_reset_peak_stats(0), 0);
   EXPECT_EQ(stats().allocated.peak, stats().allocated.current);
+  EXPECT_EQ(stats().allocations.peak, stats().allocations.current);
 }
 
 TEST_F(CApi, AnOlderShorterStatsStructGetsItsPrefix) {
@@ -73,6 +80,88 @@ TEST_F(CApi, AnOlderShorterStatsStructGetsItsPrefix) {
   EXPECT_EQ(s->struct_size, short_size);
   EXPECT_EQ(s->version, 1u);
   for (std::size_t i = short_size; i < sizeof buffer; ++i) ASSERT_EQ(buffer[i], 0xAB) << i;
+}
+
+// Note [PyTorch's view of the stats]: c10's DeviceStats filled from tidepool's stats, its
+// running totals counted from the last accumulated reset, tidepool's own totals untouched.
+TEST_F(CApi, PyTorchStatsAreTidepoolsInC10sLayout) {
+  constexpr int kDevice = 6;  // no other test in this binary uses it
+  const auto pytorch_stats = [] {
+    tidepool_pytorch_stats_v1 v{};
+    v.struct_size = sizeof v;
+    EXPECT_EQ(tidepool_get_pytorch_stats_v1(kDevice, &v), 0) << tidepool_last_error();
+    return v;
+  };
+  ASSERT_EQ(tidepool::existing_device_allocator(kDevice), nullptr);
+  const tidepool_pytorch_stats_v1 unused = pytorch_stats();
+  EXPECT_EQ(tidepool::existing_device_allocator(kDevice), nullptr) << "reading creates nothing";
+  EXPECT_EQ(unused.version, 1u);
+  EXPECT_EQ(unused.allocated_bytes[TIDEPOOL_POOL_ALL].current, 0u);
+  EXPECT_EQ(unused.max_split_size, -1);
+
+  void* a = tidepool_malloc(3 << 20, kDevice, nullptr);
+  void* b = tidepool_malloc(1000, kDevice, nullptr);
+  ASSERT_TRUE(a && b) << tidepool_last_error();
+  tidepool_free(b, 1000, kDevice, nullptr);
+  tidepool_pytorch_stats_v1 v = pytorch_stats();
+  tidepool_stats_v1 s = stats(kDevice);
+  const auto same = [](const tidepool_stat_v1& x, const tidepool_stat_v1& y) {
+    return x.current == y.current && x.peak == y.peak && x.allocated == y.allocated &&
+           x.freed == y.freed;
+  };
+  for (int pool : {TIDEPOOL_POOL_ALL, TIDEPOOL_POOL_LARGE}) {
+    EXPECT_TRUE(same(v.allocated_bytes[pool], s.allocated)) << pool;
+    EXPECT_TRUE(same(v.active_bytes[pool], s.allocated)) << pool;
+    EXPECT_TRUE(same(v.reserved_bytes[pool], s.reserved)) << pool;
+    EXPECT_TRUE(same(v.requested_bytes[pool], s.requested)) << pool;
+    EXPECT_TRUE(same(v.allocation[pool], s.allocations)) << pool;
+    EXPECT_TRUE(same(v.active[pool], s.allocations)) << pool;
+    EXPECT_TRUE(same(v.segment[pool], s.segments)) << pool;
+  }
+  EXPECT_EQ(v.allocation[TIDEPOOL_POOL_ALL].current, 1u);
+  EXPECT_EQ(v.allocation[TIDEPOOL_POOL_ALL].peak, 2u);
+  EXPECT_EQ(v.allocation[TIDEPOOL_POOL_ALL].allocated, 2u);
+  EXPECT_EQ(v.allocation[TIDEPOOL_POOL_SMALL].allocated, 0u);
+  EXPECT_EQ(v.allocated_bytes[TIDEPOOL_POOL_SMALL].peak, 0u);
+  EXPECT_EQ(v.num_device_alloc, s.segments_acquired);
+  EXPECT_EQ(v.num_ooms, s.oom_count);
+
+  ASSERT_EQ(tidepool_pytorch_reset_accumulated_stats(kDevice), 0) << tidepool_last_error();
+  v = pytorch_stats();
+  EXPECT_EQ(v.allocation[TIDEPOOL_POOL_ALL].allocated, 0u);
+  EXPECT_EQ(v.allocation[TIDEPOOL_POOL_ALL].freed, 0u);
+  EXPECT_EQ(v.allocated_bytes[TIDEPOOL_POOL_ALL].allocated, 0u);
+  EXPECT_EQ(v.reserved_bytes[TIDEPOOL_POOL_LARGE].allocated, 0u);
+  EXPECT_EQ(v.num_device_alloc, 0u);
+  EXPECT_EQ(v.allocation[TIDEPOOL_POOL_ALL].current, 1u) << "currents stay";
+  EXPECT_EQ(v.allocation[TIDEPOOL_POOL_ALL].peak, 2u) << "peaks stay";
+  EXPECT_EQ(v.allocated_bytes[TIDEPOOL_POOL_ALL].current, s.allocated.current);
+  tidepool_free(a, 3 << 20, kDevice, nullptr);
+  v = pytorch_stats();
+  EXPECT_EQ(v.allocation[TIDEPOOL_POOL_ALL].freed, 1u) << "counted from the reset on";
+  EXPECT_EQ(v.allocated_bytes[TIDEPOOL_POOL_ALL].freed, s.allocated.current);
+  EXPECT_EQ(stats(kDevice).alloc_count, 2u) << "tidepool's own totals are not reset";
+  EXPECT_EQ(stats(kDevice).free_count, 2u);
+}
+
+TEST_F(CApi, PyTorchStatsRejectBadInputAndChangeNothing) {
+  ::testing::internal::CaptureStderr();
+  EXPECT_EQ(tidepool_get_pytorch_stats_v1(0, nullptr), -1);
+  EXPECT_NE(std::string(tidepool_last_error()).find("NULL"), std::string::npos);
+  tidepool_pytorch_stats_v1 v{};
+  v.struct_size = 8;
+  EXPECT_EQ(tidepool_get_pytorch_stats_v1(0, &v), -1);
+  EXPECT_NE(std::string(tidepool_last_error()).find("struct_size is less than"), std::string::npos)
+      << tidepool_last_error();
+  EXPECT_EQ(v.version, 0u) << "nothing written";
+  v.struct_size = sizeof v;
+  EXPECT_EQ(tidepool_get_pytorch_stats_v1(tidepool::kMaxDevices, &v), -1);
+  EXPECT_NE(std::string(tidepool_last_error()).find("does not exist"), std::string::npos)
+      << tidepool_last_error();
+  EXPECT_EQ(tidepool_pytorch_reset_accumulated_stats(-1), -1);
+  EXPECT_NE(std::string(tidepool_last_error()).find("does not exist"), std::string::npos)
+      << tidepool_last_error();
+  ::testing::internal::GetCapturedStderr();
 }
 
 TEST_F(CApi, TagsScopeAllocationsPerThread) {

@@ -54,7 +54,7 @@ class Battery : public ::testing::TestWithParam<Param> {
 TEST_P(Battery, ZeroBytesGivesNullAndNullFreeIsANoOp) {
   EXPECT_EQ(alloc_->allocate(0), nullptr);
   alloc_->deallocate(nullptr, 0);
-  EXPECT_EQ(alloc_->stats().alloc_count, 0u);
+  EXPECT_EQ(alloc_->stats().allocations.allocated, 0u);
 }
 
 TEST_P(Battery, AllocationsAreAlignedDisjointAndHoldTheirBytes) {
@@ -75,17 +75,17 @@ TEST_P(Battery, AllocationsAreAlignedDisjointAndHoldTheirBytes) {
   for (auto& [p, n] : live) alloc_->deallocate(p, n);
   const AllocatorStats s = alloc_->stats();
   EXPECT_EQ(s.allocated.current, 0u);
-  EXPECT_EQ(s.alloc_count, std::size(sizes));
-  EXPECT_EQ(s.free_count, std::size(sizes));
+  EXPECT_EQ(s.allocations.allocated, std::size(sizes));
+  EXPECT_EQ(s.allocations.freed, std::size(sizes));
 }
 
 TEST_P(Battery, FreedMemoryIsReusedOnTheSameStreamWithoutNewBackendMemory) {
   void* a = alloc_->allocate(3 << 20);
   alloc_->deallocate(a, 3 << 20);
-  const std::uint64_t acquired = alloc_->stats().segments_acquired;
+  const std::uint64_t acquired = alloc_->stats().segments.allocated;
   void* b = alloc_->allocate(3 << 20);
   EXPECT_EQ(a, b);
-  EXPECT_EQ(alloc_->stats().segments_acquired, acquired);
+  EXPECT_EQ(alloc_->stats().segments.allocated, acquired);
   alloc_->deallocate(b, 3 << 20);
 }
 
@@ -101,10 +101,10 @@ TEST_P(Battery, NeighboursCoalesceIntoOneFreeBlock) {
   alloc_->deallocate(b, n);
   alloc_->deallocate(a, n);
   alloc_->deallocate(c, n);
-  const std::uint64_t acquired = alloc_->stats().segments_acquired;
+  const std::uint64_t acquired = alloc_->stats().segments.allocated;
   void* d = alloc_->allocate(3 * n);
   EXPECT_EQ(d, a);
-  EXPECT_EQ(alloc_->stats().segments_acquired, acquired);
+  EXPECT_EQ(alloc_->stats().segments.allocated, acquired);
   alloc_->deallocate(d, 3 * n);
 }
 
@@ -154,6 +154,35 @@ TEST_P(Battery, StatsFollowAllocationsAndTags) {
   alloc_->deallocate(b, 3 << 20);
 }
 
+// The counts are Stats too: live allocations and live backend allocations, with peaks
+// that reset_peak_stats brings down to the current value (what PyTorch's
+// allocation/segment figures need).
+TEST_P(Battery, CountsOfAllocationsAndSegmentsHavePeaks) {
+  const AllocatorStats before = alloc_->stats();
+  std::vector<void*> live;
+  for (int i = 0; i < 3; ++i) live.push_back(alloc_->allocate(5 << 20));
+  AllocatorStats s = alloc_->stats();
+  EXPECT_EQ(s.allocations.current, before.allocations.current + 3);
+  EXPECT_EQ(s.allocations.peak, std::max(before.allocations.peak, s.allocations.current));
+  EXPECT_EQ(s.allocations.allocated, before.allocations.allocated + 3);
+  EXPECT_GT(s.segments.current, 0u);
+  EXPECT_EQ(s.segments.current, s.segments.allocated - s.segments.freed);
+  EXPECT_GE(s.segments.peak, s.segments.current);
+  for (void* p : live) alloc_->deallocate(p, 5 << 20);
+  alloc_->empty_cache();
+  s = alloc_->stats();
+  EXPECT_EQ(s.allocations.current, before.allocations.current);
+  EXPECT_EQ(s.allocations.freed, before.allocations.freed + 3);
+  EXPECT_GE(s.allocations.peak, before.allocations.current + 3) << "the peak outlives the frees";
+  EXPECT_EQ(s.segments.current, s.segments.allocated - s.segments.freed);
+  const std::uint64_t segment_peak = s.segments.peak;
+  EXPECT_GT(segment_peak, s.segments.current) << "empty_cache gave segments back";
+  alloc_->reset_peak_stats();
+  s = alloc_->stats();
+  EXPECT_EQ(s.allocations.peak, s.allocations.current);
+  EXPECT_EQ(s.segments.peak, s.segments.current);
+}
+
 TEST_P(Battery, EmptyCacheReturnsFreeMemoryAndKeepsLiveBlocks) {
   void* keep = alloc_->allocate(100);
   fill_and_check(keep, 100, 7);
@@ -165,7 +194,7 @@ TEST_P(Battery, EmptyCacheReturnsFreeMemoryAndKeepsLiveBlocks) {
   const AllocatorStats s = alloc_->stats();
   EXPECT_GE(released, std::size_t{100} << 20);
   EXPECT_EQ(s.reserved.current, before - released);
-  EXPECT_GT(s.segments_released, 0u);
+  EXPECT_GT(s.segments.freed, 0u);
   EXPECT_GE(s.reserved.current, s.allocated.current);
   check(keep, 100, 7);
   // Memory comes back on demand after empty_cache.
@@ -184,7 +213,7 @@ TEST_P(Battery, ReleasesDisabledNeverGivesMemoryBack) {
   void* p = a.allocate(8 << 20);
   a.deallocate(p, 8 << 20);
   EXPECT_EQ(a.empty_cache(), 0u);
-  EXPECT_EQ(a.stats().segments_released, 0u);
+  EXPECT_EQ(a.stats().segments.freed, 0u);
   EXPECT_GT(a.stats().reserved.current, 0u);
 }
 
@@ -258,10 +287,10 @@ TEST_P(Battery, RecyclingMovesBackingFromAHoleToTheGrowingEnd) {
     const AllocatorStats s = a.stats();
     if (slack < 0) {
       EXPECT_EQ(s.reserved.current, 28 * mib) << "without recycling the hole stays backed";
-      EXPECT_EQ(s.segments_released, 0u);
+      EXPECT_EQ(s.segments.freed, 0u);
     } else {
       EXPECT_EQ(s.reserved.current, 20 * mib) << "the hole's backing should have moved";
-      EXPECT_EQ(s.segments_released, 8 * mib / o.map_slot_bytes);
+      EXPECT_EQ(s.segments.freed, 8 * mib / o.map_slot_bytes);
     }
     // The recycled hole is backed again when it is used.
     void* reuse = a.allocate(8 * mib);
@@ -293,8 +322,8 @@ class Moves : public ::testing::TestWithParam<std::string> {
   static void expect_mapping_accounts(const CachingAllocator& a) {
     const AllocatorStats s = a.stats();
     const MappingStats m = a.mapping_stats();
-    EXPECT_EQ(m.map_calls, s.segments_acquired + m.runs_moved);
-    EXPECT_EQ(m.unmap_calls, s.segments_released + m.runs_moved);
+    EXPECT_EQ(m.map_calls, s.segments.allocated + m.runs_moved);
+    EXPECT_EQ(m.unmap_calls, s.segments.freed + m.runs_moved);
   }
   // Enqueues on s a host function that returns once `go` is true: s runs nothing after
   // it until then.
@@ -324,7 +353,7 @@ TEST_P(Moves, AHolesSlotsBackGrowthWithoutNewPhysicalMemory) {
     char* keep = static_cast<char*>(a->allocate(2 * slot_));
     Battery::fill_and_check(be, keep, 2 * slot_, 7);
     a->deallocate(hole, 2 * slot_);
-    const std::uint64_t acquired = a->stats().segments_acquired;
+    const std::uint64_t acquired = a->stats().segments.allocated;
     // Does not fit the hole: the range grows by four slots.
     char* grown = static_cast<char*>(a->allocate(4 * slot_));
     EXPECT_EQ(grown, keep + 2 * slot_);
@@ -333,10 +362,10 @@ TEST_P(Moves, AHolesSlotsBackGrowthWithoutNewPhysicalMemory) {
     AllocatorStats s = a->stats();
     const MappingStats m = a->mapping_stats();
     EXPECT_EQ(s.reserved.current, (moves ? 6 : 8) * slot_);
-    EXPECT_EQ(s.segments_acquired, acquired + (moves ? 2 : 4));
+    EXPECT_EQ(s.segments.allocated, acquired + (moves ? 2 : 4));
     EXPECT_EQ(m.runs_moved, moves ? 2u : 0u);
     EXPECT_EQ(m.bytes_moved, moves ? 2 * slot_ : 0u);
-    EXPECT_EQ(s.segments_released, 0u);
+    EXPECT_EQ(s.segments.freed, 0u);
     expect_mapping_accounts(*a);
     // The hole is backed again when it is reused; the moved memory stays where it went.
     char* again = static_cast<char*>(a->allocate(2 * slot_));
@@ -395,10 +424,10 @@ TEST_P(Moves, AnotherStreamsSlotMovesOnlyOnceItsFenceHasPassed) {
   be.memset_async(x, 0xAA, slot_, other);
   a->deallocate(x, slot_, other);
   // `other` is blocked: its free slot must not move; new memory is created instead.
-  const std::uint64_t acquired = a->stats().segments_acquired;
+  const std::uint64_t acquired = a->stats().segments.allocated;
   void* y = a->allocate(slot_);
   EXPECT_EQ(a->mapping_stats().runs_moved, 0u);
-  EXPECT_EQ(a->stats().segments_acquired, acquired + 1);
+  EXPECT_EQ(a->stats().segments.allocated, acquired + 1);
   go = true;
   be.stream_synchronize(other);
   // Now a fence recorded on the idle stream completes at once and the slot can move,
@@ -407,7 +436,7 @@ TEST_P(Moves, AnotherStreamsSlotMovesOnlyOnceItsFenceHasPassed) {
   void* z = a->allocate(2 * slot_);
   EXPECT_EQ(a->mapping_stats().runs_moved, 1u);
   EXPECT_EQ(a->mapping_stats().move_syncs, 0u);
-  EXPECT_EQ(a->stats().segments_acquired, acquired + 2);
+  EXPECT_EQ(a->stats().segments.allocated, acquired + 2);
   Battery::fill_and_check(be, z, 2 * slot_, 4);
   expect_mapping_accounts(*a);
   a->deallocate(z, 2 * slot_);
@@ -429,15 +458,15 @@ TEST_P(Moves, AFailedMapPutsTheSlotBackOrReleasesIt) {
   AllocatorStats s = a->stats();
   EXPECT_EQ(s.reserved.current, 2 * slot_);
   EXPECT_EQ(s.allocated.current, slot_);
-  EXPECT_EQ(s.segments_released, 0u);
+  EXPECT_EQ(s.segments.freed, 0u);
   const MappingStats m = a->mapping_stats();
   EXPECT_EQ(m.runs_moved, 0u);
   EXPECT_EQ(m.unmap_calls, 1u);
-  EXPECT_EQ(m.map_calls, s.segments_acquired + 1);  // the map back where it was
+  EXPECT_EQ(m.map_calls, s.segments.allocated + 1);  // the map back where it was
   // The slot is back: reusing the hole needs no new memory.
   void* again = a->allocate(slot_);
   EXPECT_EQ(again, hole);
-  EXPECT_EQ(a->stats().segments_acquired, s.segments_acquired);
+  EXPECT_EQ(a->stats().segments.allocated, s.segments.allocated);
   Battery::fill_and_check(be, again, slot_, 2);
   a->deallocate(again, slot_);
   // Both maps fail: the memory goes back to the backend rather than leak.
@@ -445,7 +474,7 @@ TEST_P(Moves, AFailedMapPutsTheSlotBackOrReleasesIt) {
   EXPECT_THROW(a->allocate(2 * slot_), BackendError);
   s = a->stats();
   EXPECT_EQ(s.reserved.current, slot_);
-  EXPECT_EQ(s.segments_released, 1u);
+  EXPECT_EQ(s.segments.freed, 1u);
   EXPECT_EQ(a->mapping_stats().unmap_calls, 2u);
   Battery::check(be, keep, slot_, 6);
   // Still usable; at the end the backend has every byte back.

@@ -124,8 +124,8 @@ void run_differential(std::unique_ptr<Backend> backend, const AllocatorOptions& 
     }
     if (o.expandable_segments) {
       const MappingStats ms = alloc.mapping_stats();
-      ASSERT_EQ(ms.map_calls, s.segments_acquired + ms.runs_moved) << "step " << step;
-      ASSERT_EQ(ms.unmap_calls, s.segments_released + ms.runs_moved) << "step " << step;
+      ASSERT_EQ(ms.map_calls, s.segments.allocated + ms.runs_moved) << "step " << step;
+      ASSERT_EQ(ms.unmap_calls, s.segments.freed + ms.runs_moved) << "step " << step;
     }
     for (int t : tags) {
       ASSERT_EQ(s.tags[t].bytes.current, m.tag_bytes[t]) << "tag " << t << " step " << step;

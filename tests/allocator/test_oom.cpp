@@ -55,7 +55,7 @@ TEST_P(Oom, CachedMemoryIsReleasedBeforeHooksAreAsked) {
   // Plain segments must go back to the backend for this; an expandable range just
   // grows its free tail by the missing 12 MiB.
   if (!GetParam()) {
-    EXPECT_GT(alloc_->stats().segments_released, 0u);
+    EXPECT_GT(alloc_->stats().segments.freed, 0u);
   }
   alloc_->deallocate(big, 60 * kMiB);
 }

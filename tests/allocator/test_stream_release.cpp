@@ -79,7 +79,7 @@ TEST_P(StreamRelease, AReleasedAndDestroyedStreamIsNeverTouchedAgain) {
     // Statistics stay exact: reserved drops by what was given back, nothing else moves.
     EXPECT_EQ(before.reserved.current - after.reserved.current, released) << "cycle " << cycle;
     EXPECT_EQ(after.allocated.current, 0u);
-    EXPECT_EQ(after.segments_released - before.segments_released > 0, released > 0);
+    EXPECT_EQ(after.segments.freed - before.segments.freed > 0, released > 0);
     // Work on other streams after the death: would record events on or synchronize s if
     // the allocator still knew it.
     pressure(a_);

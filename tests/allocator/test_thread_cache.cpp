@@ -80,8 +80,8 @@ TEST(ThreadCache, APairOnOneStreamReusesTheParkedBlockWithExactStats) {
   EXPECT_EQ(s.allocated.current, 4096u);
   EXPECT_EQ(s.requested.current, 4096u);
   EXPECT_EQ(s.requested.peak, 4096u);
-  EXPECT_EQ(s.alloc_count, 2u);
-  EXPECT_EQ(s.free_count, 1u);
+  EXPECT_EQ(s.allocations.allocated, 2u);
+  EXPECT_EQ(s.allocations.freed, 1u);
   EXPECT_EQ(s.cache_hits + s.cache_misses, 2u);
   EXPECT_EQ(s.tags[kTagActivation].bytes.current, 4096u);
   EXPECT_EQ(s.tags[kTagActivation].count, 1u);
@@ -114,6 +114,27 @@ TEST(ThreadCache, PeakCountsOnlyBytesLiveAtTheSameTime) {
   void* z = a->allocate(4096);  // from the cache again
   EXPECT_EQ(a->stats().allocated.peak, 4096u);
   a->deallocate(z, 4096);
+}
+
+TEST(ThreadCache, TheAllocationCountsPeakAcrossTheFastPath) {
+  auto a = make_allocator(AllocatorOptions{}.thread_cache_bytes);
+  void* x = a->allocate(4096);
+  a->deallocate(x, 4096);  // parked
+  a->reset_peak_stats();
+  EXPECT_EQ(a->stats().allocations.peak, 0u);
+  void* y = a->allocate(4096);  // from the cache: the count moves in the thread's deltas
+  ASSERT_EQ(y, x);
+  void* z = a->allocate(4096);  // shared path
+  AllocatorStats s = a->stats();
+  EXPECT_EQ(s.allocations.current, 2u);
+  EXPECT_EQ(s.allocations.peak, 2u);
+  a->deallocate(z, 4096);
+  a->deallocate(y, 4096);
+  s = a->stats();
+  EXPECT_EQ(s.allocations.current, 0u);
+  EXPECT_EQ(s.allocations.peak, 2u);
+  EXPECT_EQ(s.allocations.allocated, 3u);
+  EXPECT_EQ(s.allocations.freed, 3u);
 }
 
 TEST(ThreadCache, OffMeansNoBlockIsEverParked) {
@@ -158,8 +179,8 @@ TEST(ThreadCache, AThreadThatKeepsMissingBypassesItsCacheThenProbesAgain) {
   const AllocatorStats st = a->stats();
   EXPECT_EQ(st.allocated.current, 0u);
   EXPECT_EQ(st.requested.current, 0u);
-  EXPECT_EQ(st.alloc_count, pairs);
-  EXPECT_EQ(st.free_count, pairs);
+  EXPECT_EQ(st.allocations.allocated, pairs);
+  EXPECT_EQ(st.allocations.freed, pairs);
   EXPECT_EQ(st.tags[kTagUntagged].count, 0u);
   EXPECT_EQ(st.tags[kTagUntagged].total_count, pairs);
 }
@@ -244,8 +265,8 @@ TEST(ThreadCache, DoubleFreeAndWrongSizeAreRejectedOnTheFastPath) {
   other.join();
   EXPECT_THROW(a->record_stream(p, Stream{}), AllocatorUsageError);
   const AllocatorStats s = a->stats();
-  EXPECT_EQ(s.alloc_count, 1u);
-  EXPECT_EQ(s.free_count, 1u);
+  EXPECT_EQ(s.allocations.allocated, 1u);
+  EXPECT_EQ(s.allocations.freed, 1u);
   EXPECT_EQ(a->allocate(4096), p) << "the parked block is intact";
   a->deallocate(p, 4096);
 }
@@ -261,8 +282,8 @@ TEST(ThreadCache, AnotherThreadsFreeOfAHeldBlockTakesTheSharedPath) {
   void* q = a->allocate(4096);
   a->deallocate(q, 4096);
   const AllocatorStats s = a->stats();
-  EXPECT_EQ(s.alloc_count, 2u);
-  EXPECT_EQ(s.free_count, 2u);
+  EXPECT_EQ(s.allocations.allocated, 2u);
+  EXPECT_EQ(s.allocations.freed, 2u);
 }
 
 TEST(ThreadCache, ThreadExitReturnsParkedBlocksAndLetsGoOfLiveOnes) {
@@ -284,8 +305,8 @@ TEST(ThreadCache, ThreadExitReturnsParkedBlocksAndLetsGoOfLiveOnes) {
   EXPECT_EQ(s.tags[kTagWorkspace].bytes.current, 8192u);
   EXPECT_EQ(s.tags[kTagWorkspace].count, 1u);
   EXPECT_EQ(s.tags[kTagWorkspace].total_count, 3u);
-  EXPECT_EQ(s.alloc_count, 3u);
-  EXPECT_EQ(s.free_count, 2u);
+  EXPECT_EQ(s.allocations.allocated, 3u);
+  EXPECT_EQ(s.allocations.freed, 2u);
   EXPECT_EQ(a->allocation_size(live), 8192u);
   a->deallocate(live, 8192);  // the block the dead thread left live
   EXPECT_THROW(a->deallocate(live, 8192), AllocatorUsageError);
@@ -313,8 +334,8 @@ TEST(ThreadCache, EmptyCacheDrainsTheCachesOfLiveThreads) {
   emptied.set();
   worker.join();
   const AllocatorStats s = a->stats();
-  EXPECT_EQ(s.alloc_count, 2u);
-  EXPECT_EQ(s.free_count, 2u);
+  EXPECT_EQ(s.allocations.allocated, 2u);
+  EXPECT_EQ(s.allocations.freed, 2u);
   EXPECT_EQ(s.allocated.current, 0u);
 }
 
@@ -343,8 +364,8 @@ TEST(ThreadCache, MemoryPressureReclaimsBlocksParkedInAnotherThreadsCache) {
   worker.join();
   const AllocatorStats s = a->stats();
   EXPECT_EQ(s.allocated.current, 0u);
-  EXPECT_EQ(s.alloc_count, 5u);
-  EXPECT_EQ(s.free_count, 5u);
+  EXPECT_EQ(s.allocations.allocated, 5u);
+  EXPECT_EQ(s.allocations.freed, 5u);
   EXPECT_EQ(s.oom_count, 0u);
 }
 
@@ -388,8 +409,8 @@ TEST(ThreadCache, ThreadsPairingOnTwoStreamsKeepBlocksAndStatsExact) {
   be.stream_synchronize(streams[0]);
   be.stream_synchronize(streams[1]);
   const AllocatorStats s = a->stats();
-  EXPECT_EQ(s.alloc_count, allocs.load());
-  EXPECT_EQ(s.free_count, allocs.load());
+  EXPECT_EQ(s.allocations.allocated, allocs.load());
+  EXPECT_EQ(s.allocations.freed, allocs.load());
   EXPECT_EQ(s.allocated.current, 0u);
   EXPECT_EQ(s.requested.current, 0u);
   EXPECT_EQ(s.tags[kTagParameter].count + s.tags[kTagGradient].count, 0u);
@@ -412,7 +433,7 @@ TEST(ThreadCache, DestroyingTheAllocatorBeforeTheThreadExitsIsSafe) {
     auto b = make_allocator(AllocatorOptions{}.thread_cache_bytes);
     void* y = b->allocate(4096);
     b->deallocate(y, 4096);
-    EXPECT_EQ(b->stats().free_count, 1u);
+    EXPECT_EQ(b->stats().allocations.freed, 1u);
   });
   parked.wait();
   a.reset();

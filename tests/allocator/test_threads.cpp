@@ -88,8 +88,8 @@ TEST(Threads, EightThreadsOfMixedOperationsKeepBlocksAndStatsConsistent) {
   }
   EXPECT_EQ(corrupted.load(), 0);
   const AllocatorStats s = alloc.stats();
-  EXPECT_EQ(s.alloc_count, allocs.load());
-  EXPECT_EQ(s.free_count, frees.load());
+  EXPECT_EQ(s.allocations.allocated, allocs.load());
+  EXPECT_EQ(s.allocations.freed, frees.load());
   EXPECT_EQ(s.allocated.current, 0u);
   EXPECT_EQ(s.tags[kTagActivation].count + s.tags[kTagGradient].count, 0u);
   EXPECT_EQ(s.tags[kTagActivation].total_count + s.tags[kTagGradient].total_count, allocs.load());

@@ -71,6 +71,50 @@ TEST_F(TorchCudaAllocatorTest, ResetPeakStatsAndEmptyCacheReachTidepool) {
   EXPECT_EQ(stats().cached_bytes, 0u) << "c10's emptyCache gives tidepool's cache back";
 }
 
+// torch.cuda.memory_stats() reads c10's DeviceStats: tidepool's figures, copied from its
+// PyTorch view (Note [PyTorch's view of the stats]), with the accumulated reset.
+TEST_F(TorchCudaAllocatorTest, DeviceStatsAreTidepoolsPyTorchView) {
+  using c10::CachingAllocator::StatType;
+  constexpr auto kAll = static_cast<std::size_t>(StatType::AGGREGATE);
+  constexpr auto kLarge = static_cast<std::size_t>(StatType::LARGE_POOL);
+  constexpr auto kSmall = static_cast<std::size_t>(StatType::SMALL_POOL);
+  const auto allocator = make_torch_cuda_allocator();
+  constexpr std::size_t kBlock = std::size_t{6} << 20;
+  void* p = tidepool_malloc(kBlock, 0, nullptr);
+  ASSERT_NE(p, nullptr) << tidepool_last_error();
+  auto d = allocator->getDeviceStats(0);
+  tidepool_stats_v1 s = stats();
+  EXPECT_EQ(d.allocated_bytes[kAll].current, static_cast<int64_t>(s.allocated.current));
+  EXPECT_EQ(d.allocated_bytes[kAll].peak, static_cast<int64_t>(s.allocated.peak));
+  EXPECT_EQ(d.allocated_bytes[kLarge].current, d.allocated_bytes[kAll].current);
+  EXPECT_EQ(d.allocated_bytes[kSmall].current, 0);
+  EXPECT_EQ(d.reserved_bytes[kAll].current, static_cast<int64_t>(s.reserved.current));
+  EXPECT_EQ(d.requested_bytes[kAll].current, static_cast<int64_t>(s.requested.current));
+  EXPECT_EQ(d.allocation[kAll].current, static_cast<int64_t>(s.allocations.current));
+  EXPECT_EQ(d.allocation[kAll].peak, static_cast<int64_t>(s.allocations.peak));
+  EXPECT_EQ(d.segment[kAll].current, static_cast<int64_t>(s.segments.current));
+  EXPECT_EQ(d.num_device_alloc, static_cast<int64_t>(s.segments_acquired));
+  EXPECT_EQ(d.num_ooms, static_cast<int64_t>(s.oom_count));
+  EXPECT_EQ(d.max_split_size, -1);
+  EXPECT_GT(d.allocated_bytes[kAll].allocated, 0);
+
+  allocator->resetAccumulatedStats(0);
+  d = allocator->getDeviceStats(0);
+  EXPECT_EQ(d.allocated_bytes[kAll].allocated, 0);
+  EXPECT_EQ(d.allocation[kAll].allocated, 0);
+  EXPECT_EQ(d.num_device_alloc, 0);
+  EXPECT_EQ(d.allocated_bytes[kAll].current, static_cast<int64_t>(s.allocated.current));
+  tidepool_free(p, kBlock, 0, nullptr);
+  d = allocator->getDeviceStats(0);
+  EXPECT_EQ(d.allocated_bytes[kAll].freed, static_cast<int64_t>(kBlock));
+  EXPECT_EQ(stats().free_count, s.free_count + 1) << "tidepool's own totals go on";
+
+  ::testing::internal::CaptureStderr();
+  EXPECT_THROW(allocator->getDeviceStats(99), c10::Error);
+  EXPECT_THROW(allocator->resetAccumulatedStats(99), c10::Error);
+  ::testing::internal::GetCapturedStderr();
+}
+
 TEST_F(TorchCudaAllocatorTest, TheMemoryFractionReachesTidepool) {
   const auto allocator = make_torch_cuda_allocator();
   allocator->setMemoryFraction(0.25, 0);
@@ -141,6 +185,10 @@ TEST_F(TorchCudaAllocatorTest, InstalledItIsWhatC10Calls) {
   EXPECT_EQ(stats().allocated.peak, stats().allocated.current);
   c10::cuda::CUDACachingAllocator::emptyCache();
   EXPECT_EQ(stats().cached_bytes, 0u);
+  const auto d = c10::cuda::CUDACachingAllocator::getDeviceStats(0);  // torch.cuda.memory_stats
+  EXPECT_EQ(d.reserved_bytes[0].current, static_cast<int64_t>(stats().reserved.current));
+  c10::cuda::CUDACachingAllocator::resetAccumulatedStats(0);
+  EXPECT_EQ(c10::cuda::CUDACachingAllocator::getDeviceStats(0).allocation[0].allocated, 0);
   c10::cuda::CUDACachingAllocator::setMemoryFraction(0.5, 0);  // set_per_process_memory_fraction
   EXPECT_EQ(c10::cuda::CUDACachingAllocator::getMemoryFraction(0), 0.5);
   c10::cuda::CUDACachingAllocator::setMemoryFraction(1.0, 0);

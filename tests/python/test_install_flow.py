@@ -73,9 +73,9 @@ def install(**overrides) -> None:
 
 
 def test_global_mode_prefers_libtidepool_torch_cuda(fake_cuda, monkeypatch):
-    # It connects cacheInfo and record_stream in C++: no Python record_stream wrapper, no
-    # torch CUDAPluggableAllocator object, no fallback warning; the memory statistics
-    # still answer from tidepool.
+    # It connects cacheInfo, record_stream and the memory statistics in C++: no Python
+    # record_stream wrapper, no replaced torch.cuda memory functions, no torch
+    # CUDAPluggableAllocator object, no fallback warning.
     swaps = []
     shim = SimpleNamespace(tidepool_torch_install_cuda_allocator=lambda: swaps.append(1) or 0)
     monkeypatch.setattr(_lib, "load_torch_cuda", lambda: (shim, ""))
@@ -87,7 +87,7 @@ def test_global_mode_prefers_libtidepool_torch_cuda(fake_cuda, monkeypatch):
     assert swaps == [1]
     assert fake_cuda == [], "torch's CUDAPluggableAllocator is neither made nor installed"
     assert torch.Tensor.record_stream is original and _install.STATE.record_stream is None
-    assert _install.STATE.torch_memory is not None
+    assert _install.STATE.torch_memory is None
     assert _install.STATE.cuda_allocator == "/lib/libtidepool_torch_cuda.so"
     assert tidepool.status() == "active: mode global"
 
@@ -140,6 +140,25 @@ def test_the_real_libtidepool_torch_cuda_becomes_c10s_allocator(run_python):
         print("BEFORE", before, "AFTER", torch.cuda.memory.get_allocator_backend())
         print("WRAPPED", torch.Tensor.record_stream is not original)
         print("VIA", _install.STATE.cuda_allocator)
+        # torch.cuda's memory functions reach tidepool through c10 (getDeviceStats and the
+        # resets), with none of them replaced in Python.
+        import ctypes
+        from tidepool import _lib, _stats
+        torch.cuda.memory.is_initialized = lambda: True
+        lib = _lib.load()
+        ptr = lib.tidepool_malloc(5 << 20, 0, None)
+        raw = _stats.raw_stats(0)
+        stats = torch.cuda.memory_stats(0)
+        print("ALLOCATED", stats["allocated_bytes.all.current"] == raw.allocated.current >= 5 << 20)
+        print("PEAK", stats["allocation.all.peak"] == raw.allocations.peak >= 1)
+        print("SMALL", stats["allocated_bytes.small_pool.current"] == 0)
+        torch.cuda.reset_accumulated_memory_stats(0)
+        lib.tidepool_free(ctypes.c_void_p(ptr), 5 << 20, 0, None)
+        after = torch.cuda.memory_stats(0)
+        print("RESET", after["allocation.all.allocated"] == 0 and after["allocation.all.freed"] == 1)
+        torch.cuda.reset_peak_memory_stats(0)
+        print("PEAK_RESET", torch.cuda.max_memory_allocated(0) == torch.cuda.memory_allocated(0))
+        print("PATCHED", torch.cuda.memory.memory_stats_as_nested_dict.__module__)
         """,
         hook_first=False,
         TIDEPOOL_TORCH_CUDA_LIBRARY=os.environ["TIDEPOOL_TORCH_CUDA_LIBRARY"])
@@ -147,6 +166,9 @@ def test_the_real_libtidepool_torch_cuda_becomes_c10s_allocator(run_python):
     assert "WRAPPED False" in result.stdout
     assert "VIA " + os.environ["TIDEPOOL_TORCH_CUDA_LIBRARY"] in result.stdout
     assert "TidepoolFallbackWarning" not in result.stderr
+    for line in ("ALLOCATED True", "PEAK True", "SMALL True", "RESET True", "PEAK_RESET True",
+                 "PATCHED torch.cuda.memory"):
+        assert line in result.stdout, result.stdout + result.stderr
 
 
 def test_global_mode_replaces_the_current_allocator(fake_cuda):
@@ -252,6 +274,10 @@ def test_torch_cuda_memory_figures_come_from_tidepool(fake_cuda, monkeypatch):
         assert torch.cuda.max_memory_reserved(0) == raw.reserved.peak
         stats = torch.cuda.memory_stats(0)
         assert stats["allocation.all.current"] == raw.alloc_count - raw.free_count
+        assert stats["allocation.all.peak"] == raw.allocations.peak >= 1
+        assert stats["segment.all.current"] == raw.segments.current
+        assert stats["allocated_bytes.small_pool.current"] == 0
+        assert stats["allocated_bytes.large_pool.current"] == raw.allocated.current
         assert stats["num_ooms"] == raw.oom_count
         assert "Allocated memory" in torch.cuda.memory_summary(0)
     finally:

@@ -11,7 +11,9 @@ Two modes (tidepool.mode, see allocator/config.h):
           tidepool_pytorch_malloc, tidepool_pytorch_free) + change_current_allocator,
           with torch.Tensor.record_stream wrapped to reach tidepool (_record_stream.py)
           and a warning that cudnn.benchmark cannot work. Either way torch.cuda's memory
-          statistics and empty_cache answer from tidepool (_torch_memory.py).
+          statistics, empty_cache and the memory fraction answer from tidepool: through
+          c10 with the library, through torch.cuda's replaced functions without it
+          (_torch_memory.py).
   pool    PyTorch keeps its own allocator; a torch.cuda.MemPool backed by tidepool
           serves tidepool.region() and optimizer steps. Inside a region PyTorch's
           caching allocator asks tidepool for whole segments.
@@ -43,7 +45,7 @@ class _State:
         self.pool = None  # the MemPool, pool mode only, created on first use
         self.optimizer_hooks = None  # the two RemovableHandles
         self.record_stream = None  # global mode: the handle of the record_stream wrapper
-        self.torch_memory = None  # global mode: the handle of the torch.cuda memory functions
+        self.torch_memory = None  # global-mode fallback: the torch.cuda memory functions' handle
 
 
 STATE = _State()
@@ -138,9 +140,9 @@ def _install_global(torch, config: dict, path: str, malloc_name: str, free_name:
                 "`pip install --no-build-isolation ./python` against this torch to build "
                 "libtidepool_torch_cuda.so.",
                 TidepoolFallbackWarning, stacklevel=4)
-    from . import _torch_memory
+        from . import _torch_memory
 
-    STATE.torch_memory = _torch_memory.register(torch)
+        STATE.torch_memory = _torch_memory.register(torch)
 
 
 def pool():

@@ -38,6 +38,7 @@ class StatsV1(ctypes.Structure):
         ("tags", TagStats * TAG_MAX),
         # appended after the first release of v1 (a shorter struct_size gets the prefix)
         ("requested", Stat), ("cross_stream_reuses", ctypes.c_uint64),
+        ("allocations", Stat), ("segments", Stat),  # counts, with their peaks
     ]
 
 
@@ -65,12 +66,8 @@ def stats(device: int = 0) -> dict:
     # Free memory tidepool keeps reserved (reserved − allocated): all of it releasable, so
     # not PyTorch's inactive_split_bytes (split blocks that cannot be given back).
     out["cached_bytes"] = raw.cached_bytes
-    out["segment.all.allocated"] = raw.segments_acquired
-    out["segment.all.freed"] = raw.segments_released
-    out["segment.all.current"] = raw.segments_acquired - raw.segments_released
-    out["allocation.all.allocated"] = raw.alloc_count
-    out["allocation.all.freed"] = raw.free_count
-    out["allocation.all.current"] = raw.alloc_count - raw.free_count
+    _stat_keys(out, "segment.all", raw.segments)
+    _stat_keys(out, "allocation.all", raw.allocations)
     out["num_ooms"] = raw.oom_count
     out["num_alloc_retries"] = raw.reclaim_calls
     out["num_cache_hits"] = raw.cache_hits

@@ -1,126 +1,103 @@
-"""torch.cuda's memory statistics and empty_cache, answered by tidepool in global mode.
+"""torch.cuda's memory statistics and empty_cache, answered by tidepool in global mode
+when c10's CUDA allocator is torch's CUDAPluggableAllocator class (the fallback, without
+libtidepool_torch_cuda.so; with that library c10 itself asks tidepool, and nothing here
+is installed).
 
-PyTorch's CUDAPluggableAllocator raises for getDeviceStats and resetPeakStats ("does not
-yet support") and does nothing for emptyCache unless C++ hooks are set, which its Python
-class cannot do. So under `tidepool.mode:global` a training script that logs
-torch.cuda.max_memory_allocated() would stop with a RuntimeError, and
+torch's CUDAPluggableAllocator raises for getDeviceStats, resetAccumulatedStats and
+resetPeakStats ("does not yet support") and does nothing for emptyCache unless C++ hooks
+are set, which its Python class cannot do. So under `tidepool.mode:global` a training
+script that logs torch.cuda.max_memory_allocated() would stop with a RuntimeError, and
 torch.cuda.empty_cache() would keep every cached byte. The package replaces, in
 torch.cuda.memory and in torch.cuda:
 
   memory_stats_as_nested_dict   what memory_stats(), memory_allocated(),
                                 max_memory_allocated(), memory_reserved(),
-                                max_memory_reserved() and memory_summary() read: the
-                                figures of tidepool's caching allocator in PyTorch's keys;
+                                max_memory_reserved() and memory_summary() read:
+                                tidepool_get_pytorch_stats_v1, the figures c10's
+                                getDeviceStats gets from libtidepool_torch_cuda.so too;
   reset_peak_memory_stats       tidepool_reset_peak_stats;
   reset_accumulated_memory_stats
-                                the running totals these figures show ("allocated",
-                                "freed", num_ooms, num_device_alloc, ...) count from the
-                                call on; tidepool's own totals (tidepool.stats()) are kept
-                                since start, as the C ABI documents them;
+                                tidepool_pytorch_reset_accumulated_stats: the running
+                                totals of these figures count from the call on;
+                                tidepool's own totals (tidepool.stats()) are kept since
+                                start, as the C ABI documents them;
   empty_cache                   PyTorch's, then tidepool_empty_cache_all;
   set_per_process_memory_fraction
-                                PyTorch's (its checks, and the C++ hook where
-                                libtidepool_torch_cuda.so is c10's allocator), then
-                                tidepool_set_memory_fraction, which torch's
-                                CUDAPluggableAllocator class would not reach: the cap binds
-                                all of tidepool's memory on the device, optimizer state in
-                                pointer-stable ranges included;
+                                PyTorch's (its checks), then tidepool_set_memory_fraction,
+                                which torch's CUDAPluggableAllocator class would not reach:
+                                the cap binds all of tidepool's memory on the device,
+                                optimizer state in pointer-stable ranges included;
   get_per_process_memory_fraction
                                 tidepool_get_memory_fraction (torch's pluggable class raises).
 
-What the keys mean here: "all" is tidepool's caching allocator; tidepool keeps one pool
-per stream and does not split small from large blocks, so "large_pool" repeats "all"
-and "small_pool" is zero. Optimizer state in pointer-stable ranges (tidepool.tier_min_bytes
-and up) is not in these figures: it is reported by tidepool.stats() ("tiering.vmm_*"),
-since it moves between device and host memory.
+What the figures mean (one pool per stream, so "large_pool" repeats "all" and
+"small_pool" is zero; optimizer state in pointer-stable ranges is reported by
+tidepool.stats() instead, since it moves between device and host memory) is decided once,
+in libtidepool: Note [PyTorch's view of the stats] in allocator/c_api.h.
 """
 
 from __future__ import annotations
 
-from . import _lib, _patches, _stats
+import ctypes
 
-def _totals(raw) -> dict:
-    """The running totals in tidepool's stats that reset_accumulated_memory_stats zeroes
-    in PyTorch's figures, by name."""
-    totals = {}
-    for name in ("allocated", "requested", "reserved"):
-        stat = getattr(raw, name)
-        totals[name + ".allocated"] = stat.allocated
-        totals[name + ".freed"] = stat.freed
-    for name in ("alloc_count", "free_count", "segments_acquired", "segments_released",
-                 "reclaim_calls", "oom_count"):
-        totals[name] = getattr(raw, name)
-    return totals
+from . import _lib, _patches
+from ._stats import Stat
+
+_POOLS = ("all", "small_pool", "large_pool")  # TIDEPOOL_POOL_ALL, _SMALL, _LARGE
 
 
-def _count(current: int, allocated: int, freed: int) -> dict:
-    # tidepool keeps no peak of counts; the current value is the best lower bound.
-    return {"current": current, "peak": current, "allocated": allocated, "freed": freed}
+class PyTorchStatsV1(ctypes.Structure):
+    """Mirror of tidepool_pytorch_stats_v1 (c10's DeviceStats); field for field, in order."""
+    _fields_ = [
+        ("struct_size", ctypes.c_uint32), ("version", ctypes.c_uint32),
+        ("allocation", Stat * 3), ("segment", Stat * 3), ("active", Stat * 3),
+        ("inactive_split", Stat * 3), ("allocated_bytes", Stat * 3),
+        ("reserved_bytes", Stat * 3), ("active_bytes", Stat * 3),
+        ("inactive_split_bytes", Stat * 3), ("requested_bytes", Stat * 3),
+        ("num_alloc_retries", ctypes.c_uint64), ("num_ooms", ctypes.c_uint64),
+        ("oversize_allocations", Stat), ("oversize_segments", Stat),
+        ("num_sync_all_streams", ctypes.c_uint64), ("num_device_alloc", ctypes.c_uint64),
+        ("num_device_free", ctypes.c_uint64), ("max_split_size", ctypes.c_int64),
+    ]
 
 
-def _pools(all_pools: dict) -> dict:
-    zero = dict.fromkeys(all_pools, 0)
-    return {"all": all_pools, "large_pool": dict(all_pools), "small_pool": zero}
+def _stat(stat: Stat) -> dict:
+    return {field: getattr(stat, field) for field in ("current", "peak", "allocated", "freed")}
 
 
-def nested_stats(device: int, since: dict | None = None) -> dict:
-    """torch.cuda.memory_stats_as_nested_dict(device) from tidepool's stats; `since`, the
-    _totals() taken at the last reset_accumulated_memory_stats, is subtracted from the
-    running totals."""
-    raw = _stats.raw_stats(device)
-    base = since or {}
-    total = {name: value - base.get(name, 0) for name, value in _totals(raw).items()}
-
-    def stat(name):
-        current = getattr(raw, name)
-        return {"current": current.current, "peak": current.peak,
-                "allocated": total[name + ".allocated"], "freed": total[name + ".freed"]}
-
-    allocations = _count(raw.alloc_count - raw.free_count, total["alloc_count"],
-                         total["free_count"])
-    segments = _count(raw.segments_acquired - raw.segments_released,
-                      total["segments_acquired"], total["segments_released"])
-    return {
-        "allocated_bytes": _pools(stat("allocated")),
-        # A block is active from its allocation to its free (tidepool holds pending blocks
-        # back without counting them as allocated).
-        "active_bytes": _pools(stat("allocated")),
-        "requested_bytes": _pools(stat("requested")),
-        "reserved_bytes": _pools(stat("reserved")),
-        # Split-off free blocks coalesce and can always be released with their range.
-        "inactive_split_bytes": _pools(_count(0, 0, 0)),
-        "allocation": _pools(allocations),
-        "active": _pools(dict(allocations)),
-        "segment": _pools(segments),
-        "inactive_split": _pools(_count(0, 0, 0)),
-        "num_alloc_retries": total["reclaim_calls"],
-        "num_ooms": total["oom_count"],
-        "num_device_alloc": total["segments_acquired"],
-        "num_device_free": total["segments_released"],
-        "num_sync_all_streams": 0,
-        "oversize_allocations": _count(0, 0, 0),
-        "oversize_segments": _count(0, 0, 0),
-        "max_split_size": -1,  # PyTorch's "no limit": tidepool splits any block
-    }
+def nested_stats(device: int) -> dict:
+    """torch.cuda.memory_stats_as_nested_dict(device): the struct, in PyTorch's keys."""
+    raw = PyTorchStatsV1()
+    raw.struct_size = ctypes.sizeof(PyTorchStatsV1)
+    fn = _lib.function("tidepool_get_pytorch_stats_v1", "PyTorch's memory statistics")
+    _lib.check(fn(device, ctypes.byref(raw)), f"reading the memory statistics of device {device}")
+    out: dict = {}
+    for name, kind in PyTorchStatsV1._fields_[2:]:
+        value = getattr(raw, name)
+        if kind is Stat:
+            out[name] = _stat(value)
+        elif isinstance(value, ctypes.Array):
+            out[name] = {pool: _stat(value[i]) for i, pool in enumerate(_POOLS)}
+        else:
+            out[name] = value
+    return out
 
 
 def register(torch) -> _patches.Patches:
-    """Replaces the functions named at the top of this module (global mode only);
-    remove() on the result puts PyTorch's back."""
+    """Replaces the functions named at the top of this module (global mode on torch's
+    pluggable class only); remove() on the result puts PyTorch's back."""
     memory = torch.cuda.memory
     device_index = torch.cuda._utils._get_device_index
-
-    since: dict[int, dict] = {}  # device -> _totals() at its last accumulated reset
 
     def memory_stats_as_nested_dict(device=None):
         if not torch.cuda.is_initialized():
             return {}  # as PyTorch: no CUDA work yet, nothing allocated
-        d = device_index(device, optional=True)
-        return nested_stats(d, since.get(d))
+        return nested_stats(device_index(device, optional=True))
 
     def reset_accumulated_memory_stats(device=None):
+        fn = _lib.function("tidepool_pytorch_reset_accumulated_stats", "PyTorch's memory statistics")
         d = device_index(device, optional=True)
-        since[d] = _totals(_stats.raw_stats(d))
+        _lib.check(fn(d), f"resetting the accumulated statistics of device {d}")
 
     def reset_peak_memory_stats(device=None):
         fn = _lib.function("tidepool_reset_peak_stats", "peak statistics")
