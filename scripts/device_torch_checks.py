@@ -11,10 +11,11 @@ before CUDA initialises:
   4. record_stream: global mode through the package's record_stream wrapper; a tensor
      read on a side stream and freed is not handed out again before that read (Note
      [record_stream from PyTorch]), and the read sees the tensor's own values;
-  5. memory_api: global mode through the package; after training, torch.cuda's memory
-     statistics (max_memory_allocated, memory_reserved, memory_summary,
+  5. memory_api: global mode as the package installs it; after training, torch.cuda's
+     memory statistics (max_memory_allocated, memory_reserved, memory_summary,
      reset_peak_memory_stats, reset_accumulated_memory_stats) answer from tidepool
-     instead of raising, and empty_cache gives cached memory back;
+     instead of raising (through c10's getDeviceStats with libtidepool_torch_cuda), and
+     empty_cache gives cached memory back;
   6. memory_fraction: global mode; torch.cuda.set_per_process_memory_fraction(0.1) caps
      tidepool: a request past a tenth of the device is an OutOfMemoryError naming it;
   7. cuda_graph: global mode; torch.cuda.graph capture is refused with an error naming
@@ -145,9 +146,11 @@ CHECKS = {
     ),
     "memory_api": textwrap.dedent(
         """
-        use_tidepool_globally()
-        from tidepool import _torch_memory
-        _torch_memory.register(torch)
+        # As the package does: torch.cuda's functions are replaced only on torch's
+        # pluggable class; with libtidepool_torch_cuda c10's getDeviceStats answers.
+        if use_tidepool_globally() == "pluggable":
+            from tidepool import _torch_memory
+            _torch_memory.register(torch)
         train()
         peak = torch.cuda.max_memory_allocated(); reserved = torch.cuda.memory_reserved()
         summary_ok = "Allocated memory" in torch.cuda.memory_summary()
@@ -162,9 +165,9 @@ CHECKS = {
     ),
     "memory_fraction": textwrap.dedent(
         """
-        use_tidepool_globally()
-        from tidepool import _torch_memory
-        _torch_memory.register(torch)
+        if use_tidepool_globally() == "pluggable":
+            from tidepool import _torch_memory
+            _torch_memory.register(torch)
         torch.cuda.set_per_process_memory_fraction(0.1)
         total = torch.cuda.get_device_properties(0).total_memory
         keep = torch.empty(int(0.05 * total), dtype=torch.uint8, device="cuda")
