@@ -700,6 +700,12 @@ std::string CachingAllocator::snapshot_json() const {
   return impl_->snapshot_json();
 }
 
+std::vector<MemoryRange> CachingAllocator::backed_ranges() const {
+  std::lock_guard lock(impl_->mutex);
+  const auto cache_locks = impl_->lock_thread_caches();
+  return impl_->backed_ranges();
+}
+
 std::size_t CachingAllocator::allocation_size(const void* ptr) const {
   std::lock_guard lock(impl_->mutex);
   auto it = impl_->blocks.find(ptr);

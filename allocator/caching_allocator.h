@@ -36,6 +36,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "allocator/backend.h"
 #include "allocator/errors.h"
@@ -109,6 +110,32 @@ struct MappingStats {
   std::uint64_t move_syncs = 0;
 };
 
+// One contiguous range of memory the allocator holds from the backend, cut into the
+// pieces of its blocks that lie in it (CachingAllocator::backed_ranges): what PyTorch's
+// memory snapshot calls a segment. An expandable range is backed in runs, so it gives one
+// MemoryRange per contiguous backed part, and a free block that spans backed and unbacked
+// memory appears only with its backed part.
+struct MemoryRange {
+  enum class State : std::uint8_t {
+    allocated,     // handed out
+    pending_free,  // freed, held back until other streams pass the free (record_stream)
+    free,          // cached: free, or parked in a thread cache
+  };
+  struct Piece {
+    std::uintptr_t address = 0;
+    std::size_t size = 0;
+    State state = State::free;
+    std::size_t requested = 0;  // allocated: bytes the caller asked for
+    int tag = 0;                // allocated: its tag
+  };
+  std::uintptr_t address = 0;
+  std::size_t size = 0;      // the pieces tile [address, address + size)
+  void* stream = nullptr;    // the stream whose pool the range belongs to (null: none)
+  bool small = false;        // small-block pool
+  bool expandable = false;
+  std::vector<Piece> pieces;
+};
+
 class TIDEPOOL_API CachingAllocator {
  public:
   // The allocator owns `backend`; everything it holds is given back in the destructor.
@@ -154,6 +181,8 @@ class TIDEPOOL_API CachingAllocator {
   void reset_peak_stats();
   // JSON document: device, backend, totals, per-tag stats, segments with their blocks.
   std::string snapshot_json() const;
+  // Every backed range with its pieces, in address order (see MemoryRange).
+  std::vector<MemoryRange> backed_ranges() const;
   // Bytes the allocation at `ptr` was made with, or 0 when ptr is not a live allocation.
   std::size_t allocation_size(const void* ptr) const;
   // True when `ptr` is the start of a live allocation of this allocator.

@@ -191,6 +191,7 @@ struct __attribute__((visibility("hidden"))) CachingAllocator::Impl {
   std::string oom_message(std::size_t bytes, std::size_t rounded, Stream s,
                           std::size_t reclaim_calls, std::size_t reclaimed) const;
   std::string snapshot_json() const;
+  std::vector<MemoryRange> backed_ranges() const;
 };
 
 }  // namespace tidepool

@@ -7,6 +7,8 @@
 #include <cstdio>
 #include <limits>
 #include <sstream>
+#include <utility>
+#include <vector>
 
 #include "allocator/caching_allocator_impl.h"
 #include "allocator/tags.h"
@@ -135,6 +137,64 @@ std::size_t CachingAllocator::Impl::largest_free_backed() const {
     }
   }
   return largest;
+}
+
+// Pre: the allocator's and every thread cache's mutex held (a parked block's
+// in_thread_cache is read).
+std::vector<MemoryRange> CachingAllocator::Impl::backed_ranges() const {
+  std::vector<MemoryRange> out;
+  for (const auto& [base, seg] : segments) {
+    // The backed parts of the segment, contiguous runs merged.
+    std::vector<std::pair<const char*, const char*>> parts;
+    if (!seg->expandable) {
+      parts.emplace_back(seg->base, seg->base + seg->size);
+    } else {
+      for (const std::uint32_t g : seg->mapped_runs) {
+        const char* lo = seg->base + static_cast<std::size_t>(g) * granule;
+        const char* hi = lo + static_cast<std::size_t>(seg->run_granules[g]) * granule;
+        if (!parts.empty() && parts.back().second == lo)
+          parts.back().second = hi;
+        else
+          parts.emplace_back(lo, hi);
+      }
+    }
+    const Block* cursor = seg->first;  // blocks are in address order, as the parts are
+    for (const auto& [lo, hi] : parts) {
+      MemoryRange r;
+      r.address = reinterpret_cast<std::uintptr_t>(lo);
+      r.size = static_cast<std::size_t>(hi - lo);
+      r.stream = seg->creator == released.get() ? nullptr : seg->creator->stream.handle;
+      r.small = seg->small;
+      r.expandable = seg->expandable;
+      while (cursor != nullptr && cursor->ptr + cursor->size <= lo) cursor = cursor->next;
+      for (const Block* b = cursor; b != nullptr && b->ptr < hi; b = b->next) {
+        MemoryRange::Piece piece;
+        const char* plo = std::max<const char*>(b->ptr, lo);
+        const char* phi = std::min<const char*>(b->ptr + b->size, hi);
+        piece.address = reinterpret_cast<std::uintptr_t>(plo);
+        piece.size = static_cast<std::size_t>(phi - plo);
+        const bool parked = b->holder != nullptr && b->in_thread_cache;
+        if (b->state == BlockState::allocated && !parked) {
+          piece.state = MemoryRange::State::allocated;
+          piece.requested = b->requested;
+          piece.tag = b->tag;
+        } else if (b->state == BlockState::pending) {
+          piece.state = MemoryRange::State::pending_free;
+        }
+        r.pieces.push_back(piece);
+      }
+      // Backed memory past the tiled part of an expandable range: free, no block yet.
+      if (seg->used_end < hi) {
+        MemoryRange::Piece tail;
+        const char* tlo = std::max<const char*>(seg->used_end, lo);
+        tail.address = reinterpret_cast<std::uintptr_t>(tlo);
+        tail.size = static_cast<std::size_t>(hi - tlo);
+        r.pieces.push_back(tail);
+      }
+      out.push_back(std::move(r));
+    }
+  }
+  return out;
 }
 
 AllocatorStats CachingAllocator::Impl::compute_stats() const {

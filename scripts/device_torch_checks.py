@@ -20,7 +20,10 @@ before CUDA initialises:
      tidepool: a request past a tenth of the device is an OutOfMemoryError naming it;
   7. cuda_graph: global mode; torch.cuda.graph capture is refused with an error naming
      tidepool.mode:pool (global mode has no memory pools for a captured graph);
-  8. cudnn_benchmark: global mode with torch.backends.cudnn.benchmark = True (PyTorch's
+  8. memory_history: global mode; torch.cuda.memory._record_memory_history, a few training
+     steps, an OOM with an observer attached, _snapshot and _dump_snapshot: the trace has
+     alloc/free/oom entries with Python stacks, live blocks carry theirs;
+  9. cudnn_benchmark: global mode with torch.backends.cudnn.benchmark = True (PyTorch's
      cuDNN autotuner asks the allocator for cacheInfo, which pluggable allocators lack,
      pytorch#98481): a conv net trains, or the check shows the error.
 Prints one line per check: name, PASS/FAIL, what was seen.
@@ -192,6 +195,35 @@ CHECKS = {
             print("EXC", type(e).__name__, "POOL_MODE_NAMED", "tidepool.mode:pool" in str(e))
         """
     ),
+    "memory_history": textwrap.dedent(
+        """
+        # The memory visualizer's workflow in global mode (libtidepool_torch_cuda only:
+        # torch's pluggable class raises for all of it).
+        if use_tidepool_globally() != "torch_cuda":
+            print("SKIP no libtidepool_torch_cuda")
+        else:
+            import pickle, tempfile
+            torch.cuda.memory._record_memory_history(max_entries=100000)
+            train(2)
+            observed = []
+            torch._C._cuda_attach_out_of_memory_observer(lambda *args: observed.append(args))
+            try:
+                torch.empty(1 << 44, dtype=torch.uint8, device="cuda")  # 16 TiB
+            except torch.OutOfMemoryError:
+                pass
+            snap = torch.cuda.memory._snapshot()
+            trace = snap["device_traces"][0]
+            actions = {e["action"] for e in trace}
+            stacked = sum(1 for e in trace if e["action"] == "alloc" and e["frames"])
+            live = [b for s in snap["segments"] for b in s["blocks"] if b["state"] == "active_allocated"]
+            path = tempfile.mktemp(suffix=".pickle")
+            torch.cuda.memory._dump_snapshot(path)
+            torch.cuda.memory._record_memory_history(enabled=None)
+            print("ACTIONS", sorted(actions), "ALLOCS_WITH_STACKS", stacked,
+                  "LIVE_WITH_STACKS", sum(1 for b in live if b["frames"]), "OF", len(live),
+                  "OOM_OBSERVED", len(observed), "DUMPED", os.path.getsize(path) > 0)
+        """
+    ),
     "cudnn_benchmark": textwrap.dedent(
         """
         print("VIA", use_tidepool_globally(pluggable_class=os.environ.get("CHECK_PLUGGABLE") == "1"))
@@ -262,6 +294,13 @@ def main():
                               if TORCH_CUDA else bool(g_out))
     ok &= graph_ok
     print(f"graph    {'PASS' if graph_ok else 'FAIL'}  {g_out[:300]} {g_err if g_rc or not g_out else ''}")
+    h_rc, h_out, h_err = results["memory_history"]
+    history_ok = h_rc == 0 and (h_out.startswith("SKIP") if not TORCH_CUDA else (
+        "'alloc'" in h_out and "'free_completed'" in h_out and "'oom'" in h_out
+        and "ALLOCS_WITH_STACKS 0 " not in h_out and "OOM_OBSERVED 1" in h_out
+        and "DUMPED True" in h_out))
+    ok &= history_ok
+    print(f"history  {'PASS' if history_ok else 'FAIL'}  {h_out[:400]} {h_err if h_rc or not h_out else ''}")
     c_rc, c_out, c_err = results["cudnn_benchmark"]
     cudnn_ok = c_rc == 0 and "TRAINED" in c_out
     ok &= cudnn_ok

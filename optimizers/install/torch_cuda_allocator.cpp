@@ -1,6 +1,7 @@
 // TorchCudaAllocator: LibTorch's CUDAPluggableAllocator over tidepool's PyTorch pair, with
 // cacheInfo, recordStream, emptyCache, the memory statistics (getDeviceStats and both
-// resets) and the memory fraction connected to tidepool (see torch_cuda_allocator.h for
+// resets), the memory history and snapshot (memory_history.h) and the memory fraction
+// connected to tidepool (see torch_cuda_allocator.h for
 // why each one matters), and its one-time installation.
 //
 // Note [pluggable allocator in LibTorch]
@@ -19,10 +20,14 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <mutex>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "allocator/c_api.h"
+#include "optimizers/install/memory_history.h"
 
 namespace tidepool::optim {
 namespace {
@@ -33,14 +38,23 @@ using Pluggable = torch::cuda::CUDAPluggableAllocator::CUDAPluggableAllocator;
 // [OOM into PyTorch] in allocator/c_api.h): running out of memory as c10's
 // OutOfMemoryError, what PyTorch's own allocator throws (Python: torch.OutOfMemoryError,
 // which training loops catch to retry with a smaller batch), anything else as c10::Error.
-void* torch_alloc(size_t bytes, int device, cudaStream_t stream) {
+// Both record into the allocator's memory history (memory_history.h) when it is on.
+void* torch_alloc(MemoryHistory& history, size_t bytes, int device, cudaStream_t stream) {
   void* p = tidepool_malloc(static_cast<ssize_t>(bytes), device, stream);
-  if (p != nullptr || bytes == 0) return p;
+  if (p != nullptr) {
+    history.on_alloc(p, bytes, device, stream);
+    return p;
+  }
+  if (bytes == 0) return p;
   const std::string message = tidepool_last_error();
-  TORCH_CHECK_WITH(OutOfMemoryError, tidepool_last_error_is_out_of_memory() == 0, message);
+  if (tidepool_last_error_is_out_of_memory() != 0) {
+    history.on_out_of_memory(device, bytes);  // PyTorch's OOM observers, then the error
+    TORCH_CHECK_WITH(OutOfMemoryError, false, message);
+  }
   TORCH_CHECK(false, message.empty() ? "tidepool: allocation failed" : message);
 }
-void torch_free(void* ptr, size_t bytes, int device, cudaStream_t stream) {
+void torch_free(MemoryHistory& history, void* ptr, size_t bytes, int device, cudaStream_t stream) {
+  history.on_free(ptr, bytes, device, stream);  // while the memory is still tidepool's block
   tidepool_pytorch_free(ptr, bytes, device, stream);
 }
 
@@ -124,10 +138,25 @@ c10::CachingDeviceAllocator::DeviceStats device_stats(c10::DeviceIndex device) {
 
 class TorchCudaAllocator final : public Pluggable {
  public:
-  TorchCudaAllocator() : Pluggable(torch_alloc, torch_free) {
-    set_record_stream_fn(torch_record_stream);
-    set_reset_fn(torch_empty_cache);
-    set_memory_fraction_fn(torch_set_memory_fraction);
+  TorchCudaAllocator() : TorchCudaAllocator(std::make_shared<MemoryHistory>()) {}
+
+  // torch.cuda.memory._record_memory_history, _snapshot / _dump_snapshot (the memory
+  // visualizer), memory_snapshot(), and the out-of-memory observers.
+  void recordHistory(bool enabled, c10::cuda::CUDACachingAllocator::CreateContextFn context_recorder,
+                     size_t alloc_trace_max_entries,
+                     c10::cuda::CUDACachingAllocator::RecordContext when, bool clear_history,
+                     const std::vector<std::string>& skip_actions) override {
+    history_->record(enabled, context_recorder, alloc_trace_max_entries, when, clear_history,
+                     skip_actions);
+  }
+  bool isHistoryEnabled() override { return history_->enabled(); }
+  c10::cuda::CUDACachingAllocator::SnapshotInfo snapshot(c10::cuda::MempoolId_t mempool,
+                                                        bool include_traces) override {
+    return history_->snapshot(mempool, include_traces);
+  }
+  void attachOutOfMemoryObserver(
+      c10::cuda::CUDACachingAllocator::OutOfMemoryObserver observer) override {
+    history_->attach_out_of_memory_observer(std::move(observer));
   }
 
   void createOrIncrefPool(c10::DeviceIndex device, c10::cuda::MempoolId_t /*mempool_id*/,
@@ -167,6 +196,21 @@ class TorchCudaAllocator final : public Pluggable {
     TORCH_CHECK(tidepool_reset_peak_stats(device) == 0, "tidepool: resetPeakStats of device ",
                 static_cast<int>(device), " failed: ", tidepool_last_error());
   }
+
+ private:
+  explicit TorchCudaAllocator(std::shared_ptr<MemoryHistory> history)
+      : Pluggable([history](size_t bytes, int device,
+                            cudaStream_t stream) { return torch_alloc(*history, bytes, device, stream); },
+                  [history](void* ptr, size_t bytes, int device, cudaStream_t stream) {
+                    torch_free(*history, ptr, bytes, device, stream);
+                  }),
+        history_(std::move(history)) {
+    set_record_stream_fn(torch_record_stream);
+    set_reset_fn(torch_empty_cache);
+    set_memory_fraction_fn(torch_set_memory_fraction);
+  }
+
+  std::shared_ptr<MemoryHistory> history_;
 };
 
 std::mutex& install_mutex() {

@@ -20,6 +20,12 @@
 //                   that logs them. -> tidepool_get_pytorch_stats_v1 /
 //                   tidepool_pytorch_reset_accumulated_stats (Note [PyTorch's view of the
 //                   stats] in allocator/c_api.h).
+//   recordHistory / isHistoryEnabled / snapshot / attachOutOfMemoryObserver
+//                   raise: torch.cuda.memory._record_memory_history, _snapshot and
+//                   _dump_snapshot (PyTorch's memory visualizer), memory_snapshot() and
+//                   out-of-memory observers stop the program. -> MemoryHistory
+//                   (memory_history.h): trace entries and stacks as c10 records them,
+//                   tidepool's backed ranges as the snapshot's segments.
 //   setMemoryFraction / getMemoryFraction
 //                   torch.cuda.set_per_process_memory_fraction is silently ignored without
 //                   a memory-fraction function, and its getter raises.

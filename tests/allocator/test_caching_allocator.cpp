@@ -2,6 +2,7 @@
 // when a GPU exists) and with both segment kinds (expandable ranges and plain segments).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstring>
@@ -14,6 +15,7 @@
 #include "allocator/size_classes.h"
 #include "allocator/tags.h"
 #include "test_support.h"
+#include "tests/support/stream_gate.h"
 
 namespace tidepool {
 namespace {
@@ -181,6 +183,95 @@ TEST_P(Battery, CountsOfAllocationsAndSegmentsHavePeaks) {
   s = alloc_->stats();
   EXPECT_EQ(s.allocations.peak, s.allocations.current);
   EXPECT_EQ(s.segments.peak, s.segments.current);
+}
+
+// backed_ranges (what PyTorch's memory snapshot shows as segments): every backed byte
+// once, in address order, each range tiled by its pieces; live blocks as they were handed
+// out, the rest free or pending.
+TEST_P(Battery, BackedRangesTileTheReservedMemoryAndShowTheLiveBlocks) {
+  const int tag = tag_id("backed_ranges_test");
+  std::vector<std::pair<void*, std::size_t>> live;
+  {
+    TagScope scope(tag);
+    constexpr std::size_t mib = std::size_t{1} << 20;
+    // Large blocks in one stream's range of 32 MiB slots: [0,3) [3,35) [35,99) [99,107)
+    // [107,115) MiB.
+    for (std::size_t bytes : {std::size_t{1000}, 3 * mib, std::size_t{700} << 10, 32 * mib,
+                              64 * mib, 8 * mib, 8 * mib, std::size_t{64}})
+      live.emplace_back(alloc_->allocate(bytes), bytes);
+  }
+  // Holes: freed blocks, one of them still used by another stream (pending). The free
+  // block [35,107) MiB covers the slot [64,96) MiB entirely.
+  const Stream other = backend().create_stream();
+  alloc_->record_stream(live[1].first, other);
+  test_support::StreamGate gate;
+  const test_support::StreamGate::OpenOnExit open_on_exit{gate};
+  backend().launch_host_func(other, &test_support::StreamGate::wait, &gate);
+  for (int freed : {1, 4, 5}) alloc_->deallocate(live[freed].first, live[freed].second);
+  const std::vector<std::pair<void*, std::size_t>> kept = {live[0], live[2], live[3], live[6],
+                                                           live[7]};
+
+  const auto check_ranges = [&](const char* when) {
+    SCOPED_TRACE(when);
+    const std::vector<MemoryRange> ranges = alloc_->backed_ranges();
+    const AllocatorStats s = alloc_->stats();
+    std::size_t reserved = 0, allocated = 0;
+    std::uintptr_t previous_end = 0;
+    std::set<std::uintptr_t> seen;
+    bool pending_seen = false;
+    for (const MemoryRange& r : ranges) {
+      EXPECT_GE(r.address, previous_end) << "ranges are in address order and disjoint";
+      previous_end = r.address + r.size;
+      reserved += r.size;
+      std::uintptr_t at = r.address;
+      for (const MemoryRange::Piece& p : r.pieces) {
+        ASSERT_EQ(p.address, at) << "pieces tile the range";
+        ASSERT_GT(p.size, 0u);
+        at += p.size;
+        if (p.state == MemoryRange::State::allocated) {
+          allocated += p.size;
+          seen.insert(p.address);
+          EXPECT_EQ(p.tag, tag);
+        }
+        pending_seen = pending_seen || (p.state == MemoryRange::State::pending_free &&
+                                        p.address == reinterpret_cast<std::uintptr_t>(live[1].first));
+      }
+      EXPECT_EQ(at, r.address + r.size);
+    }
+    EXPECT_EQ(reserved, s.reserved.current);
+    EXPECT_EQ(allocated, s.allocated.current);
+    for (const auto& [p, bytes] : kept) {
+      EXPECT_EQ(seen.count(reinterpret_cast<std::uintptr_t>(p)), 1u) << p;
+      bool found = false;
+      for (const MemoryRange& r : ranges)
+        for (const MemoryRange::Piece& piece : r.pieces)
+          if (piece.address == reinterpret_cast<std::uintptr_t>(p)) {
+            found = true;
+            EXPECT_EQ(piece.requested, bytes);
+          }
+      EXPECT_TRUE(found);
+    }
+    EXPECT_EQ(seen.size(), kept.size()) << "freed blocks are not shown as allocated";
+    EXPECT_TRUE(pending_seen) << "the block the other stream still uses is pending";
+  };
+  check_ranges("with holes");
+  const auto large_ranges = [&] {
+    const std::vector<MemoryRange> ranges = alloc_->backed_ranges();
+    return std::count_if(ranges.begin(), ranges.end(), [](const MemoryRange& r) { return !r.small; });
+  };
+  const auto large_before = large_ranges();
+  // An expandable range gives the free slot's backing back: its backed memory is then two
+  // parts, and the free block spans backed and unbacked memory.
+  alloc_->empty_cache();
+  check_ranges("after empty_cache");
+  if (alloc_->options().expandable_segments) {
+    EXPECT_EQ(large_ranges(), large_before + 1);
+  }
+  gate.open();
+  backend().stream_synchronize(other);
+  for (const auto& [p, bytes] : kept) alloc_->deallocate(p, bytes);
+  alloc_->release_stream(other);
+  backend().destroy_stream(other);
 }
 
 TEST_P(Battery, EmptyCacheReturnsFreeMemoryAndKeepsLiveBlocks) {

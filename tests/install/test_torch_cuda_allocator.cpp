@@ -10,7 +10,11 @@
 #include <c10/util/Exception.h>
 #include <torch/csrc/cuda/CUDAPluggableAllocator.h>
 
+#include <cstdint>
+#include <memory>
 #include <string>
+#include <tuple>
+#include <vector>
 
 #include "allocator/c_api.h"
 #include "optimizers/install/torch_cuda_allocator.h"
@@ -115,6 +119,155 @@ TEST_F(TorchCudaAllocatorTest, DeviceStatsAreTidepoolsPyTorchView) {
   ::testing::internal::GetCapturedStderr();
 }
 
+// The memory history (Note [memory history]): what torch.cuda.memory._record_memory_history
+// and the memory visualizer's snapshot get, with a context recorder standing in for
+// PyTorch's stack gatherer.
+struct NumberedContext : c10::GatheredContext {
+  explicit NumberedContext(int n) : number(n) {}
+  int number;
+};
+int g_contexts_gathered = 0;
+std::shared_ptr<c10::GatheredContext> numbered_context() {
+  return std::make_shared<NumberedContext>(++g_contexts_gathered);
+}
+int number_of(const std::shared_ptr<c10::GatheredContext>& c) {
+  const auto* numbered = dynamic_cast<const NumberedContext*>(c.get());
+  return numbered != nullptr ? numbered->number : 0;
+}
+
+using Action = c10::CachingDeviceAllocator::TraceEntry::Action;
+using c10::cuda::CUDACachingAllocator::RecordContext;
+
+std::vector<c10::CachingDeviceAllocator::TraceEntry> traces(
+    c10::cuda::CUDACachingAllocator::CUDAAllocator& allocator) {
+  auto info = allocator.snapshot({0, 0}, true);
+  return info.device_traces.empty() ? std::vector<c10::CachingDeviceAllocator::TraceEntry>{}
+                                    : info.device_traces[0];
+}
+
+TEST_F(TorchCudaAllocatorTest, TheMemoryHistoryRecordsAllocationsFreesAndTheirStacks) {
+  const auto allocator =
+      std::dynamic_pointer_cast<torch::cuda::CUDAPluggableAllocator::CUDAPluggableAllocator>(
+          make_torch_cuda_allocator());
+  EXPECT_FALSE(allocator->isHistoryEnabled());
+  allocator->recordHistory(true, numbered_context, 100, RecordContext::ALL, true, {});
+  EXPECT_TRUE(allocator->isHistoryEnabled());
+  void* p = allocator->malloc(5 << 20, 0, nullptr);
+  ASSERT_NE(p, nullptr);
+  const int allocated_under = g_contexts_gathered;
+
+  // The snapshot: tidepool's backed ranges, the live block with its allocating stack.
+  auto info = allocator->snapshot({0, 0}, true);
+  const tidepool_stats_v1 s = stats();
+  std::size_t total = 0, allocated = 0;
+  const c10::CachingDeviceAllocator::BlockInfo* mine = nullptr;
+  for (const auto& segment : info.segments) {
+    EXPECT_EQ(segment.device, 0);
+    total += segment.total_size;
+    allocated += segment.allocated_size;
+    std::size_t at = segment.address, tiled = 0;
+    for (const auto& block : segment.blocks) {
+      if (at == reinterpret_cast<std::uintptr_t>(p)) mine = &block;
+      at += block.size;
+      tiled += block.size;
+    }
+    EXPECT_EQ(tiled, segment.total_size);
+  }
+  EXPECT_EQ(total, s.reserved.current);
+  EXPECT_EQ(allocated, s.allocated.current);
+  ASSERT_NE(mine, nullptr) << "the live block is in a segment";
+  EXPECT_TRUE(mine->allocated && mine->active);
+  EXPECT_EQ(mine->requested_size, std::size_t{5} << 20);
+  EXPECT_EQ(number_of(mine->context_when_allocated), allocated_under);
+
+  allocator->raw_delete(p);
+  const auto entries = traces(*allocator);
+  // alloc, snapshot, free requested, free completed, and the snapshot traces() takes
+  ASSERT_EQ(entries.size(), 5u);
+  EXPECT_EQ(entries[4].action_, Action::SNAPSHOT);
+  EXPECT_EQ(entries[0].action_, Action::ALLOC);
+  EXPECT_EQ(entries[0].addr_, reinterpret_cast<std::uintptr_t>(p));
+  EXPECT_EQ(entries[0].size_, std::size_t{5} << 20);
+  EXPECT_EQ(number_of(entries[0].context_), allocated_under);
+  EXPECT_GT(entries[0].time_.t_, 0);
+  EXPECT_EQ(entries[1].action_, Action::SNAPSHOT);
+  EXPECT_EQ(entries[2].action_, Action::FREE_REQUESTED);
+  EXPECT_EQ(entries[3].action_, Action::FREE_COMPLETED);
+  EXPECT_EQ(entries[2].addr_, entries[0].addr_);
+  EXPECT_GT(number_of(entries[2].context_), allocated_under) << "ALL: the free's own stack";
+
+  // Off: nothing more is recorded, what was recorded stays until cleared.
+  allocator->recordHistory(false, nullptr, 100, RecordContext::NEVER, false, {});
+  EXPECT_FALSE(allocator->isHistoryEnabled());
+  allocator->raw_delete(allocator->malloc(4096, 0, nullptr));
+  EXPECT_EQ(traces(*allocator).size(), 5u);
+  allocator->recordHistory(false, nullptr, 100, RecordContext::NEVER, true, {});
+  EXPECT_TRUE(traces(*allocator).empty());
+}
+
+TEST_F(TorchCudaAllocatorTest, TheHistoryKeepsTheNewestEntriesAndSkipsWhatItIsTold) {
+  const auto allocator =
+      std::dynamic_pointer_cast<torch::cuda::CUDAPluggableAllocator::CUDAPluggableAllocator>(
+          make_torch_cuda_allocator());
+  // STATE: stacks for live blocks only, none on the entries.
+  allocator->recordHistory(true, numbered_context, 3, RecordContext::STATE, true,
+                           {"free_requested", "snapshot"});
+  std::vector<void*> blocks;
+  for (int i = 0; i < 4; ++i) blocks.push_back(allocator->malloc(std::size_t(i + 1) << 20, 0, nullptr));
+  auto entries = traces(*allocator);
+  ASSERT_EQ(entries.size(), 3u) << "a ring of max_entries";
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_EQ(entries[i].addr_, reinterpret_cast<std::uintptr_t>(blocks[i + 1])) << "oldest first";
+    EXPECT_EQ(entries[i].context_, nullptr);
+  }
+  allocator->raw_delete(blocks[0]);
+  entries = traces(*allocator);
+  ASSERT_EQ(entries.size(), 3u);
+  EXPECT_EQ(entries[2].action_, Action::FREE_COMPLETED);
+  EXPECT_EQ(entries[2].addr_, reinterpret_cast<std::uintptr_t>(blocks[0]));
+  EXPECT_EQ(entries[1].action_, Action::ALLOC) << "free_requested and snapshot are skipped";
+
+  // An unknown action name is c10's error, and the history stays as it was.
+  ::testing::internal::CaptureStderr();
+  EXPECT_THROW(allocator->recordHistory(true, numbered_context, 50, RecordContext::ALL, true,
+                                        {"no_such_action"}),
+               c10::Error);
+  ::testing::internal::GetCapturedStderr();
+  EXPECT_TRUE(allocator->isHistoryEnabled());
+  EXPECT_EQ(traces(*allocator).size(), 3u) << "not cleared, still a ring of 3";
+  for (std::size_t i = 1; i < blocks.size(); ++i) allocator->raw_delete(blocks[i]);
+  allocator->recordHistory(false, nullptr, 1, RecordContext::NEVER, true, {});
+}
+
+TEST_F(TorchCudaAllocatorTest, OutOfMemoryCallsTheObserversAndIsRecorded) {
+  const auto allocator =
+      std::dynamic_pointer_cast<torch::cuda::CUDAPluggableAllocator::CUDAPluggableAllocator>(
+          make_torch_cuda_allocator());
+  allocator->recordHistory(true, numbered_context, 10, RecordContext::ALLOC, true, {});
+  std::vector<std::tuple<int64_t, std::size_t, std::size_t, std::size_t>> seen;
+  allocator->attachOutOfMemoryObserver(
+      [&](int64_t device, std::size_t size, std::size_t total, std::size_t free) {
+        seen.emplace_back(device, size, total, free);
+      });
+  constexpr std::size_t kTooMuch = std::size_t{64} << 30;  // the host backend has 8 GiB
+  EXPECT_THROW(allocator->malloc(kTooMuch, 0, nullptr), c10::OutOfMemoryError);
+  ASSERT_EQ(seen.size(), 1u);
+  EXPECT_EQ(std::get<0>(seen[0]), 0);
+  EXPECT_EQ(std::get<1>(seen[0]), kTooMuch);
+  EXPECT_GT(std::get<2>(seen[0]), 0u);
+  EXPECT_LE(std::get<3>(seen[0]), std::get<2>(seen[0]));
+  const auto entries = traces(*allocator);
+  ASSERT_FALSE(entries.empty());
+  EXPECT_EQ(entries.front().action_, Action::OOM);
+  EXPECT_EQ(entries.front().size_, kTooMuch);
+  EXPECT_EQ(entries.front().addr_, std::get<3>(seen[0])) << "OOM entries carry the free bytes";
+  ::testing::internal::CaptureStderr();
+  EXPECT_THROW(allocator->malloc(std::size_t{1} << 60, 0, nullptr), c10::Error);
+  ::testing::internal::GetCapturedStderr();
+  EXPECT_EQ(seen.size(), 1u) << "a bad request is not out of memory";
+  allocator->recordHistory(false, nullptr, 1, RecordContext::NEVER, true, {});
+}
+
 TEST_F(TorchCudaAllocatorTest, TheMemoryFractionReachesTidepool) {
   const auto allocator = make_torch_cuda_allocator();
   allocator->setMemoryFraction(0.25, 0);
@@ -185,6 +338,11 @@ TEST_F(TorchCudaAllocatorTest, InstalledItIsWhatC10Calls) {
   EXPECT_EQ(stats().allocated.peak, stats().allocated.current);
   c10::cuda::CUDACachingAllocator::emptyCache();
   EXPECT_EQ(stats().cached_bytes, 0u);
+  void* held = tidepool_malloc(4096, 0, nullptr);
+  ASSERT_NE(held, nullptr) << tidepool_last_error();
+  EXPECT_FALSE(c10::cuda::CUDACachingAllocator::snapshot().segments.empty());  // memory_snapshot()
+  tidepool_free(held, 4096, 0, nullptr);
+  EXPECT_FALSE(c10::cuda::CUDACachingAllocator::isHistoryEnabled());
   const auto d = c10::cuda::CUDACachingAllocator::getDeviceStats(0);  // torch.cuda.memory_stats
   EXPECT_EQ(d.reserved_bytes[0].current, static_cast<int64_t>(stats().reserved.current));
   c10::cuda::CUDACachingAllocator::resetAccumulatedStats(0);

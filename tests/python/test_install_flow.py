@@ -159,6 +159,21 @@ def test_the_real_libtidepool_torch_cuda_becomes_c10s_allocator(run_python):
         torch.cuda.reset_peak_memory_stats(0)
         print("PEAK_RESET", torch.cuda.max_memory_allocated(0) == torch.cuda.memory_allocated(0))
         print("PATCHED", torch.cuda.memory.memory_stats_as_nested_dict.__module__)
+        # The memory visualizer's snapshot comes from tidepool's backed ranges through c10.
+        import os, pickle, tempfile
+        held = lib.tidepool_malloc(3 << 20, 0, None)
+        snap = torch.cuda.memory._snapshot()
+        blocks = [b for seg in snap["segments"] for b in seg["blocks"]]
+        print("SNAPSHOT", any(b["address"] == held and b["state"] == "active_allocated"
+                              and b["requested_size"] == 3 << 20 for b in blocks),
+              sum(seg["total_size"] for seg in snap["segments"]) == _stats.raw_stats(0).reserved.current,
+              len(torch.cuda.memory_snapshot()) == len(snap["segments"]))
+        path = os.path.join(tempfile.mkdtemp(), "snapshot.pickle")
+        torch.cuda.memory._dump_snapshot(path)
+        with open(path, "rb") as f:
+            print("DUMPED", sorted(pickle.load(f)) == sorted(snap))
+        print("HISTORY", torch._C._cuda_isHistoryEnabled())
+        lib.tidepool_free(ctypes.c_void_p(held), 3 << 20, 0, None)
         """,
         hook_first=False,
         TIDEPOOL_TORCH_CUDA_LIBRARY=os.environ["TIDEPOOL_TORCH_CUDA_LIBRARY"])
@@ -167,7 +182,8 @@ def test_the_real_libtidepool_torch_cuda_becomes_c10s_allocator(run_python):
     assert "VIA " + os.environ["TIDEPOOL_TORCH_CUDA_LIBRARY"] in result.stdout
     assert "TidepoolFallbackWarning" not in result.stderr
     for line in ("ALLOCATED True", "PEAK True", "SMALL True", "RESET True", "PEAK_RESET True",
-                 "PATCHED torch.cuda.memory"):
+                 "PATCHED torch.cuda.memory", "SNAPSHOT True True True", "DUMPED True",
+                 "HISTORY False"):
         assert line in result.stdout, result.stdout + result.stderr
 
 

@@ -1,0 +1,231 @@
+// MemoryHistory: c10's memory history and snapshot over tidepool (see memory_history.h).
+//
+// Note [memory history]
+// torch.cuda.memory._record_memory_history(enabled, context, stacks, max_entries) becomes
+// recordHistory(enabled, context_recorder, max_entries, when, clear, skip_actions) on
+// c10's allocator. What this does with it follows c10's own CUDACachingAllocator, so the
+// memory visualizer reads tidepool's snapshot as it reads PyTorch's:
+//   - While enabled, every malloc and free of the caching allocator's memory appends to
+//     the device's ring of at most max_entries trace entries: ALLOC, and FREE_REQUESTED
+//     with FREE_COMPLETED (tidepool frees at once in PyTorch's view: a block other
+//     streams still use is held back inside tidepool, out of PyTorch's sight); SNAPSHOT
+//     at each snapshot; OOM (addr = the device's free bytes) when a request fails.
+//   - `when` says which stacks are gathered: STATE the allocating stack of each live
+//     block (shown in the snapshot), ALLOC also on alloc entries, ALL also on frees (a
+//     free entry without its own stack carries the block's allocating one).
+//   - Disabling stops recording and keeps what was recorded (clear drops the entries);
+//     live blocks keep their stacks until they are freed.
+//   - Times are microseconds since the epoch (c10 keeps approximate clock ticks and
+//     converts them when it takes a snapshot; the snapshot reads the converted field).
+// Memory tidepool routes to pointer-stable ranges (optimizer state, the tier route) is
+// neither traced nor in the segments: it is not the caching allocator's, and it moves
+// between device and host memory.
+#include "optimizers/install/memory_history.h"
+
+#include <algorithm>
+#include <chrono>
+#include <limits>
+#include <utility>
+
+#include "allocator/device_registry.h"
+
+namespace tidepool::optim {
+namespace {
+
+using c10::CachingDeviceAllocator::TraceEntry;
+using c10::cuda::CUDACachingAllocator::RecordContext;
+using c10::cuda::CUDACachingAllocator::SnapshotInfo;
+
+constexpr std::size_t kActions = static_cast<std::size_t>(TraceEntry::Action::OOM) + 1;
+
+std::size_t action_index(TraceEntry::Action action) { return static_cast<std::size_t>(action); }
+
+time_t now_us() {
+  return static_cast<time_t>(std::chrono::duration_cast<std::chrono::microseconds>(
+                                 std::chrono::system_clock::now().time_since_epoch())
+                                 .count());
+}
+
+// The ring's entries, oldest first.
+std::vector<TraceEntry> in_order(const std::vector<TraceEntry>& entries, std::size_t next) {
+  std::vector<TraceEntry> out;
+  out.reserve(entries.size());
+  for (std::size_t i = 0; i < entries.size(); ++i) out.push_back(entries[(next + i) % entries.size()]);
+  return out;
+}
+
+}  // namespace
+
+void MemoryHistory::record(bool enabled, CreateContextFn context_recorder, std::size_t max_entries,
+                           RecordContext when, bool clear_history,
+                           const std::vector<std::string>& skip_actions) {
+  std::vector<bool> skipped(kActions, false);
+  for (const std::string& name : skip_actions)  // throws on an unknown name: nothing changed
+    skipped[action_index(c10::CachingDeviceAllocator::parseTraceEntryAction(name))] = true;
+  std::lock_guard lock(mutex_);
+  skipped_ = std::move(skipped);
+  max_entries_ = std::max<std::size_t>(1, max_entries);
+  if (clear_history) traces_.clear();
+  for (auto& [device, ring] : traces_) {
+    if (ring.entries.size() <= max_entries_) continue;
+    std::vector<TraceEntry> kept = in_order(ring.entries, ring.next);
+    kept.erase(kept.begin(), kept.end() - static_cast<std::ptrdiff_t>(max_entries_));
+    ring.entries = std::move(kept);
+    ring.next = 0;
+  }
+  recorder_.store(enabled ? context_recorder : nullptr);
+  when_.store(enabled ? when : RecordContext::NEVER);
+  recording_.store(enabled);
+  watching_frees_.store(enabled || !allocated_under_.empty());
+}
+
+std::shared_ptr<c10::GatheredContext> MemoryHistory::gather(RecordContext level) const {
+  if (when_.load() < level) return nullptr;
+  const CreateContextFn recorder = recorder_.load();
+  return recorder != nullptr ? recorder() : nullptr;
+}
+
+void MemoryHistory::append(TraceEntry::Action action, int device, std::size_t addr,
+                           std::size_t size, void* stream,
+                           std::shared_ptr<c10::GatheredContext> context) {
+  if (skipped_.size() == kActions && skipped_[action_index(action)]) return;
+  TraceEntry entry(action, static_cast<c10::DeviceIndex>(device), addr, size, stream,
+                   c10::cuda::MempoolId_t{0, 0}, 0,
+                   when_.load() >= RecordContext::ALLOC ? std::move(context) : nullptr);
+  entry.time_.t_ = now_us();
+  Ring& ring = traces_[device];
+  if (ring.entries.size() < max_entries_) {
+    ring.entries.push_back(std::move(entry));
+  } else {
+    ring.entries[ring.next] = std::move(entry);
+    ring.next = (ring.next + 1) % ring.entries.size();
+  }
+}
+
+bool MemoryHistory::tracked(const void* ptr, int device) const {
+  const CachingAllocator* allocator = existing_device_allocator(device);
+  return allocator != nullptr && allocator->owns(ptr);
+}
+
+void MemoryHistory::on_alloc(void* ptr, std::size_t size, int device, void* stream) {
+  if (!recording_.load(std::memory_order_relaxed) || !tracked(ptr, device)) return;
+  std::shared_ptr<c10::GatheredContext> context = gather(RecordContext::STATE);
+  std::lock_guard lock(mutex_);
+  if (!recording_.load()) return;  // disabled meanwhile
+  const auto address = reinterpret_cast<std::uintptr_t>(ptr);
+  if (context != nullptr) {
+    allocated_under_[address] = context;
+    watching_frees_.store(true);
+  }
+  append(TraceEntry::ALLOC, device, address, size, stream, std::move(context));
+}
+
+void MemoryHistory::on_free(void* ptr, std::size_t size, int device, void* stream) {
+  if (!watching_frees_.load(std::memory_order_relaxed)) return;
+  const bool recording = recording_.load();
+  if (recording && !tracked(ptr, device)) return;
+  std::shared_ptr<c10::GatheredContext> context = recording ? gather(RecordContext::ALL) : nullptr;
+  std::lock_guard lock(mutex_);
+  const auto address = reinterpret_cast<std::uintptr_t>(ptr);
+  std::shared_ptr<c10::GatheredContext> allocated_under;
+  if (auto it = allocated_under_.find(address); it != allocated_under_.end()) {
+    allocated_under = std::move(it->second);
+    allocated_under_.erase(it);
+  }
+  if (recording_.load()) {
+    if (context == nullptr) context = std::move(allocated_under);
+    append(TraceEntry::FREE_REQUESTED, device, address, size, stream, context);
+    append(TraceEntry::FREE_COMPLETED, device, address, size, stream, std::move(context));
+  }
+  watching_frees_.store(recording_.load() || !allocated_under_.empty());
+}
+
+void MemoryHistory::on_out_of_memory(int device, std::size_t size) {
+  std::size_t total = 0, free = 0;
+  if (const CachingAllocator* allocator = existing_device_allocator(device)) {
+    try {
+      const MemInfo info = allocator->backend().mem_info();
+      free = info.free_bytes;
+      // As c10 reports it: the process's share when a memory fraction caps it.
+      total = std::min(info.total_bytes, allocator->backend().device_limit());
+    } catch (...) {
+      // No figures: the observers get zeros rather than no call.
+    }
+  }
+  std::shared_ptr<c10::GatheredContext> context =
+      recording_.load() ? gather(RecordContext::STATE) : nullptr;
+  std::vector<OutOfMemoryObserver> observers;
+  {
+    std::lock_guard lock(mutex_);
+    if (recording_.load()) append(TraceEntry::OOM, device, free, size, nullptr, std::move(context));
+    observers = oom_observers_;
+  }
+  for (const OutOfMemoryObserver& observer : observers) observer(device, size, total, free);
+}
+
+void MemoryHistory::attach_out_of_memory_observer(OutOfMemoryObserver observer) {
+  std::lock_guard lock(mutex_);
+  oom_observers_.push_back(std::move(observer));
+}
+
+SnapshotInfo MemoryHistory::snapshot(c10::cuda::MempoolId_t mempool, bool include_traces) {
+  SnapshotInfo info;
+  // Global mode has no memory pools (torch_cuda_allocator.h): a pool's snapshot is empty.
+  const bool all_memory = mempool.first == 0 && mempool.second == 0;
+  std::vector<std::pair<int, std::vector<MemoryRange>>> devices;
+  for (int device = 0; device < kMaxDevices; ++device)
+    if (const CachingAllocator* allocator = existing_device_allocator(device))
+      devices.emplace_back(device, all_memory ? allocator->backed_ranges() : std::vector<MemoryRange>{});
+  std::lock_guard lock(mutex_);
+  for (const auto& [device, ranges] : devices) {
+    std::size_t active = 0;
+    for (const MemoryRange& range : ranges) {
+      c10::CachingDeviceAllocator::SegmentInfo segment;
+      segment.device = static_cast<c10::DeviceIndex>(device);
+      segment.address = range.address;
+      segment.total_size = range.size;
+      segment.stream = range.stream;
+      segment.is_large = !range.small;
+      segment.is_expandable = range.expandable;
+      for (const MemoryRange::Piece& piece : range.pieces) {
+        c10::CachingDeviceAllocator::BlockInfo block;
+        block.size = piece.size;
+        block.allocated = piece.state == MemoryRange::State::allocated;
+        block.active = piece.state != MemoryRange::State::free;
+        if (block.allocated) {
+          block.requested_size = piece.requested;
+          segment.allocated_size += piece.size;
+          segment.requested_size += piece.requested;
+          if (auto it = allocated_under_.find(piece.address); it != allocated_under_.end())
+            block.context_when_allocated = it->second;
+        }
+        if (block.active) segment.active_size += piece.size;
+        segment.blocks.push_back(std::move(block));
+      }
+      active += segment.active_size;
+      info.segments.push_back(std::move(segment));
+    }
+    if (recording_.load()) append(TraceEntry::SNAPSHOT, device, 0, active, nullptr, nullptr);
+  }
+  if (include_traces) {
+    // Indexed by device: as many as the highest device with memory or entries.
+    int devices_seen = 0;
+    for (const auto& [device, ranges] : devices) devices_seen = std::max(devices_seen, device + 1);
+    for (const auto& [device, ring] : traces_) devices_seen = std::max(devices_seen, device + 1);
+    info.device_traces.resize(static_cast<std::size_t>(devices_seen));
+    for (const auto& [device, ring] : traces_)
+      info.device_traces[static_cast<std::size_t>(device)] = in_order(ring.entries, ring.next);
+  }
+  auto& config = info.config_metadata;
+  config.garbage_collection_threshold = 0.0;
+  config.max_split_size = std::numeric_limits<std::size_t>::max();
+  config.pinned_num_register_threads = 1;
+  config.expandable_segments = true;  // tidepool backs each stream's range in 2 MiB granules
+  config.release_lock_on_malloc = false;
+  config.pinned_use_host_register = false;
+  config.graph_capture_record_stream_reuse = false;
+  config.last_allocator_settings = "backend:tidepool";
+  return info;
+}
+
+}  // namespace tidepool::optim
