@@ -22,7 +22,8 @@ before CUDA initialises:
      tidepool.mode:pool (global mode has no memory pools for a captured graph);
   8. memory_history: global mode; torch.cuda.memory._record_memory_history, a few training
      steps, an OOM with an observer attached, _snapshot and _dump_snapshot: the trace has
-     alloc/free/oom entries with Python stacks, live blocks carry theirs;
+     alloc/free/oom entries with Python stacks, live blocks carry theirs; then a training
+     step under torch.profiler(profile_memory=True) shows CUDA memory per operator;
   9. cudnn_benchmark: global mode with torch.backends.cudnn.benchmark = True (PyTorch's
      cuDNN autotuner asks the allocator for cacheInfo, which pluggable allocators lack,
      pytorch#98481): a conv net trains, or the check shows the error.
@@ -219,9 +220,17 @@ CHECKS = {
             path = tempfile.mktemp(suffix=".pickle")
             torch.cuda.memory._dump_snapshot(path)
             torch.cuda.memory._record_memory_history(enabled=None)
+            # torch.profiler's memory events come from the allocator too.
+            from torch.profiler import ProfilerActivity, profile
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
+                         profile_memory=True) as prof:
+                train(1)
+            usage = lambda e: getattr(e, "self_device_memory_usage", getattr(e, "self_cuda_memory_usage", 0))
+            profiled = sum(1 for e in prof.key_averages() if usage(e) != 0)
             print("ACTIONS", sorted(actions), "ALLOCS_WITH_STACKS", stacked,
                   "LIVE_WITH_STACKS", sum(1 for b in live if b["frames"]), "OF", len(live),
-                  "OOM_OBSERVED", len(observed), "DUMPED", os.path.getsize(path) > 0)
+                  "OOM_OBSERVED", len(observed), "DUMPED", os.path.getsize(path) > 0,
+                  "PROFILED_OPS", profiled)
         """
     ),
     "cudnn_benchmark": textwrap.dedent(
@@ -298,7 +307,7 @@ def main():
     history_ok = h_rc == 0 and (h_out.startswith("SKIP") if not TORCH_CUDA else (
         "'alloc'" in h_out and "'free_completed'" in h_out and "'oom'" in h_out
         and "ALLOCS_WITH_STACKS 0 " not in h_out and "OOM_OBSERVED 1" in h_out
-        and "DUMPED True" in h_out))
+        and "DUMPED True" in h_out and "PROFILED_OPS 0" not in h_out))
     ok &= history_ok
     print(f"history  {'PASS' if history_ok else 'FAIL'}  {h_out[:400]} {h_err if h_rc or not h_out else ''}")
     c_rc, c_out, c_err = results["cudnn_benchmark"]

@@ -1,7 +1,7 @@
 // TorchCudaAllocator: LibTorch's CUDAPluggableAllocator over tidepool's PyTorch pair, with
 // cacheInfo, recordStream, emptyCache, the memory statistics (getDeviceStats and both
-// resets), the memory history and snapshot (memory_history.h) and the memory fraction
-// connected to tidepool (see torch_cuda_allocator.h for
+// resets), the memory history and snapshot (memory_history.h), the profiler's memory
+// events and the memory fraction connected to tidepool (see torch_cuda_allocator.h for
 // why each one matters), and its one-time installation.
 //
 // Note [pluggable allocator in LibTorch]
@@ -14,6 +14,7 @@
 // its current allocator has been initialised, hence "before CUDA is first used".
 #include "optimizers/install/torch_cuda_allocator.h"
 
+#include <c10/core/Allocator.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/cuda/CUDAPluggableAllocator.h>
@@ -38,17 +39,37 @@ using Pluggable = torch::cuda::CUDAPluggableAllocator::CUDAPluggableAllocator;
 // [OOM into PyTorch] in allocator/c_api.h): running out of memory as c10's
 // OutOfMemoryError, what PyTorch's own allocator throws (Python: torch.OutOfMemoryError,
 // which training loops catch to retry with a smaller batch), anything else as c10::Error.
+// torch.profiler(profile_memory=True) and its memory timeline: c10's own allocator reports
+// every allocation (positive size) and free (negative) with the device's allocated and
+// reserved totals after it, and every out-of-memory; the pluggable class reports nothing.
+// Only while a profiler on this thread asks for it (one thread-local lookup otherwise).
+template <class Report>
+void to_profiler(int device, Report&& report) {
+  if (!c10::memoryProfilingEnabled()) return;
+  tidepool_stats_v1 s{};
+  s.struct_size = sizeof s;
+  if (tidepool_get_stats_v1(device, &s) != 0) return;  // no figures: nothing to report
+  report(s.allocated.current, s.reserved.current,
+         c10::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(device)));
+}
+
 // Both record into the allocator's memory history (memory_history.h) when it is on.
 void* torch_alloc(MemoryHistory& history, size_t bytes, int device, cudaStream_t stream) {
   void* p = tidepool_malloc(static_cast<ssize_t>(bytes), device, stream);
   if (p != nullptr) {
     history.on_alloc(p, bytes, device, stream);
+    to_profiler(device, [&](size_t allocated, size_t reserved, c10::Device d) {
+      c10::reportMemoryUsageToProfiler(p, static_cast<int64_t>(bytes), allocated, reserved, d);
+    });
     return p;
   }
   if (bytes == 0) return p;
   const std::string message = tidepool_last_error();
   if (tidepool_last_error_is_out_of_memory() != 0) {
     history.on_out_of_memory(device, bytes);  // PyTorch's OOM observers, then the error
+    to_profiler(device, [&](size_t allocated, size_t reserved, c10::Device d) {
+      c10::reportOutOfMemoryToProfiler(static_cast<int64_t>(bytes), allocated, reserved, d);
+    });
     TORCH_CHECK_WITH(OutOfMemoryError, false, message);
   }
   TORCH_CHECK(false, message.empty() ? "tidepool: allocation failed" : message);
@@ -56,6 +77,9 @@ void* torch_alloc(MemoryHistory& history, size_t bytes, int device, cudaStream_t
 void torch_free(MemoryHistory& history, void* ptr, size_t bytes, int device, cudaStream_t stream) {
   history.on_free(ptr, bytes, device, stream);  // while the memory is still tidepool's block
   tidepool_pytorch_free(ptr, bytes, device, stream);
+  to_profiler(device, [&](size_t allocated, size_t reserved, c10::Device d) {
+    c10::reportMemoryUsageToProfiler(ptr, -static_cast<int64_t>(bytes), allocated, reserved, d);
+  });
 }
 
 // Tensor::record_stream (Note [record_stream from PyTorch] in allocator/c_api.h). Memory

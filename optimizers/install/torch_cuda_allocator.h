@@ -36,8 +36,10 @@
 //                   are ignored or refused with a generic message; tidepool has no pools,
 //                   and memory a captured graph uses would be reused after capture.
 //                   -> a clear error naming tidepool.mode:pool, which supports them.
-// And malloc: out of memory is c10's OutOfMemoryError (Python: torch.OutOfMemoryError), as
-// with PyTorch's own allocator, not the RuntimeError the plain pair can throw.
+// And malloc and free: out of memory is c10's OutOfMemoryError (Python:
+// torch.OutOfMemoryError), as with PyTorch's own allocator, not the RuntimeError the plain
+// pair can throw; and both report to torch.profiler(profile_memory=True), which the plain
+// pair leaves without a single CUDA memory event.
 //
 // Two ways in, both before LibTorch's CUDA allocator is first used:
 //   C++     tidepool::optim::install_from_env() (torch_install.h) in global mode;

@@ -6,7 +6,9 @@
 #include <gtest/gtest.h>
 
 #if TIDEPOOL_HAVE_TORCH_CUDA
+#include <c10/core/Allocator.h>
 #include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/util/ThreadLocalDebugInfo.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/cuda/CUDAPluggableAllocator.h>
 
@@ -266,6 +268,54 @@ TEST_F(TorchCudaAllocatorTest, OutOfMemoryCallsTheObserversAndIsRecorded) {
   ::testing::internal::GetCapturedStderr();
   EXPECT_EQ(seen.size(), 1u) << "a bad request is not out of memory";
   allocator->recordHistory(false, nullptr, 1, RecordContext::NEVER, true, {});
+}
+
+// torch.profiler(profile_memory=True) installs a reporter in the thread's debug info; c10's
+// allocator reports to it, and so must tidepool's (a stand-in reporter here).
+struct ProfilerStandIn : c10::MemoryReportingInfoBase {
+  struct Event {
+    void* ptr;
+    int64_t size;
+    std::size_t allocated, reserved;
+    c10::Device device;
+  };
+  std::vector<Event> events;
+  std::vector<int64_t> out_of_memory;
+  bool memoryProfilingEnabled() const override { return true; }
+  void reportMemoryUsage(void* ptr, int64_t size, std::size_t allocated, std::size_t reserved,
+                         c10::Device device) override {
+    events.push_back({ptr, size, allocated, reserved, device});
+  }
+  void reportOutOfMemory(int64_t size, std::size_t, std::size_t, c10::Device) override {
+    out_of_memory.push_back(size);
+  }
+};
+
+TEST_F(TorchCudaAllocatorTest, AllocationsAndFreesReachTheProfiler) {
+  const auto allocator =
+      std::dynamic_pointer_cast<torch::cuda::CUDAPluggableAllocator::CUDAPluggableAllocator>(
+          make_torch_cuda_allocator());
+  void* unseen = allocator->malloc(4096, 0, nullptr);  // no profiler yet: nothing reported
+  auto profiler = std::make_shared<ProfilerStandIn>();
+  {
+    c10::DebugInfoGuard guard(c10::DebugInfoKind::PROFILER_STATE, profiler);
+    void* p = allocator->malloc(std::size_t{3} << 20, 0, nullptr);
+    const tidepool_stats_v1 after_alloc = stats();
+    allocator->raw_delete(p);
+    EXPECT_THROW(allocator->malloc(std::size_t{64} << 30, 0, nullptr), c10::OutOfMemoryError);
+    ASSERT_EQ(profiler->events.size(), 2u);
+    EXPECT_EQ(profiler->events[0].ptr, p);
+    EXPECT_EQ(profiler->events[0].size, int64_t{3} << 20);
+    EXPECT_EQ(profiler->events[0].allocated, after_alloc.allocated.current);
+    EXPECT_EQ(profiler->events[0].reserved, after_alloc.reserved.current);
+    EXPECT_EQ(profiler->events[0].device, c10::Device(c10::DeviceType::CUDA, 0));
+    EXPECT_EQ(profiler->events[1].ptr, p);
+    EXPECT_EQ(profiler->events[1].size, -(int64_t{3} << 20)) << "a free is a negative size";
+    EXPECT_EQ(profiler->events[1].allocated, after_alloc.allocated.current - (std::size_t{3} << 20));
+    EXPECT_EQ(profiler->out_of_memory, std::vector<int64_t>{int64_t{64} << 30});
+  }
+  allocator->raw_delete(unseen);  // the profiler's scope has ended
+  EXPECT_EQ(profiler->events.size(), 2u);
 }
 
 TEST_F(TorchCudaAllocatorTest, TheMemoryFractionReachesTidepool) {
