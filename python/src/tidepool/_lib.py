@@ -149,6 +149,8 @@ _ALLOCATOR = {
     "tidepool_tag_current": (ctypes.c_int, []),
     "tidepool_get_stats_v1": (ctypes.c_int, [ctypes.c_int, ctypes.c_void_p]),
     "tidepool_reset_peak_stats": (ctypes.c_int, [ctypes.c_int]),
+    "tidepool_get_pytorch_stats_v1": (ctypes.c_int, [ctypes.c_int, ctypes.c_void_p]),
+    "tidepool_pytorch_reset_accumulated_stats": (ctypes.c_int, [ctypes.c_int]),
     "tidepool_snapshot_json": (ctypes.c_void_p, [ctypes.c_int]),
     "tidepool_string_free": (None, [ctypes.c_void_p]),
     "tidepool_last_error": (ctypes.c_char_p, []),
