@@ -159,6 +159,9 @@ def test_the_real_libtidepool_torch_cuda_becomes_c10s_allocator(run_python):
         torch.cuda.reset_peak_memory_stats(0)
         print("PEAK_RESET", torch.cuda.max_memory_allocated(0) == torch.cuda.memory_allocated(0))
         print("PATCHED", torch.cuda.memory.memory_stats_as_nested_dict.__module__)
+        # The fallback's ctypes mirror reads the same struct c10 is filled from.
+        from tidepool import _torch_memory
+        print("SAME_AS_FALLBACK", torch.cuda.memory.memory_stats_as_nested_dict(0) == _torch_memory.nested_stats(0))
         # The memory visualizer's snapshot comes from tidepool's backed ranges through c10.
         import os, pickle, tempfile
         held = lib.tidepool_malloc(3 << 20, 0, None)
@@ -182,7 +185,8 @@ def test_the_real_libtidepool_torch_cuda_becomes_c10s_allocator(run_python):
     assert "VIA " + os.environ["TIDEPOOL_TORCH_CUDA_LIBRARY"] in result.stdout
     assert "TidepoolFallbackWarning" not in result.stderr
     for line in ("ALLOCATED True", "PEAK True", "SMALL True", "RESET True", "PEAK_RESET True",
-                 "PATCHED torch.cuda.memory", "SNAPSHOT True True True", "DUMPED True",
+                 "PATCHED torch.cuda.memory", "SAME_AS_FALLBACK True", "SNAPSHOT True True True",
+                 "DUMPED True",
                  "HISTORY False"):
         assert line in result.stdout, result.stdout + result.stderr
 
