@@ -160,6 +160,17 @@ c10::CachingDeviceAllocator::DeviceStats device_stats(c10::DeviceIndex device) {
   return out;
 }
 
+// CUDA IPC: torch.multiprocessing sharing a CUDA tensor with another process (a Queue,
+// share_memory() of a CUDA model). tidepool's memory is mapped through CUDA virtual memory
+// in ranges it may remap, which legacy IPC handles cannot describe; the plain class
+// answers with an invitation to file a PyTorch issue. Refused with the way out instead.
+[[noreturn]] void refuse_ipc() {
+  TORCH_CHECK(false, "tidepool: sharing CUDA tensors between processes (CUDA IPC: "
+              "torch.multiprocessing, share_memory() of CUDA tensors) is not supported in "
+              "tidepool's global mode. Use tidepool.mode:pool, which keeps PyTorch's allocator "
+              "for such tensors, or share CPU tensors");
+}
+
 class TorchCudaAllocator final : public Pluggable {
  public:
   TorchCudaAllocator() : TorchCudaAllocator(std::make_shared<MemoryHistory>()) {}
@@ -191,6 +202,11 @@ class TorchCudaAllocator final : public Pluggable {
                            std::function<bool(cudaStream_t)> /*filter*/) override {
     refuse_pools(device);
   }
+
+  c10::cuda::CUDACachingAllocator::ShareableHandle shareIpcHandle(void* /*ptr*/) override {
+    refuse_ipc();
+  }
+  std::shared_ptr<void> getIpcDevPtr(std::string /*handle*/) override { refuse_ipc(); }
 
   double getMemoryFraction(c10::DeviceIndex device) override {
     const double fraction = tidepool_get_memory_fraction(device);

@@ -36,6 +36,9 @@
 //                   are ignored or refused with a generic message; tidepool has no pools,
 //                   and memory a captured graph uses would be reused after capture.
 //                   -> a clear error naming tidepool.mode:pool, which supports them.
+//   shareIpcHandle / getIpcDevPtr
+//                   CUDA IPC (torch.multiprocessing with CUDA tensors) ends in "please file
+//                   a PyTorch issue". -> a clear error naming tidepool.mode:pool.
 // And malloc and free: out of memory is c10's OutOfMemoryError (Python:
 // torch.OutOfMemoryError), as with PyTorch's own allocator, not the RuntimeError the plain
 // pair can throw; and both report to torch.profiler(profile_memory=True), which the plain

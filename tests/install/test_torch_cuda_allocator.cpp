@@ -13,6 +13,7 @@
 #include <torch/csrc/cuda/CUDAPluggableAllocator.h>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <tuple>
@@ -375,6 +376,25 @@ TEST_F(TorchCudaAllocatorTest, MemoryPoolsAreRefusedNamingPoolMode) {
   };
   refused([&] { allocator->createOrIncrefPool(0, {1, 0}, nullptr); });
   refused([&] { allocator->beginAllocateToPool(0, {1, 0}, [](cudaStream_t) { return true; }); });
+}
+
+// CUDA IPC (torch.multiprocessing with CUDA tensors): tidepool's error with the way out,
+// not the plain class's "please file an issue".
+TEST_F(TorchCudaAllocatorTest, CudaIpcIsRefusedNamingPoolMode) {
+  const auto allocator = make_torch_cuda_allocator();
+  void* p = tidepool_malloc(4096, 0, nullptr);
+  ASSERT_NE(p, nullptr) << tidepool_last_error();
+  for (const auto& call : std::vector<std::function<void()>>{
+           [&] { allocator->shareIpcHandle(p); }, [&] { allocator->getIpcDevPtr("handle"); }}) {
+    try {
+      call();
+      ADD_FAILURE() << "CUDA IPC was not refused";
+    } catch (const c10::Error& e) {
+      EXPECT_NE(std::string(e.what()).find("tidepool.mode:pool"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("torch.multiprocessing"), std::string::npos) << e.what();
+    }
+  }
+  tidepool_free(p, 4096, 0, nullptr);
 }
 
 TEST_F(TorchCudaAllocatorTest, InstalledItIsWhatC10Calls) {
