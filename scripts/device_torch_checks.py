@@ -24,7 +24,9 @@ before CUDA initialises:
      steps, an OOM with an observer attached, _snapshot and _dump_snapshot: the trace has
      alloc/free/oom entries with Python stacks, live blocks carry theirs; then a training
      step under torch.profiler(profile_memory=True) shows CUDA memory per operator;
-  9. cudnn_benchmark: global mode with torch.backends.cudnn.benchmark = True (PyTorch's
+  9. resume: global mode through the package; AdamW state loaded from a checkpoint
+     (map_location="cuda") is in pointer-stable ranges, and training goes on bit for bit;
+  10. cudnn_benchmark: global mode with torch.backends.cudnn.benchmark = True (PyTorch's
      cuDNN autotuner asks the allocator for cacheInfo, which pluggable allocators lack,
      pytorch#98481): a conv net trains, or the check shows the error.
 Prints one line per check: name, PASS/FAIL, what was seen.
@@ -233,6 +235,34 @@ CHECKS = {
                   "PROFILED_OPS", profiled)
         """
     ),
+    "resume": textwrap.dedent(
+        """
+        # Note [loaded state] (python/src/tidepool/_optim_hooks.py): optimizer state loaded
+        # from a checkpoint lands in pointer-stable ranges and is evicted, as state a step
+        # creates does; training goes on bit for bit.
+        import io, sys
+        sys.path.insert(0, PYSRC)
+        from tidepool import _config, _install
+        _install.install(torch, _config.claim("backend:tidepool").config)
+        lib.tidepool_vmm_owns.argtypes = [ctypes.c_void_p, ctypes.c_int]
+        torch.manual_seed(0)
+        model = torch.nn.Linear(1024, 1024).cuda()
+        x = torch.randn(64, 1024, device="cuda")
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        def step(m, o):
+            o.zero_grad(); m(x).square().mean().backward(); o.step()
+        step(model, opt)
+        buf = io.BytesIO(); torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
+        step(model, opt); uninterrupted = model.weight.detach().clone()
+        buf.seek(0); ckpt = torch.load(buf, map_location="cuda")
+        model2 = torch.nn.Linear(1024, 1024).cuda(); model2.load_state_dict(ckpt["model"])
+        opt2 = torch.optim.AdamW(model2.parameters(), lr=1e-3); opt2.load_state_dict(ckpt["opt"])
+        big = [v for st in opt2.state.values() for v in st.values() if v.numel() * v.element_size() >= 1 << 20]
+        tiered = sum(lib.tidepool_vmm_owns(v.data_ptr(), 0) == 1 for v in big)
+        step(model2, opt2)
+        print("TIERED", tiered, "OF", len(big), "SAME", torch.equal(model2.weight, uninterrupted))
+        """
+    ),
     "cudnn_benchmark": textwrap.dedent(
         """
         print("VIA", use_tidepool_globally(pluggable_class=os.environ.get("CHECK_PLUGGABLE") == "1"))
@@ -310,6 +340,10 @@ def main():
         and "DUMPED True" in h_out and "PROFILED_OPS 0" not in h_out))
     ok &= history_ok
     print(f"history  {'PASS' if history_ok else 'FAIL'}  {h_out[:400]} {h_err if h_rc or not h_out else ''}")
+    r_rc, r_out, r_err = results["resume"]
+    resume_ok = r_rc == 0 and r_out.startswith("TIERED 2 OF 2 SAME True")
+    ok &= resume_ok
+    print(f"resume   {'PASS' if resume_ok else 'FAIL'}  {r_out[:300]} {r_err if r_rc or not r_out else ''}")
     c_rc, c_out, c_err = results["cudnn_benchmark"]
     cudnn_ok = c_rc == 0 and "TRAINED" in c_out
     ok &= cudnn_ok

@@ -6,6 +6,7 @@ around a real torch.optim step (tags through the real libtidepool)."""
 from __future__ import annotations
 
 import contextlib
+import copy
 import ctypes
 import os
 import warnings
@@ -198,7 +199,7 @@ def test_global_mode_replaces_the_current_allocator(fake_cuda):
                           "tidepool_pytorch_free"),
                          ("change_current_allocator", allocator)]
     assert tidepool.status() == "active: mode global"
-    assert len(_install.STATE.optimizer_hooks) == 2
+    assert len(_install.STATE.optimizer_hooks) == 3  # step pre/post hooks, load_state_dict
     assert _install.pool() is None
     install()  # a second install is a no-op
     assert len(fake_cuda) == 2
@@ -516,6 +517,89 @@ def test_a_step_that_raises_does_not_leave_its_tag_open(fake_cuda, fake_tiering)
     p.grad = torch.ones(2)
     optimizer.step()  # the next pre-hook closes the dangling scope first
     assert _tags.current() == outside
+
+
+@pytest.fixture
+def untiered_state(monkeypatch, fake_tiering):
+    """CPU tensors stand in for CUDA state; a state tensor counts as tiered once it was
+    made by _adopt_tensor (what, on a GPU, lands in a pointer-stable range). Returns the
+    tags in force at each adoption."""
+    tiered: set[int] = set()
+    adopted_under: list[int] = []
+
+    def adopt(value):
+        adopted_under.append(_tags.current())
+        copy = value.clone()
+        tiered.add(copy.data_ptr())
+        return copy
+
+    monkeypatch.setattr(_optim_hooks, "_on_cuda", lambda value: True)
+    monkeypatch.setattr(_optim_hooks, "_adopt_tensor", adopt)
+    monkeypatch.setattr(_tiering, "owns", lambda device, ptr: ptr in tiered)
+    return adopted_under
+
+
+@pytest.mark.parametrize("mode", ["global", "pool"])
+def test_loaded_state_is_taken_into_tiering_and_evicted(fake_cuda, fake_tiering, untiered_state,
+                                                        mode):
+    # Note [loaded state]: resuming from a checkpoint must not leave the state resident.
+    install(mode=mode, tier_min_bytes="64")
+    torch.manual_seed(0)
+    grads = [torch.randn(8, 4) for _ in range(4)]
+
+    def model():
+        return torch.nn.Parameter(torch.linspace(-1, 1, 32).reshape(8, 4))
+
+    p = model()
+    optimizer = torch.optim.AdamW([p], lr=1e-2)
+    for g in grads[:2]:
+        p.grad = g.clone()
+        optimizer.step()
+    # What torch.save / torch.load would give: copies, not the live state.
+    checkpoint = {"param": p.detach().clone(), "optimizer": copy.deepcopy(optimizer.state_dict())}
+    for g in grads[2:]:
+        p.grad = g.clone()
+        optimizer.step()
+    uninterrupted = p.detach().clone()
+
+    resumed = model()
+    with torch.no_grad():
+        resumed.copy_(checkpoint["param"])
+    optimizer = torch.optim.AdamW([resumed], lr=1e-2)
+    fake_tiering.clear()
+    outside = _tags.current()
+    optimizer.load_state_dict(checkpoint["optimizer"])
+    state = optimizer.state[resumed]
+    # exp_avg and exp_avg_sq (128 bytes each) are taken in under optimizer_state; the
+    # 4-byte step counter stays below tier_min_bytes.
+    assert untiered_state == [_tags.OPTIMIZER_STATE] * 2
+    assert all(_tiering.owns(0, state[k].data_ptr()) for k in ("exp_avg", "exp_avg_sq"))
+    assert not _tiering.owns(0, state["step"].data_ptr())
+    assert torch.equal(state["exp_avg"], checkpoint["optimizer"]["state"][0]["exp_avg"])
+    assert fake_tiering == [("evict", 0, _tags.OPTIMIZER_STATE, 4242)]
+    assert _tags.current() == outside
+    pool_events = [c for c in fake_cuda if c[0] in ("enter_pool", "exit_pool")]
+    assert pool_events[-2:] == ([("enter_pool", 0), ("exit_pool", 0)] if mode == "pool" else [])
+    for g in grads[2:]:
+        resumed.grad = g.clone()
+        optimizer.step()
+    assert torch.equal(resumed.detach(), uninterrupted), "resuming changes no bit"
+    # Loading state that is already tiered (the same tensors) takes nothing in, moves nothing.
+    fake_tiering.clear()
+    optimizer.load_state_dict(optimizer.state_dict())
+    assert len(untiered_state) == 2
+    assert fake_tiering == []
+
+
+def test_load_state_dict_is_put_back_on_removal(fake_cuda, fake_tiering):
+    original = torch.optim.Optimizer.load_state_dict
+    install()
+    assert torch.optim.Optimizer.load_state_dict is not original
+    assert torch.optim.Optimizer.load_state_dict.__wrapped__ is original
+    for handle in _install.STATE.optimizer_hooks:
+        handle.remove()
+    _install.STATE.optimizer_hooks = None
+    assert torch.optim.Optimizer.load_state_dict is original
 
 
 def test_stock_adamw_foreach_and_plain_give_identical_results_with_the_hooks(fake_cuda, fake_tiering):

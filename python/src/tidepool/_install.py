@@ -43,7 +43,7 @@ class _State:
         self.allocator = None  # the CUDAPluggableAllocator (pool mode; global-mode fallback)
         self.cuda_allocator = None  # global mode: what c10's CUDA allocator is
         self.pool = None  # the MemPool, pool mode only, created on first use
-        self.optimizer_hooks = None  # the two RemovableHandles
+        self.optimizer_hooks = None  # two step-hook handles and the load_state_dict Patches
         self.record_stream = None  # global mode: the handle of the record_stream wrapper
         self.torch_memory = None  # global-mode fallback: the torch.cuda memory functions' handle
 

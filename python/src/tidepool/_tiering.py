@@ -35,6 +35,7 @@ _SIGNATURES = {
     "tidepool_prefetch_tag_within_budget": (ctypes.c_int, [ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
                                                            ctypes.POINTER(ctypes.c_uint64)]),
     "tidepool_get_tiering_stats_v1": (ctypes.c_int, [ctypes.c_int, ctypes.c_void_p]),
+    "tidepool_vmm_owns": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_int]),
 }
 
 
@@ -74,6 +75,11 @@ def prefetch_tag(device: int, tag: int, stream: int | None = None) -> int:
     _check(_fn("tidepool_prefetch_tag_within_budget")(device, tag, stream, ctypes.byref(left_on_host)),
            f"prefetching tag {tag} on device {device}")
     return left_on_host.value
+
+
+def owns(device: int, ptr: int) -> bool:
+    """Whether `ptr` lies in one of the device's pointer-stable (evictable) ranges."""
+    return _fn("tidepool_vmm_owns")(ptr, device) == 1
 
 
 def transfer_stats(device: int) -> dict:
