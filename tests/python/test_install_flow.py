@@ -584,6 +584,8 @@ def test_loaded_state_is_taken_into_tiering_and_evicted(fake_cuda, fake_tiering,
         resumed.grad = g.clone()
         optimizer.step()
     assert torch.equal(resumed.detach(), uninterrupted), "resuming changes no bit"
+    # A tensor subclass is not one storage to copy: left as it is.
+    assert not _optim_hooks._outside_tiering(torch.nn.Parameter(torch.ones(64)), 0)
     # Loading state that is already tiered (the same tensors) takes nothing in, moves nothing.
     fake_tiering.clear()
     optimizer.load_state_dict(optimizer.state_dict())

@@ -133,7 +133,8 @@ def _adopt_tensor(value):
 
 def _outside_tiering(value, min_bytes: int) -> bool:
     torch = _install.STATE.torch
-    return (isinstance(value, torch.Tensor) and _on_cuda(value)
+    # Plain tensors only: a subclass (FSDP2's DTensor, ...) is not one storage to copy.
+    return (type(value) is torch.Tensor and _on_cuda(value)
             and value.numel() * value.element_size() >= min_bytes
             and not _tiering.owns(value.device.index, value.data_ptr()))
 
@@ -147,7 +148,8 @@ def _adopt_loaded_state(optimizer) -> int:
     load every state tensor that tidepool would have made pointer-stable (on a CUDA
     device, at least tidepool.tier_min_bytes, not already in a tiered range) is copied
     into one under the optimizer_state tag, as a step would have made it, and the state
-    is evicted as after a step. Returns the bytes taken in."""
+    is evicted as after a step. Tensor subclasses (FSDP2's DTensor state) are left as
+    they are. Returns the bytes taken in."""
     devices = _cuda_devices(optimizer)
     if not devices or not _tiering_or_warn():
         return 0
