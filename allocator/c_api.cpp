@@ -333,7 +333,11 @@ int tidepool_get_stats_v1(int device, tidepool_stats_v1* out) {
 
 int tidepool_reset_peak_stats(int device) {
   return guarded(-1, [&] {
-    tidepool::device_allocator(device).reset_peak_stats();
+    // A device tidepool never allocated on has no peaks: nothing is created there.
+    if (tidepool::CachingAllocator* a = tidepool::existing_device_allocator(device))
+      a->reset_peak_stats();
+    else
+      tidepool::check_device(device);
     return 0;
   });
 }

@@ -669,6 +669,13 @@ AllocatorStats CachingAllocator::stats() const {
   return impl_->compute_stats();
 }
 
+CachingAllocator::BytesInUse CachingAllocator::bytes_in_use() const {
+  std::lock_guard lock(impl_->mutex);
+  const auto cache_locks = impl_->lock_thread_caches();
+  impl_->fold_locked_thread_caches();
+  return {impl_->stats.allocated.current, impl_->stats.reserved.current};
+}
+
 std::size_t CachingAllocator::largest_free_block() const {
   std::lock_guard lock(impl_->mutex);
   const auto cache_locks = impl_->lock_thread_caches();
@@ -706,14 +713,27 @@ std::vector<MemoryRange> CachingAllocator::backed_ranges() const {
   return impl_->backed_ranges();
 }
 
+// The live block at ptr, or nullptr; impl's mutex held. A block parked in a thread cache
+// is free to its callers (its holder's mutex is taken to tell).
+static const detail::Block* live_block(const CachingAllocator::Impl& m, const void* ptr) {
+  auto it = m.blocks.find(ptr);
+  if (it == m.blocks.end() || it->second->state != BlockState::allocated) return nullptr;
+  const detail::Block* b = it->second;
+  if (b->holder == nullptr) return b;
+  std::lock_guard cache_lock(b->holder->mutex);
+  return b->in_thread_cache ? nullptr : b;
+}
+
 std::size_t CachingAllocator::allocation_size(const void* ptr) const {
   std::lock_guard lock(impl_->mutex);
-  auto it = impl_->blocks.find(ptr);
-  if (it == impl_->blocks.end() || it->second->state != BlockState::allocated) return 0;
-  const Block* b = it->second;
-  if (b->holder == nullptr) return b->requested;
-  std::lock_guard cache_lock(b->holder->mutex);
-  return b->in_thread_cache ? 0 : b->requested;
+  const detail::Block* b = live_block(*impl_, ptr);
+  return b != nullptr ? b->requested : 0;
+}
+
+std::size_t CachingAllocator::block_size(const void* ptr) const {
+  std::lock_guard lock(impl_->mutex);
+  const detail::Block* b = live_block(*impl_, ptr);
+  return b != nullptr ? b->size : 0;
 }
 
 Backend& CachingAllocator::backend() const { return *impl_->backend; }

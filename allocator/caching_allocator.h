@@ -174,6 +174,14 @@ class TIDEPOOL_API CachingAllocator {
   static void require_releasable(int device, Stream stream);
 
   AllocatorStats stats() const;
+  // Bytes allocated and reserved now: stats().allocated.current and reserved.current
+  // without the rest of stats() (no walk over the blocks), for a caller that asks on
+  // every allocation (torch.profiler's memory events).
+  struct BytesInUse {
+    std::uint64_t allocated = 0;
+    std::uint64_t reserved = 0;
+  };
+  BytesInUse bytes_in_use() const;
   // The largest contiguous free range of cached (backed) memory: what one allocation can
   // get without asking the backend for more.
   std::size_t largest_free_block() const;
@@ -187,6 +195,9 @@ class TIDEPOOL_API CachingAllocator {
   std::size_t allocation_size(const void* ptr) const;
   // True when `ptr` is the start of a live allocation of this allocator.
   bool owns(const void* ptr) const { return allocation_size(ptr) != 0; }
+  // Bytes the live allocation at `ptr` holds (its block: the request rounded up, what the
+  // allocated stats count), or 0 when ptr is not a live allocation.
+  std::size_t block_size(const void* ptr) const;
 
   Backend& backend() const;
   int device() const;

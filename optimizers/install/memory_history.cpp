@@ -13,8 +13,10 @@
 //   - `when` says which stacks are gathered: STATE the allocating stack of each live
 //     block (shown in the snapshot), ALLOC also on alloc entries, ALL also on frees (a
 //     free entry without its own stack carries the block's allocating one).
-//   - Disabling stops recording and keeps what was recorded (clear drops the entries);
-//     live blocks keep their stacks until they are freed.
+//   - Disabling stops recording and drops the entries, as clear does (c10: a history
+//     turned off and on again must not join two runs across a gap nothing was traced
+//     in); live blocks keep their stacks until they are freed. A new max_entries keeps
+//     the newest entries.
 //   - Times are microseconds since the epoch (c10 keeps approximate clock ticks and
 //     converts them when it takes a snapshot; the snapshot reads the converted field).
 // Memory tidepool routes to pointer-stable ranges (optimizer state, the tier route) is
@@ -65,13 +67,16 @@ void MemoryHistory::record(bool enabled, CreateContextFn context_recorder, std::
   std::lock_guard lock(mutex_);
   skipped_ = std::move(skipped);
   max_entries_ = std::max<std::size_t>(1, max_entries);
-  if (clear_history) traces_.clear();
+  if (!enabled || clear_history) traces_.clear();
+  // Oldest first again, so that a ring that grows appends after its newest entry, and
+  // one that shrinks keeps its newest.
   for (auto& [device, ring] : traces_) {
-    if (ring.entries.size() <= max_entries_) continue;
-    std::vector<TraceEntry> kept = in_order(ring.entries, ring.next);
-    kept.erase(kept.begin(), kept.end() - static_cast<std::ptrdiff_t>(max_entries_));
-    ring.entries = std::move(kept);
+    std::rotate(ring.entries.begin(), ring.entries.begin() + static_cast<std::ptrdiff_t>(ring.next),
+                ring.entries.end());
     ring.next = 0;
+    if (ring.entries.size() > max_entries_)
+      ring.entries.erase(ring.entries.begin(),
+                         ring.entries.end() - static_cast<std::ptrdiff_t>(max_entries_));
   }
   recorder_.store(enabled ? context_recorder : nullptr);
   when_.store(enabled ? when : RecordContext::NEVER);
@@ -172,11 +177,13 @@ SnapshotInfo MemoryHistory::snapshot(c10::cuda::MempoolId_t mempool, bool includ
   SnapshotInfo info;
   // Global mode has no memory pools (torch_cuda_allocator.h): a pool's snapshot is empty.
   const bool all_memory = mempool.first == 0 && mempool.second == 0;
+  // The ranges are read under the history's lock (order: history, then allocator, as
+  // nowhere the reverse), so a block's stack is the one its allocation recorded.
+  std::lock_guard lock(mutex_);
   std::vector<std::pair<int, std::vector<MemoryRange>>> devices;
   for (int device = 0; device < kMaxDevices; ++device)
     if (const CachingAllocator* allocator = existing_device_allocator(device))
       devices.emplace_back(device, all_memory ? allocator->backed_ranges() : std::vector<MemoryRange>{});
-  std::lock_guard lock(mutex_);
   for (const auto& [device, ranges] : devices) {
     std::size_t active = 0;
     for (const MemoryRange& range : ranges) {

@@ -14,13 +14,15 @@
 // memory torch.cuda.memory_stats() leaves out (Note [PyTorch's view of the stats]).
 //
 // Thread-safety: every member may be called from any thread. The context recorder (which
-// may take Python's GIL) is never called with the history's lock held.
+// may take Python's GIL) is never called with the history's lock held; the allocator's
+// lock is taken under it (snapshot) but never the other way round.
 #pragma once
 
 #include <c10/cuda/CUDACachingAllocator.h>
 
 #include <atomic>
 #include <cstddef>
+#include <cstdint>
 #include <map>
 #include <memory>
 #include <mutex>

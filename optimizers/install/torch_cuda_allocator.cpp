@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "allocator/c_api.h"
+#include "allocator/device_registry.h"
 #include "optimizers/install/memory_history.h"
 
 namespace tidepool::optim {
@@ -40,46 +41,74 @@ using Pluggable = torch::cuda::CUDAPluggableAllocator::CUDAPluggableAllocator;
 // OutOfMemoryError, what PyTorch's own allocator throws (Python: torch.OutOfMemoryError,
 // which training loops catch to retry with a smaller batch), anything else as c10::Error.
 // torch.profiler(profile_memory=True) and its memory timeline: c10's own allocator reports
-// every allocation (positive size) and free (negative) with the device's allocated and
-// reserved totals after it, and every out-of-memory; the pluggable class reports nothing.
+// every allocation (its block's size) and free (negative) with the device's allocated and
+// reserved bytes after it, and every out-of-memory; the pluggable class reports nothing.
 // Only while a profiler on this thread asks for it (one thread-local lookup otherwise).
-template <class Report>
-void to_profiler(int device, Report&& report) {
-  if (!c10::memoryProfilingEnabled()) return;
-  tidepool_stats_v1 s{};
-  s.struct_size = sizeof s;
-  if (tidepool_get_stats_v1(device, &s) != 0) return;  // no figures: nothing to report
-  report(s.allocated.current, s.reserved.current,
-         c10::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(device)));
+// Memory outside the caching allocator (optimizer state in pointer-stable ranges) is
+// reported with the size asked for.
+c10::Device cuda_device(int device) {
+  return c10::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(device));
+}
+CachingAllocator::BytesInUse bytes_in_use(int device) {
+  const CachingAllocator* allocator = existing_device_allocator(device);
+  return allocator != nullptr ? allocator->bytes_in_use() : CachingAllocator::BytesInUse{};
+}
+std::size_t block_size(const void* ptr, std::size_t bytes, int device) {
+  const CachingAllocator* allocator = existing_device_allocator(device);
+  const std::size_t size = allocator != nullptr ? allocator->block_size(ptr) : 0;
+  return size != 0 ? size : bytes;
+}
+void report_usage(void* ptr, std::int64_t signed_bytes, int device) {
+  const CachingAllocator::BytesInUse in_use = bytes_in_use(device);
+  c10::reportMemoryUsageToProfiler(ptr, signed_bytes, in_use.allocated, in_use.reserved,
+                                   cuda_device(device));
 }
 
 // Both record into the allocator's memory history (memory_history.h) when it is on.
 void* torch_alloc(MemoryHistory& history, size_t bytes, int device, cudaStream_t stream) {
   void* p = tidepool_malloc(static_cast<ssize_t>(bytes), device, stream);
   if (p != nullptr) {
-    history.on_alloc(p, bytes, device, stream);
-    to_profiler(device, [&](size_t allocated, size_t reserved, c10::Device d) {
-      c10::reportMemoryUsageToProfiler(p, static_cast<int64_t>(bytes), allocated, reserved, d);
-    });
+    try {
+      if (c10::memoryProfilingEnabled())
+        report_usage(p, static_cast<std::int64_t>(block_size(p, bytes, device)), device);
+      history.on_alloc(p, bytes, device, stream);
+    } catch (...) {
+      tidepool_pytorch_free(p, bytes, device, stream);  // the caller never gets p
+      throw;
+    }
     return p;
   }
   if (bytes == 0) return p;
   const std::string message = tidepool_last_error();
   if (tidepool_last_error_is_out_of_memory() != 0) {
     history.on_out_of_memory(device, bytes);  // PyTorch's OOM observers, then the error
-    to_profiler(device, [&](size_t allocated, size_t reserved, c10::Device d) {
-      c10::reportOutOfMemoryToProfiler(static_cast<int64_t>(bytes), allocated, reserved, d);
-    });
+    if (c10::memoryProfilingEnabled()) {
+      const CachingAllocator::BytesInUse in_use = bytes_in_use(device);
+      c10::reportOutOfMemoryToProfiler(static_cast<std::int64_t>(bytes), in_use.allocated,
+                                       in_use.reserved, cuda_device(device));
+    }
     TORCH_CHECK_WITH(OutOfMemoryError, false, message);
   }
   TORCH_CHECK(false, message.empty() ? "tidepool: allocation failed" : message);
 }
-void torch_free(MemoryHistory& history, void* ptr, size_t bytes, int device, cudaStream_t stream) {
-  history.on_free(ptr, bytes, device, stream);  // while the memory is still tidepool's block
+
+// Runs in a DataPtr's deleter: the memory is given back whatever the history or the
+// profiler do, and nothing escapes (an exception there would end the process); a failure
+// of theirs (out of host memory for their bookkeeping) loses them this one event.
+void torch_free(MemoryHistory& history, void* ptr, size_t bytes, int device,
+                cudaStream_t stream) noexcept {
+  std::size_t reported = 0;
+  try {
+    history.on_free(ptr, bytes, device, stream);  // while the memory is still tidepool's block
+    if (c10::memoryProfilingEnabled()) reported = block_size(ptr, bytes, device);
+  } catch (...) {
+  }
   tidepool_pytorch_free(ptr, bytes, device, stream);
-  to_profiler(device, [&](size_t allocated, size_t reserved, c10::Device d) {
-    c10::reportMemoryUsageToProfiler(ptr, -static_cast<int64_t>(bytes), allocated, reserved, d);
-  });
+  if (reported == 0) return;
+  try {
+    report_usage(ptr, -static_cast<std::int64_t>(reported), device);
+  } catch (...) {
+  }
 }
 
 // Tensor::record_stream (Note [record_stream from PyTorch] in allocator/c_api.h). Memory

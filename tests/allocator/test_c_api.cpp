@@ -95,6 +95,9 @@ TEST_F(CApi, PyTorchStatsAreTidepoolsInC10sLayout) {
   ASSERT_EQ(tidepool::existing_device_allocator(kDevice), nullptr);
   const tidepool_pytorch_stats_v1 unused = pytorch_stats();
   EXPECT_EQ(tidepool::existing_device_allocator(kDevice), nullptr) << "reading creates nothing";
+  EXPECT_EQ(tidepool_reset_peak_stats(kDevice), 0) << tidepool_last_error();
+  EXPECT_EQ(tidepool_pytorch_reset_accumulated_stats(kDevice), 0) << tidepool_last_error();
+  EXPECT_EQ(tidepool::existing_device_allocator(kDevice), nullptr) << "nor do the resets";
   EXPECT_EQ(unused.version, 1u);
   EXPECT_EQ(unused.allocated_bytes[TIDEPOOL_POOL_ALL].current, 0u);
   EXPECT_EQ(unused.max_split_size, -1);
@@ -156,6 +159,9 @@ TEST_F(CApi, PyTorchStatsRejectBadInputAndChangeNothing) {
   EXPECT_EQ(v.version, 0u) << "nothing written";
   v.struct_size = sizeof v;
   EXPECT_EQ(tidepool_get_pytorch_stats_v1(tidepool::kMaxDevices, &v), -1);
+  EXPECT_NE(std::string(tidepool_last_error()).find("does not exist"), std::string::npos)
+      << tidepool_last_error();
+  EXPECT_EQ(tidepool_reset_peak_stats(tidepool::kMaxDevices), -1);
   EXPECT_NE(std::string(tidepool_last_error()).find("does not exist"), std::string::npos)
       << tidepool_last_error();
   EXPECT_EQ(tidepool_pytorch_reset_accumulated_stats(-1), -1);

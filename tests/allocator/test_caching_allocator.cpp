@@ -312,9 +312,13 @@ TEST_P(Battery, OwnsAndAllocationSizeKnowLiveBlocksOnly) {
   void* p = alloc_->allocate(777);
   EXPECT_TRUE(alloc_->owns(p));
   EXPECT_EQ(alloc_->allocation_size(p), 777u);
+  EXPECT_EQ(alloc_->block_size(p), round_request(777));
+  EXPECT_EQ(alloc_->block_size(p), alloc_->stats().allocated.current);
   EXPECT_FALSE(alloc_->owns(static_cast<char*>(p) + 512));
+  EXPECT_EQ(alloc_->block_size(static_cast<char*>(p) + 512), 0u);
   alloc_->deallocate(p, 777);
   EXPECT_FALSE(alloc_->owns(p));
+  EXPECT_EQ(alloc_->block_size(p), 0u);
 }
 
 TEST_P(Battery, FragmentationCountsHolesAndDropsToZeroWhenEmptied) {

@@ -199,12 +199,13 @@ TEST_F(TorchCudaAllocatorTest, TheMemoryHistoryRecordsAllocationsFreesAndTheirSt
   EXPECT_EQ(entries[2].addr_, entries[0].addr_);
   EXPECT_GT(number_of(entries[2].context_), allocated_under) << "ALL: the free's own stack";
 
-  // Off: nothing more is recorded, what was recorded stays until cleared.
+  // Cleared on request while recording goes on.
+  allocator->recordHistory(true, numbered_context, 100, RecordContext::ALL, true, {});
+  EXPECT_EQ(traces(*allocator).size(), 1u) << "the snapshot traces() itself takes";
+  // Off: nothing is recorded any more, and what was is dropped, as c10 does.
   allocator->recordHistory(false, nullptr, 100, RecordContext::NEVER, false, {});
   EXPECT_FALSE(allocator->isHistoryEnabled());
   allocator->raw_delete(allocator->malloc(4096, 0, nullptr));
-  EXPECT_EQ(traces(*allocator).size(), 5u);
-  allocator->recordHistory(false, nullptr, 100, RecordContext::NEVER, true, {});
   EXPECT_TRUE(traces(*allocator).empty());
 }
 
@@ -238,7 +239,22 @@ TEST_F(TorchCudaAllocatorTest, TheHistoryKeepsTheNewestEntriesAndSkipsWhatItIsTo
   ::testing::internal::GetCapturedStderr();
   EXPECT_TRUE(allocator->isHistoryEnabled());
   EXPECT_EQ(traces(*allocator).size(), 3u) << "not cleared, still a ring of 3";
-  for (std::size_t i = 1; i < blocks.size(); ++i) allocator->raw_delete(blocks[i]);
+
+  // A ring that has wrapped and then grows keeps its order: the next entry is the newest.
+  allocator->recordHistory(true, numbered_context, 10, RecordContext::STATE, false,
+                           {"free_requested", "snapshot"});
+  const auto before = traces(*allocator);
+  ASSERT_EQ(before.size(), 3u);
+  allocator->raw_delete(blocks[1]);
+  const auto grown = traces(*allocator);
+  ASSERT_EQ(grown.size(), 4u);
+  for (std::size_t i = 0; i < before.size(); ++i) {
+    EXPECT_EQ(grown[i].action_, before[i].action_) << i;
+    EXPECT_EQ(grown[i].addr_, before[i].addr_) << i;
+  }
+  EXPECT_EQ(grown[3].action_, Action::FREE_COMPLETED);
+  EXPECT_EQ(grown[3].addr_, reinterpret_cast<std::uintptr_t>(blocks[1]));
+  for (std::size_t i = 2; i < blocks.size(); ++i) allocator->raw_delete(blocks[i]);
   allocator->recordHistory(false, nullptr, 1, RecordContext::NEVER, true, {});
 }
 
@@ -300,13 +316,13 @@ TEST_F(TorchCudaAllocatorTest, AllocationsAndFreesReachTheProfiler) {
   auto profiler = std::make_shared<ProfilerStandIn>();
   {
     c10::DebugInfoGuard guard(c10::DebugInfoKind::PROFILER_STATE, profiler);
-    void* p = allocator->malloc(std::size_t{3} << 20, 0, nullptr);
+    void* p = allocator->malloc((std::size_t{3} << 20) - 100, 0, nullptr);
     const tidepool_stats_v1 after_alloc = stats();
-    allocator->raw_delete(p);
+    allocator->raw_delete(p);  // PyTorch frees with the size it asked for
     EXPECT_THROW(allocator->malloc(std::size_t{64} << 30, 0, nullptr), c10::OutOfMemoryError);
     ASSERT_EQ(profiler->events.size(), 2u);
     EXPECT_EQ(profiler->events[0].ptr, p);
-    EXPECT_EQ(profiler->events[0].size, int64_t{3} << 20);
+    EXPECT_EQ(profiler->events[0].size, int64_t{3} << 20) << "the block's size, as c10 reports";
     EXPECT_EQ(profiler->events[0].allocated, after_alloc.allocated.current);
     EXPECT_EQ(profiler->events[0].reserved, after_alloc.reserved.current);
     EXPECT_EQ(profiler->events[0].device, c10::Device(c10::DeviceType::CUDA, 0));
