@@ -291,11 +291,20 @@ def run(name, **variables):
     return proc.returncode, proc.stdout.strip(), err
 
 
+def report(label, result, passed, width=300):
+    """Prints one check's line (its output, and stderr when it failed or printed nothing);
+    returns whether it passed."""
+    rc, out, err = result
+    print(f"{label:<8} {'PASS' if passed else 'FAIL'}  {out[:width]} {err if rc or not out else ''}")
+    return passed
+
+
 def main():
     if not LIB or not os.path.exists(LIB):
         print(f"TIDEPOOL_LIBRARY={LIB!r} does not exist")
         return 2
     results = {name: run(name) for name in CHECKS}
+    passed = lambda name, test: results[name][0] == 0 and test(results[name][1])
     ok = True
     ref_rc, ref_out, _ = results["native-reference"]
     g_rc, g_out, g_err = results["global"]
@@ -303,51 +312,31 @@ def main():
     ok &= same
     print(f"global   {'PASS' if same else 'FAIL'}  losses native={ref_out.splitlines()[:1]} tidepool={g_out.splitlines()[:1]} {g_err if g_rc or not g_out else ''}")
     print("         " + "\n         ".join(g_out.splitlines()[1:]))
-    p_rc, p_out, p_err = results["pool"]
-    pool_ok = p_rc == 0 and "device_check_region" in p_out
-    ok &= pool_ok
-    print(f"pool     {'PASS' if pool_ok else 'FAIL'}  {p_out[:700]} {p_err if p_rc or not p_out else ''}")
-    o_rc, o_out, o_err = results["oom"]
+    ok &= report("pool", results["pool"], passed("pool", lambda out: "device_check_region" in out), 700)
     # libtidepool_torch_cuda raises torch.OutOfMemoryError, as PyTorch's own allocator does.
-    oom_ok = (o_rc == 0 and o_out.startswith("EXC OutOfMemoryError" if TORCH_CUDA else "EXC ")
-              and "ALIVE" in o_out)
-    ok &= oom_ok
-    print(f"oom      {'PASS' if oom_ok else 'FAIL'}  {o_out[:900]} {o_err if o_rc or not o_out else ''}")
-    r_rc, r_out, r_err = results["record_stream"]
-    rs_ok = r_rc == 0 and "REUSED False" in r_out and r_out.endswith(f"SUM {float(8 << 20)} EXPECTED {float(8 << 20)}")
-    ok &= rs_ok
-    print(f"record   {'PASS' if rs_ok else 'FAIL'}  {r_out[:300]} {r_err if r_rc or not r_out else ''}")
-    m_rc, m_out, m_err = results["memory_api"]
-    fields = m_out.split()
-    mem_ok = (m_rc == 0 and len(fields) >= 10 and int(fields[1]) > 0
-              and int(fields[5]) < int(fields[3]) and fields[7] == "True" and fields[9] == "True")
-    ok &= mem_ok
-    print(f"memory   {'PASS' if mem_ok else 'FAIL'}  {m_out[:300]} {m_err if m_rc or not m_out else ''}")
-    f_rc, f_out, f_err = results["memory_fraction"]
-    fraction_ok = f_rc == 0 and f_out.startswith("EXC OutOfMemoryError FRACTION_NAMED True GET 0.1")
-    ok &= fraction_ok
-    print(f"fraction {'PASS' if fraction_ok else 'FAIL'}  {f_out[:300]} {f_err if f_rc or not f_out else ''}")
-    g_rc, g_out, g_err = results["cuda_graph"]
+    ok &= report("oom", results["oom"], passed("oom", lambda out: out.startswith(
+        "EXC OutOfMemoryError" if TORCH_CUDA else "EXC ") and "ALIVE" in out), 900)
+    ok &= report("record", results["record_stream"], passed("record_stream", lambda out: "REUSED False" in out
+                 and out.endswith(f"SUM {float(8 << 20)} EXPECTED {float(8 << 20)}")))
+
+    def memory_ok(out):
+        fields = out.split()
+        return (len(fields) >= 10 and int(fields[1]) > 0 and int(fields[5]) < int(fields[3])
+                and fields[7] == "True" and fields[9] == "True")
+    ok &= report("memory", results["memory_api"], passed("memory_api", memory_ok))
+    ok &= report("fraction", results["memory_fraction"], passed("memory_fraction", lambda out: out.startswith(
+        "EXC OutOfMemoryError FRACTION_NAMED True GET 0.1")))
     # Refused clearly (no memory pools in global mode), never captured over reusable memory.
-    graph_ok = g_rc == 0 and (g_out.startswith("EXC") and "POOL_MODE_NAMED True" in g_out
-                              if TORCH_CUDA else bool(g_out))
-    ok &= graph_ok
-    print(f"graph    {'PASS' if graph_ok else 'FAIL'}  {g_out[:300]} {g_err if g_rc or not g_out else ''}")
-    h_rc, h_out, h_err = results["memory_history"]
-    history_ok = h_rc == 0 and (h_out.startswith("SKIP") if not TORCH_CUDA else (
-        "'alloc'" in h_out and "'free_completed'" in h_out and "'oom'" in h_out
-        and "ALLOCS_WITH_STACKS 0 " not in h_out and "OOM_OBSERVED 1" in h_out
-        and "DUMPED True" in h_out and "PROFILED_OPS 0" not in h_out))
-    ok &= history_ok
-    print(f"history  {'PASS' if history_ok else 'FAIL'}  {h_out[:400]} {h_err if h_rc or not h_out else ''}")
-    r_rc, r_out, r_err = results["resume"]
-    resume_ok = r_rc == 0 and r_out.startswith("TIERED 2 OF 2 SAME True")
-    ok &= resume_ok
-    print(f"resume   {'PASS' if resume_ok else 'FAIL'}  {r_out[:300]} {r_err if r_rc or not r_out else ''}")
-    c_rc, c_out, c_err = results["cudnn_benchmark"]
-    cudnn_ok = c_rc == 0 and "TRAINED" in c_out
-    ok &= cudnn_ok
-    print(f"cudnn    {'PASS' if cudnn_ok else 'FAIL'}  {c_out[:300]} {c_err if c_rc or not c_out else ''}")
+    ok &= report("graph", results["cuda_graph"], passed("cuda_graph", lambda out: (
+        out.startswith("EXC") and "POOL_MODE_NAMED True" in out) if TORCH_CUDA else bool(out)))
+    ok &= report("history", results["memory_history"], passed("memory_history", lambda out: (
+        out.startswith("SKIP") if not TORCH_CUDA else (
+            "'alloc'" in out and "'free_completed'" in out and "'oom'" in out
+            and "ALLOCS_WITH_STACKS 0 " not in out and "OOM_OBSERVED 1" in out
+            and "DUMPED True" in out and "PROFILED_OPS 0" not in out))), 400)
+    ok &= report("resume", results["resume"], passed("resume", lambda out: out.startswith(
+        "TIERED 2 OF 2 SAME True")))
+    ok &= report("cudnn", results["cudnn_benchmark"], passed("cudnn_benchmark", lambda out: "TRAINED" in out))
     # For the record, torch's CUDAPluggableAllocator class alone (the package's fallback):
     # expected to fail with "does not yet support cacheInfo" (pytorch#98481).
     f_rc, f_out, f_err = run("cudnn_benchmark", CHECK_PLUGGABLE="1")

@@ -1,0 +1,85 @@
+"""scripts/device_torch_checks.py runs only on the GPU machine, where a mistake in its
+verdicts would cost a scarce device session. Here its main() runs with canned check
+outputs in place of the subprocesses: every line prints, a full set of good outputs
+passes, and each check's failure fails the run."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+
+SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "device_torch_checks.py")
+
+GOOD = {
+    "native-reference": "[1.0, 0.5]",
+    "global": "[1.0, 0.5]\nstats ok",
+    "pool": "device_check_region 64MiB",
+    "oom": "EXC OutOfMemoryError | too big\nLAST_ERROR tidepool: out of memory\nALIVE 2.0",
+    "record_stream": f"REUSED False SUM {float(8 << 20)} EXPECTED {float(8 << 20)}",
+    "memory_api": "PEAK 100 RESERVED 200 AFTER_EMPTY 0 SUMMARY True RESET True",
+    "memory_fraction": "EXC OutOfMemoryError FRACTION_NAMED True GET 0.1",
+    "cuda_graph": "EXC RuntimeError POOL_MODE_NAMED True",
+    "memory_history": ("ACTIONS ['alloc', 'free_completed', 'free_requested', 'oom', 'snapshot'] "
+                       "ALLOCS_WITH_STACKS 12 LIVE_WITH_STACKS 3 OF 3 OOM_OBSERVED 1 DUMPED True "
+                       "PROFILED_OPS 7"),
+    "resume": "TIERED 2 OF 2 SAME True",
+    "cudnn_benchmark": "VIA torch_cuda\nTRAINED",
+}
+
+BAD = {
+    "global": "[1.0, 0.7]",
+    "pool": "no region",
+    "oom": "NO EXCEPTION\nALIVE 2.0",
+    "record_stream": f"REUSED True SUM {float(8 << 20)} EXPECTED {float(8 << 20)}",
+    "memory_api": "PEAK 100 RESERVED 200 AFTER_EMPTY 300 SUMMARY True RESET True",
+    "memory_fraction": "NO EXCEPTION",
+    "cuda_graph": "CAPTURED",
+    "memory_history": GOOD["memory_history"].replace("PROFILED_OPS 7", "PROFILED_OPS 0"),
+    "resume": "TIERED 0 OF 2 SAME True",
+    "cudnn_benchmark": "EXC RuntimeError | does not yet support cacheInfo",
+}
+
+
+@pytest.fixture
+def checks(monkeypatch, tmp_path):
+    library = tmp_path / "libtidepool.so"
+    library.write_bytes(b"")
+    monkeypatch.setenv("TIDEPOOL_LIBRARY", str(library))
+    monkeypatch.setenv("TIDEPOOL_TORCH_CUDA_LIBRARY", str(library))
+    spec = importlib.util.spec_from_file_location("device_torch_checks", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def run_with(module, outputs):
+    module.run = lambda name, **variables: (0, outputs[name], "")
+    return module.main()
+
+
+def test_every_check_has_a_canned_output(checks):
+    assert set(checks.CHECKS) == set(GOOD)
+    assert set(BAD) == set(GOOD) - {"native-reference"}
+
+
+def test_good_outputs_pass(checks, capsys):
+    assert run_with(checks, GOOD) == 0
+    printed = capsys.readouterr().out
+    assert "FAIL" not in printed
+    for label in ("global", "pool", "oom", "record", "memory", "fraction", "graph", "history",
+                  "resume", "cudnn"):
+        assert f"\n{label}" in "\n" + printed, label
+
+
+@pytest.mark.parametrize("check", sorted(BAD))
+def test_each_failing_check_fails_the_run(checks, capsys, check):
+    assert run_with(checks, dict(GOOD, **{check: BAD[check]})) == 1
+    assert "FAIL" in capsys.readouterr().out
+
+
+def test_a_crashed_check_fails_the_run(checks):
+    checks.run = lambda name, **variables: ((1, "", "[exit 1] Segmentation fault")
+                                            if name == "resume" else (0, GOOD[name], ""))
+    assert checks.main() == 1
