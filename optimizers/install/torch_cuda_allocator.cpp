@@ -36,10 +36,6 @@ namespace {
 
 using Pluggable = torch::cuda::CUDAPluggableAllocator::CUDAPluggableAllocator;
 
-// LibTorch does not check the pointer, so a failure must arrive as an exception (Note
-// [OOM into PyTorch] in allocator/c_api.h): running out of memory as c10's
-// OutOfMemoryError, what PyTorch's own allocator throws (Python: torch.OutOfMemoryError,
-// which training loops catch to retry with a smaller batch), anything else as c10::Error.
 // torch.profiler(profile_memory=True) and its memory timeline: c10's own allocator reports
 // every allocation (its block's size) and free (negative) with the device's allocated and
 // reserved bytes after it, and every out-of-memory; the pluggable class reports nothing.
@@ -64,6 +60,10 @@ void report_usage(void* ptr, std::int64_t signed_bytes, int device) {
                                    cuda_device(device));
 }
 
+// LibTorch does not check the pointer, so a failure must arrive as an exception (Note
+// [OOM into PyTorch] in allocator/c_api.h): running out of memory as c10's
+// OutOfMemoryError, what PyTorch's own allocator throws (Python: torch.OutOfMemoryError,
+// which training loops catch to retry with a smaller batch), anything else as c10::Error.
 // Both record into the allocator's memory history (memory_history.h) when it is on.
 void* torch_alloc(MemoryHistory& history, size_t bytes, int device, cudaStream_t stream) {
   void* p = tidepool_malloc(static_cast<ssize_t>(bytes), device, stream);
