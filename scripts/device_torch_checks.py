@@ -28,7 +28,10 @@ before CUDA initialises:
      (map_location="cuda") is in pointer-stable ranges, and training goes on bit for bit;
   10. cudnn_benchmark: global mode with torch.backends.cudnn.benchmark = True (PyTorch's
      cuDNN autotuner asks the allocator for cacheInfo, which pluggable allocators lack,
-     pytorch#98481): a conv net trains, or the check shows the error.
+     pytorch#98481): a conv net trains, or the check shows the error;
+  11. step_raises: pool mode through the package; after an AdamW step that raises, a
+     tensor allocated outside any step goes to PyTorch's allocator, not tidepool's pool
+     (Note [a step that raises]), and the next step puts the state in tidepool.
 Prints one line per check: name, PASS/FAIL, what was seen.
 """
 import os
@@ -263,6 +266,33 @@ CHECKS = {
         print("TIERED", tiered, "OF", len(big), "SAME", torch.equal(model2.weight, uninterrupted))
         """
     ),
+    "step_raises": textwrap.dedent(
+        """
+        import sys
+        sys.path.insert(0, PYSRC)
+        import tidepool
+        from tidepool import _config, _install
+        _install.install(torch, _config.claim("backend:tidepool,tidepool.mode:pool").config)
+        def in_tidepool():  # the caching allocator's blocks and the pointer-stable ranges
+            s = tidepool.stats(0)
+            return s["allocated_bytes.all.current"] + s["tiering.vmm_device_bytes"] + s["tiering.vmm_host_bytes"]
+        model = torch.nn.Linear(1024, 1024).cuda()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        model(torch.randn(64, 1024, device="cuda")).square().mean().backward()
+        def closure():
+            raise RuntimeError("boom")
+        try:
+            opt.step(closure)
+            print("NO EXCEPTION")
+        except RuntimeError as e:
+            before = in_tidepool()
+            activation = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
+            outside = in_tidepool() - before
+            before = in_tidepool()
+            opt.step()
+            print("RAISED", str(e), "AFTER_RAISE_IN_TIDEPOOL", outside, "STATE_IN_TIDEPOOL", in_tidepool() - before)
+        """
+    ),
     "cudnn_benchmark": textwrap.dedent(
         """
         print("VIA", use_tidepool_globally(pluggable_class=os.environ.get("CHECK_PLUGGABLE") == "1"))
@@ -336,6 +366,11 @@ def main():
             and "DUMPED True" in out and "PROFILED_OPS 0" not in out))), 400)
     ok &= report("resume", results["resume"], passed("resume", lambda out: out.startswith(
         "TIERED 2 OF 2 SAME True")))
+    def step_raises_ok(out):
+        fields = out.split()
+        return (len(fields) == 6 and fields[:4] == ["RAISED", "boom", "AFTER_RAISE_IN_TIDEPOOL", "0"]
+                and int(fields[5]) >= 2 * 1024 * 1024 * 4)  # AdamW's exp_avg(_sq) of the weight
+    ok &= report("raises", results["step_raises"], passed("step_raises", step_raises_ok))
     ok &= report("cudnn", results["cudnn_benchmark"], passed("cudnn_benchmark", lambda out: "TRAINED" in out))
     # For the record, torch's CUDAPluggableAllocator class alone (the package's fallback):
     # expected to fail with "does not yet support cacheInfo" (pytorch#98481).

@@ -25,6 +25,7 @@ GOOD = {
                        "ALLOCS_WITH_STACKS 12 LIVE_WITH_STACKS 3 OF 3 OOM_OBSERVED 1 DUMPED True "
                        "PROFILED_OPS 7"),
     "resume": "TIERED 2 OF 2 SAME True",
+    "step_raises": "RAISED boom AFTER_RAISE_IN_TIDEPOOL 0 STATE_IN_TIDEPOOL 8392704",
     "cudnn_benchmark": "VIA torch_cuda\nTRAINED",
 }
 
@@ -38,6 +39,7 @@ BAD = {
     "cuda_graph": "CAPTURED",
     "memory_history": GOOD["memory_history"].replace("PROFILED_OPS 7", "PROFILED_OPS 0"),
     "resume": "TIERED 0 OF 2 SAME True",
+    "step_raises": "RAISED boom AFTER_RAISE_IN_TIDEPOOL 67108864 STATE_IN_TIDEPOOL 8392704",
     "cudnn_benchmark": "EXC RuntimeError | does not yet support cacheInfo",
 }
 
@@ -69,7 +71,7 @@ def test_good_outputs_pass(checks, capsys):
     printed = capsys.readouterr().out
     assert "FAIL" not in printed
     for label in ("global", "pool", "oom", "record", "memory", "fraction", "graph", "history",
-                  "resume", "cudnn"):
+                  "resume", "raises", "cudnn"):
         assert f"\n{label}" in "\n" + printed, label
 
 

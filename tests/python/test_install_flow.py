@@ -503,20 +503,113 @@ def test_with_no_state_budget_nothing_is_prefetched(fake_cuda, fake_tiering):
     assert fake_tiering == [("evict", 0, _tags.OPTIMIZER_STATE, 4242)] * 2
 
 
-def test_a_step_that_raises_does_not_leave_its_tag_open(fake_cuda, fake_tiering):
-    install()
+def raising_closure():
+    raise RuntimeError("boom")
+
+
+@pytest.mark.parametrize("mode", ["global", "pool"])
+def test_a_step_that_raises_closes_its_scope_and_evicts(fake_cuda, fake_tiering, mode):
+    # Note [a step that raises]: torch runs no post-hook then; the guard does its work.
+    install(mode=mode, state_budget="1GiB")
+
+    class FreshAdamW(torch.optim.AdamW):  # a step() torch wraps only now, with the guard
+        def step(self, closure=None):
+            return super().step(closure)
+
     p = torch.nn.Parameter(torch.ones(2))
-    optimizer = torch.optim.AdamW([p])
+    optimizer = FreshAdamW([p])
+    assert FreshAdamW.step.__wrapped__.tidepool_guarded
     outside = _tags.current()
     p.grad = torch.ones(2)
     with pytest.raises(RuntimeError, match="boom"):
-        def closure():
-            raise RuntimeError("boom")
-        optimizer.step(closure)
-    assert _tags.current() == _tags.OPTIMIZER_STATE  # torch ran no post-hook
-    p.grad = torch.ones(2)
-    optimizer.step()  # the next pre-hook closes the dangling scope first
+        optimizer.step(raising_closure)
     assert _tags.current() == outside
+    assert fake_tiering == [("prefetch", 0, _tags.OPTIMIZER_STATE, 4242),
+                            ("evict", 0, _tags.OPTIMIZER_STATE, 4242)]
+    pool_events = [c for c in fake_cuda if c[0] in ("enter_pool", "exit_pool")]
+    assert pool_events == ([("enter_pool", 0), ("exit_pool", 0)] if mode == "pool" else [])
+    optimizer.step()  # and the optimizer carries on as usual
+    assert _tags.current() == outside
+    assert len(fake_tiering) == 4
+
+
+def test_an_evict_that_fails_after_a_raising_step_does_not_hide_the_steps_error(
+        fake_cuda, fake_tiering, monkeypatch):
+    install()
+
+    class FreshSGD(torch.optim.SGD):
+        def step(self, closure=None):
+            return super().step(closure)
+
+    def failing_evict(device, tag, stream):
+        raise RuntimeError("tidepool: the copy engine is gone")
+
+    monkeypatch.setattr(_tiering, "evict_tag", failing_evict)
+    p = torch.nn.Parameter(torch.ones(2))
+    optimizer = FreshSGD([p], lr=0.1)
+    outside = _tags.current()
+    with pytest.warns(_install.TidepoolInactiveWarning, match="the copy engine is gone"), \
+            pytest.raises(RuntimeError, match="boom"):
+        optimizer.step(raising_closure)
+    assert _tags.current() == outside
+
+
+def test_a_step_wrapped_before_the_install_has_its_scope_closed_by_the_next_step(
+        fake_cuda, fake_tiering):
+    class EarlySGD(torch.optim.SGD):
+        def step(self, closure=None):
+            return super().step(closure)
+
+    p = torch.nn.Parameter(torch.ones(2))
+    optimizer = EarlySGD([p], lr=0.1)  # torch wraps EarlySGD.step now, without tidepool
+    install()
+    outside = _tags.current()
+    p.grad = torch.ones(2)
+    with pytest.raises(RuntimeError, match="boom"):
+        optimizer.step(raising_closure)
+    assert _tags.current() == _tags.OPTIMIZER_STATE  # no guard, and torch ran no post-hook
+    optimizer.step()  # the next pre-hook closes the scope no running step owns
+    assert _tags.current() == outside
+
+
+def test_a_step_inside_a_step_keeps_the_outer_scope(fake_cuda, fake_tiering):
+    install()
+
+    class Inner(torch.optim.SGD):
+        seen: list = []
+
+        def step(self, closure=None):
+            Inner.seen.append(_tags.current())
+            return super().step(closure)
+
+    class Lookahead(torch.optim.SGD):  # a wrapper whose step runs another optimizer's
+        seen: list = []
+
+        def __init__(self, params, inner):
+            super().__init__(params, lr=0.0)
+            self.inner = inner
+
+        def step(self, closure=None):
+            Lookahead.seen.append(_tags.current())
+            self.inner.step()
+            Lookahead.seen.append(_tags.current())
+            return super().step(closure)
+
+    a, b = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(3))
+    a.grad, b.grad = torch.ones(2), torch.ones(3)
+    outer = Lookahead([a], Inner([b], lr=0.1, momentum=0.9))
+    outside = _tags.current()
+    outer.step()
+    assert Inner.seen == [_tags.OPTIMIZER_STATE]
+    assert Lookahead.seen == [_tags.OPTIMIZER_STATE, _tags.OPTIMIZER_STATE]
+    assert _tags.current() == outside
+    # One evict: the tag's state on device 0, once the outermost step is done.
+    assert fake_tiering == [("evict", 0, _tags.OPTIMIZER_STATE, 4242)]
+    fake_tiering.clear()
+    with pytest.raises(RuntimeError, match="boom"):
+        outer.inner.step(raising_closure)  # an inner step that raises on its own
+    assert _tags.current() == outside
+    assert fake_tiering == [("evict", 0, _tags.OPTIMIZER_STATE, 4242)]
 
 
 @pytest.fixture
@@ -584,13 +677,73 @@ def test_loaded_state_is_taken_into_tiering_and_evicted(fake_cuda, fake_tiering,
         resumed.grad = g.clone()
         optimizer.step()
     assert torch.equal(resumed.detach(), uninterrupted), "resuming changes no bit"
-    # A tensor subclass is not one storage to copy: left as it is.
+    # A tensor subclass without the flatten protocol is not one storage to copy: left as
+    # it is (DTensor has the protocol: test_loaded_dtensor_state_...).
     assert not _optim_hooks._outside_tiering(torch.nn.Parameter(torch.ones(64)), 0)
     # Loading state that is already tiered (the same tensors) takes nothing in, moves nothing.
     fake_tiering.clear()
     optimizer.load_state_dict(optimizer.state_dict())
     assert len(untiered_state) == 2
     assert fake_tiering == []
+
+
+@pytest.fixture
+def fake_process_group():
+    """A two-rank process group whose collectives do nothing (PyTorch's own "fake"
+    backend), enough for DTensor on the CPU in one process."""
+    import torch.distributed as dist
+    if not dist.is_available():
+        pytest.skip("this torch has no torch.distributed")
+    from torch.distributed.tensor import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    yield init_device_mesh("cpu", (2,))
+    dist.destroy_process_group()
+
+
+def test_loaded_dtensor_state_is_taken_in_through_its_local_shard(
+        fake_cuda, fake_tiering, untiered_state, fake_process_group):
+    # FSDP2 keeps each rank's optimizer state as DTensors over its shard: the local shard
+    # is the memory to tier, the DTensor around it keeps its mesh and placements.
+    from torch.distributed.tensor import DTensor, Shard
+    install(tier_min_bytes="64")
+    mesh = fake_process_group
+
+    def sharded(local):
+        return DTensor.from_local(local, mesh, [Shard(0)], run_check=False)
+
+    torch.manual_seed(0)
+    grads = [torch.randn(32) for _ in range(4)]
+    p = torch.nn.Parameter(sharded(torch.linspace(-1, 1, 32)))
+    optimizer = torch.optim.AdamW([p], lr=1e-2)
+    for g in grads[:2]:
+        p.grad = sharded(g.clone())
+        optimizer.step()
+    checkpoint = {"param": p.to_local().detach().clone(),
+                  "optimizer": copy.deepcopy(optimizer.state_dict())}
+    for g in grads[2:]:
+        p.grad = sharded(g.clone())
+        optimizer.step()
+    uninterrupted = p.to_local().detach().clone()
+
+    resumed = torch.nn.Parameter(sharded(checkpoint["param"].clone()))
+    optimizer = torch.optim.AdamW([resumed], lr=1e-2)
+    untiered_state.clear()
+    fake_tiering.clear()
+    optimizer.load_state_dict(checkpoint["optimizer"])
+    state = optimizer.state[resumed]
+    assert untiered_state == [_tags.OPTIMIZER_STATE] * 2  # exp_avg's and exp_avg_sq's shards
+    for key in ("exp_avg", "exp_avg_sq"):
+        assert type(state[key]) is DTensor
+        assert state[key].placements == (Shard(0),) and state[key].device_mesh == mesh
+        assert _tiering.owns(0, state[key].to_local().data_ptr())
+        assert torch.equal(state[key].to_local(),
+                           checkpoint["optimizer"]["state"][0][key].to_local())
+    assert fake_tiering == [("evict", 0, _tags.OPTIMIZER_STATE, 4242)]
+    for g in grads[2:]:
+        resumed.grad = sharded(g.clone())
+        optimizer.step()
+    assert torch.equal(resumed.to_local().detach(), uninterrupted), "resuming changes no bit"
 
 
 def test_load_state_dict_is_put_back_on_removal(fake_cuda, fake_tiering):
@@ -602,6 +755,26 @@ def test_load_state_dict_is_put_back_on_removal(fake_cuda, fake_tiering):
         handle.remove()
     _install.STATE.optimizer_hooks = None
     assert torch.optim.Optimizer.load_state_dict is original
+
+
+def test_torchs_step_patcher_is_put_back_as_the_staticmethod_it_was(fake_cuda, fake_tiering):
+    original = vars(torch.optim.Optimizer)["profile_hook_step"]
+    install()
+    assert vars(torch.optim.Optimizer)["profile_hook_step"] is not original
+    for handle in _install.STATE.optimizer_hooks:
+        handle.remove()
+    _install.STATE.optimizer_hooks = None
+    assert vars(torch.optim.Optimizer)["profile_hook_step"] is original
+
+    class LaterSGD(torch.optim.SGD):
+        def step(self, closure=None):
+            return super().step(closure)
+
+    p = torch.nn.Parameter(torch.ones(2))
+    p.grad = torch.ones(2)
+    LaterSGD([p], lr=0.5).step()
+    assert torch.equal(p.detach(), torch.full((2,), 0.5))
+    assert not getattr(LaterSGD.step.__wrapped__, "tidepool_guarded", False)
 
 
 def test_stock_adamw_foreach_and_plain_give_identical_results_with_the_hooks(fake_cuda, fake_tiering):

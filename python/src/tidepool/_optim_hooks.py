@@ -5,9 +5,8 @@ keep their tensors and notice nothing).
 
 Whether the pre-hook prefetches depends on tidepool.state_budget, see Note [state budget 0].
 The pre-hook opens a scope (tag push, and in pool mode the tidepool MemPool for each
-device the optimizer's parameters live on); the post-hook closes it. torch runs no
-post-hook when step() raises, so a scope left open is closed by the next pre-hook on
-that thread rather than leaking into the rest of the program's allocations.
+device the optimizer's parameters live on); the post-hook closes it. See Note [a step
+that raises] for what closes it when step() raises.
 
 State that appears outside step() is taken in too: Optimizer.load_state_dict (resuming
 from a checkpoint) is wrapped, see Note [loaded state].
@@ -15,6 +14,7 @@ from a checkpoint) is wrapped, see Note [loaded state].
 
 from __future__ import annotations
 
+import functools
 import threading
 import warnings
 
@@ -73,31 +73,100 @@ def _state_budget_allows_prefetch() -> bool:
     return not (budget.get("kind") == "bytes" and budget.get("bytes", 0) == 0)
 
 
+def _scopes() -> list:
+    """This thread's open step scopes, innermost last: (devices, MemPool contexts)."""
+    scopes = getattr(_local, "scopes", None)
+    if scopes is None:
+        scopes = _local.scopes = []
+    return scopes
+
+
+def _running_steps() -> int:
+    return getattr(_local, "running_steps", 0)
+
+
 def _close_scope() -> list[int]:
-    scope = getattr(_local, "scope", None)
-    if scope is None:
+    """Closes the innermost scope; returns its devices ([] when none is open)."""
+    scopes = _scopes()
+    if not scopes:
         return []
-    _local.scope = None
-    devices, pool_contexts = scope
+    devices, pool_contexts = scopes.pop()
     _tags.pop()
     for context in reversed(pool_contexts):
         context.__exit__(None, None, None)
     return devices
 
 
-def _open_scope(devices: list[int], tag: int) -> None:
+def _close_scopes_down_to(depth: int) -> list[int]:
+    """Closes scopes until `depth` are left; returns the devices of those it closed."""
+    devices: set[int] = set()
+    while len(_scopes()) > depth:
+        devices.update(_close_scope())
+    return sorted(devices)
+
+
+def _devices_held() -> set[int]:
+    return {d for scope_devices, _ in _scopes() for d in scope_devices}
+
+
+def _open_scope(devices: list[int], tag: int) -> list[int]:
     """Allocations of this thread go under `tag` (and, in pool mode, to the tidepool
-    MemPool of each device) until _close_scope."""
+    MemPool of each device) until _close_scope. Returns the devices no enclosing scope
+    holds: a nested step (a subclass's step() calling its base's, both wrapped by torch
+    with the hooks, or one optimizer stepping another) moves state and enters pools only
+    for those, since evicting or prefetching the tag covers all of a device's state and
+    the enclosing step still runs after the nested one. Those are the devices
+    _close_scope returns."""
     torch = _install.STATE.torch
+    held = _devices_held()
+    own = [d for d in devices if d not in held]
     contexts = []
     pool = _install.pool()
     if pool is not None:
-        for d in devices:
+        for d in own:
             context = torch.cuda.use_mem_pool(pool, d)
             context.__enter__()
             contexts.append(context)
     _tags.push(tag)
-    _local.scope = (devices, contexts)
+    _scopes().append((own, contexts))
+    return own
+
+
+def _guard_step(func):
+    """Note [a step that raises]: torch runs no post-hook when step() raises, so the scope
+    its pre-hook opened would stay open: in pool mode every allocation that follows (the
+    next forward pass of a loop that catches the error, e.g. an out-of-memory retry)
+    would go to tidepool's pool under the step's tag, and state prefetched for the step
+    would stay on the device. So the install wraps torch's step patcher
+    (Optimizer.profile_hook_step, which wraps each optimizer class's step() once) to put
+    this guard around step() itself, inside the hooks: when step() raises, it closes the
+    scopes opened since it started (its pre-hook's, and any a nested step left) and
+    evicts the state on their devices, as the post-hook would have, then lets the error
+    go on. An optimizer class whose step() torch wrapped before tidepool was installed
+    has no guard; for those the next pre-hook on the thread closes a scope that no
+    running step owns. Scopes nest: a step that calls another optimizer's step (a
+    Lookahead-style wrapper) keeps its own scope around the inner one."""
+
+    @functools.wraps(func)
+    def guarded_step(*args, **kwargs):
+        running_before = _running_steps()
+        _local.running_steps = running_before + 1
+        try:
+            return func(*args, **kwargs)
+        except BaseException:
+            devices = _close_scopes_down_to(running_before)
+            if devices and _tiering.available():
+                try:
+                    _evict(devices)
+                except Exception as evict_error:  # the step's own error is the one to raise
+                    warnings.warn(f"tidepool: evicting optimizer state after a step that raised "
+                                  f"failed: {evict_error}", _install.TidepoolInactiveWarning)
+            raise
+        finally:
+            _local.running_steps = running_before
+
+    guarded_step.tidepool_guarded = True
+    return guarded_step
 
 
 def _evict(devices: list[int]) -> None:
@@ -108,8 +177,8 @@ def _evict(devices: list[int]) -> None:
 
 def _pre_step(optimizer, args, kwargs):
     torch = _install.STATE.torch
-    _close_scope()
-    devices = _cuda_devices(optimizer)
+    _close_scopes_down_to(_running_steps())  # left by an unguarded step that raised
+    devices = [d for d in _cuda_devices(optimizer) if d not in _devices_held()]
     if devices and _tiering_or_warn() and _state_budget_allows_prefetch():
         for d in devices:
             _tiering.prefetch_tag(d, _tags.OPTIMIZER_STATE, _stream(torch, d))
@@ -127,16 +196,42 @@ def _on_cuda(value) -> bool:
 
 
 def _adopt_tensor(value):
-    """A copy of `value` made under the scope _adopt_loaded_state opened."""
+    """A copy of the plain tensor `value`, made under the scope _adopt_loaded_state opened."""
     return value.clone()
 
 
-def _outside_tiering(value, min_bytes: int) -> bool:
+def _plain_parts(value) -> list:
+    """The plain tensors holding `value`'s data: itself, or the inner tensors of a wrapper
+    subclass that implements PyTorch's flatten protocol (__tensor_flatten__, as FSDP2's
+    DTensor does), recursively. [] for anything else (nn.Parameter, other subclasses)."""
     torch = _install.STATE.torch
-    # Plain tensors only: a subclass (FSDP2's DTensor, ...) is not one storage to copy.
-    return (type(value) is torch.Tensor and _on_cuda(value)
-            and value.numel() * value.element_size() >= min_bytes
-            and not _tiering.owns(value.device.index, value.data_ptr()))
+    if type(value) is torch.Tensor:
+        return [value]
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+    if not is_traceable_wrapper_subclass(value):
+        return []
+    names, _ = value.__tensor_flatten__()
+    return [part for name in names for part in _plain_parts(getattr(value, name))]
+
+
+def _adopted(value):
+    """`value` with every plain part copied by _adopt_tensor; a wrapper subclass is
+    rebuilt around its copied parts (__tensor_unflatten__), keeping its metadata (a
+    DTensor's mesh and placements)."""
+    torch = _install.STATE.torch
+    if type(value) is torch.Tensor:
+        return _adopt_tensor(value)
+    names, context = value.__tensor_flatten__()
+    parts = {name: _adopted(getattr(value, name)) for name in names}
+    return type(value).__tensor_unflatten__(parts, context, value.size(), value.stride())
+
+
+def _outside_tiering(value, min_bytes: int) -> bool:
+    """Some plain part of `value` is on a CUDA device, at least min_bytes, and not in a
+    pointer-stable range."""
+    return any(_on_cuda(part) and part.numel() * part.element_size() >= min_bytes
+               and not _tiering.owns(part.device.index, part.data_ptr())
+               for part in _plain_parts(value))
 
 
 def _adopt_loaded_state(optimizer) -> int:
@@ -148,8 +243,9 @@ def _adopt_loaded_state(optimizer) -> int:
     load every state tensor that tidepool would have made pointer-stable (on a CUDA
     device, at least tidepool.tier_min_bytes, not already in a tiered range) is copied
     into one under the optimizer_state tag, as a step would have made it, and the state
-    is evicted as after a step. Tensor subclasses (FSDP2's DTensor state) are left as
-    they are. Returns the bytes taken in."""
+    is evicted as after a step. FSDP2's DTensor state is taken in through its local
+    shard (_plain_parts); other tensor subclasses are left as they are. Returns the
+    bytes taken in."""
     devices = _cuda_devices(optimizer)
     if not devices or not _tiering_or_warn():
         return 0
@@ -159,33 +255,40 @@ def _adopt_loaded_state(optimizer) -> int:
     if not stray:
         return 0
     adopted = 0
-    _close_scope()
-    _open_scope(devices, _tags.OPTIMIZER_STATE)
+    depth = len(_scopes())
+    own = _open_scope(devices, _tags.OPTIMIZER_STATE)
     try:
         for state, key in stray:
             value = state[key]
-            state[key] = _adopt_tensor(value)  # the old copy is freed as the last reference goes
-            adopted += value.numel() * value.element_size()
+            state[key] = _adopted(value)  # the old copy is freed as the last reference goes
+            adopted += sum(part.numel() * part.element_size() for part in _plain_parts(value))
     finally:
-        _close_scope()
-    _evict(devices)
+        _close_scopes_down_to(depth)
+    _evict(own)
     return adopted
 
 
 def register(torch):
-    """Registers the two global step hooks and wraps Optimizer.load_state_dict; returns
-    what removes each (two hook handles and a Patches)."""
+    """Registers the two global step hooks, wraps Optimizer.load_state_dict and torch's
+    step patcher (Note [a step that raises]); returns what removes each (two hook
+    handles and a Patches)."""
     from torch.optim.optimizer import (register_optimizer_step_post_hook,
                                        register_optimizer_step_pre_hook)
 
-    original_load = torch.optim.Optimizer.load_state_dict
+    optimizer_class = torch.optim.Optimizer
+    original_load = optimizer_class.load_state_dict
+    original_patcher = optimizer_class.profile_hook_step
 
     def load_state_dict(self, state_dict):
         result = original_load(self, state_dict)
         _adopt_loaded_state(self)
         return result
 
+    def profile_hook_step(func):
+        return original_patcher(_guard_step(func))
+
     patches = _patches.Patches()
-    patches.replace(torch.optim.Optimizer, "load_state_dict", load_state_dict)
+    patches.replace(optimizer_class, "load_state_dict", load_state_dict)
+    patches.replace(optimizer_class, "profile_hook_step", staticmethod(profile_hook_step))
     return (register_optimizer_step_pre_hook(_pre_step),
             register_optimizer_step_post_hook(_post_step), patches)

@@ -8,20 +8,29 @@ as its __wrapped__ and in a Patches object, whose remove() restores every one of
 from __future__ import annotations
 
 
+_INHERITED = object()  # the attribute came from a base class: removing ours uncovers it
+
+
 class Patches:
     def __init__(self):
         self._originals: list[tuple[object, str, object]] = []
 
     def replace(self, owner, name: str, fn) -> None:
-        """owner.name = fn, remembering what was there (fn.__wrapped__ names it too)."""
+        """owner.name = fn, remembering what was there (fn.__wrapped__ names it too). A
+        staticmethod or classmethod is remembered as the descriptor itself, so that
+        putting it back does not turn it into a plain method."""
         original = getattr(owner, name)
-        fn.__wrapped__ = original
-        fn.__doc__ = fn.__doc__ or original.__doc__
-        self._originals.append((owner, name, original))
+        function = fn.__func__ if isinstance(fn, (staticmethod, classmethod)) else fn
+        function.__wrapped__ = original
+        function.__doc__ = function.__doc__ or original.__doc__
+        self._originals.append((owner, name, vars(owner).get(name, _INHERITED)))
         setattr(owner, name, fn)
 
     def remove(self) -> None:
         """Puts every original back (latest first); a second call does nothing."""
         while self._originals:
             owner, name, original = self._originals.pop()
-            setattr(owner, name, original)
+            if original is _INHERITED:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, original)
