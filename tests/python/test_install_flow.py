@@ -518,7 +518,7 @@ def test_a_step_that_raises_closes_its_scope_and_evicts(fake_cuda, fake_tiering,
 
     p = torch.nn.Parameter(torch.ones(2))
     optimizer = FreshAdamW([p])
-    assert FreshAdamW.step.__wrapped__.tidepool_guarded
+    assert FreshAdamW.step.tidepool_guarded
     outside = _tags.current()
     p.grad = torch.ones(2)
     with pytest.raises(RuntimeError, match="boom"):
@@ -572,8 +572,9 @@ def test_a_step_wrapped_before_the_install_has_its_scope_closed_by_the_next_step
     assert _tags.current() == outside
 
 
-def test_a_step_inside_a_step_keeps_the_outer_scope(fake_cuda, fake_tiering):
-    install()
+@pytest.mark.parametrize("mode,budget", [("global", "0"), ("pool", "1GiB")])
+def test_a_step_inside_a_step_keeps_the_outer_scope(fake_cuda, fake_tiering, mode, budget):
+    install(mode=mode, state_budget=budget)
 
     class Inner(torch.optim.SGD):
         seen: list = []
@@ -603,12 +604,74 @@ def test_a_step_inside_a_step_keeps_the_outer_scope(fake_cuda, fake_tiering):
     assert Inner.seen == [_tags.OPTIMIZER_STATE]
     assert Lookahead.seen == [_tags.OPTIMIZER_STATE, _tags.OPTIMIZER_STATE]
     assert _tags.current() == outside
-    # One evict: the tag's state on device 0, once the outermost step is done.
-    assert fake_tiering == [("evict", 0, _tags.OPTIMIZER_STATE, 4242)]
+    # The state moves once, around the outermost step; one pool scope per device.
+    moves = [("evict", 0, _tags.OPTIMIZER_STATE, 4242)]
+    if budget != "0":
+        moves.insert(0, ("prefetch", 0, _tags.OPTIMIZER_STATE, 4242))
+    assert fake_tiering == moves
+    pool_events = [c for c in fake_cuda if c[0] in ("enter_pool", "exit_pool")]
+    assert pool_events == ([("enter_pool", 0), ("exit_pool", 0)] if mode == "pool" else [])
     fake_tiering.clear()
     with pytest.raises(RuntimeError, match="boom"):
         outer.inner.step(raising_closure)  # an inner step that raises on its own
     assert _tags.current() == outside
+    assert fake_tiering == moves
+
+
+def test_a_guarded_step_inside_an_unguarded_one_keeps_its_scope(fake_cuda, fake_tiering):
+    class EarlyWrapper(torch.optim.SGD):  # torch wraps its step before the install
+        seen: list = []
+
+        def __init__(self, params, inner=None):
+            super().__init__(params, lr=0.0)
+            self.inner = inner
+
+        def step(self, closure=None):
+            self.inner.step()
+            EarlyWrapper.seen.append(_tags.current())
+            return super().step(closure)
+
+    a, b = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(3))
+    EarlyWrapper([torch.nn.Parameter(torch.ones(1))])
+    install()
+
+    class LateInner(torch.optim.SGD):
+        def step(self, closure=None):
+            return super().step(closure)
+
+    a.grad, b.grad = torch.ones(2), torch.ones(3)
+    outer = EarlyWrapper([a], LateInner([b], lr=0.1))
+    assert not getattr(EarlyWrapper.step, "tidepool_guarded", False)
+    outside = _tags.current()
+    outer.step()
+    assert EarlyWrapper.seen == [_tags.OPTIMIZER_STATE]
+    assert _tags.current() == outside
+
+
+@pytest.mark.parametrize("where", ["pre", "post"])
+def test_a_hook_that_raises_closes_the_scope_too(fake_cuda, fake_tiering, where):
+    # torch runs tidepool's pre-hook before an optimizer's own and its post-hook after:
+    # an own hook that raises skips tidepool's post-hook as a raising step() does.
+    install(mode="pool")
+
+    class FreshSGD(torch.optim.SGD):
+        def step(self, closure=None):
+            return super().step(closure)
+
+    def failing_hook(optimizer, args, kwargs):
+        raise ValueError("gradient check failed")
+
+    p = torch.nn.Parameter(torch.ones(2))
+    p.grad = torch.ones(2)
+    optimizer = FreshSGD([p], lr=0.1)
+    register = optimizer.register_step_pre_hook if where == "pre" else optimizer.register_step_post_hook
+    register(failing_hook)
+    outside = _tags.current()
+    with pytest.raises(ValueError, match="gradient check failed"):
+        optimizer.step()
+    assert _tags.current() == outside
+    assert [c for c in fake_cuda if c[0] in ("enter_pool", "exit_pool")] == [
+        ("enter_pool", 0), ("exit_pool", 0)]
     assert fake_tiering == [("evict", 0, _tags.OPTIMIZER_STATE, 4242)]
 
 
@@ -736,6 +799,8 @@ def test_loaded_dtensor_state_is_taken_in_through_its_local_shard(
     for key in ("exp_avg", "exp_avg_sq"):
         assert type(state[key]) is DTensor
         assert state[key].placements == (Shard(0),) and state[key].device_mesh == mesh
+        assert state[key]._spec == checkpoint["optimizer"]["state"][0][key]._spec
+        assert state[key].grad_fn is None
         assert _tiering.owns(0, state[key].to_local().data_ptr())
         assert torch.equal(state[key].to_local(),
                            checkpoint["optimizer"]["state"][0][key].to_local())
@@ -774,7 +839,7 @@ def test_torchs_step_patcher_is_put_back_as_the_staticmethod_it_was(fake_cuda, f
     p.grad = torch.ones(2)
     LaterSGD([p], lr=0.5).step()
     assert torch.equal(p.detach(), torch.full((2,), 0.5))
-    assert not getattr(LaterSGD.step.__wrapped__, "tidepool_guarded", False)
+    assert not getattr(LaterSGD.step, "tidepool_guarded", False)
 
 
 def test_stock_adamw_foreach_and_plain_give_identical_results_with_the_hooks(fake_cuda, fake_tiering):

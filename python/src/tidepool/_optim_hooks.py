@@ -81,8 +81,22 @@ def _scopes() -> list:
     return scopes
 
 
-def _running_steps() -> int:
-    return getattr(_local, "running_steps", 0)
+class _GuardedStep:
+    """A guarded step() running on this thread: the scope depth when it began (its
+    pre-hook's scope, once open, is at that index) and its optimizer."""
+
+    __slots__ = ("base", "optimizer", "opened")
+
+    def __init__(self, base: int, optimizer):
+        self.base, self.optimizer, self.opened = base, optimizer, False
+
+
+def _guarded_steps() -> list:
+    """The guarded steps running on this thread, innermost last."""
+    steps = getattr(_local, "guarded_steps", None)
+    if steps is None:
+        steps = _local.guarded_steps = []
+    return steps
 
 
 def _close_scope() -> list[int]:
@@ -132,29 +146,34 @@ def _open_scope(devices: list[int], tag: int) -> list[int]:
     return own
 
 
-def _guard_step(func):
-    """Note [a step that raises]: torch runs no post-hook when step() raises, so the scope
-    its pre-hook opened would stay open: in pool mode every allocation that follows (the
-    next forward pass of a loop that catches the error, e.g. an out-of-memory retry)
-    would go to tidepool's pool under the step's tag, and state prefetched for the step
-    would stay on the device. So the install wraps torch's step patcher
-    (Optimizer.profile_hook_step, which wraps each optimizer class's step() once) to put
-    this guard around step() itself, inside the hooks: when step() raises, it closes the
-    scopes opened since it started (its pre-hook's, and any a nested step left) and
-    evicts the state on their devices, as the post-hook would have, then lets the error
-    go on. An optimizer class whose step() torch wrapped before tidepool was installed
-    has no guard; for those the next pre-hook on the thread closes a scope that no
-    running step owns. Scopes nest: a step that calls another optimizer's step (a
-    Lookahead-style wrapper) keeps its own scope around the inner one."""
+def _guard_step(hooked_step):
+    """Note [a step that raises]: torch runs no post-hook when step() raises (nor when a
+    pre-hook or post-hook does), so the scope tidepool's pre-hook opened would stay
+    open: in pool mode every allocation that follows (the next forward pass of a loop
+    that catches the error, e.g. an out-of-memory retry) would go to tidepool's pool
+    under the step's tag, and state prefetched for the step would stay on the device.
+    So the install wraps torch's step patcher (Optimizer.profile_hook_step, which wraps
+    each optimizer class's step() once with the hooks) to put this guard around what it
+    returns, hooks included: when the call raises, the guard closes the scopes opened
+    since it began (its pre-hook's, and any a nested step left), evicts the state on
+    their devices as the post-hook would have, and lets the error go on.
 
-    @functools.wraps(func)
+    Scopes nest: each guarded step's pre-hook keeps the scopes below the depth at which
+    its step began (an enclosing step's, guarded or not) and closes any above it (left
+    by an unguarded step that raised). An optimizer class whose step() torch wrapped
+    before tidepool was installed has no guard; its pre-hook keeps the scopes of the
+    guarded steps running around it and closes the rest, so a scope such a step left
+    when it raised is closed by the next step on the thread."""
+
+    @functools.wraps(hooked_step)
     def guarded_step(*args, **kwargs):
-        running_before = _running_steps()
-        _local.running_steps = running_before + 1
+        steps = _guarded_steps()
+        step = _GuardedStep(len(_scopes()), args[0] if args else None)
+        steps.append(step)
         try:
-            return func(*args, **kwargs)
+            return hooked_step(*args, **kwargs)
         except BaseException:
-            devices = _close_scopes_down_to(running_before)
+            devices = _close_scopes_down_to(step.base)
             if devices and _tiering.available():
                 try:
                     _evict(devices)
@@ -163,10 +182,23 @@ def _guard_step(func):
                                   f"failed: {evict_error}", _install.TidepoolInactiveWarning)
             raise
         finally:
-            _local.running_steps = running_before
+            steps.pop()
 
     guarded_step.tidepool_guarded = True
     return guarded_step
+
+
+def _scopes_to_keep(optimizer) -> int:
+    """How many open scopes belong to steps still running around this pre-hook's step
+    (see _guard_step); the ones above are left by a step that raised unguarded."""
+    steps = _guarded_steps()
+    if not steps:
+        return 0
+    innermost = steps[-1]
+    if innermost.optimizer is optimizer and not innermost.opened:
+        innermost.opened = True  # this is that guarded step's own pre-hook
+        return innermost.base
+    return innermost.base + (1 if innermost.opened else 0)
 
 
 def _evict(devices: list[int]) -> None:
@@ -177,7 +209,7 @@ def _evict(devices: list[int]) -> None:
 
 def _pre_step(optimizer, args, kwargs):
     torch = _install.STATE.torch
-    _close_scopes_down_to(_running_steps())  # left by an unguarded step that raised
+    _close_scopes_down_to(_scopes_to_keep(optimizer))
     devices = [d for d in _cuda_devices(optimizer) if d not in _devices_held()]
     if devices and _tiering_or_warn() and _state_budget_allows_prefetch():
         for d in devices:
@@ -216,14 +248,30 @@ def _plain_parts(value) -> list:
 
 def _adopted(value):
     """`value` with every plain part copied by _adopt_tensor; a wrapper subclass is
-    rebuilt around its copied parts (__tensor_unflatten__), keeping its metadata (a
-    DTensor's mesh and placements)."""
+    rebuilt around its copied parts. A DTensor keeps its own spec (mesh, placements,
+    shard order: its __tensor_unflatten__ would rebuild the spec without the order);
+    other wrappers are rebuilt by __tensor_unflatten__. A part that is neither a plain
+    tensor nor a wrapper is kept as it is."""
     torch = _install.STATE.torch
     if type(value) is torch.Tensor:
         return _adopt_tensor(value)
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+    if not is_traceable_wrapper_subclass(value):
+        return value
     names, context = value.__tensor_flatten__()
     parts = {name: _adopted(getattr(value, name)) for name in names}
+    dtensor = _dtensor_class()
+    if dtensor is not None and type(value) is dtensor:
+        return dtensor(parts["_local_tensor"], value._spec, requires_grad=value.requires_grad)
     return type(value).__tensor_unflatten__(parts, context, value.size(), value.stride())
+
+
+def _dtensor_class():
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch built without distributed
+        return None
+    return DTensor
 
 
 def _outside_tiering(value, min_bytes: int) -> bool:
@@ -243,9 +291,9 @@ def _adopt_loaded_state(optimizer) -> int:
     load every state tensor that tidepool would have made pointer-stable (on a CUDA
     device, at least tidepool.tier_min_bytes, not already in a tiered range) is copied
     into one under the optimizer_state tag, as a step would have made it, and the state
-    is evicted as after a step. FSDP2's DTensor state is taken in through its local
-    shard (_plain_parts); other tensor subclasses are left as they are. Returns the
-    bytes taken in."""
+    is evicted as after a step. A wrapper subclass with PyTorch's flatten protocol
+    (FSDP2's DTensor state) is taken in through its plain inner tensors (_plain_parts);
+    other subclasses are left as they are. Returns the bytes taken in."""
     devices = _cuda_devices(optimizer)
     if not devices or not _tiering_or_warn():
         return 0
@@ -258,10 +306,11 @@ def _adopt_loaded_state(optimizer) -> int:
     depth = len(_scopes())
     own = _open_scope(devices, _tags.OPTIMIZER_STATE)
     try:
-        for state, key in stray:
-            value = state[key]
-            state[key] = _adopted(value)  # the old copy is freed as the last reference goes
-            adopted += sum(part.numel() * part.element_size() for part in _plain_parts(value))
+        with _install.STATE.torch.no_grad():  # copies of state, not steps of a graph
+            for state, key in stray:
+                value = state[key]
+                state[key] = _adopted(value)  # the old copy is freed as the last reference goes
+                adopted += sum(part.numel() * part.element_size() for part in _plain_parts(value))
     finally:
         _close_scopes_down_to(depth)
     _evict(own)
@@ -285,7 +334,7 @@ def register(torch):
         return result
 
     def profile_hook_step(func):
-        return original_patcher(_guard_step(func))
+        return _guard_step(original_patcher(func))
 
     patches = _patches.Patches()
     patches.replace(optimizer_class, "load_state_dict", load_state_dict)
