@@ -858,3 +858,28 @@ def test_stock_adamw_foreach_and_plain_give_identical_results_with_the_hooks(fak
     install()
     assert torch.equal(train(False), reference)
     assert torch.allclose(train(True), reference, rtol=0, atol=1e-6)
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # torch.jit, imported by dynamo
+def test_a_compiled_training_step_still_moves_the_state(fake_cuda, fake_tiering):
+    # torch.compile traces through torch's hooked step: the hooks and the guard (ctypes
+    # calls, thread-local scopes) must still run around every step, in order.
+    install()
+
+    class FreshAdamW(torch.optim.AdamW):
+        def step(self, closure=None):
+            return super().step(closure)
+
+    p = torch.nn.Parameter(torch.ones(4))
+    optimizer = FreshAdamW([p], lr=0.1)
+    outside = _tags.current()
+
+    @torch.compile(backend="eager")
+    def train_step():
+        p.grad = torch.ones(4)
+        optimizer.step()
+
+    for _ in range(3):
+        train_step()
+    assert _tags.current() == outside
+    assert fake_tiering == [("evict", 0, _tags.OPTIMIZER_STATE, 4242)] * 3
