@@ -2,6 +2,7 @@
 // streams, the prefetch schedule, the write-back modes and the peak measure).
 #include "optimizers/tiered_placement.h"
 
+#include <atomic>
 #include <chrono>
 #include <utility>
 
@@ -21,6 +22,12 @@ const char* to_string(WriteBack mode) {
 }
 
 namespace {
+
+// Keys start at 1: 0 is the store's own key, for callers that bracket steps themselves.
+std::uint64_t next_schedule_key() {
+  static std::atomic<std::uint64_t> next{1};
+  return next.fetch_add(1, std::memory_order_relaxed);
+}
 
 class TieredBuffer final : public StateBuffer {
  public:
@@ -132,7 +139,11 @@ class TieredBuffer final : public StateBuffer {
 
 TieredPlacement::TieredPlacement(std::shared_ptr<TieredStore> store, Stream host_stream, int tag,
                                  WriteBack write_back)
-    : store_(std::move(store)), host_stream_(host_stream), tag_(tag), write_back_(write_back) {
+    : store_(std::move(store)),
+      host_stream_(host_stream),
+      tag_(tag),
+      write_back_(write_back),
+      schedule_key_(next_schedule_key()) {
   TORCH_CHECK(store_ != nullptr, "TieredPlacement: the tiered store must not be null");
 }
 

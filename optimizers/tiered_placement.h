@@ -34,8 +34,11 @@
 //
 // Placement does not round or reorder arithmetic: trajectories are bitwise identical to
 // ResidentPlacement (tested on the host backend with a budget that forces evictions).
-// One store serves one optimizer's steps: begin_step/end_step of two optimizers on one
-// store would interleave in one recorded schedule.
+// Several optimizers may share one store, and so one device budget (a GAN's two, Apollo
+// inside AADL): each placement brackets its steps with its own schedule key, so each
+// records and replays its own acquire order, and the store looks ahead across them in
+// the order their steps ran: the end of one optimizer's step prefetches the start of
+// the next one's (prefetch_policy.h). Their steps must not run concurrently.
 #pragma once
 
 #include <atomic>
@@ -74,7 +77,7 @@ class TIDEPOOL_API TieredPlacement final : public StatePlacement {
   std::unique_ptr<StateBuffer> create(const torch::Tensor& initial) override;
   std::string name() const override { return "tiered"; }
   // The store's recorded schedule (see the top of this file).
-  void begin_step() override { store_->begin_step(); }
+  void begin_step() override { store_->begin_step(schedule_key_); }
   void end_step() override { store_->end_step(); }
 
   TieredStore& store() const noexcept { return *store_; }
@@ -91,6 +94,7 @@ class TIDEPOOL_API TieredPlacement final : public StatePlacement {
   Stream host_stream_;
   int tag_;
   WriteBack write_back_;
+  std::uint64_t schedule_key_;  // this placement's schedule in the store, unique in the process
   std::shared_ptr<Shared> shared_ = std::make_shared<Shared>();
 };
 

@@ -7,30 +7,35 @@
 
 namespace tidepool {
 
-void PrefetchPolicy::begin_step() {
-  in_step_ = true;
+void PrefetchPolicy::Schedule::set(std::vector<HandleId> new_order) {
+  order = std::move(new_order);
+  positions.clear();
+  for (std::size_t i = 0; i < order.size(); ++i) positions[order[i]].push_back(i);
+}
+
+void PrefetchPolicy::begin_step(ScheduleKey key) {
+  moved();
+  if (any_step_ended_) successor_[current_key_] = key;
+  current_key_ = key;
   position_ = 0;
-  if (schedule_.empty()) {
-    recording_ = true;
-    recording_buffer_.clear();
-  }
+  recording_buffer_.clear();
+  recording_ = schedules_[key].order.empty();
 }
 
 void PrefetchPolicy::end_step() {
-  if (recording_ && !recording_buffer_.empty()) {
-    schedule_ = std::move(recording_buffer_);
-    positions_.clear();
-    for (std::size_t i = 0; i < schedule_.size(); ++i) positions_[schedule_[i]].push_back(i);
-  }
+  moved();
+  if (recording_ && !recording_buffer_.empty()) current().set(std::move(recording_buffer_));
   recording_buffer_.clear();
   recording_ = false;
-  in_step_ = false;
-  position_ = 0;
+  any_step_ended_ = true;
+  position_ = current().order.size();  // what comes next is the next step's
 }
 
 void PrefetchPolicy::reset_schedule() {
-  schedule_.clear();
-  positions_.clear();
+  moved();
+  for (auto& [key, schedule] : schedules_) schedule.set({});
+  successor_.clear();
+  any_step_ended_ = false;
   position_ = 0;
 }
 
@@ -40,45 +45,70 @@ void PrefetchPolicy::on_acquire(HandleId h) {
     recording_buffer_.push_back(h);
     return;
   }
-  if (schedule_.empty()) return;
-  if (schedule_[position_] == h) {
-    position_ = (position_ + 1) % schedule_.size();
+  const Schedule& schedule = current();
+  if (schedule.order.empty()) return;
+  moved();
+  if (position_ < schedule.order.size() && schedule.order[position_] == h) {
+    position_++;
     return;
   }
   off_schedule_++;
-  auto it = positions_.find(h);
-  if (it == positions_.end()) return;  // unknown handle: keep the position
+  auto it = schedule.positions.find(h);
+  if (it == schedule.positions.end()) return;  // unknown handle: keep the position
   const auto& pos = it->second;
   auto next = std::lower_bound(pos.begin(), pos.end(), position_);
-  const std::size_t at = next != pos.end() ? *next : pos.front();
-  position_ = (at + 1) % schedule_.size();
+  position_ = (next != pos.end() ? *next : pos.front()) + 1;
 }
 
 void PrefetchPolicy::forget(HandleId h) {
   last_acquire_.erase(h);
   std::erase(recording_buffer_, h);
-  if (positions_.erase(h) == 0) return;
-  // Rebuild the schedule without it, keeping the position on the same next handle.
-  std::vector<HandleId> kept;
-  std::size_t new_position = 0;
-  for (std::size_t i = 0; i < schedule_.size(); ++i) {
-    if (i == position_) new_position = kept.size();
-    if (schedule_[i] != h) kept.push_back(schedule_[i]);
+  for (auto& [key, schedule] : schedules_) {
+    if (!schedule.positions.contains(h)) continue;
+    moved();
+    // Rebuild the schedule without it; the current one keeps its position on the same
+    // next handle.
+    std::vector<HandleId> kept;
+    std::size_t kept_before_position = 0;
+    for (std::size_t i = 0; i < schedule.order.size(); ++i) {
+      if (schedule.order[i] == h) continue;
+      if (i < position_) kept_before_position++;
+      kept.push_back(schedule.order[i]);
+    }
+    schedule.set(std::move(kept));
+    if (key == current_key_) position_ = kept_before_position;
   }
-  schedule_ = std::move(kept);
-  positions_.clear();
-  for (std::size_t i = 0; i < schedule_.size(); ++i) positions_[schedule_[i]].push_back(i);
-  position_ = schedule_.empty() ? 0 : new_position % schedule_.size();
+}
+
+const std::vector<PrefetchPolicy::Stretch>& PrefetchPolicy::look_ahead() const {
+  if (look_ahead_valid_) return look_ahead_;
+  const Schedule& now = current();
+  look_ahead_.assign({{&now, position_, now.order.size()}});
+  std::unordered_set<ScheduleKey> visited{current_key_};
+  for (auto next = successor_.find(current_key_); next != successor_.end();
+       next = successor_.find(next->second)) {
+    if (!visited.insert(next->second).second) break;
+    const Schedule& schedule = schedules_.at(next->second);
+    if (schedule.order.empty()) break;  // not recorded yet: nothing known beyond
+    look_ahead_.push_back({&schedule, 0, schedule.order.size()});
+  }
+  look_ahead_.push_back({&now, 0, position_});
+  look_ahead_valid_ = true;
+  return look_ahead_;
 }
 
 std::size_t PrefetchPolicy::eviction_score(HandleId h) const {
-  if (!schedule_.empty() && !recording_) {
-    auto it = positions_.find(h);
-    if (it == positions_.end()) return kNever - 1;
-    const auto& pos = it->second;
-    auto next = std::lower_bound(pos.begin(), pos.end(), position_);
-    if (next != pos.end()) return *next - position_;
-    return schedule_.size() - position_ + pos.front();
+  if (replaying()) {
+    std::size_t distance = 0;
+    for (const Stretch& stretch : look_ahead()) {
+      auto it = stretch.schedule->positions.find(h);
+      if (it != stretch.schedule->positions.end()) {
+        auto next = std::lower_bound(it->second.begin(), it->second.end(), stretch.begin);
+        if (next != it->second.end() && *next < stretch.end) return distance + (*next - stretch.begin);
+      }
+      distance += stretch.end - stretch.begin;
+    }
+    return kNever - 1;
   }
   auto it = last_acquire_.find(h);
   if (it == last_acquire_.end()) return kNever - 1;
@@ -89,9 +119,11 @@ std::vector<PrefetchPolicy::HandleId> PrefetchPolicy::upcoming(std::size_t max) 
   std::vector<HandleId> out;
   if (!replaying()) return out;
   std::unordered_set<HandleId> seen;
-  for (std::size_t k = 0; k < schedule_.size() && out.size() < max; ++k) {
-    const HandleId h = schedule_[(position_ + k) % schedule_.size()];
-    if (seen.insert(h).second) out.push_back(h);
+  for (const Stretch& stretch : look_ahead()) {
+    for (std::size_t i = stretch.begin; i < stretch.end && out.size() < max; ++i) {
+      const HandleId h = stretch.schedule->order[i];
+      if (seen.insert(h).second) out.push_back(h);
+    }
   }
   return out;
 }

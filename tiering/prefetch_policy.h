@@ -11,6 +11,15 @@
 // back to least-recently-acquired. An acquire that deviates from the schedule re-syncs
 // the position to that handle's next occurrence instead of derailing the replay.
 //
+// Several optimizers may share one store (one device budget): each brackets its steps
+// with its own schedule key, and each key records and replays its own schedule. The
+// policy also notes which key's step followed which, and looks ahead across that order:
+// the rest of the current step, then the steps that followed it last time (a GAN's
+// other optimizer), then the current schedule again. So the end of one optimizer's step
+// prefetches the start of the next one's, and eviction scores count acquires along that
+// same sequence (a handle no schedule on it contains scores as never used again).
+// Steps of different keys follow one another; they do not run at the same time.
+//
 // Not thread-safe: the tiered store calls it under its own lock.
 #pragma once
 
@@ -29,11 +38,16 @@ class TIDEPOOL_API PrefetchPolicy {
   using HandleId = std::uint64_t;
   static constexpr std::size_t kNever = std::numeric_limits<std::size_t>::max();
 
-  // Starts a step: records when no schedule exists yet, else replays from the start.
-  void begin_step();
-  // Ends a step; the first completed step with at least one acquire becomes the schedule.
+  using ScheduleKey = std::uint64_t;
+
+  // Starts a step of `key`'s schedule: records when that schedule does not exist yet,
+  // else replays it from the start. Until the next begin_step, `key`'s schedule is the
+  // current one (prefetch and eviction follow it, also between steps).
+  void begin_step(ScheduleKey key = 0);
+  // Ends a step; the first completed step of a key with at least one acquire becomes
+  // that key's schedule.
   void end_step();
-  // Drops the schedule; the next step records again.
+  // Drops every schedule; the next step of each key records again.
   void reset_schedule();
 
   // Notes an acquire of `h` (records it or advances the replay position).
@@ -41,28 +55,55 @@ class TIDEPOOL_API PrefetchPolicy {
   // The handle is gone: remove it from the schedule and the recency table.
   void forget(HandleId h);
 
-  // Higher = evict sooner: the number of acquires until the next use of `h` in the
-  // schedule (kNever-1 when the schedule does not contain it), or, with no schedule, how
-  // many acquires ago it was last used.
+  // Higher = evict sooner: the number of acquires until the next use of `h` along the
+  // look-ahead sequence (kNever-1 when no schedule on it contains `h`), or, with no
+  // schedule, how many acquires ago it was last used.
   std::size_t eviction_score(HandleId h) const;
-  // The next `max` distinct handles the schedule expects, in order (at most one cycle).
+  // The next `max` distinct handles the look-ahead sequence expects, in order (at most
+  // one cycle of it).
   std::vector<HandleId> upcoming(std::size_t max) const;
 
-  bool replaying() const { return !schedule_.empty() && !recording_; }
+  bool replaying() const { return !current().order.empty() && !recording_; }
   bool recording() const { return recording_; }
-  std::size_t schedule_length() const { return schedule_.size(); }
+  // The current key's schedule.
+  std::size_t schedule_length() const { return current().order.size(); }
   std::uint64_t off_schedule_acquires() const { return off_schedule_; }
 
  private:
-  std::vector<HandleId> schedule_;
-  std::unordered_map<HandleId, std::vector<std::size_t>> positions_;  // sorted positions
+  struct Schedule {
+    std::vector<HandleId> order;
+    std::unordered_map<HandleId, std::vector<std::size_t>> positions;  // sorted positions
+    void set(std::vector<HandleId> new_order);
+  };
+  // A stretch of the look-ahead sequence: order[begin, end) of one schedule.
+  struct Stretch {
+    const Schedule* schedule;
+    std::size_t begin, end;
+  };
+  const Schedule& current() const { return schedules_.at(current_key_); }
+  Schedule& current() { return schedules_.at(current_key_); }
+  // The rest of the current step, the recorded schedules of the keys that followed it
+  // (each once), then the current schedule up to the position. Cached until the
+  // position, the key or a schedule changes: the store scores every resident handle
+  // against it when it needs room.
+  const std::vector<Stretch>& look_ahead() const;
+  void moved() { look_ahead_valid_ = false; }
+
+  std::unordered_map<ScheduleKey, Schedule> schedules_{{0, Schedule{}}};
+  ScheduleKey current_key_ = 0;  // always in schedules_
   std::vector<HandleId> recording_buffer_;
+  // successor_[k]: the key whose step began after k's last ended.
+  std::unordered_map<ScheduleKey, ScheduleKey> successor_;
+  bool any_step_ended_ = false;
   bool recording_ = false;
-  bool in_step_ = false;
-  std::size_t position_ = 0;  // index of the next expected acquire in schedule_
+  // Index of the next expected acquire in current().order; its size once the step has
+  // made all the acquires it expects (then the look-ahead goes on to the next key's).
+  std::size_t position_ = 0;
   std::uint64_t clock_ = 0;
   std::unordered_map<HandleId, std::uint64_t> last_acquire_;
   std::uint64_t off_schedule_ = 0;
+  mutable std::vector<Stretch> look_ahead_;
+  mutable bool look_ahead_valid_ = false;
 };
 
 }  // namespace tidepool

@@ -609,9 +609,9 @@ std::size_t TieredStore::reclaim(std::size_t bytes_needed) {
   return freed;
 }
 
-void TieredStore::begin_step() {
+void TieredStore::begin_step(std::uint64_t schedule) {
   std::lock_guard lock(mutex_);
-  policy_.begin_step();
+  policy_.begin_step(schedule);
 }
 
 void TieredStore::end_step() {

@@ -171,8 +171,9 @@ class TIDEPOOL_API TieredStore {
   // an allocator's OOM path: returns 0 instead of blocking if the store is busy.
   std::size_t reclaim(std::size_t bytes_needed);
 
-  // Step boundaries for the recorded prefetch schedule (see prefetch_policy.h).
-  void begin_step();
+  // Step boundaries for the recorded prefetch schedule (see prefetch_policy.h): each
+  // `schedule` key (one per optimizer sharing the store) records and replays its own.
+  void begin_step(std::uint64_t schedule = 0);
   void end_step();
 
   // Copies the latest contents of `h` to host memory `dst` (waits). Pre: not acquired.

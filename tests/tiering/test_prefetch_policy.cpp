@@ -1,5 +1,6 @@
 // PrefetchPolicy: the first step is recorded, later steps replay it; eviction follows
-// the furthest next use; deviations re-sync; unknown handles and LRU before a schedule.
+// the furthest next use; deviations re-sync; unknown handles and LRU before a schedule;
+// each schedule key (an optimizer sharing the store) has its own schedule.
 #include <gtest/gtest.h>
 
 #include "tiering/prefetch_policy.h"
@@ -74,6 +75,72 @@ TEST(PrefetchPolicy, EmptyStepRecordsNothing) {
   p.end_step();
   EXPECT_FALSE(p.replaying());
   p.begin_step();
+  EXPECT_TRUE(p.recording());
+}
+
+TEST(PrefetchPolicy, EachKeyRecordsAndReplaysItsOwnScheduleAndLooksAheadToTheNext) {
+  // Two optimizers on one store, stepping in turn: key 1 owns handles 1-3, key 2 owns 7-8.
+  PrefetchPolicy p;
+  for (int round = 0; round < 3; ++round) {
+    p.begin_step(1);
+    EXPECT_EQ(p.recording(), round == 0);
+    if (round > 0) {
+      EXPECT_EQ(p.upcoming(10), (Ids{1, 2, 3, 7, 8}));
+      EXPECT_EQ(p.eviction_score(7), 3u);  // after key 1's three acquires
+    }
+    for (auto h : {1, 2, 3}) p.on_acquire(h);
+    if (round > 0) {
+      // Key 1's step is done: the look-ahead is key 2's step, then key 1's again.
+      EXPECT_EQ(p.upcoming(2), (Ids{7, 8}));
+      EXPECT_EQ(p.eviction_score(7), 0u);
+      EXPECT_EQ(p.eviction_score(1), 2u);
+    }
+    p.end_step();
+    p.begin_step(2);
+    EXPECT_EQ(p.recording(), round == 0);
+    if (round > 0) {
+      EXPECT_EQ(p.upcoming(10), (Ids{7, 8, 1, 2, 3}));
+      EXPECT_EQ(p.eviction_score(8), 1u);
+      EXPECT_EQ(p.eviction_score(1), 2u);
+      EXPECT_EQ(p.eviction_score(42), PrefetchPolicy::kNever - 1);  // on no schedule
+    }
+    for (auto h : {7, 8}) p.on_acquire(h);
+    p.end_step();
+  }
+  EXPECT_EQ(p.off_schedule_acquires(), 0u);
+  EXPECT_EQ(p.schedule_length(), 2u);  // key 2's, the current one
+}
+
+TEST(PrefetchPolicy, OneKeyLooksAheadToItsOwnNextStep) {
+  PrefetchPolicy p = recorded({1, 2, 3});
+  p.begin_step();
+  for (auto h : {1, 2}) p.on_acquire(h);
+  EXPECT_EQ(p.upcoming(10), (Ids{3, 1, 2}));
+  p.on_acquire(3);
+  EXPECT_EQ(p.upcoming(1), (Ids{1}));
+  p.end_step();
+  EXPECT_EQ(p.upcoming(10), (Ids{1, 2, 3}));
+  EXPECT_EQ(p.eviction_score(3), 2u);
+}
+
+TEST(PrefetchPolicy, ForgetAndResetReachEveryKey) {
+  PrefetchPolicy p;
+  p.begin_step(1);
+  for (auto h : {1, 2, 3}) p.on_acquire(h);
+  p.end_step();
+  p.begin_step(2);
+  for (auto h : {2, 4}) p.on_acquire(h);
+  p.end_step();
+  p.forget(2);
+  EXPECT_EQ(p.schedule_length(), 1u);
+  p.begin_step(1);
+  EXPECT_EQ(p.upcoming(10), (Ids{1, 3, 4}));  // then key 2's step, as last time
+  p.end_step();
+  p.reset_schedule();
+  p.begin_step(2);
+  EXPECT_TRUE(p.recording());
+  p.end_step();
+  p.begin_step(1);
   EXPECT_TRUE(p.recording());
 }
 
