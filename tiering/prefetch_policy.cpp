@@ -15,7 +15,9 @@ void PrefetchPolicy::Schedule::set(std::vector<HandleId> new_order) {
 
 void PrefetchPolicy::begin_step(ScheduleKey key) {
   moved();
-  if (any_step_ended_) successor_[current_key_] = key;
+  if (steps_.size() == kStepsKept) steps_.erase(steps_.begin());
+  steps_.push_back(key);
+  next_keys_ = predict_next_keys();
   current_key_ = key;
   position_ = 0;
   recording_buffer_.clear();
@@ -27,15 +29,14 @@ void PrefetchPolicy::end_step() {
   if (recording_ && !recording_buffer_.empty()) current().set(std::move(recording_buffer_));
   recording_buffer_.clear();
   recording_ = false;
-  any_step_ended_ = true;
   position_ = current().order.size();  // what comes next is the next step's
 }
 
 void PrefetchPolicy::reset_schedule() {
   moved();
   for (auto& [key, schedule] : schedules_) schedule.set({});
-  successor_.clear();
-  any_step_ended_ = false;
+  steps_.clear();
+  next_keys_.clear();
   position_ = 0;
 }
 
@@ -80,15 +81,30 @@ void PrefetchPolicy::forget(HandleId h) {
   }
 }
 
+std::vector<PrefetchPolicy::ScheduleKey> PrefetchPolicy::predict_next_keys() const {
+  // The longest suffix of steps_ (up to kContext keys) that also ends earlier, at its
+  // latest earlier end j: the steps after j, up to the current one, are taken to repeat.
+  constexpr std::size_t kContext = 8;
+  const std::size_t n = steps_.size();
+  for (std::size_t length = std::min(kContext, n - 1); length >= 1; --length) {
+    for (std::size_t j = n - 1; j-- > length - 1;) {
+      if (!std::equal(steps_.end() - static_cast<std::ptrdiff_t>(length), steps_.end(),
+                      steps_.begin() + static_cast<std::ptrdiff_t>(j + 1 - length))) {
+        continue;
+      }
+      // steps_[j + 1 .. n - 2]: the keys between the current step and its next one.
+      return {steps_.begin() + static_cast<std::ptrdiff_t>(j + 1), steps_.end() - 1};
+    }
+  }
+  return {};
+}
+
 const std::vector<PrefetchPolicy::Stretch>& PrefetchPolicy::look_ahead() const {
   if (look_ahead_valid_) return look_ahead_;
   const Schedule& now = current();
   look_ahead_.assign({{&now, position_, now.order.size()}});
-  std::unordered_set<ScheduleKey> visited{current_key_};
-  for (auto next = successor_.find(current_key_); next != successor_.end();
-       next = successor_.find(next->second)) {
-    if (!visited.insert(next->second).second) break;
-    const Schedule& schedule = schedules_.at(next->second);
+  for (ScheduleKey key : next_keys_) {
+    const Schedule& schedule = schedules_.at(key);
     if (schedule.order.empty()) break;  // not recorded yet: nothing known beyond
     look_ahead_.push_back({&schedule, 0, schedule.order.size()});
   }

@@ -13,9 +13,12 @@
 //
 // Several optimizers may share one store (one device budget): each brackets its steps
 // with its own schedule key, and each key records and replays its own schedule. The
-// policy also notes which key's step followed which, and looks ahead across that order:
-// the rest of the current step, then the steps that followed it last time (a GAN's
-// other optimizer), then the current schedule again. So the end of one optimizer's step
+// policy also keeps the order in which the keys' steps ran and predicts the steps to
+// come from it: the longest run of recent keys that also ran earlier is taken to repeat,
+// and the keys that followed it then are the keys to come (A B A B: B follows A; a
+// critic stepped twice per generator step, D D G D D G: after the first D comes D, after
+// the second G). The look-ahead is the rest of the current step, the schedules of the
+// predicted steps, then the current schedule again. So the end of one optimizer's step
 // prefetches the start of the next one's, and eviction scores count acquires along that
 // same sequence (a handle no schedule on it contains scores as never used again).
 // Steps of different keys follow one another; they do not run at the same time.
@@ -39,6 +42,13 @@ class TIDEPOOL_API PrefetchPolicy {
   static constexpr std::size_t kNever = std::numeric_limits<std::size_t>::max();
 
   using ScheduleKey = std::uint64_t;
+
+  PrefetchPolicy() = default;
+  // The cached look-ahead points into schedules_: a copy would point into the original.
+  PrefetchPolicy(const PrefetchPolicy&) = delete;
+  PrefetchPolicy& operator=(const PrefetchPolicy&) = delete;
+  PrefetchPolicy(PrefetchPolicy&&) = default;  // map nodes move with the map
+  PrefetchPolicy& operator=(PrefetchPolicy&&) = default;
 
   // Starts a step of `key`'s schedule: records when that schedule does not exist yet,
   // else replays it from the start. Until the next begin_step, `key`'s schedule is the
@@ -82,19 +92,23 @@ class TIDEPOOL_API PrefetchPolicy {
   };
   const Schedule& current() const { return schedules_.at(current_key_); }
   Schedule& current() { return schedules_.at(current_key_); }
-  // The rest of the current step, the recorded schedules of the keys that followed it
-  // (each once), then the current schedule up to the position. Cached until the
-  // position, the key or a schedule changes: the store scores every resident handle
-  // against it when it needs room.
+  // The rest of the current step, the recorded schedules of the predicted steps, then
+  // the current schedule up to the position. Cached until the position, the key or a
+  // schedule changes: the store scores every resident handle against it when it needs
+  // room.
   const std::vector<Stretch>& look_ahead() const;
   void moved() { look_ahead_valid_ = false; }
+  // The keys of the steps expected between this step and the current key's next one,
+  // from steps_ (see the top of this file).
+  std::vector<ScheduleKey> predict_next_keys() const;
 
   std::unordered_map<ScheduleKey, Schedule> schedules_{{0, Schedule{}}};
   ScheduleKey current_key_ = 0;  // always in schedules_
   std::vector<HandleId> recording_buffer_;
-  // successor_[k]: the key whose step began after k's last ended.
-  std::unordered_map<ScheduleKey, ScheduleKey> successor_;
-  bool any_step_ended_ = false;
+  // The keys of the last kStepsKept steps begun, oldest first; the last is current_key_.
+  static constexpr std::size_t kStepsKept = 64;
+  std::vector<ScheduleKey> steps_;
+  std::vector<ScheduleKey> next_keys_;  // predict_next_keys() at the last begin_step
   bool recording_ = false;
   // Index of the next expected acquire in current().order; its size once the step has
   // made all the acquires it expects (then the look-ahead goes on to the next key's).

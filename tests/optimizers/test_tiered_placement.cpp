@@ -99,7 +99,24 @@ TEST(TieredApollo, PipelinePrefetchesAlongTheRecordedOrderAndWritesBackOnRelease
 TEST(TieredApollo, TwoOptimizersShareOneStoreEachOnItsOwnSchedule) {
   // A GAN-like pair stepping in turn on one store (one budget): each placement replays
   // its own recorded order, so every replayed step's loads are its own state, prefetched.
-  const auto resident_a = train_apollo(std::make_shared<tidepool::optim::ResidentPlacement>(), 5);
+  // Each optimizer's own run with resident state, for comparison.
+  auto resident_run = [](int seed_offset) {
+    torch::manual_seed(5);
+    std::vector<torch::Tensor> a, b;
+    for (int i = 0; i < kParams; ++i) a.push_back(torch::randn({kElements}, torch::kFloat32));
+    for (int i = 0; i < kParams; ++i) b.push_back(torch::randn({kElements}, torch::kFloat32));
+    auto& params = seed_offset == 0 ? a : b;
+    for (auto& p : params) p.set_requires_grad(true);
+    tidepool::optim::Apollo apollo(params, tidepool::optim::ApolloOptions(0.01).warmup(3),
+                                   std::make_shared<tidepool::optim::ResidentPlacement>());
+    for (int step = 1; step <= 5; ++step) {
+      for (auto& p : params) p.mutable_grad() = torch::sin(p.detach() * step) + 0.1 * p.detach();
+      apollo.step();
+    }
+    std::vector<torch::Tensor> out;
+    for (const auto& p : params) out.push_back(p.detach().clone());
+    return out;
+  };
   auto backend = tidepool::make_host_backend();
   auto store = host_store(*backend, 12 * 1024);  // a quarter of the two optimizers' state
   auto placement_a = std::make_shared<TieredPlacement>(store);
@@ -126,9 +143,11 @@ TEST(TieredApollo, TwoOptimizersShareOneStoreEachOnItsOwnSchedule) {
     b.step();
     if (step > 2) misses_after_both_replayed += store->stats().misses - before;
   }
-  std::vector<torch::Tensor> tiered_a;
+  std::vector<torch::Tensor> tiered_a, tiered_b;
   for (const auto& p : params_a) tiered_a.push_back(p.detach().clone());
-  EXPECT_TRUE(all_equal(resident_a, tiered_a));
+  for (const auto& p : params_b) tiered_b.push_back(p.detach().clone());
+  EXPECT_TRUE(all_equal(resident_run(0), tiered_a));
+  EXPECT_TRUE(all_equal(resident_run(1), tiered_b));
   // Once both orders are recorded (and which step follows which), every acquire finds
   // its state loaded ahead, the first parameter's of each step too: the end of one
   // optimizer's step prefetches the start of the other's. (With one schedule shared by

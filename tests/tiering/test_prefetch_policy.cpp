@@ -123,6 +123,35 @@ TEST(PrefetchPolicy, OneKeyLooksAheadToItsOwnNextStep) {
   EXPECT_EQ(p.eviction_score(3), 2u);
 }
 
+TEST(PrefetchPolicy, ARepeatingPatternOfStepsIsPredicted) {
+  // A critic stepped twice per generator step: D D G D D G ... (D owns 1-2, G owns 9).
+  PrefetchPolicy p;
+  const std::vector<std::pair<PrefetchPolicy::ScheduleKey, Ids>> cycle = {
+      {1, {1, 2}}, {1, {1, 2}}, {2, {9}}};
+  std::vector<Ids> upcoming_at_start;
+  for (int round = 0; round < 3; ++round) {
+    for (const auto& [key, handles] : cycle) {
+      p.begin_step(key);
+      upcoming_at_start.push_back(p.upcoming(10));
+      for (auto h : handles) p.on_acquire(h);
+      p.end_step();
+    }
+  }
+  // The last round: each step looks ahead to the one that really follows it.
+  EXPECT_EQ(upcoming_at_start[6], (Ids{1, 2, 9}));  // first D: then D, then G
+  EXPECT_EQ(upcoming_at_start[7], (Ids{1, 2, 9}));  // second D: then G
+  EXPECT_EQ(upcoming_at_start[8], (Ids{9, 1, 2}));  // G: then D
+  p.begin_step(1);
+  for (auto h : {1, 2}) p.on_acquire(h);
+  EXPECT_EQ(p.upcoming(1), (Ids{1}));  // the first D of the cycle: the second D is next
+  p.end_step();
+  p.begin_step(1);
+  for (auto h : {1, 2}) p.on_acquire(h);
+  EXPECT_EQ(p.upcoming(1), (Ids{9}));  // the second D: the generator's step is next
+  EXPECT_LT(p.eviction_score(9), p.eviction_score(1));
+  p.end_step();
+}
+
 TEST(PrefetchPolicy, ForgetAndResetReachEveryKey) {
   PrefetchPolicy p;
   p.begin_step(1);
@@ -131,12 +160,16 @@ TEST(PrefetchPolicy, ForgetAndResetReachEveryKey) {
   p.begin_step(2);
   for (auto h : {2, 4}) p.on_acquire(h);
   p.end_step();
+  EXPECT_EQ(p.upcoming(10), (Ids{2, 4}));  // between steps: key 2 again (no pattern yet), cached
   p.forget(2);
+  EXPECT_EQ(p.upcoming(10), (Ids{4}));  // ...and the cache saw the forget
   EXPECT_EQ(p.schedule_length(), 1u);
   p.begin_step(1);
   EXPECT_EQ(p.upcoming(10), (Ids{1, 3, 4}));  // then key 2's step, as last time
   p.end_step();
+  EXPECT_FALSE(p.upcoming(10).empty());
   p.reset_schedule();
+  EXPECT_TRUE(p.upcoming(10).empty());
   p.begin_step(2);
   EXPECT_TRUE(p.recording());
   p.end_step();
