@@ -1,0 +1,67 @@
+"""torch's CUDA entry points replaced by recorders, for the tests of what installation
+does inside torch on a machine without a GPU (test_install_flow.py, test_optim_hooks.py):
+`fake_cuda` records which allocator is registered and when a MemPool is made or entered;
+`install(**keys)` runs the package's install with torch.cuda claiming a device."""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+
+import pytest
+import torch
+
+from tidepool import _config, _install, _lib
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    calls = []
+
+    class FakePluggableAllocator:
+        def __init__(self, path, alloc_fn, free_fn):
+            calls.append(("pluggable", path, alloc_fn, free_fn))
+            self.handle = object()
+
+        def allocator(self):
+            return self.handle
+
+    class FakeMemPool:
+        def __init__(self, allocator):
+            calls.append(("mempool", allocator))
+
+    @contextlib.contextmanager
+    def fake_use_mem_pool(pool, device=None):
+        calls.append(("enter_pool", device))
+        yield
+        calls.append(("exit_pool", device))
+
+    monkeypatch.setattr(torch.cuda.memory, "CUDAPluggableAllocator", FakePluggableAllocator)
+    monkeypatch.setattr(torch.cuda.memory, "change_current_allocator",
+                        lambda allocator: calls.append(("change_current_allocator", allocator)))
+    monkeypatch.setattr(torch.cuda, "MemPool", FakeMemPool)
+    monkeypatch.setattr(torch.cuda, "use_mem_pool", fake_use_mem_pool)
+    monkeypatch.setattr(_install, "STATE", _install._State())
+    # Global mode through torch's CUDAPluggableAllocator class unless a test hands in a
+    # libtidepool_torch_cuda (test_global_mode_prefers_libtidepool_torch_cuda): the real
+    # one would swap c10's allocator in this process for good.
+    monkeypatch.setattr(_lib, "load_torch_cuda", lambda: (None, "test: no libtidepool_torch_cuda"))
+    yield calls
+    for handle in _install.STATE.optimizer_hooks or ():
+        handle.remove()
+    if _install.STATE.record_stream is not None:
+        _install.STATE.record_stream.remove()
+    if _install.STATE.torch_memory is not None:
+        _install.STATE.torch_memory.remove()
+
+
+def install(**overrides) -> None:
+    """_install.install with `overrides` as tidepool.* keys, while torch.cuda claims a
+    device. Only for the install call: torch.optim consults is_available too, and torch's
+    real CUDA calls behind it would crash on this GPU-less machine."""
+    conf = ",".join(["backend:tidepool"] + [f"tidepool.{k}:{v}" for k, v in overrides.items()])
+    with pytest.MonkeyPatch.context() as patch, warnings.catch_warnings():
+        # What the fallback warns about has its own test.
+        warnings.simplefilter("ignore", _install.TidepoolFallbackWarning)
+        patch.setattr(torch.cuda, "is_available", lambda: True)
+        _install.install(torch, _config.claim(conf).config)

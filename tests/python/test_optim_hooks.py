@@ -1,0 +1,468 @@
+"""The global optimizer step hooks inside torch, on a machine without a GPU (torch's CUDA
+entry points are recorders, fake_torch_cuda.py; tags go through the real libtidepool):
+each step runs tagged between prefetch and evict, a step or hook that raises closes its
+scope (Note [a step that raises]), nested steps keep the outer scope, loaded state
+(plain tensors and DTensor shards) is taken into tiering (Note [loaded state]), the
+patches come off cleanly, and the update itself is torch's, bit for bit, compiled or not."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from tidepool import _install, _optim_hooks, _tags, _tiering
+
+from fake_torch_cuda import fake_cuda, install  # noqa: F401  (a fixture, and the install)
+
+
+class RecordingSGD(torch.optim.SGD):
+    """SGD that notes the allocation tag in force while its step runs."""
+
+    seen_tags: list
+
+    def step(self, closure=None):
+        type(self).seen_tags.append(_tags.current())
+        return super().step(closure)
+
+
+@pytest.fixture
+def fake_tiering(monkeypatch):
+    moves = []
+    monkeypatch.setattr(_tiering, "available", lambda: True)
+    monkeypatch.setattr(_tiering, "prefetch_tag",
+                        lambda d, tag, stream: moves.append(("prefetch", d, tag, stream)))
+    monkeypatch.setattr(_tiering, "evict_tag",
+                        lambda d, tag, stream: moves.append(("evict", d, tag, stream)))
+    monkeypatch.setattr(_optim_hooks, "_cuda_devices", lambda optimizer: [0])
+    monkeypatch.setattr(_optim_hooks, "_stream", lambda torch, d: 4242)
+    return moves
+
+
+@pytest.mark.parametrize("mode", ["global", "pool"])
+def test_each_step_runs_tagged_between_prefetch_and_evict(fake_cuda, fake_tiering, mode):
+    install(mode=mode, state_budget="1GiB")
+    p = torch.nn.Parameter(torch.ones(4))
+    optimizer = RecordingSGD([p], lr=0.5, momentum=0.9)
+    RecordingSGD.seen_tags = []
+    outside = _tags.current()
+    for _ in range(2):
+        p.grad = torch.ones(4)
+        optimizer.step()
+    # The first step creates the momentum buffers; the second only has temporaries.
+    assert RecordingSGD.seen_tags == [_tags.OPTIMIZER_STATE, _tags.WORKSPACE]
+    assert _tags.current() == outside
+    assert fake_tiering == [("prefetch", 0, _tags.OPTIMIZER_STATE, 4242),
+                            ("evict", 0, _tags.OPTIMIZER_STATE, 4242)] * 2
+    pool_events = [c for c in fake_cuda if c[0] in ("enter_pool", "exit_pool")]
+    assert pool_events == ([("enter_pool", 0), ("exit_pool", 0)] * 2 if mode == "pool" else [])
+    # The update itself is SGD's, untouched: two momentum steps of 0.5 * (1, 1.9).
+    assert torch.allclose(p.detach(), torch.full((4,), 1 - 0.5 - 0.95))
+
+
+def test_parameters_added_later_get_their_state_tagged(fake_cuda, fake_tiering):
+    install()
+    a, b = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(3))
+    optimizer = RecordingSGD([a], lr=0.1, momentum=0.9)
+    RecordingSGD.seen_tags = []
+    a.grad = torch.ones(2)
+    optimizer.step()
+    optimizer.step()
+    optimizer.add_param_group({"params": [b]})
+    b.grad = torch.ones(3)
+    optimizer.step()
+    assert RecordingSGD.seen_tags == [_tags.OPTIMIZER_STATE, _tags.WORKSPACE, _tags.OPTIMIZER_STATE]
+
+
+def test_with_no_state_budget_nothing_is_prefetched(fake_cuda, fake_tiering):
+    # Note [state budget 0] in _optim_hooks.py: the state stays on the host.
+    install()
+    p = torch.nn.Parameter(torch.ones(4))
+    optimizer = torch.optim.AdamW([p])
+    for _ in range(2):
+        p.grad = torch.ones(4)
+        optimizer.step()
+    assert fake_tiering == [("evict", 0, _tags.OPTIMIZER_STATE, 4242)] * 2
+
+
+def raising_closure():
+    raise RuntimeError("boom")
+
+
+@pytest.mark.parametrize("mode", ["global", "pool"])
+def test_a_step_that_raises_closes_its_scope_and_evicts(fake_cuda, fake_tiering, mode):
+    # Note [a step that raises]: torch runs no post-hook then; the guard does its work.
+    install(mode=mode, state_budget="1GiB")
+
+    class FreshAdamW(torch.optim.AdamW):  # a step() torch wraps only now, with the guard
+        def step(self, closure=None):
+            return super().step(closure)
+
+    p = torch.nn.Parameter(torch.ones(2))
+    optimizer = FreshAdamW([p])
+    assert FreshAdamW.step.tidepool_guarded
+    outside = _tags.current()
+    p.grad = torch.ones(2)
+    with pytest.raises(RuntimeError, match="boom"):
+        optimizer.step(raising_closure)
+    assert _tags.current() == outside
+    assert fake_tiering == [("prefetch", 0, _tags.OPTIMIZER_STATE, 4242),
+                            ("evict", 0, _tags.OPTIMIZER_STATE, 4242)]
+    pool_events = [c for c in fake_cuda if c[0] in ("enter_pool", "exit_pool")]
+    assert pool_events == ([("enter_pool", 0), ("exit_pool", 0)] if mode == "pool" else [])
+    optimizer.step()  # and the optimizer carries on as usual
+    assert _tags.current() == outside
+    assert len(fake_tiering) == 4
+
+
+def test_an_evict_that_fails_after_a_raising_step_does_not_hide_the_steps_error(
+        fake_cuda, fake_tiering, monkeypatch):
+    install()
+
+    class FreshSGD(torch.optim.SGD):
+        def step(self, closure=None):
+            return super().step(closure)
+
+    def failing_evict(device, tag, stream):
+        raise RuntimeError("tidepool: the copy engine is gone")
+
+    monkeypatch.setattr(_tiering, "evict_tag", failing_evict)
+    p = torch.nn.Parameter(torch.ones(2))
+    optimizer = FreshSGD([p], lr=0.1)
+    outside = _tags.current()
+    with pytest.warns(_install.TidepoolInactiveWarning, match="the copy engine is gone"), \
+            pytest.raises(RuntimeError, match="boom"):
+        optimizer.step(raising_closure)
+    assert _tags.current() == outside
+
+
+def test_a_step_wrapped_before_the_install_has_its_scope_closed_by_the_next_step(
+        fake_cuda, fake_tiering):
+    class EarlySGD(torch.optim.SGD):
+        def step(self, closure=None):
+            return super().step(closure)
+
+    p = torch.nn.Parameter(torch.ones(2))
+    optimizer = EarlySGD([p], lr=0.1)  # torch wraps EarlySGD.step now, without tidepool
+    install()
+    outside = _tags.current()
+    p.grad = torch.ones(2)
+    with pytest.raises(RuntimeError, match="boom"):
+        optimizer.step(raising_closure)
+    assert _tags.current() == _tags.OPTIMIZER_STATE  # no guard, and torch ran no post-hook
+    optimizer.step()  # the next pre-hook closes the scope no running step owns
+    assert _tags.current() == outside
+
+
+@pytest.mark.parametrize("mode,budget", [("global", "0"), ("pool", "1GiB")])
+def test_a_step_inside_a_step_keeps_the_outer_scope(fake_cuda, fake_tiering, mode, budget):
+    install(mode=mode, state_budget=budget)
+
+    class Inner(torch.optim.SGD):
+        seen: list = []
+
+        def step(self, closure=None):
+            Inner.seen.append(_tags.current())
+            return super().step(closure)
+
+    class Lookahead(torch.optim.SGD):  # a wrapper whose step runs another optimizer's
+        seen: list = []
+
+        def __init__(self, params, inner):
+            super().__init__(params, lr=0.0)
+            self.inner = inner
+
+        def step(self, closure=None):
+            Lookahead.seen.append(_tags.current())
+            self.inner.step()
+            Lookahead.seen.append(_tags.current())
+            return super().step(closure)
+
+    a, b = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(3))
+    a.grad, b.grad = torch.ones(2), torch.ones(3)
+    outer = Lookahead([a], Inner([b], lr=0.1, momentum=0.9))
+    outside = _tags.current()
+    outer.step()
+    assert Inner.seen == [_tags.OPTIMIZER_STATE]
+    assert Lookahead.seen == [_tags.OPTIMIZER_STATE, _tags.OPTIMIZER_STATE]
+    assert _tags.current() == outside
+    # The state moves once, around the outermost step; one pool scope per device.
+    moves = [("evict", 0, _tags.OPTIMIZER_STATE, 4242)]
+    if budget != "0":
+        moves.insert(0, ("prefetch", 0, _tags.OPTIMIZER_STATE, 4242))
+    assert fake_tiering == moves
+    pool_events = [c for c in fake_cuda if c[0] in ("enter_pool", "exit_pool")]
+    assert pool_events == ([("enter_pool", 0), ("exit_pool", 0)] if mode == "pool" else [])
+    fake_tiering.clear()
+    with pytest.raises(RuntimeError, match="boom"):
+        outer.inner.step(raising_closure)  # an inner step that raises on its own
+    assert _tags.current() == outside
+    assert fake_tiering == moves
+
+
+def test_a_guarded_step_inside_an_unguarded_one_keeps_its_scope(fake_cuda, fake_tiering):
+    class EarlyWrapper(torch.optim.SGD):  # torch wraps its step before the install
+        seen: list = []
+
+        def __init__(self, params, inner=None):
+            super().__init__(params, lr=0.0)
+            self.inner = inner
+
+        def step(self, closure=None):
+            self.inner.step()
+            EarlyWrapper.seen.append(_tags.current())
+            return super().step(closure)
+
+    a, b = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(3))
+    EarlyWrapper([torch.nn.Parameter(torch.ones(1))])
+    install()
+
+    class LateInner(torch.optim.SGD):
+        def step(self, closure=None):
+            return super().step(closure)
+
+    a.grad, b.grad = torch.ones(2), torch.ones(3)
+    outer = EarlyWrapper([a], LateInner([b], lr=0.1))
+    assert not getattr(EarlyWrapper.step, "tidepool_guarded", False)
+    outside = _tags.current()
+    outer.step()
+    assert EarlyWrapper.seen == [_tags.OPTIMIZER_STATE]
+    assert _tags.current() == outside
+
+
+@pytest.mark.parametrize("where", ["pre", "post"])
+def test_a_hook_that_raises_closes_the_scope_too(fake_cuda, fake_tiering, where):
+    # torch runs tidepool's pre-hook before an optimizer's own and its post-hook after:
+    # an own hook that raises skips tidepool's post-hook as a raising step() does.
+    install(mode="pool")
+
+    class FreshSGD(torch.optim.SGD):
+        def step(self, closure=None):
+            return super().step(closure)
+
+    def failing_hook(optimizer, args, kwargs):
+        raise ValueError("gradient check failed")
+
+    p = torch.nn.Parameter(torch.ones(2))
+    p.grad = torch.ones(2)
+    optimizer = FreshSGD([p], lr=0.1)
+    register = optimizer.register_step_pre_hook if where == "pre" else optimizer.register_step_post_hook
+    register(failing_hook)
+    outside = _tags.current()
+    with pytest.raises(ValueError, match="gradient check failed"):
+        optimizer.step()
+    assert _tags.current() == outside
+    assert [c for c in fake_cuda if c[0] in ("enter_pool", "exit_pool")] == [
+        ("enter_pool", 0), ("exit_pool", 0)]
+    assert fake_tiering == [("evict", 0, _tags.OPTIMIZER_STATE, 4242)]
+
+
+@pytest.fixture
+def untiered_state(monkeypatch, fake_tiering):
+    """CPU tensors stand in for CUDA state; a state tensor counts as tiered once it was
+    made by _adopt_tensor (what, on a GPU, lands in a pointer-stable range). Returns the
+    tags in force at each adoption."""
+    tiered: set[int] = set()
+    adopted_under: list[int] = []
+
+    def adopt(value):
+        adopted_under.append(_tags.current())
+        copy = value.clone()
+        tiered.add(copy.data_ptr())
+        return copy
+
+    monkeypatch.setattr(_optim_hooks, "_on_cuda", lambda value: True)
+    monkeypatch.setattr(_optim_hooks, "_adopt_tensor", adopt)
+    monkeypatch.setattr(_tiering, "owns", lambda device, ptr: ptr in tiered)
+    return adopted_under
+
+
+@pytest.mark.parametrize("mode", ["global", "pool"])
+def test_loaded_state_is_taken_into_tiering_and_evicted(fake_cuda, fake_tiering, untiered_state,
+                                                        mode):
+    # Note [loaded state]: resuming from a checkpoint must not leave the state resident.
+    install(mode=mode, tier_min_bytes="64")
+    torch.manual_seed(0)
+    grads = [torch.randn(8, 4) for _ in range(4)]
+
+    def model():
+        return torch.nn.Parameter(torch.linspace(-1, 1, 32).reshape(8, 4))
+
+    p = model()
+    optimizer = torch.optim.AdamW([p], lr=1e-2)
+    for g in grads[:2]:
+        p.grad = g.clone()
+        optimizer.step()
+    # What torch.save / torch.load would give: copies, not the live state.
+    checkpoint = {"param": p.detach().clone(), "optimizer": copy.deepcopy(optimizer.state_dict())}
+    for g in grads[2:]:
+        p.grad = g.clone()
+        optimizer.step()
+    uninterrupted = p.detach().clone()
+
+    resumed = model()
+    with torch.no_grad():
+        resumed.copy_(checkpoint["param"])
+    optimizer = torch.optim.AdamW([resumed], lr=1e-2)
+    fake_tiering.clear()
+    outside = _tags.current()
+    optimizer.load_state_dict(checkpoint["optimizer"])
+    state = optimizer.state[resumed]
+    # exp_avg and exp_avg_sq (128 bytes each) are taken in under optimizer_state; the
+    # 4-byte step counter stays below tier_min_bytes.
+    assert untiered_state == [_tags.OPTIMIZER_STATE] * 2
+    assert all(_tiering.owns(0, state[k].data_ptr()) for k in ("exp_avg", "exp_avg_sq"))
+    assert not _tiering.owns(0, state["step"].data_ptr())
+    assert torch.equal(state["exp_avg"], checkpoint["optimizer"]["state"][0]["exp_avg"])
+    assert fake_tiering == [("evict", 0, _tags.OPTIMIZER_STATE, 4242)]
+    assert _tags.current() == outside
+    pool_events = [c for c in fake_cuda if c[0] in ("enter_pool", "exit_pool")]
+    assert pool_events[-2:] == ([("enter_pool", 0), ("exit_pool", 0)] if mode == "pool" else [])
+    for g in grads[2:]:
+        resumed.grad = g.clone()
+        optimizer.step()
+    assert torch.equal(resumed.detach(), uninterrupted), "resuming changes no bit"
+    # A tensor subclass without the flatten protocol is not one storage to copy: left as
+    # it is (DTensor has the protocol: test_loaded_dtensor_state_...).
+    assert not _optim_hooks._outside_tiering(torch.nn.Parameter(torch.ones(64)), 0)
+    # Loading state that is already tiered (the same tensors) takes nothing in, moves nothing.
+    fake_tiering.clear()
+    optimizer.load_state_dict(optimizer.state_dict())
+    assert len(untiered_state) == 2
+    assert fake_tiering == []
+
+
+@pytest.fixture
+def fake_process_group():
+    """A two-rank process group whose collectives do nothing (PyTorch's own "fake"
+    backend), enough for DTensor on the CPU in one process."""
+    import torch.distributed as dist
+    if not dist.is_available():
+        pytest.skip("this torch has no torch.distributed")
+    from torch.distributed.tensor import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    yield init_device_mesh("cpu", (2,))
+    dist.destroy_process_group()
+
+
+def test_loaded_dtensor_state_is_taken_in_through_its_local_shard(
+        fake_cuda, fake_tiering, untiered_state, fake_process_group):
+    # FSDP2 keeps each rank's optimizer state as DTensors over its shard: the local shard
+    # is the memory to tier, the DTensor around it keeps its mesh and placements.
+    from torch.distributed.tensor import DTensor, Shard
+    install(tier_min_bytes="64")
+    mesh = fake_process_group
+
+    def sharded(local):
+        return DTensor.from_local(local, mesh, [Shard(0)], run_check=False)
+
+    torch.manual_seed(0)
+    grads = [torch.randn(32) for _ in range(4)]
+    p = torch.nn.Parameter(sharded(torch.linspace(-1, 1, 32)))
+    optimizer = torch.optim.AdamW([p], lr=1e-2)
+    for g in grads[:2]:
+        p.grad = sharded(g.clone())
+        optimizer.step()
+    checkpoint = {"param": p.to_local().detach().clone(),
+                  "optimizer": copy.deepcopy(optimizer.state_dict())}
+    for g in grads[2:]:
+        p.grad = sharded(g.clone())
+        optimizer.step()
+    uninterrupted = p.to_local().detach().clone()
+
+    resumed = torch.nn.Parameter(sharded(checkpoint["param"].clone()))
+    optimizer = torch.optim.AdamW([resumed], lr=1e-2)
+    untiered_state.clear()
+    fake_tiering.clear()
+    optimizer.load_state_dict(checkpoint["optimizer"])
+    state = optimizer.state[resumed]
+    assert untiered_state == [_tags.OPTIMIZER_STATE] * 2  # exp_avg's and exp_avg_sq's shards
+    for key in ("exp_avg", "exp_avg_sq"):
+        assert type(state[key]) is DTensor
+        assert state[key].placements == (Shard(0),) and state[key].device_mesh == mesh
+        assert state[key]._spec == checkpoint["optimizer"]["state"][0][key]._spec
+        assert state[key].grad_fn is None
+        assert _tiering.owns(0, state[key].to_local().data_ptr())
+        assert torch.equal(state[key].to_local(),
+                           checkpoint["optimizer"]["state"][0][key].to_local())
+    assert fake_tiering == [("evict", 0, _tags.OPTIMIZER_STATE, 4242)]
+    for g in grads[2:]:
+        resumed.grad = sharded(g.clone())
+        optimizer.step()
+    assert torch.equal(resumed.to_local().detach(), uninterrupted), "resuming changes no bit"
+
+
+def test_load_state_dict_is_put_back_on_removal(fake_cuda, fake_tiering):
+    original = torch.optim.Optimizer.load_state_dict
+    install()
+    assert torch.optim.Optimizer.load_state_dict is not original
+    assert torch.optim.Optimizer.load_state_dict.__wrapped__ is original
+    for handle in _install.STATE.optimizer_hooks:
+        handle.remove()
+    _install.STATE.optimizer_hooks = None
+    assert torch.optim.Optimizer.load_state_dict is original
+
+
+def test_torchs_step_patcher_is_put_back_as_the_staticmethod_it_was(fake_cuda, fake_tiering):
+    original = vars(torch.optim.Optimizer)["profile_hook_step"]
+    install()
+    assert vars(torch.optim.Optimizer)["profile_hook_step"] is not original
+    for handle in _install.STATE.optimizer_hooks:
+        handle.remove()
+    _install.STATE.optimizer_hooks = None
+    assert vars(torch.optim.Optimizer)["profile_hook_step"] is original
+
+    class LaterSGD(torch.optim.SGD):
+        def step(self, closure=None):
+            return super().step(closure)
+
+    p = torch.nn.Parameter(torch.ones(2))
+    p.grad = torch.ones(2)
+    LaterSGD([p], lr=0.5).step()
+    assert torch.equal(p.detach(), torch.full((2,), 0.5))
+    assert not getattr(LaterSGD.step, "tidepool_guarded", False)
+
+
+def test_stock_adamw_foreach_and_plain_give_identical_results_with_the_hooks(fake_cuda, fake_tiering):
+    torch.manual_seed(0)
+    grads = [torch.randn(5, 3) for _ in range(3)]
+
+    def train(foreach):
+        p = torch.nn.Parameter(torch.linspace(-1, 1, 15).reshape(5, 3))
+        optimizer = torch.optim.AdamW([p], lr=1e-2, foreach=foreach)
+        for g in grads:
+            p.grad = g.clone()
+            optimizer.step()
+        return p.detach().clone()
+
+    reference = train(False)
+    install()
+    assert torch.equal(train(False), reference)
+    assert torch.allclose(train(True), reference, rtol=0, atol=1e-6)
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # torch.jit, imported by dynamo
+def test_a_compiled_training_step_still_moves_the_state(fake_cuda, fake_tiering):
+    # torch.compile traces through torch's hooked step: the hooks and the guard (ctypes
+    # calls, thread-local scopes) must still run around every step, in order.
+    install()
+
+    class FreshAdamW(torch.optim.AdamW):
+        def step(self, closure=None):
+            return super().step(closure)
+
+    p = torch.nn.Parameter(torch.ones(4))
+    optimizer = FreshAdamW([p], lr=0.1)
+    outside = _tags.current()
+
+    @torch.compile(backend="eager")
+    def train_step():
+        p.grad = torch.ones(4)
+        optimizer.step()
+
+    for _ in range(3):
+        train_step()
+    assert _tags.current() == outside
+    assert fake_tiering == [("evict", 0, _tags.OPTIMIZER_STATE, 4242)] * 3
