@@ -81,18 +81,9 @@ def _scopes() -> list:
     return scopes
 
 
-class _GuardedStep:
-    """A guarded step() running on this thread: the scope depth when it began (its
-    pre-hook's scope, once open, is at that index) and its optimizer."""
-
-    __slots__ = ("base", "optimizer", "opened")
-
-    def __init__(self, base: int, optimizer):
-        self.base, self.optimizer, self.opened = base, optimizer, False
-
-
-def _guarded_steps() -> list:
-    """The guarded steps running on this thread, innermost last."""
+def _guarded_steps() -> list[int]:
+    """The guarded steps running on this thread, innermost last: each one's scope depth
+    when it began (its pre-hook's scope, once open, is at that index)."""
     steps = getattr(_local, "guarded_steps", None)
     if steps is None:
         steps = _local.guarded_steps = []
@@ -119,21 +110,21 @@ def _close_scopes_down_to(depth: int) -> list[int]:
     return sorted(devices)
 
 
-def _devices_held() -> set[int]:
-    return {d for scope_devices, _ in _scopes() for d in scope_devices}
+def _devices_not_held(devices: list[int]) -> list[int]:
+    """Those of `devices` no open scope holds: a nested step (a subclass's step() calling
+    its base's, both wrapped by torch with the hooks, or one optimizer stepping another)
+    moves state and enters pools only for those, since evicting or prefetching the tag
+    covers all of a device's state and the enclosing step still runs after the nested
+    one."""
+    held = {d for scope_devices, _ in _scopes() for d in scope_devices}
+    return [d for d in devices if d not in held]
 
 
-def _open_scope(devices: list[int], tag: int) -> list[int]:
+def _open_scope(own: list[int], tag: int) -> None:
     """Allocations of this thread go under `tag` (and, in pool mode, to the tidepool
-    MemPool of each device) until _close_scope. Returns the devices no enclosing scope
-    holds: a nested step (a subclass's step() calling its base's, both wrapped by torch
-    with the hooks, or one optimizer stepping another) moves state and enters pools only
-    for those, since evicting or prefetching the tag covers all of a device's state and
-    the enclosing step still runs after the nested one. Those are the devices
-    _close_scope returns."""
+    MemPool of each device in `own`, from _devices_not_held) until _close_scope, which
+    returns `own`."""
     torch = _install.STATE.torch
-    held = _devices_held()
-    own = [d for d in devices if d not in held]
     contexts = []
     pool = _install.pool()
     if pool is not None:
@@ -143,7 +134,6 @@ def _open_scope(devices: list[int], tag: int) -> list[int]:
             contexts.append(context)
     _tags.push(tag)
     _scopes().append((own, contexts))
-    return own
 
 
 def _guard_step(hooked_step):
@@ -168,12 +158,12 @@ def _guard_step(hooked_step):
     @functools.wraps(hooked_step)
     def guarded_step(*args, **kwargs):
         steps = _guarded_steps()
-        step = _GuardedStep(len(_scopes()), args[0] if args else None)
-        steps.append(step)
+        base = len(_scopes())
+        steps.append(base)
         try:
             return hooked_step(*args, **kwargs)
         except BaseException:
-            devices = _close_scopes_down_to(step.base)
+            devices = _close_scopes_down_to(base)
             if devices and _tiering.available():
                 try:
                     _evict(devices)
@@ -188,17 +178,13 @@ def _guard_step(hooked_step):
     return guarded_step
 
 
-def _scopes_to_keep(optimizer) -> int:
+def _scopes_to_keep() -> int:
     """How many open scopes belong to steps still running around this pre-hook's step
-    (see _guard_step); the ones above are left by a step that raised unguarded."""
+    (see _guard_step); the ones above are left by a step that raised unguarded. The
+    innermost guarded step's own pre-hook finds exactly its base open (its scope is not
+    yet); a step nested inside it finds that scope too, and keeps it."""
     steps = _guarded_steps()
-    if not steps:
-        return 0
-    innermost = steps[-1]
-    if innermost.optimizer is optimizer and not innermost.opened:
-        innermost.opened = True  # this is that guarded step's own pre-hook
-        return innermost.base
-    return innermost.base + (1 if innermost.opened else 0)
+    return min(len(_scopes()), steps[-1] + 1) if steps else 0
 
 
 def _evict(devices: list[int]) -> None:
@@ -209,8 +195,8 @@ def _evict(devices: list[int]) -> None:
 
 def _pre_step(optimizer, args, kwargs):
     torch = _install.STATE.torch
-    _close_scopes_down_to(_scopes_to_keep(optimizer))
-    devices = [d for d in _cuda_devices(optimizer) if d not in _devices_held()]
+    _close_scopes_down_to(_scopes_to_keep())
+    devices = _devices_not_held(_cuda_devices(optimizer))
     if devices and _tiering_or_warn() and _state_budget_allows_prefetch():
         for d in devices:
             _tiering.prefetch_tag(d, _tags.OPTIMIZER_STATE, _stream(torch, d))
@@ -232,18 +218,23 @@ def _adopt_tensor(value):
     return value.clone()
 
 
+def _flatten(value):
+    """(inner tensor names, context) of a wrapper subclass that implements PyTorch's
+    flatten protocol (__tensor_flatten__, as FSDP2's DTensor does); None for anything else."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+    return value.__tensor_flatten__() if is_traceable_wrapper_subclass(value) else None
+
+
 def _plain_parts(value) -> list:
-    """The plain tensors holding `value`'s data: itself, or the inner tensors of a wrapper
-    subclass that implements PyTorch's flatten protocol (__tensor_flatten__, as FSDP2's
-    DTensor does), recursively. [] for anything else (nn.Parameter, other subclasses)."""
+    """The plain tensors holding `value`'s data: itself, or a wrapper's (_flatten) inner
+    tensors, recursively. [] for anything else (nn.Parameter, other subclasses)."""
     torch = _install.STATE.torch
     if type(value) is torch.Tensor:
         return [value]
-    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
-    if not is_traceable_wrapper_subclass(value):
+    flat = _flatten(value)
+    if flat is None:
         return []
-    names, _ = value.__tensor_flatten__()
-    return [part for name in names for part in _plain_parts(getattr(value, name))]
+    return [part for name in flat[0] for part in _plain_parts(getattr(value, name))]
 
 
 def _adopted(value):
@@ -255,10 +246,10 @@ def _adopted(value):
     torch = _install.STATE.torch
     if type(value) is torch.Tensor:
         return _adopt_tensor(value)
-    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
-    if not is_traceable_wrapper_subclass(value):
+    flat = _flatten(value)
+    if flat is None:
         return value
-    names, context = value.__tensor_flatten__()
+    names, context = flat
     parts = {name: _adopted(getattr(value, name)) for name in names}
     dtensor = _dtensor_class()
     if dtensor is not None and type(value) is dtensor:
@@ -304,7 +295,8 @@ def _adopt_loaded_state(optimizer) -> int:
         return 0
     adopted = 0
     depth = len(_scopes())
-    own = _open_scope(devices, _tags.OPTIMIZER_STATE)
+    own = _devices_not_held(devices)
+    _open_scope(own, _tags.OPTIMIZER_STATE)
     try:
         with _install.STATE.torch.no_grad():  # copies of state, not steps of a graph
             for state, key in stray:
