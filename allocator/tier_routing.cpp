@@ -125,12 +125,17 @@ std::size_t host_memory_bytes() {
   return static_cast<std::size_t>(pages) * static_cast<std::size_t>(page);
 }
 
-std::optional<std::size_t> configured_state_budget_bytes(const Config& config, Backend& backend) {
+std::optional<std::size_t> configured_state_budget_bytes(const Config& config, Backend* backend) {
   if (!config.enabled || config.state_budget.kind == Budget::Kind::unset) return std::nullopt;
+  const bool fraction = config.state_budget.kind == Budget::Kind::fraction;
+  if (fraction && backend == nullptr) return std::nullopt;
   // mem_info is only asked for a percentage: it may synchronise with the device.
-  const std::uint64_t total =
-      config.state_budget.kind == Budget::Kind::fraction ? backend.mem_info().total_bytes : 0;
+  const std::uint64_t total = fraction ? backend->mem_info().total_bytes : 0;
   return static_cast<std::size_t>(config.state_budget.resolve(total, 0));
+}
+
+std::optional<std::size_t> configured_state_budget_bytes(const Config& config, Backend& backend) {
+  return configured_state_budget_bytes(config, &backend);
 }
 
 std::optional<std::size_t> configured_pinned_budget_bytes(const Config& config) {

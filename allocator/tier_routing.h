@@ -105,6 +105,10 @@ TIDEPOOL_API std::size_t host_memory_bytes();
 // enabled by `config`. Note that 0 is a valid answer (keep nothing between steps).
 TIDEPOOL_API std::optional<std::size_t> configured_state_budget_bytes(const Config& config,
                                                                       Backend& backend);
+// The same without a backend at hand (`backend` may be null): nullopt also when the
+// budget is a percentage and no backend can say how large the device is.
+TIDEPOOL_API std::optional<std::size_t> configured_state_budget_bytes(const Config& config,
+                                                                      Backend* backend);
 
 // tidepool.pinned_budget in bytes of host RAM. nullopt when tidepool is not enabled by
 // `config` or the budget is unset ("unlimited").

@@ -147,6 +147,8 @@ TieredPlacement::TieredPlacement(std::shared_ptr<TieredStore> store, Stream host
   TORCH_CHECK(store_ != nullptr, "TieredPlacement: the tiered store must not be null");
 }
 
+TieredPlacement::~TieredPlacement() { store_->retire_schedule(schedule_key_); }
+
 std::unique_ptr<StateBuffer> TieredPlacement::create(const torch::Tensor& initial) {
   return std::make_unique<TieredBuffer>(initial, store_, host_stream_, tag_, write_back_,
                                         shared_);

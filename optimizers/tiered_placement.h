@@ -73,6 +73,11 @@ class TIDEPOOL_API TieredPlacement final : public StatePlacement {
   TieredPlacement(std::shared_ptr<TieredStore> store, Stream host_stream = {},
                   int tag = TIDEPOOL_TAG_OPTIMIZER_STATE,
                   WriteBack write_back = WriteBack::automatic);
+  // Retires this placement's schedule in the store (TieredStore::retire_schedule). Not
+  // copyable: a copy would share the schedule key, and the first to go would retire it.
+  ~TieredPlacement() override;
+  TieredPlacement(const TieredPlacement&) = delete;
+  TieredPlacement& operator=(const TieredPlacement&) = delete;
 
   std::unique_ptr<StateBuffer> create(const torch::Tensor& initial) override;
   std::string name() const override { return "tiered"; }

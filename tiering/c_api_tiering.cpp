@@ -25,6 +25,10 @@
 
 #include "allocator/c_api.h"
 #include "allocator/c_api_guard.h"
+#include "allocator/caching_allocator.h"
+#include "allocator/config.h"
+#include "allocator/device_registry.h"
+#include "allocator/tier_routing.h"
 #include "tiering/stats_json.h"
 #include "tiering/tiered_store.h"
 #include "tiering/tiering_registry.h"
@@ -44,10 +48,31 @@ tidepool::Stream as_stream(void* s) { return tidepool::Stream{s}; }
 
 // Note [prefetch within the state budget]. Returns the bytes of the tag's ranges left
 // host-backed by the budget.
-std::uint64_t prefetch_ranges_within_budget(int device, int tag) {
-  return tidepool::tiering_vmm_pool(device)
-      .migrate_tag(tag, tidepool::MemoryLocation::device)
-      .bytes_left;
+std::uint64_t prefetch_ranges_within_budget(tidepool::VmmPool* pool, int tag) {
+  if (pool == nullptr) return 0;
+  return pool->migrate_tag(tag, tidepool::MemoryLocation::device).bytes_left;
+}
+
+// The device's VmmPool for the calls that read or move what exists (ownership, stats,
+// evict and prefetch by tag): nullptr while no range was made there, so that asking
+// about a device the process never used creates nothing on it (on CUDA, a context of
+// hundreds of MiB). A bad device index is still an error.
+tidepool::VmmPool* existing_vmm_pool(int device) {
+  tidepool::check_device(device);
+  return tidepool::existing_tiering_vmm_pool(device);
+}
+
+// The device's VMM figures. With no range made yet: zeros, and the budget a pool would
+// get (the configured one; a percentage is known once the device's allocator is).
+tidepool::VmmStats vmm_stats(int device) {
+  if (const tidepool::VmmPool* pool = existing_vmm_pool(device)) return pool->stats();
+  tidepool::VmmStats v;
+  tidepool::CachingAllocator* allocator = tidepool::existing_device_allocator(device);
+  const auto budget = tidepool::configured_state_budget_bytes(
+      tidepool::active_config(), allocator != nullptr ? &allocator->backend() : nullptr);
+  v.has_device_budget = budget.has_value();
+  v.device_budget_bytes = budget.value_or(0);
+  return v;
 }
 
 }  // namespace
@@ -83,13 +108,15 @@ int tidepool_vmm_record_stream(void* ptr, int device, void* stream) {
 }
 
 int tidepool_vmm_owns(const void* ptr, int device) {
-  return guarded("tidepool_vmm_owns", 0,
-                 [&] { return tidepool::tiering_vmm_pool(device).owns(ptr) ? 1 : 0; });
+  return guarded("tidepool_vmm_owns", 0, [&] {
+    const tidepool::VmmPool* pool = existing_vmm_pool(device);
+    return pool != nullptr && pool->owns(ptr) ? 1 : 0;
+  });
 }
 
 int tidepool_evict_tag(int device, int tag) {
   return guarded("tidepool_evict_tag", -1, [&] {
-    tidepool::tiering_vmm_pool(device).migrate_tag(tag, MemoryLocation::host);
+    if (tidepool::VmmPool* pool = existing_vmm_pool(device)) pool->migrate_tag(tag, MemoryLocation::host);
     tidepool::for_each_tiered_store(device, [&](TieredStore& s) { s.evict_tag(tag); });
     return 0;
   });
@@ -97,9 +124,9 @@ int tidepool_evict_tag(int device, int tag) {
 
 int tidepool_prefetch_tag_within_budget(int device, int tag, void* stream,
                                         uint64_t* bytes_left_on_host) {
-  return guarded("tidepool_prefetch_tag", -1, [&] {
+  return guarded("tidepool_prefetch_tag_within_budget", -1, [&] {
     if (bytes_left_on_host != nullptr) *bytes_left_on_host = 0;
-    const std::uint64_t left = prefetch_ranges_within_budget(device, tag);
+    const std::uint64_t left = prefetch_ranges_within_budget(existing_vmm_pool(device), tag);
     tidepool::for_each_tiered_store(device,
                                     [&](TieredStore& s) { s.prefetch_tag(tag, as_stream(stream)); });
     if (bytes_left_on_host != nullptr) *bytes_left_on_host = left;
@@ -159,7 +186,7 @@ int tidepool_get_tiering_stats_v1(int device, tidepool_tiering_stats_v1* out) {
     });
     if (full.h2d_busy_ms > 0) full.h2d_gb_per_s = double(full.h2d_bytes) / (full.h2d_busy_ms * 1e6);
     if (full.d2h_busy_ms > 0) full.d2h_gb_per_s = double(full.d2h_bytes) / (full.d2h_busy_ms * 1e6);
-    const tidepool::VmmStats v = tidepool::tiering_vmm_pool(device).stats();
+    const tidepool::VmmStats v = vmm_stats(device);
     full.vmm_ranges = v.ranges;
     full.vmm_device_bytes = v.device_backed_bytes;
     full.vmm_host_bytes = v.host_backed_bytes;
@@ -184,7 +211,7 @@ char* tidepool_tiering_snapshot_json(int device) {
       json += s.stats_json();
       first = false;
     });
-    json += "],\"vmm\":" + tidepool::to_json(tidepool::tiering_vmm_pool(device).stats()) + "}";
+    json += "],\"vmm\":" + tidepool::to_json(vmm_stats(device)) + "}";
     return tidepool::detail::malloc_c_string(json);
   });
 }

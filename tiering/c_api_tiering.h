@@ -44,6 +44,8 @@ TIDEPOOL_API int tidepool_vmm_record_stream(void* ptr, int device, void* stream)
 TIDEPOOL_API int tidepool_vmm_owns(const void* ptr, int device);
 
 /* ---- evict / prefetch -------------------------------------------------------------- */
+/* The calls by tag, tidepool_vmm_owns and the stats below create nothing on a device
+ * where no VMM range or tiered store exists yet (no CUDA context just for asking). */
 TIDEPOOL_API int tidepool_evict_tag(int device, int tag);
 TIDEPOOL_API int tidepool_prefetch_tag(int device, int tag, void* stream);
 /* tidepool_prefetch_tag, also writing to *bytes_left_on_host (when not NULL) how many
@@ -77,7 +79,8 @@ typedef struct tidepool_tiering_stats_v1 {
   uint64_t vmm_bytes_to_host, vmm_bytes_to_device, vmm_failed_migrations;
   double vmm_migration_ms;
   /* Appended (a caller with an older, shorter struct_size gets the prefix it knows).
-   * The device budget of the VMM ranges (tidepool.state_budget; UINT64_MAX: none), how
+   * The device budget of the VMM ranges (tidepool.state_budget; UINT64_MAX: none, or a
+   * percentage of a device tidepool has not used yet), how
    * many prefetches it cut short, and the bytes those left in host memory. */
   uint64_t vmm_device_budget_bytes, vmm_budget_stops, vmm_bytes_left_on_host;
 } tidepool_tiering_stats_v1;

@@ -24,6 +24,16 @@
 // with dlsym (typed from mimalloc.h by decltype). Not RTLD_DEEPBIND: that breaks ASan.
 // Without mimalloc the slabs are unavailable (the error names the package) but direct
 // pinned mappings and the pageable fallback, which use neither, keep working.
+//
+// Note [When mimalloc has no arena left]
+// mimalloc manages at most 64 arenas per process (slabs of every HostArena, idle ones
+// included), so with 64 MiB slabs about 4 GiB of small blocks fill them. Once
+// mi_manage_os_memory_ex refuses a slab, no new slab is offered again (that would map
+// and register 64 MiB per request only to unregister it), and a small block that fits
+// in no existing slab becomes a direct pinned mapping, as large blocks are: still
+// pinned, at the cost of one host_register per block (counted in
+// HostArenaStats::direct_after_no_arena). Only when that fails too does it fall back to
+// pageable memory.
 #include "tiering/host_arena.h"
 
 #include <dlfcn.h>
@@ -33,6 +43,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -51,6 +62,8 @@ namespace {
 constexpr std::size_t kArenaAlign = std::size_t{32} << 20;  // mimalloc 2.0.9 segment size
 constexpr std::size_t kBlockAlign = 256;
 constexpr std::size_t kPageBytes = 4096;
+constexpr const char* kNoArenaLeft =
+    "mi_manage_os_memory_ex refused a slab: mimalloc manages at most 64 arenas per process";
 
 std::size_t round_up(std::size_t n, std::size_t to) { return (n + to - 1) / to * to; }
 
@@ -63,6 +76,10 @@ struct MimallocApi {
   decltype(&::mi_heap_delete) heap_delete = nullptr;
   decltype(&::mi_free) free = nullptr;
   std::string error;  // non-empty: the library or a function is missing, and why
+  // mi_manage_os_memory_ex refused a slab: this library's arenas are all in use (mimalloc
+  // allows 64 per process), so later slabs are not mapped and registered just to be
+  // refused too (Note [When mimalloc has no arena left]). Never freed, as the map.
+  std::atomic<bool>* arenas_exhausted = new std::atomic<bool>(false);
 };
 
 template <typename Fn>
@@ -277,6 +294,9 @@ HostBlock HostArena::allocate(std::size_t bytes) {
           slab->live_blocks++;
           slab->ever_used = true;
         }
+      } else if (why_not == kNoArenaLeft) {
+        p = allocate_direct_pinned(bytes, &why_not);
+        if (p != nullptr) stats_.direct_after_no_arena++;
       }
     }
     charged = bytes;
@@ -348,6 +368,10 @@ HostArena::Slab* HostArena::add_slab(std::size_t bytes, std::string* why_not) {
       return nullptr;
     }
   } else {
+    if (mi.arenas_exhausted->load()) {
+      *why_not = kNoArenaLeft;
+      return nullptr;
+    }
     void* base = map_aligned(bytes, kArenaAlign);
     if (base == nullptr) {
       *why_not = "mmap of a " + std::to_string(bytes >> 20) + " MiB slab failed: " + std::strerror(errno);
@@ -363,8 +387,9 @@ HostArena::Slab* HostArena::add_slab(std::size_t bytes, std::string* why_not) {
                                 /*is_zero=*/true, /*numa_node=*/-1, /*exclusive=*/true, &id)) {
       backend_.host_unregister(base);
       munmap(base, bytes);
-      throw HostArenaError("host arena: mi_manage_os_memory_ex refused a slab (mimalloc allows "
-                           "at most 64 arenas per process)");
+      mi.arenas_exhausted->store(true);
+      *why_not = kNoArenaLeft;
+      return nullptr;
     }
     slab = new Slab{static_cast<char*>(base), bytes, id, &mi, 0, false};
   }

@@ -90,6 +90,9 @@ struct HostArenaStats {
   std::size_t pinned_registered_bytes = 0;  // slabs + direct mappings now registered
   std::size_t slab_count = 0;
   std::size_t direct_count = 0;
+  // Small blocks mapped directly because mimalloc had no arena left for another slab
+  // (Note [When mimalloc has no arena left] in host_arena.cpp).
+  std::uint64_t direct_after_no_arena = 0;
   std::size_t pinned_in_use_bytes = 0;
   std::size_t pinned_peak_bytes = 0;
   std::uint64_t pinned_allocs = 0;

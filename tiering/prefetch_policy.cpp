@@ -40,6 +40,25 @@ void PrefetchPolicy::reset_schedule() {
   position_ = 0;
 }
 
+void PrefetchPolicy::retire(ScheduleKey key) {
+  moved();
+  // A dead key left in the history would be predicted to run again, and its empty
+  // schedule ends the look-ahead there (look_ahead()).
+  std::erase(steps_, key);
+  std::erase(next_keys_, key);
+  if (key == current_key_) {
+    current_key_ = 0;
+    position_ = 0;
+    recording_ = false;
+    recording_buffer_.clear();
+  }
+  if (key == 0) {
+    schedules_.at(0).set({});
+  } else {
+    schedules_.erase(key);
+  }
+}
+
 void PrefetchPolicy::on_acquire(HandleId h) {
   last_acquire_[h] = ++clock_;
   if (recording_) {

@@ -59,6 +59,11 @@ class TIDEPOOL_API PrefetchPolicy {
   void end_step();
   // Drops every schedule; the next step of each key records again.
   void reset_schedule();
+  // `key` will not step again (its optimizer is gone): drops its schedule and its steps
+  // from the history the next keys are predicted from. A key that does step again later
+  // records anew. The store's own key 0 is only emptied. When `key` is the current one,
+  // key 0 becomes current.
+  void retire(ScheduleKey key);
 
   // Notes an acquire of `h` (records it or advances the replay position).
   void on_acquire(HandleId h);
@@ -77,6 +82,8 @@ class TIDEPOOL_API PrefetchPolicy {
   bool recording() const { return recording_; }
   // The current key's schedule.
   std::size_t schedule_length() const { return current().order.size(); }
+  // Keys with a schedule (recorded or not), the store's key 0 included.
+  std::size_t schedule_count() const { return schedules_.size(); }
   std::uint64_t off_schedule_acquires() const { return off_schedule_; }
 
  private:

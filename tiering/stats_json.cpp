@@ -74,6 +74,7 @@ std::string to_json(const HostArenaStats& s) {
       .num("pinned_registered_bytes", ull(s.pinned_registered_bytes))
       .num("slab_count", ull(s.slab_count))
       .num("direct_count", ull(s.direct_count))
+      .num("direct_after_no_arena", ull(s.direct_after_no_arena))
       .num("pinned_in_use_bytes", ull(s.pinned_in_use_bytes))
       .num("pinned_peak_bytes", ull(s.pinned_peak_bytes))
       .num("pinned_allocs", ull(s.pinned_allocs))

@@ -43,11 +43,14 @@
 // One mutex guards the store. Backend calls are made under it; they never call back
 // into the store (host-backend stream workers only run copies). reclaim() is called from
 // an allocator's OOM path, possibly while this store is itself allocating device memory
-// on the same thread; it therefore only try_locks and gives up (returns 0) when busy.
+// on the same thread: it gives up (returns 0) when this thread holds this store's lock
+// (InsideStore), and otherwise only try_locks. Another store that runs out of device
+// memory on this thread still gets this store's released state.
 #include "tiering/tiered_store.h"
 
 #include <algorithm>
 #include <cstring>
+#include <iterator>
 
 #include "allocator/caching_allocator.h"
 #include "allocator/config.h"
@@ -75,11 +78,29 @@ struct TieredStore::Entry {
 };
 
 namespace {
-thread_local bool t_inside_store = false;  // Note [Locking]: re-entry from an OOM hook
+// Note [Locking]: the stores whose lock this thread holds while it may allocate (at most
+// two deep: a store's OOM reclaims another store), so that an OOM hook reaching one of
+// them again gives up instead of locking it twice, while other stores still give room.
+thread_local const TieredStore* t_inside_stores[2] = {};
+thread_local std::size_t t_inside_depth = 0;
 
-struct InsideStore {
-  InsideStore() { t_inside_store = true; }
-  ~InsideStore() { t_inside_store = false; }
+class InsideStore {
+ public:
+  explicit InsideStore(const TieredStore* store) {
+    if (t_inside_depth < std::size(t_inside_stores)) t_inside_stores[t_inside_depth] = store;
+    ++t_inside_depth;
+  }
+  ~InsideStore() { --t_inside_depth; }
+  InsideStore(const InsideStore&) = delete;
+  InsideStore& operator=(const InsideStore&) = delete;
+
+  static bool holds(const TieredStore* store) {
+    const std::size_t known = std::min(t_inside_depth, std::size(t_inside_stores));
+    // Deeper than tracked cannot happen (each level is a different store, reached only
+    // through an OOM hook); treat it as holding every store, the safe answer.
+    if (known < t_inside_depth) return true;
+    return std::find(t_inside_stores, t_inside_stores + known, store) != t_inside_stores + known;
+  }
 };
 }  // namespace
 
@@ -174,6 +195,19 @@ Event TieredStore::take_event_locked() {
 
 void TieredStore::give_event_locked(Event e) { free_events_.push_back(e); }
 
+Event TieredStore::record_use_event_locked(Stream s) {
+  Event ev = take_event_locked();
+  try {
+    backend_.record_event(ev, s);
+  } catch (const BackendError& err) {
+    give_event_locked(ev);
+    throw TieringError(std::string("tiered store: cannot wait for a stream that used this "
+                                   "state (destroyed without TieredStore::release_stream, "
+                                   "or tidepool_release_stream?): ") + err.what());
+  }
+  return ev;
+}
+
 TieredStore::Entry& TieredStore::entry_locked(Handle h, const char* op) {
   auto it = entries_.find(h);
   if (it == entries_.end()) {
@@ -204,7 +238,7 @@ TieredStore::Handle TieredStore::create(std::size_t bytes, int tag, Tier initial
   }
   std::memset(host.ptr, 0, bytes);
   std::lock_guard lock(mutex_);
-  InsideStore inside;
+  InsideStore inside(this);
   auto e = std::make_unique<Entry>();
   e->bytes = bytes;
   e->tag = tag;
@@ -242,7 +276,7 @@ TieredStore::Handle TieredStore::create(std::size_t bytes, int tag, Tier initial
 
 void TieredStore::destroy(Handle h) {
   std::lock_guard lock(mutex_);
-  InsideStore inside;
+  InsideStore inside(this);
   Entry& e = entry_locked(h, "destroy");
   if (e.pins > 0) throw TieringError("tiered store: destroy of an acquired handle");
   if (e.dev != nullptr) {
@@ -434,14 +468,8 @@ bool TieredStore::load_locked(Entry& e, bool for_prefetch) {
 void TieredStore::evict_locked(Entry& e) {
   const Stream d2h = copies_.stream(Direction::device_to_host);
   // The D2H stream must pass every use of the buffer and its own load.
-  std::vector<Event> use_events;
-  use_events.reserve(e.use_streams.size());
   for (Stream s : e.use_streams) {
-    Event ev = take_event_locked();
-    backend_.record_event(ev, s);
-    use_events.push_back(ev);
-  }
-  for (Event ev : use_events) {
+    const Event ev = record_use_event_locked(s);
     backend_.stream_wait_event(d2h, ev);  // captures the point now: the event is free again
     give_event_locked(ev);
   }
@@ -485,7 +513,7 @@ void TieredStore::prefetch_ahead_locked() {
 
 void TieredStore::prefetch(Handle h, Stream stream) {
   std::lock_guard lock(mutex_);
-  InsideStore inside;
+  InsideStore inside(this);
   Entry& e = entry_locked(h, "prefetch");
   if (e.dev != nullptr) return;
   if (load_locked(e, /*for_prefetch=*/true)) {
@@ -497,7 +525,7 @@ void TieredStore::prefetch(Handle h, Stream stream) {
 
 void* TieredStore::acquire(Handle h, Stream stream) {
   std::lock_guard lock(mutex_);
-  InsideStore inside;
+  InsideStore inside(this);
   Entry& e = entry_locked(h, "acquire");
   if (e.dev == nullptr) {
     load_locked(e, /*for_prefetch=*/false);
@@ -513,8 +541,7 @@ void* TieredStore::acquire(Handle h, Stream stream) {
   // new stream waits for them, else its reads miss those writes and its writes race them.
   for (Stream used : e.use_streams) {
     if (used == stream) continue;
-    Event ev = take_event_locked();
-    backend_.record_event(ev, used);
+    const Event ev = record_use_event_locked(used);
     backend_.stream_wait_event(stream, ev);  // captures the point now: the event is free again
     give_event_locked(ev);
   }
@@ -549,7 +576,7 @@ void TieredStore::release(Handle h, bool dirty) {
 
 void TieredStore::evict(Handle h) {
   std::lock_guard lock(mutex_);
-  InsideStore inside;
+  InsideStore inside(this);
   Entry& e = entry_locked(h, "evict");
   if (e.pins > 0) throw TieringError("tiered store: evict of an acquired handle");
   if (e.dev != nullptr) evict_locked(e);
@@ -557,7 +584,7 @@ void TieredStore::evict(Handle h) {
 
 void TieredStore::evict_tag(int tag) {
   std::lock_guard lock(mutex_);
-  InsideStore inside;
+  InsideStore inside(this);
   for (auto& [id, e] : entries_) {
     if (e->tag == tag && e->dev != nullptr && e->pins == 0) evict_locked(*e);
   }
@@ -565,7 +592,7 @@ void TieredStore::evict_tag(int tag) {
 
 void TieredStore::prefetch_tag(int tag, Stream stream) {
   std::lock_guard lock(mutex_);
-  InsideStore inside;
+  InsideStore inside(this);
   for (auto& [id, e] : entries_) {
     if (e->tag != tag || e->dev != nullptr) continue;
     if (!load_locked(*e, /*for_prefetch=*/true)) {
@@ -577,10 +604,10 @@ void TieredStore::prefetch_tag(int tag, Stream stream) {
 }
 
 std::size_t TieredStore::reclaim(std::size_t bytes_needed) {
-  if (t_inside_store) return 0;  // Note [Locking]
+  if (InsideStore::holds(this)) return 0;  // Note [Locking]
   std::unique_lock lock(mutex_, std::try_to_lock);
   if (!lock.owns_lock()) return 0;
-  InsideStore inside;
+  InsideStore inside(this);
   stats_.reclaim_calls++;
   const std::size_t before = device_bytes_;
   std::size_t scheduled = 0;
@@ -619,18 +646,40 @@ void TieredStore::end_step() {
   policy_.end_step();
 }
 
+void TieredStore::retire_schedule(std::uint64_t schedule) {
+  std::lock_guard lock(mutex_);
+  policy_.retire(schedule);
+}
+
+void TieredStore::release_stream(Stream stream) {
+  std::lock_guard lock(mutex_);
+  backend_.stream_synchronize(stream);
+  for (auto& [id, e] : entries_) std::erase(e->use_streams, stream);
+}
+
+void TieredStore::forget_stream(Stream stream) {
+  std::lock_guard lock(mutex_);
+  for (auto& [id, e] : entries_) std::erase(e->use_streams, stream);
+}
+
+std::size_t TieredStore::schedule_count() const {
+  std::lock_guard lock(mutex_);
+  return policy_.schedule_count();
+}
+
 void TieredStore::read(Handle h, void* dst) {
   std::lock_guard lock(mutex_);
-  InsideStore inside;
+  InsideStore inside(this);
   Entry& e = entry_locked(h, "read");
   if (e.pins > 0) throw TieringError("tiered store: read of an acquired handle");
   if (e.dev != nullptr && e.dev_dirty) {
     const Stream d2h = copies_.stream(Direction::device_to_host);
     std::vector<Event> waits{e.dev_ready};
-    for (Stream s : e.use_streams) {
-      Event ev = take_event_locked();
-      backend_.record_event(ev, s);
-      waits.push_back(ev);
+    try {
+      for (Stream s : e.use_streams) waits.push_back(record_use_event_locked(s));
+    } catch (...) {
+      for (std::size_t i = 1; i < waits.size(); ++i) give_event_locked(waits[i]);
+      throw;
     }
     Event done = take_event_locked();
     try {
@@ -653,7 +702,7 @@ void TieredStore::read(Handle h, void* dst) {
 
 void TieredStore::write(Handle h, const void* src) {
   std::lock_guard lock(mutex_);
-  InsideStore inside;
+  InsideStore inside(this);
   Entry& e = entry_locked(h, "write");
   if (e.pins > 0) throw TieringError("tiered store: write of an acquired handle");
   if (e.dev != nullptr) {

@@ -175,6 +175,12 @@ class TIDEPOOL_API TieredStore {
   // `schedule` key (one per optimizer sharing the store) records and replays its own.
   void begin_step(std::uint64_t schedule = 0);
   void end_step();
+  // The optimizer behind `schedule` is gone: its recorded schedule is dropped
+  // (PrefetchPolicy::retire), so a store outliving many optimizers (a sweep in one
+  // process) keeps no schedules of dead ones and does not predict their steps.
+  void retire_schedule(std::uint64_t schedule);
+  // How many schedule keys the store keeps (its own key 0 included).
+  std::size_t schedule_count() const;
 
   // Copies the latest contents of `h` to host memory `dst` (waits). Pre: not acquired.
   void read(Handle h, void* dst);
@@ -189,6 +195,16 @@ class TIDEPOOL_API TieredStore {
   std::size_t device_budget_bytes() const { return options_.device_budget_bytes; }
   // Blocks until all transfers and pending frees are done.
   void synchronize();
+  // Note [Use streams]: a stream that used a handle (acquire) stays one of its users until
+  // the handle is next evicted or acquired with no other holder: evict, read and acquire
+  // on another stream wait for it. Before destroying such a stream, call release_stream:
+  // it waits for the stream's work and forgets it on every handle. An operation that has
+  // to wait for a stream destroyed without it throws TieringError saying so.
+  // Throws BackendError, with nothing changed, for a stream the backend does not know.
+  void release_stream(Stream stream);
+  // release_stream for a caller that has already waited for the stream's work (the
+  // allocator's tidepool_release_stream): forgets it without a backend call.
+  void forget_stream(Stream stream);
 
   TieredStoreStats stats();
   std::string stats_json();
@@ -235,6 +251,8 @@ class TIDEPOOL_API TieredStore {
   void prefetch_ahead_locked();
   Event take_event_locked();
   void give_event_locked(Event e);
+  // An event recorded now on `s`, a stream that used a handle (Note [Use streams]).
+  Event record_use_event_locked(Stream s);
   void note_device_bytes_locked();
 
   Backend& backend_;

@@ -130,6 +130,9 @@ const TierRoute kTierRoute{
     },
     [](int device, void* stream) {
       if (VmmPool* pool = existing_tiering_vmm_pool(device)) pool->release_stream(Stream{stream});
+      // The allocator has waited for the stream (tidepool_release_stream): the stores
+      // only forget it (Note [Use streams] in tiered_store.h).
+      for_each_tiered_store(device, [&](TieredStore& s) { s.forget_stream(Stream{stream}); });
     },
 };
 
@@ -138,18 +141,34 @@ const TierRoute kTierRoute{
 
 }  // namespace
 
+namespace {
+// This thread holds registry_mutex() in for_each_tiered_store: a store the callback runs
+// into an OOM (a prefetch by tag), whose reclaim hook comes back here on the same thread,
+// must not lock it again (try_lock of a mutex the thread owns is undefined); the set of
+// stores cannot change meanwhile, so the hook reads it as it is.
+thread_local bool t_holding_registry = false;
+}  // namespace
+
 void for_each_tiered_store(int device, const std::function<void(TieredStore&)>& fn) {
   std::lock_guard lock(registry_mutex());
   auto it = registry().find(device);
   if (it == registry().end()) return;
-  for (TieredStore* s : it->second.stores) fn(*s);
+  const bool outer = t_holding_registry;
+  t_holding_registry = true;
+  try {
+    for (TieredStore* s : it->second.stores) fn(*s);
+  } catch (...) {
+    t_holding_registry = outer;
+    throw;
+  }
+  t_holding_registry = outer;
 }
 
 namespace detail {
 
 std::size_t reclaim_tiered_stores(int device, std::size_t bytes_needed) {
-  std::unique_lock lock(registry_mutex(), std::try_to_lock);
-  if (!lock.owns_lock()) return 0;
+  std::unique_lock lock(registry_mutex(), std::defer_lock);
+  if (!t_holding_registry && !lock.try_lock()) return 0;
   auto it = registry().find(device);
   if (it == registry().end()) return 0;
   std::size_t freed = 0;

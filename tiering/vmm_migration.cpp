@@ -163,11 +163,14 @@ void VmmPool::release_stream(Stream stream) {
 }
 
 void VmmPool::wait_for_users_locked(Range& r) {
+  // The streams stay users: PyTorch keeps running kernels on a block's stream (and on
+  // the streams record_stream named) for as long as the block lives, without telling
+  // anyone again, so each later migrate and the deallocate must wait for them too. Only
+  // release_stream drops one.
   for (Stream s : r.use_streams) {
     backend_.record_event(sync_event_, s);
     backend_.event_synchronize(sync_event_);
   }
-  r.use_streams.clear();
 }
 
 std::optional<std::size_t> VmmPool::device_budget_bytes() const {

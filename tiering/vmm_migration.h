@@ -28,8 +28,11 @@
 // reaches over the link; on the host backend memfd_create + mmap(MAP_FIXED), so this
 // logic runs in CI.
 //
-// Thread-safety: every method may be called from any thread concurrently. Migrating a
-// range while a stream uses it (after the last record_use) is a caller bug.
+// A stream record_use names stays a user of the range until release_stream: every later
+// migrate and the deallocate wait for the work queued on it then (PyTorch's contract: a
+// block's stream, and those record_stream names, use it for as long as it lives).
+//
+// Thread-safety: every method may be called from any thread concurrently.
 #pragma once
 
 #include <cstddef>
@@ -96,11 +99,13 @@ class TIDEPOOL_API VmmPool {
   // Returns nullptr when `where` is out of memory; throws TieringError for bad input
   // (bytes == 0) and BackendError-caused failures (as TieringError).
   void* allocate(std::size_t bytes, int tag, MemoryLocation where = MemoryLocation::device);
-  // Pre: ptr came from allocate() and no stream still uses it. Throws TieringError for a
+  // Waits for the streams recorded as users (record_use), then unmaps and releases the
+  // range. Pre: ptr came from allocate(). Throws TieringError for a
   // pointer the pool does not own.
   void deallocate(void* ptr);
 
-  // Notes that work on `stream` uses the range holding `ptr`; migrate() waits for it.
+  // Notes that work on `stream` uses the range holding `ptr`; every later migrate() and
+  // deallocate() waits for the work queued on it by then, until release_stream(stream).
   void record_use(const void* ptr, Stream stream);
   // `stream` is about to be destroyed: waits for its work, then forgets it on every range
   // (a later migrate or deallocate would otherwise wait on a dead handle). A stream the

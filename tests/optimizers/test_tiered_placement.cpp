@@ -156,6 +156,30 @@ TEST(TieredApollo, TwoOptimizersShareOneStoreEachOnItsOwnSchedule) {
   EXPECT_LE(store->stats().device_peak_bytes, 12u * 1024u);
 }
 
+TEST(TieredApollo, AStoreOutlivingItsOptimizersKeepsNoSchedulesOfTheDeadOnes) {
+  // A sweep in one process: one store, one optimizer after another.
+  auto backend = tidepool::make_host_backend();
+  auto store = host_store(*backend, 12 * 1024);
+  EXPECT_EQ(store->schedule_count(), 1u);  // the store's own key
+  for (int run = 0; run < 3; ++run) {
+    torch::manual_seed(run);
+    std::vector<torch::Tensor> params;
+    for (int i = 0; i < kParams; ++i) {
+      params.push_back(torch::randn({kElements}, torch::kFloat32).set_requires_grad(true));
+    }
+    tidepool::optim::Apollo apollo(params, tidepool::optim::ApolloOptions(0.01),
+                                   std::make_shared<TieredPlacement>(store));
+    for (int step = 1; step <= 2; ++step) {
+      for (auto& p : params) p.mutable_grad() = torch::cos(p.detach() * step);
+      apollo.step();
+    }
+    EXPECT_EQ(store->schedule_count(), 2u);
+    EXPECT_GT(store->stats().handles, 0u);
+  }
+  EXPECT_EQ(store->schedule_count(), 1u);
+  EXPECT_EQ(store->stats().handles, 0u);
+}
+
 TEST(TieredApollo, StateThatFitsStaysResidentAfterTheFirstStep) {
   auto backend = tidepool::make_host_backend();
   auto store = host_store(*backend, 64 * 1024);  // room for all 24 KiB

@@ -111,6 +111,61 @@ TEST(TieringReclaimHook, AnAllocatorOutOfMemoryEvictsReleasedTieredState) {
   allocator.deallocate(big, 5 << 20);
 }
 
+TEST(TieringReclaimHook, AStoreOutOfDeviceMemoryGetsAnotherStoresReleasedState) {
+  // Store A's load does not fit the device while store B holds released state: the
+  // allocator's reclaim hook, run on A's thread while A's lock is held, skips A (Note
+  // [Locking] in tiered_store.cpp) and evicts from B.
+  HostBackendOptions bo;
+  bo.capacity_bytes = 8 << 20;
+  CachingAllocator allocator(make_host_backend(kDevice + 2, bo));
+  TieredStoreOptions o;
+  o.device_budget_bytes = 6 << 20;
+  o.host = tiering_test::test_host_options();
+  TieredStore a(allocator.backend(), o, caching_allocator_source(allocator));
+  TieredStore b(allocator.backend(), o, caching_allocator_source(allocator));
+  const auto b1 = b.create(3 << 20, kTag, Tier::device);
+  const auto b2 = b.create(3 << 20, kTag, Tier::device);
+  b.synchronize();
+  const auto a1 = a.create(4 << 20, kTag);
+  const Stream s = allocator.backend().create_stream();
+  EXPECT_NO_THROW(a.acquire(a1, s));
+  a.release(a1, /*dirty=*/false);
+  EXPECT_FALSE(b.resident(b1) && b.resident(b2));
+  EXPECT_GE(b.stats().reclaim_calls, 1u);
+  EXPECT_EQ(a.stats().reclaimed_bytes, 0u);
+  a.synchronize();
+  allocator.backend().stream_synchronize(s);
+  allocator.release_stream(s);
+  allocator.backend().destroy_stream(s);
+}
+
+TEST(TieringCApi, AskingAboutAnUnusedDeviceCreatesNothingThere) {
+  if (cuda_device_count() > 0) GTEST_SKIP() << "device 11 is a host-backend device index";
+  constexpr int kUnusedDevice = 11;
+  int x = 0;
+  EXPECT_EQ(tidepool_vmm_owns(&x, kUnusedDevice), 0);
+  EXPECT_EQ(tidepool_evict_tag(kUnusedDevice, kTag), 0) << tidepool_last_error();
+  std::uint64_t left = 1;
+  EXPECT_EQ(tidepool_prefetch_tag_within_budget(kUnusedDevice, kTag, nullptr, &left), 0)
+      << tidepool_last_error();
+  EXPECT_EQ(left, 0u);
+  tidepool_tiering_stats_v1 s{};
+  s.struct_size = sizeof s;
+  ASSERT_EQ(tidepool_get_tiering_stats_v1(kUnusedDevice, &s), 0) << tidepool_last_error();
+  EXPECT_EQ(s.stores, 0u);
+  EXPECT_EQ(s.vmm_ranges, 0u);
+  char* json = tidepool_tiering_snapshot_json(kUnusedDevice);
+  ASSERT_NE(json, nullptr) << tidepool_last_error();
+  EXPECT_NE(std::string(json).find("\"vmm\":{"), std::string::npos) << json;
+  std::free(json);
+  EXPECT_EQ(existing_tiering_vmm_pool(kUnusedDevice), nullptr);
+  EXPECT_EQ(existing_device_allocator(kUnusedDevice), nullptr);
+  // A device index out of range is still an error, not "nothing there".
+  EXPECT_EQ(tidepool_evict_tag(kMaxDevices, kTag), -1);
+  EXPECT_NE(std::string(tidepool_last_error()).find("tidepool_evict_tag"), std::string::npos)
+      << tidepool_last_error();
+}
+
 TEST(TieringRegistry, DefaultsToTheDeviceAllocatorsBackend) {
   if (cuda_device_count() > 0) GTEST_SKIP() << "device 7 is a host-backend device index";
   constexpr int kOtherDevice = 7;
@@ -405,6 +460,30 @@ TEST_F(TierRouteTest, AReleasedStreamIsForgottenByTheRangesThatRecordedIt) {
   tidepool_free(allocated_on_s, 2 * kMiB, kRouteDevice, nullptr);
   tidepool_free(recorded_on_s, 2 * kMiB, kRouteDevice, nullptr);
   EXPECT_EQ(::testing::internal::GetCapturedStderr(), "");
+}
+
+TEST_F(TierRouteTest, AReleasedStreamIsForgottenByTheDevicesTieredStoresToo) {
+  // Note [Use streams] in tiered_store.h: tidepool_release_stream reaches the stores of
+  // the device, so state a stream used is not tied to it once it is destroyed.
+  CachingAllocator& allocator = device_allocator(kRouteDevice);
+  Backend& backend = allocator.backend();
+  TieredStoreOptions o;
+  o.device_budget_bytes = 1 << 20;
+  o.host = tiering_test::test_host_options();
+  TieredStore store(backend, o, caching_allocator_source(allocator));
+  const auto h = store.create(4096, kTag);
+  const Stream s = backend.create_stream();
+  auto* dev = static_cast<unsigned char*>(store.acquire(h, s));
+  backend.stream_synchronize(s);
+  std::memset(dev, 0x6b, 4096);  // host backend: device memory is host-addressable
+  store.release(h, /*dirty=*/true);
+  ASSERT_EQ(tidepool_release_stream(kRouteDevice, s.handle), 0) << tidepool_last_error();
+  backend.destroy_stream(s);
+  EXPECT_NO_THROW(store.evict(h));
+  std::vector<unsigned char> out(4096);
+  store.read(h, out.data());
+  for (unsigned char c : out) ASSERT_EQ(c, 0x6b);
+  store.destroy(h);
 }
 
 // record_stream from PyTorch (Note [record_stream from PyTorch], allocator/c_api.h)

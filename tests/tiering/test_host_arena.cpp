@@ -1,5 +1,6 @@
 // HostArena: pinned slabs sub-allocated by mimalloc, direct pinned mappings, the budget,
 // RLIMIT_MEMLOCK, and the pageable fallback that must be reported, not silent.
+#include <dlfcn.h>
 #include <sys/resource.h>
 
 #include <unistd.h>
@@ -400,6 +401,46 @@ TEST_P(HostArenaTest, ALibraryWithoutTheArenaApiIsRejected) {
   EXPECT_NE(arena.stats().last_fallback_reason.find("mi_manage_os_memory_ex"), std::string::npos)
       << arena.stats().last_fallback_reason;
   arena.deallocate(b);
+}
+
+// Note [When mimalloc has no arena left]: a refused slab is not an error while pinned
+// memory can still be had; small blocks become direct pinned mappings, and no slab is
+// offered to mimalloc again (each offer maps and registers a whole slab).
+TEST_P(HostArenaTest, WhenMimallocHasNoArenaLeftSmallBlocksAreMappedDirectlyAndStayPinned) {
+  HostArena arena(backend(), options_with_mimalloc(TIDEPOOL_TEST_REFUSING_MIMALLOC,
+                                                   /*allow_pageable_fallback=*/false));
+  HostBlock first = arena.allocate(4096);
+  void* library = dlopen(TIDEPOOL_TEST_REFUSING_MIMALLOC, RTLD_NOW | RTLD_NOLOAD);
+  ASSERT_NE(library, nullptr) << "the arena did not load the stand-in mimalloc";
+  const int* refusals = static_cast<const int*>(dlsym(library, "tidepool_test_arena_refusals"));
+  ASSERT_NE(refusals, nullptr);
+  const int refusals_after_first = *refusals;
+  EXPECT_GE(refusals_after_first, 1);  // (the other backend's run may have been refused first)
+  std::vector<HostBlock> blocks{first};
+  for (std::size_t n : {std::size_t{1}, std::size_t{8192}, std::size_t{300000}}) {
+    blocks.push_back(arena.allocate(n));
+  }
+  for (std::size_t i = 0; i < blocks.size(); ++i) {
+    EXPECT_EQ(blocks[i].tier, HostTier::pinned);
+    EXPECT_EQ(reinterpret_cast<std::uintptr_t>(blocks[i].ptr) % 256, 0u);
+    std::memset(blocks[i].ptr, static_cast<int>(i + 1), blocks[i].bytes);
+  }
+  for (std::size_t i = 0; i < blocks.size(); ++i) {
+    const auto* bytes = static_cast<const unsigned char*>(blocks[i].ptr);
+    EXPECT_EQ(bytes[0], i + 1);
+    EXPECT_EQ(bytes[blocks[i].bytes - 1], i + 1);
+  }
+  EXPECT_EQ(*refusals, refusals_after_first);  // no slab offered again
+  HostArenaStats s = arena.stats();
+  EXPECT_EQ(s.slab_count, 0u);
+  EXPECT_EQ(s.direct_count, blocks.size());
+  EXPECT_EQ(s.direct_after_no_arena, blocks.size());
+  EXPECT_EQ(s.pageable_allocs, 0u);
+  for (const HostBlock& b : blocks) arena.deallocate(b);
+  s = arena.stats();
+  EXPECT_EQ(s.pinned_in_use_bytes, 0u);
+  EXPECT_EQ(s.pinned_registered_bytes, 0u);
+  dlclose(library);
 }
 
 INSTANTIATE_TEST_SUITE_P(Backends, HostArenaTest, TIDEPOOL_TIERING_BACKENDS,

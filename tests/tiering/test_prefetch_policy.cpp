@@ -177,5 +177,46 @@ TEST(PrefetchPolicy, ForgetAndResetReachEveryKey) {
   EXPECT_TRUE(p.recording());
 }
 
+TEST(PrefetchPolicy, ARetiredKeyIsNeitherKeptNorPredicted) {
+  // Optimizers A (key 1, handles 1-2) and B (key 2, handle 9) step in turn; then B goes.
+  PrefetchPolicy p;
+  for (int round = 0; round < 3; ++round) {
+    p.begin_step(1);
+    for (auto h : {1, 2}) p.on_acquire(h);
+    p.end_step();
+    p.begin_step(2);
+    p.on_acquire(9);
+    p.end_step();
+  }
+  EXPECT_EQ(p.schedule_count(), 3u);  // keys 0, 1, 2
+  p.forget(9);                        // B's state goes first, then B
+  p.retire(2);
+  EXPECT_EQ(p.schedule_count(), 2u);
+  EXPECT_EQ(p.schedule_length(), 0u);  // key 2 was current: key 0 (empty) is now
+  p.begin_step(1);
+  EXPECT_FALSE(p.recording());
+  // A's history no longer says B comes next: A's own next step does, so the end of
+  // A's step looks ahead to its own start (with B in the history, the look-ahead ended
+  // at B's empty schedule).
+  p.on_acquire(1);
+  p.on_acquire(2);
+  EXPECT_EQ(p.upcoming(10), (Ids{1, 2}));
+  EXPECT_EQ(p.eviction_score(1), 0u);
+  p.end_step();
+  // A key that steps again after all records anew.
+  p.begin_step(2);
+  EXPECT_TRUE(p.recording());
+  p.on_acquire(5);
+  p.end_step();
+  EXPECT_EQ(p.schedule_length(), 1u);
+  // The store's own key is emptied, not dropped: it stays the fallback.
+  p.retire(0);
+  EXPECT_EQ(p.schedule_count(), 3u);
+  p.begin_step();
+  EXPECT_TRUE(p.recording());
+  p.end_step();
+  EXPECT_EQ(p.off_schedule_acquires(), 0u);
+}
+
 }  // namespace
 }  // namespace tidepool

@@ -5,8 +5,12 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstring>
+#include <functional>
 #include <mutex>
+#include <string>
 #include <thread>
+#include <utility>
+#include <vector>
 
 #include "allocator/c_api.h"
 #include "allocator/caching_allocator.h"
@@ -143,6 +147,62 @@ TEST_P(TieredStoreTest, AcquireOnAnotherStreamWaitsForEarlierUses) {
   EXPECT_EQ(first_difference(contents(store, h).data(), expected.data(), n), -1);
   b.destroy_event(b_done);
   b.destroy_stream(other);
+}
+
+// Note [Use streams]: a stream that used a handle stays its user after release; before
+// it is destroyed, release_stream waits for it and forgets it, so the handle (and the
+// eviction choices of the store) are not tied to a dead stream.
+TEST_P(TieredStoreTest, AReleasedStreamIsForgottenAndTheStateSurvivesItsDestruction) {
+  Backend& b = backend();
+  TieredStore store(b, options(1 << 20));
+  constexpr std::size_t n = 100000;
+  auto h = store.create(n, kTag);
+  const auto data = random_bytes(n, 31);
+  const Stream temporary = b.create_stream();
+  void* dev = store.acquire(h, temporary);
+  b.copy_async(dev, data.data(), n, CopyKind::host_to_device, temporary);  // not waited for
+  store.release(h, /*dirty=*/true);
+  store.release_stream(temporary);  // waits for the copy above
+  b.destroy_stream(temporary);
+  EXPECT_EQ(first_difference(contents(store, h).data(), data.data(), n), -1);
+  store.evict(h);
+  EXPECT_EQ(first_difference(contents(store, h).data(), data.data(), n), -1);
+  store.acquire(h, stream_);
+  store.release(h, /*dirty=*/false);
+  store.destroy(h);
+}
+
+TEST_P(TieredStoreTest, AStreamDestroyedWithoutReleaseIsAClearErrorAndLosesNothing) {
+  // On CUDA, recording on a destroyed stream is undefined: only the host backend can say.
+  if (!on_host()) GTEST_SKIP() << "the host backend reports a destroyed stream";
+  Backend& b = backend();
+  TieredStore store(b, options(1 << 20));
+  constexpr std::size_t n = 100000;
+  auto h = store.create(n, kTag);
+  const auto data = random_bytes(n, 32);
+  const Stream temporary = b.create_stream();
+  void* dev = store.acquire(h, temporary);
+  b.stream_synchronize(temporary);  // the load is done: stream_ may write now
+  write_device(dev, data);
+  store.release(h, /*dirty=*/true);
+  b.destroy_stream(temporary);
+  for (const auto& [name, operation] : std::vector<std::pair<const char*, std::function<void()>>>{
+           {"evict", [&] { store.evict(h); }},
+           {"acquire", [&] { store.acquire(h, stream_); }},
+           {"read", [&] { contents(store, h); }}}) {
+    try {
+      operation();
+      ADD_FAILURE() << name << " waited on a destroyed stream without an error";
+    } catch (const TieringError& e) {
+      EXPECT_NE(std::string(e.what()).find("release_stream"), std::string::npos) << e.what();
+    }
+  }
+  // The device copy is still the latest; once the dead stream is forgotten, it comes back.
+  EXPECT_TRUE(store.resident(h));
+  store.forget_stream(temporary);
+  store.evict(h);
+  EXPECT_EQ(first_difference(contents(store, h).data(), data.data(), n), -1);
+  store.destroy(h);
 }
 
 TEST_P(TieredStoreTest, BudgetEvictsFurthestAndErrorsWhenAllAreAcquired) {

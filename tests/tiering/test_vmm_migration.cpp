@@ -4,6 +4,9 @@
 #include <cstdint>
 #include <cstring>
 #include <functional>
+#include <future>
+#include <utility>
+#include <vector>
 
 #include "allocator/c_api.h"
 #include "allocator/config.h"
@@ -69,6 +72,46 @@ TEST_P(VmmMigrationTest, MigrationWaitsForTheStreamsThatUsedTheRange) {
   pool.migrate(p, MemoryLocation::host);
   EXPECT_EQ(difference(p, data), -1);
   pool.deallocate(p);
+}
+
+// PyTorch keeps using a block on its stream for the block's whole life without saying
+// so again: the stream recorded once stays a user through every migration, and the
+// deallocate waits for it too (a range unmapped under a queued kernel is a fault).
+TEST_P(VmmMigrationTest, ARecordedStreamStaysAUserAfterItsFirstMigration) {
+  VmmPool pool(backend());
+  void* p = pool.allocate(backend().granularity(), kTag);
+  ASSERT_NE(p, nullptr);
+  pool.record_use(p, stream_);
+  pool.migrate(p, MemoryLocation::host);
+  pool.migrate(p, MemoryLocation::device);
+  const std::vector<std::pair<const char*, std::function<void()>>> operations = {
+      {"migrate", [&] { pool.migrate(p, MemoryLocation::host); }},
+      {"deallocate", [&] { pool.deallocate(p); }}};
+  for (const auto& [name, operation] : operations) {
+    tiering_test::StreamGate gate;
+    const tiering_test::StreamGate::OpenOnExit open_on_exit{gate};
+    backend().launch_host_func(stream_, &tiering_test::StreamGate::wait, &gate);
+    auto done = std::async(std::launch::async, operation);
+    // Not a timing bound: an operation that ends while the stream is held is the failure.
+    EXPECT_EQ(done.wait_for(std::chrono::milliseconds(200)), std::future_status::timeout)
+        << name << " did not wait for the stream recorded before the first migration";
+    gate.open();
+    done.get();
+  }
+  EXPECT_EQ(pool.stats().ranges, 0u);
+}
+
+// A released stream is no longer waited for: a later migrate does not touch its handle.
+TEST_P(VmmMigrationTest, AReleasedStreamIsNoLongerAUser) {
+  VmmPool pool(backend());
+  void* p = pool.allocate(backend().granularity(), kTag);
+  ASSERT_NE(p, nullptr);
+  const Stream other = backend().create_stream();
+  pool.record_use(p, other);
+  pool.release_stream(other);
+  backend().destroy_stream(other);
+  EXPECT_NO_THROW(pool.migrate(p, MemoryLocation::host));
+  EXPECT_NO_THROW(pool.deallocate(p));
 }
 
 TEST_P(VmmMigrationTest, TagMigrationMovesOnlyThatTag) {
