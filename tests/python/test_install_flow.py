@@ -61,6 +61,56 @@ def test_without_libtidepool_torch_cuda_global_mode_falls_back_and_says_why(fake
     assert tidepool.TidepoolFallbackWarning is _install.TidepoolFallbackWarning
 
 
+def test_a_fallback_warning_made_an_error_comes_after_a_complete_install(fake_cuda):
+    # With warnings as errors (pytest's filterwarnings = error) the warning raises; the
+    # installation it reports on must be whole by then, not stopped after the allocator.
+    config = _config.claim("backend:tidepool").config
+    with pytest.MonkeyPatch.context() as patch, warnings.catch_warnings():
+        warnings.simplefilter("error", _install.TidepoolFallbackWarning)
+        patch.setattr(torch.cuda, "is_available", lambda: True)
+        with pytest.raises(_install.TidepoolFallbackWarning):
+            _install.install(torch, config)
+    assert _install.STATE.active
+    assert tidepool.status() == "active: mode global"
+    assert _install.STATE.optimizer_hooks is not None
+    assert _install.STATE.torch_memory is not None
+
+
+def test_a_failed_install_says_so_in_the_status(fake_cuda, monkeypatch):
+    shim = SimpleNamespace(tidepool_torch_install_cuda_allocator=lambda: -1)
+    monkeypatch.setattr(_lib, "load_torch_cuda", lambda: (shim, ""))
+    monkeypatch.setattr(_lib, "last_error", lambda: "Can't swap an already initialized allocator")
+    with pytest.raises(RuntimeError):
+        install()
+    assert tidepool.status().startswith("failed: cannot install the allocator")
+    assert not _install.STATE.active
+    assert _install.STATE.torch is None  # nothing was installed: a later install may try again
+
+
+def test_a_failure_after_the_allocator_is_in_place_says_what_is_installed(fake_cuda, monkeypatch):
+    from tidepool import _optim_hooks
+
+    def failing_register(torch):
+        raise RuntimeError("no step hooks in this torch")
+
+    monkeypatch.setattr(_optim_hooks, "register", failing_register)
+    with pytest.raises(RuntimeError, match="no step hooks"):
+        install(mode="pool")
+    assert tidepool.status() == ("failed: the allocator is installed (mode pool) but the optimizer "
+                                 "step hooks are not: no step hooks in this torch")
+    assert not _install.STATE.active
+
+
+def test_the_device_argument_accepts_what_torch_accepts():
+    assert tidepool._device(3) == 3
+    assert tidepool._device("cuda:1") == 1
+    assert tidepool._device(torch.device("cuda", 2)) == 2
+    assert tidepool._device(None) == 0  # inactive: device 0
+    assert tidepool._device("cuda") == 0
+    with pytest.raises(ValueError, match="cpu is not a CUDA device"):
+        tidepool._device("cpu")
+
+
 def test_the_fallback_is_silent_with_log_off(fake_cuda):
     with warnings.catch_warnings():
         warnings.simplefilter("error", _install.TidepoolFallbackWarning)
@@ -205,8 +255,14 @@ MEMORY_FUNCTIONS = ("memory_stats_as_nested_dict", "reset_peak_memory_stats",
                     "set_per_process_memory_fraction", "get_per_process_memory_fraction")
 
 
+ACCELERATOR_MEMORY_FUNCTIONS = ("memory_stats", "reset_peak_memory_stats",
+                                "reset_accumulated_memory_stats", "empty_cache")
+
+
 def test_global_mode_answers_torch_cuda_memory_functions_and_pool_mode_leaves_them(fake_cuda):
     originals = {name: getattr(torch.cuda.memory, name) for name in MEMORY_FUNCTIONS}
+    accelerator_originals = {name: getattr(torch.accelerator.memory, name)
+                             for name in ACCELERATOR_MEMORY_FUNCTIONS}
     install(mode="pool")
     assert all(getattr(torch.cuda.memory, n) is f for n, f in originals.items())
     for handle in _install.STATE.optimizer_hooks:
@@ -217,9 +273,14 @@ def test_global_mode_answers_torch_cuda_memory_functions_and_pool_mode_leaves_th
         assert getattr(torch.cuda.memory, name) is not original
         assert getattr(torch.cuda, name) is getattr(torch.cuda.memory, name)
         assert getattr(torch.cuda.memory, name).__wrapped__ is original
+    for name, original in accelerator_originals.items():  # torch.accelerator's faces of them
+        assert getattr(torch.accelerator.memory, name).__wrapped__ is original
+        assert getattr(torch.accelerator, name) is getattr(torch.accelerator.memory, name)
     _install.STATE.torch_memory.remove()
     assert all(getattr(torch.cuda.memory, n) is f and getattr(torch.cuda, n) is f
                for n, f in originals.items())
+    assert all(getattr(torch.accelerator.memory, n) is f and getattr(torch.accelerator, n) is f
+               for n, f in accelerator_originals.items())
 
 
 def test_torch_cuda_memory_figures_come_from_tidepool(fake_cuda, monkeypatch):
@@ -248,6 +309,10 @@ def test_torch_cuda_memory_figures_come_from_tidepool(fake_cuda, monkeypatch):
         assert stats["allocated_bytes.large_pool.current"] == raw.allocated.current
         assert stats["num_ooms"] == raw.oom_count
         assert "Allocated memory" in torch.cuda.memory_summary(0)
+        # torch.accelerator's device-generic functions give the same figures.
+        assert torch.accelerator.memory_allocated(0) == raw.allocated.current
+        assert torch.accelerator.max_memory_reserved(0) == raw.reserved.peak
+        assert torch.accelerator.memory_stats(0)["allocation.all.peak"] == raw.allocations.peak
     finally:
         lib.tidepool_free(ctypes.c_void_p(ptr), size, 0, None)
     torch.cuda.reset_peak_memory_stats(0)

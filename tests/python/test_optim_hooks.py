@@ -1,7 +1,8 @@
 """The global optimizer step hooks inside torch, on a machine without a GPU (torch's CUDA
 entry points are recorders, fake_torch_cuda.py; tags go through the real libtidepool):
-each step runs tagged between prefetch and evict, a step or hook that raises closes its
-scope (Note [a step that raises]), nested steps keep the outer scope, loaded state
+each step runs tagged between prefetch and evict, the closure of step(closure) runs
+outside the step's scope and the state is still tagged (Note [closures]), a step or hook
+that raises closes its scope (Note [a step that raises]), nested steps keep the outer scope, loaded state
 (plain tensors and DTensor shards) is taken into tiering (Note [loaded state]), the
 patches come off cleanly, and the update itself is torch's, bit for bit, compiled or not."""
 
@@ -90,6 +91,89 @@ def raising_closure():
     raise RuntimeError("boom")
 
 
+class StateTagAdam(torch.optim.Adam):
+    """Adam that notes the allocation tag in force when it creates state."""
+
+    seen_tags: list
+
+    def _init_group(self, group, *args):
+        if any(p.grad is not None and not self.state.get(p) for p in group["params"]):
+            type(self).seen_tags.append(_tags.current())
+        return super()._init_group(group, *args)
+
+
+@pytest.mark.parametrize("mode", ["global", "pool"])
+@pytest.mark.parametrize("pass_closure", ["positional", "keyword"])
+def test_a_closure_runs_outside_the_step_and_its_gradients_decide_the_tag(
+        fake_cuda, fake_tiering, mode, pass_closure):
+    # Note [closures]: the usual closure zeroes the gradients and makes them anew, so
+    # before it runs there is no gradient to say that the step will create state.
+    install(mode=mode, state_budget="1GiB")
+    p = torch.nn.Parameter(torch.ones(3))
+    optimizer = StateTagAdam([p], lr=0.1)
+    StateTagAdam.seen_tags = []
+    outside = _tags.current()
+    in_closure = []
+
+    def closure():
+        pools_entered = sum({"enter_pool": 1, "exit_pool": -1}.get(c[0], 0) for c in fake_cuda)
+        in_closure.append((_tags.current(), pools_entered))
+        optimizer.zero_grad()
+        loss = (p * p).sum()
+        loss.backward()
+        return loss
+
+    for _ in range(2):
+        loss = optimizer.step(closure) if pass_closure == "positional" else \
+            optimizer.step(closure=closure)
+        assert loss.item() == pytest.approx((p.detach() * p.detach()).sum().item(), rel=0.5)
+    # The closure allocated as the caller does (outside's tag, no pool entered) ...
+    assert in_closure == [(outside, 0)] * 2
+    # ... and the state Adam then created is tagged as state, not workspace.
+    assert StateTagAdam.seen_tags == [_tags.OPTIMIZER_STATE]
+    assert _tags.current() == outside
+    assert fake_tiering == [("prefetch", 0, _tags.OPTIMIZER_STATE, 4242),
+                            ("evict", 0, _tags.OPTIMIZER_STATE, 4242)] * 2
+    # The update is Adam's: the same as without the hooks.
+    for handle in _install.STATE.optimizer_hooks:
+        handle.remove()
+    _install.STATE.optimizer_hooks = None
+    q = torch.nn.Parameter(torch.ones(3))
+    plain = torch.optim.Adam([q], lr=0.1)
+
+    def plain_closure():
+        plain.zero_grad()
+        loss = (q * q).sum()
+        loss.backward()
+        return loss
+
+    for _ in range(2):
+        plain.step(plain_closure)
+    assert torch.equal(p.detach(), q.detach())
+
+
+def test_a_closure_called_several_times_runs_outside_the_step_each_time(fake_cuda, fake_tiering):
+    install(mode="pool", state_budget="1GiB")
+    p = torch.nn.Parameter(torch.tensor([3.0, -2.0]))
+    optimizer = torch.optim.LBFGS([p], lr=0.5, max_iter=4)
+    outside = _tags.current()
+    in_closure = []
+
+    def closure():
+        in_closure.append(_tags.current())
+        optimizer.zero_grad()
+        loss = ((p - 1.0) ** 2).sum()
+        loss.backward()
+        return loss
+
+    optimizer.step(closure)
+    assert len(in_closure) > 1
+    assert set(in_closure) == {outside}
+    assert _tags.current() == outside
+    pool_events = [c[0] for c in fake_cuda if c[0] in ("enter_pool", "exit_pool")]
+    assert pool_events == ["enter_pool", "exit_pool"] * (len(in_closure) + 1)
+
+
 @pytest.mark.parametrize("mode", ["global", "pool"])
 def test_a_step_that_raises_closes_its_scope_and_evicts(fake_cuda, fake_tiering, mode):
     # Note [a step that raises]: torch runs no post-hook then; the guard does its work.
@@ -109,8 +193,10 @@ def test_a_step_that_raises_closes_its_scope_and_evicts(fake_cuda, fake_tiering,
     assert _tags.current() == outside
     assert fake_tiering == [("prefetch", 0, _tags.OPTIMIZER_STATE, 4242),
                             ("evict", 0, _tags.OPTIMIZER_STATE, 4242)]
+    # The pool is left while the closure runs (Note [closures]), entered again after
+    # it, and left for good by the guard.
     pool_events = [c for c in fake_cuda if c[0] in ("enter_pool", "exit_pool")]
-    assert pool_events == ([("enter_pool", 0), ("exit_pool", 0)] if mode == "pool" else [])
+    assert pool_events == ([("enter_pool", 0), ("exit_pool", 0)] * 2 if mode == "pool" else [])
     optimizer.step()  # and the optimizer carries on as usual
     assert _tags.current() == outside
     assert len(fake_tiering) == 4

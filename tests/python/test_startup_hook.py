@@ -186,3 +186,92 @@ def test_a_missing_library_is_reported_at_import_torch(run_python):
     assert result.stderr.strip().splitlines()[-1] == (
         "RuntimeError: tidepool: the allocator configuration names tidepool, but "
         "TIDEPOOL_LIBRARY='/nonexistent/libtidepool.so' is not a file")
+
+
+def test_asking_whether_torch_is_installed_does_not_spend_the_hook(run_python):
+    # Note [the import hook]: importlib.util.find_spec("torch") (transformers' check for
+    # torch) runs the finders without importing; the real import must still install.
+    result = run_python("""
+        import importlib.util, sys, warnings
+        assert importlib.util.find_spec("torch") is not None
+        assert importlib.util.find_spec("torch") is not None
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            import torch
+        import tidepool
+        print(tidepool.status())
+        print(any(type(f).__name__ == "_TorchImportFinder" for f in sys.meta_path))
+    """, PYTORCH_CUDA_ALLOC_CONF="backend:tidepool")
+    assert result.stdout.strip().splitlines() == ["inactive: no CUDA device is available", "False"]
+
+
+def test_a_bad_key_stops_every_import_torch_not_only_the_first(run_python):
+    result = run_python("""
+        import tidepool
+        for attempt in range(2):
+            try:
+                import torch
+                print("imported")
+            except tidepool.ConfigError as e:
+                print("ConfigError", str(e).split(";")[0])
+        print(tidepool.status().split(";")[0])
+    """, PYTORCH_CUDA_ALLOC_CONF="backend:tidepool,tidepool.mdoe:pool")
+    assert result.stdout.strip().splitlines() == [
+        "ConfigError PYTORCH_CUDA_ALLOC_CONF: unknown key 'tidepool.mdoe'"] * 2 + [
+        "failed: PYTORCH_CUDA_ALLOC_CONF: unknown key 'tidepool.mdoe'"]
+
+
+def test_an_installation_that_raises_after_torch_ran_leaves_torch_importable(run_python):
+    # With warnings as errors (pytest's filterwarnings = error), tidepool's warning that
+    # it is inactive raises out of `import torch` after torch's module has run; importing
+    # torch again must give that module back, not execute torch a second time.
+    result = run_python("""
+        import sys, warnings
+        import tidepool
+        warnings.simplefilter("error")
+        try:
+            import torch
+        except tidepool.TidepoolInactiveWarning as e:
+            print("raised:", str(e).split(";")[0])
+        import torch
+        print(torch.ones(2).sum().item(), tidepool.status())
+        print(any(type(f).__name__ == "_TorchImportFinder" for f in sys.meta_path))
+        import torch.nn.functional  # submodules still import
+        print(torch.__spec__.loader is torch.__loader__, type(torch.__loader__).__name__)
+    """, PYTORCH_CUDA_ALLOC_CONF="backend:tidepool")
+    assert result.stdout.strip().splitlines() == [
+        "raised: tidepool: no CUDA device is available",
+        "2.0 inactive: no CUDA device is available",
+        "False",
+        "True SourceFileLoader"]
+
+
+def test_explicit_install_keeps_its_configuration_and_hands_it_to_children(run_python):
+    result = run_python("""
+        import os, subprocess, sys
+        import torch, tidepool
+        print(tidepool.install("backend:tidepool,tidepool.log:off,tidepool.mode:pool"))
+        print(tidepool.install("backend:tidepool,tidepool.log:off,tidepool.mode:pool"))
+        for conf in ("backend:tidepool,tidepool.log:off,tidepool.mode:global",
+                     "backend:tidepool,expandable_segments:True"):
+            try:
+                tidepool.install(conf)
+            except tidepool.ConfigError as e:
+                print(str(e).split(";")[0])
+        print(tidepool.config()["mode"], os.environ["TIDEPOOL_ALLOC_CONF"])
+        child = subprocess.run([sys.executable, "-c",
+            "import site; site.addsitedir(%r); import torch, tidepool; "
+            "print(tidepool.config()['mode'], tidepool.status())" % SITE_DIR],
+            capture_output=True, text=True)
+        print(child.stdout.strip())
+    """, hook_first=False)
+    assert result.stdout.strip().splitlines() == [
+        "inactive: no CUDA device is available",
+        "inactive: no CUDA device is available",
+        "tidepool.install(): tidepool is installed already (inactive: no CUDA device is "
+        "available) with another configuration",
+        "tidepool.install(): 'expandable_segments:True' in 'backend:tidepool,"
+        "expandable_segments:True' are PyTorch's keys, which it reads from "
+        "PYTORCH_CUDA_ALLOC_CONF itself",
+        "pool backend:tidepool,tidepool.log:off,tidepool.mode:pool",
+        "pool inactive: no CUDA device is available"]

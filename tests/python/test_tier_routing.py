@@ -85,6 +85,8 @@ def test_a_tiering_failure_reaches_python_with_tidepools_message(run_python):
             except RuntimeError as e:
                 print(e)
         """).stdout.strip().splitlines()
+    no_device = "tidepool: device -1 does not exist (the host backend has devices 0..15)"
     assert out == [
-        "tidepool: prefetching tag 4 on device -1 failed: tidepool_prefetch_tag: tiering: invalid device -1",
-        "tidepool: evicting tag 4 on device -1 failed: tidepool_evict_tag: tiering: invalid device -1"]
+        "tidepool: prefetching tag 4 on device -1 failed: tidepool_prefetch_tag_within_budget: "
+        + no_device,
+        "tidepool: evicting tag 4 on device -1 failed: tidepool_evict_tag: " + no_device]

@@ -34,7 +34,9 @@ def __getattr__(name):  # PEP 562: the exception classes load their modules on f
 
 
 def status() -> str:
-    """'active: mode global', 'inactive: <reason>' or 'not enabled: ...'."""
+    """'active: mode global', 'inactive: <reason>', 'failed: <reason>' (the configuration
+    or the installation failed; the error was raised where it happened) or
+    'not enabled: ...'."""
     from ._install import STATE
     return STATE.status
 
@@ -48,31 +50,59 @@ def config() -> dict:
 def install(conf: str | None = None) -> str:
     """Installs tidepool now, for programs that cannot use the start-up hook.
 
-    With `conf` (tidepool keys, e.g. "backend:tidepool,tidepool.mode:pool") that
-    configuration is applied; without, the environment is claimed as the hook does.
-    torch must not have used CUDA yet. Returns status().
+    With `conf` (tidepool keys only, e.g. "backend:tidepool,tidepool.mode:pool") that
+    configuration is applied, and kept in TIDEPOOL_ALLOC_CONF for child processes (as
+    the hook does); without, the environment is claimed as the hook does. torch must not
+    have used CUDA yet. Once tidepool is installed its configuration stays: calling again
+    with the same keys changes nothing, with others is a ConfigError. Returns status().
     """
+    import os
+
     import torch
 
     from . import _config, _install, _startup
     if conf is None:
+        if _install.STATE.torch is not None:
+            return status()
         _startup.start()  # installs at once: torch is imported
         if _install.STATE.torch is None:
             raise _config.ConfigError(
                 "tidepool.install(): neither PYTORCH_ALLOC_CONF nor PYTORCH_CUDA_ALLOC_CONF "
                 "names tidepool; set one or pass the keys as conf")
-    else:
-        applied = _config.apply(conf)
-        if not applied["enabled"]:
-            raise _config.ConfigError(f"tidepool.install(): {conf!r} names no tidepool key")
-        _install.install(torch, applied)
+        return status()
+    claimed = _config.claim(conf)
+    if not claimed.enabled:
+        raise _config.ConfigError(f"tidepool.install(): {conf!r} names no tidepool key")
+    if claimed.remaining:
+        # PyTorch read its own keys from the environment already (torch is imported).
+        raise _config.ConfigError(
+            f"tidepool.install(): {claimed.remaining!r} in {conf!r} are PyTorch's keys, which "
+            "it reads from PYTORCH_CUDA_ALLOC_CONF itself; pass only tidepool's keys here")
+    if _install.STATE.torch is not None:
+        if claimed.config != _install.STATE.config:
+            raise _config.ConfigError(
+                f"tidepool.install(): tidepool is installed already ({status()}) with another "
+                f"configuration; {conf!r} cannot change it in a running process")
+        return status()
+    applied = _config.apply(conf)
+    os.environ["TIDEPOOL_ALLOC_CONF"] = conf  # what child processes apply (the hook's way)
+    _install.install(torch, applied)
     return status()
 
 
 def _device(device) -> int:
-    if device is not None:
-        return int(getattr(device, "index", device) or 0)
+    """The CUDA device index of `device` (an int, "cuda:1", torch.device; None or a
+    device without an index: the current device)."""
     from ._install import STATE
+    if isinstance(device, int):
+        return device
+    if device is not None:
+        import torch
+        device = torch.device(device)
+        if device.type != "cuda":
+            raise ValueError(f"tidepool: {device} is not a CUDA device")
+        if device.index is not None:
+            return device.index
     if STATE.active:
         return STATE.torch.cuda.current_device()
     return 0

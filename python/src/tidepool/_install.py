@@ -85,23 +85,34 @@ def install(torch, config: dict) -> None:
             return
         try:
             path, malloc_name, free_name = entry_points()
-        except _lib.LibraryError:
+        except _lib.LibraryError as e:
             STATE.torch = STATE.config = None  # nothing installed; a fixed library may retry
+            STATE.status = f"failed: {e}"
             raise
+        # Warnings are given once everything is in place: with warnings turned into
+        # errors, one raised halfway would leave an allocator installed without the rest.
+        later_warnings = []
         try:
             if config["mode"] == "global":
-                _install_global(torch, config, path, malloc_name, free_name)
+                _install_global(torch, config, path, malloc_name, free_name, later_warnings)
             else:
                 STATE.allocator = torch.cuda.memory.CUDAPluggableAllocator(path, malloc_name,
                                                                            free_name)
         except RuntimeError as e:
+            STATE.torch = STATE.config = None  # nothing installed
+            STATE.status = f"failed: cannot install the allocator ({e})"
             raise RuntimeError(
                 f"tidepool: cannot install the allocator from {path} ({e}). tidepool must be "
                 "installed before CUDA is first used in this process") from e
-        if config.get("optimizer_hooks", True):
-            from . import _optim_hooks
+        try:
+            if config.get("optimizer_hooks", True):
+                from . import _optim_hooks
 
-            STATE.optimizer_hooks = _optim_hooks.register(torch)
+                STATE.optimizer_hooks = _optim_hooks.register(torch)
+        except BaseException as e:
+            STATE.status = (f"failed: the allocator is installed (mode {config['mode']}) but the "
+                            f"optimizer step hooks are not: {e}")
+            raise
         STATE.active = True
         STATE.status = f"active: mode {config['mode']}"
         if config.get("log") in ("info", "debug"):
@@ -109,6 +120,8 @@ def install(torch, config: dict) -> None:
 
             via = f", c10's CUDA allocator: {STATE.cuda_allocator}" if STATE.cuda_allocator else ""
             print(f"tidepool: installed ({STATE.status}, library {path}{via})", file=sys.stderr)
+    for message, category in later_warnings:
+        warnings.warn(message, category, stacklevel=3)
 
 
 class TidepoolFallbackWarning(RuntimeWarning):
@@ -116,8 +129,10 @@ class TidepoolFallbackWarning(RuntimeWarning):
     record_stream from PyTorch's C++ do not reach tidepool."""
 
 
-def _install_global(torch, config: dict, path: str, malloc_name: str, free_name: str) -> None:
-    """Makes tidepool c10's CUDA allocator (see the top of this module)."""
+def _install_global(torch, config: dict, path: str, malloc_name: str, free_name: str,
+                    later_warnings: list) -> None:
+    """Makes tidepool c10's CUDA allocator (see the top of this module); appends the
+    warnings to give once the installation is complete to `later_warnings`."""
     shim, why_not = _lib.load_torch_cuda()
     if shim is not None:
         _lib.check(shim.tidepool_torch_install_cuda_allocator(),
@@ -131,7 +146,7 @@ def _install_global(torch, config: dict, path: str, malloc_name: str, free_name:
         STATE.record_stream = _record_stream.register(torch)
         STATE.cuda_allocator = "torch.cuda.memory.CUDAPluggableAllocator"
         if config.get("log") != "off":
-            warnings.warn(
+            later_warnings.append((
                 f"tidepool: {why_not}, so tidepool runs on torch's CUDAPluggableAllocator, "
                 "which cannot answer cuDNN's autotuner: torch.backends.cudnn.benchmark = True "
                 "fails in convolutions, record_stream calls from PyTorch's C++ are not seen, "
@@ -139,7 +154,7 @@ def _install_global(torch, config: dict, path: str, malloc_name: str, free_name:
                 "pools for it. Install the package with "
                 "`pip install --no-build-isolation ./python` against this torch to build "
                 "libtidepool_torch_cuda.so.",
-                TidepoolFallbackWarning, stacklevel=4)
+                TidepoolFallbackWarning))
         from . import _torch_memory
 
         STATE.torch_memory = _torch_memory.register(torch)

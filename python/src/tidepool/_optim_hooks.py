@@ -6,7 +6,8 @@ keep their tensors and notice nothing).
 Whether the pre-hook prefetches depends on tidepool.state_budget, see Note [state budget 0].
 The pre-hook opens a scope (tag push, and in pool mode the tidepool MemPool for each
 device the optimizer's parameters live on); the post-hook closes it. See Note [a step
-that raises] for what closes it when step() raises.
+that raises] for what closes it when step() raises, and Note [closures] for the closure
+of step(closure), which runs outside it.
 
 State that appears outside step() is taken in too: Optimizer.load_state_dict (resuming
 from a checkpoint) is wrapped, see Note [loaded state].
@@ -193,6 +194,45 @@ def _evict(devices: list[int]) -> None:
         _tiering.evict_tag(d, _tags.OPTIMIZER_STATE, _stream(torch, d))
 
 
+def _closure_outside_the_scope(optimizer, closure, index: int):
+    """Note [closures]: step(closure) calls the closure inside step(), so inside the
+    scope the pre-hook opened: its forward and backward would run under the step's tag
+    (in pool mode, in tidepool's MemPool), and the tag, decided before the closure made
+    any gradient, would be workspace on the first step (_step_tag finds no gradient), so
+    the state the step then creates would not be tiered. The pre-hook hands torch this
+    wrapper instead: while the closure runs, the step's scope (at `index`) is closed,
+    so the closure allocates as the caller would outside the step; after it, the scope
+    opens again under the tag decided now, with the gradients there. An optimizer that
+    calls the closure several times (LBFGS) gets this around each call. Nothing moves:
+    the state stays where the pre-hook put it."""
+
+    @functools.wraps(closure)
+    def closure_outside_the_scope(*args, **kwargs):
+        scopes = _scopes()
+        if len(scopes) != index + 1:  # not the step's own scope on top: run it as it is
+            return closure(*args, **kwargs)
+        devices = _close_scope()
+        try:
+            return closure(*args, **kwargs)
+        finally:
+            _open_scope(devices, _step_tag(optimizer))
+
+    return closure_outside_the_scope
+
+
+def _with_closure_wrapped(optimizer, args, kwargs, index: int):
+    """(args, kwargs) with step()'s closure (positional or keyword) wrapped by
+    _closure_outside_the_scope; None when there is no closure. torch hands the hooks
+    step()'s arguments with the optimizer first: the closure is args[1]."""
+    if len(args) > 1 and callable(args[1]):
+        wrapped = _closure_outside_the_scope(optimizer, args[1], index)
+        return ((args[0], wrapped, *args[2:]), kwargs)
+    if callable(kwargs.get("closure")):
+        return (args, {**kwargs,
+                       "closure": _closure_outside_the_scope(optimizer, kwargs["closure"], index)})
+    return None
+
+
 def _pre_step(optimizer, args, kwargs):
     torch = _install.STATE.torch
     _close_scopes_down_to(_scopes_to_keep())
@@ -201,6 +241,7 @@ def _pre_step(optimizer, args, kwargs):
         for d in devices:
             _tiering.prefetch_tag(d, _tags.OPTIMIZER_STATE, _stream(torch, d))
     _open_scope(devices, _step_tag(optimizer))
+    return _with_closure_wrapped(optimizer, args, kwargs, len(_scopes()) - 1)
 
 
 def _post_step(optimizer, args, kwargs):

@@ -22,6 +22,7 @@ from __future__ import annotations
 import importlib.abc
 import importlib.util
 import sys
+import threading
 
 from . import _install
 
@@ -56,6 +57,7 @@ def start() -> None:
             _config = config_module.active_config()
     except (config_module.ConfigError, LibraryError) as e:
         _error = e
+        _install.STATE.status = f"failed: {e}"
     if _config is None and _error is None:
         return  # the variable mentioned "tidepool" but named no tidepool key
     if "torch" in sys.modules:
@@ -76,6 +78,28 @@ def on_torch_imported(torch) -> None:
     _install.install(torch, _config)
 
 
+def _remove_finder() -> None:
+    global _finder
+    if _finder is not None and _finder in sys.meta_path:
+        sys.meta_path.remove(_finder)
+    _finder = None
+
+
+# Note [the import hook]: the finder stays at the front of sys.meta_path until torch has
+# really been executed, not merely looked for: importlib.util.find_spec("torch") (how
+# transformers and others ask whether torch is installed) runs the finders without
+# importing, and a one-shot finder spent there would let the real `import torch` run
+# without tidepool. While the configuration is in error the finder stays for good, so
+# every `import torch` raises it (a retry in a notebook does not quietly go on without
+# tidepool). And once torch has run, whatever fails in tidepool's installation must not
+# make torch unimportable: importlib drops a module whose loader raised, and executing
+# torch a second time fails ("Only a single TORCH_LIBRARY ..."), so the finder keeps the
+# executed module and hands it back at the next `import torch` (with tidepool not
+# installed: status() says why).
+_torch_after_failure = None  # torch, executed, when tidepool's installation raised
+_searching = threading.local()  # this thread is inside the finder's own find_spec
+
+
 class _PostImportLoader(importlib.abc.Loader):
     """Runs torch's own loader, then tidepool's installation."""
 
@@ -86,6 +110,7 @@ class _PostImportLoader(importlib.abc.Loader):
         return self._loader.create_module(spec)
 
     def exec_module(self, module):
+        global _torch_after_failure
         # Give torch its real loader back first, so nothing downstream sees this wrapper.
         module.__loader__ = self._loader
         if module.__spec__ is not None:
@@ -93,21 +118,48 @@ class _PostImportLoader(importlib.abc.Loader):
         if _error is not None:
             on_torch_imported(module)  # raises before torch runs
         self._loader.exec_module(module)
-        on_torch_imported(module)
+        try:
+            on_torch_imported(module)  # a failure there sets status() (_install.install)
+        except BaseException:
+            _torch_after_failure = module
+            raise
+        _remove_finder()
+
+
+class _ExecutedTorchLoader(importlib.abc.Loader):
+    """Hands back the torch module that already ran (Note [the import hook])."""
+
+    def __init__(self, module):
+        self._module = module
+        self._spec = module.__spec__
+
+    def create_module(self, spec):
+        return self._module
+
+    def exec_module(self, module):
+        global _torch_after_failure
+        module.__spec__ = self._spec  # importlib set the finder's spec on it
+        module.__loader__ = self._spec.loader
+        _torch_after_failure = None
+        _remove_finder()
 
 
 class _TorchImportFinder(importlib.abc.MetaPathFinder):
     """Finds nothing itself: wraps the loader of `torch` that the other finders find."""
 
     def find_spec(self, fullname, path=None, target=None):
-        global _finder
-        if fullname != "torch":
+        if fullname != "torch" or getattr(_searching, "active", False):
             return None
-        # One-shot: out of the way before the real search, so that search cannot recurse.
-        if self in sys.meta_path:
-            sys.meta_path.remove(self)
-        _finder = None
-        spec = importlib.util.find_spec("torch")
+        if _torch_after_failure is not None:
+            executed = _torch_after_failure.__spec__
+            return importlib.util.spec_from_loader(
+                "torch", _ExecutedTorchLoader(_torch_after_failure), origin=executed.origin,
+                is_package=True)
+        _searching.active = True
+        try:
+            spec = importlib.util.find_spec("torch")
+        finally:
+            _searching.active = False
         if spec is None or spec.loader is None:
             return spec
         spec.loader = _PostImportLoader(spec.loader)

@@ -30,6 +30,9 @@ torch.cuda.memory and in torch.cuda:
   get_per_process_memory_fraction
                                 tidepool_get_memory_fraction (torch's pluggable class raises).
 
+torch.accelerator's memory_stats, reset_peak_memory_stats, reset_accumulated_memory_stats
+and empty_cache (and the readers built on memory_stats) are pointed at these too.
+
 What the figures mean (one pool per stream, so "large_pool" repeats "all" and
 "small_pool" is zero; optimizer state in pointer-stable ranges is reported by
 tidepool.stats() instead, since it moves between device and host memory) is decided once,
@@ -134,4 +137,38 @@ def register(torch) -> _patches.Patches:
         if getattr(torch.cuda, fn.__name__, None) is original:
             patches.replace(torch.cuda, fn.__name__, fn)
         patches.replace(memory, fn.__name__, fn)
+    _replace_accelerator_functions(torch, patches)
     return patches
+
+
+def _replace_accelerator_functions(torch, patches: _patches.Patches) -> None:
+    """torch.accelerator's memory functions (the device-generic face of the same figures)
+    go to c10 directly (torch._C._accelerator_getDeviceStats, ...), which torch's
+    pluggable class answers with "does not yet support": they are pointed at torch.cuda's,
+    answered above. memory_allocated() and the other readers in torch.accelerator.memory
+    call its memory_stats, so they follow."""
+    accelerator_memory = getattr(getattr(torch, "accelerator", None), "memory", None)
+    if accelerator_memory is None:  # a torch before torch.accelerator.memory
+        return
+    cuda_memory = torch.cuda.memory
+
+    def memory_stats(device_index=None, /):
+        return cuda_memory.memory_stats(device_index)
+
+    def reset_peak_memory_stats(device_index=None, /):
+        cuda_memory.reset_peak_memory_stats(device_index)
+
+    def reset_accumulated_memory_stats(device_index=None, /):
+        cuda_memory.reset_accumulated_memory_stats(device_index)
+
+    def empty_cache():
+        cuda_memory.empty_cache()
+
+    for fn in (memory_stats, reset_peak_memory_stats, reset_accumulated_memory_stats,
+               empty_cache):
+        original = getattr(accelerator_memory, fn.__name__, None)
+        if original is None:
+            continue
+        if getattr(torch.accelerator, fn.__name__, None) is original:
+            patches.replace(torch.accelerator, fn.__name__, fn)
+        patches.replace(accelerator_memory, fn.__name__, fn)
