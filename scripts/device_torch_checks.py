@@ -31,7 +31,10 @@ before CUDA initialises:
      pytorch#98481): a conv net trains, or the check shows the error;
   11. step_raises: pool mode through the package; after an AdamW step that raises, a
      tensor allocated outside any step goes to PyTorch's allocator, not tidepool's pool
-     (Note [a step that raises]), and the next step puts the state in tidepool.
+     (Note [a step that raises]), and the next step puts the state in tidepool;
+  12. step_closure: pool mode through the package; AdamW.step(closure): what the closure
+     allocates goes to PyTorch's allocator (it runs outside the step's scope), and the
+     state the step creates after it is in tidepool (Note [closures]).
 Prints one line per check: name, PASS/FAIL, what was seen.
 """
 import os
@@ -293,6 +296,35 @@ CHECKS = {
             print("RAISED", str(e), "AFTER_RAISE_IN_TIDEPOOL", outside, "STATE_IN_TIDEPOOL", in_tidepool() - before)
         """
     ),
+    "step_closure": textwrap.dedent(
+        """
+        import sys
+        sys.path.insert(0, PYSRC)
+        import tidepool
+        from tidepool import _config, _install
+        _install.install(torch, _config.claim("backend:tidepool,tidepool.mode:pool").config)
+        def in_tidepool():
+            s = tidepool.stats(0)
+            return s["allocated_bytes.all.current"] + s["tiering.vmm_device_bytes"] + s["tiering.vmm_host_bytes"]
+        model = torch.nn.Linear(1024, 1024).cuda()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        x = torch.randn(64, 1024, device="cuda")
+        in_closure = []
+        def closure():
+            opt.zero_grad()
+            before = in_tidepool()
+            scratch = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
+            in_closure.append(in_tidepool() - before)
+            del scratch
+            loss = model(x).square().mean()
+            loss.backward()
+            return loss
+        before = in_tidepool()
+        opt.step(closure)
+        torch.cuda.synchronize()
+        print("CLOSURE_IN_TIDEPOOL", in_closure[0], "STATE_IN_TIDEPOOL", in_tidepool() - before)
+        """
+    ),
     "cudnn_benchmark": textwrap.dedent(
         """
         print("VIA", use_tidepool_globally(pluggable_class=os.environ.get("CHECK_PLUGGABLE") == "1"))
@@ -371,6 +403,12 @@ def main():
         return (len(fields) == 6 and fields[:4] == ["RAISED", "boom", "AFTER_RAISE_IN_TIDEPOOL", "0"]
                 and int(fields[5]) >= 2 * 1024 * 1024 * 4)  # AdamW's exp_avg(_sq) of the weight
     ok &= report("raises", results["step_raises"], passed("step_raises", step_raises_ok))
+
+    def step_closure_ok(out):
+        fields = out.split()
+        return (len(fields) == 4 and fields[:3] == ["CLOSURE_IN_TIDEPOOL", "0", "STATE_IN_TIDEPOOL"]
+                and int(fields[3]) >= 2 * 1024 * 1024 * 4)  # AdamW's exp_avg(_sq) of the weight
+    ok &= report("closure", results["step_closure"], passed("step_closure", step_closure_ok))
     ok &= report("cudnn", results["cudnn_benchmark"], passed("cudnn_benchmark", lambda out: "TRAINED" in out))
     # For the record, torch's CUDAPluggableAllocator class alone (the package's fallback):
     # expected to fail with "does not yet support cacheInfo" (pytorch#98481).

@@ -26,6 +26,7 @@ GOOD = {
                        "PROFILED_OPS 7"),
     "resume": "TIERED 2 OF 2 SAME True",
     "step_raises": "RAISED boom AFTER_RAISE_IN_TIDEPOOL 0 STATE_IN_TIDEPOOL 8392704",
+    "step_closure": "CLOSURE_IN_TIDEPOOL 0 STATE_IN_TIDEPOOL 8392704",
     "cudnn_benchmark": "VIA torch_cuda\nTRAINED",
 }
 
@@ -40,6 +41,7 @@ BAD = {
     "memory_history": GOOD["memory_history"].replace("PROFILED_OPS 7", "PROFILED_OPS 0"),
     "resume": "TIERED 0 OF 2 SAME True",
     "step_raises": "RAISED boom AFTER_RAISE_IN_TIDEPOOL 67108864 STATE_IN_TIDEPOOL 8392704",
+    "step_closure": "CLOSURE_IN_TIDEPOOL 67108864 STATE_IN_TIDEPOOL 8392704",
     "cudnn_benchmark": "EXC RuntimeError | does not yet support cacheInfo",
 }
 
@@ -71,7 +73,7 @@ def test_good_outputs_pass(checks, capsys):
     printed = capsys.readouterr().out
     assert "FAIL" not in printed
     for label in ("global", "pool", "oom", "record", "memory", "fraction", "graph", "history",
-                  "resume", "raises", "cudnn"):
+                  "resume", "raises", "closure", "cudnn"):
         assert f"\n{label}" in "\n" + printed, label
 
 
