@@ -20,7 +20,8 @@
 //     backed range back, retry; then run the reclaim hooks with the lock released;
 //     retry; then throw OutOfMemoryError with the per-tag breakdown.
 //  7. Every block is in `blocks` by address, so a free is checked (unknown pointer,
-//     double free, wrong size) before anything changes.
+//     double free, wrong size) before anything changes; so are its backend calls (Note
+//     [Failed frees]).
 //  8. One mutex guards the shared state; a shared-path call takes it once. Small blocks a
 //     thread frees on their own stream park in that thread's cache, whose pairs take
 //     only the cache's own, uncontended mutex (Note [Thread caches], thread_cache.cpp).
@@ -297,30 +298,57 @@ std::size_t CachingAllocator::Impl::release_stream_locked(Stream s) {
   return bytes;
 }
 
-void CachingAllocator::Impl::make_pending(Block* b) {
-  for (Stream s : b->extra_streams) {
-    Event e = take_event();
-    backend->record_event(e, s);
-    b->pending_events.push_back(e);
+std::vector<Event> CachingAllocator::Impl::record_free_events(const Block& b, Stream freeing,
+                                                             bool foreign) {
+  std::vector<Event> events;
+  events.reserve(b.extra_streams.size() + 1);
+  auto record = [&](Stream s) {
+    events.push_back(take_event());  // reserved: cannot throw, so no event is lost
+    backend->record_event(events.back(), s);
+  };
+  try {
+    for (Stream s : b.extra_streams) record(s);
+    if (foreign) record(freeing);
+  } catch (const BackendError& e) {
+    // Recorded or not, the events are valid and unused: spares, as if never taken.
+    spare_events.insert(spare_events.end(), events.begin(), events.end());
+    std::ostringstream os;
+    os << "tidepool: free of " << static_cast<const void*>(b.ptr) << " (" << b.requested
+       << " bytes) on device " << device << " failed, the block is still allocated: "
+       << "recording an event on a stream that used it failed: " << e.what();
+    throw BackendError(os.str());
+  } catch (...) {
+    spare_events.insert(spare_events.end(), events.begin(), events.end());
+    throw;
   }
-  b->extra_streams.clear();
-  b->state = BlockState::pending;
-  pending.push_back(b);
+  return events;
 }
 
+// An event query or wait may throw (a driver error). The first loop only asks the
+// backend, moving each finished block to the front of `pending` by swaps, so a throw
+// leaves the same blocks pending, none lost or doubled, none changed. The second loop,
+// which frees them, makes no backend call.
 void CachingAllocator::Impl::process_pending(bool wait) {
-  std::erase_if(pending, [&](Block* b) {
-    for (Event e : b->pending_events) {
-      if (wait)
+  std::size_t finished = 0;
+  for (std::size_t i = 0; i < pending.size(); ++i) {
+    bool done = true;
+    for (Event e : pending[i]->pending_events) {
+      if (wait) {
         backend->event_synchronize(e);
-      else if (!backend->event_query(e))
-        return false;
+      } else if (!backend->event_query(e)) {
+        done = false;
+        break;
+      }
     }
-    for (Event e : b->pending_events) spare_events.push_back(e);
+    if (done) std::swap(pending[finished++], pending[i]);
+  }
+  for (std::size_t i = 0; i < finished; ++i) {
+    Block* b = pending[i];
+    spare_events.insert(spare_events.end(), b->pending_events.begin(), b->pending_events.end());
     b->pending_events.clear();
     insert_free(b, true);
-    return true;
-  });
+  }
+  pending.erase(pending.begin(), pending.begin() + static_cast<std::ptrdiff_t>(finished));
 }
 
 // ============================================================================ allocate
@@ -546,10 +574,16 @@ std::string CachingAllocator::Impl::describe_wrong_size(const void* ptr, std::si
          " bytes; the block was not freed";
 }
 
+// Note [Failed frees]
+// A free of a block other streams used records an event on each, which can fail (a
+// stream given to record_stream destroyed since, a driver error). So a free makes its
+// backend calls first, then changes the block, its hold, its owner and the stats: a
+// failed free leaves the allocator as it was, the block allocated, and may be retried.
 void CachingAllocator::deallocate(void* ptr, std::size_t bytes, Stream stream) {
   if (ptr == nullptr) return;
   Impl& m = *impl_;
-  if (detail::ThreadCache* tc = m.find_thread_cache(); tc != nullptr && tc->holds_any()) {
+  detail::ThreadCache* const tc = m.find_thread_cache();
+  if (tc != nullptr && tc->holds_any()) {
     // Fast path (Note [Thread caches]): a block this thread's cache holds, freed on its
     // own stream with no other stream recorded, parks in the cache. A cache holding no
     // block cannot hold ptr: the shared path, without the cache lock.
@@ -566,36 +600,52 @@ void CachingAllocator::deallocate(void* ptr, std::size_t bytes, Stream stream) {
     }
   }
   std::lock_guard lock(m.mutex);
+  // As in finish_shared_allocation, this thread's fast-path deltas first: a peak reached
+  // with them must count before this free lowers the shared value (Note [Thread caches]).
+  if (tc != nullptr && tc->is_dirty()) {
+    std::lock_guard cache_lock(tc->mutex);
+    tc->fold_into(m.stats);
+  }
   auto it = m.blocks.find(ptr);
   if (it == m.blocks.end() || it->second->state != BlockState::allocated)
     throw AllocatorUsageError(m.describe_bad_free(ptr, bytes));
   Block* b = it->second;
-  if (detail::ThreadCache* holder = b->holder) {
-    // The shared path takes the block over from the cache that holds it.
-    std::lock_guard cache_lock(holder->mutex);
+  // A held block's fields are its holder's until the hold ends below.
+  std::unique_lock<detail::SpinLock> holder_lock;
+  if (b->holder != nullptr) {
+    holder_lock = std::unique_lock(b->holder->mutex);
     if (b->in_thread_cache) throw AllocatorUsageError(m.describe_double_free(ptr, bytes));
-    if (bytes != b->requested)
-      throw AllocatorUsageError(m.describe_wrong_size(ptr, bytes, b->requested));
-    holder->fold_into(m.stats);  // the allocation may be counted in its deltas
-    Impl::release_held(*holder, b);
   }
   if (bytes != b->requested)
     throw AllocatorUsageError(m.describe_wrong_size(ptr, bytes, b->requested));
-  // Allocated on a stream released since: now a block of the freeing stream, freed on it
-  // (Note [Released streams]).
-  if (b->owner == m.released.get()) b->owner = &m.pools_for(stream);
+  // Allocated on a stream released since: it becomes a block of the freeing stream, freed
+  // on it (Note [Released streams]).
+  StreamPools& owner = b->owner == m.released.get() ? m.pools_for(stream) : *b->owner;
+  const bool foreign =
+      !(stream == owner.stream) &&
+      std::find(b->extra_streams.begin(), b->extra_streams.end(), stream) == b->extra_streams.end();
+  // Note [Failed frees]: the backend calls, then nothing that can fail.
+  std::vector<Event> events;
+  if (foreign || !b->extra_streams.empty()) {
+    m.pending.reserve(m.pending.size() + 1);
+    events = m.record_free_events(*b, stream, foreign);
+  }
+  if (detail::ThreadCache* holder = b->holder) {
+    holder->fold_into(m.stats);  // the allocation may be counted in its deltas
+    Impl::release_held(*holder, b);
+  }
+  b->owner = &owner;
   m.stats.allocated.sub(b->size);
   m.stats.requested.sub(b->requested);
   m.stats.allocations.sub(1);
   TagStats& t = m.stats.tags[b->tag];
   t.bytes.sub(b->size);
   --t.count;
-  if (!(stream == b->owner->stream) &&
-      std::find(b->extra_streams.begin(), b->extra_streams.end(), stream) ==
-          b->extra_streams.end())
-    b->extra_streams.push_back(stream);
-  if (!b->extra_streams.empty()) {
-    m.make_pending(b);
+  if (!events.empty()) {  // it waits in `pending` until they complete
+    b->pending_events = std::move(events);
+    b->extra_streams.clear();
+    b->state = BlockState::pending;
+    m.pending.push_back(b);  // capacity reserved above
     return;
   }
   if (b->segment->small && m.options.quick_lists) {

@@ -88,7 +88,10 @@ struct __attribute__((visibility("hidden"))) CachingAllocator::Impl {
   void retire_pools(StreamPools& sp);
   void flush_quick(StreamPools& sp);
   void flush_all_quick();
-  void make_pending(Block* b);
+  // One event recorded on each stream that used b besides its owner (its record_stream
+  // streams, and `freeing` if `foreign`): all or nothing, a failure a BackendError that
+  // says the block is still allocated (Note [Failed frees]).
+  std::vector<Event> record_free_events(const Block& b, Stream freeing, bool foreign);
   void process_pending(bool wait);
   void* finish_allocation(Block* b, std::size_t bytes, int tag);
   std::string describe_bad_free(const void* ptr, std::size_t bytes) const;
@@ -162,7 +165,8 @@ struct __attribute__((visibility("hidden"))) CachingAllocator::Impl {
   }
   // create_physical + map of granules [head, head+granules) of seg; false when out of memory.
   bool create_run(Segment* seg, std::size_t head, std::size_t granules);
-  // Whether the device has room to back a whole slot of `bytes` (Note [Moving free runs]).
+  // Whether the device, within the process's memory-fraction limit, has room to back a
+  // whole slot of `bytes` (Note [Expandable segments]).
   bool whole_slot_affordable(std::size_t bytes);
   // Backend::map / unmap of one run plus its bookkeeping (run tables, mapped_bytes,
   // mapping counters); reserved bytes are the caller's business.

@@ -5,6 +5,8 @@
 #include <array>
 #include <atomic>
 #include <cstdlib>
+#include <cstring>
+#include <limits>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -51,9 +53,16 @@ std::unique_ptr<Backend> make_backend(BackendKind kind, int device) {
   if (const char* mb = std::getenv("TIDEPOOL_HOST_CAPACITY_MB")) {
     char* end = nullptr;
     const unsigned long long v = std::strtoull(mb, &end, 10);
-    if (end == mb || *end != '\0' || v == 0)
+    // strtoull accepts a minus sign and wraps "-1" to its maximum.
+    if (end == mb || *end != '\0' || v == 0 || std::strchr(mb, '-') != nullptr)
       throw AllocatorUsageError(std::string("tidepool: TIDEPOOL_HOST_CAPACITY_MB='") + mb +
                                 "' is not a positive number of MiB");
+    // Larger values would wrap in the shift below to a small capacity (or none).
+    constexpr unsigned long long kMaxMiB = std::numeric_limits<std::size_t>::max() >> 20;
+    if (v > kMaxMiB)
+      throw AllocatorUsageError(std::string("tidepool: TIDEPOOL_HOST_CAPACITY_MB='") + mb +
+                                "' is too large (at most " + std::to_string(kMaxMiB) +
+                                " MiB fit in a byte count)");
     options.capacity_bytes = static_cast<std::size_t>(v) << 20;
   }
   return make_host_backend(device, options);

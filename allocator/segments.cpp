@@ -17,9 +17,10 @@
 // coalesce across what would have been segment boundaries. Under memory pressure (and in
 // empty_cache) each mapping run lying wholly inside free blocks is unmapped and its
 // physical memory released; the blocks stay and are re-backed on reuse. PyTorch's
-// expandable segments (CUDA VMM) are the model. Near the device's capacity (less than
-// four slots' worth free) a slot is backed only in the granules the block needs, so that
-// a mostly free slot cannot pin memory another request needs.
+// expandable segments (CUDA VMM) are the model. Near the device's capacity or the
+// process's memory-fraction limit (less than four slots' worth left of either), or when
+// the backend refuses a whole slot, a slot is backed only in the granules the block
+// needs, so that a mostly free slot cannot pin memory another request needs.
 //
 // Note [Moving free runs]
 // A range never shrinks by itself, so without more its backing would follow the
@@ -195,13 +196,12 @@ bool CachingAllocator::Impl::ensure_backed(Block* b) {
         }
         if (move_free_run(seg, head, length, movable, *b->owner)) continue;
       }
-      if (whole_slot_affordable(bytes)) {
-        if (!create_run(seg, head, length)) return false;
-        continue;
-      }
+      // A whole slot refused (memory taken by another user since mem_info) may still
+      // leave room for the granules b needs: try those before calling it out of memory.
+      if (whole_slot_affordable(bytes) && create_run(seg, head, length)) continue;
     }
-    // Near the device's capacity (or in a slot already backed piecewise), back only the
-    // granules b needs: a whole slot would pin memory no other request could use.
+    // Near the device's capacity or limit (or in a slot already backed piecewise), back
+    // only the granules b needs: a whole slot would pin memory no other request could use.
     for (std::size_t g = lo; g < hi;) {
       if (seg->run_head[g] >= 0) {
         ++g;
@@ -233,7 +233,13 @@ bool CachingAllocator::Impl::whole_slot_affordable(std::size_t bytes) {
   // Headroom factor: a slot may be created whole while the device has at least this many
   // slots' worth free; below that, backing goes granule by granule.
   constexpr std::size_t kWholeSlotHeadroom = 4;
-  return backend->mem_info().free_bytes >= kWholeSlotHeadroom * bytes;
+  std::size_t room = backend->mem_info().free_bytes;
+  // A memory fraction (Backend::set_device_limit) lets create_physical grant less than
+  // the device has free; mem_info does not know about it.
+  const std::size_t limit = backend->device_limit();
+  const std::size_t in_use = backend->device_bytes_in_use();
+  room = std::min(room, limit > in_use ? limit - in_use : 0);
+  return room / kWholeSlotHeadroom >= bytes;
 }
 
 bool CachingAllocator::Impl::create_run(Segment* seg, std::size_t head, std::size_t granules) {
@@ -393,9 +399,9 @@ bool CachingAllocator::Impl::move_free_run(Segment* seg, std::size_t head,
     try {
       map_run(run.segment, run.head, run.granules, h);
     } catch (...) {
-      backend->release_physical(h, run.granules * granule);
-      stats.reserved.sub(run.granules * granule);
+      stats.reserved.sub(run.granules * granule);  // unmapped: not ours, whatever follows
       stats.segments.sub(1);
+      backend->release_physical(h, run.granules * granule);
     }
     throw;
   }
@@ -459,6 +465,8 @@ std::size_t CachingAllocator::Impl::release_cached(std::size_t want, bool wait,
   for (const Releasable& r : found) {
     Segment* seg = r.segment;
     if (!seg->expandable) {
+      // The backend first: if it fails, the segment and its free blocks stay as they were.
+      backend->device_free(seg->base, seg->size);
       for (Block* b = seg->first; b != nullptr;) {
         Block* next = b->next;
         b->owner->pool(seg->small).erase(b);
@@ -467,7 +475,6 @@ std::size_t CachingAllocator::Impl::release_cached(std::size_t want, bool wait,
         b = next;
       }
       segments.erase(seg->base);
-      backend->device_free(seg->base, seg->size);
       stats.reserved.sub(seg->size);
       stats.segments.sub(1);
       released_bytes += seg->size;
@@ -475,10 +482,13 @@ std::size_t CachingAllocator::Impl::release_cached(std::size_t want, bool wait,
       continue;
     }
     const std::size_t bytes = seg->run_granules[r.head] * granule;
-    backend->release_physical(unmap_run(seg, r.head), bytes);
+    // A failed unmap changes nothing. Once unmapped, the run backs nothing of ours: it
+    // leaves the stats even if releasing its handle then fails.
+    const PhysicalHandle h = unmap_run(seg, r.head);
     stats.reserved.sub(bytes);
     stats.segments.sub(1);
     released_bytes += bytes;
+    backend->release_physical(h, bytes);
   }
   return released_bytes;
 }

@@ -521,6 +521,33 @@ TEST_F(CApi, FlushThreadCachesEmptiesEveryThreadsCache) {
   EXPECT_EQ(tidepool_flush_thread_caches(), 0) << "nothing left to move is no error";
 }
 
+// TIDEPOOL_HOST_CAPACITY_MB is shifted into bytes: a count of MiB whose bytes do not fit
+// a size_t would wrap to a tiny capacity (2^44 + 1 MiB: 1 MiB). It is an error instead, as
+// is a negative count (strtoull would wrap it too), and no allocator is created.
+TEST_F(CApi, AHostCapacityBeyondAByteCountIsRejected) {
+  constexpr int kDevice = 14;  // no other test in this binary uses it
+  ASSERT_EQ(tidepool::existing_device_allocator(kDevice), nullptr);
+  const auto rejection = [](const char* mib) {
+    EXPECT_EQ(setenv("TIDEPOOL_HOST_CAPACITY_MB", mib, 1), 0);
+    std::string message;
+    try {
+      tidepool::device_allocator(kDevice);
+    } catch (const tidepool::AllocatorUsageError& e) {
+      message = e.what();
+    }
+    unsetenv("TIDEPOOL_HOST_CAPACITY_MB");
+    return message;
+  };
+  std::string m = rejection("17592186044417");
+  EXPECT_NE(m.find("TIDEPOOL_HOST_CAPACITY_MB='17592186044417' is too large"), std::string::npos)
+      << m;
+  m = rejection("99999999999999999999999");  // beyond unsigned long long as well
+  EXPECT_NE(m.find("is too large"), std::string::npos) << m;
+  m = rejection("-1");
+  EXPECT_NE(m.find("is not a positive number of MiB"), std::string::npos) << m;
+  EXPECT_EQ(tidepool::existing_device_allocator(kDevice), nullptr);
+}
+
 TEST_F(CApi, BackendIsFixedOnceAnAllocatorExists) {
   void* p = tidepool_malloc(1, 0, nullptr);
   EXPECT_STREQ(tidepool_backend_name(0), "host");

@@ -203,6 +203,50 @@ TEST_P(Oom, AbsurdSizesAreUsageErrorsNotOom) {
   EXPECT_EQ(alloc_->stats().oom_count, 0u);
 }
 
+// A memory fraction on a device with plenty free: whole 32 MiB slots are what the limit
+// cannot afford, not the device. What fits the limit must be served by expandable
+// segments as by plain ones (48 MiB allowed: a 40 MiB block is two whole slots' worth).
+TEST_P(Oom, WhatFitsAMemoryFractionIsServedOnALargeDevice) {
+  AllocatorOptions o;
+  o.expandable_segments = GetParam();
+  CachingAllocator a(make_host_backend(0, {std::size_t{1} << 30}), o);
+  a.backend().set_device_limit(48 * kMiB);
+  void* p = a.allocate(40 * kMiB);
+  EXPECT_NE(p, nullptr);
+  EXPECT_LE(a.stats().reserved.current, 48 * kMiB);
+  a.deallocate(p, 40 * kMiB);
+}
+
+// Near the limit a small block is backed in the granules it needs, not a whole slot that
+// would pin memory the next request (another stream's range) needs.
+TEST(OomNearALimit, ASmallBlockDoesNotPinAWholeSlot) {
+  CachingAllocator a(make_host_backend(0, {std::size_t{1} << 30}));
+  a.backend().set_device_limit(64 * kMiB);
+  const Stream other = a.backend().create_stream();
+  void* small = a.allocate(4 * kMiB);
+  EXPECT_EQ(a.stats().reserved.current, 4 * kMiB);
+  void* large = a.allocate(40 * kMiB, other);  // 4 + 40 <= 64; 32 + 40 is not
+  EXPECT_NE(large, nullptr);
+  EXPECT_EQ(a.stats().oom_count, 0u);
+  a.deallocate(large, 40 * kMiB, other);
+  a.deallocate(small, 4 * kMiB);
+  a.release_stream(other);
+  a.backend().destroy_stream(other);
+}
+
+// A whole slot the backend refuses although it looked affordable (another user took the
+// memory meanwhile) falls back to the granules the block needs at once.
+TEST(OomNearALimit, ARefusedWholeSlotFallsBackToTheGranulesNeeded) {
+  AllocatorOptions o;
+  o.allow_release = false;  // no cache to give back: the fallback alone must serve it
+  CachingAllocator a(make_host_backend(0, {std::size_t{1} << 30}), o);
+  a.backend().inject_fault(FaultPoint::create_physical, 1);
+  void* p = a.allocate(4 * kMiB);
+  EXPECT_NE(p, nullptr);
+  EXPECT_EQ(a.stats().reserved.current, 4 * kMiB) << "two granules, not a slot";
+  a.deallocate(p, 4 * kMiB);
+}
+
 std::string segment_kind(const ::testing::TestParamInfo<bool>& p) {
   return p.param ? "expandable" : "plain";
 }

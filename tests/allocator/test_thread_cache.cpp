@@ -116,6 +116,30 @@ TEST(ThreadCache, PeakCountsOnlyBytesLiveAtTheSameTime) {
   a->deallocate(z, 4096);
 }
 
+// A shared-path free of a block the cache does not hold: the bytes this thread took from
+// its cache meanwhile must count towards the peak before the free lowers the shared value.
+TEST(ThreadCache, APeakReachedThroughTheCacheCountsBeforeASharedFree) {
+  auto a = make_allocator(AllocatorOptions{}.thread_cache_bytes);
+  const int tag = tag_id("peak_through_cache");
+  TagScope scope(tag);
+  void* warm = a->allocate(100 * kMiB);  // cached below, so nothing grows (or drains) later
+  a->deallocate(warm, 100 * kMiB);
+  a->reset_peak_stats();
+  void* small = a->allocate(4096);
+  a->deallocate(small, 4096);            // parked
+  void* large = a->allocate(100 * kMiB);  // shared path, not held
+  void* again = a->allocate(4096);       // from the cache: 100 MiB + 4 KiB live
+  ASSERT_EQ(again, small);
+  a->deallocate(large, 100 * kMiB);      // shared path
+  const AllocatorStats s = a->stats();
+  EXPECT_EQ(s.allocated.peak, 100 * kMiB + 4096);
+  EXPECT_EQ(s.requested.peak, 100 * kMiB + 4096);
+  EXPECT_EQ(s.allocations.peak, 2u);
+  EXPECT_EQ(s.tags[tag].bytes.peak, 100 * kMiB + 4096);
+  EXPECT_EQ(s.allocated.current, 4096u);
+  a->deallocate(again, 4096);
+}
+
 TEST(ThreadCache, TheAllocationCountsPeakAcrossTheFastPath) {
   auto a = make_allocator(AllocatorOptions{}.thread_cache_bytes);
   void* x = a->allocate(4096);

@@ -1,0 +1,243 @@
+// Backend calls that fail after the allocator holds memory or events (Note [Failed frees]
+// in caching_allocator.cpp): recording a free's events, querying pending events, giving
+// cached memory back. Each failure must leave the allocator consistent: a clear error,
+// the stats as true as before, no block lost or doubled, nothing leaked, and the same
+// operation working once the backend does again. Host backend behind a FaultBackend
+// (fault_backend.h) that fails the chosen calls.
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "allocator/caching_allocator.h"
+#include "allocator/tags.h"
+#include "fault_backend.h"
+#include "test_support.h"
+
+namespace tidepool {
+namespace {
+
+constexpr std::size_t kMiB = std::size_t{1} << 20;
+using Op = test::FaultBackend::Op;
+
+// An allocator over a FaultBackend of 1 GiB; `faults` stays valid while it lives.
+struct FaultyAllocator {
+  explicit FaultyAllocator(AllocatorOptions options = {}) {
+    auto backend = std::make_unique<test::FaultBackend>(make_host_backend(0, {std::size_t{1} << 30}));
+    faults = backend.get();
+    allocator = std::make_unique<CachingAllocator>(std::move(backend), options);
+  }
+  test::FaultBackend* faults = nullptr;
+  std::unique_ptr<CachingAllocator> allocator;
+};
+
+AllocatorOptions plain_segments() {
+  AllocatorOptions o;
+  o.expandable_segments = false;
+  return o;
+}
+
+// What a free changes, and what must therefore be unchanged after a failed one.
+void expect_same_live_stats(const AllocatorStats& now, const AllocatorStats& before, int tag) {
+  EXPECT_EQ(now.allocated.current, before.allocated.current);
+  EXPECT_EQ(now.requested.current, before.requested.current);
+  EXPECT_EQ(now.allocations.current, before.allocations.current);
+  EXPECT_EQ(now.allocations.freed, before.allocations.freed);
+  EXPECT_EQ(now.tags[tag].bytes.current, before.tags[tag].bytes.current);
+  EXPECT_EQ(now.tags[tag].count, before.tags[tag].count);
+}
+
+// The bytes backed_ranges reports: what reserved must equal.
+std::size_t backed_bytes(const CachingAllocator& a) {
+  std::size_t n = 0;
+  for (const MemoryRange& r : a.backed_ranges()) n += r.size;
+  return n;
+}
+
+// A small block (held by the thread cache) and a large one.
+class FailedFree : public ::testing::TestWithParam<std::size_t> {};
+
+TEST_P(FailedFree, ChangesNothingAndARetryFrees) {
+  const std::size_t bytes = GetParam();
+  std::shared_ptr<const test::FaultBackend::EventCounts> events;
+  {
+    FaultyAllocator fa;
+    CachingAllocator& a = *fa.allocator;
+    test::FaultBackend& be = *fa.faults;
+    const Stream side = be.create_stream();
+    void* p = nullptr;
+    {
+      TagScope scope(kTagActivation);
+      p = a.allocate(bytes);
+    }
+    a.record_stream(p, side);
+    const AllocatorStats before = a.stats();
+    be.fail(Op::record_event);
+    try {
+      a.deallocate(p, bytes);
+      FAIL() << "expected BackendError";
+    } catch (const BackendError& e) {
+      const std::string m = e.what();
+      EXPECT_NE(m.find("the block is still allocated"), std::string::npos) << m;
+      EXPECT_NE(m.find("injected failure"), std::string::npos) << m;
+    }
+    ASSERT_EQ(be.failures(Op::record_event), 1);
+    expect_same_live_stats(a.stats(), before, kTagActivation);
+    EXPECT_EQ(a.allocation_size(p), bytes) << "still live";
+    EXPECT_EQ(test::count_of(a.snapshot_json(), "\"pending\""), 0u);
+
+    // The backend works again: the same free succeeds, once.
+    a.deallocate(p, bytes);
+    AllocatorStats s = a.stats();
+    EXPECT_EQ(s.allocated.current, before.allocated.current - bytes);
+    EXPECT_EQ(s.allocations.current, before.allocations.current - 1);
+    EXPECT_EQ(s.allocations.freed, before.allocations.freed + 1);
+    EXPECT_EQ(s.tags[kTagActivation].count, 0u);
+    EXPECT_EQ(s.tags[kTagActivation].bytes.current, 0u);
+    EXPECT_THROW(a.deallocate(p, bytes), AllocatorUsageError) << "freed already";
+    be.stream_synchronize(side);
+    a.empty_cache();  // the pending block completes and goes back with the rest
+    s = a.stats();
+    EXPECT_EQ(s.allocated.current, 0u);
+    EXPECT_EQ(s.reserved.current, 0u);
+    be.destroy_stream(side);
+    events = be.event_counts();
+    EXPECT_EQ(events->created.load(), 1) << "the failed free's event was reused";
+  }
+  EXPECT_EQ(events->destroyed.load(), events->created.load()) << "no event leaked";
+}
+
+INSTANTIATE_TEST_SUITE_P(Sizes, FailedFree, ::testing::Values(std::size_t{4096}, 2 * kMiB),
+                         [](const ::testing::TestParamInfo<std::size_t>& p) {
+                           return p.param < kMiB ? std::string("held_small") : std::string("large");
+                         });
+
+// The case from the field: record_stream named a stream destroyed since. The free cannot
+// succeed; it must say why and leave the block allocated and the stats as they were.
+TEST(FailedFreeOnTheHostBackend, ADestroyedRecordedStreamFailsClearlyAndChangesNothing) {
+  CachingAllocator a(make_host_backend(0, {std::size_t{1} << 30}));
+  const Stream side = a.backend().create_stream();
+  void* p = a.allocate(3 * kMiB);
+  a.record_stream(p, side);
+  a.backend().destroy_stream(side);
+  const AllocatorStats before = a.stats();
+  try {
+    a.deallocate(p, 3 * kMiB);
+    FAIL() << "expected BackendError";
+  } catch (const BackendError& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("the block is still allocated"), std::string::npos) << m;
+    EXPECT_NE(m.find("unknown stream"), std::string::npos) << m;
+  }
+  expect_same_live_stats(a.stats(), before, 0);
+  EXPECT_EQ(a.allocation_size(p), 3 * kMiB);
+  EXPECT_THROW(a.deallocate(p, 3 * kMiB), BackendError) << "again, not a double free";
+  expect_same_live_stats(a.stats(), before, 0);
+}
+
+// Three 2 MiB blocks of one plain segment: x free, a and b pending on another stream.
+// The query of b's event fails after a's reported it complete. a must not be freed (and
+// merged into x) while b's check fails, and neither may be freed twice later.
+TEST(FailedPendingCheck, LeavesEveryPendingBlockPendingOnce) {
+  FaultyAllocator fa(plain_segments());
+  CachingAllocator& a = *fa.allocator;
+  test::FaultBackend& be = *fa.faults;
+  const Stream side = be.create_stream();
+  void* x = a.allocate(2 * kMiB);
+  void* pa = a.allocate(2 * kMiB);
+  void* pb = a.allocate(2 * kMiB);
+  a.record_stream(pa, side);
+  a.record_stream(pb, side);
+  a.deallocate(x, 2 * kMiB);
+  a.deallocate(pa, 2 * kMiB);
+  a.deallocate(pb, 2 * kMiB);
+  be.stream_synchronize(side);  // both events complete: only the failure holds them back
+  const AllocatorStats before = a.stats();
+  ASSERT_EQ(before.allocated.current, 0u);
+  const std::string snapshot = a.snapshot_json();
+  ASSERT_EQ(test::count_of(snapshot, "\"pending\""), 2u) << snapshot;
+
+  be.fail(Op::event_query, 1, /*after=*/1);
+  EXPECT_THROW(a.allocate(4 * kMiB), BackendError);
+  ASSERT_EQ(be.failures(Op::event_query), 1);
+  EXPECT_EQ(test::count_of(a.snapshot_json(), "\"pending\""), 2u) << a.snapshot_json();
+  EXPECT_EQ(a.stats().reserved.current, before.reserved.current);
+
+  // The backend works again: both complete, each once, and coalesce with x.
+  void* six = a.allocate(6 * kMiB);
+  EXPECT_EQ(six, x) << "x, a and b merged into one free block";
+  EXPECT_EQ(test::count_of(a.snapshot_json(), "\"pending\""), 0u);
+  EXPECT_EQ(a.stats().segments.allocated, before.segments.allocated) << "no new segment";
+  a.deallocate(six, 6 * kMiB);
+  a.empty_cache();
+  EXPECT_EQ(a.stats().reserved.current, 0u);
+  EXPECT_EQ(be.device_bytes_in_use(), 0u);
+  be.destroy_stream(side);
+}
+
+TEST(FailedRelease, AFailedDeviceFreeKeepsThePlainSegmentCached) {
+  FaultyAllocator fa(plain_segments());
+  CachingAllocator& a = *fa.allocator;
+  test::FaultBackend& be = *fa.faults;
+  void* p = a.allocate(2 * kMiB);
+  a.deallocate(p, 2 * kMiB);
+  const AllocatorStats before = a.stats();
+  ASSERT_EQ(before.segments.current, 1u);
+  be.fail(Op::device_free);
+  EXPECT_THROW(a.empty_cache(), BackendError);
+  AllocatorStats s = a.stats();
+  EXPECT_EQ(s.reserved.current, before.reserved.current);
+  EXPECT_EQ(s.segments.current, 1u);
+  EXPECT_EQ(backed_bytes(a), s.reserved.current);
+  EXPECT_EQ(be.device_bytes_in_use(), s.reserved.current);
+  // The segment still serves from the cache, and goes back once the backend works.
+  void* again = a.allocate(2 * kMiB);
+  EXPECT_EQ(again, p);
+  EXPECT_EQ(a.stats().segments.allocated, before.segments.allocated);
+  a.deallocate(again, 2 * kMiB);
+  EXPECT_EQ(a.empty_cache(), before.reserved.current);
+  s = a.stats();
+  EXPECT_EQ(s.reserved.current, 0u);
+  EXPECT_EQ(s.segments.current, 0u);
+  EXPECT_EQ(be.device_bytes_in_use(), 0u);
+}
+
+TEST(FailedRelease, AFailedUnmapKeepsTheRunAndAFailedHandleReleaseDropsIt) {
+  FaultyAllocator fa;  // expandable segments
+  CachingAllocator& a = *fa.allocator;
+  test::FaultBackend& be = *fa.faults;
+  void* p = a.allocate(4 * kMiB);  // backs one whole 32 MiB slot
+  a.deallocate(p, 4 * kMiB);
+  const std::size_t slot = a.stats().reserved.current;
+  ASSERT_EQ(slot, 32 * kMiB);
+
+  // Unmap fails: the run stays mapped, and counted.
+  be.fail(Op::unmap);
+  EXPECT_THROW(a.empty_cache(), BackendError);
+  AllocatorStats s = a.stats();
+  EXPECT_EQ(s.reserved.current, slot);
+  EXPECT_EQ(s.segments.current, 1u);
+  EXPECT_EQ(backed_bytes(a), slot);
+
+  // Unmap works, releasing the handle fails: the run backs nothing any more, so reserved
+  // memory (what the allocator has mapped) drops although the backend kept the handle.
+  be.fail(Op::release_physical);
+  EXPECT_THROW(a.empty_cache(), BackendError);
+  s = a.stats();
+  EXPECT_EQ(s.reserved.current, 0u);
+  EXPECT_EQ(s.segments.current, 0u);
+  EXPECT_EQ(backed_bytes(a), 0u);
+
+  // Still usable: the block is backed anew and given back in full.
+  void* q = a.allocate(4 * kMiB);
+  EXPECT_EQ(q, p);
+  EXPECT_EQ(a.stats().reserved.current, slot);
+  EXPECT_EQ(backed_bytes(a), slot);
+  a.deallocate(q, 4 * kMiB);
+  EXPECT_EQ(a.empty_cache(), slot);
+  EXPECT_EQ(a.stats().reserved.current, 0u);
+}
+
+}  // namespace
+}  // namespace tidepool
