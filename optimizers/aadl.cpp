@@ -143,6 +143,8 @@ torch::Tensor AADL::extrapolate(const AndersonHistory& history, const torch::Ten
   solve.equilibrate = false;  // done above, where the Gram diagonal is at hand
   const torch::Tensor y = linalg::lstsq(scaled, rhs, solve).solution.squeeze(1);
   const torch::Tensor gamma = y / scale;
+  TORCH_CHECK(gamma.numel() == k, "AADL: ", gamma.numel(), " coefficients for a history of ", k,
+              " differences");
   // Both terms written as x_{m−1} + Σ_l u_l·DX_l (l = 0 … k), so the history is streamed
   // once and differences are taken before scaling (less cancellation than Σ w_j x_j):
   //   x_AA = x_{m−1} − Σ_{i<k} γ_i·DX_{i+1}            (DX_i + DR_i = DX_{i+1})
@@ -219,9 +221,21 @@ torch::Tensor AADL::step(LossClosure closure) {
     // after a rejection the next step's first pass reads them (Note [Loading the history
     // ahead of use]).
     history.prefetch(AndersonHistory::Pass::after_replace_newest);
-    const double plain_loss = loss_value(closure());
-    unflatten(accelerated, params);
-    const double accelerated_loss = loss_value(closure());
+    double plain_loss = 0.0, accelerated_loss = 0.0;
+    try {
+      plain_loss = loss_value(closure());
+      unflatten(accelerated, params);
+      accelerated_loss = loss_value(closure());
+    } catch (...) {
+      // A closure that throws (out of memory in its forward pass) leaves the plain
+      // iterate, not one the safeguard never checked.
+      try {
+        unflatten(plain, params);
+      } catch (...) {
+        // The closure's error is the one to report.
+      }
+      throw;
+    }
     if (accelerated_loss < plain_loss) {
       history.replace_newest(accelerated);
       ++accepted_;

@@ -3,6 +3,7 @@
 #include "optimizers/anderson_history.h"
 
 #include <algorithm>
+#include <optional>
 #include <utility>
 
 namespace tidepool::optim {
@@ -88,19 +89,50 @@ AndersonHistory::AndersonHistory(int64_t depth, std::shared_ptr<StatePlacement> 
   rhs_ = torch::zeros({0}, torch::kFloat64);
 }
 
+// Note [A failed push]: storing a vector and the pass that updates the matrices can fail
+// (a tiered store that cannot load a chunk, a device out of memory). The columns and the
+// matrices must stay in step (the Gram matrix of a history one column longer than it is
+// makes every later pass fail, and an extrapolation read γ past its end), so push and
+// replace_newest keep what they drop until the new vector is in, and put everything back
+// when it is not: a failed call leaves the history as it was.
 void AndersonHistory::push(const torch::Tensor& x) {
+  const torch::Tensor gram = gram_, rhs = rhs_;  // replaced, never written in place
+  const int64_t length = length_;
+  std::optional<Column> dropped;
   if (size() == depth_) {
+    dropped = std::move(columns_.front());
     columns_.pop_front();
     // The oldest DR column goes with the oldest vector.
     if (gram_.size(0) > 0) gram_ = gram_.slice(0, 1).slice(1, 1).contiguous();
   }
-  append(x);
+  const size_t before = columns_.size();
+  try {
+    append(x);
+  } catch (...) {
+    if (columns_.size() > before) columns_.pop_back();
+    if (dropped) columns_.push_front(std::move(*dropped));
+    gram_ = gram;
+    rhs_ = rhs;
+    length_ = length;
+    throw;
+  }
 }
 
 void AndersonHistory::replace_newest(const torch::Tensor& x) {
   TORCH_CHECK(size() > 0, "AndersonHistory: replace_newest on an empty history");
+  const torch::Tensor gram = gram_, rhs = rhs_;  // Note [A failed push]
+  Column dropped = std::move(columns_.back());
   drop_newest_column();
-  append(x);
+  const size_t before = columns_.size();
+  try {
+    append(x);
+  } catch (...) {
+    if (columns_.size() > before) columns_.pop_back();
+    columns_.push_back(std::move(dropped));
+    gram_ = gram;
+    rhs_ = rhs;
+    throw;
+  }
 }
 
 void AndersonHistory::prefetch(Pass pass) const {

@@ -8,6 +8,7 @@
 #include <utility>
 
 #if TIDEPOOL_HAVE_CUDA
+#include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
 #include "optimizers/apollo_kernels.h"
@@ -63,9 +64,14 @@ ApolloOptions& ApolloOptions::weight_decay_type(std::string_view name) {
               "' (expected 'L2', 'decoupled' or 'stable')");
 }
 
-void ApolloOptions::validate() const {
-  TORCH_CHECK(finite(lr()) && lr() > 0.0, "Apollo: invalid learning rate ", lr(),
-              " (must be > 0)");
+void ApolloOptions::validate(Check when) const {
+  if (when == Check::construction) {
+    TORCH_CHECK(finite(lr()) && lr() > 0.0, "Apollo: invalid learning rate ", lr(),
+                " (must be > 0)");
+  } else {
+    TORCH_CHECK(finite(lr()) && lr() >= 0.0, "Apollo: invalid learning rate ", lr(),
+                " (must be >= 0)");
+  }
   TORCH_CHECK(finite(eps()) && eps() >= 0.0, "Apollo: invalid eps ", eps(), " (must be >= 0)");
   TORCH_CHECK(finite(beta()) && beta() >= 0.0 && beta() < 1.0, "Apollo: invalid beta ", beta(),
               " (must be in [0, 1))");
@@ -113,6 +119,35 @@ bool Apollo::has_fused_kernels() noexcept {
 #else
   return false;
 #endif
+}
+
+std::vector<std::vector<torch::Tensor>> Apollo::parameters_to_step() const {
+  std::vector<std::vector<torch::Tensor>> stepping;
+  stepping.reserve(param_groups_.size());
+  for (const auto& group : param_groups_) {
+    // Options may have been changed through param_groups() since construction.
+    static_cast<const ApolloOptions&>(group.options()).validate(ApolloOptions::Check::training);
+    auto& params = stepping.emplace_back();
+    for (const auto& p : group.params()) {
+      if (!p.grad().defined()) continue;
+      TORCH_CHECK(!p.grad().is_sparse(), "Apollo does not support sparse gradients");
+      TORCH_CHECK(p.scalar_type() == torch::kFloat32 || p.scalar_type() == torch::kFloat64,
+                  "Apollo: parameters must be float32 or float64, got ", p.scalar_type());
+      if (auto it = state_.find(p.unsafeGetTensorImpl()); it != state_.end()) {
+        // The fused kernels take raw pointers: state elsewhere than its parameter would be
+        // read as the wrong memory, not refused by a LibTorch op.
+        const auto& state = static_cast<const ApolloParamState&>(*it->second);
+        const torch::TensorOptions& held = state.exp_avg_grad->options();
+        TORCH_CHECK(held.device() == p.device() && held.dtype() == p.dtype(),
+                    "Apollo: the state of a ", p.sizes(), " parameter is ", held.dtype(),
+                    " on ", held.device(), ", the parameter ", p.dtype(), " on ", p.device(),
+                    " (moved or converted after the optimizer was created or loaded: move "
+                    "the model first, then create or load the optimizer)");
+      }
+      params.push_back(p);
+    }
+  }
+  return stepping;
 }
 
 ApolloParamState& Apollo::state_for(const torch::Tensor& param) {
@@ -209,6 +244,8 @@ void step_with_kernels(torch::Tensor& p, const torch::Tensor& raw_grad, torch::T
   torch::Tensor scratch = torch::empty(
       {static_cast<int64_t>(kernels::apollo_scratch_doubles())},
       p.options().dtype(torch::kFloat64));
+  // The launch goes to the parameter's device, whichever device is current.
+  const c10::cuda::CUDAGuard device_guard(p.device());
   void* stream = c10::cuda::getCurrentCUDAStream(p.device().index()).stream();
   int rc = 0;
   if (p.scalar_type() == torch::kFloat32) {
@@ -238,21 +275,14 @@ torch::Tensor Apollo::step(LossClosure closure) {
   // m, B, d), bracketed by the placement's step boundaries: a tiered placement's store
   // records that order in the first step and replays it as its prefetch schedule, loading
   // as far ahead as its budget allows while this loop computes (tiered_placement.h).
+  const std::vector<std::vector<torch::Tensor>> to_step = parameters_to_step();
   StepScope step_scope(*placement_);
-  for (auto& group : param_groups_) {
-    const auto& options = static_cast<const ApolloOptions&>(group.options());
-    options.validate();  // options may have been changed through param_groups()
+  for (size_t g = 0; g < param_groups_.size(); ++g) {
+    const auto& options = static_cast<const ApolloOptions&>(param_groups_[g].options());
     // Parameters that take a step, in order; the next one's state is prefetched while the
     // current one is computed (a hint, also for placements without a schedule and for
     // the first step, before one is recorded).
-    std::vector<torch::Tensor> stepping;
-    for (const auto& p : group.params()) {
-      if (!p.grad().defined()) continue;
-      TORCH_CHECK(!p.grad().is_sparse(), "Apollo does not support sparse gradients");
-      TORCH_CHECK(p.scalar_type() == torch::kFloat32 || p.scalar_type() == torch::kFloat64,
-                  "Apollo: parameters must be float32 or float64, got ", p.scalar_type());
-      stepping.push_back(p);
-    }
+    const std::vector<torch::Tensor>& stepping = to_step[g];
     for (size_t i = 0; i < stepping.size(); ++i) {
       torch::Tensor p = stepping[i];
       ApolloParamState& state = state_for(p);
@@ -322,7 +352,7 @@ void read_options(torch::serialize::InputArchive& archive, ApolloOptions& o) {
   o.base_lr(read_value(archive, "base_lr").toDouble());
   o.weight_decay(read_value(archive, "weight_decay").toDouble());
   o.weight_decay_type(read_value(archive, "weight_decay_type").toStringRef());
-  o.validate();
+  o.validate(ApolloOptions::Check::training);  // a run saved after its lr reached 0 loads
 }
 
 }  // namespace

@@ -65,9 +65,14 @@ struct TIDEPOOL_API ApolloOptions
   double get_lr() const override { return lr(); }
   void set_lr(const double lr) override { this->lr(lr); }
 
-  // Throws c10::Error naming the first invalid option (lr ≤ 0, eps < 0, beta outside
-  // [0, 1), warmup < 0, init_lr outside [0, lr], weight_decay < 0, non-finite values).
-  void validate() const;
+  // When the options are checked: an optimizer is made with lr > 0, as the reference
+  // checks in its constructor; steps and checkpoints also take lr = 0 (a schedule that
+  // decays to 0, a group frozen with set_lr(0)), which the reference never refuses there.
+  enum class Check { construction, training };
+  // Throws c10::Error naming the first invalid option (lr ≤ 0, or < 0 in training, eps
+  // < 0, beta outside [0, 1), warmup < 0, init_lr outside [0, lr], weight_decay < 0,
+  // non-finite values).
+  void validate(Check when = Check::construction) const;
 };
 
 // Per-parameter state. Copies (clone()) share the buffers.
@@ -88,7 +93,10 @@ class TIDEPOOL_API Apollo : public torch::optim::Optimizer {
          std::shared_ptr<StatePlacement> placement = default_placement());
 
   // One Apollo step for every parameter with a gradient. With a closure, it is called
-  // with grad mode on and its loss returned. Sparse gradients throw.
+  // with grad mode on and its loss returned. What a step can refuse (sparse gradients,
+  // an unsupported dtype, invalid options in any group, state on another device or of
+  // another dtype than its parameter, e.g. after the model was moved) is checked for every
+  // group before any parameter changes: a refused step changes nothing.
   torch::Tensor step(LossClosure closure = nullptr) override;
 
   void save(torch::serialize::OutputArchive& archive) const override;
@@ -104,6 +112,9 @@ class TIDEPOOL_API Apollo : public torch::optim::Optimizer {
 
  private:
   ApolloParamState& state_for(const torch::Tensor& param);
+  // The parameters each group steps, in order, once everything the step could refuse is
+  // checked (see step()).
+  std::vector<std::vector<torch::Tensor>> parameters_to_step() const;
   void resolve_group_options();
 
   std::shared_ptr<StatePlacement> placement_;

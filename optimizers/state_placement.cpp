@@ -53,7 +53,11 @@ class ResidentBuffer final : public StateBuffer {
     // The working tensor is the storage itself: writes already landed.
     (void)working;
   }
-  torch::Tensor do_read_host() const override { return tensor_.to(torch::kCPU, true, true); }
+  // Blocking: a non_blocking copy from the device would hand a checkpoint a pinned host
+  // tensor the copy may not have filled yet (nothing else waits for it).
+  torch::Tensor do_read_host() const override {
+    return tensor_.to(torch::kCPU, /*non_blocking=*/false, /*copy=*/true);
+  }
 
   torch::Tensor tensor_;
 };

@@ -43,6 +43,9 @@ class TieredBuffer final : public StateBuffer {
     TORCH_CHECK(cuda_store == initial.is_cuda(), "TieredPlacement: a ",
                 store_->backend().name(), " tiered store cannot hold state for ",
                 initial.device(), " tensors");
+    TORCH_CHECK(!cuda_store || initial.device().index() == store_->backend().device(),
+                "TieredPlacement: the tiered store is on cuda:", store_->backend().device(),
+                ", the state is for ", initial.device(), " tensors: use a store of that device");
 #if !TIDEPOOL_HAVE_CUDA
     TORCH_CHECK(!initial.is_cuda(), "TieredPlacement: CUDA state needs tidepool_optim built "
                 "with CUDA (TIDEPOOL_HAVE_CUDA)");
@@ -106,13 +109,19 @@ class TieredBuffer final : public StateBuffer {
     const auto start = std::chrono::steady_clock::now();
     const Stream stream = use_stream();
     void* ptr = store_->acquire(handle_, stream);
-    note_device_bytes();
-    // CPU compute runs on this thread: wait for the stage-in before touching the bytes.
-    if (!options().device().is_cuda()) store_->backend().stream_synchronize(stream);
-    shared_->acquire_wait_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(
-                                    std::chrono::steady_clock::now() - start)
-                                    .count();
-    return torch::from_blob(ptr, sizes(), options());
+    try {
+      note_device_bytes();
+      // CPU compute runs on this thread: wait for the stage-in before touching the bytes.
+      if (!options().device().is_cuda()) store_->backend().stream_synchronize(stream);
+      shared_->acquire_wait_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                      std::chrono::steady_clock::now() - start)
+                                      .count();
+      return torch::from_blob(ptr, sizes(), options());
+    } catch (...) {
+      // StateBuffer::acquire failed, so no release() will come: the store's hold ends here.
+      store_->release(handle_, /*dirty=*/false);
+      throw;
+    }
   }
   void do_release(torch::Tensor& working, bool dirty) override {
     working = torch::Tensor();  // drop the view before the store may move the bytes

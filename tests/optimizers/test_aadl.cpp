@@ -219,6 +219,98 @@ TEST(AADL, SafeguardRejectsAWorseExtrapolation) {
   EXPECT_EQ(opt.accepted(), 0);
 }
 
+// A placement whose buffers refuse to be acquired while `failing` is set: a tiered store
+// that cannot load a chunk, a device out of memory in the pass.
+class FlakyPlacement final : public tidepool::optim::StatePlacement {
+ public:
+  bool failing = false;
+  std::unique_ptr<tidepool::optim::StateBuffer> create(const torch::Tensor& initial) override {
+    return std::make_unique<Buffer>(initial, *this);
+  }
+  std::string name() const override { return "flaky"; }
+
+ private:
+  class Buffer final : public tidepool::optim::StateBuffer {
+   public:
+    Buffer(const torch::Tensor& initial, const FlakyPlacement& owner)
+        : StateBuffer(initial.sizes(), initial.options()), owner_(owner),
+          tensor_(initial.clone()) {}
+
+   private:
+    torch::Tensor do_acquire() override {
+      TORCH_CHECK(!owner_.failing, "flaky placement: cannot load");
+      return tensor_;
+    }
+    void do_release(torch::Tensor&, bool) override {}
+    torch::Tensor do_read_host() const override { return tensor_.clone(); }
+    const FlakyPlacement& owner_;
+    torch::Tensor tensor_;
+  };
+};
+
+TEST(AndersonHistory, AFailedPushOrReplaceLeavesTheHistoryAsItWas) {
+  // Note [A failed push]: the columns and the Gram matrix stay in step.
+  auto placement = std::make_shared<FlakyPlacement>();
+  AndersonHistory history(4, placement);
+  torch::manual_seed(3);
+  std::vector<torch::Tensor> pushed;
+  for (int i = 0; i < 4; ++i) {
+    pushed.push_back(torch::randn({50}, torch::kFloat64));
+    history.push(pushed.back());
+  }
+  const torch::Tensor gram = history.gram().clone(), rhs = history.rhs().clone();
+  placement->failing = true;
+  expect_error_mentions([&] { history.push(torch::randn({50}, torch::kFloat64)); }, "flaky");
+  expect_error_mentions([&] { history.replace_newest(torch::randn({50}, torch::kFloat64)); },
+                        "flaky");
+  placement->failing = false;
+  EXPECT_EQ(history.size(), 4);
+  EXPECT_TRUE(torch::equal(history.gram(), gram));
+  EXPECT_TRUE(torch::equal(history.rhs(), rhs));
+  EXPECT_TRUE(torch::equal(history.newest(), pushed.back()));
+  // And it goes on exactly as a history that never saw the failures.
+  AndersonHistory clean(4, std::make_shared<tidepool::optim::ResidentPlacement>());
+  for (const auto& x : pushed) clean.push(x);
+  const torch::Tensor next = torch::randn({50}, torch::kFloat64);
+  history.push(next);
+  clean.push(next);
+  EXPECT_TRUE(torch::equal(history.gram(), clean.gram()));
+  EXPECT_TRUE(torch::equal(history.rhs(), clean.rhs()));
+}
+
+TEST(AADL, AClosureThatThrowsInTheSafeguardLeavesThePlainIterate) {
+  auto p = torch::full({4}, 1.0, torch::kFloat64).set_requires_grad(true);
+  auto q = p.detach().clone().set_requires_grad(true);
+  AADL opt(sgd(p), AADLOptions().relaxation(1.0).history_depth(4));
+  auto plain = sgd(q);
+  bool throw_at_accelerated = false;
+  int calls_without_grad = 0;
+  for (int step = 0; step < 6; ++step) {
+    const torch::Tensor g = torch::cos(p.detach() * (step + 1));
+    calls_without_grad = 0;
+    const auto closure = [&] {
+      if (torch::GradMode::is_enabled()) {
+        p.mutable_grad() = g.clone();
+        return torch::zeros({}, torch::kFloat64);
+      }
+      // The safeguard's second call evaluates the accelerated iterate.
+      TORCH_CHECK(!(throw_at_accelerated && ++calls_without_grad == 2), "out of memory");
+      return (p.detach() - opt.history(0).newest()).pow(2).sum();
+    };
+    q.mutable_grad() = g.clone();
+    plain->step();
+    throw_at_accelerated = opt.history(0).size() >= 2;  // this step accelerates
+    if (throw_at_accelerated) {
+      expect_error_mentions([&] { opt.step(closure); }, "out of memory");
+      EXPECT_TRUE(torch::equal(p.detach(), q.detach())) << "step " << step;
+      return;
+    }
+    opt.step(closure);
+    EXPECT_TRUE(torch::equal(p.detach(), q.detach())) << "step " << step;
+  }
+  FAIL() << "no step accelerated";
+}
+
 TEST(AADL, HistoryPlacementDoesNotChangeAnyBit) {
   const auto run = [](std::shared_ptr<tidepool::optim::StatePlacement> placement) {
     torch::manual_seed(11);

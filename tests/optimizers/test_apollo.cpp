@@ -143,6 +143,68 @@ TEST(Apollo, LoadRejectsAMismatchedOptimizerAndKeepsItsState) {
   EXPECT_DOUBLE_EQ(target.param_groups()[0].options().get_lr(), 0.3);
 }
 
+TEST(Apollo, ALearningRateOfZeroAfterConstructionStepsAndCheckpoints) {
+  // A schedule that decays to 0, or a group frozen with set_lr(0): the reference refuses
+  // lr = 0 only in its constructor.
+  auto frozen = param(3), training = param(3);
+  Apollo opt({torch::optim::OptimizerParamGroup({frozen}),
+              torch::optim::OptimizerParamGroup({training})},
+             ApolloOptions(0.1).warmup(0));
+  opt.param_groups()[0].options().set_lr(0.0);
+  const torch::Tensor before = frozen.detach().clone();
+  for (int step = 0; step < 3; ++step) {
+    frozen.mutable_grad() = torch::ones_like(frozen);
+    training.mutable_grad() = torch::ones_like(training);
+    opt.step();
+  }
+  EXPECT_TRUE(torch::equal(frozen.detach(), before));
+  EXPECT_FALSE(torch::equal(training.detach(), before));
+  std::stringstream bytes;
+  {
+    torch::serialize::OutputArchive archive;
+    opt.save(archive);
+    archive.save_to(bytes);
+  }
+  auto f2 = param(3), t2 = param(3);
+  Apollo resumed({torch::optim::OptimizerParamGroup({f2}), torch::optim::OptimizerParamGroup({t2})},
+                 ApolloOptions(0.1));
+  torch::serialize::InputArchive in;
+  in.load_from(bytes);
+  resumed.load(in);
+  EXPECT_DOUBLE_EQ(resumed.param_groups()[0].options().get_lr(), 0.0);
+  opt.param_groups()[1].options().set_lr(-0.1);  // negative stays an error
+  expect_error_mentions([&] { opt.step(); }, "learning rate");
+}
+
+TEST(Apollo, ARefusedStepChangesNoGroup) {
+  // Everything a step refuses is found before the first parameter moves: here the second
+  // group's options, changed through param_groups(), and a parameter converted to another
+  // dtype than its state's.
+  auto a = param(3), b = param(3);
+  Apollo opt({torch::optim::OptimizerParamGroup({a}), torch::optim::OptimizerParamGroup({b})},
+             ApolloOptions(0.1).warmup(0));
+  const auto grads = [&] {
+    a.mutable_grad() = torch::ones_like(a);
+    b.mutable_grad() = torch::ones_like(b);
+  };
+  grads();
+  opt.step();
+  const torch::Tensor a_before = a.detach().clone(), b_before = b.detach().clone();
+  static_cast<ApolloOptions&>(opt.param_groups()[1].options()).beta(1.5);
+  grads();
+  expect_error_mentions([&] { opt.step(); }, "beta");
+  EXPECT_TRUE(torch::equal(a.detach(), a_before));
+  static_cast<ApolloOptions&>(opt.param_groups()[1].options()).beta(0.9);
+  {
+    torch::NoGradGuard no_grad;
+    b.set_data(b.detach().to(torch::kFloat32));
+  }
+  b.mutable_grad() = torch::ones_like(b);
+  expect_error_mentions([&] { opt.step(); }, "moved or converted");
+  EXPECT_TRUE(torch::equal(a.detach(), a_before));
+  EXPECT_TRUE(torch::equal(b.detach().to(torch::kFloat64), b_before));
+}
+
 TEST(Apollo, NullPlacementIsRejected) {
   expect_error_mentions([] { Apollo({param(2)}, ApolloOptions(0.1), nullptr); }, "placement");
 }
