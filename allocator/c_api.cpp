@@ -27,6 +27,7 @@
 
 #include "allocator/c_api_guard.h"
 #include "allocator/device_registry.h"
+#include "allocator/errors.h"
 #include "allocator/tags.h"
 #include "allocator/tier_routing.h"
 
@@ -149,6 +150,9 @@ void tidepool_free(void* ptr, size_t size, int device, void* stream) {
 void* tidepool_pytorch_malloc(ssize_t size, int device, void* stream) {
   void* p = tidepool_malloc(size, device, stream);
   if (p == nullptr && size != 0) {  // Note [OOM into PyTorch]
+    if (t_last_error_is_oom && size > 0)
+      throw std::runtime_error(tidepool::pytorch_out_of_memory_message(
+          static_cast<std::size_t>(size), t_last_error));
     if (!t_last_error.empty()) throw std::runtime_error(t_last_error);
     throw std::runtime_error("tidepool: allocation of " + std::to_string(size) +
                              " bytes failed on device " + std::to_string(device));

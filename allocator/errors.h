@@ -4,6 +4,7 @@
 // AllocatorUsageError, a std::invalid_argument, because retrying cannot fix it.
 #pragma once
 
+#include <cstddef>
 #include <new>
 #include <stdexcept>
 #include <string>
@@ -25,5 +26,12 @@ class TIDEPOOL_API AllocatorUsageError : public std::invalid_argument {
  public:
   using std::invalid_argument::invalid_argument;
 };
+
+// An out-of-memory message as PyTorch hands it to Python: c10's own opening ("CUDA out of
+// memory. Tried to allocate 2.00 GiB. "), then tidepool's message. Training tools decide
+// by that text whether an error is an OOM (Lightning's batch-size finder, accelerate's
+// find_executable_batch_size), so without it they would stop a run they would retry.
+TIDEPOOL_API std::string pytorch_out_of_memory_message(std::size_t bytes,
+                                                       const std::string& tidepool_message);
 
 }  // namespace tidepool

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "allocator/caching_allocator_impl.h"
+#include "allocator/errors.h"
 #include "allocator/tags.h"
 
 namespace tidepool {
@@ -30,6 +31,10 @@ std::string format_bytes(std::uint64_t bytes) {
   char buf[32];
   std::snprintf(buf, sizeof buf, u == 0 ? "%.0f %s" : "%.2f %s", v, units[u]);
   return buf;
+}
+
+std::string pytorch_out_of_memory_message(std::size_t bytes, const std::string& tidepool_message) {
+  return "CUDA out of memory. Tried to allocate " + format_bytes(bytes) + ". " + tidepool_message;
 }
 
 namespace {

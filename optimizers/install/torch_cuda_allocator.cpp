@@ -29,6 +29,7 @@
 
 #include "allocator/c_api.h"
 #include "allocator/device_registry.h"
+#include "allocator/errors.h"
 #include "optimizers/install/memory_history.h"
 
 namespace tidepool::optim {
@@ -87,7 +88,7 @@ void* torch_alloc(MemoryHistory& history, size_t bytes, int device, cudaStream_t
       c10::reportOutOfMemoryToProfiler(static_cast<std::int64_t>(bytes), in_use.allocated,
                                        in_use.reserved, cuda_device(device));
     }
-    TORCH_CHECK_WITH(OutOfMemoryError, false, message);
+    TORCH_CHECK_WITH(OutOfMemoryError, false, pytorch_out_of_memory_message(bytes, message));
   }
   TORCH_CHECK(false, message.empty() ? "tidepool: allocation failed" : message);
 }
@@ -266,6 +267,35 @@ class TorchCudaAllocator final : public Pluggable {
                 static_cast<int>(device), " failed: ", tidepool_last_error());
   }
 
+  // A zero-byte raw_alloc returns null, and the plain class keeps null in its map of live
+  // pointers once: a second zero-byte buffer freed (two at once, e.g. Thrust temporaries)
+  // would throw "not allocated here", possibly from a destructor. Null frees nothing, as in
+  // c10's own allocator.
+  void raw_delete(void* ptr) override {
+    if (ptr != nullptr) Pluggable::raw_delete(ptr);
+  }
+
+  // NCCL's buffer registration (TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK) attaches a
+  // trace tracker; the plain class throws, which fails ProcessGroupNCCL's constructor.
+  // Registration is an optimisation NCCL runs without, and tidepool remaps its ranges,
+  // which registered buffers could not follow: the tracker is not called.
+  void attachAllocatorTraceTracker(
+      c10::cuda::CUDACachingAllocator::AllocatorTraceTracker /*tracker*/) override {
+    TORCH_WARN_ONCE("tidepool: allocator trace trackers (NCCL buffer registration, "
+                    "TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK) are not supported in "
+                    "tidepool's global mode; NCCL runs without registered buffers");
+  }
+
+  // A copy between devices: tidepool's memory is mapped through CUDA virtual memory for its
+  // own device only, which a plain cudaMemcpyAsync across devices cannot rely on (c10's
+  // expandable segments have the same rule); cudaMemcpyPeerAsync names both devices.
+  cudaError_t memcpyAsync(void* dst, int dst_device, const void* src, int src_device,
+                          size_t count, cudaStream_t stream, bool p2p_enabled) override {
+    if (dst_device != src_device)
+      return cudaMemcpyPeerAsync(dst, dst_device, src, src_device, count, stream);
+    return Pluggable::memcpyAsync(dst, dst_device, src, src_device, count, stream, p2p_enabled);
+  }
+
  private:
   explicit TorchCudaAllocator(std::shared_ptr<MemoryHistory> history)
       : Pluggable([history](size_t bytes, int device,
@@ -295,11 +325,18 @@ std::shared_ptr<c10::cuda::CUDACachingAllocator::CUDAAllocator> make_torch_cuda_
 
 void install_torch_cuda_allocator() {
   std::lock_guard lock(install_mutex());
-  // A second swap would fail (ours is initialised by then) and gain nothing.
-  static bool installed = false;
-  if (installed) return;
-  torch::cuda::CUDAPluggableAllocator::changeCurrentAllocator(make_torch_cuda_allocator());
-  installed = true;
+  // A second swap would fail (ours is initialised by then) and gain nothing. Kept for the
+  // life of the process: c10's allocator registry holds a plain pointer to it.
+  static std::shared_ptr<c10::cuda::CUDACachingAllocator::CUDAAllocator> installed;
+  if (installed != nullptr) return;
+  auto allocator = make_torch_cuda_allocator();
+  torch::cuda::CUDAPluggableAllocator::changeCurrentAllocator(allocator);
+  installed = allocator;
+  // changeCurrentAllocator swaps what c10::cuda::CUDACachingAllocator calls, not c10's
+  // registry of allocators by device type, where c10's own allocator stays otherwise:
+  // torch.accelerator's memory functions (at::accelerator::getDeviceStats, emptyCache,
+  // ...) and code that asks GetAllocator(kCUDA) would reach an allocator nobody uses.
+  c10::SetAllocator(c10::DeviceType::CUDA, installed.get(), /*priority=*/0);
 }
 
 }  // namespace tidepool::optim

@@ -39,9 +39,22 @@
 //   shareIpcHandle / getIpcDevPtr
 //                   CUDA IPC (torch.multiprocessing with CUDA tensors) ends in "please file
 //                   a PyTorch issue". -> a clear error naming tidepool.mode:pool.
+//   raw_delete      throws for a second zero-byte buffer's null. -> null frees nothing.
+//   attachAllocatorTraceTracker
+//                   throws, failing ProcessGroupNCCL with NCCL buffer registration on.
+//                   -> not called (a warning once): registration is an optimisation.
+//   memcpyAsync     cudaMemcpyAsync across devices, which memory mapped through CUDA VMM
+//                   for its own device cannot rely on. -> cudaMemcpyPeerAsync across
+//                   devices. (enablePeerAccess still does not map tidepool's ranges for
+//                   the peer: kernels reading another device's tidepool memory directly,
+//                   e.g. a cross-device copy with a dtype change under P2P, are not
+//                   supported in global mode yet.)
+//   GetAllocator(kCUDA)
+//                   c10's registry by device type (torch.accelerator's memory functions)
+//                   keeps c10's own allocator after changeCurrentAllocator. -> set too.
 // And malloc and free: out of memory is c10's OutOfMemoryError (Python:
-// torch.OutOfMemoryError), as with PyTorch's own allocator, not the RuntimeError the plain
-// pair can throw; and both report to torch.profiler(profile_memory=True), which the plain
+// torch.OutOfMemoryError) with c10's opening "CUDA out of memory. Tried to allocate ...",
+// as with PyTorch's own allocator, not the RuntimeError the plain pair can throw; and both report to torch.profiler(profile_memory=True), which the plain
 // pair leaves without a single CUDA memory event.
 //
 // Two ways in, both before LibTorch's CUDA allocator is first used:

@@ -12,10 +12,10 @@
 // configuration) and then, when the configuration asks for global mode and CUDA is
 // available, makes tidepool LibTorch's CUDA allocator (torch_cuda_allocator.h: a
 // torch::cuda::CUDAPluggableAllocator over tidepool_pytorch_malloc / tidepool_pytorch_free,
-// with cacheInfo for cuDNN's autotuner, Tensor::record_stream, c10's emptyCache and
-// resetPeakStats connected to tidepool); c10's getDeviceStats still raises, as for any
-// pluggable allocator: read tidepool's (tidepool_get_stats_v1). In pool mode nothing is
-// swapped: only tidepool regions use tidepool.
+// with cacheInfo for cuDNN's autotuner, Tensor::record_stream, c10's emptyCache,
+// getDeviceStats, resetPeakStats, memory history and memory fraction connected to
+// tidepool: see torch_cuda_allocator.h). In pool mode nothing is swapped: only tidepool
+// regions use tidepool.
 //
 // Not being able to install is a status, not an exception: a machine without CUDA (or a
 // build without it) reports `inactive_no_cuda` and the trainer runs on LibTorch's own

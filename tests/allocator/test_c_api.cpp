@@ -375,7 +375,8 @@ TEST_F(CApi, OutOfMemoryIsNullWithTheMessageInTheLastError) {
 }
 
 // Note [OOM into PyTorch]: where tidepool_malloc returns NULL, the PyTorch entry point
-// throws a std::runtime_error carrying the same message.
+// throws a std::runtime_error carrying the same message, an out-of-memory one after c10's
+// own opening (pytorch_out_of_memory_message in errors.h), which training tools match.
 TEST_F(CApi, PytorchMallocThrowsTidepoolsMessageWhereMallocReturnsNull) {
   std::string thrown;
   try {
@@ -384,7 +385,8 @@ TEST_F(CApi, PytorchMallocThrowsTidepoolsMessageWhereMallocReturnsNull) {
     thrown = e.what();
   }
   EXPECT_NE(thrown.find("out of memory: cannot allocate 1.00 TiB"), std::string::npos) << thrown;
-  EXPECT_EQ(thrown, tidepool_last_error());
+  EXPECT_EQ(thrown, "CUDA out of memory. Tried to allocate 1.00 TiB. " +
+                        std::string(tidepool_last_error()));
   ::testing::internal::CaptureStderr();  // the negative size is also reported on stderr
   EXPECT_THROW(tidepool_pytorch_malloc(-5, 0, nullptr), std::runtime_error);
   ::testing::internal::GetCapturedStderr();

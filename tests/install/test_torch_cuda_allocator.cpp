@@ -363,9 +363,14 @@ TEST_F(TorchCudaAllocatorTest, OutOfMemoryIsC10sOutOfMemoryError) {
     allocator->malloc(std::size_t{64} << 30, 0, nullptr);
     ADD_FAILURE() << "64 GiB on an 8 GiB device did not throw";
   } catch (const c10::OutOfMemoryError& e) {
+    // c10's opening, which training tools match to tell an OOM (pytorch_out_of_memory_message).
+    EXPECT_EQ(std::string(e.what_without_backtrace()).rfind("CUDA out of memory. Tried to allocate 64.00 GiB. ", 0), 0u)
+        << e.what();
     EXPECT_NE(std::string(e.what()).find("tidepool: out of memory"), std::string::npos) << e.what();
   }
   ::testing::internal::CaptureStderr();
+  EXPECT_NO_THROW(allocator->raw_delete(nullptr));
+  EXPECT_NO_THROW(allocator->raw_delete(nullptr));  // (the plain class threw the second time)
   try {
     allocator->malloc(std::size_t{1} << 60, 0, nullptr);
     ADD_FAILURE() << "an absurd size did not throw";
@@ -432,6 +437,10 @@ TEST_F(TorchCudaAllocatorTest, InstalledItIsWhatC10Calls) {
   c10::cuda::CUDACachingAllocator::setMemoryFraction(0.5, 0);  // set_per_process_memory_fraction
   EXPECT_EQ(c10::cuda::CUDACachingAllocator::getMemoryFraction(0), 0.5);
   c10::cuda::CUDACachingAllocator::setMemoryFraction(1.0, 0);
+  // c10's registry by device type too (torch.accelerator's memory functions).
+  EXPECT_EQ(c10::GetAllocator(c10::DeviceType::CUDA), c10::cuda::CUDACachingAllocator::get());
+  EXPECT_EQ(c10::getDeviceAllocator(c10::DeviceType::CUDA)->getDeviceStats(0).reserved_bytes[0].current,
+            static_cast<int64_t>(stats().reserved.current));
 }
 
 }  // namespace
