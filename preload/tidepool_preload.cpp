@@ -5,30 +5,49 @@
 //   - It defines cudaMalloc and cudaFree. Preloaded, these definitions come first in
 //     the global symbol scope, so every dynamically linked caller (PyPI torch links
 //     libcudart dynamically) reaches them instead of libcudart's.
-//   - At start-up (a constructor, before main and before PyTorch reads its environment),
+//   - Note [two once-flags]: the real libcudart's functions (the forwarding target) are
+//     resolved on their own once-flag, at the first call of either function, whatever
+//     its argument: cudaFree(NULL), the classic first CUDA call that creates the
+//     context, must reach CUDA even when tidepool itself is set up later. tidepool is set
+//     up on a second once-flag:
+//   - at start-up (a constructor, before main and before PyTorch reads its environment),
 //     when PYTORCH_ALLOC_CONF / PYTORCH_CUDA_ALLOC_CONF mention tidepool, and otherwise at
-//     the first cudaMalloc, it loads libcudart and libtidepool and calls
-//     tidepool_install_from_env: the same C++ parser as the Python hook claims the
-//     tidepool keys and rewrites the variables for PyTorch. A bad key stops the program
-//     with the parser's message (exit status 2). Preloading the shim is itself the request to use
-//     tidepool, so backend:tidepool need not be named.
+//     the first cudaMalloc, it loads libtidepool and calls tidepool_install_from_env: the
+//     same C++ parser as the Python hook claims the tidepool keys and rewrites the
+//     variables for PyTorch. A bad key stops the program with the parser's message (exit
+//     status 2). Preloading the shim is itself the request to use tidepool, so
+//     backend:tidepool need not be named.
+//   - Note [runtime version]: tidepool serves allocations only when the process's CUDA
+//     runtime (the forwarding target) has the major version tidepool was built for
+//     (CUDART_VERSION): libtidepool is linked against that major's libcudart, and a
+//     second runtime in the process would own memory and contexts of its own. Under any
+//     other runtime (a CUDA 12 program that inherited LD_PRELOAD) libtidepool is never
+//     loaded, every call is forwarded unchanged, and the shim says so once on stderr
+//     (not under tidepool.log:off).
 //   - cudaMalloc → tidepool_malloc on the current device (which routes optimizer state,
 //     when a caller tags it, to pointer-stable ranges itself); the shim remembers each
 //     pointer with its size and device, because cudaFree gives neither. cudaFree of a
 //     remembered pointer synchronises the device first (cudaFree's own contract, which
 //     callers rely on) and → tidepool_free; any other pointer goes to the real cudaFree.
+//   - Errors keep CUDA's meaning: cudaErrorMemoryAllocation only for out-of-memory
+//     (tidepool_last_error_is_out_of_memory), cudaErrorInvalidValue for any other
+//     failure of tidepool_malloc or tidepool_free (tidepool prints those itself).
 //   - Note [re-entrancy]: libtidepool's cuda backend itself calls cudaMalloc/cudaFree,
 //     which resolve to this shim too. A thread-local flag marks "inside tidepool"; calls
-//     made then go straight to the real libcudart.
+//     made then go straight to the real libcudart. Every scope that sets it restores the
+//     value it found, so a nested call (tidepool's cudaFree inside its own malloc) does
+//     not clear it for the rest of the outer call.
 //
 // Finding the real libcudart (it must be loaded before libtidepool, whose dependency
-// on libcudart.so.13 is then satisfied by soname — one copy in the process):
-//   1. one already loaded (a program linked against it);
-//   2. $TIDEPOOL_CUDART;
-//   3. PyPI's nvidia wheel beside the pip-installed package:
+// on libcudart.so.<major> is then satisfied by soname — one copy in the process):
+//   1. the next definition of cudaMalloc after the shim (dlsym(RTLD_NEXT)): the program's
+//      own runtime, of whatever version, when it is in the global scope;
+//   2. one of tidepool's major already loaded;
+//   3. $TIDEPOOL_CUDART;
+//   4. PyPI's nvidia wheel beside the pip-installed package:
 //      <site-packages>/tidepool/lib/ → <site-packages>/nvidia/cu13/lib/libcudart.so.13;
-//   4. the running interpreter's site-packages (<prefix>/lib/python3.*/site-packages/...);
-//   5. the loader's own search path (a CUDA toolkit in ld.so.conf).
+//   5. the running interpreter's site-packages (<prefix>/lib/python3.*/site-packages/...);
+//   6. the loader's own search path (a CUDA toolkit in ld.so.conf).
 // libtidepool: $TIDEPOOL_LIBRARY, then beside the shim, then the build tree's copy.
 //
 // tidepool.mode:pool has no meaning here (there are no regions without Python): the
@@ -51,7 +70,19 @@
 
 namespace {
 
-constexpr const char* kCudartSoname = "libcudart.so.13";
+// The CUDA major tidepool (and so libtidepool's libcudart dependency) was built for.
+constexpr int kCudaMajor = CUDART_VERSION / 1000;
+
+const std::string& cudart_soname() {
+  static const std::string name = "libcudart.so." + std::to_string(kCudaMajor);
+  return name;
+}
+
+// PyPI's wheel directory for that major: nvidia/cu13/lib.
+const std::string& nvidia_wheel_lib() {
+  static const std::string dir = "nvidia/cu" + std::to_string(kCudaMajor) + "/lib/";
+  return dir;
+}
 
 struct RealCudart {
   cudaError_t (*malloc)(void**, size_t) = nullptr;
@@ -59,12 +90,15 @@ struct RealCudart {
   cudaError_t (*get_device)(int*) = nullptr;
   cudaError_t (*set_device)(int) = nullptr;
   cudaError_t (*device_synchronize)() = nullptr;
+  cudaError_t (*runtime_get_version)(int*) = nullptr;
 };
 
 struct TidepoolAbi {
   void* (*malloc)(ssize_t, int, void*) = nullptr;
   void (*free)(void*, size_t, int, void*) = nullptr;
   const char* (*last_error)() = nullptr;
+  void (*clear_error)() = nullptr;
+  int (*last_error_is_out_of_memory)() = nullptr;
   int (*install_from_env)(char*, size_t) = nullptr;
   int (*config_apply)(const char*, char*, size_t) = nullptr;
   size_t (*config_active_json)(char*, size_t) = nullptr;
@@ -76,7 +110,9 @@ struct Allocation {
 };
 
 struct Shim {
-  std::once_flag once;
+  std::once_flag cuda_once;  // resolves `cuda` (Note [two once-flags])
+  bool serve = false;        // the runtime has tidepool's major (Note [runtime version])
+  std::once_flag once;       // sets up tidepool
   bool ready = false;   // both libraries loaded, configuration applied
   bool verbose = false;  // tidepool.log:info or debug
   bool quiet = false;    // tidepool.log:off
@@ -93,9 +129,17 @@ Shim& shim() {
 
 thread_local bool t_inside_tidepool = false;
 
-struct InsideTidepool {
-  InsideTidepool() { t_inside_tidepool = true; }
-  ~InsideTidepool() { t_inside_tidepool = false; }
+// Note [re-entrancy]: restores the value it found, not false, so that the end of a
+// nested call leaves the outer one still "inside".
+class InsideTidepool {
+ public:
+  InsideTidepool() : previous_(t_inside_tidepool) { t_inside_tidepool = true; }
+  ~InsideTidepool() { t_inside_tidepool = previous_; }
+  InsideTidepool(const InsideTidepool&) = delete;
+  InsideTidepool& operator=(const InsideTidepool&) = delete;
+
+ private:
+  bool previous_;
 };
 
 void say(const char* what, const std::string& message) {
@@ -137,20 +181,34 @@ std::string executable_prefix() {
   return path;
 }
 
+// The library that defines the next cudaMalloc after the shim's own, when one is in the
+// global scope: the runtime the program itself was linked with, whichever its version.
+void* next_cudart() {
+  void* next = dlsym(RTLD_NEXT, "cudaMalloc");
+  if (next == nullptr) return nullptr;
+  Dl_info info{};
+  if (dladdr(next, &info) == 0 || info.dli_fname == nullptr || *info.dli_fname == '\0') {
+    return nullptr;
+  }
+  return dlopen(info.dli_fname, RTLD_NOW | RTLD_NOLOAD);  // already loaded: a handle only
+}
+
 void* open_cudart(std::string& tried) {
-  if (void* h = dlopen(kCudartSoname, RTLD_NOW | RTLD_GLOBAL | RTLD_NOLOAD)) return h;
+  if (void* h = next_cudart()) return h;
+  const std::string& soname = cudart_soname();
+  if (void* h = dlopen(soname.c_str(), RTLD_NOW | RTLD_GLOBAL | RTLD_NOLOAD)) return h;
   std::vector<std::string> candidates;
   if (const char* env = std::getenv("TIDEPOOL_CUDART")) candidates.emplace_back(env);
   const std::string here = directory_of_this_library();
-  if (!here.empty()) candidates.push_back(here + "/../../nvidia/cu13/lib/" + kCudartSoname);
+  if (!here.empty()) candidates.push_back(here + "/../../" + nvidia_wheel_lib() + soname);
   const std::string prefix = executable_prefix();
   if (!prefix.empty()) {
     for (const std::string& p :
-         glob_paths(prefix + "/lib/python3*/site-packages/nvidia/cu13/lib/" + kCudartSoname)) {
+         glob_paths(prefix + "/lib/python3*/site-packages/" + nvidia_wheel_lib() + soname)) {
       candidates.push_back(p);
     }
   }
-  candidates.emplace_back(kCudartSoname);
+  candidates.emplace_back(soname);
   for (const std::string& path : candidates) {
     if (void* h = dlopen(path.c_str(), RTLD_NOW | RTLD_GLOBAL)) return h;
     tried += "\n  " + path + ": " + dlerror();
@@ -184,12 +242,21 @@ bool bind(void* handle, const char* name, Fn& out, std::string& missing) {
   return out != nullptr;
 }
 
-// Loads both libraries and applies the configuration. Exits the process on a bad
-// configuration (the clear start-up error the keys promise); on a missing library it
-// says why and leaves every call to the real libcudart.
-void initialise() {
+// tidepool.log:off read from the variables themselves, for the one message given before
+// libtidepool (whose parser knows the keys) is loaded, or when it never is.
+bool environment_says_log_off() {
+  for (const char* name : {"TIDEPOOL_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"}) {
+    const char* value = std::getenv(name);
+    if (value != nullptr && std::strstr(value, "tidepool.log:off") != nullptr) return true;
+  }
+  return false;
+}
+
+// Resolves the forwarding target (Note [two once-flags]) and decides whether tidepool may
+// serve under it (Note [runtime version]). On failure it says why; the functions it could
+// not bind stay null and their forwarded calls answer cudaErrorInitializationError.
+void resolve_cudart() {
   Shim& s = shim();
-  InsideTidepool inside;  // libtidepool's own start-up may touch CUDA
   std::string tried;
   void* cudart = open_cudart(tried);
   if (cudart == nullptr) {
@@ -202,10 +269,48 @@ void initialise() {
   bind(cudart, "cudaGetDevice", s.cuda.get_device, missing);
   bind(cudart, "cudaSetDevice", s.cuda.set_device, missing);
   bind(cudart, "cudaDeviceSynchronize", s.cuda.device_synchronize, missing);
+  bind(cudart, "cudaRuntimeGetVersion", s.cuda.runtime_get_version, missing);
   if (!missing.empty()) {
-    say("libcudart lacks:", missing);
+    say("libcudart lacks (tidepool is off):", missing);
     return;
   }
+  int version = 0;
+  if (const cudaError_t e = s.cuda.runtime_get_version(&version); e != cudaSuccess) {
+    say("cudaRuntimeGetVersion failed; tidepool is off: error ", std::to_string(e));
+    return;
+  }
+  if (version / 1000 != kCudaMajor) {
+    if (!environment_says_log_off()) {
+      Dl_info info{};
+      const bool named = dladdr(reinterpret_cast<void*>(s.cuda.malloc), &info) != 0 &&
+                         info.dli_fname != nullptr;
+      say("", "the process's CUDA runtime " + std::string(named ? info.dli_fname : "") +
+                  " is version " + std::to_string(version / 1000) + "." +
+                  std::to_string(version % 1000 / 10) + ", but tidepool was built for CUDA " +
+                  std::to_string(kCudaMajor) +
+                  "; tidepool is off: every cudaMalloc/cudaFree goes to that runtime "
+                  "unchanged, and the allocator variables are not claimed");
+    }
+    return;
+  }
+  s.serve = true;
+}
+
+void resolve_cudart_once() {
+  Shim& s = shim();
+  std::call_once(s.cuda_once, resolve_cudart);
+}
+
+// Loads libtidepool and applies the configuration, once the runtime allows it. Exits the
+// process on a bad configuration (the clear start-up error the keys promise); on a
+// missing library it says why and leaves every call to the real libcudart.
+void initialise() {
+  Shim& s = shim();
+  InsideTidepool inside;  // libtidepool's own start-up may touch CUDA
+  resolve_cudart_once();
+  if (!s.serve) return;  // resolve_cudart said why
+  std::string tried;
+  std::string missing;
   void* lib = open_tidepool(tried);
   if (lib == nullptr) {
     say("cannot load libtidepool; tidepool is off. Tried:", tried);
@@ -214,6 +319,8 @@ void initialise() {
   bind(lib, "tidepool_malloc", s.tp.malloc, missing);
   bind(lib, "tidepool_free", s.tp.free, missing);
   bind(lib, "tidepool_last_error", s.tp.last_error, missing);
+  bind(lib, "tidepool_clear_error", s.tp.clear_error, missing);
+  bind(lib, "tidepool_last_error_is_out_of_memory", s.tp.last_error_is_out_of_memory, missing);
   bind(lib, "tidepool_install_from_env", s.tp.install_from_env, missing);
   bind(lib, "tidepool_config_apply", s.tp.config_apply, missing);
   bind(lib, "tidepool_config_active_json", s.tp.config_active_json, missing);
@@ -265,9 +372,21 @@ __attribute__((constructor)) void preload_start() {
   if (environment_names_tidepool()) ready();
 }
 
-// The real cudaFree for pointers the shim does not own (and before it is ready).
+// The real cudaMalloc, for calls tidepool does not serve (its own, or all of them when
+// it is off). Resolves the target first: the call may be the process's first.
+cudaError_t forward_malloc(void** ptr, size_t size) {
+  Shim& s = shim();
+  resolve_cudart_once();
+  if (s.cuda.malloc == nullptr) return cudaErrorInitializationError;
+  InsideTidepool inside;
+  return s.cuda.malloc(ptr, size);
+}
+
+// The real cudaFree for pointers the shim does not own, NULL included (and before tidepool
+// is set up: cudaFree(NULL) is the classic first call, Note [two once-flags]).
 cudaError_t forward_free(void* ptr) {
   Shim& s = shim();
+  resolve_cudart_once();
   if (s.cuda.free == nullptr) return cudaErrorInitializationError;
   InsideTidepool inside;
   return s.cuda.free(ptr);
@@ -280,10 +399,7 @@ extern "C" {
 TIDEPOOL_PRELOAD_EXPORT cudaError_t cudaMalloc(void** dev_ptr, size_t size) {
   if (dev_ptr == nullptr) return cudaErrorInvalidValue;
   Shim& s = shim();
-  if (t_inside_tidepool || !ready()) {
-    if (s.cuda.malloc == nullptr) return cudaErrorInitializationError;
-    return s.cuda.malloc(dev_ptr, size);
-  }
+  if (t_inside_tidepool || !ready()) return forward_malloc(dev_ptr, size);
   if (size == 0) {
     *dev_ptr = nullptr;
     return cudaSuccess;
@@ -296,8 +412,14 @@ TIDEPOOL_PRELOAD_EXPORT cudaError_t cudaMalloc(void** dev_ptr, size_t size) {
     ptr = s.tp.malloc(static_cast<ssize_t>(size), device, nullptr);
   }
   if (ptr == nullptr) {
-    if (!s.quiet) say("cudaMalloc: ", s.tp.last_error());
     *dev_ptr = nullptr;
+    // Only a real out-of-memory is cudaErrorMemoryAllocation: callers free caches and
+    // retry on it, which would hide a bad request. Anything else (a size tidepool finds
+    // implausible, above 2^50 or a negative one cast, where CUDA would answer
+    // cudaErrorMemoryAllocation; a device it cannot serve) is a bad request, whose
+    // message libtidepool has already printed.
+    if (s.tp.last_error_is_out_of_memory() == 0) return cudaErrorInvalidValue;
+    if (!s.quiet) say("cudaMalloc: ", s.tp.last_error());
     return cudaErrorMemoryAllocation;
   }
   {
@@ -310,7 +432,8 @@ TIDEPOOL_PRELOAD_EXPORT cudaError_t cudaMalloc(void** dev_ptr, size_t size) {
 
 TIDEPOOL_PRELOAD_EXPORT cudaError_t cudaFree(void* dev_ptr) {
   Shim& s = shim();
-  // cudaFree(nullptr) is the classic "initialise the context" call: always CUDA's.
+  // cudaFree(nullptr) is the classic "initialise the context" call: always CUDA's, and it
+  // does not set tidepool up (forward_free resolves the real cudaFree itself).
   if (dev_ptr == nullptr || t_inside_tidepool || !ready()) return forward_free(dev_ptr);
   Allocation a{};
   {
@@ -327,8 +450,13 @@ TIDEPOOL_PRELOAD_EXPORT cudaError_t cudaFree(void* dev_ptr) {
   const cudaError_t synced = s.cuda.device_synchronize();
   if (current != a.device) s.cuda.set_device(current);
   InsideTidepool inside;
+  // tidepool_free returns nothing: a failure (tidepool no longer owns the pointer, freed
+  // behind the shim's back) shows only in the thread's last error, which libtidepool
+  // has also printed.
+  s.tp.clear_error();
   s.tp.free(dev_ptr, a.size, a.device, nullptr);
-  return synced;
+  if (synced != cudaSuccess) return synced;
+  return *s.tp.last_error() == '\0' ? cudaSuccess : cudaErrorInvalidValue;
 }
 
 }  // extern "C"

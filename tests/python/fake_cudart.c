@@ -1,13 +1,37 @@
-/* A stand-in for libcudart's five functions the LD_PRELOAD shim calls, so that the
- * shim's routing (cudaMalloc -> tidepool, cudaFree of its own pointers -> tidepool,
- * of anything else -> the real cudaFree) is tested on a machine without a GPU. The
- * shim is pointed at it with TIDEPOOL_CUDART; the counters let the test see which
- * calls reached "CUDA". "Device memory" here is plain malloc. */
+/* A stand-in for the libcudart functions the LD_PRELOAD shim calls, so that the shim's
+ * routing (cudaMalloc -> tidepool, cudaFree of its own pointers -> tidepool, of anything
+ * else -> the real cudaFree) is tested on a machine without a GPU. The shim is pointed at
+ * it with TIDEPOOL_CUDART (or finds it in the global scope when the test loads it
+ * RTLD_GLOBAL first); the counters let the test see which calls reached "CUDA".
+ * "Device memory" here is plain malloc.
+ *
+ * Knobs, read from the environment at each call, for the cases a real runtime would need
+ * other hardware or another toolkit for:
+ *   FAKE_CUDART_VERSION  what cudaRuntimeGetVersion answers (default: the major of the
+ *                        toolkit the tests were built with, FAKE_CUDART_DEFAULT_VERSION);
+ *   FAKE_CUDART_DEVICE   what cudaGetDevice answers (default 0);
+ *   FAKE_CUDART_NEST     when set, a cudaFree of a non-NULL pointer makes, before freeing,
+ *                        the nested calls a runtime (or tidepool's cuda backend) may make
+ *                        while the shim forwards to it: cudaFree(NULL), then cudaMalloc,
+ *                        both through the process's symbols (the shim's). Whether that
+ *                        cudaMalloc reached this library is in fake_cudart_nested_forwarded. */
+#define _GNU_SOURCE
+#include <dlfcn.h>
 #include <stdlib.h>
+
+#ifndef FAKE_CUDART_DEFAULT_VERSION
+#define FAKE_CUDART_DEFAULT_VERSION 13000
+#endif
 
 int fake_cudart_malloc_calls = 0;
 int fake_cudart_free_calls = 0;
 int fake_cudart_synchronize_calls = 0;
+int fake_cudart_nested_forwarded = -1; /* -1: no nested call made yet */
+
+static int env_int(const char* name, int fallback) {
+  const char* value = getenv(name);
+  return value != NULL && *value != '\0' ? atoi(value) : fallback;
+}
 
 int cudaMalloc(void** ptr, size_t size) {
   ++fake_cudart_malloc_calls;
@@ -16,13 +40,28 @@ int cudaMalloc(void** ptr, size_t size) {
 }
 
 int cudaFree(void* ptr) {
+  static int depth = 0; /* the nested cudaFree(NULL) comes back here: nest only once */
   ++fake_cudart_free_calls;
+  if (ptr != NULL && depth == 0 && getenv("FAKE_CUDART_NEST") != NULL) {
+    int (*process_free)(void*) = (int (*)(void*))dlsym(RTLD_DEFAULT, "cudaFree");
+    int (*process_malloc)(void**, size_t) =
+        (int (*)(void**, size_t))dlsym(RTLD_DEFAULT, "cudaMalloc");
+    ++depth;
+    process_free(NULL);
+    const int before = fake_cudart_malloc_calls;
+    void* nested = NULL;
+    process_malloc(&nested, 64);
+    fake_cudart_nested_forwarded = fake_cudart_malloc_calls - before;
+    --depth;
+    /* Memory from this library goes back here; tidepool's (the bug) is left to exit. */
+    if (fake_cudart_nested_forwarded == 1) free(nested);
+  }
   free(ptr);
   return 0;
 }
 
 int cudaGetDevice(int* device) {
-  *device = 0;
+  *device = env_int("FAKE_CUDART_DEVICE", 0);
   return 0;
 }
 
@@ -30,5 +69,10 @@ int cudaSetDevice(int device) { return device == 0 ? 0 : 101; /* cudaErrorInvali
 
 int cudaDeviceSynchronize(void) {
   ++fake_cudart_synchronize_calls;
+  return 0;
+}
+
+int cudaRuntimeGetVersion(int* version) {
+  *version = env_int("FAKE_CUDART_VERSION", FAKE_CUDART_DEFAULT_VERSION);
   return 0;
 }

@@ -1,6 +1,7 @@
 """libtidepool_preload.so at process start-up (LD_PRELOAD): it claims the same keys with
 the same parser before the program runs, stops on a bad key, and leaves programs alone
-otherwise. cudaMalloc routing needs a GPU: scripts/gpu_e2e_llama.py checks that."""
+otherwise. Routing, forwarding and error codes are checked against a stand-in libcudart
+(fake_cudart.c); routing on a real GPU: scripts/gpu_e2e_llama.py."""
 
 from __future__ import annotations
 
@@ -105,3 +106,153 @@ def test_cuda_malloc_and_free_are_routed_through_tidepool(run_python, variables)
         "foreign_free_rc": 0, "cuda_frees_after_foreign_free": 1,
         "zero_rc": 0, "zero_ptr": None, "null_out_rc": 1,  # cudaErrorInvalidValue
     }
+
+
+# The checks below run in a fresh interpreter with the shim preloaded and the fake libcudart
+# as "CUDA"; each prints one JSON line. PRELUDE binds the process's cudaMalloc/cudaFree (the
+# shim's) and the fake's counters. The fake is found through TIDEPOOL_CUDART unless a test
+# loads it into the global scope itself (FAKE_GLOBAL=1), as a program linked against its
+# runtime has it.
+PRELUDE = """
+import ctypes, json, os
+c_void_p, byref = ctypes.c_void_p, ctypes.byref
+fake_path = os.environ["FAKE_CUDART_PATH"]
+fake = ctypes.CDLL(fake_path, mode=ctypes.RTLD_GLOBAL if os.environ.get("FAKE_GLOBAL") else 0)
+process = ctypes.CDLL(None)
+process.cudaMalloc.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+process.cudaFree.argtypes = [ctypes.c_void_p]
+counter = lambda name: ctypes.c_int.in_dll(fake, name).value
+out = {}
+"""
+
+
+def run_with_fake(run_python, code, *, global_scope=False, **variables):
+    import json
+    env = {"FAKE_CUDART_PATH": FAKE_CUDART, **variables}
+    if global_scope:
+        env["FAKE_GLOBAL"] = "1"
+    else:
+        env["TIDEPOOL_CUDART"] = FAKE_CUDART
+    result = run_python(PRELUDE + code + "\nprint(json.dumps(out))\n", preload=PRELOAD, **env)
+    return json.loads(result.stdout.strip().splitlines()[-1]), result.stderr
+
+
+needs_fake = pytest.mark.skipif(not os.path.isfile(FAKE_CUDART), reason="fake libcudart not built")
+
+
+@needs_fake
+def test_cuda_free_null_as_the_first_call_reaches_cuda(run_python):
+    # Lazy set-up (the environment does not name tidepool): cudaFree(NULL), the usual
+    # "create the context" call, comes before any cudaMalloc and must reach the runtime
+    # rather than fail with cudaErrorInitializationError.
+    out, _ = run_with_fake(run_python, """
+out["free_null_rc"] = process.cudaFree(None)
+out["cuda_frees"] = counter("fake_cudart_free_calls")
+p = c_void_p()
+out["malloc_rc"] = process.cudaMalloc(byref(p), 4096)
+out["cuda_mallocs"] = counter("fake_cudart_malloc_calls")   # 0: tidepool served it
+out["free_rc"] = process.cudaFree(p)
+""", TIDEPOOL_BACKEND="host")
+    assert out == {"free_null_rc": 0, "cuda_frees": 1, "malloc_rc": 0, "cuda_mallocs": 0,
+                   "free_rc": 0}
+
+
+FORWARD_ALL = """
+p = c_void_p()
+out["malloc_rc"] = process.cudaMalloc(byref(p), 4096)
+out["malloc_rc_2"] = process.cudaMalloc(byref(c_void_p()), 4096)
+out["cuda_mallocs"] = counter("fake_cudart_malloc_calls")
+out["free_rc"] = process.cudaFree(p)
+out["cuda_frees"] = counter("fake_cudart_free_calls")
+out["synchronizes"] = counter("fake_cudart_synchronize_calls")
+"""
+
+
+@needs_fake
+@pytest.mark.parametrize("global_scope", [False, True], ids=["found-by-search", "program's-own"])
+def test_another_cuda_major_is_forwarded_untouched(run_python, global_scope):
+    # A CUDA 12 program that inherited LD_PRELOAD: tidepool (built for another major) stays
+    # out of it, every call reaches the program's runtime, and the shim says so once.
+    out, stderr = run_with_fake(run_python, FORWARD_ALL, global_scope=global_scope,
+                                FAKE_CUDART_VERSION="12080", TIDEPOOL_BACKEND="host")
+    assert out == {"malloc_rc": 0, "malloc_rc_2": 0, "cuda_mallocs": 2, "free_rc": 0,
+                   "cuda_frees": 1, "synchronizes": 0}
+    assert stderr.count("tidepool preload:") == 1
+    assert "is version 12.8, but tidepool was built for CUDA" in stderr
+    assert "tidepool is off: every cudaMalloc/cudaFree goes to that runtime unchanged" in stderr
+
+
+@needs_fake
+def test_another_cuda_major_is_quiet_under_log_off(run_python):
+    out, stderr = run_with_fake(run_python, FORWARD_ALL, FAKE_CUDART_VERSION="12080",
+                                PYTORCH_CUDA_ALLOC_CONF="tidepool.log:off")
+    assert out["cuda_mallocs"] == 2
+    assert stderr == ""
+
+
+@needs_fake
+def test_the_programs_own_runtime_is_the_forwarding_target(run_python):
+    # The runtime already in the global scope (found with dlsym(RTLD_NEXT)) is the one the
+    # shim forwards to, with no TIDEPOOL_CUDART to point at it; of tidepool's major, tidepool
+    # serves the allocations.
+    out, stderr = run_with_fake(run_python, """
+import tidepool
+p = c_void_p()
+out["malloc_rc"] = process.cudaMalloc(byref(p), 1 << 20)
+out["allocated"] = tidepool.stats(0)["allocated_bytes.all.current"]
+out["cuda_mallocs"] = counter("fake_cudart_malloc_calls")
+out["free_rc"] = process.cudaFree(p)
+out["synchronizes"] = counter("fake_cudart_synchronize_calls")
+q = c_void_p()
+fake.cudaMalloc(byref(q), ctypes.c_size_t(64))
+out["foreign_free_rc"] = process.cudaFree(q)
+out["cuda_frees"] = counter("fake_cudart_free_calls")
+""", global_scope=True, TIDEPOOL_BACKEND="host")
+    assert out == {"malloc_rc": 0, "allocated": 1 << 20, "cuda_mallocs": 0, "free_rc": 0,
+                   "synchronizes": 1, "foreign_free_rc": 0, "cuda_frees": 1}
+    assert stderr == ""
+
+
+@needs_fake
+def test_error_codes_keep_their_cuda_meaning(run_python):
+    out, stderr = run_with_fake(run_python, """
+p = c_void_p(1)
+out["too_big_rc"] = process.cudaMalloc(byref(p), 1 << 45)   # more than the host backend's 8 GiB
+out["too_big_ptr"] = p.value
+# Sizes tidepool calls implausible (above 2^50, or a negative one cast): a bad request.
+out["implausible_rc"] = process.cudaMalloc(byref(p), 1 << 62)
+out["negative_rc"] = process.cudaMalloc(byref(p), (1 << 64) - 1)
+# A pointer tidepool no longer owns (freed behind the shim's back): an invalid free.
+out["malloc_rc"] = process.cudaMalloc(byref(p), 4096)
+# The copy the shim loaded (only now: loaded first, its libcudart would be "CUDA").
+tp = ctypes.CDLL(os.environ["TIDEPOOL_LIBRARY"])
+tp.tidepool_free.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+tp.tidepool_free(p, 4096, 0, None)
+out["stale_free_rc"] = process.cudaFree(p)
+# A device tidepool cannot serve: a bad request, not out-of-memory.
+os.environ["FAKE_CUDART_DEVICE"] = "4096"
+out["bad_device_rc"] = process.cudaMalloc(byref(p), 4096)
+""", TIDEPOOL_BACKEND="host")
+    assert out == {"too_big_rc": 2, "too_big_ptr": None,  # cudaErrorMemoryAllocation
+                   "implausible_rc": 1, "negative_rc": 1, "malloc_rc": 0,  # cudaErrorInvalidValue
+                   "stale_free_rc": 1, "bad_device_rc": 1}
+    assert "tidepool preload: cudaMalloc: tidepool: out of memory" in stderr
+    assert "is not a plausible size" in stderr  # libtidepool's own message for a bad request
+
+
+@needs_fake
+def test_a_nested_forwarded_call_leaves_the_outer_one_inside(run_python):
+    # While the shim forwards a cudaFree, the runtime makes nested calls (the fake does:
+    # cudaFree(NULL), then cudaMalloc). The nested cudaMalloc must be forwarded too, not
+    # served by tidepool: the end of the nested cudaFree must not clear the outer call's
+    # "inside" mark (as it would inside tidepool_malloc on the cuda backend).
+    out, _ = run_with_fake(run_python, """
+p = c_void_p()
+out["malloc_rc"] = process.cudaMalloc(byref(p), 4096)    # tidepool is set up
+q = c_void_p()
+fake.cudaMalloc(byref(q), ctypes.c_size_t(64))
+os.environ["FAKE_CUDART_NEST"] = "1"
+out["foreign_free_rc"] = process.cudaFree(q)
+out["nested_forwarded"] = counter("fake_cudart_nested_forwarded")
+""", TIDEPOOL_BACKEND="host")
+    assert out == {"malloc_rc": 0, "foreign_free_rc": 0, "nested_forwarded": 1}
