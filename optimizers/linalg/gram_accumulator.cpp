@@ -189,7 +189,7 @@ LstsqResult GramAccumulator::solve(const std::vector<int64_t>& a_slots, int64_t 
   result.method_name = method_name(small->method);
   result.rank = small->rank;
   result.condition = small->condition;
-  result.rcond = rcond;
+  result.rcond = small->rcond;
   result.residual_norms = small->residual_norms;
   result.residual_norm = small->residual_norms.front();
   return result;

@@ -63,7 +63,8 @@ class TIDEPOOL_API GramAccumulator {
   // automatic / gram_cholesky / gram_eigh use the Gram matrix only (no pass over the
   // columns): automatic tries the equilibrated Cholesky and, if κ(AᵀA) is above
   // options.gram_condition_limit or AᵀA is singular, returns the minimum-norm solution
-  // from its eigendecomposition (method gram_eigh). cholesky_qr and svd read the columns
+  // from its eigendecomposition (method gram_eigh; minimum norm in the equilibrated
+  // variables when options.equilibrate, as lstsq.h describes). cholesky_qr and svd read the columns
   // again through lstsq_columns (and return the columns' dtype and device).
   LstsqResult solve(const std::vector<int64_t>& a_slots, int64_t b_slot,
                     const LstsqOptions& options = {}) const;

@@ -10,6 +10,7 @@
 // makes G_jj non-finite, so checking the small G replaces a separate pass over A.
 #include "optimizers/linalg/lstsq.h"
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <optional>
@@ -158,9 +159,22 @@ SmallSolution run_svd(const Problem& problem, const LstsqOptions& options, doubl
   if (!at::isfinite(A).all().item<bool>() || !at::isfinite(B).all().item<bool>()) {
     fail("A or B contains NaN or Inf");
   }
-  const auto squared_norms = A.square().sum(0).cpu();
-  const auto scale = detail::column_scales(squared_norms, options.equilibrate);
-  const double lambda = detail::tikhonov_lambda(options, squared_norms.sum().item<double>(), problem.k);
+  // Not A.square().sum(0): for finite |a| > ~1.3e154 that overflows to inf, the scale
+  // becomes 0 and the SVD sees NaN (column_norms rescales; so does LAPACK's QR).
+  const auto norms = detail::column_norms(A).cpu();
+  if (!at::isfinite(norms).all().item<bool>()) {
+    fail("a column of A has a 2-norm beyond the float64 range; rescale A");
+  }
+  auto scale = at::ones_like(norms);
+  if (options.equilibrate) {
+    // 1/‖a_j‖, kept finite for a column of subnormals; 1 for a zero column, so that it stays
+    // zero and shows up as rank deficiency (as column_scales does).
+    scale = at::where(norms > 0, 1.0 / norms.clamp_min(std::numeric_limits<double>::min()), scale);
+  }
+  const double lambda = detail::tikhonov_lambda(options, norms.square().sum().item<double>(), problem.k);
+  if (!std::isfinite(lambda)) {
+    fail("tikhonov_relative: trace(AᵀA) overflows float64; rescale A or give an absolute tikhonov");
+  }
   const auto R = detail::householder_r_factor(at::cat({A * scale.to(A.device()), B}, 1));
   return detail::solve_from_r_factor(R, problem.k, scale, rcond, lambda);
 }
@@ -234,11 +248,16 @@ LstsqResult solve(const Problem& problem, const LstsqOptions& requested) {
   result.method_name = method_name(small.method);
   result.rank = small.rank;
   result.condition = small.condition;
-  result.rcond = rcond;
+  result.rcond = small.rcond;
   result.residual_norms = small.residual_norms;
+  // Frobenius norm, scaled by the largest term so that huge residuals do not overflow.
+  double peak = 0.0;
+  for (const double norm : small.residual_norms) peak = std::max(peak, norm);
   double squares = 0.0;
-  for (const double norm : small.residual_norms) squares += norm * norm;
-  result.residual_norm = std::sqrt(squares);
+  if (peak > 0.0 && std::isfinite(peak)) {
+    for (const double norm : small.residual_norms) squares += (norm / peak) * (norm / peak);
+  }
+  result.residual_norm = peak > 0.0 && std::isfinite(peak) ? peak * std::sqrt(squares) : peak;
   return result;
 }
 

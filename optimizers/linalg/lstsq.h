@@ -31,7 +31,9 @@ namespace tidepool::linalg {
 
 enum class LstsqMethod {
   automatic,      // choose per problem, as described at the top of this file
-  gram_cholesky,  // one Gram pass + fp64 Cholesky (fast; accuracy ~κ(A)²·eps64)
+  gram_cholesky,  // one Gram pass + fp64 Cholesky (fast; accuracy ~κ(A)²·eps64). Cannot
+                  // truncate: forced, it throws std::runtime_error if AᵀA breaks down or
+                  // the rank at max(rcond, √eps64) is below k
   cholesky_qr,    // shifted CholeskyQR3 on an fp64 copy of A (accuracy ~κ(A)·eps64)
   svd,            // Householder QR of [A·D | B] (LAPACK geqrf / cuSOLVER 64-bit Xgeqrf),
                   // then the minimum-norm solution from the SVD of R, truncated at rcond
@@ -46,13 +48,21 @@ struct LstsqOptions {
   LstsqMethod method = LstsqMethod::automatic;
   // Singular values below rcond·σ_max (of the equilibrated A) count as zero. Negative means
   // the default max(k·eps(input dtype), 10·√N·eps64): the data's precision or fp64's
-  // rounding over N rows — deliberately not eps·N, which is what ruins gelsy.
+  // rounding over N rows — deliberately not eps·N, which is what ruins gelsy. The Gram
+  // methods cannot resolve σ/σ_max that small and apply max(rcond, √eps64) (gram_cholesky)
+  // or max(rcond, √(10k·eps64)) (gram_eigh); LstsqResult::rcond says what was applied.
   double rcond = -1.0;
   // Tikhonov λ: minimise ‖Ax − b‖² + λ‖x‖². With tikhonov_relative, λ is multiplied by
   // trace(AᵀA)/k, so λ = 1e-8 means "1e-8 of the average squared column norm".
   double tikhonov = 0.0;
   bool tikhonov_relative = true;
-  // Scale columns of A to unit norm before factorising (undone in the solution).
+  // Scale columns of A to unit norm before factorising: with D = diag(1/‖a_j‖) the problem
+  // solved is min ‖(AD)y − b‖ and x = Dy. The rank, the truncation at rcond and the
+  // condition estimate are all those of AD, so for a rank-deficient or truncated problem
+  // the solution returned is the one with minimum ‖y‖ = ‖D⁻¹x‖ (minimum norm in
+  // unit-column variables, as LAPACK-style equilibrated solvers do), not minimum ‖x‖.
+  // false: D = I, and the solution is the true minimum-‖x‖ one. With full rank and nothing
+  // truncated the solution is unique and the two agree (up to rounding).
   bool equilibrate = true;
   // automatic leaves gram_cholesky when κ(AᵀA) (equilibrated) exceeds this. The Gram
   // route's error is ~κ(AᵀA)·eps64, so negative means the default 1e7 for fp32 input (error
@@ -73,16 +83,19 @@ struct LstsqResult {
   at::Tensor solution;        // k (B was 1-D) or k×r; dtype and device of the input
   LstsqMethod method = LstsqMethod::automatic;  // the method that produced the solution
   const char* method_name = "";  // method_name(method)
-  int64_t rank = 0;              // numerical rank of A at rcond
+  // Numerical rank of A (equilibrated, if on) at `rcond`: the number of singular directions
+  // the solution keeps. gram_cholesky always solves with all k, so it returns only rank k.
+  int64_t rank = 0;
   double condition = 0.0;        // estimate of κ₂(A) after equilibration (inf if singular)
-  double rcond = 0.0;            // the rcond actually used
+  double rcond = 0.0;            // the threshold on σ/σ_max actually applied (see options)
   std::vector<double> residual_norms;  // ‖b_j − A x_j‖₂ per right-hand side
   double residual_norm = 0.0;          // Frobenius norm of B − AX
 };
 
 // Solves min ‖A X − B‖ for A (N×k) and B (N or N×r): fp32 or fp64 (both the same), both on
 // the same device (CPU or CUDA). Throws std::invalid_argument for empty, mismatched,
-// non-finite, unsupported-dtype or mixed-device input.
+// non-finite, unsupported-dtype or mixed-device input (and for finite input whose squares
+// overflow fp64 where a method needs them: the Gram pass, a relative tikhonov).
 TIDEPOOL_API LstsqResult lstsq(const at::Tensor& A, const at::Tensor& B,
                                const LstsqOptions& options = {});
 

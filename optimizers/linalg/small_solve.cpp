@@ -11,17 +11,26 @@
 // "ill-conditioned" from "rank-deficient", which is why automatic hands such problems to a
 // method that reads A again.
 //
-// Note [Minimum norm in the caller's variables]: equilibration changes which solution of a
-// rank-deficient problem has minimum norm (‖y‖ = ‖D⁻¹x‖ is not ‖x‖). So the equilibrated
-// matrix decides the rank and the condition estimate (units do not matter), and the
-// solution comes from the unequilibrated matrix truncated to that rank: the minimum-‖x‖
-// solution the caller expects, equal to the plain solution when A has full rank.
+// Note [Minimum norm with equilibration]: a rank-deficient (or rcond-truncated) problem has
+// many solutions, and which one is "minimum norm" depends on the variables. With
+// equilibration on, the rank is decided and the truncated solve is done on one and the same
+// matrix, the equilibrated AD: y is the minimum-‖y‖ solution of min ‖ADy − b‖ with the
+// singular values below rcond·σ_max(AD) dropped, and x = Dy, so ‖D⁻¹x‖ (the norm in
+// unit-column variables) is minimal — what LAPACK-style equilibrated solvers return, and
+// what AADL does itself. Deciding the rank on AD but truncating the SVD of the unscaled A
+// (the earlier code) keeps the top `rank` directions of a different matrix: with column
+// norms 1 and 1e-5 it kept a near-collinear pair and dropped the small, independent
+// column, and for full rank it threw away the accuracy equilibration buys. With
+// equilibration off D = I and this is the true minimum-‖x‖ solution. With full rank and
+// no truncation both agree: the solution is unique.
 #include "optimizers/linalg/small_solve.h"
 
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <sstream>
 #include <stdexcept>
+#include <string>
 
 #include "optimizers/linalg/small_dense.h"
 
@@ -36,6 +45,15 @@ int64_t count_above(const at::Tensor& values, double threshold) {
 }
 
 }  // namespace
+
+at::Tensor column_norms(const at::Tensor& M) {
+  // Divide each column by its largest magnitude first: squaring |m| > ~1.3e154 overflows
+  // and |m| < ~1.5e-154 underflows (torch's vector_norm does not rescale), and either would
+  // make the column scale 0 or 1 and the equilibrated matrix NaN or unscaled.
+  const auto peak = M.abs().amax(0);
+  const auto safe_peak = at::where(peak > 0, peak, at::ones_like(peak));
+  return peak * (M / safe_peak.unsqueeze(0)).square().sum(0).sqrt();
+}
 
 at::Tensor column_scales(const at::Tensor& gram_diagonal, bool equilibrate) {
   auto scale = at::ones_like(gram_diagonal);
@@ -140,28 +158,46 @@ std::optional<SmallSolution> solve_from_gram(const at::Tensor& G, int64_t k,
       for (int64_t j = 0; j < r; ++j) y[static_cast<size_t>(i * r + j)] *= scale[static_cast<size_t>(i)];
     }
     out.x = at::from_blob(y.data(), {k, r}, at::TensorOptions().dtype(at::kDouble)).clone();
-    // Note [Condition from the Gram matrix]: the rank is resolved to ~√eps64 only.
-    const double threshold = std::max(rcond, std::sqrt(kEps64)) * std::sqrt(std::max(largest, 0.0));
+    // Note [Condition from the Gram matrix]: the rank is resolved to ~√eps64 only, so that
+    // is the smallest rcond this method can apply (and the one it reports).
+    out.rcond = std::max(rcond, std::sqrt(kEps64));
+    const double threshold = out.rcond * std::sqrt(std::max(largest, 0.0));
     out.rank = std::count_if(eigenvalues.begin(), eigenvalues.end(),
                              [threshold](double e) { return std::sqrt(std::max(e, 0.0)) > threshold; });
-    // An rcond above 1/κ asks for truncation, which Cholesky cannot do.
-    if (may_decline && out.rank < k) return std::nullopt;
+    // An rcond above 1/κ asks for truncation, which Cholesky cannot do: automatic moves on
+    // to a method that truncates; a forced gram_cholesky refuses rather than return the
+    // untruncated solution under a rank that says otherwise.
+    if (out.rank < k) {
+      if (may_decline) return std::nullopt;
+      std::ostringstream message;
+      message << "tidepool::linalg::lstsq: gram_cholesky: the equilibrated A has numerical rank "
+              << out.rank << " < " << k << " at rcond " << out.rcond
+              << ", and Cholesky cannot truncate; use method automatic, svd or gram_eigh, a "
+                 "smaller rcond, or tikhonov";
+      throw std::runtime_error(message.str());
+    }
   } else {
-    // Note [Minimum norm in the caller's variables]: the rank comes from the equilibrated
-    // eigenvalues (σ², so the cut-off is rcond², but never below the Gram matrix's own
-    // rounding k·eps64·λ_max); the solution from the unequilibrated AᵀA + λI truncated to
-    // that rank, so that ‖x‖ (not ‖D⁻¹x‖) is minimal.
-    const double cutoff =
-        std::max(rcond * rcond, 10.0 * static_cast<double>(k) * kEps64) * std::max(largest, 0.0);
-    out.rank = std::count_if(eigenvalues.begin(), eigenvalues.end(), [cutoff](double e) { return e > cutoff; });
-    const auto GAA = Gc.narrow(0, 0, k).narrow(1, 0, k);
-    const auto C = Gc.narrow(0, 0, k).narrow(1, k, r);
-    auto Graw = GAA.clone();
-    if (lambda > 0.0) Graw += lambda * at::eye(k, GAA.options());
-    auto [w, V] = at::linalg_eigh(Graw);  // ascending: keep the last `rank`
+    // Note [Minimum norm with equilibration]: rank and solution both from the equilibrated
+    // DAᵀAD + λD². The rank counts eigenvalues (σ²) above rcond², but never below the Gram
+    // matrix's own rounding 10k·eps64·λ_max; reported as the rcond on σ that this is.
+    const auto ghat_tensor =
+        at::from_blob(ghat.data(), {k, k}, at::TensorOptions().dtype(at::kDouble)).clone();
+    auto [w, V] = at::linalg_eigh(ghat_tensor);  // ascending: keep the last `rank`
+    const double top = std::max(w[-1].item<double>(), 0.0);
+    const double resolution = 10.0 * static_cast<double>(k) * kEps64;
+    out.rcond = std::max(rcond, std::sqrt(resolution));
+    out.rank = count_above(w, std::max(rcond * rcond, resolution) * top);
+    const auto C = at::from_blob(chat.data(), {k, r}, at::TensorOptions().dtype(at::kDouble));
     const auto Vr = V.narrow(1, k - out.rank, out.rank);
     const auto wr = w.narrow(0, k - out.rank, out.rank);
-    out.x = Vr.mm((1.0 / wr).unsqueeze(1) * Vr.t().mm(C));
+    auto y = Vr.mm((1.0 / wr).unsqueeze(1) * Vr.t().mm(C));
+    // A zero column's coefficient is exactly 0 in the minimum-norm solution, but eigh's
+    // eigenvectors carry it only to rounding (~1e-17); make it exact.
+    for (int64_t j = 0; j < k; ++j) {
+      if (g[j * m + j] == 0.0) y.select(0, j).zero_();
+    }
+    const auto D = at::from_blob(scale.data(), {k}, at::TensorOptions().dtype(at::kDouble));
+    out.x = y * D.unsqueeze(1);
   }
   out.method = method;
   out.residual_norms = gram_residual_norms(Gc, k, out.x);
@@ -173,36 +209,33 @@ SmallSolution solve_from_r_factor(const at::Tensor& R, int64_t k, const at::Tens
   const int64_t r = R.size(1) - k;
   const auto RA = R.narrow(1, 0, k);
   const auto RB = R.narrow(1, k, r);
-  // The rank and the condition estimate come from the equilibrated R_A (with √λ·D stacked
-  // under it for Tikhonov: λ‖x‖² = λ‖Dy‖²) ...
-  auto equilibrated = RA;
-  if (lambda > 0.0) equilibrated = at::cat({RA, at::diag(std::sqrt(lambda) * scale)}, 0);
-  const auto S = at::linalg_svdvals(equilibrated);
+  // Note [Minimum norm with equilibration]: one SVD of the equilibrated R_A (with √λ·D
+  // stacked under it for Tikhonov: λ‖x‖² = λ‖Dy‖²) gives the condition estimate, the rank
+  // and y; x = D·y.
+  auto matrix = RA;
+  auto rhs = RB;
+  if (lambda > 0.0) {
+    matrix = at::cat({RA, at::diag(std::sqrt(lambda) * scale)}, 0);
+    rhs = at::cat({RB, at::zeros({k, r}, R.options())}, 0);
+  }
+  auto [U, S, Vh] = at::linalg_svd(matrix, /*full_matrices=*/false);
   const double largest = S.numel() > 0 ? S[0].item<double>() : 0.0;
   const double smallest = S.numel() > 0 ? S[-1].item<double>() : 0.0;
 
   SmallSolution out;
   out.method = LstsqMethod::svd;
+  out.rcond = rcond;
   out.rank = count_above(S, rcond * largest);
   out.condition = (S.numel() < k || smallest <= 0.0) ? kInf : largest / smallest;
-
-  // ... and the solution from the unequilibrated R_A·D⁻¹ truncated to that rank (Note
-  // [Minimum norm in the caller's variables]).
-  auto matrix = RA / scale.unsqueeze(0);
-  auto rhs = RB;
-  if (lambda > 0.0) {
-    matrix = at::cat({matrix, std::sqrt(lambda) * at::eye(k, R.options())}, 0);
-    rhs = at::cat({RB, at::zeros({k, r}, R.options())}, 0);
-  }
-  auto [U, Sx, Vh] = at::linalg_svd(matrix, /*full_matrices=*/false);
   const auto Ur = U.narrow(1, 0, out.rank);
   const auto Vr = Vh.narrow(0, 0, out.rank).t();
-  out.x = Vr.mm((1.0 / Sx.narrow(0, 0, out.rank)).unsqueeze(1) * Ur.t().mm(rhs));
-  const auto y = out.x / scale.unsqueeze(1);
+  const auto y = Vr.mm((1.0 / S.narrow(0, 0, out.rank)).unsqueeze(1) * Ur.t().mm(rhs));
+  out.x = y * scale.unsqueeze(1);
   const auto residual = RB - RA.mm(y);
+  const auto norms = column_norms(residual);  // B may be huge (column_norms says why)
   out.residual_norms.resize(static_cast<size_t>(r));
   for (int64_t j = 0; j < r; ++j) {
-    out.residual_norms[static_cast<size_t>(j)] = residual.select(1, j).norm().item<double>();
+    out.residual_norms[static_cast<size_t>(j)] = norms[j].item<double>();
   }
   return out;
 }

@@ -18,9 +18,15 @@ struct SmallSolution {
   at::Tensor x;  // k×r fp64 CPU, in the caller's (unequilibrated) variables
   LstsqMethod method = LstsqMethod::automatic;
   int64_t rank = 0;
+  double rcond = 0.0;  // the threshold on σ/σ_max actually applied (≥ the requested one)
   double condition = 0.0;
   std::vector<double> residual_norms;
 };
+
+// The 2-norm of each column of M (any device), computed without overflow or underflow
+// for finite M (each column is divided by its largest magnitude before squaring). Inf only
+// where the norm itself exceeds the fp64 range.
+at::Tensor column_norms(const at::Tensor& M);
 
 // 1/‖a_j‖ from the Gram diagonal (k fp64 CPU); 1 for zero columns or when equilibration
 // is off, so a zero column stays zero and shows up as rank deficiency.
@@ -43,8 +49,11 @@ double tikhonov_lambda(const LstsqOptions& options, double gram_trace, int64_t k
 // Solves from G = [A|B]ᵀ[A|B] ((k+r)×(k+r) fp64 CPU). `method` is gram_cholesky or
 // gram_eigh. Returns nullopt, when `may_decline`, if the equilibrated AᵀA is more
 // ill-conditioned than options.gram_condition_limit, not positive definite, or of rank < k
-// at rcond (the caller then falls back to a method that reads A again). Without `may_decline`, gram_cholesky
-// that breaks down throws std::runtime_error.
+// at rcond (the caller then falls back to a method that reads A again). Without
+// `may_decline`, gram_cholesky that breaks down, or finds rank < k at max(rcond, √eps64)
+// (it cannot truncate), throws std::runtime_error. gram_eigh truncates at
+// max(rcond, √(10k·eps64)) and returns the minimum-norm solution in the equilibrated
+// variables (small_solve.cpp, Note [Minimum norm with equilibration]).
 std::optional<SmallSolution> solve_from_gram(const at::Tensor& G, int64_t k,
                                              const LstsqOptions& options, double rcond,
                                              LstsqMethod method, bool may_decline);
@@ -55,8 +64,9 @@ std::optional<SmallSolution> solve_from_gram(const at::Tensor& G, int64_t k,
 std::vector<double> gram_residual_norms(const at::Tensor& G, int64_t k, const at::Tensor& x);
 
 // Minimum-norm solution from R (p×(k+r) fp64 CPU, upper trapezoidal), the R factor of
-// [A·diag(scale) | B]: min ‖R_A y − R_B‖ via the SVD of R_A (with √λ·diag(scale) stacked
-// under it when λ > 0), singular values below rcond·σ_max dropped, x = scale ⊙ y.
+// [A·diag(scale) | B]: the minimum-‖y‖ solution of min ‖R_A y − R_B‖ via the SVD of R_A
+// (with √λ·diag(scale) stacked under it when λ > 0), singular values below rcond·σ_max
+// dropped, x = scale ⊙ y.
 // Residual norms are exact: B − AX = Q(R_B − R_A y).
 SmallSolution solve_from_r_factor(const at::Tensor& R, int64_t k, const at::Tensor& scale,
                                   double rcond, double lambda);

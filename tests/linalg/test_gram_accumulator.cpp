@@ -112,6 +112,57 @@ TEST(GramAccumulator, IllConditionedHistoryFallsBackToMinimumNormFromTheGram) {
   EXPECT_LT(relative_error(svd.solution, reference), 1e-10);
 }
 
+// Review finding: the eigh fallback solved the unscaled AᵀA truncated to the rank of the
+// equilibrated one. Full rank with κ²(AD) ≈ 4e4 (so the fallback runs): relative error
+// 0.55 at s = 1e-8. Rank-deficient at rcond 1e-3: it dropped the small column.
+TEST(GramAccumulator, EighFallbackWorksInEquilibratedVariables) {
+  for (const double s : {1.0, 1e-6, 1e-8}) {
+    GramAccumulator accumulator(4);
+    at::manual_seed(46);
+    const auto a1 = at::randn({kRows}, at::kDouble);
+    const auto a2 = s * at::randn({kRows}, at::kDouble);
+    const auto a3 = a1 + 1e-2 * at::randn({kRows}, at::kDouble);
+    accumulator.set_column(0, a1);
+    accumulator.set_column(1, a2);
+    accumulator.set_column(2, a3);
+    accumulator.set_column(3, a1 + (2.0 / s) * a2 + 3.0 * a3);
+    const auto result = accumulator.solve({0, 1, 2}, 3);
+    EXPECT_EQ(result.method, LstsqMethod::gram_eigh) << s;
+    EXPECT_EQ(result.rank, 3) << s;
+    const auto unscaled = result.solution * testing::values({1.0, s, 1.0});
+    EXPECT_LT(relative_error(unscaled, testing::values({1.0, 2.0, 3.0})), 1e-9) << s;
+
+    // Near-collinear a3 ≈ a1 at rcond 1e-3: rank 2, and the same answer in every unit.
+    accumulator.set_column(2, a1 + 1e-4 * at::randn({kRows}, at::kDouble));
+    accumulator.set_column(3, a1 + (1.0 / s) * a2 + 1e-3 * at::randn({kRows}, at::kDouble));
+    LstsqOptions options;
+    options.rcond = 1e-3;
+    const auto truncated = accumulator.solve({0, 1, 2}, 3, options);
+    EXPECT_EQ(truncated.rank, 2) << s;
+    EXPECT_DOUBLE_EQ(truncated.rcond, 1e-3) << s;
+    EXPECT_NEAR(truncated.solution[0].item<double>(), 0.5, 0.05) << s;
+    EXPECT_NEAR(truncated.solution[1].item<double>() * s, 1.0, 0.05) << s;
+    EXPECT_NEAR(truncated.solution[2].item<double>(), 0.5, 0.05) << s;
+  }
+}
+
+TEST(GramAccumulator, ForcedGramCholeskyRefusesToTruncate) {
+  GramAccumulator accumulator(3);
+  at::manual_seed(47);
+  const auto a = at::randn({kRows}, at::kDouble);
+  accumulator.set_column(0, a);
+  accumulator.set_column(1, a + 1e-3 * at::randn({kRows}, at::kDouble));
+  accumulator.set_column(2, at::randn({kRows}, at::kDouble));
+  LstsqOptions options;
+  options.method = LstsqMethod::gram_cholesky;
+  options.rcond = 1e-2;
+  EXPECT_THROW(accumulator.solve({0, 1}, 2, options), std::runtime_error);
+  options.rcond = 1e-6;
+  const auto full = accumulator.solve({0, 1}, 2, options);
+  EXPECT_EQ(full.rank, 2);
+  EXPECT_DOUBLE_EQ(full.rcond, 1e-6);
+}
+
 TEST(GramAccumulator, BadInputIsRejectedAndLeavesStateUnchanged) {
   GramAccumulator accumulator(3);
   const auto a = at::randn({100}, at::kDouble);

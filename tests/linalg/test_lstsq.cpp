@@ -151,6 +151,28 @@ TEST(Lstsq, MultipleRightHandSidesMatchSeparateSolves) {
   }
 }
 
+// Columns a1, s·a2, a1 + 1e-4·noise; b = a1 + a2 + 1e-3·noise (the same for every s, so
+// x = (≈0.5, ≈1/s, ≈0.5)). At rcond 1e-3 the near-collinear pair counts as one direction,
+// whatever s is.
+struct UnitsProblem {
+  at::Tensor A;
+  at::Tensor b;
+};
+
+UnitsProblem units_problem(int64_t rows, double s, uint64_t seed) {
+  at::manual_seed(seed);
+  const auto a1 = at::randn({rows}, kF64);
+  const auto a2 = at::randn({rows}, kF64);
+  const auto a3 = a1 + 1e-4 * at::randn({rows}, kF64);
+  return {at::stack({a1, s * a2, a3}, 1), a1 + a2 + 1e-3 * at::randn({rows}, kF64)};
+}
+
+// Minimum ‖D⁻¹x‖ at rcond, D = diag(1/‖a_j‖): what lstsq.h promises with equilibration.
+at::Tensor equilibrated_reference(const at::Tensor& A, const at::Tensor& b, double rcond) {
+  const auto D = 1.0 / A.norm(2, {0});
+  return D * at::linalg_pinv(A * D, rcond).mv(b);
+}
+
 // The minimum-norm solution, computed independently with the pseudo-inverse.
 at::Tensor min_norm_reference(const at::Tensor& A, const at::Tensor& b) {
   return at::linalg_pinv(A, 1e-10).mv(b);
@@ -192,8 +214,13 @@ TEST(Lstsq, WideAndTinyProblemsUseMinimumNormSvd) {
   const auto result = lstsq(wide, b);
   EXPECT_EQ(result.method, LstsqMethod::svd);
   EXPECT_EQ(result.rank, 3);
-  EXPECT_LT(relative_error(result.solution, min_norm_reference(wide, b)), 1e-12);
+  // With equilibration (the default) the minimum norm is that of the unit-column
+  // variables, ‖D⁻¹x‖ (lstsq.h); without it, the true minimum ‖x‖.
+  EXPECT_LT(relative_error(result.solution, equilibrated_reference(wide, b, 1e-10)), 1e-12);
   EXPECT_LT(result.residual_norm, 1e-12);
+  LstsqOptions plain;
+  plain.equilibrate = false;
+  EXPECT_LT(relative_error(lstsq(wide, b, plain).solution, min_norm_reference(wide, b)), 1e-12);
 
   const auto tiny = at::randn({20, 4}, kF64);
   EXPECT_EQ(lstsq(tiny, at::randn({20}, kF64)).method, LstsqMethod::svd);
@@ -210,6 +237,137 @@ TEST(Lstsq, RcondTruncatesSmallSingularValuesWhenAsked) {
   EXPECT_EQ(result.rank, 2);
   EXPECT_DOUBLE_EQ(result.rcond, 1e-2);
   EXPECT_EQ(lstsq(A, b).rank, 5);
+}
+
+// Review finding: the rank was decided on the equilibrated A but the solution truncated
+// the SVD (or eigendecomposition) of the unscaled A, which keeps other directions when
+// column norms differ: at s = 1e-5 it kept the near-collinear pair and dropped a2.
+TEST(Lstsq, TruncationDoesNotDependOnColumnUnits) {
+  for (const auto method : {LstsqMethod::automatic, LstsqMethod::svd, LstsqMethod::gram_eigh}) {
+    // N = 50 takes automatic to the SVD; gram_eigh needs more rows for a stable Gram.
+    const int64_t rows = method == LstsqMethod::gram_eigh ? 5000 : 50;
+    LstsqOptions options;
+    options.method = method;
+    options.rcond = 1e-3;
+    const auto unit = units_problem(rows, 1.0, 40);
+    const auto expected = lstsq(unit.A, unit.b, options);
+    EXPECT_NEAR(expected.solution[0].item<double>(), 0.5, 0.05) << method_name(method);
+    EXPECT_NEAR(expected.solution[1].item<double>(), 1.0, 0.05) << method_name(method);
+    EXPECT_NEAR(expected.solution[2].item<double>(), 0.5, 0.05) << method_name(method);
+    for (const double s : {1e-5, 1e-8, 1e5}) {
+      const auto scaled = units_problem(rows, s, 40);
+      const auto result = lstsq(scaled.A, scaled.b, options);
+      EXPECT_EQ(result.rank, 2) << method_name(method) << " s=" << s;
+      EXPECT_LT(relative_error(result.solution, equilibrated_reference(scaled.A, scaled.b, result.rcond)), 1e-8)
+          << method_name(method) << " s=" << s;
+      // Only column 1's units changed, so only x_1 changes, by 1/s.
+      const auto rescaled = result.solution * testing::values({1.0, s, 1.0});
+      EXPECT_LT(relative_error(rescaled, expected.solution), 1e-8) << method_name(method) << " s=" << s;
+    }
+  }
+}
+
+TEST(Lstsq, WithoutEquilibrationTruncationGivesTrueMinimumNorm) {
+  for (const auto method : {LstsqMethod::svd, LstsqMethod::gram_eigh}) {
+    const auto problem = units_problem(method == LstsqMethod::gram_eigh ? 5000 : 50, 1e-2, 41);
+    LstsqOptions options;
+    options.method = method;
+    options.rcond = 1e-3;
+    options.equilibrate = false;
+    const auto result = lstsq(problem.A, problem.b, options);
+    EXPECT_EQ(result.rank, 2) << method_name(method);
+    EXPECT_LT(relative_error(result.solution, at::linalg_pinv(problem.A, result.rcond).mv(problem.b)), 1e-8)
+        << method_name(method);
+  }
+}
+
+// Full rank, κ²(AD) ≈ 4e4 > gram_condition_limit: automatic leaves Cholesky. Solving
+// the unscaled AᵀA there lost everything equilibration bought (relative error 0.55 at
+// s = 1e-8); in the scaled variables the error is ~κ²(AD)·eps64 whatever s is.
+TEST(Lstsq, FullRankBadlyScaledColumnsStayAccurateOnEveryPath) {
+  for (const auto method : {LstsqMethod::automatic, LstsqMethod::svd, LstsqMethod::gram_eigh,
+                            LstsqMethod::cholesky_qr}) {
+    for (const double s : {1.0, 1e-6, 1e-8}) {
+      at::manual_seed(42);
+      const auto a1 = at::randn({5000}, kF64);
+      const auto A = at::stack({a1, s * at::randn({5000}, kF64), a1 + 1e-2 * at::randn({5000}, kF64)}, 1);
+      const auto x = testing::values({1.0, 2.0 / s, 3.0});
+      LstsqOptions options;
+      options.method = method;
+      const auto result = lstsq(A, A.mv(x), options);
+      EXPECT_EQ(result.rank, 3) << method_name(method) << " s=" << s;
+      EXPECT_LT(relative_error(result.solution * testing::values({1.0, s, 1.0}), testing::values({1.0, 2.0, 3.0})),
+                1e-9)
+          << method_name(method) << " s=" << s;
+    }
+  }
+}
+
+// Review finding: result.rcond reported the requested value, not the threshold applied.
+TEST(Lstsq, ReportedRcondIsTheThresholdApplied) {
+  const double eps = std::numeric_limits<double>::epsilon();
+  const auto A = matrix_with_condition(20000, 5, 10.0, 43);
+  const auto b = A.mv(at::ones({5}, kF64));
+  const auto automatic = lstsq(A, b);  // default rcond ≈ 3e-13, below the Gram's resolution
+  ASSERT_EQ(automatic.method, LstsqMethod::gram_cholesky);
+  EXPECT_DOUBLE_EQ(automatic.rcond, std::sqrt(eps));
+  LstsqOptions options;
+  options.method = LstsqMethod::gram_eigh;
+  options.rcond = 1e-12;
+  EXPECT_DOUBLE_EQ(lstsq(A, b, options).rcond, std::sqrt(10.0 * 5.0 * eps));
+  options.rcond = 1e-3;  // above the floor: applied as given
+  EXPECT_DOUBLE_EQ(lstsq(A, b, options).rcond, 1e-3);
+  options.method = LstsqMethod::svd;
+  options.rcond = 1e-12;
+  EXPECT_DOUBLE_EQ(lstsq(A, b, options).rcond, 1e-12);
+}
+
+// Review finding: a forced gram_cholesky with rcond above 1/κ reported rank < k but
+// returned the untruncated solution. It cannot truncate, so it refuses.
+TEST(LstsqErrors, ForcedGramCholeskyRefusesToTruncate) {
+  const auto A = matrix_with_condition(5000, 5, 1e3, 44);
+  const auto b = A.mv(at::ones({5}, kF64));
+  LstsqOptions options;
+  options.method = LstsqMethod::gram_cholesky;
+  EXPECT_EQ(lstsq(A, b, options).rank, 5);  // the default rcond keeps all five
+  options.rcond = 1e-1;
+  try {
+    const auto result = lstsq(A, b, options);
+    ADD_FAILURE() << "expected a refusal; got rank " << result.rank;
+  } catch (const std::runtime_error& error) {
+    EXPECT_NE(std::string(error.what()).find("cannot truncate"), std::string::npos) << error.what();
+  }
+  // automatic moves on to a method that truncates, and says so.
+  options.method = LstsqMethod::automatic;
+  const auto truncated = lstsq(A, b, options);
+  EXPECT_LT(truncated.rank, 5);
+  EXPECT_NE(truncated.method, LstsqMethod::gram_cholesky);
+}
+
+// Review finding: finite |a| > ~1.3e154 overflowed A.square().sum(0) on the SVD path and
+// torch threw c10::Error ("non-finite") from the SVD of a NaN matrix.
+TEST(Lstsq, HugeAndTinyFiniteInputOnTheSvdPath) {
+  for (const double magnitude : {1e200, 1e-200}) {
+    for (const bool equilibrate : {true, false}) {
+      at::manual_seed(45);
+      const auto A = at::randn({50, 3}, kF64) * magnitude;
+      const auto x = testing::values({1.0, 2.0, 3.0});
+      const auto b = A.mv(x) + magnitude * 1e-6 * at::randn({50}, kF64);
+      LstsqOptions options;
+      options.equilibrate = equilibrate;
+      const auto result = lstsq(A, b, options);
+      EXPECT_EQ(result.method, LstsqMethod::svd);
+      EXPECT_EQ(result.rank, 3) << magnitude << equilibrate;
+      EXPECT_LT(relative_error(result.solution, x), 1e-5) << magnitude << equilibrate;
+      const double direct = magnitude * ((b - A.mv(result.solution)) / magnitude).norm().item<double>();
+      EXPECT_NEAR(result.residual_norm, direct, 1e-8 * direct) << magnitude << equilibrate;
+    }
+  }
+  // A relative Tikhonov λ needs trace(AᵀA), which overflows: a clear refusal.
+  const auto huge = at::randn({50, 3}, kF64) * 1e200;
+  LstsqOptions options;
+  options.tikhonov = 1e-6;
+  expect_invalid([&] { lstsq(huge, huge.sum(1), options); }, "overflows");
 }
 
 TEST(Lstsq, TikhonovMatchesClosedFormAbsoluteAndRelative) {
