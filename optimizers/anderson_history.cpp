@@ -96,8 +96,7 @@ AndersonHistory::AndersonHistory(int64_t depth, std::shared_ptr<StatePlacement> 
 // replace_newest keep what they drop until the new vector is in, and put everything back
 // when it is not: a failed call leaves the history as it was.
 void AndersonHistory::push(const torch::Tensor& x) {
-  const torch::Tensor gram = gram_, rhs = rhs_;  // replaced, never written in place
-  const int64_t length = length_;
+  const Rollback rollback{gram_, rhs_, length_};  // replaced, never written in place
   std::optional<Column> dropped;
   if (size() == depth_) {
     dropped = std::move(columns_.front());
@@ -105,32 +104,31 @@ void AndersonHistory::push(const torch::Tensor& x) {
     // The oldest DR column goes with the oldest vector.
     if (gram_.size(0) > 0) gram_ = gram_.slice(0, 1).slice(1, 1).contiguous();
   }
-  const size_t before = columns_.size();
-  try {
-    append(x);
-  } catch (...) {
-    if (columns_.size() > before) columns_.pop_back();
+  append_or_roll_back(x, rollback, [&] {
     if (dropped) columns_.push_front(std::move(*dropped));
-    gram_ = gram;
-    rhs_ = rhs;
-    length_ = length;
-    throw;
-  }
+  });
 }
 
 void AndersonHistory::replace_newest(const torch::Tensor& x) {
   TORCH_CHECK(size() > 0, "AndersonHistory: replace_newest on an empty history");
-  const torch::Tensor gram = gram_, rhs = rhs_;  // Note [A failed push]
+  const Rollback rollback{gram_, rhs_, length_};
   Column dropped = std::move(columns_.back());
   drop_newest_column();
+  append_or_roll_back(x, rollback, [&] { columns_.push_back(std::move(dropped)); });
+}
+
+template <class PutBackDropped>
+void AndersonHistory::append_or_roll_back(const torch::Tensor& x, const Rollback& rollback,
+                                          PutBackDropped put_back_dropped) {
   const size_t before = columns_.size();
   try {
     append(x);
   } catch (...) {
     if (columns_.size() > before) columns_.pop_back();
-    columns_.push_back(std::move(dropped));
-    gram_ = gram;
-    rhs_ = rhs;
+    put_back_dropped();
+    gram_ = rollback.gram;
+    rhs_ = rollback.rhs;
+    length_ = rollback.length;
     throw;
   }
 }

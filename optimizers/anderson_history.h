@@ -140,8 +140,18 @@ class TIDEPOOL_API AndersonHistory {
   using Column = std::vector<std::unique_ptr<StateBuffer>>;
 
  private:
+  // What push and replace_newest put back when storing fails (Note [A failed push]).
+  struct Rollback {
+    torch::Tensor gram, rhs;
+    int64_t length;
+  };
   void drop_newest_column();
   void append(const torch::Tensor& x);
+  // append(x); when it throws, removes what it added, calls put_back_dropped() and
+  // restores `rollback`, then rethrows.
+  template <class PutBackDropped>
+  void append_or_roll_back(const torch::Tensor& x, const Rollback& rollback,
+                           PutBackDropped put_back_dropped);
   void update_matrices(const torch::Tensor& newest);
   Column store(const torch::Tensor& x) const;
 

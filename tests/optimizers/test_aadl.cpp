@@ -194,29 +194,43 @@ TEST(AADL, ExtrapolationMatchesTheReferenceFormula) {
   EXPECT_FALSE(torch::allclose(p.detach(), xs.back()));
 }
 
-TEST(AADL, SafeguardRejectsAWorseExtrapolation) {
-  // A closure whose loss is lowest at the plain iterate: every candidate is rejected and
-  // the parameters stay on the inner optimizer's path.
-  auto p = torch::full({4}, 1.0, torch::kFloat64).set_requires_grad(true);
-  auto q = p.detach().clone().set_requires_grad(true);
-  AADL opt(sgd(p), AADLOptions().relaxation(1.0).history_depth(4));
-  auto plain = sgd(q);
-  for (int step = 0; step < 6; ++step) {
+// AADL over SGD on p beside a plain SGD on a copy q, stepped with closures whose loss is
+// zero at the newest stored iterate (the plain one) and positive anywhere else: the
+// safeguard rejects every candidate, so p stays on q's path.
+struct AADLBesidePlainSGD {
+  torch::Tensor p = torch::full({4}, 1.0, torch::kFloat64).set_requires_grad(true);
+  torch::Tensor q = p.detach().clone().set_requires_grad(true);
+  AADL opt{sgd(p), AADLOptions().relaxation(1.0).history_depth(4)};
+  std::shared_ptr<torch::optim::SGD> plain = sgd(q);
+  // The closure's call without gradients (a safeguard evaluation) that throws an out of
+  // memory error, counted from 1 in each step; 0: none.
+  int throwing_evaluation = 0;
+
+  // Steps the plain SGD with step `step`'s gradient and returns AADL's closure for it.
+  AADL::LossClosure closure_for(int step) {
     const torch::Tensor g = torch::cos(p.detach() * (step + 1));
-    opt.step([&] {
+    q.mutable_grad() = g.clone();
+    plain->step();
+    auto evaluations = std::make_shared<int>(0);
+    return [this, g, evaluations] {
       if (torch::GradMode::is_enabled()) {
         p.mutable_grad() = g.clone();
         return torch::zeros({}, torch::kFloat64);
       }
-      // Zero at the newest stored iterate (the plain one), positive anywhere else.
+      TORCH_CHECK(++*evaluations != throwing_evaluation, "out of memory");
       return (p.detach() - opt.history(0).newest()).pow(2).sum();
-    });
-    q.mutable_grad() = g.clone();
-    plain->step();
-    EXPECT_TRUE(torch::equal(p.detach(), q.detach())) << "step " << step;
+    };
   }
-  EXPECT_GT(opt.rejected(), 0);
-  EXPECT_EQ(opt.accepted(), 0);
+};
+
+TEST(AADL, SafeguardRejectsAWorseExtrapolation) {
+  AADLBesidePlainSGD run;
+  for (int step = 0; step < 6; ++step) {
+    run.opt.step(run.closure_for(step));
+    EXPECT_TRUE(torch::equal(run.p.detach(), run.q.detach())) << "step " << step;
+  }
+  EXPECT_GT(run.opt.rejected(), 0);
+  EXPECT_EQ(run.opt.accepted(), 0);
 }
 
 // A placement whose buffers refuse to be acquired while `failing` is set: a tiered store
@@ -279,34 +293,19 @@ TEST(AndersonHistory, AFailedPushOrReplaceLeavesTheHistoryAsItWas) {
 }
 
 TEST(AADL, AClosureThatThrowsInTheSafeguardLeavesThePlainIterate) {
-  auto p = torch::full({4}, 1.0, torch::kFloat64).set_requires_grad(true);
-  auto q = p.detach().clone().set_requires_grad(true);
-  AADL opt(sgd(p), AADLOptions().relaxation(1.0).history_depth(4));
-  auto plain = sgd(q);
-  bool throw_at_accelerated = false;
-  int calls_without_grad = 0;
+  AADLBesidePlainSGD run;
   for (int step = 0; step < 6; ++step) {
-    const torch::Tensor g = torch::cos(p.detach() * (step + 1));
-    calls_without_grad = 0;
-    const auto closure = [&] {
-      if (torch::GradMode::is_enabled()) {
-        p.mutable_grad() = g.clone();
-        return torch::zeros({}, torch::kFloat64);
-      }
-      // The safeguard's second call evaluates the accelerated iterate.
-      TORCH_CHECK(!(throw_at_accelerated && ++calls_without_grad == 2), "out of memory");
-      return (p.detach() - opt.history(0).newest()).pow(2).sum();
-    };
-    q.mutable_grad() = g.clone();
-    plain->step();
-    throw_at_accelerated = opt.history(0).size() >= 2;  // this step accelerates
-    if (throw_at_accelerated) {
-      expect_error_mentions([&] { opt.step(closure); }, "out of memory");
-      EXPECT_TRUE(torch::equal(p.detach(), q.detach())) << "step " << step;
+    const bool accelerates = run.opt.history(0).size() >= 2;
+    // The safeguard's second evaluation is the accelerated iterate's.
+    run.throwing_evaluation = accelerates ? 2 : 0;
+    const AADL::LossClosure closure = run.closure_for(step);
+    if (accelerates) {
+      expect_error_mentions([&] { run.opt.step(closure); }, "out of memory");
+      EXPECT_TRUE(torch::equal(run.p.detach(), run.q.detach())) << "step " << step;
       return;
     }
-    opt.step(closure);
-    EXPECT_TRUE(torch::equal(p.detach(), q.detach())) << "step " << step;
+    run.opt.step(closure);
+    EXPECT_TRUE(torch::equal(run.p.detach(), run.q.detach())) << "step " << step;
   }
   FAIL() << "no step accelerated";
 }
