@@ -7,14 +7,18 @@
 // The fault-injection counters for the reliability tests also live here.
 #include "allocator/backend.h"
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <cstdint>
+#include <iterator>
 #include <limits>
+#include <map>
 #include <mutex>
 #include <sstream>
 #include <string>
 #include <unordered_set>
+#include <vector>
 
 #include <unistd.h>
 
@@ -34,6 +38,14 @@ struct Backend::DeviceLimit {
   std::atomic<std::size_t> in_use{0};
   std::mutex handles_mutex;
   std::unordered_set<std::uint64_t> device_handles;
+};
+
+// Who may access the mapped ranges besides this device, and which ranges are mapped
+// (Note [Peer access to mapped ranges] in backend.h).
+struct Backend::PeerState {
+  std::mutex mutex;
+  std::vector<int> peers;                       // ascending
+  std::map<std::uintptr_t, std::size_t> mapped;  // start -> bytes, as passed to do_map
 };
 
 namespace {
@@ -72,7 +84,8 @@ Backend::Backend(BackendKind kind, int device, std::size_t granularity)
       device_(device),
       granularity_(granularity),
       faults_(std::make_shared<FaultState>()),
-      limit_(std::make_unique<DeviceLimit>()) {
+      limit_(std::make_unique<DeviceLimit>()),
+      peers_(std::make_unique<PeerState>()) {
   if (device < 0) fail("constructor", "device index " + std::to_string(device) + " is negative");
   if (granularity == 0 || (granularity & (granularity - 1)) != 0)
     fail("constructor", "granularity " + std::to_string(granularity) + " is not a power of two");
@@ -314,12 +327,89 @@ void Backend::map(void* va, std::size_t bytes, PhysicalHandle h) {
   require_granular("map", bytes, granularity_);
   if (!h) fail("map", "null physical handle");
   do_map(va, bytes, h);
+  const auto start = reinterpret_cast<std::uintptr_t>(va);
+  std::lock_guard lock(peers_->mutex);
+  try {
+    peers_->mapped.emplace(start, bytes);
+    if (!peers_->peers.empty()) do_grant_peer_access(va, bytes, peers_->peers);
+  } catch (...) {
+    // A mapping the peers cannot reach would fault on them later: map fails as a whole.
+    peers_->mapped.erase(start);
+    try {
+      do_unmap(va, bytes);
+    } catch (...) {  // the grant's error is the one to report
+    }
+    throw;
+  }
 }
 
 void Backend::unmap(void* va, std::size_t bytes) {
   require_granular_va("unmap", va, granularity_);
   require_granular("unmap", bytes, granularity_);
-  do_unmap(va, bytes);
+  const auto start = reinterpret_cast<std::uintptr_t>(va);
+  std::map<std::uintptr_t, std::size_t> forgotten;
+  {
+    std::lock_guard lock(peers_->mutex);
+    auto& mapped = peers_->mapped;
+    auto first = mapped.lower_bound(start);
+    auto last = first;
+    while (last != mapped.end() && last->first < start + bytes) ++last;
+    forgotten.insert(std::make_move_iterator(first), std::make_move_iterator(last));
+    mapped.erase(first, last);
+  }
+  try {
+    do_unmap(va, bytes);
+  } catch (...) {
+    std::lock_guard lock(peers_->mutex);
+    peers_->mapped.insert(forgotten.begin(), forgotten.end());
+    throw;
+  }
+}
+
+// --- peer access ----------------------------------------------------------------------
+
+void Backend::enable_peer_access(int peer) {
+  check_peer_access(kind_, device_, peer);
+  std::lock_guard lock(peers_->mutex);
+  auto& peers = peers_->peers;
+  auto at = std::lower_bound(peers.begin(), peers.end(), peer);
+  if (at != peers.end() && *at == peer) return;
+  const std::vector<int> just_this{peer};
+  for (const auto& [start, bytes] : peers_->mapped)
+    do_grant_peer_access(reinterpret_cast<void*>(start), bytes, just_this);
+  peers.insert(at, peer);
+}
+
+std::vector<int> Backend::peers() const {
+  std::lock_guard lock(peers_->mutex);
+  return peers_->peers;
+}
+
+bool Backend::peer_has_access(const void* addr, int peer) {
+  require_ptr("peer_has_access", addr, "addr");
+  if (peer < 0 || peer >= kMaxDevices)
+    fail("peer_has_access", "device " + std::to_string(peer) + " is not a device index (0.." +
+                                std::to_string(kMaxDevices - 1) + ")");
+  return do_peer_has_access(addr, peer);
+}
+
+void check_peer_access(BackendKind kind, int device, int peer) {
+  const char* op = "enable_peer_access";
+  const bool cuda = kind == BackendKind::cuda;
+  const int count = cuda ? std::min(cuda_device_count(), kMaxDevices) : kMaxDevices;
+  const auto exists = [&](int d) { return d >= 0 && d < count; };
+  const std::string devices =
+      std::string(" (the ") + (cuda ? "cuda" : "host") + " backend has " +
+      (count > 0 ? "devices 0.." + std::to_string(count - 1) : std::string("no devices")) + ")";
+  if (!exists(device)) fail(op, "device " + std::to_string(device) + " does not exist" + devices);
+  if (!exists(peer)) fail(op, "peer device " + std::to_string(peer) + " does not exist" + devices);
+  if (peer == device)
+    fail(op, "device " + std::to_string(device) +
+                 " cannot be its own peer (it always has access to its own memory)");
+  if (cuda && !cuda_can_access_peer(device, peer))
+    fail(op, "device " + std::to_string(peer) + " cannot access the memory of device " +
+                 std::to_string(device) +
+                 " (cuDeviceCanAccessPeer says no: no peer-to-peer path between these GPUs)");
 }
 
 }  // namespace tidepool

@@ -24,6 +24,27 @@
 // (`stream_synchronize`, or an event recorded after it). The null stream handle is the
 // backend's default stream, ordered like any other stream (no legacy implicit sync).
 //
+// Note [Peer access to mapped ranges]
+// A range mapped with map() is accessible from the backend's own device only: on cuda
+// cuMemSetAccess names who may touch a cuMemMap'd range, and cudaDeviceEnablePeerAccess
+// (which PyTorch calls before cross-device work) covers cudaMalloc memory, not these
+// ranges. Without more, a kernel on device B reading device A's expandable segment or
+// pointer-stable range faults. enable_peer_access(B) on A's backend is the missing grant
+// (PyTorch's allocator does the same in addPeerAccess). The shared half (backend.cpp)
+// keeps the peer set and the list of live mappings under one mutex, so one piece of code
+// decides who gets access; the implementations only grant one range (do_grant_peer_access):
+//   - map() records the range and grants it the current peers; enable_peer_access adds
+//     the peer and grants it every recorded range. Both do that under the mutex, so a
+//     map racing an enable is granted by one of them (perhaps both: granting is
+//     idempotent). A migration maps new backing through map(), so peers keep access;
+//   - unmap() forgets its ranges before unmapping, so an enable never grants a range
+//     being unmapped (they are recorded again if the unmap fails);
+//   - a grant that fails in map() unmaps the range again (map failed, as a whole); one
+//     that fails in enable_peer_access leaves the peer unrecorded (ranges granted before
+//     the failure keep the access the caller asked for; calling again retries all);
+//   - device_alloc memory is cudaMalloc memory: cudaDeviceEnablePeerAccess covers it.
+// Lock order: the peer mutex is taken before any lock of an implementation.
+//
 // Thread-safety: every method may be called from any thread concurrently.
 #pragma once
 
@@ -32,10 +53,15 @@
 #include <memory>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "allocator/export.h"
 
 namespace tidepool {
+
+// Device indices tidepool serves: 0..kMaxDevices-1 (the host backend emulates that many
+// devices; on cuda it is also capped by the devices present).
+inline constexpr int kMaxDevices = 16;
 
 // Opaque handles. On the cuda backend `Stream::handle` is a cudaStream_t and
 // `Event::handle` a cudaEvent_t; on the host backend they point at the backend's own
@@ -86,6 +112,7 @@ enum class FaultPoint : std::uint8_t {
   host_register,
   map,
   create_physical,
+  peer_access,  // granting a peer access to a mapped range
   count_  // number of points, not a point
 };
 
@@ -182,6 +209,20 @@ class TIDEPOOL_API Backend {
   // with cuMemUnmap). The physical handle stays valid; the range stays reserved.
   void unmap(void* va, std::size_t bytes);
 
+  // --- peer access to mapped ranges (Note [Peer access to mapped ranges]) -------------
+  // Device `peer` gets read/write access to every range this backend has mapped (device
+  // and host backing alike) and to every range it maps from now on, including the new
+  // backing a migration maps at the same address. Idempotent. A bad peer (negative, this
+  // backend's own device, one that does not exist, or one that cannot reach this device:
+  // check_peer_access) is a BackendError and changes nothing.
+  void enable_peer_access(int peer);
+  // The peers enabled so far, ascending.
+  std::vector<int> peers() const;
+  // Whether device `peer` may read and write the mapped memory at `addr` (this backend's
+  // own device always may). Pre: `addr` lies in a range mapped through map(); otherwise a
+  // BackendError. For tests and diagnostics: it asks the driver on cuda.
+  bool peer_has_access(const void* addr, int peer);
+
   // --- fault injection (host backend only) ------------------------------------------
   // The next `count` operations at `point` fail as the device would (out-of-memory for
   // allocations, BackendError otherwise). Ignored by the cuda backend.
@@ -221,6 +262,10 @@ class TIDEPOOL_API Backend {
   virtual void do_release_physical(PhysicalHandle h, std::size_t bytes) = 0;
   virtual void do_map(void* va, std::size_t bytes, PhysicalHandle h) = 0;
   virtual void do_unmap(void* va, std::size_t bytes) = 0;
+  // Grants each of `peers` (validated, never this device) access to [va, va+bytes),
+  // which is exactly one range passed to a successful do_map and not unmapped since.
+  virtual void do_grant_peer_access(void* va, std::size_t bytes, const std::vector<int>& peers) = 0;
+  virtual bool do_peer_has_access(const void* addr, int peer) = 0;
 
   // Claims `bytes` against the device limit; false (nothing claimed) when over it.
   bool claim_device_bytes(std::size_t bytes);
@@ -233,6 +278,8 @@ class TIDEPOOL_API Backend {
   std::shared_ptr<FaultState> faults_;
   struct DeviceLimit;
   std::unique_ptr<DeviceLimit> limit_;
+  struct PeerState;
+  std::unique_ptr<PeerState> peers_;
 };
 
 struct HostBackendOptions {
@@ -248,5 +295,13 @@ TIDEPOOL_API std::unique_ptr<Backend> make_cuda_backend(int device);
 // Number of CUDA devices usable now (0 without CUDA, a driver, or a GPU).
 TIDEPOOL_API int cuda_device_count();
 TIDEPOOL_API bool built_with_cuda();
+// cuDeviceCanAccessPeer: whether device `peer` can access device `device`'s memory
+// directly (false without CUDA or for devices that do not exist). Creates no context.
+TIDEPOOL_API bool cuda_can_access_peer(int device, int peer);
+// Throws BackendError unless device `peer` can be given access to device `device`'s
+// memory on a backend of `kind`: both in 0..kMaxDevices-1 (cuda: devices present),
+// different, and (cuda) cuDeviceCanAccessPeer says yes. Creates no backend, and on cuda
+// no context: the registry validates with it for devices not in use yet.
+TIDEPOOL_API void check_peer_access(BackendKind kind, int device, int peer);
 
 }  // namespace tidepool

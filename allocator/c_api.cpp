@@ -256,6 +256,13 @@ int tidepool_release_stream(int device, void* stream) {
   });
 }
 
+int tidepool_enable_peer_access(int device, int peer) {
+  return guarded(-1, [&] {
+    tidepool::enable_peer_access(device, peer);
+    return 0;
+  });
+}
+
 int tidepool_empty_cache_all(void) {
   return guarded(-1, [] {
     for (int d = 0; d < tidepool::kMaxDevices; ++d)

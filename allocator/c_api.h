@@ -95,6 +95,19 @@ TIDEPOOL_API int tidepool_empty_cache_all(void);
  * context). -1 for a bad device, the default (NULL) stream (never destroyed, so never
  * released) or a stream that cannot be synchronized (already destroyed). */
 TIDEPOOL_API int tidepool_release_stream(int device, void* stream);
+/* Gives device `peer` read and write access to the memory tidepool maps through CUDA
+ * virtual memory management for `device` (expandable segments, pointer-stable ranges of
+ * optimizer state, device- or host-backed): every range mapped now and every range mapped
+ * later, migrations included. Such ranges are accessible from their own device only, and
+ * cudaDeviceEnablePeerAccess does not change that (it covers cudaMalloc memory): without
+ * this call a kernel on `peer` reading them (e.g. a cross-device copy with a dtype change
+ * under P2P) faults. Call cudaDeviceEnablePeerAccess (with `peer` current) as well, for
+ * the rest of the device's memory; tidepool's c10 allocator does both in
+ * enablePeerAccess. A device tidepool has not allocated on yet gets no context: the peer
+ * is remembered for its mappings to come. Idempotent. 0, or -1 (tidepool_last_error)
+ * for a device or peer that does not exist, peer == device, or a peer that cannot access
+ * the device (cuDeviceCanAccessPeer); nothing changes then. */
+TIDEPOOL_API int tidepool_enable_peer_access(int device, int peer);
 /* Moves the small blocks every thread parked in its per-thread cache, on every device,
  * back to the shared pools (where any thread may reuse them); they stay cached memory.
  * tidepool_empty_cache does this itself before giving memory back. 0, or -1 on error. */

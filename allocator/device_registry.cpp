@@ -4,12 +4,15 @@
 
 #include <array>
 #include <atomic>
+#include <bitset>
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
+#include <utility>
 
 namespace tidepool {
 namespace {
@@ -18,6 +21,8 @@ struct Registry {
   std::mutex mutex;
   std::array<std::atomic<CachingAllocator*>, kMaxDevices> allocators{};
   std::optional<BackendKind> chosen;  // set by set_backend or resolved at first use
+  // enable_peer_access for devices without an allocator yet: granted at its creation.
+  std::array<std::bitset<kMaxDevices>, kMaxDevices> pending_peers{};
 };
 
 Registry& registry() {
@@ -101,9 +106,23 @@ CachingAllocator& device_allocator(int device) {
   std::lock_guard lock(r.mutex);
   const BackendKind kind = checked_kind_locked(r, device);
   if (CachingAllocator* a = r.allocators[device].load(std::memory_order_acquire)) return *a;
-  auto* a = new CachingAllocator(make_backend(kind, device));
+  std::unique_ptr<Backend> backend = make_backend(kind, device);
+  for (int peer = 0; peer < kMaxDevices; ++peer)
+    if (r.pending_peers[device].test(peer)) backend->enable_peer_access(peer);
+  auto* a = new CachingAllocator(std::move(backend));
   r.allocators[device].store(a, std::memory_order_release);
   return *a;
+}
+
+void enable_peer_access(int device, int peer) {
+  Registry& r = registry();
+  std::lock_guard lock(r.mutex);  // an allocator created meanwhile would miss the peer
+  check_peer_access(resolve(r), device, peer);
+  if (CachingAllocator* a = r.allocators[device].load(std::memory_order_acquire)) {
+    a->backend().enable_peer_access(peer);
+  } else {
+    r.pending_peers[device].set(peer);
+  }
 }
 
 void set_backend(std::string_view name) {

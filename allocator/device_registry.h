@@ -18,9 +18,6 @@
 
 namespace tidepool {
 
-// Largest device index the host backend accepts (it emulates devices 0..kMaxDevices-1).
-inline constexpr int kMaxDevices = 16;
-
 // Throws AllocatorUsageError for a device index that does not exist on the chosen
 // backend, BackendError when the backend cannot be created.
 TIDEPOOL_API CachingAllocator& device_allocator(int device);
@@ -29,6 +26,13 @@ TIDEPOOL_API CachingAllocator* existing_device_allocator(int device) noexcept;
 // Throws what device_allocator(device) throws for a device that does not exist, without
 // creating an allocator (on CUDA, a context on that device).
 TIDEPOOL_API void check_device(int device);
+// Device `peer` gets read/write access to the memory tidepool maps for `device` (its
+// expandable segments and pointer-stable ranges; Backend::enable_peer_access), now and
+// from now on. A device with no allocator yet gets no backend (on CUDA, no context) for
+// this: the peer is remembered and granted when its backend is created. Throws
+// BackendError for a device or peer that does not exist, the same device twice, or a
+// peer that cannot reach the device (check_peer_access); nothing changes then.
+TIDEPOOL_API void enable_peer_access(int device, int peer);
 // "cuda", "host" or "auto". Throws AllocatorUsageError for another name, and
 // std::logic_error once any device allocator exists.
 TIDEPOOL_API void set_backend(std::string_view name);

@@ -26,6 +26,7 @@
 
 #include <algorithm>
 #include <string>
+#include <vector>
 
 #include "allocator/backend.h"
 
@@ -39,7 +40,7 @@ constexpr std::size_t kMinGranularity = std::size_t{2} << 20;  // the seam promi
   X(cuDeviceGet) X(cuDeviceGetAttribute) X(cuGetErrorName) X(cuGetErrorString)           \
   X(cuMemGetAllocationGranularity) X(cuMemAddressReserve) X(cuMemAddressFree)             \
   X(cuMemCreate) X(cuMemRelease) X(cuMemMap) X(cuMemUnmap) X(cuMemSetAccess)              \
-  X(cuMemGetAllocationPropertiesFromHandle)
+  X(cuMemGetAllocationPropertiesFromHandle) X(cuMemGetAccess) X(cuDeviceCanAccessPeer)
 
 struct DriverApi {
 #define TIDEPOOL_DECLARE(name) decltype(&::name) name = nullptr;
@@ -379,6 +380,29 @@ class CudaBackend final : public Backend {
     check(driver().cuMemUnmap(to_cu(va), bytes), "cuMemUnmap");
   }
 
+  // --- peer access (Note [Peer access to mapped ranges] in backend.h) ---
+  void do_grant_peer_access(void* va, std::size_t bytes, const std::vector<int>& peers) override {
+    DeviceGuard guard(device(), ApiLevel::driver);
+    std::vector<CUmemAccessDesc> access(peers.size());
+    for (std::size_t i = 0; i < peers.size(); ++i) {
+      access[i].location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+      access[i].location.id = peers[i];
+      access[i].flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    }
+    check(driver().cuMemSetAccess(to_cu(va), bytes, access.data(), access.size()),
+          "cuMemSetAccess(peers)");
+  }
+  bool do_peer_has_access(const void* addr, int peer) override {
+    DeviceGuard guard(device(), ApiLevel::driver);
+    CUmemLocation location{};
+    location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    location.id = peer;
+    unsigned long long flags = 0;
+    check(driver().cuMemGetAccess(&flags, &location, reinterpret_cast<CUdeviceptr>(addr)),
+          "cuMemGetAccess");
+    return flags == CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  }
+
   const int host_numa_id_;
   const bool host_numa_supported_;
 };
@@ -403,5 +427,18 @@ int cuda_device_count() {
 }
 
 bool built_with_cuda() { return true; }
+
+bool cuda_can_access_peer(int device, int peer) {
+  const int count = cuda_device_count();
+  if (device < 0 || device >= count || peer < 0 || peer >= count) return false;
+  // Device handles and attributes only: no context is created on either device.
+  CUdevice owner = 0;
+  CUdevice accessor = 0;
+  check(device, driver().cuDeviceGet(&owner, device), "cuDeviceGet");
+  check(peer, driver().cuDeviceGet(&accessor, peer), "cuDeviceGet");
+  int can = 0;
+  check(device, driver().cuDeviceCanAccessPeer(&can, accessor, owner), "cuDeviceCanAccessPeer");
+  return can != 0;
+}
 
 }  // namespace tidepool

@@ -15,12 +15,16 @@
 //   - every handle and pointer is validated against the backend's own records, so a
 //     caller bug (double free, unknown handle, overlapping registration) is a
 //     BackendError instead of memory corruption;
-//   - fault injection (Backend::consume_fault) at device_alloc, copy, host_register, map
-//     and create_physical.
+//   - peer access is recorded per mapping (the devices it emulates are 0..kMaxDevices-1),
+//     so the grants of Note [Peer access to mapped ranges] can be checked: a new mapping
+//     starts with none, as on CUDA;
+//   - fault injection (Backend::consume_fault) at device_alloc, copy, host_register, map,
+//     create_physical and peer_access.
 //
 // Locks: handles_mutex_ (streams, events), memory_mutex_ (capacity, allocations),
 // pinned_mutex_ (registrations), vm_mutex_ (reservations, physicals, mappings). No two
-// are ever held at once, so there is no lock order to get wrong.
+// are ever held at once, so there is no lock order to get wrong (the seam's own peer
+// mutex, backend.cpp, is taken outside all of them).
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -79,7 +83,9 @@ struct PhysicalMemory {
 struct Mapping {
   std::size_t bytes = 0;
   std::uint64_t handle = 0;
+  std::uint64_t peer_mask = 0;  // bit d: device d was granted access
 };
+static_assert(kMaxDevices <= 64, "Mapping::peer_mask has a bit per device");
 
 class HostBackend final : public Backend {
  public:
@@ -126,6 +132,8 @@ class HostBackend final : public Backend {
   void do_release_physical(PhysicalHandle h, std::size_t bytes) override;
   void do_map(void* va, std::size_t bytes, PhysicalHandle h) override;
   void do_unmap(void* va, std::size_t bytes) override;
+  void do_grant_peer_access(void* va, std::size_t bytes, const std::vector<int>& peers) override;
+  bool do_peer_has_access(const void* addr, int peer) override;
 
   const std::size_t capacity_;
 
@@ -509,6 +517,27 @@ void HostBackend::do_unmap(void* va, std::size_t bytes) {
                      -1, 0);
   if (got == MAP_FAILED) fail("unmap", "mmap(PROT_NONE) failed: " + errno_text(errno));
   mappings_.erase(first, last);
+}
+
+// --- peer access ------------------------------------------------------------------------
+
+void HostBackend::do_grant_peer_access(void* va, std::size_t bytes, const std::vector<int>& peers) {
+  if (consume_fault(FaultPoint::peer_access))
+    fail("grant_peer_access", "injected fault: granting peer access to " + hex(va) + " failed");
+  std::lock_guard lock(vm_mutex_);
+  auto it = mappings_.find(reinterpret_cast<std::uintptr_t>(va));
+  if (it == mappings_.end() || it->second.bytes != bytes)
+    fail("grant_peer_access", hex(va) + " + " + std::to_string(bytes) + " is not a mapping");
+  for (const int peer : peers) it->second.peer_mask |= std::uint64_t{1} << peer;
+}
+
+bool HostBackend::do_peer_has_access(const void* addr, int peer) {
+  const auto at = reinterpret_cast<std::uintptr_t>(addr);
+  std::lock_guard lock(vm_mutex_);
+  auto it = mappings_.upper_bound(at);
+  if (it == mappings_.begin() || std::prev(it)->first + std::prev(it)->second.bytes <= at)
+    fail("peer_has_access", hex(addr) + " is not in a mapped range");
+  return peer == device() || (std::prev(it)->second.peer_mask >> peer & 1U) != 0;
 }
 
 }  // namespace

@@ -10,5 +10,6 @@ std::unique_ptr<Backend> make_cuda_backend(int device) {
 }
 int cuda_device_count() { return 0; }
 bool built_with_cuda() { return false; }
+bool cuda_can_access_peer(int, int) { return false; }
 
 }  // namespace tidepool

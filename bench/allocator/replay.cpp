@@ -212,6 +212,12 @@ class CountingBackend final : public tidepool::Backend {
   void do_unmap(void* va, std::size_t n) override {
     timed(unmap, [&] { inner_->unmap(va, n); });
   }
+  void do_grant_peer_access(void*, std::size_t, const std::vector<int>& peers) override {
+    for (const int peer : peers) inner_->enable_peer_access(peer);  // the inner maps are real
+  }
+  bool do_peer_has_access(const void* a, int peer) override {
+    return inner_->peer_has_access(a, peer);
+  }
 
   std::unique_ptr<tidepool::Backend> inner_;
   Counts counts_;

@@ -1,7 +1,7 @@
 // TorchCudaAllocator: LibTorch's CUDAPluggableAllocator over tidepool's PyTorch pair, with
 // cacheInfo, recordStream, emptyCache, the memory statistics (getDeviceStats and both
 // resets), the memory history and snapshot (memory_history.h), the profiler's memory
-// events and the memory fraction connected to tidepool (see torch_cuda_allocator.h for
+// events, the memory fraction and peer access connected to tidepool (see torch_cuda_allocator.h for
 // why each one matters), and its one-time installation.
 //
 // Note [pluggable allocator in LibTorch]
@@ -294,6 +294,18 @@ class TorchCudaAllocator final : public Pluggable {
     if (dst_device != src_device)
       return cudaMemcpyPeerAsync(dst, dst_device, src, src_device, count, stream);
     return Pluggable::memcpyAsync(dst, dst_device, src, src_device, count, stream, p2p_enabled);
+  }
+
+  // PyTorch enables P2P before a kernel on `dev` reads memory of `dev_to_access` (a
+  // cross-device copy with a dtype change or a non-contiguous source). The plain class
+  // calls cudaDeviceEnablePeerAccess, which does not reach ranges mapped through CUDA VMM
+  // (Note [Peer access to mapped ranges] in allocator/backend.h): tidepool's own grant
+  // follows, as c10's allocator follows it with addPeerAccess for expandable segments.
+  void enablePeerAccess(c10::DeviceIndex dev, c10::DeviceIndex dev_to_access) override {
+    Pluggable::enablePeerAccess(dev, dev_to_access);
+    TORCH_CHECK(tidepool_enable_peer_access(dev_to_access, dev) == 0,
+                "tidepool: enablePeerAccess(", static_cast<int>(dev), ", ",
+                static_cast<int>(dev_to_access), ") failed: ", tidepool_last_error());
   }
 
  private:

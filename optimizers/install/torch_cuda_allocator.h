@@ -45,10 +45,13 @@
 //                   -> not called (a warning once): registration is an optimisation.
 //   memcpyAsync     cudaMemcpyAsync across devices, which memory mapped through CUDA VMM
 //                   for its own device cannot rely on. -> cudaMemcpyPeerAsync across
-//                   devices. (enablePeerAccess still does not map tidepool's ranges for
-//                   the peer: kernels reading another device's tidepool memory directly,
-//                   e.g. a cross-device copy with a dtype change under P2P, are not
-//                   supported in global mode yet.)
+//                   devices.
+//   enablePeerAccess
+//                   cudaDeviceEnablePeerAccess alone leaves tidepool's VMM-mapped ranges
+//                   (expandable segments, optimizer state) to their own device: a kernel
+//                   on the peer reading them (a cross-device copy with a dtype change or
+//                   a non-contiguous source under P2P) faults. -> also
+//                   tidepool_enable_peer_access, for the ranges mapped now and later.
 //   GetAllocator(kCUDA)
 //                   c10's registry by device type (torch.accelerator's memory functions)
 //                   keeps c10's own allocator after changeCurrentAllocator. -> set too.

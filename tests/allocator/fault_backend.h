@@ -15,6 +15,7 @@
 #include <memory>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "allocator/backend.h"
 
@@ -128,6 +129,12 @@ class FaultBackend final : public Backend {
     gate(Op::unmap, "unmap");
     inner_->unmap(va, b);
   }
+  // The inner backend holds the real mappings (do_map maps there): it becomes the peers'
+  // too and grants its own ranges.
+  void do_grant_peer_access(void*, std::size_t, const std::vector<int>& peers) override {
+    for (const int peer : peers) inner_->enable_peer_access(peer);
+  }
+  bool do_peer_has_access(const void* a, int peer) override { return inner_->peer_has_access(a, peer); }
 
   std::unique_ptr<Backend> inner_;
   std::array<Plan, static_cast<std::size_t>(Op::count_)> plans_;

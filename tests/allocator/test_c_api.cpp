@@ -13,6 +13,7 @@
 #include <stdexcept>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "allocator/c_api.h"
 #include "allocator/device_registry.h"
@@ -493,6 +494,60 @@ TEST_F(CApi, ReleaseStreamOnADeviceWithoutAnAllocatorCreatesNone) {
   EXPECT_EQ(tidepool::existing_device_allocator(kUnused), nullptr);
   EXPECT_EQ(tidepool_release_stream(0, s.handle), 0) << tidepool_last_error();
   backend.destroy_stream(s);
+}
+
+// Note [Peer access to mapped ranges] through the C ABI: the caching allocator's
+// expandable segments are mapped ranges, and the peer reaches them.
+TEST_F(CApi, EnablePeerAccessGrantsTheDevicesMappedMemoryNowAndLater) {
+  constexpr int kDevice = 8;  // no other test in this binary uses it
+  constexpr std::size_t kBytes = 8 << 20;
+  void* before = tidepool_malloc(kBytes, kDevice, nullptr);
+  ASSERT_NE(before, nullptr) << tidepool_last_error();
+  tidepool::Backend& backend = tidepool::device_allocator(kDevice).backend();
+  EXPECT_FALSE(backend.peer_has_access(before, 1));
+  EXPECT_EQ(tidepool_enable_peer_access(kDevice, 1), 0) << tidepool_last_error();
+  EXPECT_TRUE(backend.peer_has_access(before, 1));
+  const std::uint64_t mappings = stats(kDevice).segments_acquired;
+  constexpr std::size_t kMore = 96 << 20;  // more than is backed: a new mapping
+  void* after = tidepool_malloc(kMore, kDevice, nullptr);
+  ASSERT_NE(after, nullptr) << tidepool_last_error();
+  ASSERT_GT(stats(kDevice).segments_acquired, mappings);
+  EXPECT_TRUE(backend.peer_has_access(after, 1));
+  EXPECT_TRUE(backend.peer_has_access(static_cast<char*>(after) + kMore - 1, 1));
+  EXPECT_FALSE(backend.peer_has_access(after, 3));
+  tidepool_free(before, kBytes, kDevice, nullptr);
+  tidepool_free(after, kMore, kDevice, nullptr);
+}
+
+TEST_F(CApi, EnablePeerAccessOnADeviceWithoutAnAllocatorCreatesNoneAndIsKept) {
+  constexpr int kDevice = 9;  // no other test in this binary uses it
+  ASSERT_EQ(tidepool::existing_device_allocator(kDevice), nullptr);
+  EXPECT_EQ(tidepool_enable_peer_access(kDevice, 3), 0) << tidepool_last_error();
+  EXPECT_EQ(tidepool::existing_device_allocator(kDevice), nullptr);
+  constexpr std::size_t kBytes = 8 << 20;
+  void* p = tidepool_malloc(kBytes, kDevice, nullptr);
+  ASSERT_NE(p, nullptr) << tidepool_last_error();
+  tidepool::Backend& backend = tidepool::device_allocator(kDevice).backend();
+  EXPECT_EQ(backend.peers(), std::vector<int>{3});
+  EXPECT_TRUE(backend.peer_has_access(p, 3));
+  tidepool_free(p, kBytes, kDevice, nullptr);
+}
+
+TEST_F(CApi, EnablePeerAccessRejectsBadDevicesAndChangesNothing) {
+  constexpr int kDevice = 10;  // no other test in this binary uses it
+  const auto fails_with = [](int status, const std::string& text) {
+    EXPECT_EQ(status, -1);
+    EXPECT_NE(std::string(tidepool_last_error()).find(text), std::string::npos)
+        << tidepool_last_error();
+  };
+  ::testing::internal::CaptureStderr();
+  fails_with(tidepool_enable_peer_access(kDevice, kDevice), "cannot be its own peer");
+  fails_with(tidepool_enable_peer_access(kDevice, -1), "peer device -1 does not exist");
+  fails_with(tidepool_enable_peer_access(kDevice, tidepool::kMaxDevices), "does not exist");
+  fails_with(tidepool_enable_peer_access(-1, 1), "device -1 does not exist");
+  ::testing::internal::GetCapturedStderr();
+  EXPECT_EQ(tidepool::existing_device_allocator(kDevice), nullptr);
+  EXPECT_TRUE(tidepool::device_allocator(kDevice).backend().peers().empty());
 }
 
 TEST_F(CApi, FlushThreadCachesEmptiesEveryThreadsCache) {

@@ -10,6 +10,7 @@
 
 #include <atomic>
 #include <string>
+#include <vector>
 
 #include "allocator/backend.h"
 
@@ -81,6 +82,14 @@ class FailingBackend final : public Backend {
   }
   void do_map(void* va, std::size_t b, PhysicalHandle h) override { gate("map"); inner_.map(va, b, h); }
   void do_unmap(void* va, std::size_t b) override { gate("unmap"); inner_.unmap(va, b); }
+  // The inner backend holds the real mappings: it becomes the peers' too.
+  void do_grant_peer_access(void*, std::size_t, const std::vector<int>& peers) override {
+    gate("grant_peer_access");
+    for (const int peer : peers) inner_.enable_peer_access(peer);
+  }
+  bool do_peer_has_access(const void* a, int peer) override {
+    return gate("peer_has_access"), inner_.peer_has_access(a, peer);
+  }
 
   Backend& inner_;
   std::atomic<long> remaining_{-1};

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import contextlib
 
-__all__ = ["region", "stats", "snapshot", "evict", "prefetch", "status", "config", "install",
-           "ConfigError", "LibraryError", "TidepoolInactiveWarning", "TidepoolFallbackWarning"]
+__all__ = ["region", "stats", "snapshot", "evict", "prefetch", "enable_peer_access", "status",
+           "config", "install", "ConfigError", "LibraryError", "TidepoolInactiveWarning", "TidepoolFallbackWarning"]
 __version__ = "0.1.0"
 
 
@@ -162,3 +162,18 @@ def prefetch(tag: str | int = "optimizer_state", device=None, stream=None) -> in
     from . import _tags, _tiering
     d = _device(device)
     return _tiering.prefetch_tag(d, _tags.tag_id(tag), _stream(d, stream))
+
+
+def enable_peer_access(device, peer) -> None:
+    """Lets CUDA device `peer` read and write the memory tidepool maps for `device`
+    (expandable segments and optimizer state, now and mapped later), which
+    cudaDeviceEnablePeerAccess alone does not: a kernel on `peer` reading it would fault.
+    Global mode does this in PyTorch's enablePeerAccess by itself; pool mode and the
+    LD_PRELOAD shim need this call before such kernels run. A device tidepool has not
+    used yet gets no CUDA context for it. Devices are ints, "cuda:N" or torch.device.
+    Raises RuntimeError for a device or peer that does not exist, peer == device, or a
+    peer that cannot access the device (no P2P between them)."""
+    from . import _lib
+    d, p = _device(device), _device(peer)
+    fn = _lib.function("tidepool_enable_peer_access", "peer access")
+    _lib.check(fn(d, p), f"enable_peer_access({d}, {p})")

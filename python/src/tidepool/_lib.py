@@ -142,6 +142,7 @@ _ALLOCATOR = {
     "tidepool_cache_info": (ctypes.c_int, [ctypes.c_int, ctypes.POINTER(ctypes.c_size_t)]),
     "tidepool_set_memory_fraction": (ctypes.c_int, [ctypes.c_double, ctypes.c_int]),
     "tidepool_get_memory_fraction": (ctypes.c_double, [ctypes.c_int]),
+    "tidepool_enable_peer_access": (ctypes.c_int, [ctypes.c_int, ctypes.c_int]),
     "tidepool_tag_id": (ctypes.c_int, [ctypes.c_char_p]),
     "tidepool_tag_name": (ctypes.c_char_p, [ctypes.c_int]),
     "tidepool_tag_push": (ctypes.c_int, [ctypes.c_int]),
