@@ -1,8 +1,9 @@
 // libtidepool_preload.so: LD_PRELOAD=libtidepool_preload.so routes any program's
-// cudaMalloc/cudaFree through tidepool, with no code change and no Python.
+// cudaMalloc/cudaFree and cudaMallocAsync/cudaFreeAsync through tidepool, with no code
+// change and no Python.
 //
 // How it works:
-//   - It defines cudaMalloc and cudaFree. Preloaded, these definitions come first in
+//   - It defines those four functions. Preloaded, these definitions come first in
 //     the global symbol scope, so every dynamically linked caller (PyPI torch links
 //     libcudart dynamically) reaches them instead of libcudart's.
 //   - Note [two once-flags]: the real libcudart's functions (the forwarding target) are
@@ -29,9 +30,34 @@
 //     pointer with its size and device, because cudaFree gives neither. cudaFree of a
 //     remembered pointer synchronises the device first (cudaFree's own contract, which
 //     callers rely on) and → tidepool_free; any other pointer goes to the real cudaFree.
-//   - Errors keep CUDA's meaning: cudaErrorMemoryAllocation only for out-of-memory
-//     (tidepool_last_error_is_out_of_memory), cudaErrorInvalidValue for any other
-//     failure of tidepool_malloc or tidepool_free (tidepool prints those itself).
+//   - Note [stream-ordered calls]: cudaMallocAsync → tidepool_malloc on the stream's
+//     device (cudaStreamGetDevice) and on that stream, so the memory counts in tidepool's
+//     budget and stats; cudaFreeAsync of a remembered pointer (from either malloc: CUDA
+//     lets cudaFreeAsync free cudaMalloc's memory, and cudaFree free cudaMallocAsync's)
+//     → tidepool_free on the given stream without synchronising: tidepool's stream
+//     contract (caching_allocator.h) holds the block back until that stream passes the
+//     free (a cudaFree frees on the NULL stream, after its synchronisation). Any other
+//     pointer goes to the real cudaFreeAsync, so no tidepool pointer reaches the runtime
+//     through either free. Also forwarded unchanged:
+//     cudaMallocAsync of 0 bytes (the runtime's answer), on a stream being captured
+//     into a graph (the graph owns such an allocation, and its cudaFreeAsync is a free
+//     node: tidepool must not hand the memory out at capture time), and
+//     cudaMallocFromPoolAsync, which the shim does not define (its memory is the
+//     caller's pool's). Not covered yet: cudaStreamDestroy is not interposed, so a
+//     stream the program destroys is not released in tidepool (tidepool_release_stream,
+//     Note [Released streams]): tidepool keeps its pools and may later record an event
+//     on the dead handle when another stream reuses memory freed on it.
+//   - Errors keep CUDA's meaning: cudaErrorMemoryAllocation for out-of-memory
+//     (tidepool_last_error_is_out_of_memory) and for a size above tidepool's limit
+//     (Note [sizes beyond any device]), cudaErrorInvalidValue for any other failure of
+//     tidepool_malloc or tidepool_free (tidepool prints those itself).
+//   - Note [sizes beyond any device]: tidepool_malloc rejects a size above 2^50
+//     (kMaxRequest) as a bad request, not an out-of-memory, because for its callers
+//     such a size is a bug (a negative size cast). The runtime has no such rule: it
+//     answers cudaErrorMemoryAllocation for any size it cannot satisfy, and a program
+//     under the shim must see the code it sees without it. The shim answers those sizes
+//     itself, with the runtime's code and a message, before tidepool (and before the
+//     cast to tidepool_malloc's ssize_t, which would make sizes above 2^63 negative).
 //   - Note [re-entrancy]: libtidepool's cuda backend itself calls cudaMalloc/cudaFree,
 //     which resolve to this shim too. A thread-local flag marks "inside tidepool"; calls
 //     made then go straight to the real libcudart. Every scope that sets it restores the
@@ -66,6 +92,8 @@
 #include <unordered_map>
 #include <vector>
 
+#include "allocator/size_classes.h"
+
 #define TIDEPOOL_PRELOAD_EXPORT __attribute__((visibility("default")))
 
 namespace {
@@ -91,6 +119,11 @@ struct RealCudart {
   cudaError_t (*set_device)(int) = nullptr;
   cudaError_t (*device_synchronize)() = nullptr;
   cudaError_t (*runtime_get_version)(int*) = nullptr;
+  // Note [stream-ordered calls]; bound apart (see resolve_cudart): older runtimes lack them.
+  cudaError_t (*malloc_async)(void**, size_t, cudaStream_t) = nullptr;
+  cudaError_t (*free_async)(void*, cudaStream_t) = nullptr;
+  cudaError_t (*stream_get_device)(cudaStream_t, int*) = nullptr;
+  cudaError_t (*stream_is_capturing)(cudaStream_t, cudaStreamCaptureStatus*) = nullptr;
 };
 
 struct TidepoolAbi {
@@ -274,6 +307,14 @@ void resolve_cudart() {
     say("libcudart lacks (tidepool is off):", missing);
     return;
   }
+  // The stream-ordered calls exist from CUDA 11.2 (cudaStreamGetDevice from 12.8): a
+  // runtime of another major may lack them (the program then never calls them), one of
+  // tidepool's major has them all.
+  std::string missing_stream_ordered;
+  bind(cudart, "cudaMallocAsync", s.cuda.malloc_async, missing_stream_ordered);
+  bind(cudart, "cudaFreeAsync", s.cuda.free_async, missing_stream_ordered);
+  bind(cudart, "cudaStreamGetDevice", s.cuda.stream_get_device, missing_stream_ordered);
+  bind(cudart, "cudaStreamIsCapturing", s.cuda.stream_is_capturing, missing_stream_ordered);
   int version = 0;
   if (const cudaError_t e = s.cuda.runtime_get_version(&version); e != cudaSuccess) {
     say("cudaRuntimeGetVersion failed; tidepool is off: error ", std::to_string(e));
@@ -288,9 +329,14 @@ void resolve_cudart() {
                   " is version " + std::to_string(version / 1000) + "." +
                   std::to_string(version % 1000 / 10) + ", but tidepool was built for CUDA " +
                   std::to_string(kCudaMajor) +
-                  "; tidepool is off: every cudaMalloc/cudaFree goes to that runtime "
-                  "unchanged, and the allocator variables are not claimed");
+                  "; tidepool is off: every cudaMalloc/cudaFree (and cudaMallocAsync/"
+                  "cudaFreeAsync) goes to that runtime unchanged, and the allocator "
+                  "variables are not claimed");
     }
+    return;
+  }
+  if (!missing_stream_ordered.empty()) {
+    say("libcudart lacks (tidepool is off):", missing_stream_ordered);
     return;
   }
   s.serve = true;
@@ -366,60 +412,51 @@ bool environment_names_tidepool() {
 }
 
 // Before main when the variables name tidepool: PyTorch must find them rewritten.
-// Otherwise nothing is loaded until the first cudaMalloc, so the many processes that
-// inherit LD_PRELOAD and never touch CUDA (shells, compilers) pay nothing.
+// Otherwise nothing is loaded until the first allocation (or free of a non-NULL pointer),
+// so the many processes that inherit LD_PRELOAD and never touch CUDA (shells, compilers)
+// pay nothing.
 __attribute__((constructor)) void preload_start() {
   if (environment_names_tidepool()) ready();
 }
 
-// The real cudaMalloc, for calls tidepool does not serve (its own, or all of them when
-// it is off). Resolves the target first: the call may be the process's first.
-cudaError_t forward_malloc(void** ptr, size_t size) {
+// The real runtime's function `fn`, for calls tidepool does not serve (its own, pointers
+// it does not own, or all of them when it is off). Resolves the target first: the call
+// may be the process's first (cudaFree(NULL) before tidepool is set up, Note [two
+// once-flags]).
+template <typename Fn, typename... Args>
+cudaError_t forward(Fn RealCudart::*fn, Args... args) {
   Shim& s = shim();
   resolve_cudart_once();
-  if (s.cuda.malloc == nullptr) return cudaErrorInitializationError;
+  const Fn real = s.cuda.*fn;
+  if (real == nullptr) return cudaErrorInitializationError;
   InsideTidepool inside;
-  return s.cuda.malloc(ptr, size);
+  return real(args...);
 }
 
-// The real cudaFree for pointers the shim does not own, NULL included (and before tidepool
-// is set up: cudaFree(NULL) is the classic first call, Note [two once-flags]).
-cudaError_t forward_free(void* ptr) {
+// Serves an allocation through tidepool on `device` and `stream` (cudaMalloc: the NULL
+// stream). `call` names the CUDA function in messages.
+cudaError_t serve_malloc(const char* call, void** dev_ptr, size_t size, int device,
+                         cudaStream_t stream) {
   Shim& s = shim();
-  resolve_cudart_once();
-  if (s.cuda.free == nullptr) return cudaErrorInitializationError;
-  InsideTidepool inside;
-  return s.cuda.free(ptr);
-}
-
-}  // namespace
-
-extern "C" {
-
-TIDEPOOL_PRELOAD_EXPORT cudaError_t cudaMalloc(void** dev_ptr, size_t size) {
-  if (dev_ptr == nullptr) return cudaErrorInvalidValue;
-  Shim& s = shim();
-  if (t_inside_tidepool || !ready()) return forward_malloc(dev_ptr, size);
-  if (size == 0) {
-    *dev_ptr = nullptr;
-    return cudaSuccess;
+  *dev_ptr = nullptr;
+  if (size > tidepool::kMaxRequest) {  // Note [sizes beyond any device]
+    if (!s.quiet) {
+      say(call, std::string(": ") + std::to_string(size) +
+                    " bytes is more than any device holds (tidepool's limit is 2^50 bytes)");
+    }
+    return cudaErrorMemoryAllocation;
   }
-  int device = 0;
-  if (const cudaError_t e = s.cuda.get_device(&device); e != cudaSuccess) return e;
   void* ptr = nullptr;
   {
     InsideTidepool inside;
-    ptr = s.tp.malloc(static_cast<ssize_t>(size), device, nullptr);
+    ptr = s.tp.malloc(static_cast<ssize_t>(size), device, stream);
   }
   if (ptr == nullptr) {
-    *dev_ptr = nullptr;
     // Only a real out-of-memory is cudaErrorMemoryAllocation: callers free caches and
-    // retry on it, which would hide a bad request. Anything else (a size tidepool finds
-    // implausible, above 2^50 or a negative one cast, where CUDA would answer
-    // cudaErrorMemoryAllocation; a device it cannot serve) is a bad request, whose
-    // message libtidepool has already printed.
+    // retry on it, which would hide a bad request. Anything else (a device tidepool
+    // cannot serve) is a bad request, whose message libtidepool has already printed.
     if (s.tp.last_error_is_out_of_memory() == 0) return cudaErrorInvalidValue;
-    if (!s.quiet) say("cudaMalloc: ", s.tp.last_error());
+    if (!s.quiet) say(call, std::string(": ") + s.tp.last_error());
     return cudaErrorMemoryAllocation;
   }
   {
@@ -430,33 +467,91 @@ TIDEPOOL_PRELOAD_EXPORT cudaError_t cudaMalloc(void** dev_ptr, size_t size) {
   return cudaSuccess;
 }
 
+// Removes `ptr` from the shim's table; false when the shim did not hand it out.
+bool take_owned(void* ptr, Allocation& out) {
+  Shim& s = shim();
+  std::lock_guard lock(s.mutex);
+  const auto it = s.owned.find(ptr);
+  if (it == s.owned.end()) return false;
+  out = it->second;
+  s.owned.erase(it);
+  return true;
+}
+
+// Gives a pointer the shim handed out back to tidepool, freed on `stream`.
+cudaError_t serve_free(void* ptr, const Allocation& a, cudaStream_t stream) {
+  Shim& s = shim();
+  InsideTidepool inside;
+  // tidepool_free returns nothing: a failure (tidepool no longer owns the pointer, freed
+  // behind the shim's back) shows only in the thread's last error, which libtidepool
+  // has also printed.
+  s.tp.clear_error();
+  s.tp.free(ptr, a.size, a.device, stream);
+  return *s.tp.last_error() == '\0' ? cudaSuccess : cudaErrorInvalidValue;
+}
+
+}  // namespace
+
+extern "C" {
+
+TIDEPOOL_PRELOAD_EXPORT cudaError_t cudaMalloc(void** dev_ptr, size_t size) {
+  if (dev_ptr == nullptr) return cudaErrorInvalidValue;
+  Shim& s = shim();
+  if (t_inside_tidepool || !ready()) return forward(&RealCudart::malloc, dev_ptr, size);
+  if (size == 0) {
+    *dev_ptr = nullptr;
+    return cudaSuccess;
+  }
+  int device = 0;
+  if (const cudaError_t e = s.cuda.get_device(&device); e != cudaSuccess) return e;
+  return serve_malloc("cudaMalloc", dev_ptr, size, device, nullptr);
+}
+
 TIDEPOOL_PRELOAD_EXPORT cudaError_t cudaFree(void* dev_ptr) {
   Shim& s = shim();
   // cudaFree(nullptr) is the classic "initialise the context" call: always CUDA's, and it
-  // does not set tidepool up (forward_free resolves the real cudaFree itself).
-  if (dev_ptr == nullptr || t_inside_tidepool || !ready()) return forward_free(dev_ptr);
-  Allocation a{};
-  {
-    std::lock_guard lock(s.mutex);
-    const auto it = s.owned.find(dev_ptr);
-    if (it == s.owned.end()) return forward_free(dev_ptr);
-    a = it->second;
-    s.owned.erase(it);
+  // does not set tidepool up (forward resolves the real cudaFree itself).
+  if (dev_ptr == nullptr || t_inside_tidepool || !ready()) {
+    return forward(&RealCudart::free, dev_ptr);
   }
+  Allocation a{};
+  if (!take_owned(dev_ptr, a)) return forward(&RealCudart::free, dev_ptr);
   // cudaFree waits for the device; callers free memory kernels just used on that promise.
   int current = a.device;
   s.cuda.get_device(&current);
   if (current != a.device) s.cuda.set_device(a.device);
   const cudaError_t synced = s.cuda.device_synchronize();
   if (current != a.device) s.cuda.set_device(current);
-  InsideTidepool inside;
-  // tidepool_free returns nothing: a failure (tidepool no longer owns the pointer, freed
-  // behind the shim's back) shows only in the thread's last error, which libtidepool
-  // has also printed.
-  s.tp.clear_error();
-  s.tp.free(dev_ptr, a.size, a.device, nullptr);
-  if (synced != cudaSuccess) return synced;
-  return *s.tp.last_error() == '\0' ? cudaSuccess : cudaErrorInvalidValue;
+  const cudaError_t freed = serve_free(dev_ptr, a, nullptr);
+  return synced != cudaSuccess ? synced : freed;
+}
+
+// Note [stream-ordered calls].
+TIDEPOOL_PRELOAD_EXPORT cudaError_t cudaMallocAsync(void** dev_ptr, size_t size,
+                                                    cudaStream_t stream) {
+  if (dev_ptr == nullptr) return cudaErrorInvalidValue;
+  Shim& s = shim();
+  if (t_inside_tidepool || size == 0 || !ready()) {
+    return forward(&RealCudart::malloc_async, dev_ptr, size, stream);
+  }
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  if (const cudaError_t e = s.cuda.stream_is_capturing(stream, &capture); e != cudaSuccess) {
+    return e;
+  }
+  if (capture != cudaStreamCaptureStatusNone) {
+    return forward(&RealCudart::malloc_async, dev_ptr, size, stream);
+  }
+  int device = 0;
+  if (const cudaError_t e = s.cuda.stream_get_device(stream, &device); e != cudaSuccess) return e;
+  return serve_malloc("cudaMallocAsync", dev_ptr, size, device, stream);
+}
+
+TIDEPOOL_PRELOAD_EXPORT cudaError_t cudaFreeAsync(void* dev_ptr, cudaStream_t stream) {
+  Allocation a{};
+  if (dev_ptr == nullptr || t_inside_tidepool || !ready() || !take_owned(dev_ptr, a)) {
+    return forward(&RealCudart::free_async, dev_ptr, stream);
+  }
+  return serve_free(dev_ptr, a, stream);
 }
 
 }  // extern "C"

@@ -63,10 +63,11 @@ def clean_env(**variables: str) -> dict:
 @pytest.fixture
 def run_python(site_dir):
     """Runs `code` in a fresh interpreter that processes the .pth at start-up, as site
-    does for site-packages. Returns the CompletedProcess (text)."""
+    does for site-packages. Returns the CompletedProcess (text); raises
+    subprocess.TimeoutExpired after `timeout` seconds."""
 
     def run(code: str, *, check: bool = True, preload: str | None = None, hook_first: bool = True,
-            **variables):
+            timeout: float = 120, **variables):
         # SITE_DIR lets a test process the .pth itself, later (hook_first=False).
         prologue = f"import site; SITE_DIR = {str(site_dir)!r}\n"
         if hook_first:
@@ -75,7 +76,7 @@ def run_python(site_dir):
         if preload:
             env["LD_PRELOAD"] = preload
         result = subprocess.run([sys.executable, "-c", prologue + textwrap.dedent(code)],
-                                env=env, capture_output=True, text=True, timeout=120)
+                                env=env, capture_output=True, text=True, timeout=timeout)
         if check and result.returncode != 0:
             raise AssertionError(f"subprocess failed ({result.returncode}):\n"
                                  f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}")

@@ -1,6 +1,7 @@
 /* A stand-in for the libcudart functions the LD_PRELOAD shim calls, so that the shim's
- * routing (cudaMalloc -> tidepool, cudaFree of its own pointers -> tidepool, of anything
- * else -> the real cudaFree) is tested on a machine without a GPU. The shim is pointed at
+ * routing (cudaMalloc/cudaMallocAsync -> tidepool, cudaFree/cudaFreeAsync of its own
+ * pointers -> tidepool, of anything else -> the real function) is tested on a machine
+ * without a GPU. The shim is pointed at
  * it with TIDEPOOL_CUDART (or finds it in the global scope when the test loads it
  * RTLD_GLOBAL first); the counters let the test see which calls reached "CUDA".
  * "Device memory" here is plain malloc.
@@ -10,11 +11,16 @@
  *   FAKE_CUDART_VERSION  what cudaRuntimeGetVersion answers (default: the major of the
  *                        toolkit the tests were built with, FAKE_CUDART_DEFAULT_VERSION);
  *   FAKE_CUDART_DEVICE   what cudaGetDevice answers (default 0);
+ *   FAKE_CUDART_STREAM_DEVICE  what cudaStreamGetDevice answers, for any stream (default:
+ *                        FAKE_CUDART_DEVICE's answer, the current device);
+ *   FAKE_CUDART_CAPTURING  when set, cudaStreamIsCapturing says every stream is being
+ *                        captured into a graph;
  *   FAKE_CUDART_NEST     when set, a cudaFree of a non-NULL pointer makes, before freeing,
  *                        the nested calls a runtime (or tidepool's cuda backend) may make
- *                        while the shim forwards to it: cudaFree(NULL), then cudaMalloc,
- *                        both through the process's symbols (the shim's). Whether that
- *                        cudaMalloc reached this library is in fake_cudart_nested_forwarded. */
+ *                        while the shim forwards to it: cudaFree(NULL), then cudaMalloc and
+ *                        cudaMallocAsync, all through the process's symbols (the shim's).
+ *                        Whether the two allocations reached this library is in
+ *                        fake_cudart_nested_forwarded and fake_cudart_nested_async_forwarded. */
 #define _GNU_SOURCE
 #include <dlfcn.h>
 #include <stdlib.h>
@@ -25,8 +31,11 @@
 
 int fake_cudart_malloc_calls = 0;
 int fake_cudart_free_calls = 0;
+int fake_cudart_malloc_async_calls = 0;
+int fake_cudart_free_async_calls = 0;
 int fake_cudart_synchronize_calls = 0;
 int fake_cudart_nested_forwarded = -1; /* -1: no nested call made yet */
+int fake_cudart_nested_async_forwarded = -1;
 
 static int env_int(const char* name, int fallback) {
   const char* value = getenv(name);
@@ -46,17 +55,50 @@ int cudaFree(void* ptr) {
     int (*process_free)(void*) = (int (*)(void*))dlsym(RTLD_DEFAULT, "cudaFree");
     int (*process_malloc)(void**, size_t) =
         (int (*)(void**, size_t))dlsym(RTLD_DEFAULT, "cudaMalloc");
+    int (*process_malloc_async)(void**, size_t, void*) =
+        (int (*)(void**, size_t, void*))dlsym(RTLD_DEFAULT, "cudaMallocAsync");
     ++depth;
     process_free(NULL);
     const int before = fake_cudart_malloc_calls;
     void* nested = NULL;
     process_malloc(&nested, 64);
     fake_cudart_nested_forwarded = fake_cudart_malloc_calls - before;
+    const int before_async = fake_cudart_malloc_async_calls;
+    void* nested_async = NULL;
+    process_malloc_async(&nested_async, 64, NULL);
+    fake_cudart_nested_async_forwarded = fake_cudart_malloc_async_calls - before_async;
     --depth;
     /* Memory from this library goes back here; tidepool's (the bug) is left to exit. */
     if (fake_cudart_nested_forwarded == 1) free(nested);
+    if (fake_cudart_nested_async_forwarded == 1) free(nested_async);
   }
   free(ptr);
+  return 0;
+}
+
+int cudaMallocAsync(void** ptr, size_t size, void* stream) {
+  (void)stream;
+  ++fake_cudart_malloc_async_calls;
+  *ptr = malloc(size);
+  return *ptr || size == 0 ? 0 : 2; /* cudaErrorMemoryAllocation */
+}
+
+int cudaFreeAsync(void* ptr, void* stream) {
+  (void)stream;
+  ++fake_cudart_free_async_calls;
+  free(ptr);
+  return 0;
+}
+
+int cudaStreamGetDevice(void* stream, int* device) {
+  (void)stream;
+  *device = env_int("FAKE_CUDART_STREAM_DEVICE", env_int("FAKE_CUDART_DEVICE", 0));
+  return 0;
+}
+
+int cudaStreamIsCapturing(void* stream, int* status) {
+  (void)stream;
+  *status = getenv("FAKE_CUDART_CAPTURING") != NULL; /* cudaStreamCaptureStatusActive */
   return 0;
 }
 

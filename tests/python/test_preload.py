@@ -108,11 +108,11 @@ def test_cuda_malloc_and_free_are_routed_through_tidepool(run_python, variables)
     }
 
 
-# The checks below run in a fresh interpreter with the shim preloaded and the fake libcudart
-# as "CUDA"; each prints one JSON line. PRELUDE binds the process's cudaMalloc/cudaFree (the
-# shim's) and the fake's counters. The fake is found through TIDEPOOL_CUDART unless a test
-# loads it into the global scope itself (FAKE_GLOBAL=1), as a program linked against its
-# runtime has it.
+# The checks below run in a fresh interpreter with the shim preloaded and the fake
+# libcudart as "CUDA"; each prints one JSON line. PRELUDE binds the process's
+# cudaMalloc/cudaFree and cudaMallocAsync/cudaFreeAsync (the shim's) and the fake's
+# counters. The fake is found through TIDEPOOL_CUDART unless a test loads it into the
+# global scope itself (FAKE_GLOBAL=1), as a program linked against its runtime has it.
 PRELUDE = """
 import ctypes, json, os
 c_void_p, byref = ctypes.c_void_p, ctypes.byref
@@ -121,19 +121,23 @@ fake = ctypes.CDLL(fake_path, mode=ctypes.RTLD_GLOBAL if os.environ.get("FAKE_GL
 process = ctypes.CDLL(None)
 process.cudaMalloc.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 process.cudaFree.argtypes = [ctypes.c_void_p]
+process.cudaMallocAsync.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+process.cudaFreeAsync.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+fake.cudaMallocAsync.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
 counter = lambda name: ctypes.c_int.in_dll(fake, name).value
 out = {}
 """
 
 
-def run_with_fake(run_python, code, *, global_scope=False, **variables):
+def run_with_fake(run_python, code, *, global_scope=False, timeout=120, **variables):
     import json
     env = {"FAKE_CUDART_PATH": FAKE_CUDART, **variables}
     if global_scope:
         env["FAKE_GLOBAL"] = "1"
     else:
         env["TIDEPOOL_CUDART"] = FAKE_CUDART
-    result = run_python(PRELUDE + code + "\nprint(json.dumps(out))\n", preload=PRELOAD, **env)
+    result = run_python(PRELUDE + code + "\nprint(json.dumps(out))\n", preload=PRELOAD,
+                        timeout=timeout, **env)
     return json.loads(result.stdout.strip().splitlines()[-1]), result.stderr
 
 
@@ -165,7 +169,15 @@ out["cuda_mallocs"] = counter("fake_cudart_malloc_calls")
 out["free_rc"] = process.cudaFree(p)
 out["cuda_frees"] = counter("fake_cudart_free_calls")
 out["synchronizes"] = counter("fake_cudart_synchronize_calls")
+out["malloc_async_rc"] = process.cudaMallocAsync(byref(p), 4096, None)
+out["cuda_malloc_asyncs"] = counter("fake_cudart_malloc_async_calls")
+out["free_async_rc"] = process.cudaFreeAsync(p, None)
+out["cuda_free_asyncs"] = counter("fake_cudart_free_async_calls")
 """
+
+FORWARDED_ALL = {"malloc_rc": 0, "malloc_rc_2": 0, "cuda_mallocs": 2, "free_rc": 0,
+                 "cuda_frees": 1, "synchronizes": 0, "malloc_async_rc": 0,
+                 "cuda_malloc_asyncs": 1, "free_async_rc": 0, "cuda_free_asyncs": 1}
 
 
 @needs_fake
@@ -175,18 +187,18 @@ def test_another_cuda_major_is_forwarded_untouched(run_python, global_scope):
     # out of it, every call reaches the program's runtime, and the shim says so once.
     out, stderr = run_with_fake(run_python, FORWARD_ALL, global_scope=global_scope,
                                 FAKE_CUDART_VERSION="12080", TIDEPOOL_BACKEND="host")
-    assert out == {"malloc_rc": 0, "malloc_rc_2": 0, "cuda_mallocs": 2, "free_rc": 0,
-                   "cuda_frees": 1, "synchronizes": 0}
+    assert out == FORWARDED_ALL
     assert stderr.count("tidepool preload:") == 1
     assert "is version 12.8, but tidepool was built for CUDA" in stderr
-    assert "tidepool is off: every cudaMalloc/cudaFree goes to that runtime unchanged" in stderr
+    assert ("tidepool is off: every cudaMalloc/cudaFree (and cudaMallocAsync/cudaFreeAsync) goes "
+            "to that runtime unchanged") in stderr
 
 
 @needs_fake
 def test_another_cuda_major_is_quiet_under_log_off(run_python):
     out, stderr = run_with_fake(run_python, FORWARD_ALL, FAKE_CUDART_VERSION="12080",
                                 PYTORCH_CUDA_ALLOC_CONF="tidepool.log:off")
-    assert out["cuda_mallocs"] == 2
+    assert out == FORWARDED_ALL
     assert stderr == ""
 
 
@@ -219,9 +231,13 @@ def test_error_codes_keep_their_cuda_meaning(run_python):
 p = c_void_p(1)
 out["too_big_rc"] = process.cudaMalloc(byref(p), 1 << 45)   # more than the host backend's 8 GiB
 out["too_big_ptr"] = p.value
-# Sizes tidepool calls implausible (above 2^50, or a negative one cast): a bad request.
-out["implausible_rc"] = process.cudaMalloc(byref(p), 1 << 62)
+# Sizes above tidepool's limit (2^50), a negative one cast among them: the runtime's
+# answer for a request it cannot satisfy (Note [sizes beyond any device]).
+p = c_void_p(1)
+out["beyond_limit_rc"] = process.cudaMalloc(byref(p), (1 << 50) + 1)
+out["beyond_limit_ptr"] = p.value
 out["negative_rc"] = process.cudaMalloc(byref(p), (1 << 64) - 1)
+out["beyond_limit_async_rc"] = process.cudaMallocAsync(byref(p), 1 << 62, None)
 # A pointer tidepool no longer owns (freed behind the shim's back): an invalid free.
 out["malloc_rc"] = process.cudaMalloc(byref(p), 4096)
 # The copy the shim loaded (only now: loaded first, its libcudart would be "CUDA").
@@ -234,19 +250,123 @@ os.environ["FAKE_CUDART_DEVICE"] = "4096"
 out["bad_device_rc"] = process.cudaMalloc(byref(p), 4096)
 """, TIDEPOOL_BACKEND="host")
     assert out == {"too_big_rc": 2, "too_big_ptr": None,  # cudaErrorMemoryAllocation
-                   "implausible_rc": 1, "negative_rc": 1, "malloc_rc": 0,  # cudaErrorInvalidValue
-                   "stale_free_rc": 1, "bad_device_rc": 1}
+                   "beyond_limit_rc": 2, "beyond_limit_ptr": None, "negative_rc": 2,
+                   "beyond_limit_async_rc": 2,
+                   "malloc_rc": 0, "stale_free_rc": 1, "bad_device_rc": 1}  # cudaErrorInvalidValue
     assert "tidepool preload: cudaMalloc: tidepool: out of memory" in stderr
-    assert "is not a plausible size" in stderr  # libtidepool's own message for a bad request
+    assert (f"tidepool preload: cudaMalloc: {(1 << 50) + 1} bytes is more than any device holds "
+            "(tidepool's limit is 2^50 bytes)") in stderr
+    assert f"tidepool preload: cudaMallocAsync: {1 << 62} bytes is more than any device" in stderr
+    assert "device 4096" in stderr  # libtidepool's own message for a bad request
+
+
+# A stream handle for the stream-ordered calls. tidepool keys its pools by it; the host
+# backend knows only its NULL stream and refuses to record an event on another, which
+# tidepool does when a stream takes memory another stream freed (Note [Cross-stream reuse]):
+# the tests keep the NULL stream's memory and STREAM's in different pools (large, small).
+STREAM = 0x5100
+
+
+@needs_fake
+def test_stream_ordered_calls_are_served_on_their_stream(run_python):
+    # Note [stream-ordered calls]: tidepool's memory, in its stats, on the stream given.
+    out, stderr = run_with_fake(run_python, f"""
+import tidepool
+allocated = lambda: tidepool.stats(0)["allocated_bytes.all.current"]
+S = c_void_p({STREAM})
+r = c_void_p()
+out["plain_malloc_rc"] = process.cudaMalloc(byref(r), 4 << 20)   # the NULL stream's
+p = c_void_p()
+out["malloc_rc"] = process.cudaMallocAsync(byref(p), 1 << 20, S)
+out["allocated"] = allocated() - (4 << 20)
+out["segment_streams"] = sorted(seg["stream"] for seg in tidepool.snapshot(0)["segments"])
+out["free_rc"] = process.cudaFreeAsync(p, S)
+out["allocated_after_free"] = allocated() - (4 << 20)
+q = c_void_p()
+process.cudaMallocAsync(byref(q), 1 << 20, S)
+out["reused_at_once_on_its_stream"] = q.value == p.value
+# Either free takes either malloc's memory (CUDA allows both).
+out["cuda_free_of_async_rc"] = process.cudaFree(q)
+out["free_async_of_malloc_rc"] = process.cudaFreeAsync(r, None)
+out["allocated_at_end"] = allocated()
+# Only the cudaFree synchronised; none of the above reached "CUDA".
+out["synchronizes"] = counter("fake_cudart_synchronize_calls")
+out["cuda_calls"] = [counter("fake_cudart_malloc_async_calls"),
+                     counter("fake_cudart_free_async_calls"), counter("fake_cudart_free_calls")]
+f = c_void_p()
+fake.cudaMallocAsync(byref(f), 64, S)   # memory tidepool never saw
+out["foreign_free_rc"] = process.cudaFreeAsync(f, S)
+out["cuda_free_asyncs"] = counter("fake_cudart_free_async_calls")
+z = c_void_p()
+out["zero_rc"] = process.cudaMallocAsync(byref(z), 0, S)   # the runtime's answer
+out["cuda_malloc_asyncs"] = counter("fake_cudart_malloc_async_calls")
+out["null_out_rc"] = process.cudaMallocAsync(None, 16, S)
+""", TIDEPOOL_BACKEND="host")
+    assert out == {
+        "plain_malloc_rc": 0, "malloc_rc": 0, "allocated": 1 << 20,
+        "segment_streams": sorted(["0x0", hex(STREAM)]),
+        "free_rc": 0, "allocated_after_free": 0, "reused_at_once_on_its_stream": True,
+        "cuda_free_of_async_rc": 0, "free_async_of_malloc_rc": 0, "allocated_at_end": 0,
+        "synchronizes": 1, "cuda_calls": [0, 0, 0],
+        "foreign_free_rc": 0, "cuda_free_asyncs": 1,
+        "zero_rc": 0, "cuda_malloc_asyncs": 2, "null_out_rc": 1,  # cudaErrorInvalidValue
+    }
+    assert stderr == ""
+
+
+@needs_fake
+def test_cuda_malloc_async_allocates_on_the_streams_device(run_python):
+    # The stream's device, not the current one: CUDA allocates from the stream's device's pool.
+    out, _ = run_with_fake(run_python, f"""
+import tidepool
+p = c_void_p()
+out["malloc_rc"] = process.cudaMallocAsync(byref(p), 4096, c_void_p({STREAM}))
+out["allocated"] = [tidepool.stats(d)["allocated_bytes.all.current"] for d in (0, 1)]
+out["free_rc"] = process.cudaFreeAsync(p, c_void_p({STREAM}))
+out["allocated_after_free"] = tidepool.stats(1)["allocated_bytes.all.current"]
+""", TIDEPOOL_BACKEND="host", FAKE_CUDART_STREAM_DEVICE="1")
+    assert out == {"malloc_rc": 0, "allocated": [0, 4096], "free_rc": 0,
+                   "allocated_after_free": 0}
+
+
+@needs_fake
+def test_cuda_malloc_async_under_graph_capture_is_the_runtimes(run_python):
+    # A capturing stream's allocation belongs to the graph (an allocation node; its
+    # cudaFreeAsync a free node): forwarded, as is the free of that pointer.
+    out, _ = run_with_fake(run_python, f"""
+import tidepool
+p = c_void_p()
+out["malloc_rc"] = process.cudaMallocAsync(byref(p), 4096, c_void_p({STREAM}))
+out["cuda_malloc_asyncs"] = counter("fake_cudart_malloc_async_calls")
+out["allocated"] = tidepool.stats(0)["allocated_bytes.all.current"]
+out["free_rc"] = process.cudaFreeAsync(p, c_void_p({STREAM}))
+out["cuda_free_asyncs"] = counter("fake_cudart_free_async_calls")
+""", TIDEPOOL_BACKEND="host", FAKE_CUDART_CAPTURING="1")
+    assert out == {"malloc_rc": 0, "cuda_malloc_asyncs": 1, "allocated": 0, "free_rc": 0,
+                   "cuda_free_asyncs": 1}
 
 
 @needs_fake
 def test_a_nested_forwarded_call_leaves_the_outer_one_inside(run_python):
     # While the shim forwards a cudaFree, the runtime makes nested calls (the fake does:
-    # cudaFree(NULL), then cudaMalloc). The nested cudaMalloc must be forwarded too, not
-    # served by tidepool: the end of the nested cudaFree must not clear the outer call's
-    # "inside" mark (as it would inside tidepool_malloc on the cuda backend).
-    out, _ = run_with_fake(run_python, """
+    # cudaFree(NULL), then cudaMalloc and cudaMallocAsync). The nested allocations must be
+    # forwarded too, not served by tidepool: the end of the nested cudaFree must not clear
+    # the outer call's "inside" mark (as it would inside tidepool_malloc on the cuda
+    # backend). A broken guard can also re-enter the shim's set-up and wait on itself:
+    # the process gets a short time limit (it needs about a second).
+    import subprocess
+    try:
+        out, _ = run_with_fake(run_python, NESTED, timeout=20, TIDEPOOL_BACKEND="host")
+    except subprocess.TimeoutExpired:
+        out = None  # failed outside the handler: the message alone, not the whole command
+    if out is None:
+        pytest.fail("the process hung in a nested forwarded call (killed after 20 s): the "
+                    "shim's 'inside tidepool' guard no longer covers calls the runtime makes")
+    assert out == {"malloc_rc": 0, "foreign_free_rc": 0, "nested_forwarded": 1,
+                   "nested_async_forwarded": 1}
+
+
+NESTED = """
 p = c_void_p()
 out["malloc_rc"] = process.cudaMalloc(byref(p), 4096)    # tidepool is set up
 q = c_void_p()
@@ -254,5 +374,5 @@ fake.cudaMalloc(byref(q), ctypes.c_size_t(64))
 os.environ["FAKE_CUDART_NEST"] = "1"
 out["foreign_free_rc"] = process.cudaFree(q)
 out["nested_forwarded"] = counter("fake_cudart_nested_forwarded")
-""", TIDEPOOL_BACKEND="host")
-    assert out == {"malloc_rc": 0, "foreign_free_rc": 0, "nested_forwarded": 1}
+out["nested_async_forwarded"] = counter("fake_cudart_nested_async_forwarded")
+"""
