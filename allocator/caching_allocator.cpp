@@ -70,6 +70,7 @@
 #include <sstream>
 
 #include "allocator/caching_allocator_impl.h"
+#include "allocator/config.h"
 #include "allocator/reclaim.h"
 #include "allocator/size_classes.h"
 #include "allocator/tags.h"
@@ -312,16 +313,50 @@ std::vector<Event> CachingAllocator::Impl::record_free_events(const Block& b, St
   } catch (const BackendError& e) {
     // Recorded or not, the events are valid and unused: spares, as if never taken.
     spare_events.insert(spare_events.end(), events.begin(), events.end());
-    std::ostringstream os;
-    os << "tidepool: free of " << static_cast<const void*>(b.ptr) << " (" << b.requested
-       << " bytes) on device " << device << " failed, the block is still allocated: "
-       << "recording an event on a stream that used it failed: " << e.what();
-    throw BackendError(os.str());
+    synchronize_instead_of_events(b, e);
+    return {};
   } catch (...) {
     spare_events.insert(spare_events.end(), events.begin(), events.end());
     throw;
   }
   return events;
+}
+
+// Note [Free after a lost stream]
+// record_stream named a stream that was destroyed since without release_stream (PyTorch's
+// Tensor.record_stream on a side stream that goes away: nothing in PyTorch releases it),
+// so recording the free's event on it fails. Failing the free would lose the block for
+// good, as every retry fails the same way, and PyTorch frees from destructors where an
+// error cannot be handled. Freeing it at once is unsafe: cudaStreamDestroy returns while
+// work queued on the stream may still run and use the block. A device synchronization
+// waits for that work too (it covers every stream of the device, destroyed or not), and
+// for every other stream that used the block, so after it the block needs no event at
+// all: it is freed as if no other stream had used it. Slow, so said once per allocator
+// (unless tidepool.log:off) and counted (AllocatorStats::free_device_syncs). If the
+// synchronization fails as well (a sticky device error), the free fails as in Note
+// [Failed frees]: the block stays allocated, nothing changed.
+void CachingAllocator::Impl::synchronize_instead_of_events(const Block& b,
+                                                          const BackendError& record_error) {
+  try {
+    backend->device_synchronize();
+  } catch (const BackendError& e) {
+    std::ostringstream os;
+    os << "tidepool: free of " << static_cast<const void*>(b.ptr) << " (" << b.requested
+       << " bytes) on device " << device << " failed, the block is still allocated: "
+       << "recording an event on a stream that used it failed: " << record_error.what()
+       << "; synchronizing the device instead failed too: " << e.what();
+    throw BackendError(os.str());
+  }
+  ++stats.free_device_syncs;
+  if (warned_free_sync || active_config().log == LogLevel::off) return;
+  warned_free_sync = true;
+  std::fprintf(stderr,
+               "tidepool: a free on device %d could not record an event on a stream that used "
+               "the block (%s); it synchronized the whole device instead, which is slow. A "
+               "stream given to record_stream was probably destroyed without release_stream "
+               "(tidepool_release_stream) first. Said once per allocator; "
+               "AllocatorStats::free_device_syncs counts them.\n",
+               device, record_error.what());
 }
 
 // An event query or wait may throw (a driver error). The first loop only asks the
@@ -576,9 +611,11 @@ std::string CachingAllocator::Impl::describe_wrong_size(const void* ptr, std::si
 
 // Note [Failed frees]
 // A free of a block other streams used records an event on each, which can fail (a
-// stream given to record_stream destroyed since, a driver error). So a free makes its
-// backend calls first, then changes the block, its hold, its owner and the stats: a
-// failed free leaves the allocator as it was, the block allocated, and may be retried.
+// stream given to record_stream destroyed since, a driver error); it then synchronizes
+// the device instead (Note [Free after a lost stream]), which can fail too. So a free
+// makes its backend calls first, then changes the block, its hold, its owner and the
+// stats: a failed free leaves the allocator as it was, the block allocated, and may be
+// retried.
 void CachingAllocator::deallocate(void* ptr, std::size_t bytes, Stream stream) {
   if (ptr == nullptr) return;
   Impl& m = *impl_;
@@ -641,9 +678,9 @@ void CachingAllocator::deallocate(void* ptr, std::size_t bytes, Stream stream) {
   TagStats& t = m.stats.tags[b->tag];
   t.bytes.sub(b->size);
   --t.count;
+  b->extra_streams.clear();  // covered by the events, or by a device synchronization
   if (!events.empty()) {  // it waits in `pending` until they complete
     b->pending_events = std::move(events);
-    b->extra_streams.clear();
     b->state = BlockState::pending;
     m.pending.push_back(b);  // capacity reserved above
     return;

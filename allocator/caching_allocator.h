@@ -17,6 +17,10 @@
 // After release_stream(s), blocks still live from s stay valid and are freed on any live
 // stream (as a free on that stream); s itself must not be passed again until a stream is
 // (re)created with that handle, which then starts with nothing cached.
+// A stream named by record_stream and destroyed without release_stream (PyTorch releases
+// none) makes the block's free wait for the whole device instead of recording an event on
+// it: slow, said once per allocator, counted in AllocatorStats::free_device_syncs (Note
+// [Free after a lost stream]).
 //
 // Thread-safety: every public method may be called from any thread; a free from another
 // thread than the allocating one is legal. One mutex per allocator guards its state; it
@@ -29,7 +33,9 @@
 // Errors: allocate throws OutOfMemoryError (a std::bad_alloc) when the OOM policy could
 // not find memory, AllocatorUsageError for an absurd size. deallocate/record_stream throw
 // AllocatorUsageError for a pointer the allocator did not hand out, a double free or a
-// wrong size; the allocator's state is unchanged in that case.
+// wrong size, and deallocate BackendError when neither an event on a stream that used the
+// block nor a device synchronization can be had; the allocator's state is unchanged in
+// those cases (Note [Failed frees]).
 #pragma once
 
 #include <cstddef>

@@ -13,6 +13,7 @@
 #include <mutex>
 #include <string>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "allocator/block.h"
@@ -62,6 +63,13 @@ struct __attribute__((visibility("hidden"))) CachingAllocator::Impl {
   std::uint64_t futile_recycle_at = UINT64_MAX;
   // allocations.freed at the last search for movable free runs that found none.
   std::uint64_t futile_move_at = UINT64_MAX;
+  // Note [Unreleased handles] (segments.cpp): physical memory unmapped from every range
+  // whose release failed, with its bytes; released by the next release_cached or at the
+  // end. Backs nothing, so counted in no stat.
+  std::vector<std::pair<PhysicalHandle, std::size_t>> unreleased;
+  // Whether a free already said it synchronized the device (Note [Free after a lost
+  // stream]): once per allocator.
+  bool warned_free_sync = false;
   MappingStats mapping;
   // Note [Thread caches] (thread_cache.cpp): the caches of every thread that allocated
   // here, and the id they find this allocator by (addresses are reused, ids are not).
@@ -89,9 +97,12 @@ struct __attribute__((visibility("hidden"))) CachingAllocator::Impl {
   void flush_quick(StreamPools& sp);
   void flush_all_quick();
   // One event recorded on each stream that used b besides its owner (its record_stream
-  // streams, and `freeing` if `foreign`): all or nothing, a failure a BackendError that
-  // says the block is still allocated (Note [Failed frees]).
+  // streams, and `freeing` if `foreign`). If recording fails, none: the device was
+  // synchronized instead (Note [Free after a lost stream]); if that fails too, a
+  // BackendError that says the block is still allocated (Note [Failed frees]).
   std::vector<Event> record_free_events(const Block& b, Stream freeing, bool foreign);
+  // record_free_events' fallback: device_synchronize, counted and said once.
+  void synchronize_instead_of_events(const Block& b, const BackendError& record_error);
   void process_pending(bool wait);
   void* finish_allocation(Block* b, std::size_t bytes, int tag);
   std::string describe_bad_free(const void* ptr, std::size_t bytes) const;
@@ -183,6 +194,11 @@ struct __attribute__((visibility("hidden"))) CachingAllocator::Impl {
   std::size_t release_cached(std::size_t want = SIZE_MAX, bool wait = true,
                              StreamPools* waitable = nullptr,
                              const StreamPools* only_owner = nullptr);
+  // release_physical of an unmapped handle; on failure the handle goes to `unreleased`
+  // (room reserved by the caller) and the error is rethrown.
+  void release_unmapped(PhysicalHandle h, std::size_t bytes);
+  // Releases every handle in `unreleased`; a failure throws and keeps it listed.
+  void retry_unreleased();
   // Gives back the address space of expandable ranges of released streams that hold
   // nothing any more (no backing, every block free in `released`). Returns ranges dropped.
   std::size_t drop_empty_released_ranges();

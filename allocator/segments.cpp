@@ -55,6 +55,18 @@
 // choose_fit's optional preference for backed blocks (prefer_backed_fit) keeps
 // allocations out of released holes while backed free memory fits, so fewer runs bounce
 // back and forth, at some cost in packing.
+//
+// Note [Unreleased handles]
+// A run is unmapped before its physical handle goes back (release_cached, or a move or a
+// new run whose map failed), and release_physical can fail after the unmap succeeded.
+// Forgetting the handle then would leak its memory for the life of the process; keeping
+// it in the run tables would map nothing at its address. So the handle goes to
+// `unreleased`: it backs nothing of ours, so reserved memory and segments no longer
+// count it (they count what backs the allocator's ranges), but the backend still holds
+// it, and every release_cached (empty_cache, the OOM policy, release_stream) first
+// retries those releases, as does the destructor. Each handle is listed once and leaves
+// the list only when its release succeeded, so it is neither leaked nor released twice.
+// Room in the list is reserved before the unmap, so listing it cannot fail.
 #include <algorithm>
 #include <set>
 
@@ -244,12 +256,16 @@ bool CachingAllocator::Impl::whole_slot_affordable(std::size_t bytes) {
 
 bool CachingAllocator::Impl::create_run(Segment* seg, std::size_t head, std::size_t granules) {
   const std::size_t bytes = granules * granule;
+  unreleased.reserve(unreleased.size() + 1);  // Note [Unreleased handles]
   const PhysicalHandle h = backend->create_physical(bytes, MemoryLocation::device);
   if (!h) return false;
   try {
     map_run(seg, head, granules, h);
   } catch (...) {
-    backend->release_physical(h, bytes);
+    try {
+      release_unmapped(h, bytes);
+    } catch (...) {  // kept for a retry; the map's error is the one to report
+    }
     throw;
   }
   stats.reserved.add(bytes);
@@ -390,6 +406,7 @@ bool CachingAllocator::Impl::move_free_run(Segment* seg, std::size_t head,
     allocating.safe_seq = allocating.free_seq;
     ++mapping.move_syncs;
   }
+  unreleased.reserve(unreleased.size() + 1);  // Note [Unreleased handles]
   const PhysicalHandle h = unmap_run(run.segment, run.head);
   try {
     map_run(seg, head, run.granules, h);
@@ -401,7 +418,10 @@ bool CachingAllocator::Impl::move_free_run(Segment* seg, std::size_t head,
     } catch (...) {
       stats.reserved.sub(run.granules * granule);  // unmapped: not ours, whatever follows
       stats.segments.sub(1);
-      backend->release_physical(h, run.granules * granule);
+      try {
+        release_unmapped(h, run.granules * granule);
+      } catch (...) {  // kept for a retry; the first map's error is the one to report
+      }
     }
     throw;
   }
@@ -413,6 +433,7 @@ bool CachingAllocator::Impl::move_free_run(Segment* seg, std::size_t head,
 std::size_t CachingAllocator::Impl::release_cached(std::size_t want, bool wait,
                                                    StreamPools* waitable,
                                                    const StreamPools* only_owner) {
+  retry_unreleased();
   if (!options.allow_release) return 0;
   // Without waiting, only memory whose streams are known to be past the frees qualifies:
   // bring every stream's fence up to date first (records at most one event per stream).
@@ -461,6 +482,7 @@ std::size_t CachingAllocator::Impl::release_cached(std::size_t want, bool wait,
     backend->stream_synchronize(waitable->stream);
     waitable->safe_seq = waitable->free_seq;
   }
+  unreleased.reserve(unreleased.size() + found.size());  // Note [Unreleased handles]
   std::size_t released_bytes = 0;
   for (const Releasable& r : found) {
     Segment* seg = r.segment;
@@ -483,14 +505,31 @@ std::size_t CachingAllocator::Impl::release_cached(std::size_t want, bool wait,
     }
     const std::size_t bytes = seg->run_granules[r.head] * granule;
     // A failed unmap changes nothing. Once unmapped, the run backs nothing of ours: it
-    // leaves the stats even if releasing its handle then fails.
+    // leaves the stats even if releasing its handle then fails (Note [Unreleased handles]).
     const PhysicalHandle h = unmap_run(seg, r.head);
     stats.reserved.sub(bytes);
     stats.segments.sub(1);
     released_bytes += bytes;
-    backend->release_physical(h, bytes);
+    release_unmapped(h, bytes);
   }
   return released_bytes;
+}
+
+void CachingAllocator::Impl::release_unmapped(PhysicalHandle h, std::size_t bytes) {
+  try {
+    backend->release_physical(h, bytes);
+  } catch (...) {
+    unreleased.push_back({h, bytes});  // room reserved by the caller: cannot throw
+    throw;
+  }
+}
+
+void CachingAllocator::Impl::retry_unreleased() {
+  while (!unreleased.empty()) {
+    const auto [h, bytes] = unreleased.back();
+    backend->release_physical(h, bytes);  // a throw keeps it listed
+    unreleased.pop_back();
+  }
 }
 
 std::size_t CachingAllocator::Impl::drop_empty_released_ranges() {
@@ -544,6 +583,13 @@ void CachingAllocator::Impl::destroy_everything() {
     delete seg;
   }
   segments.clear();
+  for (const auto& [h, bytes] : unreleased) {
+    try {
+      backend->release_physical(h, bytes);
+    } catch (...) {
+    }
+  }
+  unreleased.clear();
   for (auto& [ptr, b] : blocks) {
     for (Event e : b->pending_events) spare_events.push_back(e);
     delete b;

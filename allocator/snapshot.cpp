@@ -282,6 +282,7 @@ std::string CachingAllocator::Impl::snapshot_json() const {
      << ",\"cache_misses\":" << st.cache_misses << ",\"oom_count\":" << st.oom_count
      << ",\"reclaim_calls\":" << st.reclaim_calls << ",\"reclaimed_bytes\":" << st.reclaimed_bytes
      << ",\"cross_stream_reuses\":" << st.cross_stream_reuses
+     << ",\"free_device_syncs\":" << st.free_device_syncs
      << ",\"fragmentation\":" << st.fragmentation << "},\"tags\":[";
   bool first = true;
   for (int t = 0; t < tag_count() && t < kTagCount; ++t) {

@@ -53,6 +53,9 @@ struct AllocatorStats {
   std::uint64_t reclaim_calls = 0; // reclaim hook invocations
   std::uint64_t reclaimed_bytes = 0;
   std::uint64_t cross_stream_reuses = 0;  // blocks handed from one stream to another
+  // Frees that synchronized the device because recording an event on a stream that used
+  // the block failed (a record_stream stream destroyed without release_stream).
+  std::uint64_t free_device_syncs = 0;
   // 1 - (largest free contiguous backed range / cached bytes); 0 when nothing is cached.
   double fragmentation = 0;
   std::array<TagStats, kTagCount> tags{};

@@ -2,7 +2,8 @@
 // except that chosen operations fail with BackendError a counted number of times. The
 // seam's own fault injection (Backend::inject_fault) covers the calls that obtain memory
 // (device_alloc, create_physical, map, ...); this one covers those a caller cannot avoid
-// once it holds memory or events: recording and querying events, giving memory back.
+// once it holds memory or events: recording and querying events, synchronizing the device
+// (a free's fallback), giving memory back.
 // (tests/tiering/failing_backend.h fails every call for good, for teardown tests.)
 //
 // fail(op, count, after): after `after` more successful calls of `op`, the next `count`
@@ -14,6 +15,7 @@
 #include <cstddef>
 #include <memory>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -28,6 +30,7 @@ class FaultBackend final : public Backend {
     record_event,
     event_query,
     event_synchronize,
+    device_synchronize,
     unmap,
     release_physical,
     count_  // number of operations, not one
@@ -48,8 +51,16 @@ class FaultBackend final : public Backend {
     std::atomic<int> destroyed{0};
   };
   std::shared_ptr<const EventCounts> event_counts() const { return events_; }
-  // Calls of `op` that failed so far.
+  // Calls of `op` that failed so far, and that reached the host backend and returned.
   int failures(Op op) const { return plans_[static_cast<std::size_t>(op)].failed.load(); }
+  int successes(Op op) const { return plans_[static_cast<std::size_t>(op)].succeeded.load(); }
+  // Physical handles created and released through this backend; outlives it, like
+  // event_counts, so a test can check after the allocator is gone that none leaked.
+  struct PhysicalCounts {
+    std::atomic<int> created{0};
+    std::atomic<int> released{0};
+  };
+  std::shared_ptr<const PhysicalCounts> physical_counts() const { return physicals_; }
   Backend& inner() { return *inner_; }
 
  private:
@@ -57,9 +68,23 @@ class FaultBackend final : public Backend {
     std::atomic<int> pass{0};  // successful calls still to let through before failing
     std::atomic<int> fail{0};  // calls still to fail after those
     std::atomic<int> failed{0};
+    std::atomic<int> succeeded{0};
   };
 
-  void gate(Op op, const char* name) {
+  // Throws when `op` is to fail now; otherwise runs `call` (the host backend's) and counts it.
+  template <class Call>
+  decltype(auto) gate(Op op, const char* name, Call&& call) {
+    check(op, name);
+    if constexpr (std::is_void_v<decltype(call())>) {
+      call();
+      plans_[static_cast<std::size_t>(op)].succeeded.fetch_add(1);
+    } else {
+      decltype(auto) r = call();
+      plans_[static_cast<std::size_t>(op)].succeeded.fetch_add(1);
+      return r;
+    }
+  }
+  void check(Op op, const char* name) {
     Plan& p = plans_[static_cast<std::size_t>(op)];
     if (p.fail.load() == 0) return;
     if (p.pass.load() > 0) {
@@ -73,14 +98,15 @@ class FaultBackend final : public Backend {
 
   void* do_device_alloc(std::size_t b) override { return inner_->device_alloc(b); }
   void do_device_free(void* p, std::size_t b) override {
-    gate(Op::device_free, "device_free");
-    inner_->device_free(p, b);
+    gate(Op::device_free, "device_free", [&] { inner_->device_free(p, b); });
   }
   MemInfo do_mem_info() override { return inner_->mem_info(); }
   Stream do_create_stream() override { return inner_->create_stream(); }
   void do_destroy_stream(Stream s) override { inner_->destroy_stream(s); }
   void do_stream_synchronize(Stream s) override { inner_->stream_synchronize(s); }
-  void do_device_synchronize() override { inner_->device_synchronize(); }
+  void do_device_synchronize() override {
+    gate(Op::device_synchronize, "device_synchronize", [&] { inner_->device_synchronize(); });
+  }
   Event do_create_event() override {
     const Event e = inner_->create_event();
     events_->created.fetch_add(1);
@@ -91,16 +117,13 @@ class FaultBackend final : public Backend {
     events_->destroyed.fetch_add(1);
   }
   void do_record_event(Event e, Stream s) override {
-    gate(Op::record_event, "record_event");
-    inner_->record_event(e, s);
+    gate(Op::record_event, "record_event", [&] { inner_->record_event(e, s); });
   }
   bool do_event_query(Event e) override {
-    gate(Op::event_query, "event_query");
-    return inner_->event_query(e);
+    return gate(Op::event_query, "event_query", [&] { return inner_->event_query(e); });
   }
   void do_event_synchronize(Event e) override {
-    gate(Op::event_synchronize, "event_synchronize");
-    inner_->event_synchronize(e);
+    gate(Op::event_synchronize, "event_synchronize", [&] { inner_->event_synchronize(e); });
   }
   void do_stream_wait_event(Stream s, Event e) override { inner_->stream_wait_event(s, e); }
   float do_event_elapsed_ms(Event a, Event b) override { return inner_->event_elapsed_ms(a, b); }
@@ -118,16 +141,17 @@ class FaultBackend final : public Backend {
   void* do_reserve_address(std::size_t b) override { return inner_->reserve_address(b); }
   void do_release_address(void* va, std::size_t b) override { inner_->release_address(va, b); }
   PhysicalHandle do_create_physical(std::size_t b, MemoryLocation w) override {
-    return inner_->create_physical(b, w);
+    const PhysicalHandle h = inner_->create_physical(b, w);
+    if (h) physicals_->created.fetch_add(1);
+    return h;
   }
   void do_release_physical(PhysicalHandle h, std::size_t b) override {
-    gate(Op::release_physical, "release_physical");
-    inner_->release_physical(h, b);
+    gate(Op::release_physical, "release_physical", [&] { inner_->release_physical(h, b); });
+    physicals_->released.fetch_add(1);
   }
   void do_map(void* va, std::size_t b, PhysicalHandle h) override { inner_->map(va, b, h); }
   void do_unmap(void* va, std::size_t b) override {
-    gate(Op::unmap, "unmap");
-    inner_->unmap(va, b);
+    gate(Op::unmap, "unmap", [&] { inner_->unmap(va, b); });
   }
   // The inner backend holds the real mappings (do_map maps there): it becomes the peers'
   // too and grants its own ranges.
@@ -139,6 +163,7 @@ class FaultBackend final : public Backend {
   std::unique_ptr<Backend> inner_;
   std::array<Plan, static_cast<std::size_t>(Op::count_)> plans_;
   std::shared_ptr<EventCounts> events_ = std::make_shared<EventCounts>();
+  std::shared_ptr<PhysicalCounts> physicals_ = std::make_shared<PhysicalCounts>();
 };
 
 }  // namespace tidepool::test

@@ -1,11 +1,13 @@
 // Backend calls that fail after the allocator holds memory or events (Note [Failed frees]
-// in caching_allocator.cpp): recording a free's events, querying pending events, giving
+// in caching_allocator.cpp): recording a free's events (and the device synchronization
+// that replaces them, Note [Free after a lost stream]), querying pending events, giving
 // cached memory back. Each failure must leave the allocator consistent: a clear error,
 // the stats as true as before, no block lost or doubled, nothing leaked, and the same
 // operation working once the backend does again. Host backend behind a FaultBackend
 // (fault_backend.h) that fails the chosen calls.
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -58,6 +60,8 @@ std::size_t backed_bytes(const CachingAllocator& a) {
 // A small block (held by the thread cache) and a large one.
 class FailedFree : public ::testing::TestWithParam<std::size_t> {};
 
+// Recording the free's event fails and so does the device synchronization that would
+// replace it (a sticky device error): the free fails and changes nothing.
 TEST_P(FailedFree, ChangesNothingAndARetryFrees) {
   const std::size_t bytes = GetParam();
   std::shared_ptr<const test::FaultBackend::EventCounts> events;
@@ -74,16 +78,20 @@ TEST_P(FailedFree, ChangesNothingAndARetryFrees) {
     a.record_stream(p, side);
     const AllocatorStats before = a.stats();
     be.fail(Op::record_event);
+    be.fail(Op::device_synchronize);
     try {
       a.deallocate(p, bytes);
       FAIL() << "expected BackendError";
     } catch (const BackendError& e) {
       const std::string m = e.what();
       EXPECT_NE(m.find("the block is still allocated"), std::string::npos) << m;
-      EXPECT_NE(m.find("injected failure"), std::string::npos) << m;
+      EXPECT_NE(m.find("record_event: injected failure"), std::string::npos) << m;
+      EXPECT_NE(m.find("device_synchronize: injected failure"), std::string::npos) << m;
     }
     ASSERT_EQ(be.failures(Op::record_event), 1);
+    ASSERT_EQ(be.failures(Op::device_synchronize), 1);
     expect_same_live_stats(a.stats(), before, kTagActivation);
+    EXPECT_EQ(a.stats().free_device_syncs, 0u);
     EXPECT_EQ(a.allocation_size(p), bytes) << "still live";
     EXPECT_EQ(test::count_of(a.snapshot_json(), "\"pending\""), 0u);
 
@@ -113,27 +121,83 @@ INSTANTIATE_TEST_SUITE_P(Sizes, FailedFree, ::testing::Values(std::size_t{4096},
                            return p.param < kMiB ? std::string("held_small") : std::string("large");
                          });
 
-// The case from the field: record_stream named a stream destroyed since. The free cannot
-// succeed; it must say why and leave the block allocated and the stats as they were.
-TEST(FailedFreeOnTheHostBackend, ADestroyedRecordedStreamFailsClearlyAndChangesNothing) {
-  CachingAllocator a(make_host_backend(0, {std::size_t{1} << 30}));
-  const Stream side = a.backend().create_stream();
-  void* p = a.allocate(3 * kMiB);
-  a.record_stream(p, side);
-  a.backend().destroy_stream(side);
-  const AllocatorStats before = a.stats();
-  try {
-    a.deallocate(p, 3 * kMiB);
-    FAIL() << "expected BackendError";
-  } catch (const BackendError& e) {
-    const std::string m = e.what();
-    EXPECT_NE(m.find("the block is still allocated"), std::string::npos) << m;
-    EXPECT_NE(m.find("unknown stream"), std::string::npos) << m;
+// Recording the free's event fails once (a transient error): the free synchronizes the
+// device instead and succeeds, with no pending block and no event kept.
+TEST_P(FailedFree, ARecordFailureSynchronizesTheDeviceAndFrees) {
+  const std::size_t bytes = GetParam();
+  FaultyAllocator fa;
+  CachingAllocator& a = *fa.allocator;
+  test::FaultBackend& be = *fa.faults;
+  const Stream side = be.create_stream();
+  void* p = nullptr;
+  {
+    TagScope scope(kTagActivation);
+    p = a.allocate(bytes);
   }
-  expect_same_live_stats(a.stats(), before, 0);
-  EXPECT_EQ(a.allocation_size(p), 3 * kMiB);
-  EXPECT_THROW(a.deallocate(p, 3 * kMiB), BackendError) << "again, not a double free";
-  expect_same_live_stats(a.stats(), before, 0);
+  a.record_stream(p, side);
+  const AllocatorStats before = a.stats();
+  be.fail(Op::record_event);
+  const int syncs = be.successes(Op::device_synchronize);
+  a.deallocate(p, bytes);
+  ASSERT_EQ(be.failures(Op::record_event), 1);
+  EXPECT_EQ(be.successes(Op::device_synchronize), syncs + 1);
+  const AllocatorStats s = a.stats();
+  EXPECT_EQ(s.free_device_syncs, 1u);
+  EXPECT_EQ(s.allocated.current, before.allocated.current - bytes);
+  EXPECT_EQ(s.allocations.freed, before.allocations.freed + 1);
+  EXPECT_EQ(s.tags[kTagActivation].count, 0u);
+  EXPECT_EQ(test::count_of(a.snapshot_json(), "\"pending\""), 0u) << "no event to wait for";
+  EXPECT_THROW(a.deallocate(p, bytes), AllocatorUsageError) << "freed already";
+  // Free at once on its stream: the next allocation there gets it back.
+  EXPECT_EQ(a.allocate(bytes), p);
+  a.deallocate(p, bytes);
+  EXPECT_EQ(a.stats().free_device_syncs, 1u) << "a plain free needs no synchronization";
+  be.destroy_stream(side);
+}
+
+// The case from the field: record_stream named a stream destroyed since (without
+// release_stream). Recording on it fails on the host backend as on CUDA; the free waits
+// for the whole device instead and succeeds, says so once per allocator, and counts it.
+TEST(FailedFreeOnTheHostBackend, ADestroyedRecordedStreamIsFreedAfterADeviceSynchronize) {
+  CachingAllocator a(make_host_backend(0, {std::size_t{1} << 30}));
+  Backend& be = a.backend();
+  const Stream side = be.create_stream();
+  const Stream gone = be.create_stream();
+  be.destroy_stream(gone);
+  {
+    Event e = be.create_event();
+    EXPECT_THROW(be.record_event(e, gone), BackendError) << "refused on the host backend";
+    be.destroy_event(e);
+  }
+  void* p = a.allocate(3 * kMiB);
+  void* q = a.allocate(3 * kMiB);
+  a.record_stream(p, side);
+  a.record_stream(q, side);
+  // Work queued on the stream before it is destroyed touches p; the host backend's
+  // destroy_stream drains it, as cudaDeviceSynchronize waits for it on CUDA.
+  std::atomic<bool> ran{false};
+  be.launch_host_func(
+      side, [](void* flag) { static_cast<std::atomic<bool>*>(flag)->store(true); }, &ran);
+  be.destroy_stream(side);
+  const AllocatorStats before = a.stats();
+
+  ::testing::internal::CaptureStderr();
+  a.deallocate(p, 3 * kMiB);
+  a.deallocate(q, 3 * kMiB);
+  const std::string said = ::testing::internal::GetCapturedStderr();
+  EXPECT_TRUE(ran.load());
+  EXPECT_EQ(test::count_of(said, "synchronized the whole device"), 1u) << "once: " << said;
+  EXPECT_NE(said.find("unknown stream"), std::string::npos) << said;
+  const AllocatorStats s = a.stats();
+  EXPECT_EQ(s.free_device_syncs, 2u);
+  EXPECT_EQ(s.allocated.current, before.allocated.current - 6 * kMiB);
+  EXPECT_EQ(s.allocations.current, 0u);
+  EXPECT_EQ(a.allocation_size(p), 0u);
+  EXPECT_THROW(a.deallocate(p, 3 * kMiB), AllocatorUsageError) << "a double free now";
+  EXPECT_NE(a.snapshot_json().find("\"free_device_syncs\":2"), std::string::npos);
+  // Nothing waits on the dead stream any more: the memory goes back.
+  a.empty_cache();
+  EXPECT_EQ(a.stats().reserved.current, 0u);
 }
 
 // Three 2 MiB blocks of one plain segment: x free, a and b pending on another stream.
@@ -203,7 +267,7 @@ TEST(FailedRelease, AFailedDeviceFreeKeepsThePlainSegmentCached) {
   EXPECT_EQ(be.device_bytes_in_use(), 0u);
 }
 
-TEST(FailedRelease, AFailedUnmapKeepsTheRunAndAFailedHandleReleaseDropsIt) {
+TEST(FailedRelease, AFailedUnmapKeepsTheRunAndAFailedHandleReleaseIsRetried) {
   FaultyAllocator fa;  // expandable segments
   CachingAllocator& a = *fa.allocator;
   test::FaultBackend& be = *fa.faults;
@@ -221,22 +285,109 @@ TEST(FailedRelease, AFailedUnmapKeepsTheRunAndAFailedHandleReleaseDropsIt) {
   EXPECT_EQ(backed_bytes(a), slot);
 
   // Unmap works, releasing the handle fails: the run backs nothing any more, so reserved
-  // memory (what the allocator has mapped) drops although the backend kept the handle.
+  // memory (what the allocator has mapped) drops; the backend still holds the handle, and
+  // the allocator keeps it to release later (Note [Unreleased handles]).
   be.fail(Op::release_physical);
   EXPECT_THROW(a.empty_cache(), BackendError);
   s = a.stats();
   EXPECT_EQ(s.reserved.current, 0u);
   EXPECT_EQ(s.segments.current, 0u);
   EXPECT_EQ(backed_bytes(a), 0u);
+  EXPECT_EQ(be.device_bytes_in_use(), slot);
 
-  // Still usable: the block is backed anew and given back in full.
+  // Still usable: the block is backed anew and given back in full, the kept handle too.
   void* q = a.allocate(4 * kMiB);
   EXPECT_EQ(q, p);
   EXPECT_EQ(a.stats().reserved.current, slot);
   EXPECT_EQ(backed_bytes(a), slot);
+  EXPECT_EQ(be.device_bytes_in_use(), 2 * slot);
   a.deallocate(q, 4 * kMiB);
   EXPECT_EQ(a.empty_cache(), slot);
   EXPECT_EQ(a.stats().reserved.current, 0u);
+  EXPECT_EQ(be.device_bytes_in_use(), 0u) << "the failed release was retried";
+  const auto handles = be.physical_counts();
+  EXPECT_EQ(handles->released.load(), handles->created.load()) << "each released once";
+}
+
+TEST(FailedRelease, AHandleStillUnreleasedIsReleasedWithTheAllocator) {
+  std::shared_ptr<const test::FaultBackend::PhysicalCounts> handles;
+  {
+    FaultyAllocator fa;
+    test::FaultBackend& be = *fa.faults;
+    handles = be.physical_counts();
+    void* p = fa.allocator->allocate(4 * kMiB);
+    fa.allocator->deallocate(p, 4 * kMiB);
+    be.fail(Op::release_physical);
+    EXPECT_THROW(fa.allocator->empty_cache(), BackendError);
+    ASSERT_EQ(handles->created.load(), 1);
+    EXPECT_EQ(handles->released.load(), 0);
+  }
+  EXPECT_EQ(handles->released.load(), 1) << "no physical memory leaked";
+}
+
+// A new run whose map fails goes back to the backend; when that release fails too, the
+// map's error is reported and the handle is kept for a retry.
+TEST(FailedRelease, ANewRunWhoseMapAndReleaseFailKeepsItsHandle) {
+  FaultyAllocator fa;
+  CachingAllocator& a = *fa.allocator;
+  test::FaultBackend& be = *fa.faults;
+  be.inner().inject_fault(FaultPoint::map);
+  be.fail(Op::release_physical);
+  try {
+    a.allocate(4 * kMiB);
+    FAIL() << "expected BackendError";
+  } catch (const BackendError& e) {
+    const std::string m = e.what();
+    EXPECT_EQ(m.find("release_physical"), std::string::npos) << "the map's error: " << m;
+  }
+  ASSERT_EQ(be.failures(Op::release_physical), 1);
+  EXPECT_EQ(a.stats().reserved.current, 0u);
+  EXPECT_EQ(be.device_bytes_in_use(), 32 * kMiB) << "held by the backend until released";
+  a.empty_cache();
+  EXPECT_EQ(be.device_bytes_in_use(), 0u);
+  void* p = a.allocate(4 * kMiB);
+  a.deallocate(p, 4 * kMiB);
+  a.empty_cache();
+  const auto handles = be.physical_counts();
+  EXPECT_EQ(handles->released.load(), handles->created.load());
+}
+
+// A free slot moving to back another block (Note [Moving free runs]) is unmapped; when
+// mapping it at the new place and back where it was both fail and so does its release,
+// the handle is kept for a retry and the first map's error is reported.
+TEST(FailedRelease, AMovedRunThatFitsNowhereAndCannotBeReleasedIsKept) {
+  AllocatorOptions o;
+  o.map_slot_bytes = 4 * kMiB;
+  o.move_slack = -1;  // move whenever a free slot exists
+  FaultyAllocator fa(o);
+  CachingAllocator& a = *fa.allocator;
+  test::FaultBackend& be = *fa.faults;
+  const std::size_t slot = o.map_slot_bytes;
+  void* hole = a.allocate(slot);
+  void* keep = a.allocate(slot);
+  a.deallocate(hole, slot);
+  ASSERT_EQ(be.device_bytes_in_use(), 2 * slot);
+  be.inner().inject_fault(FaultPoint::map, 2);
+  be.fail(Op::release_physical);
+  try {
+    a.allocate(2 * slot);
+    FAIL() << "expected BackendError";
+  } catch (const BackendError& e) {
+    const std::string m = e.what();
+    EXPECT_EQ(m.find("release_physical"), std::string::npos) << "the map's error: " << m;
+  }
+  ASSERT_EQ(be.failures(Op::release_physical), 1);
+  ASSERT_EQ(a.mapping_stats().runs_moved, 0u);
+  EXPECT_EQ(a.stats().reserved.current, slot);
+  EXPECT_EQ(backed_bytes(a), slot);
+  EXPECT_EQ(be.device_bytes_in_use(), 2 * slot) << "the moved slot's handle is still held";
+  a.empty_cache();
+  EXPECT_EQ(be.device_bytes_in_use(), slot) << "released on the retry; keep's slot remains";
+  a.deallocate(keep, slot);
+  a.empty_cache();
+  EXPECT_EQ(be.device_bytes_in_use(), 0u);
+  const auto handles = be.physical_counts();
+  EXPECT_EQ(handles->released.load(), handles->created.load());
 }
 
 }  // namespace
