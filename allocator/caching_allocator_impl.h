@@ -1,7 +1,9 @@
 // The state behind CachingAllocator, shared by the files that implement it:
-//   caching_allocator.cpp  allocation, free, streams, OOM policy (the algorithm)
+//   caching_allocator.cpp  the algorithm; allocation, free lists, OOM policy
+//   frees.cpp              deallocate, record_stream's events, pending blocks, empty_cache
+//   stream_ordering.cpp    fences, cross-stream reuse, record_stream, release_stream
 //   segments.cpp           getting memory from the backend and giving it back
-//   snapshot.cpp           stats, the OOM message and the JSON snapshot
+//   snapshot.cpp           stats and queries, the OOM message and the JSON snapshot
 //   thread_cache.cpp       per-thread caches of freed small blocks (Note [Thread caches])
 // Internal to the allocator (not installed). Every member is guarded by `mutex`.
 #pragma once
@@ -47,7 +49,7 @@ struct __attribute__((visibility("hidden"))) CachingAllocator::Impl {
   std::unordered_map<const void*, Block*> blocks;  // every block, by start address
   std::map<const char*, Segment*> segments;         // every segment, by base address
   std::vector<std::unique_ptr<StreamPools>> streams;
-  // Note [Released streams] (caching_allocator.cpp): the blocks of streams given up with
+  // Note [Released streams] (stream_ordering.cpp): the blocks of streams given up with
   // release_stream, free and live. It has no stream of its own (its `stream` is never
   // used): its free blocks are safe for every stream at once (safe_seq is the maximum),
   // it is in no `streams` entry, so pools_for never returns it and no fence is ever
@@ -83,19 +85,24 @@ struct __attribute__((visibility("hidden"))) CachingAllocator::Impl {
   Event take_event();
   Block* try_allocate(StreamPools& sp, std::size_t size, bool small);
   Block* try_allocate_releasing(StreamPools& sp, std::size_t size, bool small);
-  Block* steal(StreamPools& sp, std::size_t size, bool small);
-  void refresh_fence(StreamPools& sp);
   Block* choose_fit(detail::BlockPool& pool, std::size_t size, bool& at_end) const;
   Block* carve_tail(Block* b, std::size_t tail);
   void split(Block* b, std::size_t size);
   void insert_free(Block* b, bool is_new_free);
   void merge_into(Block* front, Block* back);
+  void flush_quick(StreamPools& sp);
+  void flush_all_quick();
+  void* finish_allocation(Block* b, std::size_t bytes, int tag);
+
+  // --- stream_ordering.cpp ------------------------------------------------------------
+  Block* steal(StreamPools& sp, std::size_t size, bool small);
+  void refresh_fence(StreamPools& sp);
   // release_stream's work (Note [Released streams]); lock and every cache mutex held.
   std::size_t release_stream_locked(Stream s);
   // Moves every block of sp (free, pending or live) to `released`; sp then holds nothing.
   void retire_pools(StreamPools& sp);
-  void flush_quick(StreamPools& sp);
-  void flush_all_quick();
+
+  // --- frees.cpp ----------------------------------------------------------------------
   // One event recorded on each stream that used b besides its owner (its record_stream
   // streams, and `freeing` if `foreign`). If recording fails, none: the device was
   // synchronized instead (Note [Free after a lost stream]); if that fails too, a
@@ -104,7 +111,6 @@ struct __attribute__((visibility("hidden"))) CachingAllocator::Impl {
   // record_free_events' fallback: device_synchronize, counted and said once.
   void synchronize_instead_of_events(const Block& b, const BackendError& record_error);
   void process_pending(bool wait);
-  void* finish_allocation(Block* b, std::size_t bytes, int tag);
   std::string describe_bad_free(const void* ptr, std::size_t bytes) const;
   std::string describe_wrong_size(const void* ptr, std::size_t bytes, std::size_t requested) const;
   std::string describe_double_free(const void* ptr, std::size_t bytes) const;

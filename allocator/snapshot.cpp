@@ -1,6 +1,7 @@
 // What the caching allocator reports about itself: the stats struct, the OOM message
-// (c10-style: the request, the device, memory broken down, per-tag usage, a suggestion)
-// and the JSON snapshot of segments and blocks. JSON is written by hand; every string
+// (c10-style: the request, the device, memory broken down, per-tag usage, a suggestion),
+// the JSON snapshot of segments and blocks, and the public queries (stats, sizes of live
+// allocations, backed ranges). JSON is written by hand; every string
 // that can come from a user (tag names) is escaped.
 #include <algorithm>
 #include <cinttypes>
@@ -13,6 +14,7 @@
 #include "allocator/caching_allocator_impl.h"
 #include "allocator/errors.h"
 #include "allocator/tags.h"
+#include "allocator/thread_cache.h"
 
 namespace tidepool {
 
@@ -334,5 +336,85 @@ std::string CachingAllocator::Impl::snapshot_json() const {
   os << "]}";
   return os.str();
 }
+
+// ============================================================================ queries
+
+AllocatorStats CachingAllocator::stats() const {
+  std::lock_guard lock(impl_->mutex);
+  const auto cache_locks = impl_->lock_thread_caches();
+  impl_->fold_locked_thread_caches();
+  return impl_->compute_stats();
+}
+
+CachingAllocator::BytesInUse CachingAllocator::bytes_in_use() const {
+  std::lock_guard lock(impl_->mutex);
+  const auto cache_locks = impl_->lock_thread_caches();
+  impl_->fold_locked_thread_caches();
+  return {impl_->stats.allocated.current, impl_->stats.reserved.current};
+}
+
+std::size_t CachingAllocator::largest_free_block() const {
+  std::lock_guard lock(impl_->mutex);
+  const auto cache_locks = impl_->lock_thread_caches();
+  return impl_->largest_free_backed();
+}
+
+MappingStats CachingAllocator::mapping_stats() const {
+  std::lock_guard lock(impl_->mutex);
+  return impl_->mapping;
+}
+
+void CachingAllocator::reset_peak_stats() {
+  std::lock_guard lock(impl_->mutex);
+  const auto cache_locks = impl_->lock_thread_caches();
+  impl_->fold_locked_thread_caches();
+  AllocatorStats& s = impl_->stats;
+  s.allocated.reset_peak();
+  s.requested.reset_peak();
+  s.reserved.reset_peak();
+  s.allocations.reset_peak();
+  s.segments.reset_peak();
+  for (TagStats& t : s.tags) t.bytes.reset_peak();
+}
+
+std::string CachingAllocator::snapshot_json() const {
+  std::lock_guard lock(impl_->mutex);
+  const auto cache_locks = impl_->lock_thread_caches();
+  impl_->fold_locked_thread_caches();
+  return impl_->snapshot_json();
+}
+
+std::vector<MemoryRange> CachingAllocator::backed_ranges() const {
+  std::lock_guard lock(impl_->mutex);
+  const auto cache_locks = impl_->lock_thread_caches();
+  return impl_->backed_ranges();
+}
+
+// The live block at ptr, or nullptr; impl's mutex held. A block parked in a thread cache
+// is free to its callers (its holder's mutex is taken to tell).
+static const detail::Block* live_block(const CachingAllocator::Impl& m, const void* ptr) {
+  auto it = m.blocks.find(ptr);
+  if (it == m.blocks.end() || it->second->state != BlockState::allocated) return nullptr;
+  const detail::Block* b = it->second;
+  if (b->holder == nullptr) return b;
+  std::lock_guard cache_lock(b->holder->mutex);
+  return b->in_thread_cache ? nullptr : b;
+}
+
+std::size_t CachingAllocator::allocation_size(const void* ptr) const {
+  std::lock_guard lock(impl_->mutex);
+  const detail::Block* b = live_block(*impl_, ptr);
+  return b != nullptr ? b->requested : 0;
+}
+
+std::size_t CachingAllocator::block_size(const void* ptr) const {
+  std::lock_guard lock(impl_->mutex);
+  const detail::Block* b = live_block(*impl_, ptr);
+  return b != nullptr ? b->size : 0;
+}
+
+Backend& CachingAllocator::backend() const { return *impl_->backend; }
+int CachingAllocator::device() const { return impl_->device; }
+const AllocatorOptions& CachingAllocator::options() const { return impl_->options; }
 
 }  // namespace tidepool

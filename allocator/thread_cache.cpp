@@ -1,7 +1,7 @@
 // Per-thread caches of the caching allocator: finding the calling thread's cache,
 // draining caches back into the shared pools, folding their statistics, and cleaning up
 // at thread exit and allocator destruction. The fast paths themselves are in
-// caching_allocator.cpp (allocate / deallocate), the lists in thread_cache.h.
+// caching_allocator.cpp (allocate) and frees.cpp (deallocate), the lists in thread_cache.h.
 //
 // Note [Thread caches]
 // With one mutex per device, 8 threads doing cached alloc+free pairs spent 559 ns per

@@ -1,7 +1,7 @@
 // Backend calls that fail after the allocator holds memory or events (Note [Failed frees]
-// in caching_allocator.cpp): recording a free's events (and the device synchronization
-// that replaces them, Note [Free after a lost stream]), querying pending events, giving
-// cached memory back. Each failure must leave the allocator consistent: a clear error,
+// in frees.cpp): recording a free's events (and the device synchronization that replaces
+// them, Note [Free after a lost stream]), querying pending events, giving cached memory
+// back (Note [Unreleased handles] in segments.cpp). Each failure must leave the allocator consistent: a clear error,
 // the stats as true as before, no block lost or doubled, nothing leaked, and the same
 // operation working once the backend does again. Host backend behind a FaultBackend
 // (fault_backend.h) that fails the chosen calls.
