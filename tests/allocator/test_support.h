@@ -43,7 +43,12 @@ inline std::unique_ptr<Backend> make_backend(const std::string& kind,
 class StreamHold {
  public:
   StreamHold(Backend& b, Stream s) { b.launch_host_func(s, &StreamHold::wait, this); }
-  ~StreamHold() { release(); }
+  // The host function reads this object until it returns: the object must outlive it (the
+  // stream's worker otherwise spins on freed stack memory, which may never read "open").
+  ~StreamHold() {
+    release();
+    while (!finished_.load()) std::this_thread::sleep_for(std::chrono::microseconds(100));
+  }
   StreamHold(const StreamHold&) = delete;
   StreamHold& operator=(const StreamHold&) = delete;
   void release() { open_.store(true); }
@@ -52,8 +57,10 @@ class StreamHold {
   static void wait(void* self) {
     auto* h = static_cast<StreamHold*>(self);
     while (!h->open_.load()) std::this_thread::sleep_for(std::chrono::microseconds(100));
+    h->finished_.store(true);  // the last access to *h
   }
   std::atomic<bool> open_{false};
+  std::atomic<bool> finished_{false};
 };
 
 // Minimal recursive-descent JSON validator (RFC 8259 grammar, no semantic checks).
