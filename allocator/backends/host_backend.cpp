@@ -140,6 +140,8 @@ class HostBackend final : public Backend {
   std::mutex handles_mutex_;
   std::shared_ptr<HostStream> default_stream_;
   std::unordered_map<void*, std::shared_ptr<HostStream>> streams_;
+  // Destroyed, their handles dead, their queued work still running (do_destroy_stream).
+  std::vector<std::shared_ptr<HostStream>> draining_streams_;
   std::unordered_map<void*, std::shared_ptr<HostEvent>> events_;
   std::uint64_t streams_created_ = 0;
 
@@ -197,9 +199,10 @@ std::shared_ptr<HostEvent> HostBackend::event_of(const char* op, Event e) {
 std::vector<std::shared_ptr<HostStream>> HostBackend::all_streams() {
   std::lock_guard lock(handles_mutex_);
   std::vector<std::shared_ptr<HostStream>> out;
-  out.reserve(streams_.size() + 1);
+  out.reserve(streams_.size() + draining_streams_.size() + 1);
   if (default_stream_) out.push_back(default_stream_);
   for (auto& [handle, stream] : streams_) out.push_back(stream);
+  out.insert(out.end(), draining_streams_.begin(), draining_streams_.end());
   return out;
 }
 
@@ -280,7 +283,20 @@ void HostBackend::do_destroy_stream(Stream s) {
       fail("destroy_stream", "unknown stream " + hex(s.handle) + " (already destroyed?)");
     stream = std::move(it->second);
     streams_.erase(it);
+    // As with cudaStreamDestroy, the handle is dead now but its queued work still runs,
+    // and a device_synchronize meanwhile waits for it (the allocator's free after a lost
+    // stream relies on that: Note [Free after a lost stream]).
+    draining_streams_.push_back(stream);
   }
+  struct Drained {
+    HostBackend& backend;
+    const HostStream* stream;
+    ~Drained() {
+      std::lock_guard lock(backend.handles_mutex_);
+      std::erase_if(backend.draining_streams_,
+                    [this](const auto& s) { return s.get() == stream; });
+    }
+  } drained{*this, stream.get()};
   // Drained here (and joined once the last reference goes); a failure of its work is
   // reported now rather than lost.
   stream->synchronize();
