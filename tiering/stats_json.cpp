@@ -142,6 +142,8 @@ std::string to_json(const VmmStats& s) {
       .num("device_budget_bytes", ull(s.device_budget_bytes))
       .num("budget_stops", ull(s.budget_stops))
       .num("bytes_left_on_host", ull(s.bytes_left_on_host))
+      .num("deferred_releases", ull(s.deferred_releases))
+      .num("deferred_release_bytes", ull(s.deferred_release_bytes))
       .done();
 }
 

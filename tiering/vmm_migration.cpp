@@ -42,6 +42,14 @@ VmmPool::~VmmPool() {
     }
   }
   ranges_.clear();
+  for (const DeferredRelease& d : deferred_releases_) {
+    teardown.attempt("releasing a backing whose release failed before",
+                     [&] { backend_.release_physical(d.physical, d.bytes); });
+  }
+  deferred_releases_.clear();
+  if (scratch_mapped_bytes_ > 0) {
+    teardown.attempt("unmapping the scratch range", [&] { unmap_scratch_locked(); });
+  }
   teardown.attempt("releasing the scratch range",
                    [&] { backend_.release_address(scratch_, scratch_bytes_); });
   teardown.attempt("destroying the sync event", [&] { backend_.destroy_event(sync_event_); });
@@ -61,23 +69,101 @@ const VmmPool::Range* VmmPool::find_locked(const void* ptr) const {
   return p < r.base + r.bytes ? &r : nullptr;
 }
 
+// Chunks are dropped from the range (and from the stats) as they are unmapped, so a
+// deallocate that stops at a failed unmap leaves a range a later one can go on with.
 void VmmPool::release_range_locked(Range& r, Teardown* teardown) {
   // Throws at the first failure, or with a Teardown records it and goes on.
   auto step = [teardown](const char* what, auto&& fn) {
-    if (teardown == nullptr) {
-      fn();
-    } else {
+    if (teardown != nullptr) {
       teardown->attempt(what, fn);
+      return;
+    }
+    try {
+      fn();
+    } catch (const BackendError& e) {
+      throw TieringError(std::string("vmm pool: ") + what + " failed (the range stays allocated "
+                         "with what is still mapped; deallocate again): " + e.what());
     }
   };
-  for (Chunk& c : r.chunks) {
-    step("unmapping a chunk", [&] { backend_.unmap(r.base + c.offset, c.bytes); });
-    step("releasing a chunk's backing", [&] { backend_.release_physical(c.physical, c.bytes); });
+  while (!r.chunks.empty()) {
+    const Chunk c = r.chunks.back();
+    // In a teardown a failed unmap still releases the handle: the mapping keeps its memory
+    // until the process ends, as a mapping may outlive its handle.
+    if (c.mapped) step("unmapping a chunk", [&] { backend_.unmap(r.base + c.offset, c.bytes); });
+    r.chunks.pop_back();
+    if (!c.mapped) unmapped_chunks_--;
     (c.where == MemoryLocation::device ? stats_.device_backed_bytes : stats_.host_backed_bytes) -=
         c.bytes;
+    if (teardown != nullptr) {
+      teardown->attempt("releasing a chunk's backing",
+                        [&] { backend_.release_physical(c.physical, c.bytes); });
+    } else {
+      release_or_defer_locked(c.physical, c.bytes);
+    }
   }
   step("releasing a range's address space", [&] { backend_.release_address(r.base, r.bytes); });
   stats_.ranges--;
+}
+
+// Note [Deferred releases]
+// A backing the pool no longer uses (the old one once a migration has mapped the new one
+// in its place, the new one after a failed step, a freed range's) is released at once.
+// When the backend fails that release, the handle is not dropped: it goes on
+// deferred_releases_, and every later call that changes the pool (allocate, deallocate,
+// migrate, migrate_tag) retries it first, as the destructor does a last time. A failed
+// release is not the caller's failure (the move or the free it asked for is done, and
+// every chunk's record names the backing mapped at its address), so it throws nothing;
+// the stats count what is waiting. A release that threw is taken not to have happened,
+// so each handle is released exactly once.
+// The same repair (repair_locked) unmaps the scratch range when that unmap failed (the
+// next migration maps there), and maps a chunk's backing again when a failed migration
+// could map neither the new nor the old backing at the chunk's address: the chunk keeps
+// the old backing, which holds its data, so the bytes are back at the same address after
+// the next call; until then a migrate of that range throws.
+void VmmPool::release_or_defer_locked(PhysicalHandle physical, std::size_t bytes) {
+  try {
+    backend_.release_physical(physical, bytes);
+  } catch (const BackendError&) {
+    deferred_releases_.push_back(DeferredRelease{physical, bytes});
+  }
+}
+
+// What fails again stays for the next call (Note [Deferred releases]).
+void VmmPool::repair_locked() {
+  if (scratch_mapped_bytes_ > 0) {
+    try {
+      // A copy into it may still run when the synchronize after it failed.
+      backend_.stream_synchronize(stream_);
+      unmap_scratch_locked();
+    } catch (const BackendError&) {
+    }
+  }
+  if (unmapped_chunks_ > 0) {
+    for (auto& [base, r] : ranges_) {
+      for (Chunk& c : r.chunks) {
+        if (c.mapped) continue;
+        try {
+          backend_.map(r.base + c.offset, c.bytes, c.physical);
+          c.mapped = true;
+          unmapped_chunks_--;
+        } catch (const BackendError&) {
+        }
+      }
+    }
+  }
+  std::erase_if(deferred_releases_, [&](const DeferredRelease& d) {
+    try {
+      backend_.release_physical(d.physical, d.bytes);
+      return true;
+    } catch (const BackendError&) {
+      return false;
+    }
+  });
+}
+
+void VmmPool::unmap_scratch_locked() {
+  backend_.unmap(scratch_, scratch_mapped_bytes_);
+  scratch_mapped_bytes_ = 0;
 }
 
 void* VmmPool::allocate(std::size_t bytes, int tag, MemoryLocation where) {
@@ -88,24 +174,28 @@ void* VmmPool::allocate(std::size_t bytes, int tag, MemoryLocation where) {
   const std::size_t g = backend_.granularity();
   const std::size_t total = round_up(bytes, g);
   std::lock_guard lock(mutex_);
+  repair_locked();
   Range r;
   r.bytes = total;
   r.tag = tag;
   r.sequence = next_sequence_++;
-  // Undoes a half-built range: unmaps and releases the chunks made so far.
-  auto unwind = [&] {
-    for (Chunk& c : r.chunks) {
-      backend_.unmap(r.base + c.offset, c.bytes);
-      backend_.release_physical(c.physical, c.bytes);
-    }
-    backend_.release_address(r.base, total);
-  };
   try {
     r.base = static_cast<char*>(backend_.reserve_address(total));
   } catch (const BackendError& e) {
     throw TieringError(std::string("vmm pool: reserving ") + std::to_string(total) +
                        " bytes of address space failed: " + e.what());
   }
+  stats_.ranges++;  // counted out by release_range_locked, as the backed bytes below
+  // Undoes a half-built range. One that cannot be undone (an unmap fails) stays in the
+  // pool, which frees it at its destruction: nothing is lost.
+  auto unwind = [&] {
+    try {
+      release_range_locked(r);
+    } catch (const TieringError&) {
+      char* base = r.base;
+      ranges_.emplace(base, std::move(r));
+    }
+  };
   try {
     for (std::size_t off = 0; off < total; off += scratch_bytes_) {
       const std::size_t n = std::min(scratch_bytes_, total - off);
@@ -117,19 +207,18 @@ void* VmmPool::allocate(std::size_t bytes, int tag, MemoryLocation where) {
       try {
         backend_.map(r.base + off, n, h);
       } catch (...) {
-        backend_.release_physical(h, n);
+        release_or_defer_locked(h, n);
         throw;
       }
       r.chunks.push_back(Chunk{off, n, h, where});
+      (where == MemoryLocation::device ? stats_.device_backed_bytes : stats_.host_backed_bytes) +=
+          n;
     }
   } catch (const BackendError& e) {
     unwind();
     throw TieringError(std::string("vmm pool: allocate of ") + std::to_string(bytes) +
                        " bytes failed: " + e.what());
   }
-  (where == MemoryLocation::device ? stats_.device_backed_bytes : stats_.host_backed_bytes) +=
-      total;
-  stats_.ranges++;
   char* base = r.base;
   ranges_.emplace(base, std::move(r));
   return base;
@@ -137,6 +226,7 @@ void* VmmPool::allocate(std::size_t bytes, int tag, MemoryLocation where) {
 
 void VmmPool::deallocate(void* ptr) {
   std::lock_guard lock(mutex_);
+  repair_locked();
   auto it = ranges_.find(static_cast<const char*>(ptr));
   if (it == ranges_.end()) {
     throw TieringError("vmm pool: deallocate of a pointer it does not own (or not a range base)");
@@ -186,6 +276,7 @@ MigrationResult VmmPool::migrate(const void* ptr, MemoryLocation to) {
   const std::optional<std::size_t> budget =
       to == MemoryLocation::device ? device_budget_bytes() : std::nullopt;
   std::lock_guard lock(mutex_);
+  repair_locked();
   Range* r = find_locked(ptr);
   if (r == nullptr) throw TieringError("vmm pool: migrate of a pointer it does not own");
   return migrate_locked(*r, to, budget);
@@ -195,6 +286,13 @@ MigrationResult VmmPool::migrate_locked(Range& r, MemoryLocation to,
                                         std::optional<std::size_t> budget) {
   MigrationResult result;
   result.ranges = 1;
+  for (const Chunk& c : r.chunks) {
+    if (!c.mapped) {  // its data is not at the address to copy from
+      throw TieringError("vmm pool: migrate: a chunk of the range could not be mapped back "
+                         "after an earlier failure; its data is kept and mapped again at a "
+                         "later call");
+    }
+  }
   wait_for_users_locked(r);
   const auto t0 = std::chrono::steady_clock::now();
   try {
@@ -226,7 +324,8 @@ MigrationResult VmmPool::migrate_locked(Range& r, MemoryLocation to,
 
 // One chunk: new backing in `to`, filled through the scratch VA, swapped in at the
 // original address. Every failure path leaves the old backing mapped at the original
-// address and releases what it created.
+// address (or, when even that map fails, kept for repair_locked) and gives back what it
+// created; releases that fail are deferred (Note [Deferred releases]).
 void VmmPool::migrate_chunk_locked(Range& r, Chunk& c, MemoryLocation to) {
   char* va = r.base + c.offset;
   PhysicalHandle fresh;
@@ -241,37 +340,56 @@ void VmmPool::migrate_chunk_locked(Range& r, Chunk& c, MemoryLocation to) {
                        " memory for a " + std::to_string(c.bytes) +
                        "-byte chunk (data stays where it was)");
   }
+  // Gives `fresh` back and throws: the data stays in the old backing, mapped at `va`.
+  auto abandon = [&](const char* what, const BackendError& e) {
+    release_or_defer_locked(fresh, c.bytes);
+    throw TieringError(std::string("vmm pool: migrate: ") + what +
+                       " failed (data stays where it was): " + e.what());
+  };
   try {
     backend_.map(scratch_, c.bytes, fresh);
   } catch (const BackendError& e) {
-    backend_.release_physical(fresh, c.bytes);
-    throw TieringError(std::string("vmm pool: migrate: mapping the new backing failed (data "
-                                   "stays where it was): ") + e.what());
+    abandon("mapping the new backing", e);
   }
+  scratch_mapped_bytes_ = c.bytes;
   try {
     backend_.copy_async(scratch_, va, c.bytes, CopyKind::device_to_device, stream_);
     backend_.stream_synchronize(stream_);
   } catch (const BackendError& e) {
     try {
       backend_.stream_synchronize(stream_);
+      unmap_scratch_locked();
     } catch (const BackendError&) {
+      // repair_locked unmaps the scratch range at the next call
     }
-    backend_.unmap(scratch_, c.bytes);
-    backend_.release_physical(fresh, c.bytes);
-    throw TieringError(std::string("vmm pool: migrate: copy failed (data stays where it "
-                                   "was): ") + e.what());
+    abandon("copy", e);
   }
-  backend_.unmap(scratch_, c.bytes);
-  backend_.unmap(va, c.bytes);
+  try {
+    unmap_scratch_locked();
+  } catch (const BackendError& e) {
+    abandon("unmapping the scratch range", e);
+  }
+  try {
+    backend_.unmap(va, c.bytes);
+  } catch (const BackendError& e) {
+    abandon("unmapping the original address", e);
+  }
   try {
     backend_.map(va, c.bytes, fresh);
   } catch (const BackendError& e) {
-    backend_.map(va, c.bytes, c.physical);  // put the old backing back
-    backend_.release_physical(fresh, c.bytes);
-    throw TieringError(std::string("vmm pool: migrate: remapping the original address "
-                                   "failed (old backing restored): ") + e.what());
+    try {
+      backend_.map(va, c.bytes, c.physical);  // put the old backing back
+    } catch (const BackendError&) {
+      c.mapped = false;
+      unmapped_chunks_++;
+    }
+    release_or_defer_locked(fresh, c.bytes);
+    throw TieringError(std::string("vmm pool: migrate: remapping the original address failed (") +
+                       (c.mapped ? "old backing restored"
+                                 : "old backing kept, mapped there again at the next call") +
+                       "): " + e.what());
   }
-  backend_.release_physical(c.physical, c.bytes);
+  const PhysicalHandle old = c.physical;
   (c.where == MemoryLocation::device ? stats_.device_backed_bytes : stats_.host_backed_bytes) -=
       c.bytes;
   (to == MemoryLocation::device ? stats_.device_backed_bytes : stats_.host_backed_bytes) +=
@@ -285,6 +403,7 @@ void VmmPool::migrate_chunk_locked(Range& r, Chunk& c, MemoryLocation to) {
   }
   c.physical = fresh;
   c.where = to;
+  release_or_defer_locked(old, c.bytes);
 }
 
 MigrationResult VmmPool::migrate_tag(int tag, MemoryLocation to) {
@@ -296,6 +415,7 @@ MigrationResult VmmPool::migrate_tag(int tag, MemoryLocation to) {
   std::vector<std::pair<std::uint64_t, const char*>> order;
   {
     std::lock_guard lock(mutex_);
+    repair_locked();
     for (auto& [base, r] : ranges_) {
       if (r.tag == tag) order.emplace_back(r.sequence, base);
     }
@@ -346,6 +466,8 @@ VmmStats VmmPool::stats() const {
   const std::optional<std::size_t> budget = device_budget_bytes();
   std::lock_guard lock(mutex_);
   VmmStats s = stats_;
+  s.deferred_releases = deferred_releases_.size();
+  for (const DeferredRelease& d : deferred_releases_) s.deferred_release_bytes += d.bytes;
   s.has_device_budget = budget.has_value();
   s.device_budget_bytes = budget.value_or(0);
   return s;

@@ -12,6 +12,8 @@
 // The virtual address never changes. A failure at any step (no memory in `to`, a copy
 // or map that fails) undoes that chunk's step and throws TieringError; chunks moved
 // before the failure stay moved, and every byte stays readable at the same address.
+// A backing whose release fails is kept and released at a later call (Note [Deferred
+// releases] in vmm_migration.cpp): no physical memory is lost or released twice.
 //
 // Note [VMM device budget]
 // Moving state to the device (a prefetch before the optimizer step) respects a device
@@ -64,6 +66,10 @@ struct VmmStats {
   std::uint64_t device_budget_bytes = 0;  // when has_device_budget
   std::uint64_t budget_stops = 0;         // migrations to the device it cut short
   std::uint64_t bytes_left_on_host = 0;   // bytes those migrations left on the host
+  // Note [Deferred releases] in vmm_migration.cpp: backings no longer in use whose release
+  // failed, retried at every later call.
+  std::uint64_t deferred_releases = 0;
+  std::uint64_t deferred_release_bytes = 0;
 };
 
 struct VmmPoolOptions {
@@ -100,8 +106,9 @@ class TIDEPOOL_API VmmPool {
   // (bytes == 0) and BackendError-caused failures (as TieringError).
   void* allocate(std::size_t bytes, int tag, MemoryLocation where = MemoryLocation::device);
   // Waits for the streams recorded as users (record_use), then unmaps and releases the
-  // range. Pre: ptr came from allocate(). Throws TieringError for a
-  // pointer the pool does not own.
+  // range. Pre: ptr came from allocate(). Throws TieringError for a pointer the pool does
+  // not own, and when an unmap fails: the range then stays allocated, less what was
+  // already unmapped, and a later deallocate goes on from there.
   void deallocate(void* ptr);
 
   // Notes that work on `stream` uses the range holding `ptr`; every later migrate() and
@@ -113,7 +120,9 @@ class TIDEPOOL_API VmmPool {
   void release_stream(Stream stream);
   // Moves the range holding `ptr` to `to`, keeping its address: all of it to the host;
   // to the device as much as the device budget allows (Note [VMM device budget]).
-  // Throws TieringError (unknown pointer, a failed step; data stays readable).
+  // Throws TieringError (unknown pointer, a failed step; data stays readable at the same
+  // address, or again from the next call when a failed remap could map neither backing
+  // there: Note [Deferred releases] in vmm_migration.cpp).
   MigrationResult migrate(const void* ptr, MemoryLocation to);
   // migrate() for every range with `tag`, in allocation order, oldest first: towards the
   // device as much as fits the budget, so a budget-limited prefetch brings back the
@@ -140,6 +149,13 @@ class TIDEPOOL_API VmmPool {
     std::size_t bytes;
     PhysicalHandle physical;
     MemoryLocation where;
+    // False after a failed migration could not map either backing back (Note [Deferred
+    // releases]): `physical` holds the data and repair_locked maps it again.
+    bool mapped = true;
+  };
+  struct DeferredRelease {
+    PhysicalHandle physical;
+    std::size_t bytes;
   };
   struct Range {
     char* base = nullptr;
@@ -156,6 +172,10 @@ class TIDEPOOL_API VmmPool {
   void migrate_chunk_locked(Range& r, Chunk& c, MemoryLocation to);
   MigrationResult migrate_locked(Range& r, MemoryLocation to, std::optional<std::size_t> budget);
   void release_range_locked(Range& r, Teardown* teardown = nullptr);
+  // Note [Deferred releases].
+  void release_or_defer_locked(PhysicalHandle physical, std::size_t bytes);
+  void repair_locked();
+  void unmap_scratch_locked();
 
   Backend& backend_;
   VmmPoolOptions options_;
@@ -163,6 +183,10 @@ class TIDEPOOL_API VmmPool {
   Event sync_event_;
   void* scratch_ = nullptr;  // reserved VA of one full chunk, where new backing is filled
   std::size_t scratch_bytes_ = 0;
+  std::size_t scratch_mapped_bytes_ = 0;  // > 0 while a backing is mapped at scratch_
+  // Note [Deferred releases].
+  std::vector<DeferredRelease> deferred_releases_;
+  std::size_t unmapped_chunks_ = 0;  // chunks with mapped == false, in all ranges
   mutable std::mutex mutex_;
   std::map<const char*, Range> ranges_;  // by base address
   std::uint64_t next_sequence_ = 0;

@@ -5,10 +5,17 @@
 // fail_after(n) lets n more calls through, then fails all of them, so a test can sweep n
 // and make a teardown fail at each of its steps in turn. The seam's own fault injection
 // (Backend::inject_fault) fails one kind of operation a counted number of times; this
-// one fails everything, for good.
+// one fails everything, for good. fail_calls_to(op, count, skip) fails chosen calls of
+// one operation, of any kind (release_physical, unmap: those inject_fault cannot reach),
+// so a test can fail each call an operation makes in turn. live_physicals() counts the
+// physical handles created and not released, so a test sees one leaked or released twice.
 #pragma once
 
 #include <atomic>
+#include <cstdint>
+#include <map>
+#include <mutex>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -25,9 +32,46 @@ class FailingBackend final : public Backend {
   void fail_after(long calls) { remaining_.store(calls); }
   // Calls that failed so far.
   long failed_calls() const { return failed_.load(); }
+  // Of the next calls to `op` (the Backend method's name: "release_physical"), lets `skip`
+  // through, then fails `count`. Replaces what was set for `op` before; count 0 clears it.
+  void fail_calls_to(const std::string& op, int count, int skip = 0) {
+    std::lock_guard lock(mutex_);
+    if (count <= 0) {
+      chosen_.erase(op);
+    } else {
+      chosen_[op] = ChosenFailures{skip, count};
+    }
+  }
+  // Physical handles created through this backend and not released yet.
+  std::size_t live_physicals() const {
+    std::lock_guard lock(mutex_);
+    return live_.size();
+  }
 
  private:
+  struct ChosenFailures {
+    int skip;
+    int count;
+  };
+
+  // Consumes a failure chosen for `op` by fail_calls_to, if one is due.
+  bool chosen_failure(const char* op) {
+    std::lock_guard lock(mutex_);
+    auto it = chosen_.find(op);
+    if (it == chosen_.end()) return false;
+    if (it->second.skip > 0) {
+      it->second.skip--;
+      return false;
+    }
+    if (--it->second.count == 0) chosen_.erase(it);
+    return true;
+  }
+
   void gate(const char* op) {
+    if (chosen_failure(op)) {
+      failed_.fetch_add(1);
+      throw BackendError(std::string("failing backend: ") + op + ": a chosen failure");
+    }
     if (remaining_.load() < 0) return;
     if (remaining_.fetch_sub(1) > 0) return;
     remaining_.store(0);
@@ -74,11 +118,17 @@ class FailingBackend final : public Backend {
     inner_.release_address(va, b);
   }
   PhysicalHandle do_create_physical(std::size_t b, MemoryLocation w) override {
-    return gate("create_physical"), inner_.create_physical(b, w);
+    gate("create_physical");
+    const PhysicalHandle h = inner_.create_physical(b, w);
+    std::lock_guard lock(mutex_);
+    if (h) live_.insert(h.value);
+    return h;
   }
   void do_release_physical(PhysicalHandle h, std::size_t b) override {
     gate("release_physical");
     inner_.release_physical(h, b);
+    std::lock_guard lock(mutex_);
+    live_.erase(h.value);
   }
   void do_map(void* va, std::size_t b, PhysicalHandle h) override { gate("map"); inner_.map(va, b, h); }
   void do_unmap(void* va, std::size_t b) override { gate("unmap"); inner_.unmap(va, b); }
@@ -94,6 +144,9 @@ class FailingBackend final : public Backend {
   Backend& inner_;
   std::atomic<long> remaining_{-1};
   std::atomic<long> failed_{0};
+  mutable std::mutex mutex_;  // chosen_, live_
+  std::map<std::string, ChosenFailures, std::less<>> chosen_;
+  std::set<std::uint64_t> live_;
 };
 
 }  // namespace tidepool::tiering_test

@@ -1,0 +1,234 @@
+// VmmPool when backend calls fail in the middle of a migration, an allocation or a free:
+// every physical handle is released exactly once, at once or, when its release fails, at
+// a later call (Note [Deferred releases] in vmm_migration.cpp); the pool stays usable;
+// and the data stays intact at the same address. Host backend only: the failures are
+// chosen calls of a wrapper around it (failing_backend.h), which also counts the live
+// physical handles, so a leaked handle or one released twice shows.
+#include <gtest/gtest.h>
+
+#include <exception>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "allocator/c_api.h"
+#include "tests/tiering/failing_backend.h"
+#include "tests/tiering/tiering_test_util.h"
+#include "tiering/tiered_store.h"  // TieringError
+#include "tiering/vmm_migration.h"
+
+namespace tidepool {
+namespace {
+
+using tiering_test::FailingBackend;
+using tiering_test::first_difference;
+using tiering_test::random_bytes;
+
+constexpr int kTag = TIDEPOOL_TAG_OPTIMIZER_STATE;
+
+// The pool runs on backend_; the test's own copies go to the host backend under it, so
+// a failure chosen for the pool never hits them.
+class VmmFailureTest : public ::testing::Test {
+ protected:
+  VmmFailureTest() : inner_(make_host_backend(0)), backend_(*inner_) {
+    stream_ = inner_->create_stream();
+  }
+  ~VmmFailureTest() override { inner_->destroy_stream(stream_); }
+
+  void fill(void* ptr, const std::vector<unsigned char>& data) {
+    inner_->copy_async(ptr, data.data(), data.size(), CopyKind::host_to_device, stream_);
+    inner_->stream_synchronize(stream_);
+  }
+  long difference(const void* ptr, const std::vector<unsigned char>& data) {
+    std::vector<unsigned char> seen(data.size());
+    inner_->copy_async(seen.data(), ptr, seen.size(), CopyKind::device_to_host, stream_);
+    inner_->stream_synchronize(stream_);
+    return first_difference(seen.data(), data.data(), data.size());
+  }
+  // Runs `operation`, which may fail only with a TieringError; returns its message ("" if
+  // it succeeded).
+  template <typename Operation>
+  std::string failure_of(Operation&& operation, const std::string& what) {
+    try {
+      operation();
+    } catch (const TieringError& e) {
+      return e.what();
+    } catch (const std::exception& e) {
+      ADD_FAILURE() << what << ": not a TieringError: " << e.what();
+      return e.what();
+    }
+    return "";
+  }
+
+  std::unique_ptr<Backend> inner_;
+  FailingBackend backend_;
+  Stream stream_;
+};
+
+// Each backend call a migration to the host makes fails in turn (once, or twice in a row:
+// a failed map and the map that puts the old backing back). Whatever failed, the bytes
+// are at the same address (at once, or after the next call when neither backing could be
+// mapped there), the next migration completes, and exactly the range's one backing is
+// alive: none leaked, none released twice.
+TEST_F(VmmFailureTest, EveryFailedCallOfAMigrationLeavesTheDataAndNoHandleBehind) {
+  const std::size_t n = 2 * backend_.granularity();  // one chunk
+  const auto data = random_bytes(n, 41);
+  for (const char* op : {"create_physical", "map", "copy_async", "stream_synchronize", "unmap",
+                         "release_physical"}) {
+    for (int count : {1, 2}) {
+      for (int skip = 0;; ++skip) {
+        const std::string where = std::string(op) + " x" + std::to_string(count) + " after " +
+                                  std::to_string(skip);
+        VmmPool pool(backend_);
+        void* p = pool.allocate(n, kTag);
+        ASSERT_NE(p, nullptr) << where;
+        fill(p, data);
+        const long failed_before = backend_.failed_calls();
+        backend_.fail_calls_to(op, count, skip);
+        const std::string failure = failure_of([&] { pool.migrate(p, MemoryLocation::host); }, where);
+        backend_.fail_calls_to(op, 0);
+        const bool any_failed = backend_.failed_calls() > failed_before;
+        if (!failure.empty()) {
+          EXPECT_EQ(pool.bytes_in(p, MemoryLocation::device), n) << where << ": " << failure;
+          if (failure.find("at the next call") == std::string::npos) {
+            EXPECT_EQ(difference(p, data), -1) << where << ": " << failure;
+          }
+        } else {  // a failed release is not the migration's failure
+          EXPECT_EQ(pool.bytes_in(p, MemoryLocation::host), n) << where;
+          EXPECT_EQ(difference(p, data), -1) << where;
+        }
+
+        EXPECT_EQ(failure_of([&] { pool.migrate(p, MemoryLocation::host); }, where), "") << where;
+        EXPECT_EQ(pool.bytes_in(p, MemoryLocation::host), n) << where;
+        EXPECT_EQ(difference(p, data), -1) << where;
+        EXPECT_EQ(pool.stats().deferred_releases, 0u) << where;
+        EXPECT_EQ(backend_.live_physicals(), 1u) << where;
+        EXPECT_EQ(failure_of([&] { pool.deallocate(p); }, where), "") << where;
+        EXPECT_EQ(backend_.live_physicals(), 0u) << where;
+        if (!any_failed) break;  // `skip` passed the op's last call in a migration
+      }
+    }
+  }
+}
+
+// A release that keeps failing stays deferred: the retries at later calls do not lose the
+// handle, and the pool's destruction releases it at last.
+TEST_F(VmmFailureTest, AReleaseThatFailsAgainIsRetriedUntilTheTeardown) {
+  const std::size_t n = 2 * backend_.granularity();
+  const auto data = random_bytes(n, 42);
+  {
+    VmmPool pool(backend_);
+    void* p = pool.allocate(n, kTag);
+    fill(p, data);
+    backend_.fail_calls_to("release_physical", 2);  // the old backing's, then the retry
+    pool.migrate(p, MemoryLocation::host);
+    VmmStats s = pool.stats();
+    EXPECT_EQ(s.deferred_releases, 1u);
+    EXPECT_EQ(s.deferred_release_bytes, n);
+    EXPECT_EQ(s.host_backed_bytes, n);
+    EXPECT_EQ(s.device_backed_bytes, 0u);
+    EXPECT_EQ(backend_.live_physicals(), 2u);
+
+    pool.migrate(p, MemoryLocation::device);  // the retry fails again; the move does not
+    EXPECT_EQ(pool.stats().deferred_releases, 1u);
+    EXPECT_EQ(pool.bytes_in(p, MemoryLocation::device), n);
+    EXPECT_EQ(difference(p, data), -1);
+    EXPECT_EQ(backend_.live_physicals(), 2u);
+
+    backend_.fail_calls_to("release_physical", 1, 1);  // the range's own release fails
+    pool.deallocate(p);  // retries the deferred one first, then defers the range's
+    EXPECT_FALSE(pool.owns(p));
+    EXPECT_EQ(pool.stats().ranges, 0u);
+    EXPECT_EQ(pool.stats().deferred_releases, 1u);
+    EXPECT_EQ(backend_.live_physicals(), 1u);
+  }
+  EXPECT_EQ(backend_.live_physicals(), 0u);  // released by the destructor
+}
+
+// A failed copy whose scratch unmap fails too: the scratch range is unmapped at the next
+// call, so the pool can still migrate (it maps every new backing there first).
+TEST_F(VmmFailureTest, AScratchRangeLeftMappedIsUnmappedAtTheNextCall) {
+  const std::size_t n = 2 * backend_.granularity();
+  const auto data = random_bytes(n, 43);
+  VmmPool pool(backend_);
+  void* p = pool.allocate(n, kTag);
+  fill(p, data);
+  backend_.fail_calls_to("copy_async", 1);
+  backend_.fail_calls_to("unmap", 1);
+  backend_.fail_calls_to("release_physical", 1);
+  EXPECT_THROW(pool.migrate(p, MemoryLocation::host), TieringError);
+  EXPECT_EQ(pool.stats().deferred_releases, 1u);
+  EXPECT_EQ(difference(p, data), -1);
+  for (MemoryLocation to : {MemoryLocation::host, MemoryLocation::device}) {
+    EXPECT_NO_THROW(pool.migrate(p, to));
+    EXPECT_EQ(pool.bytes_in(p, to), n);
+    EXPECT_EQ(difference(p, data), -1);
+  }
+  EXPECT_EQ(pool.stats().deferred_releases, 0u);
+  EXPECT_EQ(backend_.live_physicals(), 1u);
+  pool.deallocate(p);
+  EXPECT_EQ(backend_.live_physicals(), 0u);
+}
+
+// Each call a deallocate makes fails in turn: the range is freed (at once, or by the
+// deallocate called again after a failed unmap), and every backing is released once the
+// next call has retried what failed.
+TEST_F(VmmFailureTest, AFailedDeallocateCanBeRetriedAndLeaksNothing) {
+  const std::size_t g = backend_.granularity();
+  const std::size_t n = (VmmPool::kChunkGranules + 2) * g;  // two chunks
+  for (const char* op : {"unmap", "release_physical", "release_address"}) {
+    for (int skip = 0;; ++skip) {
+      const std::string where = std::string(op) + " after " + std::to_string(skip);
+      VmmPool pool(backend_);
+      void* p = pool.allocate(n, kTag);
+      void* other = pool.allocate(g, kTag);
+      ASSERT_TRUE(p && other) << where;
+      const long failed_before = backend_.failed_calls();
+      backend_.fail_calls_to(op, 1, skip);
+      const std::string failure = failure_of([&] { pool.deallocate(p); }, where);
+      backend_.fail_calls_to(op, 0);
+      const bool any_failed = backend_.failed_calls() > failed_before;
+      EXPECT_EQ(pool.owns(p), !failure.empty()) << where << ": " << failure;
+      if (pool.owns(p)) {
+        EXPECT_EQ(failure_of([&] { pool.deallocate(p); }, where), "") << where;
+      }
+      EXPECT_FALSE(pool.owns(p)) << where;
+      EXPECT_EQ(pool.stats().ranges, 1u) << where;
+      EXPECT_EQ(pool.stats().device_backed_bytes, g) << where;
+      EXPECT_EQ(failure_of([&] { pool.migrate(other, MemoryLocation::host); }, where), "") << where;
+      EXPECT_EQ(pool.stats().deferred_releases, 0u) << where;
+      EXPECT_EQ(backend_.live_physicals(), 1u) << where;  // other's
+      pool.deallocate(other);
+      if (!any_failed) break;
+    }
+  }
+  EXPECT_EQ(backend_.live_physicals(), 0u);
+}
+
+// An allocation that fails half-way gives back what it built, even when that fails too.
+TEST_F(VmmFailureTest, AFailedAllocationGivesBackItsBackingsEvenWhenTheirReleaseFails) {
+  const std::size_t g = backend_.granularity();
+  const std::size_t n = (VmmPool::kChunkGranules + 2) * g;  // two chunks
+  {
+    VmmPool pool(backend_);
+    backend_.fail_calls_to("map", 1, 1);               // the second chunk's
+    backend_.fail_calls_to("release_physical", 1);     // its backing's release
+    EXPECT_THROW(pool.allocate(n, kTag), TieringError);
+    EXPECT_EQ(pool.stats().ranges, 0u);
+    EXPECT_EQ(pool.stats().device_backed_bytes, 0u);
+    EXPECT_EQ(pool.stats().deferred_releases, 1u);
+    EXPECT_EQ(backend_.live_physicals(), 1u);
+
+    // Undoing fails as well (the first chunk's unmap): the pool keeps the half-built
+    // range, and frees it when it is destroyed.
+    backend_.fail_calls_to("map", 1, 1);
+    backend_.fail_calls_to("unmap", 1);
+    EXPECT_THROW(pool.allocate(n, kTag), TieringError);
+    EXPECT_EQ(pool.stats().deferred_releases, 0u);  // retried at the start of the call
+    EXPECT_EQ(backend_.live_physicals(), 1u);       // the kept range's first chunk
+  }
+  EXPECT_EQ(backend_.live_physicals(), 0u);
+}
+
+}  // namespace
+}  // namespace tidepool
