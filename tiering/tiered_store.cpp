@@ -653,12 +653,16 @@ void TieredStore::retire_schedule(std::uint64_t schedule) {
 
 void TieredStore::release_stream(Stream stream) {
   std::lock_guard lock(mutex_);
-  backend_.stream_synchronize(stream);
-  for (auto& [id, e] : entries_) std::erase(e->use_streams, stream);
+  backend_.stream_synchronize(stream);  // throws for an unknown stream: nothing forgotten
+  forget_stream_locked(stream);
 }
 
 void TieredStore::forget_stream(Stream stream) {
   std::lock_guard lock(mutex_);
+  forget_stream_locked(stream);
+}
+
+void TieredStore::forget_stream_locked(Stream stream) {
   for (auto& [id, e] : entries_) std::erase(e->use_streams, stream);
 }
 

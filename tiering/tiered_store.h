@@ -253,6 +253,9 @@ class TIDEPOOL_API TieredStore {
   void give_event_locked(Event e);
   // An event recorded now on `s`, a stream that used a handle (Note [Use streams]).
   Event record_use_event_locked(Stream s);
+  // Note [Use streams]: drops `stream` from every handle's users (release_stream,
+  // forget_stream).
+  void forget_stream_locked(Stream stream);
   void note_device_bytes_locked();
 
   Backend& backend_;
