@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <future>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -60,10 +61,7 @@ TEST_F(CApiTieringTest, PointerAndTagMigrationKeepTheAddress) {
 }
 
 TEST_F(CApiTieringTest, TagOperationsReachTheStoresAndStatsAddThemUp) {
-  TieredStoreOptions o;
-  o.device_budget_bytes = 1 << 20;
-  o.host = tiering_test::test_host_options();
-  TieredStore store(*backend_, o);
+  TieredStore store(*backend_, tiering_test::test_store_options(1 << 20));
   auto h = store.create(4096, kTag, Tier::device);
   ASSERT_EQ(tidepool_evict_tag(kDevice, kTag), 0);
   EXPECT_FALSE(store.resident(h));
@@ -88,26 +86,44 @@ TEST_F(CApiTieringTest, TagOperationsReachTheStoresAndStatsAddThemUp) {
   std::free(json);
 }
 
+// The reclaim hook's set-up: a caching allocator over an 8 MiB host device (`device`: an
+// index of the test's own, sharing no registry state with other tests), and stores with
+// a 6 MiB budget taking their device buffers from it.
+class SmallDevice {
+ public:
+  explicit SmallDevice(int device) : allocator_(make_host_backend(device, eight_mib())) {}
+  CachingAllocator& allocator() { return allocator_; }
+  std::unique_ptr<TieredStore> make_store() {
+    return std::make_unique<TieredStore>(allocator_.backend(),
+                                         tiering_test::test_store_options(6 << 20),
+                                         caching_allocator_source(allocator_));
+  }
+
+ private:
+  static HostBackendOptions eight_mib() {
+    HostBackendOptions o;
+    o.capacity_bytes = 8 << 20;
+    return o;
+  }
+  CachingAllocator allocator_;
+};
+
 TEST(TieringReclaimHook, AnAllocatorOutOfMemoryEvictsReleasedTieredState) {
   // The store takes its device buffers from a caching allocator over a small device; an
   // allocation elsewhere that does not fit makes the allocator run its reclaim hooks,
   // which reach the store through the tiering registry and evict its released state.
-  HostBackendOptions bo;
-  bo.capacity_bytes = 8 << 20;
-  CachingAllocator allocator(make_host_backend(kDevice + 1, bo));
-  TieredStoreOptions o;
-  o.device_budget_bytes = 6 << 20;
-  o.host = tiering_test::test_host_options();
-  TieredStore store(allocator.backend(), o, caching_allocator_source(allocator));
-  auto a = store.create(3 << 20, kTag, Tier::device);
-  auto b = store.create(3 << 20, kTag, Tier::device);
-  store.synchronize();
+  SmallDevice device(kDevice + 1);
+  CachingAllocator& allocator = device.allocator();
+  const std::unique_ptr<TieredStore> store = device.make_store();
+  auto a = store->create(3 << 20, kTag, Tier::device);
+  auto b = store->create(3 << 20, kTag, Tier::device);
+  store->synchronize();
   EXPECT_EQ(allocator.stats().tags[kTag].bytes.current, std::size_t{6} << 20);
   void* big = allocator.allocate(5 << 20);  // fits only once the store lets go
   ASSERT_NE(big, nullptr);
-  EXPECT_FALSE(store.resident(a) && store.resident(b));
-  EXPECT_GE(store.stats().reclaim_calls, 1u);
-  EXPECT_GT(store.stats().reclaimed_bytes, 0u);
+  EXPECT_FALSE(store->resident(a) && store->resident(b));
+  EXPECT_GE(store->stats().reclaim_calls, 1u);
+  EXPECT_GT(store->stats().reclaimed_bytes, 0u);
   allocator.deallocate(big, 5 << 20);
 }
 
@@ -115,25 +131,21 @@ TEST(TieringReclaimHook, AStoreOutOfDeviceMemoryGetsAnotherStoresReleasedState) 
   // Store A's load does not fit the device while store B holds released state: the
   // allocator's reclaim hook, run on A's thread while A's lock is held, skips A (Note
   // [Locking] in tiered_store.cpp) and evicts from B.
-  HostBackendOptions bo;
-  bo.capacity_bytes = 8 << 20;
-  CachingAllocator allocator(make_host_backend(kDevice + 2, bo));
-  TieredStoreOptions o;
-  o.device_budget_bytes = 6 << 20;
-  o.host = tiering_test::test_host_options();
-  TieredStore a(allocator.backend(), o, caching_allocator_source(allocator));
-  TieredStore b(allocator.backend(), o, caching_allocator_source(allocator));
-  const auto b1 = b.create(3 << 20, kTag, Tier::device);
-  const auto b2 = b.create(3 << 20, kTag, Tier::device);
-  b.synchronize();
-  const auto a1 = a.create(4 << 20, kTag);
+  SmallDevice device(kDevice + 2);
+  CachingAllocator& allocator = device.allocator();
+  const std::unique_ptr<TieredStore> a = device.make_store();
+  const std::unique_ptr<TieredStore> b = device.make_store();
+  const auto b1 = b->create(3 << 20, kTag, Tier::device);
+  const auto b2 = b->create(3 << 20, kTag, Tier::device);
+  b->synchronize();
+  const auto a1 = a->create(4 << 20, kTag);
   const Stream s = allocator.backend().create_stream();
-  EXPECT_NO_THROW(a.acquire(a1, s));
-  a.release(a1, /*dirty=*/false);
-  EXPECT_FALSE(b.resident(b1) && b.resident(b2));
-  EXPECT_GE(b.stats().reclaim_calls, 1u);
-  EXPECT_EQ(a.stats().reclaimed_bytes, 0u);
-  a.synchronize();
+  EXPECT_NO_THROW(a->acquire(a1, s));
+  a->release(a1, /*dirty=*/false);
+  EXPECT_FALSE(b->resident(b1) && b->resident(b2));
+  EXPECT_GE(b->stats().reclaim_calls, 1u);
+  EXPECT_EQ(a->stats().reclaimed_bytes, 0u);
+  a->synchronize();
   allocator.backend().stream_synchronize(s);
   allocator.release_stream(s);
   allocator.backend().destroy_stream(s);
@@ -467,13 +479,9 @@ TEST_F(TierRouteTest, AReleasedStreamIsForgottenByTheDevicesTieredStoresToo) {
   // the device, so state a stream used is not tied to it once it is destroyed.
   CachingAllocator& allocator = device_allocator(kRouteDevice);
   Backend& backend = allocator.backend();
-  TieredStoreOptions o;
-  o.device_budget_bytes = 1 << 20;
-  o.host = tiering_test::test_host_options();
-  TieredStore store(backend, o, caching_allocator_source(allocator));
-  const auto h = store.create(4096, kTag);
-  const Stream s = backend.create_stream();
-  auto* dev = static_cast<unsigned char*>(store.acquire(h, s));
+  TieredStore store(backend, tiering_test::test_store_options(1 << 20),
+                    caching_allocator_source(allocator));
+  const auto [h, s, dev] = tiering_test::acquire_on_new_stream(store, 4096, kTag);
   backend.stream_synchronize(s);
   std::memset(dev, 0x6b, 4096);  // host backend: device memory is host-addressable
   store.release(h, /*dirty=*/true);

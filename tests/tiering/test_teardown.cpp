@@ -72,9 +72,7 @@ void sweep(const std::function<void(Backend&)>& build, const std::function<void(
 }
 
 TieredStoreOptions store_options() {
-  TieredStoreOptions o;
-  o.device_budget_bytes = std::size_t{8} << 20;
-  o.host = tiering_test::test_host_options();
+  TieredStoreOptions o = tiering_test::test_store_options(std::size_t{8} << 20);
   // Direct pinned mappings only: a slab whose unregistration fails is abandoned, and
   // mimalloc allows 64 arenas per process.
   o.host.direct_threshold_bytes = 64 << 10;

@@ -30,9 +30,7 @@ constexpr int kTag = TIDEPOOL_TAG_OPTIMIZER_STATE;
 class TieredStoreTest : public tiering_test::TieringStreamTest {
  protected:
   TieredStoreOptions options(std::size_t budget) {
-    TieredStoreOptions o;
-    o.device_budget_bytes = budget;
-    o.host = tiering_test::test_host_options();
+    TieredStoreOptions o = tiering_test::test_store_options(budget);
     o.copy.chunk_bytes = 64 << 10;
     return o;
   }
@@ -156,10 +154,8 @@ TEST_P(TieredStoreTest, AReleasedStreamIsForgottenAndTheStateSurvivesItsDestruct
   Backend& b = backend();
   TieredStore store(b, options(1 << 20));
   constexpr std::size_t n = 100000;
-  auto h = store.create(n, kTag);
+  const auto [h, temporary, dev] = tiering_test::acquire_on_new_stream(store, n, kTag);
   const auto data = random_bytes(n, 31);
-  const Stream temporary = b.create_stream();
-  void* dev = store.acquire(h, temporary);
   b.copy_async(dev, data.data(), n, CopyKind::host_to_device, temporary);  // not waited for
   store.release(h, /*dirty=*/true);
   store.release_stream(temporary);  // waits for the copy above
@@ -178,10 +174,8 @@ TEST_P(TieredStoreTest, AStreamDestroyedWithoutReleaseIsAClearErrorAndLosesNothi
   Backend& b = backend();
   TieredStore store(b, options(1 << 20));
   constexpr std::size_t n = 100000;
-  auto h = store.create(n, kTag);
+  const auto [h, temporary, dev] = tiering_test::acquire_on_new_stream(store, n, kTag);
   const auto data = random_bytes(n, 32);
-  const Stream temporary = b.create_stream();
-  void* dev = store.acquire(h, temporary);
   b.stream_synchronize(temporary);  // the load is done: stream_ may write now
   write_device(dev, data);
   store.release(h, /*dirty=*/true);
@@ -427,9 +421,7 @@ class TieredStoreOnAllocatorTest : public ::testing::TestWithParam<BackendKind> 
     allocator_->backend().destroy_stream(stream_);
   }
   TieredStoreOptions options() const {
-    TieredStoreOptions o;
-    o.device_budget_bytes = 12 << 20;
-    o.host = tiering_test::test_host_options();
+    TieredStoreOptions o = tiering_test::test_store_options(12 << 20);
     o.copy.chunk_bytes = 256 << 10;
     return o;
   }

@@ -54,9 +54,7 @@ struct ShadowRange {
 TEST_P(TieringIntegrityTest, RandomOperationsLoseNoByteAndKeepTheBudget) {
   const long ops = test_support::scaled(kBaseOps);
   Backend& b = backend();
-  TieredStoreOptions o;
-  o.device_budget_bytes = kBudget;
-  o.host = tiering_test::test_host_options();
+  TieredStoreOptions o = tiering_test::test_store_options(kBudget);
   o.copy.chunk_bytes = 32 << 10;  // several chunks per handle
   TieredStore store(b, o);
   VmmPool vmm(b);
@@ -200,9 +198,7 @@ TEST_P(TieringIntegrityTest, RandomOperationsLoseNoByteAndKeepTheBudget) {
 
 TEST_P(TieringIntegrityTest, ConcurrentThreadsKeepTheirDataAndTheBudget) {
   Backend& b = backend();
-  TieredStoreOptions o;
-  o.device_budget_bytes = 512 << 10;
-  o.host = tiering_test::test_host_options();
+  TieredStoreOptions o = tiering_test::test_store_options(512 << 10);
   o.copy.chunk_bytes = 16 << 10;
   TieredStore store(b, o);
   VmmPool vmm(b);

@@ -1,4 +1,5 @@
-// Shared pieces of the tiering tests: the backend parameter, scale, and byte patterns.
+// Shared pieces of the tiering tests: the backend parameter, scale, byte patterns, and the
+// set-ups several files repeat (store options, a handle used by a stream of its own).
 //
 // Each test_*.cpp instantiates its suites on the host backend. The gpu_test_*.cpp files
 // define TIDEPOOL_TIERING_BACKENDS as the cuda backend and include the same test file,
@@ -19,6 +20,7 @@
 
 #include "allocator/backend.h"
 #include "tiering/host_arena.h"
+#include "tiering/tiered_store.h"
 #include "tests/support/stream_gate.h"
 #include "tests/support/test_backend.h"
 #include "tests/support/test_scale.h"
@@ -41,6 +43,30 @@ inline HostArenaOptions test_host_options(std::size_t pinned_budget = std::size_
   o.pinned_budget_bytes = pinned_budget;
   o.respect_memlock_limit = false;
   return o;
+}
+
+// Tiered store options for tests: `device_budget` and test_host_options().
+inline TieredStoreOptions test_store_options(std::size_t device_budget) {
+  TieredStoreOptions o;
+  o.device_budget_bytes = device_budget;
+  o.host = test_host_options();
+  return o;
+}
+
+// A new handle of `store` acquired on a stream made for it, which the use-stream tests
+// (Note [Use streams] in tiered_store.h) then release, forget or destroy. The caller
+// writes through `dev` and releases the handle.
+struct AcquiredOnNewStream {
+  TieredStore::Handle handle;
+  Stream stream;
+  void* dev;
+};
+inline AcquiredOnNewStream acquire_on_new_stream(TieredStore& store, std::size_t bytes, int tag) {
+  AcquiredOnNewStream a{};
+  a.handle = store.create(bytes, tag);
+  a.stream = store.backend().create_stream();
+  a.dev = store.acquire(a.handle, a.stream);
+  return a;
 }
 
 // Fixture: builds the parameter's backend; skips the cuda one without a GPU.
