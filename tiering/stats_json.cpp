@@ -144,6 +144,7 @@ std::string to_json(const VmmStats& s) {
       .num("bytes_left_on_host", ull(s.bytes_left_on_host))
       .num("deferred_releases", ull(s.deferred_releases))
       .num("deferred_release_bytes", ull(s.deferred_release_bytes))
+      .num("lost_stream_syncs", ull(s.lost_stream_syncs))
       .done();
 }
 

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <string>
 
 #include "allocator/config.h"
@@ -252,15 +253,59 @@ void VmmPool::release_stream(Stream stream) {
   for (auto& [base, r] : ranges_) std::erase(r.use_streams, stream);
 }
 
+// Note [A lost use stream]
+// A stream given to record_use and destroyed without release_stream (PyTorch's
+// record_stream on a side stream that goes away) cannot take the event that waits for
+// it. Failing would leave the range unfreeable for good — its free comes from a tensor's
+// destructor through tidepool_free — and cudaStreamDestroy returns while work queued on
+// the stream may still use the range. A device synchronization waits for that work and
+// for every other user, so the wait is done; the dead stream is dropped from every range
+// (no later wait can name it). As the allocator does (Note [Free after a lost stream] in
+// allocator/caching_allocator.cpp): said once per pool unless tidepool.log:off, counted
+// in VmmStats::lost_stream_syncs. If the synchronization fails too (a sticky device
+// error), the caller gets a TieringError and nothing changed.
 void VmmPool::wait_for_users_locked(Range& r) {
   // The streams stay users: PyTorch keeps running kernels on a block's stream (and on
   // the streams record_stream named) for as long as the block lives, without telling
   // anyone again, so each later migrate and the deallocate must wait for them too. Only
   // release_stream drops one.
-  for (Stream s : r.use_streams) {
-    backend_.record_event(sync_event_, s);
-    backend_.event_synchronize(sync_event_);
+  for (const Stream s : r.use_streams) {
+    try {
+      backend_.record_event(sync_event_, s);
+    } catch (const BackendError& e) {
+      synchronize_for_lost_stream_locked(s, e);
+      return;
+    }
+    try {
+      backend_.event_synchronize(sync_event_);
+    } catch (const BackendError& e) {
+      throw TieringError(std::string("vmm pool: waiting for a stream that used the range "
+                                     "failed, nothing changed: ") + e.what());
+    }
   }
+}
+
+void VmmPool::synchronize_for_lost_stream_locked(Stream lost, const BackendError& record_error) {
+  try {
+    backend_.device_synchronize();
+  } catch (const BackendError& e) {
+    throw TieringError(std::string("vmm pool: recording an event on a stream that used the "
+                                   "range failed (") + record_error.what() +
+                       "), and synchronizing the device instead failed too (" + e.what() +
+                       "); nothing changed. A stream given to record_use must be released "
+                       "(tidepool_release_stream) before it is destroyed");
+  }
+  for (auto& [base, range] : ranges_) std::erase(range.use_streams, lost);
+  ++stats_.lost_stream_syncs;
+  if (warned_lost_stream_ || active_config().log == LogLevel::off) return;
+  warned_lost_stream_ = true;
+  std::fprintf(stderr,
+               "tidepool: vmm pool: could not record an event on a stream that used a "
+               "pointer-stable range (%s); it synchronized the whole device instead, which is "
+               "slow. A stream given to record_stream was probably destroyed without "
+               "tidepool_release_stream first. Said once; the tiering stats' "
+               "lost_stream_syncs counts them.\n",
+               record_error.what());
 }
 
 std::optional<std::size_t> VmmPool::device_budget_bytes() const {

@@ -70,6 +70,9 @@ struct VmmStats {
   // failed, retried at every later call.
   std::uint64_t deferred_releases = 0;
   std::uint64_t deferred_release_bytes = 0;
+  // Note [A lost use stream] in vmm_migration.cpp: waits for a range's users that
+  // synchronized the device because a recorded stream was destroyed unreleased.
+  std::uint64_t lost_stream_syncs = 0;
 };
 
 struct VmmPoolOptions {
@@ -112,7 +115,9 @@ class TIDEPOOL_API VmmPool {
   void deallocate(void* ptr);
 
   // Notes that work on `stream` uses the range holding `ptr`; every later migrate() and
-  // deallocate() waits for the work queued on it by then, until release_stream(stream).
+  // deallocate() waits for the work queued on it by then, until release_stream(stream)
+  // (a stream destroyed without it is waited for once by a device synchronization, then
+  // forgotten: Note [A lost use stream] in vmm_migration.cpp).
   void record_use(const void* ptr, Stream stream);
   // `stream` is about to be destroyed: waits for its work, then forgets it on every range
   // (a later migrate or deallocate would otherwise wait on a dead handle). A stream the
@@ -168,7 +173,10 @@ class TIDEPOOL_API VmmPool {
 
   Range* find_locked(const void* ptr);
   const Range* find_locked(const void* ptr) const;
+  // Throws TieringError when a wait fails; a stream that can no longer take an event
+  // (destroyed) is waited for by a device synchronization (Note [A lost use stream]).
   void wait_for_users_locked(Range& r);
+  void synchronize_for_lost_stream_locked(Stream lost, const BackendError& record_error);
   void migrate_chunk_locked(Range& r, Chunk& c, MemoryLocation to);
   MigrationResult migrate_locked(Range& r, MemoryLocation to, std::optional<std::size_t> budget);
   void release_range_locked(Range& r, Teardown* teardown = nullptr);
@@ -181,6 +189,7 @@ class TIDEPOOL_API VmmPool {
   VmmPoolOptions options_;
   Stream stream_;
   Event sync_event_;
+  bool warned_lost_stream_ = false;  // Note [A lost use stream]
   void* scratch_ = nullptr;  // reserved VA of one full chunk, where new backing is filled
   std::size_t scratch_bytes_ = 0;
   std::size_t scratch_mapped_bytes_ = 0;  // > 0 while a backing is mapped at scratch_

@@ -8,13 +8,12 @@
 
 #include <atomic>
 #include <chrono>
-#include <condition_variable>
 #include <cstring>
-#include <mutex>
 #include <string>
 #include <thread>
 
 #include "tests/allocator/backend_test_battery.h"
+#include "tests/support/stream_gate.h"
 
 namespace tidepool::testing {
 namespace {
@@ -300,27 +299,6 @@ TEST(HostBackend, SynchronizingAStreamFromItsOwnHostFuncIsAnError) {
   b->destroy_stream(s);
 }
 
-// Work held on a stream until released; `done` once it ran.
-struct HeldWork {
-  std::mutex mutex;
-  std::condition_variable released_cv;
-  bool released = false;
-  std::atomic<bool> done{false};
-  static void run(void* self) {
-    auto* me = static_cast<HeldWork*>(self);
-    std::unique_lock lock(me->mutex);
-    me->released_cv.wait(lock, [me] { return me->released; });
-    me->done = true;
-  }
-  void release() {
-    {
-      std::lock_guard lock(mutex);
-      released = true;
-    }
-    released_cv.notify_all();
-  }
-};
-
 // As with cudaStreamDestroy, a destroyed stream's handle is dead at once while its queued
 // work still runs, and device_synchronize waits for that work (the allocator's free after
 // a lost stream depends on it). While one thread is still inside destroy_stream, another
@@ -328,22 +306,25 @@ struct HeldWork {
 TEST(HostBackend, DeviceSynchronizeWaitsForAStreamBeingDestroyed) {
   auto b = make_host_backend();
   Stream s = b->create_stream();
-  HeldWork work;
-  b->launch_host_func(s, &HeldWork::run, &work);
+  test_support::StreamGate gate;
+  const test_support::StreamGate::OpenOnExit open_on_exit{gate};
+  std::atomic<int> work_done{0};
+  b->launch_host_func(s, &test_support::StreamGate::wait, &gate);
+  b->launch_host_func(s, &increment_counter, &work_done);
   std::thread destroyer([&] { b->destroy_stream(s); });
   Event probe = b->create_event();
   // The handle is dead once record_event refuses it.
   while (error_of([&] { b->record_event(probe, s); }).empty()) std::this_thread::yield();
-  std::atomic<bool> work_done_at_return{false};
+  std::atomic<int> work_done_at_return{-1};
   std::thread synchronizer([&] {
     b->device_synchronize();
-    work_done_at_return = work.done.load();
+    work_done_at_return = work_done.load();
   });
   std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  work.release();
+  gate.open();
   synchronizer.join();
   destroyer.join();
-  EXPECT_TRUE(work_done_at_return.load());
+  EXPECT_EQ(work_done_at_return.load(), 1);
   b->destroy_event(probe);
 }
 

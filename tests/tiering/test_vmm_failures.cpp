@@ -6,9 +6,12 @@
 // physical handles, so a leaked handle or one released twice shows.
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <exception>
+#include <future>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "allocator/c_api.h"
@@ -227,6 +230,76 @@ TEST_F(VmmFailureTest, AFailedAllocationGivesBackItsBackingsEvenWhenTheirRelease
     EXPECT_EQ(pool.stats().deferred_releases, 0u);  // retried at the start of the call
     EXPECT_EQ(backend_.live_physicals(), 1u);       // the kept range's first chunk
   }
+  EXPECT_EQ(backend_.live_physicals(), 0u);
+}
+
+// Note [A lost use stream]: a stream recorded as a user and destroyed without
+// release_stream, with work still queued on it. The migration waits for that work (a
+// device synchronization), then the dead stream is no user any more.
+TEST_F(VmmFailureTest, AStreamDestroyedUnreleasedIsWaitedForByADeviceSynchronize) {
+  VmmPool pool(backend_);
+  const std::size_t n = backend_.granularity();
+  void* p = pool.allocate(n, kTag);
+  ASSERT_NE(p, nullptr);
+  const auto data = random_bytes(n, 31);
+  fill(p, data);
+  const Stream lost = inner_->create_stream();
+  pool.record_use(p, lost);
+  tiering_test::StreamGate gate;
+  const tiering_test::StreamGate::OpenOnExit open_on_exit{gate};
+  inner_->launch_host_func(lost, &tiering_test::StreamGate::wait, &gate);
+  // The host backend's destroy returns once the queued work ran; cudaStreamDestroy returns
+  // at once. Either way the handle is dead while the work still runs.
+  std::thread destroyer([&] { inner_->destroy_stream(lost); });
+  const Event probe = inner_->create_event();
+  for (;;) {
+    try {
+      inner_->record_event(probe, lost);
+    } catch (const BackendError&) {
+      break;
+    }
+    std::this_thread::yield();
+  }
+  auto migrated = std::async(std::launch::async, [&] { pool.migrate(p, MemoryLocation::host); });
+  // Not a timing bound: a migration that ends while the lost stream's work is held is the
+  // failure.
+  EXPECT_EQ(migrated.wait_for(std::chrono::milliseconds(200)), std::future_status::timeout);
+  gate.open();
+  EXPECT_NO_THROW(migrated.get());
+  destroyer.join();
+  inner_->destroy_event(probe);
+  EXPECT_EQ(pool.stats().lost_stream_syncs, 1u);
+  EXPECT_EQ(pool.bytes_in(p, MemoryLocation::host), n);
+  EXPECT_EQ(difference(p, data), -1);
+  // The dead stream is no user any more: no second synchronization.
+  pool.migrate(p, MemoryLocation::device);
+  pool.deallocate(p);
+  EXPECT_EQ(pool.stats().lost_stream_syncs, 1u);
+  EXPECT_EQ(backend_.live_physicals(), 0u);
+}
+
+TEST_F(VmmFailureTest, ALostStreamWhoseDeviceSynchronizeFailsChangesNothing) {
+  VmmPool pool(backend_);
+  const std::size_t n = backend_.granularity();
+  void* p = pool.allocate(n, kTag);
+  ASSERT_NE(p, nullptr);
+  const auto data = random_bytes(n, 32);
+  fill(p, data);
+  const Stream lost = inner_->create_stream();
+  pool.record_use(p, lost);
+  inner_->destroy_stream(lost);
+  backend_.fail_calls_to("device_synchronize", 1);
+  const std::string error = failure_of([&] { pool.migrate(p, MemoryLocation::host); }, "migrate");
+  EXPECT_NE(error.find("synchronizing the device instead failed"), std::string::npos) << error;
+  EXPECT_NE(error.find("tidepool_release_stream"), std::string::npos) << error;
+  EXPECT_EQ(pool.stats().lost_stream_syncs, 0u);
+  EXPECT_EQ(pool.bytes_in(p, MemoryLocation::device), n);
+  EXPECT_EQ(difference(p, data), -1);
+  // The stream is still a user: the next call synchronizes, and goes on.
+  pool.migrate(p, MemoryLocation::host);
+  EXPECT_EQ(pool.stats().lost_stream_syncs, 1u);
+  EXPECT_EQ(difference(p, data), -1);
+  pool.deallocate(p);
   EXPECT_EQ(backend_.live_physicals(), 0u);
 }
 
