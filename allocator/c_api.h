@@ -84,16 +84,21 @@ TIDEPOOL_API double tidepool_get_memory_fraction(int device);
 /* tidepool_empty_cache on every device tidepool has an allocator for (creating none), as
  * torch.cuda.empty_cache() empties every device's cache. 0, or -1 on error. */
 TIDEPOOL_API int tidepool_empty_cache_all(void);
-/* "`stream` (a cudaStream_t) is about to be destroyed": call it before cudaStreamDestroy.
+/* "`stream` (a cudaStream_t) is about to be destroyed": call it before cudaStreamDestroy
+ * (LD_PRELOAD=libtidepool_preload.so does it for cudaStreamDestroy itself).
  * Waits for the stream, returns what tidepool cached for it to pools any stream may use
  * (giving fully free memory back to the device), and forgets the stream, so that a later
  * stream with the same handle starts afresh. Blocks still live from it stay valid; free
  * them on a live stream. The pointer-stable ranges of the device (optimizer state routed
  * to tiering, tidepool_vmm_malloc) forget their recorded uses by it too, so a later
- * evict or prefetch does not wait on the destroyed handle. A device tidepool has not
- * allocated on yet holds nothing for the stream: nothing is created there (no CUDA
- * context). -1 for a bad device, the default (NULL) stream (never destroyed, so never
- * released) or a stream that cannot be synchronized (already destroyed). */
+ * evict or prefetch does not wait on the destroyed handle. A stream tidepool holds
+ * nothing for (never allocated or freed on, never named by tidepool_record_stream, and
+ * the device has no pointer-stable ranges or tiered stores) is not waited for: 0 at once,
+ * even for a handle already destroyed. A device tidepool has not allocated on yet holds
+ * nothing for the stream: nothing is created there (no CUDA context). -1 for a bad
+ * device, the default (NULL) stream (never destroyed, so never released) or a stream
+ * tidepool holds something for that cannot be synchronized (already destroyed); nothing
+ * changes then. */
 TIDEPOOL_API int tidepool_release_stream(int device, void* stream);
 /* Gives device `peer` read and write access to the memory tidepool maps through CUDA
  * virtual memory management for `device` (expandable segments, pointer-stable ranges of

@@ -28,6 +28,14 @@
 // allocating stream's part done: it becomes X's block, freed on X. Recorded uses by the
 // released stream are dropped from live blocks (that stream has finished them); pending
 // blocks keep their events, which name events, not streams.
+//
+// Note [Releasing a stream tidepool never saw]
+// A stream the allocator keeps nothing for (no pools, so nothing free, pending or live
+// from it; no thread-cache slot; no use named by record_stream) is released at once:
+// no synchronize, nothing changed, 0. Not waiting matters to the LD_PRELOAD shim, which
+// releases every stream the program destroys (cudaStreamDestroy does not block), most of
+// them never used for tidepool memory. Such a stream is not checked either, so releasing
+// one that is already destroyed succeeds: there is nothing of it to lose or misuse.
 #include <algorithm>
 #include <sstream>
 #include <string>
@@ -108,6 +116,17 @@ void CachingAllocator::Impl::retire_pools(StreamPools& sp) {
 }
 
 std::size_t CachingAllocator::Impl::release_stream_locked(Stream s) {
+  // Whether the allocator keeps anything under s's handle: its pools (free, pending and
+  // live blocks, fence, quick lists), a thread-cache slot, or a use record_stream named.
+  const auto is_s = [&](const std::unique_ptr<StreamPools>& p) { return p->stream == s; };
+  const bool named = std::any_of(streams.begin(), streams.end(), is_s) ||
+                     std::any_of(thread_caches.begin(), thread_caches.end(),
+                                 [&](const auto& c) { return c->has_slot(s); }) ||
+                     std::any_of(blocks.begin(), blocks.end(), [&](const auto& entry) {
+                       return std::ranges::find(entry.second->extra_streams, s) !=
+                              entry.second->extra_streams.end();
+                     });
+  if (!named) return 0;  // Note [Releasing a stream tidepool never saw]
   // Work queued on s may still use its blocks: wait first (a stream destroyed already
   // fails here, before anything changed).
   backend->stream_synchronize(s);
@@ -119,8 +138,7 @@ std::size_t CachingAllocator::Impl::release_stream_locked(Stream s) {
       insert_free(b, true);
     });
   }
-  auto it = std::find_if(streams.begin(), streams.end(),
-                         [&](const std::unique_ptr<StreamPools>& p) { return p->stream == s; });
+  auto it = std::find_if(streams.begin(), streams.end(), is_s);
   // s has finished the uses record_stream named on other streams' blocks.
   for (auto& [ptr, b] : blocks)
     if (!b->extra_streams.empty()) std::erase(b->extra_streams, s);

@@ -310,6 +310,8 @@ struct ThreadCache {
   }
   // Frees park only while not bypassing.
   bool parking() const { return !bypass; }
+  // Whether a slot (with or without blocks now) is `s`'s: release_stream's fast path.
+  bool has_slot(Stream s) { return find_slot(s) != nullptr; }
 
  private:
   // Clears class c's hint bit once no slot holds a block of class c.

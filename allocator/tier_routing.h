@@ -63,8 +63,10 @@ struct TierRoute {
   // Work on `stream` uses `ptr`: the range is not moved or released before it finishes.
   void (*record_stream)(void* ptr, int device, void* stream) = nullptr;
   // `stream` is about to be destroyed (tidepool_release_stream; the allocator has waited
-  // for it): forget every use of it recorded on the device's ranges, so no later move
-  // waits on a dead handle. Throws for a stream that is already destroyed, changing nothing.
+  // for it only if it held something for it): wait for it if the route holds anything on
+  // the device, and forget every use of it recorded on the device's ranges, so no later
+  // move waits on a dead handle. Throws for a stream that is already destroyed when it
+  // waits, changing nothing.
   void (*release_stream)(int device, void* stream) = nullptr;
 };
 

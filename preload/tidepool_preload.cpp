@@ -1,9 +1,9 @@
 // libtidepool_preload.so: LD_PRELOAD=libtidepool_preload.so routes any program's
 // cudaMalloc/cudaFree and cudaMallocAsync/cudaFreeAsync through tidepool, with no code
-// change and no Python.
+// change and no Python, and releases in tidepool each stream the program destroys.
 //
 // How it works:
-//   - It defines those four functions. Preloaded, these definitions come first in
+//   - It defines those four functions and cudaStreamDestroy. Preloaded, these definitions come first in
 //     the global symbol scope, so every dynamically linked caller (PyPI torch links
 //     libcudart dynamically) reaches them instead of libcudart's.
 //   - Note [two once-flags]: the real libcudart's functions (the forwarding target) are
@@ -43,10 +43,22 @@
 //     into a graph (the graph owns such an allocation, and its cudaFreeAsync is a free
 //     node: tidepool must not hand the memory out at capture time), and
 //     cudaMallocFromPoolAsync, which the shim does not define (its memory is the
-//     caller's pool's). Not covered yet: cudaStreamDestroy is not interposed, so a
-//     stream the program destroys is not released in tidepool (tidepool_release_stream,
-//     Note [Released streams]): tidepool keeps its pools and may later record an event
-//     on the dead handle when another stream reuses memory freed on it.
+//     caller's pool's).
+//   - Note [destroyed streams]: tidepool keys pools, fences and thread-cache lists by
+//     stream handle, and CUDA may give a destroyed stream's handle to the next stream
+//     created: tidepool would then treat memory freed on the dead stream as the new
+//     stream's, reusable at once, while the old stream's last kernels may still run (and
+//     before that it would record events on a dead handle). So cudaStreamDestroy first
+//     releases the stream in tidepool (tidepool_release_stream on the stream's device,
+//     cudaStreamGetDevice; Note [Released streams] in allocator/stream_ordering.cpp),
+//     then forwards. The release waits for the stream only when tidepool holds
+//     something for it (Note [Releasing a stream tidepool never saw]), so destroying a
+//     stream tidepool never saw does not block, as cudaStreamDestroy does not. A failed
+//     release (a handle already invalid) does not stop the destroy: the shim says so once
+//     on stderr (not under tidepool.log:off) and forwards anyway. Forwarded with no
+//     release: the NULL, legacy and per-thread handles (the runtime refuses them), calls
+//     made inside tidepool, and every call while tidepool is not set up (it holds nothing
+//     then; the destroy does not set it up) or does not serve (Note [runtime version]).
 //   - Errors keep CUDA's meaning: cudaErrorMemoryAllocation for out-of-memory
 //     (tidepool_last_error_is_out_of_memory) and for a size above tidepool's limit
 //     (Note [sizes beyond any device]), cudaErrorInvalidValue for any other failure of
@@ -83,6 +95,7 @@
 #include <glob.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -124,6 +137,7 @@ struct RealCudart {
   cudaError_t (*free_async)(void*, cudaStream_t) = nullptr;
   cudaError_t (*stream_get_device)(cudaStream_t, int*) = nullptr;
   cudaError_t (*stream_is_capturing)(cudaStream_t, cudaStreamCaptureStatus*) = nullptr;
+  cudaError_t (*stream_destroy)(cudaStream_t) = nullptr;  // Note [destroyed streams]
 };
 
 struct TidepoolAbi {
@@ -135,6 +149,7 @@ struct TidepoolAbi {
   int (*install_from_env)(char*, size_t) = nullptr;
   int (*config_apply)(const char*, char*, size_t) = nullptr;
   size_t (*config_active_json)(char*, size_t) = nullptr;
+  int (*release_stream)(int, void*) = nullptr;
 };
 
 struct Allocation {
@@ -149,6 +164,9 @@ struct Shim {
   bool ready = false;   // both libraries loaded, configuration applied
   bool verbose = false;  // tidepool.log:info or debug
   bool quiet = false;    // tidepool.log:off
+  // `ready`, readable without setting tidepool up (Note [destroyed streams]).
+  std::atomic<bool> serving{false};
+  std::atomic<bool> said_release_failed{false};
   RealCudart cuda;
   TidepoolAbi tp;
   std::mutex mutex;  // guards `owned`
@@ -315,6 +333,10 @@ void resolve_cudart() {
   bind(cudart, "cudaFreeAsync", s.cuda.free_async, missing_stream_ordered);
   bind(cudart, "cudaStreamGetDevice", s.cuda.stream_get_device, missing_stream_ordered);
   bind(cudart, "cudaStreamIsCapturing", s.cuda.stream_is_capturing, missing_stream_ordered);
+  // Forwarded whatever the runtime (a null one answers cudaErrorInitializationError); its
+  // absence does not turn tidepool off.
+  std::string missing_destroy;
+  bind(cudart, "cudaStreamDestroy", s.cuda.stream_destroy, missing_destroy);
   int version = 0;
   if (const cudaError_t e = s.cuda.runtime_get_version(&version); e != cudaSuccess) {
     say("cudaRuntimeGetVersion failed; tidepool is off: error ", std::to_string(e));
@@ -370,6 +392,7 @@ void initialise() {
   bind(lib, "tidepool_install_from_env", s.tp.install_from_env, missing);
   bind(lib, "tidepool_config_apply", s.tp.config_apply, missing);
   bind(lib, "tidepool_config_active_json", s.tp.config_active_json, missing);
+  bind(lib, "tidepool_release_stream", s.tp.release_stream, missing);
   if (!missing.empty()) {
     say("libtidepool lacks:", missing);
     return;
@@ -393,6 +416,7 @@ void initialise() {
   }
   if (s.verbose) say("active: ", json.c_str());
   s.ready = true;
+  s.serving.store(true, std::memory_order_release);
 }
 
 bool ready() {
@@ -552,6 +576,31 @@ TIDEPOOL_PRELOAD_EXPORT cudaError_t cudaFreeAsync(void* dev_ptr, cudaStream_t st
     return forward(&RealCudart::free_async, dev_ptr, stream);
   }
   return serve_free(dev_ptr, a, stream);
+}
+
+// Note [destroyed streams].
+TIDEPOOL_PRELOAD_EXPORT cudaError_t cudaStreamDestroy(cudaStream_t stream) {
+  Shim& s = shim();
+  if (stream == nullptr || stream == cudaStreamLegacy || stream == cudaStreamPerThread ||
+      t_inside_tidepool || !s.serving.load(std::memory_order_acquire)) {
+    return forward(&RealCudart::stream_destroy, stream);
+  }
+  std::string failure;
+  int device = 0;
+  if (const cudaError_t e = s.cuda.stream_get_device(stream, &device); e != cudaSuccess) {
+    failure = "cudaStreamGetDevice failed (error " + std::to_string(e) + ")";
+  } else {
+    InsideTidepool inside;
+    s.tp.clear_error();
+    if (s.tp.release_stream(device, stream) != 0) failure = s.tp.last_error();
+  }
+  if (!failure.empty() && !s.quiet && !s.said_release_failed.exchange(true)) {
+    say("cudaStreamDestroy: ",
+        "could not release the stream in tidepool first (" + failure +
+            "); destroying it anyway. tidepool may order memory freed on it wrongly if "
+            "its handle is reused (said once)");
+  }
+  return forward(&RealCudart::stream_destroy, stream);
 }
 
 }  // extern "C"

@@ -129,10 +129,23 @@ const TierRoute kTierRoute{
       tiering_vmm_pool(device).record_use(ptr, Stream{stream});
     },
     [](int device, void* stream) {
-      if (VmmPool* pool = existing_tiering_vmm_pool(device)) pool->release_stream(Stream{stream});
-      // The allocator has waited for the stream (tidepool_release_stream): the stores
-      // only forget it (Note [Use streams] in tiered_store.h).
-      for_each_tiered_store(device, [&](TieredStore& s) { s.forget_stream(Stream{stream}); });
+      // The allocator waited for the stream only if it held something for it (Note
+      // [Releasing a stream tidepool never saw], allocator/stream_ordering.cpp): when the
+      // device has tiering objects, the first of them waits (the pool's release_stream, or
+      // the first store's) and the other stores only forget it (Note [Use streams] in
+      // tiered_store.h). A device without any waits for nothing.
+      const Stream s{stream};
+      VmmPool* pool = existing_tiering_vmm_pool(device);
+      if (pool != nullptr) pool->release_stream(s);
+      bool waited = pool != nullptr;
+      for_each_tiered_store(device, [&](TieredStore& store) {
+        if (waited) {
+          store.forget_stream(s);
+        } else {
+          store.release_stream(s);
+          waited = true;
+        }
+      });
     },
 };
 

@@ -204,6 +204,22 @@ TEST_P(StreamRelease, AnUnknownStreamIsAnErrorAndChangesNothing) {
   // used from here on, and the fixture's streams are released normally.
 }
 
+// Note [Releasing a stream tidepool never saw]: no synchronize (the host backend would
+// refuse the destroyed handle), nothing changed; a use record_stream named is something.
+TEST_P(StreamRelease, AStreamTheAllocatorNeverSawIsReleasedWithoutWaiting) {
+  if (std::get<0>(GetParam()) != "host") GTEST_SKIP() << "the host backend checks handles";
+  traffic(a_, b_, 1);
+  Stream s = backend_create();
+  backend().destroy_stream(s);
+  const std::string before = alloc_->snapshot_json();
+  EXPECT_EQ(alloc_->release_stream(s), 0u);
+  EXPECT_EQ(alloc_->snapshot_json(), before);
+  void* p = alloc_->allocate(4096, a_);
+  alloc_->record_stream(p, s);
+  EXPECT_THROW(alloc_->release_stream(s), BackendError) << "s is named now: it is waited for";
+  alloc_->deallocate(p, 4096, a_);
+}
+
 TEST_P(StreamRelease, ThreadsCreateUseReleaseAndDestroyStreams) {
   const int threads = 3;
   const int cycles = test::scaled(20);
@@ -222,6 +238,10 @@ TEST_P(StreamRelease, ThreadsCreateUseReleaseAndDestroyStreams) {
         alloc_->deallocate(again, 8192 + 512 * static_cast<std::size_t>(t), s);
         alloc_->release_stream(s);
         backend().destroy_stream(s);
+        // A stream never used here: released at once while other threads allocate.
+        Stream unused = backend().create_stream();
+        EXPECT_EQ(alloc_->release_stream(unused), 0u);
+        backend().destroy_stream(unused);
         void* other = alloc_->allocate(1 << 20, t % 2 == 0 ? a_ : b_);
         alloc_->deallocate(other, 1 << 20, t % 2 == 0 ? a_ : b_);
       }

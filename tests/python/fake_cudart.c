@@ -20,10 +20,22 @@
  *                        while the shim forwards to it: cudaFree(NULL), then cudaMalloc and
  *                        cudaMallocAsync, all through the process's symbols (the shim's).
  *                        Whether the two allocations reached this library is in
- *                        fake_cudart_nested_forwarded and fake_cudart_nested_async_forwarded. */
+ *                        fake_cudart_nested_forwarded and fake_cudart_nested_async_forwarded.
+ *
+ * Streams: cudaStreamCreate hands out the same handle every time (FAKE_CUDART_STREAM_HANDLE,
+ * default 0x5200), as CUDA may give a destroyed stream's handle to the next stream. When
+ * the test helper library (host_streams.cpp) is loaded, each handle is a stream of
+ * tidepool's host backend instead, which tidepool can wait for as CUDA's tidepool waits
+ * for the program's streams; cudaStreamDestroy then destroys it. cudaStreamDestroy
+ * records, in fake_cudart_destroy_saw_tidepool_stream, whether tidepool's snapshot still
+ * named the handle at that moment (1) or not (0). */
 #define _GNU_SOURCE
 #include <dlfcn.h>
+#include <inttypes.h>
+#include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 #ifndef FAKE_CUDART_DEFAULT_VERSION
 #define FAKE_CUDART_DEFAULT_VERSION 13000
@@ -36,6 +48,9 @@ int fake_cudart_free_async_calls = 0;
 int fake_cudart_synchronize_calls = 0;
 int fake_cudart_nested_forwarded = -1; /* -1: no nested call made yet */
 int fake_cudart_nested_async_forwarded = -1;
+int fake_cudart_stream_create_calls = 0;
+int fake_cudart_stream_destroy_calls = 0;
+int fake_cudart_destroy_saw_tidepool_stream = -1; /* -1: no destroy yet */
 
 static int env_int(const char* name, int fallback) {
   const char* value = getenv(name);
@@ -116,5 +131,36 @@ int cudaDeviceSynchronize(void) {
 
 int cudaRuntimeGetVersion(int* version) {
   *version = env_int("FAKE_CUDART_VERSION", FAKE_CUDART_DEFAULT_VERSION);
+  return 0;
+}
+
+int cudaStreamCreate(void** stream) {
+  void* (*host_create)(void) = (void* (*)(void))dlsym(RTLD_DEFAULT, "host_streams_create");
+  ++fake_cudart_stream_create_calls;
+  *stream = host_create != NULL
+                ? host_create()
+                : (void*)(uintptr_t)env_int("FAKE_CUDART_STREAM_HANDLE", 0x5200);
+  return 0;
+}
+
+/* Whether tidepool's snapshot of device 0 names `stream` as a segment's or block's. */
+static int tidepool_names(void* stream) {
+  char* (*snapshot)(int) = (char* (*)(int))dlsym(RTLD_DEFAULT, "tidepool_snapshot_json");
+  void (*string_free)(char*) = (void (*)(char*))dlsym(RTLD_DEFAULT, "tidepool_string_free");
+  if (snapshot == NULL || string_free == NULL) return 0;
+  char* json = snapshot(0);
+  if (json == NULL) return 0;
+  char key[64];
+  snprintf(key, sizeof key, "\"stream\":\"0x%" PRIxPTR "\"", (uintptr_t)stream);
+  const int named = strstr(json, key) != NULL;
+  string_free(json);
+  return named;
+}
+
+int cudaStreamDestroy(void* stream) {
+  void (*host_destroy)(void*) = (void (*)(void*))dlsym(RTLD_DEFAULT, "host_streams_destroy");
+  ++fake_cudart_stream_destroy_calls;
+  fake_cudart_destroy_saw_tidepool_stream = tidepool_names(stream);
+  if (host_destroy != NULL) host_destroy(stream);
   return 0;
 }

@@ -123,6 +123,7 @@ process.cudaMalloc.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 process.cudaFree.argtypes = [ctypes.c_void_p]
 process.cudaMallocAsync.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
 process.cudaFreeAsync.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+process.cudaStreamDestroy.argtypes = [ctypes.c_void_p]
 fake.cudaMallocAsync.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
 counter = lambda name: ctypes.c_int.in_dll(fake, name).value
 out = {}
@@ -173,11 +174,16 @@ out["malloc_async_rc"] = process.cudaMallocAsync(byref(p), 4096, None)
 out["cuda_malloc_asyncs"] = counter("fake_cudart_malloc_async_calls")
 out["free_async_rc"] = process.cudaFreeAsync(p, None)
 out["cuda_free_asyncs"] = counter("fake_cudart_free_async_calls")
+s = c_void_p()
+fake.cudaStreamCreate(byref(s))
+out["stream_destroy_rc"] = process.cudaStreamDestroy(s)
+out["cuda_stream_destroys"] = counter("fake_cudart_stream_destroy_calls")
 """
 
 FORWARDED_ALL = {"malloc_rc": 0, "malloc_rc_2": 0, "cuda_mallocs": 2, "free_rc": 0,
                  "cuda_frees": 1, "synchronizes": 0, "malloc_async_rc": 0,
-                 "cuda_malloc_asyncs": 1, "free_async_rc": 0, "cuda_free_asyncs": 1}
+                 "cuda_malloc_asyncs": 1, "free_async_rc": 0, "cuda_free_asyncs": 1,
+                 "stream_destroy_rc": 0, "cuda_stream_destroys": 1}
 
 
 @needs_fake
@@ -376,3 +382,98 @@ out["foreign_free_rc"] = process.cudaFree(q)
 out["nested_forwarded"] = counter("fake_cudart_nested_forwarded")
 out["nested_async_forwarded"] = counter("fake_cudart_nested_async_forwarded")
 """
+
+
+# Note [destroyed streams] in preload/tidepool_preload.cpp. The fake's cudaStreamCreate hands
+# out one fixed handle (0x5200), which the host backend does not know, unless a test loads
+# the host-streams helper: then each handle is a host-backend stream tidepool can wait for.
+# fake_cudart_destroy_saw_tidepool_stream: whether tidepool's snapshot still named the
+# stream when the real cudaStreamDestroy ran.
+HOST_STREAMS = os.environ.get("TIDEPOOL_TEST_HOST_STREAMS", "")
+DESTROY_PRELUDE = """
+r = c_void_p()
+process.cudaMalloc(byref(r), 4 << 20)   # tidepool is set up, the NULL stream's pool is large
+import tidepool
+names = lambda stream: any(seg["stream"] == hex(stream.value)
+                           for seg in tidepool.snapshot(0)["segments"])
+"""
+
+
+@needs_fake
+@pytest.mark.skipif(not os.path.isfile(HOST_STREAMS), reason="host-streams helper not built")
+def test_cuda_stream_destroy_releases_the_stream_in_tidepool_first(run_python):
+    out, stderr = run_with_fake(run_python, DESTROY_PRELUDE + f"""
+ctypes.CDLL(os.environ["HOST_STREAMS"], mode=ctypes.RTLD_GLOBAL)
+s = c_void_p()
+fake.cudaStreamCreate(byref(s))
+p = c_void_p()
+process.cudaMallocAsync(byref(p), 4096, s)
+process.cudaFreeAsync(p, s)        # cached for s: s's to reuse at once, in order
+out["named_before"] = names(s)
+out["destroy_rc"] = process.cudaStreamDestroy(s)
+out["cuda_stream_destroys"] = counter("fake_cudart_stream_destroy_calls")
+out["named_at_real_destroy"] = counter("fake_cudart_destroy_saw_tidepool_stream")
+out["named_after"] = names(s)
+# tidepool never touches the dead handle again (the host backend would refuse it).
+t = c_void_p()
+fake.cudaStreamCreate(byref(t))
+q = c_void_p()
+out["malloc_on_new_rc"] = process.cudaMallocAsync(byref(q), 4096, t)
+out["free_on_new_rc"] = process.cudaFreeAsync(q, t)
+out["destroy_new_rc"] = process.cudaStreamDestroy(t)
+""", TIDEPOOL_BACKEND="host", HOST_STREAMS=HOST_STREAMS)
+    assert out == {"named_before": True, "destroy_rc": 0, "cuda_stream_destroys": 1,
+                   "named_at_real_destroy": 0, "named_after": False, "malloc_on_new_rc": 0,
+                   "free_on_new_rc": 0, "destroy_new_rc": 0}
+    assert stderr == ""
+
+
+@needs_fake
+def test_destroying_a_stream_tidepool_never_saw_does_not_wait_for_it(run_python):
+    # The fake's handle is unknown to tidepool's host backend: a synchronize would fail
+    # (and on a GPU block, which cudaStreamDestroy does not).
+    out, stderr = run_with_fake(run_python, DESTROY_PRELUDE + """
+s = c_void_p()
+fake.cudaStreamCreate(byref(s))
+out["destroy_rc"] = process.cudaStreamDestroy(s)
+out["cuda_stream_destroys"] = counter("fake_cudart_stream_destroy_calls")
+# The NULL, legacy and per-thread handles: the runtime's answer, no release.
+out["special_rcs"] = [process.cudaStreamDestroy(c_void_p(h)) for h in (None, 1, 2)]
+out["cuda_stream_destroys_after"] = counter("fake_cudart_stream_destroy_calls")
+""", TIDEPOOL_BACKEND="host")
+    assert out == {"destroy_rc": 0, "cuda_stream_destroys": 1, "special_rcs": [0, 0, 0],
+                   "cuda_stream_destroys_after": 4}
+    assert stderr == ""
+
+
+FAILED_RELEASE = DESTROY_PRELUDE + """
+for _ in range(2):   # the fake hands out the same handle again
+    s = c_void_p()
+    fake.cudaStreamCreate(byref(s))
+    p = c_void_p()
+    process.cudaMallocAsync(byref(p), 4096, s)
+    process.cudaFreeAsync(p, s)
+    out.setdefault("destroy_rcs", []).append(process.cudaStreamDestroy(s))
+out["cuda_stream_destroys"] = counter("fake_cudart_stream_destroy_calls")
+"""
+
+
+@needs_fake
+def test_a_failed_release_is_said_once_and_the_stream_is_destroyed_anyway(run_python):
+    # tidepool holds memory for the handle, which its host backend cannot wait for: the
+    # release fails, as for a handle the program had already destroyed.
+    out, stderr = run_with_fake(run_python, FAILED_RELEASE, TIDEPOOL_BACKEND="host")
+    assert out == {"destroy_rcs": [0, 0], "cuda_stream_destroys": 2}
+    assert stderr.count("tidepool preload: cudaStreamDestroy: could not release the stream "
+                        "in tidepool first (") == 1
+    assert ("in tidepool first (tidepool host backend: stream_synchronize: unknown stream "
+            "0x5200") in stderr
+    assert "destroying it anyway" in stderr
+
+
+@needs_fake
+def test_a_failed_release_is_quiet_under_log_off(run_python):
+    out, stderr = run_with_fake(run_python, FAILED_RELEASE, TIDEPOOL_BACKEND="host",
+                                PYTORCH_CUDA_ALLOC_CONF="tidepool.log:off")
+    assert out == {"destroy_rcs": [0, 0], "cuda_stream_destroys": 2}
+    assert "cudaStreamDestroy" not in stderr
