@@ -47,6 +47,7 @@
 #include "allocator/backend.h"
 #include "allocator/errors.h"
 #include "allocator/export.h"
+#include "allocator/segment_events.h"
 #include "allocator/stats.h"
 
 namespace tidepool {
@@ -204,6 +205,10 @@ class TIDEPOOL_API CachingAllocator {
   // Bytes the live allocation at `ptr` holds (its block: the request rounded up, what the
   // allocated stats count), or 0 when ptr is not a live allocation.
   std::size_t block_size(const void* ptr) const;
+
+  // The allocator's backing changes, for an observer to drain (Note [Segment events] in
+  // segment_events.h); unobserved until someone calls set_observed(true).
+  SegmentEventLog& segment_events() const;
 
   Backend& backend() const;
   int device() const;

@@ -73,6 +73,9 @@ struct __attribute__((visibility("hidden"))) CachingAllocator::Impl {
   // stream]): once per allocator.
   bool warned_free_sync = false;
   MappingStats mapping;
+  // Note [Segment events] (segment_events.h): backing changes for an observer. Recorded
+  // under `mutex`; the log's own mutex is a leaf.
+  SegmentEventLog segment_log;
   // Note [Thread caches] (thread_cache.cpp): the caches of every thread that allocated
   // here, and the id they find this allocator by (addresses are reused, ids are not).
   const std::uint64_t id;
@@ -209,6 +212,11 @@ struct __attribute__((visibility("hidden"))) CachingAllocator::Impl {
   // nothing any more (no backing, every block free in `released`). Returns ranges dropped.
   std::size_t drop_empty_released_ranges();
   void destroy_everything();
+  // The stream a segment's memory belongs to, as snapshots and segment events name it:
+  // its creator's, or none once a released stream's pool holds it.
+  void* segment_stream(const Segment* seg) const {
+    return seg->creator == released.get() ? nullptr : seg->creator->stream.handle;
+  }
 
   // --- snapshot.cpp ---------------------------------------------------------------------
   // All three read held blocks: the lock and every thread cache's mutex must be held.

@@ -2,6 +2,7 @@
 // allocator is one atomic load, because the C ABI does it on every malloc and free.
 #include "allocator/device_registry.h"
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <bitset>
@@ -23,6 +24,7 @@ struct Registry {
   std::optional<BackendKind> chosen;  // set by set_backend or resolved at first use
   // enable_peer_access for devices without an allocator yet: granted at its creation.
   std::array<std::bitset<kMaxDevices>, kMaxDevices> pending_peers{};
+  int segment_observers = 0;  // observe_segment_events: starts minus stops
 };
 
 Registry& registry() {
@@ -110,6 +112,8 @@ CachingAllocator& device_allocator(int device) {
   for (int peer = 0; peer < kMaxDevices; ++peer)
     if (r.pending_peers[device].test(peer)) backend->enable_peer_access(peer);
   auto* a = new CachingAllocator(std::move(backend));
+  // Before it is published: no event of its first allocation may be missed.
+  if (r.segment_observers > 0) a->segment_events().set_observed(true);
   r.allocators[device].store(a, std::memory_order_release);
   return *a;
 }
@@ -123,6 +127,17 @@ void enable_peer_access(int device, int peer) {
   } else {
     r.pending_peers[device].set(peer);
   }
+}
+
+void observe_segment_events(bool on) {
+  Registry& r = registry();
+  std::lock_guard lock(r.mutex);  // an allocator created meanwhile gets the new state
+  const bool was = r.segment_observers > 0;
+  r.segment_observers = on ? r.segment_observers + 1 : std::max(0, r.segment_observers - 1);
+  const bool now = r.segment_observers > 0;
+  if (was == now) return;
+  for (auto& slot : r.allocators)
+    if (CachingAllocator* a = slot.load(std::memory_order_acquire)) a->segment_events().set_observed(now);
 }
 
 void set_backend(std::string_view name) {

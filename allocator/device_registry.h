@@ -33,6 +33,13 @@ TIDEPOOL_API void check_device(int device);
 // BackendError for a device or peer that does not exist, the same device twice, or a
 // peer that cannot reach the device (check_peer_access); nothing changes then.
 TIDEPOOL_API void enable_peer_access(int device, int peer);
+// Observing the segment events (Note [Segment events], segment_events.h) of every
+// device's allocator, existing and future, so that an observer misses no backing an
+// allocator created after it started. Counted: events flow while more observers started
+// than stopped (each started log begins empty; the last stop drops what is queued).
+// Observers drain existing_device_allocator(d)->segment_events(); two at once would split
+// the events between them.
+TIDEPOOL_API void observe_segment_events(bool on);
 // "cuda", "host" or "auto". Throws AllocatorUsageError for another name, and
 // std::logic_error once any device allocator exists.
 TIDEPOOL_API void set_backend(std::string_view name);

@@ -3,6 +3,9 @@
 //   - plain segments: one Backend::device_alloc each (2 MiB small, 20 MiB for requests up
 //     to 10 MiB, else the request rounded to 2 MiB), released whole when fully free;
 //   - expandable ranges, see the Note below.
+// Each backing change is also queued for an observer if one is listening (Note [Segment
+// events] in segment_events.h): a plain segment allocated or freed, a run mapped or
+// unmapped.
 //
 // Note [Expandable segments]
 // Plain segments fragment: a 20 MiB segment with one live 1 MiB block cannot serve a
@@ -106,6 +109,8 @@ CachingAllocator::Impl::Segment* CachingAllocator::Impl::create_segment(StreamPo
     stats.segments.add(1);
   }
   segments.emplace(seg->base, seg);
+  if (!expandable)  // Note [Segment events]; a range's address space is no event
+    segment_log.record(SegmentEvent::Kind::segment_allocated, base, bytes, segment_stream(seg));
   return seg;
 }
 
@@ -284,6 +289,8 @@ void CachingAllocator::Impl::map_run(Segment* seg, std::size_t head, std::size_t
   seg->run_granules[head] = static_cast<std::uint32_t>(granules);
   seg->mapped_runs.insert(static_cast<std::uint32_t>(head));
   seg->mapped_bytes += bytes;
+  segment_log.record(SegmentEvent::Kind::mapped, seg->base + head * granule, bytes,
+                     segment_stream(seg));
 }
 
 PhysicalHandle CachingAllocator::Impl::unmap_run(Segment* seg, std::size_t head) {
@@ -297,6 +304,8 @@ PhysicalHandle CachingAllocator::Impl::unmap_run(Segment* seg, std::size_t head)
   seg->run_granules[head] = 0;
   seg->mapped_runs.erase(static_cast<std::uint32_t>(head));
   seg->mapped_bytes -= bytes;
+  segment_log.record(SegmentEvent::Kind::unmapped, seg->base + head * granule, bytes,
+                     segment_stream(seg));
   return h;
 }
 
@@ -497,6 +506,8 @@ std::size_t CachingAllocator::Impl::release_cached(std::size_t want, bool wait,
         b = next;
       }
       segments.erase(seg->base);
+      segment_log.record(SegmentEvent::Kind::segment_freed, seg->base, seg->size,
+                         segment_stream(seg));
       stats.reserved.sub(seg->size);
       stats.segments.sub(1);
       released_bytes += seg->size;

@@ -170,7 +170,7 @@ std::vector<MemoryRange> CachingAllocator::Impl::backed_ranges() const {
       MemoryRange r;
       r.address = reinterpret_cast<std::uintptr_t>(lo);
       r.size = static_cast<std::size_t>(hi - lo);
-      r.stream = seg->creator == released.get() ? nullptr : seg->creator->stream.handle;
+      r.stream = segment_stream(seg);
       r.small = seg->small;
       r.expandable = seg->expandable;
       while (cursor != nullptr && cursor->ptr + cursor->size <= lo) cursor = cursor->next;
@@ -414,6 +414,7 @@ std::size_t CachingAllocator::block_size(const void* ptr) const {
 }
 
 Backend& CachingAllocator::backend() const { return *impl_->backend; }
+SegmentEventLog& CachingAllocator::segment_events() const { return impl_->segment_log; }
 int CachingAllocator::device() const { return impl_->device; }
 const AllocatorOptions& CachingAllocator::options() const { return impl_->options; }
 
