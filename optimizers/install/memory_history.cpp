@@ -10,6 +10,18 @@
 //     with FREE_COMPLETED (tidepool frees at once in PyTorch's view: a block other
 //     streams still use is held back inside tidepool, out of PyTorch's sight); SNAPSHOT
 //     at each snapshot; OOM (addr = the device's free bytes) when a request fails.
+//   - Backing changes become SEGMENT_ALLOC / SEGMENT_FREE (a plain segment) and
+//     SEGMENT_MAP / SEGMENT_UNMAP (a run of an expandable range mapped, or unmapped when
+//     released or moved), with address, size, stream and device as c10 sets them. The
+//     allocator queues them (Note [Segment events] in allocator/segment_events.h) and
+//     the history drains the device's queue before each entry it appends and at each
+//     snapshot, so the SEGMENT_MAP an allocation needed precedes its ALLOC, and the
+//     SEGMENT_UNMAP a release made follows the FREE_COMPLETED of the blocks it held.
+//     c10 records them with the allocation's stack, or with the releasing call's when
+//     `when` is ALL; here they carry a stack only when `when` is ALL: the stack of the
+//     call that drains them (an allocation, an out-of-memory, an emptyCache) if it ran
+//     on the thread that caused them, else none (a free's own stack is gathered before
+//     the memory goes back, and a release comes later).
 //   - `when` says which stacks are gathered: STATE the allocating stack of each live
 //     block (shown in the snapshot), ALLOC also on alloc entries, ALL also on frees (a
 //     free entry without its own stack carries the block's allocating one).
@@ -27,6 +39,7 @@
 #include <algorithm>
 #include <chrono>
 #include <limits>
+#include <thread>
 #include <utility>
 
 #include "allocator/device_registry.h"
@@ -48,6 +61,16 @@ time_t now_us() {
                                  .count());
 }
 
+TraceEntry::Action trace_action(SegmentEvent::Kind kind) {
+  switch (kind) {
+    case SegmentEvent::Kind::segment_allocated: return TraceEntry::SEGMENT_ALLOC;
+    case SegmentEvent::Kind::segment_freed: return TraceEntry::SEGMENT_FREE;
+    case SegmentEvent::Kind::mapped: return TraceEntry::SEGMENT_MAP;
+    case SegmentEvent::Kind::unmapped: return TraceEntry::SEGMENT_UNMAP;
+  }
+  return TraceEntry::SEGMENT_MAP;  // unreachable: every kind is listed
+}
+
 // The ring's entries, oldest first.
 std::vector<TraceEntry> in_order(const std::vector<TraceEntry>& entries, std::size_t next) {
   std::vector<TraceEntry> out;
@@ -65,6 +88,9 @@ void MemoryHistory::record(bool enabled, CreateContextFn context_recorder, std::
   for (const std::string& name : skip_actions)  // throws on an unknown name: nothing changed
     skipped[action_index(c10::CachingDeviceAllocator::parseTraceEntryAction(name))] = true;
   std::lock_guard lock(mutex_);
+  // What the allocators queued belongs to the history as it was: into it (and cleared
+  // with it), before the settings change.
+  if (recording_.load()) drain_all_segment_events(nullptr);
   skipped_ = std::move(skipped);
   max_entries_ = std::max<std::size_t>(1, max_entries);
   if (!enabled || clear_history) traces_.clear();
@@ -82,6 +108,14 @@ void MemoryHistory::record(bool enabled, CreateContextFn context_recorder, std::
   when_.store(enabled ? when : RecordContext::NEVER);
   recording_.store(enabled);
   watching_frees_.store(enabled || !allocated_under_.empty());
+  if (observing_segments_ != enabled) {
+    observe_segment_events(enabled);
+    observing_segments_ = enabled;
+  }
+}
+
+MemoryHistory::~MemoryHistory() {
+  if (observing_segments_) observe_segment_events(false);
 }
 
 std::shared_ptr<c10::GatheredContext> MemoryHistory::gather(RecordContext level) const {
@@ -107,6 +141,21 @@ void MemoryHistory::append(TraceEntry::Action action, int device, std::size_t ad
   }
 }
 
+void MemoryHistory::drain_segment_events(int device,
+                                         const std::shared_ptr<c10::GatheredContext>& stack) {
+  CachingAllocator* allocator = existing_device_allocator(device);
+  if (allocator == nullptr) return;
+  const bool with_stack = stack != nullptr && when_.load() == RecordContext::ALL;
+  const std::thread::id self = std::this_thread::get_id();
+  for (const SegmentEvent& e : allocator->segment_events().take())
+    append(trace_action(e.kind), device, e.address, e.size, e.stream,
+           with_stack && e.thread == self ? stack : nullptr);
+}
+
+void MemoryHistory::drain_all_segment_events(const std::shared_ptr<c10::GatheredContext>& stack) {
+  for (int device = 0; device < kMaxDevices; ++device) drain_segment_events(device, stack);
+}
+
 bool MemoryHistory::tracked(const void* ptr, int device) const {
   const CachingAllocator* allocator = existing_device_allocator(device);
   return allocator != nullptr && allocator->owns(ptr);
@@ -122,6 +171,7 @@ void MemoryHistory::on_alloc(void* ptr, std::size_t size, int device, void* stre
     allocated_under_[address] = context;
     watching_frees_.store(true);
   }
+  drain_segment_events(device, context);  // the growth this allocation needed comes first
   append(TraceEntry::ALLOC, device, address, size, stream, std::move(context));
 }
 
@@ -139,6 +189,7 @@ void MemoryHistory::on_free(void* ptr, std::size_t size, int device, void* strea
   }
   if (recording_.load()) {
     if (context == nullptr) context = std::move(allocated_under);
+    drain_segment_events(device, nullptr);  // earlier changes: not this free's doing
     append(TraceEntry::FREE_REQUESTED, device, address, size, stream, context);
     append(TraceEntry::FREE_COMPLETED, device, address, size, stream, std::move(context));
   }
@@ -162,10 +213,20 @@ void MemoryHistory::on_out_of_memory(int device, std::size_t size) {
   std::vector<OutOfMemoryObserver> observers;
   {
     std::lock_guard lock(mutex_);
-    if (recording_.load()) append(TraceEntry::OOM, device, free, size, nullptr, std::move(context));
+    if (recording_.load()) {
+      drain_segment_events(device, context);  // what the failed request released first
+      append(TraceEntry::OOM, device, free, size, nullptr, std::move(context));
+    }
     observers = oom_observers_;
   }
   for (const OutOfMemoryObserver& observer : observers) observer(device, size, total, free);
+}
+
+void MemoryHistory::on_empty_cache() {
+  if (!recording_.load(std::memory_order_relaxed)) return;
+  const std::shared_ptr<c10::GatheredContext> stack = gather(RecordContext::ALL);
+  std::lock_guard lock(mutex_);
+  if (recording_.load()) drain_all_segment_events(stack);
 }
 
 void MemoryHistory::attach_out_of_memory_observer(OutOfMemoryObserver observer) {
@@ -180,6 +241,7 @@ SnapshotInfo MemoryHistory::snapshot(c10::cuda::MempoolId_t mempool, bool includ
   // The ranges are read under the history's lock (order: history, then allocator, as
   // nowhere the reverse), so a block's stack is the one its allocation recorded.
   std::lock_guard lock(mutex_);
+  if (recording_.load()) drain_all_segment_events(nullptr);  // the trace up to this point
   std::vector<std::pair<int, std::vector<MemoryRange>>> devices;
   for (int device = 0; device < kMaxDevices; ++device)
     if (const CachingAllocator* allocator = existing_device_allocator(device))

@@ -317,7 +317,10 @@ class TorchCudaAllocator final : public Pluggable {
                   }),
         history_(std::move(history)) {
     set_record_stream_fn(torch_record_stream);
-    set_reset_fn(torch_empty_cache);
+    set_reset_fn([history = history_] {
+      torch_empty_cache();
+      history->on_empty_cache();  // the releases' SEGMENT_FREE / SEGMENT_UNMAP entries
+    });
     set_memory_fraction_fn(torch_set_memory_fraction);
   }
 

@@ -14,6 +14,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <tuple>
@@ -153,6 +154,7 @@ TEST_F(TorchCudaAllocatorTest, TheMemoryHistoryRecordsAllocationsFreesAndTheirSt
       std::dynamic_pointer_cast<torch::cuda::CUDAPluggableAllocator::CUDAPluggableAllocator>(
           make_torch_cuda_allocator());
   EXPECT_FALSE(allocator->isHistoryEnabled());
+  cache_a_block();  // backing to reuse: no segment entries (the next test traces those)
   allocator->recordHistory(true, numbered_context, 100, RecordContext::ALL, true, {});
   EXPECT_TRUE(allocator->isHistoryEnabled());
   void* p = allocator->malloc(5 << 20, 0, nullptr);
@@ -255,6 +257,83 @@ TEST_F(TorchCudaAllocatorTest, TheHistoryKeepsTheNewestEntriesAndSkipsWhatItIsTo
   EXPECT_EQ(grown[3].action_, Action::FREE_COMPLETED);
   EXPECT_EQ(grown[3].addr_, reinterpret_cast<std::uintptr_t>(blocks[1]));
   for (std::size_t i = 2; i < blocks.size(); ++i) allocator->raw_delete(blocks[i]);
+  allocator->recordHistory(false, nullptr, 1, RecordContext::NEVER, true, {});
+}
+
+// The backing tidepool maps for an allocation is traced before its ALLOC, the unmapping
+// that gives it back after the FREE_COMPLETED of the block that held it, with c10's fields
+// and, under ALL, the stack of the call that caused it; skip_actions drops them. The
+// device's allocator uses expandable ranges: SEGMENT_MAP / SEGMENT_UNMAP.
+TEST_F(TorchCudaAllocatorTest, TheHistoryTracesSegmentsAroundTheirAllocations) {
+  const auto allocator =
+      std::dynamic_pointer_cast<torch::cuda::CUDAPluggableAllocator::CUDAPluggableAllocator>(
+          make_torch_cuda_allocator());
+  constexpr std::size_t kBlock = std::size_t{5} << 20;
+  allocator->emptyCache();  // nothing backed but live blocks: the allocation must map
+  allocator->recordHistory(true, numbered_context, 100, RecordContext::ALL, true, {});
+  void* p = allocator->malloc(kBlock, 0, nullptr);
+  ASSERT_NE(p, nullptr);
+  const int allocated_under = g_contexts_gathered;
+  allocator->raw_delete(p);
+  allocator->emptyCache();
+  const int emptied_under = g_contexts_gathered;
+  const auto entries = traces(*allocator);
+  std::vector<Action> actions;
+  for (const auto& e : entries) actions.push_back(e.action_);
+  // SEGMENT_MAP..., ALLOC, FREE_REQUESTED, FREE_COMPLETED, SEGMENT_UNMAP..., SNAPSHOT
+  std::size_t alloc = 0;
+  while (alloc < entries.size() && entries[alloc].action_ == Action::SEGMENT_MAP) ++alloc;
+  ASSERT_GE(alloc, 1u) << "the allocation's backing comes first";
+  ASSERT_GE(entries.size(), alloc + 5u);
+  EXPECT_EQ(entries[alloc].action_, Action::ALLOC);
+  EXPECT_EQ(entries[alloc + 1].action_, Action::FREE_REQUESTED);
+  EXPECT_EQ(entries[alloc + 2].action_, Action::FREE_COMPLETED);
+  EXPECT_EQ(entries.back().action_, Action::SNAPSHOT);
+  std::map<std::size_t, std::size_t> mapped;  // address -> size
+  const auto address = reinterpret_cast<std::uintptr_t>(p);
+  bool covered = false;
+  for (std::size_t i = 0; i < alloc; ++i) {
+    const auto& e = entries[i];
+    EXPECT_EQ(e.device_, 0);
+    EXPECT_EQ(e.stream_, nullptr);
+    EXPECT_GT(e.time_.t_, 0);
+    EXPECT_EQ(number_of(e.context_), allocated_under) << "ALL: the allocation's stack";
+    mapped[e.addr_] = e.size_;
+    covered = covered || (e.addr_ <= address && address + kBlock <= e.addr_ + e.size_);
+  }
+  EXPECT_TRUE(covered) << "a mapped run holds the block";
+  const std::size_t unmaps = entries.size() - 1 - (alloc + 3);
+  EXPECT_EQ(unmaps, alloc) << "emptyCache unmaps what the allocation mapped";
+  for (std::size_t i = alloc + 3; i + 1 < entries.size(); ++i) {
+    const auto& e = entries[i];
+    EXPECT_EQ(e.action_, Action::SEGMENT_UNMAP);
+    EXPECT_EQ(e.device_, 0);
+    EXPECT_EQ(number_of(e.context_), emptied_under) << "ALL: emptyCache's stack";
+    ASSERT_EQ(mapped.count(e.addr_), 1u);
+    EXPECT_EQ(mapped[e.addr_], e.size_);
+  }
+
+  // ALLOC: stacks on allocations only (c10 puts the allocation's on its segment entries;
+  // here the segment entries get one only under ALL).
+  allocator->recordHistory(true, numbered_context, 100, RecordContext::ALLOC, true, {});
+  p = allocator->malloc(kBlock, 0, nullptr);
+  allocator->raw_delete(p);
+  allocator->emptyCache();
+  for (const auto& e : traces(*allocator)) {
+    if (e.action_ == Action::SEGMENT_MAP || e.action_ == Action::SEGMENT_UNMAP) {
+      EXPECT_EQ(e.context_, nullptr);
+    }
+  }
+
+  // Skipped like any other action.
+  allocator->recordHistory(true, numbered_context, 100, RecordContext::ALL, true,
+                           {"segment_map", "segment_unmap"});
+  p = allocator->malloc(kBlock, 0, nullptr);
+  allocator->raw_delete(p);
+  allocator->emptyCache();
+  const auto skipped = traces(*allocator);
+  ASSERT_EQ(skipped.size(), 4u) << "alloc, free requested, free completed, snapshot";
+  EXPECT_EQ(skipped[0].action_, Action::ALLOC);
   allocator->recordHistory(false, nullptr, 1, RecordContext::NEVER, true, {});
 }
 
