@@ -13,6 +13,7 @@
 #include <thread>
 
 #include "tests/allocator/backend_test_battery.h"
+#include "tests/support/backend_errors.h"
 #include "tests/support/stream_gate.h"
 
 namespace tidepool::testing {
@@ -29,16 +30,7 @@ std::unique_ptr<Backend> small_host_backend(std::size_t capacity) {
   return make_host_backend(0, options);
 }
 
-// The message of the BackendError `fn` throws ("" if it throws none).
-template <typename Fn>
-std::string error_of(Fn&& fn) {
-  try {
-    fn();
-  } catch (const BackendError& e) {
-    return e.what();
-  }
-  return "";
-}
+using test_support::error_of;
 
 TEST(HostBackend, IdentifiesItself) {
   auto b = make_host_backend(3);
@@ -312,9 +304,7 @@ TEST(HostBackend, DeviceSynchronizeWaitsForAStreamBeingDestroyed) {
   b->launch_host_func(s, &test_support::StreamGate::wait, &gate);
   b->launch_host_func(s, &increment_counter, &work_done);
   std::thread destroyer([&] { b->destroy_stream(s); });
-  Event probe = b->create_event();
-  // The handle is dead once record_event refuses it.
-  while (error_of([&] { b->record_event(probe, s); }).empty()) std::this_thread::yield();
+  test_support::wait_until_stream_handle_is_dead(*b, s);
   std::atomic<int> work_done_at_return{-1};
   std::thread synchronizer([&] {
     b->device_synchronize();
@@ -325,7 +315,6 @@ TEST(HostBackend, DeviceSynchronizeWaitsForAStreamBeingDestroyed) {
   synchronizer.join();
   destroyer.join();
   EXPECT_EQ(work_done_at_return.load(), 1);
-  b->destroy_event(probe);
 }
 
 TEST(HostBackend, CudaFactoryFailsClearlyWithoutAGpu) {

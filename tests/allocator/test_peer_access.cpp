@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "allocator/backend.h"
+#include "tests/support/backend_errors.h"
 
 namespace tidepool {
 namespace {
@@ -49,16 +50,7 @@ class PeerAccess : public ::testing::Test {
   std::vector<PhysicalHandle> physicals_;
 };
 
-// How an error reads: the message of the BackendError `fn` throws ("" if none).
-template <class Fn>
-std::string error_of(Fn&& fn) {
-  try {
-    fn();
-  } catch (const BackendError& e) {
-    return e.what();
-  }
-  return "";
-}
+using test_support::error_of;
 
 TEST_F(PeerAccess, RangesMappedBeforeTheCallGetThePeer) {
   std::byte* va = reserve(2);

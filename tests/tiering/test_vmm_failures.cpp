@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "allocator/c_api.h"
+#include "tests/support/backend_errors.h"
 #include "tests/tiering/failing_backend.h"
 #include "tests/tiering/tiering_test_util.h"
 #include "tiering/tiered_store.h"  // TieringError
@@ -251,15 +252,7 @@ TEST_F(VmmFailureTest, AStreamDestroyedUnreleasedIsWaitedForByADeviceSynchronize
   // The host backend's destroy returns once the queued work ran; cudaStreamDestroy returns
   // at once. Either way the handle is dead while the work still runs.
   std::thread destroyer([&] { inner_->destroy_stream(lost); });
-  const Event probe = inner_->create_event();
-  for (;;) {
-    try {
-      inner_->record_event(probe, lost);
-    } catch (const BackendError&) {
-      break;
-    }
-    std::this_thread::yield();
-  }
+  test_support::wait_until_stream_handle_is_dead(*inner_, lost);
   auto migrated = std::async(std::launch::async, [&] { pool.migrate(p, MemoryLocation::host); });
   // Not a timing bound: a migration that ends while the lost stream's work is held is the
   // failure.
@@ -267,7 +260,6 @@ TEST_F(VmmFailureTest, AStreamDestroyedUnreleasedIsWaitedForByADeviceSynchronize
   gate.open();
   EXPECT_NO_THROW(migrated.get());
   destroyer.join();
-  inner_->destroy_event(probe);
   EXPECT_EQ(pool.stats().lost_stream_syncs, 1u);
   EXPECT_EQ(pool.bytes_in(p, MemoryLocation::host), n);
   EXPECT_EQ(difference(p, data), -1);
