@@ -15,8 +15,8 @@
 #include <string>
 
 #include "allocator/caching_allocator_impl.h"
-#include "allocator/config.h"
 #include "allocator/thread_cache.h"
+#include "allocator/warn_once.h"
 
 namespace tidepool {
 
@@ -73,8 +73,7 @@ void CachingAllocator::Impl::synchronize_instead_of_events(const Block& b,
     throw BackendError(os.str());
   }
   ++stats.free_device_syncs;
-  if (warned_free_sync || active_config().log == LogLevel::off) return;
-  warned_free_sync = true;
+  if (!warn_once_due(warned_free_sync)) return;
   std::fprintf(stderr,
                "tidepool: a free on device %d could not record an event on a stream that used "
                "the block (%s); it synchronized the whole device instead, which is slow. A "

@@ -53,6 +53,7 @@
 #include "allocator/config.h"
 #include "allocator/stats.h"
 #include "allocator/tier_routing.h"
+#include "allocator/warn_once.h"
 #include "tiering/teardown.h"
 
 namespace tidepool {
@@ -491,9 +492,7 @@ HostBlock HostArena::allocate_pageable(std::size_t bytes, const std::string& rea
   stats_.last_fallback_reason = reason;
   // One line, once per arena: a silent fallback costs a training run its overlap (every
   // copy of that state blocks the host) and nothing else would tell the user why.
-  if (!stats_.fallback_warned && options_.warn_on_pageable_fallback &&
-      active_config().log != LogLevel::off) {
-    stats_.fallback_warned = true;
+  if (options_.warn_on_pageable_fallback && warn_once_due(stats_.fallback_warned)) {
     std::fprintf(stderr, "%s\n", pageable_fallback_warning(stats_, bytes, reason, why).c_str());
   }
   return HostBlock{p, bytes, HostTier::pageable};

@@ -9,6 +9,7 @@
 
 #include "allocator/config.h"
 #include "allocator/tier_routing.h"
+#include "allocator/warn_once.h"
 #include "tiering/teardown.h"
 #include "tiering/tiered_store.h"  // TieringError
 
@@ -297,8 +298,7 @@ void VmmPool::synchronize_for_lost_stream_locked(Stream lost, const BackendError
   }
   for (auto& [base, range] : ranges_) std::erase(range.use_streams, lost);
   ++stats_.lost_stream_syncs;
-  if (warned_lost_stream_ || active_config().log == LogLevel::off) return;
-  warned_lost_stream_ = true;
+  if (!warn_once_due(warned_lost_stream_)) return;
   std::fprintf(stderr,
                "tidepool: vmm pool: could not record an event on a stream that used a "
                "pointer-stable range (%s); it synchronized the whole device instead, which is "
