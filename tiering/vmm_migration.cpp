@@ -329,6 +329,16 @@ MigrationResult VmmPool::migrate(const void* ptr, MemoryLocation to) {
 
 MigrationResult VmmPool::migrate_locked(Range& r, MemoryLocation to,
                                         std::optional<std::size_t> budget) {
+  try {
+    return move_range_locked(r, to, budget);
+  } catch (...) {
+    stats_.failed_migrations++;
+    throw;
+  }
+}
+
+MigrationResult VmmPool::move_range_locked(Range& r, MemoryLocation to,
+                                           std::optional<std::size_t> budget) {
   MigrationResult result;
   result.ranges = 1;
   for (const Chunk& c : r.chunks) {
@@ -353,7 +363,6 @@ MigrationResult VmmPool::migrate_locked(Range& r, MemoryLocation to,
       result.bytes_moved += c.bytes;
     }
   } catch (...) {
-    stats_.failed_migrations++;
     stats_.migration_ms +=
         std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
     throw;

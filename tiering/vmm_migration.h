@@ -60,6 +60,12 @@ struct VmmStats {
   std::uint64_t bytes_to_host = 0;
   std::uint64_t bytes_to_device = 0;
   double migration_ms = 0;  // wall time inside migrate(), waits for users excluded
+  // Migrations of a range that threw: a migrate() call, or the range of a migrate_tag()
+  // it stopped at, counted once whether the pool declined it (a chunk not mapped back
+  // yet: Note [Deferred releases] in vmm_migration.cpp), the streams that used the range
+  // could not be waited for, or a step failed after other chunks had moved. Not counted:
+  // bad input (a pointer the pool does not own) and a move the device budget cut short
+  // (budget_stops), neither of which is the pool's failure.
   std::uint64_t failed_migrations = 0;
   // Note [VMM device budget]
   bool has_device_budget = false;
@@ -178,7 +184,10 @@ class TIDEPOOL_API VmmPool {
   void wait_for_users_locked(Range& r);
   void synchronize_for_lost_stream_locked(Stream lost, const BackendError& record_error);
   void migrate_chunk_locked(Range& r, Chunk& c, MemoryLocation to);
+  // Counts a migration that throws (VmmStats::failed_migrations) around move_range_locked.
   MigrationResult migrate_locked(Range& r, MemoryLocation to, std::optional<std::size_t> budget);
+  MigrationResult move_range_locked(Range& r, MemoryLocation to,
+                                    std::optional<std::size_t> budget);
   void release_range_locked(Range& r, Teardown* teardown = nullptr);
   // Note [Deferred releases].
   void release_or_defer_locked(PhysicalHandle physical, std::size_t bytes);
