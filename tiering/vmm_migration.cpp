@@ -3,6 +3,7 @@
 #include "tiering/vmm_migration.h"
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <string>
@@ -30,17 +31,41 @@ VmmPool::VmmPool(Backend& backend, VmmPoolOptions options)
   scratch_ = backend_.reserve_address(scratch_bytes_);
 }
 
-// Every release step runs even when an earlier one failed (teardown.h). A range whose
-// users could not be waited for stays mapped (a kernel may still read it); the others
-// are unmapped and released.
+// Note [Ranges kept at teardown]
+// Unmapping memory that queued work may still touch is worse than leaking it: the work
+// would fault, or read and write whatever is mapped there next. So the destructor keeps a
+// range (mapped, its backings alive, its address reserved) when it cannot tell that no
+// work uses it: when the streams that used it (record_use) could not be waited for, and
+// every range, with the scratch range, when the migration stream could not be drained (a
+// copy left on it reads from some range and writes the scratch range). A failed unmap
+// does not stop the teardown: the range's other chunks are still unmapped and every
+// backing released (a mapping keeps its memory until the process ends, as it may outlive
+// its handle), as are the other ranges; the range's address stays reserved, as releasing
+// it under a live mapping fails or lets a later reservation overlap that mapping, and the
+// range counts as kept. Kept ranges are leaked until the process ends: said in one stderr
+// line per pool (always, as a teardown's failures are) and counted process-wide
+// (vmm_ranges_kept_at_teardown), besides the Teardown line that counts the failed steps.
+namespace {
+std::atomic<std::uint64_t> g_ranges_kept_at_teardown{0};
+}  // namespace
+
+std::uint64_t vmm_ranges_kept_at_teardown() noexcept {
+  return g_ranges_kept_at_teardown.load(std::memory_order_relaxed);
+}
+
 VmmPool::~VmmPool() {
   Teardown teardown("vmm pool");
   std::lock_guard lock(mutex_);
-  teardown.attempt("draining the migration stream", [&] { backend_.stream_synchronize(stream_); });
+  const bool drained = teardown.attempt("draining the migration stream",
+                                        [&] { backend_.stream_synchronize(stream_); });
+  std::size_t kept = 0;
+  std::size_t kept_bytes = 0;
   for (auto& [base, r] : ranges_) {
-    if (teardown.attempt("waiting for the streams that used a range",
-                         [&] { wait_for_users_locked(r); })) {
-      release_range_locked(r, &teardown);
+    const bool unused = drained && teardown.attempt("waiting for the streams that used a range",
+                                                    [&] { wait_for_users_locked(r); });
+    if (!unused || !release_range_locked(r, &teardown)) {
+      kept++;
+      kept_bytes += r.bytes;
     }
   }
   ranges_.clear();
@@ -49,13 +74,26 @@ VmmPool::~VmmPool() {
                      [&] { backend_.release_physical(d.physical, d.bytes); });
   }
   deferred_releases_.clear();
-  if (scratch_mapped_bytes_ > 0) {
-    teardown.attempt("unmapping the scratch range", [&] { unmap_scratch_locked(); });
+  if (drained) {
+    if (scratch_mapped_bytes_ > 0) {
+      teardown.attempt("unmapping the scratch range", [&] { unmap_scratch_locked(); });
+    }
+    if (scratch_mapped_bytes_ == 0) {
+      teardown.attempt("releasing the scratch range",
+                       [&] { backend_.release_address(scratch_, scratch_bytes_); });
+    }
   }
-  teardown.attempt("releasing the scratch range",
-                   [&] { backend_.release_address(scratch_, scratch_bytes_); });
   teardown.attempt("destroying the sync event", [&] { backend_.destroy_event(sync_event_); });
   teardown.attempt("destroying the migration stream", [&] { backend_.destroy_stream(stream_); });
+  if (kept > 0) {
+    g_ranges_kept_at_teardown.fetch_add(kept, std::memory_order_relaxed);
+    std::fprintf(stderr,
+                 "tidepool: vmm pool: kept %zu pointer-stable range%s (%zu bytes) mapped at "
+                 "its destruction, leaked until the process ends: work queued on it could "
+                 "not be waited for, or an unmap failed (the pool's teardown line names the "
+                 "first failure)\n",
+                 kept, kept == 1 ? "" : "s", kept_bytes);
+  }
 }
 
 VmmPool::Range* VmmPool::find_locked(const void* ptr) {
@@ -73,25 +111,29 @@ const VmmPool::Range* VmmPool::find_locked(const void* ptr) const {
 
 // Chunks are dropped from the range (and from the stats) as they are unmapped, so a
 // deallocate that stops at a failed unmap leaves a range a later one can go on with.
-void VmmPool::release_range_locked(Range& r, Teardown* teardown) {
-  // Throws at the first failure, or with a Teardown records it and goes on.
+bool VmmPool::release_range_locked(Range& r, Teardown* teardown) {
+  // Throws at the first failure, or with a Teardown records it and goes on; true when
+  // the step succeeded.
   auto step = [teardown](const char* what, auto&& fn) {
-    if (teardown != nullptr) {
-      teardown->attempt(what, fn);
-      return;
-    }
+    if (teardown != nullptr) return teardown->attempt(what, fn);
     try {
       fn();
     } catch (const BackendError& e) {
       throw TieringError(std::string("vmm pool: ") + what + " failed (the range stays allocated "
                          "with what is still mapped; deallocate again): " + e.what());
     }
+    return true;
   };
+  bool all_unmapped = true;
   while (!r.chunks.empty()) {
     const Chunk c = r.chunks.back();
-    // In a teardown a failed unmap still releases the handle: the mapping keeps its memory
-    // until the process ends, as a mapping may outlive its handle.
-    if (c.mapped) step("unmapping a chunk", [&] { backend_.unmap(r.base + c.offset, c.bytes); });
+    // Only in a teardown does a failed unmap get here: the handle is released all the
+    // same (Note [Ranges kept at teardown]).
+    if (c.mapped) {
+      const bool unmapped =
+          step("unmapping a chunk", [&] { backend_.unmap(r.base + c.offset, c.bytes); });
+      all_unmapped = all_unmapped && unmapped;
+    }
     r.chunks.pop_back();
     if (!c.mapped) unmapped_chunks_--;
     (c.where == MemoryLocation::device ? stats_.device_backed_bytes : stats_.host_backed_bytes) -=
@@ -103,8 +145,10 @@ void VmmPool::release_range_locked(Range& r, Teardown* teardown) {
       release_or_defer_locked(c.physical, c.bytes);
     }
   }
+  if (!all_unmapped) return false;
   step("releasing a range's address space", [&] { backend_.release_address(r.base, r.bytes); });
   stats_.ranges--;
+  return true;
 }
 
 // Note [Deferred releases]

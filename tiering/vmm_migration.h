@@ -105,7 +105,9 @@ class TIDEPOOL_API VmmPool {
 
   explicit VmmPool(Backend& backend, VmmPoolOptions options = {});
   // Frees every range still allocated. Never throws (teardown.h): a backend failure is
-  // reported on stderr and what can be released still is.
+  // reported on stderr and what can be released still is; a range that work may still
+  // use, or that stays partly mapped, is kept instead (Note [Ranges kept at teardown] in
+  // vmm_migration.cpp).
   ~VmmPool();
   VmmPool(const VmmPool&) = delete;
   VmmPool& operator=(const VmmPool&) = delete;
@@ -188,7 +190,11 @@ class TIDEPOOL_API VmmPool {
   MigrationResult migrate_locked(Range& r, MemoryLocation to, std::optional<std::size_t> budget);
   MigrationResult move_range_locked(Range& r, MemoryLocation to,
                                     std::optional<std::size_t> budget);
-  void release_range_locked(Range& r, Teardown* teardown = nullptr);
+  // Unmaps the range's chunks and releases their backings and its address. Without a
+  // teardown, throws at the first failed unmap or address release; with one, records each
+  // failure and goes on, and returns false when a chunk stayed mapped (the address is then
+  // kept: Note [Ranges kept at teardown]).
+  bool release_range_locked(Range& r, Teardown* teardown = nullptr);
   // Note [Deferred releases].
   void release_or_defer_locked(PhysicalHandle physical, std::size_t bytes);
   void repair_locked();
@@ -210,5 +216,9 @@ class TIDEPOOL_API VmmPool {
   std::uint64_t next_sequence_ = 0;
   VmmStats stats_;
 };
+
+// Ranges that VmmPool destructors in this process kept mapped (leaked) instead of
+// unmapping them (Note [Ranges kept at teardown] in vmm_migration.cpp).
+TIDEPOOL_API std::uint64_t vmm_ranges_kept_at_teardown() noexcept;
 
 }  // namespace tidepool

@@ -1,14 +1,20 @@
-// VmmPool's accounting of refused migrations (VmmStats::failed_migrations). Host backend
-// only: the failures are chosen calls of a wrapper around it (failing_backend.h), which
-// also counts the live physical handles.
+// VmmPool's accounting of refused migrations (VmmStats::failed_migrations) and its
+// destructor when backend calls fail there: a range that queued work may still use is
+// kept mapped rather than unmapped under that work, a failed unmap does not stop the
+// rest of the teardown, and both are said on stderr and counted (Note [Ranges kept at
+// teardown] in vmm_migration.cpp). Host backend only: the failures are chosen calls of a
+// wrapper around it (failing_backend.h), which also counts the live physical handles.
 #include <gtest/gtest.h>
 
+#include <cstring>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "allocator/c_api.h"
 #include "tests/tiering/failing_backend.h"
 #include "tests/tiering/tiering_test_util.h"
+#include "tiering/teardown.h"
 #include "tiering/tiered_store.h"  // TieringError
 #include "tiering/vmm_migration.h"
 
@@ -16,6 +22,7 @@ namespace tidepool {
 namespace {
 
 using tiering_test::FailingBackend;
+using tiering_test::random_bytes;
 
 constexpr int kTag = TIDEPOOL_TAG_OPTIMIZER_STATE;
 
@@ -24,6 +31,41 @@ class VmmTeardownTest : public ::testing::Test {
   VmmTeardownTest() : inner_(make_host_backend(0)), backend_(*inner_) {}
 
   std::size_t granule() const { return backend_.granularity(); }
+  // The host backend's memory is the process's: a test reads a range directly, even after
+  // the pool that made it is gone.
+  void fill(void* ptr, const std::vector<unsigned char>& data) {
+    std::memcpy(ptr, data.data(), data.size());
+  }
+  // Reads only what is still mapped: an unmapped range would crash the test instead of
+  // failing it.
+  bool holds(const void* ptr, const std::vector<unsigned char>& data) {
+    try {
+      inner_->peer_has_access(ptr, inner_->device());  // throws when nothing is mapped there
+    } catch (const BackendError& e) {
+      ADD_FAILURE() << "not mapped any more: " << e.what();
+      return false;
+    }
+    return std::memcmp(ptr, data.data(), data.size()) == 0;
+  }
+
+  // What destroying `pool` reported: the stderr it wrote, the failed steps it counted,
+  // and the ranges it kept.
+  struct Destruction {
+    std::string stderr_text;
+    std::uint64_t failed_steps = 0;
+    std::uint64_t kept_ranges = 0;
+  };
+  Destruction destroy(std::unique_ptr<VmmPool>& pool) {
+    const std::uint64_t steps_before = teardown_error_count();
+    const std::uint64_t kept_before = vmm_ranges_kept_at_teardown();
+    testing::internal::CaptureStderr();
+    pool.reset();
+    Destruction d;
+    d.stderr_text = testing::internal::GetCapturedStderr();
+    d.failed_steps = teardown_error_count() - steps_before;
+    d.kept_ranges = vmm_ranges_kept_at_teardown() - kept_before;
+    return d;
+  }
 
   std::unique_ptr<Backend> inner_;
   FailingBackend backend_;
@@ -86,6 +128,90 @@ TEST_F(VmmTeardownTest, FailedMigrationsCountsEveryRefusedMigrateOfARange) {
   budgeted.deallocate(q);
   pool.deallocate(p);
   EXPECT_EQ(backend_.live_physicals(), 0u);
+}
+
+// ---- teardown ------------------------------------------------------------------------------
+
+// A range whose users cannot be waited for is kept whole: mapped, its data readable at the
+// same address, its backing alive. The other ranges are released.
+TEST_F(VmmTeardownTest, ARangeWhoseUsersCannotBeWaitedForIsKeptMapped) {
+  auto pool = std::make_unique<VmmPool>(backend_);
+  const std::size_t n = (VmmPool::kChunkGranules + 1) * granule();  // two chunks
+  void* used = pool->allocate(n, kTag);
+  void* idle = pool->allocate(granule(), kTag);
+  ASSERT_TRUE(used && idle);
+  const auto data = random_bytes(n, 51);
+  fill(used, data);
+  const Stream user = inner_->create_stream();
+  pool->record_use(used, user);
+  backend_.fail_calls_to("event_synchronize", 1);
+  const Destruction d = destroy(pool);
+  EXPECT_EQ(d.kept_ranges, 1u);
+  EXPECT_EQ(d.failed_steps, 1u);
+  EXPECT_EQ(backend_.live_physicals(), 2u);  // the kept range's two chunks; idle's released
+  EXPECT_TRUE(holds(used, data));
+  EXPECT_NE(d.stderr_text.find("tidepool: vmm pool: kept 1 pointer-stable range"),
+            std::string::npos) << d.stderr_text;
+  inner_->destroy_stream(user);
+}
+
+// A migration stream that cannot be drained may still copy out of any range (and into the
+// scratch range): every range is kept, none unmapped under it.
+TEST_F(VmmTeardownTest, AMigrationStreamThatCannotBeDrainedKeepsEveryRange) {
+  auto pool = std::make_unique<VmmPool>(backend_);
+  void* a = pool->allocate(granule(), kTag);
+  void* b = pool->allocate(2 * granule(), kTag);
+  ASSERT_TRUE(a && b);
+  pool->migrate(b, MemoryLocation::host);
+  const auto data_a = random_bytes(granule(), 52);
+  const auto data_b = random_bytes(2 * granule(), 53);
+  fill(a, data_a);
+  fill(b, data_b);
+  backend_.fail_calls_to("stream_synchronize", 1);  // the destructor's first call
+  const Destruction d = destroy(pool);
+  EXPECT_EQ(d.kept_ranges, 2u);
+  EXPECT_EQ(d.failed_steps, 1u);  // the drain; nothing else was tried and failed
+  EXPECT_EQ(backend_.live_physicals(), 2u);
+  EXPECT_TRUE(holds(a, data_a));
+  EXPECT_TRUE(holds(b, data_b));
+  EXPECT_NE(d.stderr_text.find("tidepool: vmm pool: kept 2 pointer-stable ranges"),
+            std::string::npos) << d.stderr_text;
+  EXPECT_NE(d.stderr_text.find("draining the migration stream"), std::string::npos)
+      << d.stderr_text;
+}
+
+// Failed unmaps: the teardown goes on with every other chunk and range, and reports each
+// failure. A range with a chunk still mapped keeps its address reserved (it is not
+// released under a live mapping) and is counted as kept.
+TEST_F(VmmTeardownTest, FailedUnmapsDoNotStopTheTeardown) {
+  // Ranges go in address order, chunks last first: unmap calls are the first range's
+  // second chunk, its first, then the second range's.
+  struct Case {
+    int skip;
+    int failures;  // consecutive unmaps after `skip`: here each in a different range
+    std::uint64_t kept;
+  };
+  for (const Case c : {Case{0, 1, 1}, Case{1, 2, 2}}) {
+    const std::string where = std::to_string(c.failures) + " after " + std::to_string(c.skip);
+    auto pool = std::make_unique<VmmPool>(backend_);
+    const std::size_t two_chunks = (VmmPool::kChunkGranules + 1) * granule();
+    for (int i = 0; i < 4; ++i) {
+      ASSERT_NE(pool->allocate(i % 2 == 0 ? two_chunks : granule(), kTag), nullptr);
+    }
+    backend_.fail_calls_to("unmap", c.failures, c.skip);
+    const Destruction d = destroy(pool);
+    EXPECT_EQ(d.failed_steps, static_cast<std::uint64_t>(c.failures)) << where << d.stderr_text;
+    EXPECT_EQ(d.kept_ranges, c.kept) << where;
+    // A backing whose unmap failed is released all the same (the mapping holds its memory
+    // until the process ends); every other chunk is unmapped and released.
+    EXPECT_EQ(backend_.live_physicals(), 0u) << where;
+    EXPECT_NE(d.stderr_text.find("tidepool: vmm pool: kept " + std::to_string(c.kept) +
+                                 " pointer-stable range"),
+              std::string::npos) << where << d.stderr_text;
+    EXPECT_NE(d.stderr_text.find("vmm pool destroyed with " + std::to_string(c.failures) +
+                                 " failed release step"),
+              std::string::npos) << where << d.stderr_text;
+  }
 }
 
 }  // namespace
