@@ -25,10 +25,15 @@
  * Streams: cudaStreamCreate hands out the same handle every time (FAKE_CUDART_STREAM_HANDLE,
  * default 0x5200), as CUDA may give a destroyed stream's handle to the next stream. When
  * the test helper library (host_streams.cpp) is loaded, each handle is a stream of
- * tidepool's host backend instead, which tidepool can wait for as CUDA's tidepool waits
- * for the program's streams; cudaStreamDestroy then destroys it. cudaStreamDestroy
- * records, in fake_cudart_destroy_saw_tidepool_stream, whether tidepool's snapshot still
- * named the handle at that moment (1) or not (0). */
+ * tidepool's host backend instead, on the current device, which tidepool can wait for as
+ * CUDA's tidepool waits for the program's streams; cudaStreamGetDevice answers its device,
+ * events and waits work across devices as CUDA's do, and cudaStreamDestroy destroys it,
+ * unless FAKE_CUDART_REUSE_HANDLES is set: then the next cudaStreamCreate hands the
+ * destroyed handle out again (as a new stream; its host stream is kept, as CUDA may reuse
+ * a handle). Without the helper the event functions answer cudaErrorNotSupported.
+ * cudaStreamDestroy records, in fake_cudart_destroy_saw_tidepool_stream, whether
+ * tidepool's snapshot still named the handle at that moment (1) or not (0).
+ * cudaSetDevice makes devices 0 to 3 current (it sets FAKE_CUDART_DEVICE). */
 #define _GNU_SOURCE
 #include <dlfcn.h>
 #include <inttypes.h>
@@ -51,6 +56,7 @@ int fake_cudart_nested_async_forwarded = -1;
 int fake_cudart_stream_create_calls = 0;
 int fake_cudart_stream_destroy_calls = 0;
 int fake_cudart_destroy_saw_tidepool_stream = -1; /* -1: no destroy yet */
+int fake_cudart_event_records = 0;
 
 static int env_int(const char* name, int fallback) {
   const char* value = getenv(name);
@@ -105,8 +111,16 @@ int cudaFreeAsync(void* ptr, void* stream) {
   return 0;
 }
 
+/* The helper library's function `name`, or NULL when the test did not load it. */
+static void* helper(const char* name) { return dlsym(RTLD_DEFAULT, name); }
+
 int cudaStreamGetDevice(void* stream, int* device) {
-  (void)stream;
+  int (*host_device)(void*) = (int (*)(void*))helper("host_streams_device");
+  const int known = host_device != NULL ? host_device(stream) : -1;
+  if (known >= 0) {
+    *device = known;
+    return 0;
+  }
   *device = env_int("FAKE_CUDART_STREAM_DEVICE", env_int("FAKE_CUDART_DEVICE", 0));
   return 0;
 }
@@ -122,7 +136,13 @@ int cudaGetDevice(int* device) {
   return 0;
 }
 
-int cudaSetDevice(int device) { return device == 0 ? 0 : 101; /* cudaErrorInvalidDevice */ }
+int cudaSetDevice(int device) {
+  if (device < 0 || device > 3) return 101; /* cudaErrorInvalidDevice */
+  char value[16];
+  snprintf(value, sizeof value, "%d", device);
+  setenv("FAKE_CUDART_DEVICE", value, 1);
+  return 0;
+}
 
 int cudaDeviceSynchronize(void) {
   ++fake_cudart_synchronize_calls;
@@ -134,12 +154,51 @@ int cudaRuntimeGetVersion(int* version) {
   return 0;
 }
 
+static void* reusable_handle = NULL; /* FAKE_CUDART_REUSE_HANDLES: the last destroyed */
+
 int cudaStreamCreate(void** stream) {
-  void* (*host_create)(void) = (void* (*)(void))dlsym(RTLD_DEFAULT, "host_streams_create");
+  void* (*host_create)(int) = (void* (*)(int))helper("host_streams_create");
   ++fake_cudart_stream_create_calls;
-  *stream = host_create != NULL
-                ? host_create()
-                : (void*)(uintptr_t)env_int("FAKE_CUDART_STREAM_HANDLE", 0x5200);
+  if (host_create == NULL) {
+    *stream = (void*)(uintptr_t)env_int("FAKE_CUDART_STREAM_HANDLE", 0x5200);
+  } else if (reusable_handle != NULL) {
+    *stream = reusable_handle;
+    reusable_handle = NULL;
+  } else {
+    *stream = host_create(env_int("FAKE_CUDART_DEVICE", 0));
+  }
+  return 0;
+}
+
+int cudaStreamCreateWithFlags(void** stream, unsigned flags) {
+  (void)flags;
+  return cudaStreamCreate(stream);
+}
+
+int cudaEventCreateWithFlags(void** event, unsigned flags) {
+  void* (*host_create)(void) = (void* (*)(void))helper("host_events_create");
+  (void)flags;
+  if (host_create == NULL) return 801; /* cudaErrorNotSupported */
+  *event = host_create();
+  return 0;
+}
+
+int cudaEventRecord(void* event, void* stream) {
+  int (*host_record)(void*, void*, int) = (int (*)(void*, void*, int))helper("host_events_record");
+  ++fake_cudart_event_records;
+  return host_record != NULL ? host_record(event, stream, env_int("FAKE_CUDART_DEVICE", 0)) : 801;
+}
+
+int cudaStreamWaitEvent(void* stream, void* event, unsigned flags) {
+  int (*host_wait)(void*, void*, int) = (int (*)(void*, void*, int))helper("host_streams_wait_event");
+  (void)flags;
+  return host_wait != NULL ? host_wait(stream, event, env_int("FAKE_CUDART_DEVICE", 0)) : 801;
+}
+
+int cudaEventDestroy(void* event) {
+  void (*host_destroy)(void*) = (void (*)(void*))helper("host_events_destroy");
+  if (host_destroy == NULL) return 801;
+  host_destroy(event);
   return 0;
 }
 
@@ -158,9 +217,13 @@ static int tidepool_names(void* stream) {
 }
 
 int cudaStreamDestroy(void* stream) {
-  void (*host_destroy)(void*) = (void (*)(void*))dlsym(RTLD_DEFAULT, "host_streams_destroy");
+  void (*host_destroy)(void*) = (void (*)(void*))helper("host_streams_destroy");
   ++fake_cudart_stream_destroy_calls;
   fake_cudart_destroy_saw_tidepool_stream = tidepool_names(stream);
-  if (host_destroy != NULL) host_destroy(stream);
+  if (host_destroy != NULL && getenv("FAKE_CUDART_REUSE_HANDLES") != NULL) {
+    reusable_handle = stream;
+  } else if (host_destroy != NULL) {
+    host_destroy(stream);
+  }
   return 0;
 }
