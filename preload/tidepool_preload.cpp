@@ -38,12 +38,32 @@
 //     contract (caching_allocator.h) holds the block back until that stream passes the
 //     free (a cudaFree frees on the NULL stream, after its synchronisation). Any other
 //     pointer goes to the real cudaFreeAsync, so no tidepool pointer reaches the runtime
-//     through either free. Also forwarded unchanged:
+//     through either free (Note [streams tidepool is given] for which stream tidepool
+//     is told). Also forwarded unchanged:
 //     cudaMallocAsync of 0 bytes (the runtime's answer), on a stream being captured
 //     into a graph (the graph owns such an allocation, and its cudaFreeAsync is a free
 //     node: tidepool must not hand the memory out at capture time), and
 //     cudaMallocFromPoolAsync, which the shim does not define (its memory is the
 //     caller's pool's).
+//   - Note [streams tidepool is given]: tidepool keys its pools by stream handle, and
+//     orders a free on another stream by recording an event on that stream with an event
+//     of the block's device. Three kinds of handle do not fit: cudaStreamLegacy (0x1) is
+//     the NULL stream under another name, so it is given as NULL, not a stream with pools
+//     of its own; cudaStreamPerThread (0x2) is one handle for a different stream in each
+//     thread, so tidepool never keys anything by it (memory freed on one thread's stream
+//     would be another thread's at once, and an event recorded on 0x2 by another thread
+//     lands on that thread's stream); and a stream of another device than the block's
+//     (CUDA lets cudaFreeAsync free on any stream; the NULL handle too names the current
+//     device's stream) cannot take an event of the block's device. So cudaMallocAsync on
+//     either default handle allocates on NULL (memory free in NULL's order is free for the
+//     per-thread stream too: a blocking stream, its later work waits for NULL's earlier
+//     work), and cudaFreeAsync on the per-thread stream or on another device's stream
+//     frees on a non-blocking stream the shim keeps for the block's device, after making
+//     it wait for an event the shim recorded on the given stream (on that stream's
+//     device, the current one for the special handles): tidepool holds the block back
+//     until that stream has passed the free, as for any free on a stream other than the
+//     allocating one. If that ordering fails, the free fails with the runtime's error and
+//     the pointer stays the program's, to free again.
 //   - Note [destroyed streams]: tidepool keys pools, fences and thread-cache lists by
 //     stream handle, and CUDA may give a destroyed stream's handle to the next stream
 //     created: tidepool would then treat memory freed on the dead stream as the new
@@ -102,6 +122,7 @@
 #include <mutex>
 #include <string>
 #include <sys/types.h>
+#include <type_traits>
 #include <unordered_map>
 #include <vector>
 
@@ -138,6 +159,12 @@ struct RealCudart {
   cudaError_t (*stream_get_device)(cudaStream_t, int*) = nullptr;
   cudaError_t (*stream_is_capturing)(cudaStream_t, cudaStreamCaptureStatus*) = nullptr;
   cudaError_t (*stream_destroy)(cudaStream_t) = nullptr;  // Note [destroyed streams]
+  // Note [streams tidepool is given].
+  cudaError_t (*stream_create_with_flags)(cudaStream_t*, unsigned) = nullptr;
+  cudaError_t (*event_create_with_flags)(cudaEvent_t*, unsigned) = nullptr;
+  cudaError_t (*event_record)(cudaEvent_t, cudaStream_t) = nullptr;
+  cudaError_t (*stream_wait_event)(cudaStream_t, cudaEvent_t, unsigned) = nullptr;
+  cudaError_t (*event_destroy)(cudaEvent_t) = nullptr;
 };
 
 struct TidepoolAbi {
@@ -171,6 +198,11 @@ struct Shim {
   TidepoolAbi tp;
   std::mutex mutex;  // guards `owned`
   std::unordered_map<void*, Allocation> owned;
+  // Per device, the stream cross-stream frees are ordered on (Note [streams tidepool is
+  // given]); created at the first such free, never destroyed. A lock of its own: it is
+  // held across CUDA calls, which must not wait for `owned`.
+  std::mutex ordering_mutex;
+  std::unordered_map<int, cudaStream_t> ordering_streams;
 };
 
 Shim& shim() {
@@ -286,12 +318,50 @@ void* open_tidepool(std::string& tried) {
   return nullptr;
 }
 
+// A function to look up by name, and where its address goes.
 template <typename Fn>
-bool bind(void* handle, const char* name, Fn& out, std::string& missing) {
-  out = reinterpret_cast<Fn>(dlsym(handle, name));
-  if (out == nullptr) missing += std::string(" ") + name;
-  return out != nullptr;
+struct Symbol {
+  const char* name;
+  Fn& out;
+};
+
+template <typename Fn>
+Symbol<Fn> symbol(const char* name, Fn& out) {
+  return Symbol<Fn>{name, out};
 }
+
+// Binds every symbol it can; the names of those `handle` lacks (" a b"), or "".
+template <typename... Fns>
+std::string bind_all(void* handle, Symbol<Fns>... symbols) {
+  std::string missing;
+  const auto bind = [&](auto symbol) {
+    symbol.out = reinterpret_cast<std::remove_reference_t<decltype(symbol.out)>>(
+        dlsym(handle, symbol.name));
+    if (symbol.out == nullptr) missing += std::string(" ") + symbol.name;
+  };
+  (bind(symbols), ...);
+  return missing;
+}
+
+// bind_all for functions tidepool cannot serve without: says which `library` lacks.
+template <typename... Fns>
+bool bind_required(void* handle, const char* library, Symbol<Fns>... symbols) {
+  const std::string missing = bind_all(handle, symbols...);
+  if (!missing.empty()) say((std::string(library) + " lacks (tidepool is off):").c_str(), missing);
+  return missing.empty();
+}
+
+// Opens a library with `open`, saying `failure` and where it looked when it cannot.
+void* open_or_say(void* (*open)(std::string& tried), const char* failure) {
+  std::string tried;
+  void* handle = open(tried);
+  if (handle == nullptr) say(failure, tried);
+  return handle;
+}
+
+// The functions the shim defines, as the messages name them.
+constexpr const char* kInterposed =
+    "cudaMalloc/cudaFree, cudaMallocAsync/cudaFreeAsync and cudaStreamDestroy";
 
 // tidepool.log:off read from the variables themselves, for the one message given before
 // libtidepool (whose parser knows the keys) is loaded, or when it never is.
@@ -308,35 +378,31 @@ bool environment_says_log_off() {
 // not bind stay null and their forwarded calls answer cudaErrorInitializationError.
 void resolve_cudart() {
   Shim& s = shim();
-  std::string tried;
-  void* cudart = open_cudart(tried);
-  if (cudart == nullptr) {
-    say("cannot find libcudart; tidepool is off. Tried:", tried);
-    return;
-  }
-  std::string missing;
-  bind(cudart, "cudaMalloc", s.cuda.malloc, missing);
-  bind(cudart, "cudaFree", s.cuda.free, missing);
-  bind(cudart, "cudaGetDevice", s.cuda.get_device, missing);
-  bind(cudart, "cudaSetDevice", s.cuda.set_device, missing);
-  bind(cudart, "cudaDeviceSynchronize", s.cuda.device_synchronize, missing);
-  bind(cudart, "cudaRuntimeGetVersion", s.cuda.runtime_get_version, missing);
-  if (!missing.empty()) {
-    say("libcudart lacks (tidepool is off):", missing);
+  RealCudart& c = s.cuda;
+  void* cudart = open_or_say(open_cudart, "cannot find libcudart; tidepool is off. Tried:");
+  if (cudart == nullptr ||
+      !bind_required(cudart, "libcudart", symbol("cudaMalloc", c.malloc),
+                     symbol("cudaFree", c.free), symbol("cudaGetDevice", c.get_device),
+                     symbol("cudaSetDevice", c.set_device),
+                     symbol("cudaDeviceSynchronize", c.device_synchronize),
+                     symbol("cudaRuntimeGetVersion", c.runtime_get_version))) {
     return;
   }
   // The stream-ordered calls exist from CUDA 11.2 (cudaStreamGetDevice from 12.8): a
   // runtime of another major may lack them (the program then never calls them), one of
   // tidepool's major has them all.
-  std::string missing_stream_ordered;
-  bind(cudart, "cudaMallocAsync", s.cuda.malloc_async, missing_stream_ordered);
-  bind(cudart, "cudaFreeAsync", s.cuda.free_async, missing_stream_ordered);
-  bind(cudart, "cudaStreamGetDevice", s.cuda.stream_get_device, missing_stream_ordered);
-  bind(cudart, "cudaStreamIsCapturing", s.cuda.stream_is_capturing, missing_stream_ordered);
+  const std::string missing_stream_ordered = bind_all(
+      cudart, symbol("cudaMallocAsync", c.malloc_async), symbol("cudaFreeAsync", c.free_async),
+      symbol("cudaStreamGetDevice", c.stream_get_device),
+      symbol("cudaStreamIsCapturing", c.stream_is_capturing),
+      symbol("cudaStreamCreateWithFlags", c.stream_create_with_flags),
+      symbol("cudaEventCreateWithFlags", c.event_create_with_flags),
+      symbol("cudaEventRecord", c.event_record),
+      symbol("cudaStreamWaitEvent", c.stream_wait_event),
+      symbol("cudaEventDestroy", c.event_destroy));
   // Forwarded whatever the runtime (a null one answers cudaErrorInitializationError); its
   // absence does not turn tidepool off.
-  std::string missing_destroy;
-  bind(cudart, "cudaStreamDestroy", s.cuda.stream_destroy, missing_destroy);
+  bind_all(cudart, symbol("cudaStreamDestroy", c.stream_destroy));
   int version = 0;
   if (const cudaError_t e = s.cuda.runtime_get_version(&version); e != cudaSuccess) {
     say("cudaRuntimeGetVersion failed; tidepool is off: error ", std::to_string(e));
@@ -351,14 +417,14 @@ void resolve_cudart() {
                   " is version " + std::to_string(version / 1000) + "." +
                   std::to_string(version % 1000 / 10) + ", but tidepool was built for CUDA " +
                   std::to_string(kCudaMajor) +
-                  "; tidepool is off: every cudaMalloc/cudaFree (and cudaMallocAsync/"
-                  "cudaFreeAsync) goes to that runtime unchanged, and the allocator "
-                  "variables are not claimed");
+                  "; tidepool is off: every " + kInterposed +
+                  " goes to that runtime unchanged, and the allocator variables are not "
+                  "claimed");
     }
     return;
   }
   if (!missing_stream_ordered.empty()) {
-    say("libcudart lacks (tidepool is off):", missing_stream_ordered);
+    say("libcudart lacks (tidepool is off):", missing_stream_ordered);  // after the version
     return;
   }
   s.serve = true;
@@ -377,24 +443,17 @@ void initialise() {
   InsideTidepool inside;  // libtidepool's own start-up may touch CUDA
   resolve_cudart_once();
   if (!s.serve) return;  // resolve_cudart said why
-  std::string tried;
-  std::string missing;
-  void* lib = open_tidepool(tried);
-  if (lib == nullptr) {
-    say("cannot load libtidepool; tidepool is off. Tried:", tried);
-    return;
-  }
-  bind(lib, "tidepool_malloc", s.tp.malloc, missing);
-  bind(lib, "tidepool_free", s.tp.free, missing);
-  bind(lib, "tidepool_last_error", s.tp.last_error, missing);
-  bind(lib, "tidepool_clear_error", s.tp.clear_error, missing);
-  bind(lib, "tidepool_last_error_is_out_of_memory", s.tp.last_error_is_out_of_memory, missing);
-  bind(lib, "tidepool_install_from_env", s.tp.install_from_env, missing);
-  bind(lib, "tidepool_config_apply", s.tp.config_apply, missing);
-  bind(lib, "tidepool_config_active_json", s.tp.config_active_json, missing);
-  bind(lib, "tidepool_release_stream", s.tp.release_stream, missing);
-  if (!missing.empty()) {
-    say("libtidepool lacks:", missing);
+  TidepoolAbi& t = s.tp;
+  void* lib = open_or_say(open_tidepool, "cannot load libtidepool; tidepool is off. Tried:");
+  if (lib == nullptr ||
+      !bind_required(lib, "libtidepool", symbol("tidepool_malloc", t.malloc),
+                     symbol("tidepool_free", t.free), symbol("tidepool_last_error", t.last_error),
+                     symbol("tidepool_clear_error", t.clear_error),
+                     symbol("tidepool_last_error_is_out_of_memory", t.last_error_is_out_of_memory),
+                     symbol("tidepool_install_from_env", t.install_from_env),
+                     symbol("tidepool_config_apply", t.config_apply),
+                     symbol("tidepool_config_active_json", t.config_active_json),
+                     symbol("tidepool_release_stream", t.release_stream))) {
     return;
   }
   char error[2048] = "";
@@ -502,6 +561,102 @@ bool take_owned(void* ptr, Allocation& out) {
   return true;
 }
 
+// Puts back what take_owned removed, when the free fails before reaching tidepool: the
+// pointer is still the program's, to free again.
+void restore_owned(void* ptr, const Allocation& a) {
+  Shim& s = shim();
+  std::lock_guard lock(s.mutex);
+  s.owned.emplace(ptr, a);
+}
+
+// Makes `device` current for a scope, then the program's device again.
+class CurrentDevice {
+ public:
+  explicit CurrentDevice(int device) {
+    Shim& s = shim();
+    error_ = s.cuda.get_device(&previous_);
+    if (error_ == cudaSuccess && previous_ != device) {
+      error_ = s.cuda.set_device(device);
+      switched_ = error_ == cudaSuccess;
+    }
+  }
+  ~CurrentDevice() {
+    if (switched_) shim().cuda.set_device(previous_);
+  }
+  CurrentDevice(const CurrentDevice&) = delete;
+  CurrentDevice& operator=(const CurrentDevice&) = delete;
+  cudaError_t error() const { return error_; }
+
+ private:
+  int previous_ = 0;
+  bool switched_ = false;
+  cudaError_t error_ = cudaSuccess;
+};
+
+// The stream tidepool is told for an allocation on `stream` (Note [streams tidepool is
+// given]).
+cudaStream_t allocation_stream(cudaStream_t stream) {
+  return stream == cudaStreamLegacy || stream == cudaStreamPerThread ? nullptr : stream;
+}
+
+// The shim's own stream on `device` (Note [streams tidepool is given]).
+cudaError_t ordering_stream(int device, cudaStream_t& out) {
+  Shim& s = shim();
+  std::lock_guard lock(s.ordering_mutex);
+  if (const auto it = s.ordering_streams.find(device); it != s.ordering_streams.end()) {
+    out = it->second;
+    return cudaSuccess;
+  }
+  CurrentDevice on(device);
+  if (on.error() != cudaSuccess) return on.error();
+  cudaStream_t created = nullptr;
+  if (const cudaError_t e = s.cuda.stream_create_with_flags(&created, cudaStreamNonBlocking);
+      e != cudaSuccess) {
+    return e;
+  }
+  s.ordering_streams.emplace(device, created);
+  out = created;
+  return cudaSuccess;
+}
+
+// Makes `order` wait until `stream` (of `stream_device`) has passed what is queued on it.
+cudaError_t wait_for_stream(cudaStream_t order, cudaStream_t stream, int stream_device) {
+  Shim& s = shim();
+  // An event is recorded on a stream of its own device; the NULL and per-thread handles
+  // name the current device's streams.
+  CurrentDevice on(stream_device);
+  if (on.error() != cudaSuccess) return on.error();
+  cudaEvent_t passed = nullptr;
+  cudaError_t e = s.cuda.event_create_with_flags(&passed, cudaEventDisableTiming);
+  if (e != cudaSuccess) return e;
+  e = s.cuda.event_record(passed, stream);
+  if (e == cudaSuccess) e = s.cuda.stream_wait_event(order, passed, 0);
+  // The wait keeps what it needs: destroying the event does not disturb it.
+  const cudaError_t destroyed = s.cuda.event_destroy(passed);
+  return e != cudaSuccess ? e : destroyed;
+}
+
+// The stream tidepool frees a block of `block_device` on for a cudaFreeAsync on `stream`
+// (Note [streams tidepool is given]).
+cudaError_t free_stream(cudaStream_t stream, int block_device, cudaStream_t& out) {
+  Shim& s = shim();
+  int stream_device = 0;
+  if (const cudaError_t e = s.cuda.stream_get_device(stream, &stream_device); e != cudaSuccess) {
+    return e;
+  }
+  if (stream_device == block_device && stream != cudaStreamPerThread) {
+    out = allocation_stream(stream);
+    return cudaSuccess;
+  }
+  cudaStream_t order = nullptr;
+  if (const cudaError_t e = ordering_stream(block_device, order); e != cudaSuccess) return e;
+  if (const cudaError_t e = wait_for_stream(order, stream, stream_device); e != cudaSuccess) {
+    return e;
+  }
+  out = order;
+  return cudaSuccess;
+}
+
 // Gives a pointer the shim handed out back to tidepool, freed on `stream`.
 cudaError_t serve_free(void* ptr, const Allocation& a, cudaStream_t stream) {
   Shim& s = shim();
@@ -541,11 +696,15 @@ TIDEPOOL_PRELOAD_EXPORT cudaError_t cudaFree(void* dev_ptr) {
   Allocation a{};
   if (!take_owned(dev_ptr, a)) return forward(&RealCudart::free, dev_ptr);
   // cudaFree waits for the device; callers free memory kernels just used on that promise.
-  int current = a.device;
-  s.cuda.get_device(&current);
-  if (current != a.device) s.cuda.set_device(a.device);
-  const cudaError_t synced = s.cuda.device_synchronize();
-  if (current != a.device) s.cuda.set_device(current);
+  cudaError_t synced = cudaSuccess;
+  {
+    CurrentDevice on(a.device);
+    if (on.error() != cudaSuccess) {  // nothing waited for: the block is not freed
+      restore_owned(dev_ptr, a);
+      return on.error();
+    }
+    synced = s.cuda.device_synchronize();
+  }
   const cudaError_t freed = serve_free(dev_ptr, a, nullptr);
   return synced != cudaSuccess ? synced : freed;
 }
@@ -567,7 +726,7 @@ TIDEPOOL_PRELOAD_EXPORT cudaError_t cudaMallocAsync(void** dev_ptr, size_t size,
   }
   int device = 0;
   if (const cudaError_t e = s.cuda.stream_get_device(stream, &device); e != cudaSuccess) return e;
-  return serve_malloc("cudaMallocAsync", dev_ptr, size, device, stream);
+  return serve_malloc("cudaMallocAsync", dev_ptr, size, device, allocation_stream(stream));
 }
 
 TIDEPOOL_PRELOAD_EXPORT cudaError_t cudaFreeAsync(void* dev_ptr, cudaStream_t stream) {
@@ -575,7 +734,12 @@ TIDEPOOL_PRELOAD_EXPORT cudaError_t cudaFreeAsync(void* dev_ptr, cudaStream_t st
   if (dev_ptr == nullptr || t_inside_tidepool || !ready() || !take_owned(dev_ptr, a)) {
     return forward(&RealCudart::free_async, dev_ptr, stream);
   }
-  return serve_free(dev_ptr, a, stream);
+  cudaStream_t stream_for_tidepool = nullptr;
+  if (const cudaError_t e = free_stream(stream, a.device, stream_for_tidepool); e != cudaSuccess) {
+    restore_owned(dev_ptr, a);
+    return e;
+  }
+  return serve_free(dev_ptr, a, stream_for_tidepool);
 }
 
 // Note [destroyed streams].

@@ -196,8 +196,8 @@ def test_another_cuda_major_is_forwarded_untouched(run_python, global_scope):
     assert out == FORWARDED_ALL
     assert stderr.count("tidepool preload:") == 1
     assert "is version 12.8, but tidepool was built for CUDA" in stderr
-    assert ("tidepool is off: every cudaMalloc/cudaFree (and cudaMallocAsync/cudaFreeAsync) goes "
-            "to that runtime unchanged") in stderr
+    assert ("tidepool is off: every cudaMalloc/cudaFree, cudaMallocAsync/cudaFreeAsync and "
+            "cudaStreamDestroy goes to that runtime unchanged") in stderr
 
 
 @needs_fake
@@ -477,3 +477,181 @@ def test_a_failed_release_is_quiet_under_log_off(run_python):
                                 PYTORCH_CUDA_ALLOC_CONF="tidepool.log:off")
     assert out == {"destroy_rcs": [0, 0], "cuda_stream_destroys": 2}
     assert "cudaStreamDestroy" not in stderr
+
+
+# Note [streams tidepool is given] in preload/tidepool_preload.cpp. With the host-streams
+# helper, the fake's streams are host-backend streams of the current device, events work
+# across devices, and host_streams_hold keeps a stream's work back until host_streams_open:
+# a block freed on a held stream must stay out of reach until the stream passes the free.
+STREAMS_PRELUDE = DESTROY_PRELUDE + """
+helper = ctypes.CDLL(os.environ["HOST_STREAMS"], mode=ctypes.RTLD_GLOBAL)
+helper.host_streams_hold.argtypes = [ctypes.c_void_p, ctypes.c_int]
+def on_device(device):
+    os.environ["FAKE_CUDART_DEVICE"] = str(device)
+def create_stream():
+    s = c_void_p()
+    fake.cudaStreamCreate(byref(s))
+    return s
+def settle(device):   # the gate opened, every stream of the device done
+    helper.host_streams_open()
+    helper.host_streams_synchronize_device(device)
+LARGE = 4 << 20   # the large pools: no thread cache
+"""
+
+needs_host_streams = pytest.mark.skipif(not os.path.isfile(HOST_STREAMS),
+                                        reason="host-streams helper not built")
+
+
+@needs_fake
+@needs_host_streams
+@pytest.mark.parametrize("freeing_stream", ["created", "null"])
+def test_a_free_on_another_devices_stream_waits_for_that_stream(run_python, freeing_stream):
+    # A device-1 block freed on a device-0 stream (a created one, or NULL with device 0
+    # current): freed on device 1's allocator, and reusable only once the device-0 stream
+    # has passed the free, not at once (as in the allocating stream's own order).
+    out, stderr = run_with_fake(run_python, STREAMS_PRELUDE + f"""
+on_device(1)
+s1 = create_stream()
+p = c_void_p()
+if {freeing_stream!r} == "null":
+    out["malloc_rc"] = process.cudaMalloc(byref(p), LARGE)
+else:
+    out["malloc_rc"] = process.cudaMallocAsync(byref(p), LARGE, s1)
+on_device(0)
+s0 = create_stream() if {freeing_stream!r} == "created" else c_void_p()
+helper.host_streams_hold(s0, 0)
+out["free_rc"] = process.cudaFreeAsync(p, s0)
+out["allocated"] = [tidepool.stats(d)["allocated_bytes.all.current"] for d in (0, 1)]
+on_device(1)
+def allocate_on_device_1():
+    q = c_void_p()
+    if {freeing_stream!r} == "null":
+        process.cudaMalloc(byref(q), LARGE)
+    else:
+        process.cudaMallocAsync(byref(q), LARGE, s1)
+    return q.value
+out["reused_while_held"] = allocate_on_device_1() == p.value
+settle(0)
+helper.host_streams_synchronize_device(1)
+out["reused_once_passed"] = allocate_on_device_1() == p.value
+""", TIDEPOOL_BACKEND="host", HOST_STREAMS=HOST_STREAMS)
+    assert out == {"malloc_rc": 0, "free_rc": 0, "allocated": [4 << 20, 0],
+                   "reused_while_held": False, "reused_once_passed": True}
+    assert stderr == ""
+
+
+@needs_fake
+def test_a_free_on_another_devices_stream_that_cannot_be_ordered_loses_nothing(run_python):
+    # Without the helper the fake's events fail (cudaErrorNotSupported): the free fails
+    # with that error and the pointer stays the program's, freed later on its own stream.
+    out, stderr = run_with_fake(run_python, DESTROY_PRELUDE + f"""
+os.environ["FAKE_CUDART_STREAM_DEVICE"] = "1"
+p = c_void_p()
+out["malloc_rc"] = process.cudaMallocAsync(byref(p), 4096, c_void_p({STREAM}))
+os.environ["FAKE_CUDART_STREAM_DEVICE"] = "0"
+out["cross_device_free_rc"] = process.cudaFreeAsync(p, c_void_p({STREAM + 1}))
+out["still_allocated"] = tidepool.stats(1)["allocated_bytes.all.current"]
+os.environ["FAKE_CUDART_STREAM_DEVICE"] = "1"
+out["free_rc"] = process.cudaFreeAsync(p, c_void_p({STREAM}))
+out["allocated_after_free"] = tidepool.stats(1)["allocated_bytes.all.current"]
+out["cuda_free_asyncs"] = counter("fake_cudart_free_async_calls")
+""", TIDEPOOL_BACKEND="host")
+    assert out == {"malloc_rc": 0, "cross_device_free_rc": 801, "still_allocated": 4096,
+                   "free_rc": 0, "allocated_after_free": 0, "cuda_free_asyncs": 0}
+    assert stderr == ""
+
+
+@needs_fake
+def test_cuda_free_on_a_device_it_cannot_make_current_loses_nothing(run_python):
+    # cudaFree must synchronise the block's device; when it cannot make it current it
+    # fails and keeps the block (the fake knows devices 0 to 3 only; tidepool's host
+    # backend has more).
+    out, _ = run_with_fake(run_python, DESTROY_PRELUDE + """
+os.environ["FAKE_CUDART_DEVICE"] = "5"
+p = c_void_p()
+out["malloc_rc"] = process.cudaMalloc(byref(p), 4096)
+os.environ["FAKE_CUDART_DEVICE"] = "0"
+out["free_elsewhere_rc"] = process.cudaFree(p)
+out["still_allocated"] = tidepool.stats(5)["allocated_bytes.all.current"]
+os.environ["FAKE_CUDART_DEVICE"] = "5"
+out["free_rc"] = process.cudaFree(p)
+out["allocated_after_free"] = tidepool.stats(5)["allocated_bytes.all.current"]
+""", TIDEPOOL_BACKEND="host")
+    assert out == {"malloc_rc": 0, "free_elsewhere_rc": 101, "still_allocated": 4096,  # cudaErrorInvalidDevice
+                   "free_rc": 0, "allocated_after_free": 0}
+
+
+@needs_fake
+@needs_host_streams
+def test_the_legacy_and_per_thread_handles_are_not_streams_of_their_own(run_python):
+    # cudaStreamLegacy is the NULL stream; cudaStreamPerThread a different stream in each
+    # thread: tidepool gets no pools keyed by either.
+    out, stderr = run_with_fake(run_python, STREAMS_PRELUDE + """
+import threading
+streams = lambda: sorted({seg["stream"] for seg in tidepool.snapshot(0)["segments"]} |
+                         {b["stream"] for seg in tidepool.snapshot(0)["segments"]
+                          for b in seg["blocks"]})
+legacy, per_thread = c_void_p(1), c_void_p(2)
+p = c_void_p()
+out["legacy_malloc_rc"] = process.cudaMallocAsync(byref(p), LARGE, legacy)
+out["legacy_free_rc"] = process.cudaFreeAsync(p, legacy)
+q = c_void_p()
+process.cudaMallocAsync(byref(q), LARGE, None)
+out["legacy_block_is_nulls_at_once"] = q.value == p.value
+process.cudaFreeAsync(q, None)
+def first_thread():   # frees on its own per-thread stream, held back
+    r = c_void_p()
+    out["per_thread_malloc_rc"] = process.cudaMallocAsync(byref(r), LARGE, per_thread)
+    helper.host_streams_hold(per_thread, 0)
+    out["per_thread_free_rc"] = process.cudaFreeAsync(r, per_thread)
+    out["r"] = r.value
+def second_thread():  # its per-thread stream is another stream
+    t = c_void_p()
+    process.cudaMallocAsync(byref(t), LARGE, per_thread)
+    out["t"] = t.value
+for body in (first_thread, second_thread):
+    thread = threading.Thread(target=body)
+    thread.start()
+    thread.join()
+out["reused_by_another_thread_while_held"] = out.pop("t") == out["r"]
+settle(0)
+u = c_void_p()
+process.cudaMallocAsync(byref(u), LARGE, per_thread)
+out["reused_once_passed"] = u.value == out.pop("r")
+out["streams"] = streams()
+""", TIDEPOOL_BACKEND="host", HOST_STREAMS=HOST_STREAMS)
+    assert out == {"legacy_malloc_rc": 0, "legacy_free_rc": 0,
+                   "legacy_block_is_nulls_at_once": True,
+                   "per_thread_malloc_rc": 0, "per_thread_free_rc": 0,
+                   "reused_by_another_thread_while_held": False, "reused_once_passed": True,
+                   "streams": ["0x0"]}
+    assert stderr == ""
+
+
+@needs_fake
+@needs_host_streams
+def test_a_reused_stream_handle_starts_afresh(run_python):
+    # Note [destroyed streams]: the fake hands the destroyed stream's handle to the next
+    # cudaStreamCreate. What tidepool kept for the old stream is not the new one's: the
+    # handle names nothing, and the old stream's free block comes to the new stream as
+    # another stream's (a cross-stream reuse), not from a pool of its own.
+    out, stderr = run_with_fake(run_python, STREAMS_PRELUDE + """
+s = create_stream()
+p, kept = c_void_p(), c_void_p()
+process.cudaMallocAsync(byref(p), 4096, s)
+process.cudaMallocAsync(byref(kept), 4096, s)   # keeps the segment from going back
+process.cudaFreeAsync(p, s)          # cached for s
+out["destroy_rc"] = process.cudaStreamDestroy(s)
+t = create_stream()
+out["same_handle"] = t.value == s.value
+out["named"] = names(t)
+reuses = tidepool.stats(0)["num_cross_stream_reuses"]
+q = c_void_p()
+process.cudaMallocAsync(byref(q), 4096, t)
+out["reused"] = q.value == p.value
+out["as_another_streams"] = tidepool.stats(0)["num_cross_stream_reuses"] - reuses
+out["frees_rc"] = [process.cudaFreeAsync(kept, t), process.cudaFreeAsync(q, t)]
+""", TIDEPOOL_BACKEND="host", HOST_STREAMS=HOST_STREAMS, FAKE_CUDART_REUSE_HANDLES="1")
+    assert out == {"destroy_rc": 0, "same_handle": True, "named": False, "reused": True,
+                   "as_another_streams": 1, "frees_rc": [0, 0]}
+    assert stderr == ""
