@@ -16,6 +16,7 @@
 #include "allocator/tags.h"
 #include "fault_backend.h"
 #include "test_support.h"
+#include "tests/support/backend_errors.h"
 
 namespace tidepool {
 namespace {
@@ -79,15 +80,10 @@ TEST_P(FailedFree, ChangesNothingAndARetryFrees) {
     const AllocatorStats before = a.stats();
     be.fail(Op::record_event);
     be.fail(Op::device_synchronize);
-    try {
-      a.deallocate(p, bytes);
-      FAIL() << "expected BackendError";
-    } catch (const BackendError& e) {
-      const std::string m = e.what();
-      EXPECT_NE(m.find("the block is still allocated"), std::string::npos) << m;
-      EXPECT_NE(m.find("record_event: injected failure"), std::string::npos) << m;
-      EXPECT_NE(m.find("device_synchronize: injected failure"), std::string::npos) << m;
-    }
+    const std::string m = test_support::expect_error<BackendError>([&] { a.deallocate(p, bytes); });
+    EXPECT_NE(m.find("the block is still allocated"), std::string::npos) << m;
+    EXPECT_NE(m.find("record_event: injected failure"), std::string::npos) << m;
+    EXPECT_NE(m.find("device_synchronize: injected failure"), std::string::npos) << m;
     ASSERT_EQ(be.failures(Op::record_event), 1);
     ASSERT_EQ(be.failures(Op::device_synchronize), 1);
     expect_same_live_stats(a.stats(), before, kTagActivation);
@@ -333,13 +329,8 @@ TEST(FailedRelease, ANewRunWhoseMapAndReleaseFailKeepsItsHandle) {
   test::FaultBackend& be = *fa.faults;
   be.inner().inject_fault(FaultPoint::map);
   be.fail(Op::release_physical);
-  try {
-    a.allocate(4 * kMiB);
-    FAIL() << "expected BackendError";
-  } catch (const BackendError& e) {
-    const std::string m = e.what();
-    EXPECT_EQ(m.find("release_physical"), std::string::npos) << "the map's error: " << m;
-  }
+  const std::string m = test_support::expect_error<BackendError>([&] { a.allocate(4 * kMiB); });
+  EXPECT_EQ(m.find("release_physical"), std::string::npos) << "the map's error: " << m;
   ASSERT_EQ(be.failures(Op::release_physical), 1);
   EXPECT_EQ(a.stats().reserved.current, 0u);
   EXPECT_EQ(be.device_bytes_in_use(), 32 * kMiB) << "held by the backend until released";
@@ -369,13 +360,8 @@ TEST(FailedRelease, AMovedRunThatFitsNowhereAndCannotBeReleasedIsKept) {
   ASSERT_EQ(be.device_bytes_in_use(), 2 * slot);
   be.inner().inject_fault(FaultPoint::map, 2);
   be.fail(Op::release_physical);
-  try {
-    a.allocate(2 * slot);
-    FAIL() << "expected BackendError";
-  } catch (const BackendError& e) {
-    const std::string m = e.what();
-    EXPECT_EQ(m.find("release_physical"), std::string::npos) << "the map's error: " << m;
-  }
+  const std::string m = test_support::expect_error<BackendError>([&] { a.allocate(2 * slot); });
+  EXPECT_EQ(m.find("release_physical"), std::string::npos) << "the map's error: " << m;
   ASSERT_EQ(be.failures(Op::release_physical), 1);
   ASSERT_EQ(a.mapping_stats().runs_moved, 0u);
   EXPECT_EQ(a.stats().reserved.current, slot);

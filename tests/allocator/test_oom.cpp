@@ -5,12 +5,14 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "allocator/caching_allocator.h"
 #include "allocator/reclaim.h"
 #include "allocator/tags.h"
 #include "test_support.h"
+#include "tests/support/backend_errors.h"
 
 namespace tidepool {
 namespace {
@@ -101,18 +103,14 @@ TEST_P(Oom, NothingToReclaimGivesAClearErrorAndTheAllocatorLivesOn) {
     TagScope scope(tag);
     held.push_back(alloc_->allocate(20 * kMiB));
   }
-  try {
-    alloc_->allocate(40 * kMiB);
-    FAIL() << "expected OutOfMemoryError";
-  } catch (const OutOfMemoryError& e) {
-    const std::string m = e.what();
-    EXPECT_NE(m.find("out of memory"), std::string::npos) << m;
-    EXPECT_NE(m.find("40.00 MiB"), std::string::npos) << m;
-    EXPECT_NE(m.find("device 0"), std::string::npos) << m;
-    EXPECT_NE(m.find("activation 20.00 MiB in 1 allocation"), std::string::npos) << m;
-    EXPECT_NE(m.find("kv_cache 20.00 MiB"), std::string::npos) << m;
-    EXPECT_NE(m.find("Suggestion"), std::string::npos) << m;
-  }
+  const std::string m =
+      test_support::expect_error<OutOfMemoryError>([&] { alloc_->allocate(40 * kMiB); });
+  EXPECT_NE(m.find("out of memory"), std::string::npos) << m;
+  EXPECT_NE(m.find("40.00 MiB"), std::string::npos) << m;
+  EXPECT_NE(m.find("device 0"), std::string::npos) << m;
+  EXPECT_NE(m.find("activation 20.00 MiB in 1 allocation"), std::string::npos) << m;
+  EXPECT_NE(m.find("kv_cache 20.00 MiB"), std::string::npos) << m;
+  EXPECT_NE(m.find("Suggestion"), std::string::npos) << m;
   EXPECT_EQ(alloc_->stats().oom_count, 1u);
   EXPECT_EQ(alloc_->stats().allocated.current, 40 * kMiB);
   // Still usable, and catchable as std::bad_alloc too.
@@ -127,13 +125,9 @@ TEST_P(Oom, NothingToReclaimGivesAClearErrorAndTheAllocatorLivesOn) {
 }
 
 TEST_P(Oom, ARequestLargerThanTheDeviceSaysSo) {
-  try {
-    alloc_->allocate(1024 * kMiB);
-    FAIL() << "expected OutOfMemoryError";
-  } catch (const OutOfMemoryError& e) {
-    EXPECT_NE(std::string(e.what()).find("larger than the whole device"), std::string::npos)
-        << e.what();
-  }
+  const std::string m =
+      test_support::expect_error<OutOfMemoryError>([&] { alloc_->allocate(1024 * kMiB); });
+  EXPECT_NE(m.find("larger than the whole device"), std::string::npos) << m;
 }
 
 // A memory fraction (the backend's device limit) below the device's capacity is out of
@@ -158,21 +152,12 @@ TEST_P(Oom, AMemoryFractionLimitRunsThePolicyAndTheErrorNamesIt) {
     alloc_->deallocate(p, 16 * kMiB);
   }
   held = alloc_->allocate(24 * kMiB);
-  try {
-    alloc_->allocate(16 * kMiB);
-    FAIL() << "expected OutOfMemoryError";
-  } catch (const OutOfMemoryError& e) {
-    EXPECT_NE(std::string(e.what()).find("this process may use 32.00 MiB (memory fraction"),
-              std::string::npos)
-        << e.what();
-  }
-  try {
-    alloc_->allocate(40 * kMiB);  // the device has 64 MiB
-    FAIL() << "expected OutOfMemoryError";
-  } catch (const OutOfMemoryError& e) {
-    EXPECT_NE(std::string(e.what()).find("larger than this process's share"), std::string::npos)
-        << e.what();
-  }
+  std::string m =
+      test_support::expect_error<OutOfMemoryError>([&] { alloc_->allocate(16 * kMiB); });
+  EXPECT_NE(m.find("this process may use 32.00 MiB (memory fraction"), std::string::npos) << m;
+  m = test_support::expect_error<OutOfMemoryError>(
+      [&] { alloc_->allocate(40 * kMiB); });  // the device has 64 MiB
+  EXPECT_NE(m.find("larger than this process's share"), std::string::npos) << m;
   alloc_->deallocate(held, 24 * kMiB);
   alloc_->backend().set_device_limit(SIZE_MAX);
   void* all = alloc_->allocate(48 * kMiB);
