@@ -58,57 +58,63 @@ std::size_t backed_bytes(const CachingAllocator& a) {
   return n;
 }
 
-// A small block (held by the thread cache) and a large one.
-class FailedFree : public ::testing::TestWithParam<std::size_t> {};
+// A small block (held by the thread cache) or a large one, allocated as an activation and
+// recorded on a side stream: its free must record an event there, the call these tests fail.
+class FailedFree : public ::testing::TestWithParam<std::size_t> {
+ protected:
+  void SetUp() override {
+    {
+      TagScope scope(kTagActivation);
+      block_ = allocator_.allocate(bytes_);
+    }
+    allocator_.record_stream(block_, side_);
+    before_ = allocator_.stats();
+  }
+
+  const std::size_t bytes_ = GetParam();
+  FaultyAllocator faulty_;
+  CachingAllocator& allocator_ = *faulty_.allocator;
+  test::FaultBackend& faults_ = *faulty_.faults;
+  const Stream side_ = faults_.create_stream();
+  void* block_ = nullptr;
+  AllocatorStats before_;  // before the free
+};
 
 // Recording the free's event fails and so does the device synchronization that would
 // replace it (a sticky device error): the free fails and changes nothing.
 TEST_P(FailedFree, ChangesNothingAndARetryFrees) {
-  const std::size_t bytes = GetParam();
-  std::shared_ptr<const test::FaultBackend::EventCounts> events;
-  {
-    FaultyAllocator fa;
-    CachingAllocator& a = *fa.allocator;
-    test::FaultBackend& be = *fa.faults;
-    const Stream side = be.create_stream();
-    void* p = nullptr;
-    {
-      TagScope scope(kTagActivation);
-      p = a.allocate(bytes);
-    }
-    a.record_stream(p, side);
-    const AllocatorStats before = a.stats();
-    be.fail(Op::record_event);
-    be.fail(Op::device_synchronize);
-    const std::string m = test_support::expect_error<BackendError>([&] { a.deallocate(p, bytes); });
-    EXPECT_NE(m.find("the block is still allocated"), std::string::npos) << m;
-    EXPECT_NE(m.find("record_event: injected failure"), std::string::npos) << m;
-    EXPECT_NE(m.find("device_synchronize: injected failure"), std::string::npos) << m;
-    ASSERT_EQ(be.failures(Op::record_event), 1);
-    ASSERT_EQ(be.failures(Op::device_synchronize), 1);
-    expect_same_live_stats(a.stats(), before, kTagActivation);
-    EXPECT_EQ(a.stats().free_device_syncs, 0u);
-    EXPECT_EQ(a.allocation_size(p), bytes) << "still live";
-    EXPECT_EQ(test::count_of(a.snapshot_json(), "\"pending\""), 0u);
+  faults_.fail(Op::record_event);
+  faults_.fail(Op::device_synchronize);
+  const std::string m =
+      test_support::expect_error<BackendError>([&] { allocator_.deallocate(block_, bytes_); });
+  EXPECT_NE(m.find("the block is still allocated"), std::string::npos) << m;
+  EXPECT_NE(m.find("record_event: injected failure"), std::string::npos) << m;
+  EXPECT_NE(m.find("device_synchronize: injected failure"), std::string::npos) << m;
+  ASSERT_EQ(faults_.failures(Op::record_event), 1);
+  ASSERT_EQ(faults_.failures(Op::device_synchronize), 1);
+  expect_same_live_stats(allocator_.stats(), before_, kTagActivation);
+  EXPECT_EQ(allocator_.stats().free_device_syncs, 0u);
+  EXPECT_EQ(allocator_.allocation_size(block_), bytes_) << "still live";
+  EXPECT_EQ(test::count_of(allocator_.snapshot_json(), "\"pending\""), 0u);
 
-    // The backend works again: the same free succeeds, once.
-    a.deallocate(p, bytes);
-    AllocatorStats s = a.stats();
-    EXPECT_EQ(s.allocated.current, before.allocated.current - bytes);
-    EXPECT_EQ(s.allocations.current, before.allocations.current - 1);
-    EXPECT_EQ(s.allocations.freed, before.allocations.freed + 1);
-    EXPECT_EQ(s.tags[kTagActivation].count, 0u);
-    EXPECT_EQ(s.tags[kTagActivation].bytes.current, 0u);
-    EXPECT_THROW(a.deallocate(p, bytes), AllocatorUsageError) << "freed already";
-    be.stream_synchronize(side);
-    a.empty_cache();  // the pending block completes and goes back with the rest
-    s = a.stats();
-    EXPECT_EQ(s.allocated.current, 0u);
-    EXPECT_EQ(s.reserved.current, 0u);
-    be.destroy_stream(side);
-    events = be.event_counts();
-    EXPECT_EQ(events->created.load(), 1) << "the failed free's event was reused";
-  }
+  // The backend works again: the same free succeeds, once.
+  allocator_.deallocate(block_, bytes_);
+  AllocatorStats s = allocator_.stats();
+  EXPECT_EQ(s.allocated.current, before_.allocated.current - bytes_);
+  EXPECT_EQ(s.allocations.current, before_.allocations.current - 1);
+  EXPECT_EQ(s.allocations.freed, before_.allocations.freed + 1);
+  EXPECT_EQ(s.tags[kTagActivation].count, 0u);
+  EXPECT_EQ(s.tags[kTagActivation].bytes.current, 0u);
+  EXPECT_THROW(allocator_.deallocate(block_, bytes_), AllocatorUsageError) << "freed already";
+  faults_.stream_synchronize(side_);
+  allocator_.empty_cache();  // the pending block completes and goes back with the rest
+  s = allocator_.stats();
+  EXPECT_EQ(s.allocated.current, 0u);
+  EXPECT_EQ(s.reserved.current, 0u);
+  faults_.destroy_stream(side_);
+  const std::shared_ptr<const test::FaultBackend::EventCounts> events = faults_.event_counts();
+  EXPECT_EQ(events->created.load(), 1) << "the failed free's event was reused";
+  faulty_.allocator.reset();  // and with it the backend
   EXPECT_EQ(events->destroyed.load(), events->created.load()) << "no event leaked";
 }
 
@@ -120,35 +126,23 @@ INSTANTIATE_TEST_SUITE_P(Sizes, FailedFree, ::testing::Values(std::size_t{4096},
 // Recording the free's event fails once (a transient error): the free synchronizes the
 // device instead and succeeds, with no pending block and no event kept.
 TEST_P(FailedFree, ARecordFailureSynchronizesTheDeviceAndFrees) {
-  const std::size_t bytes = GetParam();
-  FaultyAllocator fa;
-  CachingAllocator& a = *fa.allocator;
-  test::FaultBackend& be = *fa.faults;
-  const Stream side = be.create_stream();
-  void* p = nullptr;
-  {
-    TagScope scope(kTagActivation);
-    p = a.allocate(bytes);
-  }
-  a.record_stream(p, side);
-  const AllocatorStats before = a.stats();
-  be.fail(Op::record_event);
-  const int syncs = be.successes(Op::device_synchronize);
-  a.deallocate(p, bytes);
-  ASSERT_EQ(be.failures(Op::record_event), 1);
-  EXPECT_EQ(be.successes(Op::device_synchronize), syncs + 1);
-  const AllocatorStats s = a.stats();
+  faults_.fail(Op::record_event);
+  const int syncs = faults_.successes(Op::device_synchronize);
+  allocator_.deallocate(block_, bytes_);
+  ASSERT_EQ(faults_.failures(Op::record_event), 1);
+  EXPECT_EQ(faults_.successes(Op::device_synchronize), syncs + 1);
+  const AllocatorStats s = allocator_.stats();
   EXPECT_EQ(s.free_device_syncs, 1u);
-  EXPECT_EQ(s.allocated.current, before.allocated.current - bytes);
-  EXPECT_EQ(s.allocations.freed, before.allocations.freed + 1);
+  EXPECT_EQ(s.allocated.current, before_.allocated.current - bytes_);
+  EXPECT_EQ(s.allocations.freed, before_.allocations.freed + 1);
   EXPECT_EQ(s.tags[kTagActivation].count, 0u);
-  EXPECT_EQ(test::count_of(a.snapshot_json(), "\"pending\""), 0u) << "no event to wait for";
-  EXPECT_THROW(a.deallocate(p, bytes), AllocatorUsageError) << "freed already";
+  EXPECT_EQ(test::count_of(allocator_.snapshot_json(), "\"pending\""), 0u) << "no event to wait for";
+  EXPECT_THROW(allocator_.deallocate(block_, bytes_), AllocatorUsageError) << "freed already";
   // Free at once on its stream: the next allocation there gets it back.
-  EXPECT_EQ(a.allocate(bytes), p);
-  a.deallocate(p, bytes);
-  EXPECT_EQ(a.stats().free_device_syncs, 1u) << "a plain free needs no synchronization";
-  be.destroy_stream(side);
+  EXPECT_EQ(allocator_.allocate(bytes_), block_);
+  allocator_.deallocate(block_, bytes_);
+  EXPECT_EQ(allocator_.stats().free_device_syncs, 1u) << "a plain free needs no synchronization";
+  faults_.destroy_stream(side_);
 }
 
 // The case from the field: record_stream named a stream destroyed since (without
