@@ -32,6 +32,30 @@ std::unique_ptr<Backend> small_host_backend(std::size_t capacity) {
 
 using test_support::error_of;
 
+// The set-up of the VA tests: a host backend, its granularity, one granule of address
+// space reserved, and a physical handle of one granule in `where`, not mapped yet.
+struct ReservedGranule {
+  std::unique_ptr<Backend> backend;
+  std::size_t granularity;
+  void* va;
+  PhysicalHandle handle;
+};
+ReservedGranule reserve_granule(MemoryLocation where) {
+  ReservedGranule r{make_host_backend(), 0, nullptr, {}};
+  r.granularity = r.backend->granularity();
+  r.va = r.backend->reserve_address(r.granularity);
+  r.handle = r.backend->create_physical(r.granularity, where);
+  return r;
+}
+
+// How the VA tests end: `va` unmapped, then `handle` and the reservation released, in the
+// order the backend requires.
+void unmap_and_release(Backend& b, void* va, std::size_t bytes, PhysicalHandle handle) {
+  b.unmap(va, bytes);
+  b.release_physical(handle, bytes);
+  b.release_address(va, bytes);
+}
+
 TEST(HostBackend, IdentifiesItself) {
   auto b = make_host_backend(3);
   EXPECT_EQ(b->kind(), BackendKind::host);
@@ -136,17 +160,12 @@ TEST(HostBackend, FaultAtHostRegisterThrows) {
 }
 
 TEST(HostBackend, FaultAtMapThrowsAndLeavesTheRangeUnmapped) {
-  auto b = make_host_backend();
-  const std::size_t g = b->granularity();
-  void* va = b->reserve_address(g);
-  PhysicalHandle p = b->create_physical(g, MemoryLocation::device);
+  auto [b, g, va, p] = reserve_granule(MemoryLocation::device);
   b->inject_fault(FaultPoint::map);
   EXPECT_THROW(b->map(va, g, p), BackendError);
   EXPECT_THROW(b->unmap(va, g), BackendError) << "nothing was mapped";
   b->map(va, g, p);
-  b->unmap(va, g);
-  b->release_physical(p, g);
-  b->release_address(va, g);
+  unmap_and_release(*b, va, g, p);
 }
 
 TEST(HostBackend, FaultAtCreatePhysicalIsAnOom) {
@@ -187,36 +206,27 @@ TEST(HostBackend, RegistrationsMustNotOverlap) {
 // --- VA ranges: host-visible aliasing and range validation -------------------------------
 
 TEST(HostBackend, PhysicalMemoryIsSharedBetweenItsMappings) {
-  auto b = make_host_backend();
-  const std::size_t g = b->granularity();
-  auto* a = static_cast<char*>(b->reserve_address(g));
+  auto [b, g, first_va, p] = reserve_granule(MemoryLocation::host);
+  auto* a = static_cast<char*>(first_va);
   auto* c = static_cast<char*>(b->reserve_address(g));
-  PhysicalHandle p = b->create_physical(g, MemoryLocation::host);
   b->map(a, g, p);
   b->map(c, g, p);
   std::strcpy(a + 1000, "tidepool");
   EXPECT_STREQ(c + 1000, "tidepool") << "both VAs show the same physical bytes";
-  b->unmap(a, g);
   b->unmap(c, g);
-  b->release_physical(p, g);
-  b->release_address(a, g);
+  unmap_and_release(*b, a, g, p);
   b->release_address(c, g);
 }
 
 TEST(HostBackend, UnmappedRangeStaysReservedAndInaccessible) {
-  auto b = make_host_backend();
-  const std::size_t g = b->granularity();
-  void* va = b->reserve_address(g);
-  PhysicalHandle p = b->create_physical(g, MemoryLocation::device);
+  auto [b, g, va, p] = reserve_granule(MemoryLocation::device);
   b->map(va, g, p);
   b->unmap(va, g);
   // mincore fails with ENOMEM on unmapped addresses; a reservation is still mapped.
   unsigned char residency = 0;
   EXPECT_EQ(::mincore(va, 4096, &residency), 0) << "the reservation survived unmap";
   b->map(va, g, p);  // and can be mapped again
-  b->unmap(va, g);
-  b->release_physical(p, g);
-  b->release_address(va, g);
+  unmap_and_release(*b, va, g, p);
 }
 
 TEST(HostBackend, RangeValidation) {
