@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <cstdint>
 #include <exception>
 #include <future>
 #include <memory>
@@ -64,6 +65,26 @@ class VmmFailureTest : public ::testing::Test {
     return "";
   }
 
+  // A new range of `bytes` in `pool`, filled with random bytes from `seed`. When the
+  // allocation fails, `ptr` is null and nothing is written.
+  struct FilledRange {
+    void* ptr;
+    std::size_t bytes;
+    std::vector<unsigned char> data;
+  };
+  FilledRange allocate_filled(VmmPool& pool, std::size_t bytes, std::uint64_t seed) {
+    FilledRange range{pool.allocate(bytes, kTag), bytes, random_bytes(bytes, seed)};
+    if (range.ptr != nullptr) fill(range.ptr, range.data);
+    return range;
+  }
+  // A new stream of the host backend recorded as a user of `ptr`, for the lost-stream tests
+  // to destroy without release_stream (Note [A lost use stream]).
+  Stream new_user_stream(VmmPool& pool, const void* ptr) {
+    const Stream stream = inner_->create_stream();
+    pool.record_use(ptr, stream);
+    return stream;
+  }
+
   std::unique_ptr<Backend> inner_;
   FailingBackend backend_;
   Stream stream_;
@@ -118,12 +139,9 @@ TEST_F(VmmFailureTest, EveryFailedCallOfAMigrationLeavesTheDataAndNoHandleBehind
 // A release that keeps failing stays deferred: the retries at later calls do not lose the
 // handle, and the pool's destruction releases it at last.
 TEST_F(VmmFailureTest, AReleaseThatFailsAgainIsRetriedUntilTheTeardown) {
-  const std::size_t n = 2 * backend_.granularity();
-  const auto data = random_bytes(n, 42);
   {
     VmmPool pool(backend_);
-    void* p = pool.allocate(n, kTag);
-    fill(p, data);
+    const auto [p, n, data] = allocate_filled(pool, 2 * backend_.granularity(), 42);
     backend_.fail_calls_to("release_physical", 2);  // the old backing's, then the retry
     pool.migrate(p, MemoryLocation::host);
     VmmStats s = pool.stats();
@@ -152,11 +170,8 @@ TEST_F(VmmFailureTest, AReleaseThatFailsAgainIsRetriedUntilTheTeardown) {
 // A failed copy whose scratch unmap fails too: the scratch range is unmapped at the next
 // call, so the pool can still migrate (it maps every new backing there first).
 TEST_F(VmmFailureTest, AScratchRangeLeftMappedIsUnmappedAtTheNextCall) {
-  const std::size_t n = 2 * backend_.granularity();
-  const auto data = random_bytes(n, 43);
   VmmPool pool(backend_);
-  void* p = pool.allocate(n, kTag);
-  fill(p, data);
+  const auto [p, n, data] = allocate_filled(pool, 2 * backend_.granularity(), 43);
   backend_.fail_calls_to("copy_async", 1);
   backend_.fail_calls_to("unmap", 1);
   backend_.fail_calls_to("release_physical", 1);
@@ -239,13 +254,9 @@ TEST_F(VmmFailureTest, AFailedAllocationGivesBackItsBackingsEvenWhenTheirRelease
 // device synchronization), then the dead stream is no user any more.
 TEST_F(VmmFailureTest, AStreamDestroyedUnreleasedIsWaitedForByADeviceSynchronize) {
   VmmPool pool(backend_);
-  const std::size_t n = backend_.granularity();
-  void* p = pool.allocate(n, kTag);
+  const auto [p, n, data] = allocate_filled(pool, backend_.granularity(), 31);
   ASSERT_NE(p, nullptr);
-  const auto data = random_bytes(n, 31);
-  fill(p, data);
-  const Stream lost = inner_->create_stream();
-  pool.record_use(p, lost);
+  const Stream lost = new_user_stream(pool, p);
   tiering_test::StreamGate gate;
   const tiering_test::StreamGate::OpenOnExit open_on_exit{gate};
   inner_->launch_host_func(lost, &tiering_test::StreamGate::wait, &gate);
@@ -272,13 +283,9 @@ TEST_F(VmmFailureTest, AStreamDestroyedUnreleasedIsWaitedForByADeviceSynchronize
 
 TEST_F(VmmFailureTest, ALostStreamWhoseDeviceSynchronizeFailsChangesNothing) {
   VmmPool pool(backend_);
-  const std::size_t n = backend_.granularity();
-  void* p = pool.allocate(n, kTag);
+  const auto [p, n, data] = allocate_filled(pool, backend_.granularity(), 32);
   ASSERT_NE(p, nullptr);
-  const auto data = random_bytes(n, 32);
-  fill(p, data);
-  const Stream lost = inner_->create_stream();
-  pool.record_use(p, lost);
+  const Stream lost = new_user_stream(pool, p);
   inner_->destroy_stream(lost);
   backend_.fail_calls_to("device_synchronize", 1);
   const std::string error = failure_of([&] { pool.migrate(p, MemoryLocation::host); }, "migrate");
