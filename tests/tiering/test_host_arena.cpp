@@ -9,10 +9,12 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <string>
 #include <thread>
 
 #include "allocator/config.h"
 #include "allocator/stats.h"
+#include "tests/support/backend_errors.h"
 #include "tests/tiering/tiering_test_util.h"
 #include "tiering/host_arena.h"
 
@@ -99,12 +101,9 @@ TEST_P(HostArenaTest, NoFallbackMeansAClearError) {
   HostArenaOptions o = test_host_options(std::size_t{4} << 20);
   o.allow_pageable_fallback = false;
   HostArena arena(backend(), o);
-  try {
-    (void)arena.allocate(1 << 20);
-    FAIL() << "expected HostArenaError";
-  } catch (const HostArenaError& e) {
-    EXPECT_NE(std::string(e.what()).find("pinned budget"), std::string::npos) << e.what();
-  }
+  const std::string m =
+      test_support::expect_error<HostArenaError>([&] { (void)arena.allocate(1 << 20); });
+  EXPECT_NE(m.find("pinned budget"), std::string::npos) << m;
 }
 
 TEST_P(HostArenaTest, RegistrationFailureFallsBackAndIsCounted) {

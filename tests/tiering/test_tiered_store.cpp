@@ -14,6 +14,7 @@
 
 #include "allocator/c_api.h"
 #include "allocator/caching_allocator.h"
+#include "tests/support/backend_errors.h"
 #include "tests/tiering/tiering_test_util.h"
 #include "tiering/stats_json.h"
 #include "tiering/tiered_store.h"
@@ -202,12 +203,9 @@ TEST_P(TieredStoreTest, AStreamDestroyedWithoutReleaseIsAClearErrorAndLosesNothi
 TEST_P(TieredStoreTest, BudgetEvictsFurthestAndErrorsWhenAllAreAcquired) {
   TieredStore store(backend(), options(256 << 10));
   const auto [a, b, c] = acquire_two_of_three(store);
-  try {
-    store.acquire(c, stream_);
-    FAIL() << "expected TieringError";
-  } catch (const TieringError& e) {
-    EXPECT_NE(std::string(e.what()).find("acquired"), std::string::npos) << e.what();
-  }
+  const std::string m =
+      test_support::expect_error<TieringError>([&] { store.acquire(c, stream_); });
+  EXPECT_NE(m.find("acquired"), std::string::npos) << m;
   EXPECT_LE(store.device_bytes(), store.device_budget_bytes());
   store.release(a, false);
   store.acquire(c, stream_);  // evicts a
@@ -332,12 +330,8 @@ TEST_P(TieredStoreFaultTest, FailedCopyBackKeepsTheDeviceCopy) {
   write_device(store.acquire(h, stream_), data);
   store.release(h, true);
   backend().inject_fault(FaultPoint::copy, 1);
-  try {
-    store.evict(h);
-    FAIL() << "expected TieringError";
-  } catch (const TieringError& e) {
-    EXPECT_NE(std::string(e.what()).find("device copy is kept"), std::string::npos) << e.what();
-  }
+  const std::string m = test_support::expect_error<TieringError>([&] { store.evict(h); });
+  EXPECT_NE(m.find("device copy is kept"), std::string::npos) << m;
   EXPECT_TRUE(store.resident(h));
   EXPECT_EQ(first_difference(contents(store, h).data(), data.data(), data.size()), -1);
   store.evict(h);  // the fault is spent
@@ -350,12 +344,9 @@ TEST_P(TieredStoreFaultTest, DeviceOutOfMemoryIsAClearErrorAndLosesNothing) {
   const auto data = random_bytes(5000, 5);
   store.write(h, data.data());
   backend().inject_fault(FaultPoint::device_alloc, 1);
-  try {
-    store.acquire(h, stream_);
-    FAIL() << "expected TieringError";
-  } catch (const TieringError& e) {
-    EXPECT_NE(std::string(e.what()).find("out of memory"), std::string::npos) << e.what();
-  }
+  const std::string m =
+      test_support::expect_error<TieringError>([&] { store.acquire(h, stream_); });
+  EXPECT_NE(m.find("out of memory"), std::string::npos) << m;
   EXPECT_EQ(first_difference(contents(store, h).data(), data.data(), data.size()), -1);
 }
 
@@ -383,12 +374,9 @@ TEST_P(TieredStoreFaultTest, ExhaustedHostArenaIsAClearErrorAndKeepsOthers) {
   auto h = store.create(8 << 20, kTag);
   const auto data = random_bytes(8 << 20, 8);
   store.write(h, data.data());
-  try {
-    store.create(12 << 20, kTag);
-    FAIL() << "expected TieringError";
-  } catch (const TieringError& e) {
-    EXPECT_NE(std::string(e.what()).find("pinned budget"), std::string::npos) << e.what();
-  }
+  const std::string m =
+      test_support::expect_error<TieringError>([&] { store.create(12 << 20, kTag); });
+  EXPECT_NE(m.find("pinned budget"), std::string::npos) << m;
   EXPECT_EQ(first_difference(contents(store, h).data(), data.data(), data.size()), -1);
 }
 

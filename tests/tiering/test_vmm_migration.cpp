@@ -5,11 +5,13 @@
 #include <cstring>
 #include <functional>
 #include <future>
+#include <string>
 #include <utility>
 #include <vector>
 
 #include "allocator/c_api.h"
 #include "allocator/config.h"
+#include "tests/support/backend_errors.h"
 #include "tests/tiering/tiering_test_util.h"
 #include "tiering/tiered_store.h"
 #include "tiering/vmm_migration.h"
@@ -284,12 +286,9 @@ TEST_P(VmmMigrationFaultTest, EveryFailedStepKeepsTheDataAtTheSameAddress) {
   EXPECT_EQ(difference(p, data), -1);
 
   backend().inject_fault(FaultPoint::create_physical, 1);
-  try {
-    pool.migrate(p, MemoryLocation::host);
-    FAIL() << "expected TieringError";
-  } catch (const TieringError& e) {
-    EXPECT_NE(std::string(e.what()).find("out of host memory"), std::string::npos) << e.what();
-  }
+  const std::string m =
+      test_support::expect_error<TieringError>([&] { pool.migrate(p, MemoryLocation::host); });
+  EXPECT_NE(m.find("out of host memory"), std::string::npos) << m;
   EXPECT_EQ(difference(p, data), -1);
 
   backend().inject_fault(FaultPoint::copy, 1);
