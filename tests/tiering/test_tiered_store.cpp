@@ -4,6 +4,7 @@
 #include <array>
 #include <chrono>
 #include <condition_variable>
+#include <cstdint>
 #include <cstring>
 #include <functional>
 #include <mutex>
@@ -48,6 +49,16 @@ class TieredStoreTest : public tiering_test::TieringStreamTest {
     store.acquire(h[0], stream_);
     store.acquire(h[1], stream_);
     return h;
+  }
+  // A new handle of `store` whose host copy holds `bytes` random bytes from `seed`.
+  struct WrittenHandle {
+    TieredStore::Handle handle;
+    std::vector<unsigned char> data;
+  };
+  WrittenHandle create_written(TieredStore& store, std::size_t bytes, std::uint64_t seed) {
+    WrittenHandle written{store.create(bytes, kTag), random_bytes(bytes, seed)};
+    store.write(written.handle, written.data.data());
+    return written;
   }
   std::vector<unsigned char> contents(TieredStore& s, TieredStore::Handle h) {
     std::vector<unsigned char> out(s.size(h));
@@ -310,9 +321,7 @@ class TieredStoreFaultTest : public TieredStoreTest {};
 
 TEST_P(TieredStoreFaultTest, FailedLoadKeepsTheHostCopy) {
   TieredStore store(backend(), options(1 << 20));
-  auto h = store.create(200000, kTag);
-  const auto data = random_bytes(200000, 3);
-  store.write(h, data.data());
+  const auto [h, data] = create_written(store, 200000, 3);
   backend().inject_fault(FaultPoint::copy, 1);
   EXPECT_THROW(store.acquire(h, stream_), TieringError);
   EXPECT_FALSE(store.resident(h));
@@ -340,9 +349,7 @@ TEST_P(TieredStoreFaultTest, FailedCopyBackKeepsTheDeviceCopy) {
 
 TEST_P(TieredStoreFaultTest, DeviceOutOfMemoryIsAClearErrorAndLosesNothing) {
   TieredStore store(backend(), options(1 << 20));
-  auto h = store.create(5000, kTag);
-  const auto data = random_bytes(5000, 5);
-  store.write(h, data.data());
+  const auto [h, data] = create_written(store, 5000, 5);
   backend().inject_fault(FaultPoint::device_alloc, 1);
   const std::string m =
       test_support::expect_error<TieringError>([&] { store.acquire(h, stream_); });
@@ -371,9 +378,7 @@ TEST_P(TieredStoreFaultTest, ExhaustedHostArenaIsAClearErrorAndKeepsOthers) {
   o.host.pinned_budget_bytes = 16 << 20;
   o.host.allow_pageable_fallback = false;
   TieredStore store(backend(), o);
-  auto h = store.create(8 << 20, kTag);
-  const auto data = random_bytes(8 << 20, 8);
-  store.write(h, data.data());
+  const auto [h, data] = create_written(store, 8 << 20, 8);
   const std::string m =
       test_support::expect_error<TieringError>([&] { store.create(12 << 20, kTag); });
   EXPECT_NE(m.find("pinned budget"), std::string::npos) << m;
