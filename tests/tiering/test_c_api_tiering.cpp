@@ -17,6 +17,7 @@
 #include "allocator/caching_allocator.h"
 #include "allocator/config.h"
 #include "allocator/device_registry.h"
+#include "allocator/tags.h"
 #include "allocator/tier_routing.h"
 #include "tests/tiering/tiering_test_util.h"
 #include "tiering/c_api_tiering.h"
@@ -30,7 +31,6 @@ namespace {
 // A device index of its own, so the process-wide registry state of other tests (and of
 // the allocator's device 0) is not shared.
 constexpr int kDevice = 5;
-constexpr int kTag = TIDEPOOL_TAG_OPTIMIZER_STATE;
 
 class CApiTieringTest : public ::testing::Test {
  protected:
@@ -44,16 +44,18 @@ class CApiTieringTest : public ::testing::Test {
 Backend* CApiTieringTest::backend_ = nullptr;
 
 TEST_F(CApiTieringTest, PointerAndTagMigrationKeepTheAddress) {
-  auto* p = static_cast<unsigned char*>(tidepool_vmm_malloc(100000, kDevice, kTag, nullptr));
+  auto* p = static_cast<unsigned char*>(
+      tidepool_vmm_malloc(100000, kDevice, kTagOptimizerState, nullptr));
   ASSERT_NE(p, nullptr) << tidepool_last_error();
   EXPECT_EQ(tidepool_vmm_owns(p + 10, kDevice), 1);
   std::memset(p, 0x5a, 100000);  // host backend: device memory is host-addressable
   ASSERT_EQ(tidepool_evict_ptr(kDevice, p), 0) << tidepool_last_error();
   VmmPool& pool = tiering_vmm_pool(kDevice);
   EXPECT_EQ(pool.bytes_in(p, MemoryLocation::host), pool.size_of(p));
-  ASSERT_EQ(tidepool_prefetch_tag(kDevice, kTag, nullptr), 0) << tidepool_last_error();
+  ASSERT_EQ(tidepool_prefetch_tag(kDevice, kTagOptimizerState, nullptr), 0)
+      << tidepool_last_error();
   EXPECT_EQ(pool.bytes_in(p, MemoryLocation::device), pool.size_of(p));
-  ASSERT_EQ(tidepool_evict_tag(kDevice, kTag), 0);
+  ASSERT_EQ(tidepool_evict_tag(kDevice, kTagOptimizerState), 0);
   EXPECT_EQ(pool.bytes_in(p, MemoryLocation::host), pool.size_of(p));
   ASSERT_EQ(tidepool_prefetch_ptr(kDevice, p, nullptr), 0);
   for (int i = 0; i < 100000; i += 997) ASSERT_EQ(p[i], 0x5a);
@@ -62,10 +64,10 @@ TEST_F(CApiTieringTest, PointerAndTagMigrationKeepTheAddress) {
 
 TEST_F(CApiTieringTest, TagOperationsReachTheStoresAndStatsAddThemUp) {
   TieredStore store(*backend_, tiering_test::test_store_options(1 << 20));
-  auto h = store.create(4096, kTag, Tier::device);
-  ASSERT_EQ(tidepool_evict_tag(kDevice, kTag), 0);
+  auto h = store.create(4096, kTagOptimizerState, Tier::device);
+  ASSERT_EQ(tidepool_evict_tag(kDevice, kTagOptimizerState), 0);
   EXPECT_FALSE(store.resident(h));
-  ASSERT_EQ(tidepool_prefetch_tag(kDevice, kTag, nullptr), 0);
+  ASSERT_EQ(tidepool_prefetch_tag(kDevice, kTagOptimizerState, nullptr), 0);
   EXPECT_TRUE(store.resident(h));
   store.synchronize();
 
@@ -115,10 +117,10 @@ TEST(TieringReclaimHook, AnAllocatorOutOfMemoryEvictsReleasedTieredState) {
   SmallDevice device(kDevice + 1);
   CachingAllocator& allocator = device.allocator();
   const std::unique_ptr<TieredStore> store = device.make_store();
-  auto a = store->create(3 << 20, kTag, Tier::device);
-  auto b = store->create(3 << 20, kTag, Tier::device);
+  auto a = store->create(3 << 20, kTagOptimizerState, Tier::device);
+  auto b = store->create(3 << 20, kTagOptimizerState, Tier::device);
   store->synchronize();
-  EXPECT_EQ(allocator.stats().tags[kTag].bytes.current, std::size_t{6} << 20);
+  EXPECT_EQ(allocator.stats().tags[kTagOptimizerState].bytes.current, std::size_t{6} << 20);
   void* big = allocator.allocate(5 << 20);  // fits only once the store lets go
   ASSERT_NE(big, nullptr);
   EXPECT_FALSE(store->resident(a) && store->resident(b));
@@ -135,10 +137,10 @@ TEST(TieringReclaimHook, AStoreOutOfDeviceMemoryGetsAnotherStoresReleasedState) 
   CachingAllocator& allocator = device.allocator();
   const std::unique_ptr<TieredStore> a = device.make_store();
   const std::unique_ptr<TieredStore> b = device.make_store();
-  const auto b1 = b->create(3 << 20, kTag, Tier::device);
-  const auto b2 = b->create(3 << 20, kTag, Tier::device);
+  const auto b1 = b->create(3 << 20, kTagOptimizerState, Tier::device);
+  const auto b2 = b->create(3 << 20, kTagOptimizerState, Tier::device);
   b->synchronize();
-  const auto a1 = a->create(4 << 20, kTag);
+  const auto a1 = a->create(4 << 20, kTagOptimizerState);
   const Stream s = allocator.backend().create_stream();
   EXPECT_NO_THROW(a->acquire(a1, s));
   a->release(a1, /*dirty=*/false);
@@ -156,9 +158,10 @@ TEST(TieringCApi, AskingAboutAnUnusedDeviceCreatesNothingThere) {
   constexpr int kUnusedDevice = 11;
   int x = 0;
   EXPECT_EQ(tidepool_vmm_owns(&x, kUnusedDevice), 0);
-  EXPECT_EQ(tidepool_evict_tag(kUnusedDevice, kTag), 0) << tidepool_last_error();
+  EXPECT_EQ(tidepool_evict_tag(kUnusedDevice, kTagOptimizerState), 0) << tidepool_last_error();
   std::uint64_t left = 1;
-  EXPECT_EQ(tidepool_prefetch_tag_within_budget(kUnusedDevice, kTag, nullptr, &left), 0)
+  EXPECT_EQ(
+      tidepool_prefetch_tag_within_budget(kUnusedDevice, kTagOptimizerState, nullptr, &left), 0)
       << tidepool_last_error();
   EXPECT_EQ(left, 0u);
   tidepool_tiering_stats_v1 s{};
@@ -173,7 +176,7 @@ TEST(TieringCApi, AskingAboutAnUnusedDeviceCreatesNothingThere) {
   EXPECT_EQ(existing_tiering_vmm_pool(kUnusedDevice), nullptr);
   EXPECT_EQ(existing_device_allocator(kUnusedDevice), nullptr);
   // A device index out of range is still an error, not "nothing there".
-  EXPECT_EQ(tidepool_evict_tag(kMaxDevices, kTag), -1);
+  EXPECT_EQ(tidepool_evict_tag(kMaxDevices, kTagOptimizerState), -1);
   EXPECT_NE(std::string(tidepool_last_error()).find("tidepool_evict_tag"), std::string::npos)
       << tidepool_last_error();
 }
@@ -181,7 +184,7 @@ TEST(TieringCApi, AskingAboutAnUnusedDeviceCreatesNothingThere) {
 TEST(TieringRegistry, DefaultsToTheDeviceAllocatorsBackend) {
   if (cuda_device_count() > 0) GTEST_SKIP() << "device 7 is a host-backend device index";
   constexpr int kOtherDevice = 7;
-  void* p = tidepool_vmm_malloc(4096, kOtherDevice, kTag, nullptr);
+  void* p = tidepool_vmm_malloc(4096, kOtherDevice, kTagOptimizerState, nullptr);
   ASSERT_NE(p, nullptr) << tidepool_last_error();
   EXPECT_EQ(&tiering_vmm_pool(kOtherDevice).backend(), &device_allocator(kOtherDevice).backend());
   EXPECT_EQ(tidepool_vmm_free(p, kOtherDevice), 0);
@@ -200,13 +203,13 @@ TEST_F(CApiTieringTest, ErrorsAreCodesWithAMessageInTheAllocatorsErrorSlot) {
   EXPECT_EQ(tidepool_vmm_free(&x, kDevice), -1);
   EXPECT_EQ(std::string(tidepool_last_error()).rfind("tidepool_vmm_free: ", 0), 0u);
   tidepool_clear_error();
-  EXPECT_EQ(tidepool_vmm_malloc(0, kDevice, kTag, nullptr), nullptr);
+  EXPECT_EQ(tidepool_vmm_malloc(0, kDevice, kTagOptimizerState, nullptr), nullptr);
   EXPECT_NE(std::strstr(tidepool_last_error(), "allocate(0)"), nullptr) << tidepool_last_error();
   tidepool_tiering_stats_v1 s{};
   s.struct_size = 8;
   EXPECT_EQ(tidepool_get_tiering_stats_v1(kDevice, &s), -1);
   EXPECT_EQ(tidepool_get_tiering_stats_v1(kDevice, nullptr), -1);
-  EXPECT_EQ(tidepool_evict_tag(-1, kTag), -1);
+  EXPECT_EQ(tidepool_evict_tag(-1, kTagOptimizerState), -1);
   EXPECT_EQ(tidepool_vmm_free(nullptr, kDevice), 0);  // like free(NULL)
 }
 
@@ -346,7 +349,7 @@ class TierRouteTest : public ::testing::Test {
   }
   // tidepool_malloc under optimizer_state.
   static void* malloc_state(std::size_t bytes) {
-    EXPECT_EQ(tidepool_tag_push(kTag), 0);
+    EXPECT_EQ(tidepool_tag_push(kTagOptimizerState), 0);
     void* p = tidepool_malloc(static_cast<ssize_t>(bytes), kRouteDevice, nullptr);
     EXPECT_EQ(tidepool_tag_pop(), 0);
     return p;
@@ -366,7 +369,7 @@ TEST_F(TierRouteTest, OptimizerStateAtOrAboveTheThresholdBecomesAPointerStableRa
   EXPECT_FALSE(routed(untagged));
   // The caching allocator served the small state and the untagged block only.
   const tidepool_stats_v1 during = stats();
-  EXPECT_EQ(during.tags[kTag].count, before.tags[kTag].count + 1);
+  EXPECT_EQ(during.tags[kTagOptimizerState].count, before.tags[kTagOptimizerState].count + 1);
   EXPECT_EQ(during.requested.current,
             before.requested.current + (kDefaultTierMinBytes - 1) + 3 * kMiB);
   EXPECT_EQ(tidepool_record_stream(big, kRouteDevice, nullptr), 0) << tidepool_last_error();
@@ -433,7 +436,7 @@ TEST_F(TierRouteTest, AFreedRangeFreedAgainIsAClearErrorAndChangesNothing) {
 
 TEST_F(TierRouteTest, ARangeFromTheTieringCAbiCanBeFreedThroughTidepoolFree) {
   // The live-range shortcut of the free path must not hide a range it did not count.
-  void* p = tidepool_vmm_malloc(2 * kMiB, kRouteDevice, kTag, nullptr);
+  void* p = tidepool_vmm_malloc(2 * kMiB, kRouteDevice, kTagOptimizerState, nullptr);
   ASSERT_NE(p, nullptr) << tidepool_last_error();
   const std::uint64_t ranges = tiering_vmm_pool(kRouteDevice).stats().ranges;
   tidepool_free(p, 2 * kMiB, kRouteDevice, nullptr);
@@ -445,10 +448,10 @@ TEST_F(TierRouteTest, AReleasedStreamIsForgottenByTheRangesThatRecordedIt) {
   // moving the range later must not wait on the dead handle.
   Backend& backend = device_allocator(kRouteDevice).backend();
   const Stream s = backend.create_stream();
-  ASSERT_EQ(tidepool_tag_push(kTag), 0);
+  ASSERT_EQ(tidepool_tag_push(kTagOptimizerState), 0);
   void* allocated_on_s = tidepool_malloc(2 * kMiB, kRouteDevice, s.handle);
   ASSERT_EQ(tidepool_tag_pop(), 0);
-  void* recorded_on_s = tidepool_vmm_malloc(2 * kMiB, kRouteDevice, kTag, nullptr);
+  void* recorded_on_s = tidepool_vmm_malloc(2 * kMiB, kRouteDevice, kTagOptimizerState, nullptr);
   ASSERT_TRUE(allocated_on_s && recorded_on_s) << tidepool_last_error();
   ASSERT_TRUE(routed(allocated_on_s));
   ASSERT_EQ(tidepool_record_stream(recorded_on_s, kRouteDevice, s.handle), 0)
@@ -481,7 +484,7 @@ TEST_F(TierRouteTest, AReleasedStreamIsForgottenByTheDevicesTieredStoresToo) {
   Backend& backend = allocator.backend();
   TieredStore store(backend, tiering_test::test_store_options(1 << 20),
                     caching_allocator_source(allocator));
-  const auto [h, s, dev] = tiering_test::acquire_on_new_stream(store, 4096, kTag);
+  const auto [h, s, dev] = tiering_test::acquire_on_new_stream(store, 4096, kTagOptimizerState);
   backend.stream_synchronize(s);
   std::memset(dev, 0x6b, 4096);  // host backend: device memory is host-addressable
   store.release(h, /*dirty=*/true);

@@ -17,8 +17,8 @@
 #include <ostream>
 #include <thread>
 
-#include "allocator/c_api.h"
 #include "allocator/caching_allocator.h"
+#include "allocator/tags.h"
 #include "tests/tiering/tiering_test_util.h"
 #include "tiering/tiered_store.h"
 
@@ -29,7 +29,6 @@ using tiering_test::first_difference;
 using tiering_test::random_bytes;
 using tiering_test::StreamGate;
 
-constexpr int kTag = TIDEPOOL_TAG_OPTIMIZER_STATE;
 constexpr std::size_t kMiB = std::size_t{1} << 20;
 
 enum class Source { caching_allocator, backend };
@@ -117,9 +116,9 @@ TEST_P(LoadsOverWriteBacksTest, LoadOfAnotherSizeIsQueuedBehindWriteBacks) {
     auto store = make_store(GatedScene::kBudget);
     GatedScene scene;
     const std::size_t c_bytes = 3 * kMiB;
-    scene.a = store->create(2 * kMiB, kTag);
-    scene.b = store->create(3 * kMiB / 2, kTag);
-    scene.c = store->create(c_bytes, kTag);
+    scene.a = store->create(2 * kMiB, kTagOptimizerState);
+    scene.b = store->create(3 * kMiB / 2, kTagOptimizerState);
+    scene.c = store->create(c_bytes, kTagOptimizerState);
     scene.data_a = random_bytes(2 * kMiB, 1);
     scene.data_b = random_bytes(3 * kMiB / 2, 2);
     scene.data_c = random_bytes(c_bytes, 3);
@@ -188,8 +187,8 @@ TEST_P(LoadsOverWriteBacksTest, WithoutAStreamOrderedSourceAPrefetchIsSkippedWit
   if (GetParam().backend != BackendKind::host) GTEST_SKIP() << "the gate needs host-backend streams";
   if (stream_ordered()) GTEST_SKIP() << "a stream-ordered source gives room (previous test)";
   auto store = make_store(3 * kMiB + kMiB / 2);
-  auto big = store->create(3 * kMiB, kTag);
-  auto small = store->create(kMiB, kTag);
+  auto big = store->create(3 * kMiB, kTagOptimizerState);
+  auto small = store->create(kMiB, kTagOptimizerState);
   const auto big_data = random_bytes(3 * kMiB, 4);
   const auto small_data = random_bytes(kMiB, 5);
   store->write(small, small_data.data());
@@ -245,7 +244,7 @@ TEST_P(LoadsOverWriteBacksTest, MixedSizesUnderATightBudgetLoseNothing) {
   std::vector<TieredStore::Handle> handles;
   std::vector<std::vector<unsigned char>> shadow;
   for (std::size_t i = 0; i < count; ++i) {
-    handles.push_back(store->create(sizes[i], kTag));
+    handles.push_back(store->create(sizes[i], kTagOptimizerState));
     shadow.push_back(random_bytes(sizes[i], 100 + i));
     store->write(handles[i], shadow[i].data());
   }

@@ -9,7 +9,7 @@
 #include <functional>
 #include <memory>
 
-#include "allocator/c_api.h"
+#include "allocator/tags.h"
 #include "tests/tiering/failing_backend.h"
 #include "tests/tiering/tiering_test_util.h"
 #include "tiering/host_arena.h"
@@ -22,7 +22,6 @@ namespace {
 
 using tiering_test::FailingBackend;
 
-constexpr int kTag = TIDEPOOL_TAG_OPTIMIZER_STATE;
 constexpr long kMaxSteps = 400;  // far more backend calls than any teardown here makes
 
 // Builds an object on a FailingBackend over a fresh host backend via `build` (the backend
@@ -88,15 +87,15 @@ TEST(TieredStoreTeardown, BackendDyingAtAnyStepNeverThrowsOrAborts) {
     stream = b.create_stream();
     // One handle in each state: resident and dirty, evicted with its buffer still a
     // pending free, on the host, created on the device.
-    const auto dirty = store->create(256 << 10, kTag);
+    const auto dirty = store->create(256 << 10, kTagOptimizerState);
     store->acquire(dirty, stream);
     store->release(dirty, /*dirty=*/true);
-    const auto evicted = store->create(128 << 10, kTag);
+    const auto evicted = store->create(128 << 10, kTagOptimizerState);
     store->acquire(evicted, stream);
     store->release(evicted, /*dirty=*/true);
     store->evict(evicted);
-    store->create(64 << 10, kTag);
-    store->create(192 << 10, kTag, Tier::device);
+    store->create(64 << 10, kTagOptimizerState);
+    store->create(192 << 10, kTagOptimizerState, Tier::device);
   };
   sweep(build, [&] { store.reset(); });
 }
@@ -105,7 +104,7 @@ TEST(TieredStoreTeardown, AFailedTeardownSaysSoOnceOnStderr) {
   std::unique_ptr<TieredStore> store;
   auto build = [&](Backend& b) {
     store = std::make_unique<TieredStore>(b, store_options());
-    store->create(64 << 10, kTag, Tier::device);
+    store->create(64 << 10, kTagOptimizerState, Tier::device);
   };
   testing::internal::CaptureStderr();
   const TeardownRun r = run_with_failure_after(0, build, [&] { store.reset(); }, /*quiet=*/false);
@@ -139,8 +138,8 @@ TEST(VmmPoolTeardown, BackendDyingAtAnyStepNeverThrowsOrAborts) {
   auto build = [&](Backend& b) {
     pool = std::make_unique<VmmPool>(b);
     const Stream s = b.create_stream();
-    void* on_device = pool->allocate(3 * b.granularity(), kTag);
-    void* on_host = pool->allocate(b.granularity(), kTag);
+    void* on_device = pool->allocate(3 * b.granularity(), kTagOptimizerState);
+    void* on_host = pool->allocate(b.granularity(), kTagOptimizerState);
     ASSERT_NE(on_device, nullptr);
     ASSERT_NE(on_host, nullptr);
     pool->migrate(on_host, MemoryLocation::host);

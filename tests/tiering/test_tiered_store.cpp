@@ -15,6 +15,7 @@
 
 #include "allocator/c_api.h"
 #include "allocator/caching_allocator.h"
+#include "allocator/tags.h"
 #include "tests/support/backend_errors.h"
 #include "tests/tiering/tiering_test_util.h"
 #include "tiering/stats_json.h"
@@ -23,11 +24,10 @@
 namespace tidepool {
 namespace {
 
+using tiering_test::acquire_on_new_stream;
 using tiering_test::first_difference;
 using tiering_test::random_bytes;
 using tiering_test::StreamGate;
-
-constexpr int kTag = TIDEPOOL_TAG_OPTIMIZER_STATE;
 
 class TieredStoreTest : public tiering_test::TieringStreamTest {
  protected:
@@ -45,7 +45,7 @@ class TieredStoreTest : public tiering_test::TieringStreamTest {
   // left in the budget decides what happens to the third.
   std::array<TieredStore::Handle, 3> acquire_two_of_three(TieredStore& store) {
     std::array<TieredStore::Handle, 3> h{};
-    for (auto& x : h) x = store.create(100 << 10, kTag);
+    for (auto& x : h) x = store.create(100 << 10, kTagOptimizerState);
     store.acquire(h[0], stream_);
     store.acquire(h[1], stream_);
     return h;
@@ -56,7 +56,7 @@ class TieredStoreTest : public tiering_test::TieringStreamTest {
     std::vector<unsigned char> data;
   };
   WrittenHandle create_written(TieredStore& store, std::size_t bytes, std::uint64_t seed) {
-    WrittenHandle written{store.create(bytes, kTag), random_bytes(bytes, seed)};
+    WrittenHandle written{store.create(bytes, kTagOptimizerState), random_bytes(bytes, seed)};
     store.write(written.handle, written.data.data());
     return written;
   }
@@ -70,7 +70,7 @@ class TieredStoreTest : public tiering_test::TieringStreamTest {
 TEST_P(TieredStoreTest, NewHandlesAreZeroOnEitherTier) {
   TieredStore store(backend(), options(1 << 20));
   for (Tier t : {Tier::host, Tier::device}) {
-    auto h = store.create(100000, kTag, t);
+    auto h = store.create(100000, kTagOptimizerState, t);
     EXPECT_EQ(store.resident(h), t == Tier::device);
     void* dev = store.acquire(h, stream_);
     const auto seen = read_device(dev, 100000, stream_);
@@ -82,7 +82,7 @@ TEST_P(TieredStoreTest, NewHandlesAreZeroOnEitherTier) {
 
 TEST_P(TieredStoreTest, DirtyEvictionCopiesBackCleanEvictionDoesNot) {
   TieredStore store(backend(), options(1 << 20));
-  auto h = store.create(300000, kTag);
+  auto h = store.create(300000, kTagOptimizerState);
   const auto data = random_bytes(300000, 7);
   write_device(store.acquire(h, stream_), data);
   store.release(h, /*dirty=*/true);
@@ -116,7 +116,7 @@ TEST_P(TieredStoreTest, AcquireOnAnotherStreamWaitsForEarlierUses) {
   Backend& b = backend();
   TieredStore store(b, options(1 << 20));
   constexpr std::size_t n = 200000;
-  auto h = store.create(n, kTag);
+  auto h = store.create(n, kTagOptimizerState);
   const auto old_data = random_bytes(n, 21);
   const auto a_data = random_bytes(n, 22);
   const auto b_data = random_bytes(n, 23);
@@ -166,7 +166,7 @@ TEST_P(TieredStoreTest, AReleasedStreamIsForgottenAndTheStateSurvivesItsDestruct
   Backend& b = backend();
   TieredStore store(b, options(1 << 20));
   constexpr std::size_t n = 100000;
-  const auto [h, temporary, dev] = tiering_test::acquire_on_new_stream(store, n, kTag);
+  const auto [h, temporary, dev] = acquire_on_new_stream(store, n, kTagOptimizerState);
   const auto data = random_bytes(n, 31);
   b.copy_async(dev, data.data(), n, CopyKind::host_to_device, temporary);  // not waited for
   store.release(h, /*dirty=*/true);
@@ -186,7 +186,7 @@ TEST_P(TieredStoreTest, AStreamDestroyedWithoutReleaseIsAClearErrorAndLosesNothi
   Backend& b = backend();
   TieredStore store(b, options(1 << 20));
   constexpr std::size_t n = 100000;
-  const auto [h, temporary, dev] = tiering_test::acquire_on_new_stream(store, n, kTag);
+  const auto [h, temporary, dev] = acquire_on_new_stream(store, n, kTagOptimizerState);
   const auto data = random_bytes(n, 32);
   b.stream_synchronize(temporary);  // the load is done: stream_ may write now
   write_device(dev, data);
@@ -228,9 +228,9 @@ TEST_P(TieredStoreTest, BudgetEvictsFurthestAndErrorsWhenAllAreAcquired) {
 
 TEST_P(TieredStoreTest, MisuseIsAClearError) {
   TieredStore store(backend(), options(1 << 20));
-  EXPECT_THROW(store.create(0, kTag), TieringError);
-  EXPECT_THROW(store.create(2 << 20, kTag), TieringError);  // larger than the budget
-  auto h = store.create(4096, kTag);
+  EXPECT_THROW(store.create(0, kTagOptimizerState), TieringError);
+  EXPECT_THROW(store.create(2 << 20, kTagOptimizerState), TieringError);  // larger than the budget
+  auto h = store.create(4096, kTagOptimizerState);
   EXPECT_THROW(store.release(h, false), TieringError);     // not acquired
   EXPECT_THROW(store.acquire(h + 1000, stream_), TieringError);
   store.acquire(h, stream_);
@@ -247,7 +247,7 @@ TEST_P(TieredStoreTest, MisuseIsAClearError) {
 TEST_P(TieredStoreTest, RecordedStepIsPrefetchedOnReplay) {
   TieredStore store(backend(), options(600 << 10));
   std::vector<TieredStore::Handle> hs;
-  for (int i = 0; i < 8; ++i) hs.push_back(store.create(100 << 10, kTag));
+  for (int i = 0; i < 8; ++i) hs.push_back(store.create(100 << 10, kTagOptimizerState));
   for (int step = 0; step < 4; ++step) {
     store.begin_step();
     for (auto h : hs) {
@@ -278,8 +278,8 @@ TEST_P(TieredStoreTest, PrefetchNeverExceedsTheBudgetOrEvictsSoonerUses) {
 
 TEST_P(TieredStoreTest, ReclaimEvictsReleasedState) {
   TieredStore store(backend(), options(1 << 20));
-  auto a = store.create(200 << 10, kTag, Tier::device);
-  auto b = store.create(200 << 10, kTag, Tier::device);
+  auto a = store.create(200 << 10, kTagOptimizerState, Tier::device);
+  auto b = store.create(200 << 10, kTagOptimizerState, Tier::device);
   store.acquire(b, stream_);
   const std::size_t freed = store.reclaim(1 << 20);
   EXPECT_EQ(freed, std::size_t{200} << 10);  // a only: b is acquired
@@ -291,18 +291,18 @@ TEST_P(TieredStoreTest, ReclaimEvictsReleasedState) {
 
 TEST_P(TieredStoreTest, TagOperationsOnlyTouchThatTag) {
   TieredStore store(backend(), options(1 << 20));
-  auto a = store.create(1000, kTag, Tier::device);
+  auto a = store.create(1000, kTagOptimizerState, Tier::device);
   auto b = store.create(1000, TIDEPOOL_TAG_WORKSPACE, Tier::device);
-  store.evict_tag(kTag);
+  store.evict_tag(kTagOptimizerState);
   EXPECT_FALSE(store.resident(a));
   EXPECT_TRUE(store.resident(b));
-  store.prefetch_tag(kTag, stream_);
+  store.prefetch_tag(kTagOptimizerState, stream_);
   EXPECT_TRUE(store.resident(a));
 }
 
 TEST_P(TieredStoreTest, StatsJsonHasTheTelemetry) {
   TieredStore store(backend(), options(1 << 20));
-  auto h = store.create(1000, kTag);
+  auto h = store.create(1000, kTagOptimizerState);
   store.acquire(h, stream_);
   store.release(h, true);
   store.evict(h);
@@ -334,7 +334,7 @@ TEST_P(TieredStoreFaultTest, FailedLoadKeepsTheHostCopy) {
 
 TEST_P(TieredStoreFaultTest, FailedCopyBackKeepsTheDeviceCopy) {
   TieredStore store(backend(), options(1 << 20));
-  auto h = store.create(200000, kTag);
+  auto h = store.create(200000, kTagOptimizerState);
   const auto data = random_bytes(200000, 4);
   write_device(store.acquire(h, stream_), data);
   store.release(h, true);
@@ -360,7 +360,8 @@ TEST_P(TieredStoreFaultTest, DeviceOutOfMemoryIsAClearErrorAndLosesNothing) {
 TEST_P(TieredStoreFaultTest, RegistrationFailureUsesReportedPageableMemory) {
   TieredStore store(backend(), options(16 << 20));
   backend().inject_fault(FaultPoint::host_register, 1);
-  auto h = store.create(8 << 20, kTag);  // a direct pinned mapping would be registered
+  // A direct pinned mapping would be registered.
+  auto h = store.create(8 << 20, kTagOptimizerState);
   EXPECT_EQ(store.host_tier(h), HostTier::pageable);
   const TieredStoreStats s = store.stats();
   EXPECT_EQ(s.host.fallback_register_failed, 1u);
@@ -380,7 +381,7 @@ TEST_P(TieredStoreFaultTest, ExhaustedHostArenaIsAClearErrorAndKeepsOthers) {
   TieredStore store(backend(), o);
   const auto [h, data] = create_written(store, 8 << 20, 8);
   const std::string m =
-      test_support::expect_error<TieringError>([&] { store.create(12 << 20, kTag); });
+      test_support::expect_error<TieringError>([&] { store.create(12 << 20, kTagOptimizerState); });
   EXPECT_NE(m.find("pinned budget"), std::string::npos) << m;
   EXPECT_EQ(first_difference(contents(store, h).data(), data.data(), data.size()), -1);
 }
@@ -426,7 +427,8 @@ class TieredStoreOnAllocatorTest : public ::testing::TestWithParam<BackendKind> 
     std::vector<TieredStore::Handle> handles;
     std::vector<std::vector<unsigned char>> data;
     for (std::size_t i = 0; i < std::size(sizes); ++i) {
-      handles.push_back(store.create(sizes[i], kTag, i % 2 == 0 ? Tier::device : Tier::host));
+      const Tier tier = i % 2 == 0 ? Tier::device : Tier::host;
+      handles.push_back(store.create(sizes[i], kTagOptimizerState, tier));
       data.push_back(tiering_test::random_bytes(sizes[i], seed + i));
     }
     for (int pass = 0; pass < 2; ++pass) {
@@ -455,7 +457,7 @@ TEST_P(TieredStoreOnAllocatorTest, StoresComeAndGoOnOneAllocator) {
   for (int round = 0; round < rounds; ++round) {
     run_store(100 * static_cast<std::uint64_t>(round));
     const AllocatorStats s = allocator_->stats();
-    EXPECT_EQ(s.tags[kTag].bytes.current, 0u) << "round " << round;
+    EXPECT_EQ(s.tags[kTagOptimizerState].bytes.current, 0u) << "round " << round;
     EXPECT_EQ(s.allocated.current, 0u) << "round " << round;
     // Traffic on a live stream between stores: large enough that the allocator looks at
     // every stream's free memory (steals, moves free runs, grows).

@@ -11,7 +11,7 @@
 #include <cstring>
 #include <thread>
 
-#include "allocator/c_api.h"
+#include "allocator/tags.h"
 #include "tests/tiering/tiering_test_util.h"
 #include "tiering/tiered_store.h"
 #include "tiering/vmm_migration.h"
@@ -22,7 +22,6 @@ namespace {
 using tiering_test::first_difference;
 using tiering_test::random_bytes;
 
-constexpr int kTag = TIDEPOOL_TAG_OPTIMIZER_STATE;
 constexpr std::size_t kBudget = 1 << 20;
 constexpr std::size_t kMaxHandleBytes = 96 << 10;
 #if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
@@ -71,14 +70,14 @@ TEST_P(TieringIntegrityTest, RandomOperationsLoseNoByteAndKeepTheBudget) {
   std::vector<ShadowHandle> handles(48);
   for (auto& h : handles) {
     const std::size_t n = pick(2) == 0 ? common_sizes[pick(3)] : 1 + pick(kMaxHandleBytes);
-    h.id = store.create(n, kTag, pick(4) == 0 ? Tier::device : Tier::host);
+    h.id = store.create(n, kTagOptimizerState, pick(4) == 0 ? Tier::device : Tier::host);
     h.shadow.assign(n, 0);
   }
   // One stream per range: writes to a range from two streams would race with each other.
   std::vector<ShadowRange> ranges(3);
   for (std::size_t i = 0; i < ranges.size(); ++i) {
     const std::size_t n = i * b.granularity() + 12345 * (i + 1);
-    ranges[i].ptr = static_cast<unsigned char*>(vmm.allocate(n, kTag));
+    ranges[i].ptr = static_cast<unsigned char*>(vmm.allocate(n, kTagOptimizerState));
     ASSERT_NE(ranges[i].ptr, nullptr);
     ranges[i].shadow.assign(n, 0);
     b.memset_async(ranges[i].ptr, 0, n, streams[i]);
@@ -217,12 +216,12 @@ TEST_P(TieringIntegrityTest, ConcurrentThreadsKeepTheirDataAndTheBudget) {
       std::vector<std::vector<unsigned char>> shadows;
       for (int i = 0; i < 6; ++i) {
         const std::size_t n = 1000 + rng() % (48 << 10);
-        ids.push_back(store.create(n, kTag));
+        ids.push_back(store.create(n, kTagOptimizerState));
         shadows.emplace_back(n, 0);
       }
       const auto src = random_bytes(48 << 10, 77 + t);
       // A VMM range per thread, migrated back and forth while others work.
-      auto* range = static_cast<unsigned char*>(vmm.allocate(b.granularity(), kTag));
+      auto* range = static_cast<unsigned char*>(vmm.allocate(b.granularity(), kTagOptimizerState));
       for (int it = 0; it < iterations && failures[t].empty(); ++it) {
         const std::size_t i = rng() % ids.size();
         try {
@@ -271,7 +270,7 @@ TEST_P(TieringIntegrityTest, ConcurrentThreadsKeepTheirDataAndTheBudget) {
   threads.emplace_back([&] {
     while (!stop) {
       (void)store.stats();
-      store.evict_tag(kTag);
+      store.evict_tag(kTagOptimizerState);
       store.reclaim(64 << 10);
       (void)vmm.stats();
       std::this_thread::yield();

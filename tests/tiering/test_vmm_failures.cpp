@@ -15,7 +15,7 @@
 #include <thread>
 #include <vector>
 
-#include "allocator/c_api.h"
+#include "allocator/tags.h"
 #include "tests/support/backend_errors.h"
 #include "tests/tiering/failing_backend.h"
 #include "tests/tiering/tiering_test_util.h"
@@ -28,8 +28,6 @@ namespace {
 using tiering_test::FailingBackend;
 using tiering_test::first_difference;
 using tiering_test::random_bytes;
-
-constexpr int kTag = TIDEPOOL_TAG_OPTIMIZER_STATE;
 
 // The pool runs on backend_; the test's own copies go to the host backend under it, so
 // a failure chosen for the pool never hits them.
@@ -73,7 +71,7 @@ class VmmFailureTest : public ::testing::Test {
     std::vector<unsigned char> data;
   };
   FilledRange allocate_filled(VmmPool& pool, std::size_t bytes, std::uint64_t seed) {
-    FilledRange range{pool.allocate(bytes, kTag), bytes, random_bytes(bytes, seed)};
+    FilledRange range{pool.allocate(bytes, kTagOptimizerState), bytes, random_bytes(bytes, seed)};
     if (range.ptr != nullptr) fill(range.ptr, range.data);
     return range;
   }
@@ -105,7 +103,7 @@ TEST_F(VmmFailureTest, EveryFailedCallOfAMigrationLeavesTheDataAndNoHandleBehind
         const std::string where = std::string(op) + " x" + std::to_string(count) + " after " +
                                   std::to_string(skip);
         VmmPool pool(backend_);
-        void* p = pool.allocate(n, kTag);
+        void* p = pool.allocate(n, kTagOptimizerState);
         ASSERT_NE(p, nullptr) << where;
         fill(p, data);
         const long failed_before = backend_.failed_calls();
@@ -199,8 +197,8 @@ TEST_F(VmmFailureTest, AFailedDeallocateCanBeRetriedAndLeaksNothing) {
     for (int skip = 0;; ++skip) {
       const std::string where = std::string(op) + " after " + std::to_string(skip);
       VmmPool pool(backend_);
-      void* p = pool.allocate(n, kTag);
-      void* other = pool.allocate(g, kTag);
+      void* p = pool.allocate(n, kTagOptimizerState);
+      void* other = pool.allocate(g, kTagOptimizerState);
       ASSERT_TRUE(p && other) << where;
       const long failed_before = backend_.failed_calls();
       backend_.fail_calls_to(op, 1, skip);
@@ -232,7 +230,7 @@ TEST_F(VmmFailureTest, AFailedAllocationGivesBackItsBackingsEvenWhenTheirRelease
     VmmPool pool(backend_);
     backend_.fail_calls_to("map", 1, 1);               // the second chunk's
     backend_.fail_calls_to("release_physical", 1);     // its backing's release
-    EXPECT_THROW(pool.allocate(n, kTag), TieringError);
+    EXPECT_THROW(pool.allocate(n, kTagOptimizerState), TieringError);
     EXPECT_EQ(pool.stats().ranges, 0u);
     EXPECT_EQ(pool.stats().device_backed_bytes, 0u);
     EXPECT_EQ(pool.stats().deferred_releases, 1u);
@@ -242,7 +240,7 @@ TEST_F(VmmFailureTest, AFailedAllocationGivesBackItsBackingsEvenWhenTheirRelease
     // range, and frees it when it is destroyed.
     backend_.fail_calls_to("map", 1, 1);
     backend_.fail_calls_to("unmap", 1);
-    EXPECT_THROW(pool.allocate(n, kTag), TieringError);
+    EXPECT_THROW(pool.allocate(n, kTagOptimizerState), TieringError);
     EXPECT_EQ(pool.stats().deferred_releases, 0u);  // retried at the start of the call
     EXPECT_EQ(backend_.live_physicals(), 1u);       // the kept range's first chunk
   }

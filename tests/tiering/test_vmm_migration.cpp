@@ -11,6 +11,7 @@
 
 #include "allocator/c_api.h"
 #include "allocator/config.h"
+#include "allocator/tags.h"
 #include "tests/support/backend_errors.h"
 #include "tests/tiering/tiering_test_util.h"
 #include "tiering/tiered_store.h"
@@ -21,8 +22,6 @@ namespace {
 
 using tiering_test::first_difference;
 using tiering_test::random_bytes;
-
-constexpr int kTag = TIDEPOOL_TAG_OPTIMIZER_STATE;
 
 class VmmMigrationTest : public tiering_test::TieringStreamTest {
  protected:
@@ -39,7 +38,7 @@ class VmmMigrationTest : public tiering_test::TieringStreamTest {
 TEST_P(VmmMigrationTest, MigrationKeepsTheAddressAndTheBytes) {
   VmmPool pool(backend());
   const std::size_t n = 3 * backend().granularity() + 777;  // partial last granule
-  void* p = pool.allocate(n, kTag);
+  void* p = pool.allocate(n, kTagOptimizerState);
   ASSERT_NE(p, nullptr);
   EXPECT_EQ(pool.size_of(p), 4 * backend().granularity());
   EXPECT_EQ(pool.bytes_in(p, MemoryLocation::device), 4 * backend().granularity());
@@ -66,7 +65,7 @@ TEST_P(VmmMigrationTest, MigrationKeepsTheAddressAndTheBytes) {
 TEST_P(VmmMigrationTest, MigrationWaitsForTheStreamsThatUsedTheRange) {
   VmmPool pool(backend());
   const std::size_t n = backend().granularity();
-  void* p = pool.allocate(n, kTag);
+  void* p = pool.allocate(n, kTagOptimizerState);
   const auto data = random_bytes(n, 12);
   // Enqueued, not waited for: migrate() must wait for stream_ before copying.
   backend().copy_async(p, data.data(), n, CopyKind::host_to_device, stream_);
@@ -81,7 +80,7 @@ TEST_P(VmmMigrationTest, MigrationWaitsForTheStreamsThatUsedTheRange) {
 // deallocate waits for it too (a range unmapped under a queued kernel is a fault).
 TEST_P(VmmMigrationTest, ARecordedStreamStaysAUserAfterItsFirstMigration) {
   VmmPool pool(backend());
-  void* p = pool.allocate(backend().granularity(), kTag);
+  void* p = pool.allocate(backend().granularity(), kTagOptimizerState);
   ASSERT_NE(p, nullptr);
   pool.record_use(p, stream_);
   pool.migrate(p, MemoryLocation::host);
@@ -106,7 +105,7 @@ TEST_P(VmmMigrationTest, ARecordedStreamStaysAUserAfterItsFirstMigration) {
 // A released stream is no longer waited for: a later migrate does not touch its handle.
 TEST_P(VmmMigrationTest, AReleasedStreamIsNoLongerAUser) {
   VmmPool pool(backend());
-  void* p = pool.allocate(backend().granularity(), kTag);
+  void* p = pool.allocate(backend().granularity(), kTagOptimizerState);
   ASSERT_NE(p, nullptr);
   const Stream other = backend().create_stream();
   pool.record_use(p, other);
@@ -118,9 +117,9 @@ TEST_P(VmmMigrationTest, AReleasedStreamIsNoLongerAUser) {
 
 TEST_P(VmmMigrationTest, TagMigrationMovesOnlyThatTag) {
   VmmPool pool(backend());
-  void* a = pool.allocate(1000, kTag);
+  void* a = pool.allocate(1000, kTagOptimizerState);
   void* b = pool.allocate(1000, TIDEPOOL_TAG_WORKSPACE);
-  EXPECT_EQ(pool.migrate_tag(kTag, MemoryLocation::host).ranges, 1u);
+  EXPECT_EQ(pool.migrate_tag(kTagOptimizerState, MemoryLocation::host).ranges, 1u);
   EXPECT_EQ(pool.bytes_in(a, MemoryLocation::host), backend().granularity());
   EXPECT_EQ(pool.bytes_in(b, MemoryLocation::device), backend().granularity());
   pool.deallocate(a);
@@ -129,12 +128,12 @@ TEST_P(VmmMigrationTest, TagMigrationMovesOnlyThatTag) {
 
 TEST_P(VmmMigrationTest, BadInputIsAClearError) {
   VmmPool pool(backend());
-  EXPECT_THROW(pool.allocate(0, kTag), TieringError);
+  EXPECT_THROW(pool.allocate(0, kTagOptimizerState), TieringError);
   int x = 0;
   EXPECT_THROW(pool.deallocate(&x), TieringError);
   EXPECT_THROW(pool.migrate(&x, MemoryLocation::host), TieringError);
   EXPECT_THROW(pool.record_use(&x, stream_), TieringError);
-  void* p = pool.allocate(100, kTag);
+  void* p = pool.allocate(100, kTagOptimizerState);
   EXPECT_THROW(pool.deallocate(static_cast<char*>(p) + 64), TieringError);  // not the base
   EXPECT_FALSE(pool.owns(&x));
   EXPECT_TRUE(pool.owns(static_cast<char*>(p) + 64));
@@ -146,22 +145,22 @@ TEST_P(VmmMigrationTest, BadInputIsAClearError) {
 TEST_P(VmmMigrationTest, PrefetchStopsAtTheBudgetAndReportsWhatStayedOnTheHost) {
   const std::size_t g = backend().granularity();
   VmmPool pool(backend(), VmmPoolOptions{.device_budget_bytes = 3 * g});
-  void* a = pool.allocate(2 * g, kTag);
-  void* b = pool.allocate(2 * g, kTag);
+  void* a = pool.allocate(2 * g, kTagOptimizerState);
+  void* b = pool.allocate(2 * g, kTagOptimizerState);
   const auto data_a = random_bytes(2 * g, 21);
   const auto data_b = random_bytes(2 * g, 22);
   fill(a, data_a);
   fill(b, data_b);
   // Allocation is not limited by the budget (4 granules on the device now).
   EXPECT_EQ(pool.stats().device_backed_bytes, 4 * g);
-  EXPECT_EQ(pool.migrate_tag(kTag, MemoryLocation::host).bytes_moved, 4 * g);
+  EXPECT_EQ(pool.migrate_tag(kTagOptimizerState, MemoryLocation::host).bytes_moved, 4 * g);
 
   // Ranges go in allocation order, whatever their addresses (mmap hands out addresses top
   // down, so b usually lies below a): a, allocated first, fits; b (one 2-granule chunk)
   // would exceed the budget and stays.
   void* fits = a;
   void* stays = b;
-  const MigrationResult r = pool.migrate_tag(kTag, MemoryLocation::device);
+  const MigrationResult r = pool.migrate_tag(kTagOptimizerState, MemoryLocation::device);
   EXPECT_EQ(r.ranges, 2u);
   EXPECT_EQ(r.bytes_moved, 2 * g);
   EXPECT_EQ(r.bytes_left, 2 * g);
@@ -193,9 +192,11 @@ TEST_P(VmmMigrationTest, PrefetchFillsTheBudgetWithWhatFits) {
   const std::size_t g = backend().granularity();
   VmmPool pool(backend(), VmmPoolOptions{.device_budget_bytes = 3 * g});
   std::vector<void*> ranges;
-  for (std::size_t granules : {2, 2, 1}) ranges.push_back(pool.allocate(granules * g, kTag, MemoryLocation::host));
+  for (std::size_t granules : {2, 2, 1}) {
+    ranges.push_back(pool.allocate(granules * g, kTagOptimizerState, MemoryLocation::host));
+  }
   // In any address order, one 2-granule range stays and the other two fill the budget.
-  const MigrationResult r = pool.migrate_tag(kTag, MemoryLocation::device);
+  const MigrationResult r = pool.migrate_tag(kTagOptimizerState, MemoryLocation::device);
   EXPECT_EQ(r.bytes_moved, 3 * g);
   EXPECT_EQ(r.bytes_left, 2 * g);
   EXPECT_EQ(pool.stats().device_backed_bytes, 3 * g);
@@ -207,7 +208,7 @@ TEST_P(VmmMigrationTest, BudgetCanSplitARangeBetweenDeviceAndHost) {
   const std::size_t g = backend().granularity();
   const std::size_t n = (VmmPool::kChunkGranules + 4) * g;  // two chunks: 32 and 4 granules
   VmmPool pool(backend(), VmmPoolOptions{.device_budget_bytes = (VmmPool::kChunkGranules + 1) * g});
-  void* p = pool.allocate(n, kTag, MemoryLocation::host);
+  void* p = pool.allocate(n, kTagOptimizerState, MemoryLocation::host);
   // A cheap pattern (word index) rather than random bytes: 72 MiB under sanitizers.
   std::vector<unsigned char> data(n);
   for (std::size_t i = 0; i < n; i += sizeof(std::uint64_t)) {
@@ -228,8 +229,8 @@ TEST_P(VmmMigrationTest, BudgetCanSplitARangeBetweenDeviceAndHost) {
 TEST_P(VmmMigrationTest, WithoutABudgetEverythingMoves) {
   const std::size_t g = backend().granularity();
   VmmPool pool(backend(), VmmPoolOptions{.device_budget_bytes = VmmPoolOptions::kNoDeviceBudget});
-  void* p = pool.allocate(5 * g, kTag, MemoryLocation::host);
-  const MigrationResult r = pool.migrate_tag(kTag, MemoryLocation::device);
+  void* p = pool.allocate(5 * g, kTagOptimizerState, MemoryLocation::host);
+  const MigrationResult r = pool.migrate_tag(kTagOptimizerState, MemoryLocation::device);
   EXPECT_EQ(r.bytes_moved, 5 * g);
   EXPECT_EQ(r.bytes_left, 0u);
   EXPECT_FALSE(pool.stats().has_device_budget);
@@ -248,18 +249,18 @@ class VmmBudgetConfigTest : public VmmMigrationTest {
 TEST_P(VmmBudgetConfigTest, StateBudgetFromTheConfigurationLimitsPrefetch) {
   const std::size_t g = backend().granularity();
   VmmPool pool(backend());
-  void* a = pool.allocate(2 * g, kTag, MemoryLocation::host);
-  void* b = pool.allocate(2 * g, kTag, MemoryLocation::host);
+  void* a = pool.allocate(2 * g, kTagOptimizerState, MemoryLocation::host);
+  void* b = pool.allocate(2 * g, kTagOptimizerState, MemoryLocation::host);
   EXPECT_FALSE(pool.device_budget_bytes().has_value());  // tidepool not configured
 
   apply_config(claim_config("tidepool.state_budget:0").config);
   EXPECT_EQ(pool.device_budget_bytes(), std::optional<std::size_t>(0));
-  MigrationResult r = pool.migrate_tag(kTag, MemoryLocation::device);
+  MigrationResult r = pool.migrate_tag(kTagOptimizerState, MemoryLocation::device);
   EXPECT_EQ(r.bytes_moved, 0u);  // 0: the state stays on the host, reached in place
   EXPECT_EQ(r.bytes_left, 4 * g);
 
   apply_config(claim_config("tidepool.state_budget:" + std::to_string(3 * g)).config);
-  r = pool.migrate_tag(kTag, MemoryLocation::device);
+  r = pool.migrate_tag(kTagOptimizerState, MemoryLocation::device);
   EXPECT_EQ(r.bytes_moved, 2 * g);
   EXPECT_EQ(r.bytes_left, 2 * g);
   EXPECT_EQ(pool.bytes_in(a, MemoryLocation::device) + pool.bytes_in(b, MemoryLocation::device),
@@ -276,7 +277,7 @@ class VmmMigrationFaultTest : public VmmMigrationTest {};
 TEST_P(VmmMigrationFaultTest, EveryFailedStepKeepsTheDataAtTheSameAddress) {
   VmmPool pool(backend());
   const std::size_t n = 2 * backend().granularity();
-  void* p = pool.allocate(n, kTag);
+  void* p = pool.allocate(n, kTagOptimizerState);
   const auto data = random_bytes(n, 13);
   fill(p, data);
   // The map of the new backing fails (the seam's injection hits the next map).
@@ -305,9 +306,9 @@ TEST_P(VmmMigrationFaultTest, EveryFailedStepKeepsTheDataAtTheSameAddress) {
 TEST_P(VmmMigrationFaultTest, OutOfDeviceMemoryOnAllocateIsNull) {
   VmmPool pool(backend());
   backend().inject_fault(FaultPoint::create_physical, 1);
-  EXPECT_EQ(pool.allocate(1000, kTag), nullptr);
+  EXPECT_EQ(pool.allocate(1000, kTagOptimizerState), nullptr);
   EXPECT_EQ(pool.stats().ranges, 0u);
-  void* p = pool.allocate(1000, kTag);
+  void* p = pool.allocate(1000, kTagOptimizerState);
   EXPECT_NE(p, nullptr);
   pool.deallocate(p);
 }
