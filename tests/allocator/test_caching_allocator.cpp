@@ -20,7 +20,7 @@
 namespace tidepool {
 namespace {
 
-using Param = std::tuple<std::string, bool>;  // backend kind, expandable segments
+using Param = test::BackendAndSegments;
 
 class Battery : public ::testing::TestWithParam<Param> {
  public:
@@ -605,14 +605,8 @@ TEST_P(Moves, NearCapacityOnlyTheGranulesABlockNeedsAreBacked) {
 INSTANTIATE_TEST_SUITE_P(Backends, Moves, ::testing::Values("host", "cuda"),
                          [](const ::testing::TestParamInfo<std::string>& p) { return p.param; });
 
-std::string param_name(const ::testing::TestParamInfo<Param>& info) {
-  return std::get<0>(info.param) + (std::get<1>(info.param) ? "_expandable" : "_plain");
-}
-
-INSTANTIATE_TEST_SUITE_P(Backends, Battery,
-                         ::testing::Combine(::testing::Values("host", "cuda"),
-                                            ::testing::Bool()),
-                         param_name);
+INSTANTIATE_TEST_SUITE_P(Backends, Battery, test::backends_and_segment_kinds(),
+                         test::backend_and_segments_name);
 
 }  // namespace
 }  // namespace tidepool

@@ -30,7 +30,7 @@ struct Model {
   std::array<std::uint64_t, kTagCount> tag_bytes{}, tag_count{};
 };
 
-using Param = std::tuple<std::string, bool>;
+using Param = test::BackendAndSegments;
 
 class Differential : public ::testing::TestWithParam<Param> {};
 
@@ -164,13 +164,8 @@ TEST_P(Differential, RandomOperationsWithEagerMovesMatchTheReferenceModel) {
   EXPECT_GT(mapping.runs_moved, 100u) << "the sequence should have moved slots many times";
 }
 
-std::string param_name(const ::testing::TestParamInfo<Param>& info) {
-  return std::get<0>(info.param) + (std::get<1>(info.param) ? "_expandable" : "_plain");
-}
-
-INSTANTIATE_TEST_SUITE_P(Backends, Differential,
-                         ::testing::Combine(::testing::Values("host", "cuda"), ::testing::Bool()),
-                         param_name);
+INSTANTIATE_TEST_SUITE_P(Backends, Differential, test::backends_and_segment_kinds(),
+                         test::backend_and_segments_name);
 
 }  // namespace
 }  // namespace tidepool

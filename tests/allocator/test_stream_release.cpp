@@ -17,7 +17,7 @@
 namespace tidepool {
 namespace {
 
-using Param = std::tuple<std::string, bool>;  // backend kind, expandable segments
+using Param = test::BackendAndSegments;
 
 class StreamRelease : public ::testing::TestWithParam<Param> {
  protected:
@@ -252,13 +252,8 @@ TEST_P(StreamRelease, ThreadsCreateUseReleaseAndDestroyStreams) {
   pressure(a_);
 }
 
-std::string param_name(const ::testing::TestParamInfo<Param>& info) {
-  return std::get<0>(info.param) + (std::get<1>(info.param) ? "_expandable" : "_plain");
-}
-
-INSTANTIATE_TEST_SUITE_P(Backends, StreamRelease,
-                         ::testing::Combine(::testing::Values("host", "cuda"), ::testing::Bool()),
-                         param_name);
+INSTANTIATE_TEST_SUITE_P(Backends, StreamRelease, test::backends_and_segment_kinds(),
+                         test::backend_and_segments_name);
 
 }  // namespace
 }  // namespace tidepool

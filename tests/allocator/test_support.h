@@ -12,6 +12,7 @@
 #include <string>
 #include <string_view>
 #include <thread>
+#include <tuple>
 
 #include "allocator/backend.h"
 #include "allocator/caching_allocator.h"
@@ -29,6 +30,18 @@ inline std::unique_ptr<Backend> make_backend(const std::string& kind,
                                              std::size_t host_capacity = std::size_t{1} << 30) {
   return test_support::make_test_backend(kind == "cuda" ? BackendKind::cuda : BackendKind::host,
                                          host_capacity);
+}
+
+// The parameter of the batteries that run on each backend with either kind of segment:
+// the backend kind (as make_backend takes it) and whether segments are expandable.
+using BackendAndSegments = std::tuple<std::string, bool>;
+// Every such pair, and the name of one in test listings ("host_expandable", "cuda_plain").
+inline auto backends_and_segment_kinds() {
+  return ::testing::Combine(::testing::Values("host", "cuda"), ::testing::Bool());
+}
+inline std::string backend_and_segments_name(
+    const ::testing::TestParamInfo<BackendAndSegments>& info) {
+  return std::get<0>(info.param) + (std::get<1>(info.param) ? "_expandable" : "_plain");
 }
 
 #define TIDEPOOL_BACKEND_OR_SKIP(var, kind, ...)                   \
