@@ -1,0 +1,355 @@
+// The LD_PRELOAD shim's set-up (libtidepool_preload.so; the interposed functions are in
+// tidepool_preload.cpp): finding, loading and binding the real libcudart (the forwarding
+// target) and libtidepool, and setting tidepool up from the environment.
+//
+//   - Note [two once-flags]: the real libcudart's functions (the forwarding target) are
+//     resolved on their own once-flag, at the first call of either function, whatever
+//     its argument: cudaFree(NULL), the classic first CUDA call that creates the
+//     context, must reach CUDA even when tidepool itself is set up later. tidepool is set
+//     up on a second once-flag:
+//     at start-up (a constructor, before main and before PyTorch reads its environment),
+//     when PYTORCH_ALLOC_CONF / PYTORCH_CUDA_ALLOC_CONF mention tidepool, and otherwise at
+//     the first cudaMalloc, it loads libtidepool and calls tidepool_install_from_env: the
+//     same C++ parser as the Python hook claims the tidepool keys and rewrites the
+//     variables for PyTorch. A bad key stops the program with the parser's message (exit
+//     status 2). Preloading the shim is itself the request to use tidepool, so
+//     backend:tidepool need not be named.
+//   - Note [runtime version]: tidepool serves allocations only when the process's CUDA
+//     runtime (the forwarding target) has the major version tidepool was built for
+//     (CUDART_VERSION): libtidepool is linked against that major's libcudart, and a
+//     second runtime in the process would own memory and contexts of its own. Under any
+//     other runtime (a CUDA 12 program that inherited LD_PRELOAD) libtidepool is never
+//     loaded, every call is forwarded unchanged, and the shim says so once on stderr
+//     (not under tidepool.log:off).
+//
+// Finding the real libcudart (it must be loaded before libtidepool, whose dependency
+// on libcudart.so.<major> is then satisfied by soname — one copy in the process):
+//   1. the next definition of cudaMalloc after the shim (dlsym(RTLD_NEXT)): the program's
+//      own runtime, of whatever version, when it is in the global scope;
+//   2. one of tidepool's major already loaded;
+//   3. $TIDEPOOL_CUDART;
+//   4. PyPI's nvidia wheel beside the pip-installed package:
+//      <site-packages>/tidepool/lib/ → <site-packages>/nvidia/cu13/lib/libcudart.so.13;
+//   5. the running interpreter's site-packages (<prefix>/lib/python3.*/site-packages/...);
+//   6. the loader's own search path (a CUDA toolkit in ld.so.conf).
+// libtidepool: $TIDEPOOL_LIBRARY, then beside the shim, then the build tree's copy.
+//
+// tidepool.mode:pool has no meaning here (there are no regions without Python): the
+// shim warns and serves every allocation.
+#include <cuda_runtime_api.h>
+#include <dlfcn.h>
+#include <glob.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "preload/shim.h"
+
+namespace tidepool_preload {
+
+namespace {
+
+// The CUDA major tidepool (and so libtidepool's libcudart dependency) was built for.
+constexpr int kCudaMajor = CUDART_VERSION / 1000;
+
+const std::string& cudart_soname() {
+  static const std::string name = "libcudart.so." + std::to_string(kCudaMajor);
+  return name;
+}
+
+// PyPI's wheel directory for that major: nvidia/cu13/lib.
+const std::string& nvidia_wheel_lib() {
+  static const std::string dir = "nvidia/cu" + std::to_string(kCudaMajor) + "/lib/";
+  return dir;
+}
+
+std::string directory_of_this_library() {
+  Dl_info info{};
+  if (dladdr(reinterpret_cast<void*>(&directory_of_this_library), &info) == 0 ||
+      info.dli_fname == nullptr) {
+    return {};
+  }
+  std::string path = info.dli_fname;
+  const size_t slash = path.rfind('/');
+  return slash == std::string::npos ? std::string(".") : path.substr(0, slash);
+}
+
+std::vector<std::string> glob_paths(const std::string& pattern) {
+  std::vector<std::string> out;
+  glob_t g{};
+  if (glob(pattern.c_str(), 0, nullptr, &g) == 0) {
+    for (size_t i = 0; i < g.gl_pathc; ++i) out.emplace_back(g.gl_pathv[i]);
+  }
+  globfree(&g);
+  return out;
+}
+
+// The prefix of the running executable: /usr/bin/python3 -> /usr.
+std::string executable_prefix() {
+  char buf[4096];
+  const ssize_t n = readlink("/proc/self/exe", buf, sizeof buf - 1);
+  if (n <= 0) return {};
+  std::string path(buf, static_cast<size_t>(n));
+  for (int up = 0; up < 2; ++up) {
+    const size_t slash = path.rfind('/');
+    if (slash == std::string::npos) return {};
+    path.resize(slash);
+  }
+  return path;
+}
+
+// The library that defines the next cudaMalloc after the shim's own, when one is in the
+// global scope: the runtime the program itself was linked with, whichever its version.
+void* next_cudart() {
+  void* next = dlsym(RTLD_NEXT, "cudaMalloc");
+  if (next == nullptr) return nullptr;
+  Dl_info info{};
+  if (dladdr(next, &info) == 0 || info.dli_fname == nullptr || *info.dli_fname == '\0') {
+    return nullptr;
+  }
+  return dlopen(info.dli_fname, RTLD_NOW | RTLD_NOLOAD);  // already loaded: a handle only
+}
+
+void* open_cudart(std::string& tried) {
+  if (void* h = next_cudart()) return h;
+  const std::string& soname = cudart_soname();
+  if (void* h = dlopen(soname.c_str(), RTLD_NOW | RTLD_GLOBAL | RTLD_NOLOAD)) return h;
+  std::vector<std::string> candidates;
+  if (const char* env = std::getenv("TIDEPOOL_CUDART")) candidates.emplace_back(env);
+  const std::string here = directory_of_this_library();
+  if (!here.empty()) candidates.push_back(here + "/../../" + nvidia_wheel_lib() + soname);
+  const std::string prefix = executable_prefix();
+  if (!prefix.empty()) {
+    for (const std::string& p :
+         glob_paths(prefix + "/lib/python3*/site-packages/" + nvidia_wheel_lib() + soname)) {
+      candidates.push_back(p);
+    }
+  }
+  candidates.emplace_back(soname);
+  for (const std::string& path : candidates) {
+    if (void* h = dlopen(path.c_str(), RTLD_NOW | RTLD_GLOBAL)) return h;
+    tried += "\n  " + path + ": " + dlerror();
+  }
+  return nullptr;
+}
+
+void* open_tidepool(std::string& tried) {
+  std::vector<std::string> candidates;
+  if (const char* env = std::getenv("TIDEPOOL_LIBRARY")) candidates.emplace_back(env);
+  const std::string here = directory_of_this_library();
+  if (!here.empty()) {
+    candidates.push_back(here + "/libtidepool.so.0");
+    candidates.push_back(here + "/libtidepool.so");
+  }
+#ifdef TIDEPOOL_PRELOAD_BUILD_LIBRARY
+  candidates.emplace_back(TIDEPOOL_PRELOAD_BUILD_LIBRARY);
+#endif
+  candidates.emplace_back("libtidepool.so.0");
+  for (const std::string& path : candidates) {
+    if (void* h = dlopen(path.c_str(), RTLD_NOW | RTLD_GLOBAL)) return h;
+    tried += "\n  " + path + ": " + dlerror();
+  }
+  return nullptr;
+}
+
+// A function to look up by name, and where its address goes.
+template <typename Fn>
+struct Symbol {
+  const char* name;
+  Fn& out;
+};
+
+template <typename Fn>
+Symbol<Fn> symbol(const char* name, Fn& out) {
+  return Symbol<Fn>{name, out};
+}
+
+// Binds every symbol it can; the names of those `handle` lacks (" a b"), or "".
+template <typename... Fns>
+std::string bind_all(void* handle, Symbol<Fns>... symbols) {
+  std::string missing;
+  const auto bind = [&](auto symbol) {
+    symbol.out = reinterpret_cast<std::remove_reference_t<decltype(symbol.out)>>(
+        dlsym(handle, symbol.name));
+    if (symbol.out == nullptr) missing += std::string(" ") + symbol.name;
+  };
+  (bind(symbols), ...);
+  return missing;
+}
+
+// bind_all for functions tidepool cannot serve without: says which `library` lacks.
+template <typename... Fns>
+bool bind_required(void* handle, const char* library, Symbol<Fns>... symbols) {
+  const std::string missing = bind_all(handle, symbols...);
+  if (!missing.empty()) say((std::string(library) + " lacks (tidepool is off):").c_str(), missing);
+  return missing.empty();
+}
+
+// Opens a library with `open`, saying `failure` and where it looked when it cannot.
+void* open_or_say(void* (*open)(std::string& tried), const char* failure) {
+  std::string tried;
+  void* handle = open(tried);
+  if (handle == nullptr) say(failure, tried);
+  return handle;
+}
+
+// The functions the shim defines, as the messages name them.
+constexpr const char* kInterposed =
+    "cudaMalloc/cudaFree, cudaMallocAsync/cudaFreeAsync and cudaStreamDestroy";
+
+// tidepool.log:off read from the variables themselves, for the one message given before
+// libtidepool (whose parser knows the keys) is loaded, or when it never is.
+bool environment_says_log_off() {
+  for (const char* name : {"TIDEPOOL_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"}) {
+    const char* value = std::getenv(name);
+    if (value != nullptr && std::strstr(value, "tidepool.log:off") != nullptr) return true;
+  }
+  return false;
+}
+
+// Resolves the forwarding target (Note [two once-flags]) and decides whether tidepool may
+// serve under it (Note [runtime version]). On failure it says why; the functions it could
+// not bind stay null and their forwarded calls answer cudaErrorInitializationError.
+void resolve_cudart() {
+  Shim& s = shim();
+  RealCudart& c = s.cuda;
+  void* cudart = open_or_say(open_cudart, "cannot find libcudart; tidepool is off. Tried:");
+  if (cudart == nullptr ||
+      !bind_required(cudart, "libcudart", symbol("cudaMalloc", c.malloc),
+                     symbol("cudaFree", c.free), symbol("cudaGetDevice", c.get_device),
+                     symbol("cudaSetDevice", c.set_device),
+                     symbol("cudaDeviceSynchronize", c.device_synchronize),
+                     symbol("cudaRuntimeGetVersion", c.runtime_get_version))) {
+    return;
+  }
+  // The stream-ordered calls exist from CUDA 11.2 (cudaStreamGetDevice from 12.8): a
+  // runtime of another major may lack them (the program then never calls them), one of
+  // tidepool's major has them all.
+  const std::string missing_stream_ordered = bind_all(
+      cudart, symbol("cudaMallocAsync", c.malloc_async), symbol("cudaFreeAsync", c.free_async),
+      symbol("cudaStreamGetDevice", c.stream_get_device),
+      symbol("cudaStreamIsCapturing", c.stream_is_capturing),
+      symbol("cudaStreamCreateWithFlags", c.stream_create_with_flags),
+      symbol("cudaEventCreateWithFlags", c.event_create_with_flags),
+      symbol("cudaEventRecord", c.event_record),
+      symbol("cudaStreamWaitEvent", c.stream_wait_event),
+      symbol("cudaEventDestroy", c.event_destroy));
+  // Forwarded whatever the runtime (a null one answers cudaErrorInitializationError); its
+  // absence does not turn tidepool off.
+  bind_all(cudart, symbol("cudaStreamDestroy", c.stream_destroy));
+  int version = 0;
+  if (const cudaError_t e = s.cuda.runtime_get_version(&version); e != cudaSuccess) {
+    say("cudaRuntimeGetVersion failed; tidepool is off: error ", std::to_string(e));
+    return;
+  }
+  if (version / 1000 != kCudaMajor) {
+    if (!environment_says_log_off()) {
+      Dl_info info{};
+      const bool named = dladdr(reinterpret_cast<void*>(s.cuda.malloc), &info) != 0 &&
+                         info.dli_fname != nullptr;
+      say("", "the process's CUDA runtime " + std::string(named ? info.dli_fname : "") +
+                  " is version " + std::to_string(version / 1000) + "." +
+                  std::to_string(version % 1000 / 10) + ", but tidepool was built for CUDA " +
+                  std::to_string(kCudaMajor) +
+                  "; tidepool is off: every " + kInterposed +
+                  " goes to that runtime unchanged, and the allocator variables are not "
+                  "claimed");
+    }
+    return;
+  }
+  if (!missing_stream_ordered.empty()) {
+    say("libcudart lacks (tidepool is off):", missing_stream_ordered);  // after the version
+    return;
+  }
+  s.serve = true;
+}
+
+// Loads libtidepool and applies the configuration, once the runtime allows it. Exits the
+// process on a bad configuration (the clear start-up error the keys promise); on a
+// missing library it says why and leaves every call to the real libcudart.
+void initialise() {
+  Shim& s = shim();
+  InsideTidepool inside;  // libtidepool's own start-up may touch CUDA
+  resolve_cudart_once();
+  if (!s.serve) return;  // resolve_cudart said why
+  TidepoolAbi& t = s.tp;
+  void* lib = open_or_say(open_tidepool, "cannot load libtidepool; tidepool is off. Tried:");
+  if (lib == nullptr ||
+      !bind_required(lib, "libtidepool", symbol("tidepool_malloc", t.malloc),
+                     symbol("tidepool_free", t.free), symbol("tidepool_last_error", t.last_error),
+                     symbol("tidepool_clear_error", t.clear_error),
+                     symbol("tidepool_last_error_is_out_of_memory", t.last_error_is_out_of_memory),
+                     symbol("tidepool_install_from_env", t.install_from_env),
+                     symbol("tidepool_config_apply", t.config_apply),
+                     symbol("tidepool_config_active_json", t.config_active_json),
+                     symbol("tidepool_release_stream", t.release_stream))) {
+    return;
+  }
+  char error[2048] = "";
+  int named = s.tp.install_from_env(error, sizeof error);
+  if (named == 0) named = s.tp.config_apply("backend:tidepool", error, sizeof error) == 0 ? 1 : -1;
+  if (named < 0) {
+    say("", error);
+    std::_Exit(2);
+  }
+  // The JSON is config_to_json's fixed format (allocator/config.cpp).
+  std::string json(s.tp.config_active_json(nullptr, 0) + 1, '\0');
+  s.tp.config_active_json(json.data(), json.size());
+  s.quiet = json.find("\"log\":\"off\"") != std::string::npos;
+  s.verbose = json.find("\"log\":\"info\"") != std::string::npos ||
+              json.find("\"log\":\"debug\"") != std::string::npos;
+  if (json.find("\"mode\":\"pool\"") != std::string::npos && !s.quiet) {
+    say("", "tidepool.mode:pool needs the Python package; under LD_PRELOAD every cudaMalloc "
+            "goes through tidepool");
+  }
+  if (s.verbose) say("active: ", json.c_str());
+  s.ready = true;
+  s.serving.store(true, std::memory_order_release);
+}
+
+bool environment_names_tidepool() {
+  const char* inherited = std::getenv("TIDEPOOL_ALLOC_CONF");
+  if (inherited != nullptr && *inherited != '\0') return true;
+  for (const char* name : {"PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"}) {
+    const char* value = std::getenv(name);
+    if (value != nullptr && std::strstr(value, "tidepool") != nullptr) return true;
+  }
+  return false;
+}
+
+// Before main when the variables name tidepool: PyTorch must find them rewritten.
+// Otherwise nothing is loaded until the first allocation (or free of a non-NULL pointer),
+// so the many processes that inherit LD_PRELOAD and never touch CUDA (shells, compilers)
+// pay nothing.
+__attribute__((constructor)) void preload_start() {
+  if (environment_names_tidepool()) ready();
+}
+
+}  // namespace
+
+void resolve_cudart_once() {
+  Shim& s = shim();
+  std::call_once(s.cuda_once, resolve_cudart);
+}
+
+bool ready() {
+  Shim& s = shim();
+  std::call_once(s.once, initialise);
+  return s.ready;
+}
+
+Shim& shim() {
+  static Shim* s = new Shim;  // never destroyed: cudaFree may run from late destructors
+  return *s;
+}
+
+void say(const char* what, const std::string& message) {
+  std::fprintf(stderr, "tidepool preload: %s%s\n", what, message.c_str());
+}
+
+}  // namespace tidepool_preload

@@ -1,0 +1,117 @@
+// What the LD_PRELOAD shim's two files share (libraries.cpp sets up, tidepool_preload.cpp
+// serves the interposed calls): the real libcudart's and libtidepool's functions, the
+// shim's state, the re-entrancy guard (Note [re-entrancy]) and forwarding.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <atomic>
+#include <mutex>
+#include <string>
+#include <sys/types.h>
+#include <unordered_map>
+
+namespace tidepool_preload {
+
+struct RealCudart {
+  cudaError_t (*malloc)(void**, size_t) = nullptr;
+  cudaError_t (*free)(void*) = nullptr;
+  cudaError_t (*get_device)(int*) = nullptr;
+  cudaError_t (*set_device)(int) = nullptr;
+  cudaError_t (*device_synchronize)() = nullptr;
+  cudaError_t (*runtime_get_version)(int*) = nullptr;
+  // Note [stream-ordered calls]; bound apart (see resolve_cudart): older runtimes lack them.
+  cudaError_t (*malloc_async)(void**, size_t, cudaStream_t) = nullptr;
+  cudaError_t (*free_async)(void*, cudaStream_t) = nullptr;
+  cudaError_t (*stream_get_device)(cudaStream_t, int*) = nullptr;
+  cudaError_t (*stream_is_capturing)(cudaStream_t, cudaStreamCaptureStatus*) = nullptr;
+  cudaError_t (*stream_destroy)(cudaStream_t) = nullptr;  // Note [destroyed streams]
+  // Note [streams tidepool is given].
+  cudaError_t (*stream_create_with_flags)(cudaStream_t*, unsigned) = nullptr;
+  cudaError_t (*event_create_with_flags)(cudaEvent_t*, unsigned) = nullptr;
+  cudaError_t (*event_record)(cudaEvent_t, cudaStream_t) = nullptr;
+  cudaError_t (*stream_wait_event)(cudaStream_t, cudaEvent_t, unsigned) = nullptr;
+  cudaError_t (*event_destroy)(cudaEvent_t) = nullptr;
+};
+
+struct TidepoolAbi {
+  void* (*malloc)(ssize_t, int, void*) = nullptr;
+  void (*free)(void*, size_t, int, void*) = nullptr;
+  const char* (*last_error)() = nullptr;
+  void (*clear_error)() = nullptr;
+  int (*last_error_is_out_of_memory)() = nullptr;
+  int (*install_from_env)(char*, size_t) = nullptr;
+  int (*config_apply)(const char*, char*, size_t) = nullptr;
+  size_t (*config_active_json)(char*, size_t) = nullptr;
+  int (*release_stream)(int, void*) = nullptr;
+};
+
+struct Allocation {
+  size_t size;
+  int device;
+};
+
+struct Shim {
+  std::once_flag cuda_once;  // resolves `cuda` (Note [two once-flags])
+  bool serve = false;        // the runtime has tidepool's major (Note [runtime version])
+  std::once_flag once;       // sets up tidepool
+  bool ready = false;   // both libraries loaded, configuration applied
+  bool verbose = false;  // tidepool.log:info or debug
+  bool quiet = false;    // tidepool.log:off
+  // `ready`, readable without setting tidepool up (Note [destroyed streams]).
+  std::atomic<bool> serving{false};
+  std::atomic<bool> said_release_failed{false};
+  RealCudart cuda;
+  TidepoolAbi tp;
+  std::mutex mutex;  // guards `owned`
+  std::unordered_map<void*, Allocation> owned;
+  // Per device, the stream cross-stream frees are ordered on (Note [streams tidepool is
+  // given]); created at the first such free, never destroyed. A lock of its own: it is
+  // held across CUDA calls, which must not wait for `owned`.
+  std::mutex ordering_mutex;
+  std::unordered_map<int, cudaStream_t> ordering_streams;
+};
+
+// The one Shim, never destroyed: cudaFree may run from late destructors.
+Shim& shim();
+
+// Note [re-entrancy] (tidepool_preload.cpp): set while the thread is inside tidepool.
+extern constinit thread_local bool t_inside_tidepool;
+
+// Note [re-entrancy]: restores the value it found, not false, so that the end of a
+// nested call leaves the outer one still "inside".
+class InsideTidepool {
+ public:
+  InsideTidepool() : previous_(t_inside_tidepool) { t_inside_tidepool = true; }
+  ~InsideTidepool() { t_inside_tidepool = previous_; }
+  InsideTidepool(const InsideTidepool&) = delete;
+  InsideTidepool& operator=(const InsideTidepool&) = delete;
+
+ private:
+  bool previous_;
+};
+
+// Says "tidepool preload: <what><message>" on stderr.
+void say(const char* what, const std::string& message);
+
+// Resolves the forwarding target once (Note [two once-flags] in libraries.cpp).
+void resolve_cudart_once();
+
+// Sets tidepool up once; whether it serves allocations (libraries.cpp).
+bool ready();
+
+// The real runtime's function `fn`, for calls tidepool does not serve (its own, pointers
+// it does not own, or all of them when it is off). Resolves the target first: the call
+// may be the process's first (cudaFree(NULL) before tidepool is set up, Note [two
+// once-flags]).
+template <typename Fn, typename... Args>
+cudaError_t forward(Fn RealCudart::*fn, Args... args) {
+  Shim& s = shim();
+  resolve_cudart_once();
+  const Fn real = s.cuda.*fn;
+  if (real == nullptr) return cudaErrorInitializationError;
+  InsideTidepool inside;
+  return real(args...);
+}
+
+}  // namespace tidepool_preload
