@@ -200,7 +200,8 @@ void* open_or_say(void* (*open)(std::string& tried), const char* failure) {
 
 // The functions the shim defines, as the messages name them.
 constexpr const char* kInterposed =
-    "cudaMalloc/cudaFree, cudaMallocAsync/cudaFreeAsync and cudaStreamDestroy";
+    "cudaMalloc/cudaFree, cudaMallocAsync/cudaFreeAsync (and their _ptsz forms) and "
+    "cudaStreamDestroy";
 
 // tidepool.log:off read from the variables themselves, for the one message given before
 // libtidepool (whose parser knows the keys) is loaded, or when it never is.
@@ -239,9 +240,12 @@ void resolve_cudart() {
       symbol("cudaEventRecord", c.event_record),
       symbol("cudaStreamWaitEvent", c.stream_wait_event),
       symbol("cudaEventDestroy", c.event_destroy));
-  // Forwarded whatever the runtime (a null one answers cudaErrorInitializationError); its
-  // absence does not turn tidepool off.
-  bind_all(cudart, symbol("cudaStreamDestroy", c.stream_destroy));
+  // Forwarded whatever the runtime (a null one answers cudaErrorInitializationError); their
+  // absence does not turn tidepool off (a program calls the _ptsz forms only when its
+  // runtime has them).
+  bind_all(cudart, symbol("cudaStreamDestroy", c.stream_destroy),
+           symbol("cudaMallocAsync_ptsz", c.malloc_async_ptsz),
+           symbol("cudaFreeAsync_ptsz", c.free_async_ptsz));
   int version = 0;
   if (const cudaError_t e = s.cuda.runtime_get_version(&version); e != cudaSuccess) {
     say("cudaRuntimeGetVersion failed; tidepool is off: error ", std::to_string(e));

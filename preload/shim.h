@@ -26,6 +26,9 @@ struct RealCudart {
   cudaError_t (*stream_get_device)(cudaStream_t, int*) = nullptr;
   cudaError_t (*stream_is_capturing)(cudaStream_t, cudaStreamCaptureStatus*) = nullptr;
   cudaError_t (*stream_destroy)(cudaStream_t) = nullptr;  // Note [destroyed streams]
+  // Note [per-thread default stream programs]; bound apart, as cudaStreamDestroy is.
+  cudaError_t (*malloc_async_ptsz)(void**, size_t, cudaStream_t) = nullptr;
+  cudaError_t (*free_async_ptsz)(void*, cudaStream_t) = nullptr;
   // Note [streams tidepool is given].
   cudaError_t (*stream_create_with_flags)(cudaStream_t*, unsigned) = nullptr;
   cudaError_t (*event_create_with_flags)(cudaEvent_t*, unsigned) = nullptr;

@@ -3,9 +3,10 @@
 // change and no Python, and releases in tidepool each stream the program destroys.
 //
 // How it works:
-//   - It defines those four functions and cudaStreamDestroy. Preloaded, these definitions come first in
-//     the global symbol scope, so every dynamically linked caller (PyPI torch links
-//     libcudart dynamically) reaches them instead of libcudart's.
+//   - It defines those four functions, cudaStreamDestroy, and the _ptsz forms of the two
+//     stream-ordered ones (Note [per-thread default stream programs]). Preloaded, these
+//     definitions come first in the global symbol scope, so every dynamically linked
+//     caller (PyPI torch links libcudart dynamically) reaches them instead of libcudart's.
 //   - Set-up (libraries.cpp): Note [two once-flags], Note [runtime version], where the real
 //     libcudart and libtidepool are found, and the configuration from the environment.
 //   - cudaMalloc → tidepool_malloc on the current device (which routes optimizer state,
@@ -47,6 +48,18 @@
 //     until that stream has passed the free, as for any free on a stream other than the
 //     allocating one. If that ordering fails, the free fails with the runtime's error and
 //     the pointer stays the program's, to free again.
+//   - Note [per-thread default stream programs]: a program built with `nvcc
+//     --default-stream per-thread` (or CUDA_API_PER_THREAD_DEFAULT_STREAM) calls
+//     cudaMallocAsync_ptsz and cudaFreeAsync_ptsz instead of the plain functions, and
+//     passes stream 0 meaning its thread's per-thread stream. The shim defines both, or a
+//     cudaFreeAsync_ptsz of one of its pointers would reach the runtime (freeing tidepool
+//     memory there), and its cudaMallocAsync_ptsz memory would bypass tidepool. They
+//     behave as the plain ones with stream 0 read as cudaStreamPerThread (which the
+//     shim's own calls name explicitly: the shim is not built per-thread, so its 0 is the
+//     legacy stream); what the shim forwards goes to the real _ptsz function, with the
+//     program's own stream argument. Of the other functions the shim defines, none has
+//     a _ptsz form in libcudart (cudaMalloc, cudaFree and cudaStreamDestroy take no
+//     default stream).
 //   - Note [destroyed streams]: tidepool keys pools, fences and thread-cache lists by
 //     stream handle, and CUDA may give a destroyed stream's handle to the next stream
 //     created: tidepool would then treat memory freed on the dead stream as the new
@@ -249,6 +262,48 @@ cudaError_t serve_free(void* ptr, const Allocation& a, cudaStream_t stream) {
   return *s.tp.last_error() == '\0' ? cudaSuccess : cudaErrorInvalidValue;
 }
 
+using MallocAsync = cudaError_t (*)(void**, size_t, cudaStream_t);
+using FreeAsync = cudaError_t (*)(void*, cudaStream_t);
+
+// What stream 0 means to a program built per-thread (Note [per-thread default stream
+// programs]), named so that the shim's own calls mean it too.
+cudaStream_t per_thread_default(cudaStream_t stream) {
+  return stream == nullptr ? cudaStreamPerThread : stream;
+}
+
+// cudaMallocAsync and its _ptsz form (Note [stream-ordered calls]): `stream` as the
+// program passed it, for `real` (the runtime's function of the same form); `meant`, the
+// stream it names, for everything the shim does itself.
+cudaError_t malloc_async(const char* call, MallocAsync RealCudart::*real, void** dev_ptr,
+                         size_t size, cudaStream_t stream, cudaStream_t meant) {
+  if (dev_ptr == nullptr) return cudaErrorInvalidValue;
+  Shim& s = shim();
+  if (t_inside_tidepool || size == 0 || !ready()) return forward(real, dev_ptr, size, stream);
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  if (const cudaError_t e = s.cuda.stream_is_capturing(meant, &capture); e != cudaSuccess) {
+    return e;
+  }
+  if (capture != cudaStreamCaptureStatusNone) return forward(real, dev_ptr, size, stream);
+  int device = 0;
+  if (const cudaError_t e = s.cuda.stream_get_device(meant, &device); e != cudaSuccess) return e;
+  return serve_malloc(call, dev_ptr, size, device, allocation_stream(meant));
+}
+
+// cudaFreeAsync and its _ptsz form; `real`, `stream` and `meant` as for malloc_async.
+cudaError_t free_async(FreeAsync RealCudart::*real, void* dev_ptr, cudaStream_t stream,
+                       cudaStream_t meant) {
+  Allocation a{};
+  if (dev_ptr == nullptr || t_inside_tidepool || !ready() || !take_owned(dev_ptr, a)) {
+    return forward(real, dev_ptr, stream);
+  }
+  cudaStream_t stream_for_tidepool = nullptr;
+  if (const cudaError_t e = free_stream(meant, a.device, stream_for_tidepool); e != cudaSuccess) {
+    restore_owned(dev_ptr, a);
+    return e;
+  }
+  return serve_free(dev_ptr, a, stream_for_tidepool);
+}
+
 }  // namespace
 
 }  // namespace tidepool_preload
@@ -296,34 +351,23 @@ TIDEPOOL_PRELOAD_EXPORT cudaError_t cudaFree(void* dev_ptr) {
 // Note [stream-ordered calls].
 TIDEPOOL_PRELOAD_EXPORT cudaError_t cudaMallocAsync(void** dev_ptr, size_t size,
                                                     cudaStream_t stream) {
-  if (dev_ptr == nullptr) return cudaErrorInvalidValue;
-  Shim& s = shim();
-  if (t_inside_tidepool || size == 0 || !ready()) {
-    return forward(&RealCudart::malloc_async, dev_ptr, size, stream);
-  }
-  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  if (const cudaError_t e = s.cuda.stream_is_capturing(stream, &capture); e != cudaSuccess) {
-    return e;
-  }
-  if (capture != cudaStreamCaptureStatusNone) {
-    return forward(&RealCudart::malloc_async, dev_ptr, size, stream);
-  }
-  int device = 0;
-  if (const cudaError_t e = s.cuda.stream_get_device(stream, &device); e != cudaSuccess) return e;
-  return serve_malloc("cudaMallocAsync", dev_ptr, size, device, allocation_stream(stream));
+  return malloc_async("cudaMallocAsync", &RealCudart::malloc_async, dev_ptr, size, stream,
+                      stream);
 }
 
 TIDEPOOL_PRELOAD_EXPORT cudaError_t cudaFreeAsync(void* dev_ptr, cudaStream_t stream) {
-  Allocation a{};
-  if (dev_ptr == nullptr || t_inside_tidepool || !ready() || !take_owned(dev_ptr, a)) {
-    return forward(&RealCudart::free_async, dev_ptr, stream);
-  }
-  cudaStream_t stream_for_tidepool = nullptr;
-  if (const cudaError_t e = free_stream(stream, a.device, stream_for_tidepool); e != cudaSuccess) {
-    restore_owned(dev_ptr, a);
-    return e;
-  }
-  return serve_free(dev_ptr, a, stream_for_tidepool);
+  return free_async(&RealCudart::free_async, dev_ptr, stream, stream);
+}
+
+// Note [per-thread default stream programs].
+TIDEPOOL_PRELOAD_EXPORT cudaError_t cudaMallocAsync_ptsz(void** dev_ptr, size_t size,
+                                                         cudaStream_t stream) {
+  return malloc_async("cudaMallocAsync_ptsz", &RealCudart::malloc_async_ptsz, dev_ptr, size,
+                      stream, per_thread_default(stream));
+}
+
+TIDEPOOL_PRELOAD_EXPORT cudaError_t cudaFreeAsync_ptsz(void* dev_ptr, cudaStream_t stream) {
+  return free_async(&RealCudart::free_async_ptsz, dev_ptr, stream, per_thread_default(stream));
 }
 
 // Note [destroyed streams].

@@ -57,6 +57,10 @@ int fake_cudart_stream_create_calls = 0;
 int fake_cudart_stream_destroy_calls = 0;
 int fake_cudart_destroy_saw_tidepool_stream = -1; /* -1: no destroy yet */
 int fake_cudart_event_records = 0;
+int fake_cudart_malloc_async_ptsz_calls = 0;
+int fake_cudart_free_async_ptsz_calls = 0;
+/* The stream a _ptsz function was last given: the program's own argument must arrive. */
+intptr_t fake_cudart_last_ptsz_stream = -1;
 
 static int env_int(const char* name, int fallback) {
   const char* value = getenv(name);
@@ -107,6 +111,21 @@ int cudaMallocAsync(void** ptr, size_t size, void* stream) {
 int cudaFreeAsync(void* ptr, void* stream) {
   (void)stream;
   ++fake_cudart_free_async_calls;
+  free(ptr);
+  return 0;
+}
+
+/* The per-thread default stream forms (nvcc --default-stream per-thread). */
+int cudaMallocAsync_ptsz(void** ptr, size_t size, void* stream) {
+  ++fake_cudart_malloc_async_ptsz_calls;
+  fake_cudart_last_ptsz_stream = (intptr_t)stream;
+  *ptr = malloc(size);
+  return *ptr || size == 0 ? 0 : 2; /* cudaErrorMemoryAllocation */
+}
+
+int cudaFreeAsync_ptsz(void* ptr, void* stream) {
+  ++fake_cudart_free_async_ptsz_calls;
+  fake_cudart_last_ptsz_stream = (intptr_t)stream;
   free(ptr);
   return 0;
 }

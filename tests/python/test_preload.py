@@ -125,7 +125,11 @@ process.cudaMallocAsync.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_v
 process.cudaFreeAsync.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
 process.cudaStreamDestroy.argtypes = [ctypes.c_void_p]
 fake.cudaMallocAsync.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+fake.cudaMallocAsync_ptsz.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
 counter = lambda name: ctypes.c_int.in_dll(fake, name).value
+def bind_ptsz():   # the process's _ptsz functions, looked up once the shim has set up
+    process.cudaMallocAsync_ptsz.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    process.cudaFreeAsync_ptsz.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
 out = {}
 """
 
@@ -178,12 +182,18 @@ s = c_void_p()
 fake.cudaStreamCreate(byref(s))
 out["stream_destroy_rc"] = process.cudaStreamDestroy(s)
 out["cuda_stream_destroys"] = counter("fake_cudart_stream_destroy_calls")
+bind_ptsz()
+out["malloc_async_ptsz_rc"] = process.cudaMallocAsync_ptsz(byref(p), 4096, None)
+out["free_async_ptsz_rc"] = process.cudaFreeAsync_ptsz(p, None)
+out["cuda_ptsz_calls"] = [counter("fake_cudart_malloc_async_ptsz_calls"),
+                          counter("fake_cudart_free_async_ptsz_calls")]
 """
 
 FORWARDED_ALL = {"malloc_rc": 0, "malloc_rc_2": 0, "cuda_mallocs": 2, "free_rc": 0,
                  "cuda_frees": 1, "synchronizes": 0, "malloc_async_rc": 0,
                  "cuda_malloc_asyncs": 1, "free_async_rc": 0, "cuda_free_asyncs": 1,
-                 "stream_destroy_rc": 0, "cuda_stream_destroys": 1}
+                 "stream_destroy_rc": 0, "cuda_stream_destroys": 1,
+                 "malloc_async_ptsz_rc": 0, "free_async_ptsz_rc": 0, "cuda_ptsz_calls": [1, 1]}
 
 
 @needs_fake
@@ -196,8 +206,8 @@ def test_another_cuda_major_is_forwarded_untouched(run_python, global_scope):
     assert out == FORWARDED_ALL
     assert stderr.count("tidepool preload:") == 1
     assert "is version 12.8, but tidepool was built for CUDA" in stderr
-    assert ("tidepool is off: every cudaMalloc/cudaFree, cudaMallocAsync/cudaFreeAsync and "
-            "cudaStreamDestroy goes to that runtime unchanged") in stderr
+    assert ("tidepool is off: every cudaMalloc/cudaFree, cudaMallocAsync/cudaFreeAsync (and "
+            "their _ptsz forms) and cudaStreamDestroy goes to that runtime unchanged") in stderr
 
 
 @needs_fake
@@ -654,4 +664,79 @@ out["frees_rc"] = [process.cudaFreeAsync(kept, t), process.cudaFreeAsync(q, t)]
 """, TIDEPOOL_BACKEND="host", HOST_STREAMS=HOST_STREAMS, FAKE_CUDART_REUSE_HANDLES="1")
     assert out == {"destroy_rc": 0, "same_handle": True, "named": False, "reused": True,
                    "as_another_streams": 1, "frees_rc": [0, 0]}
+    assert stderr == ""
+
+
+# Note [per-thread default stream programs] in preload/tidepool_preload.cpp: a program built
+# with --default-stream per-thread calls the _ptsz forms, where stream 0 is its thread's
+# per-thread stream.
+
+
+@needs_fake
+@needs_host_streams
+def test_per_thread_default_stream_calls_are_served_and_forwarded(run_python):
+    out, stderr = run_with_fake(run_python, STREAMS_PRELUDE + """
+bind_ptsz()
+allocated = lambda: tidepool.stats(0)["allocated_bytes.all.current"] - (4 << 20)
+p = c_void_p()
+out["malloc_rc"] = process.cudaMallocAsync_ptsz(byref(p), LARGE, None)
+out["allocated"] = allocated()
+out["streams"] = sorted({seg["stream"] for seg in tidepool.snapshot(0)["segments"]})
+out["free_rc"] = process.cudaFreeAsync_ptsz(p, None)
+out["allocated_after_free"] = allocated()
+# cudaFreeAsync_ptsz frees cudaMalloc's memory too: tidepool's, never the runtime's.
+q = c_void_p()
+process.cudaMalloc(byref(q), 4096)
+out["free_of_malloc_rc"] = process.cudaFreeAsync_ptsz(q, None)
+out["allocated_at_end"] = allocated()
+out["cuda_ptsz_calls"] = [counter("fake_cudart_malloc_async_ptsz_calls"),
+                          counter("fake_cudart_free_async_ptsz_calls")]
+# Memory tidepool never saw, and a 0-byte request: the runtime's _ptsz functions, given
+# the program's own stream argument (0, which they read as per-thread themselves).
+f = c_void_p()
+fake.cudaMallocAsync_ptsz(byref(f), 64, None)
+out["foreign_free_rc"] = process.cudaFreeAsync_ptsz(f, None)
+out["zero_rc"] = process.cudaMallocAsync_ptsz(byref(c_void_p()), 0, c_void_p(1))
+out["cuda_ptsz_calls_after"] = [counter("fake_cudart_malloc_async_ptsz_calls"),
+                                counter("fake_cudart_free_async_ptsz_calls")]
+out["last_stream"] = ctypes.c_ssize_t.in_dll(fake, "fake_cudart_last_ptsz_stream").value
+out["plain_calls"] = [counter("fake_cudart_malloc_async_calls"),
+                      counter("fake_cudart_free_async_calls")]
+settle(0)
+""", TIDEPOOL_BACKEND="host", HOST_STREAMS=HOST_STREAMS)
+    assert out == {"malloc_rc": 0, "allocated": 4 << 20, "streams": ["0x0"], "free_rc": 0,
+                   "allocated_after_free": 0, "free_of_malloc_rc": 0, "allocated_at_end": 0,
+                   "cuda_ptsz_calls": [0, 0], "foreign_free_rc": 0, "zero_rc": 0,
+                   "cuda_ptsz_calls_after": [2, 1], "last_stream": 1, "plain_calls": [0, 0]}
+    assert stderr == ""
+
+
+@needs_fake
+@needs_host_streams
+def test_per_thread_default_stream_zero_is_the_threads_own_stream(run_python):
+    # A block freed with cudaFreeAsync_ptsz(p, 0) on a held per-thread stream is not the
+    # legacy stream's to reuse at once (it would be if 0 meant the NULL stream there): it
+    # waits until that thread's stream has passed the free.
+    out, stderr = run_with_fake(run_python, STREAMS_PRELUDE + """
+import threading
+bind_ptsz()
+def free_on_a_held_per_thread_stream():
+    p = c_void_p()
+    out["malloc_rc"] = process.cudaMallocAsync_ptsz(byref(p), LARGE, None)
+    helper.host_streams_hold(c_void_p(2), 0)
+    out["free_rc"] = process.cudaFreeAsync_ptsz(p, None)
+    out["p"] = p.value
+thread = threading.Thread(target=free_on_a_held_per_thread_stream)
+thread.start()
+thread.join()
+def allocate():
+    q = c_void_p()
+    process.cudaMallocAsync_ptsz(byref(q), LARGE, c_void_p(1))   # the legacy stream
+    return q.value
+out["reused_while_held"] = allocate() == out["p"]
+settle(0)
+out["reused_once_passed"] = allocate() == out.pop("p")
+""", TIDEPOOL_BACKEND="host", HOST_STREAMS=HOST_STREAMS)
+    assert out == {"malloc_rc": 0, "free_rc": 0, "reused_while_held": False,
+                   "reused_once_passed": True}
     assert stderr == ""
