@@ -154,8 +154,9 @@ bool take_owned(void* ptr, Allocation& out) {
   return true;
 }
 
-// Puts back what take_owned removed, when the free fails before reaching tidepool: the
-// pointer is still the program's, to free again.
+// Puts back what take_owned removed, when the free fails: the pointer is still the
+// program's, to free again. emplace: a newer allocation at the same address (tidepool
+// handed it out again meanwhile) keeps its own entry.
 void restore_owned(void* ptr, const Allocation& a) {
   Shim& s = shim();
   std::lock_guard lock(s.mutex);
@@ -250,16 +251,25 @@ cudaError_t free_stream(cudaStream_t stream, int block_device, cudaStream_t& out
   return cudaSuccess;
 }
 
-// Gives a pointer the shim handed out back to tidepool, freed on `stream`.
+// Gives a pointer the shim handed out (and take_owned removed) back to tidepool, freed on
+// `stream`.
 cudaError_t serve_free(void* ptr, const Allocation& a, cudaStream_t stream) {
   Shim& s = shim();
-  InsideTidepool inside;
-  // tidepool_free returns nothing: a failure (tidepool no longer owns the pointer, freed
-  // behind the shim's back) shows only in the thread's last error, which libtidepool
-  // has also printed.
-  s.tp.clear_error();
-  s.tp.free(ptr, a.size, a.device, stream);
-  return *s.tp.last_error() == '\0' ? cudaSuccess : cudaErrorInvalidValue;
+  {
+    InsideTidepool inside;
+    s.tp.clear_error();
+    s.tp.free(ptr, a.size, a.device, stream);
+  }
+  // tidepool_free returns nothing: a failure shows only in the thread's last error, which
+  // libtidepool has also printed. A failed free leaves the block allocated in tidepool
+  // (Note [Failed frees] in allocator/frees.cpp: no event and no device synchronisation
+  // could be had), so the pointer stays the program's, to free again, as after the
+  // shim's own failures. It goes back to the table also when tidepool no longer owns it
+  // (freed behind the shim's back): otherwise the next free of it would reach the real
+  // runtime, which must never see a pointer into tidepool's memory.
+  if (*s.tp.last_error() == '\0') return cudaSuccess;
+  restore_owned(ptr, a);
+  return cudaErrorInvalidValue;
 }
 
 using MallocAsync = cudaError_t (*)(void**, size_t, cudaStream_t);

@@ -15,9 +15,12 @@
 //     (0x2) a stream of the calling thread's own (created at first use, never destroyed);
 //   - a gate: host_streams_hold enqueues a wait for it, host_streams_open opens it, so a
 //     test holds a stream's work back for as long as it needs, with no timing.
+//   - a failure: host_streams_fail enqueues work that fails, so the stream's next
+//     synchronize (and the device's) fails once, as after a kernel's error.
 #include <condition_variable>
 #include <cstdint>
 #include <memory>
+#include <stdexcept>
 #include <mutex>
 #include <unordered_map>
 
@@ -153,6 +156,17 @@ __attribute__((visibility("default"))) int host_streams_hold(void* stream, int c
 }
 
 __attribute__((visibility("default"))) void host_streams_open() { g_gate->set(); }
+
+// 0, or cudaErrorInvalidResourceHandle for a stream it does not know.
+__attribute__((visibility("default"))) int host_streams_fail(void* stream, int current) {
+  int device = 0;
+  const tidepool::Stream s = resolve(stream, current, device);
+  if (device < 0) return 400;
+  backend_of(device).launch_host_func(
+      s, [](void*) { throw std::runtime_error("injected failure (host_streams_fail)"); },
+      nullptr);
+  return 0;
+}
 
 // cudaDeviceSynchronize of `device`: every stream of its backend, held ones included.
 __attribute__((visibility("default"))) void host_streams_synchronize_device(int device) {

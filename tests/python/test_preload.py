@@ -572,6 +572,32 @@ out["cuda_free_asyncs"] = counter("fake_cudart_free_async_calls")
 
 
 @needs_fake
+@needs_host_streams
+def test_a_free_tidepool_fails_loses_nothing(run_python):
+    # tidepool can neither record the free's event on the freeing stream (one its host
+    # backend does not know) nor synchronise the device instead (work on the NULL stream
+    # failed): the free fails and the block stays allocated (Note [Failed frees]). The
+    # pointer stays the program's: freed again, it goes to tidepool, not to the runtime.
+    out, stderr = run_with_fake(run_python, STREAMS_PRELUDE + f"""
+helper.host_streams_fail.argtypes = [ctypes.c_void_p, ctypes.c_int]
+allocated = lambda: tidepool.stats(0)["allocated_bytes.all.current"] - (4 << 20)
+p = c_void_p()
+out["malloc_rc"] = process.cudaMalloc(byref(p), LARGE)
+out["fail_rc"] = helper.host_streams_fail(None, 0)
+out["failed_free_rc"] = process.cudaFreeAsync(p, c_void_p({STREAM}))
+out["still_allocated"] = allocated()
+out["free_rc"] = process.cudaFree(p)    # the failure was reported once: the device is sound
+out["allocated_after_free"] = allocated()
+out["cuda_frees"] = counter("fake_cudart_free_calls")
+""", TIDEPOOL_BACKEND="host", HOST_STREAMS=HOST_STREAMS)
+    assert out == {"malloc_rc": 0, "fail_rc": 0, "failed_free_rc": 1,  # cudaErrorInvalidValue
+                   "still_allocated": 4 << 20, "free_rc": 0, "allocated_after_free": 0,
+                   "cuda_frees": 0}
+    assert "the block is still allocated" in stderr
+    assert "injected failure (host_streams_fail)" in stderr
+
+
+@needs_fake
 def test_cuda_free_on_a_device_it_cannot_make_current_loses_nothing(run_python):
     # cudaFree must synchronise the block's device; when it cannot make it current it
     # fails and keeps the block (the fake knows devices 0 to 3 only; tidepool's host
