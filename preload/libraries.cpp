@@ -239,7 +239,8 @@ void resolve_cudart() {
       symbol("cudaEventCreateWithFlags", c.event_create_with_flags),
       symbol("cudaEventRecord", c.event_record),
       symbol("cudaStreamWaitEvent", c.stream_wait_event),
-      symbol("cudaEventDestroy", c.event_destroy));
+      symbol("cudaEventDestroy", c.event_destroy), symbol("cudaEventQuery", c.event_query),
+      symbol("cudaStreamSynchronize", c.stream_synchronize));
   // Forwarded whatever the runtime (a null one answers cudaErrorInitializationError); their
   // absence does not turn tidepool off (a program calls the _ptsz forms only when its
   // runtime has them).

@@ -6,6 +6,7 @@
 #include <cuda_runtime_api.h>
 
 #include <atomic>
+#include <cstdint>
 #include <mutex>
 #include <string>
 #include <sys/types.h>
@@ -35,6 +36,9 @@ struct RealCudart {
   cudaError_t (*event_record)(cudaEvent_t, cudaStream_t) = nullptr;
   cudaError_t (*stream_wait_event)(cudaStream_t, cudaEvent_t, unsigned) = nullptr;
   cudaError_t (*event_destroy)(cudaEvent_t) = nullptr;
+  // Note [cudaMalloc after stream-ordered frees].
+  cudaError_t (*event_query)(cudaEvent_t) = nullptr;
+  cudaError_t (*stream_synchronize)(cudaStream_t) = nullptr;
 };
 
 struct TidepoolAbi {
@@ -52,6 +56,7 @@ struct TidepoolAbi {
 struct Allocation {
   size_t size;
   int device;
+  cudaStream_t stream;  // the stream tidepool allocated it on
 };
 
 struct Shim {
@@ -102,6 +107,19 @@ void resolve_cudart_once();
 
 // Sets tidepool up once; whether it serves allocations (libraries.cpp).
 bool ready();
+
+// Note [cudaMalloc after stream-ordered frees] (legacy_frees.cpp); `device` is the current
+// device in each.
+// Before tidepool frees, in the legacy stream's order, a block it allocated on the NULL
+// stream.
+void note_legacy_ordered_free(void* ptr, size_t size, int device);
+// After cudaMalloc got [ptr, ptr + size): waits for the legacy stream when that memory was
+// freed in its order and the stream may not have passed the free. The runtime's error.
+cudaError_t order_after_legacy_frees(void* ptr, size_t size, int device);
+// Taken before a synchronisation of `device`; after it succeeded, legacy_frees_passed
+// forgets the frees noted before the mark.
+uint64_t legacy_frees_mark(int device);
+void legacy_frees_passed(int device, uint64_t mark);
 
 // The real runtime's function `fn`, for calls tidepool does not serve (its own, pointers
 // it does not own, or all of them when it is off). Resolves the target first: the call

@@ -14,6 +14,9 @@
 //     pointer with its size and device, because cudaFree gives neither. cudaFree of a
 //     remembered pointer synchronises the device first (cudaFree's own contract, which
 //     callers rely on) and → tidepool_free; any other pointer goes to the real cudaFree.
+//     A cudaMalloc whose block a cudaFreeAsync freed in the legacy stream's order waits
+//     for that stream to pass the free first (Note [cudaMalloc after stream-ordered
+//     frees], legacy_frees.cpp).
 //   - Note [stream-ordered calls]: cudaMallocAsync → tidepool_malloc on the stream's
 //     device (cudaStreamGetDevice) and on that stream, so the memory counts in tidepool's
 //     budget and stats; cudaFreeAsync of a remembered pointer (from either malloc: CUDA
@@ -93,6 +96,7 @@
 //     not clear it for the rest of the outer call.
 #include <cuda_runtime_api.h>
 
+#include <cstdint>
 #include <cstdio>
 #include <mutex>
 #include <string>
@@ -137,7 +141,7 @@ cudaError_t serve_malloc(const char* call, void** dev_ptr, size_t size, int devi
   }
   {
     std::lock_guard lock(s.mutex);
-    s.owned[ptr] = Allocation{size, device};
+    s.owned[ptr] = Allocation{size, device, stream};
   }
   *dev_ptr = ptr;
   return cudaSuccess;
@@ -311,6 +315,10 @@ cudaError_t free_async(FreeAsync RealCudart::*real, void* dev_ptr, cudaStream_t 
     restore_owned(dev_ptr, a);
     return e;
   }
+  // Note [cudaMalloc after stream-ordered frees]: reusable at once on the NULL stream.
+  if (stream_for_tidepool == nullptr && a.stream == nullptr) {
+    note_legacy_ordered_free(dev_ptr, a.size, a.device);
+  }
   return serve_free(dev_ptr, a, stream_for_tidepool);
 }
 
@@ -332,7 +340,18 @@ TIDEPOOL_PRELOAD_EXPORT cudaError_t cudaMalloc(void** dev_ptr, size_t size) {
   }
   int device = 0;
   if (const cudaError_t e = s.cuda.get_device(&device); e != cudaSuccess) return e;
-  return serve_malloc("cudaMalloc", dev_ptr, size, device, nullptr);
+  if (const cudaError_t e = serve_malloc("cudaMalloc", dev_ptr, size, device, nullptr);
+      e != cudaSuccess) {
+    return e;
+  }
+  // Note [cudaMalloc after stream-ordered frees].
+  if (const cudaError_t e = order_after_legacy_frees(*dev_ptr, size, device); e != cudaSuccess) {
+    Allocation a{};
+    if (take_owned(*dev_ptr, a)) serve_free(*dev_ptr, a, nullptr);  // nobody has used it
+    *dev_ptr = nullptr;
+    return e;
+  }
+  return cudaSuccess;
 }
 
 TIDEPOOL_PRELOAD_EXPORT cudaError_t cudaFree(void* dev_ptr) {
@@ -352,7 +371,9 @@ TIDEPOOL_PRELOAD_EXPORT cudaError_t cudaFree(void* dev_ptr) {
       restore_owned(dev_ptr, a);
       return on.error();
     }
+    const uint64_t mark = legacy_frees_mark(a.device);
     synced = s.cuda.device_synchronize();
+    if (synced == cudaSuccess) legacy_frees_passed(a.device, mark);
   }
   const cudaError_t freed = serve_free(dev_ptr, a, nullptr);
   return synced != cudaSuccess ? synced : freed;

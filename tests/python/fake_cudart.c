@@ -15,6 +15,9 @@
  *                        FAKE_CUDART_DEVICE's answer, the current device);
  *   FAKE_CUDART_CAPTURING  when set, cudaStreamIsCapturing says every stream is being
  *                        captured into a graph;
+ *   FAKE_CUDART_SYNC_OPENS_GATE  when set, cudaStreamSynchronize opens the host-streams
+ *                        helper's gate first: a test holds a stream back, and only a wait
+ *                        for it lets it pass (no timing);
  *   FAKE_CUDART_NEST     when set, a cudaFree of a non-NULL pointer makes, before freeing,
  *                        the nested calls a runtime (or tidepool's cuda backend) may make
  *                        while the shim forwards to it: cudaFree(NULL), then cudaMalloc and
@@ -30,7 +33,8 @@
  * events and waits work across devices as CUDA's do, and cudaStreamDestroy destroys it,
  * unless FAKE_CUDART_REUSE_HANDLES is set: then the next cudaStreamCreate hands the
  * destroyed handle out again (as a new stream; its host stream is kept, as CUDA may reuse
- * a handle). Without the helper the event functions answer cudaErrorNotSupported.
+ * a handle). Without the helper the event functions answer cudaErrorNotSupported, and
+ * cudaStreamSynchronize succeeds at once (no stream has work).
  * cudaStreamDestroy records, in fake_cudart_destroy_saw_tidepool_stream, whether
  * tidepool's snapshot still named the handle at that moment (1) or not (0).
  * cudaSetDevice makes devices 0 to 3 current (it sets FAKE_CUDART_DEVICE). */
@@ -57,6 +61,7 @@ int fake_cudart_stream_create_calls = 0;
 int fake_cudart_stream_destroy_calls = 0;
 int fake_cudart_destroy_saw_tidepool_stream = -1; /* -1: no destroy yet */
 int fake_cudart_event_records = 0;
+int fake_cudart_stream_synchronize_calls = 0;
 int fake_cudart_malloc_async_ptsz_calls = 0;
 int fake_cudart_free_async_ptsz_calls = 0;
 /* The stream a _ptsz function was last given: the program's own argument must arrive. */
@@ -212,6 +217,19 @@ int cudaStreamWaitEvent(void* stream, void* event, unsigned flags) {
   int (*host_wait)(void*, void*, int) = (int (*)(void*, void*, int))helper("host_streams_wait_event");
   (void)flags;
   return host_wait != NULL ? host_wait(stream, event, env_int("FAKE_CUDART_DEVICE", 0)) : 801;
+}
+
+int cudaEventQuery(void* event) {
+  int (*host_query)(void*) = (int (*)(void*))helper("host_events_query");
+  return host_query != NULL ? host_query(event) : 801;
+}
+
+int cudaStreamSynchronize(void* stream) {
+  int (*host_sync)(void*, int) = (int (*)(void*, int))helper("host_streams_synchronize");
+  void (*host_open)(void) = (void (*)(void))helper("host_streams_open");
+  ++fake_cudart_stream_synchronize_calls;
+  if (host_open != NULL && getenv("FAKE_CUDART_SYNC_OPENS_GATE") != NULL) host_open();
+  return host_sync != NULL ? host_sync(stream, env_int("FAKE_CUDART_DEVICE", 0)) : 0;
 }
 
 int cudaEventDestroy(void* event) {

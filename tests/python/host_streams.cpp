@@ -39,6 +39,10 @@ class Signal {
     std::unique_lock lock(mutex_);
     changed_.wait(lock, [this] { return done_; });
   }
+  bool done() {
+    std::lock_guard lock(mutex_);
+    return done_;
+  }
 
  private:
   std::mutex mutex_;
@@ -165,6 +169,27 @@ __attribute__((visibility("default"))) int host_streams_fail(void* stream, int c
   backend_of(device).launch_host_func(
       s, [](void*) { throw std::runtime_error("injected failure (host_streams_fail)"); },
       nullptr);
+  return 0;
+}
+
+// cudaEventQuery: 0 once the latest record has completed (or for an event never
+// recorded), else cudaErrorNotReady.
+__attribute__((visibility("default"))) int host_events_query(void* event) {
+  const std::shared_ptr<Signal>& latest = static_cast<HostEvent*>(event)->latest;
+  return latest == nullptr || latest->done() ? 0 : 600;
+}
+
+// cudaStreamSynchronize: 0, cudaErrorInvalidResourceHandle for a stream it does not know,
+// or cudaErrorLaunchFailure when work on it failed (host_streams_fail).
+__attribute__((visibility("default"))) int host_streams_synchronize(void* stream, int current) {
+  int device = 0;
+  const tidepool::Stream s = resolve(stream, current, device);
+  if (device < 0) return 400;
+  try {
+    backend_of(device).stream_synchronize(s);
+  } catch (const tidepool::BackendError&) {
+    return 719;
+  }
   return 0;
 }
 

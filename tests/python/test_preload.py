@@ -9,10 +9,10 @@ import os
 
 import pytest
 
-PRELOAD = os.environ.get("TIDEPOOL_PRELOAD_LIBRARY", "")
+from preload_fake import (DESTROY_PRELUDE, FAKE_CUDART, HOST_STREAMS, PRELOAD, STREAMS_PRELUDE,
+                          needs_fake, needs_host_streams, needs_preload, run_with_fake)
 
-pytestmark = pytest.mark.skipif(not os.path.isfile(PRELOAD),
-                                reason="TIDEPOOL_PRELOAD_LIBRARY not built (a build without CUDA)")
+pytestmark = needs_preload
 
 SHOW_ENV = """
 import os, sys
@@ -56,7 +56,6 @@ def test_pool_mode_is_explained(run_python):
     assert "tidepool.mode:pool needs the Python package" in result.stderr
 
 
-FAKE_CUDART = os.environ.get("TIDEPOOL_TEST_FAKE_CUDART", "")
 
 ROUTING = """
 import ctypes, json, os
@@ -108,45 +107,6 @@ def test_cuda_malloc_and_free_are_routed_through_tidepool(run_python, variables)
     }
 
 
-# The checks below run in a fresh interpreter with the shim preloaded and the fake
-# libcudart as "CUDA"; each prints one JSON line. PRELUDE binds the process's
-# cudaMalloc/cudaFree and cudaMallocAsync/cudaFreeAsync (the shim's) and the fake's
-# counters. The fake is found through TIDEPOOL_CUDART unless a test loads it into the
-# global scope itself (FAKE_GLOBAL=1), as a program linked against its runtime has it.
-PRELUDE = """
-import ctypes, json, os
-c_void_p, byref = ctypes.c_void_p, ctypes.byref
-fake_path = os.environ["FAKE_CUDART_PATH"]
-fake = ctypes.CDLL(fake_path, mode=ctypes.RTLD_GLOBAL if os.environ.get("FAKE_GLOBAL") else 0)
-process = ctypes.CDLL(None)
-process.cudaMalloc.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-process.cudaFree.argtypes = [ctypes.c_void_p]
-process.cudaMallocAsync.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-process.cudaFreeAsync.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
-process.cudaStreamDestroy.argtypes = [ctypes.c_void_p]
-fake.cudaMallocAsync.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-fake.cudaMallocAsync_ptsz.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-counter = lambda name: ctypes.c_int.in_dll(fake, name).value
-def bind_ptsz():   # the process's _ptsz functions, looked up once the shim has set up
-    process.cudaMallocAsync_ptsz.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-    process.cudaFreeAsync_ptsz.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
-out = {}
-"""
-
-
-def run_with_fake(run_python, code, *, global_scope=False, timeout=120, **variables):
-    import json
-    env = {"FAKE_CUDART_PATH": FAKE_CUDART, **variables}
-    if global_scope:
-        env["FAKE_GLOBAL"] = "1"
-    else:
-        env["TIDEPOOL_CUDART"] = FAKE_CUDART
-    result = run_python(PRELUDE + code + "\nprint(json.dumps(out))\n", preload=PRELOAD,
-                        timeout=timeout, **env)
-    return json.loads(result.stdout.strip().splitlines()[-1]), result.stderr
-
-
-needs_fake = pytest.mark.skipif(not os.path.isfile(FAKE_CUDART), reason="fake libcudart not built")
 
 
 @needs_fake
@@ -398,15 +358,7 @@ out["nested_async_forwarded"] = counter("fake_cudart_nested_async_forwarded")
 # out one fixed handle (0x5200), which the host backend does not know, unless a test loads
 # the host-streams helper: then each handle is a host-backend stream tidepool can wait for.
 # fake_cudart_destroy_saw_tidepool_stream: whether tidepool's snapshot still named the
-# stream when the real cudaStreamDestroy ran.
-HOST_STREAMS = os.environ.get("TIDEPOOL_TEST_HOST_STREAMS", "")
-DESTROY_PRELUDE = """
-r = c_void_p()
-process.cudaMalloc(byref(r), 4 << 20)   # tidepool is set up, the NULL stream's pool is large
-import tidepool
-names = lambda stream: any(seg["stream"] == hex(stream.value)
-                           for seg in tidepool.snapshot(0)["segments"])
-"""
+# stream when the real cudaStreamDestroy ran. DESTROY_PRELUDE: preload_fake.py.
 
 
 @needs_fake
@@ -489,27 +441,8 @@ def test_a_failed_release_is_quiet_under_log_off(run_python):
     assert "cudaStreamDestroy" not in stderr
 
 
-# Note [streams tidepool is given] in preload/tidepool_preload.cpp. With the host-streams
-# helper, the fake's streams are host-backend streams of the current device, events work
-# across devices, and host_streams_hold keeps a stream's work back until host_streams_open:
-# a block freed on a held stream must stay out of reach until the stream passes the free.
-STREAMS_PRELUDE = DESTROY_PRELUDE + """
-helper = ctypes.CDLL(os.environ["HOST_STREAMS"], mode=ctypes.RTLD_GLOBAL)
-helper.host_streams_hold.argtypes = [ctypes.c_void_p, ctypes.c_int]
-def on_device(device):
-    os.environ["FAKE_CUDART_DEVICE"] = str(device)
-def create_stream():
-    s = c_void_p()
-    fake.cudaStreamCreate(byref(s))
-    return s
-def settle(device):   # the gate opened, every stream of the device done
-    helper.host_streams_open()
-    helper.host_streams_synchronize_device(device)
-LARGE = 4 << 20   # the large pools: no thread cache
-"""
-
-needs_host_streams = pytest.mark.skipif(not os.path.isfile(HOST_STREAMS),
-                                        reason="host-streams helper not built")
+# Note [streams tidepool is given] in preload/tidepool_preload.cpp; STREAMS_PRELUDE
+# (preload_fake.py) holds streams back with the host-streams helper's gate.
 
 
 @needs_fake
@@ -690,79 +623,4 @@ out["frees_rc"] = [process.cudaFreeAsync(kept, t), process.cudaFreeAsync(q, t)]
 """, TIDEPOOL_BACKEND="host", HOST_STREAMS=HOST_STREAMS, FAKE_CUDART_REUSE_HANDLES="1")
     assert out == {"destroy_rc": 0, "same_handle": True, "named": False, "reused": True,
                    "as_another_streams": 1, "frees_rc": [0, 0]}
-    assert stderr == ""
-
-
-# Note [per-thread default stream programs] in preload/tidepool_preload.cpp: a program built
-# with --default-stream per-thread calls the _ptsz forms, where stream 0 is its thread's
-# per-thread stream.
-
-
-@needs_fake
-@needs_host_streams
-def test_per_thread_default_stream_calls_are_served_and_forwarded(run_python):
-    out, stderr = run_with_fake(run_python, STREAMS_PRELUDE + """
-bind_ptsz()
-allocated = lambda: tidepool.stats(0)["allocated_bytes.all.current"] - (4 << 20)
-p = c_void_p()
-out["malloc_rc"] = process.cudaMallocAsync_ptsz(byref(p), LARGE, None)
-out["allocated"] = allocated()
-out["streams"] = sorted({seg["stream"] for seg in tidepool.snapshot(0)["segments"]})
-out["free_rc"] = process.cudaFreeAsync_ptsz(p, None)
-out["allocated_after_free"] = allocated()
-# cudaFreeAsync_ptsz frees cudaMalloc's memory too: tidepool's, never the runtime's.
-q = c_void_p()
-process.cudaMalloc(byref(q), 4096)
-out["free_of_malloc_rc"] = process.cudaFreeAsync_ptsz(q, None)
-out["allocated_at_end"] = allocated()
-out["cuda_ptsz_calls"] = [counter("fake_cudart_malloc_async_ptsz_calls"),
-                          counter("fake_cudart_free_async_ptsz_calls")]
-# Memory tidepool never saw, and a 0-byte request: the runtime's _ptsz functions, given
-# the program's own stream argument (0, which they read as per-thread themselves).
-f = c_void_p()
-fake.cudaMallocAsync_ptsz(byref(f), 64, None)
-out["foreign_free_rc"] = process.cudaFreeAsync_ptsz(f, None)
-out["zero_rc"] = process.cudaMallocAsync_ptsz(byref(c_void_p()), 0, c_void_p(1))
-out["cuda_ptsz_calls_after"] = [counter("fake_cudart_malloc_async_ptsz_calls"),
-                                counter("fake_cudart_free_async_ptsz_calls")]
-out["last_stream"] = ctypes.c_ssize_t.in_dll(fake, "fake_cudart_last_ptsz_stream").value
-out["plain_calls"] = [counter("fake_cudart_malloc_async_calls"),
-                      counter("fake_cudart_free_async_calls")]
-settle(0)
-""", TIDEPOOL_BACKEND="host", HOST_STREAMS=HOST_STREAMS)
-    assert out == {"malloc_rc": 0, "allocated": 4 << 20, "streams": ["0x0"], "free_rc": 0,
-                   "allocated_after_free": 0, "free_of_malloc_rc": 0, "allocated_at_end": 0,
-                   "cuda_ptsz_calls": [0, 0], "foreign_free_rc": 0, "zero_rc": 0,
-                   "cuda_ptsz_calls_after": [2, 1], "last_stream": 1, "plain_calls": [0, 0]}
-    assert stderr == ""
-
-
-@needs_fake
-@needs_host_streams
-def test_per_thread_default_stream_zero_is_the_threads_own_stream(run_python):
-    # A block freed with cudaFreeAsync_ptsz(p, 0) on a held per-thread stream is not the
-    # legacy stream's to reuse at once (it would be if 0 meant the NULL stream there): it
-    # waits until that thread's stream has passed the free.
-    out, stderr = run_with_fake(run_python, STREAMS_PRELUDE + """
-import threading
-bind_ptsz()
-def free_on_a_held_per_thread_stream():
-    p = c_void_p()
-    out["malloc_rc"] = process.cudaMallocAsync_ptsz(byref(p), LARGE, None)
-    helper.host_streams_hold(c_void_p(2), 0)
-    out["free_rc"] = process.cudaFreeAsync_ptsz(p, None)
-    out["p"] = p.value
-thread = threading.Thread(target=free_on_a_held_per_thread_stream)
-thread.start()
-thread.join()
-def allocate():
-    q = c_void_p()
-    process.cudaMallocAsync_ptsz(byref(q), LARGE, c_void_p(1))   # the legacy stream
-    return q.value
-out["reused_while_held"] = allocate() == out["p"]
-settle(0)
-out["reused_once_passed"] = allocate() == out.pop("p")
-""", TIDEPOOL_BACKEND="host", HOST_STREAMS=HOST_STREAMS)
-    assert out == {"malloc_rc": 0, "free_rc": 0, "reused_while_held": False,
-                   "reused_once_passed": True}
     assert stderr == ""
