@@ -67,4 +67,5 @@ endmacro()
 
 if(TIDEPOOL_WITH_TORCH)
   tidepool_find_torch(_tidepool_torch_found REQUIRED)
+  include(${CMAKE_CURRENT_LIST_DIR}/TidepoolTorchPch.cmake)
 endif()
