@@ -651,10 +651,15 @@ void TieredStore::retire_schedule(std::uint64_t schedule) {
   policy_.retire(schedule);
 }
 
-void TieredStore::release_stream(Stream stream) {
+bool TieredStore::release_stream(Stream stream) {
   std::lock_guard lock(mutex_);
+  const bool named = std::ranges::any_of(entries_, [&](const auto& entry) {
+    return std::ranges::find(entry.second->use_streams, stream) != entry.second->use_streams.end();
+  });
+  if (!named) return false;  // Note [Use streams]: nothing to wait for, no backend call
   backend_.stream_synchronize(stream);  // throws for an unknown stream: nothing forgotten
   forget_stream_locked(stream);
+  return true;
 }
 
 void TieredStore::forget_stream(Stream stream) {

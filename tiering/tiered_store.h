@@ -198,10 +198,14 @@ class TIDEPOOL_API TieredStore {
   // Note [Use streams]: a stream that used a handle (acquire) stays one of its users until
   // the handle is next evicted or acquired with no other holder: evict, read and acquire
   // on another stream wait for it. Before destroying such a stream, call release_stream:
-  // it waits for the stream's work and forgets it on every handle. An operation that has
-  // to wait for a stream destroyed without it throws TieringError saying so.
-  // Throws BackendError, with nothing changed, for a stream the backend does not know.
-  void release_stream(Stream stream);
+  // it waits for the stream's work and forgets it on every handle, and returns true. An
+  // operation that has to wait for a stream destroyed without it throws TieringError
+  // saying so. A wait that fails (a stream the backend does not know) throws BackendError
+  // with nothing changed. A stream no handle names as a user is not waited for: it
+  // returns false at once with no backend call, since tidepool_release_stream reaches the
+  // stores on every stream a program destroys and most never used one (as the allocator
+  // does: Note [Releasing a stream tidepool never saw], allocator/stream_ordering.cpp).
+  bool release_stream(Stream stream);
   // release_stream for a caller that has already waited for the stream's work (the
   // allocator's tidepool_release_stream): forgets it without a backend call.
   void forget_stream(Stream stream);

@@ -130,20 +130,20 @@ const TierRoute kTierRoute{
     },
     [](int device, void* stream) {
       // The allocator waited for the stream only if it held something for it (Note
-      // [Releasing a stream tidepool never saw], allocator/stream_ordering.cpp): when the
-      // device has tiering objects, the first of them waits (the pool's release_stream, or
-      // the first store's) and the other stores only forget it (Note [Use streams] in
-      // tiered_store.h). A device without any waits for nothing.
+      // [Releasing a stream tidepool never saw], allocator/stream_ordering.cpp). Here too
+      // only a user waits: the pool's release_stream when a range names the stream, else
+      // that of the first store a handle of which names it (Note [Releasing a stream no
+      // range used] in vmm_migration.cpp, Note [Use streams] in tiered_store.h); once one
+      // has waited, the other stores only forget it. A stream no range or handle used
+      // costs no backend call, as does a device without tiering objects.
       const Stream s{stream};
       VmmPool* pool = existing_tiering_vmm_pool(device);
-      if (pool != nullptr) pool->release_stream(s);
-      bool waited = pool != nullptr;
+      bool waited = pool != nullptr && pool->release_stream(s);
       for_each_tiered_store(device, [&](TieredStore& store) {
         if (waited) {
           store.forget_stream(s);
         } else {
-          store.release_stream(s);
-          waited = true;
+          waited = store.release_stream(s);
         }
       });
     },

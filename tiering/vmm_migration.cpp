@@ -292,10 +292,24 @@ void VmmPool::record_use(const void* ptr, Stream stream) {
   r->use_streams.push_back(stream);
 }
 
-void VmmPool::release_stream(Stream stream) {
+// Note [Releasing a stream no range used]
+// release_stream waits for the stream only when a range names it among its users: then
+// work queued on it may still touch the range, and a failed wait throws with nothing
+// forgotten. A stream no range names has nothing here to wait for or forget, so it costs
+// no backend call (and one already destroyed is no error): tidepool_release_stream runs
+// on every stream a PyTorch or LD_PRELOAD program destroys, most of which never touched
+// a tierable range, and a synchronize there would make each destroy a full wait (as
+// Note [Releasing a stream tidepool never saw] in allocator/stream_ordering.cpp says for
+// the allocator).
+bool VmmPool::release_stream(Stream stream) {
   std::lock_guard lock(mutex_);
+  const bool named = std::ranges::any_of(ranges_, [&](const auto& entry) {
+    return std::ranges::find(entry.second.use_streams, stream) != entry.second.use_streams.end();
+  });
+  if (!named) return false;
   backend_.stream_synchronize(stream);
   for (auto& [base, r] : ranges_) std::erase(r.use_streams, stream);
+  return true;
 }
 
 // Note [A lost use stream]

@@ -33,6 +33,7 @@
 // A stream record_use names stays a user of the range until release_stream: every later
 // migrate and the deallocate wait for the work queued on it then (PyTorch's contract: a
 // block's stream, and those record_stream names, use it for as long as it lives).
+// release_stream waits only for a stream some range names; any other costs nothing.
 //
 // Thread-safety: every method may be called from any thread concurrently.
 #pragma once
@@ -127,10 +128,13 @@ class TIDEPOOL_API VmmPool {
   // (a stream destroyed without it is waited for once by a device synchronization, then
   // forgotten: Note [A lost use stream] in vmm_migration.cpp).
   void record_use(const void* ptr, Stream stream);
-  // `stream` is about to be destroyed: waits for its work, then forgets it on every range
-  // (a later migrate or deallocate would otherwise wait on a dead handle). A stream the
-  // backend no longer knows throws BackendError before anything changed.
-  void release_stream(Stream stream);
+  // `stream` is about to be destroyed. When a range names it as a user (record_use):
+  // waits for its work, then forgets it on every range (a later migrate or deallocate
+  // would otherwise wait on a dead handle), and returns true; a wait that fails (a stream
+  // the backend no longer knows) throws BackendError before anything changed. A stream no
+  // range names returns false at once, with no backend call (Note [Releasing a stream no
+  // range used] in vmm_migration.cpp).
+  bool release_stream(Stream stream);
   // Moves the range holding `ptr` to `to`, keeping its address: all of it to the host;
   // to the device as much as the device budget allows (Note [VMM device budget]).
   // Throws TieringError (unknown pointer, a failed step; data stays readable at the same

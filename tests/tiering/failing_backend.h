@@ -9,6 +9,8 @@
 // one operation, of any kind (release_physical, unmap: those inject_fault cannot reach),
 // so a test can fail each call an operation makes in turn. live_physicals() counts the
 // physical handles created and not released, so a test sees one leaked or released twice.
+// calls_to(op) counts the calls made to one operation, so a test sees one that should
+// not have been made (a release_stream that waits for a stream nothing used).
 #pragma once
 
 #include <atomic>
@@ -42,6 +44,12 @@ class FailingBackend final : public Backend {
       chosen_[op] = ChosenFailures{skip, count};
     }
   }
+  // Calls to `op` (the Backend method's name) so far, failed ones included.
+  long calls_to(const std::string& op) const {
+    std::lock_guard lock(mutex_);
+    auto it = calls_.find(op);
+    return it == calls_.end() ? 0 : it->second;
+  }
   // Physical handles created through this backend and not released yet.
   std::size_t live_physicals() const {
     std::lock_guard lock(mutex_);
@@ -68,6 +76,10 @@ class FailingBackend final : public Backend {
   }
 
   void gate(const char* op) {
+    {
+      std::lock_guard lock(mutex_);
+      ++calls_[op];
+    }
     if (chosen_failure(op)) {
       failed_.fetch_add(1);
       throw BackendError(std::string("failing backend: ") + op + ": a chosen failure");
@@ -144,8 +156,9 @@ class FailingBackend final : public Backend {
   Backend& inner_;
   std::atomic<long> remaining_{-1};
   std::atomic<long> failed_{0};
-  mutable std::mutex mutex_;  // chosen_, live_
+  mutable std::mutex mutex_;  // chosen_, calls_, live_
   std::map<std::string, ChosenFailures, std::less<>> chosen_;
+  std::map<std::string, long, std::less<>> calls_;
   std::set<std::uint64_t> live_;
 };
 
