@@ -93,12 +93,12 @@ TIDEPOOL_API int tidepool_empty_cache_all(void);
  * to tiering, tidepool_vmm_malloc) forget their recorded uses by it too, so a later
  * evict or prefetch does not wait on the destroyed handle. A stream tidepool holds
  * nothing for (never allocated or freed on, never named by tidepool_record_stream, and
- * the device has no pointer-stable ranges or tiered stores) is not waited for: 0 at once,
- * even for a handle already destroyed. A device tidepool has not allocated on yet holds
- * nothing for the stream: nothing is created there (no CUDA context). -1 for a bad
- * device, the default (NULL) stream (never destroyed, so never released) or a stream
- * tidepool holds something for that cannot be synchronized (already destroyed); nothing
- * changes then. */
+ * no pointer-stable range or tiered store handle of the device used it) is not waited
+ * for: 0 at once, even for a handle already destroyed. A device tidepool has not
+ * allocated on yet holds nothing for the stream: nothing is created there (no CUDA
+ * context). -1 for a bad device, the default (NULL) stream (never destroyed, so never
+ * released) or a stream tidepool holds something for that cannot be synchronized
+ * (already destroyed); nothing changes then. */
 TIDEPOOL_API int tidepool_release_stream(int device, void* stream);
 /* Gives device `peer` read and write access to the memory tidepool maps through CUDA
  * virtual memory management for `device` (expandable segments, pointer-stable ranges of
