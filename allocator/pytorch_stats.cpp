@@ -12,6 +12,7 @@
 // and subtracted on every read: tidepool's own counters are never rewound (the allocator
 // uses them, and tidepool_get_stats_v1 documents them as totals since start).
 #include <cstddef>
+#include <cstdint>
 #include <map>
 #include <mutex>
 #include <utility>
@@ -19,24 +20,11 @@
 #include "allocator/c_api.h"
 #include "allocator/c_api_guard.h"
 #include "allocator/device_registry.h"
+#include "allocator/pytorch_stats_fields.h"
 
 namespace {
 
 using tidepool::detail::to_c_stat;
-
-// The arrays of per-pool stats in tidepool_pytorch_stats_v1, for code that treats them alike.
-constexpr tidepool_stat_v1 (tidepool_pytorch_stats_v1::*kPoolStats[])[3] = {
-    &tidepool_pytorch_stats_v1::allocation,      &tidepool_pytorch_stats_v1::segment,
-    &tidepool_pytorch_stats_v1::active,          &tidepool_pytorch_stats_v1::inactive_split,
-    &tidepool_pytorch_stats_v1::allocated_bytes, &tidepool_pytorch_stats_v1::reserved_bytes,
-    &tidepool_pytorch_stats_v1::active_bytes,    &tidepool_pytorch_stats_v1::inactive_split_bytes,
-    &tidepool_pytorch_stats_v1::requested_bytes};
-constexpr tidepool_stat_v1 tidepool_pytorch_stats_v1::*kSingleStats[] = {
-    &tidepool_pytorch_stats_v1::oversize_allocations, &tidepool_pytorch_stats_v1::oversize_segments};
-constexpr std::uint64_t tidepool_pytorch_stats_v1::*kCounts[] = {
-    &tidepool_pytorch_stats_v1::num_alloc_retries, &tidepool_pytorch_stats_v1::num_ooms,
-    &tidepool_pytorch_stats_v1::num_sync_all_streams, &tidepool_pytorch_stats_v1::num_device_alloc,
-    &tidepool_pytorch_stats_v1::num_device_free};
 
 // The device's figures with the totals since start. A device tidepool has not allocated
 // on yet has none, and reading them creates no allocator there (on CUDA, no context).
@@ -70,10 +58,12 @@ void subtract_totals(tidepool_pytorch_stats_v1& v, const tidepool_pytorch_stats_
     s.allocated -= b.allocated;
     s.freed -= b.freed;
   };
-  for (auto pools : kPoolStats)
-    for (int p = 0; p < 3; ++p) minus((v.*pools)[p], (base.*pools)[p]);
-  for (auto stat : kSingleStats) minus(v.*stat, base.*stat);
-  for (auto count : kCounts) v.*count -= base.*count;
+  tidepool::detail::for_each_pytorch_stat(
+      v, base,
+      [&](tidepool_stat_v1(&pools)[3], const tidepool_stat_v1(&b)[3]) {
+        for (int p = 0; p < 3; ++p) minus(pools[p], b[p]);
+      },
+      minus, [](std::uint64_t& count, std::uint64_t b) { count -= b; });
 }
 
 // Device -> the since-start view at its last reset. Never destroyed: PyTorch may read

@@ -30,6 +30,7 @@
 #include "allocator/c_api.h"
 #include "allocator/device_registry.h"
 #include "allocator/errors.h"
+#include "allocator/pytorch_stats_fields.h"
 #include "optimizers/install/memory_history.h"
 
 namespace tidepool::optim {
@@ -148,6 +149,7 @@ void torch_set_memory_fraction(double fraction, int device) {
 // c10's DeviceStats from tidepool's PyTorch view (Note [PyTorch's view of the stats] in
 // allocator/c_api.h), which is laid out as c10's struct: a copy, no interpretation.
 using C10Stat = c10::CachingAllocator::Stat;
+using detail::for_each_pytorch_stat;
 static_assert(static_cast<int>(c10::CachingAllocator::StatType::AGGREGATE) == TIDEPOOL_POOL_ALL &&
               static_cast<int>(c10::CachingAllocator::StatType::SMALL_POOL) == TIDEPOOL_POOL_SMALL &&
               static_cast<int>(c10::CachingAllocator::StatType::LARGE_POOL) == TIDEPOOL_POOL_LARGE);
@@ -167,25 +169,13 @@ c10::CachingDeviceAllocator::DeviceStats device_stats(c10::DeviceIndex device) {
   TORCH_CHECK(tidepool_get_pytorch_stats_v1(device, &v) == 0, "tidepool: getDeviceStats of device ",
               static_cast<int>(device), " failed: ", tidepool_last_error());
   c10::CachingDeviceAllocator::DeviceStats out;
-  const auto pools = [](c10::CachingAllocator::StatArray& to, const tidepool_stat_v1 (&from)[3]) {
-    for (std::size_t p = 0; p < to.size(); ++p) to[p] = to_c10(from[p]);
-  };
-  pools(out.allocation, v.allocation);
-  pools(out.segment, v.segment);
-  pools(out.active, v.active);
-  pools(out.inactive_split, v.inactive_split);
-  pools(out.allocated_bytes, v.allocated_bytes);
-  pools(out.reserved_bytes, v.reserved_bytes);
-  pools(out.active_bytes, v.active_bytes);
-  pools(out.inactive_split_bytes, v.inactive_split_bytes);
-  pools(out.requested_bytes, v.requested_bytes);
-  out.num_alloc_retries = static_cast<int64_t>(v.num_alloc_retries);
-  out.num_ooms = static_cast<int64_t>(v.num_ooms);
-  out.oversize_allocations = to_c10(v.oversize_allocations);
-  out.oversize_segments = to_c10(v.oversize_segments);
-  out.num_sync_all_streams = static_cast<int64_t>(v.num_sync_all_streams);
-  out.num_device_alloc = static_cast<int64_t>(v.num_device_alloc);
-  out.num_device_free = static_cast<int64_t>(v.num_device_free);
+  for_each_pytorch_stat(
+      out, v,
+      [](c10::CachingAllocator::StatArray& to, const tidepool_stat_v1(&from)[3]) {
+        for (std::size_t p = 0; p < to.size(); ++p) to[p] = to_c10(from[p]);
+      },
+      [](C10Stat& to, const tidepool_stat_v1& from) { to = to_c10(from); },
+      [](int64_t& to, std::uint64_t from) { to = static_cast<int64_t>(from); });
   out.max_split_size = v.max_split_size;
   return out;
 }
