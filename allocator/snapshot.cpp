@@ -2,7 +2,7 @@
 // (c10-style: the request, the device, memory broken down, per-tag usage, a suggestion),
 // the JSON snapshot of segments and blocks, and the public queries (stats, sizes of live
 // allocations, backed ranges). JSON is written by hand; every string
-// that can come from a user (tag names) is escaped.
+// that can come from a user (tag names) is quoted by json_quoted (json_text.h).
 #include <algorithm>
 #include <cinttypes>
 #include <cstdio>
@@ -13,6 +13,7 @@
 
 #include "allocator/caching_allocator_impl.h"
 #include "allocator/errors.h"
+#include "allocator/json_text.h"
 #include "allocator/tags.h"
 #include "allocator/thread_cache.h"
 
@@ -62,28 +63,6 @@ void for_each_backed(const Block* b, std::size_t granule, Fn&& fn) {
     }
   }
   if (run_lo != nullptr) fn(run_lo, end);
-}
-
-void json_string(std::ostream& os, std::string_view s) {
-  os << '"';
-  for (char c : s) {
-    switch (c) {
-      case '"': os << "\\\""; break;
-      case '\\': os << "\\\\"; break;
-      case '\n': os << "\\n"; break;
-      case '\r': os << "\\r"; break;
-      case '\t': os << "\\t"; break;
-      default:
-        if (static_cast<unsigned char>(c) < 0x20) {
-          char buf[8];
-          std::snprintf(buf, sizeof buf, "\\u%04x", static_cast<unsigned char>(c));
-          os << buf;
-        } else {
-          os << c;
-        }
-    }
-  }
-  os << '"';
 }
 
 void json_pointer(std::ostream& os, const void* p) {
@@ -265,7 +244,7 @@ std::string CachingAllocator::Impl::snapshot_json() const {
   const AllocatorStats st = compute_stats();
   std::ostringstream os;
   os << "{\"version\":1,\"device\":" << device << ",\"backend\":";
-  json_string(os, backend->name());
+  os << json_quoted(backend->name());
   os << ",\"expandable_segments\":" << (options.expandable_segments ? "true" : "false");
   os << ",\"stats\":{";
   json_stat(os, "allocated", st.allocated);
@@ -292,7 +271,7 @@ std::string CachingAllocator::Impl::snapshot_json() const {
     if (!first) os << ',';
     first = false;
     os << "{\"id\":" << t << ",\"name\":";
-    json_string(os, tag_name(t) ? tag_name(t) : "");
+    os << json_quoted(tag_name(t) ? tag_name(t) : "");
     os << ',';
     json_stat(os, "bytes", ts.bytes);
     os << ",\"count\":" << ts.count << ",\"total_count\":" << ts.total_count << '}';
@@ -327,7 +306,7 @@ std::string CachingAllocator::Impl::snapshot_json() const {
       json_stream(os, b->owner);
       if (b->state == BlockState::allocated && !thread_cached) {
         os << ",\"requested\":" << b->requested << ",\"tag\":";
-        json_string(os, tag_name(b->tag) ? tag_name(b->tag) : "");
+        os << json_quoted(tag_name(b->tag) ? tag_name(b->tag) : "");
       }
       os << '}';
     }

@@ -1,9 +1,10 @@
 // JSON renderings of the tiering stats. A tiny writer is enough: the values are numbers,
-// booleans and one free-text reason, which is escaped.
+// booleans and one free-text reason, quoted by the allocator's json_quoted (json_text.h).
 #include "tiering/stats_json.h"
 
 #include <cstdio>
 
+#include "allocator/json_text.h"
 #include "tiering/tiered_store.h"
 #include "tiering/vmm_migration.h"
 
@@ -21,22 +22,7 @@ class JsonObject {
   }
   JsonObject& num(const char* key, unsigned long long v) { return raw(key, std::to_string(v)); }
   JsonObject& boolean(const char* key, bool v) { return raw(key, v ? "true" : "false"); }
-  JsonObject& str(const char* key, const std::string& v) {
-    std::string quoted = "\"";
-    for (char c : v) {
-      if (c == '"' || c == '\\') {
-        quoted += '\\';
-        quoted += c;
-      } else if (static_cast<unsigned char>(c) < 0x20) {
-        char buf[8];
-        std::snprintf(buf, sizeof buf, "\\u%04x", c);
-        quoted += buf;
-      } else {
-        quoted += c;
-      }
-    }
-    return raw(key, quoted + "\"");
-  }
+  JsonObject& str(const char* key, const std::string& v) { return raw(key, json_quoted(v)); }
   JsonObject& raw(const char* key, const std::string& json) {
     body_ += body_.empty() ? "" : ",";
     body_ += "\"";
