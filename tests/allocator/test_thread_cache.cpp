@@ -21,6 +21,7 @@
 #include "allocator/tags.h"
 #include "allocator/thread_cache.h"
 #include "test_support.h"
+#include "tests/support/signal.h"
 
 namespace tidepool {
 namespace {
@@ -30,23 +31,7 @@ constexpr std::size_t kMiB = std::size_t{1} << 20;
 using test::StreamHold;
 
 // A one-shot signal between two threads.
-class Signal {
- public:
-  void set() {
-    std::lock_guard l(m_);
-    set_ = true;
-    cv_.notify_all();
-  }
-  void wait() {
-    std::unique_lock l(m_);
-    cv_.wait(l, [&] { return set_; });
-  }
-
- private:
-  std::mutex m_;
-  std::condition_variable cv_;
-  bool set_ = false;
-};
+using test_support::Signal;
 
 using test::count_of;
 

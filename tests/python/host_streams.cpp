@@ -25,30 +25,11 @@
 #include <unordered_map>
 
 #include "allocator/device_registry.h"
+#include "tests/support/signal.h"
 
 namespace {
 
-class Signal {
- public:
-  void set() {
-    std::lock_guard lock(mutex_);
-    done_ = true;
-    changed_.notify_all();
-  }
-  void wait() {
-    std::unique_lock lock(mutex_);
-    changed_.wait(lock, [this] { return done_; });
-  }
-  bool done() {
-    std::lock_guard lock(mutex_);
-    return done_;
-  }
-
- private:
-  std::mutex mutex_;
-  std::condition_variable changed_;
-  bool done_ = false;
-};
+using tidepool::test_support::Signal;
 
 struct HostEvent {
   std::shared_ptr<Signal> latest;  // the last record's; null before any
@@ -176,7 +157,7 @@ __attribute__((visibility("default"))) int host_streams_fail(void* stream, int c
 // recorded), else cudaErrorNotReady.
 __attribute__((visibility("default"))) int host_events_query(void* event) {
   const std::shared_ptr<Signal>& latest = static_cast<HostEvent*>(event)->latest;
-  return latest == nullptr || latest->done() ? 0 : 600;
+  return latest == nullptr || latest->is_set() ? 0 : 600;
 }
 
 // cudaStreamSynchronize: 0, cudaErrorInvalidResourceHandle for a stream it does not know,

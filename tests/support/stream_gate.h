@@ -5,28 +5,15 @@
 // Shared by the allocator and tiering test layers.
 #pragma once
 
-#include <condition_variable>
-#include <mutex>
+#include "tests/support/signal.h"
 
 namespace tidepool::test_support {
 
 struct StreamGate {
-  std::mutex mutex;
-  std::condition_variable opened_cv;
-  bool opened = false;
+  Signal opened;
 
-  static void wait(void* self) {
-    auto* gate = static_cast<StreamGate*>(self);
-    std::unique_lock lock(gate->mutex);
-    gate->opened_cv.wait(lock, [gate] { return gate->opened; });
-  }
-  void open() {
-    {
-      std::lock_guard lock(mutex);
-      opened = true;
-    }
-    opened_cv.notify_all();
-  }
+  static void wait(void* self) { static_cast<StreamGate*>(self)->opened.wait(); }
+  void open() { opened.set(); }
 
   // Opens the gate when the scope ends, so a failed ASSERT does not leave a stream held.
   struct OpenOnExit {
