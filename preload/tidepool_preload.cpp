@@ -191,10 +191,16 @@ class CurrentDevice {
   cudaError_t error_ = cudaSuccess;
 };
 
+// Whether `stream` is one of the handles that name a default stream (NULL,
+// cudaStreamLegacy, cudaStreamPerThread) rather than a stream the program created.
+bool names_a_default_stream(cudaStream_t stream) {
+  return stream == nullptr || stream == cudaStreamLegacy || stream == cudaStreamPerThread;
+}
+
 // The stream tidepool is told for an allocation on `stream` (Note [streams tidepool is
 // given]).
 cudaStream_t allocation_stream(cudaStream_t stream) {
-  return stream == cudaStreamLegacy || stream == cudaStreamPerThread ? nullptr : stream;
+  return names_a_default_stream(stream) ? nullptr : stream;
 }
 
 // The shim's own stream on `device` (Note [streams tidepool is given]).
@@ -404,8 +410,8 @@ TIDEPOOL_PRELOAD_EXPORT cudaError_t cudaFreeAsync_ptsz(void* dev_ptr, cudaStream
 // Note [destroyed streams].
 TIDEPOOL_PRELOAD_EXPORT cudaError_t cudaStreamDestroy(cudaStream_t stream) {
   Shim& s = shim();
-  if (stream == nullptr || stream == cudaStreamLegacy || stream == cudaStreamPerThread ||
-      t_inside_tidepool || !s.serving.load(std::memory_order_acquire)) {
+  if (names_a_default_stream(stream) || t_inside_tidepool ||
+      !s.serving.load(std::memory_order_acquire)) {
     return forward(&RealCudart::stream_destroy, stream);
   }
   std::string failure;
