@@ -12,8 +12,9 @@
 # GCC uses a precompiled header only when it was built with the same code-generation
 # flags (-fPIC/-fpie, sanitizers, -std) and every macro defined when it was built is
 # defined the same way where it is used; macros defined only at the use are fine. Hence
-# the PCH target has no definitions of its own beyond LibTorch's, and the top-level
-# CMakeLists makes every target position independent. -Winvalid-pch turns a rejected PCH
+# the PCH target has no definitions of its own beyond LibTorch's, and is compiled -fPIC
+# (the top-level CMakeLists makes every target position independent); executables, which
+# that gives -fPIE, get -fPIC added by tidepool_use_torch_pch. -Winvalid-pch turns a rejected PCH
 # (which GCC would silently replace by the header's text: correct, only slow) into a
 # warning. CMAKE_DISABLE_PRECOMPILE_HEADERS=ON turns it all off, e.g. to check that each
 # file includes what it uses.
