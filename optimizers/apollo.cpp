@@ -7,6 +7,9 @@
 #include <limits>
 #include <utility>
 
+#include "optimizers/apollo_fused_host.h"
+#include "optimizers/apollo_step_math.h"
+
 #if TIDEPOOL_HAVE_CUDA
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -18,7 +21,7 @@ namespace tidepool::optim {
 
 namespace {
 
-constexpr double kConstantRebound = 0.01;
+using kernels::kApolloConstantRebound;
 constexpr int64_t kArchiveFormat = 1;
 
 bool finite(double x) { return std::isfinite(x); }
@@ -201,7 +204,7 @@ void step_with_ops(torch::Tensor& p, const torch::Tensor& raw_grad, torch::Tenso
   if (belief) {
     rebound = torch::linalg_vector_norm(delta_grad, std::numeric_limits<double>::infinity());
   } else {
-    eps = eps / kConstantRebound;
+    eps = eps / kApolloConstantRebound;
   }
   m.add_(delta_grad, s.alpha);
   const torch::Tensor denom = torch::linalg_vector_norm(d, 4).add(eps);
@@ -211,7 +214,7 @@ void step_with_ops(torch::Tensor& p, const torch::Tensor& raw_grad, torch::Tenso
       delta_grad.div_(denom).mul_(d).sum().mul(-s.alpha) - B.mul(v_sq).sum();
   B.addcmul_(v_sq, delta);
   const torch::Tensor D = belief ? torch::maximum(B.abs(), rebound).add_(eps / s.alpha)
-                                 : B.abs().clamp_(kConstantRebound);
+                                 : B.abs().clamp_(kApolloConstantRebound);
   d.copy_(m.div(D));
   if (o.weight_decay() != 0.0 && decay != ApolloWeightDecay::L2) {
     const double wd = decay == ApolloWeightDecay::stable
@@ -222,10 +225,7 @@ void step_with_ops(torch::Tensor& p, const torch::Tensor& raw_grad, torch::Tenso
   p.add_(d, -s.lr);
 }
 
-#if TIDEPOOL_HAVE_CUDA
-void step_with_kernels(torch::Tensor& p, const torch::Tensor& raw_grad, torch::Tensor& m,
-                       torch::Tensor& B, torch::Tensor& d, const ApolloOptions& o,
-                       const StepScalars& s) {
+kernels::ApolloStepArgs fused_step_args(const ApolloOptions& o, const StepScalars& s) {
   kernels::ApolloStepArgs args;
   args.alpha = s.alpha;
   args.eps = o.eps();
@@ -238,29 +238,63 @@ void step_with_kernels(torch::Tensor& p, const torch::Tensor& raw_grad, torch::T
     case ApolloWeightDecay::stable: args.decay = kernels::ApolloDecayMode::stable; break;
   }
   if (o.weight_decay() == 0.0) args.decay = kernels::ApolloDecayMode::none;
-  // The kernels take contiguous memory; a non-contiguous parameter goes through a copy.
+  return args;
+}
+
+// The fused step (CUDA kernels or the host implementation) on one parameter, with the
+// carried sums of Note [carried sums] (apollo_step_math.h): `carried` is the parameter's
+// buffer of them, undefined when the previous step left none; afterwards it holds this
+// step's, or is undefined when this step keeps none (stable decay).
+void step_fused(torch::Tensor& p, const torch::Tensor& raw_grad, torch::Tensor& m,
+                torch::Tensor& B, torch::Tensor& d, torch::Tensor& carried,
+                const ApolloOptions& o, const StepScalars& s) {
+  const kernels::ApolloStepArgs args = fused_step_args(o, s);
+  kernels::ApolloCarry carry;
+  if (kernels::apollo_keeps_carry(args)) {
+    carry.valid = carried.defined();
+    if (!carry.valid) {
+      carried = torch::empty({kernels::apollo_carry_doubles(p.numel())},
+                             p.options().dtype(torch::kFloat64));
+    }
+    carry.partials = carried.data_ptr<double>();
+  } else {
+    carried = torch::Tensor();
+  }
+  // Both implementations take contiguous memory; a non-contiguous parameter goes through
+  // a copy.
   torch::Tensor param = p.is_contiguous() ? p : p.contiguous();
   const torch::Tensor grad = raw_grad.contiguous();
-  torch::Tensor scratch = torch::empty(
-      {static_cast<int64_t>(kernels::apollo_scratch_doubles())},
-      p.options().dtype(torch::kFloat64));
-  // The launch goes to the parameter's device, whichever device is current.
-  const c10::cuda::CUDAGuard device_guard(p.device());
-  void* stream = c10::cuda::getCurrentCUDAStream(p.device().index()).stream();
-  int rc = 0;
-  if (p.scalar_type() == torch::kFloat32) {
-    rc = kernels::apollo_step(param.data_ptr<float>(), grad.data_ptr<float>(),
-                              m.data_ptr<float>(), B.data_ptr<float>(), d.data_ptr<float>(),
-                              p.numel(), args, scratch.data_ptr<double>(), stream);
+  const int64_t n = p.numel();
+  if (p.is_cpu()) {
+    const auto on_host = [&](auto zero) {
+      using T = decltype(zero);
+      kernels::apollo_step_host(param.data_ptr<T>(), grad.data_ptr<T>(), m.data_ptr<T>(),
+                                B.data_ptr<T>(), d.data_ptr<T>(), n, args, carry);
+    };
+    p.scalar_type() == torch::kFloat32 ? on_host(0.0f) : on_host(0.0);
   } else {
-    rc = kernels::apollo_step(param.data_ptr<double>(), grad.data_ptr<double>(),
-                              m.data_ptr<double>(), B.data_ptr<double>(), d.data_ptr<double>(),
-                              p.numel(), args, scratch.data_ptr<double>(), stream);
+#if TIDEPOOL_HAVE_CUDA
+    torch::Tensor scratch =
+        torch::empty({static_cast<int64_t>(kernels::apollo_scratch_doubles())},
+                     p.options().dtype(torch::kFloat64));
+    // The launch goes to the parameter's device, whichever device is current.
+    const c10::cuda::CUDAGuard device_guard(p.device());
+    void* stream = c10::cuda::getCurrentCUDAStream(p.device().index()).stream();
+    const auto on_device = [&](auto zero) {
+      using T = decltype(zero);
+      return kernels::apollo_step(param.data_ptr<T>(), grad.data_ptr<T>(), m.data_ptr<T>(),
+                                  B.data_ptr<T>(), d.data_ptr<T>(), n, args,
+                                  scratch.data_ptr<double>(), carry, stream);
+    };
+    const int rc = p.scalar_type() == torch::kFloat32 ? on_device(0.0f) : on_device(0.0);
+    if (rc != 0) carried = torch::Tensor();
+    TORCH_CHECK(rc == 0, "Apollo: fused CUDA step failed: ", kernels::apollo_error_string(rc));
+#else
+    TORCH_CHECK(false, "Apollo: no fused step for ", p.device(), " in this build");
+#endif
   }
-  TORCH_CHECK(rc == 0, "Apollo: fused CUDA step failed: ", kernels::apollo_error_string(rc));
   if (!param.is_same(p)) p.copy_(param);
 }
-#endif
 
 }  // namespace
 
@@ -299,12 +333,12 @@ torch::Tensor Apollo::step(LossClosure closure) {
       torch::Tensor B = B_lease.tensor();
       torch::Tensor d = d_lease.tensor();
       const StepScalars scalars = step_scalars(options, state.step);
-      const bool use_kernels = fused_kernels_ && has_fused_kernels() && p.is_cuda();
-      if (use_kernels) {
-#if TIDEPOOL_HAVE_CUDA
-        step_with_kernels(p, p.grad(), m, B, d, options, scalars);
-#endif
+      const bool fused = fused_kernels_ && (p.is_cpu() || (has_fused_kernels() && p.is_cuda()));
+      if (fused) {
+        step_fused(p, p.grad(), m, B, d, state.carried_sums, options, scalars);
       } else {
+        // m, B and d change behind the carried sums' back (Note [carried sums]).
+        state.carried_sums = torch::Tensor();
         step_with_ops(p, p.grad(), m, B, d, options, scalars);
       }
       state.step += 1;

@@ -8,10 +8,12 @@
 //
 // Two implementations of the same step:
 //   - LibTorch ops (any device, fp32/fp64): the reference's sequence of tensor operations.
-//   - fused CUDA kernels (CUDA tensors, fp32/fp64, optimizers/apollo_kernels.cu): one
-//     reduction pass (‖d‖₄, ⟨δ,d⟩, ⟨B,d²⟩, ‖δ‖∞ in fp64), one elementwise pass that updates
-//     m, B, d and θ, plus a second reduction for mean(D) with weight_decay_type stable.
-//     No host synchronisation inside the step.
+//   - fused (fp32/fp64; CUDA kernels in optimizers/apollo_kernels.cu for CUDA tensors, the
+//     same algorithm on the host in apollo_fused_host.cpp for CPU tensors): one reduction
+//     pass (⟨g,d⟩ and ‖δ‖∞ in fp64; ‖d‖₄, ⟨m,d⟩, ⟨B,d²⟩ come carried from the previous
+//     step's update pass, Note [carried sums] in apollo_step_math.h), one elementwise pass
+//     that updates m, B, d and θ, plus a second reduction for mean(D) with
+//     weight_decay_type stable. No host synchronisation inside the step.
 //
 // Save/load write the options of every group and, per parameter (numbered in group order),
 // step, exp_avg_grad, approx_hessian and update, through torch::serialize archives; load
@@ -82,6 +84,11 @@ struct TIDEPOOL_API ApolloParamState
   std::shared_ptr<StateBuffer> exp_avg_grad;    // m
   std::shared_ptr<StateBuffer> approx_hessian;  // B
   std::shared_ptr<StateBuffer> update;          // d
+  // The fused step's sums over m, B and d for the next step (Note [carried sums] in
+  // apollo_step_math.h): fp64 on the parameter's device, undefined when the next step
+  // must compute them itself. Whoever changes m, B or d other than through step() must
+  // reset it.
+  torch::Tensor carried_sums;
 };
 
 class TIDEPOOL_API Apollo : public torch::optim::Optimizer {
@@ -103,11 +110,12 @@ class TIDEPOOL_API Apollo : public torch::optim::Optimizer {
   void load(torch::serialize::InputArchive& archive) override;
 
   const StatePlacement& placement() const noexcept { return *placement_; }
-  // Fused CUDA kernels for CUDA parameters (default on when built with CUDA). Off: the
-  // LibTorch-ops path everywhere (used by the benchmarks as the baseline).
+  // The fused step (default on): CUDA kernels for CUDA parameters when built with CUDA,
+  // the host implementation for CPU parameters. Off: the LibTorch-ops path everywhere
+  // (the reference's sequence of operations; the benchmarks' baseline).
   void set_fused_kernels(bool enabled) noexcept { fused_kernels_ = enabled; }
   bool fused_kernels() const noexcept { return fused_kernels_; }
-  // True when this build has the fused CUDA path at all.
+  // True when this build has the fused CUDA kernels at all.
   static bool has_fused_kernels() noexcept;
 
  private:

@@ -1,16 +1,23 @@
 // Apollo step throughput. Baseline in the same run: the reference's sequence of LibTorch
 // ops written out plainly (no tidepool), with its state resident in plain tensors. Compared:
-// tidepool's Apollo (ops path on the CPU, fused kernels on CUDA) with resident state, with
-// host-staged state and with state in the tiered store (host backend on the CPU, cuda
+// tidepool's Apollo (the fused step; with resident state the ops path too) with resident
+// state, with host-staged state and with state in the tiered store (host backend on the CPU, cuda
 // backend over tidepool's caching allocator on the GPU), and on CUDA the seeds' approach
 // (state in pageable CPU tensors, .to() per parameter). On the GPU the same run also
 // measures the link: pinned copies in both directions at once (the tiered step's floor is
 // 24 B/param at that rate). Sizes: 2^16 … 2^22 parameters on the CPU; 2^28 parameters in
 // mixed tensor sizes on the GPU (skipped when no CUDA device is present). Counters:
 // parameters per second, bytes/param moved where state crosses the link, and for tiered
-// state staging_MiB, the most device memory the store held during the steps.
+// state staging_MiB, the most device memory the store held during the steps. The fused
+// step with resident state on the GPU also reports floor_ratio against its HBM floor: the
+// 36 B/param (fp32) the update must read and write (θ, g, m, B, d in; θ, m, B, d out) at
+// the rate of a plain device-to-device copy measured in the same run (hbm_GB/s, read +
+// write). Its steady state moves 44 B/param (Note [carried sums] in
+// optimizers/apollo_step_math.h), so 1.22× is the least it can show. On the CPU, the
+// fused host step and the ops path (Resident vs Resident_Ops) compare in the same run.
 #include <benchmark/benchmark.h>
 
+#include <chrono>
 #include <cmath>
 #include <limits>
 #include <memory>
@@ -95,6 +102,27 @@ void run_reference(benchmark::State& state, torch::Device device, bool pageable_
 
 enum class Where { resident, host_staged, tiered };
 
+// Bytes per second read plus written by a plain copy between two 1 GiB device buffers:
+// the rate at which the HBM floor of a step is counted.
+double device_copy_rate(const torch::Device& device) {
+  const int64_t elements = int64_t{1} << 28;
+  const auto opts = torch::TensorOptions().dtype(torch::kFloat32).device(device);
+  torch::Tensor from = torch::ones({elements}, opts);
+  torch::Tensor to = torch::empty({elements}, opts);
+  to.copy_(from);
+  sync(device);
+  constexpr int kCopies = 10;
+  const auto start = std::chrono::steady_clock::now();
+  for (int i = 0; i < kCopies; ++i) to.copy_(from);
+  sync(device);
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  return 2.0 * static_cast<double>(from.nbytes()) * kCopies / seconds;
+}
+
+// fp32 bytes per parameter the fused update cannot avoid: θ, g, m, B, d read, θ, m, B, d
+// written.
+constexpr double kUpdateFloorBytesPerParam = 36.0;
+
 void run_tidepool(benchmark::State& state, torch::Device device, Where where, bool fused) {
   Problem problem(state.range(0), device);
   // Declared first so it is destroyed last: the store (kept alive by the placement) uses it.
@@ -121,12 +149,28 @@ void run_tidepool(benchmark::State& state, torch::Device device, Where where, bo
   tidepool::optim::Apollo apollo(problem.params,
                                  tidepool::optim::ApolloOptions(1e-3).warmup(0), placement);
   apollo.set_fused_kernels(fused);
-  for (auto _ : state) {
+  if (where == Where::resident) {
+    // The first step has no carried sums and makes a first pass over all the state;
+    // the timed ones are the steady state a training run sees.
     apollo.step();
     sync(device);
   }
+  double elapsed_s = 0.0;
+  for (auto _ : state) {
+    const auto start = std::chrono::steady_clock::now();
+    apollo.step();
+    sync(device);
+    elapsed_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  }
   state.counters["params/s"] = benchmark::Counter(
       static_cast<double>(state.range(0)), benchmark::Counter::kIsIterationInvariantRate);
+  if (device.is_cuda() && where == Where::resident && fused) {
+    const double rate = device_copy_rate(device);
+    const double floor_s = kUpdateFloorBytesPerParam * static_cast<double>(state.range(0)) / rate;
+    state.counters["hbm_GB/s"] = rate * 1e-9;
+    state.counters["floor_ms"] = floor_s * 1e3;
+    state.counters["floor_ratio"] = elapsed_s / static_cast<double>(state.iterations()) / floor_s;
+  }
   if (staged) {
     const double moved = static_cast<double>(staged->traffic().to_device.load() +
                                              staged->traffic().to_host.load());
@@ -160,6 +204,9 @@ void BM_Cpu_Reference(benchmark::State& s) { run_reference(s, torch::kCPU, false
 void BM_Cpu_Apollo_Resident(benchmark::State& s) {
   run_tidepool(s, torch::kCPU, Where::resident, true);
 }
+void BM_Cpu_Apollo_Resident_Ops(benchmark::State& s) {
+  run_tidepool(s, torch::kCPU, Where::resident, false);
+}
 void BM_Cpu_Apollo_HostStaged(benchmark::State& s) {
   run_tidepool(s, torch::kCPU, Where::host_staged, true);
 }
@@ -169,6 +216,7 @@ void BM_Cpu_Apollo_Tiered(benchmark::State& s) {
 
 BENCHMARK(BM_Cpu_Reference)->RangeMultiplier(4)->Range(1 << 16, 1 << 22)->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_Cpu_Apollo_Resident)->RangeMultiplier(4)->Range(1 << 16, 1 << 22)->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_Cpu_Apollo_Resident_Ops)->RangeMultiplier(4)->Range(1 << 16, 1 << 22)->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_Cpu_Apollo_HostStaged)->RangeMultiplier(4)->Range(1 << 16, 1 << 22)->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_Cpu_Apollo_Tiered)->RangeMultiplier(4)->Range(1 << 16, 1 << 22)->Unit(benchmark::kMillisecond);
 

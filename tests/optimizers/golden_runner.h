@@ -49,7 +49,8 @@ struct RunOptions {
   torch::Device device = torch::kCPU;
   // Apollo's state / AADL's history placement; null: the optimizer's default.
   std::shared_ptr<optim::StatePlacement> placement;
-  // Apollo: fused CUDA kernels for CUDA runs.
+  // Apollo: the fused step (CUDA kernels for CUDA runs, the host implementation for CPU
+  // runs); false: the LibTorch-ops path.
   bool fused_kernels = true;
   // > 0: after this many steps save the optimizer, build a fresh one on the same parameters,
   // load, and continue with it.

@@ -1,8 +1,9 @@
 // GPU checks of the optimizers (ctest label gpu; skipped without a CUDA device): the fused
 // Apollo kernels and AADL on CUDA pass the golden files, fp32 stays within 1e-4, the fused
-// path is bitwise reproducible, and state / history placement does not change any bit —
-// also with the state in the tiered store on the cuda backend, stepped on a LibTorch
-// stream that is not the default one (the placement must follow the current stream).
+// path is bitwise reproducible and its carried sums change no bit, and state / history
+// placement does not change any bit — also with the state in the tiered store on the cuda
+// backend, stepped on a LibTorch stream that is not the default one (the placement must
+// follow the current stream).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -15,6 +16,8 @@
 #include <torch/cuda.h>
 
 #include "allocator/backend.h"
+#include "apollo_fused_check.h"
+#include "golden_expect.h"
 #include "golden_runner.h"
 #include "optimizers/aadl.h"
 #include "optimizers/anderson_history.h"
@@ -46,13 +49,7 @@ class GoldenOnGpu : public ::testing::TestWithParam<std::string> {
   tidepool::testing::GoldenCase golden_;
 };
 
-// Pass/fail by the same rule as the CPU battery and tidepool_golden (judge()).
-void expect_passes(const tidepool::testing::GoldenCase& golden, const RunOptions& options) {
-  const auto d = tidepool::testing::compare(golden, tidepool::testing::run_golden(golden, options));
-  const auto v = tidepool::testing::judge(golden, d, options.dtype);
-  EXPECT_TRUE(v.pass) << v.measure << " deviation " << v.measured << " > " << v.bound
-                      << " (worst step " << d.worst_step << ", " << d.steps << " steps)";
-}
+using tidepool::testing::expect_passes;
 
 TEST_P(GoldenOnGpu, Float64MatchesReference) { expect_passes(golden_, cuda()); }
 
@@ -95,35 +92,12 @@ INSTANTIATE_TEST_SUITE_P(Files, GoldenOnGpu, ::testing::ValuesIn(golden_files())
 TEST(ApolloFusedKernels, MatchTheOpsPathOnLargeMixedTensors) {
   if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
   ASSERT_TRUE(tidepool::optim::Apollo::has_fused_kernels());
-  for (const char* rebound : {"constant", "belief"}) {
-    for (const char* decay : {"L2", "decoupled", "stable"}) {
-      torch::manual_seed(1);
-      const auto opts = torch::TensorOptions().dtype(torch::kFloat64).device(torch::kCUDA);
-      std::vector<torch::Tensor> a = {torch::randn({1000003}, opts), torch::randn({7, 13}, opts)};
-      std::vector<torch::Tensor> b;
-      for (auto& t : a) {
-        t.set_requires_grad(true);
-        b.push_back(t.detach().clone().set_requires_grad(true));
-      }
-      auto options = tidepool::optim::ApolloOptions(0.01).warmup(2).weight_decay(1e-2);
-      options.rebound(rebound).weight_decay_type(decay);
-      tidepool::optim::Apollo fused(a, options);
-      tidepool::optim::Apollo ops(b, options);
-      ops.set_fused_kernels(false);
-      for (int step = 0; step < 5; ++step) {
-        for (size_t i = 0; i < a.size(); ++i) {
-          a[i].mutable_grad() = torch::sin(a[i].detach() * (step + 1));
-          b[i].mutable_grad() = torch::sin(b[i].detach() * (step + 1));
-        }
-        fused.step();
-        ops.step();
-      }
-      for (size_t i = 0; i < a.size(); ++i) {
-        EXPECT_TRUE(torch::allclose(a[i].detach(), b[i].detach(), 1e-10, 1e-12))
-            << rebound << "/" << decay << " tensor " << i;
-      }
-    }
-  }
+  tidepool::testing::expect_fused_matches_ops(torch::kCUDA);
+}
+
+TEST(ApolloFusedKernels, CarriedSumsChangeNoBit) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
+  tidepool::testing::expect_carried_sums_change_no_bit(torch::kCUDA);
 }
 
 // A non-default LibTorch stream for the scope, so that a placement ordering its copies on
