@@ -32,11 +32,7 @@
 #include <cmath>
 #include <cstdint>
 
-#if defined(__CUDACC__)
-#define TIDEPOOL_HOST_DEVICE __host__ __device__
-#else
-#define TIDEPOOL_HOST_DEVICE
-#endif
+#include "optimizers/host_device.h"
 
 namespace tidepool::optim::kernels {
 

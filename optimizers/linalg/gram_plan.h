@@ -9,11 +9,7 @@
 #include <cstddef>
 #include <cstdint>
 
-#if defined(__CUDACC__)
-#define TIDEPOOL_HOST_DEVICE __host__ __device__
-#else
-#define TIDEPOOL_HOST_DEVICE
-#endif
+#include "optimizers/host_device.h"
 
 namespace tidepool::linalg::cuda {
 

@@ -17,23 +17,29 @@
 
 namespace tidepool::testing {
 
-// 600'007 elements: 1024 blocks of 256 threads, so a thread visits up to 3 of them.
-inline std::vector<torch::Tensor> fused_check_params(torch::Device device, torch::Dtype dtype) {
-  const auto opts = torch::TensorOptions().dtype(dtype).device(device);
-  return {torch::randn({600007}, opts), torch::randn({7, 13}, opts), torch::randn({1}, opts),
-          torch::randn({256}, opts)};
-}
+// Two copies of the same parameters, each requiring grad, for two optimizers to step side
+// by side. 600'007 elements: 1024 blocks of 256 threads on the device, so a thread visits
+// up to 3 of them; 147 ranges on the host.
+struct TwinParams {
+  std::vector<torch::Tensor> a, b;
+  TwinParams(torch::Device device, torch::Dtype dtype) {
+    const auto opts = torch::TensorOptions().dtype(dtype).device(device);
+    a = {torch::randn({600007}, opts), torch::randn({7, 13}, opts), torch::randn({1}, opts),
+         torch::randn({256}, opts)};
+    for (auto& t : a) {
+      t.set_requires_grad(true);
+      b.push_back(t.detach().clone().set_requires_grad(true));
+    }
+  }
+};
 
 inline void expect_fused_matches_ops(torch::Device device) {
   for (const char* rebound : {"constant", "belief"}) {
     for (const char* decay : {"L2", "decoupled", "stable"}) {
       torch::manual_seed(1);
-      std::vector<torch::Tensor> fused_params = fused_check_params(device, torch::kFloat64);
-      std::vector<torch::Tensor> ops_params;
-      for (auto& t : fused_params) {
-        t.set_requires_grad(true);
-        ops_params.push_back(t.detach().clone().set_requires_grad(true));
-      }
+      TwinParams twins(device, torch::kFloat64);
+      std::vector<torch::Tensor>& fused_params = twins.a;
+      std::vector<torch::Tensor>& ops_params = twins.b;
       auto options = optim::ApolloOptions(0.01).warmup(2).weight_decay(1e-2);
       options.rebound(rebound).weight_decay_type(decay);
       optim::Apollo fused(fused_params, options);
@@ -64,12 +70,9 @@ inline void expect_carried_sums_change_no_bit(torch::Device device) {
     for (const char* decay : {"L2", "decoupled"}) {
       for (const double weight_decay : {0.0, 1e-2}) {
         torch::manual_seed(2);
-        std::vector<torch::Tensor> carried_params = fused_check_params(device, torch::kFloat64);
-        std::vector<torch::Tensor> fresh_params;
-        for (auto& t : carried_params) {
-          t.set_requires_grad(true);
-          fresh_params.push_back(t.detach().clone().set_requires_grad(true));
-        }
+        TwinParams twins(device, torch::kFloat64);
+        std::vector<torch::Tensor>& carried_params = twins.a;
+        std::vector<torch::Tensor>& fresh_params = twins.b;
         auto options = optim::ApolloOptions(0.01).warmup(2).weight_decay(weight_decay);
         options.rebound(rebound).weight_decay_type(decay);
         optim::Apollo carried(carried_params, options);
