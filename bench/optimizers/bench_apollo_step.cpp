@@ -3,7 +3,9 @@
 // tidepool's Apollo (the fused step; with resident state the ops path too) with resident
 // state, with host-staged state and with state in the tiered store (host backend on the CPU, cuda
 // backend over tidepool's caching allocator on the GPU), and on CUDA the seeds' approach
-// (state in pageable CPU tensors, .to() per parameter). On the GPU the same run also
+// (state in pageable CPU tensors, .to() per parameter) and pinned host state copied over
+// and back per parameter with non-blocking copies on the compute stream, no overlap
+// (issue 5's two comparisons for the tiered step). On the GPU the same run also
 // measures the link: pinned copies in both directions at once (the tiered step's floor is
 // 24 B/param at that rate). Sizes: 2^16 … 2^22 parameters on the CPU; 2^28 parameters in
 // mixed tensor sizes on the GPU (skipped when no CUDA device is present). Counters:
@@ -72,27 +74,43 @@ void reference_step(torch::Tensor& p, ReferenceState& s, double lr) {
   p.add_(s.d, -lr);
 }
 
-void run_reference(benchmark::State& state, torch::Device device, bool pageable_round_trip) {
+// Where the reference keeps its state between steps: on the device (resident), or in host
+// tensors brought over and back per parameter, pageable with .to() (the seeds' approach)
+// or pinned with non-blocking copies on the compute stream (so no copy overlaps compute).
+enum class ReferenceStateAt { device, pageable_host, pinned_host };
+
+void run_reference(benchmark::State& state, torch::Device device, ReferenceStateAt at) {
   Problem problem(state.range(0), device);
   std::vector<ReferenceState> states;
-  const auto where = pageable_round_trip ? torch::Device(torch::kCPU) : device;
+  const bool round_trip = at != ReferenceStateAt::device;
+  const auto where = round_trip ? torch::Device(torch::kCPU) : device;
+  const bool pinned = at == ReferenceStateAt::pinned_host;
   for (const auto& p : problem.params) {
-    states.push_back({torch::zeros_like(p, p.options().device(where)),
-                      torch::zeros_like(p, p.options().device(where)),
-                      torch::zeros_like(p, p.options().device(where))});
+    const auto opts = p.options().device(where).pinned_memory(pinned);
+    states.push_back({torch::zeros(p.sizes(), opts), torch::zeros(p.sizes(), opts),
+                      torch::zeros(p.sizes(), opts)});
   }
   for (auto _ : state) {
     for (size_t i = 0; i < problem.params.size(); ++i) {
-      if (!pageable_round_trip) {
+      if (!round_trip) {
         reference_step(problem.params[i], states[i], 1e-3);
         continue;
       }
-      // The seeds' approach: bring the state over with .to(), step, and send it back.
-      ReferenceState on_device{states[i].m.to(device), states[i].B.to(device),
-                               states[i].d.to(device), states[i].step};
+      ReferenceState& host = states[i];
+      ReferenceState on_device{host.m.to(device, pinned), host.B.to(device, pinned),
+                               host.d.to(device, pinned), host.step};
       reference_step(problem.params[i], on_device, 1e-3);
-      states[i] = {on_device.m.to(torch::kCPU), on_device.B.to(torch::kCPU),
-                   on_device.d.to(torch::kCPU), on_device.step};
+      if (pinned) {
+        // Back into the same pinned tensors, ordered on the compute stream after the step.
+        host.m.copy_(on_device.m, true);
+        host.B.copy_(on_device.B, true);
+        host.d.copy_(on_device.d, true);
+        host.step = on_device.step;
+      } else {
+        // The seeds' approach: .to() both ways, the state replaced by the copies.
+        host = {on_device.m.to(torch::kCPU), on_device.B.to(torch::kCPU),
+                on_device.d.to(torch::kCPU), on_device.step};
+      }
     }
     sync(device);
   }
@@ -200,7 +218,9 @@ void run_pinned_bidirectional(benchmark::State& state, int device) {
 
 // ---- CPU ----------------------------------------------------------------------------------
 
-void BM_Cpu_Reference(benchmark::State& s) { run_reference(s, torch::kCPU, false); }
+void BM_Cpu_Reference(benchmark::State& s) {
+  run_reference(s, torch::kCPU, ReferenceStateAt::device);
+}
 void BM_Cpu_Apollo_Resident(benchmark::State& s) {
   run_tidepool(s, torch::kCPU, Where::resident, true);
 }
@@ -223,10 +243,13 @@ BENCHMARK(BM_Cpu_Apollo_Tiered)->RangeMultiplier(4)->Range(1 << 16, 1 << 22)->Un
 // ---- GPU (2^28 parameters; skipped without CUDA) -------------------------------------------
 
 void BM_Gpu_Reference(benchmark::State& s) {
-  if (want_cuda(s)) run_reference(s, torch::Device(torch::kCUDA, 0), false);
+  if (want_cuda(s)) run_reference(s, torch::Device(torch::kCUDA, 0), ReferenceStateAt::device);
 }
 void BM_Gpu_SeedsPageableTo(benchmark::State& s) {
-  if (want_cuda(s)) run_reference(s, torch::Device(torch::kCUDA, 0), true);
+  if (want_cuda(s)) run_reference(s, torch::Device(torch::kCUDA, 0), ReferenceStateAt::pageable_host);
+}
+void BM_Gpu_PinnedNoOverlap(benchmark::State& s) {
+  if (want_cuda(s)) run_reference(s, torch::Device(torch::kCUDA, 0), ReferenceStateAt::pinned_host);
 }
 void BM_Gpu_Apollo_Fused_Resident(benchmark::State& s) {
   if (want_cuda(s)) run_tidepool(s, torch::Device(torch::kCUDA, 0), Where::resident, true);
@@ -247,6 +270,7 @@ void BM_Gpu_PinnedBidirectional(benchmark::State& s) {
 constexpr int64_t kGpuParams = int64_t{1} << 28;
 BENCHMARK(BM_Gpu_Reference)->Arg(kGpuParams)->Unit(benchmark::kMillisecond)->Iterations(5);
 BENCHMARK(BM_Gpu_SeedsPageableTo)->Arg(kGpuParams)->Unit(benchmark::kMillisecond)->Iterations(2);
+BENCHMARK(BM_Gpu_PinnedNoOverlap)->Arg(kGpuParams)->Unit(benchmark::kMillisecond)->Iterations(3);
 BENCHMARK(BM_Gpu_Apollo_Fused_Resident)->Arg(kGpuParams)->Unit(benchmark::kMillisecond)->Iterations(5);
 BENCHMARK(BM_Gpu_Apollo_Ops_Resident)->Arg(kGpuParams)->Unit(benchmark::kMillisecond)->Iterations(5);
 BENCHMARK(BM_Gpu_Apollo_Fused_HostStaged)->Arg(kGpuParams)->Unit(benchmark::kMillisecond)->Iterations(3);
