@@ -85,9 +85,9 @@ struct TIDEPOOL_API ApolloParamState
   std::shared_ptr<StateBuffer> approx_hessian;  // B
   std::shared_ptr<StateBuffer> update;          // d
   // The fused step's sums over m, B and d for the next step (Note [carried sums] in
-  // apollo_step_math.h): fp64 on the parameter's device, undefined when the next step
-  // must compute them itself. Whoever changes m, B or d other than through step() must
-  // reset it.
+  // apollo_step_math.h): fp64 on the parameter's device whatever the placement (at most
+  // 24 KiB per parameter), undefined when the next step must compute them itself.
+  // Whoever changes m, B or d other than through step() must reset it.
   torch::Tensor carried_sums;
 };
 
