@@ -225,7 +225,9 @@ void resolve_cudart() {
                      symbol("cudaFree", c.free), symbol("cudaGetDevice", c.get_device),
                      symbol("cudaSetDevice", c.set_device),
                      symbol("cudaDeviceSynchronize", c.device_synchronize),
-                     symbol("cudaRuntimeGetVersion", c.runtime_get_version))) {
+                     symbol("cudaRuntimeGetVersion", c.runtime_get_version),
+                     symbol("cudaGetLastError", c.get_last_error),
+                     symbol("cudaPeekAtLastError", c.peek_at_last_error))) {
     return;
   }
   // The stream-ordered calls exist from CUDA 11.2 (cudaStreamGetDevice from 12.8): a

@@ -21,6 +21,8 @@ struct RealCudart {
   cudaError_t (*set_device)(int) = nullptr;
   cudaError_t (*device_synchronize)() = nullptr;
   cudaError_t (*runtime_get_version)(int*) = nullptr;
+  cudaError_t (*get_last_error)() = nullptr;  // Note [last error]
+  cudaError_t (*peek_at_last_error)() = nullptr;
   // Note [stream-ordered calls]; bound apart (see resolve_cudart): older runtimes lack them.
   cudaError_t (*malloc_async)(void**, size_t, cudaStream_t) = nullptr;
   cudaError_t (*free_async)(void*, cudaStream_t) = nullptr;

@@ -3,8 +3,9 @@
 // change and no Python, and releases in tidepool each stream the program destroys.
 //
 // How it works:
-//   - It defines those four functions, cudaStreamDestroy, and the _ptsz forms of the two
-//     stream-ordered ones (Note [per-thread default stream programs]). Preloaded, these
+//   - It defines those four functions, cudaStreamDestroy, the _ptsz forms of the two
+//     stream-ordered ones (Note [per-thread default stream programs]), and
+//     cudaGetLastError/cudaPeekAtLastError (Note [last error]). Preloaded, these
 //     definitions come first in the global symbol scope, so every dynamically linked
 //     caller (PyPI torch links libcudart dynamically) reaches them instead of libcudart's.
 //   - Set-up (libraries.cpp): Note [two once-flags], Note [runtime version], where the real
@@ -94,6 +95,26 @@
 //     made then go straight to the real libcudart. Every scope that sets it restores the
 //     value it found, so a nested call (tidepool's cudaFree inside its own malloc) does
 //     not clear it for the rest of the outer call.
+//   - Note [last error]: the runtime keeps, per thread, the last error any of its calls
+//     produced, which cudaGetLastError returns and resets and cudaPeekAtLastError
+//     returns; programs check it after kernel launches (PyTorch after each one) and some
+//     after every call. Under the shim it would be wrong both ways: an error the shim
+//     answers itself (tidepool's out-of-memory, a bad request) never reaches the
+//     runtime, so cudaGetLastError said cudaSuccess after a failed cudaMalloc; and the
+//     runtime calls the shim and tidepool make for themselves, whose failures they
+//     handle (a fence event that cannot be created, a query of one not yet reached,
+//     tidepool's backend clearing an error it reports itself), set the program's last
+//     error to one no call of the program's produced, which its next launch check
+//     reports, or cleared an error the program had not read yet. So every call the shim
+//     serves takes the program's pending error out of the runtime first
+//     (ProgramLastError), and at its end discards what its own calls left there and
+//     holds, in a thread-local slot, the call's own error if it failed, else the
+//     pending one. The shim's cudaGetLastError and cudaPeekAtLastError answer the
+//     runtime's error when it has one (it is then the newer: the slot is filled only
+//     after the runtime's is emptied; a sticky error stays in the runtime), else the
+//     slot's. Calls the shim forwards leave both alone, as the runtime's own would, and
+//     a call inside tidepool sees the runtime's alone, never the program's slot.
+//     A NULL devPtr is forwarded, so that the runtime answers it as it does.
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
@@ -101,6 +122,7 @@
 #include <mutex>
 #include <string>
 #include <sys/types.h>
+#include <utility>
 
 #include "allocator/size_classes.h"
 #include "preload/shim.h"
@@ -112,6 +134,34 @@ namespace tidepool_preload {
 constinit thread_local bool t_inside_tidepool = false;
 
 namespace {
+
+// Note [last error]: the program's last error while the runtime does not hold it.
+constinit thread_local cudaError_t t_held_last_error = cudaSuccess;
+
+// Note [last error]: for a call the shim serves, from before its first runtime call to
+// the end; answer() passes the call's result through.
+class ProgramLastError {
+ public:
+  ProgramLastError() : pending_(shim().cuda.get_last_error()) {}
+  ~ProgramLastError() {
+    (void)shim().cuda.get_last_error();  // the shim's and tidepool's own calls' errors
+    if (answer_ != cudaSuccess) {
+      t_held_last_error = answer_;
+    } else if (pending_ != cudaSuccess) {
+      t_held_last_error = pending_;
+    }
+  }
+  ProgramLastError(const ProgramLastError&) = delete;
+  ProgramLastError& operator=(const ProgramLastError&) = delete;
+  cudaError_t answer(cudaError_t e) {
+    answer_ = e;
+    return e;
+  }
+
+ private:
+  cudaError_t pending_;
+  cudaError_t answer_ = cudaSuccess;
+};
 
 // Serves an allocation through tidepool on `device` and `stream` (cudaMalloc: the NULL
 // stream). `call` names the CUDA function in messages.
@@ -291,14 +341,12 @@ cudaStream_t per_thread_default(cudaStream_t stream) {
   return stream == nullptr ? cudaStreamPerThread : stream;
 }
 
-// cudaMallocAsync and its _ptsz form (Note [stream-ordered calls]): `stream` as the
-// program passed it, for `real` (the runtime's function of the same form); `meant`, the
-// stream it names, for everything the shim does itself.
-cudaError_t malloc_async(const char* call, MallocAsync RealCudart::*real, void** dev_ptr,
-                         size_t size, cudaStream_t stream, cudaStream_t meant) {
-  if (dev_ptr == nullptr) return cudaErrorInvalidValue;
+// cudaMallocAsync and its _ptsz form once the shim serves it (Note [stream-ordered
+// calls]): `stream` as the program passed it, for `real` (the runtime's function of the
+// same form); `meant`, the stream it names, for everything the shim does itself.
+cudaError_t serve_malloc_async(const char* call, MallocAsync RealCudart::*real, void** dev_ptr,
+                               size_t size, cudaStream_t stream, cudaStream_t meant) {
   Shim& s = shim();
-  if (t_inside_tidepool || size == 0 || !ready()) return forward(real, dev_ptr, size, stream);
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   if (const cudaError_t e = s.cuda.stream_is_capturing(meant, &capture); e != cudaSuccess) {
     return e;
@@ -309,13 +357,18 @@ cudaError_t malloc_async(const char* call, MallocAsync RealCudart::*real, void**
   return serve_malloc(call, dev_ptr, size, device, allocation_stream(meant));
 }
 
-// cudaFreeAsync and its _ptsz form; `real`, `stream` and `meant` as for malloc_async.
-cudaError_t free_async(FreeAsync RealCudart::*real, void* dev_ptr, cudaStream_t stream,
-                       cudaStream_t meant) {
-  Allocation a{};
-  if (dev_ptr == nullptr || t_inside_tidepool || !ready() || !take_owned(dev_ptr, a)) {
-    return forward(real, dev_ptr, stream);
+cudaError_t malloc_async(const char* call, MallocAsync RealCudart::*real, void** dev_ptr,
+                         size_t size, cudaStream_t stream, cudaStream_t meant) {
+  if (dev_ptr == nullptr || t_inside_tidepool || size == 0 || !ready()) {
+    return forward(real, dev_ptr, size, stream);
   }
+  ProgramLastError last_error;
+  return last_error.answer(serve_malloc_async(call, real, dev_ptr, size, stream, meant));
+}
+
+// cudaFreeAsync and its _ptsz form of a pointer the shim handed out (take_owned removed
+// it); `meant` as for serve_malloc_async.
+cudaError_t serve_free_async(void* dev_ptr, const Allocation& a, cudaStream_t meant) {
   cudaStream_t stream_for_tidepool = nullptr;
   if (const cudaError_t e = free_stream(meant, a.device, stream_for_tidepool); e != cudaSuccess) {
     restore_owned(dev_ptr, a);
@@ -328,24 +381,20 @@ cudaError_t free_async(FreeAsync RealCudart::*real, void* dev_ptr, cudaStream_t 
   return serve_free(dev_ptr, a, stream_for_tidepool);
 }
 
-}  // namespace
-
-}  // namespace tidepool_preload
-
-using namespace tidepool_preload;
-
-extern "C" {
-
-TIDEPOOL_PRELOAD_EXPORT cudaError_t cudaMalloc(void** dev_ptr, size_t size) {
-  if (dev_ptr == nullptr) return cudaErrorInvalidValue;
-  Shim& s = shim();
-  if (t_inside_tidepool || !ready()) return forward(&RealCudart::malloc, dev_ptr, size);
-  if (size == 0) {
-    *dev_ptr = nullptr;
-    return cudaSuccess;
+cudaError_t free_async(FreeAsync RealCudart::*real, void* dev_ptr, cudaStream_t stream,
+                       cudaStream_t meant) {
+  Allocation a{};
+  if (dev_ptr == nullptr || t_inside_tidepool || !ready() || !take_owned(dev_ptr, a)) {
+    return forward(real, dev_ptr, stream);
   }
+  ProgramLastError last_error;
+  return last_error.answer(serve_free_async(dev_ptr, a, meant));
+}
+
+// cudaMalloc of `size` > 0 bytes once the shim serves it.
+cudaError_t serve_cuda_malloc(void** dev_ptr, size_t size) {
   int device = 0;
-  if (const cudaError_t e = s.cuda.get_device(&device); e != cudaSuccess) return e;
+  if (const cudaError_t e = shim().cuda.get_device(&device); e != cudaSuccess) return e;
   if (const cudaError_t e = serve_malloc("cudaMalloc", dev_ptr, size, device, nullptr);
       e != cudaSuccess) {
     return e;
@@ -360,15 +409,8 @@ TIDEPOOL_PRELOAD_EXPORT cudaError_t cudaMalloc(void** dev_ptr, size_t size) {
   return cudaSuccess;
 }
 
-TIDEPOOL_PRELOAD_EXPORT cudaError_t cudaFree(void* dev_ptr) {
-  Shim& s = shim();
-  // cudaFree(nullptr) is the classic "initialise the context" call: always CUDA's, and it
-  // does not set tidepool up (forward resolves the real cudaFree itself).
-  if (dev_ptr == nullptr || t_inside_tidepool || !ready()) {
-    return forward(&RealCudart::free, dev_ptr);
-  }
-  Allocation a{};
-  if (!take_owned(dev_ptr, a)) return forward(&RealCudart::free, dev_ptr);
+// cudaFree of a pointer the shim handed out (take_owned removed it).
+cudaError_t serve_cuda_free(void* dev_ptr, const Allocation& a) {
   // cudaFree waits for the device; callers free memory kernels just used on that promise.
   cudaError_t synced = cudaSuccess;
   {
@@ -378,11 +420,63 @@ TIDEPOOL_PRELOAD_EXPORT cudaError_t cudaFree(void* dev_ptr) {
       return on.error();
     }
     const uint64_t mark = legacy_frees_mark(a.device);
-    synced = s.cuda.device_synchronize();
+    synced = shim().cuda.device_synchronize();
     if (synced == cudaSuccess) legacy_frees_passed(a.device, mark);
   }
   const cudaError_t freed = serve_free(dev_ptr, a, nullptr);
   return synced != cudaSuccess ? synced : freed;
+}
+
+// What cudaStreamDestroy does before forwarding, when tidepool serves (Note [destroyed
+// streams]): releases `stream` in tidepool, or says once why it could not.
+void release_before_destroy(cudaStream_t stream) {
+  Shim& s = shim();
+  std::string failure;
+  int device = 0;
+  if (const cudaError_t e = s.cuda.stream_get_device(stream, &device); e != cudaSuccess) {
+    failure = "cudaStreamGetDevice failed (error " + std::to_string(e) + ")";
+  } else {
+    InsideTidepool inside;
+    s.tp.clear_error();
+    if (s.tp.release_stream(device, stream) != 0) failure = s.tp.last_error();
+  }
+  if (!failure.empty() && !s.quiet && !s.said_release_failed.exchange(true)) {
+    say("cudaStreamDestroy: ",
+        "could not release the stream in tidepool first (" + failure +
+            "); destroying it anyway. tidepool may order memory freed on it wrongly if "
+            "its handle is reused (said once)");
+  }
+}
+
+}  // namespace
+
+}  // namespace tidepool_preload
+
+using namespace tidepool_preload;
+
+extern "C" {
+
+TIDEPOOL_PRELOAD_EXPORT cudaError_t cudaMalloc(void** dev_ptr, size_t size) {
+  if (dev_ptr == nullptr || t_inside_tidepool || !ready()) {
+    return forward(&RealCudart::malloc, dev_ptr, size);
+  }
+  if (size == 0) {
+    *dev_ptr = nullptr;
+    return cudaSuccess;
+  }
+  ProgramLastError last_error;
+  return last_error.answer(serve_cuda_malloc(dev_ptr, size));
+}
+
+TIDEPOOL_PRELOAD_EXPORT cudaError_t cudaFree(void* dev_ptr) {
+  // cudaFree(nullptr) is the classic "initialise the context" call: always CUDA's, and it
+  // does not set tidepool up (forward resolves the real cudaFree itself).
+  Allocation a{};
+  if (dev_ptr == nullptr || t_inside_tidepool || !ready() || !take_owned(dev_ptr, a)) {
+    return forward(&RealCudart::free, dev_ptr);
+  }
+  ProgramLastError last_error;
+  return last_error.answer(serve_cuda_free(dev_ptr, a));
 }
 
 // Note [stream-ordered calls].
@@ -410,26 +504,26 @@ TIDEPOOL_PRELOAD_EXPORT cudaError_t cudaFreeAsync_ptsz(void* dev_ptr, cudaStream
 // Note [destroyed streams].
 TIDEPOOL_PRELOAD_EXPORT cudaError_t cudaStreamDestroy(cudaStream_t stream) {
   Shim& s = shim();
-  if (names_a_default_stream(stream) || t_inside_tidepool ||
-      !s.serving.load(std::memory_order_acquire)) {
-    return forward(&RealCudart::stream_destroy, stream);
-  }
-  std::string failure;
-  int device = 0;
-  if (const cudaError_t e = s.cuda.stream_get_device(stream, &device); e != cudaSuccess) {
-    failure = "cudaStreamGetDevice failed (error " + std::to_string(e) + ")";
-  } else {
-    InsideTidepool inside;
-    s.tp.clear_error();
-    if (s.tp.release_stream(device, stream) != 0) failure = s.tp.last_error();
-  }
-  if (!failure.empty() && !s.quiet && !s.said_release_failed.exchange(true)) {
-    say("cudaStreamDestroy: ",
-        "could not release the stream in tidepool first (" + failure +
-            "); destroying it anyway. tidepool may order memory freed on it wrongly if "
-            "its handle is reused (said once)");
+  if (!names_a_default_stream(stream) && !t_inside_tidepool &&
+      s.serving.load(std::memory_order_acquire)) {
+    ProgramLastError last_error;
+    release_before_destroy(stream);
   }
   return forward(&RealCudart::stream_destroy, stream);
+}
+
+// Note [last error].
+TIDEPOOL_PRELOAD_EXPORT cudaError_t cudaGetLastError() {
+  const cudaError_t runtimes = forward(&RealCudart::get_last_error);
+  if (t_inside_tidepool) return runtimes;
+  const cudaError_t held = std::exchange(t_held_last_error, cudaSuccess);
+  return runtimes != cudaSuccess ? runtimes : held;
+}
+
+TIDEPOOL_PRELOAD_EXPORT cudaError_t cudaPeekAtLastError() {
+  const cudaError_t runtimes = forward(&RealCudart::peek_at_last_error);
+  if (t_inside_tidepool || runtimes != cudaSuccess) return runtimes;
+  return t_held_last_error;
 }
 
 }  // extern "C"

@@ -37,7 +37,13 @@
  * cudaStreamSynchronize succeeds at once (no stream has work).
  * cudaStreamDestroy records, in fake_cudart_destroy_saw_tidepool_stream, whether
  * tidepool's snapshot still named the handle at that moment (1) or not (0).
- * cudaSetDevice makes devices 0 to 3 current (it sets FAKE_CUDART_DEVICE). */
+ * cudaSetDevice makes devices 0 to 3 current (it sets FAKE_CUDART_DEVICE).
+ *
+ * Last error: as the runtime, every call that fails leaves its error as the calling
+ * thread's last error, which cudaGetLastError returns and resets and cudaPeekAtLastError
+ * returns; a success leaves it as it was. cudaErrorNotReady from cudaEventQuery counts
+ * as an error here, as tidepool's cuda backend and PyTorch assume of the runtime (they
+ * clear it after such a query). A NULL devPtr is cudaErrorInvalidValue, as the runtime's. */
 #define _GNU_SOURCE
 #include <dlfcn.h>
 #include <inttypes.h>
@@ -60,12 +66,29 @@ int fake_cudart_nested_async_forwarded = -1;
 int fake_cudart_stream_create_calls = 0;
 int fake_cudart_stream_destroy_calls = 0;
 int fake_cudart_destroy_saw_tidepool_stream = -1; /* -1: no destroy yet */
+int fake_cudart_event_creates = 0;
 int fake_cudart_event_records = 0;
 int fake_cudart_stream_synchronize_calls = 0;
 int fake_cudart_malloc_async_ptsz_calls = 0;
 int fake_cudart_free_async_ptsz_calls = 0;
 /* The stream a _ptsz function was last given: the program's own argument must arrive. */
 intptr_t fake_cudart_last_ptsz_stream = -1;
+
+static __thread int last_error = 0;
+
+/* Every fallible function returns through here. */
+static int answer(int rc) {
+  if (rc != 0) last_error = rc;
+  return rc;
+}
+
+int cudaGetLastError(void) {
+  const int rc = last_error;
+  last_error = 0;
+  return rc;
+}
+
+int cudaPeekAtLastError(void) { return last_error; }
 
 static int env_int(const char* name, int fallback) {
   const char* value = getenv(name);
@@ -74,8 +97,9 @@ static int env_int(const char* name, int fallback) {
 
 int cudaMalloc(void** ptr, size_t size) {
   ++fake_cudart_malloc_calls;
+  if (ptr == NULL) return answer(1); /* cudaErrorInvalidValue */
   *ptr = malloc(size);
-  return *ptr ? 0 : 2; /* cudaErrorMemoryAllocation */
+  return answer(*ptr ? 0 : 2); /* cudaErrorMemoryAllocation */
 }
 
 int cudaFree(void* ptr) {
@@ -109,8 +133,9 @@ int cudaFree(void* ptr) {
 int cudaMallocAsync(void** ptr, size_t size, void* stream) {
   (void)stream;
   ++fake_cudart_malloc_async_calls;
+  if (ptr == NULL) return answer(1); /* cudaErrorInvalidValue */
   *ptr = malloc(size);
-  return *ptr || size == 0 ? 0 : 2; /* cudaErrorMemoryAllocation */
+  return answer(*ptr || size == 0 ? 0 : 2); /* cudaErrorMemoryAllocation */
 }
 
 int cudaFreeAsync(void* ptr, void* stream) {
@@ -124,8 +149,9 @@ int cudaFreeAsync(void* ptr, void* stream) {
 int cudaMallocAsync_ptsz(void** ptr, size_t size, void* stream) {
   ++fake_cudart_malloc_async_ptsz_calls;
   fake_cudart_last_ptsz_stream = (intptr_t)stream;
+  if (ptr == NULL) return answer(1); /* cudaErrorInvalidValue */
   *ptr = malloc(size);
-  return *ptr || size == 0 ? 0 : 2; /* cudaErrorMemoryAllocation */
+  return answer(*ptr || size == 0 ? 0 : 2); /* cudaErrorMemoryAllocation */
 }
 
 int cudaFreeAsync_ptsz(void* ptr, void* stream) {
@@ -161,7 +187,7 @@ int cudaGetDevice(int* device) {
 }
 
 int cudaSetDevice(int device) {
-  if (device < 0 || device > 3) return 101; /* cudaErrorInvalidDevice */
+  if (device < 0 || device > 3) return answer(101); /* cudaErrorInvalidDevice */
   char value[16];
   snprintf(value, sizeof value, "%d", device);
   setenv("FAKE_CUDART_DEVICE", value, 1);
@@ -202,7 +228,8 @@ int cudaStreamCreateWithFlags(void** stream, unsigned flags) {
 int cudaEventCreateWithFlags(void** event, unsigned flags) {
   void* (*host_create)(void) = (void* (*)(void))helper("host_events_create");
   (void)flags;
-  if (host_create == NULL) return 801; /* cudaErrorNotSupported */
+  ++fake_cudart_event_creates;
+  if (host_create == NULL) return answer(801); /* cudaErrorNotSupported */
   *event = host_create();
   return 0;
 }
@@ -210,18 +237,20 @@ int cudaEventCreateWithFlags(void** event, unsigned flags) {
 int cudaEventRecord(void* event, void* stream) {
   int (*host_record)(void*, void*, int) = (int (*)(void*, void*, int))helper("host_events_record");
   ++fake_cudart_event_records;
-  return host_record != NULL ? host_record(event, stream, env_int("FAKE_CUDART_DEVICE", 0)) : 801;
+  return answer(host_record != NULL ? host_record(event, stream, env_int("FAKE_CUDART_DEVICE", 0))
+                                    : 801);
 }
 
 int cudaStreamWaitEvent(void* stream, void* event, unsigned flags) {
   int (*host_wait)(void*, void*, int) = (int (*)(void*, void*, int))helper("host_streams_wait_event");
   (void)flags;
-  return host_wait != NULL ? host_wait(stream, event, env_int("FAKE_CUDART_DEVICE", 0)) : 801;
+  return answer(host_wait != NULL ? host_wait(stream, event, env_int("FAKE_CUDART_DEVICE", 0))
+                                  : 801);
 }
 
 int cudaEventQuery(void* event) {
   int (*host_query)(void*) = (int (*)(void*))helper("host_events_query");
-  return host_query != NULL ? host_query(event) : 801;
+  return answer(host_query != NULL ? host_query(event) : 801);
 }
 
 int cudaStreamSynchronize(void* stream) {
@@ -229,12 +258,12 @@ int cudaStreamSynchronize(void* stream) {
   void (*host_open)(void) = (void (*)(void))helper("host_streams_open");
   ++fake_cudart_stream_synchronize_calls;
   if (host_open != NULL && getenv("FAKE_CUDART_SYNC_OPENS_GATE") != NULL) host_open();
-  return host_sync != NULL ? host_sync(stream, env_int("FAKE_CUDART_DEVICE", 0)) : 0;
+  return answer(host_sync != NULL ? host_sync(stream, env_int("FAKE_CUDART_DEVICE", 0)) : 0);
 }
 
 int cudaEventDestroy(void* event) {
   void (*host_destroy)(void*) = (void (*)(void*))helper("host_events_destroy");
-  if (host_destroy == NULL) return 801;
+  if (host_destroy == NULL) return answer(801);
   host_destroy(event);
   return 0;
 }
