@@ -16,6 +16,7 @@
 #include <array>
 #include <atomic>
 #include <cstddef>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -252,6 +253,20 @@ int tidepool_release_stream(int device, void* stream) {
       tidepool::CachingAllocator::require_releasable(device, s);
     }
     tidepool::detail::route_release_stream(device, stream);
+    return 0;
+  });
+}
+
+int tidepool_holds_address(const void* ptr) {
+  return guarded(-1, [&] {
+    const auto address = reinterpret_cast<std::uintptr_t>(ptr);
+    for (int d = 0; d < tidepool::kMaxDevices; ++d) {
+      const tidepool::CachingAllocator* allocator = tidepool::existing_device_allocator(d);
+      if (allocator == nullptr) continue;
+      for (const tidepool::MemoryRange& range : allocator->backed_ranges()) {
+        if (range.address <= address && address - range.address < range.size) return 1;
+      }
+    }
     return 0;
   });
 }

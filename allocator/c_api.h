@@ -100,6 +100,13 @@ TIDEPOOL_API int tidepool_empty_cache_all(void);
  * released) or a stream tidepool holds something for that cannot be synchronized
  * (already destroyed); nothing changes then. */
 TIDEPOOL_API int tidepool_release_stream(int device, void* stream);
+/* Whether `ptr` lies in memory a device's caching allocator holds (handed out, held back
+ * or cached; any address inside, not only an allocation's start): 1, else 0, or -1 on
+ * error. For a caller that must never hand such an address to the CUDA runtime (the
+ * LD_PRELOAD shim, for a free of a pointer it no longer owns: a double free there would
+ * give tidepool's segment back under it). Walks every device's ranges: not for a hot
+ * path. */
+TIDEPOOL_API int tidepool_holds_address(const void* ptr);
 /* Gives device `peer` read and write access to the memory tidepool maps through CUDA
  * virtual memory management for `device` (expandable segments, pointer-stable ranges of
  * optimizer state, device- or host-backed): every range mapped now and every range mapped

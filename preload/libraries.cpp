@@ -294,7 +294,8 @@ void initialise() {
                      symbol("tidepool_install_from_env", t.install_from_env),
                      symbol("tidepool_config_apply", t.config_apply),
                      symbol("tidepool_config_active_json", t.config_active_json),
-                     symbol("tidepool_release_stream", t.release_stream))) {
+                     symbol("tidepool_release_stream", t.release_stream),
+                     symbol("tidepool_holds_address", t.holds_address))) {
     return;
   }
   char error[2048] = "";

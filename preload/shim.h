@@ -53,6 +53,7 @@ struct TidepoolAbi {
   int (*config_apply)(const char*, char*, size_t) = nullptr;
   size_t (*config_active_json)(char*, size_t) = nullptr;
   int (*release_stream)(int, void*) = nullptr;
+  int (*holds_address)(const void*) = nullptr;  // Note [frees of memory tidepool holds]
 };
 
 struct Allocation {

@@ -14,7 +14,8 @@
 //     when a caller tags it, to pointer-stable ranges itself); the shim remembers each
 //     pointer with its size and device, because cudaFree gives neither. cudaFree of a
 //     remembered pointer synchronises the device first (cudaFree's own contract, which
-//     callers rely on) and → tidepool_free; any other pointer goes to the real cudaFree.
+//     callers rely on) and → tidepool_free; any other pointer goes to the real cudaFree
+//     (Note [frees of memory tidepool holds] for the exception).
 //     A cudaMalloc whose block a cudaFreeAsync freed in the legacy stream's order waits
 //     for that stream to pass the free first (Note [cudaMalloc after stream-ordered
 //     frees], legacy_frees.cpp).
@@ -79,6 +80,15 @@
 //     release: the NULL, legacy and per-thread handles (the runtime refuses them), calls
 //     made inside tidepool, and every call while tidepool is not set up (it holds nothing
 //     then; the destroy does not set it up) or does not serve (Note [runtime version]).
+//   - Note [frees of memory tidepool holds]: a pointer the shim does not own may still lie
+//     in memory tidepool holds: freed twice, or an address inside a block. The runtime
+//     must not see it: at the start of a segment tidepool got from cudaMalloc it would
+//     free the segment under tidepool, which hands it out again (the runtime too), and
+//     the program's bug would become silent corruption. Without the shim the runtime
+//     answers a pointer it did not hand out (or no longer holds) with
+//     cudaErrorInvalidValue; the shim answers that itself, for cudaFree and
+//     cudaFreeAsync, after asking tidepool (tidepool_holds_address: slow, but only frees
+//     of pointers the shim does not own pay it).
 //   - Errors keep CUDA's meaning: cudaErrorMemoryAllocation for out-of-memory
 //     (tidepool_last_error_is_out_of_memory) and for a size above tidepool's limit
 //     (Note [sizes beyond any device]), cudaErrorInvalidValue for any other failure of
@@ -206,6 +216,13 @@ bool take_owned(void* ptr, Allocation& out) {
   out = it->second;
   s.owned.erase(it);
   return true;
+}
+
+// Note [frees of memory tidepool holds]: whether a pointer the shim does not own lies in
+// tidepool's memory all the same.
+bool tidepool_holds(void* ptr) {
+  InsideTidepool inside;
+  return shim().tp.holds_address(ptr) == 1;
 }
 
 // Puts back what take_owned removed, when the free fails: the pointer is still the
@@ -383,12 +400,12 @@ cudaError_t serve_free_async(void* dev_ptr, const Allocation& a, cudaStream_t me
 
 cudaError_t free_async(FreeAsync RealCudart::*real, void* dev_ptr, cudaStream_t stream,
                        cudaStream_t meant) {
+  if (dev_ptr == nullptr || t_inside_tidepool || !ready()) return forward(real, dev_ptr, stream);
   Allocation a{};
-  if (dev_ptr == nullptr || t_inside_tidepool || !ready() || !take_owned(dev_ptr, a)) {
-    return forward(real, dev_ptr, stream);
-  }
+  const bool owned = take_owned(dev_ptr, a);
+  if (!owned && !tidepool_holds(dev_ptr)) return forward(real, dev_ptr, stream);
   ProgramLastError last_error;
-  return last_error.answer(serve_free_async(dev_ptr, a, meant));
+  return last_error.answer(owned ? serve_free_async(dev_ptr, a, meant) : cudaErrorInvalidValue);
 }
 
 // cudaMalloc of `size` > 0 bytes once the shim serves it.
@@ -471,12 +488,14 @@ TIDEPOOL_PRELOAD_EXPORT cudaError_t cudaMalloc(void** dev_ptr, size_t size) {
 TIDEPOOL_PRELOAD_EXPORT cudaError_t cudaFree(void* dev_ptr) {
   // cudaFree(nullptr) is the classic "initialise the context" call: always CUDA's, and it
   // does not set tidepool up (forward resolves the real cudaFree itself).
-  Allocation a{};
-  if (dev_ptr == nullptr || t_inside_tidepool || !ready() || !take_owned(dev_ptr, a)) {
+  if (dev_ptr == nullptr || t_inside_tidepool || !ready()) {
     return forward(&RealCudart::free, dev_ptr);
   }
+  Allocation a{};
+  const bool owned = take_owned(dev_ptr, a);
+  if (!owned && !tidepool_holds(dev_ptr)) return forward(&RealCudart::free, dev_ptr);
   ProgramLastError last_error;
-  return last_error.answer(serve_cuda_free(dev_ptr, a));
+  return last_error.answer(owned ? serve_cuda_free(dev_ptr, a) : cudaErrorInvalidValue);
 }
 
 // Note [stream-ordered calls].

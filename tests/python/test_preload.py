@@ -236,6 +236,35 @@ out["bad_device_rc"] = process.cudaMalloc(byref(p), 4096)
     assert "device 4096" in stderr  # libtidepool's own message for a bad request
 
 
+@needs_fake
+def test_a_free_of_memory_tidepool_holds_never_reaches_the_runtime(run_python):
+    # Note [frees of memory tidepool holds]: a double free, or an address inside a block,
+    # is not the shim's to serve, but the runtime must not see it either (the fake would
+    # free() host-backend memory; CUDA could free tidepool's segment under it). The
+    # runtime's answer for a pointer it does not hold, and nothing changes.
+    out, _ = run_with_fake(run_python, """
+import tidepool
+allocated = lambda: tidepool.stats(0)["allocated_bytes.all.current"]
+p, q = c_void_p(), c_void_p()
+out["malloc_rc"] = process.cudaMalloc(byref(p), 4 << 20)
+out["free_rc"] = process.cudaFree(p)
+out["double_free_rc"] = process.cudaFree(p)          # cached in tidepool now
+out["malloc_async_rc"] = process.cudaMallocAsync(byref(q), 4096, None)
+out["inside_rcs"] = [process.cudaFree(c_void_p(q.value + 512)),
+                     process.cudaFreeAsync(c_void_p(q.value + 512), None)]
+out["last_error"] = [process.cudaGetLastError(), process.cudaGetLastError()]
+out["allocated"] = allocated()
+out["free_async_rc"] = process.cudaFreeAsync(q, None)
+out["double_free_async_rc"] = process.cudaFreeAsync(q, None)
+out["allocated_at_end"] = allocated()
+out["cuda_frees"] = [counter("fake_cudart_free_calls"), counter("fake_cudart_free_async_calls")]
+""", TIDEPOOL_BACKEND="host")
+    assert out == {"malloc_rc": 0, "free_rc": 0, "double_free_rc": 1,  # cudaErrorInvalidValue
+                   "malloc_async_rc": 0, "inside_rcs": [1, 1], "last_error": [1, 0],
+                   "allocated": 4096, "free_async_rc": 0, "double_free_async_rc": 1,
+                   "allocated_at_end": 0, "cuda_frees": [0, 0]}
+
+
 # A stream handle for the stream-ordered calls. tidepool keys its pools by it; the host
 # backend knows only its NULL stream and refuses to record an event on another, which
 # tidepool does when a stream takes memory another stream freed (Note [Cross-stream reuse]):
