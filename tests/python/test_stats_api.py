@@ -11,7 +11,7 @@ import pytest
 SCRIPT = """
 import ctypes, json
 import tidepool
-from tidepool import _config, _lib
+from tidepool import _config, _lib, _stats, _tags
 
 # tier_min_bytes above 1 MiB: the optimizer_state allocation below stays in the caching
 # allocator, whose per-tag stats this test reads (routing: test_tier_routing.py).
@@ -49,6 +49,28 @@ try:
         pass
 except ValueError as e:
     out["bad_tag"] = str(e)
+
+
+def outcome(call):
+    try:
+        return ["returned", call()]
+    except (TypeError, ValueError) as e:
+        return [type(e).__name__, str(e)]
+
+
+def tag_names():
+    return [_tags.tag_name(i) for i in range(_stats.TAG_MAX)]
+
+
+names_before = tag_names()
+out["unknown_tag_ids"] = [outcome(lambda: tidepool.evict(999, device=0)),
+                          outcome(lambda: tidepool.prefetch(-1, device=0))]
+out["names_never_made"] = [outcome(lambda: tidepool.evict("never_made", device=0)),
+                           outcome(lambda: tidepool.prefetch("never_made", device=0))]
+out["tag_table_unchanged"] = tag_names() == names_before
+prefetches_before = tidepool.stats(0)["tiering.prefetch_issued"]
+out["bad_stream"] = outcome(lambda: tidepool.prefetch("kv_cache", device=0, stream="x"))
+out["nothing_prefetched"] = tidepool.stats(0)["tiering.prefetch_issued"] == prefetches_before
 print(json.dumps(out))
 """
 
@@ -104,3 +126,23 @@ def test_snapshot_is_parsed_json(report):
 def test_errors_are_clear(report):
     assert report["bad_device"].startswith("tidepool: reading stats of device 99 failed")
     assert report["bad_tag"] == "tidepool: a tag is a non-empty name or an id, not ''"
+
+
+def test_evict_and_prefetch_refuse_an_id_that_names_no_tag(report):
+    # The C ABI takes any id and moves nothing: a wrong id would pass unnoticed.
+    assert report["unknown_tag_ids"] == [["ValueError", "tidepool: no tag has the id 999"],
+                                         ["ValueError", "tidepool: no tag has the id -1"]]
+
+
+def test_evict_and_prefetch_of_a_name_never_used_move_nothing_and_create_no_tag(report):
+    # Nothing was allocated under it; creating it would use up one of the 64 tag ids.
+    assert report["names_never_made"] == [["returned", None], ["returned", 0]]
+    assert report["tag_table_unchanged"]
+
+
+def test_a_stream_that_is_not_one_is_refused_before_anything_moves(report):
+    # ctypes would pass a str to CUDA as a stream handle (a pointer to its characters).
+    assert report["bad_stream"] == [
+        "TypeError", "tidepool: stream must be a torch.cuda.Stream, a stream handle (int) or "
+        "None, not 'x'"]
+    assert report["nothing_prefetched"]

@@ -109,8 +109,15 @@ def _device(device) -> int:
 
 
 def _stream(device: int, stream):
+    """The CUDA stream handle of `stream` (a torch.cuda.Stream or a handle; None: the
+    current stream). Anything else is refused here: ctypes would hand CUDA a str or a
+    float as a stream handle."""
     if stream is not None:
-        return getattr(stream, "cuda_stream", stream)
+        handle = getattr(stream, "cuda_stream", stream)
+        if not isinstance(handle, int) or isinstance(handle, bool):
+            raise TypeError("tidepool: stream must be a torch.cuda.Stream, a stream handle "
+                            f"(int) or None, not {stream!r}")
+        return handle
     from ._install import STATE
     if STATE.active:
         return STATE.torch.cuda.current_stream(device).cuda_stream
@@ -152,7 +159,9 @@ def evict(tag: str | int = "optimizer_state", device=None, stream=None) -> None:
     """Moves every allocation under `tag` to host memory, ordered after `stream`'s work."""
     from . import _tags, _tiering
     d = _device(device)
-    _tiering.evict_tag(d, _tags.tag_id(tag), _stream(d, stream))
+    tag_id, stream = _tags.existing_tag_id(tag), _stream(d, stream)
+    if tag_id is not None:  # else nothing was ever allocated under it
+        _tiering.evict_tag(d, tag_id, stream)
 
 
 def prefetch(tag: str | int = "optimizer_state", device=None, stream=None) -> int:
@@ -161,7 +170,10 @@ def prefetch(tag: str | int = "optimizer_state", device=None, stream=None) -> in
     usable at the same addresses, only slower)."""
     from . import _tags, _tiering
     d = _device(device)
-    return _tiering.prefetch_tag(d, _tags.tag_id(tag), _stream(d, stream))
+    tag_id, stream = _tags.existing_tag_id(tag), _stream(d, stream)
+    if tag_id is None:  # nothing was ever allocated under it
+        return 0
+    return _tiering.prefetch_tag(d, tag_id, stream)
 
 
 def enable_peer_access(device, peer) -> None:

@@ -9,8 +9,7 @@ import ctypes
 import json
 
 from . import _lib
-
-TAG_MAX = 64  # TIDEPOOL_TAG_MAX
+from ._tags import TAG_MAX
 
 
 class Stat(ctypes.Structure):

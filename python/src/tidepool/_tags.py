@@ -6,16 +6,35 @@ from . import _lib
 
 OPTIMIZER_STATE = 4  # TIDEPOOL_TAG_OPTIMIZER_STATE in allocator/c_api.h
 WORKSPACE = 5  # TIDEPOOL_TAG_WORKSPACE
+TAG_MAX = 64  # TIDEPOOL_TAG_MAX
 
 
 def tag_id(tag: str | int) -> int:
     """The id of a tag name ("optimizer_state", or any user name; created on first use)."""
     if isinstance(tag, int):
         return tag
-    if not isinstance(tag, str) or not tag:
-        raise ValueError(f"tidepool: a tag is a non-empty name or an id, not {tag!r}")
+    _check_name(tag)
     fn = _lib.function("tidepool_tag_id", "allocation tags")
     return _lib.check(fn(tag.encode("utf-8")), f"tag {tag!r}")
+
+
+def _check_name(tag) -> None:
+    if not isinstance(tag, str) or not tag:
+        raise ValueError(f"tidepool: a tag is a non-empty name or an id, not {tag!r}")
+
+
+def existing_tag_id(tag: str | int) -> int | None:
+    """The id of a tag that exists (built in, or made by region() / tag_id()), for
+    evict and prefetch, which only act on what is there: a name not made yet has no
+    allocations, so None (and, unlike tag_id, it is not created: the table holds only
+    TIDEPOOL_TAG_MAX tags, and a lookup must not use one up). An id that names no tag
+    is a ValueError: the C ABI would take it and silently move nothing."""
+    if isinstance(tag, int):
+        if tag_name(tag) is None:
+            raise ValueError(f"tidepool: no tag has the id {tag}")
+        return tag
+    _check_name(tag)
+    return next((i for i in range(TAG_MAX) if tag_name(i) == tag), None)
 
 
 def tag_name(tag: int) -> str | None:
