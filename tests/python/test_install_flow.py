@@ -111,6 +111,15 @@ def test_the_device_argument_accepts_what_torch_accepts():
         tidepool._device("cpu")
 
 
+def test_install_under_the_preload_shim_reports_the_shim(fake_cuda, monkeypatch):
+    # LD_PRELOAD=libtidepool_preload.so claimed the environment and serves cudaMalloc; a
+    # script that also calls tidepool.install() must not be told tidepool is not named.
+    from tidepool import _startup
+    monkeypatch.setattr(_startup, "preload_shim_loaded", lambda: True)
+    assert tidepool.install() == "active: through the LD_PRELOAD shim (libtidepool_preload.so)"
+    assert not [c for c in fake_cuda if c[0] in ("pluggable", "change_current_allocator")]
+
+
 def test_the_fallback_is_silent_with_log_off(fake_cuda):
     with warnings.catch_warnings():
         warnings.simplefilter("error", _install.TidepoolFallbackWarning)

@@ -52,7 +52,8 @@ def install(conf: str | None = None) -> str:
 
     With `conf` (tidepool keys only, e.g. "backend:tidepool,tidepool.mode:pool") that
     configuration is applied, and kept in TIDEPOOL_ALLOC_CONF for child processes (as
-    the hook does); without, the environment is claimed as the hook does. torch must not
+    the hook does); without, the environment is claimed as the hook does (under the
+    LD_PRELOAD shim, which claimed it and serves tidepool, nothing more). torch must not
     have used CUDA yet. Once tidepool is installed its configuration stays: calling again
     with the same keys changes nothing, with others is a ConfigError. Returns status().
     """
@@ -65,6 +66,8 @@ def install(conf: str | None = None) -> str:
         if _install.STATE.torch is not None:
             return status()
         _startup.start()  # installs at once: torch is imported
+        if _startup.preload_shim_loaded():
+            return status()  # the shim serves tidepool; start() stood aside, as the hook does
         if _install.STATE.torch is None:
             raise _config.ConfigError(
                 "tidepool.install(): neither PYTORCH_ALLOC_CONF nor PYTORCH_CUDA_ALLOC_CONF "
