@@ -111,6 +111,29 @@ def test_the_device_argument_accepts_what_torch_accepts():
         tidepool._device("cpu")
 
 
+def test_without_an_install_torchs_cuda_gives_the_current_device_and_stream(monkeypatch):
+    # Under the LD_PRELOAD shim nothing is installed in Python, but torch has initialised
+    # CUDA on its own device (torchrun's rank 2 on cuda:2): evict() and stats() default to
+    # that device, and evict() waits for the work queued on its current stream.
+    from tidepool import _tiering
+    monkeypatch.setattr(_install, "STATE", _install._State())
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "current_stream",
+                        lambda device=None: SimpleNamespace(cuda_stream=1000 + device))
+    synchronized = []
+    monkeypatch.setattr(torch.cuda, "ExternalStream", lambda handle, device: SimpleNamespace(
+        synchronize=lambda: synchronized.append((handle, device))))
+    calls = []
+    monkeypatch.setattr(_tiering, "_fn", lambda name: lambda *args: calls.append((name, *args[:3])) or 0)
+    tidepool.evict()
+    tidepool.prefetch()
+    assert synchronized == [(1002, 2)]
+    assert calls == [("tidepool_evict_tag", 2, _tags.OPTIMIZER_STATE),
+                     ("tidepool_prefetch_tag_within_budget", 2, _tags.OPTIMIZER_STATE, 1002)]
+    assert tidepool._device("cuda") == 2
+
+
 def test_install_under_the_preload_shim_reports_the_shim(fake_cuda, monkeypatch):
     # LD_PRELOAD=libtidepool_preload.so claimed the environment and serves cudaMalloc; a
     # script that also calls tidepool.install() must not be told tidepool is not named.

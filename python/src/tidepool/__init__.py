@@ -14,6 +14,7 @@ nothing heavy at module level (no ctypes, no torch): everything loads on first u
 from __future__ import annotations
 
 import contextlib
+import sys
 
 __all__ = ["region", "stats", "snapshot", "evict", "prefetch", "enable_peer_access", "status",
            "config", "install", "ConfigError", "LibraryError", "TidepoolInactiveWarning", "TidepoolFallbackWarning"]
@@ -96,7 +97,6 @@ def install(conf: str | None = None) -> str:
 def _device(device) -> int:
     """The CUDA device index of `device` (an int, "cuda:1", torch.device; None or a
     device without an index: the current device)."""
-    from ._install import STATE
     if isinstance(device, int):
         return device
     if device is not None:
@@ -106,9 +106,8 @@ def _device(device) -> int:
             raise ValueError(f"tidepool: {device} is not a CUDA device")
         if device.index is not None:
             return device.index
-    if STATE.active:
-        return STATE.torch.cuda.current_device()
-    return 0
+    torch = _torch_using_cuda()
+    return torch.cuda.current_device() if torch is not None else 0
 
 
 def _stream(device: int, stream):
@@ -121,10 +120,20 @@ def _stream(device: int, stream):
             raise TypeError("tidepool: stream must be a torch.cuda.Stream, a stream handle "
                             f"(int) or None, not {stream!r}")
         return handle
+    torch = _torch_using_cuda()
+    return torch.cuda.current_stream(device).cuda_stream if torch is not None else None
+
+
+def _torch_using_cuda():
+    """torch, when its current device and stream are what tidepool serves: tidepool is
+    installed in it, or torch has initialised CUDA (under the LD_PRELOAD shim, where
+    nothing is installed in Python, torchrun's rank 1 works on device 1 all the same).
+    None otherwise: asking torch before CUDA is initialised would initialise it."""
     from ._install import STATE
     if STATE.active:
-        return STATE.torch.cuda.current_stream(device).cuda_stream
-    return None
+        return STATE.torch
+    torch = sys.modules.get("torch")
+    return torch if torch is not None and torch.cuda.is_initialized() else None
 
 
 @contextlib.contextmanager

@@ -6,6 +6,7 @@ allocator's do. A build without tiering says so instead of pretending."""
 from __future__ import annotations
 
 import ctypes
+import sys
 
 from . import _lib
 
@@ -59,10 +60,9 @@ def evict_tag(device: int, tag: int, stream: int | None = None) -> None:
     takes no stream, so the stream is synchronised first: a migration must not race
     kernels still using the memory)."""
     if stream is not None:
-        from ._install import STATE
-        torch = STATE.torch
+        torch = sys.modules.get("torch")  # installed in, or (LD_PRELOAD shim) only imported
         if torch is None:
-            raise RuntimeError("tidepool: evicting after a stream needs torch with tidepool installed")
+            raise RuntimeError("tidepool: evicting after a stream needs torch")
         torch.cuda.ExternalStream(stream, device=device).synchronize()
     _check(_fn("tidepool_evict_tag")(device, tag), f"evicting tag {tag} on device {device}")
 
