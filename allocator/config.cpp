@@ -271,12 +271,26 @@ std::uint64_t parse_byte_count(std::string_view key, std::string_view value) {
 
 // ---- claiming -------------------------------------------------------------------------
 
+// Note [one backend]: any tidepool key turns tidepool on (global mode by default), so
+// tidepool keys next to PyTorch's backend:X for another allocator X are a conflict,
+// whether in one variable or in the other (PyTorch reads the backend from either), or
+// inherited in TIDEPOOL_ALLOC_CONF: global mode would quietly replace the allocator
+// asked for, and pool mode cannot route to its MemPool on cudaMallocAsync (PyTorch
+// refuses that), which would only show at the first optimizer step. Pool mode on
+// backend:native is what pool mode is: PyTorch's own allocator with tidepool's pool.
+namespace {
+
+bool conflicts_with_tidepool(const Config& config, std::string_view other_backend) {
+  return config.enabled && !other_backend.empty() &&
+         !(config.mode == Mode::pool && other_backend == "native");
+}
+
+}  // namespace
+
 ClaimResult claim_config(std::string_view conf, std::string_view source) {
   ClaimResult result;
   std::vector<std::string_view> seen;  // tidepool keys given so far (duplicates are errors)
-  bool other_backend = false;
   bool tidepool_backend = false;
-  std::string other_backend_entry;
   std::vector<std::string_view> kept;
   std::vector<std::string_view> taken;  // tidepool's entries, trimmed
 
@@ -297,8 +311,7 @@ ClaimResult claim_config(std::string_view conf, std::string_view source) {
         taken.push_back(trimmed);
         continue;
       }
-      other_backend = true;
-      other_backend_entry = std::string(trimmed);
+      result.other_backend = std::string(value);
       kept.push_back(entry);
       continue;
     }
@@ -332,9 +345,11 @@ ClaimResult claim_config(std::string_view conf, std::string_view source) {
     result.config.enabled = true;
     taken.push_back(trimmed);
   }
-  if (tidepool_backend && other_backend) {
-    throw ConfigError(std::string(source) + ": backend:tidepool conflicts with '" +
-                      other_backend_entry + "'; name one backend");
+  if ((tidepool_backend && !result.other_backend.empty()) ||
+      conflicts_with_tidepool(result.config, result.other_backend)) {
+    throw ConfigError(std::string(source) + ": " +
+                      std::string(tidepool_backend ? "backend:tidepool" : taken.front()) +
+                      " conflicts with 'backend:" + result.other_backend + "'; name one backend");
   }
   result.remaining = join(kept);
   result.claimed = join(taken);
@@ -397,12 +412,24 @@ Config install_from_env() {
     ClaimResult result;
   };
   std::vector<Claimed> named;
+  Claimed other{nullptr, {}};  // a variable naming only another backend (Note [one backend])
   for (const char* variable : kVariables) {
     const char* value = std::getenv(variable);
     if (value == nullptr) continue;
     ClaimResult r = claim_config(value, variable);
-    if (r.config.enabled) named.push_back({variable, std::move(r)});
+    if (r.config.enabled) {
+      named.push_back({variable, std::move(r)});
+    } else if (!r.other_backend.empty()) {
+      other = {variable, std::move(r)};
+    }
   }
+  const auto check_one_backend = [&other](const Config& config, const std::string& source) {
+    if (other.variable != nullptr && conflicts_with_tidepool(config, other.result.other_backend)) {
+      throw ConfigError(source + " turns tidepool on, which conflicts with 'backend:" +
+                        other.result.other_backend + "' in " + other.variable +
+                        "; name one backend");
+    }
+  };
   if (named.size() > 1) {
     throw ConfigError(std::string("tidepool keys are set in both ") + named[0].variable + " and " +
                       named[1].variable + "; put them in one of the two");
@@ -416,10 +443,14 @@ Config install_from_env() {
       throw ConfigError(std::string(kInheritedVariable) + " holds tidepool keys only; '" +
                         r.remaining + "' belongs in PYTORCH_ALLOC_CONF");
     }
+    check_one_backend(r.config, std::string(kInheritedVariable) +
+                                    " (inherited from a parent process, or set by hand; unset "
+                                    "it to run without tidepool)");
     apply_config(r.config);
     return r.config;
   }
   const Claimed& claimed = named.front();
+  check_one_backend(claimed.result.config, claimed.variable);
   apply_config(claimed.result.config);
   if (claimed.result.remaining.empty()) {
     ::unsetenv(claimed.variable);

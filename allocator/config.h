@@ -94,6 +94,7 @@ struct ClaimResult {
   Config config;
   std::string remaining;  // the entries left for PyTorch, verbatim, comma-joined, in order
   std::string claimed;    // tidepool's entries, trimmed, comma-joined, in order
+  std::string other_backend;  // X of a backend:X entry naming another allocator; or ""
 };
 
 // A configuration string tidepool cannot accept. what() names the variable (when known),
@@ -132,8 +133,10 @@ TIDEPOOL_API Config active_config();
 // configuration. When neither variable names tidepool, TIDEPOOL_ALLOC_CONF (tidepool
 // keys only; inherited from a parent, or set by hand) is applied instead. Returns the
 // configuration (enabled == false when nothing names tidepool; nothing is changed then).
-// Throws ConfigError on a bad configuration or when both PyTorch variables name
-// tidepool keys. Applying the same configuration again is harmless.
+// Throws ConfigError on a bad configuration, when both PyTorch variables name
+// tidepool keys, or when tidepool is turned on next to PyTorch's backend:X for another
+// allocator (Note [one backend] in config.cpp). Applying the same configuration again is
+// harmless.
 TIDEPOOL_API Config install_from_env();
 
 }  // namespace tidepool

@@ -212,6 +212,13 @@ TEST(ConfigErrors, MissingValueDuplicatesAndConflicts) {
             "X: backend:tidepool is given twice");
   EXPECT_EQ(error_of([] { claim_config("backend:native,backend:tidepool", "X"); }),
             "X: backend:tidepool conflicts with 'backend:native'; name one backend");
+  // Note [one backend]: tidepool keys alone turn tidepool on, so they conflict too.
+  EXPECT_EQ(error_of([] { claim_config("tidepool.mode:pool,backend:cudaMallocAsync", "X"); }),
+            "X: tidepool.mode:pool conflicts with 'backend:cudaMallocAsync'; name one backend");
+  EXPECT_EQ(error_of([] { claim_config("backend:native, tidepool.log:off", "X"); }),
+            "X: tidepool.log:off conflicts with 'backend:native'; name one backend");
+  // Pool mode keeps PyTorch's native allocator: naming it is no conflict.
+  EXPECT_EQ(claim_config("backend:native,tidepool.mode:pool", "X").remaining, "backend:native");
   EXPECT_NE(error_of([] { claim_config("a:[1,2,backend:tidepool", "X"); }).find("unbalanced '['"),
             std::string::npos);
   EXPECT_NE(error_of([] { claim_config("a:1],backend:tidepool", "X"); }).find("unbalanced ']'"),
@@ -367,6 +374,31 @@ TEST_F(ConfigEnv, TidepoolKeysInBothVariablesAreAnError) {
   char error[256];
   EXPECT_EQ(tidepool_install_from_env(error, sizeof error), -1);
   EXPECT_NE(std::string(error).find("in both"), std::string::npos);
+}
+
+TEST_F(ConfigEnv, AnotherBackendInTheOtherVariableIsAConflictAndNothingChanges) {
+  ::setenv("PYTORCH_ALLOC_CONF", "backend:tidepool,expandable_segments:True", 1);
+  ::setenv("PYTORCH_CUDA_ALLOC_CONF", "backend:cudaMallocAsync", 1);
+  EXPECT_EQ(error_of([] { install_from_env(); }),
+            "PYTORCH_ALLOC_CONF turns tidepool on, which conflicts with 'backend:cudaMallocAsync' "
+            "in PYTORCH_CUDA_ALLOC_CONF; name one backend");
+  EXPECT_EQ(env("PYTORCH_ALLOC_CONF"), "backend:tidepool,expandable_segments:True");
+  EXPECT_EQ(env("TIDEPOOL_ALLOC_CONF"), std::nullopt);
+  // Pool mode on PyTorch's native allocator is pool mode.
+  ::setenv("PYTORCH_ALLOC_CONF", "backend:tidepool,tidepool.mode:pool", 1);
+  ::setenv("PYTORCH_CUDA_ALLOC_CONF", "backend:native", 1);
+  EXPECT_EQ(install_from_env().mode, Mode::pool);
+}
+
+TEST_F(ConfigEnv, AnInheritedConfigurationConflictsWithAnotherBackendNamedByTheChild) {
+  // A parent ran with tidepool; this child asks PyTorch for cudaMallocAsync.
+  ::setenv("TIDEPOOL_ALLOC_CONF", "backend:tidepool,tidepool.log:off", 1);
+  ::setenv("PYTORCH_CUDA_ALLOC_CONF", "backend:cudaMallocAsync", 1);
+  EXPECT_EQ(error_of([] { install_from_env(); }),
+            "TIDEPOOL_ALLOC_CONF (inherited from a parent process, or set by hand; unset it to "
+            "run without tidepool) turns tidepool on, which conflicts with "
+            "'backend:cudaMallocAsync' in PYTORCH_CUDA_ALLOC_CONF; name one backend");
+  EXPECT_EQ(env("PYTORCH_CUDA_ALLOC_CONF"), "backend:cudaMallocAsync");
 }
 
 TEST_F(ConfigEnv, ActiveJsonThroughTheCAbi) {

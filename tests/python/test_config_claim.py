@@ -98,6 +98,9 @@ def test_unknown_key_names_the_key_and_lists_the_known_ones():
     ("tidepool.log:info,tidepool.log:debug", "tidepool.log is given twice"),
     ("backend:native,backend:tidepool",
      "backend:tidepool conflicts with 'backend:native'; name one backend"),
+    # tidepool keys alone turn tidepool on (allocator/config.cpp, Note [one backend])
+    ("tidepool.mode:pool,backend:cudaMallocAsync",
+     "tidepool.mode:pool conflicts with 'backend:cudaMallocAsync'; name one backend"),
     ("a:[1,2,backend:tidepool", "unbalanced '['"),
 ])
 def test_bad_values_name_key_value_and_what_is_allowed(conf, message):

@@ -141,6 +141,16 @@ def test_keys_in_both_variables_are_an_error(run_python):
             "them in one of the two") in result.stderr
 
 
+def test_a_child_asking_pytorch_for_another_backend_is_not_quietly_given_tidepool(run_python):
+    # The parent ran with tidepool (TIDEPOOL_ALLOC_CONF inherited); this child names
+    # cudaMallocAsync itself. Note [one backend] in allocator/config.cpp.
+    result = run_python("import torch", check=False, TIDEPOOL_ALLOC_CONF="backend:tidepool",
+                        PYTORCH_CUDA_ALLOC_CONF="backend:cudaMallocAsync")
+    assert result.returncode == 1
+    assert ("which conflicts with 'backend:cudaMallocAsync' in PYTORCH_CUDA_ALLOC_CONF; name one "
+            "backend") in result.stderr.strip().splitlines()[-1]
+
+
 def test_autoload_can_be_turned_off(run_python):
     result = run_python("""
         import os, sys
