@@ -278,16 +278,21 @@ std::uint64_t parse_byte_count(std::string_view key, std::string_view value) {
 // asked for, and pool mode cannot route to its MemPool on cudaMallocAsync (PyTorch
 // refuses that), which would only show at the first optimizer step. Pool mode on
 // backend:native is what pool mode is: PyTorch's own allocator with tidepool's pool.
+// Under the LD_PRELOAD shim (Installer::preload_shim) there is no conflict: PyTorch's
+// allocator, whichever it is, calls cudaMalloc or cudaMallocAsync, and the shim serves
+// those from tidepool. backend:tidepool next to another backend:X is contradictory for
+// every installer.
 namespace {
 
-bool conflicts_with_tidepool(const Config& config, std::string_view other_backend) {
-  return config.enabled && !other_backend.empty() &&
+bool conflicts_with_tidepool(const Config& config, std::string_view other_backend,
+                             Installer installer) {
+  return installer == Installer::pytorch && config.enabled && !other_backend.empty() &&
          !(config.mode == Mode::pool && other_backend == "native");
 }
 
 }  // namespace
 
-ClaimResult claim_config(std::string_view conf, std::string_view source) {
+ClaimResult claim_config(std::string_view conf, std::string_view source, Installer installer) {
   ClaimResult result;
   std::vector<std::string_view> seen;  // tidepool keys given so far (duplicates are errors)
   bool tidepool_backend = false;
@@ -346,7 +351,7 @@ ClaimResult claim_config(std::string_view conf, std::string_view source) {
     taken.push_back(trimmed);
   }
   if ((tidepool_backend && !result.other_backend.empty()) ||
-      conflicts_with_tidepool(result.config, result.other_backend)) {
+      conflicts_with_tidepool(result.config, result.other_backend, installer)) {
     throw ConfigError(std::string(source) + ": " +
                       std::string(tidepool_backend ? "backend:tidepool" : taken.front()) +
                       " conflicts with 'backend:" + result.other_backend + "'; name one backend");
@@ -403,7 +408,7 @@ Config active_config() {
 // key (those win when they do). Users may set it directly as well.
 constexpr const char* kInheritedVariable = "TIDEPOOL_ALLOC_CONF";
 
-Config install_from_env() {
+Config install_from_env(Installer installer) {
   // PYTORCH_ALLOC_CONF is PyTorch's current name, PYTORCH_CUDA_ALLOC_CONF the older
   // one; both are honoured, but tidepool keys in both would leave it ambiguous which wins.
   static constexpr const char* kVariables[] = {"PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"};
@@ -416,15 +421,16 @@ Config install_from_env() {
   for (const char* variable : kVariables) {
     const char* value = std::getenv(variable);
     if (value == nullptr) continue;
-    ClaimResult r = claim_config(value, variable);
+    ClaimResult r = claim_config(value, variable, installer);
     if (r.config.enabled) {
       named.push_back({variable, std::move(r)});
     } else if (!r.other_backend.empty()) {
       other = {variable, std::move(r)};
     }
   }
-  const auto check_one_backend = [&other](const Config& config, const std::string& source) {
-    if (other.variable != nullptr && conflicts_with_tidepool(config, other.result.other_backend)) {
+  const auto check_one_backend = [&](const Config& config, const std::string& source) {
+    if (other.variable != nullptr &&
+        conflicts_with_tidepool(config, other.result.other_backend, installer)) {
       throw ConfigError(source + " turns tidepool on, which conflicts with 'backend:" +
                         other.result.other_backend + "' in " + other.variable +
                         "; name one backend");
@@ -438,7 +444,7 @@ Config install_from_env() {
     // Note [inherited configuration]: a parent that claimed the keys left them here.
     const char* inherited = std::getenv(kInheritedVariable);
     if (inherited == nullptr || *inherited == '\0') return Config{};
-    const ClaimResult r = claim_config(inherited, kInheritedVariable);
+    const ClaimResult r = claim_config(inherited, kInheritedVariable, installer);
     if (!r.remaining.empty()) {
       throw ConfigError(std::string(kInheritedVariable) + " holds tidepool keys only; '" +
                         r.remaining + "' belongs in PYTORCH_ALLOC_CONF");
@@ -480,6 +486,17 @@ bool write_c_string(std::string_view text, char* out, std::size_t size) {
 int report(const std::exception& e, char* error, std::size_t error_size) {
   write_c_string(e.what(), error, error_size);
   return -1;
+}
+
+// tidepool_install_from_env and its LD_PRELOAD form.
+int install_from_env_for(tidepool::Installer installer, char* error, size_t error_size) {
+  try {
+    const tidepool::Config c = tidepool::install_from_env(installer);
+    write_c_string("", error, error_size);
+    return c.enabled ? 1 : 0;
+  } catch (const std::exception& e) {
+    return report(e, error, error_size);
+  }
 }
 
 }  // namespace
@@ -527,13 +544,11 @@ size_t tidepool_config_active_json(char* out, size_t size) {
 }
 
 int tidepool_install_from_env(char* error, size_t error_size) {
-  try {
-    const tidepool::Config c = tidepool::install_from_env();
-    write_c_string("", error, error_size);
-    return c.enabled ? 1 : 0;
-  } catch (const std::exception& e) {
-    return report(e, error, error_size);
-  }
+  return install_from_env_for(tidepool::Installer::pytorch, error, error_size);
+}
+
+int tidepool_install_from_env_for_preload(char* error, size_t error_size) {
+  return install_from_env_for(tidepool::Installer::preload_shim, error, error_size);
 }
 
 }  // extern "C"

@@ -104,10 +104,18 @@ class TIDEPOOL_API ConfigError : public std::invalid_argument {
   using std::invalid_argument::invalid_argument;
 };
 
+// Who turns tidepool on, which decides what another PyTorch backend:X means (Note [one
+// backend] in config.cpp): the Python hook and C++ trainers put tidepool in the place of
+// PyTorch's allocator (global mode) or beside it (pool mode), so backend:X for another
+// allocator conflicts; the LD_PRELOAD shim serves the CUDA calls under whichever
+// allocator PyTorch runs, so any backend:X is compatible with it.
+enum class Installer { pytorch, preload_shim };
+
 // Splits `conf` into tidepool's configuration and the string PyTorch should see.
 // `source` names where the string came from, for error messages. Throws ConfigError.
 TIDEPOOL_API ClaimResult claim_config(std::string_view conf,
-                                      std::string_view source = "allocator configuration");
+                                      std::string_view source = "allocator configuration",
+                                      Installer installer = Installer::pytorch);
 
 // The configuration as a JSON object (what the Python package reads).
 TIDEPOOL_API std::string config_to_json(const Config& config);
@@ -134,10 +142,10 @@ TIDEPOOL_API Config active_config();
 // keys only; inherited from a parent, or set by hand) is applied instead. Returns the
 // configuration (enabled == false when nothing names tidepool; nothing is changed then).
 // Throws ConfigError on a bad configuration, when both PyTorch variables name
-// tidepool keys, or when tidepool is turned on next to PyTorch's backend:X for another
-// allocator (Note [one backend] in config.cpp). Applying the same configuration again is
-// harmless.
-TIDEPOOL_API Config install_from_env();
+// tidepool keys, or, for Installer::pytorch, when tidepool is turned on next to
+// PyTorch's backend:X for another allocator (Note [one backend] in config.cpp). Applying
+// the same configuration again is harmless.
+TIDEPOOL_API Config install_from_env(Installer installer = Installer::pytorch);
 
 }  // namespace tidepool
 
@@ -163,6 +171,9 @@ TIDEPOOL_API int tidepool_config_apply(const char* conf, char* error, size_t err
 TIDEPOOL_API size_t tidepool_config_active_json(char* out, size_t size);
 /* tidepool::install_from_env(): 1 applied, 0 nothing names tidepool, -1 error. */
 TIDEPOOL_API int tidepool_install_from_env(char* error, size_t error_size);
+/* The same for the LD_PRELOAD shim (Installer::preload_shim): PyTorch's backend:X for
+ * another allocator is no conflict there. */
+TIDEPOOL_API int tidepool_install_from_env_for_preload(char* error, size_t error_size);
 
 #ifdef __cplusplus
 }

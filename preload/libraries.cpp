@@ -9,9 +9,11 @@
 //     up on a second once-flag:
 //     at start-up (a constructor, before main and before PyTorch reads its environment),
 //     when PYTORCH_ALLOC_CONF / PYTORCH_CUDA_ALLOC_CONF mention tidepool, and otherwise at
-//     the first cudaMalloc, it loads libtidepool and calls tidepool_install_from_env: the
-//     same C++ parser as the Python hook claims the tidepool keys and rewrites the
-//     variables for PyTorch. A bad key stops the program with the parser's message (exit
+//     the first cudaMalloc, it loads libtidepool and calls
+//     tidepool_install_from_env_for_preload: the same C++ parser as the Python hook
+//     claims the tidepool keys and rewrites the variables for PyTorch (any PyTorch
+//     backend:X is fine under the shim, which serves the calls that allocator makes:
+//     Note [one backend] in allocator/config.cpp). A bad key stops the program with the parser's message (exit
 //     status 2). Preloading the shim is itself the request to use tidepool, so
 //     backend:tidepool need not be named.
 //   - Note [runtime version]: tidepool serves allocations only when the process's CUDA
@@ -291,7 +293,7 @@ void initialise() {
                      symbol("tidepool_free", t.free), symbol("tidepool_last_error", t.last_error),
                      symbol("tidepool_clear_error", t.clear_error),
                      symbol("tidepool_last_error_is_out_of_memory", t.last_error_is_out_of_memory),
-                     symbol("tidepool_install_from_env", t.install_from_env),
+                     symbol("tidepool_install_from_env_for_preload", t.install_from_env),
                      symbol("tidepool_config_apply", t.config_apply),
                      symbol("tidepool_config_active_json", t.config_active_json),
                      symbol("tidepool_release_stream", t.release_stream),

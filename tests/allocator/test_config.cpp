@@ -390,6 +390,23 @@ TEST_F(ConfigEnv, AnotherBackendInTheOtherVariableIsAConflictAndNothingChanges) 
   EXPECT_EQ(install_from_env().mode, Mode::pool);
 }
 
+TEST_F(ConfigEnv, UnderTheShimAnotherBackendIsNoConflict) {
+  // The LD_PRELOAD shim serves the calls PyTorch's allocator makes, whichever it is.
+  EXPECT_EQ(claim_config("tidepool.mode:pool,backend:cudaMallocAsync", "X",
+                         Installer::preload_shim).remaining,
+            "backend:cudaMallocAsync");
+  EXPECT_EQ(error_of([] {
+              claim_config("backend:tidepool,backend:native", "X", Installer::preload_shim);
+            }),
+            "X: backend:tidepool conflicts with 'backend:native'; name one backend");
+  ::setenv("PYTORCH_ALLOC_CONF", "tidepool.log:off", 1);
+  ::setenv("PYTORCH_CUDA_ALLOC_CONF", "backend:cudaMallocAsync", 1);
+  EXPECT_TRUE(install_from_env(Installer::preload_shim).enabled);
+  EXPECT_EQ(env("PYTORCH_CUDA_ALLOC_CONF"), "backend:cudaMallocAsync");
+  EXPECT_EQ(env("PYTORCH_ALLOC_CONF"), std::nullopt);
+  EXPECT_EQ(env("TIDEPOOL_ALLOC_CONF"), "tidepool.log:off");
+}
+
 TEST_F(ConfigEnv, AnInheritedConfigurationConflictsWithAnotherBackendNamedByTheChild) {
   // A parent ran with tidepool; this child asks PyTorch for cudaMallocAsync.
   ::setenv("TIDEPOOL_ALLOC_CONF", "backend:tidepool,tidepool.log:off", 1);

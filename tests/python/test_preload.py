@@ -45,6 +45,18 @@ def test_a_bad_key_stops_the_program_with_the_parser_message(run_python):
         "value; allowed:")
 
 
+@pytest.mark.parametrize("backend", ["cudaMallocAsync", "native"])
+def test_another_pytorch_backend_next_to_tidepool_keys_is_fine_under_the_shim(run_python, backend):
+    # PyTorch's allocator, whichever it is, calls what the shim serves (Note [one backend]
+    # in allocator/config.cpp); without the shim the same variables are a conflict.
+    result = run_python(SHOW_ENV, preload=PRELOAD,
+                        PYTORCH_CUDA_ALLOC_CONF=f"backend:{backend},tidepool.log:info")
+    lines = result.stdout.strip().splitlines()
+    assert lines[0].split() == [f"'backend:{backend}'", "False"]
+    assert lines[1] == "active: through the LD_PRELOAD shim (libtidepool_preload.so)"
+    assert result.stderr.startswith('tidepool preload: active: {"enabled":true,"mode":"global",')
+
+
 def test_without_tidepool_keys_the_environment_is_untouched(run_python):
     result = run_python(SHOW_ENV, preload=PRELOAD, PYTORCH_CUDA_ALLOC_CONF="max_split_size_mb:64")
     assert result.stdout.strip().splitlines()[0].split() == ["'max_split_size_mb:64'", "False"]
