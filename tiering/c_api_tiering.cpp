@@ -20,6 +20,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <stdexcept>
 #include <string>
 #include <utility>
 
@@ -28,6 +29,7 @@
 #include "allocator/caching_allocator.h"
 #include "allocator/config.h"
 #include "allocator/device_registry.h"
+#include "allocator/tags.h"
 #include "allocator/tier_routing.h"
 #include "tiering/stats_json.h"
 #include "tiering/tiered_store.h"
@@ -60,6 +62,15 @@ std::uint64_t prefetch_ranges_within_budget(tidepool::VmmPool* pool, int tag) {
 tidepool::VmmPool* existing_vmm_pool(int device) {
   tidepool::check_device(device);
   return tidepool::existing_tiering_vmm_pool(device);
+}
+
+// The calls by tag act on a tag that exists: an id naming none would otherwise move
+// nothing and report success, hiding the caller's mistake.
+void check_tag(int tag) {
+  if (tidepool::tag_name(tag) == nullptr) {
+    throw std::invalid_argument("no tag has the id " + std::to_string(tag) + " (ids 0.." +
+                                std::to_string(tidepool::tag_count() - 1) + " exist)");
+  }
 }
 
 // The device's VMM figures. With no range made yet: zeros, and the budget a pool would
@@ -116,6 +127,7 @@ int tidepool_vmm_owns(const void* ptr, int device) {
 
 int tidepool_evict_tag(int device, int tag) {
   return guarded("tidepool_evict_tag", -1, [&] {
+    check_tag(tag);
     if (tidepool::VmmPool* pool = existing_vmm_pool(device)) pool->migrate_tag(tag, MemoryLocation::host);
     tidepool::for_each_tiered_store(device, [&](TieredStore& s) { s.evict_tag(tag); });
     return 0;
@@ -126,6 +138,7 @@ int tidepool_prefetch_tag_within_budget(int device, int tag, void* stream,
                                         uint64_t* bytes_left_on_host) {
   return guarded("tidepool_prefetch_tag_within_budget", -1, [&] {
     if (bytes_left_on_host != nullptr) *bytes_left_on_host = 0;
+    check_tag(tag);
     const std::uint64_t left = prefetch_ranges_within_budget(existing_vmm_pool(device), tag);
     tidepool::for_each_tiered_store(device,
                                     [&](TieredStore& s) { s.prefetch_tag(tag, as_stream(stream)); });

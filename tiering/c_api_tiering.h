@@ -45,7 +45,8 @@ TIDEPOOL_API int tidepool_vmm_owns(const void* ptr, int device);
 
 /* ---- evict / prefetch -------------------------------------------------------------- */
 /* The calls by tag, tidepool_vmm_owns and the stats below create nothing on a device
- * where no VMM range or tiered store exists yet (no CUDA context just for asking). */
+ * where no VMM range or tiered store exists yet (no CUDA context just for asking). A tag
+ * id that names no tag (tidepool_tag_id makes them) is an error. */
 TIDEPOOL_API int tidepool_evict_tag(int device, int tag);
 TIDEPOOL_API int tidepool_prefetch_tag(int device, int tag, void* stream);
 /* tidepool_prefetch_tag, also writing to *bytes_left_on_host (when not NULL) how many

@@ -175,6 +175,17 @@ TEST(TieringCApi, AskingAboutAnUnusedDeviceCreatesNothingThere) {
   std::free(json);
   EXPECT_EQ(existing_tiering_vmm_pool(kUnusedDevice), nullptr);
   EXPECT_EQ(existing_device_allocator(kUnusedDevice), nullptr);
+  // An id naming no tag is an error, not "nothing there".
+  for (const int tag : {-1, static_cast<int>(TIDEPOOL_TAG_MAX), tag_count()}) {
+    EXPECT_EQ(tidepool_evict_tag(kUnusedDevice, tag), -1);
+    EXPECT_NE(std::string(tidepool_last_error()).find("no tag has the id " + std::to_string(tag)),
+              std::string::npos)
+        << tidepool_last_error();
+    left = 7;
+    EXPECT_EQ(tidepool_prefetch_tag_within_budget(kUnusedDevice, tag, nullptr, &left), -1);
+    EXPECT_EQ(left, 0u);
+  }
+  EXPECT_EQ(existing_tiering_vmm_pool(kUnusedDevice), nullptr);
   // A device index out of range is still an error, not "nothing there".
   EXPECT_EQ(tidepool_evict_tag(kMaxDevices, kTagOptimizerState), -1);
   EXPECT_NE(std::string(tidepool_last_error()).find("tidepool_evict_tag"), std::string::npos)
