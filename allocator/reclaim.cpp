@@ -42,7 +42,22 @@ void unregister_reclaim_hook(int id) {
 
 namespace detail {
 
+// Note [Nested reclaim]
+// A hook runs without the allocator's lock and may allocate (scratch memory to move state
+// out). If that allocation runs out of memory too, asking the hooks again from inside the
+// hook would call the same hook, which allocates again: a recursion that ends only when
+// the stack does. So while this thread runs hooks, a nested OOM runs none: the nested
+// request fails with OutOfMemoryError, which the hook may catch.
+namespace {
+constinit thread_local bool t_running_hooks = false;
+}
+
 ReclaimResult run_reclaim_hooks(int device, std::size_t bytes_needed) {
+  if (t_running_hooks) return {};  // Note [Nested reclaim]
+  t_running_hooks = true;
+  struct Reset {
+    ~Reset() { t_running_hooks = false; }
+  } reset;
   std::vector<std::pair<int, ReclaimHook>> snapshot;
   {
     HookRegistry& r = hooks();

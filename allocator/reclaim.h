@@ -26,7 +26,8 @@ struct ReclaimResult {
   std::size_t calls = 0;
   std::size_t bytes = 0;
 };
-// Calls every registered hook once, in registration order.
+// Calls every registered hook once, in registration order; none when called from inside a
+// hook on this thread (Note [Nested reclaim], reclaim.cpp).
 ReclaimResult run_reclaim_hooks(int device, std::size_t bytes_needed);
 }  // namespace detail
 

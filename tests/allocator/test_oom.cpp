@@ -4,6 +4,7 @@
 // the per-tag breakdown, and the allocator keeps working afterwards.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -122,6 +123,41 @@ TEST_P(Oom, NothingToReclaimGivesAClearErrorAndTheAllocatorLivesOn) {
   void* now = alloc_->allocate(40 * kMiB);
   EXPECT_NE(now, nullptr);
   alloc_->deallocate(now, 40 * kMiB);
+}
+
+// A hook that allocates from the allocator it reclaims for (a hook that needs scratch
+// memory to move state out) and hits OOM again must not run the hooks once more from
+// inside itself: each nested OOM would recurse until the stack runs out. The nested
+// request fails with OutOfMemoryError at once; the outer one still ends cleanly.
+TEST_P(Oom, AHookThatAllocatesIsNotCalledAgainFromItsOwnOom) {
+  void* held = alloc_->allocate(40 * kMiB);
+  int calls = 0;
+  int depth = 0;
+  int max_depth = 0;
+  int nested_ooms = 0;
+  HookGuard guard([&](int, std::size_t) {
+    ++calls;
+    max_depth = std::max(max_depth, ++depth);
+    // Bounded here so that the test ends even when hooks do recurse.
+    if (depth <= 4) {
+      try {
+        alloc_->deallocate(alloc_->allocate(40 * kMiB), 40 * kMiB);
+      } catch (const OutOfMemoryError&) {
+        ++nested_ooms;
+      }
+    }
+    --depth;
+    return std::size_t{0};
+  });
+  EXPECT_THROW(alloc_->allocate(40 * kMiB), OutOfMemoryError);
+  EXPECT_EQ(calls, 1);
+  EXPECT_EQ(max_depth, 1);
+  EXPECT_EQ(nested_ooms, 1);
+  EXPECT_EQ(alloc_->stats().oom_count, 2u);
+  // Outside a hook, an OOM asks the hooks again.
+  EXPECT_THROW(alloc_->allocate(40 * kMiB), OutOfMemoryError);
+  EXPECT_EQ(calls, 2);
+  alloc_->deallocate(held, 40 * kMiB);
 }
 
 TEST_P(Oom, ARequestLargerThanTheDeviceSaysSo) {
