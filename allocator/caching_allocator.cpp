@@ -74,7 +74,10 @@ CachingAllocator::Impl::Impl(std::unique_ptr<Backend> b, AllocatorOptions o)
   granule = backend->granularity();
   device_total = backend->mem_info().total_bytes;
   range_bytes = options.expandable_range_bytes;
-  if (range_bytes == 0) range_bytes = device_total;
+  // A range longer than the device could never be backed past the device's size; cut to
+  // it, the rounding below cannot wrap (SIZE_MAX used to round to 0).
+  if (range_bytes == 0 || (device_total != 0 && range_bytes > device_total))
+    range_bytes = device_total;
   range_bytes = round_up(std::max(range_bytes, granule), granule);
   blocks.reserve(4096);
 }

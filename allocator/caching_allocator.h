@@ -92,7 +92,8 @@ struct AllocatorOptions {
   // whose bytes are already backed over the best fit that would need new backing. Fewer
   // backend calls, worse packing (GPT-2: 1.028 instead of 1.024 with moves); off.
   bool prefer_backed_fit = false;
-  // Address space reserved per expandable range; 0: the backend's total memory.
+  // Address space reserved per expandable range; 0 or more than the backend's total
+  // memory: that total.
   std::size_t expandable_range_bytes = 0;
   // Expandable large-pool ranges are backed in slots of this size (rounded down to the
   // granule), one physical allocation each; small-pool ranges in single granules.

@@ -602,6 +602,27 @@ TEST_P(Moves, NearCapacityOnlyTheGranulesABlockNeedsAreBacked) {
   a.deallocate(first, 20 << 20);
 }
 
+// An expandable range longer than the device could never be backed past the device's
+// size: it is cut to the device's. Sizes near SIZE_MAX used to wrap to a range exactly as
+// long as each request (every allocation then reserved a range of its own), and huge ones
+// asked the backend for address space it refuses, so no allocation could succeed.
+TEST(ExpandableRangeBytes, ALengthPastTheDeviceIsCutToTheDevice) {
+  constexpr std::size_t kMiB = std::size_t{1} << 20;
+  for (const std::size_t asked : {SIZE_MAX, SIZE_MAX / 2}) {
+    SCOPED_TRACE(asked);
+    AllocatorOptions o;
+    o.expandable_range_bytes = asked;
+    CachingAllocator alloc(test::make_backend("host", 64 * kMiB), o);
+    void* a = alloc.allocate(4 * kMiB);
+    void* b = alloc.allocate(4 * kMiB);
+    // One range holds both, back to back.
+    EXPECT_EQ(static_cast<char*>(b), static_cast<char*>(a) + 4 * kMiB);
+    EXPECT_EQ(alloc.backed_ranges().size(), 1u);
+    alloc.deallocate(a, 4 * kMiB);
+    alloc.deallocate(b, 4 * kMiB);
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Backends, Moves, ::testing::Values("host", "cuda"),
                          [](const ::testing::TestParamInfo<std::string>& p) { return p.param; });
 
