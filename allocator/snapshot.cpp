@@ -369,27 +369,32 @@ std::vector<MemoryRange> CachingAllocator::backed_ranges() const {
   return impl_->backed_ranges();
 }
 
-// The live block at ptr, or nullptr; impl's mutex held. A block parked in a thread cache
-// is free to its callers (its holder's mutex is taken to tell).
-static const detail::Block* live_block(const CachingAllocator::Impl& m, const void* ptr) {
+// The sizes of the live block at ptr, zeros when there is none; impl's mutex held. A
+// block parked in a thread cache is free to its callers. Its holder's mutex is taken to
+// tell, and the sizes are read under it: the holder's thread rewrites `requested` each
+// time its cache hands the block out again.
+struct LiveBlockSizes {
+  std::size_t requested = 0;
+  std::size_t size = 0;
+};
+
+static LiveBlockSizes live_block_sizes(const CachingAllocator::Impl& m, const void* ptr) {
   auto it = m.blocks.find(ptr);
-  if (it == m.blocks.end() || it->second->state != BlockState::allocated) return nullptr;
+  if (it == m.blocks.end() || it->second->state != BlockState::allocated) return {};
   const detail::Block* b = it->second;
-  if (b->holder == nullptr) return b;
+  if (b->holder == nullptr) return {b->requested, b->size};
   std::lock_guard cache_lock(b->holder->mutex);
-  return b->in_thread_cache ? nullptr : b;
+  return b->in_thread_cache ? LiveBlockSizes{} : LiveBlockSizes{b->requested, b->size};
 }
 
 std::size_t CachingAllocator::allocation_size(const void* ptr) const {
   std::lock_guard lock(impl_->mutex);
-  const detail::Block* b = live_block(*impl_, ptr);
-  return b != nullptr ? b->requested : 0;
+  return live_block_sizes(*impl_, ptr).requested;
 }
 
 std::size_t CachingAllocator::block_size(const void* ptr) const {
   std::lock_guard lock(impl_->mutex);
-  const detail::Block* b = live_block(*impl_, ptr);
-  return b != nullptr ? b->size : 0;
+  return live_block_sizes(*impl_, ptr).size;
 }
 
 Backend& CachingAllocator::backend() const { return *impl_->backend; }

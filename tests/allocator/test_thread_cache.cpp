@@ -295,6 +295,34 @@ TEST(ThreadCache, AnotherThreadsFreeOfAHeldBlockTakesTheSharedPath) {
   EXPECT_EQ(s.allocations.freed, 2u);
 }
 
+TEST(ThreadCache, SizeQueriesFromAnotherThreadReadABlockItsCacheKeepsHandingOut) {
+  // The owning thread parks the block and takes it back through its cache, rewriting the
+  // size it was asked for each time; allocation_size must read that under the cache's
+  // lock (TSan reports the race otherwise) and see 0 (parked) or a size asked for.
+  auto a = make_allocator(AllocatorOptions{}.thread_cache_bytes);
+  void* p = a->allocate(4096);
+  a->deallocate(p, 4096);
+  std::atomic<bool> stop{false};
+  std::atomic<int> answers_seen{0};
+  std::thread reader([&] {
+    while (!stop.load()) {
+      const std::size_t asked = a->allocation_size(p);
+      EXPECT_TRUE(asked == 0 || asked == 4096 || asked == 4000) << asked;
+      const std::size_t held = a->block_size(p);
+      EXPECT_TRUE(held == 0 || held >= 4096) << held;
+      answers_seen.fetch_add(1);
+    }
+  });
+  for (int i = 0; i < 20000 || answers_seen.load() < 100; ++i) {
+    const std::size_t bytes = i % 2 == 0 ? 4096 : 4000;
+    void* q = a->allocate(bytes);
+    EXPECT_EQ(q, p) << "the cache hands the parked block back";
+    a->deallocate(q, bytes);
+  }
+  stop.store(true);
+  reader.join();
+}
+
 TEST(ThreadCache, ThreadExitReturnsParkedBlocksAndLetsGoOfLiveOnes) {
   auto a = make_allocator(AllocatorOptions{}.thread_cache_bytes);
   void* live = nullptr;
