@@ -279,10 +279,7 @@ void TieredStore::destroy(Handle h) {
   InsideStore inside(this);
   Entry& e = entry_locked(h, "destroy");
   if (e.pins > 0) throw TieringError("tiered store: destroy of an acquired handle");
-  if (e.dev != nullptr) {
-    e.dev_dirty = false;  // the contents die with the handle: no copy back
-    evict_locked(e);
-  }
+  if (e.dev != nullptr) evict_locked(e, /*discard=*/true);  // the contents die with it
   // Copies that read or write the host block must be done before it is reused.
   backend_.event_synchronize(e.host_ready);
   backend_.event_synchronize(e.dev_ready);
@@ -465,7 +462,7 @@ bool TieredStore::load_locked(Entry& e, bool for_prefetch) {
   return true;
 }
 
-void TieredStore::evict_locked(Entry& e) {
+void TieredStore::evict_locked(Entry& e, bool discard) {
   const Stream d2h = copies_.stream(Direction::device_to_host);
   // The D2H stream must pass every use of the buffer and its own load.
   for (Stream s : e.use_streams) {
@@ -474,7 +471,7 @@ void TieredStore::evict_locked(Entry& e) {
     give_event_locked(ev);
   }
   backend_.stream_wait_event(d2h, e.dev_ready);
-  if (e.dev_dirty) {
+  if (e.dev_dirty && !discard) {
     try {
       copies_.transfer(e.host.ptr, e.dev, e.bytes, Direction::device_to_host, e.host_ready);
     } catch (const BackendError& err) {
@@ -482,7 +479,6 @@ void TieredStore::evict_locked(Entry& e) {
       throw TieringError(std::string("tiered store: copy back to the host failed (the device "
                                      "copy is kept): ") + err.what());
     }
-    e.dev_dirty = false;
   } else {
     stats_.evictions_clean++;
   }
@@ -490,6 +486,7 @@ void TieredStore::evict_locked(Entry& e) {
   backend_.record_event(after, d2h);
   pending_frees_.push_back(PendingFree{e.dev, e.bytes, after});
   e.dev = nullptr;
+  e.dev_dirty = false;
   e.host_valid = true;
   e.prefetched = false;
   e.use_streams.clear();
@@ -714,10 +711,7 @@ void TieredStore::write(Handle h, const void* src) {
   InsideStore inside(this);
   Entry& e = entry_locked(h, "write");
   if (e.pins > 0) throw TieringError("tiered store: write of an acquired handle");
-  if (e.dev != nullptr) {
-    e.dev_dirty = false;  // overwritten below: no copy back
-    evict_locked(e);
-  }
+  if (e.dev != nullptr) evict_locked(e, /*discard=*/true);  // overwritten below
   backend_.event_synchronize(e.host_ready);
   backend_.event_synchronize(e.dev_ready);  // a load may still be reading the host block
   std::memcpy(e.host.ptr, src, e.bytes);

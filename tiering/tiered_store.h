@@ -245,7 +245,9 @@ class TIDEPOOL_API TieredStore {
 
   Entry& entry_locked(Handle h, const char* op);
   bool load_locked(Entry& e, bool for_prefetch);
-  void evict_locked(Entry& e);
+  // discard: the contents are dropped (destroy, write), no copy back. The dirty flag is
+  // cleared only once the eviction is enqueued, so a failed one keeps the latest copy.
+  void evict_locked(Entry& e, bool discard = false);
   Room make_room_locked(std::size_t bytes, const Entry* incoming, bool may_wait);
   // Room from the pending frees alone, without waiting; none if they cannot give it.
   Room room_from_pending_locked(std::size_t bytes) const;

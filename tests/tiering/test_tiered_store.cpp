@@ -211,6 +211,36 @@ TEST_P(TieredStoreTest, AStreamDestroyedWithoutReleaseIsAClearErrorAndLosesNothi
   store.destroy(h);
 }
 
+// write() and destroy() drop the device copy without copying it back. When that drop
+// fails (a use stream destroyed without release_stream), the operation did not happen:
+// the dirty device copy must still be the latest, copied back by the next eviction.
+TEST_P(TieredStoreTest, AFailedWriteOrDestroyKeepsTheDirtyDeviceCopy) {
+  if (!on_host()) GTEST_SKIP() << "the host backend reports a destroyed stream";
+  Backend& b = backend();
+  TieredStore store(b, options(1 << 20));
+  constexpr std::size_t n = 100000;
+  const auto replacement = random_bytes(n, 34);
+  for (const char* name : {"write", "destroy"}) {
+    SCOPED_TRACE(name);
+    const auto [h, temporary, dev] = acquire_on_new_stream(store, n, kTagOptimizerState);
+    const auto data = random_bytes(n, 33);
+    b.stream_synchronize(temporary);
+    write_device(dev, data);
+    store.release(h, /*dirty=*/true);
+    b.destroy_stream(temporary);
+    if (std::string(name) == "write") {
+      EXPECT_THROW(store.write(h, replacement.data()), TieringError);
+    } else {
+      EXPECT_THROW(store.destroy(h), TieringError);
+    }
+    EXPECT_TRUE(store.resident(h));
+    store.forget_stream(temporary);
+    store.evict(h);
+    EXPECT_EQ(first_difference(contents(store, h).data(), data.data(), n), -1);
+    store.destroy(h);
+  }
+}
+
 TEST_P(TieredStoreTest, BudgetEvictsFurthestAndErrorsWhenAllAreAcquired) {
   TieredStore store(backend(), options(256 << 10));
   const auto [a, b, c] = acquire_two_of_three(store);
