@@ -294,17 +294,25 @@ void TieredStore::destroy(Handle h) {
 
 void TieredStore::reap_frees_locked(bool wait_all) {
   auto keep = pending_frees_.begin();
-  for (auto it = pending_frees_.begin(); it != pending_frees_.end(); ++it) {
-    if (wait_all) {
-      copies_.wait_exposed(it->after);
-    } else if (!backend_.event_query(it->after)) {
-      if (keep != it) *keep = std::move(*it);
-      ++keep;
-      continue;
+  auto it = pending_frees_.begin();
+  try {
+    for (; it != pending_frees_.end(); ++it) {
+      if (wait_all) {
+        copies_.wait_exposed(it->after);
+      } else if (!backend_.event_query(it->after)) {
+        if (keep != it) *keep = std::move(*it);
+        ++keep;
+        continue;
+      }
+      device_.deallocate(it->ptr, it->bytes, copies_.stream(Direction::device_to_host));
+      device_bytes_ -= it->bytes;
+      give_event_locked(it->after);
     }
-    device_.deallocate(it->ptr, it->bytes, copies_.stream(Direction::device_to_host));
-    device_bytes_ -= it->bytes;
-    give_event_locked(it->after);
+  } catch (...) {
+    // A wait or query failed midway: [keep, it) holds buffers already handed back (or
+    // moved forward); dropping them leaves every buffer still owed exactly once.
+    pending_frees_.erase(keep, it);
+    throw;
   }
   pending_frees_.erase(keep, pending_frees_.end());
 }

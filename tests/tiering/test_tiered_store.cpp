@@ -17,6 +17,7 @@
 #include "allocator/caching_allocator.h"
 #include "allocator/tags.h"
 #include "tests/support/backend_errors.h"
+#include "tests/tiering/failing_backend.h"
 #include "tests/tiering/tiering_test_util.h"
 #include "tiering/stats_json.h"
 #include "tiering/tiered_store.h"
@@ -375,6 +376,29 @@ TEST_P(TieredStoreFaultTest, FailedCopyBackKeepsTheDeviceCopy) {
   EXPECT_EQ(first_difference(contents(store, h).data(), data.data(), data.size()), -1);
   store.evict(h);  // the fault is spent
   EXPECT_EQ(first_difference(contents(store, h).data(), data.data(), data.size()), -1);
+}
+
+// A backend query that fails while the store hands back the buffers of finished
+// write-backs: the buffers handed back so far leave its list, the rest stay pending, so
+// none is freed twice and the next operation works.
+TEST_P(TieredStoreFaultTest, AQueryFailingWhileFreeingFreesNoBufferTwice) {
+  tiering_test::FailingBackend failing(backend());
+  TieredStore store(failing, options(1 << 20));
+  constexpr std::size_t n = 100 << 10;
+  const auto a = store.create(n, kTagOptimizerState, Tier::device);
+  const auto b = store.create(n, kTagOptimizerState, Tier::device);
+  const auto [h, data] = create_written(store, n, 6);
+  store.evict(a);
+  store.evict(b);
+  backend().device_synchronize();  // both buffers are ready to be handed back
+  failing.fail_calls_to("event_query", 1, /*skip=*/1);  // a's is handed back, b's fails
+  EXPECT_THROW(store.acquire(h, stream_), BackendError);
+  EXPECT_EQ(store.device_bytes(), n);  // b's buffer, still pending
+  const auto seen = read_device(store.acquire(h, stream_), n, stream_);
+  EXPECT_EQ(first_difference(seen.data(), data.data(), n), -1);
+  store.release(h, false);
+  store.synchronize();
+  EXPECT_EQ(store.device_bytes(), n);  // h alone
 }
 
 TEST_P(TieredStoreFaultTest, DeviceOutOfMemoryIsAClearErrorAndLosesNothing) {
