@@ -24,7 +24,8 @@
 // Invariants: host_valid || dev != null (someone holds the latest bytes);
 // device_bytes_ = bytes of resident handles + pending frees <= budget, always.
 // A failed copy leaves the state as it was before the operation (H2D failure: buffer
-// freed, still HOST; D2H failure: still RESIDENT and dirty), so the last good copy stays.
+// freed, or back among the pending frees if it was taken over from one, still HOST; D2H
+// failure: still RESIDENT and dirty), so the last good copy stays.
 //
 // Note [Both directions at once]
 // Loads go on the copy engine's H2D stream and copy-backs on its D2H stream, so an
@@ -243,26 +244,24 @@ TieredStore::Handle TieredStore::create(std::size_t bytes, int tag, Tier initial
   e->bytes = bytes;
   e->tag = tag;
   e->host = host;
+  DeviceBuffer buf;
   try {
     e->dev_ready = take_event_locked();
     e->host_ready = take_event_locked();
     if (initial == Tier::device) {
-      const DeviceBuffer buf = device_allocate_locked(bytes, e.get(), /*may_wait=*/true);
+      buf = device_allocate_locked(bytes, e.get(), /*may_wait=*/true);
       e->dev = buf.ptr;
       const Stream s = copies_.stream(Direction::host_to_device);
       if (buf.wait) {
         backend_.stream_wait_event(s, buf.wait);
         give_event_locked(buf.wait);
+        buf.wait = {};  // enqueued: the buffer is the H2D stream's now
       }
       backend_.memset_async(buf.ptr, 0, bytes, s);
       backend_.record_event(e->dev_ready, s);
     }
   } catch (...) {
-    if (e->dev != nullptr) {
-      backend_.stream_synchronize(copies_.stream(Direction::host_to_device));
-      device_.deallocate(e->dev, bytes, copies_.stream(Direction::host_to_device));
-      device_bytes_ -= bytes;
-    }
+    if (buf.ptr != nullptr) give_back_failed_load_locked(buf, bytes);
     if (e->dev_ready) give_event_locked(e->dev_ready);
     if (e->host_ready) give_event_locked(e->host_ready);
     host_.deallocate(host);
@@ -446,6 +445,21 @@ TieredStore::DeviceBuffer TieredStore::device_allocate_locked(std::size_t bytes,
   return DeviceBuffer{p, {}};
 }
 
+// The buffer of a load that failed, once the H2D work enqueued on it is done. One taken
+// over from a write-back (Note [Loads over write-backs]) whose wait may not have been
+// enqueued (`buf.wait` still held) goes back to the pending frees, charged until that
+// write-back has read it; any other is freed and uncharged.
+void TieredStore::give_back_failed_load_locked(const DeviceBuffer& buf, std::size_t bytes) {
+  const Stream h2d = copies_.stream(Direction::host_to_device);
+  backend_.stream_synchronize(h2d);
+  if (buf.wait) {
+    pending_frees_.push_back(PendingFree{buf.ptr, bytes, buf.wait});
+    return;
+  }
+  device_.deallocate(buf.ptr, bytes, h2d);
+  device_bytes_ -= bytes;
+}
+
 // ---- moving data --------------------------------------------------------------------------
 
 bool TieredStore::load_locked(Entry& e, bool for_prefetch) {
@@ -455,11 +469,7 @@ bool TieredStore::load_locked(Entry& e, bool for_prefetch) {
   try {
     copies_.transfer(buf.ptr, e.host.ptr, e.bytes, Direction::host_to_device, e.dev_ready, waits);
   } catch (const BackendError& err) {
-    // Chunks enqueued before the failure may still write to the buffer.
-    backend_.stream_synchronize(copies_.stream(Direction::host_to_device));
-    if (buf.wait) give_event_locked(buf.wait);
-    device_.deallocate(buf.ptr, e.bytes, copies_.stream(Direction::host_to_device));
-    device_bytes_ -= e.bytes;
+    give_back_failed_load_locked(buf, e.bytes);
     throw TieringError(std::string("tiered store: copy to the device failed (the host copy is "
                                    "intact): ") + err.what());
   }

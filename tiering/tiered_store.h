@@ -252,6 +252,9 @@ class TIDEPOOL_API TieredStore {
   // Room from the pending frees alone, without waiting; none if they cannot give it.
   Room room_from_pending_locked(std::size_t bytes) const;
   void release_pending_locked(std::size_t count);
+  // A failed load's buffer goes back: to the pending frees when it was taken over from a
+  // write-back it may not be ordered after, else to the memory source.
+  void give_back_failed_load_locked(const DeviceBuffer& buf, std::size_t bytes);
   void reap_frees_locked(bool wait_all);
   DeviceBuffer device_allocate_locked(std::size_t bytes, const Entry* incoming, bool may_wait);
   void prefetch_ahead_locked();

@@ -401,6 +401,45 @@ TEST_P(TieredStoreFaultTest, AQueryFailingWhileFreeingFreesNoBufferTwice) {
   EXPECT_EQ(store.device_bytes(), n);  // h alone
 }
 
+// A load (or a create on the device) that takes over the buffer of a write-back still
+// in flight (Note [Loads over write-backs]) and fails before it is queued behind that
+// write-back: the buffer goes back to the pending frees, charged until the write-back is
+// done, not to the device while the write-back still reads it.
+TEST_P(TieredStoreFaultTest, AFailedLoadGivesBackATakenOverBufferOnlyAfterItsWriteBack) {
+  constexpr std::size_t n = 100 << 10;
+  for (const bool by_create : {false, true}) {
+    SCOPED_TRACE(by_create ? "create on the device" : "acquire");
+    tiering_test::FailingBackend failing(backend());
+    TieredStore store(failing, options(n));  // room for one handle: x's buffer is taken
+    const auto [y, y_data] = create_written(store, n, 7);
+    const auto x = store.create(n, kTagOptimizerState);
+    const auto x_data = random_bytes(n, 8);
+    write_device(store.acquire(x, stream_), x_data);
+    store.release(x, /*dirty=*/true);
+    StreamGate gate;
+    StreamGate::OpenOnExit open_on_exit{gate};
+    backend().launch_host_func(stream_, &StreamGate::wait, &gate);
+    store.evict(x);  // its write-back waits for the gate
+    if (by_create) {
+      failing.fail_calls_to("stream_wait_event", 1);  // the wait for x's write-back
+      EXPECT_THROW(store.create(n, kTagOptimizerState, Tier::device), BackendError);
+    } else {
+      // The load waits for y's host copy, then for x's write-back: that wait fails.
+      failing.fail_calls_to("stream_wait_event", 1, /*skip=*/1);
+      EXPECT_THROW(store.acquire(y, stream_), TieringError);
+      EXPECT_FALSE(store.resident(y));
+    }
+    EXPECT_EQ(store.device_bytes(), n);  // x's buffer, still on its way out
+    gate.open();
+    store.synchronize();
+    EXPECT_EQ(store.device_bytes(), 0u);
+    EXPECT_EQ(first_difference(contents(store, x).data(), x_data.data(), n), -1);
+    const auto seen = read_device(store.acquire(y, stream_), n, stream_);
+    EXPECT_EQ(first_difference(seen.data(), y_data.data(), n), -1);
+    store.release(y, false);
+  }
+}
+
 TEST_P(TieredStoreFaultTest, DeviceOutOfMemoryIsAClearErrorAndLosesNothing) {
   TieredStore store(backend(), options(1 << 20));
   const auto [h, data] = create_written(store, 5000, 5);
