@@ -7,9 +7,11 @@
 //     that does not fit: back-pressure);
 //   - eviction: Belady's rule on the recorded schedule, the handle whose next use is
 //     furthest away goes first (eviction_score() is that distance).
-// Before a schedule exists, or for handles the schedule does not contain, eviction falls
-// back to least-recently-acquired. An acquire that deviates from the schedule re-syncs
-// the position to that handle's next occurrence instead of derailing the replay.
+// Before a schedule exists, eviction is least-recently-acquired. While replaying, a handle
+// the schedules do not contain (one created after the first step) scores as never used
+// again, so it is evicted first and never prefetched: it is loaded when acquired. An
+// acquire that deviates from the schedule re-syncs the position to that handle's next
+// occurrence instead of derailing the replay.
 //
 // Several optimizers may share one store (one device budget): each brackets its steps
 // with its own schedule key, and each key records and replays its own schedule. The
