@@ -165,6 +165,22 @@ int tidepool_prefetch_ptr(int device, void* ptr, void* /*stream*/) {
   });
 }
 
+int tidepool_prefetch_ptrs(int device, const void* const* ptrs, size_t n, void* /*stream*/,
+                           uint64_t* bytes_left_on_host) {
+  return guarded("tidepool_prefetch_ptrs", -1, [&] {
+    if (bytes_left_on_host != nullptr) *bytes_left_on_host = 0;
+    if (ptrs == nullptr && n > 0) {
+      throw std::invalid_argument("ptrs is NULL but n is " + std::to_string(n));
+    }
+    tidepool::VmmPool* pool = existing_vmm_pool(device);
+    if (pool == nullptr || n == 0) return 0;  // no range anywhere on the device to move
+    const std::uint64_t left =
+        pool->migrate_ranges_holding({ptrs, n}, MemoryLocation::device).bytes_left;
+    if (bytes_left_on_host != nullptr) *bytes_left_on_host = left;
+    return 0;
+  });
+}
+
 int tidepool_get_tiering_stats_v1(int device, tidepool_tiering_stats_v1* out) {
   return guarded("tidepool_get_tiering_stats_v1", -1, [&] {
     tidepool::detail::check_versioned_struct(out, TIDEPOOL_TIERING_STATS_V1_MIN_SIZE,

@@ -16,7 +16,8 @@
  * c_api_tiering.cpp): the ranges made by tidepool_vmm_malloc or by tidepool_malloc's
  * route, oldest first, as long as the device's VMM-backed bytes stay within the budget;
  * the rest stays host-backed, still usable at the same address. By pointer: the VMM
- * range holding `ptr` (a prefetch also within the budget).
+ * range holding `ptr` (a prefetch also within the budget), or, for a prefetch, the ranges
+ * holding each of an array of pointers.
  *
  * Thread-safety: every function may be called from any thread.
  */
@@ -55,6 +56,18 @@ TIDEPOOL_API int tidepool_prefetch_tag_within_budget(int device, int tag, void* 
                                                      uint64_t* bytes_left_on_host);
 TIDEPOOL_API int tidepool_evict_ptr(int device, void* ptr);
 TIDEPOOL_API int tidepool_prefetch_ptr(int device, void* ptr, void* stream);
+/* Prefetches the ranges holding ptrs[0..n), in that order, within tidepool.state_budget:
+ * one call for all of an optimizer's state (the Python hooks' pre-step prefetch). Each
+ * range moves once however many pointers lie in it (views, interior pointers); a pointer
+ * no range of `device` holds (NULL, state in ordinary device memory) is skipped, so the
+ * caller need not ask tidepool_vmm_owns first. Writes to *bytes_left_on_host (when not
+ * NULL) the bytes the budget left host-backed. `ptrs` may be NULL only when n is 0.
+ * Creates nothing on a device where no VMM range exists. The migrations are complete when
+ * it returns (as tidepool_prefetch_ptr's); `stream` is the stream that will use the
+ * state, reserved for an asynchronous prefetch. Tiered stores are not reached (their
+ * handles are not pointers; tidepool_prefetch_tag reaches them). */
+TIDEPOOL_API int tidepool_prefetch_ptrs(int device, const void* const* ptrs, size_t n,
+                                        void* stream, uint64_t* bytes_left_on_host);
 
 /* ---- stats ---------------------------------------------------------------------------- */
 typedef struct tidepool_tiering_stats_v1 {

@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cstdio>
 #include <string>
+#include <unordered_set>
 
 #include "allocator/config.h"
 #include "allocator/tier_routing.h"
@@ -395,6 +396,16 @@ MigrationResult VmmPool::migrate_locked(Range& r, MemoryLocation to,
   }
 }
 
+// Note [Nothing to move, nothing to wait for]
+// A range already wholly where it is asked to go returns before waiting for its users:
+// the wait is there so that no copy reads or unmaps memory a kernel still uses, and
+// nothing is copied or unmapped. This is what makes a tag call cheap for the ranges it
+// finds in place: the optimizer hooks evict the whole optimizer_state tag after each
+// step (Note [evict by tag] in python/src/tidepool/_optim_hooks.py), and with several
+// optimizers on a device most of the tag's ranges (the other optimizers' state) were
+// evicted after their own steps; waiting on each one's streams (an event recorded and
+// synchronized per stream, per range) would be thousands of backend calls a step for
+// nothing. A range partly in place still waits once, before its first chunk moves.
 MigrationResult VmmPool::move_range_locked(Range& r, MemoryLocation to,
                                            std::optional<std::size_t> budget) {
   MigrationResult result;
@@ -405,6 +416,9 @@ MigrationResult VmmPool::move_range_locked(Range& r, MemoryLocation to,
                          "after an earlier failure; its data is kept and mapped again at a "
                          "later call");
     }
+  }
+  if (std::ranges::all_of(r.chunks, [&](const Chunk& c) { return c.where == to; })) {
+    return result;
   }
   wait_for_users_locked(r);
   const auto t0 = std::chrono::steady_clock::now();
@@ -542,6 +556,32 @@ MigrationResult VmmPool::migrate_tag(int tag, MemoryLocation to) {
     total.ranges += r.ranges;
     total.bytes_moved += r.bytes_moved;
     total.bytes_left += r.bytes_left;
+  }
+  return total;
+}
+
+MigrationResult VmmPool::migrate_ranges_holding(std::span<const void* const> ptrs,
+                                                MemoryLocation to) {
+  const std::optional<std::size_t> budget =
+      to == MemoryLocation::device ? device_budget_bytes() : std::nullopt;
+  {
+    std::lock_guard lock(mutex_);
+    repair_locked();
+  }
+  // Ranges already visited, by sequence (unique, where a base address may be taken again
+  // by a range allocated after one was freed). The lock is let go between ranges, as in
+  // migrate_tag.
+  std::unordered_set<std::uint64_t> visited;
+  MigrationResult total;
+  for (const void* ptr : ptrs) {
+    if (ptr == nullptr) continue;
+    std::lock_guard lock(mutex_);
+    Range* r = find_locked(ptr);
+    if (r == nullptr || !visited.insert(r->sequence).second) continue;
+    const MigrationResult moved = migrate_locked(*r, to, budget);
+    total.ranges += moved.ranges;
+    total.bytes_moved += moved.bytes_moved;
+    total.bytes_left += moved.bytes_left;
   }
   return total;
 }

@@ -43,6 +43,7 @@
 #include <map>
 #include <mutex>
 #include <optional>
+#include <span>
 #include <vector>
 
 #include "allocator/backend.h"
@@ -147,6 +148,13 @@ class TIDEPOOL_API VmmPool {
   // first); the rest is counted in bytes_left. Ranges freed meanwhile are skipped; one
   // allocated meanwhile is not visited. The C ABI's evict and prefetch by tag use it.
   MigrationResult migrate_tag(int tag, MemoryLocation to);
+  // migrate() for the ranges holding `ptrs`, in the order the pointers come: each range
+  // once (views and interior pointers of one range name it again), towards the device as
+  // much as fits the budget, so a budget-limited prefetch of one optimizer's state brings
+  // back what its step uses first. A pointer no range holds (nullptr, ordinary device
+  // memory) is skipped. Ranges freed meanwhile are not visited. The C ABI's prefetch by
+  // pointers uses it.
+  MigrationResult migrate_ranges_holding(std::span<const void* const> ptrs, MemoryLocation to);
   // The device budget in force now (nullopt: none). Note [VMM device budget].
   std::optional<std::size_t> device_budget_bytes() const;
 

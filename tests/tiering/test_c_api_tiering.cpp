@@ -1,7 +1,8 @@
 // The tiering C ABI: VMM-backed allocations moved by pointer and by tag, tag operations
 // reaching the device's tiered stores, versioned stats, the JSON snapshot, the allocator's
 // reclaim hook reaching the stores on an allocator OOM, errors as return codes with a
-// message in tidepool_last_error, tag prefetch within tidepool.state_budget, and the
+// message in tidepool_last_error, tag prefetch within tidepool.state_budget, prefetch by
+// pointers (one optimizer's state, in its order, each range once), and the
 // allocator's tier route (tidepool_malloc of optimizer state -> pointer-stable ranges,
 // tidepool_release_stream and tidepool_pytorch_record_stream reaching them).
 #include <chrono>
@@ -9,6 +10,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <future>
+#include <iterator>
 #include <memory>
 #include <string>
 #include <vector>
@@ -185,6 +187,11 @@ TEST(TieringCApi, AskingAboutAnUnusedDeviceCreatesNothingThere) {
     EXPECT_EQ(tidepool_prefetch_tag_within_budget(kUnusedDevice, tag, nullptr, &left), -1);
     EXPECT_EQ(left, 0u);
   }
+  const void* ptrs[] = {&x};
+  left = 7;
+  EXPECT_EQ(tidepool_prefetch_ptrs(kUnusedDevice, ptrs, 1, nullptr, &left), 0)
+      << tidepool_last_error();
+  EXPECT_EQ(left, 0u);
   EXPECT_EQ(existing_tiering_vmm_pool(kUnusedDevice), nullptr);
   // A device index out of range is still an error, not "nothing there".
   EXPECT_EQ(tidepool_evict_tag(kMaxDevices, kTagOptimizerState), -1);
@@ -222,6 +229,22 @@ TEST_F(CApiTieringTest, ErrorsAreCodesWithAMessageInTheAllocatorsErrorSlot) {
   EXPECT_EQ(tidepool_get_tiering_stats_v1(kDevice, nullptr), -1);
   EXPECT_EQ(tidepool_evict_tag(-1, kTagOptimizerState), -1);
   EXPECT_EQ(tidepool_vmm_free(nullptr, kDevice), 0);  // like free(NULL)
+  // Prefetch by pointers: no array for n pointers, or a bad device, is an error (and says
+  // nothing stayed on the host); no array for none is nothing to do.
+  std::uint64_t left = 7;
+  tidepool_clear_error();
+  EXPECT_EQ(tidepool_prefetch_ptrs(kDevice, nullptr, 3, nullptr, &left), -1);
+  EXPECT_EQ(left, 0u);
+  EXPECT_EQ(std::string(tidepool_last_error()).rfind("tidepool_prefetch_ptrs: ", 0), 0u)
+      << tidepool_last_error();
+  EXPECT_NE(std::strstr(tidepool_last_error(), "ptrs is NULL but n is 3"), nullptr)
+      << tidepool_last_error();
+  EXPECT_EQ(tidepool_prefetch_ptrs(kDevice, nullptr, 0, nullptr, nullptr), 0)
+      << tidepool_last_error();
+  const void* ptrs[] = {&x};
+  EXPECT_EQ(tidepool_prefetch_ptrs(-1, ptrs, 1, nullptr, &left), -1);
+  EXPECT_NE(std::strstr(tidepool_last_error(), "tidepool_prefetch_ptrs"), nullptr)
+      << tidepool_last_error();
 }
 
 // ---- tag prefetch within tidepool.state_budget ------------------------------------------
@@ -284,6 +307,27 @@ TEST_F(PrefetchBudgetTest, StopsBeforeTheBudgetAndReportsWhatStayedOnTheHost) {
   EXPECT_EQ(s.vmm_device_budget_bytes, 5 * kMiB);
   EXPECT_GE(s.vmm_budget_stops, 3u);
   EXPECT_GE(s.vmm_bytes_left_on_host, 6 * kMiB);
+}
+
+// Two optimizers' state under one tag: prefetching one's by its pointers brings back
+// that state only, in the order named (not the tag's allocation order), within the budget.
+TEST_F(PrefetchBudgetTest, ByPointersOnlyTheNamedRangesComeBackInTheOrderNamed) {
+  const ConfigScope config("backend:tidepool,tidepool.state_budget:5MiB");
+  make_evicted({2 * kMiB, 2 * kMiB, 2 * kMiB, 2 * kMiB});
+  int not_tiered = 0;  // state under tidepool.tier_min_bytes: ordinary memory
+  const char* third = static_cast<const char*>(ranges_[2]);
+  const void* ptrs[] = {third + 4096, nullptr, &not_tiered, third, ranges_[0], ranges_[3]};
+  std::uint64_t left = 12345;
+  ASSERT_EQ(tidepool_prefetch_ptrs(kDevice, ptrs, std::size(ptrs), nullptr, &left), 0)
+      << tidepool_last_error();
+  EXPECT_EQ(on_device(2), 2 * kMiB);
+  EXPECT_EQ(on_device(0), 2 * kMiB);
+  EXPECT_EQ(on_device(1), 0u);  // not named: the other optimizer's
+  EXPECT_EQ(on_device(3), 0u);  // named, over the budget
+  EXPECT_EQ(left, 2 * kMiB);
+  // The named ranges are the same, at the same addresses; the tag takes them back.
+  ASSERT_EQ(tidepool_evict_tag(kDevice, tag_), 0) << tidepool_last_error();
+  EXPECT_EQ(on_device(0) + on_device(2), 0u);
 }
 
 TEST_F(CApiTieringTest, AnOlderShorterTieringStatsStructGetsItsPrefix) {

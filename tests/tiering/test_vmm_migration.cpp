@@ -1,6 +1,7 @@
 // VmmPool: pointer-stable migration between device and host backing. The address never
 // changes, the bytes follow, and every failure at the seam (no memory in the target, a
 // map or copy that fails) leaves the data readable at the same address.
+#include <chrono>
 #include <cstdint>
 #include <cstring>
 #include <functional>
@@ -140,7 +141,62 @@ TEST_P(VmmMigrationTest, BadInputIsAClearError) {
   pool.deallocate(p);
 }
 
+// Note [Nothing to move, nothing to wait for]: a range already where it is asked to go
+// returns without waiting for its users (an eviction by tag reaches every optimizer's
+// state, most of it evicted already); one that moves still waits.
+TEST_P(VmmMigrationTest, AMigrationWithNothingToMoveDoesNotWaitForTheUsers) {
+  VmmPool pool(backend());
+  void* p = pool.allocate(backend().granularity(), kTagOptimizerState);
+  ASSERT_NE(p, nullptr);
+  pool.record_use(p, stream_);
+  tiering_test::StreamGate gate;
+  const tiering_test::StreamGate::OpenOnExit open_on_exit{gate};
+  backend().launch_host_func(stream_, &tiering_test::StreamGate::wait, &gate);
+  // Generous: a wait would last until the gate opens, which is only after this.
+  auto in_place = std::async(std::launch::async, [&] { return pool.migrate(p, MemoryLocation::device); });
+  ASSERT_EQ(in_place.wait_for(std::chrono::seconds(30)), std::future_status::ready)
+      << "a migration that moves nothing waited for the stream";
+  const MigrationResult r = in_place.get();
+  EXPECT_EQ(r.ranges, 1u);
+  EXPECT_EQ(r.bytes_moved, 0u);
+  auto moves = std::async(std::launch::async, [&] { pool.migrate(p, MemoryLocation::host); });
+  // Not a timing bound: a move that ends while the stream is held is the failure.
+  EXPECT_EQ(moves.wait_for(std::chrono::milliseconds(200)), std::future_status::timeout);
+  gate.open();
+  moves.get();
+  EXPECT_EQ(pool.bytes_in(p, MemoryLocation::host), backend().granularity());
+  pool.deallocate(p);
+}
+
 // ---- the device budget for state (Note [VMM device budget]) --------------------------------
+
+// One optimizer's state named by pointer (tidepool_prefetch_ptrs): the ranges holding the
+// pointers, in the order named, each once; pointers in no range are skipped.
+TEST_P(VmmMigrationTest, MigratingTheRangesHoldingPointersGoesInTheirOrderEachOnce) {
+  const std::size_t g = backend().granularity();
+  VmmPool pool(backend(), VmmPoolOptions{.device_budget_bytes = 2 * g});
+  std::vector<char*> r;
+  for (int i = 0; i < 4; ++i) {
+    r.push_back(static_cast<char*>(pool.allocate(g, kTagOptimizerState, MemoryLocation::host)));
+    ASSERT_NE(r.back(), nullptr);
+  }
+  int elsewhere = 0;
+  // r[2] named three times (at its base and inside it, as views are), then r[0], then
+  // r[3], which the budget leaves on the host; r[1] is not named (another optimizer's).
+  const void* ptrs[] = {r[2] + 100, nullptr, &elsewhere, r[2], r[2] + g - 1, r[0], r[3]};
+  const MigrationResult m = pool.migrate_ranges_holding(ptrs, MemoryLocation::device);
+  EXPECT_EQ(m.ranges, 3u);
+  EXPECT_EQ(m.bytes_moved, 2 * g);
+  EXPECT_EQ(m.bytes_left, g);
+  EXPECT_EQ(pool.bytes_in(r[2], MemoryLocation::device), g);
+  EXPECT_EQ(pool.bytes_in(r[0], MemoryLocation::device), g);
+  EXPECT_EQ(pool.bytes_in(r[1], MemoryLocation::host), g);
+  EXPECT_EQ(pool.bytes_in(r[3], MemoryLocation::host), g);
+  EXPECT_EQ(pool.stats().budget_stops, 1u);
+  EXPECT_EQ(pool.migrate_ranges_holding({}, MemoryLocation::device).ranges, 0u);
+  for (char* p : r) pool.deallocate(p);
+}
+
 
 TEST_P(VmmMigrationTest, PrefetchStopsAtTheBudgetAndReportsWhatStayedOnTheHost) {
   const std::size_t g = backend().granularity();
