@@ -1,6 +1,7 @@
 """The global optimizer step hooks inside torch, on a machine without a GPU (torch's CUDA
 entry points are recorders, fake_torch_cuda.py; tags go through the real libtidepool):
-each step runs tagged between prefetch and evict, the closure of step(closure) runs
+each step runs tagged between prefetch and evict, the prefetch is the stepped
+optimizer's own state by pointer (Note [prefetch by pointer]); the closure of step(closure) runs
 outside the step's scope and the state is still tagged (Note [closures]), a step or hook
 that raises closes its scope (Note [a step that raises]), nested steps keep the outer scope, loaded state
 (plain tensors and DTensor shards) is taken into tiering (Note [loaded state]), the
@@ -28,17 +29,38 @@ class RecordingSGD(torch.optim.SGD):
         return super().step(closure)
 
 
+original_cuda_index = _optim_hooks._cuda_index
+
+
 @pytest.fixture
 def fake_tiering(monkeypatch):
+    """Records the moves: ("prefetch", device, pointers, stream) and ("evict", device, tag,
+    stream). Every tensor counts as on CUDA device 0."""
     moves = []
     monkeypatch.setattr(_tiering, "available", lambda: True)
     monkeypatch.setattr(_tiering, "prefetch_tag",
-                        lambda d, tag, stream: moves.append(("prefetch", d, tag, stream)))
+                        lambda d, tag, stream: moves.append(("prefetch_tag", d, tag, stream)))
+    monkeypatch.setattr(_tiering, "prefetch_ptrs",
+                        lambda d, ptrs, stream: moves.append(("prefetch", d, tuple(ptrs), stream)))
     monkeypatch.setattr(_tiering, "evict_tag",
                         lambda d, tag, stream: moves.append(("evict", d, tag, stream)))
     monkeypatch.setattr(_optim_hooks, "_cuda_devices", lambda optimizer: [0])
+    monkeypatch.setattr(_optim_hooks, "_cuda_index", lambda tensor: 0)
     monkeypatch.setattr(_optim_hooks, "_stream", lambda torch, d: 4242)
     return moves
+
+
+EVICT = ("evict", 0, _tags.OPTIMIZER_STATE, 4242)
+
+
+def prefetch_of(*optimizers):
+    """The prefetch the pre-hook makes for the optimizers' state, stepped together (one
+    nested in the other): their state tensors' pointers, parameter by parameter in
+    param_groups order."""
+    ptrs = tuple(value.data_ptr() for optimizer in optimizers
+                 for group in optimizer.param_groups for p in group["params"]
+                 for value in optimizer.state.get(p, {}).values() if isinstance(value, torch.Tensor))
+    return ("prefetch", 0, ptrs, 4242)
 
 
 @pytest.mark.parametrize("mode", ["global", "pool"])
@@ -54,8 +76,9 @@ def test_each_step_runs_tagged_between_prefetch_and_evict(fake_cuda, fake_tierin
     # The first step creates the momentum buffers; the second only has temporaries.
     assert RecordingSGD.seen_tags == [_tags.OPTIMIZER_STATE, _tags.WORKSPACE]
     assert _tags.current() == outside
-    assert fake_tiering == [("prefetch", 0, _tags.OPTIMIZER_STATE, 4242),
-                            ("evict", 0, _tags.OPTIMIZER_STATE, 4242)] * 2
+    # Before the first step there is no state to prefetch; before the second, the buffer.
+    assert fake_tiering == [EVICT, prefetch_of(optimizer), EVICT]
+    assert fake_tiering[1][2] == (optimizer.state[p]["momentum_buffer"].data_ptr(),)
     pool_events = [c for c in fake_cuda if c[0] in ("enter_pool", "exit_pool")]
     assert pool_events == ([("enter_pool", 0), ("exit_pool", 0)] * 2 if mode == "pool" else [])
     # The update itself is SGD's, untouched: two momentum steps of 0.5 * (1, 1.9).
@@ -74,6 +97,81 @@ def test_parameters_added_later_get_their_state_tagged(fake_cuda, fake_tiering):
     b.grad = torch.ones(3)
     optimizer.step()
     assert RecordingSGD.seen_tags == [_tags.OPTIMIZER_STATE, _tags.WORKSPACE, _tags.OPTIMIZER_STATE]
+
+
+def test_with_two_optimizers_each_step_prefetches_only_its_own_state(fake_cuda, fake_tiering):
+    # Note [prefetch by pointer]: a GAN's generator and discriminator, stepped in turn. A
+    # prefetch of the whole tag would bring the other's state in too.
+    install(state_budget="1GiB")
+    g1, g2 = torch.nn.Parameter(torch.ones(4)), torch.nn.Parameter(torch.ones(2, 3))
+    d1 = torch.nn.Parameter(torch.ones(5))
+    # Two groups, the second parameter's first: the prefetch follows param_groups.
+    generator = torch.optim.AdamW([{"params": [g2]}, {"params": [g1], "lr": 1e-2}])
+    discriminator = torch.optim.SGD([d1], lr=0.1, momentum=0.9)
+    for _ in range(3):
+        fake_tiering.clear()
+        g1.grad, g2.grad = torch.ones(4), torch.ones(2, 3)
+        generator.step()
+        d1.grad = torch.ones(5)
+        discriminator.step()
+    state = generator.state
+    own = tuple(state[p][k].data_ptr() for p in (g2, g1) for k in ("step", "exp_avg", "exp_avg_sq"))
+    assert fake_tiering == [("prefetch", 0, own, 4242), EVICT,
+                            ("prefetch", 0, (discriminator.state[d1]["momentum_buffer"].data_ptr(),), 4242),
+                            EVICT]
+
+
+def test_a_subclass_step_calling_its_bases_prefetches_once(fake_cuda, fake_tiering):
+    # torch hooks both classes' step(): the nested one is the same optimizer's, whose
+    # state the enclosing pre-hook brought already.
+    install(state_budget="1GiB")
+
+    class Base(torch.optim.SGD):
+        def step(self, closure=None):
+            return super().step(closure)
+
+    class Derived(Base):
+        def step(self, closure=None):
+            return super().step(closure)
+
+    Base([torch.nn.Parameter(torch.ones(1))], lr=0.1)  # torch wraps Base.step now
+    p = torch.nn.Parameter(torch.ones(2))
+    optimizer = Derived([p], lr=0.1, momentum=0.9)
+    assert Base.step.tidepool_guarded and Derived.step.tidepool_guarded
+    for _ in range(2):
+        p.grad = torch.ones(2)
+        optimizer.step()
+    assert fake_tiering == [EVICT, prefetch_of(optimizer), EVICT]
+
+
+def test_the_prefetch_names_the_state_tensors_on_cuda_in_the_order_the_step_uses_them(
+        fake_cuda, fake_tiering, monkeypatch):
+    class Custom(torch.optim.Optimizer):  # state of every shape an optimizer may keep
+        def __init__(self, params):
+            super().__init__(params, {})
+
+    a, b, frozen = (torch.nn.Parameter(torch.ones(n)) for n in (2, 3, 4))
+    optimizer = Custom([{"params": [b, frozen]}, {"params": [a]}])
+    a.grad, b.grad = torch.ones(2), torch.ones(3)  # frozen has none: the step skips it
+    ta, tb, tf, h1, h2, shared = (torch.ones(4) for _ in range(6))
+    view = tb[1:]  # a view: a pointer inside tb's range (the C side moves that range once)
+    optimizer.state[a] = {"buf": ta, "step": torch.tensor(3.0), "count": 7, "history": [h1, (h2,)]}
+    optimizer.state[b] = {"buf": tb, "view": view}
+    optimizer.state[frozen] = {"buf": tf}
+    optimizer.state["own key"] = {"table": shared}
+    optimizer.state[torch.nn.Parameter(torch.ones(1))]  # an empty entry (defaultdict)
+    install()
+    # Multi-element tensors stand in for CUDA ones; the 0-d step counter for one on the CPU.
+    monkeypatch.setattr(_optim_hooks, "_cuda_index", lambda t: 1 if t.dim() > 0 else -1)
+    used = [tb.data_ptr(), view.data_ptr(), ta.data_ptr(), h1.data_ptr(), h2.data_ptr()]
+    assert _optim_hooks._state_pointers(optimizer, every_parameter=False) == {
+        1: used + [shared.data_ptr()]}
+    # With a closure the gradients come later: every parameter's state is named.
+    assert _optim_hooks._state_pointers(optimizer, every_parameter=True) == {
+        1: used[:2] + [tf.data_ptr()] + used[2:] + [shared.data_ptr()]}
+    monkeypatch.setattr(_optim_hooks, "_cuda_index", original_cuda_index)
+    # On this machine: all on the CPU.
+    assert _optim_hooks._state_pointers(optimizer, every_parameter=True) == {}
 
 
 def test_with_no_state_budget_nothing_is_prefetched(fake_cuda, fake_tiering):
@@ -132,8 +230,7 @@ def test_a_closure_runs_outside_the_step_and_its_gradients_decide_the_tag(
     # ... and the state Adam then created is tagged as state, not workspace.
     assert StateTagAdam.seen_tags == [_tags.OPTIMIZER_STATE]
     assert _tags.current() == outside
-    assert fake_tiering == [("prefetch", 0, _tags.OPTIMIZER_STATE, 4242),
-                            ("evict", 0, _tags.OPTIMIZER_STATE, 4242)] * 2
+    assert fake_tiering == [EVICT, prefetch_of(optimizer), EVICT]
     # The update is Adam's: the same as without the hooks.
     for handle in _install.STATE.optimizer_hooks:
         handle.remove()
@@ -188,18 +285,20 @@ def test_a_step_that_raises_closes_its_scope_and_evicts(fake_cuda, fake_tiering,
     assert FreshAdamW.step.tidepool_guarded
     outside = _tags.current()
     p.grad = torch.ones(2)
+    optimizer.step()  # state to prefetch
+    fake_tiering.clear()
+    fake_cuda.clear()
     with pytest.raises(RuntimeError, match="boom"):
         optimizer.step(raising_closure)
     assert _tags.current() == outside
-    assert fake_tiering == [("prefetch", 0, _tags.OPTIMIZER_STATE, 4242),
-                            ("evict", 0, _tags.OPTIMIZER_STATE, 4242)]
+    assert fake_tiering == [prefetch_of(optimizer), EVICT]
     # The pool is left while the closure runs (Note [closures]), entered again after
     # it, and left for good by the guard.
     pool_events = [c for c in fake_cuda if c[0] in ("enter_pool", "exit_pool")]
     assert pool_events == ([("enter_pool", 0), ("exit_pool", 0)] * 2 if mode == "pool" else [])
     optimizer.step()  # and the optimizer carries on as usual
     assert _tags.current() == outside
-    assert len(fake_tiering) == 4
+    assert fake_tiering == [prefetch_of(optimizer), EVICT] * 2
 
 
 def test_an_evict_that_fails_after_a_raising_step_does_not_hide_the_steps_error(
@@ -273,13 +372,17 @@ def test_a_step_inside_a_step_keeps_the_outer_scope(fake_cuda, fake_tiering, mod
     assert Inner.seen == [_tags.OPTIMIZER_STATE]
     assert Lookahead.seen == [_tags.OPTIMIZER_STATE, _tags.OPTIMIZER_STATE]
     assert _tags.current() == outside
-    # The state moves once, around the outermost step; one pool scope per device.
-    moves = [("evict", 0, _tags.OPTIMIZER_STATE, 4242)]
-    if budget != "0":
-        moves.insert(0, ("prefetch", 0, _tags.OPTIMIZER_STATE, 4242))
-    assert fake_tiering == moves
+    # The state is evicted once, after the outermost step; one pool scope per device.
+    assert fake_tiering == [EVICT]
     pool_events = [c for c in fake_cuda if c[0] in ("enter_pool", "exit_pool")]
     assert pool_events == ([("enter_pool", 0), ("exit_pool", 0)] if mode == "pool" else [])
+    # Now the inner optimizer has state (Lookahead, without momentum, has none): its
+    # nested step prefetches it, on the device the outer step holds.
+    fake_tiering.clear()
+    outer.step()
+    moves = ([prefetch_of(outer.inner)] if budget != "0" else []) + [EVICT]
+    assert fake_tiering == moves
+    assert Inner.seen[-1] == _tags.WORKSPACE
     fake_tiering.clear()
     with pytest.raises(RuntimeError, match="boom"):
         outer.inner.step(raising_closure)  # an inner step that raises on its own

@@ -1,7 +1,8 @@
 """Global torch.optim step hooks: the optimizer state any torch.optim optimizer creates
-inside step() is tagged optimizer_state (see Note [step tags]); before each step it is prefetched, after each
-step it is evicted to host memory (pointer-stable, so AdamW's foreach and fused paths
-keep their tensors and notice nothing).
+inside step() is tagged optimizer_state (see Note [step tags]); before each step the state
+of the optimizer being stepped is prefetched (Note [prefetch by pointer]), after each
+step the device's optimizer_state is evicted to host memory (Note [evict by tag];
+pointer-stable, so AdamW's foreach and fused paths keep their tensors and notice nothing).
 
 Whether the pre-hook prefetches depends on tidepool.state_budget, see Note [state budget 0].
 The pre-hook opens a scope (tag push, and in pool mode the tidepool MemPool for each
@@ -18,6 +19,7 @@ from __future__ import annotations
 import functools
 import threading
 import warnings
+from typing import NamedTuple
 
 from . import _install, _patches, _tags, _tiering
 
@@ -62,6 +64,86 @@ def _tiering_or_warn() -> bool:
     return False
 
 
+def _cuda_index(tensor) -> int:
+    """The index of the CUDA device `tensor` is on; -1 when it is on none."""
+    return tensor.get_device() if tensor.is_cuda else -1
+
+
+def _add_pointers(value, by_device: dict) -> None:
+    """Appends to by_device[d] the data pointer of each plain tensor (_plain_parts: a
+    DTensor's local shard) in `value` on CUDA device d; `value` may be a tensor, or a
+    dict, list or tuple of them (LBFGS keeps lists of tensors), nested."""
+    if isinstance(value, dict):
+        value = value.values()
+    elif not isinstance(value, (list, tuple)):
+        for part in _plain_parts(value):
+            d = _cuda_index(part)
+            if d >= 0:
+                by_device.setdefault(d, []).append(part.data_ptr())
+        return
+    for item in value:
+        _add_pointers(item, by_device)
+
+
+def _state_pointers(optimizer, every_parameter: bool) -> dict[int, list[int]]:
+    """Note [prefetch by pointer]: device -> the data pointers of the optimizer's state
+    tensors on it, parameter by parameter in param_groups order (the order its step
+    uses them), then the state under keys that are no parameter of a group. Unless
+    `every_parameter`, only the state of parameters with a gradient."""
+    by_device: dict[int, list[int]] = {}
+    state = optimizer.state
+    found = 0
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            param_state = state.get(p)
+            if param_state is not None:
+                found += 1
+                if every_parameter or p.grad is not None:
+                    _add_pointers(param_state, by_device)
+    if found < len(state):  # a custom optimizer's state under keys of its own
+        params = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        for key, value in state.items():
+            if id(key) not in params:
+                _add_pointers(value, by_device)
+    return by_device
+
+
+def _prefetch_state(optimizer, has_closure: bool) -> None:
+    """Note [prefetch by pointer]: before a step, with a state budget, the ranges holding
+    this optimizer's state come back to the device, as far as the budget allows, in the
+    order the step uses them: one C call per device (tidepool_prefetch_ptrs), whatever
+    the number of tensors. The state of a parameter without a gradient is left out: the
+    step skips that parameter (a frozen layer, an expert no token was routed to), and
+    its state would take budget and link time from state the step uses. With a closure
+    everything is named: its backward makes the gradients after the prefetch.
+
+    Only the optimizer being stepped: with several (a GAN's generator and discriminator,
+    stepped one after the other) a prefetch of the whole optimizer_state tag would also
+    bring in the others' state, spending link bandwidth and device budget on state this
+    step does not touch, which the post-hook then evicts again.
+
+    The pointers are data pointers of the plain tensors in optimizer.state (a DTensor's
+    local shard); the C side moves the range holding each, once: views and tensors
+    sharing a storage name a range again (or point inside it: the pool finds the range
+    holding any address in it), and are skipped. Pointers in no range (state under
+    tidepool.tier_min_bytes, in ordinary device memory and always resident; an empty
+    tensor's 0) are skipped there too, so nothing is asked per tensor from Python.
+
+    State the optimizer keeps outside optimizer.state (a tensor on the optimizer object
+    or in a param group, made during an optimizer_state step) is not prefetched: it stays
+    host-backed and the step reaches it over the link at the same address, as with
+    tidepool.state_budget 0; the post-hook's eviction by tag still takes it back
+    (Note [evict by tag]). Tiered stores (tidepool's C++ optimizers') are not reached:
+    their optimizers load their own handles. A step nested in another optimizer's
+    (Lookahead stepping its inner optimizer) prefetches its own state even on a device
+    the enclosing step holds: the enclosing step brought only its own. A step nested in
+    the same optimizer's (a subclass's step() calling its base's, both hooked by torch)
+    prefetches nothing: the enclosing one did (_being_stepped)."""
+    torch = _install.STATE.torch
+    for d, ptrs in _state_pointers(optimizer, every_parameter=has_closure).items():
+        _tiering.prefetch_ptrs(d, ptrs, _stream(torch, d))
+
+
 def _state_budget_allows_prefetch() -> bool:
     """Note [state budget 0]: with no device budget for optimizer state (the default)
     nothing is prefetched: the evicted state stays in host memory and the step's kernels
@@ -74,8 +156,16 @@ def _state_budget_allows_prefetch() -> bool:
     return not (budget.get("kind") == "bytes" and budget.get("bytes", 0) == 0)
 
 
-def _scopes() -> list:
-    """This thread's open step scopes, innermost last: (devices, MemPool contexts)."""
+class _Scope(NamedTuple):
+    """An open step scope (_open_scope)."""
+    devices: list[int]   # the devices whose state the step evicts (_devices_not_held)
+    contexts: list       # the MemPool contexts it entered (pool mode)
+    tag: int             # the tag it pushed
+    stepping: int | None  # id() of the optimizer whose step opened it; None for a load
+
+
+def _scopes() -> list[_Scope]:
+    """This thread's open step scopes, innermost last."""
     scopes = getattr(_local, "scopes", None)
     if scopes is None:
         scopes = _local.scopes = []
@@ -96,11 +186,11 @@ def _close_scope() -> list[int]:
     scopes = _scopes()
     if not scopes:
         return []
-    devices, pool_contexts = scopes.pop()
+    scope = scopes.pop()
     _tags.pop()
-    for context in reversed(pool_contexts):
+    for context in reversed(scope.contexts):
         context.__exit__(None, None, None)
-    return devices
+    return scope.devices
 
 
 def _close_scopes_down_to(depth: int) -> list[int]:
@@ -114,14 +204,14 @@ def _close_scopes_down_to(depth: int) -> list[int]:
 def _devices_not_held(devices: list[int]) -> list[int]:
     """Those of `devices` no open scope holds: a nested step (a subclass's step() calling
     its base's, both wrapped by torch with the hooks, or one optimizer stepping another)
-    moves state and enters pools only for those, since evicting or prefetching the tag
-    covers all of a device's state and the enclosing step still runs after the nested
-    one."""
-    held = {d for scope_devices, _ in _scopes() for d in scope_devices}
+    evicts state and enters pools only for those, since evicting the tag covers all of a
+    device's state and the enclosing step still runs after the nested one. (Its
+    prefetch is its own optimizer's state, on every device: Note [prefetch by pointer].)"""
+    held = {d for scope in _scopes() for d in scope.devices}
     return [d for d in devices if d not in held]
 
 
-def _open_scope(own: list[int], tag: int) -> None:
+def _open_scope(own: list[int], tag: int, stepping=None) -> None:
     """Allocations of this thread go under `tag` (and, in pool mode, to the tidepool
     MemPool of each device in `own`, from _devices_not_held) until _close_scope, which
     returns `own`."""
@@ -134,7 +224,7 @@ def _open_scope(own: list[int], tag: int) -> None:
             context.__enter__()
             contexts.append(context)
     _tags.push(tag)
-    _scopes().append((own, contexts))
+    _scopes().append(_Scope(own, contexts, tag, None if stepping is None else id(stepping)))
 
 
 def _guard_step(hooked_step):
@@ -189,6 +279,20 @@ def _scopes_to_keep() -> int:
 
 
 def _evict(devices: list[int]) -> None:
+    """Note [evict by tag]: after a step, all of each device's optimizer_state goes to
+    host memory, not only the stepped optimizer's. By tag it also takes what the
+    pre-hook's prefetch by pointer cannot name: state kept outside optimizer.state, and
+    the state of optimizers stepped inside this one (Lookahead's inner optimizer); and it
+    costs one C call per device, with no walk over the state in Python.
+
+    The other optimizers' state in the tag was evicted after their own steps, and costs
+    next to nothing again: the tiering layer goes through the tag's ranges and returns
+    for each one already in host memory before waiting for the streams that used it
+    (Note [Nothing to move, nothing to wait for] in tiering/vmm_migration.cpp; without
+    that it would record and synchronize an event per stream, per range), and skips a
+    tiered store's handles that are not on the device. What remains per call is the
+    stream synchronization of _tiering.evict_tag (needed anyway: the step's kernels must
+    be done before its state moves) and a walk over the tag's range list in C++."""
     torch = _install.STATE.torch
     for d in devices:
         _tiering.evict_tag(d, _tags.OPTIMIZER_STATE, _stream(torch, d))
@@ -215,32 +319,47 @@ def _closure_outside_the_scope(optimizer, closure, index: int):
         try:
             return closure(*args, **kwargs)
         finally:
-            _open_scope(devices, _step_tag(optimizer))
+            _open_scope(devices, _step_tag(optimizer), optimizer)
 
     return closure_outside_the_scope
 
 
+def _closure_index(args, kwargs) -> int | str | None:
+    """Where step()'s closure is: 1 (args[1]: torch hands the hooks step()'s arguments
+    with the optimizer first), "closure" (a keyword), or None when there is none."""
+    if len(args) > 1 and callable(args[1]):
+        return 1
+    if callable(kwargs.get("closure")):
+        return "closure"
+    return None
+
+
 def _with_closure_wrapped(optimizer, args, kwargs, index: int):
     """(args, kwargs) with step()'s closure (positional or keyword) wrapped by
-    _closure_outside_the_scope; None when there is no closure. torch hands the hooks
-    step()'s arguments with the optimizer first: the closure is args[1]."""
-    if len(args) > 1 and callable(args[1]):
+    _closure_outside_the_scope; None when there is no closure."""
+    where = _closure_index(args, kwargs)
+    if where == 1:
         wrapped = _closure_outside_the_scope(optimizer, args[1], index)
         return ((args[0], wrapped, *args[2:]), kwargs)
-    if callable(kwargs.get("closure")):
+    if where == "closure":
         return (args, {**kwargs,
                        "closure": _closure_outside_the_scope(optimizer, kwargs["closure"], index)})
     return None
 
 
+def _being_stepped(optimizer) -> bool:
+    """Whether an enclosing step on this thread is this optimizer's (a subclass's step()
+    calling its base's: torch runs the hooks for both): its state was prefetched then."""
+    return any(scope.stepping == id(optimizer) for scope in _scopes())
+
+
 def _pre_step(optimizer, args, kwargs):
-    torch = _install.STATE.torch
     _close_scopes_down_to(_scopes_to_keep())
-    devices = _devices_not_held(_cuda_devices(optimizer))
-    if devices and _tiering_or_warn() and _state_budget_allows_prefetch():
-        for d in devices:
-            _tiering.prefetch_tag(d, _tags.OPTIMIZER_STATE, _stream(torch, d))
-    _open_scope(devices, _step_tag(optimizer))
+    devices = _cuda_devices(optimizer)
+    if devices and _tiering_or_warn() and _state_budget_allows_prefetch() \
+            and not _being_stepped(optimizer):
+        _prefetch_state(optimizer, _closure_index(args, kwargs) is not None)
+    _open_scope(_devices_not_held(devices), _step_tag(optimizer), optimizer)
     return _with_closure_wrapped(optimizer, args, kwargs, len(_scopes()) - 1)
 
 

@@ -1,7 +1,8 @@
 """The tiering layer's C ABI (tiering/c_api_tiering.h), called by tag: move every
 allocation under a tag to host memory (evict) or bring it back (prefetch, within
-tidepool.state_budget), pointer-stable. Its errors land in tidepool_last_error, as the
-allocator's do. A build without tiering says so instead of pretending."""
+tidepool.state_budget), pointer-stable; and prefetch by pointers, one call for the ranges
+holding a list of tensors (one optimizer's state). Its errors land in tidepool_last_error,
+as the allocator's do. A build without tiering says so instead of pretending."""
 
 from __future__ import annotations
 
@@ -35,6 +36,9 @@ _SIGNATURES = {
     "tidepool_evict_tag": (ctypes.c_int, [ctypes.c_int, ctypes.c_int]),
     "tidepool_prefetch_tag_within_budget": (ctypes.c_int, [ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
                                                            ctypes.POINTER(ctypes.c_uint64)]),
+    "tidepool_prefetch_ptrs": (ctypes.c_int, [ctypes.c_int, ctypes.POINTER(ctypes.c_void_p),
+                                              ctypes.c_size_t, ctypes.c_void_p,
+                                              ctypes.POINTER(ctypes.c_uint64)]),
     "tidepool_get_tiering_stats_v1": (ctypes.c_int, [ctypes.c_int, ctypes.c_void_p]),
     "tidepool_vmm_owns": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_int]),
 }
@@ -74,6 +78,18 @@ def prefetch_tag(device: int, tag: int, stream: int | None = None) -> int:
     left_on_host = ctypes.c_uint64(0)
     _check(_fn("tidepool_prefetch_tag_within_budget")(device, tag, stream, ctypes.byref(left_on_host)),
            f"prefetching tag {tag} on device {device}")
+    return left_on_host.value
+
+
+def prefetch_ptrs(device: int, ptrs: list[int], stream: int | None = None) -> int:
+    """Brings the ranges holding `ptrs` back to the device, in that order, each once, while
+    they fit in tidepool.state_budget; pointers in no range (0, ordinary device memory)
+    are skipped. One C call however many pointers (a ctypes call per tensor would cost
+    more than the walk that finds them). Returns the bytes that stayed in host memory."""
+    left_on_host = ctypes.c_uint64(0)
+    array = (ctypes.c_void_p * len(ptrs))(*ptrs)
+    _check(_fn("tidepool_prefetch_ptrs")(device, array, len(ptrs), stream, ctypes.byref(left_on_host)),
+           f"prefetching {len(ptrs)} pointers on device {device}")
     return left_on_host.value
 
 
