@@ -1,7 +1,9 @@
 """The global optimizer step hooks inside torch, on a machine without a GPU (torch's CUDA
 entry points are recorders, fake_torch_cuda.py; tags go through the real libtidepool):
 each step runs tagged between prefetch and evict, the prefetch is the stepped
-optimizer's own state by pointer (Note [prefetch by pointer]); the closure of step(closure) runs
+optimizer's own state by pointer (Note [prefetch by pointer]), a parameter a step left
+stateless does not make later steps optimizer_state ones (Note [step tags]), and the
+bookkeeping of that keeps no optimizer alive; the closure of step(closure) runs
 outside the step's scope and the state is still tagged (Note [closures]), a step or hook
 that raises closes its scope (Note [a step that raises]), nested steps keep the outer scope, loaded state
 (plain tensors and DTensor shards) is taken into tiering (Note [loaded state]), the
@@ -10,6 +12,8 @@ patches come off cleanly, and the update itself is torch's, bit for bit, compile
 from __future__ import annotations
 
 import copy
+import gc
+import weakref
 
 import pytest
 import torch
@@ -172,6 +176,68 @@ def test_the_prefetch_names_the_state_tensors_on_cuda_in_the_order_the_step_uses
     monkeypatch.setattr(_optim_hooks, "_cuda_index", original_cuda_index)
     # On this machine: all on the CPU.
     assert _optim_hooks._state_pointers(optimizer, every_parameter=True) == {}
+
+
+def test_a_parameter_a_step_left_stateless_does_not_make_later_steps_state_steps(
+        fake_cuda, fake_tiering):
+    # Note [step tags]: SGD without momentum never creates state; its steps after the
+    # first need no pointer-stable ranges for their temporaries.
+    install(state_budget="1GiB")
+    a, b = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(3))
+    optimizer = RecordingSGD([a], lr=0.1)
+    RecordingSGD.seen_tags = []
+    for _ in range(3):
+        a.grad = torch.ones(2)
+        optimizer.step()
+    assert RecordingSGD.seen_tags == [_tags.OPTIMIZER_STATE] + [_tags.WORKSPACE] * 2
+    assert fake_tiering == [EVICT] * 3  # no state: nothing to prefetch
+    # A parameter added later is new: its first step may create state.
+    optimizer.add_param_group({"params": [b]})
+    b.grad = torch.ones(3)
+    optimizer.step()
+    optimizer.step()
+    assert RecordingSGD.seen_tags[3:] == [_tags.OPTIMIZER_STATE, _tags.WORKSPACE]
+    # A reload forgets them: the loaded groups turn momentum on, and the next step
+    # creates the buffers, under optimizer_state.
+    reloaded = optimizer.state_dict()
+    for group in reloaded["param_groups"]:
+        group["momentum"] = 0.9
+    optimizer.load_state_dict(reloaded)
+    optimizer.step()
+    optimizer.step()
+    assert RecordingSGD.seen_tags[5:] == [_tags.OPTIMIZER_STATE, _tags.WORKSPACE]
+    assert all("momentum_buffer" in optimizer.state[p] for p in (a, b))
+    # State cleared: the parameters that had it are new again.
+    optimizer.state.clear()
+    optimizer.step()
+    assert RecordingSGD.seen_tags[7:] == [_tags.OPTIMIZER_STATE]
+
+
+def test_a_parameter_that_had_no_gradient_is_not_taken_for_stateless(fake_cuda, fake_tiering):
+    install()
+    a, b = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(3))
+    optimizer = RecordingSGD([a, b], lr=0.1, momentum=0.9)
+    RecordingSGD.seen_tags = []
+    a.grad = torch.ones(2)
+    optimizer.step()  # b, without a gradient, was not stepped: it is not stateless
+    b.grad = torch.ones(3)
+    optimizer.step()
+    assert RecordingSGD.seen_tags == [_tags.OPTIMIZER_STATE] * 2
+    assert "momentum_buffer" in optimizer.state[b]
+
+
+def test_remembering_stateless_parameters_keeps_no_optimizer_or_parameter_alive(
+        fake_cuda, fake_tiering):
+    install()
+    p = torch.nn.Parameter(torch.ones(2))
+    optimizer = torch.optim.SGD([p], lr=0.1)
+    p.grad = torch.ones(2)
+    optimizer.step()
+    assert optimizer in _optim_hooks._stateless  # remembered ...
+    optimizer_ref, parameter_ref = weakref.ref(optimizer), weakref.ref(p)
+    del optimizer, p
+    gc.collect()
+    assert optimizer_ref() is None and parameter_ref() is None  # ... but not kept
 
 
 def test_with_no_state_budget_nothing_is_prefetched(fake_cuda, fake_tiering):
@@ -382,7 +448,7 @@ def test_a_step_inside_a_step_keeps_the_outer_scope(fake_cuda, fake_tiering, mod
     outer.step()
     moves = ([prefetch_of(outer.inner)] if budget != "0" else []) + [EVICT]
     assert fake_tiering == moves
-    assert Inner.seen[-1] == _tags.WORKSPACE
+    assert Inner.seen[-1] == Lookahead.seen[-1] == _tags.WORKSPACE
     fake_tiering.clear()
     with pytest.raises(RuntimeError, match="boom"):
         outer.inner.step(raising_closure)  # an inner step that raises on its own

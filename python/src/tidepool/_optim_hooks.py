@@ -19,12 +19,18 @@ from __future__ import annotations
 import functools
 import threading
 import warnings
+import weakref
 from typing import NamedTuple
 
 from . import _install, _patches, _tags, _tiering
 
 _local = threading.local()
 _warned_no_tiering = False
+# Note [step tags]: optimizer -> {id(p): weak reference to p} for the parameters a step
+# went through and left without state. Weak both ways: it keeps neither the optimizer nor
+# its parameters alive (an id is trusted only while its reference still gives that very
+# parameter, so a parameter dropped and another made at its address is new).
+_stateless: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _cuda_devices(optimizer) -> list[int]:
@@ -37,16 +43,67 @@ def _cuda_devices(optimizer) -> list[int]:
 
 
 def _step_tag(optimizer) -> int:
-    """Note [step tags]: a step that creates state (a parameter with a gradient has none
-    yet: the first step, or parameters added later) runs under optimizer_state, so the
-    state lands in pointer-stable, evictable ranges. Later steps run under workspace:
-    their allocations are the foreach/fused temporaries, freed before step() returns,
-    and need no migratable (slower to create) ranges."""
+    """Note [step tags]: a step that may create state runs under optimizer_state, so the
+    state lands in pointer-stable, evictable ranges. That is a step in which a parameter
+    with a gradient has no state yet and has not been through a step before (the first
+    step, a parameter added later by add_param_group, one whose state was cleared: by
+    optimizer.state.clear(), a new optimizer.state, or load_state_dict). Other steps run
+    under workspace: their allocations are the foreach/fused temporaries, freed before
+    step() returns, which need no migratable (slower to create) ranges and would only be
+    evicted for nothing.
+
+    A parameter the optimizer leaves without state (SGD without momentum; any parameter
+    an optimizer does not keep state for) would otherwise make every step an
+    optimizer_state one; so the post-hook of an optimizer_state step remembers, per
+    optimizer, the parameters that had a gradient and still have no state
+    (_remember_stateless, in _stateless), and they do not count again. load_state_dict
+    forgets them (the loaded param_groups may turn momentum on). A parameter the
+    optimizer gives state only later, without a reload (momentum raised by hand from
+    0), gets it under workspace: in ordinary device memory, resident, not evicted."""
+    state = optimizer.state
+    known = _known_stateless(optimizer)
     for group in optimizer.param_groups:
         for p in group["params"]:
-            if p.grad is not None and not optimizer.state.get(p):
-                return _tags.OPTIMIZER_STATE
+            if p.grad is not None and not state.get(p):
+                ref = known.get(id(p)) if known else None
+                if ref is None or ref() is not p:
+                    return _tags.OPTIMIZER_STATE
     return _tags.WORKSPACE
+
+
+def _known_stateless(optimizer) -> dict | None:
+    """The optimizer's remembered stateless parameters (Note [step tags]); None when there
+    are none, or the optimizer cannot be weakly referenced (a class with __slots__
+    without __weakref__: nothing is remembered for it, every step that finds a stateless
+    parameter runs under optimizer_state, as before)."""
+    try:
+        return _stateless.get(optimizer)
+    except TypeError:
+        return None
+
+
+def _remember_stateless(optimizer) -> None:
+    """After an optimizer_state step: remembers the parameters it went through (they had
+    a gradient) and left without state (Note [step tags])."""
+    state = optimizer.state
+    try:
+        known = _stateless.setdefault(optimizer, {})
+    except TypeError:  # not weakly referenceable: see _known_stateless
+        return
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.grad is not None and not state.get(p):
+                try:
+                    known[id(p)] = weakref.ref(p)
+                except TypeError:  # a parameter type without weak references: counts each time
+                    pass
+
+
+def _forget_stateless(optimizer) -> None:
+    try:
+        _stateless.pop(optimizer, None)
+    except TypeError:
+        pass
 
 
 def _stream(torch, device: int) -> int:
@@ -364,6 +421,9 @@ def _pre_step(optimizer, args, kwargs):
 
 
 def _post_step(optimizer, args, kwargs):
+    scopes = _scopes()
+    if scopes and scopes[-1].tag == _tags.OPTIMIZER_STATE:  # the tag the step ended under
+        _remember_stateless(optimizer)
     devices = _close_scope()
     if devices and _tiering.available():
         _evict(devices)
@@ -482,6 +542,7 @@ def register(torch):
 
     def load_state_dict(self, state_dict):
         result = original_load(self, state_dict)
+        _forget_stateless(self)  # Note [step tags]: the loaded groups may make state now
         _adopt_loaded_state(self)
         return result
 
