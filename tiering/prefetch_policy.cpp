@@ -1,5 +1,6 @@
 // PrefetchPolicy: record the first step's acquire order, replay it for prefetch and
-// furthest-next-use eviction. See prefetch_policy.h.
+// furthest-next-use eviction, and adopt a later step's order when the workload changed
+// for good (Note [Adopting a step]). See prefetch_policy.h.
 #include "tiering/prefetch_policy.h"
 
 #include <algorithm>
@@ -20,21 +21,56 @@ void PrefetchPolicy::begin_step(ScheduleKey key) {
   next_keys_ = predict_next_keys();
   current_key_ = key;
   position_ = 0;
-  recording_buffer_.clear();
+  // An unfinished step's acquires are dropped (Note [Adopting a step]).
+  step_acquires_.clear();
+  step_overflowed_ = false;
+  in_step_ = true;
   recording_ = schedules_[key].order.empty();
 }
 
 void PrefetchPolicy::end_step() {
   moved();
-  if (recording_ && !recording_buffer_.empty()) current().set(std::move(recording_buffer_));
-  recording_buffer_.clear();
+  if (in_step_ && !step_overflowed_ && !step_acquires_.empty()) {
+    Schedule& schedule = current();
+    if (recording_) {
+      schedule.set(std::move(step_acquires_));
+    } else if (!schedule.order.empty()) {  // empty: reset mid-step, the next step records
+      follow_step(schedule, step_acquires_);
+    }
+  }
+  step_acquires_.clear();
+  step_overflowed_ = false;
+  in_step_ = false;
   recording_ = false;
   position_ = current().order.size();  // what comes next is the next step's
 }
 
+void PrefetchPolicy::follow_step(Schedule& schedule, std::vector<HandleId>& acquires) {
+  if (acquires == schedule.order) {
+    schedule.deviation.clear();
+    return;
+  }
+  // Note [Adopting a step]: a complete step with a new handle is adopted at once.
+  std::unordered_set<HandleId> acquired(acquires.begin(), acquires.end());
+  const bool has_new_handle = std::ranges::any_of(
+      acquired, [&](HandleId h) { return !schedule.positions.contains(h); });
+  const bool has_every_scheduled_handle = std::ranges::all_of(
+      schedule.positions, [&](const auto& entry) { return acquired.contains(entry.first); });
+  if ((has_new_handle && has_every_scheduled_handle) || acquires == schedule.deviation) {
+    schedule.set(std::move(acquires));
+    schedule.deviation.clear();
+    adoptions_++;
+    return;
+  }
+  schedule.deviation.swap(acquires);  // the old deviation's buffer serves the next step
+}
+
 void PrefetchPolicy::reset_schedule() {
   moved();
-  for (auto& [key, schedule] : schedules_) schedule.set({});
+  for (auto& [key, schedule] : schedules_) {
+    schedule.set({});
+    schedule.deviation.clear();
+  }
   steps_.clear();
   next_keys_.clear();
   position_ = 0;
@@ -50,7 +86,8 @@ void PrefetchPolicy::retire(ScheduleKey key) {
     current_key_ = 0;
     position_ = 0;
     recording_ = false;
-    recording_buffer_.clear();
+    in_step_ = false;
+    step_acquires_.clear();
   }
   if (key == 0) {
     schedules_.at(0).set({});
@@ -61,10 +98,15 @@ void PrefetchPolicy::retire(ScheduleKey key) {
 
 void PrefetchPolicy::on_acquire(HandleId h) {
   last_acquire_[h] = ++clock_;
-  if (recording_) {
-    recording_buffer_.push_back(h);
-    return;
+  if (in_step_ && !step_overflowed_) {
+    if (step_acquires_.size() < kMaxStepAcquires) {
+      step_acquires_.push_back(h);
+    } else {
+      step_overflowed_ = true;  // the step will change nothing: free its acquires now
+      step_acquires_ = {};
+    }
   }
+  if (recording_) return;
   const Schedule& schedule = current();
   if (schedule.order.empty()) return;
   moved();
@@ -82,8 +124,9 @@ void PrefetchPolicy::on_acquire(HandleId h) {
 
 void PrefetchPolicy::forget(HandleId h) {
   last_acquire_.erase(h);
-  std::erase(recording_buffer_, h);
+  std::erase(step_acquires_, h);
   for (auto& [key, schedule] : schedules_) {
+    std::erase(schedule.deviation, h);
     if (!schedule.positions.contains(h)) continue;
     moved();
     // Rebuild the schedule without it; the current one keeps its position on the same

@@ -108,6 +108,8 @@ std::string to_json(const TieredStoreStats& s) {
       .num("budget_waits", ull(s.budget_waits))
       .num("buffers_reused", ull(s.buffers_reused))
       .num("frees_stream_ordered", ull(s.frees_stream_ordered))
+      .num("off_schedule_acquires", ull(s.off_schedule_acquires))
+      .num("schedule_adoptions", ull(s.schedule_adoptions))
       .raw("host", to_json(s.host))
       .raw("copy", to_json(s.copy))
       .done();

@@ -774,6 +774,8 @@ TieredStoreStats TieredStore::stats() {
     if (e->dev != nullptr) s.resident_handles++;
     if (e->pins > 0) s.acquired_handles++;
   }
+  s.off_schedule_acquires = policy_.off_schedule_acquires();
+  s.schedule_adoptions = policy_.schedule_adoptions();
   s.host = host_.stats();
   s.copy = copies_.stats();
   return s;

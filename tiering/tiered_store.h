@@ -129,6 +129,10 @@ struct TieredStoreStats {
   // Buffers on their way out handed back to a stream-ordered source for a load, which
   // waits for their write-back on the H2D stream (Note [Loads over write-backs]).
   std::uint64_t frees_stream_ordered = 0;
+  // The prefetch schedule (prefetch_policy.h): acquires that deviated from it, and
+  // schedules replaced by a later step's order (Note [Adopting a step]).
+  std::uint64_t off_schedule_acquires = 0;
+  std::uint64_t schedule_adoptions = 0;
   HostArenaStats host;
   CopyEngineStats copy;
 };
@@ -172,7 +176,8 @@ class TIDEPOOL_API TieredStore {
   std::size_t reclaim(std::size_t bytes_needed);
 
   // Step boundaries for the recorded prefetch schedule (see prefetch_policy.h): each
-  // `schedule` key (one per optimizer sharing the store) records and replays its own.
+  // `schedule` key (one per optimizer sharing the store) records and replays its own,
+  // and follows its steps when they change for good (Note [Adopting a step]).
   void begin_step(std::uint64_t schedule = 0);
   void end_step();
   // The optimizer behind `schedule` is gone: its recorded schedule is dropped

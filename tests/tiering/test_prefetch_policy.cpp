@@ -1,6 +1,7 @@
 // PrefetchPolicy: the first step is recorded, later steps replay it; eviction follows
 // the furthest next use; deviations re-sync; unknown handles and LRU before a schedule;
-// each schedule key (an optimizer sharing the store) has its own schedule.
+// each schedule key (an optimizer sharing the store) has its own schedule; a schedule
+// follows steps that changed for good and ignores one-off ones (Note [Adopting a step]).
 #include <gtest/gtest.h>
 
 #include "tiering/prefetch_policy.h"
@@ -16,6 +17,22 @@ PrefetchPolicy recorded(const Ids& order) {
   for (auto h : order) p.on_acquire(h);
   p.end_step();
   return p;
+}
+
+// One complete step of `key` acquiring `order`.
+void step(PrefetchPolicy& p, const Ids& order, PrefetchPolicy::ScheduleKey key = 0) {
+  p.begin_step(key);
+  for (auto h : order) p.on_acquire(h);
+  p.end_step();
+}
+
+// What the schedule of the key stepped last looks like from the start of its next step
+// (the whole of it, when its handles are distinct).
+Ids schedule_at_start(PrefetchPolicy& p, std::size_t max = 10) {
+  p.begin_step();
+  Ids out = p.upcoming(max);
+  p.end_step();  // no acquires: changes nothing
+  return out;
 }
 
 TEST(PrefetchPolicy, FirstStepBecomesTheSchedule) {
@@ -216,6 +233,168 @@ TEST(PrefetchPolicy, ARetiredKeyIsNeitherKeptNorPredicted) {
   EXPECT_TRUE(p.recording());
   p.end_step();
   EXPECT_EQ(p.off_schedule_acquires(), 0u);
+}
+
+// ---- following the workload (Note [Adopting a step]) --------------------------------
+
+TEST(PrefetchPolicy, AHandleCreatedAfterTheFirstStepJoinsTheSchedule) {
+  // State created lazily in step 2 (handle 4, used between 1 and 2 from then on).
+  PrefetchPolicy p = recorded({1, 2, 3});
+  p.begin_step();
+  p.on_acquire(1);
+  EXPECT_EQ(p.eviction_score(4), PrefetchPolicy::kNever - 1);  // unknown yet
+  for (auto h : {4, 2, 3}) p.on_acquire(h);
+  p.end_step();
+  EXPECT_EQ(p.schedule_adoptions(), 1u);
+  EXPECT_EQ(p.schedule_length(), 4u);
+  // Step 3 prefetches it and scores it by its next use like any other handle.
+  p.begin_step();
+  EXPECT_EQ(p.upcoming(10), (Ids{1, 4, 2, 3}));
+  EXPECT_EQ(p.eviction_score(4), 1u);
+  p.on_acquire(1);
+  EXPECT_EQ(p.upcoming(1), (Ids{4}));
+  EXPECT_EQ(p.eviction_score(4), 0u);
+  for (auto h : {4, 2, 3}) p.on_acquire(h);
+  p.end_step();
+  EXPECT_EQ(p.off_schedule_acquires(), 1u);  // step 2's acquire of 4 only
+  EXPECT_EQ(p.schedule_adoptions(), 1u);
+}
+
+TEST(PrefetchPolicy, HandlesReplacingForgottenOnesJoinTheSchedule) {
+  // Parameters replaced (an optimizer's param group swapped): 2 and 3 go, 5 and 6 come.
+  PrefetchPolicy p = recorded({1, 2, 3});
+  p.forget(2);
+  p.forget(3);
+  EXPECT_EQ(p.schedule_length(), 1u);
+  step(p, {1, 5, 6});
+  EXPECT_EQ(schedule_at_start(p), (Ids{1, 5, 6}));
+}
+
+TEST(PrefetchPolicy, AOneOffStepKeepsTheSchedule) {
+  PrefetchPolicy p = recorded({1, 2, 3, 4});
+  step(p, {1, 3, 2, 4});              // reordered once
+  step(p, {1, 2, 3, 4});
+  step(p, {1, 3, 2, 4});              // again, but not in consecutive steps
+  step(p, {1, 2, 3, 4, 1, 2, 3, 4});  // a closure that ran twice
+  step(p, {2, 1, 3, 4});              // two odd steps in a row, but not alike
+  step(p, {1, 2});                    // a step that threw part-way (StepScope ends it)
+  EXPECT_EQ(p.schedule_adoptions(), 0u);
+  EXPECT_EQ(schedule_at_start(p), (Ids{1, 2, 3, 4}));
+  EXPECT_EQ(p.schedule_length(), 4u);
+}
+
+TEST(PrefetchPolicy, AStepThatThrewAfterANewHandleKeepsTheSchedule) {
+  // Handle 9 was created in a step that then threw: the rest of the schedule stays...
+  PrefetchPolicy p = recorded({1, 2, 3});
+  step(p, {1, 9});
+  EXPECT_EQ(p.schedule_adoptions(), 0u);
+  EXPECT_EQ(schedule_at_start(p), (Ids{1, 2, 3}));
+  // ...and the next complete step, which has 9, is adopted at once.
+  step(p, {1, 9, 2, 3});
+  EXPECT_EQ(p.schedule_adoptions(), 1u);
+  EXPECT_EQ(schedule_at_start(p), (Ids{1, 9, 2, 3}));
+}
+
+TEST(PrefetchPolicy, APersistentReorderingIsAdoptedAfterTwoSteps) {
+  PrefetchPolicy p = recorded({1, 2, 3, 4});
+  step(p, {4, 3, 2, 1});
+  EXPECT_EQ(p.schedule_adoptions(), 0u);
+  EXPECT_EQ(schedule_at_start(p), (Ids{1, 2, 3, 4}));  // one step proves nothing yet
+  step(p, {4, 3, 2, 1});
+  EXPECT_EQ(p.schedule_adoptions(), 1u);
+  EXPECT_EQ(schedule_at_start(p), (Ids{4, 3, 2, 1}));
+  // The replay now follows it: no more re-syncs.
+  const auto off_before = p.off_schedule_acquires();
+  step(p, {4, 3, 2, 1});
+  step(p, {4, 3, 2, 1});
+  EXPECT_EQ(p.off_schedule_acquires(), off_before);
+  EXPECT_EQ(p.schedule_adoptions(), 1u);
+}
+
+TEST(PrefetchPolicy, StateNoLongerUsedLeavesTheScheduleAfterTwoSteps) {
+  // Handle 2's parameter was frozen: its state lives on but is not acquired any more.
+  PrefetchPolicy p = recorded({1, 2, 3});
+  step(p, {1, 3});
+  step(p, {1, 3});
+  EXPECT_EQ(schedule_at_start(p), (Ids{1, 3}));
+}
+
+TEST(PrefetchPolicy, StepsThatSayNothingKeepTheScheduleAndTheDeviation) {
+  PrefetchPolicy p = recorded({1, 2, 3});
+  step(p, {3, 2, 1});  // a deviation, remembered
+  step(p, {});         // no acquires
+  // Unfinished: begun again before it ended (with a new handle and the deviation).
+  p.begin_step();
+  for (auto h : {3, 2, 1, 9}) p.on_acquire(h);
+  p.begin_step();
+  EXPECT_EQ(p.upcoming(10), (Ids{1, 2, 3}));  // the replay starts over
+  p.end_step();                               // this step made no acquire
+  EXPECT_EQ(p.schedule_adoptions(), 0u);
+  EXPECT_EQ(p.schedule_length(), 3u);
+  // None of them broke the pair: the second step like the first is adopted.
+  step(p, {3, 2, 1});
+  EXPECT_EQ(p.schedule_adoptions(), 1u);
+  EXPECT_EQ(schedule_at_start(p), (Ids{3, 2, 1}));
+}
+
+TEST(PrefetchPolicy, AForgottenHandleLeavesTheRememberedDeviationToo) {
+  PrefetchPolicy p = recorded({1, 2, 3});
+  step(p, {3, 2, 1});
+  p.forget(2);
+  step(p, {3, 1});  // the same deviation without the handle that is gone
+  EXPECT_EQ(p.schedule_adoptions(), 1u);
+  EXPECT_EQ(schedule_at_start(p), (Ids{3, 1}));
+}
+
+TEST(PrefetchPolicy, ATruncatedFirstRecordingIsReplacedByTheNextCompleteStep) {
+  // The first step threw after two acquires; StepScope still ended it.
+  PrefetchPolicy p = recorded({1, 2});
+  step(p, {1, 2, 3, 4});
+  EXPECT_EQ(schedule_at_start(p), (Ids{1, 2, 3, 4}));
+}
+
+TEST(PrefetchPolicy, AStepLongerThanTheCapChangesNothing) {
+  // A store whose end_step never comes: the step stops recording at the cap. Shorter,
+  // the replayed step (new handles, every scheduled one) would have been adopted.
+  PrefetchPolicy replayed = recorded({1, 2});
+  PrefetchPolicy first;  // no schedule yet: the step would have been the recording
+  for (PrefetchPolicy* p : {&replayed, &first}) {
+    p->begin_step();
+    p->on_acquire(1);
+    p->on_acquire(2);
+    for (std::size_t i = 0; i < PrefetchPolicy::kMaxStepAcquires; ++i) p->on_acquire(3 + i % 2);
+    p->end_step();
+  }
+  EXPECT_EQ(replayed.schedule_adoptions(), 0u);
+  EXPECT_EQ(schedule_at_start(replayed), (Ids{1, 2}));
+  EXPECT_FALSE(first.replaying());
+  first.begin_step();
+  EXPECT_TRUE(first.recording());  // the next step records again
+  first.end_step();
+}
+
+TEST(PrefetchPolicy, EachKeyFollowsItsOwnStepsAndTheLookAheadSeesIt) {
+  // Optimizers A (key 1: 1-3) and B (key 2: 7-8) step in turn. A's order changes for
+  // good; B gets a new handle 9. Each is judged on its own steps, B's in between do not
+  // break A's pair, and the look-ahead from one key shows the other's new schedule.
+  PrefetchPolicy p;
+  step(p, {1, 2, 3}, 1);
+  step(p, {7, 8}, 2);
+  step(p, {3, 2, 1}, 1);
+  step(p, {7, 8, 9}, 2);  // adopted at once
+  EXPECT_EQ(p.schedule_adoptions(), 1u);
+  p.begin_step(1);
+  EXPECT_EQ(p.upcoming(10), (Ids{1, 2, 3, 7, 8, 9}));  // A's old order, B's new one
+  for (auto h : {3, 2, 1}) p.on_acquire(h);
+  p.end_step();  // A's second step like its first: adopted
+  EXPECT_EQ(p.schedule_adoptions(), 2u);
+  p.begin_step(2);
+  EXPECT_EQ(p.upcoming(10), (Ids{7, 8, 9, 3, 2, 1}));
+  EXPECT_EQ(p.eviction_score(3), 3u);  // after B's three acquires
+  EXPECT_EQ(p.eviction_score(1), 5u);
+  for (auto h : {7, 8, 9}) p.on_acquire(h);
+  p.end_step();
+  EXPECT_EQ(p.schedule_adoptions(), 2u);
 }
 
 }  // namespace

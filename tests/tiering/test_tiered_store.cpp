@@ -1,6 +1,7 @@
 // TieredStore behaviour: residency, clean vs dirty eviction, the budget and its errors,
-// the recorded prefetch schedule, reclaim, and fault injection at the seam (the last good
-// copy must stay readable after every failure).
+// the recorded prefetch schedule (and its following a handle created later), reclaim,
+// and fault injection at the seam (the last good copy must stay readable after every
+// failure).
 #include <array>
 #include <chrono>
 #include <condition_variable>
@@ -294,6 +295,44 @@ TEST_P(TieredStoreTest, RecordedStepIsPrefetchedOnReplay) {
   EXPECT_GT(s.prefetch_hits, 8u);
   EXPECT_LT(s.misses, 8u + 3u * 8u);
   EXPECT_LE(s.device_peak_bytes, store.device_budget_bytes());
+}
+
+TEST_P(TieredStoreTest, AHandleCreatedAfterTheFirstStepIsPrefetchedInLaterSteps) {
+  // Eight 100 KiB handles through a 600 KiB budget; a ninth is created after step 1
+  // (state made lazily) and acquired mid-step from step 2 on. Step 2 meets it unknown
+  // (a miss) and is adopted as the schedule (Note [Adopting a step]); from step 3 on it
+  // is prefetched like the others instead of evicted first and missed every step.
+  TieredStore store(backend(), options(600 << 10));
+  std::vector<TieredStore::Handle> order;
+  for (int i = 0; i < 8; ++i) order.push_back(store.create(100 << 10, kTagOptimizerState));
+  std::uint64_t late_misses = 0;
+  std::uint64_t late_hits = 0;
+  TieredStore::Handle late = 0;
+  for (int step = 0; step < 6; ++step) {
+    if (step == 1) {
+      late = store.create(100 << 10, kTagOptimizerState);
+      order.insert(order.begin() + 4, late);
+    }
+    store.begin_step();
+    for (auto h : order) {
+      const TieredStoreStats before = store.stats();
+      store.acquire(h, stream_);
+      const TieredStoreStats after = store.stats();
+      if (h == late && step >= 2) {
+        late_misses += after.misses - before.misses;
+        late_hits += after.prefetch_hits - before.prefetch_hits;
+      }
+      store.release(h, true);
+      ASSERT_LE(store.device_bytes(), store.device_budget_bytes());
+    }
+    store.end_step();
+  }
+  EXPECT_EQ(late_misses, 0u);
+  EXPECT_EQ(late_hits, 4u);  // steps 3 to 6
+  const TieredStoreStats s = store.stats();
+  EXPECT_EQ(s.schedule_adoptions, 1u);
+  EXPECT_EQ(s.off_schedule_acquires, 1u);  // step 2's acquire of the new handle
+  EXPECT_NE(store.stats_json().find("\"schedule_adoptions\":1"), std::string::npos);
 }
 
 TEST_P(TieredStoreTest, PrefetchNeverExceedsTheBudgetOrEvictsSoonerUses) {
