@@ -278,10 +278,11 @@ void TieredStore::destroy(Handle h) {
   InsideStore inside(this);
   Entry& e = entry_locked(h, "destroy");
   if (e.pins > 0) throw TieringError("tiered store: destroy of an acquired handle");
-  if (e.dev != nullptr) evict_locked(e, /*discard=*/true);  // the contents die with it
-  // Copies that read or write the host block must be done before it is reused.
+  // Copies that read or write the host block must be done before it is reused; waited
+  // for before the device copy is dropped (Note [Drop the device copy last]).
   backend_.event_synchronize(e.host_ready);
   backend_.event_synchronize(e.dev_ready);
+  if (e.dev != nullptr) evict_locked(e, /*discard=*/true);  // the contents die with it
   host_.deallocate(e.host);
   give_event_locked(e.dev_ready);
   give_event_locked(e.host_ready);
@@ -650,14 +651,25 @@ void TieredStore::read(Handle h, void* dst) {
   std::memcpy(dst, e.host.ptr, e.bytes);
 }
 
+// Note [Drop the device copy last]
+// write() and destroy() drop a dirty device copy without copying it back, and must wait
+// for the copies that use the host block (a copy-back writing it: host_ready; a load
+// reading it: dev_ready) before they overwrite or free it. The waits come first: a wait
+// can fail (a driver error, a backend that is going away), and once the device copy is
+// dropped the host copy is stale, so a failure after the drop would leave no copy of
+// the latest data, and the next read would return the stale host bytes as if they were
+// current. Waiting first, a failed wait changes nothing: the dirty device copy stays the
+// latest, acquire still hands it out, and read copies from it (or, while the backend
+// keeps failing, throws). The drop itself fails cleanly (evict_locked), and after it
+// nothing can fail: the discarding eviction enqueues no copy that touches the host block.
 void TieredStore::write(Handle h, const void* src) {
   std::lock_guard lock(mutex_);
   InsideStore inside(this);
   Entry& e = entry_locked(h, "write");
   if (e.pins > 0) throw TieringError("tiered store: write of an acquired handle");
-  if (e.dev != nullptr) evict_locked(e, /*discard=*/true);  // overwritten below
   backend_.event_synchronize(e.host_ready);
   backend_.event_synchronize(e.dev_ready);  // a load may still be reading the host block
+  if (e.dev != nullptr) evict_locked(e, /*discard=*/true);  // overwritten below
   std::memcpy(e.host.ptr, src, e.bytes);
   e.host_valid = true;
 }
