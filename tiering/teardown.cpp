@@ -3,6 +3,8 @@
 
 #include <atomic>
 #include <cstdio>
+#include <string>
+#include <utility>
 
 namespace tidepool {
 
@@ -10,26 +12,53 @@ namespace {
 std::atomic<std::uint64_t> g_teardown_errors{0};
 }  // namespace
 
+// A failure the same as a named one adds to its count; a new one is named while there is
+// room. One whose text cannot be built (out of memory) is counted only: the line then says
+// it among the unnamed rest.
 void Teardown::record(const char* what, const char* message) noexcept {
   failures_++;
   g_teardown_errors.fetch_add(1, std::memory_order_relaxed);
-  if (failures_ == 1) {
-    try {
-      first_error_ = std::string(what) + ": " + message;
-    } catch (...) {
-      // Out of memory for the message: the count still says something failed.
+  try {
+    std::string text = std::string(what) + ": " + message;
+    for (int i = 0; i < named_; ++i) {
+      if (named_errors_[i] == text) {
+        named_counts_[i]++;
+        return;
+      }
     }
+    if (named_ == kNamedFailures) return;
+    named_errors_[named_] = std::move(text);
+    named_counts_[named_] = 1;
+    named_++;
+  } catch (...) {
+    // Out of memory for the message: the count still says something failed.
   }
 }
 
 Teardown::~Teardown() {
   if (failures_ == 0) return;
+  std::string named;
+  int unnamed = failures_;
+  try {
+    for (int i = 0; i < named_; ++i) {
+      if (i > 0) named += "; ";
+      named += named_errors_[i];
+      if (named_counts_[i] > 1) named += " (" + std::to_string(named_counts_[i]) + " times)";
+      unnamed -= named_counts_[i];
+    }
+    if (unnamed > 0) {
+      named += std::string(named_ > 0 ? "; and " : "") + std::to_string(unnamed) +
+               (named_ > 0 ? " more" : " unnamed") + " failed step" + (unnamed == 1 ? "" : "s");
+    }
+  } catch (...) {
+    named = "(out of memory for the errors)";
+  }
   // stdio, not iostreams: this may run during static destruction, after std::cerr's
   // own teardown order is no longer guaranteed.
   std::fprintf(stderr,
                "tidepool: %s destroyed with %d failed release step%s (the backend reported "
-               "errors; what could be released was); first: %s\n",
-               object_, failures_, failures_ == 1 ? "" : "s", first_error_.c_str());
+               "errors; what could be released was): %s\n",
+               object_, failures_, failures_ == 1 ? "" : "s", named.c_str());
 }
 
 std::uint64_t teardown_error_count() noexcept {

@@ -7,8 +7,11 @@
 // the process. So each release step runs through Teardown::attempt: a failure is
 // counted and the next step still runs, so everything that can be released is. When the
 // object's teardown ends with failures, it writes one line to stderr naming the object,
-// the number of failed steps and the first error, and adds them to a process-wide count
-// (teardown_error_count, for tests and diagnostics).
+// the number of failed steps and each distinct failure (the step and its error, with how
+// often it happened) up to kNamedFailures of them, then how many more failed, and adds
+// them to a process-wide count (teardown_error_count, for tests and diagnostics). Every
+// failure is named, not only the first: when several ranges or buffers fail, the first
+// error alone hides whether the rest failed the same way or for another reason.
 //
 // Thread-safety: a Teardown is used by one destructor on one thread; the process-wide
 // count is atomic.
@@ -48,12 +51,18 @@ class TIDEPOOL_API Teardown {
 
   int failures() const { return failures_; }
 
+  // Distinct failures the stderr line names; more are counted, not named, so a teardown
+  // of thousands of ranges still writes one readable line.
+  static constexpr int kNamedFailures = 4;
+
  private:
   void record(const char* what, const char* message) noexcept;
 
   const char* object_;
   int failures_ = 0;
-  std::string first_error_;
+  int named_ = 0;  // entries used in named_errors_
+  std::string named_errors_[kNamedFailures];  // "step: error", distinct, in order of failure
+  int named_counts_[kNamedFailures] = {};     // how often each happened
 };
 
 // Failed teardown steps in this process so far (all objects together).

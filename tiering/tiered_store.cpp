@@ -278,10 +278,11 @@ void TieredStore::destroy(Handle h) {
   InsideStore inside(this);
   Entry& e = entry_locked(h, "destroy");
   if (e.pins > 0) throw TieringError("tiered store: destroy of an acquired handle");
-  if (e.dev != nullptr) evict_locked(e, /*discard=*/true);  // the contents die with it
-  // Copies that read or write the host block must be done before it is reused.
+  // Copies that read or write the host block must be done before it is reused; waited
+  // for before the device copy is dropped (Note [Drop the device copy last]).
   backend_.event_synchronize(e.host_ready);
   backend_.event_synchronize(e.dev_ready);
+  if (e.dev != nullptr) evict_locked(e, /*discard=*/true);  // the contents die with it
   host_.deallocate(e.host);
   give_event_locked(e.dev_ready);
   give_event_locked(e.host_ready);
@@ -289,32 +290,7 @@ void TieredStore::destroy(Handle h) {
   entries_.erase(h);
 }
 
-// ---- device memory and the budget ----------------------------------------------------------
-
-void TieredStore::reap_frees_locked(bool wait_all) {
-  auto keep = pending_frees_.begin();
-  auto it = pending_frees_.begin();
-  try {
-    for (; it != pending_frees_.end(); ++it) {
-      if (wait_all) {
-        copies_.wait_exposed(it->after);
-      } else if (!backend_.event_query(it->after)) {
-        if (keep != it) *keep = std::move(*it);
-        ++keep;
-        continue;
-      }
-      device_.deallocate(it->ptr, it->bytes, copies_.stream(Direction::device_to_host));
-      device_bytes_ -= it->bytes;
-      give_event_locked(it->after);
-    }
-  } catch (...) {
-    // A wait or query failed midway: [keep, it) holds buffers already handed back (or
-    // moved forward); dropping them leaves every buffer still owed exactly once.
-    pending_frees_.erase(keep, it);
-    throw;
-  }
-  pending_frees_.erase(keep, pending_frees_.end());
-}
+// ---- device memory and the budget (the pending frees: pending_frees.cpp) -------------------
 
 // Frees room for `bytes` within the budget. Evicts released handles, furthest next use
 // first; for a prefetch (may_wait false) only handles needed later than the incoming one.
@@ -355,40 +331,6 @@ TieredStore::Room TieredStore::make_room_locked(std::size_t bytes, const Entry* 
     stats_.budget_waits++;
     copies_.wait_exposed(pending_frees_.front().after);
   }
-}
-
-// Note [Loads over write-backs] (tiered_store.h), in order of preference: a pending free
-// of exactly `bytes` (no allocator traffic, no waste); with a stream-ordered source, the
-// oldest pending frees that leave room (their write-backs finish first).
-TieredStore::Room TieredStore::room_from_pending_locked(std::size_t bytes) const {
-  for (std::size_t i = 0; i < pending_frees_.size(); ++i) {
-    if (pending_frees_[i].bytes == bytes) return {Room::Kind::take_over, i};
-  }
-  if (device_.stream_ordered) {
-    std::size_t held = device_bytes_;
-    for (std::size_t i = 0; i < pending_frees_.size(); ++i) {
-      held -= pending_frees_[i].bytes;
-      if (held + bytes <= options_.device_budget_bytes) return {Room::Kind::release_pending, i + 1};
-    }
-  }
-  return {Room::Kind::none, 0};
-}
-
-// Hands the first `count` pending frees back to the (stream-ordered) source on the H2D
-// stream, after making that stream wait for their write-backs: the source may give their
-// memory to the next allocation on the H2D stream at once, and everything the store
-// enqueues there from now on runs after those write-backs and the uses before them.
-void TieredStore::release_pending_locked(std::size_t count) {
-  const Stream h2d = copies_.stream(Direction::host_to_device);
-  for (std::size_t i = 0; i < count; ++i) backend_.stream_wait_event(h2d, pending_frees_[i].after);
-  for (std::size_t i = 0; i < count; ++i) {
-    const PendingFree& f = pending_frees_[i];
-    device_.deallocate(f.ptr, f.bytes, h2d);
-    device_bytes_ -= f.bytes;
-    give_event_locked(f.after);  // the waits are enqueued: the events may be re-recorded
-    stats_.frees_stream_ordered++;
-  }
-  pending_frees_.erase(pending_frees_.begin(), pending_frees_.begin() + static_cast<long>(count));
 }
 
 TieredStore::DeviceBuffer TieredStore::device_allocate_locked(std::size_t bytes,
@@ -443,21 +385,6 @@ TieredStore::DeviceBuffer TieredStore::device_allocate_locked(std::size_t bytes,
   device_bytes_ += bytes;
   note_device_bytes_locked();
   return DeviceBuffer{p, {}};
-}
-
-// The buffer of a load that failed, once the H2D work enqueued on it is done. One taken
-// over from a write-back (Note [Loads over write-backs]) whose wait may not have been
-// enqueued (`buf.wait` still held) goes back to the pending frees, charged until that
-// write-back has read it; any other is freed and uncharged.
-void TieredStore::give_back_failed_load_locked(const DeviceBuffer& buf, std::size_t bytes) {
-  const Stream h2d = copies_.stream(Direction::host_to_device);
-  backend_.stream_synchronize(h2d);
-  if (buf.wait) {
-    pending_frees_.push_back(PendingFree{buf.ptr, bytes, buf.wait});
-    return;
-  }
-  device_.deallocate(buf.ptr, bytes, h2d);
-  device_bytes_ -= bytes;
 }
 
 // ---- moving data --------------------------------------------------------------------------
@@ -724,14 +651,25 @@ void TieredStore::read(Handle h, void* dst) {
   std::memcpy(dst, e.host.ptr, e.bytes);
 }
 
+// Note [Drop the device copy last]
+// write() and destroy() drop a dirty device copy without copying it back, and must wait
+// for the copies that use the host block (a copy-back writing it: host_ready; a load
+// reading it: dev_ready) before they overwrite or free it. The waits come first: a wait
+// can fail (a driver error, a backend that is going away), and once the device copy is
+// dropped the host copy is stale, so a failure after the drop would leave no copy of
+// the latest data, and the next read would return the stale host bytes as if they were
+// current. Waiting first, a failed wait changes nothing: the dirty device copy stays the
+// latest, acquire still hands it out, and read copies from it (or, while the backend
+// keeps failing, throws). The drop itself fails cleanly (evict_locked), and after it
+// nothing can fail: the discarding eviction enqueues no copy that touches the host block.
 void TieredStore::write(Handle h, const void* src) {
   std::lock_guard lock(mutex_);
   InsideStore inside(this);
   Entry& e = entry_locked(h, "write");
   if (e.pins > 0) throw TieringError("tiered store: write of an acquired handle");
-  if (e.dev != nullptr) evict_locked(e, /*discard=*/true);  // overwritten below
   backend_.event_synchronize(e.host_ready);
   backend_.event_synchronize(e.dev_ready);  // a load may still be reading the host block
+  if (e.dev != nullptr) evict_locked(e, /*discard=*/true);  // overwritten below
   std::memcpy(e.host.ptr, src, e.bytes);
   e.host_valid = true;
 }

@@ -1,6 +1,7 @@
 // The tiered store: buffers (optimizer state) that live in host memory and are on the
 // device exactly while code uses them. The handle state machine is written at the top of
-// tiered_store.cpp; the policy is in prefetch_policy.h; the copies in copy_engine.h.
+// tiered_store.cpp; the buffers on their way out in pending_frees.cpp; the policy is in
+// prefetch_policy.h; the copies in copy_engine.h.
 //
 // Use:
 //   TieredStore store(backend, {.device_budget_bytes = 8 << 30});
@@ -81,6 +82,13 @@ enum class Tier : std::uint8_t { device, host };
 // whose write-back is in flight back in stream order, so a load can reuse their memory
 // before the write-back has finished (Note [Loads over write-backs]). false: deallocate
 // only once no stream uses p (the backend's device_free).
+// Errors: deallocate may throw, and a throw means the buffer was not given back: it is
+// still the store's, charged to the budget, and is handed back again later (as the
+// caching allocator's deallocate does: BackendError or AllocatorUsageError with its state
+// unchanged, Note [Failed frees] in allocator/frees.cpp; and the backend's device_free:
+// BackendError before anything is freed). The store keeps its books under that: buffers
+// handed back before the throw leave its lists before the error propagates, so none is
+// ever handed back twice.
 struct DeviceMemorySource {
   std::function<void*(std::size_t bytes, Stream stream)> allocate;
   std::function<void(void* ptr, std::size_t bytes, Stream stream)> deallocate;

@@ -5,8 +5,11 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <set>
+#include <string>
 #include <unordered_set>
+#include <utility>
 
 #include "allocator/device_registry.h"
 #include "allocator/reclaim.h"
@@ -35,6 +38,65 @@ std::map<int, DeviceTiering>& registry() {
   return *r;
 }
 
+// Note [Registry re-entry]
+// The registry lock is held while its walks (for_each_tiered_store, reclaim_tiered_stores)
+// call into stores, and a store calls out: to its memory source, to the backend, to the
+// allocator, whose OOM path runs reclaim hooks. Code reached that way can come back to
+// the registry on the same thread, where locking registry_mutex() again would deadlock
+// (lock) or be undefined (try_lock of a mutex the thread owns). So every path that holds
+// the lock marks this thread (t_holding_registry, set and restored by RegistryHold), and
+// a call that finds the mark does not lock again:
+//   - reclaim_tiered_stores walks the stores as they are: the thread holds the lock, so
+//     no other thread changes the set, and a store this thread is inside refuses itself
+//     (Note [Locking] in tiered_store.cpp), so the others still give room;
+//   - unregister_tiered_store (a store destroyed from inside a walk) leaves the set under
+//     the hold this thread already has, since a destructor cannot be refused; the walks
+//     step by key (next_store), never holding an iterator across a call, so they skip it;
+//   - everything else (creating a store, a nested for_each_tiered_store, the VMM pool
+//     accessors, set_tiering_backend) throws TieringError: the documented rule is that a
+//     walk's callback creates no store, and a nested walk would call stores this thread
+//     may be inside (their own locks would deadlock instead).
+thread_local bool t_holding_registry = false;
+
+TieringError reentry_error(const char* what) {
+  return TieringError(std::string("tiering: ") + what +
+                      " on a thread that already holds the tiering registry (from inside "
+                      "for_each_tiered_store or an OOM reclaim of tiered stores): refused "
+                      "(Note [Registry re-entry])");
+}
+
+// Holds registry_mutex() and marks this thread as holding it until destroyed
+// (Note [Registry re-entry]). try_lock: take it only if free; owns() says whether it was.
+class RegistryHold {
+ public:
+  enum class Mode : bool { lock, try_lock };
+  explicit RegistryHold(Mode mode = Mode::lock) : lock_(registry_mutex(), std::defer_lock) {
+    if (mode == Mode::lock) {
+      lock_.lock();
+    } else if (!lock_.try_lock()) {
+      return;
+    }
+    outer_ = std::exchange(t_holding_registry, true);
+  }
+  ~RegistryHold() {
+    if (lock_.owns_lock()) t_holding_registry = outer_;
+  }
+  RegistryHold(const RegistryHold&) = delete;
+  RegistryHold& operator=(const RegistryHold&) = delete;
+  bool owns() const { return lock_.owns_lock(); }
+
+ private:
+  std::unique_lock<std::mutex> lock_;
+  bool outer_ = false;
+};
+
+// The store after `current` in `stores` (the first one for nullptr), or nullptr. Found by
+// key, so a store added or removed by the previous call leaves no dangling iterator.
+TieredStore* next_store(const std::set<TieredStore*>& stores, TieredStore* current) {
+  auto it = current == nullptr ? stores.begin() : stores.upper_bound(current);
+  return it == stores.end() ? nullptr : *it;
+}
+
 // Default: the backend of the device's caching allocator, so tiering and the allocator
 // share streams, capacity and (on the host backend) the emulated device.
 Backend& backend_locked(int device, DeviceTiering& d) {
@@ -59,7 +121,8 @@ std::map<int, TierableRanges>& tierable() {
 }  // namespace
 
 void set_tiering_backend(int device, Backend* backend) {
-  std::lock_guard lock(registry_mutex());
+  if (t_holding_registry) throw reentry_error("set_tiering_backend");
+  RegistryHold hold;
   DeviceTiering& d = registry()[device];
   if (d.vmm && d.backend != backend) {
     throw TieringError("tiering: set_tiering_backend for device " + std::to_string(device) +
@@ -70,14 +133,16 @@ void set_tiering_backend(int device, Backend* backend) {
 
 VmmPool& tiering_vmm_pool(int device) {
   if (device < 0) throw TieringError("tiering: invalid device " + std::to_string(device));
-  std::lock_guard lock(registry_mutex());
+  if (t_holding_registry) throw reentry_error("tiering_vmm_pool");
+  RegistryHold hold;
   DeviceTiering& d = registry()[device];
   if (!d.vmm) d.vmm = std::make_unique<VmmPool>(backend_locked(device, d));
   return *d.vmm;
 }
 
 VmmPool* existing_tiering_vmm_pool(int device) {
-  std::lock_guard lock(registry_mutex());
+  if (t_holding_registry) throw reentry_error("existing_tiering_vmm_pool");
+  RegistryHold hold;
   auto it = registry().find(device);
   return it == registry().end() ? nullptr : it->second.vmm.get();
 }
@@ -154,39 +219,33 @@ const TierRoute kTierRoute{
 
 }  // namespace
 
-namespace {
-// This thread holds registry_mutex() in for_each_tiered_store: a store the callback runs
-// into an OOM (a prefetch by tag), whose reclaim hook comes back here on the same thread,
-// must not lock it again (try_lock of a mutex the thread owns is undefined); the set of
-// stores cannot change meanwhile, so the hook reads it as it is.
-thread_local bool t_holding_registry = false;
-}  // namespace
-
 void for_each_tiered_store(int device, const std::function<void(TieredStore&)>& fn) {
-  std::lock_guard lock(registry_mutex());
+  if (t_holding_registry) throw reentry_error("for_each_tiered_store");
+  RegistryHold hold;
   auto it = registry().find(device);
   if (it == registry().end()) return;
-  const bool outer = t_holding_registry;
-  t_holding_registry = true;
-  try {
-    for (TieredStore* s : it->second.stores) fn(*s);
-  } catch (...) {
-    t_holding_registry = outer;
-    throw;
+  for (TieredStore* s = next_store(it->second.stores, nullptr); s != nullptr;
+       s = next_store(it->second.stores, s)) {
+    fn(*s);
   }
-  t_holding_registry = outer;
 }
 
 namespace detail {
 
+// The allocator's reclaim hook: it only try_locks (tiering_registry.h), and on a thread
+// that holds the registry already it walks the stores under that hold (Note [Registry
+// re-entry]): a store's OOM inside a walk (a prefetch by tag) still gets the others'.
 std::size_t reclaim_tiered_stores(int device, std::size_t bytes_needed) {
-  std::unique_lock lock(registry_mutex(), std::defer_lock);
-  if (!t_holding_registry && !lock.try_lock()) return 0;
+  std::optional<RegistryHold> hold;
+  if (!t_holding_registry) {
+    hold.emplace(RegistryHold::Mode::try_lock);
+    if (!hold->owns()) return 0;
+  }
   auto it = registry().find(device);
   if (it == registry().end()) return 0;
   std::size_t freed = 0;
-  for (TieredStore* s : it->second.stores) {
-    if (freed >= bytes_needed) break;
+  for (TieredStore* s = next_store(it->second.stores, nullptr); s != nullptr && freed < bytes_needed;
+       s = next_store(it->second.stores, s)) {
     freed += s->reclaim(bytes_needed - freed);
   }
   return freed;
@@ -197,11 +256,13 @@ void register_tiered_store(int device, TieredStore* store) {
   std::call_once(hook_once, [] {
     register_reclaim_hook([](int dev, std::size_t bytes) { return reclaim_tiered_stores(dev, bytes); });
   });
-  std::lock_guard lock(registry_mutex());
+  if (t_holding_registry) throw reentry_error("creating a tiered store");
+  RegistryHold hold;
   registry()[device].stores.insert(store);
 }
 void unregister_tiered_store(int device, TieredStore* store) {
-  std::lock_guard lock(registry_mutex());
+  std::optional<RegistryHold> hold;
+  if (!t_holding_registry) hold.emplace();  // else: leaves under this thread's hold
   registry()[device].stores.erase(store);
 }
 }  // namespace detail

@@ -43,8 +43,11 @@ TIDEPOOL_API void set_tiering_backend(int device, Backend* backend);
 TIDEPOOL_API VmmPool& tiering_vmm_pool(int device);
 // The device's VmmPool if it exists yet, else nullptr (creates nothing).
 TIDEPOOL_API VmmPool* existing_tiering_vmm_pool(int device);
-// Calls `fn` on every registered store of `device` (under the registry lock: `fn` must
-// not create or destroy stores).
+// Calls `fn` on every registered store of `device`, under the registry lock. `fn` may
+// destroy a store other than the one it is called on (the walk skips it); creating a
+// store, walking again or reaching the VMM pool from inside `fn` on the same thread
+// throws TieringError instead of deadlocking (Note [Registry re-entry],
+// tiering_registry.cpp).
 TIDEPOOL_API void for_each_tiered_store(int device, const std::function<void(TieredStore&)>& fn);
 
 // A pointer-stable range of at least `bytes` in `device`'s VmmPool, device-backed, under
@@ -59,7 +62,9 @@ TIDEPOOL_API bool is_tierable_range(int device, const void* ptr);
 
 namespace detail {
 // What the allocator's reclaim hook runs: reclaim on every store of `device` until
-// `bytes_needed` are freed. Returns bytes freed (0 when the registry is busy).
+// `bytes_needed` are freed. Returns bytes freed (0 when another thread holds the
+// registry). On a thread that holds it already (a store's OOM inside a walk) it walks
+// the stores under that hold; a store this thread is inside gives nothing.
 std::size_t reclaim_tiered_stores(int device, std::size_t bytes_needed);
 void register_tiered_store(int device, TieredStore* store);
 void unregister_tiered_store(int device, TieredStore* store);

@@ -6,13 +6,18 @@
 // allocator's tier route (tidepool_malloc of optimizer state -> pointer-stable ranges,
 // tidepool_release_stream and tidepool_pytorch_record_stream reaching them).
 #include <chrono>
+#include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <future>
 #include <iterator>
 #include <memory>
+#include <mutex>
 #include <string>
+#include <thread>
+#include <utility>
 #include <vector>
 
 #include "allocator/c_api.h"
@@ -153,6 +158,90 @@ TEST(TieringReclaimHook, AStoreOutOfDeviceMemoryGetsAnotherStoresReleasedState) 
   allocator.backend().stream_synchronize(s);
   allocator.release_stream(s);
   allocator.backend().destroy_stream(s);
+}
+
+// Aborts the process with `what` unless destroyed within 30 s, so a deadlock fails the
+// test run with a message instead of hanging it.
+class Watchdog {
+ public:
+  explicit Watchdog(const char* what)
+      : thread_([this, what] {
+          std::unique_lock lock(mutex_);
+          if (!done_cv_.wait_for(lock, std::chrono::seconds(30), [this] { return done_; })) {
+            std::fprintf(stderr, "watchdog: %s\n", what);
+            std::abort();
+          }
+        }) {}
+  ~Watchdog() {
+    {
+      std::lock_guard lock(mutex_);
+      done_ = true;
+    }
+    done_cv_.notify_one();
+    thread_.join();
+  }
+
+ private:
+  std::mutex mutex_;
+  std::condition_variable done_cv_;
+  bool done_ = false;
+  std::thread thread_;
+};
+
+TEST(TieringReclaimHook, ReenteringTheRegistryFromInsideAReclaimIsRefusedCleanly) {
+  // The reclaim hook holds the registry while it calls the stores, and a store calls out
+  // (here: its memory source's deallocate) into code that comes back to the registry on
+  // the same thread. Note [Registry re-entry] (tiering_registry.cpp): creating a store or
+  // walking the stores by tag from there is refused with a clear error, destroying
+  // another store is safe (the walk skips it), and none of it deadlocks; afterwards the
+  // registry works as before.
+  constexpr int device_index = kDevice + 3;
+  SmallDevice device(device_index);
+  CachingAllocator& allocator = device.allocator();
+  std::function<void()> reenter;  // run once, by a's memory source, inside the reclaim
+  DeviceMemorySource source = caching_allocator_source(allocator);
+  source.deallocate = [inner = source.deallocate, &reenter](void* p, std::size_t n, Stream s) {
+    if (reenter) std::exchange(reenter, nullptr)();
+    inner(p, n, s);
+  };
+  auto a = std::make_unique<TieredStore>(
+      allocator.backend(), tiering_test::test_store_options(6 << 20), std::move(source));
+  std::unique_ptr<TieredStore> b = device.make_store();  // holds nothing: the walk reaches a
+  a->create(3 << 20, kTagOptimizerState, Tier::device);
+  a->synchronize();
+  std::string create_error, evict_tag_error;
+  int evict_tag_result = 0;
+  bool reentered = false;
+  reenter = [&] {
+    reentered = true;
+    Watchdog watchdog("re-entering the tiering registry from inside a reclaim deadlocked");
+    try {
+      device.make_store();
+    } catch (const TieringError& e) {
+      create_error = e.what();
+    }
+    evict_tag_result = tidepool_evict_tag(device_index, kTagOptimizerState);
+    evict_tag_error = tidepool_last_error();
+    b.reset();
+  };
+  void* big = allocator.allocate(6 << 20);  // fits only once a lets go: the hook runs
+  ASSERT_NE(big, nullptr);
+  allocator.deallocate(big, 6 << 20);
+  ASSERT_TRUE(reentered);
+  EXPECT_EQ(b, nullptr);
+  EXPECT_NE(create_error.find("already holds the tiering registry"), std::string::npos)
+      << create_error;
+  EXPECT_EQ(evict_tag_result, -1);
+  EXPECT_NE(evict_tag_error.find("already holds the tiering registry"), std::string::npos)
+      << evict_tag_error;
+  EXPECT_GE(a->stats().reclaimed_bytes, std::size_t{3} << 20);
+  // Outside the walk everything works again, and b has left the registry.
+  EXPECT_EQ(tidepool_evict_tag(device_index, kTagOptimizerState), 0) << tidepool_last_error();
+  tidepool_tiering_stats_v1 s{};
+  s.struct_size = sizeof s;
+  ASSERT_EQ(tidepool_get_tiering_stats_v1(device_index, &s), 0) << tidepool_last_error();
+  EXPECT_EQ(s.stores, 1u);
+  EXPECT_NO_THROW(b = device.make_store());
 }
 
 TEST(TieringCApi, AskingAboutAnUnusedDeviceCreatesNothingThere) {

@@ -63,13 +63,15 @@ class LoadsOverWriteBacksTest : public ::testing::TestWithParam<Param> {
   Backend& backend() { return allocator_->backend(); }
   bool stream_ordered() const { return GetParam().source == Source::caching_allocator; }
 
-  std::unique_ptr<TieredStore> make_store(std::size_t budget) {
+  DeviceMemorySource source() {
+    return stream_ordered() ? caching_allocator_source(*allocator_) : DeviceMemorySource{};
+  }
+  std::unique_ptr<TieredStore> make_store(std::size_t budget) { return make_store(budget, source()); }
+  std::unique_ptr<TieredStore> make_store(std::size_t budget, DeviceMemorySource source) {
     TieredStoreOptions o;
     o.device_budget_bytes = budget;
     o.host = tiering_test::test_host_options(std::size_t{1} << 30);
     o.copy.chunk_bytes = 1 * kMiB;
-    DeviceMemorySource source;
-    if (stream_ordered()) source = caching_allocator_source(*allocator_);
     return std::make_unique<TieredStore>(backend(), o, std::move(source));
   }
   // Acquires `h` on stream_, writes `data` through its device pointer, releases it dirty.
@@ -177,6 +179,61 @@ TEST_P(LoadsOverWriteBacksTest, LoadOfAnotherSizeIsQueuedBehindWriteBacks) {
     allocator_->release_stream(other);
     backend().destroy_stream(other);
   }
+}
+
+// A deallocate that throws gave nothing back (DeviceMemorySource in tiered_store.h). When
+// one throws while a load hands the pending frees back in stream order, those handed back
+// before it must leave the store's list, and the rest stay pending until their
+// write-backs are done: no buffer is handed back twice (the caching allocator would call
+// it a double free), none is lost, and every byte stays readable.
+TEST_P(LoadsOverWriteBacksTest, ADeallocateThrowingMidwayHandsNoBufferBackTwice) {
+  if (GetParam().backend != BackendKind::host) GTEST_SKIP() << "the gate needs host-backend streams";
+  if (!stream_ordered()) GTEST_SKIP() << "only a stream-ordered source gets frees in stream order";
+  int calls_before_failure = -1;  // deallocates let through before one throws; -1: none throws
+  DeviceMemorySource failing = source();
+  failing.deallocate = [inner = failing.deallocate, &calls_before_failure](void* p, std::size_t n,
+                                                                           Stream s) {
+    if (calls_before_failure >= 0 && calls_before_failure-- == 0) {
+      throw BackendError("test: deallocate fails, nothing given back");
+    }
+    inner(p, n, s);
+  };
+  auto store = make_store(GatedScene::kBudget, std::move(failing));
+  GatedScene scene;
+  scene.a = store->create(2 * kMiB, kTagOptimizerState);
+  scene.b = store->create(3 * kMiB / 2, kTagOptimizerState);
+  scene.c = store->create(3 * kMiB, kTagOptimizerState);
+  scene.data_a = random_bytes(2 * kMiB, 11);
+  scene.data_b = random_bytes(3 * kMiB / 2, 12);
+  scene.data_c = random_bytes(3 * kMiB, 13);
+  store->write(scene.c, scene.data_c.data());
+  write_through_device(*store, scene.a, scene.data_a);
+  write_through_device(*store, scene.b, scene.data_b);
+  StreamGate::OpenOnExit open_on_exit{scene.gate};
+  backend().launch_host_func(stream_, &StreamGate::wait, &scene.gate);
+  store->evict(scene.a);
+  store->evict(scene.b);
+  // c's load hands a's and then b's buffer back (a alone leaves no room): b's throws.
+  calls_before_failure = 1;
+  EXPECT_THROW(store->acquire(scene.c, stream_), BackendError);
+  const TieredStoreStats during = store->stats();
+  EXPECT_FALSE(store->resident(scene.c));
+  EXPECT_EQ(during.frees_stream_ordered, 1u);
+  EXPECT_EQ(during.device_bytes, 3 * kMiB / 2);  // b's buffer, still on its way out
+  scene.gate.open();
+  backend().stream_synchronize(stream_);
+  EXPECT_NO_THROW(store->synchronize());  // hands b's buffer back, and a's no second time
+  EXPECT_EQ(store->device_bytes(), 0u);
+  EXPECT_EQ(first_difference(contents(*store, scene.a).data(), scene.data_a.data(), 2 * kMiB), -1);
+  EXPECT_EQ(first_difference(contents(*store, scene.b).data(), scene.data_b.data(), 3 * kMiB / 2), -1);
+  void* dev_c = store->acquire(scene.c, stream_);
+  std::vector<unsigned char> seen_c(3 * kMiB);
+  backend().copy_async(seen_c.data(), dev_c, seen_c.size(), CopyKind::device_to_host, stream_);
+  backend().stream_synchronize(stream_);
+  store->release(scene.c, /*dirty=*/false);
+  EXPECT_EQ(first_difference(seen_c.data(), scene.data_c.data(), seen_c.size()), -1);
+  store.reset();
+  EXPECT_EQ(allocator_->stats().allocated.current, 0u);  // each buffer handed back once
 }
 
 // Without a stream-ordered source the store cannot reuse memory whose write-back is in

@@ -6,8 +6,11 @@
 // injected by a wrapper around it (failing_backend.h).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <functional>
 #include <memory>
+#include <stdexcept>
+#include <string>
 
 #include "allocator/tags.h"
 #include "tests/tiering/failing_backend.h"
@@ -115,6 +118,60 @@ TEST(TieredStoreTeardown, AFailedTeardownSaysSoOnceOnStderr) {
   EXPECT_NE(err.find("the backend is gone"), std::string::npos) << err;
   EXPECT_EQ(err.find("tidepool: tiered store destroyed", err.find("tiered store") + 1),
             std::string::npos)
+      << err;
+}
+
+// The stderr line names every distinct failure (a repeated one with its count) up to
+// Teardown::kNamedFailures, then counts the rest: several ranges or buffers failing for
+// different reasons must all show, not only the first.
+TEST(TeardownLine, NamesEveryFailureUpToALimitAndCountsTheRest) {
+  static_assert(Teardown::kNamedFailures == 4, "the expectations below name four");
+  auto fail = [](const char* message) {
+    return [message] { throw std::runtime_error(message); };
+  };
+  const std::uint64_t before = teardown_error_count();
+  testing::internal::CaptureStderr();
+  {
+    Teardown t("test object");
+    t.attempt("step one", fail("error one"));
+    t.attempt("step two", fail("error two"));
+    EXPECT_TRUE(t.attempt("a step that works", [] {}));
+    t.attempt("step two", fail("error two"));
+    t.attempt("step two", fail("another error"));
+    t.attempt("step three", fail("error three"));
+    t.attempt("step four", fail("error four"));
+    t.attempt("step five", fail("error five"));
+    EXPECT_EQ(t.failures(), 7);
+  }
+  const std::string err = testing::internal::GetCapturedStderr();
+  EXPECT_EQ(teardown_error_count() - before, 7u);
+  EXPECT_NE(err.find("tidepool: test object destroyed with 7 failed release steps"),
+            std::string::npos) << err;
+  EXPECT_NE(err.find("step one: error one; step two: error two (2 times); "
+                     "step two: another error; step three: error three; and 2 more failed steps"),
+            std::string::npos) << err;
+  EXPECT_EQ(err.find("step four"), std::string::npos) << err;
+  EXPECT_EQ(std::count(err.begin(), err.end(), '\n'), 1) << err;
+}
+
+// A store whose teardown fails at two different steps names both in its line.
+TEST(TieredStoreTeardown, EveryFailedStepIsNamedInTheLine) {
+  std::unique_ptr<TieredStore> store;
+  auto inner = make_host_backend(0);
+  FailingBackend backend(*inner);
+  store = std::make_unique<TieredStore>(backend, store_options());
+  store->create(64 << 10, kTagOptimizerState, Tier::device);
+  inner->device_synchronize();
+  backend.fail_calls_to("device_synchronize", 1);
+  backend.fail_calls_to("destroy_event", 1);
+  testing::internal::CaptureStderr();
+  store.reset();
+  const std::string err = testing::internal::GetCapturedStderr();
+  EXPECT_NE(err.find("tidepool: tiered store destroyed with 2 failed release steps"),
+            std::string::npos) << err;
+  EXPECT_NE(err.find("synchronising the device: failing backend: device_synchronize"),
+            std::string::npos) << err;
+  EXPECT_NE(err.find("destroying an event: failing backend: destroy_event"), std::string::npos)
       << err;
 }
 

@@ -479,6 +479,46 @@ TEST_P(TieredStoreFaultTest, AFailedLoadGivesBackATakenOverBufferOnlyAfterItsWri
   }
 }
 
+// write() and destroy() wait for the copies that use the host block and drop the dirty
+// device copy (Note [Drop the device copy last]). With host waits on events failing for
+// good, the operation fails, and the data written through the device pointer must stay
+// the latest copy: still handed out by acquire, never replaced by the stale host copy in
+// a read (which reports the failure instead), and read back once waits work again.
+TEST_P(TieredStoreFaultTest, AFailedEventWaitInWriteOrDestroyKeepsTheDirtyDeviceCopy) {
+  constexpr std::size_t n = 100 << 10;
+  const auto replacement = random_bytes(n, 41);
+  for (const bool by_write : {true, false}) {
+    SCOPED_TRACE(by_write ? "write" : "destroy");
+    tiering_test::FailingBackend failing(backend());
+    TieredStore store(failing, options(1 << 20));
+    const auto h = store.create(n, kTagOptimizerState);
+    const auto data = random_bytes(n, 40);
+    write_device(store.acquire(h, stream_), data);
+    store.release(h, /*dirty=*/true);
+    failing.fail_calls_to("event_synchronize", 1 << 30);  // every host wait on an event fails
+    if (by_write) {
+      EXPECT_THROW(store.write(h, replacement.data()), BackendError);
+    } else {
+      EXPECT_THROW(store.destroy(h), BackendError);
+    }
+    EXPECT_TRUE(store.resident(h));
+    const auto seen = read_device(store.acquire(h, stream_), n, stream_);
+    EXPECT_EQ(first_difference(seen.data(), data.data(), n), -1);
+    store.release(h, /*dirty=*/false);
+    std::vector<unsigned char> out(n);
+    EXPECT_THROW(store.read(h, out.data()), TieringError);  // not the stale host copy
+    failing.fail_calls_to("event_synchronize", 0);
+    EXPECT_EQ(first_difference(contents(store, h).data(), data.data(), n), -1);
+    store.evict(h);  // the copy-back still sees the latest data
+    EXPECT_EQ(first_difference(contents(store, h).data(), data.data(), n), -1);
+    if (by_write) {
+      store.write(h, replacement.data());  // waits work again: the write happens
+      EXPECT_EQ(first_difference(contents(store, h).data(), replacement.data(), n), -1);
+    }
+    store.destroy(h);
+  }
+}
+
 TEST_P(TieredStoreFaultTest, DeviceOutOfMemoryIsAClearErrorAndLosesNothing) {
   TieredStore store(backend(), options(1 << 20));
   const auto [h, data] = create_written(store, 5000, 5);

@@ -1,0 +1,103 @@
+// The tiered store's buffers on their way out (TieredStore::PendingFree): a buffer an
+// eviction dropped stays charged to the device budget until the D2H stream has passed
+// its write-back, and is then handed back to the memory source. This file holds that
+// bookkeeping: reaping the pending frees whose write-backs are done, giving a load room
+// from them without waiting (Note [Loads over write-backs] in tiered_store.h), handing
+// them back in stream order, and putting back the buffer of a load that failed. The rest
+// of the store (tiered_store.cpp) decides when to evict and to load.
+//
+// Every function here keeps one rule under failure: a buffer is owed to the memory
+// source exactly once. A backend call or a deallocate that throws midway (a deallocate
+// that throws gave nothing back: DeviceMemorySource in tiered_store.h) leaves the buffers
+// already handed back out of pending_frees_ and the rest in it, charged, for a later reap.
+#include "tiering/tiered_store.h"
+
+#include <utility>
+
+namespace tidepool {
+
+void TieredStore::reap_frees_locked(bool wait_all) {
+  auto keep = pending_frees_.begin();
+  auto it = pending_frees_.begin();
+  try {
+    for (; it != pending_frees_.end(); ++it) {
+      if (wait_all) {
+        copies_.wait_exposed(it->after);
+      } else if (!backend_.event_query(it->after)) {
+        if (keep != it) *keep = std::move(*it);
+        ++keep;
+        continue;
+      }
+      device_.deallocate(it->ptr, it->bytes, copies_.stream(Direction::device_to_host));
+      device_bytes_ -= it->bytes;
+      give_event_locked(it->after);
+    }
+  } catch (...) {
+    // A wait, query or deallocate failed midway: [keep, it) holds buffers already handed
+    // back (or moved forward), `it` one not handed back; dropping [keep, it) leaves every
+    // buffer still owed exactly once.
+    pending_frees_.erase(keep, it);
+    throw;
+  }
+  pending_frees_.erase(keep, pending_frees_.end());
+}
+
+// Note [Loads over write-backs] (tiered_store.h), in order of preference: a pending free
+// of exactly `bytes` (no allocator traffic, no waste); with a stream-ordered source, the
+// oldest pending frees that leave room (their write-backs finish first).
+TieredStore::Room TieredStore::room_from_pending_locked(std::size_t bytes) const {
+  for (std::size_t i = 0; i < pending_frees_.size(); ++i) {
+    if (pending_frees_[i].bytes == bytes) return {Room::Kind::take_over, i};
+  }
+  if (device_.stream_ordered) {
+    std::size_t held = device_bytes_;
+    for (std::size_t i = 0; i < pending_frees_.size(); ++i) {
+      held -= pending_frees_[i].bytes;
+      if (held + bytes <= options_.device_budget_bytes) return {Room::Kind::release_pending, i + 1};
+    }
+  }
+  return {Room::Kind::none, 0};
+}
+
+// Hands the first `count` pending frees back to the (stream-ordered) source on the H2D
+// stream, after making that stream wait for their write-backs: the source may give their
+// memory to the next allocation on the H2D stream at once, and everything the store
+// enqueues there from now on runs after those write-backs and the uses before them.
+// A deallocate that throws gave nothing back (DeviceMemorySource): the buffers handed
+// back before it leave the list before the error propagates, the rest stay pending (the
+// H2D stream merely waited for their write-backs too), so none is freed twice.
+void TieredStore::release_pending_locked(std::size_t count) {
+  const Stream h2d = copies_.stream(Direction::host_to_device);
+  for (std::size_t i = 0; i < count; ++i) backend_.stream_wait_event(h2d, pending_frees_[i].after);
+  std::size_t done = 0;
+  try {
+    for (; done < count; ++done) {
+      const PendingFree& f = pending_frees_[done];
+      device_.deallocate(f.ptr, f.bytes, h2d);
+      device_bytes_ -= f.bytes;
+      give_event_locked(f.after);  // the waits are enqueued: the events may be re-recorded
+      stats_.frees_stream_ordered++;
+    }
+  } catch (...) {
+    pending_frees_.erase(pending_frees_.begin(), pending_frees_.begin() + static_cast<long>(done));
+    throw;
+  }
+  pending_frees_.erase(pending_frees_.begin(), pending_frees_.begin() + static_cast<long>(count));
+}
+
+// The buffer of a load that failed, once the H2D work enqueued on it is done. One taken
+// over from a write-back (Note [Loads over write-backs]) whose wait may not have been
+// enqueued (`buf.wait` still held) goes back to the pending frees, charged until that
+// write-back has read it; any other is freed and uncharged.
+void TieredStore::give_back_failed_load_locked(const DeviceBuffer& buf, std::size_t bytes) {
+  const Stream h2d = copies_.stream(Direction::host_to_device);
+  backend_.stream_synchronize(h2d);
+  if (buf.wait) {
+    pending_frees_.push_back(PendingFree{buf.ptr, bytes, buf.wait});
+    return;
+  }
+  device_.deallocate(buf.ptr, bytes, h2d);
+  device_bytes_ -= bytes;
+}
+
+}  // namespace tidepool
