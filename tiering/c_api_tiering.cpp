@@ -212,6 +212,8 @@ int tidepool_get_tiering_stats_v1(int device, tidepool_tiering_stats_v1* out) {
       full.pinned_host_bytes += s.host.pinned_in_use_bytes;
       full.pageable_host_bytes += s.host.pageable_in_use_bytes;
       full.pageable_fallbacks += s.host.pageable_allocs;
+      full.off_schedule_acquires += s.off_schedule_acquires;
+      full.schedule_adoptions += s.schedule_adoptions;
     });
     if (full.h2d_busy_ms > 0) full.h2d_gb_per_s = double(full.h2d_bytes) / (full.h2d_busy_ms * 1e6);
     if (full.d2h_busy_ms > 0) full.d2h_gb_per_s = double(full.d2h_bytes) / (full.d2h_busy_ms * 1e6);

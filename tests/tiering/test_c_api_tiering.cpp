@@ -95,6 +95,31 @@ TEST_F(CApiTieringTest, TagOperationsReachTheStoresAndStatsAddThemUp) {
   std::free(json);
 }
 
+// The schedule counters reach the C struct: a handle created after the first step makes
+// step 2 deviate (one off-schedule acquire), and step 2 becomes the schedule (one
+// adoption, Note [Adopting a step]).
+TEST_F(CApiTieringTest, StatsCarryTheStoresScheduleCounters) {
+  TieredStore store(*backend_, tiering_test::test_store_options(1 << 20));
+  std::vector<TieredStore::Handle> order{store.create(4096, kTagOptimizerState, Tier::host),
+                                         store.create(4096, kTagOptimizerState, Tier::host)};
+  for (int step = 0; step < 3; ++step) {
+    if (step == 1) order.insert(order.begin() + 1, store.create(4096, kTagOptimizerState, Tier::host));
+    store.begin_step();
+    for (auto h : order) {
+      store.acquire(h, Stream{});
+      store.release(h, false);
+    }
+    store.end_step();
+  }
+  store.synchronize();
+  tidepool_tiering_stats_v1 s{};
+  s.struct_size = sizeof s;
+  ASSERT_EQ(tidepool_get_tiering_stats_v1(kDevice, &s), 0) << tidepool_last_error();
+  EXPECT_EQ(s.struct_size, sizeof s);
+  EXPECT_EQ(s.off_schedule_acquires, 1u);
+  EXPECT_EQ(s.schedule_adoptions, 1u);
+}
+
 // The reclaim hook's set-up: a caching allocator over an 8 MiB host device (`device`: an
 // index of the test's own, sharing no registry state with other tests), and stores with
 // a 6 MiB budget taking their device buffers from it.

@@ -29,7 +29,8 @@ class TieringStatsV1(ctypes.Structure):
         + [("vmm_migration_ms", ctypes.c_double)]
         # appended after the first release of v1 (a shorter struct_size gets the prefix)
         + [(n, ctypes.c_uint64) for n in (
-            "vmm_device_budget_bytes", "vmm_budget_stops", "vmm_bytes_left_on_host")])
+            "vmm_device_budget_bytes", "vmm_budget_stops", "vmm_bytes_left_on_host")]
+        + [(n, ctypes.c_uint64) for n in ("off_schedule_acquires", "schedule_adoptions")])
 
 
 _SIGNATURES = {
