@@ -34,7 +34,12 @@ before CUDA initialises:
      (Note [a step that raises]), and the next step puts the state in tidepool;
   12. step_closure: pool mode through the package; AdamW.step(closure): what the closure
      allocates goes to PyTorch's allocator (it runs outside the step's scope), and the
-     state the step creates after it is in tidepool (Note [closures]).
+     state the step creates after it is in tidepool (Note [closures]);
+  13. two_optimizers: pool mode through the package with tidepool.state_budget:1GiB; a
+     generator and a discriminator, each with its own AdamW, stepped in turn (a GAN): the
+     pre-step prefetch of one brings back only its own state (Note [prefetch by pointer]),
+     so the bytes moved to the device during the discriminator's step equal its state,
+     not both optimizers'.
 Prints one line per check: name, PASS/FAIL, what was seen.
 """
 import os
@@ -325,6 +330,34 @@ CHECKS = {
         print("CLOSURE_IN_TIDEPOOL", in_closure[0], "STATE_IN_TIDEPOOL", in_tidepool() - before)
         """
     ),
+    "two_optimizers": textwrap.dedent(
+        """
+        import sys
+        sys.path.insert(0, PYSRC)
+        import tidepool
+        from tidepool import _config, _install
+        _install.install(torch, _config.claim(
+            "backend:tidepool,tidepool.mode:pool,tidepool.state_budget:1GiB").config)
+        torch.manual_seed(0)
+        gen = torch.nn.Linear(2048, 2048).cuda()   # 4.2M params: 33.6 MB of AdamW state
+        disc = torch.nn.Linear(2048, 512).cuda()   # 1.05M params: 8.4 MB
+        opt_g = torch.optim.AdamW(gen.parameters(), lr=1e-4)
+        opt_d = torch.optim.AdamW(disc.parameters(), lr=1e-4)
+        x = torch.randn(64, 2048, device="cuda")
+        def state_bytes(opt):
+            return sum(t.numel() * t.element_size() for st in opt.state.values()
+                       for t in st.values() if torch.is_tensor(t) and t.is_cuda and t.dim() > 0)
+        moved_d = []
+        for step in range(4):
+            opt_d.zero_grad(); disc(gen(x).detach()).square().mean().backward()
+            torch.cuda.synchronize(); before = tidepool.stats(0)["tiering.vmm_bytes_to_device"]
+            opt_d.step(); torch.cuda.synchronize()
+            moved_d.append(tidepool.stats(0)["tiering.vmm_bytes_to_device"] - before)
+            opt_g.zero_grad(); disc(gen(x)).mean().backward(); opt_g.step()
+        torch.cuda.synchronize()
+        print("MOVED_D", moved_d[-1], "STATE_D", state_bytes(opt_d), "STATE_G", state_bytes(opt_g))
+        """
+    ),
     "cudnn_benchmark": textwrap.dedent(
         """
         print("VIA", use_tidepool_globally(pluggable_class=os.environ.get("CHECK_PLUGGABLE") == "1"))
@@ -409,6 +442,16 @@ def main():
         return (len(fields) == 4 and fields[:3] == ["CLOSURE_IN_TIDEPOOL", "0", "STATE_IN_TIDEPOOL"]
                 and int(fields[3]) >= 2 * 1024 * 1024 * 4)  # AdamW's exp_avg(_sq) of the weight
     ok &= report("closure", results["step_closure"], passed("step_closure", step_closure_ok))
+    def two_optimizers_ok(out):
+        # The discriminator's step brought back its own state (biases under
+        # tidepool.tier_min_bytes stay resident; ranges round up to 2 MiB granules),
+        # none of the generator's 33.6 MB.
+        fields = out.split()
+        if len(fields) != 6 or fields[0] != "MOVED_D":
+            return False
+        moved, state_d = int(fields[1]), int(fields[3])
+        return state_d > 0 and 0.9 * state_d <= moved <= state_d + (8 << 20)
+    ok &= report("two_opt", results["two_optimizers"], passed("two_optimizers", two_optimizers_ok))
     ok &= report("cudnn", results["cudnn_benchmark"], passed("cudnn_benchmark", lambda out: "TRAINED" in out))
     # For the record, torch's CUDAPluggableAllocator class alone (the package's fallback):
     # expected to fail with "does not yet support cacheInfo" (pytorch#98481).

@@ -27,6 +27,7 @@ GOOD = {
     "resume": "TIERED 2 OF 2 SAME True",
     "step_raises": "RAISED boom AFTER_RAISE_IN_TIDEPOOL 0 STATE_IN_TIDEPOOL 8392704",
     "step_closure": "CLOSURE_IN_TIDEPOOL 0 STATE_IN_TIDEPOOL 8392704",
+    "two_optimizers": "MOVED_D 8388608 STATE_D 8392704 STATE_G 33570816",
     "cudnn_benchmark": "VIA torch_cuda\nTRAINED",
 }
 
@@ -42,6 +43,8 @@ BAD = {
     "resume": "TIERED 0 OF 2 SAME True",
     "step_raises": "RAISED boom AFTER_RAISE_IN_TIDEPOOL 67108864 STATE_IN_TIDEPOOL 8392704",
     "step_closure": "CLOSURE_IN_TIDEPOOL 67108864 STATE_IN_TIDEPOOL 8392704",
+    # both optimizers' state came back for the discriminator's step
+    "two_optimizers": "MOVED_D 41959424 STATE_D 8392704 STATE_G 33570816",
     "cudnn_benchmark": "EXC RuntimeError | does not yet support cacheInfo",
 }
 
@@ -73,7 +76,7 @@ def test_good_outputs_pass(checks, capsys):
     printed = capsys.readouterr().out
     assert "FAIL" not in printed
     for label in ("global", "pool", "oom", "record", "memory", "fraction", "graph", "history",
-                  "resume", "raises", "closure", "cudnn"):
+                  "resume", "raises", "closure", "two_opt", "cudnn"):
         assert f"\n{label}" in "\n" + printed, label
 
 
