@@ -158,9 +158,16 @@ int tidepool_evict_ptr(int device, void* ptr) {
   });
 }
 
+// As tidepool_prefetch_ptrs: a device with no range creates nothing (no pool, on CUDA no
+// context) just to find the pointer is not in one; that is still the error it always was.
 int tidepool_prefetch_ptr(int device, void* ptr, void* /*stream*/) {
   return guarded("tidepool_prefetch_ptr", -1, [&] {
-    tidepool::tiering_vmm_pool(device).migrate(ptr, MemoryLocation::device);
+    tidepool::VmmPool* pool = existing_vmm_pool(device);
+    if (pool == nullptr) {
+      throw tidepool::TieringError("vmm pool: migrate of a pointer it does not own (device " +
+                                   std::to_string(device) + " has no pointer-stable range)");
+    }
+    pool->migrate(ptr, MemoryLocation::device);
     return 0;
   });
 }

@@ -19,6 +19,17 @@
  * range holding `ptr` (a prefetch also within the budget), or, for a prefetch, the ranges
  * holding each of an array of pointers.
  *
+ * Note [prefetch stream]: the `stream` of the prefetch calls (by tag, by pointer, by
+ * pointers) is the stream that will use the state. None of them waits for it or orders
+ * anything on it: a range's migration waits, on the host, for the streams recorded as
+ * its users (tidepool_vmm_malloc's stream, tidepool_vmm_record_stream,
+ * tidepool_record_stream), and is complete when the call returns, so work enqueued on
+ * `stream` afterwards sees the state in place. Work already queued on `stream` that uses
+ * a range must be recorded (tidepool_vmm_record_stream) to be waited for. A tiered
+ * store's prefetch (reached by tag) is ordered on its own copy stream, and its handles
+ * are waited for by acquire (tiering/tiered_store.h). The argument is reserved for an
+ * asynchronous prefetch; any value, NULL included, is accepted today.
+ *
  * Thread-safety: every function may be called from any thread.
  */
 #ifndef TIDEPOOL_C_API_TIERING_H
@@ -49,12 +60,16 @@ TIDEPOOL_API int tidepool_vmm_owns(const void* ptr, int device);
  * where no VMM range or tiered store exists yet (no CUDA context just for asking). A tag
  * id that names no tag (tidepool_tag_id makes them) is an error. */
 TIDEPOOL_API int tidepool_evict_tag(int device, int tag);
+/* `stream`: Note [prefetch stream] above. */
 TIDEPOOL_API int tidepool_prefetch_tag(int device, int tag, void* stream);
 /* tidepool_prefetch_tag, also writing to *bytes_left_on_host (when not NULL) how many
  * bytes of the tag's ranges stayed host-backed because of tidepool.state_budget. */
 TIDEPOOL_API int tidepool_prefetch_tag_within_budget(int device, int tag, void* stream,
                                                      uint64_t* bytes_left_on_host);
 TIDEPOOL_API int tidepool_evict_ptr(int device, void* ptr);
+/* A pointer no range of `device` holds is an error (as for tidepool_evict_ptr); like
+ * tidepool_prefetch_ptrs, it creates nothing on a device where no VMM range exists.
+ * `stream`: Note [prefetch stream] above. */
 TIDEPOOL_API int tidepool_prefetch_ptr(int device, void* ptr, void* stream);
 /* Prefetches the ranges holding ptrs[0..n), in that order, within tidepool.state_budget:
  * one call for all of an optimizer's state (the Python hooks' pre-step prefetch). Each
@@ -63,9 +78,9 @@ TIDEPOOL_API int tidepool_prefetch_ptr(int device, void* ptr, void* stream);
  * caller need not ask tidepool_vmm_owns first. Writes to *bytes_left_on_host (when not
  * NULL) the bytes the budget left host-backed. `ptrs` may be NULL only when n is 0.
  * Creates nothing on a device where no VMM range exists. The migrations are complete when
- * it returns (as tidepool_prefetch_ptr's); `stream` is the stream that will use the
- * state, reserved for an asynchronous prefetch. Tiered stores are not reached (their
- * handles are not pointers; tidepool_prefetch_tag reaches them). */
+ * it returns (as tidepool_prefetch_ptr's); `stream`: Note [prefetch stream] above.
+ * Tiered stores are not reached (their handles are not pointers; tidepool_prefetch_tag
+ * reaches them). */
 TIDEPOOL_API int tidepool_prefetch_ptrs(int device, const void* const* ptrs, size_t n,
                                         void* stream, uint64_t* bytes_left_on_host);
 

@@ -85,19 +85,65 @@ void TieredStore::release_pending_locked(std::size_t count) {
   pending_frees_.erase(pending_frees_.begin(), pending_frees_.begin() + static_cast<long>(count));
 }
 
-// The buffer of a load that failed, once the H2D work enqueued on it is done. One taken
-// over from a write-back (Note [Loads over write-backs]) whose wait may not have been
-// enqueued (`buf.wait` still held) goes back to the pending frees, charged until that
-// write-back has read it; any other is freed and uncharged.
-void TieredStore::give_back_failed_load_locked(const DeviceBuffer& buf, std::size_t bytes) {
+// Note [A failed load's buffer]
+// The buffer of a load that failed goes back once the H2D work enqueued on it is done.
+// This runs while the load's own error propagates, so it never throws: a second failure
+// here must neither replace that error (the caller would be told the wrong cause) nor
+// lose the buffer while it is still charged to the budget (device_bytes_ would stay too
+// high for good, shrinking the budget). Whatever fails, the buffer stays the store's:
+//   - taken over from a write-back (Note [Loads over write-backs]) whose wait may not
+//     have been enqueued (`buf.wait` still held): back to the pending frees, charged
+//     until that write-back has read it;
+//   - otherwise handed back to the memory source, and uncharged. A deallocate that
+//     throws gave nothing back (DeviceMemorySource): the buffer becomes a pending free,
+//     and the next reap hands it back, exactly once (pending_frees_ is its only owner);
+//   - if the H2D stream cannot be synchronized, a copy may still write the buffer: it
+//     becomes a pending free behind an event recorded on the H2D stream after that work
+//     (and after the write-back it was taken over from, if any), the store's usual way of
+//     freeing a buffer once the streams using it are done.
+// Only when not even that event can be recorded (a backend that is going away) is the
+// buffer left to the device, still charged: handing back memory a transfer may still
+// write is worse than a smaller budget, as at teardown (teardown.h).
+void TieredStore::give_back_failed_load_locked(const DeviceBuffer& buf, std::size_t bytes) noexcept {
   const Stream h2d = copies_.stream(Direction::host_to_device);
-  backend_.stream_synchronize(h2d);
-  if (buf.wait) {
-    pending_frees_.push_back(PendingFree{buf.ptr, bytes, buf.wait});
-    return;
+  try {
+    pending_frees_.reserve(pending_frees_.size() + 1);  // the push_backs below cannot throw
+    bool h2d_idle = true;
+    try {
+      backend_.stream_synchronize(h2d);
+    } catch (...) {
+      h2d_idle = false;
+    }
+    if (h2d_idle && buf.wait) {
+      pending_frees_.push_back(PendingFree{buf.ptr, bytes, buf.wait});
+      return;
+    }
+    if (h2d_idle) {
+      try {
+        device_.deallocate(buf.ptr, bytes, h2d);
+        device_bytes_ -= bytes;
+        return;
+      } catch (...) {
+        // Nothing given back: a pending free below, behind an event on the (idle) H2D
+        // stream, so the next reap retries it.
+      }
+    }
+    const Event after = take_event_locked();
+    try {
+      if (buf.wait) backend_.stream_wait_event(h2d, buf.wait);
+      backend_.record_event(after, h2d);
+    } catch (...) {
+      give_event_locked(after);
+      throw;
+    }
+    // The wait is enqueued: the write-back's event may be re-recorded (Note [Stream
+    // semantics]).
+    if (buf.wait) give_event_locked(buf.wait);
+    pending_frees_.push_back(PendingFree{buf.ptr, bytes, after});
+  } catch (...) {
+    // Left to the device, charged (above). buf.wait, if any, is lost with it: an event
+    // is a few bytes, and one the backend cannot wait on now is better not reused.
   }
-  device_.deallocate(buf.ptr, bytes, h2d);
-  device_bytes_ -= bytes;
 }
 
 }  // namespace tidepool

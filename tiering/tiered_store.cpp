@@ -24,7 +24,8 @@
 // Invariants: host_valid || dev != null (someone holds the latest bytes);
 // device_bytes_ = bytes of resident handles + pending frees <= budget, always.
 // A failed copy leaves the state as it was before the operation (H2D failure: buffer
-// freed, or back among the pending frees if it was taken over from one, still HOST; D2H
+// freed, or back among the pending frees if it was taken over from one or cannot be
+// handed back now, still HOST: Note [A failed load's buffer] in pending_frees.cpp; D2H
 // failure: still RESIDENT and dirty), so the last good copy stays.
 //
 // Note [Both directions at once]
@@ -58,6 +59,7 @@
 #include "allocator/tags.h"
 #include "allocator/tier_routing.h"
 #include "tiering/stats_json.h"
+#include "tiering/store_errors.h"
 #include "tiering/teardown.h"
 #include "tiering/tiering_registry.h"
 
@@ -231,12 +233,16 @@ TieredStore::Handle TieredStore::create(std::size_t bytes, int tag, Tier initial
                        " bytes can never fit the device budget of " +
                        std::to_string(options_.device_budget_bytes) + " bytes");
   }
-  HostBlock host;
   try {
-    host = host_.allocate(bytes);
-  } catch (const HostArenaError& e) {
-    throw TieringError(std::string("tiered store: create: ") + e.what());
+    return create_checked(bytes, tag, initial);
+  } catch (...) {
+    detail::rethrow_as_tiering_error("create of " + std::to_string(bytes) + " bytes" +
+                                     (initial == Tier::device ? " on the device" : ""));
   }
+}
+
+TieredStore::Handle TieredStore::create_checked(std::size_t bytes, int tag, Tier initial) {
+  const HostBlock host = host_.allocate(bytes);
   std::memset(host.ptr, 0, bytes);
   std::lock_guard lock(mutex_);
   InsideStore inside(this);
@@ -278,12 +284,16 @@ void TieredStore::destroy(Handle h) {
   InsideStore inside(this);
   Entry& e = entry_locked(h, "destroy");
   if (e.pins > 0) throw TieringError("tiered store: destroy of an acquired handle");
-  // Copies that read or write the host block must be done before it is reused; waited
-  // for before the device copy is dropped (Note [Drop the device copy last]).
-  backend_.event_synchronize(e.host_ready);
-  backend_.event_synchronize(e.dev_ready);
-  if (e.dev != nullptr) evict_locked(e, /*discard=*/true);  // the contents die with it
-  host_.deallocate(e.host);
+  try {
+    // Copies that read or write the host block must be done before it is reused; waited
+    // for before the device copy is dropped (Note [Drop the device copy last]).
+    backend_.event_synchronize(e.host_ready);
+    backend_.event_synchronize(e.dev_ready);
+    if (e.dev != nullptr) evict_locked(e, /*discard=*/true);  // the contents die with it
+    host_.deallocate(e.host);
+  } catch (...) {
+    detail::rethrow_as_tiering_error(detail::of_handle("destroy", h, e.bytes));
+  }
   give_event_locked(e.dev_ready);
   give_event_locked(e.host_ready);
   policy_.forget(h);
@@ -396,9 +406,12 @@ bool TieredStore::load_locked(Entry& e, bool for_prefetch) {
   try {
     copies_.transfer(buf.ptr, e.host.ptr, e.bytes, Direction::host_to_device, e.dev_ready, waits);
   } catch (const BackendError& err) {
-    give_back_failed_load_locked(buf, e.bytes);
+    give_back_failed_load_locked(buf, e.bytes);  // never throws: this error is the one
     throw TieringError(std::string("tiered store: copy to the device failed (the host copy is "
                                    "intact): ") + err.what());
+  } catch (...) {
+    give_back_failed_load_locked(buf, e.bytes);
+    throw;
   }
   // The wait is enqueued; an event may be re-recorded after that (Note [Stream semantics]).
   if (buf.wait) give_event_locked(buf.wait);
@@ -458,7 +471,13 @@ void TieredStore::prefetch(Handle h, Stream stream) {
   InsideStore inside(this);
   Entry& e = entry_locked(h, "prefetch");
   if (e.dev != nullptr) return;
-  if (load_locked(e, /*for_prefetch=*/true)) {
+  bool issued = false;
+  try {
+    issued = load_locked(e, /*for_prefetch=*/true);
+  } catch (...) {
+    detail::rethrow_as_tiering_error(detail::of_handle("prefetch", h, e.bytes));
+  }
+  if (issued) {
     stats_.prefetch_issued++;
   } else {
     stats_.prefetch_skipped++;
@@ -469,23 +488,29 @@ void* TieredStore::acquire(Handle h, Stream stream) {
   std::lock_guard lock(mutex_);
   InsideStore inside(this);
   Entry& e = entry_locked(h, "acquire");
-  if (e.dev == nullptr) {
-    load_locked(e, /*for_prefetch=*/false);
-    stats_.misses++;
-  } else if (e.prefetched) {
-    stats_.prefetch_hits++;
-    if (!backend_.event_query(e.dev_ready)) stats_.prefetch_late++;
-    e.prefetched = false;
-  }
-  backend_.stream_wait_event(stream, e.dev_ready);
-  // "The latest contents" include work still queued on the streams that used the buffer
-  // before (a release only ends the host's claim, not the stream's writes or reads): the
-  // new stream waits for them, else its reads miss those writes and its writes race them.
-  for (Stream used : e.use_streams) {
-    if (used == stream) continue;
-    const Event ev = record_use_event_locked(used);
-    backend_.stream_wait_event(stream, ev);  // captures the point now: the event is free again
-    give_event_locked(ev);
+  try {
+    if (e.dev == nullptr) {
+      load_locked(e, /*for_prefetch=*/false);
+      stats_.misses++;
+    } else if (e.prefetched) {
+      stats_.prefetch_hits++;
+      if (!backend_.event_query(e.dev_ready)) stats_.prefetch_late++;
+      e.prefetched = false;
+    }
+    backend_.stream_wait_event(stream, e.dev_ready);
+    // "The latest contents" include work still queued on the streams that used the buffer
+    // before (a release only ends the host's claim, not the stream's writes or reads): the
+    // new stream waits for them, else its reads miss those writes and its writes race them.
+    for (Stream used : e.use_streams) {
+      if (used == stream) continue;
+      const Event ev = record_use_event_locked(used);
+      backend_.stream_wait_event(stream, ev);  // captures the point now: the event is free again
+      give_event_locked(ev);
+    }
+  } catch (...) {
+    // Nothing is pinned yet: the handle is as a failed load or wait left it (resident or
+    // not), never acquired.
+    detail::rethrow_as_tiering_error(detail::of_handle("acquire", h, e.bytes));
   }
   // With no other holder left, `stream` is now ordered after every earlier use, so later
   // waits (evict, read, the next acquire) need only this stream.
@@ -521,14 +546,24 @@ void TieredStore::evict(Handle h) {
   InsideStore inside(this);
   Entry& e = entry_locked(h, "evict");
   if (e.pins > 0) throw TieringError("tiered store: evict of an acquired handle");
-  if (e.dev != nullptr) evict_locked(e);
+  if (e.dev == nullptr) return;
+  try {
+    evict_locked(e);
+  } catch (...) {
+    detail::rethrow_as_tiering_error(detail::of_handle("evict", h, e.bytes));
+  }
 }
 
 void TieredStore::evict_tag(int tag) {
   std::lock_guard lock(mutex_);
   InsideStore inside(this);
   for (auto& [id, e] : entries_) {
-    if (e->tag == tag && e->dev != nullptr && e->pins == 0) evict_locked(*e);
+    if (e->tag != tag || e->dev == nullptr || e->pins > 0) continue;
+    try {
+      evict_locked(*e);
+    } catch (...) {
+      detail::rethrow_as_tiering_error(detail::of_handle("evict_tag", id, e->bytes));
+    }
   }
 }
 
@@ -537,7 +572,13 @@ void TieredStore::prefetch_tag(int tag, Stream stream) {
   InsideStore inside(this);
   for (auto& [id, e] : entries_) {
     if (e->tag != tag || e->dev != nullptr) continue;
-    if (!load_locked(*e, /*for_prefetch=*/true)) {
+    bool issued = false;
+    try {
+      issued = load_locked(*e, /*for_prefetch=*/true);
+    } catch (...) {
+      detail::rethrow_as_tiering_error(detail::of_handle("prefetch_tag", id, e->bytes));
+    }
+    if (!issued) {
       stats_.prefetch_skipped++;
       return;
     }
@@ -623,6 +664,14 @@ void TieredStore::read(Handle h, void* dst) {
   InsideStore inside(this);
   Entry& e = entry_locked(h, "read");
   if (e.pins > 0) throw TieringError("tiered store: read of an acquired handle");
+  try {
+    read_locked(e, dst);
+  } catch (...) {
+    detail::rethrow_as_tiering_error(detail::of_handle("read", h, e.bytes));
+  }
+}
+
+void TieredStore::read_locked(Entry& e, void* dst) {
   if (e.dev != nullptr && e.dev_dirty) {
     const Stream d2h = copies_.stream(Direction::device_to_host);
     std::vector<Event> waits{e.dev_ready};
@@ -640,8 +689,7 @@ void TieredStore::read(Handle h, void* dst) {
       backend_.stream_synchronize(d2h);
       for (std::size_t i = 1; i < waits.size(); ++i) give_event_locked(waits[i]);
       give_event_locked(done);
-      throw TieringError(std::string("tiered store: read: copy from the device failed: ") +
-                         err.what());
+      throw TieringError(std::string("tiered store: copy from the device failed: ") + err.what());
     }
     for (std::size_t i = 1; i < waits.size(); ++i) give_event_locked(waits[i]);
     give_event_locked(done);
@@ -667,9 +715,13 @@ void TieredStore::write(Handle h, const void* src) {
   InsideStore inside(this);
   Entry& e = entry_locked(h, "write");
   if (e.pins > 0) throw TieringError("tiered store: write of an acquired handle");
-  backend_.event_synchronize(e.host_ready);
-  backend_.event_synchronize(e.dev_ready);  // a load may still be reading the host block
-  if (e.dev != nullptr) evict_locked(e, /*discard=*/true);  // overwritten below
+  try {
+    backend_.event_synchronize(e.host_ready);
+    backend_.event_synchronize(e.dev_ready);  // a load may still be reading the host block
+    if (e.dev != nullptr) evict_locked(e, /*discard=*/true);  // overwritten below
+  } catch (...) {
+    detail::rethrow_as_tiering_error(detail::of_handle("write", h, e.bytes));
+  }
   std::memcpy(e.host.ptr, src, e.bytes);
   e.host_valid = true;
 }
@@ -699,8 +751,12 @@ std::size_t TieredStore::device_bytes() const {
 
 void TieredStore::synchronize() {
   std::lock_guard lock(mutex_);
-  copies_.synchronize();
-  reap_frees_locked(/*wait_all=*/true);
+  try {
+    copies_.synchronize();
+    reap_frees_locked(/*wait_all=*/true);
+  } catch (...) {
+    detail::rethrow_as_tiering_error("synchronize");
+  }
 }
 
 TieredStoreStats TieredStore::stats() {

@@ -1,7 +1,8 @@
 // The tiered store: buffers (optimizer state) that live in host memory and are on the
 // device exactly while code uses them. The handle state machine is written at the top of
-// tiered_store.cpp; the buffers on their way out in pending_frees.cpp; the policy is in
-// prefetch_policy.h; the copies in copy_engine.h.
+// tiered_store.cpp; the buffers on their way out in pending_frees.cpp; the wording of its
+// errors in store_errors.cpp; the policy is in prefetch_policy.h; the copies in
+// copy_engine.h.
 //
 // Use:
 //   TieredStore store(backend, {.device_budget_bytes = 8 << 30});
@@ -20,6 +21,14 @@
 //     eviction to finish (counted as exposed copy time);
 //   - a failed copy, registration or allocation throws TieringError and leaves the last
 //     good copy of the data readable through read().
+//
+// Errors: every operation below that can fail throws TieringError, whatever failed
+// underneath (the backend, the memory source, the host arena). Its message names the
+// operation, the handle and its bytes, then the underlying error's message; the original
+// exception is nested in it (std::rethrow_if_nested). Two exceptions: std::bad_alloc
+// (host memory for the store's own bookkeeping) passes through, so that the C ABIs can
+// still report it as out of memory; and release_stream's failed wait is a BackendError
+// (documented there). Note [One error type] in store_errors.cpp.
 //
 // Note [Loads over write-backs]
 // An eviction's buffer stays charged to the budget until its write-back (D2H) is done: a
@@ -160,22 +169,30 @@ class TIDEPOOL_API TieredStore {
   TieredStore& operator=(const TieredStore&) = delete;
 
   // A zero-filled buffer of `bytes`, tagged `tag`, resident in `initial`.
-  // Throws TieringError (bytes == 0, larger than the budget, no memory).
+  // Throws TieringError (bytes == 0, larger than the budget, no memory, a failed backend
+  // call); nothing is created then.
   Handle create(std::size_t bytes, int tag, Tier initial = Tier::host);
   // Pre: not acquired. Frees both copies once the streams that used them are done.
+  // Throws TieringError; the handle then stays, with its latest contents.
   void destroy(Handle h);
 
   // A hint: start moving `h` to the device now if the budget allows without evicting a
   // handle that is needed sooner. Never blocks. `stream` is the stream that will use it.
+  // Throws TieringError when starting the copy fails (`h` stays on the host, intact).
   void prefetch(Handle h, Stream stream);
   // A device pointer to the latest contents of `h`, valid for work enqueued on `stream`
   // after this call until release(). Acquires nest (count). Throws TieringError.
   void* acquire(Handle h, Stream stream);
   // Ends one acquire. dirty: the device copy was written, the host copy is now stale.
+  // Throws TieringError (an unknown handle, one not acquired); makes no backend call.
   void release(Handle h, bool dirty);
   // Drops the device copy, copying it back first only if it is dirty. Pre: not acquired.
+  // Throws TieringError; a failed copy-back keeps the device copy.
   void evict(Handle h);
 
+  // evict / prefetch of every handle tagged `tag` (prefetch_tag stops at the first
+  // without room). Throw TieringError naming the handle that failed; those before it
+  // were moved.
   void evict_tag(int tag);
   void prefetch_tag(int tag, Stream stream);
   // Evicts released handles (furthest next use first) until `bytes_needed` device bytes
@@ -196,8 +213,10 @@ class TIDEPOOL_API TieredStore {
   std::size_t schedule_count() const;
 
   // Copies the latest contents of `h` to host memory `dst` (waits). Pre: not acquired.
+  // Throws TieringError.
   void read(Handle h, void* dst);
   // Replaces the contents of `h` with `src` (the device copy, if any, is dropped).
+  // Throws TieringError; the old contents then stay (Note [Drop the device copy last]).
   void write(Handle h, const void* src);
 
   std::size_t size(Handle h) const;
@@ -206,7 +225,7 @@ class TIDEPOOL_API TieredStore {
   HostTier host_tier(Handle h) const;
   std::size_t device_bytes() const;
   std::size_t device_budget_bytes() const { return options_.device_budget_bytes; }
-  // Blocks until all transfers and pending frees are done.
+  // Blocks until all transfers and pending frees are done. Throws TieringError.
   void synchronize();
   // Note [Use streams]: a stream that used a handle (acquire) stays one of its users until
   // the handle is next evicted or acquired with no other holder: evict, read and acquire
@@ -257,6 +276,10 @@ class TIDEPOOL_API TieredStore {
   };
 
   Entry& entry_locked(Handle h, const char* op);
+  // create() and read() past their argument checks; the public ones turn what these
+  // throw into TieringError (Note [One error type] in store_errors.cpp).
+  Handle create_checked(std::size_t bytes, int tag, Tier initial);
+  void read_locked(Entry& e, void* dst);
   bool load_locked(Entry& e, bool for_prefetch);
   // discard: the contents are dropped (destroy, write), no copy back. The dirty flag is
   // cleared only once the eviction is enqueued, so a failed one keeps the latest copy.
@@ -266,8 +289,10 @@ class TIDEPOOL_API TieredStore {
   Room room_from_pending_locked(std::size_t bytes) const;
   void release_pending_locked(std::size_t count);
   // A failed load's buffer goes back: to the pending frees when it was taken over from a
-  // write-back it may not be ordered after, else to the memory source.
-  void give_back_failed_load_locked(const DeviceBuffer& buf, std::size_t bytes);
+  // write-back it may not be ordered after, else to the memory source. Never throws, so
+  // the load's own error is what propagates; a buffer it cannot hand back stays among the
+  // pending frees (Note [A failed load's buffer] in pending_frees.cpp).
+  void give_back_failed_load_locked(const DeviceBuffer& buf, std::size_t bytes) noexcept;
   void reap_frees_locked(bool wait_all);
   DeviceBuffer device_allocate_locked(std::size_t bytes, const Entry* incoming, bool may_wait);
   void prefetch_ahead_locked();

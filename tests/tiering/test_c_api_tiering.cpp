@@ -69,6 +69,48 @@ TEST_F(CApiTieringTest, PointerAndTagMigrationKeepTheAddress) {
   EXPECT_EQ(tidepool_vmm_free(p, kDevice), 0);
 }
 
+// Note [prefetch stream] (c_api_tiering.h): each prefetch call waits for the streams
+// recorded as the range's users, not for the stream it is given, and the range is in
+// place when it returns.
+TEST_F(CApiTieringTest, PrefetchesWaitForTheRangesUsersNotForTheirStream) {
+  const Stream user = backend_->create_stream();
+  const Stream given = backend_->create_stream();
+  auto* p = static_cast<unsigned char*>(
+      tidepool_vmm_malloc(100000, kDevice, kTagOptimizerState, nullptr));
+  ASSERT_NE(p, nullptr) << tidepool_last_error();
+  ASSERT_EQ(tidepool_vmm_record_stream(p, kDevice, user.handle), 0) << tidepool_last_error();
+  const void* ptrs[] = {p};
+  const std::vector<std::pair<const char*, std::function<int()>>> prefetches = {
+      {"tidepool_prefetch_ptr", [&] { return tidepool_prefetch_ptr(kDevice, p, given.handle); }},
+      {"tidepool_prefetch_ptrs",
+       [&] { return tidepool_prefetch_ptrs(kDevice, ptrs, 1, given.handle, nullptr); }},
+      {"tidepool_prefetch_tag",
+       [&] { return tidepool_prefetch_tag(kDevice, kTagOptimizerState, given.handle); }}};
+  VmmPool& pool = tiering_vmm_pool(kDevice);
+  for (const auto& [name, prefetch] : prefetches) {
+    SCOPED_TRACE(name);
+    ASSERT_EQ(tidepool_evict_ptr(kDevice, p), 0) << tidepool_last_error();
+    tiering_test::StreamGate user_gate, given_gate;
+    const tiering_test::StreamGate::OpenOnExit open_user{user_gate}, open_given{given_gate};
+    backend_->launch_host_func(user, &tiering_test::StreamGate::wait, &user_gate);
+    backend_->launch_host_func(given, &tiering_test::StreamGate::wait, &given_gate);
+    auto done = std::async(std::launch::async, prefetch);
+    // Not a timing bound: a prefetch that ends while the recorded user is held is the failure.
+    EXPECT_EQ(done.wait_for(std::chrono::milliseconds(200)), std::future_status::timeout)
+        << "the range moved while a stream recorded as its user was still held";
+    user_gate.open();
+    EXPECT_EQ(done.get(), 0) << tidepool_last_error();  // given's gate is still closed
+    EXPECT_EQ(pool.bytes_in(p, MemoryLocation::device), pool.size_of(p));
+    given_gate.open();
+    backend_->stream_synchronize(given);
+  }
+  EXPECT_TRUE(pool.release_stream(user));
+  EXPECT_FALSE(pool.release_stream(given));  // never a user
+  EXPECT_EQ(tidepool_vmm_free(p, kDevice), 0) << tidepool_last_error();
+  backend_->destroy_stream(user);
+  backend_->destroy_stream(given);
+}
+
 TEST_F(CApiTieringTest, TagOperationsReachTheStoresAndStatsAddThemUp) {
   TieredStore store(*backend_, tiering_test::test_store_options(1 << 20));
   auto h = store.create(4096, kTagOptimizerState, Tier::device);
@@ -307,6 +349,13 @@ TEST(TieringCApi, AskingAboutAnUnusedDeviceCreatesNothingThere) {
       << tidepool_last_error();
   EXPECT_EQ(left, 0u);
   EXPECT_EQ(existing_tiering_vmm_pool(kUnusedDevice), nullptr);
+  // One pointer: still an error (no range holds it), but found out without a pool.
+  tidepool_clear_error();
+  EXPECT_EQ(tidepool_prefetch_ptr(kUnusedDevice, &x, nullptr), -1);
+  EXPECT_NE(std::string(tidepool_last_error()).find("does not own"), std::string::npos)
+      << tidepool_last_error();
+  EXPECT_EQ(existing_tiering_vmm_pool(kUnusedDevice), nullptr);
+  EXPECT_EQ(existing_device_allocator(kUnusedDevice), nullptr);
   // A device index out of range is still an error, not "nothing there".
   EXPECT_EQ(tidepool_evict_tag(kMaxDevices, kTagOptimizerState), -1);
   EXPECT_NE(std::string(tidepool_last_error()).find("tidepool_evict_tag"), std::string::npos)

@@ -215,7 +215,7 @@ TEST_P(LoadsOverWriteBacksTest, ADeallocateThrowingMidwayHandsNoBufferBackTwice)
   store->evict(scene.b);
   // c's load hands a's and then b's buffer back (a alone leaves no room): b's throws.
   calls_before_failure = 1;
-  EXPECT_THROW(store->acquire(scene.c, stream_), BackendError);
+  EXPECT_THROW(store->acquire(scene.c, stream_), TieringError);  // Note [One error type]
   const TieredStoreStats during = store->stats();
   EXPECT_FALSE(store->resident(scene.c));
   EXPECT_EQ(during.frees_stream_ordered, 1u);

@@ -1,0 +1,305 @@
+// TieredStore's errors (Note [One error type] and Note [A failed load's buffer] in
+// tiering/): every public operation that fails underneath reaches its caller as a
+// TieringError naming the operation, the handle and its bytes, with the underlying cause
+// in the message and nested; std::bad_alloc passes through. A load that fails while the
+// memory source's deallocate fails too reports the load's own error, and its buffer
+// stays charged among the pending frees until a later reap hands it back, exactly once.
+// After each failure the store stays usable and no data is lost.
+//
+// Host backend only: the failures are injected at the seam (tests/tiering/
+// failing_backend.h, Backend::inject_fault) and in a test memory source.
+#include <exception>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <new>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "allocator/errors.h"
+#include "allocator/tags.h"
+#include "tests/support/backend_errors.h"
+#include "tests/tiering/failing_backend.h"
+#include "tests/tiering/tiering_test_util.h"
+#include "tiering/tiered_store.h"
+
+namespace tidepool {
+namespace {
+
+using tiering_test::first_difference;
+using tiering_test::random_bytes;
+
+constexpr std::size_t kBytes = 100 << 10;
+
+// A memory source over the backend's device memory that fails on demand and checks that
+// every buffer is handed back exactly once.
+class TestSource {
+ public:
+  explicit TestSource(Backend& backend) : backend_(backend) {}
+  ~TestSource() { EXPECT_TRUE(live_.empty()) << live_.size() << " buffers never handed back"; }
+
+  DeviceMemorySource source() {
+    DeviceMemorySource s;
+    s.allocate = [this](std::size_t n, Stream) -> void* {
+      if (allocate_error != nullptr) std::rethrow_exception(allocate_error);
+      void* p = backend_.device_alloc(n);
+      std::lock_guard lock(mutex_);
+      if (p != nullptr) live_.insert(p);
+      return p;
+    };
+    s.deallocate = [this](void* p, std::size_t n, Stream) {
+      if (refuse_deallocate) throw BackendError("test source: deallocate refused, nothing given back");
+      {
+        std::lock_guard lock(mutex_);
+        EXPECT_EQ(live_.erase(p), 1u) << "a buffer handed back twice, or never allocated";
+      }
+      backend_.device_free(p, n);
+    };
+    return s;
+  }
+  std::size_t live() const {
+    std::lock_guard lock(mutex_);
+    return live_.size();
+  }
+
+  std::exception_ptr allocate_error;  // non-null: allocate throws it
+  bool refuse_deallocate = false;     // deallocate throws BackendError, gives nothing back
+
+ private:
+  Backend& backend_;
+  mutable std::mutex mutex_;
+  std::set<void*> live_;
+};
+
+class StoreErrorsTest : public tiering_test::TieringStreamTest {
+ protected:
+  void SetUp() override {
+    TieringStreamTest::SetUp();
+    failing_ = std::make_unique<tiering_test::FailingBackend>(backend());
+    source_ = std::make_unique<TestSource>(*failing_);
+  }
+  void TearDown() override {
+    store_.reset();
+    source_.reset();
+    TieringStreamTest::TearDown();
+  }
+  // A store on the failing backend and the test source, with room for `handles` handles.
+  TieredStore& make_store(std::size_t handles = 4) {
+    store_ = std::make_unique<TieredStore>(
+        *failing_, tiering_test::test_store_options(handles * kBytes), source_->source());
+    return *store_;
+  }
+  // A handle whose host copy holds kBytes random bytes from `seed`.
+  TieredStore::Handle create_written(std::uint64_t seed) {
+    const auto h = store_->create(kBytes, kTagOptimizerState);
+    store_->write(h, random_bytes(kBytes, seed).data());
+    return h;
+  }
+  // A handle acquired, written through its device pointer and released dirty: the only
+  // copy of random_bytes(kBytes, seed) is on the device.
+  TieredStore::Handle create_dirty(std::uint64_t seed) {
+    const auto h = store_->create(kBytes, kTagOptimizerState);
+    const auto data = random_bytes(kBytes, seed);
+    void* dev = store_->acquire(h, stream_);
+    backend().copy_async(dev, data.data(), kBytes, CopyKind::host_to_device, stream_);
+    backend().stream_synchronize(stream_);
+    store_->release(h, /*dirty=*/true);
+    return h;
+  }
+  bool holds(TieredStore::Handle h, std::uint64_t seed) {
+    std::vector<unsigned char> out(kBytes);
+    store_->read(h, out.data());
+    return first_difference(out.data(), random_bytes(kBytes, seed).data(), kBytes) == -1;
+  }
+  // The device copy acquire hands out holds random_bytes(kBytes, seed).
+  bool acquires(TieredStore::Handle h, std::uint64_t seed) {
+    const auto seen = read_device(store_->acquire(h, stream_), kBytes, stream_);
+    store_->release(h, /*dirty=*/false);
+    return first_difference(seen.data(), random_bytes(kBytes, seed).data(), kBytes) == -1;
+  }
+  // `fn` throws TieringError whose message names `operation` and contains `cause`.
+  void expect_tiering_error(const std::function<void()>& fn, const std::string& operation,
+                            const std::string& cause) {
+    const std::string m = test_support::expect_error<TieringError>(fn);
+    EXPECT_NE(m.find(operation), std::string::npos) << "operation not named: " << m;
+    EXPECT_NE(m.find(cause), std::string::npos) << "cause lost: " << m;
+  }
+
+  std::unique_ptr<tiering_test::FailingBackend> failing_;
+  std::unique_ptr<TestSource> source_;
+  std::unique_ptr<TieredStore> store_;
+};
+
+// ---- Note [A failed load's buffer] ---------------------------------------------------------
+
+// The load's copy fails, then handing its buffer back fails too: the caller sees the
+// copy's error, not the deallocate's, and the buffer stays charged until a reap hands it
+// back once deallocate works again.
+TEST_P(StoreErrorsTest, AFailedLoadWhoseBufferCannotBeHandedBackReportsTheLoadsError) {
+  TieredStore& store = make_store();
+  const auto h = create_written(1);
+  backend().inject_fault(FaultPoint::copy, 1);
+  source_->refuse_deallocate = true;
+  expect_tiering_error([&] { store.acquire(h, stream_); }, "acquire of handle " + std::to_string(h),
+                       "injected fault: copy");
+  EXPECT_FALSE(store.resident(h));
+  EXPECT_EQ(store.device_bytes(), kBytes);  // not handed back: still the store's, charged
+  EXPECT_EQ(source_->live(), 1u);
+  EXPECT_THROW(store.synchronize(), TieringError);  // the reap retries: refused again
+  EXPECT_EQ(store.device_bytes(), kBytes);
+  source_->refuse_deallocate = false;
+  store.synchronize();
+  EXPECT_EQ(store.device_bytes(), 0u);
+  EXPECT_EQ(source_->live(), 0u);  // handed back once (TestSource checks "not twice")
+  EXPECT_TRUE(holds(h, 1));
+  EXPECT_TRUE(acquires(h, 1));
+  EXPECT_EQ(store.device_bytes(), kBytes);
+}
+
+// The same on create(Tier::device), whose memset fails: the memset's error reaches the
+// caller, and nothing of the handle is left but the charged buffer, handed back later.
+TEST_P(StoreErrorsTest, AFailedCreateOnTheDeviceWhoseBufferCannotBeHandedBackReportsItsError) {
+  TieredStore& store = make_store();
+  failing_->fail_calls_to("memset_async", 1);
+  source_->refuse_deallocate = true;
+  expect_tiering_error([&] { store.create(kBytes, kTagOptimizerState, Tier::device); },
+                       "create of " + std::to_string(kBytes) + " bytes", "memset_async");
+  EXPECT_EQ(store.stats().handles, 0u);
+  EXPECT_EQ(store.device_bytes(), kBytes);
+  source_->refuse_deallocate = false;
+  store.synchronize();
+  EXPECT_EQ(store.device_bytes(), 0u);
+  EXPECT_EQ(source_->live(), 0u);
+  const auto h = store.create(kBytes, kTagOptimizerState, Tier::device);  // works again
+  EXPECT_EQ(store.device_bytes(), kBytes);
+  std::vector<unsigned char> out(kBytes, 1);
+  store.read(h, out.data());
+  EXPECT_EQ(first_difference(out.data(), std::vector<unsigned char>(kBytes, 0).data(), kBytes), -1);
+}
+
+// The H2D stream cannot even be synchronized after the failed copy: a copy may still
+// write the buffer, so it is not handed back now; it waits among the pending frees
+// behind an event on the H2D stream, and the copy's error is what the caller sees.
+TEST_P(StoreErrorsTest, AFailedLoadWhoseStreamCannotBeSynchronizedKeepsItsBufferPending) {
+  TieredStore& store = make_store();
+  const auto h = create_written(2);
+  backend().inject_fault(FaultPoint::copy, 1);
+  failing_->fail_calls_to("stream_synchronize", 1);
+  expect_tiering_error([&] { store.acquire(h, stream_); }, "acquire", "injected fault: copy");
+  EXPECT_EQ(store.device_bytes(), kBytes);
+  store.synchronize();
+  EXPECT_EQ(store.device_bytes(), 0u);
+  EXPECT_EQ(source_->live(), 0u);
+  EXPECT_TRUE(acquires(h, 2));
+}
+
+// ---- Note [One error type] -----------------------------------------------------------------
+
+// The memory source's allocate throws (a backend failure in the caching allocator): create
+// on the device, acquire and prefetch report it as TieringError with its message, and the
+// original is nested.
+TEST_P(StoreErrorsTest, AnAllocateThatThrowsIsATieringErrorWithItsCause) {
+  TieredStore& store = make_store();
+  const auto h = create_written(3);
+  source_->allocate_error = std::make_exception_ptr(BackendError("test source: allocate broke"));
+  const std::string handle = "of handle " + std::to_string(h) + " (" + std::to_string(kBytes) + " bytes)";
+  expect_tiering_error([&] { store.acquire(h, stream_); }, "acquire " + handle, "allocate broke");
+  expect_tiering_error([&] { store.prefetch(h, stream_); }, "prefetch " + handle, "allocate broke");
+  expect_tiering_error([&] { store.prefetch_tag(kTagOptimizerState, stream_); },
+                       "prefetch_tag " + handle, "allocate broke");
+  expect_tiering_error([&] { store.create(kBytes, kTagOptimizerState, Tier::device); },
+                       "create of " + std::to_string(kBytes) + " bytes on the device",
+                       "allocate broke");
+  try {
+    store.acquire(h, stream_);
+    ADD_FAILURE() << "acquire did not throw";
+  } catch (const TieringError& e) {
+    EXPECT_THROW(std::rethrow_if_nested(e), BackendError);
+  }
+  EXPECT_EQ(store.stats().handles, 1u);
+  EXPECT_EQ(store.stats().acquired_handles, 0u);
+  source_->allocate_error = nullptr;
+  EXPECT_TRUE(acquires(h, 3));
+  EXPECT_TRUE(holds(h, 3));
+}
+
+// Host memory running out (std::bad_alloc, OutOfMemoryError among them) stays itself:
+// the C ABIs report it as out of memory (allocator/c_api_guard.h).
+TEST_P(StoreErrorsTest, OutOfMemoryPassesThroughUnwrapped) {
+  TieredStore& store = make_store();
+  const auto h = create_written(4);
+  source_->allocate_error = std::make_exception_ptr(OutOfMemoryError("test source: no memory"));
+  EXPECT_THROW(store.acquire(h, stream_), OutOfMemoryError);
+  source_->allocate_error = nullptr;
+  EXPECT_TRUE(acquires(h, 4));
+}
+
+// A deallocate that throws while an acquire makes room (reaping the buffers of finished
+// write-backs): a TieringError naming the acquire, with the deallocate's message.
+TEST_P(StoreErrorsTest, ADeallocateThatThrowsWhileMakingRoomIsATieringError) {
+  TieredStore& store = make_store(/*handles=*/1);
+  const auto a = create_dirty(5);
+  const auto b = create_written(6);
+  store.evict(a);  // a's buffer is on its way out
+  backend().device_synchronize();
+  source_->refuse_deallocate = true;
+  expect_tiering_error([&] { store.acquire(b, stream_); }, "acquire of handle " + std::to_string(b),
+                       "deallocate refused");
+  EXPECT_EQ(store.device_bytes(), kBytes);  // a's buffer, still pending
+  source_->refuse_deallocate = false;
+  EXPECT_TRUE(acquires(b, 6));
+  EXPECT_TRUE(holds(a, 5));
+  EXPECT_TRUE(holds(b, 6));
+}
+
+// A backend call that fails inside evict, evict_tag, read, write, destroy and
+// synchronize: each reaches the caller as a TieringError naming it and the failed call,
+// and the latest contents stay readable once the backend works again.
+TEST_P(StoreErrorsTest, EveryOperationReportsABackendFailureAsATieringError) {
+  TieredStore& store = make_store();
+  const auto h = create_dirty(7);
+  const std::string of_h = " of handle " + std::to_string(h);
+  failing_->fail_calls_to("stream_wait_event", 1);  // the copy-back's wait for the load
+  expect_tiering_error([&] { store.evict(h); }, "evict" + of_h, "stream_wait_event");
+  EXPECT_TRUE(store.resident(h));
+  failing_->fail_calls_to("stream_wait_event", 1);
+  expect_tiering_error([&] { store.evict_tag(kTagOptimizerState); }, "evict_tag" + of_h,
+                       "stream_wait_event");
+  EXPECT_TRUE(store.resident(h));
+  failing_->fail_calls_to("event_synchronize", 1);  // write's wait for the copy-back
+  expect_tiering_error([&] { store.write(h, random_bytes(kBytes, 8).data()); }, "write" + of_h,
+                       "event_synchronize");
+  failing_->fail_calls_to("event_synchronize", 1);
+  expect_tiering_error([&] { store.destroy(h); }, "destroy" + of_h, "event_synchronize");
+  failing_->fail_calls_to("copy_async", 1);  // read copies the dirty device copy
+  std::vector<unsigned char> out(kBytes);
+  expect_tiering_error([&] { store.read(h, out.data()); }, "read" + of_h, "copy_async");
+  EXPECT_TRUE(holds(h, 7));
+  store.evict(h);
+  failing_->fail_calls_to("event_synchronize", 1);  // read waits for the copy-back
+  expect_tiering_error([&] { store.read(h, out.data()); }, "read" + of_h, "event_synchronize");
+  failing_->fail_calls_to("stream_synchronize", 1);  // synchronize waits for the copies
+  expect_tiering_error([&] { store.synchronize(); }, "synchronize", "stream_synchronize");
+  store.synchronize();
+  EXPECT_EQ(store.device_bytes(), 0u);
+  EXPECT_TRUE(holds(h, 7));
+  EXPECT_TRUE(acquires(h, 7));
+  store.destroy(h);
+  EXPECT_EQ(store.stats().handles, 0u);
+}
+
+// release makes no backend call; its errors are the store's own checks, TieringError.
+TEST_P(StoreErrorsTest, ReleaseErrorsAreTieringErrors) {
+  TieredStore& store = make_store();
+  const auto h = create_written(9);
+  expect_tiering_error([&] { store.release(h, false); }, "release", "not acquired");
+  expect_tiering_error([&] { store.release(h + 100, false); }, "release", "unknown handle");
+  EXPECT_TRUE(acquires(h, 9));
+}
+
+INSTANTIATE_TEST_SUITE_P(Host, StoreErrorsTest, ::testing::Values(BackendKind::host),
+                         tiering_test::backend_name);
+
+}  // namespace
+}  // namespace tidepool
