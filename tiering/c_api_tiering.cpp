@@ -151,23 +151,29 @@ int tidepool_prefetch_tag(int device, int tag, void* stream) {
   return tidepool_prefetch_tag_within_budget(device, tag, stream, nullptr);
 }
 
+namespace {
+// The calls by one pointer: a device with no range creates nothing (no pool, on CUDA no
+// context) just to find the pointer is not in one; that is still the error it always was.
+void migrate_one_pointer(int device, void* ptr, MemoryLocation to) {
+  tidepool::VmmPool* pool = existing_vmm_pool(device);
+  if (pool == nullptr) {
+    throw tidepool::TieringError("vmm pool: migrate of a pointer it does not own (device " +
+                                 std::to_string(device) + " has no pointer-stable range)");
+  }
+  pool->migrate(ptr, to);
+}
+}  // namespace
+
 int tidepool_evict_ptr(int device, void* ptr) {
   return guarded("tidepool_evict_ptr", -1, [&] {
-    tidepool::tiering_vmm_pool(device).migrate(ptr, MemoryLocation::host);
+    migrate_one_pointer(device, ptr, MemoryLocation::host);
     return 0;
   });
 }
 
-// As tidepool_prefetch_ptrs: a device with no range creates nothing (no pool, on CUDA no
-// context) just to find the pointer is not in one; that is still the error it always was.
 int tidepool_prefetch_ptr(int device, void* ptr, void* /*stream*/) {
   return guarded("tidepool_prefetch_ptr", -1, [&] {
-    tidepool::VmmPool* pool = existing_vmm_pool(device);
-    if (pool == nullptr) {
-      throw tidepool::TieringError("vmm pool: migrate of a pointer it does not own (device " +
-                                   std::to_string(device) + " has no pointer-stable range)");
-    }
-    pool->migrate(ptr, MemoryLocation::device);
+    migrate_one_pointer(device, ptr, MemoryLocation::device);
     return 0;
   });
 }

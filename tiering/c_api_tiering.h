@@ -66,10 +66,10 @@ TIDEPOOL_API int tidepool_prefetch_tag(int device, int tag, void* stream);
  * bytes of the tag's ranges stayed host-backed because of tidepool.state_budget. */
 TIDEPOOL_API int tidepool_prefetch_tag_within_budget(int device, int tag, void* stream,
                                                      uint64_t* bytes_left_on_host);
+/* Evict or prefetch the range holding `ptr`. A pointer no range of `device` holds is an
+ * error; like tidepool_prefetch_ptrs, they create nothing on a device where no VMM range
+ * exists. `stream`: Note [prefetch stream] above. */
 TIDEPOOL_API int tidepool_evict_ptr(int device, void* ptr);
-/* A pointer no range of `device` holds is an error (as for tidepool_evict_ptr); like
- * tidepool_prefetch_ptrs, it creates nothing on a device where no VMM range exists.
- * `stream`: Note [prefetch stream] above. */
 TIDEPOOL_API int tidepool_prefetch_ptr(int device, void* ptr, void* stream);
 /* Prefetches the ranges holding ptrs[0..n), in that order, within tidepool.state_budget:
  * one call for all of an optimizer's state (the Python hooks' pre-step prefetch). Each

@@ -105,6 +105,7 @@ std::string to_json(const TieredStoreStats& s) {
       .num("evictions_clean", ull(s.evictions_clean))
       .num("reclaim_calls", ull(s.reclaim_calls))
       .num("reclaimed_bytes", ull(s.reclaimed_bytes))
+      .num("reclaim_failures", ull(s.reclaim_failures))
       .num("budget_waits", ull(s.budget_waits))
       .num("buffers_reused", ull(s.buffers_reused))
       .num("frees_stream_ordered", ull(s.frees_stream_ordered))

@@ -51,6 +51,7 @@
 #include "tiering/tiered_store.h"
 
 #include <algorithm>
+#include <cstdio>
 #include <cstring>
 #include <iterator>
 
@@ -58,6 +59,7 @@
 #include "allocator/config.h"
 #include "allocator/tags.h"
 #include "allocator/tier_routing.h"
+#include "allocator/warn_once.h"
 #include "tiering/stats_json.h"
 #include "tiering/store_errors.h"
 #include "tiering/teardown.h"
@@ -586,13 +588,37 @@ void TieredStore::prefetch_tag(int tag, Stream stream) {
   }
 }
 
-std::size_t TieredStore::reclaim(std::size_t bytes_needed) {
+// Note [Reclaim never throws] in tiered_store.h.
+std::size_t TieredStore::reclaim(std::size_t bytes_needed) noexcept {
   if (InsideStore::holds(this)) return 0;  // Note [Locking]
   std::unique_lock lock(mutex_, std::try_to_lock);
   if (!lock.owns_lock()) return 0;
   InsideStore inside(this);
   stats_.reclaim_calls++;
   const std::size_t before = device_bytes_;
+  try {
+    reclaim_locked(bytes_needed);
+  } catch (const std::exception& e) {
+    stats_.reclaim_failures++;
+    warn_reclaim_failure(e.what());
+  } catch (...) {
+    stats_.reclaim_failures++;
+    warn_reclaim_failure("a non-standard exception");
+  }
+  const std::size_t freed = before > device_bytes_ ? before - device_bytes_ : 0;
+  stats_.reclaimed_bytes += freed;
+  return freed;
+}
+
+void TieredStore::warn_reclaim_failure(const char* what) noexcept {
+  if (!warn_once_due(reclaim_failure_warned_)) return;
+  std::fprintf(stderr,
+               "tidepool: a tiered store's reclaim during an out-of-memory failed and freed "
+               "less than asked (said once per store; counted in reclaim_failures): %s\n",
+               what);
+}
+
+void TieredStore::reclaim_locked(std::size_t bytes_needed) {
   std::size_t scheduled = 0;
   while (scheduled < bytes_needed) {
     Entry* victim = nullptr;
@@ -609,14 +635,13 @@ std::size_t TieredStore::reclaim(std::size_t bytes_needed) {
     scheduled += victim->bytes;
     try {
       evict_locked(*victim);
-    } catch (const TieringError&) {
-      break;  // a failed copy-back keeps the device copy; free what we could
+    } catch (...) {
+      // A failed copy-back keeps the device copy; free what was evicted before it.
+      reap_frees_locked(/*wait_all=*/true);
+      throw;
     }
   }
   reap_frees_locked(/*wait_all=*/true);
-  const std::size_t freed = before - device_bytes_;
-  stats_.reclaimed_bytes += freed;
-  return freed;
 }
 
 void TieredStore::begin_step(std::uint64_t schedule) {

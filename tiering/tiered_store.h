@@ -141,6 +141,7 @@ struct TieredStoreStats {
   std::uint64_t evictions_clean = 0;  // dropped without a copy back
   std::uint64_t reclaim_calls = 0;
   std::uint64_t reclaimed_bytes = 0;
+  std::uint64_t reclaim_failures = 0;  // reclaims an eviction or a wait failed in
   std::uint64_t budget_waits = 0;  // acquire had to wait for a buffer to be freed
   std::uint64_t buffers_reused = 0;  // loads that took over a buffer on its way out
   // Buffers on their way out handed back to a stream-ordered source for a load, which
@@ -197,8 +198,14 @@ class TIDEPOOL_API TieredStore {
   void prefetch_tag(int tag, Stream stream);
   // Evicts released handles (furthest next use first) until `bytes_needed` device bytes
   // are freed, and waits for them to be freed. Returns the bytes freed. Safe to call from
-  // an allocator's OOM path: returns 0 instead of blocking if the store is busy.
-  std::size_t reclaim(std::size_t bytes_needed);
+  // an allocator's OOM path: returns 0 instead of blocking if the store is busy, and never
+  // throws. Note [Reclaim never throws]: it runs inside another allocation's OOM path,
+  // walked over every store of the device; a throw would end that walk before the other
+  // stores were asked and lose the count of what this one freed. A failure of any type
+  // (the wrapping into TieringError is the public entries', Note [One error type]) stops
+  // it: it returns what it freed until then, the handle that failed keeps its device
+  // copy, and the failure is counted (reclaim_failures) and said once on stderr.
+  std::size_t reclaim(std::size_t bytes_needed) noexcept;
 
   // Step boundaries for the recorded prefetch schedule (see prefetch_policy.h): each
   // `schedule` key (one per optimizer sharing the store) records and replays its own,
@@ -294,6 +301,10 @@ class TIDEPOOL_API TieredStore {
   // pending frees (Note [A failed load's buffer] in pending_frees.cpp).
   void give_back_failed_load_locked(const DeviceBuffer& buf, std::size_t bytes) noexcept;
   void reap_frees_locked(bool wait_all);
+  // reclaim() past its lock: evicts until `bytes_needed` are scheduled, then waits for the
+  // frees; throws what fails (reclaim catches it, Note [Reclaim never throws]).
+  void reclaim_locked(std::size_t bytes_needed);
+  void warn_reclaim_failure(const char* what) noexcept;
   DeviceBuffer device_allocate_locked(std::size_t bytes, const Entry* incoming, bool may_wait);
   void prefetch_ahead_locked();
   Event take_event_locked();
@@ -319,6 +330,7 @@ class TIDEPOOL_API TieredStore {
   Handle next_handle_ = 1;
   std::size_t device_bytes_ = 0;
   TieredStoreStats stats_;
+  bool reclaim_failure_warned_ = false;  // warn_once_due, under mutex_
 };
 
 }  // namespace tidepool

@@ -354,6 +354,10 @@ TEST(TieringCApi, AskingAboutAnUnusedDeviceCreatesNothingThere) {
   EXPECT_EQ(tidepool_prefetch_ptr(kUnusedDevice, &x, nullptr), -1);
   EXPECT_NE(std::string(tidepool_last_error()).find("does not own"), std::string::npos)
       << tidepool_last_error();
+  tidepool_clear_error();
+  EXPECT_EQ(tidepool_evict_ptr(kUnusedDevice, &x), -1);
+  EXPECT_NE(std::string(tidepool_last_error()).find("does not own"), std::string::npos)
+      << tidepool_last_error();
   EXPECT_EQ(existing_tiering_vmm_pool(kUnusedDevice), nullptr);
   EXPECT_EQ(existing_device_allocator(kUnusedDevice), nullptr);
   // A device index out of range is still an error, not "nothing there".

@@ -289,6 +289,34 @@ TEST_P(StoreErrorsTest, EveryOperationReportsABackendFailureAsATieringError) {
   EXPECT_EQ(store.stats().handles, 0u);
 }
 
+// Note [Reclaim never throws]: a reclaim (an allocator's out-of-memory path) whose second
+// eviction fails still returns what the first freed, instead of throwing out of the walk
+// over the device's stores; the handle that failed keeps its device copy.
+TEST_P(StoreErrorsTest, AReclaimWhoseEvictionFailsReturnsWhatItFreed) {
+  TieredStore& store = make_store();
+  const auto a = create_dirty(11);
+  const auto b = create_dirty(12);
+  const auto c = create_dirty(13);
+  const long waits_before = failing_->calls_to("stream_wait_event");
+  store.evict(c);
+  store.synchronize();
+  const long waits_per_eviction = failing_->calls_to("stream_wait_event") - waits_before;
+  ASSERT_GT(waits_per_eviction, 0);
+  failing_->fail_calls_to("stream_wait_event", 1, static_cast<int>(waits_per_eviction));
+  std::size_t freed = 0;
+  EXPECT_NO_THROW(freed = store.reclaim(2 * kBytes));
+  EXPECT_EQ(freed, kBytes);  // a, least recently acquired; b's eviction failed
+  EXPECT_EQ(store.stats().reclaim_failures, 1u);
+  EXPECT_EQ(store.stats().reclaimed_bytes, kBytes);
+  EXPECT_FALSE(store.resident(a));
+  EXPECT_TRUE(store.resident(b));
+  EXPECT_EQ(store.device_bytes(), kBytes);
+  EXPECT_TRUE(holds(a, 11));
+  EXPECT_TRUE(holds(b, 12));
+  EXPECT_TRUE(holds(c, 13));
+  EXPECT_NE(store.stats_json().find("\"reclaim_failures\":1"), std::string::npos);
+}
+
 // release makes no backend call; its errors are the store's own checks, TieringError.
 TEST_P(StoreErrorsTest, ReleaseErrorsAreTieringErrors) {
   TieredStore& store = make_store();
