@@ -191,28 +191,6 @@ TieredStore::~TieredStore() {
   }
 }
 
-Event TieredStore::take_event_locked() {
-  if (free_events_.empty()) return backend_.create_event();
-  Event ev = free_events_.back();
-  free_events_.pop_back();
-  return ev;
-}
-
-void TieredStore::give_event_locked(Event e) { free_events_.push_back(e); }
-
-Event TieredStore::record_use_event_locked(Stream s) {
-  Event ev = take_event_locked();
-  try {
-    backend_.record_event(ev, s);
-  } catch (const BackendError& err) {
-    give_event_locked(ev);
-    throw TieringError(std::string("tiered store: cannot wait for a stream that used this "
-                                   "state (destroyed without TieredStore::release_stream, "
-                                   "or tidepool_release_stream?): ") + err.what());
-  }
-  return ev;
-}
-
 TieredStore::Entry& TieredStore::entry_locked(Handle h, const char* op) {
   auto it = entries_.find(h);
   if (it == entries_.end()) {
@@ -425,11 +403,7 @@ bool TieredStore::load_locked(Entry& e, bool for_prefetch) {
 void TieredStore::evict_locked(Entry& e, bool discard) {
   const Stream d2h = copies_.stream(Direction::device_to_host);
   // The D2H stream must pass every use of the buffer and its own load.
-  for (Stream s : e.use_streams) {
-    const Event ev = record_use_event_locked(s);
-    backend_.stream_wait_event(d2h, ev);  // captures the point now: the event is free again
-    give_event_locked(ev);
-  }
+  for (Stream s : e.use_streams) order_after_use_locked(d2h, s);
   backend_.stream_wait_event(d2h, e.dev_ready);
   if (e.dev_dirty && !discard) {
     try {
@@ -505,9 +479,7 @@ void* TieredStore::acquire(Handle h, Stream stream) {
     // new stream waits for them, else its reads miss those writes and its writes race them.
     for (Stream used : e.use_streams) {
       if (used == stream) continue;
-      const Event ev = record_use_event_locked(used);
-      backend_.stream_wait_event(stream, ev);  // captures the point now: the event is free again
-      give_event_locked(ev);
+      order_after_use_locked(stream, used);
     }
   } catch (...) {
     // Nothing is pinned yet: the handle is as a failed load or wait left it (resident or

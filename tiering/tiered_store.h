@@ -1,8 +1,8 @@
 // The tiered store: buffers (optimizer state) that live in host memory and are on the
 // device exactly while code uses them. The handle state machine is written at the top of
 // tiered_store.cpp; the buffers on their way out in pending_frees.cpp; the wording of its
-// errors in store_errors.cpp; the policy is in prefetch_policy.h; the copies in
-// copy_engine.h.
+// errors in store_errors.cpp; its event pool in store_events.cpp; the policy is in
+// prefetch_policy.h; the copies in copy_engine.h.
 //
 // Use:
 //   TieredStore store(backend, {.device_budget_bytes = 8 << 30});
@@ -282,6 +282,9 @@ class TIDEPOOL_API TieredStore {
     std::size_t n = 0;
   };
 
+  // `waiter` waits for the work queued on `used` so far (an event recorded there and given
+  // back at once, also when the wait fails).
+  void order_after_use_locked(Stream waiter, Stream used);
   Entry& entry_locked(Handle h, const char* op);
   // create() and read() past their argument checks; the public ones turn what these
   // throw into TieringError (Note [One error type] in store_errors.cpp).

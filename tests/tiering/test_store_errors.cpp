@@ -317,6 +317,20 @@ TEST_P(StoreErrorsTest, AReclaimWhoseEvictionFailsReturnsWhatItFreed) {
   EXPECT_NE(store.stats_json().find("\"reclaim_failures\":1"), std::string::npos);
 }
 
+// An eviction whose wait on a use stream fails gives the event it recorded for that wait
+// back: every event the store created is destroyed with it.
+TEST_P(StoreErrorsTest, AFailedWaitOnAUseStreamLeaksNoEvent) {
+  TieredStore& store = make_store();
+  const auto h = create_dirty(14);  // released dirty: stream_ is a use stream of h
+  failing_->fail_calls_to("stream_wait_event", 1);  // evict's wait on stream_'s event
+  expect_tiering_error([&] { store.evict(h); }, "evict", "stream_wait_event");
+  store.evict(h);
+  EXPECT_TRUE(holds(h, 14));
+  store.synchronize();
+  store_.reset();
+  EXPECT_EQ(failing_->calls_to("create_event"), failing_->calls_to("destroy_event"));
+}
+
 // release makes no backend call; its errors are the store's own checks, TieringError.
 TEST_P(StoreErrorsTest, ReleaseErrorsAreTieringErrors) {
   TieredStore& store = make_store();
