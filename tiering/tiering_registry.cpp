@@ -9,7 +9,6 @@
 #include <set>
 #include <string>
 #include <unordered_set>
-#include <utility>
 
 #include "allocator/device_registry.h"
 #include "allocator/reclaim.h"
@@ -44,7 +43,7 @@ std::map<int, DeviceTiering>& registry() {
 // allocator, whose OOM path runs reclaim hooks. Code reached that way can come back to
 // the registry on the same thread, where locking registry_mutex() again would deadlock
 // (lock) or be undefined (try_lock of a mutex the thread owns). So every path that holds
-// the lock marks this thread (t_holding_registry, set and restored by RegistryHold), and
+// the lock marks this thread (t_holding_registry, set and cleared by RegistryHold), and
 // a call that finds the mark does not lock again:
 //   - reclaim_tiered_stores walks the stores as they are: the thread holds the lock, so
 //     no other thread changes the set, and a store this thread is inside refuses itself
@@ -66,20 +65,21 @@ TieringError reentry_error(const char* what) {
 }
 
 // Holds registry_mutex() and marks this thread as holding it until destroyed
-// (Note [Registry re-entry]). try_lock: take it only if free; owns() says whether it was.
+// (Note [Registry re-entry]). Taken only by a thread that does not hold it: the locking
+// form throws reentry_error(what) on one that does; the try_lock form is for the reclaim
+// path, which checks first, and owns() says whether the lock was free.
 class RegistryHold {
  public:
-  enum class Mode : bool { lock, try_lock };
-  explicit RegistryHold(Mode mode = Mode::lock) : lock_(registry_mutex(), std::defer_lock) {
-    if (mode == Mode::lock) {
-      lock_.lock();
-    } else if (!lock_.try_lock()) {
-      return;
-    }
-    outer_ = std::exchange(t_holding_registry, true);
+  explicit RegistryHold(const char* what) : lock_(registry_mutex(), std::defer_lock) {
+    if (t_holding_registry) throw reentry_error(what);
+    lock_.lock();
+    t_holding_registry = true;
+  }
+  explicit RegistryHold(std::try_to_lock_t) : lock_(registry_mutex(), std::try_to_lock) {
+    if (lock_.owns_lock()) t_holding_registry = true;
   }
   ~RegistryHold() {
-    if (lock_.owns_lock()) t_holding_registry = outer_;
+    if (lock_.owns_lock()) t_holding_registry = false;
   }
   RegistryHold(const RegistryHold&) = delete;
   RegistryHold& operator=(const RegistryHold&) = delete;
@@ -87,7 +87,6 @@ class RegistryHold {
 
  private:
   std::unique_lock<std::mutex> lock_;
-  bool outer_ = false;
 };
 
 // The store after `current` in `stores` (the first one for nullptr), or nullptr. Found by
@@ -121,8 +120,7 @@ std::map<int, TierableRanges>& tierable() {
 }  // namespace
 
 void set_tiering_backend(int device, Backend* backend) {
-  if (t_holding_registry) throw reentry_error("set_tiering_backend");
-  RegistryHold hold;
+  RegistryHold hold("set_tiering_backend");
   DeviceTiering& d = registry()[device];
   if (d.vmm && d.backend != backend) {
     throw TieringError("tiering: set_tiering_backend for device " + std::to_string(device) +
@@ -133,16 +131,14 @@ void set_tiering_backend(int device, Backend* backend) {
 
 VmmPool& tiering_vmm_pool(int device) {
   if (device < 0) throw TieringError("tiering: invalid device " + std::to_string(device));
-  if (t_holding_registry) throw reentry_error("tiering_vmm_pool");
-  RegistryHold hold;
+  RegistryHold hold("tiering_vmm_pool");
   DeviceTiering& d = registry()[device];
   if (!d.vmm) d.vmm = std::make_unique<VmmPool>(backend_locked(device, d));
   return *d.vmm;
 }
 
 VmmPool* existing_tiering_vmm_pool(int device) {
-  if (t_holding_registry) throw reentry_error("existing_tiering_vmm_pool");
-  RegistryHold hold;
+  RegistryHold hold("existing_tiering_vmm_pool");
   auto it = registry().find(device);
   return it == registry().end() ? nullptr : it->second.vmm.get();
 }
@@ -220,8 +216,7 @@ const TierRoute kTierRoute{
 }  // namespace
 
 void for_each_tiered_store(int device, const std::function<void(TieredStore&)>& fn) {
-  if (t_holding_registry) throw reentry_error("for_each_tiered_store");
-  RegistryHold hold;
+  RegistryHold hold("for_each_tiered_store");
   auto it = registry().find(device);
   if (it == registry().end()) return;
   for (TieredStore* s = next_store(it->second.stores, nullptr); s != nullptr;
@@ -238,7 +233,7 @@ namespace detail {
 std::size_t reclaim_tiered_stores(int device, std::size_t bytes_needed) {
   std::optional<RegistryHold> hold;
   if (!t_holding_registry) {
-    hold.emplace(RegistryHold::Mode::try_lock);
+    hold.emplace(std::try_to_lock);
     if (!hold->owns()) return 0;
   }
   auto it = registry().find(device);
@@ -256,13 +251,14 @@ void register_tiered_store(int device, TieredStore* store) {
   std::call_once(hook_once, [] {
     register_reclaim_hook([](int dev, std::size_t bytes) { return reclaim_tiered_stores(dev, bytes); });
   });
-  if (t_holding_registry) throw reentry_error("creating a tiered store");
-  RegistryHold hold;
+  RegistryHold hold("creating a tiered store");
   registry()[device].stores.insert(store);
 }
 void unregister_tiered_store(int device, TieredStore* store) {
   std::optional<RegistryHold> hold;
-  if (!t_holding_registry) hold.emplace();  // else: leaves under this thread's hold
+  // On a thread inside a walk: leaves the set under that walk's hold (Note [Registry
+  // re-entry]).
+  if (!t_holding_registry) hold.emplace("unregistering a tiered store");
   registry()[device].stores.erase(store);
 }
 }  // namespace detail
