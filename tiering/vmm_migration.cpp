@@ -375,10 +375,13 @@ std::optional<std::size_t> VmmPool::device_budget_bytes() const {
   return configured_state_budget_bytes(active_config(), backend_);
 }
 
+// Resolved outside the lock: a percentage asks the backend for the device's size.
+std::optional<std::size_t> VmmPool::budget_towards(MemoryLocation to) const {
+  return to == MemoryLocation::device ? device_budget_bytes() : std::nullopt;
+}
+
 MigrationResult VmmPool::migrate(const void* ptr, MemoryLocation to) {
-  // Resolved outside the lock: a percentage asks the backend for the device's size.
-  const std::optional<std::size_t> budget =
-      to == MemoryLocation::device ? device_budget_bytes() : std::nullopt;
+  const std::optional<std::size_t> budget = budget_towards(to);
   std::lock_guard lock(mutex_);
   repair_locked();
   Range* r = find_locked(ptr);
@@ -533,8 +536,7 @@ void VmmPool::migrate_chunk_locked(Range& r, Chunk& c, MemoryLocation to) {
 }
 
 MigrationResult VmmPool::migrate_tag(int tag, MemoryLocation to) {
-  const std::optional<std::size_t> budget =
-      to == MemoryLocation::device ? device_budget_bytes() : std::nullopt;
+  const std::optional<std::size_t> budget = budget_towards(to);
   // (sequence, base) of the tag's ranges, oldest first. The lock is let go between ranges
   // (a migration waits for streams); the sequence tells a range freed meanwhile, whose
   // address a new range may have taken, from the one listed.
@@ -552,18 +554,14 @@ MigrationResult VmmPool::migrate_tag(int tag, MemoryLocation to) {
     std::lock_guard lock(mutex_);
     auto it = ranges_.find(base);
     if (it == ranges_.end() || it->second.sequence != sequence) continue;  // freed meanwhile
-    const MigrationResult r = migrate_locked(it->second, to, budget);
-    total.ranges += r.ranges;
-    total.bytes_moved += r.bytes_moved;
-    total.bytes_left += r.bytes_left;
+    total += migrate_locked(it->second, to, budget);
   }
   return total;
 }
 
 MigrationResult VmmPool::migrate_ranges_holding(std::span<const void* const> ptrs,
                                                 MemoryLocation to) {
-  const std::optional<std::size_t> budget =
-      to == MemoryLocation::device ? device_budget_bytes() : std::nullopt;
+  const std::optional<std::size_t> budget = budget_towards(to);
   {
     std::lock_guard lock(mutex_);
     repair_locked();
@@ -578,10 +576,7 @@ MigrationResult VmmPool::migrate_ranges_holding(std::span<const void* const> ptr
     std::lock_guard lock(mutex_);
     Range* r = find_locked(ptr);
     if (r == nullptr || !visited.insert(r->sequence).second) continue;
-    const MigrationResult moved = migrate_locked(*r, to, budget);
-    total.ranges += moved.ranges;
-    total.bytes_moved += moved.bytes_moved;
-    total.bytes_left += moved.bytes_left;
+    total += migrate_locked(*r, to, budget);
   }
   return total;
 }

@@ -99,6 +99,14 @@ struct MigrationResult {
   // Bytes that stayed where they were because the device budget would have been exceeded
   // (migrations to the device only).
   std::size_t bytes_left = 0;
+
+  // Adds up the results of several ranges (migrate_tag, migrate_ranges_holding).
+  MigrationResult& operator+=(const MigrationResult& other) {
+    ranges += other.ranges;
+    bytes_moved += other.bytes_moved;
+    bytes_left += other.bytes_left;
+    return *this;
+  }
 };
 
 class TIDEPOOL_API VmmPool {
@@ -198,6 +206,9 @@ class TIDEPOOL_API VmmPool {
   void wait_for_users_locked(Range& r);
   void synchronize_for_lost_stream_locked(Stream lost, const BackendError& record_error);
   void migrate_chunk_locked(Range& r, Chunk& c, MemoryLocation to);
+  // The budget a migration towards `to` observes: the device budget, none towards the host.
+  // Called without the lock.
+  std::optional<std::size_t> budget_towards(MemoryLocation to) const;
   // Counts a migration that throws (VmmStats::failed_migrations) around move_range_locked.
   MigrationResult migrate_locked(Range& r, MemoryLocation to, std::optional<std::size_t> budget);
   MigrationResult move_range_locked(Range& r, MemoryLocation to,
