@@ -13,9 +13,9 @@
 //     tidepool_install_from_env_for_preload: the same C++ parser as the Python hook
 //     claims the tidepool keys and rewrites the variables for PyTorch (any PyTorch
 //     backend:X is fine under the shim, which serves the calls that allocator makes:
-//     Note [one backend] in allocator/config.cpp). A bad key stops the program with the parser's message (exit
-//     status 2). Preloading the shim is itself the request to use tidepool, so
-//     backend:tidepool need not be named.
+//     Note [one backend] in allocator/config.cpp). A bad key stops the program with the
+//     parser's message (exit status 2). Preloading the shim is itself the request to use
+//     tidepool, so backend:tidepool need not be named.
 //   - Note [runtime version]: tidepool serves allocations only when the process's CUDA
 //     runtime (the forwarding target) has the major version tidepool was built for
 //     (CUDART_VERSION): libtidepool is linked against that major's libcudart, and a

@@ -46,7 +46,11 @@ VmmPool::VmmPool(Backend& backend, VmmPoolOptions options)
 // range counts as kept. Kept ranges are leaked until the process ends: said in one stderr
 // line per pool (always, as a teardown's failures are) and counted process-wide
 // (vmm_ranges_kept_at_teardown), besides the Teardown line that counts the failed steps.
+// The line names the first kKeptRangesNamed kept ranges by address and size: the Teardown
+// line says what failed, this one which memory stays mapped, to match against the
+// addresses a user's own tensors or a sanitizer report show.
 namespace {
+constexpr std::size_t kKeptRangesNamed = 4;
 std::atomic<std::uint64_t> g_ranges_kept_at_teardown{0};
 }  // namespace
 
@@ -61,14 +65,22 @@ VmmPool::~VmmPool() {
                                         [&] { backend_.stream_synchronize(stream_); });
   std::size_t kept = 0;
   std::size_t kept_bytes = 0;
+  std::string kept_named;  // Note [Ranges kept at teardown]: the first few, by address
   for (auto& [base, r] : ranges_) {
     const bool unused = drained && teardown.attempt("waiting for the streams that used a range",
                                                     [&] { wait_for_users_locked(r); });
     if (!unused || !release_range_locked(r, &teardown)) {
+      if (kept < kKeptRangesNamed) {
+        char one[64];
+        std::snprintf(one, sizeof one, "%s%p (%zu bytes)", kept == 0 ? "" : ", ",
+                      static_cast<const void*>(r.base), r.bytes);
+        kept_named += one;
+      }
       kept++;
       kept_bytes += r.bytes;
     }
   }
+  if (kept > kKeptRangesNamed) kept_named += ", and " + std::to_string(kept - kKeptRangesNamed) + " more";
   ranges_.clear();
   for (const DeferredRelease& d : deferred_releases_) {
     teardown.attempt("releasing a backing whose release failed before",
@@ -92,8 +104,8 @@ VmmPool::~VmmPool() {
                  "tidepool: vmm pool: kept %zu pointer-stable range%s (%zu bytes) mapped at "
                  "its destruction, leaked until the process ends: work queued on it could "
                  "not be waited for, or an unmap failed (the pool's teardown line names the "
-                 "first failure)\n",
-                 kept, kept == 1 ? "" : "s", kept_bytes);
+                 "failures): %s\n",
+                 kept, kept == 1 ? "" : "s", kept_bytes, kept_named.c_str());
   }
 }
 

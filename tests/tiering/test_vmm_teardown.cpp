@@ -6,6 +6,7 @@
 // wrapper around it (failing_backend.h), which also counts the live physical handles.
 #include <gtest/gtest.h>
 
+#include <cstdio>
 #include <cstring>
 #include <memory>
 #include <string>
@@ -25,6 +26,13 @@ using tiering_test::FailingBackend;
 using tiering_test::random_bytes;
 
 constexpr int kTag = TIDEPOOL_TAG_OPTIMIZER_STATE;
+
+// How the pool's "kept" line names a range.
+std::string address_and_bytes(const void* base, std::size_t bytes) {
+  char text[64];
+  std::snprintf(text, sizeof text, "%p (%zu bytes)", base, bytes);
+  return text;
+}
 
 class VmmTeardownTest : public ::testing::Test {
  protected:
@@ -152,6 +160,10 @@ TEST_F(VmmTeardownTest, ARangeWhoseUsersCannotBeWaitedForIsKeptMapped) {
   EXPECT_TRUE(holds(used, data));
   EXPECT_NE(d.stderr_text.find("tidepool: vmm pool: kept 1 pointer-stable range"),
             std::string::npos) << d.stderr_text;
+  // The kept range is named by address and size; the released one is not.
+  EXPECT_NE(d.stderr_text.find(address_and_bytes(used, n)), std::string::npos) << d.stderr_text;
+  EXPECT_EQ(d.stderr_text.find(address_and_bytes(idle, granule())), std::string::npos)
+      << d.stderr_text;
   inner_->destroy_stream(user);
 }
 
@@ -178,6 +190,25 @@ TEST_F(VmmTeardownTest, AMigrationStreamThatCannotBeDrainedKeepsEveryRange) {
             std::string::npos) << d.stderr_text;
   EXPECT_NE(d.stderr_text.find("draining the migration stream"), std::string::npos)
       << d.stderr_text;
+}
+
+// Past the first four, kept ranges are counted, not named: one line stays readable.
+TEST_F(VmmTeardownTest, TheKeptLineNamesTheFirstFourRangesAndCountsTheRest) {
+  auto pool = std::make_unique<VmmPool>(backend_);
+  std::vector<void*> ranges;
+  for (int i = 0; i < 6; ++i) {
+    ranges.push_back(pool->allocate(granule(), kTag));
+    ASSERT_NE(ranges.back(), nullptr);
+  }
+  backend_.fail_calls_to("stream_synchronize", 1);
+  const Destruction d = destroy(pool);
+  EXPECT_EQ(d.kept_ranges, 6u);
+  std::size_t named = 0;
+  for (void* r : ranges) {
+    named += d.stderr_text.find(address_and_bytes(r, granule())) != std::string::npos ? 1 : 0;
+  }
+  EXPECT_EQ(named, 4u) << d.stderr_text;
+  EXPECT_NE(d.stderr_text.find(", and 2 more"), std::string::npos) << d.stderr_text;
 }
 
 // Failed unmaps: the teardown goes on with every other chunk and range, and reports each
