@@ -2,8 +2,8 @@
 libtidepool.so, the names the package hands to CUDAPluggableAllocator): allocations under
 optimizer_state of at least tidepool.tier_min_bytes become pointer-stable ranges that
 evict() moves to host memory and prefetch() brings back, within tidepool.state_budget, at
-the same address with the same bytes, and prefetch by pointers brings back only the
-ranges named; smaller state and other tags go to the caching allocator. Tiering errors reach Python with tidepool's message. Runs on the host backend
+the same address with the same bytes, and prefetch (evict) by pointers brings back
+(takes away) only the ranges named; smaller state and other tags go to the caching allocator. Tiering errors reach Python with tidepool's message. Runs on the host backend
 (its "device" memory is host RAM, so the test can read through the pointers), in a fresh
 interpreter because the backend is chosen before the first allocation."""
 
@@ -104,6 +104,32 @@ def test_prefetch_by_pointers_brings_back_only_the_ranges_named(run_python):
     # 5 MiB of budget: the third and the first (2 MiB each); the second would exceed it;
     # the other optimizer's range is not named and stays on the host.
     assert out == {"left": 2 * MiB, "device": 4 * MiB, "others_owned": True}
+
+
+def test_evict_by_pointers_takes_only_the_ranges_named(run_python):
+    # What a step's post-hook calls while another thread's step on the device still runs
+    # (Note [steps in flight] in _in_flight.py): its own state, not the other's.
+    out = json.loads(run_python("""
+        import ctypes, json
+        import tidepool
+        from tidepool import _config, _lib, _tiering
+        _config.apply("backend:tidepool,tidepool.device_backend:host")
+        lib = _lib.load()
+        malloc = getattr(lib, _lib.PYTORCH_ENTRY_POINTS[0])
+        malloc.restype = ctypes.c_void_p
+        malloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+        MiB = 1 << 20
+        with tidepool.region("optimizer_state"):
+            mine = [malloc(2 * MiB, 0, None) for _ in range(2)]
+            others = malloc(4 * MiB, 0, None)
+            small = malloc(64 << 10, 0, None)   # under tidepool.tier_min_bytes
+        _tiering.evict_ptrs(0, [mine[1] + 4096, small, 0, mine[0], mine[1]], None)
+        s = tidepool.stats(0)
+        print(json.dumps({"device": s["tiering.vmm_device_bytes"],
+                          "host": s["tiering.vmm_host_bytes"]}))
+        """).stdout.strip().splitlines()[-1])
+    MiB = 1 << 20
+    assert out == {"device": 4 * MiB, "host": 4 * MiB}
 
 
 def test_a_tiering_failure_reaches_python_with_tidepools_message(run_python):
