@@ -3,8 +3,9 @@ entry points and the tiering C ABI are recorders, fake_torch_cuda.py and fake_ti
 tags go through the real libtidepool):
 each step runs tagged between prefetch and evict, the prefetch is the stepped
 optimizer's own state by pointer (Note [prefetch by pointer]), a parameter a step left
-stateless does not make later steps optimizer_state ones (Note [step tags]), and the
-bookkeeping of that keeps no optimizer alive; the closure of step(closure) runs
+stateless does not make later steps optimizer_state ones until its group's
+hyperparameters may turn state on (Note [step tags]), and the bookkeeping of that keeps
+no optimizer alive; the closure of step(closure) runs
 outside the step's scope and the state is still tagged (Note [closures]), a step or hook
 that raises closes its scope (Note [a step that raises]), nested steps keep the outer scope, loaded state
 (plain tensors and DTensor shards) is taken into tiering (Note [loaded state]), the
@@ -195,6 +196,28 @@ def test_a_parameter_that_had_no_gradient_is_not_taken_for_stateless(fake_cuda, 
     optimizer.step()
     assert RecordingSGD.seen_tags == [_tags.OPTIMIZER_STATE] * 2
     assert "momentum_buffer" in optimizer.state[b]
+
+
+def test_raising_momentum_by_hand_gets_the_buffers_the_next_step_makes_tagged(
+        fake_cuda, fake_tiering):
+    # Note [step tags]: the parameters a step left stateless count again once their
+    # group's hyperparameters may turn state on; lr, which a scheduler changes every
+    # step, does not make them count.
+    install()
+    a, b = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(3))
+    optimizer = RecordingSGD([{"params": [a]}, {"params": [b]}], lr=0.1)
+    RecordingSGD.seen_tags = []
+    for step in range(3):
+        a.grad, b.grad = torch.ones(2), torch.ones(3)
+        for group in optimizer.param_groups:
+            group["lr"] = 0.1 / (step + 1)
+        optimizer.step()
+    assert RecordingSGD.seen_tags == [_tags.OPTIMIZER_STATE] + [_tags.WORKSPACE] * 2
+    optimizer.param_groups[1]["momentum"] = 0.9  # b's group only
+    optimizer.step()
+    optimizer.step()
+    assert RecordingSGD.seen_tags[3:] == [_tags.OPTIMIZER_STATE, _tags.WORKSPACE]
+    assert "momentum_buffer" in optimizer.state[b] and not optimizer.state.get(a)
 
 
 def test_remembering_stateless_parameters_keeps_no_optimizer_or_parameter_alive(

@@ -28,10 +28,11 @@ from . import _in_flight, _install, _patches, _tags, _tiering
 
 _local = threading.local()
 _warned_no_tiering = False
-# Note [step tags]: optimizer -> {id(p): weak reference to p} for the parameters a step
-# went through and left without state. Weak both ways: it keeps neither the optimizer nor
-# its parameters alive (an id is trusted only while its reference still gives that very
-# parameter, so a parameter dropped and another made at its address is new).
+# Note [step tags]: optimizer -> {id(p): (weak reference to p, _settings of its group)} for
+# the parameters a step went through and left without state. Weak both ways: it keeps
+# neither the optimizer nor its parameters alive (an id is trusted only while its
+# reference still gives that very parameter, so a parameter dropped and another made at
+# its address is new).
 _stateless: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -58,19 +59,48 @@ def _step_tag(optimizer) -> int:
     an optimizer does not keep state for) would otherwise make every step an
     optimizer_state one; so the post-hook of an optimizer_state step remembers, per
     optimizer, the parameters that had a gradient and still have no state
-    (_remember_stateless, in _stateless), and they do not count again. load_state_dict
-    forgets them (the loaded param_groups may turn momentum on). A parameter the
-    optimizer gives state only later, without a reload (momentum raised by hand from
-    0), gets it under workspace: in ordinary device memory, resident, not evicted."""
+    (_remember_stateless, in _stateless), and they do not count again while their
+    group's hyperparameters stay as they were then. A change that may turn state on
+    (momentum raised by hand from 0, a scheduler cycling it up from 0) makes the
+    remembered parameters of that group count again, so the state the next step creates
+    is tagged optimizer_state; without that it would be made under workspace, in
+    ordinary device memory, resident for the rest of the run. What is compared is
+    _settings: a scheduler changing lr every step changes nothing there.
+    load_state_dict forgets them all (the loaded param_groups may turn momentum on)."""
     state = optimizer.state
     known = _known_stateless(optimizer)
     for group in optimizer.param_groups:
+        settings = None  # the group's, computed once a remembered parameter needs them
         for p in group["params"]:
             if p.grad is not None and not state.get(p):
-                ref = known.get(id(p)) if known else None
-                if ref is None or ref() is not p:
+                entry = known.get(id(p)) if known else None
+                if entry is None or entry[0]() is not p:
+                    return _tags.OPTIMIZER_STATE
+                if settings is None:
+                    settings = _settings(group)
+                if entry[1] != settings:
                     return _tags.OPTIMIZER_STATE
     return _tags.WORKSPACE
+
+
+def _settings(group: dict) -> tuple:
+    """Note [step tags]: what of a param group's hyperparameters (its entries but
+    'params') may decide whether the optimizer keeps state, as (key, _setting) pairs."""
+    return tuple((key, _setting(value)) for key, value in group.items() if key != "params")
+
+
+def _setting(value):
+    """A number (a bool too): whether it is not 0, as optimizers decide on state (SGD's
+    and RMSprop's momentum, a beta); its other changes (lr, scheduled every step) make no
+    state. A str or None: itself; a tuple or list (betas): that of each item; anything
+    else (a tensor lr): ..., never compared."""
+    if isinstance(value, (int, float)):
+        return value != 0
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, (tuple, list)):
+        return tuple(_setting(item) for item in value)
+    return ...
 
 
 def _known_stateless(optimizer) -> dict | None:
@@ -93,10 +123,11 @@ def _remember_stateless(optimizer) -> None:
     except TypeError:  # not weakly referenceable: see _known_stateless
         return
     for group in optimizer.param_groups:
+        settings = _settings(group)
         for p in group["params"]:
             if p.grad is not None and not state.get(p):
                 try:
-                    known[id(p)] = weakref.ref(p)
+                    known[id(p)] = (weakref.ref(p), settings)
                 except TypeError:  # a parameter type without weak references: counts each time
                     pass
 
