@@ -19,6 +19,7 @@ from a checkpoint) is wrapped, see Note [loaded state].
 from __future__ import annotations
 
 import functools
+import sys
 import threading
 import warnings
 import weakref
@@ -536,8 +537,10 @@ def _flatten(value):
 
 def _plain_parts(value) -> list:
     """The plain tensors holding `value`'s data: itself, or a wrapper's (_flatten) inner
-    tensors, recursively. [] for anything else (nn.Parameter, other subclasses)."""
-    torch = _install.STATE.torch
+    tensors, recursively. [] for anything else (nn.Parameter, other subclasses). (Also
+    reached by tidepool.evict(optimizer), where tidepool may be installed in no torch:
+    under the LD_PRELOAD shim.)"""
+    torch = _install.STATE.torch or sys.modules["torch"]
     if type(value) is torch.Tensor:
         return [value]
     flat = _flatten(value)
