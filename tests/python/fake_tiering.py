@@ -1,7 +1,8 @@
 """The tiering layer's C ABI replaced by a recorder, for the tests of the optimizer step
-hooks on a machine without a GPU (test_optim_hooks.py, test_optim_hooks_threads.py):
-`fake_tiering` records each move and makes every tensor count as on CUDA device 0;
-EVICT, prefetch_of and evict_ptrs_of are the moves the hooks make."""
+hooks and of tidepool.evict / prefetch on a machine without a GPU (test_optim_hooks.py,
+test_optim_hooks_threads.py, test_evict_prefetch_by_state.py): `fake_tiering` records
+each move and makes every tensor count as on CUDA device 0; EVICT, prefetch_of and
+evict_ptrs_of are the moves the hooks make."""
 
 from __future__ import annotations
 
