@@ -13,6 +13,7 @@ import torch
 import tidepool
 from tidepool import _optim_hooks, _tags
 
+from conftest import host_backend_script
 from fake_tiering import fake_tiering, state_pointers  # noqa: F401  (a fixture)
 from fake_torch_cuda import fake_cuda  # noqa: F401  (a fixture: a fresh, uninstalled STATE)
 
@@ -86,19 +87,11 @@ def test_what_cannot_be_moved_is_a_clear_error(fake_cuda, fake_tiering, monkeypa
 def test_tensors_over_tidepools_ranges_move_and_others_are_skipped(run_python):
     # The real C ABI (host backend: "device" memory is host RAM, so a CPU tensor can be
     # made over a pointer-stable range); a tensor in no range is skipped, not an error.
-    out = json.loads(run_python("""
-        import ctypes, json
+    out = json.loads(run_python(host_backend_script("""
         import torch
-        import tidepool
-        from tidepool import _config, _lib, _optim_hooks
-        _config.apply("backend:tidepool,tidepool.device_backend:host,tidepool.state_budget:5MiB")
-        lib = _lib.load()
-        malloc = getattr(lib, _lib.PYTORCH_ENTRY_POINTS[0])
-        malloc.restype = ctypes.c_void_p
-        malloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
-        MiB = 1 << 20
+        from tidepool import _optim_hooks
         with tidepool.region("optimizer_state"):
-            ranges = [malloc(2 * MiB, 0, None) for _ in range(3)]
+            ranges = [malloc(2 * MiB) for _ in range(3)]
         def over(ptr):
             return torch.frombuffer((ctypes.c_char * (2 * MiB)).from_address(ptr), dtype=torch.uint8)
         _optim_hooks._cuda_index = lambda tensor: 0  # they stand in for tensors on cuda:0
@@ -110,6 +103,6 @@ def test_tensors_over_tidepools_ranges_move_and_others_are_skipped(run_python):
         left = tidepool.prefetch(reversed(mine))  # the second first: with the third on the device, the budget takes one more
         print(json.dumps({"after_evict": after_evict, "left": left,
                           "after_prefetch": device_bytes()}))
-        """).stdout.strip().splitlines()[-1])
+        """, "tidepool.state_budget:5MiB")).stdout.strip().splitlines()[-1])
     MiB = 1 << 20
     assert out == {"after_evict": 2 * MiB, "left": 2 * MiB, "after_prefetch": 4 * MiB}
