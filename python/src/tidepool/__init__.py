@@ -180,9 +180,9 @@ def evict(tag="optimizer_state", device=None, stream=None) -> None:
     device memory: not optimizer state, under tidepool.tier_min_bytes, or not tidepool's)
     is skipped, as by the C ABI's calls by pointers, not an error. Then `device` (None:
     every device they are on) keeps an optimizer's state on that device only, and a
-    tensor on another device is a ValueError, as is one not on a CUDA device; a tensor
-    subclass without storage, too. `stream` (None: each device's current stream) must
-    then serve one device. Anything else is a TypeError."""
+    tensor on another device is a ValueError, as is one not on a CUDA device or without
+    a storage (a sparse tensor). `stream` (None: each device's current stream) must then
+    serve one device. Anything else is a TypeError."""
     from . import _tiering
     if not isinstance(tag, (str, int)):
         for d, ptrs in _pointers(tag, device, stream).items():
