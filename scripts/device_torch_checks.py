@@ -40,6 +40,11 @@ before CUDA initialises:
      pre-step prefetch of one brings back only its own state (Note [prefetch by pointer]),
      so the bytes moved to the device during the discriminator's step equal its state,
      not both optimizers'.
+  14. two_threads: pool mode through the package with tidepool.state_budget:1GiB; two
+     models, each with its own AdamW, stepped in two threads at once: b's step pauses
+     after its update while a's runs and ends; a's eviction takes only its own state
+     (Note [steps in flight]), so b's state is still on the device then, and the last
+     step to end evicts the tag.
 Prints one line per check: name, PASS/FAIL, what was seen.
 """
 import os
@@ -358,6 +363,50 @@ CHECKS = {
         print("MOVED_D", moved_d[-1], "STATE_D", state_bytes(opt_d), "STATE_G", state_bytes(opt_g))
         """
     ),
+    "two_threads": textwrap.dedent(
+        """
+        import sys, threading
+        sys.path.insert(0, PYSRC)
+        import tidepool
+        from tidepool import _config, _install
+        _install.install(torch, _config.claim(
+            "backend:tidepool,tidepool.mode:pool,tidepool.state_budget:1GiB").config)
+        class PacedAdamW(torch.optim.AdamW):
+            inside = None
+            def step(self, closure=None):
+                result = super().step(closure)
+                if self.inside is not None:
+                    self.inside()
+                return result
+        torch.manual_seed(0)
+        models = [torch.nn.Linear(2048, 1024).cuda() for _ in range(2)]  # 16.8 MB of AdamW state each
+        opts = [PacedAdamW(m.parameters(), lr=1e-4) for m in models]
+        x = torch.randn(64, 2048, device="cuda")
+        def train_step(i):
+            opts[i].zero_grad(); models[i](x).square().mean().backward(); opts[i].step()
+        for i in range(2):
+            train_step(i)  # the state exists now, evicted
+        torch.cuda.synchronize()
+        def state_bytes(opt):
+            return sum(t.numel() * t.element_size() for st in opt.state.values()
+                       for t in st.values() if torch.is_tensor(t) and t.is_cuda and t.dim() > 0)
+        b_in, a_out, seen = threading.Event(), threading.Event(), {}
+        def b_inside():  # b's step, after its update: a steps and ends meanwhile
+            b_in.set()
+            a_out.wait(120)
+            torch.cuda.synchronize()
+            seen["during"] = tidepool.stats(0)["tiering.vmm_device_bytes"]
+        opts[1].inside = b_inside
+        def step_a():
+            b_in.wait(120); train_step(0); torch.cuda.synchronize(); a_out.set()
+        threads = [threading.Thread(target=train_step, args=(1,)), threading.Thread(target=step_a)]
+        for t in threads: t.start()
+        for t in threads: t.join(300)
+        torch.cuda.synchronize()
+        print("DEVICE_DURING_B", seen.get("during", -1), "STATE_B", state_bytes(opts[1]),
+              "AFTER", tidepool.stats(0)["tiering.vmm_device_bytes"])
+        """
+    ),
     "cudnn_benchmark": textwrap.dedent(
         """
         print("VIA", use_tidepool_globally(pluggable_class=os.environ.get("CHECK_PLUGGABLE") == "1"))
@@ -452,6 +501,17 @@ def main():
         moved, state_d = int(fields[1]), int(fields[3])
         return state_d > 0 and 0.9 * state_d <= moved <= state_d + (8 << 20)
     ok &= report("two_opt", results["two_optimizers"], passed("two_optimizers", two_optimizers_ok))
+
+    def two_threads_ok(out):
+        # While b's step ran, a's ended: b's state (prefetched; ranges round up to 2 MiB
+        # granules, biases under tidepool.tier_min_bytes stay resident) was still on the
+        # device, and none of a's 16.8 MB; b, the last to end, evicted the tag.
+        fields = out.split()
+        if len(fields) != 6 or fields[0] != "DEVICE_DURING_B":
+            return False
+        during, state_b, after = int(fields[1]), int(fields[3]), int(fields[5])
+        return state_b > 0 and 0.9 * state_b <= during <= state_b + (8 << 20) and after == 0
+    ok &= report("threads", results["two_threads"], passed("two_threads", two_threads_ok))
     ok &= report("cudnn", results["cudnn_benchmark"], passed("cudnn_benchmark", lambda out: "TRAINED" in out))
     # For the record, torch's CUDAPluggableAllocator class alone (the package's fallback):
     # expected to fail with "does not yet support cacheInfo" (pytorch#98481).

@@ -162,6 +162,18 @@ void migrate_one_pointer(int device, void* ptr, MemoryLocation to) {
   }
   pool->migrate(ptr, to);
 }
+
+// The calls by pointers (tidepool_prefetch_ptrs, tidepool_evict_ptrs): the ranges holding
+// ptrs[0..n) move to `to`, each once, pointers in no range skipped; nothing is created on
+// a device with no range. Returns the bytes the budget left host-backed.
+std::uint64_t migrate_pointers(int device, const void* const* ptrs, size_t n, MemoryLocation to) {
+  if (ptrs == nullptr && n > 0) {
+    throw std::invalid_argument("ptrs is NULL but n is " + std::to_string(n));
+  }
+  tidepool::VmmPool* pool = existing_vmm_pool(device);
+  if (pool == nullptr || n == 0) return 0;  // no range anywhere on the device to move
+  return pool->migrate_ranges_holding({ptrs, n}, to).bytes_left;
+}
 }  // namespace
 
 int tidepool_evict_ptr(int device, void* ptr) {
@@ -182,14 +194,15 @@ int tidepool_prefetch_ptrs(int device, const void* const* ptrs, size_t n, void* 
                            uint64_t* bytes_left_on_host) {
   return guarded("tidepool_prefetch_ptrs", -1, [&] {
     if (bytes_left_on_host != nullptr) *bytes_left_on_host = 0;
-    if (ptrs == nullptr && n > 0) {
-      throw std::invalid_argument("ptrs is NULL but n is " + std::to_string(n));
-    }
-    tidepool::VmmPool* pool = existing_vmm_pool(device);
-    if (pool == nullptr || n == 0) return 0;  // no range anywhere on the device to move
-    const std::uint64_t left =
-        pool->migrate_ranges_holding({ptrs, n}, MemoryLocation::device).bytes_left;
+    const std::uint64_t left = migrate_pointers(device, ptrs, n, MemoryLocation::device);
     if (bytes_left_on_host != nullptr) *bytes_left_on_host = left;
+    return 0;
+  });
+}
+
+int tidepool_evict_ptrs(int device, const void* const* ptrs, size_t n) {
+  return guarded("tidepool_evict_ptrs", -1, [&] {
+    migrate_pointers(device, ptrs, n, MemoryLocation::host);
     return 0;
   });
 }

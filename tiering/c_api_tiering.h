@@ -16,8 +16,8 @@
  * c_api_tiering.cpp): the ranges made by tidepool_vmm_malloc or by tidepool_malloc's
  * route, oldest first, as long as the device's VMM-backed bytes stay within the budget;
  * the rest stays host-backed, still usable at the same address. By pointer: the VMM
- * range holding `ptr` (a prefetch also within the budget), or, for a prefetch, the ranges
- * holding each of an array of pointers.
+ * range holding `ptr` (a prefetch also within the budget), or the ranges holding each of
+ * an array of pointers.
  *
  * Note [prefetch stream]: the `stream` of the prefetch calls (by tag, by pointer, by
  * pointers) is the stream that will use the state. None of them waits for it or orders
@@ -83,6 +83,15 @@ TIDEPOOL_API int tidepool_prefetch_ptr(int device, void* ptr, void* stream);
  * reaches them). */
 TIDEPOOL_API int tidepool_prefetch_ptrs(int device, const void* const* ptrs, size_t n,
                                         void* stream, uint64_t* bytes_left_on_host);
+/* Evicts the ranges holding ptrs[0..n) to host memory: tidepool_prefetch_ptrs' other
+ * half, with its rules (each range once, a pointer no range of `device` holds skipped,
+ * `ptrs` NULL only when n is 0, nothing created on a device without a VMM range, tiered
+ * stores not reached) and, like tidepool_evict_tag, no stream: a range's migration waits
+ * for the streams recorded as its users, and the caller synchronizes the stream that
+ * used it last (the Python hooks do). What a step evicts when another thread's step on
+ * the device still runs (Note [steps in flight] in python/src/tidepool/_in_flight.py):
+ * its own optimizer's state, where the tag would take the other step's too. */
+TIDEPOOL_API int tidepool_evict_ptrs(int device, const void* const* ptrs, size_t n);
 
 /* ---- stats ---------------------------------------------------------------------------- */
 typedef struct tidepool_tiering_stats_v1 {

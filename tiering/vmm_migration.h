@@ -160,8 +160,8 @@ class TIDEPOOL_API VmmPool {
   // once (views and interior pointers of one range name it again), towards the device as
   // much as fits the budget, so a budget-limited prefetch of one optimizer's state brings
   // back what its step uses first. A pointer no range holds (nullptr, ordinary device
-  // memory) is skipped. Ranges freed meanwhile are not visited. The C ABI's prefetch by
-  // pointers uses it.
+  // memory) is skipped. Ranges freed meanwhile are not visited. The C ABI's prefetch and
+  // evict by pointers use it.
   MigrationResult migrate_ranges_holding(std::span<const void* const> ptrs, MemoryLocation to);
   // The device budget in force now (nullopt: none). Note [VMM device budget].
   std::optional<std::size_t> device_budget_bytes() const;

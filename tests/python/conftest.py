@@ -40,6 +40,27 @@ def pytest_configure(config):
             "`ctest -R python_pytest` in a build directory)")
 
 
+def host_backend_script(body: str, keys: str = "") -> str:
+    """Code for run_python: libtidepool on its host backend ("device" memory is host RAM,
+    readable through the pointers), with the tidepool.* `keys` ("tidepool.state_budget:
+    5MiB"), and `malloc(bytes)`, the allocator entry point the package hands PyTorch, on
+    device 0 (under tidepool.region("optimizer_state") it makes pointer-stable ranges);
+    then `body`."""
+    conf = ",".join(["backend:tidepool", "tidepool.device_backend:host"] + ([keys] if keys else []))
+    return textwrap.dedent(f"""
+        import ctypes, json
+        import tidepool
+        from tidepool import _config, _lib, _tiering
+        _config.apply({conf!r})
+        _malloc = getattr(_lib.load(), _lib.PYTORCH_ENTRY_POINTS[0])
+        _malloc.restype = ctypes.c_void_p
+        _malloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+        def malloc(n):
+            return _malloc(n, 0, None)
+        MiB = 1 << 20
+        """) + textwrap.dedent(body)
+
+
 @pytest.fixture(scope="session")
 def site_dir(tmp_path_factory) -> Path:
     """A directory holding the real .pth file, to be added as a site directory."""

@@ -28,6 +28,7 @@ GOOD = {
     "step_raises": "RAISED boom AFTER_RAISE_IN_TIDEPOOL 0 STATE_IN_TIDEPOOL 8392704",
     "step_closure": "CLOSURE_IN_TIDEPOOL 0 STATE_IN_TIDEPOOL 8392704",
     "two_optimizers": "MOVED_D 8388608 STATE_D 8392704 STATE_G 33570816",
+    "two_threads": "DEVICE_DURING_B 16777216 STATE_B 16785408 AFTER 0",
     "cudnn_benchmark": "VIA torch_cuda\nTRAINED",
 }
 
@@ -45,6 +46,8 @@ BAD = {
     "step_closure": "CLOSURE_IN_TIDEPOOL 67108864 STATE_IN_TIDEPOOL 8392704",
     # both optimizers' state came back for the discriminator's step
     "two_optimizers": "MOVED_D 41959424 STATE_D 8392704 STATE_G 33570816",
+    # a's eviction by tag took b's state from under b's step
+    "two_threads": "DEVICE_DURING_B 0 STATE_B 16785408 AFTER 0",
     "cudnn_benchmark": "EXC RuntimeError | does not yet support cacheInfo",
 }
 
@@ -76,7 +79,7 @@ def test_good_outputs_pass(checks, capsys):
     printed = capsys.readouterr().out
     assert "FAIL" not in printed
     for label in ("global", "pool", "oom", "record", "memory", "fraction", "graph", "history",
-                  "resume", "raises", "closure", "two_opt", "cudnn"):
+                  "resume", "raises", "closure", "two_opt", "threads", "cudnn"):
         assert f"\n{label}" in "\n" + printed, label
 
 

@@ -1,9 +1,11 @@
 """The global optimizer step hooks inside torch, on a machine without a GPU (torch's CUDA
-entry points are recorders, fake_torch_cuda.py; tags go through the real libtidepool):
+entry points and the tiering C ABI are recorders, fake_torch_cuda.py and fake_tiering.py;
+tags go through the real libtidepool):
 each step runs tagged between prefetch and evict, the prefetch is the stepped
 optimizer's own state by pointer (Note [prefetch by pointer]), a parameter a step left
-stateless does not make later steps optimizer_state ones (Note [step tags]), and the
-bookkeeping of that keeps no optimizer alive; the closure of step(closure) runs
+stateless does not make later steps optimizer_state ones until its group's
+hyperparameters may turn state on (Note [step tags]), and the bookkeeping of that keeps
+no optimizer alive; the closure of step(closure) runs
 outside the step's scope and the state is still tagged (Note [closures]), a step or hook
 that raises closes its scope (Note [a step that raises]), nested steps keep the outer scope, loaded state
 (plain tensors and DTensor shards) is taken into tiering (Note [loaded state]), the
@@ -20,6 +22,7 @@ import torch
 
 from tidepool import _install, _optim_hooks, _tags, _tiering
 
+from fake_tiering import EVICT, fake_tiering, prefetch_of  # noqa: F401  (a fixture)
 from fake_torch_cuda import fake_cuda, install  # noqa: F401  (a fixture, and the install)
 
 
@@ -34,37 +37,6 @@ class RecordingSGD(torch.optim.SGD):
 
 
 original_cuda_index = _optim_hooks._cuda_index
-
-
-@pytest.fixture
-def fake_tiering(monkeypatch):
-    """Records the moves: ("prefetch", device, pointers, stream) and ("evict", device, tag,
-    stream). Every tensor counts as on CUDA device 0."""
-    moves = []
-    monkeypatch.setattr(_tiering, "available", lambda: True)
-    monkeypatch.setattr(_tiering, "prefetch_tag",
-                        lambda d, tag, stream: moves.append(("prefetch_tag", d, tag, stream)))
-    monkeypatch.setattr(_tiering, "prefetch_ptrs",
-                        lambda d, ptrs, stream: moves.append(("prefetch", d, tuple(ptrs), stream)))
-    monkeypatch.setattr(_tiering, "evict_tag",
-                        lambda d, tag, stream: moves.append(("evict", d, tag, stream)))
-    monkeypatch.setattr(_optim_hooks, "_cuda_devices", lambda optimizer: [0])
-    monkeypatch.setattr(_optim_hooks, "_cuda_index", lambda tensor: 0)
-    monkeypatch.setattr(_optim_hooks, "_stream", lambda torch, d: 4242)
-    return moves
-
-
-EVICT = ("evict", 0, _tags.OPTIMIZER_STATE, 4242)
-
-
-def prefetch_of(*optimizers):
-    """The prefetch the pre-hook makes for the optimizers' state, stepped together (one
-    nested in the other): their state tensors' pointers, parameter by parameter in
-    param_groups order."""
-    ptrs = tuple(value.data_ptr() for optimizer in optimizers
-                 for group in optimizer.param_groups for p in group["params"]
-                 for value in optimizer.state.get(p, {}).values() if isinstance(value, torch.Tensor))
-    return ("prefetch", 0, ptrs, 4242)
 
 
 @pytest.mark.parametrize("mode", ["global", "pool"])
@@ -224,6 +196,28 @@ def test_a_parameter_that_had_no_gradient_is_not_taken_for_stateless(fake_cuda, 
     optimizer.step()
     assert RecordingSGD.seen_tags == [_tags.OPTIMIZER_STATE] * 2
     assert "momentum_buffer" in optimizer.state[b]
+
+
+def test_raising_momentum_by_hand_gets_the_buffers_the_next_step_makes_tagged(
+        fake_cuda, fake_tiering):
+    # Note [step tags]: the parameters a step left stateless count again once their
+    # group's hyperparameters may turn state on; lr, which a scheduler changes every
+    # step, does not make them count.
+    install()
+    a, b = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(3))
+    optimizer = RecordingSGD([{"params": [a]}, {"params": [b]}], lr=0.1)
+    RecordingSGD.seen_tags = []
+    for step in range(3):
+        a.grad, b.grad = torch.ones(2), torch.ones(3)
+        for group in optimizer.param_groups:
+            group["lr"] = 0.1 / (step + 1)
+        optimizer.step()
+    assert RecordingSGD.seen_tags == [_tags.OPTIMIZER_STATE] + [_tags.WORKSPACE] * 2
+    optimizer.param_groups[1]["momentum"] = 0.9  # b's group only
+    optimizer.step()
+    optimizer.step()
+    assert RecordingSGD.seen_tags[3:] == [_tags.OPTIMIZER_STATE, _tags.WORKSPACE]
+    assert "momentum_buffer" in optimizer.state[b] and not optimizer.state.get(a)
 
 
 def test_remembering_stateless_parameters_keeps_no_optimizer_or_parameter_alive(

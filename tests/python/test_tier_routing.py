@@ -2,14 +2,17 @@
 libtidepool.so, the names the package hands to CUDAPluggableAllocator): allocations under
 optimizer_state of at least tidepool.tier_min_bytes become pointer-stable ranges that
 evict() moves to host memory and prefetch() brings back, within tidepool.state_budget, at
-the same address with the same bytes, and prefetch by pointers brings back only the
-ranges named; smaller state and other tags go to the caching allocator. Tiering errors reach Python with tidepool's message. Runs on the host backend
-(its "device" memory is host RAM, so the test can read through the pointers), in a fresh
-interpreter because the backend is chosen before the first allocation."""
+the same address with the same bytes, and prefetch and evict by pointers move only the
+ranges named; smaller state and other tags go to the caching allocator. Tiering errors
+reach Python with tidepool's message. Runs on the host backend (its "device" memory is
+host RAM, so the test can read through the pointers), in a fresh interpreter because the
+backend is chosen before the first allocation."""
 
 from __future__ import annotations
 
 import json
+
+from conftest import host_backend_script
 
 SCRIPT = """
 import ctypes, json
@@ -74,36 +77,34 @@ def test_optimizer_state_is_pointer_stable_migrates_and_prefetch_keeps_to_the_bu
                             "tiering.vmm_device_bytes": 0, "tiering.vmm_host_bytes": 0}
 
 
-def test_prefetch_by_pointers_brings_back_only_the_ranges_named(run_python):
+def test_prefetch_and_evict_by_pointers_move_only_the_ranges_named(run_python):
     # What the optimizer pre-hook calls (Note [prefetch by pointer] in _optim_hooks.py):
-    # one optimizer's state by its tensors' pointers, through the real C ABI.
-    out = json.loads(run_python("""
-        import ctypes, json
-        import tidepool
-        from tidepool import _config, _lib, _tiering
-        _config.apply("backend:tidepool,tidepool.device_backend:host,tidepool.state_budget:5MiB")
-        lib = _lib.load()
-        malloc = getattr(lib, _lib.PYTORCH_ENTRY_POINTS[0])
-        malloc.restype = ctypes.c_void_p
-        malloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
-        MiB = 1 << 20
+    # one optimizer's state by its tensors' pointers, through the real C ABI; and what its
+    # post-hook calls while another thread's step on the device still runs (Note [steps
+    # in flight] in _in_flight.py): evict its own state, not the other's.
+    out = json.loads(run_python(host_backend_script("""
         with tidepool.region("optimizer_state"):
-            mine = [malloc(2 * MiB, 0, None) for _ in range(3)]
-            others = malloc(2 * MiB, 0, None)
-            small = malloc(64 << 10, 0, None)   # under tidepool.tier_min_bytes
+            mine = [malloc(2 * MiB) for _ in range(3)]
+            others = malloc(2 * MiB)
+            small = malloc(64 << 10)   # under tidepool.tier_min_bytes
         tidepool.evict("optimizer_state", device=0)
         # The third first, also by a pointer inside it (a view), then the first two; the
         # small one and 0 (an empty tensor) are in no range.
         ptrs = [mine[2] + 4096, mine[2], small, 0, mine[0], mine[1]]
         left = _tiering.prefetch_ptrs(0, ptrs, None)
         s = tidepool.stats(0)
-        print(json.dumps({"left": left, "device": s["tiering.vmm_device_bytes"],
-                          "others_owned": _tiering.owns(0, others)}))
-        """).stdout.strip().splitlines()[-1])
+        out = {"left": left, "device": s["tiering.vmm_device_bytes"],
+               "others_owned": _tiering.owns(0, others)}
+        _tiering.evict_ptrs(0, [mine[2] + 4096, small, 0, mine[2]], None)
+        out["device_after_evict"] = tidepool.stats(0)["tiering.vmm_device_bytes"]
+        print(json.dumps(out))
+        """, "tidepool.state_budget:5MiB")).stdout.strip().splitlines()[-1])
     MiB = 1 << 20
     # 5 MiB of budget: the third and the first (2 MiB each); the second would exceed it;
-    # the other optimizer's range is not named and stays on the host.
-    assert out == {"left": 2 * MiB, "device": 4 * MiB, "others_owned": True}
+    # the other optimizer's range is not named and stays on the host. Evicting the third
+    # by its pointers leaves the first on the device.
+    assert out == {"left": 2 * MiB, "device": 4 * MiB, "others_owned": True,
+                   "device_after_evict": 2 * MiB}
 
 
 def test_a_tiering_failure_reaches_python_with_tidepools_message(run_python):

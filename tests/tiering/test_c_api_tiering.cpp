@@ -1,8 +1,8 @@
 // The tiering C ABI: VMM-backed allocations moved by pointer and by tag, tag operations
 // reaching the device's tiered stores, versioned stats, the JSON snapshot, the allocator's
 // reclaim hook reaching the stores on an allocator OOM, errors as return codes with a
-// message in tidepool_last_error, tag prefetch within tidepool.state_budget, prefetch by
-// pointers (one optimizer's state, in its order, each range once), and the
+// message in tidepool_last_error, tag prefetch within tidepool.state_budget, prefetch and
+// evict by pointers (one optimizer's state, in its order, each range once), and the
 // allocator's tier route (tidepool_malloc of optimizer state -> pointer-stable ranges,
 // tidepool_release_stream and tidepool_pytorch_record_stream reaching them).
 #include <chrono>
@@ -348,6 +348,7 @@ TEST(TieringCApi, AskingAboutAnUnusedDeviceCreatesNothingThere) {
   EXPECT_EQ(tidepool_prefetch_ptrs(kUnusedDevice, ptrs, 1, nullptr, &left), 0)
       << tidepool_last_error();
   EXPECT_EQ(left, 0u);
+  EXPECT_EQ(tidepool_evict_ptrs(kUnusedDevice, ptrs, 1), 0) << tidepool_last_error();
   EXPECT_EQ(existing_tiering_vmm_pool(kUnusedDevice), nullptr);
   // One pointer: still an error (no range holds it), but found out without a pool.
   tidepool_clear_error();
@@ -495,6 +496,34 @@ TEST_F(PrefetchBudgetTest, ByPointersOnlyTheNamedRangesComeBackInTheOrderNamed) 
   // The named ranges are the same, at the same addresses; the tag takes them back.
   ASSERT_EQ(tidepool_evict_tag(kDevice, tag_), 0) << tidepool_last_error();
   EXPECT_EQ(on_device(0) + on_device(2), 0u);
+}
+
+// The other half: one optimizer's state evicted by its pointers (a step that ends while
+// another thread's step on the device still runs) leaves the other optimizer's state,
+// under the same tag, on the device; each range once, unknown pointers skipped.
+TEST_F(PrefetchBudgetTest, EvictByPointersMovesOnlyTheNamedRanges) {
+  make_evicted({2 * kMiB, 2 * kMiB, 2 * kMiB});
+  ASSERT_EQ(tidepool_prefetch_tag(kDevice, tag_, nullptr), 0) << tidepool_last_error();
+  int not_tiered = 0;
+  const char* second = static_cast<const char*>(ranges_[1]);
+  const void* ptrs[] = {second + 4096, nullptr, &not_tiered, second, ranges_[2]};
+  ASSERT_EQ(tidepool_evict_ptrs(kDevice, ptrs, std::size(ptrs)), 0) << tidepool_last_error();
+  EXPECT_EQ(on_device(0), 2 * kMiB);  // not named: the other thread's step still uses it
+  EXPECT_EQ(on_device(1) + on_device(2), 0u);
+  const VmmPool& pool = tiering_vmm_pool(kDevice);
+  EXPECT_EQ(pool.bytes_in(ranges_[1], MemoryLocation::host), 2 * kMiB);
+  EXPECT_EQ(pool.bytes_in(ranges_[2], MemoryLocation::host), 2 * kMiB);
+  // Errors and nothing-to-do as tidepool_prefetch_ptrs: no array for n pointers, a bad
+  // device; no array for none, an unused device.
+  tidepool_clear_error();
+  EXPECT_EQ(tidepool_evict_ptrs(kDevice, nullptr, 2), -1);
+  EXPECT_EQ(std::string(tidepool_last_error()).rfind("tidepool_evict_ptrs: ", 0), 0u)
+      << tidepool_last_error();
+  EXPECT_NE(std::strstr(tidepool_last_error(), "ptrs is NULL but n is 2"), nullptr)
+      << tidepool_last_error();
+  EXPECT_EQ(tidepool_evict_ptrs(kDevice, nullptr, 0), 0) << tidepool_last_error();
+  EXPECT_EQ(tidepool_evict_ptrs(-1, ptrs, 1), -1);
+  EXPECT_EQ(on_device(0), 2 * kMiB);
 }
 
 TEST_F(CApiTieringTest, AnOlderShorterTieringStatsStructGetsItsPrefix) {

@@ -5,7 +5,8 @@ Turn it on without changing code:
     PYTORCH_CUDA_ALLOC_CONF=backend:tidepool python train.py
 
 (see python/README.md for the tidepool.* keys). The API below is for those who want
-more: tagged regions, statistics, snapshots, explicit evict/prefetch.
+more: tagged regions, statistics, snapshots, explicit evict/prefetch (of a tag, an
+optimizer's state or tensors).
 
 This module is imported by the start-up hook in every Python process, so it imports
 nothing heavy at module level (no ctypes, no torch): everything loads on first use.
@@ -167,25 +168,55 @@ def snapshot(device=None) -> dict:
     return read(_device(device))
 
 
-def evict(tag: str | int = "optimizer_state", device=None, stream=None) -> None:
-    """Moves every allocation under `tag` to host memory, ordered after `stream`'s work."""
-    from . import _tags, _tiering
+def evict(tag="optimizer_state", device=None, stream=None) -> None:
+    """Moves to host memory, at the same addresses and ordered after `stream`'s work,
+    every allocation under `tag` (a name or an id) on `device`; or, given an optimizer or
+    tensors instead of a tag, only what holds them (below).
+
+    `tag` may be a torch.optim.Optimizer: its state tensors on CUDA devices, those the
+    optimizer hooks prefetch before its step (its state elsewhere, a CPU step counter, is
+    left out); or a tensor or an iterable of tensors: their storages (a DTensor's local
+    shard). Each of their pointer-stable ranges moves once; one that is in none (ordinary
+    device memory: not optimizer state, under tidepool.tier_min_bytes, or not tidepool's)
+    is skipped, as by the C ABI's calls by pointers, not an error. Then `device` (None:
+    every device they are on) keeps an optimizer's state on that device only, and a
+    tensor on another device is a ValueError, as is one not on a CUDA device or without
+    a storage (a sparse tensor). `stream` (None: each device's current stream) must then
+    serve one device. Anything else is a TypeError."""
+    from . import _tiering
+    if not isinstance(tag, (str, int)):
+        for d, ptrs in _pointers(tag, device, stream).items():
+            _tiering.evict_ptrs(d, ptrs, _stream(d, stream))
+        return
+    from . import _tags
     d = _device(device)
     tag_id, stream = _tags.existing_tag_id(tag), _stream(d, stream)
     if tag_id is not None:  # else nothing was ever allocated under it
         _tiering.evict_tag(d, tag_id, stream)
 
 
-def prefetch(tag: str | int = "optimizer_state", device=None, stream=None) -> int:
-    """Brings the allocations under `tag` back to the device, usable on `stream`, as far
-    as tidepool.state_budget allows. Returns the bytes that stayed in host memory (still
-    usable at the same addresses, only slower)."""
-    from . import _tags, _tiering
+def prefetch(tag="optimizer_state", device=None, stream=None) -> int:
+    """Brings the allocations under `tag` (a name or an id) back to `device`, usable on
+    `stream`, oldest first, as far as tidepool.state_budget allows; or, given an
+    optimizer or tensors, only what holds them, in their order (as evict() takes them).
+    Returns the bytes that stayed in host memory (still usable at the same addresses,
+    only slower)."""
+    from . import _tiering
+    if not isinstance(tag, (str, int)):
+        return sum(_tiering.prefetch_ptrs(d, ptrs, _stream(d, stream))
+                   for d, ptrs in _pointers(tag, device, stream).items())
+    from . import _tags
     d = _device(device)
     tag_id, stream = _tags.existing_tag_id(tag), _stream(d, stream)
     if tag_id is None:  # nothing was ever allocated under it
         return 0
     return _tiering.prefetch_tag(d, tag_id, stream)
+
+
+def _pointers(what, device, stream) -> dict:
+    """device -> the pointers naming `what` (an optimizer or tensors) for evict / prefetch."""
+    from ._by_pointer import pointers
+    return pointers(what, None if device is None else _device(device), stream is not None)
 
 
 def enable_peer_access(device, peer) -> None:

@@ -2,7 +2,9 @@
 inside step() is tagged optimizer_state (see Note [step tags]); before each step the state
 of the optimizer being stepped is prefetched (Note [prefetch by pointer]), after each
 step the device's optimizer_state is evicted to host memory (Note [evict by tag];
-pointer-stable, so AdamW's foreach and fused paths keep their tensors and notice nothing).
+pointer-stable, so AdamW's foreach and fused paths keep their tensors and notice nothing),
+or only the stepped optimizer's while another thread's step on the device still runs
+(Note [steps in flight] in _in_flight.py).
 
 Whether the pre-hook prefetches depends on tidepool.state_budget, see Note [state budget 0].
 The pre-hook opens a scope (tag push, and in pool mode the tidepool MemPool for each
@@ -17,19 +19,21 @@ from a checkpoint) is wrapped, see Note [loaded state].
 from __future__ import annotations
 
 import functools
+import sys
 import threading
 import warnings
 import weakref
 from typing import NamedTuple
 
-from . import _install, _patches, _tags, _tiering
+from . import _in_flight, _install, _patches, _tags, _tiering
 
 _local = threading.local()
 _warned_no_tiering = False
-# Note [step tags]: optimizer -> {id(p): weak reference to p} for the parameters a step
-# went through and left without state. Weak both ways: it keeps neither the optimizer nor
-# its parameters alive (an id is trusted only while its reference still gives that very
-# parameter, so a parameter dropped and another made at its address is new).
+# Note [step tags]: optimizer -> {id(p): (weak reference to p, _settings of its group)} for
+# the parameters a step went through and left without state. Weak both ways: it keeps
+# neither the optimizer nor its parameters alive (an id is trusted only while its
+# reference still gives that very parameter, so a parameter dropped and another made at
+# its address is new).
 _stateless: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -56,19 +60,48 @@ def _step_tag(optimizer) -> int:
     an optimizer does not keep state for) would otherwise make every step an
     optimizer_state one; so the post-hook of an optimizer_state step remembers, per
     optimizer, the parameters that had a gradient and still have no state
-    (_remember_stateless, in _stateless), and they do not count again. load_state_dict
-    forgets them (the loaded param_groups may turn momentum on). A parameter the
-    optimizer gives state only later, without a reload (momentum raised by hand from
-    0), gets it under workspace: in ordinary device memory, resident, not evicted."""
+    (_remember_stateless, in _stateless), and they do not count again while their
+    group's hyperparameters stay as they were then. A change that may turn state on
+    (momentum raised by hand from 0, a scheduler cycling it up from 0) makes the
+    remembered parameters of that group count again, so the state the next step creates
+    is tagged optimizer_state; without that it would be made under workspace, in
+    ordinary device memory, resident for the rest of the run. What is compared is
+    _settings: a scheduler changing lr every step changes nothing there.
+    load_state_dict forgets them all (the loaded param_groups may turn momentum on)."""
     state = optimizer.state
     known = _known_stateless(optimizer)
     for group in optimizer.param_groups:
+        settings = None  # the group's, computed once a remembered parameter needs them
         for p in group["params"]:
             if p.grad is not None and not state.get(p):
-                ref = known.get(id(p)) if known else None
-                if ref is None or ref() is not p:
+                entry = known.get(id(p)) if known else None
+                if entry is None or entry[0]() is not p:
+                    return _tags.OPTIMIZER_STATE
+                if settings is None:
+                    settings = _settings(group)
+                if entry[1] != settings:
                     return _tags.OPTIMIZER_STATE
     return _tags.WORKSPACE
+
+
+def _settings(group: dict) -> tuple:
+    """Note [step tags]: what of a param group's hyperparameters (its entries but
+    'params') may decide whether the optimizer keeps state, as (key, _setting) pairs."""
+    return tuple((key, _setting(value)) for key, value in group.items() if key != "params")
+
+
+def _setting(value):
+    """A number (a bool too): whether it is not 0, as optimizers decide on state (SGD's
+    and RMSprop's momentum, a beta); its other changes (lr, scheduled every step) make no
+    state. A str or None: itself; a tuple or list (betas): that of each item; anything
+    else (a tensor lr): ..., never compared."""
+    if isinstance(value, (int, float)):
+        return value != 0
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, (tuple, list)):
+        return tuple(_setting(item) for item in value)
+    return ...
 
 
 def _known_stateless(optimizer) -> dict | None:
@@ -91,10 +124,11 @@ def _remember_stateless(optimizer) -> None:
     except TypeError:  # not weakly referenceable: see _known_stateless
         return
     for group in optimizer.param_groups:
+        settings = _settings(group)
         for p in group["params"]:
             if p.grad is not None and not state.get(p):
                 try:
-                    known[id(p)] = weakref.ref(p)
+                    known[id(p)] = (weakref.ref(p), settings)
                 except TypeError:  # a parameter type without weak references: counts each time
                     pass
 
@@ -219,6 +253,7 @@ class _Scope(NamedTuple):
     contexts: list       # the MemPool contexts it entered (pool mode)
     tag: int             # the tag it pushed
     stepping: int | None  # id() of the optimizer whose step opened it; None for a load
+    optimizers: list     # its optimizer, then those stepped inside it (Note [steps in flight])
 
 
 def _scopes() -> list[_Scope]:
@@ -238,24 +273,30 @@ def _guarded_steps() -> list[int]:
     return steps
 
 
-def _close_scope() -> list[int]:
-    """Closes the innermost scope; returns its devices ([] when none is open)."""
+def _close_scope(step_over: bool = True) -> _Scope | None:
+    """Closes the innermost scope and returns it (None when none is open). Unless
+    `step_over` (the closure of a step that goes on, Note [closures]), its step is
+    counted out of its devices (Note [steps in flight])."""
     scopes = _scopes()
     if not scopes:
-        return []
+        return None
     scope = scopes.pop()
-    _tags.pop()
-    for context in reversed(scope.contexts):
-        context.__exit__(None, None, None)
-    return scope.devices
+    try:
+        _tags.pop()
+        for context in reversed(scope.contexts):
+            context.__exit__(None, None, None)
+    finally:
+        if step_over:
+            _in_flight.end(scope.devices)
+    return scope
 
 
-def _close_scopes_down_to(depth: int) -> list[int]:
-    """Closes scopes until `depth` are left; returns the devices of those it closed."""
-    devices: set[int] = set()
+def _close_scopes_down_to(depth: int) -> list[_Scope]:
+    """Closes scopes until `depth` are left; returns those it closed."""
+    closed = []
     while len(_scopes()) > depth:
-        devices.update(_close_scope())
-    return sorted(devices)
+        closed.append(_close_scope())
+    return closed
 
 
 def _devices_not_held(devices: list[int]) -> list[int]:
@@ -268,10 +309,12 @@ def _devices_not_held(devices: list[int]) -> list[int]:
     return [d for d in devices if d not in held]
 
 
-def _open_scope(own: list[int], tag: int, stepping=None) -> None:
+def _open_scope(own: list[int], tag: int, stepping=None, optimizers: list | None = None) -> None:
     """Allocations of this thread go under `tag` (and, in pool mode, to the tidepool
     MemPool of each device in `own`, from _devices_not_held) until _close_scope, which
-    returns `own`."""
+    counts the step out of `own`: the caller counted it in (_in_flight.begin), and counts
+    it out itself if this raises. `optimizers`: whose state the scope's step uses (by
+    default the one `stepping`)."""
     torch = _install.STATE.torch
     contexts = []
     pool = _install.pool()
@@ -281,7 +324,21 @@ def _open_scope(own: list[int], tag: int, stepping=None) -> None:
             context.__enter__()
             contexts.append(context)
     _tags.push(tag)
-    _scopes().append(_Scope(own, contexts, tag, None if stepping is None else id(stepping)))
+    if optimizers is None:
+        optimizers = [] if stepping is None else [stepping]
+    _scopes().append(_Scope(own, contexts, tag, None if stepping is None else id(stepping),
+                            optimizers))
+
+
+def _begun(own: list[int], begin_scope) -> None:
+    """Counts a step in on `own` (Note [steps in flight]) and calls `begin_scope`, which
+    opens its scope; counts it out again when that raises before the scope is open."""
+    _in_flight.begin(own)
+    try:
+        begin_scope()
+    except BaseException:
+        _in_flight.end(own)
+        raise
 
 
 def _guard_step(hooked_step):
@@ -311,10 +368,11 @@ def _guard_step(hooked_step):
         try:
             return hooked_step(*args, **kwargs)
         except BaseException:
-            devices = _close_scopes_down_to(base)
+            closed = _close_scopes_down_to(base)
+            devices = sorted({d for scope in closed for d in scope.devices})
             if devices and _tiering.available():
                 try:
-                    _evict(devices)
+                    _evict(devices, [o for scope in closed for o in scope.optimizers])
                 except Exception as evict_error:  # the step's own error is the one to raise
                     warnings.warn(f"tidepool: evicting optimizer state after a step that raised "
                                   f"failed: {evict_error}", _install.TidepoolInactiveWarning)
@@ -335,12 +393,15 @@ def _scopes_to_keep() -> int:
     return min(len(_scopes()), steps[-1] + 1) if steps else 0
 
 
-def _evict(devices: list[int]) -> None:
+def _evict(devices: list[int], optimizers: list) -> None:
     """Note [evict by tag]: after a step, all of each device's optimizer_state goes to
     host memory, not only the stepped optimizer's. By tag it also takes what the
     pre-hook's prefetch by pointer cannot name: state kept outside optimizer.state, and
     the state of optimizers stepped inside this one (Lookahead's inner optimizer); and it
-    costs one C call per device, with no walk over the state in Python.
+    costs one C call per device, with no walk over the state in Python. On a device
+    where another thread's step is still in flight, only `optimizers`' state goes (the
+    step's own optimizer's and those stepped inside it), by pointer: the tag would take
+    the other step's state from under it (Note [steps in flight] in _in_flight.py).
 
     The other optimizers' state in the tag was evicted after their own steps, and costs
     next to nothing again: the tiering layer goes through the tag's ranges and returns
@@ -351,8 +412,24 @@ def _evict(devices: list[int]) -> None:
     stream synchronization of _tiering.evict_tag (needed anyway: the step's kernels must
     be done before its state moves) and a walk over the tag's range list in C++."""
     torch = _install.STATE.torch
-    for d in devices:
-        _tiering.evict_tag(d, _tags.OPTIMIZER_STATE, _stream(torch, d))
+    with _in_flight.evicting(devices) as (by_tag, by_pointer):
+        for d in by_tag:
+            _tiering.evict_tag(d, _tags.OPTIMIZER_STATE, _stream(torch, d))
+        if by_pointer:
+            own = _pointers_of(optimizers)
+            for d in by_pointer:
+                if own.get(d):
+                    _tiering.evict_ptrs(d, own[d], _stream(torch, d))
+
+
+def _pointers_of(optimizers: list) -> dict[int, list[int]]:
+    """device -> the pointers of the optimizers' state tensors (_state_pointers, every
+    parameter's), one optimizer after the other."""
+    by_device: dict[int, list[int]] = {}
+    for optimizer in optimizers:
+        for d, ptrs in _state_pointers(optimizer, every_parameter=True).items():
+            by_device.setdefault(d, []).extend(ptrs)
+    return by_device
 
 
 def _closure_outside_the_scope(optimizer, closure, index: int):
@@ -372,11 +449,15 @@ def _closure_outside_the_scope(optimizer, closure, index: int):
         scopes = _scopes()
         if len(scopes) != index + 1:  # not the step's own scope on top: run it as it is
             return closure(*args, **kwargs)
-        devices = _close_scope()
+        scope = _close_scope(step_over=False)  # the step stays in flight (Note [steps in flight])
         try:
             return closure(*args, **kwargs)
         finally:
-            _open_scope(devices, _step_tag(optimizer), optimizer)
+            try:
+                _open_scope(scope.devices, _step_tag(optimizer), optimizer, scope.optimizers)
+            except BaseException:
+                _in_flight.end(scope.devices)
+                raise
 
     return closure_outside_the_scope
 
@@ -413,20 +494,29 @@ def _being_stepped(optimizer) -> bool:
 def _pre_step(optimizer, args, kwargs):
     _close_scopes_down_to(_scopes_to_keep())
     devices = _cuda_devices(optimizer)
-    if devices and _tiering_or_warn() and _state_budget_allows_prefetch() \
-            and not _being_stepped(optimizer):
-        _prefetch_state(optimizer, _closure_index(args, kwargs) is not None)
-    _open_scope(_devices_not_held(devices), _step_tag(optimizer), optimizer)
-    return _with_closure_wrapped(optimizer, args, kwargs, len(_scopes()) - 1)
+    own = _devices_not_held(devices)
+
+    def prefetch_and_open():  # counted in first: Note [steps in flight]
+        if devices and _tiering_or_warn() and _state_budget_allows_prefetch() \
+                and not _being_stepped(optimizer):
+            _prefetch_state(optimizer, _closure_index(args, kwargs) is not None)
+        _open_scope(own, _step_tag(optimizer), optimizer)
+
+    _begun(own, prefetch_and_open)
+    scopes = _scopes()
+    for scope in scopes[:-1]:  # the enclosing steps evict this one's state too
+        if not any(o is optimizer for o in scope.optimizers):
+            scope.optimizers.append(optimizer)
+    return _with_closure_wrapped(optimizer, args, kwargs, len(scopes) - 1)
 
 
 def _post_step(optimizer, args, kwargs):
     scopes = _scopes()
     if scopes and scopes[-1].tag == _tags.OPTIMIZER_STATE:  # the tag the step ended under
         _remember_stateless(optimizer)
-    devices = _close_scope()
-    if devices and _tiering.available():
-        _evict(devices)
+    scope = _close_scope()
+    if scope is not None and scope.devices and _tiering.available():
+        _evict(scope.devices, scope.optimizers)
 
 
 def _on_cuda(value) -> bool:
@@ -447,8 +537,10 @@ def _flatten(value):
 
 def _plain_parts(value) -> list:
     """The plain tensors holding `value`'s data: itself, or a wrapper's (_flatten) inner
-    tensors, recursively. [] for anything else (nn.Parameter, other subclasses)."""
-    torch = _install.STATE.torch
+    tensors, recursively. [] for anything else (nn.Parameter, other subclasses). (Also
+    reached by tidepool.evict(optimizer), where tidepool may be installed in no torch:
+    under the LD_PRELOAD shim.)"""
+    torch = _install.STATE.torch or sys.modules["torch"]
     if type(value) is torch.Tensor:
         return [value]
     flat = _flatten(value)
@@ -516,7 +608,7 @@ def _adopt_loaded_state(optimizer) -> int:
     adopted = 0
     depth = len(_scopes())
     own = _devices_not_held(devices)
-    _open_scope(own, _tags.OPTIMIZER_STATE)
+    _begun(own, lambda: _open_scope(own, _tags.OPTIMIZER_STATE, optimizers=[optimizer]))
     try:
         with _install.STATE.torch.no_grad():  # copies of state, not steps of a graph
             for state, key in stray:
@@ -525,7 +617,7 @@ def _adopt_loaded_state(optimizer) -> int:
                 adopted += sum(part.numel() * part.element_size() for part in _plain_parts(value))
     finally:
         _close_scopes_down_to(depth)
-    _evict(own)
+    _evict(own, [optimizer])
     return adopted
 
 

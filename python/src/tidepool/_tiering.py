@@ -1,7 +1,7 @@
 """The tiering layer's C ABI (tiering/c_api_tiering.h), called by tag: move every
 allocation under a tag to host memory (evict) or bring it back (prefetch, within
-tidepool.state_budget), pointer-stable; and prefetch by pointers, one call for the ranges
-holding a list of tensors (one optimizer's state). Its errors land in tidepool_last_error,
+tidepool.state_budget), pointer-stable; and prefetch or evict by pointers, one call for
+the ranges holding a list of tensors (one optimizer's state). Its errors land in tidepool_last_error,
 as the allocator's do. A build without tiering says so instead of pretending."""
 
 from __future__ import annotations
@@ -40,6 +40,8 @@ _SIGNATURES = {
     "tidepool_prefetch_ptrs": (ctypes.c_int, [ctypes.c_int, ctypes.POINTER(ctypes.c_void_p),
                                               ctypes.c_size_t, ctypes.c_void_p,
                                               ctypes.POINTER(ctypes.c_uint64)]),
+    "tidepool_evict_ptrs": (ctypes.c_int, [ctypes.c_int, ctypes.POINTER(ctypes.c_void_p),
+                                           ctypes.c_size_t]),
     "tidepool_get_tiering_stats_v1": (ctypes.c_int, [ctypes.c_int, ctypes.c_void_p]),
     "tidepool_vmm_owns": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_int]),
 }
@@ -60,16 +62,34 @@ def _check(status: int, what: str) -> None:
     _lib.check(status, what)
 
 
-def evict_tag(device: int, tag: int, stream: int | None = None) -> None:
-    """Evicts after everything enqueued so far on `stream` (tidepool_evict_tag itself
-    takes no stream, so the stream is synchronised first: a migration must not race
-    kernels still using the memory)."""
+def _synchronize(device: int, stream: int | None) -> None:
+    """Waits for everything enqueued so far on `stream` (None: nothing to wait for): the
+    evictions take no stream, and a migration must not race kernels still using the
+    memory."""
     if stream is not None:
         torch = sys.modules.get("torch")  # installed in, or (LD_PRELOAD shim) only imported
         if torch is None:
             raise RuntimeError("tidepool: evicting after a stream needs torch")
         torch.cuda.ExternalStream(stream, device=device).synchronize()
+
+
+def _pointer_array(ptrs: list[int]):
+    return (ctypes.c_void_p * len(ptrs))(*ptrs)
+
+
+def evict_tag(device: int, tag: int, stream: int | None = None) -> None:
+    """Evicts after everything enqueued so far on `stream`."""
+    _synchronize(device, stream)
     _check(_fn("tidepool_evict_tag")(device, tag), f"evicting tag {tag} on device {device}")
+
+
+def evict_ptrs(device: int, ptrs: list[int], stream: int | None = None) -> None:
+    """Evicts the ranges holding `ptrs`, each once, after everything enqueued so far on
+    `stream`; pointers in no range (0, ordinary device memory) are skipped, as by
+    prefetch_ptrs. One C call however many pointers."""
+    _synchronize(device, stream)
+    _check(_fn("tidepool_evict_ptrs")(device, _pointer_array(ptrs), len(ptrs)),
+           f"evicting {len(ptrs)} pointers on device {device}")
 
 
 def prefetch_tag(device: int, tag: int, stream: int | None = None) -> int:
@@ -88,8 +108,8 @@ def prefetch_ptrs(device: int, ptrs: list[int], stream: int | None = None) -> in
     are skipped. One C call however many pointers (a ctypes call per tensor would cost
     more than the walk that finds them). Returns the bytes that stayed in host memory."""
     left_on_host = ctypes.c_uint64(0)
-    array = (ctypes.c_void_p * len(ptrs))(*ptrs)
-    _check(_fn("tidepool_prefetch_ptrs")(device, array, len(ptrs), stream, ctypes.byref(left_on_host)),
+    _check(_fn("tidepool_prefetch_ptrs")(device, _pointer_array(ptrs), len(ptrs), stream,
+                                         ctypes.byref(left_on_host)),
            f"prefetching {len(ptrs)} pointers on device {device}")
     return left_on_host.value
 

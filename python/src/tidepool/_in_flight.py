@@ -1,0 +1,83 @@
+"""The optimizer steps in flight on each device, across threads: what decides whether a
+step that ends may evict the device's whole optimizer_state tag (Note [steps in flight]).
+
+Note [steps in flight]: the post-hook evicts the device's optimizer_state by tag (Note
+[evict by tag] in _optim_hooks.py), which takes every optimizer's state there. With two
+threads stepping optimizers on one device at once (two models trained in two threads),
+one thread's eviction would move the other's state to the host in the middle of its
+step: its kernels would then reach it over the link, and a prefetch just done would be
+undone. So every step counts itself in on the devices whose scope it holds (begin, in the
+pre-hook, before its prefetch), and out when its scope closes (end). A step that ends
+while another thread's step on the device is still in flight evicts only its own state,
+by pointer (tidepool_evict_ptrs: its optimizer's state tensors and those of optimizers
+stepped inside it, Lookahead's inner one). The last step to end on a device evicts by
+tag, as a step alone always did, which also takes what pointers cannot name (state kept
+outside optimizer.state, and what the earlier steps' by-pointer evictions left).
+
+While that last step evicts the tag, a step that begins on the device waits in begin
+until the eviction is done: counted in earlier, its prefetch would race the eviction. A
+step's own scope is all that counts: a step nested in another on the same thread (a
+subclass's step() calling its base's, Lookahead stepping its inner optimizer) holds no
+device of its own there (_devices_not_held) and counts nothing. The closure of
+step(closure), which runs with the step's scope closed (Note [closures]), stays counted
+in: the step is still in flight. A load_state_dict that takes state in (Note [loaded
+state]) counts as a step. A scope an unguarded step left open when it raised (Note [a
+step that raises]) counts until the next step on its thread closes it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+_condition = threading.Condition()
+_steps: dict[int, int] = {}  # device -> steps in flight on it, over all threads
+_tag_evictions: set[int] = set()  # devices whose optimizer_state tag is being evicted
+
+
+def begin(devices: list[int]) -> None:
+    """A step begins on `devices` (those it holds): counts it in, once no eviction of the
+    tag on one of them is running (Note [steps in flight])."""
+    if not devices:
+        return
+    with _condition:
+        _condition.wait_for(lambda: _tag_evictions.isdisjoint(devices))
+        for d in devices:
+            _steps[d] = _steps.get(d, 0) + 1
+
+
+def end(devices: list[int]) -> None:
+    """The step that began on `devices` is over."""
+    if not devices:
+        return
+    with _condition:
+        for d in devices:
+            left = _steps.get(d, 0) - 1
+            if left > 0:
+                _steps[d] = left
+            else:
+                _steps.pop(d, None)
+
+
+@contextlib.contextmanager
+def evicting(devices: list[int]):
+    """For a step that ended on `devices`: (by_tag, by_pointer), the devices no step is in
+    flight on, whose tag this caller evicts inside the block (a step that begins there
+    waits until the block is left), and those where another thread's step still runs or
+    evicts the tag, where it evicts only its own state (Note [steps in flight])."""
+    with _condition:
+        by_tag = [d for d in devices if d not in _steps and d not in _tag_evictions]
+        _tag_evictions.update(by_tag)
+    try:
+        yield by_tag, [d for d in devices if d not in by_tag]
+    finally:
+        if by_tag:
+            with _condition:
+                _tag_evictions.difference_update(by_tag)
+                _condition.notify_all()
+
+
+def in_flight() -> dict[int, int]:
+    """device -> steps in flight on it (for tests and diagnostics)."""
+    with _condition:
+        return dict(_steps)
