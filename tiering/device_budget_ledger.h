@@ -61,6 +61,10 @@
 //     finish its own write-backs, which need no lock; it allocates nothing, so no
 //     allocator OOM path runs inside it;
 //   - the charges, which every path takes under some store or pool lock, are atomics.
+//   - what a thread holding a store's lock may wait for (the backend; the allocator,
+//     whose OOM hooks only try_lock the registry and the stores) never waits for the
+//     ledger's mutex; and a VmmPool joining under the registry's lock (tiering_vmm_pool)
+//     waits for a walk that never takes the registry (store operations do not).
 // Two stores on two threads that each need room from the other: each lets go of its own
 // lock before asking, the ledger's mutex lets one walk at a time, and the walking one
 // finds the other's lock free (or soon free: the other is on its way to the ledger), so
