@@ -31,6 +31,7 @@
 #include "allocator/device_registry.h"
 #include "allocator/tags.h"
 #include "allocator/tier_routing.h"
+#include "tiering/device_budget_ledger.h"
 #include "tiering/stats_json.h"
 #include "tiering/tiered_store.h"
 #include "tiering/tiering_registry.h"
@@ -240,7 +241,14 @@ int tidepool_get_tiering_stats_v1(int device, tidepool_tiering_stats_v1* out) {
       full.pageable_fallbacks += s.host.pageable_allocs;
       full.off_schedule_acquires += s.off_schedule_acquires;
       full.schedule_adoptions += s.schedule_adoptions;
+      if (s.budget_shared) full.shared_budget_stores++;
+      full.peer_evictions += s.peer_evictions;
+      full.peer_evicted_bytes += s.peer_evicted_bytes;
+      full.peer_room_requests += s.peer_room_requests;
     });
+    if (const auto ledger = tidepool::DeviceBudgetLedger::existing(device)) {
+      full.shared_budget_charged_bytes = ledger->charged_bytes();
+    }
     if (full.h2d_busy_ms > 0) full.h2d_gb_per_s = double(full.h2d_bytes) / (full.h2d_busy_ms * 1e6);
     if (full.d2h_busy_ms > 0) full.d2h_gb_per_s = double(full.d2h_bytes) / (full.d2h_busy_ms * 1e6);
     const tidepool::VmmStats v = vmm_stats(device);

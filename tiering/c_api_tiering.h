@@ -126,6 +126,15 @@ typedef struct tidepool_tiering_stats_v1 {
    * order replaced a schedule (Note [Adopting a step]). A count of off-schedule acquires
    * that keeps growing with no adoptions means the steps keep changing their order. */
   uint64_t off_schedule_acquires, schedule_adoptions;
+  /* Appended: tidepool.state_budget is the device's, shared by the device's tiered stores
+   * built from the configuration and its VMM ranges (Note [Shared state budget] in
+   * tiering/device_budget_ledger.h). The stores that share it; the bytes charged to it
+   * now by all that share it (stores and ranges; at most the budget, unless ranges
+   * allocated on the device, which no budget limits, took more); the handles stores
+   * evicted to give another store room, and their bytes; and the acquires that asked the
+   * other stores for room. */
+  uint64_t shared_budget_stores, shared_budget_charged_bytes;
+  uint64_t peer_evictions, peer_evicted_bytes, peer_room_requests;
 } tidepool_tiering_stats_v1;
 
 /* The size of tidepool_tiering_stats_v1 as first released; struct_size may not be less. */

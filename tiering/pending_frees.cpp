@@ -29,7 +29,7 @@ void TieredStore::reap_frees_locked(bool wait_all) {
         continue;
       }
       device_.deallocate(it->ptr, it->bytes, copies_.stream(Direction::device_to_host));
-      device_bytes_ -= it->bytes;
+      uncharge_locked(it->bytes);
       give_event_locked(it->after);
     }
   } catch (...) {
@@ -44,13 +44,14 @@ void TieredStore::reap_frees_locked(bool wait_all) {
 
 // Note [Loads over write-backs] (tiered_store.h), in order of preference: a pending free
 // of exactly `bytes` (no allocator traffic, no waste); with a stream-ordered source, the
-// oldest pending frees that leave room (their write-backs finish first).
+// oldest pending frees that leave room (their write-backs finish first). With a shared
+// budget what the other participants hold counts as held (Note [Shared state budget]).
 TieredStore::Room TieredStore::room_from_pending_locked(std::size_t bytes) const {
   for (std::size_t i = 0; i < pending_frees_.size(); ++i) {
     if (pending_frees_[i].bytes == bytes) return {Room::Kind::take_over, i};
   }
   if (device_.stream_ordered) {
-    std::size_t held = device_bytes_;
+    std::size_t held = peer_bytes_locked() + device_bytes_ + reserved_;
     for (std::size_t i = 0; i < pending_frees_.size(); ++i) {
       held -= pending_frees_[i].bytes;
       if (held + bytes <= options_.device_budget_bytes) return {Room::Kind::release_pending, i + 1};
@@ -63,6 +64,9 @@ TieredStore::Room TieredStore::room_from_pending_locked(std::size_t bytes) const
 // stream, after making that stream wait for their write-backs: the source may give their
 // memory to the next allocation on the H2D stream at once, and everything the store
 // enqueues there from now on runs after those write-backs and the uses before them.
+// Each one's charge passes to the reservation of the load it makes room for, rather than
+// back to the budget, where another store sharing it could take the room first
+// (device_allocate_locked gives back what the load does not need).
 // A deallocate that throws gave nothing back (DeviceMemorySource): the buffers handed
 // back before it leave the list before the error propagates, the rest stay pending (the
 // H2D stream merely waited for their write-backs too), so none is freed twice.
@@ -75,6 +79,7 @@ void TieredStore::release_pending_locked(std::size_t count) {
       const PendingFree& f = pending_frees_[done];
       device_.deallocate(f.ptr, f.bytes, h2d);
       device_bytes_ -= f.bytes;
+      reserved_ += f.bytes;
       give_event_locked(f.after);  // the waits are enqueued: the events may be re-recorded
       stats_.frees_stream_ordered++;
     }
@@ -121,7 +126,7 @@ void TieredStore::give_back_failed_load_locked(const DeviceBuffer& buf, std::siz
     if (h2d_idle) {
       try {
         device_.deallocate(buf.ptr, bytes, h2d);
-        device_bytes_ -= bytes;
+        uncharge_locked(bytes);
         return;
       } catch (...) {
         // Nothing given back: a pending free below, behind an event on the (idle) H2D

@@ -22,7 +22,9 @@
 //                                             the budget until it is reaped)
 //
 // Invariants: host_valid || dev != null (someone holds the latest bytes);
-// device_bytes_ = bytes of resident handles + pending frees <= budget, always.
+// device_bytes_ = bytes of resident handles + pending frees <= budget, always (with a
+// shared budget, the device's participants together: Note [Shared state budget] in
+// device_budget_ledger.h).
 // A failed copy leaves the state as it was before the operation (H2D failure: buffer
 // freed, or back among the pending frees if it was taken over from one or cannot be
 // handed back now, still HOST: Note [A failed load's buffer] in pending_frees.cpp; D2H
@@ -47,7 +49,9 @@
 // an allocator's OOM path, possibly while this store is itself allocating device memory
 // on the same thread: it gives up (returns 0) when this thread holds this store's lock
 // (InsideStore), and otherwise only try_locks. Another store that runs out of device
-// memory on this thread still gets this store's released state.
+// memory on this thread still gets this store's released state. An acquire that asks
+// the other stores sharing its budget for room lets its lock go meanwhile, and another
+// store's acquire may lock this one to ask it (Note [Shared state budget]).
 #include "tiering/tiered_store.h"
 
 #include <algorithm>
@@ -61,26 +65,12 @@
 #include "allocator/tier_routing.h"
 #include "allocator/warn_once.h"
 #include "tiering/stats_json.h"
+#include "tiering/store_entry.h"
 #include "tiering/store_errors.h"
 #include "tiering/teardown.h"
 #include "tiering/tiering_registry.h"
 
 namespace tidepool {
-
-struct TieredStore::Entry {
-  Handle id = 0;
-  std::size_t bytes = 0;
-  int tag = 0;
-  HostBlock host;
-  void* dev = nullptr;
-  Event dev_ready;   // recorded on the H2D stream after the load
-  Event host_ready;  // recorded on the D2H stream after a copy-back
-  bool host_valid = true;
-  bool dev_dirty = false;
-  bool prefetched = false;  // loaded by prefetch and not acquired since
-  int pins = 0;
-  std::vector<Stream> use_streams;  // streams that used `dev` since it was loaded
-};
 
 namespace {
 // Note [Locking]: the stores whose lock this thread holds while it may allocate (at most
@@ -133,11 +123,11 @@ TieredStore::TieredStore(Backend& backend, TieredStoreOptions options, DeviceMem
       device_(std::move(device)),
       host_(backend, options.host),
       copies_(backend, options.copy) {
+  bool shared = false;  // the device's configured budget (Note [Shared state budget])
   if (options_.device_budget_bytes == TieredStoreOptions::kDeviceBudgetFromConfig) {
     const auto configured = configured_state_budget_bytes(active_config(), backend_);
-    options_.device_budget_bytes = configured.value_or(0) != 0
-                                       ? *configured
-                                       : TieredStoreOptions::kDefaultDeviceBudget;
+    shared = configured.value_or(0) != 0;
+    options_.device_budget_bytes = shared ? *configured : TieredStoreOptions::kDefaultDeviceBudget;
   }
   if (options_.device_budget_bytes == 0) throw TieringError("tiered store: device budget is 0");
   if (!device_.allocate || !device_.deallocate) {
@@ -145,6 +135,13 @@ TieredStore::TieredStore(Backend& backend, TieredStoreOptions options, DeviceMem
     device_.deallocate = [&b = backend_](void* p, std::size_t n, Stream) { b.device_free(p, n); };
   }
   stats_.device_budget_bytes = options_.device_budget_bytes;
+  if (shared) {
+    // Note [Shared state budget]: the other stores may ask for room from now on.
+    shared_ = std::make_unique<DeviceBudgetLedger::Seat>(
+        DeviceBudgetLedger::of_device(backend_.device()),
+        [this](std::size_t bytes_needed) { return give_back_for_peer(bytes_needed); });
+    stats_.budget_shared = true;
+  }
   detail::register_tiered_store(backend_.device(), this);
 }
 
@@ -154,6 +151,10 @@ TieredStore::TieredStore(Backend& backend, TieredStoreOptions options, DeviceMem
 // rather than reused under a running transfer. Events are destroyed either way.
 TieredStore::~TieredStore() {
   Teardown teardown("tiered store");
+  // First, before this store's lock: no other store's acquire asks it for room once this
+  // returns (Note [Shared state budget]). What it still holds is given back when the
+  // seat goes, after the buffers.
+  if (shared_) teardown.attempt("leaving the shared state budget", [&] { shared_->withdraw(); });
   teardown.attempt("leaving the tiering registry",
                    [&] { detail::unregister_tiered_store(backend_.device(), this); });
   const bool idle =
@@ -235,7 +236,7 @@ TieredStore::Handle TieredStore::create_checked(std::size_t bytes, int tag, Tier
     e->dev_ready = take_event_locked();
     e->host_ready = take_event_locked();
     if (initial == Tier::device) {
-      buf = device_allocate_locked(bytes, e.get(), /*may_wait=*/true);
+      buf = device_allocate_locked(bytes, e.get(), RoomFor::acquire);
       e->dev = buf.ptr;
       const Stream s = copies_.stream(Direction::host_to_device);
       if (buf.wait) {
@@ -280,107 +281,11 @@ void TieredStore::destroy(Handle h) {
   entries_.erase(h);
 }
 
-// ---- device memory and the budget (the pending frees: pending_frees.cpp) -------------------
-
-// Frees room for `bytes` within the budget. Evicts released handles, furthest next use
-// first; for a prefetch (may_wait false) only handles needed later than the incoming one.
-// Once the pending frees would leave room when their write-backs finish, the load gets it
-// from them in stream order (room_from_pending_locked) instead of waiting on the host;
-// only an acquire whose room the pending frees cannot give that way waits, oldest first.
-TieredStore::Room TieredStore::make_room_locked(std::size_t bytes, const Entry* incoming,
-                                                bool may_wait) {
-  const std::size_t budget = options_.device_budget_bytes;
-  const std::size_t incoming_score =
-      incoming != nullptr && !may_wait ? policy_.eviction_score(incoming->id) : 0;
-  while (true) {
-    reap_frees_locked(/*wait_all=*/false);
-    if (device_bytes_ + bytes <= budget) return {Room::Kind::fresh, 0};
-    std::size_t in_flight = 0;
-    for (const PendingFree& f : pending_frees_) in_flight += f.bytes;
-    if (device_bytes_ - in_flight + bytes > budget) {
-      Entry* victim = nullptr;
-      std::size_t victim_score = 0;
-      for (auto& [id, e] : entries_) {
-        if (e->dev == nullptr || e->pins > 0 || e.get() == incoming) continue;
-        const std::size_t score = policy_.eviction_score(id);
-        if (!may_wait && score <= incoming_score) continue;
-        if (victim == nullptr || score > victim_score) {
-          victim = e.get();
-          victim_score = score;
-        }
-      }
-      if (victim != nullptr) {
-        evict_locked(*victim);
-        continue;
-      }
-      if (in_flight == 0) return {Room::Kind::none, 0};  // all acquired (or needed sooner)
-    }
-    const Room room = room_from_pending_locked(bytes);
-    if (room.kind != Room::Kind::none) return room;
-    if (!may_wait || pending_frees_.empty()) return {Room::Kind::none, 0};
-    stats_.budget_waits++;
-    copies_.wait_exposed(pending_frees_.front().after);
-  }
-}
-
-TieredStore::DeviceBuffer TieredStore::device_allocate_locked(std::size_t bytes,
-                                                              const Entry* incoming,
-                                                              bool may_wait) {
-  const Room room = make_room_locked(bytes, incoming, may_wait);
-  switch (room.kind) {
-    case Room::Kind::none: {
-      if (!may_wait) return {};
-      std::size_t acquired = 0;
-      for (auto& [id, e] : entries_) {
-        if (e->pins > 0 && e->dev != nullptr) acquired += e->bytes;
-      }
-      throw TieringError("tiered store: no room for " + std::to_string(bytes) +
-                         " bytes in the device budget of " +
-                         std::to_string(options_.device_budget_bytes) + " bytes: " +
-                         std::to_string(acquired) + " bytes are held by acquired handles");
-    }
-    case Room::Kind::take_over: {  // a buffer on its way out: its bytes stay charged
-      const PendingFree f = pending_frees_[room.n];
-      pending_frees_.erase(pending_frees_.begin() + static_cast<long>(room.n));
-      stats_.buffers_reused++;
-      return DeviceBuffer{f.ptr, f.after};
-    }
-    case Room::Kind::release_pending:
-      release_pending_locked(room.n);
-      break;
-    case Room::Kind::fresh:
-      break;
-  }
-  const Stream s = copies_.stream(Direction::host_to_device);
-  void* p = device_.allocate(bytes, s);
-  // The device itself is out of memory (others use it too): give back what we hold.
-  while (p == nullptr) {
-    if (!may_wait) return {};
-    bool evicted = false;
-    for (auto& [id, e] : entries_) {
-      if (e->dev != nullptr && e->pins == 0 && e.get() != incoming) {
-        evict_locked(*e);
-        evicted = true;
-        break;
-      }
-    }
-    if (!evicted && pending_frees_.empty()) {
-      throw TieringError("tiered store: the device is out of memory for " +
-                         std::to_string(bytes) + " bytes of tiered state (the store holds " +
-                         std::to_string(device_bytes_) + " bytes, none of them evictable now)");
-    }
-    reap_frees_locked(/*wait_all=*/true);
-    p = device_.allocate(bytes, s);
-  }
-  device_bytes_ += bytes;
-  note_device_bytes_locked();
-  return DeviceBuffer{p, {}};
-}
-
 // ---- moving data --------------------------------------------------------------------------
 
-bool TieredStore::load_locked(Entry& e, bool for_prefetch) {
-  const DeviceBuffer buf = device_allocate_locked(e.bytes, &e, /*may_wait=*/!for_prefetch);
+bool TieredStore::load_locked(Entry& e, RoomFor why) {
+  const bool for_prefetch = why == RoomFor::prefetch;
+  const DeviceBuffer buf = device_allocate_locked(e.bytes, &e, why);
   if (buf.ptr == nullptr) return false;
   const Event waits[] = {e.host_ready, buf.wait};
   try {
@@ -432,7 +337,7 @@ void TieredStore::prefetch_ahead_locked() {
   for (PrefetchPolicy::HandleId id : policy_.upcoming(options_.prefetch_lookahead)) {
     auto it = entries_.find(id);
     if (it == entries_.end() || it->second->dev != nullptr) continue;
-    if (!load_locked(*it->second, /*for_prefetch=*/true)) {
+    if (!load_locked(*it->second, RoomFor::prefetch)) {
       stats_.prefetch_skipped++;
       return;  // back-pressure: later handles wait for the next acquire
     }
@@ -449,7 +354,7 @@ void TieredStore::prefetch(Handle h, Stream stream) {
   if (e.dev != nullptr) return;
   bool issued = false;
   try {
-    issued = load_locked(e, /*for_prefetch=*/true);
+    issued = load_locked(e, RoomFor::prefetch);
   } catch (...) {
     detail::rethrow_as_tiering_error(detail::of_handle("prefetch", h, e.bytes));
   }
@@ -461,12 +366,17 @@ void TieredStore::prefetch(Handle h, Stream stream) {
 }
 
 void* TieredStore::acquire(Handle h, Stream stream) {
-  std::lock_guard lock(mutex_);
+  std::unique_lock lock(mutex_);
+  if (shared_) return acquire_sharing_room(lock, h, stream);  // store_budget.cpp
+  return acquire_locked(h, stream, RoomFor::acquire);
+}
+
+void* TieredStore::acquire_locked(Handle h, Stream stream, RoomFor why) {
   InsideStore inside(this);
   Entry& e = entry_locked(h, "acquire");
   try {
     if (e.dev == nullptr) {
-      load_locked(e, /*for_prefetch=*/false);
+      if (!load_locked(e, why)) return nullptr;  // the peers may give room
       stats_.misses++;
     } else if (e.prefetched) {
       stats_.prefetch_hits++;
@@ -548,7 +458,7 @@ void TieredStore::prefetch_tag(int tag, Stream stream) {
     if (e->tag != tag || e->dev != nullptr) continue;
     bool issued = false;
     try {
-      issued = load_locked(*e, /*for_prefetch=*/true);
+      issued = load_locked(*e, RoomFor::prefetch);
     } catch (...) {
       detail::rethrow_as_tiering_error(detail::of_handle("prefetch_tag", id, e->bytes));
     }
@@ -567,31 +477,53 @@ std::size_t TieredStore::reclaim(std::size_t bytes_needed) noexcept {
   if (!lock.owns_lock()) return 0;
   InsideStore inside(this);
   stats_.reclaim_calls++;
-  const std::size_t before = device_bytes_;
-  try {
-    reclaim_locked(bytes_needed);
-  } catch (const std::exception& e) {
-    stats_.reclaim_failures++;
-    warn_reclaim_failure(e.what());
-  } catch (...) {
-    stats_.reclaim_failures++;
-    warn_reclaim_failure("a non-standard exception");
-  }
-  const std::size_t freed = before > device_bytes_ ? before - device_bytes_ : 0;
+  std::size_t evicted = 0;
+  const std::size_t freed =
+      evict_released_locked(bytes_needed, evicted, "reclaim during an out-of-memory");
   stats_.reclaimed_bytes += freed;
   return freed;
 }
 
-void TieredStore::warn_reclaim_failure(const char* what) noexcept {
-  if (!warn_once_due(reclaim_failure_warned_)) return;
-  std::fprintf(stderr,
-               "tidepool: a tiered store's reclaim during an out-of-memory failed and freed "
-               "less than asked (said once per store; counted in reclaim_failures): %s\n",
-               what);
+// Note [Shared state budget] in device_budget_ledger.h: what an OOM's reclaim does, asked
+// by another store's acquire, which holds no store lock while it waits for this one, so
+// the lock is taken, not tried: a peer busy in an operation finishes it soon.
+std::size_t TieredStore::give_back_for_peer(std::size_t bytes_needed) noexcept {
+  if (InsideStore::holds(this)) return 0;  // cannot happen (the asker holds no store); safe
+  std::lock_guard lock(mutex_);
+  InsideStore inside(this);
+  const std::uint64_t evictions_before = stats_.evictions;
+  std::size_t evicted = 0;
+  const std::size_t freed = evict_released_locked(
+      bytes_needed, evicted, "eviction to give another store room in the shared state budget");
+  stats_.peer_evictions += stats_.evictions - evictions_before;
+  stats_.peer_evicted_bytes += evicted;
+  return freed;
 }
 
-void TieredStore::reclaim_locked(std::size_t bytes_needed) {
-  std::size_t scheduled = 0;
+std::size_t TieredStore::evict_released_locked(std::size_t bytes_needed, std::size_t& evicted,
+                                               const char* why) noexcept {
+  const std::size_t before = device_bytes_;
+  try {
+    reclaim_locked(bytes_needed, evicted);
+  } catch (const std::exception& e) {
+    stats_.reclaim_failures++;
+    warn_reclaim_failure(why, e.what());
+  } catch (...) {
+    stats_.reclaim_failures++;
+    warn_reclaim_failure(why, "a non-standard exception");
+  }
+  return before > device_bytes_ ? before - device_bytes_ : 0;
+}
+
+void TieredStore::warn_reclaim_failure(const char* why, const char* what) noexcept {
+  if (!warn_once_due(reclaim_failure_warned_)) return;
+  std::fprintf(stderr,
+               "tidepool: a tiered store's %s failed and freed less than asked (said once "
+               "per store; counted in reclaim_failures): %s\n",
+               why, what);
+}
+
+void TieredStore::reclaim_locked(std::size_t bytes_needed, std::size_t& scheduled) {
   while (scheduled < bytes_needed) {
     Entry* victim = nullptr;
     std::size_t victim_score = 0;
@@ -604,9 +536,9 @@ void TieredStore::reclaim_locked(std::size_t bytes_needed) {
       }
     }
     if (victim == nullptr) break;
-    scheduled += victim->bytes;
     try {
       evict_locked(*victim);
+      scheduled += victim->bytes;
     } catch (...) {
       // A failed copy-back keeps the device copy; free what was evicted before it.
       reap_frees_locked(/*wait_all=*/true);
@@ -767,6 +699,7 @@ TieredStoreStats TieredStore::stats() {
   }
   s.off_schedule_acquires = policy_.off_schedule_acquires();
   s.schedule_adoptions = policy_.schedule_adoptions();
+  s.peer_bytes = peer_bytes_locked();
   s.host = host_.stats();
   s.copy = copies_.stats();
   return s;

@@ -1,7 +1,9 @@
 // The tiered store: buffers (optimizer state) that live in host memory and are on the
 // device exactly while code uses them. The handle state machine is written at the top of
-// tiered_store.cpp; the buffers on their way out in pending_frees.cpp; the wording of its
-// errors in store_errors.cpp; its event pool in store_events.cpp; the policy is in
+// tiered_store.cpp; the room a load gets within the budget in store_budget.cpp (a budget
+// from the configuration is shared: Note [Shared state budget] in device_budget_ledger.h);
+// the buffers on their way out in pending_frees.cpp; the wording of its errors in
+// store_errors.cpp; its event pool in store_events.cpp; the policy is in
 // prefetch_policy.h; the copies in copy_engine.h.
 //
 // Use:
@@ -15,8 +17,10 @@
 //
 // Guarantees:
 //   - the bytes the store holds on the device (resident handles + buffers whose release
-//     waits on a stream) never exceed the budget; prefetch never evicts a handle needed
-//     sooner than the one it brings in, and never waits;
+//     waits on a stream) never exceed the budget, and with a budget from the
+//     configuration neither do the bytes of all the device's stores and VMM ranges that
+//     share it; prefetch never evicts a handle needed sooner than the one it brings in,
+//     nor another store's, and never waits;
 //   - acquire never blocks the host on a copy unless the budget forces it to wait for an
 //     eviction to finish (counted as exposed copy time);
 //   - a failed copy, registration or allocation throws TieringError and leaves the last
@@ -67,6 +71,7 @@
 #include "allocator/c_api.h"
 #include "allocator/export.h"
 #include "tiering/copy_engine.h"
+#include "tiering/device_budget_ledger.h"
 #include "tiering/host_arena.h"
 #include "tiering/prefetch_policy.h"
 
@@ -115,7 +120,10 @@ struct TieredStoreOptions {
   // kDeviceBudgetFromConfig: tidepool.state_budget (allocator/tier_routing.h) when the
   // configuration enables tidepool and the budget it gives is not 0 (0 means "keep no
   // state between steps", which the optimizer hooks implement by evicting; a store
-  // still needs room within a step), else kDefaultDeviceBudget. Any other value wins.
+  // still needs room within a step), else kDefaultDeviceBudget. The configured budget is
+  // the device's: the store shares it with the device's other stores built this way and
+  // its VMM ranges (Note [Shared state budget] in device_budget_ledger.h). Any other
+  // value wins, and is the store's alone.
   static constexpr std::size_t kDeviceBudgetFromConfig = static_cast<std::size_t>(-1);
   static constexpr std::size_t kDefaultDeviceBudget = std::size_t{1} << 30;
   std::size_t device_budget_bytes = kDeviceBudgetFromConfig;
@@ -151,6 +159,17 @@ struct TieredStoreStats {
   // schedules replaced by a later step's order (Note [Adopting a step]).
   std::uint64_t off_schedule_acquires = 0;
   std::uint64_t schedule_adoptions = 0;
+  // Note [Shared state budget] in device_budget_ledger.h. budget_shared: the budget is
+  // the device's tidepool.state_budget, shared with its other stores built from the
+  // configuration and its VMM ranges, which hold peer_bytes of it now. peer_room_requests:
+  // acquires of this store that asked the others for room; peer_evictions and
+  // peer_evicted_bytes: handles this store evicted (and their bytes) to give another
+  // store room.
+  bool budget_shared = false;
+  std::size_t peer_bytes = 0;
+  std::uint64_t peer_room_requests = 0;
+  std::uint64_t peer_evictions = 0;
+  std::uint64_t peer_evicted_bytes = 0;
   HostArenaStats host;
   CopyEngineStats copy;
 };
@@ -182,7 +201,9 @@ class TIDEPOOL_API TieredStore {
   // Throws TieringError when starting the copy fails (`h` stays on the host, intact).
   void prefetch(Handle h, Stream stream);
   // A device pointer to the latest contents of `h`, valid for work enqueued on `stream`
-  // after this call until release(). Acquires nest (count). Throws TieringError.
+  // after this call until release(). Acquires nest (count). Throws TieringError. With a
+  // shared budget, another store may be made to evict released handles for it, with
+  // this store's lock let go meanwhile (Note [Shared state budget]).
   void* acquire(Handle h, Stream stream);
   // Ends one acquire. dirty: the device copy was written, the host copy is now stale.
   // Throws TieringError (an unknown handle, one not acquired); makes no backend call.
@@ -269,6 +290,10 @@ class TIDEPOOL_API TieredStore {
     void* ptr = nullptr;
     Event wait;
   };
+  // What a load may do for room: a prefetch neither waits nor asks; an acquire waits for
+  // its own write-backs, and with a shared budget (Note [Shared state budget]) may come
+  // back without room once, to ask the other stores with its lock let go.
+  enum class RoomFor : std::uint8_t { prefetch, acquire, acquire_may_ask_peers };
   // How a load gets its room (Note [Loads over write-backs]).
   struct Room {
     enum class Kind : std::uint8_t {
@@ -290,13 +315,21 @@ class TIDEPOOL_API TieredStore {
   // throw into TieringError (Note [One error type] in store_errors.cpp).
   Handle create_checked(std::size_t bytes, int tag, Tier initial);
   void read_locked(Entry& e, void* dst);
-  bool load_locked(Entry& e, bool for_prefetch);
+  // False: no room (a prefetch: skipped; RoomFor::acquire_may_ask_peers: ask the peers).
+  bool load_locked(Entry& e, RoomFor why);
+  // acquire() under the lock; nullptr: no room but the other stores may give it
+  // (RoomFor::acquire_may_ask_peers), to be asked with the lock let go.
+  void* acquire_locked(Handle h, Stream stream, RoomFor why);
   // discard: the contents are dropped (destroy, write), no copy back. The dirty flag is
   // cleared only once the eviction is enqueued, so a failed one keeps the latest copy.
   void evict_locked(Entry& e, bool discard = false);
+  // fresh: `bytes` are reserved (reserved_); release_pending: the pending frees' charge
+  // plus the reservation cover `bytes` (store_budget.cpp).
   Room make_room_locked(std::size_t bytes, const Entry* incoming, bool may_wait);
   // Room from the pending frees alone, without waiting; none if they cannot give it.
   Room room_from_pending_locked(std::size_t bytes) const;
+  // Hands the first `count` pending frees back in stream order; their charge becomes the
+  // reservation of the load they make room for (Note [Shared state budget]).
   void release_pending_locked(std::size_t count);
   // A failed load's buffer goes back: to the pending frees when it was taken over from a
   // write-back it may not be ordered after, else to the memory source. Never throws, so
@@ -304,11 +337,43 @@ class TIDEPOOL_API TieredStore {
   // pending frees (Note [A failed load's buffer] in pending_frees.cpp).
   void give_back_failed_load_locked(const DeviceBuffer& buf, std::size_t bytes) noexcept;
   void reap_frees_locked(bool wait_all);
-  // reclaim() past its lock: evicts until `bytes_needed` are scheduled, then waits for the
-  // frees; throws what fails (reclaim catches it, Note [Reclaim never throws]).
-  void reclaim_locked(std::size_t bytes_needed);
-  void warn_reclaim_failure(const char* what) noexcept;
-  DeviceBuffer device_allocate_locked(std::size_t bytes, const Entry* incoming, bool may_wait);
+  // reclaim() past its lock: evicts until `bytes_needed` are scheduled (counted in
+  // `scheduled` as it goes), then waits for the frees; throws what fails (reclaim catches
+  // it, Note [Reclaim never throws]).
+  void reclaim_locked(std::size_t bytes_needed, std::size_t& scheduled);
+  void warn_reclaim_failure(const char* why, const char* what) noexcept;
+  DeviceBuffer device_allocate_locked(std::size_t bytes, const Entry* incoming, RoomFor why);
+  // Allocates the buffer `reserved_` holds room for (make_room_locked); gives the
+  // reservation back when that fails.
+  DeviceBuffer allocate_reserved_locked(std::size_t bytes, const Entry* incoming, bool may_wait);
+  [[noreturn]] void throw_no_room_locked(std::size_t bytes);
+
+  // ---- the budget's books (store_budget.cpp; Note [Shared state budget]) ----
+  // The store's charge is device_bytes_ + reserved_: in its own budget, or in the
+  // device's ledger when shared_ is set.
+  // Room within the budget for `bytes` more: reserved, true; else nothing changes.
+  bool reserve_locked(std::size_t bytes);
+  void unreserve_locked(std::size_t bytes) noexcept;
+  // A reserved buffer was allocated: its bytes move from reserved_ to device_bytes_.
+  void commit_reserved_locked(std::size_t bytes);
+  // A buffer of `bytes` went back to the memory source: no longer charged.
+  void uncharge_locked(std::size_t bytes) noexcept;
+  // Bytes the other participants of a shared budget hold (0 for a budget of its own).
+  std::size_t peer_bytes_locked() const noexcept;
+  // The bytes the other participants would have to give back for `bytes` to fit, once
+  // this store's own buffers on their way out are freed.
+  std::size_t peer_shortfall_locked(std::size_t bytes) const;
+  // The seat's GiveBack (Note [Shared state budget]): evicts released handles and waits
+  // for their write-backs until `bytes_needed` are given back. Never throws.
+  std::size_t give_back_for_peer(std::size_t bytes_needed) noexcept;
+  // reclaim() and give_back_for_peer() past their locks: reclaim_locked, its failure
+  // counted and said once (Note [Reclaim never throws]; `why` names the caller). Returns
+  // the bytes freed; adds the bytes of the handles evicted to `evicted`.
+  std::size_t evict_released_locked(std::size_t bytes_needed, std::size_t& evicted,
+                                    const char* why) noexcept;
+  // acquire() of a store whose budget is shared: acquire_locked, and while it finds no
+  // room, the other stores asked with `lock` let go (Note [Shared state budget]).
+  void* acquire_sharing_room(std::unique_lock<std::mutex>& lock, Handle h, Stream stream);
   void prefetch_ahead_locked();
   Event take_event_locked();
   void give_event_locked(Event e);
@@ -332,8 +397,13 @@ class TIDEPOOL_API TieredStore {
   std::vector<Event> free_events_;
   Handle next_handle_ = 1;
   std::size_t device_bytes_ = 0;
+  std::size_t reserved_ = 0;  // charged for the buffer being allocated (make_room_locked)
   TieredStoreStats stats_;
   bool reclaim_failure_warned_ = false;  // warn_once_due, under mutex_
+  // The store's seat in the device's ledger when its budget is the configured one (Note
+  // [Shared state budget]), else null. Last: built once the store can be asked for room,
+  // and destroyed first, giving back what is still charged.
+  std::unique_ptr<DeviceBudgetLedger::Seat> shared_;
 };
 
 }  // namespace tidepool

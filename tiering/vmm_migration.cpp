@@ -26,6 +26,10 @@ const char* location_name(MemoryLocation w) {
 
 VmmPool::VmmPool(Backend& backend, VmmPoolOptions options)
     : backend_(backend), options_(options) {
+  if (options_.device_budget_bytes == VmmPoolOptions::kDeviceBudgetFromConfig) {
+    shared_ = std::make_unique<DeviceBudgetLedger::Seat>(
+        DeviceBudgetLedger::of_device(backend_.device()));
+  }
   scratch_bytes_ = backend_.granularity() * kChunkGranules;
   stream_ = backend_.create_stream();
   sync_event_ = backend_.create_event();
@@ -151,6 +155,7 @@ bool VmmPool::release_range_locked(Range& r, Teardown* teardown) {
     if (!c.mapped) unmapped_chunks_--;
     (c.where == MemoryLocation::device ? stats_.device_backed_bytes : stats_.host_backed_bytes) -=
         c.bytes;
+    if (c.where == MemoryLocation::device) give_device_room_locked(c.bytes);
     if (teardown != nullptr) {
       teardown->attempt("releasing a chunk's backing",
                         [&] { backend_.release_physical(c.physical, c.bytes); });
@@ -272,6 +277,9 @@ void* VmmPool::allocate(std::size_t bytes, int tag, MemoryLocation where) {
       r.chunks.push_back(Chunk{off, n, h, where});
       (where == MemoryLocation::device ? stats_.device_backed_bytes : stats_.host_backed_bytes) +=
           n;
+      // Not limited by the budget (Note [VMM device budget]), but charged: the stores
+      // sharing it find that much less room.
+      if (where == MemoryLocation::device && shared_) shared_->charge(n);
     }
   } catch (const BackendError& e) {
     unwind();
@@ -392,6 +400,19 @@ std::optional<std::size_t> VmmPool::budget_towards(MemoryLocation to) const {
   return to == MemoryLocation::device ? device_budget_bytes() : std::nullopt;
 }
 
+bool VmmPool::take_device_room_locked(std::size_t bytes, std::optional<std::size_t> budget) {
+  if (!shared_) return !budget || stats_.device_backed_bytes + bytes <= *budget;
+  if (!budget) {
+    shared_->charge(bytes);  // tidepool not configured: nothing to keep within, but counted
+    return true;
+  }
+  return shared_->try_charge(bytes, *budget);
+}
+
+void VmmPool::give_device_room_locked(std::size_t bytes) noexcept {
+  if (shared_) shared_->uncharge(bytes);
+}
+
 MigrationResult VmmPool::migrate(const void* ptr, MemoryLocation to) {
   const std::optional<std::size_t> budget = budget_towards(to);
   std::lock_guard lock(mutex_);
@@ -441,12 +462,19 @@ MigrationResult VmmPool::move_range_locked(Range& r, MemoryLocation to,
     for (Chunk& c : r.chunks) {
       if (c.where == to) continue;
       // Note [VMM device budget]: a chunk that would exceed it stays; a later, smaller
-      // one may still fit.
-      if (budget && stats_.device_backed_bytes + c.bytes > *budget) {
+      // one may still fit. Room is taken before the move and given back if it fails.
+      const bool to_device = to == MemoryLocation::device;
+      if (to_device && !take_device_room_locked(c.bytes, budget)) {
         result.bytes_left += c.bytes;
         continue;
       }
-      migrate_chunk_locked(r, c, to);
+      try {
+        migrate_chunk_locked(r, c, to);
+      } catch (...) {
+        if (to_device) give_device_room_locked(c.bytes);
+        throw;
+      }
+      if (!to_device) give_device_room_locked(c.bytes);
       result.bytes_moved += c.bytes;
     }
   } catch (...) {
@@ -629,6 +657,8 @@ VmmStats VmmPool::stats() const {
   for (const DeferredRelease& d : deferred_releases_) s.deferred_release_bytes += d.bytes;
   s.has_device_budget = budget.has_value();
   s.device_budget_bytes = budget.value_or(0);
+  s.budget_shared = shared_ != nullptr && budget.has_value();
+  s.budget_peer_bytes = shared_ ? shared_->others_bytes() : 0;
   return s;
 }
 

@@ -25,6 +25,11 @@
 // Prefetching never exceeds the budget; a budget of 0 moves nothing.
 // Allocation is not limited by the budget (new state is created where it is asked for);
 // only migration towards the device is.
+// The configured budget is the device's: a pool that takes it shares it with the
+// device's tiered stores built from the configuration, so that the chunks it keeps on the
+// device and their handles together stay within it (Note [Shared state budget] in
+// device_budget_ledger.h). A migration takes free room only: it never makes a store
+// evict, and no store evicts a range.
 //
 // On the cuda backend `to == host` is CU_MEM_LOCATION_TYPE_HOST_NUMA memory the GPU
 // reaches over the link; on the host backend memfd_create + mmap(MAP_FIXED), so this
@@ -41,6 +46,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <span>
@@ -48,6 +54,7 @@
 
 #include "allocator/backend.h"
 #include "allocator/export.h"
+#include "tiering/device_budget_ledger.h"
 
 namespace tidepool {
 
@@ -74,6 +81,10 @@ struct VmmStats {
   std::uint64_t device_budget_bytes = 0;  // when has_device_budget
   std::uint64_t budget_stops = 0;         // migrations to the device it cut short
   std::uint64_t bytes_left_on_host = 0;   // bytes those migrations left on the host
+  // The budget is the device's, shared with its tiered stores built from the
+  // configuration (Note [Shared state budget]), which hold budget_peer_bytes of it now.
+  bool budget_shared = false;
+  std::uint64_t budget_peer_bytes = 0;
   // Note [Deferred releases] in vmm_migration.cpp: backings no longer in use whose release
   // failed, retried at every later call.
   std::uint64_t deferred_releases = 0;
@@ -85,8 +96,10 @@ struct VmmStats {
 
 struct VmmPoolOptions {
   // Note [VMM device budget]. kDeviceBudgetFromConfig: tidepool.state_budget, read at
-  // each migration (the configuration may be applied after the pool exists);
-  // kNoDeviceBudget: unlimited; any other value is the budget in bytes.
+  // each migration (the configuration may be applied after the pool exists), and shared
+  // with the device's tiered stores (its device-backed bytes are charged to the device's
+  // ledger from the start, so that stores built later see them); kNoDeviceBudget:
+  // unlimited; any other value is the budget in bytes, the pool's alone.
   static constexpr std::size_t kDeviceBudgetFromConfig = static_cast<std::size_t>(-1);
   static constexpr std::size_t kNoDeviceBudget = static_cast<std::size_t>(-2);
   std::size_t device_budget_bytes = kDeviceBudgetFromConfig;
@@ -209,6 +222,11 @@ class TIDEPOOL_API VmmPool {
   // The budget a migration towards `to` observes: the device budget, none towards the host.
   // Called without the lock.
   std::optional<std::size_t> budget_towards(MemoryLocation to) const;
+  // Note [VMM device budget]: room for `bytes` more device-backed bytes within `budget`
+  // (nullopt: none), the pool's own or, shared, all the ledger's participants'; taken
+  // (charged to the ledger) when true. give_device_room_locked: device-backed bytes gone.
+  bool take_device_room_locked(std::size_t bytes, std::optional<std::size_t> budget);
+  void give_device_room_locked(std::size_t bytes) noexcept;
   // Counts a migration that throws (VmmStats::failed_migrations) around move_range_locked.
   MigrationResult migrate_locked(Range& r, MemoryLocation to, std::optional<std::size_t> budget);
   MigrationResult move_range_locked(Range& r, MemoryLocation to,
@@ -238,6 +256,9 @@ class TIDEPOOL_API VmmPool {
   std::map<const char*, Range> ranges_;  // by base address
   std::uint64_t next_sequence_ = 0;
   VmmStats stats_;
+  // The pool's seat in the device's ledger with a budget from the configuration (Note
+  // [Shared state budget]), else null. It charges stats_.device_backed_bytes.
+  std::unique_ptr<DeviceBudgetLedger::Seat> shared_;
 };
 
 // Ranges that VmmPool destructors in this process kept mapped (leaked) instead of

@@ -162,6 +162,7 @@ TEST_F(CApiTieringTest, StatsCarryTheStoresScheduleCounters) {
   EXPECT_EQ(s.schedule_adoptions, 1u);
 }
 
+
 // The reclaim hook's set-up: a caching allocator over an 8 MiB host device (`device`: an
 // index of the test's own, sharing no registry state with other tests), and stores with
 // a 6 MiB budget taking their device buffers from it.
@@ -524,6 +525,35 @@ TEST_F(PrefetchBudgetTest, EvictByPointersMovesOnlyTheNamedRanges) {
   EXPECT_EQ(tidepool_evict_ptrs(kDevice, nullptr, 0), 0) << tidepool_last_error();
   EXPECT_EQ(tidepool_evict_ptrs(-1, ptrs, 1), -1);
   EXPECT_EQ(on_device(0), 2 * kMiB);
+}
+
+// The shared state budget reaches the C struct (Note [Shared state budget]): two stores
+// built from the configuration share it, one's acquire evicts the other's released
+// handle, and the bytes charged are both stores'.
+TEST_F(CApiTieringTest, StatsCarryTheSharedStateBudget) {
+  constexpr std::size_t kUnit = 64 << 10;
+  const std::string conf = "backend:tidepool,tidepool.state_budget:" + std::to_string(2 * kUnit);
+  const ConfigScope config(conf.c_str());
+  const auto options =
+      tiering_test::test_store_options(TieredStoreOptions::kDeviceBudgetFromConfig);
+  TieredStore a(*backend_, options);
+  TieredStore b(*backend_, options);
+  for (int i = 0; i < 2; ++i) {
+    const auto h = a.create(kUnit, kTagOptimizerState);
+    a.acquire(h, Stream{});
+    a.release(h, false);
+  }
+  const auto mine = b.create(kUnit, kTagOptimizerState);
+  b.acquire(mine, Stream{});
+  b.release(mine, false);
+  tidepool_tiering_stats_v1 s{};
+  s.struct_size = sizeof s;
+  ASSERT_EQ(tidepool_get_tiering_stats_v1(kDevice, &s), 0) << tidepool_last_error();
+  EXPECT_EQ(s.shared_budget_stores, 2u);
+  EXPECT_EQ(s.shared_budget_charged_bytes, 2 * kUnit);
+  EXPECT_EQ(s.peer_evictions, 1u);
+  EXPECT_EQ(s.peer_evicted_bytes, kUnit);
+  EXPECT_EQ(s.peer_room_requests, 1u);
 }
 
 TEST_F(CApiTieringTest, AnOlderShorterTieringStatsStructGetsItsPrefix) {

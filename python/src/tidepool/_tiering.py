@@ -30,7 +30,10 @@ class TieringStatsV1(ctypes.Structure):
         # appended after the first release of v1 (a shorter struct_size gets the prefix)
         + [(n, ctypes.c_uint64) for n in (
             "vmm_device_budget_bytes", "vmm_budget_stops", "vmm_bytes_left_on_host")]
-        + [(n, ctypes.c_uint64) for n in ("off_schedule_acquires", "schedule_adoptions")])
+        + [(n, ctypes.c_uint64) for n in ("off_schedule_acquires", "schedule_adoptions")]
+        + [(n, ctypes.c_uint64) for n in (
+            "shared_budget_stores", "shared_budget_charged_bytes", "peer_evictions",
+            "peer_evicted_bytes", "peer_room_requests")])
 
 
 _SIGNATURES = {

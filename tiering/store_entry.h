@@ -1,0 +1,32 @@
+// A tiered store's record of one handle (TieredStore::Entry): its host block, its device
+// buffer and the events and streams that order their copies. Internal to libtidepool
+// (not installed); shared by the files that hold the store's parts (tiered_store.cpp,
+// store_budget.cpp). The states it goes through: Note [Handle state machine] in
+// tiered_store.cpp.
+#pragma once
+
+#include <cstddef>
+#include <vector>
+
+#include "allocator/backend.h"
+#include "tiering/host_arena.h"
+#include "tiering/tiered_store.h"
+
+namespace tidepool {
+
+struct TieredStore::Entry {
+  Handle id = 0;
+  std::size_t bytes = 0;
+  int tag = 0;
+  HostBlock host;
+  void* dev = nullptr;
+  Event dev_ready;   // recorded on the H2D stream after the load
+  Event host_ready;  // recorded on the D2H stream after a copy-back
+  bool host_valid = true;
+  bool dev_dirty = false;
+  bool prefetched = false;  // loaded by prefetch and not acquired since
+  int pins = 0;
+  std::vector<Stream> use_streams;  // streams that used `dev` since it was loaded
+};
+
+}  // namespace tidepool
