@@ -77,7 +77,10 @@ struct TieredStore::Entry {
   Event host_ready;  // recorded on the D2H stream after a copy-back
   bool host_valid = true;
   bool dev_dirty = false;
-  bool prefetched = false;  // loaded by prefetch and not acquired since
+  // Who loaded the device copy, until an acquire of it succeeds and counts the load (a
+  // prefetch hit or a miss) once: an acquire that fails after the load (a wait that
+  // fails) leaves it to the retry, so failed acquires count nothing.
+  enum class LoadBy : std::uint8_t { none, prefetch, acquire } uncounted_load = LoadBy::none;
   int pins = 0;
   std::vector<Stream> use_streams;  // streams that used `dev` since it was loaded
 };
@@ -396,7 +399,7 @@ bool TieredStore::load_locked(Entry& e, bool for_prefetch) {
   // The wait is enqueued; an event may be re-recorded after that (Note [Stream semantics]).
   if (buf.wait) give_event_locked(buf.wait);
   e.dev = buf.ptr;
-  e.prefetched = for_prefetch;
+  e.uncounted_load = for_prefetch ? Entry::LoadBy::prefetch : Entry::LoadBy::acquire;
   return true;
 }
 
@@ -422,7 +425,7 @@ void TieredStore::evict_locked(Entry& e, bool discard) {
   e.dev = nullptr;
   e.dev_dirty = false;
   e.host_valid = true;
-  e.prefetched = false;
+  e.uncounted_load = Entry::LoadBy::none;
   e.use_streams.clear();
   stats_.evictions++;
 }
@@ -464,14 +467,12 @@ void* TieredStore::acquire(Handle h, Stream stream) {
   std::lock_guard lock(mutex_);
   InsideStore inside(this);
   Entry& e = entry_locked(h, "acquire");
+  bool late = false;  // a prefetched copy still in flight
   try {
     if (e.dev == nullptr) {
       load_locked(e, /*for_prefetch=*/false);
-      stats_.misses++;
-    } else if (e.prefetched) {
-      stats_.prefetch_hits++;
-      if (!backend_.event_query(e.dev_ready)) stats_.prefetch_late++;
-      e.prefetched = false;
+    } else if (e.uncounted_load == Entry::LoadBy::prefetch) {
+      late = !backend_.event_query(e.dev_ready);
     }
     backend_.stream_wait_event(stream, e.dev_ready);
     // "The latest contents" include work still queued on the streams that used the buffer
@@ -486,6 +487,14 @@ void* TieredStore::acquire(Handle h, Stream stream) {
     // not), never acquired.
     detail::rethrow_as_tiering_error(detail::of_handle("acquire", h, e.bytes));
   }
+  // The acquire succeeds: its load is counted now, once (Entry::uncounted_load).
+  if (e.uncounted_load == Entry::LoadBy::prefetch) {
+    stats_.prefetch_hits++;
+    if (late) stats_.prefetch_late++;
+  } else if (e.uncounted_load == Entry::LoadBy::acquire) {
+    stats_.misses++;
+  }
+  e.uncounted_load = Entry::LoadBy::none;
   // With no other holder left, `stream` is now ordered after every earlier use, so later
   // waits (evict, read, the next acquire) need only this stream.
   if (e.pins == 0) e.use_streams.clear();

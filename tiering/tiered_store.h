@@ -133,6 +133,8 @@ struct TieredStoreStats {
   std::size_t acquired_handles = 0;
   std::uint64_t acquires = 0;
   std::uint64_t prefetch_issued = 0;
+  // A hit or a miss is counted by the acquire that succeeds; one that fails counts
+  // neither, its retry does (once).
   std::uint64_t prefetch_hits = 0;   // acquire found the copy in flight or done
   std::uint64_t prefetch_late = 0;   // ... but the copy had not finished yet
   std::uint64_t misses = 0;          // acquire had to start the copy itself
