@@ -150,7 +150,8 @@ struct TieredStoreStats {
   // waits for their write-back on the H2D stream (Note [Loads over write-backs]).
   std::uint64_t frees_stream_ordered = 0;
   // The prefetch schedule (prefetch_policy.h): acquires that deviated from it, and
-  // schedules replaced by a later step's order (Note [Adopting a step]).
+  // steps that changed a schedule: a handle merged in, an order adopted (Note [Adopting
+  // a step]).
   std::uint64_t off_schedule_acquires = 0;
   std::uint64_t schedule_adoptions = 0;
   HostArenaStats host;
