@@ -122,9 +122,11 @@ typedef struct tidepool_tiering_stats_v1 {
    * many prefetches it cut short, and the bytes those left in host memory. */
   uint64_t vmm_device_budget_bytes, vmm_budget_stops, vmm_bytes_left_on_host;
   /* Appended: the stores' prefetch schedules (tiering/prefetch_policy.h). Acquires that
-   * did not come where the replayed schedule expected them, and how many times a step's
-   * order replaced a schedule (Note [Adopting a step]). A count of off-schedule acquires
-   * that keeps growing with no adoptions means the steps keep changing their order. */
+   * did not come where the replayed schedule expected them, and how many steps changed
+   * a schedule: a handle merged in, an order adopted (Note [Adopting a step]). A count of
+   * off-schedule acquires that keeps growing with no adoptions means the steps keep
+   * changing their order, or their handles in no pattern (Note [Steps of several
+   * shapes]). */
   uint64_t off_schedule_acquires, schedule_adoptions;
   /* Appended: tidepool.state_budget is the device's, shared by the device's tiered stores
    * built from the configuration and its VMM ranges (Note [Shared state budget] in

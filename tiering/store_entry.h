@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <vector>
 
 #include "allocator/backend.h"
@@ -24,7 +25,10 @@ struct TieredStore::Entry {
   Event host_ready;  // recorded on the D2H stream after a copy-back
   bool host_valid = true;
   bool dev_dirty = false;
-  bool prefetched = false;  // loaded by prefetch and not acquired since
+  // Who loaded the device copy, until an acquire of it succeeds and counts the load (a
+  // prefetch hit or a miss) once: an acquire that fails after the load (a wait that
+  // fails) leaves it to the retry, so failed acquires count nothing.
+  enum class LoadBy : std::uint8_t { none, prefetch, acquire } uncounted_load = LoadBy::none;
   int pins = 0;
   std::vector<Stream> use_streams;  // streams that used `dev` since it was loaded
 };

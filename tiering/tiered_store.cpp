@@ -301,7 +301,7 @@ bool TieredStore::load_locked(Entry& e, RoomFor why) {
   // The wait is enqueued; an event may be re-recorded after that (Note [Stream semantics]).
   if (buf.wait) give_event_locked(buf.wait);
   e.dev = buf.ptr;
-  e.prefetched = for_prefetch;
+  e.uncounted_load = why == RoomFor::prefetch ? Entry::LoadBy::prefetch : Entry::LoadBy::acquire;
   return true;
 }
 
@@ -327,7 +327,7 @@ void TieredStore::evict_locked(Entry& e, bool discard) {
   e.dev = nullptr;
   e.dev_dirty = false;
   e.host_valid = true;
-  e.prefetched = false;
+  e.uncounted_load = Entry::LoadBy::none;
   e.use_streams.clear();
   stats_.evictions++;
 }
@@ -374,14 +374,12 @@ void* TieredStore::acquire(Handle h, Stream stream) {
 void* TieredStore::acquire_locked(Handle h, Stream stream, RoomFor why) {
   InsideStore inside(this);
   Entry& e = entry_locked(h, "acquire");
+  bool late = false;  // a prefetched copy still in flight
   try {
     if (e.dev == nullptr) {
       if (!load_locked(e, why)) return nullptr;  // the peers may give room
-      stats_.misses++;
-    } else if (e.prefetched) {
-      stats_.prefetch_hits++;
-      if (!backend_.event_query(e.dev_ready)) stats_.prefetch_late++;
-      e.prefetched = false;
+    } else if (e.uncounted_load == Entry::LoadBy::prefetch) {
+      late = !backend_.event_query(e.dev_ready);
     }
     backend_.stream_wait_event(stream, e.dev_ready);
     // "The latest contents" include work still queued on the streams that used the buffer
@@ -396,6 +394,14 @@ void* TieredStore::acquire_locked(Handle h, Stream stream, RoomFor why) {
     // not), never acquired.
     detail::rethrow_as_tiering_error(detail::of_handle("acquire", h, e.bytes));
   }
+  // The acquire succeeds: its load is counted now, once (Entry::uncounted_load).
+  if (e.uncounted_load == Entry::LoadBy::prefetch) {
+    stats_.prefetch_hits++;
+    if (late) stats_.prefetch_late++;
+  } else if (e.uncounted_load == Entry::LoadBy::acquire) {
+    stats_.misses++;
+  }
+  e.uncounted_load = Entry::LoadBy::none;
   // With no other holder left, `stream` is now ordered after every earlier use, so later
   // waits (evict, read, the next acquire) need only this stream.
   if (e.pins == 0) e.use_streams.clear();

@@ -141,6 +141,8 @@ struct TieredStoreStats {
   std::size_t acquired_handles = 0;
   std::uint64_t acquires = 0;
   std::uint64_t prefetch_issued = 0;
+  // A hit or a miss is counted by the acquire that succeeds; one that fails counts
+  // neither, its retry does (once).
   std::uint64_t prefetch_hits = 0;   // acquire found the copy in flight or done
   std::uint64_t prefetch_late = 0;   // ... but the copy had not finished yet
   std::uint64_t misses = 0;          // acquire had to start the copy itself
@@ -156,7 +158,8 @@ struct TieredStoreStats {
   // waits for their write-back on the H2D stream (Note [Loads over write-backs]).
   std::uint64_t frees_stream_ordered = 0;
   // The prefetch schedule (prefetch_policy.h): acquires that deviated from it, and
-  // schedules replaced by a later step's order (Note [Adopting a step]).
+  // steps that changed a schedule: a handle merged in, an order adopted (Note [Adopting
+  // a step]).
   std::uint64_t off_schedule_acquires = 0;
   std::uint64_t schedule_adoptions = 0;
   // Note [Shared state budget] in device_budget_ledger.h. budget_shared: the budget is

@@ -138,7 +138,7 @@ TEST_F(CApiTieringTest, TagOperationsReachTheStoresAndStatsAddThemUp) {
 }
 
 // The schedule counters reach the C struct: a handle created after the first step makes
-// step 2 deviate (one off-schedule acquire), and step 2 becomes the schedule (one
+// step 2 deviate (one off-schedule acquire), and is merged into the schedule (one
 // adoption, Note [Adopting a step]).
 TEST_F(CApiTieringTest, StatsCarryTheStoresScheduleCounters) {
   TieredStore store(*backend_, tiering_test::test_store_options(1 << 20));

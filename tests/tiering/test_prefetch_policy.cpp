@@ -1,8 +1,11 @@
 // PrefetchPolicy: the first step is recorded, later steps replay it; eviction follows
 // the furthest next use; deviations re-sync; unknown handles and LRU before a schedule;
 // each schedule key (an optimizer sharing the store) has its own schedule; a schedule
-// follows steps that changed for good and ignores one-off ones (Note [Adopting a step]).
+// follows steps that changed for good and ignores one-off ones (Note [Adopting a step]);
+// steps of several shapes each replay their own (Note [Steps of several shapes]).
 #include <gtest/gtest.h>
+
+#include <algorithm>
 
 #include "tiering/prefetch_policy.h"
 
@@ -283,16 +286,18 @@ TEST(PrefetchPolicy, AOneOffStepKeepsTheSchedule) {
   EXPECT_EQ(p.schedule_length(), 4u);
 }
 
-TEST(PrefetchPolicy, AStepThatThrewAfterANewHandleKeepsTheSchedule) {
-  // Handle 9 was created in a step that then threw: the rest of the schedule stays...
+TEST(PrefetchPolicy, AStepThatThrewAfterANewHandleAddsItAndKeepsTheRest) {
+  // Handle 9 was created in a step that then threw: 9 is merged in where the step
+  // acquired it, and the rest of the schedule, which the step never reached, stays...
   PrefetchPolicy p = recorded({1, 2, 3});
   step(p, {1, 9});
-  EXPECT_EQ(p.schedule_adoptions(), 0u);
-  EXPECT_EQ(schedule_at_start(p), (Ids{1, 2, 3}));
-  // ...and the next complete step, which has 9, is adopted at once.
-  step(p, {1, 9, 2, 3});
   EXPECT_EQ(p.schedule_adoptions(), 1u);
   EXPECT_EQ(schedule_at_start(p), (Ids{1, 9, 2, 3}));
+  // ...so the next complete step follows it.
+  const auto off_before = p.off_schedule_acquires();
+  step(p, {1, 9, 2, 3});
+  EXPECT_EQ(p.schedule_adoptions(), 1u);
+  EXPECT_EQ(p.off_schedule_acquires(), off_before);
 }
 
 TEST(PrefetchPolicy, APersistentReorderingIsAdoptedAfterTwoSteps) {
@@ -311,12 +316,26 @@ TEST(PrefetchPolicy, APersistentReorderingIsAdoptedAfterTwoSteps) {
   EXPECT_EQ(p.schedule_adoptions(), 1u);
 }
 
-TEST(PrefetchPolicy, StateNoLongerUsedLeavesTheScheduleAfterTwoSteps) {
+TEST(PrefetchPolicy, StateNoLongerUsedLeavesTheReplayAfterThreeSteps) {
   // Handle 2's parameter was frozen: its state lives on but is not acquired any more.
+  // Absent three steps running, it is predicted absent (Note [Steps of several shapes]);
+  // two steps without it could be two odd ones.
   PrefetchPolicy p = recorded({1, 2, 3});
   step(p, {1, 3});
   step(p, {1, 3});
+  EXPECT_EQ(schedule_at_start(p), (Ids{1, 2, 3}));
+  step(p, {1, 3});
   EXPECT_EQ(schedule_at_start(p), (Ids{1, 3}));
+  const auto off_before = p.off_schedule_acquires();
+  step(p, {1, 3});
+  EXPECT_EQ(p.off_schedule_acquires(), off_before);
+  // Unused for as many steps as a presence holds, it leaves the schedule itself: back
+  // after that, it is a new handle again, merged in (an adoption).
+  for (int i = 0; i < 64; ++i) step(p, {1, 3});
+  const auto adoptions_before = p.schedule_adoptions();
+  step(p, {1, 2, 3});
+  EXPECT_EQ(p.schedule_adoptions(), adoptions_before + 1);
+  EXPECT_EQ(schedule_at_start(p), (Ids{1, 2, 3}));
 }
 
 TEST(PrefetchPolicy, StepsThatSayNothingKeepTheScheduleAndTheDeviation) {
@@ -395,6 +414,106 @@ TEST(PrefetchPolicy, EachKeyFollowsItsOwnStepsAndTheLookAheadSeesIt) {
   for (auto h : {7, 8, 9}) p.on_acquire(h);
   p.end_step();
   EXPECT_EQ(p.schedule_adoptions(), 2u);
+}
+
+// ---- steps of several shapes (Note [Steps of several shapes]) ------------------------
+
+// The shape a step of key 0 replays, seen from its start: its own acquires only (the
+// look-ahead then goes on to the next step, whose shape may differ).
+Ids shape_at_start(PrefetchPolicy& p) {
+  p.begin_step();
+  Ids out = p.upcoming(p.schedule_length());
+  p.end_step();
+  return out;
+}
+
+TEST(PrefetchPolicy, StepsAlternatingBetweenTwoShapesEachReplayTheirOwn) {
+  // A = 1 2, B = 1 3 in turn. A schedule kept from A alone missed 3 on every B step.
+  const Ids a{1, 2}, b{1, 3};
+  PrefetchPolicy p = recorded(a);
+  step(p, b);  // 3 is new: merged in, 2 kept
+  EXPECT_EQ(p.schedule_adoptions(), 1u);
+  for (int n = 3; n <= 6; ++n) {
+    // The union, until the pattern has held five steps: 3 prefetched in B steps too.
+    p.begin_step();
+    EXPECT_EQ(p.upcoming(10), (Ids{1, 3, 2})) << "step " << n;
+    for (auto h : n % 2 == 1 ? a : b) p.on_acquire(h);
+    p.end_step();
+  }
+  // From step 7 on each step replays its own shape: no acquire off it, and what a step
+  // does not use is neither prefetched nor scored as needed by it.
+  const auto off_before = p.off_schedule_acquires();
+  for (int n = 7; n <= 12; ++n) {
+    const Ids& shape = n % 2 == 1 ? a : b;
+    const Ids& next = n % 2 == 1 ? b : a;
+    p.begin_step();
+    EXPECT_EQ(p.upcoming(2), shape) << "step " << n;
+    for (auto h : shape) p.on_acquire(h);
+    // The end of the step looks ahead to the other shape.
+    EXPECT_EQ(p.upcoming(10), next) << "step " << n;
+    EXPECT_EQ(p.eviction_score(next[1]), 1u);
+    EXPECT_EQ(p.eviction_score(shape[1]), PrefetchPolicy::kNever - 1);
+    p.end_step();
+  }
+  EXPECT_EQ(p.off_schedule_acquires(), off_before);
+  EXPECT_EQ(p.schedule_adoptions(), 1u);  // new predictions are not adoptions
+}
+
+TEST(PrefetchPolicy, APatternOfShapesKeepsEveryShape) {
+  // A A B B A A B B ...: an identical pair of steps (A A) is an adopted order. Taking it
+  // whole would drop B's handle each time and merge it back the step after; the
+  // adoption keeps it, and its presence (period 4) then predicts each step's shape.
+  const Ids a{1, 2}, b{1, 3};
+  PrefetchPolicy p = recorded(a);
+  for (int n = 2; n <= 24; ++n) {
+    const Ids& shape = (n - 1) % 4 < 2 ? a : b;
+    if (n > 16) {
+      EXPECT_EQ(shape_at_start(p), shape) << "step " << n;
+    }
+    step(p, shape);
+  }
+  EXPECT_EQ(p.schedule_adoptions(), 1u);  // 3 merged in once
+}
+
+TEST(PrefetchPolicy, OneOddStepInAnAlternationKeepsItsHandlesInTheReplay) {
+  // A B A B ..., then a B step cut short before it acquired 3, then A: the next B step
+  // still replays 3 (the union serves it while its pattern is broken).
+  const Ids a{1, 2}, b{1, 3};
+  PrefetchPolicy p = recorded(a);
+  for (int n = 2; n <= 8; ++n) step(p, n % 2 == 1 ? a : b);
+  step(p, {1});  // step 9
+  step(p, b);    // step 10
+  step(p, a);    // step 11
+  const Ids next = shape_at_start(p);
+  EXPECT_NE(std::find(next.begin(), next.end(), PrefetchPolicy::HandleId{3}), next.end());
+}
+
+TEST(PrefetchPolicy, AClosureRunTwiceThatCreatedAHandleIsMergedOnce) {
+  // The step's closure ran twice and created handle 9 in its first run: the step is
+  // 1 2 3 9 1 2 3 9. It counts as one run, and 9 is merged in once.
+  PrefetchPolicy p = recorded({1, 2, 3});
+  step(p, {1, 2, 3, 9, 1, 2, 3, 9});
+  EXPECT_EQ(p.schedule_adoptions(), 1u);
+  EXPECT_EQ(p.schedule_length(), 4u);
+  EXPECT_EQ(schedule_at_start(p), (Ids{1, 2, 3, 9}));
+  // The next normal step follows it, and a doubled one without a new handle too.
+  const auto off_before = p.off_schedule_acquires();
+  step(p, {1, 2, 3, 9});
+  EXPECT_EQ(p.off_schedule_acquires(), off_before);
+  step(p, {1, 2, 3, 9, 1, 2, 3, 9});
+  EXPECT_EQ(p.schedule_adoptions(), 1u);
+  EXPECT_EQ(p.schedule_length(), 4u);
+}
+
+TEST(PrefetchPolicy, AScheduleThatRepeatsItselfKeepsItsCount) {
+  // An optimizer that passes over its state twice per step (norms, then updates).
+  PrefetchPolicy p = recorded({1, 2, 1, 2});
+  step(p, {1, 9, 2, 1, 9, 2});  // 9 new, acquired in both passes: merged in both
+  EXPECT_EQ(p.schedule_adoptions(), 1u);
+  EXPECT_EQ(p.schedule_length(), 6u);
+  step(p, {1, 9, 2, 1, 9, 2, 1, 9, 2, 1, 9, 2});  // its closure ran twice: four passes
+  EXPECT_EQ(p.schedule_length(), 6u);
+  EXPECT_EQ(p.schedule_adoptions(), 1u);
 }
 
 }  // namespace

@@ -340,6 +340,44 @@ TEST_P(StoreErrorsTest, ReleaseErrorsAreTieringErrors) {
   EXPECT_TRUE(acquires(h, 9));
 }
 
+// ---- a failed acquire counts nothing (Entry::uncounted_load in tiered_store.cpp) ------------
+
+// An acquire whose wait fails, after its handle was prefetched or after it loaded the
+// handle itself, counts neither a prefetch hit nor a miss; the retry that succeeds
+// counts the load, once.
+TEST_P(StoreErrorsTest, AFailedAcquireCountsNoHitOrMissAndItsRetryCountsOnce) {
+  TieredStore& store = make_store();
+  // How many stream waits an acquire that loads makes: its last is the acquire's own.
+  const auto probe = create_written(20);
+  const long waits_before = failing_->calls_to("stream_wait_event");
+  EXPECT_TRUE(acquires(probe, 20));
+  const long waits_per_loading_acquire = failing_->calls_to("stream_wait_event") - waits_before;
+  ASSERT_GT(waits_per_loading_acquire, 0);
+  const TieredStoreStats start = store.stats();
+  ASSERT_EQ(start.misses, 1u);
+
+  const auto prefetched = create_written(21);
+  store.prefetch(prefetched, stream_);
+  failing_->fail_calls_to("stream_wait_event", 1);  // the acquire's wait for the copy
+  expect_tiering_error([&] { store.acquire(prefetched, stream_); }, "acquire", "stream_wait_event");
+  EXPECT_EQ(store.stats().prefetch_hits, start.prefetch_hits);
+  EXPECT_EQ(store.stats().misses, start.misses);
+  EXPECT_TRUE(acquires(prefetched, 21));
+  EXPECT_EQ(store.stats().prefetch_hits, start.prefetch_hits + 1);
+  EXPECT_EQ(store.stats().misses, start.misses);
+
+  const auto loaded = create_written(22);
+  failing_->fail_calls_to("stream_wait_event", 1, static_cast<int>(waits_per_loading_acquire - 1));
+  expect_tiering_error([&] { store.acquire(loaded, stream_); }, "acquire", "stream_wait_event");
+  EXPECT_TRUE(store.resident(loaded));  // the load went through; its acquire did not
+  EXPECT_EQ(store.stats().prefetch_hits, start.prefetch_hits + 1);
+  EXPECT_EQ(store.stats().misses, start.misses);
+  EXPECT_TRUE(acquires(loaded, 22));
+  EXPECT_EQ(store.stats().prefetch_hits, start.prefetch_hits + 1);
+  EXPECT_EQ(store.stats().misses, start.misses + 1);
+  EXPECT_EQ(store.stats().acquires, 3u);
+}
+
 INSTANTIATE_TEST_SUITE_P(Host, StoreErrorsTest, ::testing::Values(BackendKind::host),
                          tiering_test::backend_name);
 

@@ -1,5 +1,6 @@
 // TieredStore behaviour: residency, clean vs dirty eviction, the budget and its errors,
-// the recorded prefetch schedule (and its following a handle created later), reclaim,
+// the recorded prefetch schedule (and its following a handle created later, steps of two
+// shapes in turn, a doubled step), reclaim,
 // and fault injection at the seam (the last good copy must stay readable after every
 // failure).
 #include <array>
@@ -300,7 +301,7 @@ TEST_P(TieredStoreTest, RecordedStepIsPrefetchedOnReplay) {
 TEST_P(TieredStoreTest, AHandleCreatedAfterTheFirstStepIsPrefetchedInLaterSteps) {
   // Eight 100 KiB handles through a 600 KiB budget; a ninth is created after step 1
   // (state made lazily) and acquired mid-step from step 2 on. Step 2 meets it unknown
-  // (a miss) and is adopted as the schedule (Note [Adopting a step]); from step 3 on it
+  // (a miss) and merges it into the schedule (Note [Adopting a step]); from step 3 on it
   // is prefetched like the others instead of evicted first and missed every step.
   TieredStore store(backend(), options(600 << 10));
   std::vector<TieredStore::Handle> order;
@@ -333,6 +334,73 @@ TEST_P(TieredStoreTest, AHandleCreatedAfterTheFirstStepIsPrefetchedInLaterSteps)
   EXPECT_EQ(s.schedule_adoptions, 1u);
   EXPECT_EQ(s.off_schedule_acquires, 1u);  // step 2's acquire of the new handle
   EXPECT_NE(store.stats_json().find("\"schedule_adoptions\":1"), std::string::npos);
+}
+
+TEST_P(TieredStoreTest, StepsAlternatingBetweenTwoShapesMissNothingOnceThePatternHolds) {
+  // Six handles every step uses and one of each of two shapes (A, B in turn), 100 KiB
+  // each, through a 600 KiB budget: every step evicts. A schedule kept from A alone
+  // missed B's handle on every B step; once the pattern has held (Note [Steps of several
+  // shapes]) each step replays its own shape, and nothing misses.
+  TieredStore store(backend(), options(600 << 10));
+  std::vector<TieredStore::Handle> every_step;
+  for (int i = 0; i < 6; ++i) every_step.push_back(store.create(100 << 10, kTagOptimizerState));
+  const TieredStore::Handle a = store.create(100 << 10, kTagOptimizerState);
+  const TieredStore::Handle b = store.create(100 << 10, kTagOptimizerState);
+  TieredStoreStats steady{};
+  std::uint64_t b_hits = 0;
+  for (int step = 0; step < 16; ++step) {
+    if (step == 8) steady = store.stats();
+    std::vector<TieredStore::Handle> order = every_step;
+    order.insert(order.begin() + 3, step % 2 == 0 ? a : b);
+    store.begin_step();
+    for (auto h : order) {
+      const std::uint64_t hits_before = store.stats().prefetch_hits;
+      store.acquire(h, stream_);
+      if (h == b && step >= 8) b_hits += store.stats().prefetch_hits - hits_before;
+      store.release(h, true);
+      ASSERT_LE(store.device_bytes(), store.device_budget_bytes());
+    }
+    store.end_step();
+  }
+  const TieredStoreStats s = store.stats();
+  EXPECT_EQ(s.misses, steady.misses);
+  EXPECT_EQ(s.off_schedule_acquires, steady.off_schedule_acquires);
+  EXPECT_EQ(b_hits, 4u);  // steps 10, 12, 14 and 16
+  EXPECT_EQ(s.schedule_adoptions, 1u);  // b merged in
+}
+
+TEST_P(TieredStoreTest, AClosureRunTwiceThatCreatedAHandleIsFollowedOnce) {
+  // Step 2 runs its closure twice and creates a handle in the first run. The schedule
+  // takes the handle once (Note [Adopting a step]): the normal steps after it follow it,
+  // where a doubled schedule was taken back by the second of them (a second adoption).
+  TieredStore store(backend(), options(600 << 10));
+  std::vector<TieredStore::Handle> order;
+  for (int i = 0; i < 4; ++i) order.push_back(store.create(100 << 10, kTagOptimizerState));
+  const auto run = [&] {
+    for (auto h : order) {
+      store.acquire(h, stream_);
+      store.release(h, true);
+    }
+  };
+  store.begin_step();
+  run();
+  store.end_step();
+  order.push_back(store.create(100 << 10, kTagOptimizerState));
+  store.begin_step();
+  run();
+  run();
+  store.end_step();
+  EXPECT_EQ(store.stats().schedule_adoptions, 1u);
+  const TieredStoreStats after_doubled = store.stats();
+  for (int step = 0; step < 3; ++step) {
+    store.begin_step();
+    run();
+    store.end_step();
+  }
+  const TieredStoreStats s = store.stats();
+  EXPECT_EQ(s.schedule_adoptions, 1u);
+  EXPECT_EQ(s.off_schedule_acquires, after_doubled.off_schedule_acquires);
+  EXPECT_EQ(s.misses, after_doubled.misses);
 }
 
 TEST_P(TieredStoreTest, PrefetchNeverExceedsTheBudgetOrEvictsSoonerUses) {
