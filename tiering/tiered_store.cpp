@@ -301,7 +301,7 @@ bool TieredStore::load_locked(Entry& e, RoomFor why) {
   // The wait is enqueued; an event may be re-recorded after that (Note [Stream semantics]).
   if (buf.wait) give_event_locked(buf.wait);
   e.dev = buf.ptr;
-  e.uncounted_load = why == RoomFor::prefetch ? Entry::LoadBy::prefetch : Entry::LoadBy::acquire;
+  e.uncounted_load = for_prefetch ? Entry::LoadBy::prefetch : Entry::LoadBy::acquire;
   return true;
 }
 
