@@ -1,10 +1,9 @@
 // The tiering C ABI: VMM-backed allocations moved by pointer and by tag, tag operations
 // reaching the device's tiered stores, versioned stats, the JSON snapshot, the allocator's
 // reclaim hook reaching the stores on an allocator OOM, errors as return codes with a
-// message in tidepool_last_error, tag prefetch within tidepool.state_budget, prefetch and
-// evict by pointers (one optimizer's state, in its order, each range once), and the
-// allocator's tier route (tidepool_malloc of optimizer state -> pointer-stable ranges,
-// tidepool_release_stream and tidepool_pytorch_record_stream reaching them).
+// message in tidepool_last_error, tag prefetch within tidepool.state_budget, and prefetch
+// and evict by pointers (one optimizer's state, in its order, each range once). The
+// allocator's tier route into these ranges: test_tier_route.cpp.
 #include <chrono>
 #include <condition_variable>
 #include <cstdio>
@@ -418,16 +417,8 @@ TEST_F(CApiTieringTest, ErrorsAreCodesWithAMessageInTheAllocatorsErrorSlot) {
 
 // ---- tag prefetch within tidepool.state_budget ------------------------------------------
 
-constexpr std::size_t kMiB = std::size_t{1} << 20;
-
-// Applies `conf` for one test and restores the default (disabled) configuration after.
-class ConfigScope {
- public:
-  explicit ConfigScope(const char* conf) { apply_config(claim_config(conf).config); }
-  ~ConfigScope() { apply_config(Config{}); }
-  ConfigScope(const ConfigScope&) = delete;
-  ConfigScope& operator=(const ConfigScope&) = delete;
-};
+using tiering_test::ConfigScope;
+using tiering_test::kMiB;
 
 class PrefetchBudgetTest : public CApiTieringTest {
  protected:
@@ -605,219 +596,6 @@ TEST_F(PrefetchBudgetTest, APercentageIsOfTheDevicesMemory) {
   make_evicted({2 * kMiB, 2 * kMiB});
   EXPECT_EQ(prefetch(), 2 * kMiB);
   EXPECT_EQ(on_device(0), 2 * kMiB);
-}
-
-// ---- the allocator's tier route --------------------------------------------------------
-
-// tidepool_malloc's routing needs a device whose caching allocator and VMM pool are both
-// on the host backend (the test reads the memory through the pointers).
-constexpr int kRouteDevice = 3;
-
-class TierRouteTest : public ::testing::Test {
- protected:
-  static void SetUpTestSuite() { tidepool_set_backend("host"); }  // fails if already chosen
-  void SetUp() override {
-    if (std::strcmp(tidepool_backend_name(kRouteDevice), "host") != 0)
-      GTEST_SKIP() << "the process's backend is not host";
-    set_tier_min_bytes(kDefaultTierMinBytes);
-  }
-  void TearDown() override { set_tier_min_bytes(kDefaultTierMinBytes); }
-  static tidepool_stats_v1 stats() {
-    tidepool_stats_v1 s{};
-    s.struct_size = sizeof s;
-    EXPECT_EQ(tidepool_get_stats_v1(kRouteDevice, &s), 0) << tidepool_last_error();
-    return s;
-  }
-  // tidepool_malloc under optimizer_state.
-  static void* malloc_state(std::size_t bytes) {
-    EXPECT_EQ(tidepool_tag_push(kTagOptimizerState), 0);
-    void* p = tidepool_malloc(static_cast<ssize_t>(bytes), kRouteDevice, nullptr);
-    EXPECT_EQ(tidepool_tag_pop(), 0);
-    return p;
-  }
-  static bool routed(void* p) { return tidepool_vmm_owns(p, kRouteDevice) == 1; }
-};
-
-TEST_F(TierRouteTest, OptimizerStateAtOrAboveTheThresholdBecomesAPointerStableRange) {
-  ASSERT_NE(tier_route(), nullptr) << "libtidepool's tiering layer registers the route at load";
-  const tidepool_stats_v1 before = stats();
-  void* big = malloc_state(kDefaultTierMinBytes);
-  void* small = malloc_state(kDefaultTierMinBytes - 1);
-  void* untagged = tidepool_malloc(3 * kMiB, kRouteDevice, nullptr);
-  ASSERT_TRUE(big && small && untagged) << tidepool_last_error();
-  EXPECT_TRUE(routed(big));
-  EXPECT_FALSE(routed(small));
-  EXPECT_FALSE(routed(untagged));
-  // The caching allocator served the small state and the untagged block only.
-  const tidepool_stats_v1 during = stats();
-  EXPECT_EQ(during.tags[kTagOptimizerState].count, before.tags[kTagOptimizerState].count + 1);
-  EXPECT_EQ(during.requested.current,
-            before.requested.current + (kDefaultTierMinBytes - 1) + 3 * kMiB);
-  EXPECT_EQ(tidepool_record_stream(big, kRouteDevice, nullptr), 0) << tidepool_last_error();
-
-  // The routed range moves to the host and back at the same address with its bytes.
-  std::memset(big, 0x3c, kDefaultTierMinBytes);
-  ASSERT_EQ(tidepool_evict_ptr(kRouteDevice, big), 0) << tidepool_last_error();
-  EXPECT_EQ(tiering_vmm_pool(kRouteDevice).bytes_in(big, MemoryLocation::device), 0u);
-  ASSERT_EQ(tidepool_prefetch_ptr(kRouteDevice, big, nullptr), 0) << tidepool_last_error();
-  const auto* bytes = static_cast<const unsigned char*>(big);
-  for (std::size_t i = 0; i < kDefaultTierMinBytes; i += 4093) ASSERT_EQ(bytes[i], 0x3c) << i;
-
-  const std::uint64_t ranges = tiering_vmm_pool(kRouteDevice).stats().ranges;
-  ::testing::internal::CaptureStderr();
-  tidepool_free(big, kDefaultTierMinBytes, kRouteDevice, nullptr);
-  tidepool_free(small, kDefaultTierMinBytes - 1, kRouteDevice, nullptr);
-  tidepool_free(untagged, 3 * kMiB, kRouteDevice, nullptr);
-  EXPECT_EQ(::testing::internal::GetCapturedStderr(), "");
-  EXPECT_EQ(tiering_vmm_pool(kRouteDevice).stats().ranges, ranges - 1);
-  EXPECT_EQ(stats().requested.current, before.requested.current);
-}
-
-TEST_F(TierRouteTest, TheThresholdFollowsTidepoolTierMinBytes) {
-  void* kept = nullptr;
-  {
-    const ConfigScope config("tidepool.tier_min_bytes:0");
-    void* tiny = malloc_state(256);
-    EXPECT_TRUE(routed(tiny));
-    tidepool_free(tiny, 256, kRouteDevice, nullptr);
-    kept = malloc_state(256);
-    EXPECT_TRUE(routed(kept));
-  }
-  // Freed under the default threshold again: the free path's size shortcut sends it to
-  // the caching allocator first, which rejects it, and the route still takes it back.
-  const std::uint64_t ranges = tiering_vmm_pool(kRouteDevice).stats().ranges;
-  ::testing::internal::CaptureStderr();
-  tidepool_free(kept, 256, kRouteDevice, nullptr);
-  EXPECT_EQ(::testing::internal::GetCapturedStderr(), "");
-  EXPECT_EQ(tiering_vmm_pool(kRouteDevice).stats().ranges, ranges - 1);
-  {
-    const ConfigScope config("tidepool.tier_min_bytes:8MiB");
-    void* p = malloc_state(4 * kMiB);
-    EXPECT_FALSE(routed(p));
-    tidepool_free(p, 4 * kMiB, kRouteDevice, nullptr);
-  }
-  EXPECT_EQ(tier_min_bytes(), kDefaultTierMinBytes);  // the default configuration again
-}
-
-TEST_F(TierRouteTest, AFreedRangeFreedAgainIsAClearErrorAndChangesNothing) {
-  void* p = malloc_state(2 * kMiB);
-  ASSERT_TRUE(routed(p));
-  tidepool_free(p, 2 * kMiB, kRouteDevice, nullptr);
-  const tidepool_stats_v1 before = stats();
-  ::testing::internal::CaptureStderr();
-  tidepool_free(p, 2 * kMiB, kRouteDevice, nullptr);
-  const std::string printed = ::testing::internal::GetCapturedStderr();
-  EXPECT_NE(printed.find("tidepool: "), std::string::npos) << printed;
-  EXPECT_EQ(printed, std::string(tidepool_last_error()) + "\n");
-  EXPECT_EQ(stats().free_count, before.free_count);
-  void* q = malloc_state(2 * kMiB);  // the route and the allocator live on
-  EXPECT_TRUE(routed(q));
-  tidepool_free(q, 2 * kMiB, kRouteDevice, nullptr);
-}
-
-TEST_F(TierRouteTest, ARangeFromTheTieringCAbiCanBeFreedThroughTidepoolFree) {
-  // The live-range shortcut of the free path must not hide a range it did not count.
-  void* p = tidepool_vmm_malloc(2 * kMiB, kRouteDevice, kTagOptimizerState, nullptr);
-  ASSERT_NE(p, nullptr) << tidepool_last_error();
-  const std::uint64_t ranges = tiering_vmm_pool(kRouteDevice).stats().ranges;
-  tidepool_free(p, 2 * kMiB, kRouteDevice, nullptr);
-  EXPECT_EQ(tiering_vmm_pool(kRouteDevice).stats().ranges, ranges - 1);
-}
-
-TEST_F(TierRouteTest, AReleasedStreamIsForgottenByTheRangesThatRecordedIt) {
-  // A range allocated and recorded on a stream the program then releases and destroys:
-  // moving the range later must not wait on the dead handle.
-  Backend& backend = device_allocator(kRouteDevice).backend();
-  const Stream s = backend.create_stream();
-  ASSERT_EQ(tidepool_tag_push(kTagOptimizerState), 0);
-  void* allocated_on_s = tidepool_malloc(2 * kMiB, kRouteDevice, s.handle);
-  ASSERT_EQ(tidepool_tag_pop(), 0);
-  void* recorded_on_s = tidepool_vmm_malloc(2 * kMiB, kRouteDevice, kTagOptimizerState, nullptr);
-  ASSERT_TRUE(allocated_on_s && recorded_on_s) << tidepool_last_error();
-  ASSERT_TRUE(routed(allocated_on_s));
-  ASSERT_EQ(tidepool_record_stream(recorded_on_s, kRouteDevice, s.handle), 0)
-      << tidepool_last_error();
-  std::memset(allocated_on_s, 0x5a, 2 * kMiB);
-
-  ASSERT_EQ(tidepool_release_stream(kRouteDevice, s.handle), 0) << tidepool_last_error();
-  backend.destroy_stream(s);
-  for (void* p : {allocated_on_s, recorded_on_s}) {
-    EXPECT_EQ(tidepool_evict_ptr(kRouteDevice, p), 0) << tidepool_last_error();
-    EXPECT_EQ(tidepool_prefetch_ptr(kRouteDevice, p, nullptr), 0) << tidepool_last_error();
-  }
-  const auto* bytes = static_cast<const unsigned char*>(allocated_on_s);
-  for (std::size_t i = 0; i < 2 * kMiB; i += 4093) ASSERT_EQ(bytes[i], 0x5a) << i;
-
-  // Released again once destroyed: no range names it any more, so nothing waits on the
-  // dead handle (Note [Releasing a stream no range used] in vmm_migration.cpp) and the
-  // ranges are untouched.
-  EXPECT_EQ(tidepool_release_stream(kRouteDevice, s.handle), 0) << tidepool_last_error();
-  EXPECT_EQ(tiering_vmm_pool(kRouteDevice).bytes_in(allocated_on_s, MemoryLocation::device),
-            2 * kMiB);
-  ::testing::internal::CaptureStderr();
-  tidepool_free(allocated_on_s, 2 * kMiB, kRouteDevice, nullptr);
-  tidepool_free(recorded_on_s, 2 * kMiB, kRouteDevice, nullptr);
-  EXPECT_EQ(::testing::internal::GetCapturedStderr(), "");
-}
-
-TEST_F(TierRouteTest, AReleasedStreamIsForgottenByTheDevicesTieredStoresToo) {
-  // Note [Use streams] in tiered_store.h: tidepool_release_stream reaches the stores of
-  // the device, so state a stream used is not tied to it once it is destroyed.
-  CachingAllocator& allocator = device_allocator(kRouteDevice);
-  Backend& backend = allocator.backend();
-  TieredStore store(backend, tiering_test::test_store_options(1 << 20),
-                    caching_allocator_source(allocator));
-  const auto [h, s, dev] = tiering_test::acquire_on_new_stream(store, 4096, kTagOptimizerState);
-  backend.stream_synchronize(s);
-  std::memset(dev, 0x6b, 4096);  // host backend: device memory is host-addressable
-  store.release(h, /*dirty=*/true);
-  ASSERT_EQ(tidepool_release_stream(kRouteDevice, s.handle), 0) << tidepool_last_error();
-  backend.destroy_stream(s);
-  EXPECT_NO_THROW(store.evict(h));
-  std::vector<unsigned char> out(4096);
-  store.read(h, out.data());
-  for (unsigned char c : out) ASSERT_EQ(c, 0x6b);
-  store.destroy(h);
-}
-
-// record_stream from PyTorch (Note [record_stream from PyTorch], allocator/c_api.h)
-// names no device: a pointer-stable range is found through the route, and moving it
-// then waits for the recorded stream.
-TEST_F(TierRouteTest, PyTorchRecordStreamReachesAPointerStableRange) {
-  Backend& backend = device_allocator(kRouteDevice).backend();
-  const Stream s = backend.create_stream();
-  tiering_test::StreamGate gate;
-  const tiering_test::StreamGate::OpenOnExit open_on_exit{gate};
-  backend.launch_host_func(s, &tiering_test::StreamGate::wait, &gate);
-  void* p = malloc_state(2 * kMiB);
-  ASSERT_TRUE(routed(p));
-  ASSERT_EQ(tidepool_pytorch_record_stream(p, s.handle), 0) << tidepool_last_error();
-  auto evicted = std::async(std::launch::async, [&] { return tidepool_evict_ptr(kRouteDevice, p); });
-  // Not a timing bound: a wait that ends early is the failure.
-  EXPECT_EQ(evicted.wait_for(std::chrono::milliseconds(200)), std::future_status::timeout)
-      << "the range moved while the stream PyTorch recorded was still held";
-  gate.open();
-  EXPECT_EQ(evicted.get(), 0) << tidepool_last_error();
-  EXPECT_EQ(tiering_vmm_pool(kRouteDevice).bytes_in(p, MemoryLocation::device), 0u);
-  ASSERT_EQ(tidepool_release_stream(kRouteDevice, s.handle), 0) << tidepool_last_error();
-  backend.destroy_stream(s);
-  tidepool_free(p, 2 * kMiB, kRouteDevice, nullptr);
-}
-
-TEST(TierRouteRegistration, ADifferentRouteOrAnIncompleteOneIsRefused) {
-  const TierRoute* installed = tier_route();
-  ASSERT_NE(installed, nullptr);
-  EXPECT_NO_THROW(register_tier_route(installed));  // the same one again: a no-op
-  static const TierRoute other = *installed;
-  EXPECT_THROW(register_tier_route(&other), std::logic_error);
-  TierRoute incomplete = *installed;
-  incomplete.owns = nullptr;
-  EXPECT_THROW(register_tier_route(&incomplete), std::invalid_argument);
-  incomplete = *installed;
-  incomplete.release_stream = nullptr;
-  EXPECT_THROW(register_tier_route(&incomplete), std::invalid_argument);
-  EXPECT_THROW(register_tier_route(nullptr), std::invalid_argument);
-  EXPECT_EQ(tier_route(), installed);
 }
 
 }  // namespace

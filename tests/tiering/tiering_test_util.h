@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "allocator/backend.h"
+#include "allocator/config.h"
 #include "tiering/host_arena.h"
 #include "tiering/tiered_store.h"
 #include "tests/support/stream_gate.h"
@@ -30,6 +31,18 @@
 #endif
 
 namespace tidepool::tiering_test {
+
+constexpr std::size_t kMiB = std::size_t{1} << 20;
+
+// A configuration applied for one scope, as the start-up hook would apply it (tiering
+// reads tidepool.state_budget and the other keys from there); no configuration after.
+class ConfigScope {
+ public:
+  explicit ConfigScope(const char* conf) { apply_config(claim_config(conf).config); }
+  ~ConfigScope() { apply_config(Config{}); }
+  ConfigScope(const ConfigScope&) = delete;
+  ConfigScope& operator=(const ConfigScope&) = delete;
+};
 
 
 inline std::string backend_name(const ::testing::TestParamInfo<BackendKind>& info) {
