@@ -37,8 +37,8 @@
 //      while the others give something back (a room given back may be taken by another
 //      store's load first), and after three asks in a row that gave nothing (the room
 //      is held by acquired handles or VMM ranges) it fails with a TieringError that
-//      says the budget is shared and how many bytes the others hold. (A create on the
-//      device takes what step 1 gives, as before, and does not ask.)
+//      says the budget is shared and how many bytes the others hold. A create on the
+//      device (Tier::device) gets its room the same way (TieredStore::with_room_from_peers).
 //   3. A prefetch is a hint: it takes free room in the ledger only (and evicts its own
 //      handles needed later than the one it loads, as before); it never asks the others
 //      and never waits.

@@ -12,6 +12,8 @@
 // below what the store holds, and with a shared budget another store cannot take the
 // same room in between (its check and its charge are one atomic step in the ledger).
 #include <algorithm>
+#include <functional>
+#include <mutex>
 #include <string>
 
 #include "tiering/store_entry.h"
@@ -67,7 +69,7 @@ std::size_t TieredStore::peer_shortfall_locked(std::size_t bytes) const {
 // only an acquire whose room the pending frees cannot give that way waits, oldest first.
 // What the other participants of a shared budget hold counts as held: this store's own
 // evictions and write-backs are all it can use here; the others are asked by the acquire
-// once this returns none (acquire_sharing_room), a prefetch never asks them.
+// once this returns none (with_room_from_peers), a prefetch never asks them.
 TieredStore::Room TieredStore::make_room_locked(std::size_t bytes, const Entry* incoming,
                                                 bool may_wait) {
   const std::size_t budget = options_.device_budget_bytes;
@@ -206,18 +208,18 @@ namespace {
 constexpr int kFruitlessPeerAsks = 3;
 }  // namespace
 
-// Note [Shared state budget], step 2. The handle is looked up afresh on each try: with
-// the lock let go, another thread may have loaded it (a prefetch), or destroyed it.
-void* TieredStore::acquire_sharing_room(std::unique_lock<std::mutex>& lock, Handle h,
-                                        Stream stream) {
+// Note [Shared state budget], step 2. The attempt looks its handle up afresh each time
+// (acquire_locked): with the lock let go, another thread may have loaded it (a prefetch),
+// or destroyed it.
+void* TieredStore::with_room_from_peers(std::unique_lock<std::mutex>& lock, std::size_t bytes,
+                                        const std::function<void*(RoomFor)>& attempt) {
   int fruitless = 0;
   while (true) {
     const RoomFor why =
         fruitless < kFruitlessPeerAsks ? RoomFor::acquire_may_ask_peers : RoomFor::acquire;
-    if (void* p = acquire_locked(h, stream, why)) return p;
+    if (void* p = attempt(why)) return p;
     // At least a byte: a shortfall of 0 means another store took room as this one asked.
-    const std::size_t shortfall =
-        std::max<std::size_t>(peer_shortfall_locked(entry_locked(h, "acquire").bytes), 1);
+    const std::size_t shortfall = std::max<std::size_t>(peer_shortfall_locked(bytes), 1);
     stats_.peer_room_requests++;
     lock.unlock();
     const std::size_t given = shared_->ask_peers(shortfall);

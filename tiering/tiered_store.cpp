@@ -225,8 +225,7 @@ TieredStore::Handle TieredStore::create(std::size_t bytes, int tag, Tier initial
 TieredStore::Handle TieredStore::create_checked(std::size_t bytes, int tag, Tier initial) {
   const HostBlock host = host_.allocate(bytes);
   std::memset(host.ptr, 0, bytes);
-  std::lock_guard lock(mutex_);
-  InsideStore inside(this);
+  std::unique_lock lock(mutex_);
   auto e = std::make_unique<Entry>();
   e->bytes = bytes;
   e->tag = tag;
@@ -236,7 +235,19 @@ TieredStore::Handle TieredStore::create_checked(std::size_t bytes, int tag, Tier
     e->dev_ready = take_event_locked();
     e->host_ready = take_event_locked();
     if (initial == Tier::device) {
-      buf = device_allocate_locked(bytes, e.get(), RoomFor::acquire);
+      // Room as an acquire gets it, from the other stores too when the budget is shared;
+      // the entry is not in entries_ yet, so no other thread reaches it while the lock is
+      // let go to ask them.
+      auto allocate = [&](RoomFor why) -> void* {
+        InsideStore inside(this);
+        buf = device_allocate_locked(bytes, e.get(), why);
+        return buf.ptr;
+      };
+      if (shared_) {
+        with_room_from_peers(lock, bytes, allocate);
+      } else {
+        allocate(RoomFor::acquire);
+      }
       e->dev = buf.ptr;
       const Stream s = copies_.stream(Direction::host_to_device);
       if (buf.wait) {
@@ -248,6 +259,7 @@ TieredStore::Handle TieredStore::create_checked(std::size_t bytes, int tag, Tier
       backend_.record_event(e->dev_ready, s);
     }
   } catch (...) {
+    if (!lock.owns_lock()) lock.lock();  // a failure while the other stores were asked
     if (buf.ptr != nullptr) give_back_failed_load_locked(buf, bytes);
     if (e->dev_ready) give_event_locked(e->dev_ready);
     if (e->host_ready) give_event_locked(e->host_ready);
@@ -367,8 +379,10 @@ void TieredStore::prefetch(Handle h, Stream stream) {
 
 void* TieredStore::acquire(Handle h, Stream stream) {
   std::unique_lock lock(mutex_);
-  if (shared_) return acquire_sharing_room(lock, h, stream);  // store_budget.cpp
-  return acquire_locked(h, stream, RoomFor::acquire);
+  if (!shared_) return acquire_locked(h, stream, RoomFor::acquire);
+  const std::size_t bytes = entry_locked(h, "acquire").bytes;
+  return with_room_from_peers(  // store_budget.cpp
+      lock, bytes, [&](RoomFor why) { return acquire_locked(h, stream, why); });
 }
 
 void* TieredStore::acquire_locked(Handle h, Stream stream, RoomFor why) {

@@ -374,9 +374,14 @@ class TIDEPOOL_API TieredStore {
   // the bytes freed; adds the bytes of the handles evicted to `evicted`.
   std::size_t evict_released_locked(std::size_t bytes_needed, std::size_t& evicted,
                                     const char* why) noexcept;
-  // acquire() of a store whose budget is shared: acquire_locked, and while it finds no
-  // room, the other stores asked with `lock` let go (Note [Shared state budget]).
-  void* acquire_sharing_room(std::unique_lock<std::mutex>& lock, Handle h, Stream stream);
+  // With a budget shared with other stores (Note [Shared state budget]): calls
+  // `attempt(RoomFor::acquire_may_ask_peers)` under `lock` and, while it returns nullptr
+  // (no room for `bytes` from this store's own handles), asks the other stores for room
+  // with `lock` let go and tries again; once asking has stopped giving room, the last
+  // attempt gets RoomFor::acquire, which throws the no-room error. Returns what the
+  // attempt that succeeded returned. Used by acquire() and create() on the device.
+  void* with_room_from_peers(std::unique_lock<std::mutex>& lock, std::size_t bytes,
+                             const std::function<void*(RoomFor)>& attempt);
   void prefetch_ahead_locked();
   Event take_event_locked();
   void give_event_locked(Event e);

@@ -192,6 +192,42 @@ TEST_P(SharedStateBudgetTest, AnAcquireEvictsAReleasedHandleOfTheOtherStore) {
   EXPECT_EQ(first_difference(contents(*b, h).data(), mine.data(), kUnit), -1);
 }
 
+// A handle created on the device gets its room as an acquire does: from the other store's
+// released handles, and with none left, the shared budget's clear error, nothing created.
+TEST_P(SharedStateBudgetTest, ACreateOnTheDeviceTakesRoomFromTheOtherStore) {
+  configure(kBudget);
+  auto a = make_store();
+  auto b = make_store();
+  const Filled in_a = fill_released(*a, 4, 400);
+  const auto h = b->create(kUnit, kTagOptimizerState, Tier::device);
+  EXPECT_TRUE(b->resident(h));
+  EXPECT_EQ(a->device_bytes(), kBudget - kUnit);
+  EXPECT_EQ(a->stats().peer_evictions, 1u);
+  EXPECT_EQ(ledger_bytes(), kBudget);
+  EXPECT_EQ(first_difference(contents(*b, h).data(), std::vector<unsigned char>(kUnit).data(),
+                             kUnit),
+            -1);  // zeroed, as a created handle is
+  expect_intact(*a, in_a);
+
+  for (const auto held : in_a.handles) {
+    if (a->resident(held)) a->acquire(held, stream_);
+  }
+  b->acquire(h, stream_);  // the whole budget is acquired now
+  try {
+    b->create(kUnit, kTagOptimizerState, Tier::device);
+    ADD_FAILURE() << "a create with no room anywhere in the shared budget succeeded";
+  } catch (const TieringError& e) {
+    EXPECT_NE(std::string(e.what()).find("the budget is shared"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(b->stats().handles, 1u);
+  EXPECT_EQ(ledger_bytes(), kBudget);
+  b->release(h, false);
+  for (const auto held : in_a.handles) {
+    if (a->resident(held)) a->release(held, false);
+  }
+  expect_intact(*a, in_a);
+}
+
 TEST_P(SharedStateBudgetTest, APrefetchDoesNotEvictTheOtherStores) {
   configure(kBudget);
   auto a = make_store();
