@@ -81,6 +81,18 @@ class SharedStateBudgetTest : public tiering_test::TieringStreamTest {
     }
     return f;
   }
+  // The budget configured, two stores that share it, and `a` filling it with released
+  // handles (seeded from `seed`).
+  struct TwoStores {
+    std::unique_ptr<TieredStore> a, b;
+    Filled in_a;
+  };
+  TwoStores two_stores_a_full(std::uint64_t seed) {
+    configure(kBudget);
+    TwoStores t{make_store(), make_store(), {}};
+    t.in_a = fill_released(*t.a, 4, seed);
+    return t;
+  }
   void expect_intact(TieredStore& s, const Filled& f) {
     for (std::size_t i = 0; i < f.handles.size(); ++i) {
       EXPECT_EQ(first_difference(contents(s, f.handles[i]).data(), f.data[i].data(), kUnit), -1)
@@ -169,10 +181,7 @@ TEST_P(SharedStateBudgetTest, TwoStoresFromTheConfigurationStayWithinTheOneBudge
 }
 
 TEST_P(SharedStateBudgetTest, AnAcquireEvictsAReleasedHandleOfTheOtherStore) {
-  configure(kBudget);
-  auto a = make_store();
-  auto b = make_store();
-  const Filled in_a = fill_released(*a, 4, 100);
+  auto [a, b, in_a] = two_stores_a_full(100);
   ASSERT_EQ(a->device_bytes(), kBudget);
   const auto h = b->create(kUnit, kTagOptimizerState);
   const auto mine = random_bytes(kUnit, 200);
@@ -195,10 +204,7 @@ TEST_P(SharedStateBudgetTest, AnAcquireEvictsAReleasedHandleOfTheOtherStore) {
 // A handle created on the device gets its room as an acquire does: from the other store's
 // released handles, and with none left, the shared budget's clear error, nothing created.
 TEST_P(SharedStateBudgetTest, ACreateOnTheDeviceTakesRoomFromTheOtherStore) {
-  configure(kBudget);
-  auto a = make_store();
-  auto b = make_store();
-  const Filled in_a = fill_released(*a, 4, 400);
+  auto [a, b, in_a] = two_stores_a_full(400);
   const auto h = b->create(kUnit, kTagOptimizerState, Tier::device);
   EXPECT_TRUE(b->resident(h));
   EXPECT_EQ(a->device_bytes(), kBudget - kUnit);
@@ -229,10 +235,7 @@ TEST_P(SharedStateBudgetTest, ACreateOnTheDeviceTakesRoomFromTheOtherStore) {
 }
 
 TEST_P(SharedStateBudgetTest, APrefetchDoesNotEvictTheOtherStores) {
-  configure(kBudget);
-  auto a = make_store();
-  auto b = make_store();
-  const Filled in_a = fill_released(*a, 4, 300);
+  auto [a, b, in_a] = two_stores_a_full(300);
   const auto h = b->create(kUnit, kTagOptimizerState);
   b->prefetch(h, stream_);
   EXPECT_FALSE(b->resident(h));
@@ -250,10 +253,7 @@ TEST_P(SharedStateBudgetTest, APrefetchDoesNotEvictTheOtherStores) {
 }
 
 TEST_P(SharedStateBudgetTest, AcquiredHandlesOfOneStoreLeaveTheOtherAClearError) {
-  configure(kBudget);
-  auto a = make_store();
-  auto b = make_store();
-  const Filled in_a = fill_released(*a, 4, 400);
+  auto [a, b, in_a] = two_stores_a_full(400);
   for (auto h : in_a.handles) a->acquire(h, stream_);
   const auto h = b->create(kUnit, kTagOptimizerState);
   const auto mine = random_bytes(kUnit, 500);
