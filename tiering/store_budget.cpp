@@ -53,10 +53,14 @@ std::size_t TieredStore::peer_bytes_locked() const noexcept {
   return shared_ ? shared_->others_bytes() : 0;
 }
 
+std::size_t TieredStore::held_once_written_back_locked() const noexcept {
+  std::size_t held = peer_bytes_locked() + device_bytes_ + reserved_;
+  for (const PendingFree& f : pending_frees_) held -= f.bytes;
+  return held;
+}
+
 std::size_t TieredStore::peer_shortfall_locked(std::size_t bytes) const {
-  std::size_t in_flight = 0;
-  for (const PendingFree& f : pending_frees_) in_flight += f.bytes;
-  const std::size_t wanted = peer_bytes_locked() + device_bytes_ + reserved_ - in_flight + bytes;
+  const std::size_t wanted = held_once_written_back_locked() + bytes;
   return wanted > options_.device_budget_bytes ? wanted - options_.device_budget_bytes : 0;
 }
 
@@ -78,9 +82,8 @@ TieredStore::Room TieredStore::make_room_locked(std::size_t bytes, const Entry* 
   while (true) {
     reap_frees_locked(/*wait_all=*/false);
     if (reserve_locked(bytes)) return {Room::Kind::fresh, 0};
-    std::size_t in_flight = 0;
-    for (const PendingFree& f : pending_frees_) in_flight += f.bytes;
-    if (peer_bytes_locked() + device_bytes_ - in_flight + bytes > budget) {
+    // Nothing is reserved here (a reservation is taken only as this returns).
+    if (held_once_written_back_locked() + bytes > budget) {
       Entry* victim = nullptr;
       std::size_t victim_score = 0;
       for (auto& [id, e] : entries_) {
@@ -96,7 +99,7 @@ TieredStore::Room TieredStore::make_room_locked(std::size_t bytes, const Entry* 
         evict_locked(*victim);
         continue;
       }
-      if (in_flight == 0) return {Room::Kind::none, 0};  // all acquired (or needed sooner)
+      if (pending_frees_.empty()) return {Room::Kind::none, 0};  // all acquired (or needed sooner)
     }
     const Room room = room_from_pending_locked(bytes);
     if (room.kind == Room::Kind::take_over) return room;

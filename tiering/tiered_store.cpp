@@ -140,7 +140,6 @@ TieredStore::TieredStore(Backend& backend, TieredStoreOptions options, DeviceMem
     shared_ = std::make_unique<DeviceBudgetLedger::Seat>(
         DeviceBudgetLedger::of_device(backend_.device()),
         [this](std::size_t bytes_needed) { return give_back_for_peer(bytes_needed); });
-    stats_.budget_shared = true;
   }
   detail::register_tiered_store(backend_.device(), this);
 }
@@ -719,6 +718,7 @@ TieredStoreStats TieredStore::stats() {
   }
   s.off_schedule_acquires = policy_.off_schedule_acquires();
   s.schedule_adoptions = policy_.schedule_adoptions();
+  s.budget_shared = shared_ != nullptr;
   s.peer_bytes = peer_bytes_locked();
   s.host = host_.stats();
   s.copy = copies_.stats();

@@ -363,6 +363,9 @@ class TIDEPOOL_API TieredStore {
   void uncharge_locked(std::size_t bytes) noexcept;
   // Bytes the other participants of a shared budget hold (0 for a budget of its own).
   std::size_t peer_bytes_locked() const noexcept;
+  // The budget's bytes held (the other participants', this store's charge) once this
+  // store's own buffers on their way out are freed.
+  std::size_t held_once_written_back_locked() const noexcept;
   // The bytes the other participants would have to give back for `bytes` to fit, once
   // this store's own buffers on their way out are freed.
   std::size_t peer_shortfall_locked(std::size_t bytes) const;
