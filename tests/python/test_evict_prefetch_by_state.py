@@ -52,11 +52,14 @@ def test_tensors_move_by_their_storages_pointers(fake_cuda, fake_tiering):
     tidepool.evict(t for t in (b,))
     tidepool.prefetch(a, device=0, stream=9)  # one tensor
     tidepool.evict([])
+    weight = torch.nn.Parameter(torch.ones(3))  # a tensor subclass is its own storage's
+    tidepool.evict(weight)
     storage_a, storage_b = a.untyped_storage().data_ptr(), b.untyped_storage().data_ptr()
     assert storage_a != view.data_ptr()
     assert fake_tiering == [("evict_ptrs", 0, (storage_a, storage_b), None),
                             ("evict_ptrs", 0, (storage_b,), None),
-                            ("prefetch", 0, (storage_a,), 9)]
+                            ("prefetch", 0, (storage_a,), 9),
+                            ("evict_ptrs", 0, (weight.untyped_storage().data_ptr(),), None)]
 
 
 def test_what_cannot_be_moved_is_a_clear_error(fake_cuda, fake_tiering, monkeypatch):

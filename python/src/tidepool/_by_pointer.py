@@ -45,7 +45,7 @@ def _tensor_pointers(torch, tensors, device: int | None) -> dict[int, list[int]]
         if torch is None or not isinstance(tensor, torch.Tensor):
             raise TypeError(f"tidepool: evict and prefetch take {WHAT}; the iterable holds "
                             f"a {type(tensor).__name__}")
-        for part in _local_tensors(tensor):
+        for part in _optim_hooks._plain_parts(tensor, any_tensor=True):
             d = _optim_hooks._cuda_index(part)
             if d < 0:
                 raise ValueError(f"tidepool: a tensor on {part.device} is not in CUDA memory; "
@@ -54,15 +54,6 @@ def _tensor_pointers(torch, tensors, device: int | None) -> dict[int, list[int]]
                 raise ValueError(f"tidepool: a tensor on cuda:{d} was given with device={device}")
             by_device.setdefault(d, []).append(_storage_pointer(part))
     return by_device
-
-
-def _local_tensors(tensor) -> list:
-    """The tensors holding `tensor`'s data: itself, or a wrapper subclass's (one with
-    PyTorch's flatten protocol: a DTensor) inner tensors, recursively."""
-    flat = _optim_hooks._flatten(tensor)
-    if flat is None:
-        return [tensor]
-    return [part for name in flat[0] for part in _local_tensors(getattr(tensor, name))]
 
 
 def _storage_pointer(tensor) -> int:

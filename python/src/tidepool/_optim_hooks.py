@@ -535,18 +535,19 @@ def _flatten(value):
     return value.__tensor_flatten__() if is_traceable_wrapper_subclass(value) else None
 
 
-def _plain_parts(value) -> list:
+def _plain_parts(value, any_tensor: bool = False) -> list:
     """The plain tensors holding `value`'s data: itself, or a wrapper's (_flatten) inner
-    tensors, recursively. [] for anything else (nn.Parameter, other subclasses). (Also
-    reached by tidepool.evict(optimizer), where tidepool may be installed in no torch:
-    under the LD_PRELOAD shim.)"""
+    tensors, recursively. [] for anything else (nn.Parameter, other subclasses), unless
+    `any_tensor`: then a tensor of any other subclass is its own part (a user's
+    nn.Parameter handed to tidepool.evict). (Also reached by tidepool.evict(), where
+    tidepool may be installed in no torch: under the LD_PRELOAD shim.)"""
     torch = _install.STATE.torch or sys.modules["torch"]
     if type(value) is torch.Tensor:
         return [value]
     flat = _flatten(value)
     if flat is None:
-        return []
-    return [part for name in flat[0] for part in _plain_parts(getattr(value, name))]
+        return [value] if any_tensor and isinstance(value, torch.Tensor) else []
+    return [part for name in flat[0] for part in _plain_parts(getattr(value, name), any_tensor)]
 
 
 def _adopted(value):

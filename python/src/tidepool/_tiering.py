@@ -1,8 +1,9 @@
 """The tiering layer's C ABI (tiering/c_api_tiering.h), called by tag: move every
 allocation under a tag to host memory (evict) or bring it back (prefetch, within
 tidepool.state_budget), pointer-stable; and prefetch or evict by pointers, one call for
-the ranges holding a list of tensors (one optimizer's state). Its errors land in tidepool_last_error,
-as the allocator's do. A build without tiering says so instead of pretending."""
+the ranges holding a list of tensors (one optimizer's state). Its errors land in
+tidepool_last_error, as the allocator's do. A build without tiering says so instead of
+pretending."""
 
 from __future__ import annotations
 
