@@ -291,11 +291,17 @@ void PrefetchPolicy::on_acquire(HandleId h) {
   if (recording_) return;
   const Shape& shape = current().coming;
   if (shape.order.empty()) return;
-  moved();
   if (position_ < shape.order.size() && shape.order[position_] == h) {
     position_++;
+    if (in_step_) {  // the look-ahead lost its front acquire (Note [Prefetch frontier])
+      advances_++;
+      if (look_ahead_valid_) look_ahead_.front().begin = position_;
+    } else {
+      moved();  // between steps the look-ahead's last stretch ends at the position
+    }
     return;
   }
+  moved();
   off_schedule_++;
   auto it = shape.positions.find(h);
   if (it == shape.positions.end()) return;  // not in the shape: keep the position
@@ -379,14 +385,12 @@ std::size_t PrefetchPolicy::eviction_score(HandleId h) const {
 
 std::vector<PrefetchPolicy::HandleId> PrefetchPolicy::upcoming(std::size_t max) const {
   std::vector<HandleId> out;
-  if (!replaying()) return out;
+  if (max == 0) return out;
   std::unordered_set<HandleId> seen;
-  for (const Stretch& stretch : look_ahead()) {
-    for (std::size_t i = stretch.begin; i < stretch.end && out.size() < max; ++i) {
-      const HandleId h = stretch.shape->order[i];
-      if (seen.insert(h).second) out.push_back(h);
-    }
-  }
+  visit_upcoming(0, kNever, [&](HandleId h) {
+    if (seen.insert(h).second) out.push_back(h);
+    return out.size() < max;
+  });
   return out;
 }
 

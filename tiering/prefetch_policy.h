@@ -132,6 +132,7 @@
 // Not thread-safe: the tiered store calls it under its own lock.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <limits>
@@ -183,6 +184,54 @@ class TIDEPOOL_API PrefetchPolicy {
   // The next `max` distinct handles the look-ahead sequence expects, in order (at most
   // one cycle of it).
   std::vector<HandleId> upcoming(std::size_t max) const;
+
+  // Note [Prefetch frontier]
+  // The store prefetches after every acquire: it walks the look-ahead from its front and
+  // loads what is not on the device, up to prefetch_lookahead acquires ahead. In a step
+  // that follows its shape each acquire only drops the front acquire of the look-ahead,
+  // so all but the last of the acquires the previous walk passed are still ahead, their
+  // handles still loaded: walking them again cost about 2 us per acquire at 64 ahead
+  // (bench/tiering/policy_step.cpp). So a walk leaves a mark (how far it got, and where
+  // the look-ahead stood), and the next one starts where that mark still holds: at the
+  // same place less the in-order acquires since. Anything else that changes the
+  // look-ahead (a step begun or ended, an acquire off the shape, a handle forgotten, a
+  // schedule adopted or retired) starts the next walk at the front, and so does, in the
+  // store, any eviction since the mark (a handle it passed may be gone). What a mark
+  // skips is exactly what the walk would find loaded, so prefetching does what it did;
+  // a walk that stops (back-pressure) marks the handle it stopped at, which the next one
+  // tries first, as before.
+  struct LookAheadMark {
+    std::uint64_t version = ~std::uint64_t{0};  // none: nothing is covered
+    std::uint64_t advances = 0;
+    std::size_t covered = 0;  // leading acquires of the look-ahead the walk passed
+  };
+  // A mark for a walk that passed the first `covered` acquires of the look-ahead now.
+  LookAheadMark mark(std::size_t covered) const { return {version_, advances_, covered}; }
+  // How many leading acquires of the look-ahead now `mark`'s walk passed: its count less
+  // the in-order acquires since, or 0 when the look-ahead changed otherwise.
+  std::size_t still_covered(const LookAheadMark& mark) const {
+    if (mark.version != version_) return 0;
+    const std::uint64_t advanced = advances_ - mark.advances;
+    return mark.covered > advanced ? mark.covered - static_cast<std::size_t>(advanced) : 0;
+  }
+  // Calls visit(h) for the acquires [from, max) of the look-ahead sequence, in order (a
+  // handle acquired twice there is visited twice), while it returns true; returns how
+  // many leading acquires are then passed: the index of the one visit refused, else
+  // max or the sequence's end. Nothing when not replaying.
+  template <typename Visit>
+  std::size_t visit_upcoming(std::size_t from, std::size_t max, Visit&& visit) const {
+    if (!replaying()) return 0;
+    std::size_t index = 0;  // of the stretch's first acquire in the sequence
+    for (const Stretch& stretch : look_ahead()) {
+      const std::size_t length = stretch.end - stretch.begin;
+      for (std::size_t at = std::max(from, index); at < index + length; ++at) {
+        if (at >= max) return max;
+        if (!visit(stretch.shape->order[stretch.begin + (at - index)])) return at;
+      }
+      index += length;
+    }
+    return std::min(std::max(from, index), max);
+  }
 
   bool replaying() const { return !current().coming.order.empty() && !recording_; }
   bool recording() const { return recording_; }
@@ -250,7 +299,11 @@ class TIDEPOOL_API PrefetchPolicy {
   // position, the key or a schedule changes: the store scores every resident handle
   // against it when it needs room.
   const std::vector<Stretch>& look_ahead() const;
-  void moved() { look_ahead_valid_ = false; }
+  // The look-ahead changed other than by an in-order acquire (Note [Prefetch frontier]).
+  void moved() {
+    look_ahead_valid_ = false;
+    version_++;
+  }
   // The keys of the steps expected between this step and the current key's next one,
   // from steps_ (see the top of this file).
   std::vector<ScheduleKey> predict_next_keys() const;
@@ -293,6 +346,9 @@ class TIDEPOOL_API PrefetchPolicy {
   std::uint64_t adoptions_ = 0;
   mutable std::vector<Stretch> look_ahead_;
   mutable bool look_ahead_valid_ = false;
+  // Note [Prefetch frontier]: bumped by moved(); in-order acquires of a step.
+  std::uint64_t version_ = 0;
+  std::uint64_t advances_ = 0;
 };
 
 }  // namespace tidepool

@@ -341,19 +341,30 @@ void TieredStore::evict_locked(Entry& e, bool discard) {
   e.uncounted_load = Entry::LoadBy::none;
   e.use_streams.clear();
   stats_.evictions++;
+  evictions_made_++;
 }
 
 void TieredStore::prefetch_ahead_locked() {
   if (!policy_.replaying()) return;
-  for (PrefetchPolicy::HandleId id : policy_.upcoming(options_.prefetch_lookahead)) {
-    auto it = entries_.find(id);
-    if (it == entries_.end() || it->second->dev != nullptr) continue;
-    if (!load_locked(*it->second, RoomFor::prefetch)) {
-      stats_.prefetch_skipped++;
-      return;  // back-pressure: later handles wait for the next acquire
-    }
-    stats_.prefetch_issued++;
-  }
+  // Note [Prefetch frontier]: the acquires the last walk passed, and that are still
+  // ahead, have their handles on the device unless something was evicted since.
+  const std::uint64_t evictions = evictions_made_;
+  const std::size_t from =
+      evictions == evictions_at_mark_ ? policy_.still_covered(prefetch_mark_) : 0;
+  prefetch_mark_ = {};  // a walk that throws leaves no mark
+  const std::size_t covered =
+      policy_.visit_upcoming(from, options_.prefetch_lookahead, [&](PrefetchPolicy::HandleId id) {
+        auto it = entries_.find(id);
+        if (it == entries_.end() || it->second->dev != nullptr) return true;
+        if (!load_locked(*it->second, RoomFor::prefetch)) {
+          stats_.prefetch_skipped++;
+          return false;  // back-pressure: later handles wait for the next acquire
+        }
+        stats_.prefetch_issued++;
+        return true;
+      });
+  prefetch_mark_ = policy_.mark(covered);
+  evictions_at_mark_ = evictions;
 }
 
 // ---- the public operations -------------------------------------------------------------------

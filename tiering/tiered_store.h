@@ -127,7 +127,9 @@ struct TieredStoreOptions {
   static constexpr std::size_t kDeviceBudgetFromConfig = static_cast<std::size_t>(-1);
   static constexpr std::size_t kDefaultDeviceBudget = std::size_t{1} << 30;
   std::size_t device_budget_bytes = kDeviceBudgetFromConfig;
-  std::size_t prefetch_lookahead = 64;  // handles ahead of the current acquire
+  // How far ahead of the current acquire the store prefetches, in acquires of the
+  // schedule (a handle acquired twice in them counts twice).
+  std::size_t prefetch_lookahead = 64;
   HostArenaOptions host;
   CopyEngineOptions copy;
 };
@@ -401,6 +403,12 @@ class TIDEPOOL_API TieredStore {
   HostArena host_;
   CopyEngine copies_;
   PrefetchPolicy policy_;
+  // Note [Prefetch frontier] in prefetch_policy.h: where the last prefetch walk got to,
+  // and the evictions the store had made when it started (one since: a walk from the
+  // front). Under mutex_.
+  PrefetchPolicy::LookAheadMark prefetch_mark_;
+  std::uint64_t evictions_at_mark_ = 0;
+  std::uint64_t evictions_made_ = 0;  // every device copy dropped (evict_locked)
 
   mutable std::mutex mutex_;
   std::unordered_map<Handle, std::unique_ptr<Entry>> entries_;
