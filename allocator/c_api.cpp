@@ -29,6 +29,7 @@
 #include "allocator/c_api_guard.h"
 #include "allocator/device_registry.h"
 #include "allocator/errors.h"
+#include "allocator/fork_guard.h"
 #include "allocator/tags.h"
 #include "allocator/tier_routing.h"
 
@@ -131,7 +132,8 @@ void* tidepool_malloc(ssize_t size, int device, void* stream) {
 }
 
 void tidepool_free(void* ptr, size_t size, int device, void* stream) {
-  if (ptr == nullptr) return;
+  // Note [Forked child]: the parent's memory; nothing to give back here.
+  if (ptr == nullptr || tidepool::in_forked_child()) return;
   guarded<int>(-1, [&] {
     if (tidepool::detail::route_free(ptr, size, device, /*always_ask=*/false)) return 0;
     try {

@@ -13,6 +13,7 @@
 #include <string>
 
 #include "allocator/c_api.h"
+#include "allocator/fork_guard.h"
 #include "allocator/stats.h"
 
 namespace tidepool::detail {
@@ -33,10 +34,12 @@ struct CErrorStyle {
 void record_current_exception(const CErrorStyle& style) noexcept;
 
 // Runs fn; when it throws, records the exception (record_current_exception) and returns
-// `failed`, so that no C++ exception unwinds into a C caller or PyTorch.
+// `failed`, so that no C++ exception unwinds into a C caller or PyTorch. In a forked
+// child fn does not run: the call fails (Note [Forked child] in fork_guard.h).
 template <class R, class Fn>
 R guarded(const CErrorStyle& style, R failed, Fn&& fn) noexcept {
   try {
+    refuse_in_forked_child();
     return fn();
   } catch (...) {
     record_current_exception(style);

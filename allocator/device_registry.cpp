@@ -15,6 +15,8 @@
 #include <string>
 #include <utility>
 
+#include "allocator/fork_guard.h"
+
 namespace tidepool {
 namespace {
 
@@ -103,6 +105,7 @@ void check_device(int device) {
 }
 
 CachingAllocator& device_allocator(int device) {
+  refuse_in_forked_child();  // Note [Forked child]: before any lock
   if (CachingAllocator* a = existing_device_allocator(device)) return *a;
   Registry& r = registry();
   std::lock_guard lock(r.mutex);
@@ -115,6 +118,7 @@ CachingAllocator& device_allocator(int device) {
   // Before it is published: no event of its first allocation may be missed.
   if (r.segment_observers > 0) a->segment_events().set_observed(true);
   r.allocators[device].store(a, std::memory_order_release);
+  detail::note_allocator_in_use();
   return *a;
 }
 

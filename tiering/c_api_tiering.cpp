@@ -29,6 +29,7 @@
 #include "allocator/caching_allocator.h"
 #include "allocator/config.h"
 #include "allocator/device_registry.h"
+#include "allocator/fork_guard.h"
 #include "allocator/tags.h"
 #include "allocator/tier_routing.h"
 #include "tiering/device_budget_ledger.h"
@@ -106,6 +107,7 @@ void* tidepool_vmm_malloc(size_t size, int device, int tag, void* stream) {
 }
 
 int tidepool_vmm_free(void* ptr, int device) {
+  if (tidepool::in_forked_child()) return 0;  // Note [Forked child]: the parent's range
   return guarded("tidepool_vmm_free", -1, [&] {
     if (ptr != nullptr) tidepool::free_tierable_range(device, ptr);
     return 0;

@@ -1,0 +1,138 @@
+// Note [Forked child] (allocator/fork_guard.h): a process forked after tidepool made an
+// allocator frees nothing and refuses every other call before it takes a lock or waits
+// for a stream (here: a stream the parent's gate holds, which no thread in the child
+// will ever run); its parent is untouched; a process forked before tidepool was used
+// starts afresh. Runs on the host backend, whose stream threads, like CUDA, do not
+// survive a fork.
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+
+#include "allocator/c_api.h"
+#include "allocator/device_registry.h"
+#include "allocator/fork_guard.h"
+#include "tests/support/child_process.h"
+#include "tests/support/stream_gate.h"
+
+namespace {
+
+using tidepool::test_support::StreamGate;
+using tidepool::test_support::wait_for_child;
+
+// The child's checks, each failure its own exit code (the parent reports which).
+enum ChildResult : int {
+  kChildPassed = 0,
+  kFreeSetAnError = 10,
+  kMallocServed,
+  kMallocErrorUnclear,
+  kReleaseStreamServed,
+  kEmptyCacheServed,
+  kStatsServed,
+  kTagPushServed,
+  kCurrentTagChanged,
+  kNotMarked,
+  kCppAllocatorServed,
+};
+
+bool mentions(const char* message, const char* what) {
+  return message != nullptr && std::strstr(message, what) != nullptr;
+}
+
+int child_checks(void* parents_block, void* gated_stream) {
+  if (!tidepool::in_forked_child()) return kNotMarked;
+  tidepool_clear_error();
+  tidepool_free(parents_block, 4096, 0, gated_stream);  // would wait for nothing, lock nothing
+  if (*tidepool_last_error() != '\0') return kFreeSetAnError;
+  tidepool_pytorch_free(parents_block, 4096, 0, gated_stream);
+  if (*tidepool_last_error() != '\0') return kFreeSetAnError;
+  if (tidepool_malloc(4096, 0, nullptr) != nullptr) return kMallocServed;
+  const char* why = tidepool_last_error();
+  if (!mentions(why, "forked") || !mentions(why, "spawn")) return kMallocErrorUnclear;
+  // The parent's gate holds this stream and nothing in the child runs it: a call that
+  // waited for it would never return (the parent then kills the child and fails).
+  if (tidepool_release_stream(0, gated_stream) != -1) return kReleaseStreamServed;
+  if (tidepool_empty_cache(0) != -1) return kEmptyCacheServed;
+  tidepool_stats_v1 stats{};
+  stats.struct_size = sizeof stats;
+  if (tidepool_get_stats_v1(0, &stats) != -1) return kStatsServed;
+  const int tag = tidepool_tag_current();
+  if (tidepool_tag_push(TIDEPOOL_TAG_WORKSPACE) != -1) return kTagPushServed;
+  if (tidepool_tag_current() != tag) return kCurrentTagChanged;
+  try {
+    tidepool::device_allocator(0);
+    return kCppAllocatorServed;
+  } catch (const tidepool::ForkedChildError&) {
+  }
+  return kChildPassed;
+}
+
+TEST(ForkedChild, FreesNothingAndRefusesTheRestWithoutWaitingOrLocking) {
+  ASSERT_EQ(tidepool_set_backend("host"), 0);
+  void* block = tidepool_malloc(4096, 0, nullptr);
+  ASSERT_NE(block, nullptr) << tidepool_last_error();
+  tidepool::Backend& backend = tidepool::device_allocator(0).backend();
+  const tidepool::Stream gated = backend.create_stream();
+  StreamGate gate;
+  {
+    StreamGate::OpenOnExit open_on_exit{gate};
+    backend.launch_host_func(gated, &StreamGate::wait, &gate);
+    // Memory cached for the gated stream: releasing the stream waits for it.
+    void* on_gated = tidepool_malloc(1 << 20, 0, gated.handle);
+    ASSERT_NE(on_gated, nullptr) << tidepool_last_error();
+    tidepool_free(on_gated, 1 << 20, 0, gated.handle);
+    const tidepool_stats_v1 before = [] {
+      tidepool_stats_v1 s{};
+      s.struct_size = sizeof s;
+      EXPECT_EQ(tidepool_get_stats_v1(0, &s), 0) << tidepool_last_error();
+      return s;
+    }();
+
+    std::fflush(nullptr);
+    const pid_t pid = fork();
+    ASSERT_GE(pid, 0) << std::strerror(errno);
+    if (pid == 0) _exit(child_checks(block, gated.handle));
+    const int result = wait_for_child(pid);
+    EXPECT_EQ(result, kChildPassed) << "-1: the child hung (killed after 30 s); else see "
+                                       "ChildResult";
+
+    // The parent: not marked, its block still allocated, its allocator serving.
+    EXPECT_FALSE(tidepool::in_forked_child());
+    tidepool_stats_v1 after{};
+    after.struct_size = sizeof after;
+    ASSERT_EQ(tidepool_get_stats_v1(0, &after), 0) << tidepool_last_error();
+    EXPECT_EQ(after.allocated.current, before.allocated.current);
+    EXPECT_EQ(after.alloc_count, before.alloc_count);
+  }
+  EXPECT_EQ(tidepool_release_stream(0, gated.handle), 0) << tidepool_last_error();
+  tidepool_clear_error();
+  tidepool_free(block, 4096, 0, nullptr);
+  EXPECT_STREQ(tidepool_last_error(), "");
+  backend.destroy_stream(gated);
+}
+
+TEST(ForkedChild, AProcessForkedBeforeTidepoolWasUsedStartsAfresh) {
+  // A fresh process (the death test re-runs this binary for this test alone), where no
+  // allocator exists yet when it forks.
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_EXIT(
+      {
+        if (tidepool::existing_device_allocator(0) != nullptr) _exit(3);
+        std::fflush(nullptr);
+        const pid_t pid = fork();
+        if (pid == 0) {
+          if (tidepool::in_forked_child()) _exit(4);
+          if (tidepool_set_backend("host") != 0) _exit(5);
+          void* p = tidepool_malloc(4096, 0, nullptr);
+          if (p == nullptr) _exit(6);
+          tidepool_free(p, 4096, 0, nullptr);
+          _exit(*tidepool_last_error() == '\0' ? 0 : 7);
+        }
+        _exit(pid < 0 ? 8 : wait_for_child(pid) == 0 ? 0 : 9);
+      },
+      ::testing::ExitedWithCode(0), "");
+}
+
+}  // namespace
