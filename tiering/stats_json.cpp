@@ -138,6 +138,8 @@ std::string to_json(const VmmStats& s) {
       .num("bytes_left_on_host", ull(s.bytes_left_on_host))
       .boolean("budget_shared", s.budget_shared)
       .num("budget_peer_bytes", ull(s.budget_peer_bytes))
+      .num("budget_room_requests", ull(s.budget_room_requests))
+      .num("budget_room_given_bytes", ull(s.budget_room_given_bytes))
       .num("deferred_releases", ull(s.deferred_releases))
       .num("deferred_release_bytes", ull(s.deferred_release_bytes))
       .num("lost_stream_syncs", ull(s.lost_stream_syncs))

@@ -237,8 +237,14 @@ void* VmmPool::allocate(std::size_t bytes, int tag, MemoryLocation where) {
   }
   const std::size_t g = backend_.granularity();
   const std::size_t total = round_up(bytes, g);
+  const std::optional<std::size_t> given =
+      where == MemoryLocation::device ? ask_stores_for_room(total) : std::nullopt;
   std::lock_guard lock(mutex_);
   repair_locked();
+  if (given) {
+    stats_.budget_room_requests++;
+    stats_.budget_room_given_bytes += *given;
+  }
   Range r;
   r.bytes = total;
   r.tag = tag;
@@ -398,6 +404,17 @@ std::optional<std::size_t> VmmPool::device_budget_bytes() const {
 // Resolved outside the lock: a percentage asks the backend for the device's size.
 std::optional<std::size_t> VmmPool::budget_towards(MemoryLocation to) const {
   return to == MemoryLocation::device ? device_budget_bytes() : std::nullopt;
+}
+
+std::optional<std::size_t> VmmPool::ask_stores_for_room(std::size_t bytes) {
+  if (!shared_) return std::nullopt;
+  const std::optional<std::size_t> budget = device_budget_bytes();
+  if (!budget) return std::nullopt;
+  const std::size_t charged = shared_->ledger().charged_bytes();
+  if (charged + bytes <= *budget) return std::nullopt;
+  // Best effort: what the stores give back may be taken by another participant first,
+  // and the allocation goes ahead whatever they give (Note [VMM device budget]).
+  return shared_->ask_peers(std::min(charged + bytes - *budget, bytes));
 }
 
 bool VmmPool::take_device_room_locked(std::size_t bytes, std::optional<std::size_t> budget) {

@@ -24,7 +24,13 @@
 // link), a later smaller one may still fit, and the result says how many bytes stayed.
 // Prefetching never exceeds the budget; a budget of 0 moves nothing.
 // Allocation is not limited by the budget (new state is created where it is asked for);
-// only migration towards the device is.
+// only migration towards the device is. But where the budget is shared and an allocation
+// on the device would pass it, the device's tiered stores are first asked to give room
+// back (their released handles, furthest next use first; Note [Shared state budget] in
+// device_budget_ledger.h), so that new state pushes out state no step holds before the
+// device goes over; the allocation then goes ahead whatever they gave. Only what the
+// stores cannot give (acquired handles) and the pool's own ranges can take the device
+// past the budget.
 // The configured budget is the device's: a pool that takes it shares it with the
 // device's tiered stores built from the configuration, so that the chunks it keeps on the
 // device and their handles together stay within it (Note [Shared state budget] in
@@ -85,6 +91,10 @@ struct VmmStats {
   // configuration (Note [Shared state budget]), which hold budget_peer_bytes of it now.
   bool budget_shared = false;
   std::uint64_t budget_peer_bytes = 0;
+  // Allocations on the device that asked those stores for room, and the bytes the stores
+  // gave back for them (Note [VMM device budget]).
+  std::uint64_t budget_room_requests = 0;
+  std::uint64_t budget_room_given_bytes = 0;
   // Note [Deferred releases] in vmm_migration.cpp: backings no longer in use whose release
   // failed, retried at every later call.
   std::uint64_t deferred_releases = 0;
@@ -226,6 +236,11 @@ class TIDEPOOL_API VmmPool {
   // (nullopt: none), the pool's own or, shared, all the ledger's participants'; taken
   // (charged to the ledger) when true. give_device_room_locked: device-backed bytes gone.
   bool take_device_room_locked(std::size_t bytes, std::optional<std::size_t> budget);
+  // Note [VMM device budget]: before an allocation of `bytes` on the device, asks the
+  // stores sharing the budget to give back what the ledger lacks for it, and returns the
+  // bytes they gave (nullopt: nothing was asked). Called without the lock
+  // (Seat::ask_peers locks the stores).
+  std::optional<std::size_t> ask_stores_for_room(std::size_t bytes);
   void give_device_room_locked(std::size_t bytes) noexcept;
   // Counts a migration that throws (VmmStats::failed_migrations) around move_range_locked.
   MigrationResult migrate_locked(Range& r, MemoryLocation to, std::optional<std::size_t> budget);

@@ -351,6 +351,59 @@ TEST_P(SharedStateBudgetTest, AVmmPoolAndAStoreShareTheBudget) {
   pool.deallocate(range);
 }
 
+// Note [VMM device budget]: a range allocated on the device is never refused, but it
+// first makes the stores sharing the budget give back released handles (their data
+// written back), so the device stays within the budget; only acquired handles, which
+// cannot be given, let it pass.
+TEST_P(SharedStateBudgetTest, AVmmAllocationOnTheDeviceTakesRoomFromTheStoresReleasedHandles) {
+  const std::size_t g = backend().granularity();
+  configure(4 * g);
+  VmmPool pool(backend());
+  TieredStore store(backend(),
+                    tiering_test::test_store_options(TieredStoreOptions::kDeviceBudgetFromConfig));
+  Filled f;
+  for (int i = 0; i < 4; ++i) {
+    f.handles.push_back(store.create(g, kTagOptimizerState));
+    f.data.push_back(random_bytes(g, 70 + static_cast<std::uint64_t>(i)));
+    write_on_device(store, f.handles.back(), f.data.back(), stream_);
+  }
+  ASSERT_EQ(ledger_bytes(), 4 * g);
+
+  void* range = pool.allocate(2 * g, kTagOptimizerState, MemoryLocation::device);
+  ASSERT_NE(range, nullptr);
+  EXPECT_EQ(pool.bytes_in(range, MemoryLocation::device), 2 * g);
+  EXPECT_EQ(ledger_bytes(), 4 * g) << "the range took the device past the budget";
+  EXPECT_EQ(store.device_bytes(), 2 * g);
+  EXPECT_EQ(store.stats().peer_evictions, 2u);
+  VmmStats v = pool.stats();
+  EXPECT_EQ(v.budget_room_requests, 1u);
+  EXPECT_EQ(v.budget_room_given_bytes, 2 * g);
+  for (std::size_t i = 0; i < f.handles.size(); ++i) {
+    EXPECT_EQ(first_difference(contents(store, f.handles[i]).data(), f.data[i].data(), g), -1)
+        << "handle " << i;
+  }
+
+  // Nothing left to give: the store's two resident handles are acquired. The allocation
+  // still succeeds, past the budget.
+  store.acquire(f.handles[2], stream_);
+  store.acquire(f.handles[3], stream_);
+  ASSERT_EQ(store.device_bytes(), 4 * g - 2 * g);
+  void* more = pool.allocate(g, kTagOptimizerState, MemoryLocation::device);
+  ASSERT_NE(more, nullptr);
+  EXPECT_EQ(ledger_bytes(), 5 * g);
+  v = pool.stats();
+  EXPECT_EQ(v.budget_room_requests, 2u);
+  EXPECT_EQ(v.budget_room_given_bytes, 2 * g);
+
+  // On the host: nothing asked.
+  void* on_host = pool.allocate(g, kTagOptimizerState, MemoryLocation::host);
+  EXPECT_EQ(pool.stats().budget_room_requests, 2u);
+  store.release(f.handles[2], false);
+  store.release(f.handles[3], false);
+  for (void* p : {range, more, on_host}) pool.deallocate(p);
+  EXPECT_EQ(ledger_bytes(), 2 * g);
+}
+
 // Two threads, each stepping its own store (4 handles, at most 2 acquired at a time) under
 // a budget of 4 handles for both, and evicting its state after most steps: each step's
 // room comes from the other's released handles most of the time.
