@@ -7,6 +7,9 @@
 #include <gtest/gtest.h>
 
 #include <cstddef>
+#include <functional>
+#include <memory>
+#include <utility>
 #include <vector>
 
 #include "allocator/tags.h"
@@ -112,37 +115,26 @@ TEST(PrefetchFrontier, AnyOtherChangeOfTheLookAheadDropsTheMark) {
     p.on_acquire(5);  // off the shape: re-synced
     EXPECT_EQ(p.still_covered(mark), 0u);
   }
-  {
+  // Each of these changes the look-ahead other than by an in-order acquire.
+  const std::vector<std::pair<const char*, std::function<void(PrefetchPolicy&)>>> changes{
+      {"end_step", [](PrefetchPolicy& p) { p.end_step(); }},
+      {"begin_step again (an unfinished step)", [](PrefetchPolicy& p) { p.begin_step(); }},
+      {"forget of a scheduled handle", [](PrefetchPolicy& p) { p.forget(3); }},
+      // Another key's schedule, in no look-ahead, but counted as a change.
+      {"retire", [](PrefetchPolicy& p) { p.retire(7); }},
+      {"reset_schedule", [](PrefetchPolicy& p) { p.reset_schedule(); }},
+  };
+  for (const auto& [name, change] : changes) {
     PrefetchPolicy p;
     const auto mark = marked_after_first(p);
-    p.end_step();
-    EXPECT_EQ(p.still_covered(mark), 0u);
-  }
-  {
-    PrefetchPolicy p;
-    const auto mark = marked_after_first(p);
-    p.begin_step();  // an unfinished step, begun again
-    EXPECT_EQ(p.still_covered(mark), 0u);
+    change(p);
+    EXPECT_EQ(p.still_covered(mark), 0u) << name;
   }
   {
     PrefetchPolicy p;
     const auto mark = marked_after_first(p);
     p.forget(99);  // in no schedule: the look-ahead is the same
     EXPECT_EQ(p.still_covered(mark), 4u);
-    p.forget(3);
-    EXPECT_EQ(p.still_covered(mark), 0u);
-  }
-  {
-    PrefetchPolicy p;
-    const auto mark = marked_after_first(p);
-    p.retire(7);  // another key's schedule: it was in no look-ahead, but counts as a change
-    EXPECT_EQ(p.still_covered(mark), 0u);
-  }
-  {
-    PrefetchPolicy p;
-    const auto mark = marked_after_first(p);
-    p.reset_schedule();
-    EXPECT_EQ(p.still_covered(mark), 0u);
   }
   {
     // Between steps the look-ahead ends at the position: an acquire there moves its end.
@@ -168,18 +160,28 @@ TEST(PrefetchFrontier, AnyOtherChangeOfTheLookAheadDropsTheMark) {
 
 // ---- the store ---------------------------------------------------------------------------
 
-class PrefetchFrontierStoreTest : public tiering_test::TieringStreamTest {};
+class PrefetchFrontierStoreTest : public tiering_test::TieringStreamTest {
+ protected:
+  // A store of `budget` bytes prefetching `lookahead` acquires ahead, and its eight
+  // 64 KiB handles.
+  void make_store(std::size_t budget, std::size_t lookahead) {
+    TieredStoreOptions options = tiering_test::test_store_options(budget);
+    options.prefetch_lookahead = lookahead;
+    store_ = std::make_unique<TieredStore>(backend(), options);
+    for (int i = 0; i < 8; ++i) hs_.push_back(store_->create(64 << 10, kTagOptimizerState));
+  }
+  void use(TieredStore::Handle h) {
+    store_->acquire(h, stream_);
+    store_->release(h, /*dirty=*/false);
+  }
+  std::unique_ptr<TieredStore> store_;
+  std::vector<TieredStore::Handle> hs_;
+};
 
 TEST_P(PrefetchFrontierStoreTest, AHandleEvictedAheadOfTheCurrentAcquireIsPrefetchedAgain) {
-  TieredStoreOptions options = tiering_test::test_store_options(std::size_t{64} << 20);
-  options.prefetch_lookahead = 3;
-  TieredStore store(backend(), options);
-  std::vector<TieredStore::Handle> hs;
-  for (int i = 0; i < 8; ++i) hs.push_back(store.create(64 << 10, kTagOptimizerState));
-  auto use = [&](TieredStore::Handle h) {
-    store.acquire(h, stream_);
-    store.release(h, /*dirty=*/false);
-  };
+  make_store(std::size_t{64} << 20, 3);
+  TieredStore& store = *store_;
+  const std::vector<TieredStore::Handle>& hs = hs_;
   store.begin_step();  // recorded
   for (auto h : hs) use(h);
   store.end_step();
@@ -211,15 +213,9 @@ TEST_P(PrefetchFrontierStoreTest, AHandleEvictedAheadOfTheCurrentAcquireIsPrefet
 TEST_P(PrefetchFrontierStoreTest, AStepWithBackPressureResumesWhereItStopped) {
   // Room for three handles: the walk stops at the first it cannot load (the one just
   // acquired and the two ahead fill the budget), and the next walk tries it first.
-  TieredStoreOptions options = tiering_test::test_store_options(std::size_t{192} << 10);
-  options.prefetch_lookahead = 6;
-  TieredStore store(backend(), options);
-  std::vector<TieredStore::Handle> hs;
-  for (int i = 0; i < 8; ++i) hs.push_back(store.create(64 << 10, kTagOptimizerState));
-  auto use = [&](TieredStore::Handle h) {
-    store.acquire(h, stream_);
-    store.release(h, /*dirty=*/false);
-  };
+  make_store(std::size_t{192} << 10, 6);
+  TieredStore& store = *store_;
+  const std::vector<TieredStore::Handle>& hs = hs_;
   for (int s = 0; s < 3; ++s) {
     store.begin_step();
     for (auto h : hs) use(h);
