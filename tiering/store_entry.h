@@ -31,6 +31,9 @@ struct TieredStore::Entry {
   enum class LoadBy : std::uint8_t { none, prefetch, acquire } uncounted_load = LoadBy::none;
   int pins = 0;
   std::vector<Stream> use_streams;  // streams that used `dev` since it was loaded
+  // Index in TieredStore::resident_ while `dev` is set (Note [Resident handles]).
+  static constexpr std::size_t kNotResident = static_cast<std::size_t>(-1);
+  std::size_t resident_slot = kNotResident;
 };
 
 }  // namespace tidepool

@@ -176,6 +176,7 @@ TieredStore::~TieredStore() {
     free_events_.push_back(e->host_ready);
   }
   entries_.clear();
+  resident_.clear();
   for (Event ev : free_events_) {
     teardown.attempt("destroying an event", [&] { backend_.destroy_event(ev); });
   }
@@ -257,6 +258,7 @@ TieredStore::Handle TieredStore::create_checked(std::size_t bytes, int tag, Tier
       backend_.memset_async(buf.ptr, 0, bytes, s);
       backend_.record_event(e->dev_ready, s);
     }
+    resident_.reserve(entries_.size() + 1);  // Note [Resident handles]
   } catch (...) {
     if (!lock.owns_lock()) lock.lock();  // a failure while the other stores were asked
     if (buf.ptr != nullptr) give_back_failed_load_locked(buf, bytes);
@@ -267,7 +269,9 @@ TieredStore::Handle TieredStore::create_checked(std::size_t bytes, int tag, Tier
   }
   e->id = next_handle_++;
   const Handle id = e->id;
+  Entry& added = *e;
   entries_.emplace(id, std::move(e));
+  if (added.dev != nullptr) note_resident_locked(added);
   return id;
 }
 
@@ -312,6 +316,7 @@ bool TieredStore::load_locked(Entry& e, RoomFor why) {
   // The wait is enqueued; an event may be re-recorded after that (Note [Stream semantics]).
   if (buf.wait) give_event_locked(buf.wait);
   e.dev = buf.ptr;
+  note_resident_locked(e);
   e.uncounted_load = for_prefetch ? Entry::LoadBy::prefetch : Entry::LoadBy::acquire;
   return true;
 }
@@ -335,6 +340,7 @@ void TieredStore::evict_locked(Entry& e, bool discard) {
   Event after = take_event_locked();
   backend_.record_event(after, d2h);
   pending_frees_.push_back(PendingFree{e.dev, e.bytes, after});
+  note_not_resident_locked(e);
   e.dev = nullptr;
   e.dev_dirty = false;
   e.host_valid = true;
@@ -555,16 +561,7 @@ void TieredStore::warn_reclaim_failure(const char* why, const char* what) noexce
 
 void TieredStore::reclaim_locked(std::size_t bytes_needed, std::size_t& scheduled) {
   while (scheduled < bytes_needed) {
-    Entry* victim = nullptr;
-    std::size_t victim_score = 0;
-    for (auto& [id, e] : entries_) {
-      if (e->dev == nullptr || e->pins > 0) continue;
-      const std::size_t score = policy_.eviction_score(id);
-      if (victim == nullptr || score > victim_score) {
-        victim = e.get();
-        victim_score = score;
-      }
-    }
+    Entry* victim = eviction_victim_locked(nullptr, std::nullopt);
     if (victim == nullptr) break;
     try {
       evict_locked(*victim);
@@ -723,8 +720,8 @@ TieredStoreStats TieredStore::stats() {
   TieredStoreStats s = stats_;
   s.device_bytes = device_bytes_;
   s.handles = entries_.size();
-  for (auto& [id, e] : entries_) {
-    if (e->dev != nullptr) s.resident_handles++;
+  s.resident_handles = resident_.size();  // an acquired handle is resident
+  for (const Entry* e : resident_) {
     if (e->pins > 0) s.acquired_handles++;
   }
   s.off_schedule_acquires = policy_.off_schedule_acquires();

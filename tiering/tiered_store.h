@@ -62,6 +62,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <unordered_map>
@@ -346,6 +347,13 @@ class TIDEPOOL_API TieredStore {
   // `scheduled` as it goes), then waits for the frees; throws what fails (reclaim catches
   // it, Note [Reclaim never throws]).
   void reclaim_locked(std::size_t bytes_needed, std::size_t& scheduled);
+  // Note [Resident handles]: the resident, unacquired handle other than `incoming` whose
+  // next use is furthest (PrefetchPolicy::eviction_score), among those scoring above
+  // `above` when given; nullptr when there is none.
+  Entry* eviction_victim_locked(const Entry* incoming, std::optional<std::size_t> above) const;
+  // `e`'s device copy was just set / is being dropped: it joins / leaves resident_.
+  void note_resident_locked(Entry& e) noexcept;
+  void note_not_resident_locked(Entry& e) noexcept;
   void warn_reclaim_failure(const char* why, const char* what) noexcept;
   DeviceBuffer device_allocate_locked(std::size_t bytes, const Entry* incoming, RoomFor why);
   // Allocates the buffer `reserved_` holds room for (make_room_locked); gives the
@@ -412,6 +420,10 @@ class TIDEPOOL_API TieredStore {
 
   mutable std::mutex mutex_;
   std::unordered_map<Handle, std::unique_ptr<Entry>> entries_;
+  // Note [Resident handles]: the entries whose device copy is set, in no order. Its
+  // capacity never falls below entries_.size() (create reserves it), so adding to it
+  // cannot fail.
+  std::vector<Entry*> resident_;
   std::vector<PendingFree> pending_frees_;
   std::vector<Event> free_events_;
   Handle next_handle_ = 1;
