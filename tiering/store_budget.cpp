@@ -1,7 +1,8 @@
 // The tiered store's room on the device: how a load gets room within its budget (its own,
 // or the device's tidepool.state_budget shared with the device's other stores and VMM
 // ranges: Note [Shared state budget] in device_budget_ledger.h), the books of that budget,
-// and an acquire that asks the other stores for room. The budget's invariant is at the
+// and an acquire that asks the other stores for room; which resident handle an eviction
+// takes (Note [Resident handles]). The budget's invariant is at the
 // top of tiered_store.cpp; the buffers on their way out, which a load may take or hand
 // back in stream order, are in pending_frees.cpp; what a store gives back when asked is
 // give_back_for_peer in tiered_store.cpp, beside reclaim, whose work it shares.
