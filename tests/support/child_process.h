@@ -1,6 +1,7 @@
-// Waiting for a forked child in a test, without hanging the test when the child hangs:
-// the forked-child tests (Note [Forked child] in allocator/fork_guard.h) check that a
-// child does not wait for what its parent's threads held at the fork.
+// What the forked-child tests (Note [Forked child] in allocator/fork_guard.h) share: the
+// backend their parent allocates on, and waiting for a child without hanging the test
+// when the child hangs (they check that it does not wait for what its parent's threads
+// held at the fork).
 #pragma once
 
 #include <csignal>
@@ -8,9 +9,23 @@
 #include <sys/wait.h>
 
 #include <chrono>
+#include <string_view>
 #include <thread>
 
+#include "allocator/backend.h"
+
 namespace tidepool::test_support {
+
+// The backend a forked-child test's parent allocates on: host, or cuda in the gpu_test_
+// twins (which define TIDEPOOL_FORK_TEST_BACKEND), where the parent's CUDA context makes
+// the child's refusals matter most. fork_test_backend_missing(): cuda without a GPU.
+#ifndef TIDEPOOL_FORK_TEST_BACKEND
+#define TIDEPOOL_FORK_TEST_BACKEND "host"
+#endif
+inline constexpr const char* kForkTestBackend = TIDEPOOL_FORK_TEST_BACKEND;
+inline bool fork_test_backend_missing() {
+  return std::string_view(kForkTestBackend) == "cuda" && cuda_device_count() == 0;
+}
 
 // The child's exit code, or -1 when it did not exit by itself within `limit` (it is
 // killed then) or was killed by a signal.
