@@ -347,14 +347,13 @@ void TieredStore::evict_locked(Entry& e, bool discard) {
   e.uncounted_load = Entry::LoadBy::none;
   e.use_streams.clear();
   stats_.evictions++;
-  evictions_made_++;
 }
 
 void TieredStore::prefetch_ahead_locked() {
   if (!policy_.replaying()) return;
   // Note [Prefetch frontier]: the acquires the last walk passed, and that are still
   // ahead, have their handles on the device unless something was evicted since.
-  const std::uint64_t evictions = evictions_made_;
+  const std::uint64_t evictions = stats_.evictions;
   const std::size_t from =
       evictions == evictions_at_mark_ ? policy_.still_covered(prefetch_mark_) : 0;
   prefetch_mark_ = {};  // a walk that throws leaves no mark

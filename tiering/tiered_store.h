@@ -412,11 +412,10 @@ class TIDEPOOL_API TieredStore {
   CopyEngine copies_;
   PrefetchPolicy policy_;
   // Note [Prefetch frontier] in prefetch_policy.h: where the last prefetch walk got to,
-  // and the evictions the store had made when it started (one since: a walk from the
-  // front). Under mutex_.
+  // and stats_.evictions (every device copy evict_locked dropped) when it started (one
+  // since: a walk from the front). Under mutex_.
   PrefetchPolicy::LookAheadMark prefetch_mark_;
   std::uint64_t evictions_at_mark_ = 0;
-  std::uint64_t evictions_made_ = 0;  // every device copy dropped (evict_locked)
 
   mutable std::mutex mutex_;
   std::unordered_map<Handle, std::unique_ptr<Entry>> entries_;
