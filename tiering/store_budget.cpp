@@ -191,15 +191,10 @@ TieredStore::DeviceBuffer TieredStore::allocate_reserved_locked(std::size_t byte
         unreserve_locked(bytes);
         return {};
       }
-      bool evicted = false;
-      for (Entry* e : resident_) {
-        if (e->pins == 0 && e != incoming) {
-          evict_locked(*e);  // leaves resident_: the loop ends here
-          evicted = true;
-          break;
-        }
-      }
-      if (!evicted && pending_frees_.empty()) {
+      // The same victim the budget would give up: the furthest next use.
+      Entry* victim = eviction_victim_locked(incoming, std::nullopt);
+      if (victim != nullptr) evict_locked(*victim);
+      if (victim == nullptr && pending_frees_.empty()) {
         throw TieringError("tiered store: the device is out of memory for " +
                            std::to_string(bytes) + " bytes of tiered state (the store holds " +
                            std::to_string(device_bytes_) +

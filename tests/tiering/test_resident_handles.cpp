@@ -110,5 +110,65 @@ TEST_P(ResidentHandlesTest, TheResidentListFollowsEveryOperation) {
 INSTANTIATE_TEST_SUITE_P(Backends, ResidentHandlesTest, TIDEPOOL_TIERING_BACKENDS,
                          tiering_test::backend_name);
 
+// A device out of memory below the store's budget (other users hold the rest; here a host
+// backend with room for three handles under a budget of eight) makes the store give up
+// what the budget would: the handle whose next use is furthest, or before a schedule the
+// least recently acquired. It used to give up the first resident handle it found, which
+// could be the one needed next.
+constexpr std::size_t kOomUnit = 64 << 10;
+
+class DeviceOutOfMemoryTest : public tiering_test::TieringStreamTest {
+ protected:
+  std::size_t capacity_bytes() const override { return 3 * kOomUnit; }
+  void SetUp() override {
+    TieringStreamTest::SetUp();
+    if (!IsSkipped() && !on_host()) GTEST_SKIP() << "the device's capacity is the host backend's";
+  }
+  TieredStoreOptions options() const {
+    TieredStoreOptions o = tiering_test::test_store_options(8 * kOomUnit);
+    o.prefetch_lookahead = 0;  // only acquires load: the test sees each eviction's choice
+    return o;
+  }
+  void use(TieredStore& store, TieredStore::Handle h) {
+    store.acquire(h, stream_);
+    store.release(h, /*dirty=*/false);
+  }
+};
+
+TEST_P(DeviceOutOfMemoryTest, BeforeAScheduleEvictsTheLeastRecentlyAcquired) {
+  TieredStore store(backend(), options());
+  std::vector<TieredStore::Handle> h;
+  for (int i = 0; i < 4; ++i) h.push_back(store.create(kOomUnit, kTagOptimizerState, Tier::host));
+  for (int i : {0, 1, 2, 0}) use(store, h[i]);
+  use(store, h[3]);  // the device holds three: one must go, and h[1] is the least recent
+  EXPECT_TRUE(store.resident(h[0]));
+  EXPECT_FALSE(store.resident(h[1]));
+  EXPECT_TRUE(store.resident(h[2]));
+  EXPECT_TRUE(store.resident(h[3]));
+  for (auto x : h) store.destroy(x);
+}
+
+TEST_P(DeviceOutOfMemoryTest, WithAScheduleEvictsTheFurthestNextUse) {
+  TieredStore store(backend(), options());
+  std::vector<TieredStore::Handle> h;
+  for (int i = 0; i < 4; ++i) h.push_back(store.create(kOomUnit, kTagOptimizerState, Tier::host));
+  store.begin_step();  // records 0 1 2 3 (acquiring 3 gives up 0, the least recent)
+  for (int i = 0; i < 4; ++i) use(store, h[i]);
+  store.end_step();
+  ASSERT_FALSE(store.resident(h[0]));
+  store.begin_step();
+  use(store, h[0]);  // next uses: 1, 2, then 3 furthest; LRU would pick 1
+  EXPECT_TRUE(store.resident(h[0]));
+  EXPECT_TRUE(store.resident(h[1]));
+  EXPECT_TRUE(store.resident(h[2]));
+  EXPECT_FALSE(store.resident(h[3]));
+  for (int i = 1; i < 4; ++i) use(store, h[i]);
+  store.end_step();
+  for (auto x : h) store.destroy(x);
+}
+
+INSTANTIATE_TEST_SUITE_P(Backends, DeviceOutOfMemoryTest, TIDEPOOL_TIERING_BACKENDS,
+                         tiering_test::backend_name);
+
 }  // namespace
 }  // namespace tidepool
