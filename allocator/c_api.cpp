@@ -387,6 +387,8 @@ void tidepool_clear_error(void) {
 
 int tidepool_last_error_is_out_of_memory(void) { return t_last_error_is_oom ? 1 : 0; }
 
+int tidepool_in_forked_child(void) { return tidepool::in_forked_child() ? 1 : 0; }
+
 int tidepool_set_backend(const char* name) {
   if (name == nullptr) {
     set_error("tidepool: tidepool_set_backend(NULL)", true);

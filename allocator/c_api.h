@@ -257,6 +257,14 @@ TIDEPOOL_API void tidepool_clear_error(void);
  * now" from a bad request, as PyTorch does with torch.OutOfMemoryError. */
 TIDEPOOL_API int tidepool_last_error_is_out_of_memory(void);
 
+/* ---- forked children ------------------------------------------------------------- */
+/* 1 when this process was forked after tidepool made a device allocator (in it, or in an
+ * ancestor it was forked from), else 0. In such a child frees do nothing and every other
+ * entry point fails (Note [Forked child] in allocator/fork_guard.h). For a caller that
+ * must choose before it calls in: the LD_PRELOAD shim then leaves CUDA's calls to the
+ * runtime. Answers in the child too, without a lock. */
+TIDEPOOL_API int tidepool_in_forked_child(void);
+
 /* ---- configuration --------------------------------------------------------------- */
 /* Selects the backend before first use: "cuda", "host" or "auto" (cuda when a GPU is
  * present). Returns -1 once any device allocator exists. */

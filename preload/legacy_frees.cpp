@@ -116,6 +116,8 @@ void note_legacy_ordered_free(void* ptr, size_t size, int device) {
   if (d.pending.size() >= kFenceAfter) refresh_fence(d);
 }
 
+std::mutex& legacy_frees_mutex() { return legacy_frees().mutex; }
+
 uint64_t legacy_frees_mark(int device) {
   LegacyFrees& frees = legacy_frees();
   std::lock_guard lock(frees.mutex);

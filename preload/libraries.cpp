@@ -297,7 +297,8 @@ void initialise() {
                      symbol("tidepool_config_apply", t.config_apply),
                      symbol("tidepool_config_active_json", t.config_active_json),
                      symbol("tidepool_release_stream", t.release_stream),
-                     symbol("tidepool_holds_address", t.holds_address))) {
+                     symbol("tidepool_holds_address", t.holds_address),
+                     symbol("tidepool_in_forked_child", t.in_forked_child))) {
     return;
   }
   char error[2048] = "";
@@ -318,6 +319,7 @@ void initialise() {
             "goes through tidepool");
   }
   if (s.verbose) say("active: ", json.c_str());
+  register_fork_handlers();
   s.ready = true;
   s.serving.store(true, std::memory_order_release);
 }

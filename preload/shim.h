@@ -54,6 +54,7 @@ struct TidepoolAbi {
   size_t (*config_active_json)(char*, size_t) = nullptr;
   int (*release_stream)(int, void*) = nullptr;
   int (*holds_address)(const void*) = nullptr;  // Note [frees of memory tidepool holds]
+  int (*in_forked_child)() = nullptr;            // Note [Forked child under the shim]
 };
 
 struct Allocation {
@@ -111,6 +112,12 @@ void resolve_cudart_once();
 // Sets tidepool up once; whether it serves allocations (libraries.cpp).
 bool ready();
 
+// Note [Forked child under the shim] (fork_handlers.cpp).
+// Takes the shim's locks around every fork from now on. Once, when tidepool is set up.
+void register_fork_handlers();
+// Whether this process is a child that may not use tidepool. Only once ready().
+bool in_forked_child();
+
 // Note [cudaMalloc after stream-ordered frees] (legacy_frees.cpp); `device` is the current
 // device in each.
 // Before tidepool frees, in the legacy stream's order, a block it allocated on the NULL
@@ -123,6 +130,8 @@ cudaError_t order_after_legacy_frees(void* ptr, size_t size, int device);
 // forgets the frees noted before the mark.
 uint64_t legacy_frees_mark(int device);
 void legacy_frees_passed(int device, uint64_t mark);
+// The lock of those frees, for the fork handlers alone.
+std::mutex& legacy_frees_mutex();
 
 // The real runtime's function `fn`, for calls tidepool does not serve (its own, pointers
 // it does not own, or all of them when it is off). Resolves the target first: the call

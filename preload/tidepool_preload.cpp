@@ -125,6 +125,9 @@
 //     slot's. Calls the shim forwards leave both alone, as the runtime's own would, and
 //     a call inside tidepool sees the runtime's alone, never the program's slot.
 //     A NULL devPtr is forwarded, so that the runtime answers it as it does.
+//   - Note [Forked child under the shim] (fork_handlers.cpp): the shim's locks are taken
+//     around every fork; in a child forked after tidepool made an allocator, frees of the
+//     shim's pointers succeed with no CUDA call and everything else is forwarded.
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
@@ -376,7 +379,7 @@ cudaError_t serve_malloc_async(const char* call, MallocAsync RealCudart::*real, 
 
 cudaError_t malloc_async(const char* call, MallocAsync RealCudart::*real, void** dev_ptr,
                          size_t size, cudaStream_t stream, cudaStream_t meant) {
-  if (dev_ptr == nullptr || t_inside_tidepool || size == 0 || !ready()) {
+  if (dev_ptr == nullptr || t_inside_tidepool || size == 0 || !ready() || in_forked_child()) {
     return forward(real, dev_ptr, size, stream);
   }
   ProgramLastError last_error;
@@ -403,6 +406,7 @@ cudaError_t free_async(FreeAsync RealCudart::*real, void* dev_ptr, cudaStream_t 
   if (dev_ptr == nullptr || t_inside_tidepool || !ready()) return forward(real, dev_ptr, stream);
   Allocation a{};
   const bool owned = take_owned(dev_ptr, a);
+  if (in_forked_child()) return owned ? cudaSuccess : forward(real, dev_ptr, stream);
   if (!owned && !tidepool_holds(dev_ptr)) return forward(real, dev_ptr, stream);
   ProgramLastError last_error;
   return last_error.answer(owned ? serve_free_async(dev_ptr, a, meant) : cudaErrorInvalidValue);
@@ -474,7 +478,7 @@ using namespace tidepool_preload;
 extern "C" {
 
 TIDEPOOL_PRELOAD_EXPORT cudaError_t cudaMalloc(void** dev_ptr, size_t size) {
-  if (dev_ptr == nullptr || t_inside_tidepool || !ready()) {
+  if (dev_ptr == nullptr || t_inside_tidepool || !ready() || in_forked_child()) {
     return forward(&RealCudart::malloc, dev_ptr, size);
   }
   if (size == 0) {
@@ -493,6 +497,7 @@ TIDEPOOL_PRELOAD_EXPORT cudaError_t cudaFree(void* dev_ptr) {
   }
   Allocation a{};
   const bool owned = take_owned(dev_ptr, a);
+  if (in_forked_child()) return owned ? cudaSuccess : forward(&RealCudart::free, dev_ptr);
   if (!owned && !tidepool_holds(dev_ptr)) return forward(&RealCudart::free, dev_ptr);
   ProgramLastError last_error;
   return last_error.answer(owned ? serve_cuda_free(dev_ptr, a) : cudaErrorInvalidValue);
@@ -524,7 +529,7 @@ TIDEPOOL_PRELOAD_EXPORT cudaError_t cudaFreeAsync_ptsz(void* dev_ptr, cudaStream
 TIDEPOOL_PRELOAD_EXPORT cudaError_t cudaStreamDestroy(cudaStream_t stream) {
   Shim& s = shim();
   if (!names_a_default_stream(stream) && !t_inside_tidepool &&
-      s.serving.load(std::memory_order_acquire)) {
+      s.serving.load(std::memory_order_acquire) && !in_forked_child()) {
     ProgramLastError last_error;
     release_before_destroy(stream);
   }

@@ -44,7 +44,8 @@ bool mentions(const char* message, const char* what) {
 }
 
 int child_checks(void* parents_block, void* gated_stream) {
-  if (!tidepool::in_forked_child()) return kNotMarked;
+  // The C ABI's answer too: the LD_PRELOAD shim asks it (tidepool_in_forked_child).
+  if (!tidepool::in_forked_child() || tidepool_in_forked_child() != 1) return kNotMarked;
   tidepool_clear_error();
   tidepool_free(parents_block, 4096, 0, gated_stream);  // would wait for nothing, lock nothing
   if (*tidepool_last_error() != '\0') return kFreeSetAnError;
@@ -103,6 +104,7 @@ TEST(ForkedChild, FreesNothingAndRefusesTheRestWithoutWaitingOrLocking) {
 
     // The parent: not marked, its block still allocated, its allocator serving.
     EXPECT_FALSE(tidepool::in_forked_child());
+    EXPECT_EQ(tidepool_in_forked_child(), 0);
     tidepool_stats_v1 after{};
     after.struct_size = sizeof after;
     ASSERT_EQ(tidepool_get_stats_v1(0, &after), 0) << tidepool_last_error();
@@ -128,7 +130,7 @@ TEST(ForkedChild, AProcessForkedBeforeTidepoolWasUsedStartsAfresh) {
         std::fflush(nullptr);
         const pid_t pid = fork();
         if (pid == 0) {
-          if (tidepool::in_forked_child()) _exit(4);
+          if (tidepool::in_forked_child() || tidepool_in_forked_child() != 0) _exit(4);
           if (tidepool_set_backend("host") != 0) _exit(5);
           void* p = tidepool_malloc(4096, 0, nullptr);
           if (p == nullptr) _exit(6);

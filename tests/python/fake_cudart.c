@@ -47,6 +47,8 @@
 #define _GNU_SOURCE
 #include <dlfcn.h>
 #include <inttypes.h>
+#include <pthread.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -292,4 +294,36 @@ int cudaStreamDestroy(void* stream) {
     host_destroy(stream);
   }
   return 0;
+}
+
+/* A thread that allocates and frees through the process's cudaMalloc and cudaFree (the
+ * shim's, when it is preloaded) without pause, from fake_cudart_churn_start until
+ * fake_cudart_churn_stop: at any moment a thread is inside the shim, often holding its
+ * locks, as a training process's allocating threads are when another thread forks. Plain
+ * C, so that it never waits for Python's lock. fake_cudart_churn_rounds counts its
+ * allocate-and-free rounds. */
+static pthread_t churn_thread;
+static atomic_int churn_stopping;
+atomic_long fake_cudart_churn_rounds;
+
+static void* churn(void* unused) {
+  int (*process_malloc)(void**, size_t) = (int (*)(void**, size_t))dlsym(RTLD_DEFAULT, "cudaMalloc");
+  int (*process_free)(void*) = (int (*)(void*))dlsym(RTLD_DEFAULT, "cudaFree");
+  (void)unused;
+  while (!atomic_load(&churn_stopping)) {
+    void* p = NULL;
+    if (process_malloc(&p, 4096) == 0) process_free(p);
+    atomic_fetch_add(&fake_cudart_churn_rounds, 1);
+  }
+  return NULL;
+}
+
+int fake_cudart_churn_start(void) {
+  atomic_store(&churn_stopping, 0);
+  return pthread_create(&churn_thread, NULL, churn, NULL);
+}
+
+void fake_cudart_churn_stop(void) {
+  atomic_store(&churn_stopping, 1);
+  pthread_join(churn_thread, NULL);
 }

@@ -1,0 +1,70 @@
+// The LD_PRELOAD shim across fork(): its locks are taken around every fork, so that a
+// child finds the shim's tables whole and unlocked, and a child forked after tidepool
+// was in use leaves CUDA's calls to the runtime (Note [Forked child under the shim]).
+//
+// Note [Forked child under the shim]
+// A fork copies one thread. A lock another thread of the parent held at that moment stays
+// locked in the child for good, and what it guarded may be half-changed. The shim's
+// table of the pointers it handed out (`owned`) is locked on every cudaMalloc and
+// cudaFree of the program, so a parent thread allocating at the fork hung the child's
+// first cudaFree (a DataLoader worker dropping what it inherited, cleanup in a child
+// before exec). So once tidepool is set up the shim takes its three locks (the table's,
+// the ordering streams', the legacy-ordered frees') before every fork (pthread_atfork)
+// and lets them go after it, in the parent and in the child: the fork waits until a
+// thread inside the shim leaves its short section, and the child's tables are whole.
+// None of the three is held across anything that could fork or wait for the forking
+// thread (the other two span CUDA runtime calls, which do neither), and none is taken
+// while another is held, so the order they are taken in cannot deadlock.
+// In a child forked after tidepool made an allocator (tidepool_in_forked_child; Note
+// [Forked child] in allocator/fork_guard.h) CUDA cannot be used, and tidepool refuses
+// every call but frees, which do nothing. There the shim:
+//   - answers a free (cudaFree, cudaFreeAsync and its _ptsz form) of a pointer it handed
+//     out with cudaSuccess, making no CUDA call (cudaFree's device synchronisation
+//     included): the memory is the parent's, which still owns it, as tidepool_free does;
+//   - forwards every other call unchanged, so that the runtime answers the child as it
+//     answers any process forked after CUDA was initialised (cudaErrorInitializationError)
+//     rather than the shim turning tidepool's refusal into cudaErrorInvalidValue: an
+//     allocation, a free of a pointer the shim did not hand out (the runtime holds
+//     nothing of the child's to free, so no check against tidepool's memory is needed),
+//     and cudaStreamDestroy, without releasing the stream in tidepool.
+// A child forked before tidepool made an allocator is not marked, and the shim serves it
+// as it serves any process.
+#include <pthread.h>
+
+#include <mutex>
+
+#include "preload/shim.h"
+
+namespace tidepool_preload {
+
+namespace {
+
+void lock_before_fork() {
+  Shim& s = shim();
+  s.mutex.lock();
+  s.ordering_mutex.lock();
+  legacy_frees_mutex().lock();
+}
+
+// In the parent, and in the child, whose one thread is the one that locked them.
+void unlock_after_fork() {
+  Shim& s = shim();
+  legacy_frees_mutex().unlock();
+  s.ordering_mutex.unlock();
+  s.mutex.unlock();
+}
+
+}  // namespace
+
+void register_fork_handlers() {
+  static std::once_flag registered;
+  std::call_once(registered,
+                 [] { pthread_atfork(&lock_before_fork, &unlock_after_fork, &unlock_after_fork); });
+}
+
+bool in_forked_child() {
+  const TidepoolAbi& tp = shim().tp;
+  return tp.in_forked_child != nullptr && tp.in_forked_child() == 1;
+}
+
+}  // namespace tidepool_preload
