@@ -5,6 +5,8 @@
 #include "tiering/prefetch_policy.h"
 
 #include <algorithm>
+#include <cstdint>
+#include <limits>
 #include <unordered_set>
 #include <utility>
 
@@ -381,6 +383,23 @@ std::size_t PrefetchPolicy::eviction_score(HandleId h) const {
   auto it = last_acquire_.find(h);
   if (it == last_acquire_.end()) return kNever - 1;
   return static_cast<std::size_t>(clock_ - it->second);
+}
+
+namespace {
+constexpr std::uint64_t kNeverUsedKey = std::numeric_limits<std::uint64_t>::max();
+}  // namespace
+
+std::uint64_t PrefetchPolicy::eviction_key(HandleId h) const {
+  const std::size_t score = eviction_score(h);
+  if (score == kNever - 1) return kNeverUsedKey;
+  if (replaying()) return advances_ + score;
+  return kNeverUsedKey - 1 - (clock_ - score);  // the clock of its last acquire
+}
+
+std::size_t PrefetchPolicy::eviction_score_of_key(std::uint64_t key) const {
+  if (key == kNeverUsedKey) return kNever - 1;
+  if (replaying()) return static_cast<std::size_t>(key - advances_);
+  return static_cast<std::size_t>(clock_ - (kNeverUsedKey - 1 - key));
 }
 
 std::vector<PrefetchPolicy::HandleId> PrefetchPolicy::upcoming(std::size_t max) const {

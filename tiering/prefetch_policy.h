@@ -181,6 +181,26 @@ class TIDEPOOL_API PrefetchPolicy {
   // look-ahead sequence (kNever-1 when no schedule on it contains `h`), or, with no
   // schedule, how many acquires ago it was last used.
   std::size_t eviction_score(HandleId h) const;
+
+  // Note [Eviction keys]
+  // The store evicts the resident handle with the highest eviction_score(). Scoring each
+  // resident handle at every eviction cost as much as the store holds resident: 45 us
+  // per acquire with 4,096 resident (bench/tiering/many_handles_step.cpp). But between
+  // two changes of the look-ahead other than in-order acquires, scores move together:
+  //   - replaying, a score is the distance to the handle's next use, and an in-order
+  //     acquire takes one off each, but the acquired handle's, whose next use moves on;
+  //   - before a schedule, a score is the acquires since the handle's last one, and an
+  //     acquire adds one to each, but the acquired handle's, which drops to 0.
+  // So a key that leaves out that common shift orders the handles as their scores do,
+  // and changes only when the handle itself is acquired: replaying, the in-order
+  // acquires so far plus the score; before a schedule, the largest key less one less
+  // the clock of its last acquire; a handle never used again (kNever - 1) the largest
+  // key of all. Keys are comparable while eviction_key_epoch() stays the same (moved()
+  // and a change between replaying and not change it); eviction_score_of_key() turns a
+  // key of the current epoch back into the score.
+  std::uint64_t eviction_key(HandleId h) const;
+  std::uint64_t eviction_key_epoch() const { return version_ * 2 + (replaying() ? 1 : 0); }
+  std::size_t eviction_score_of_key(std::uint64_t key) const;
   // The next `max` distinct handles the look-ahead sequence expects, in order (at most
   // one cycle of it).
   std::vector<HandleId> upcoming(std::size_t max) const;

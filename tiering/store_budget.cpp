@@ -1,8 +1,8 @@
 // The tiered store's room on the device: how a load gets room within its budget (its own,
 // or the device's tidepool.state_budget shared with the device's other stores and VMM
 // ranges: Note [Shared state budget] in device_budget_ledger.h), the books of that budget,
-// and an acquire that asks the other stores for room; which resident handle an eviction
-// takes (Note [Resident handles]). The budget's invariant is at the
+// and an acquire that asks the other stores for room (which resident handle an eviction
+// takes is in eviction_order.cpp). The budget's invariant is at the
 // top of tiered_store.cpp; the buffers on their way out, which a load may take or hand
 // back in stream order, are in pending_frees.cpp; what a store gives back when asked is
 // give_back_for_peer in tiered_store.cpp, beside reclaim, whose work it shares.
@@ -76,46 +76,6 @@ std::size_t TieredStore::peer_shortfall_locked(std::size_t bytes) const {
 // What the other participants of a shared budget hold counts as held: this store's own
 // evictions and write-backs are all it can use here; the others are asked by the acquire
 // once this returns none (with_room_from_peers), a prefetch never asks them.
-// Note [Resident handles]
-// Every eviction picks its victim among the resident, unacquired handles. A search over
-// every handle made each eviction cost as much as the store has handles: under a budget
-// holding 64 of 16,000 handles, where every acquire's prefetch evicts one, an acquire
-// cost 266 us on the host CPU against 19 us with 1,000 handles
-// (tidepool_bench_store_handles). So the store keeps the entries whose device copy is
-// set in resident_ (each knows its slot, so joining and leaving are O(1)): a load adds
-// its entry as it sets the device copy, evict_locked removes it as it drops it, and the
-// search looks at those alone. Ties (the same score) go to the first found, as before,
-// in resident_'s order rather than the handle table's.
-TieredStore::Entry* TieredStore::eviction_victim_locked(const Entry* incoming,
-                                                        std::optional<std::size_t> above) const {
-  Entry* victim = nullptr;
-  std::size_t victim_score = 0;
-  for (Entry* e : resident_) {
-    if (e->pins > 0 || e == incoming) continue;
-    const std::size_t score = policy_.eviction_score(e->id);
-    if (above && score <= *above) continue;
-    if (victim == nullptr || score > victim_score) {
-      victim = e;
-      victim_score = score;
-    }
-  }
-  return victim;
-}
-
-void TieredStore::note_resident_locked(Entry& e) noexcept {
-  e.resident_slot = resident_.size();
-  resident_.push_back(&e);  // within the capacity create reserved: cannot throw
-}
-
-void TieredStore::note_not_resident_locked(Entry& e) noexcept {
-  if (e.resident_slot == Entry::kNotResident) return;
-  Entry* last = resident_.back();
-  resident_[e.resident_slot] = last;
-  last->resident_slot = e.resident_slot;
-  resident_.pop_back();
-  e.resident_slot = Entry::kNotResident;
-}
-
 TieredStore::Room TieredStore::make_room_locked(std::size_t bytes, const Entry* incoming,
                                                 bool may_wait) {
   const std::size_t budget = options_.device_budget_bytes;

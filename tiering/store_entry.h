@@ -1,7 +1,7 @@
 // A tiered store's record of one handle (TieredStore::Entry): its host block, its device
 // buffer and the events and streams that order their copies. Internal to libtidepool
 // (not installed); shared by the files that hold the store's parts (tiered_store.cpp,
-// store_budget.cpp). The states it goes through: Note [Handle state machine] in
+// store_budget.cpp, eviction_order.cpp, ...). The states it goes through: Note [Handle state machine] in
 // tiered_store.cpp.
 #pragma once
 
@@ -34,6 +34,11 @@ struct TieredStore::Entry {
   // Index in TieredStore::resident_ while `dev` is set (Note [Resident handles]).
   static constexpr std::size_t kNotResident = static_cast<std::size_t>(-1);
   std::size_t resident_slot = kNotResident;
+  // Index in TieredStore::evictable_ while it holds the entry, and the key it is ordered
+  // by there (Note [Eviction order] in eviction_order.cpp).
+  static constexpr std::size_t kNotEvictable = static_cast<std::size_t>(-1);
+  std::size_t evictable_slot = kNotEvictable;
+  std::uint64_t evict_key = 0;
 };
 
 }  // namespace tidepool

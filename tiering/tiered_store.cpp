@@ -259,6 +259,7 @@ TieredStore::Handle TieredStore::create_checked(std::size_t bytes, int tag, Tier
       backend_.record_event(e->dev_ready, s);
     }
     resident_.reserve(entries_.size() + 1);  // Note [Resident handles]
+    evictable_.reserve(entries_.size() + 1);  // Note [Eviction order]
   } catch (...) {
     if (!lock.owns_lock()) lock.lock();  // a failure while the other stores were asked
     if (buf.ptr != nullptr) give_back_failed_load_locked(buf, bytes);
@@ -435,6 +436,7 @@ void* TieredStore::acquire_locked(Handle h, Stream stream, RoomFor why) {
   // waits (evict, read, the next acquire) need only this stream.
   if (e.pins == 0) e.use_streams.clear();
   e.pins++;
+  evictable_update_locked(e);
   if (std::find(e.use_streams.begin(), e.use_streams.end(), stream) == e.use_streams.end()) {
     e.use_streams.push_back(stream);
   }
@@ -454,6 +456,7 @@ void TieredStore::release(Handle h, bool dirty) {
   Entry& e = entry_locked(h, "release");
   if (e.pins == 0) throw TieringError("tiered store: release of a handle that is not acquired");
   e.pins--;
+  evictable_update_locked(e);
   if (dirty) {
     e.dev_dirty = true;
     e.host_valid = false;

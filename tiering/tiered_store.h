@@ -2,9 +2,9 @@
 // device exactly while code uses them. The handle state machine is written at the top of
 // tiered_store.cpp; the room a load gets within the budget in store_budget.cpp (a budget
 // from the configuration is shared: Note [Shared state budget] in device_budget_ledger.h);
-// the buffers on their way out in pending_frees.cpp; the wording of its errors in
-// store_errors.cpp; its event pool in store_events.cpp; the policy is in
-// prefetch_policy.h; the copies in copy_engine.h.
+// which handle an eviction takes in eviction_order.cpp; the buffers on their way out in
+// pending_frees.cpp; the wording of its errors in store_errors.cpp; its event pool in
+// store_events.cpp; the policy is in prefetch_policy.h; the copies in copy_engine.h.
 //
 // Use:
 //   TieredStore store(backend, {.device_budget_bytes = 8 << 30});
@@ -347,13 +347,24 @@ class TIDEPOOL_API TieredStore {
   // `scheduled` as it goes), then waits for the frees; throws what fails (reclaim catches
   // it, Note [Reclaim never throws]).
   void reclaim_locked(std::size_t bytes_needed, std::size_t& scheduled);
+  // ---- which handle an eviction takes (eviction_order.cpp) ----
   // Note [Resident handles]: the resident, unacquired handle other than `incoming` whose
   // next use is furthest (PrefetchPolicy::eviction_score), among those scoring above
   // `above` when given; nullptr when there is none.
-  Entry* eviction_victim_locked(const Entry* incoming, std::optional<std::size_t> above) const;
-  // `e`'s device copy was just set / is being dropped: it joins / leaves resident_.
+  Entry* eviction_victim_locked(const Entry* incoming, std::optional<std::size_t> above);
+  // `e`'s device copy was just set / is being dropped: it joins / leaves resident_ (and
+  // evictable_).
   void note_resident_locked(Entry& e) noexcept;
   void note_not_resident_locked(Entry& e) noexcept;
+  // Note [Eviction order]: `e` became evictable or stopped being so (loaded, evicted,
+  // acquired, released): it joins or leaves evictable_.
+  void evictable_update_locked(Entry& e) noexcept;
+  void evictable_build_locked();
+  void evictable_drop_locked() noexcept;
+  void evictable_place_locked(std::size_t slot, Entry* e) noexcept;
+  void evictable_sift_locked(std::size_t slot) noexcept;
+  // Whether `a` goes before `b` in evictable_: the higher key, then the higher id.
+  static bool evicted_sooner(const Entry* a, const Entry* b) noexcept;
   void warn_reclaim_failure(const char* why, const char* what) noexcept;
   DeviceBuffer device_allocate_locked(std::size_t bytes, const Entry* incoming, RoomFor why);
   // Allocates the buffer `reserved_` holds room for (make_room_locked); gives the
@@ -423,6 +434,12 @@ class TIDEPOOL_API TieredStore {
   // capacity never falls below entries_.size() (create reserves it), so adding to it
   // cannot fail.
   std::vector<Entry*> resident_;
+  // Note [Eviction order]: the resident, unacquired entries, a max-heap by eviction key,
+  // while evictable_valid_; built for the policy's key epoch evictable_epoch_. Its
+  // capacity follows resident_'s.
+  std::vector<Entry*> evictable_;
+  bool evictable_valid_ = false;
+  std::uint64_t evictable_epoch_ = 0;
   std::vector<PendingFree> pending_frees_;
   std::vector<Event> free_events_;
   Handle next_handle_ = 1;

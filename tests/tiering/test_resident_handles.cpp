@@ -1,4 +1,4 @@
-// Note [Resident handles] (tiering/store_budget.cpp): the store's list of resident
+// Note [Resident handles] (tiering/eviction_order.cpp): the store's list of resident
 // handles, which every eviction searches, stays exactly the handles with a device copy
 // through every operation that loads, evicts, writes or destroys one (a randomized
 // sequence under a tight budget, checked after each operation against resident() of
