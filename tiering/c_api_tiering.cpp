@@ -23,6 +23,7 @@
 #include <stdexcept>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "allocator/c_api.h"
 #include "allocator/c_api_guard.h"
@@ -199,6 +200,27 @@ int tidepool_prefetch_ptrs(int device, const void* const* ptrs, size_t n, void* 
     if (bytes_left_on_host != nullptr) *bytes_left_on_host = 0;
     const std::uint64_t left = migrate_pointers(device, ptrs, n, MemoryLocation::device);
     if (bytes_left_on_host != nullptr) *bytes_left_on_host = left;
+    return 0;
+  });
+}
+
+int tidepool_device_ranges_except(int device, int tag, const void* const* except,
+                                  size_t n_except, void** out, size_t capacity, size_t* count) {
+  return guarded("tidepool_device_ranges_except", -1, [&] {
+    if (count == nullptr) throw std::invalid_argument("count is NULL");
+    *count = 0;
+    check_tag(tag);
+    if (except == nullptr && n_except > 0) {
+      throw std::invalid_argument("except is NULL but n_except is " + std::to_string(n_except));
+    }
+    if (out == nullptr && capacity > 0) {
+      throw std::invalid_argument("out is NULL but capacity is " + std::to_string(capacity));
+    }
+    tidepool::VmmPool* pool = existing_vmm_pool(device);
+    if (pool == nullptr) return 0;
+    const std::vector<void*> bases = pool->device_backed_ranges(tag, {except, n_except});
+    std::copy_n(bases.begin(), std::min(bases.size(), capacity), out);
+    *count = bases.size();
     return 0;
   });
 }

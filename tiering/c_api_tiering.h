@@ -92,6 +92,20 @@ TIDEPOOL_API int tidepool_prefetch_ptrs(int device, const void* const* ptrs, siz
  * the device still runs (Note [steps in flight] in python/src/tidepool/_in_flight.py):
  * its own optimizer's state, where the tag would take the other step's too. */
 TIDEPOOL_API int tidepool_evict_ptrs(int device, const void* const* ptrs, size_t n);
+/* The base addresses of `device`'s ranges of `tag` that have device-backed memory and hold
+ * none of except[0..n_except), oldest first: what is on the device beyond what the caller
+ * names. The Python hooks ask it after a step, naming the optimizer's state, to learn the
+ * state it keeps elsewhere, which they prefetch with its own before the next step
+ * (Note [state outside optimizer.state] in python/src/tidepool/_optim_hooks.py). Writes
+ * the number of such ranges to *count and the first min(*count, capacity) bases to
+ * out[]; call with capacity 0 (out may then be NULL) to size the array, though ranges may
+ * come and go between two calls. Pointers in no range are ignored; `except` may be NULL
+ * only when n_except is 0. 0 and *count 0 on a device where no VMM range exists (nothing
+ * is created); -1 with tidepool_tiering_last_error() for a bad tag or a NULL array. Tiered
+ * stores' handles are not ranges and are not listed. */
+TIDEPOOL_API int tidepool_device_ranges_except(int device, int tag, const void* const* except,
+                                               size_t n_except, void** out, size_t capacity,
+                                               size_t* count);
 
 /* ---- stats ---------------------------------------------------------------------------- */
 typedef struct tidepool_tiering_stats_v1 {

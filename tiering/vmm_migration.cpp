@@ -638,6 +638,29 @@ MigrationResult VmmPool::migrate_ranges_holding(std::span<const void* const> ptr
   return total;
 }
 
+std::vector<void*> VmmPool::device_backed_ranges(int tag,
+                                                 std::span<const void* const> except) const {
+  std::lock_guard lock(mutex_);
+  std::unordered_set<const char*> excluded;
+  for (const void* ptr : except) {
+    if (const Range* r = ptr != nullptr ? find_locked(ptr) : nullptr) excluded.insert(r->base);
+  }
+  std::vector<const Range*> found;
+  for (const auto& [base, r] : ranges_) {
+    if (r.tag != tag || excluded.contains(base)) continue;
+    if (std::any_of(r.chunks.begin(), r.chunks.end(),
+                    [](const Chunk& c) { return c.where == MemoryLocation::device; })) {
+      found.push_back(&r);
+    }
+  }
+  std::sort(found.begin(), found.end(),
+            [](const Range* a, const Range* b) { return a->sequence < b->sequence; });
+  std::vector<void*> bases;
+  bases.reserve(found.size());
+  for (const Range* r : found) bases.push_back(r->base);
+  return bases;
+}
+
 bool VmmPool::owns(const void* ptr) const {
   std::lock_guard lock(mutex_);
   return find_locked(ptr) != nullptr;

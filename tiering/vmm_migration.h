@@ -186,6 +186,11 @@ class TIDEPOOL_API VmmPool {
   // memory) is skipped. Ranges freed meanwhile are not visited. The C ABI's prefetch and
   // evict by pointers use it.
   MigrationResult migrate_ranges_holding(std::span<const void* const> ptrs, MemoryLocation to);
+  // The base addresses of the ranges with `tag` that have device-backed chunks and hold
+  // none of `except`, in allocation order, oldest first: what is on the device beyond
+  // the ranges the caller names (the Python hooks learn from it, after a step, the state
+  // an optimizer keeps outside optimizer.state: Note [state outside optimizer.state]).
+  std::vector<void*> device_backed_ranges(int tag, std::span<const void* const> except) const;
   // The device budget in force now (nullopt: none). Note [VMM device budget].
   std::optional<std::size_t> device_budget_bytes() const;
 

@@ -28,6 +28,10 @@ def fake_tiering(monkeypatch):
                         lambda d, tag, stream: moves.append(("evict", d, tag, stream)))
     monkeypatch.setattr(_tiering, "evict_ptrs",
                         lambda d, ptrs, stream: moves.append(("evict_ptrs", d, tuple(ptrs), stream)))
+    # Note [state outside optimizer.state]: no range beyond the state the hooks name,
+    # unless a test says otherwise.
+    monkeypatch.setattr(_tiering, "device_ranges_except", lambda d, tag, ptrs: [])
+    monkeypatch.setattr(_tiering, "owns", lambda d, ptr: False)
     monkeypatch.setattr(_optim_hooks, "_cuda_devices", lambda optimizer: [0])
     monkeypatch.setattr(_optim_hooks, "_cuda_index", lambda tensor: 0)
     monkeypatch.setattr(_optim_hooks, "_stream", lambda torch, d: 4242)

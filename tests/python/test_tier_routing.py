@@ -2,8 +2,8 @@
 libtidepool.so, the names the package hands to CUDAPluggableAllocator): allocations under
 optimizer_state of at least tidepool.tier_min_bytes become pointer-stable ranges that
 evict() moves to host memory and prefetch() brings back, within tidepool.state_budget, at
-the same address with the same bytes, and prefetch and evict by pointers move only the
-ranges named; smaller state and other tags go to the caching allocator. Tiering errors
+the same address with the same bytes, prefetch and evict by pointers move only the
+ranges named, and the ranges on the device beyond those named are listed; smaller state and other tags go to the caching allocator. Tiering errors
 reach Python with tidepool's message. Runs on the host backend (its "device" memory is
 host RAM, so the test can read through the pointers), in a fresh interpreter because the
 backend is chosen before the first allocation."""
@@ -105,6 +105,25 @@ def test_prefetch_and_evict_by_pointers_move_only_the_ranges_named(run_python):
     # by its pointers leaves the first on the device.
     assert out == {"left": 2 * MiB, "device": 4 * MiB, "others_owned": True,
                    "device_after_evict": 2 * MiB}
+
+
+def test_the_ranges_on_the_device_beyond_those_named_are_listed_oldest_first(run_python):
+    # What the optimizer post-hook asks (Note [state outside optimizer.state] in
+    # _optim_hooks.py), through the real C ABI: the device-backed ranges of the tag that
+    # hold none of the pointers named; past 64 of them the wrapper asks again with room
+    # for all.
+    out = json.loads(run_python(host_backend_script("""
+        with tidepool.region("optimizer_state"):
+            own = [malloc(2 * MiB) for _ in range(2)]
+            outside = [malloc(2 * MiB) for _ in range(70)]
+        tidepool.evict("optimizer_state", device=0)
+        _tiering.prefetch_ptrs(0, own + outside[5:] + outside[:3], None)   # 3, 4 stay on the host
+        listed = _tiering.device_ranges_except(0, tidepool._tags.OPTIMIZER_STATE,
+                                               [own[0] + 4096, own[1], 0])
+        print(json.dumps({"listed": listed, "expected": outside[:3] + outside[5:]}))
+        """, "tidepool.state_budget:1GiB")).stdout.strip().splitlines()[-1])
+    assert len(out["listed"]) == 68
+    assert out["listed"] == out["expected"]
 
 
 def test_a_tiering_failure_reaches_python_with_tidepools_message(run_python):

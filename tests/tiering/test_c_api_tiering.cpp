@@ -4,6 +4,7 @@
 // message in tidepool_last_error, tag prefetch within tidepool.state_budget, and prefetch
 // and evict by pointers (one optimizer's state, in its order, each range once). The
 // allocator's tier route into these ranges: test_tier_route.cpp.
+#include <algorithm>
 #include <chrono>
 #include <condition_variable>
 #include <cstdio>
@@ -349,6 +350,12 @@ TEST(TieringCApi, AskingAboutAnUnusedDeviceCreatesNothingThere) {
       << tidepool_last_error();
   EXPECT_EQ(left, 0u);
   EXPECT_EQ(tidepool_evict_ptrs(kUnusedDevice, ptrs, 1), 0) << tidepool_last_error();
+  std::size_t count = 7;
+  EXPECT_EQ(tidepool_device_ranges_except(kUnusedDevice, kTagOptimizerState, ptrs, 1, nullptr, 0,
+                                          &count),
+            0)
+      << tidepool_last_error();
+  EXPECT_EQ(count, 0u);
   EXPECT_EQ(existing_tiering_vmm_pool(kUnusedDevice), nullptr);
   // One pointer: still an error (no range holds it), but found out without a pool.
   tidepool_clear_error();
@@ -516,6 +523,60 @@ TEST_F(PrefetchBudgetTest, EvictByPointersMovesOnlyTheNamedRanges) {
   EXPECT_EQ(tidepool_evict_ptrs(kDevice, nullptr, 0), 0) << tidepool_last_error();
   EXPECT_EQ(tidepool_evict_ptrs(-1, ptrs, 1), -1);
   EXPECT_EQ(on_device(0), 2 * kMiB);
+}
+
+// What is on the device beyond the ranges named (the Python hooks' state kept outside
+// optimizer.state): the tag's device-backed ranges holding none of the pointers, oldest
+// first, sized by a call with no array, cut to a short array with the count of all.
+TEST_F(PrefetchBudgetTest, DeviceRangesExceptListsTheTagsOtherRangesOnTheDevice) {
+  make_evicted({2 * kMiB, 2 * kMiB, 2 * kMiB, 2 * kMiB});
+  const void* bring[] = {ranges_[3], ranges_[1], ranges_[0]};  // 2 stays on the host
+  ASSERT_EQ(tidepool_prefetch_ptrs(kDevice, bring, std::size(bring), nullptr, nullptr), 0)
+      << tidepool_last_error();
+  int not_tiered = 0;
+  const void* except[] = {static_cast<const char*>(ranges_[0]) + 4096, nullptr, &not_tiered};
+  std::size_t count = 99;
+  ASSERT_EQ(tidepool_device_ranges_except(kDevice, tag_, except, 3, nullptr, 0, &count), 0)
+      << tidepool_last_error();
+  EXPECT_EQ(count, 2u);
+  void* out[4] = {};
+  ASSERT_EQ(tidepool_device_ranges_except(kDevice, tag_, except, 3, out, 4, &count), 0)
+      << tidepool_last_error();
+  ASSERT_EQ(count, 2u);
+  EXPECT_EQ(out[0], ranges_[1]);  // oldest first, not in the order they came back
+  EXPECT_EQ(out[1], ranges_[3]);
+  EXPECT_EQ(out[2], nullptr);
+  void* one[1] = {};
+  ASSERT_EQ(tidepool_device_ranges_except(kDevice, tag_, except, 3, one, 1, &count), 0);
+  EXPECT_EQ(count, 2u);
+  EXPECT_EQ(one[0], ranges_[1]);
+  // Nothing named: every device-backed range of the tag; another tag lists none of them.
+  ASSERT_EQ(tidepool_device_ranges_except(kDevice, tag_, nullptr, 0, out, 4, &count), 0);
+  EXPECT_EQ(count, 3u);
+  ASSERT_EQ(tidepool_device_ranges_except(kDevice, TIDEPOOL_TAG_WORKSPACE, nullptr, 0, out, 4,
+                                          &count),
+            0);
+  for (std::size_t i = 0; i < std::min<std::size_t>(count, 4); ++i) {
+    EXPECT_EQ(std::find(ranges_.begin(), ranges_.end(), out[i]), ranges_.end());
+  }
+  // Bad arrays and tags are errors, with *count 0.
+  const auto fails_with = [&](const char* what, int tag, const void* const* names, std::size_t n,
+                              void** into, std::size_t capacity, std::size_t* counted) {
+    tidepool_clear_error();
+    count = 7;
+    EXPECT_EQ(tidepool_device_ranges_except(kDevice, tag, names, n, into, capacity, counted), -1)
+        << what;
+    EXPECT_EQ(std::string(tidepool_last_error()).rfind("tidepool_device_ranges_except: ", 0), 0u)
+        << tidepool_last_error();
+    EXPECT_NE(std::strstr(tidepool_last_error(), what), nullptr) << tidepool_last_error();
+    if (counted != nullptr) {
+      EXPECT_EQ(*counted, 0u) << what;
+    }
+  };
+  fails_with("except is NULL but n_except is 2", tag_, nullptr, 2, out, 4, &count);
+  fails_with("out is NULL but capacity is 4", tag_, except, 3, nullptr, 4, &count);
+  fails_with("count is NULL", tag_, except, 3, out, 4, nullptr);
+  fails_with("no tag has the id -1", -1, except, 3, out, 4, &count);
 }
 
 // The shared state budget reaches the C struct (Note [Shared state budget]): two stores

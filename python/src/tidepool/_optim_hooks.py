@@ -35,6 +35,9 @@ _warned_no_tiering = False
 # reference still gives that very parameter, so a parameter dropped and another made at
 # its address is new).
 _stateless: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# Note [state outside optimizer.state]: optimizer -> {device: [base addresses of the ranges
+# of state it keeps elsewhere]}, learnt after each of its steps.
+_outside_state: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _cuda_devices(optimizer) -> list[int]:
@@ -221,18 +224,63 @@ def _prefetch_state(optimizer, has_closure: bool) -> None:
     tensor's 0) are skipped there too, so nothing is asked per tensor from Python.
 
     State the optimizer keeps outside optimizer.state (a tensor on the optimizer object
-    or in a param group, made during an optimizer_state step) is not prefetched: it stays
-    host-backed and the step reaches it over the link at the same address, as with
-    tidepool.state_budget 0; the post-hook's eviction by tag still takes it back
-    (Note [evict by tag]). Tiered stores (tidepool's C++ optimizers') are not reached:
+    or in a param group, made during an optimizer_state step) comes after it, in
+    allocation order, from what the post-hook learnt after the last step (Note [state
+    outside optimizer.state]). Tiered stores (tidepool's C++ optimizers') are not reached:
     their optimizers load their own handles. A step nested in another optimizer's
     (Lookahead stepping its inner optimizer) prefetches its own state even on a device
     the enclosing step holds: the enclosing step brought only its own. A step nested in
     the same optimizer's (a subclass's step() calling its base's, both hooked by torch)
     prefetches nothing: the enclosing one did (_being_stepped)."""
     torch = _install.STATE.torch
-    for d, ptrs in _state_pointers(optimizer, every_parameter=has_closure).items():
+    by_device = _state_pointers(optimizer, every_parameter=has_closure)
+    for d, bases in _known_outside_state(optimizer).items():
+        by_device.setdefault(d, []).extend(bases)
+    for d, ptrs in by_device.items():
         _tiering.prefetch_ptrs(d, ptrs, _stream(torch, d))
+
+
+def _known_outside_state(optimizer) -> dict[int, list[int]]:
+    try:
+        return _outside_state.get(optimizer, {})
+    except TypeError:  # not weakly referenceable: nothing is remembered for it
+        return {}
+
+
+def _learn_outside_state(optimizers: list, devices: list[int]) -> None:
+    """Note [state outside optimizer.state]: after a step of optimizers[0] (with those
+    stepped inside it), before the eviction by tag, on `devices` where no other step is in
+    flight: the ranges of optimizer_state on the device that hold none of their state in
+    optimizer.state are state the step keeps elsewhere (a tensor on the optimizer object,
+    in a param group, in a closure's cell), made or prefetched for this step; the next
+    step prefetches them after its own state, so a budget that has room for them spares
+    the step reading them over the link. Each step learns them anew: state no longer
+    kept is freed (its range gone) or no longer on the device. Those the budget left on
+    the host are kept from the last time while a range still holds them (else a budget
+    too small for them would forget them after one step), so the prefetch tries again.
+    Only with a state budget (no prefetch otherwise: Note [state budget 0]). Other
+    optimizers' state is not on the device then: each step evicts its tag, and a device
+    another thread's step is in flight on is not asked about (its state is there)."""
+    optimizer = optimizers[0]
+    known = _known_outside_state(optimizer)
+    own = _pointers_of(optimizers)
+    learnt: dict[int, list[int]] = {}
+    for d in devices:
+        bases = _tiering.device_ranges_except(d, _tags.OPTIMIZER_STATE, own.get(d, []))
+        on_device = set(bases)
+        left = [b for b in known.get(d, []) if b not in on_device and _tiering.owns(d, b)]
+        if bases or left:
+            learnt[d] = bases + left
+    for d, bases in known.items():  # devices not asked this time keep theirs
+        if d not in devices:
+            learnt[d] = bases
+    try:
+        if learnt:
+            _outside_state[optimizer] = learnt
+        else:
+            _outside_state.pop(optimizer, None)
+    except TypeError:
+        pass
 
 
 def _state_budget_allows_prefetch() -> bool:
@@ -413,6 +461,8 @@ def _evict(devices: list[int], optimizers: list) -> None:
     be done before its state moves) and a walk over the tag's range list in C++."""
     torch = _install.STATE.torch
     with _in_flight.evicting(devices) as (by_tag, by_pointer):
+        if by_tag and optimizers and _state_budget_allows_prefetch():
+            _learn_outside_state(optimizers, by_tag)
         for d in by_tag:
             _tiering.evict_tag(d, _tags.OPTIMIZER_STATE, _stream(torch, d))
         if by_pointer:

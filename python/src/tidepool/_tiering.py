@@ -46,6 +46,10 @@ _SIGNATURES = {
                                               ctypes.POINTER(ctypes.c_uint64)]),
     "tidepool_evict_ptrs": (ctypes.c_int, [ctypes.c_int, ctypes.POINTER(ctypes.c_void_p),
                                            ctypes.c_size_t]),
+    "tidepool_device_ranges_except": (ctypes.c_int, [ctypes.c_int, ctypes.c_int,
+                                                     ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t,
+                                                     ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t,
+                                                     ctypes.POINTER(ctypes.c_size_t)]),
     "tidepool_get_tiering_stats_v1": (ctypes.c_int, [ctypes.c_int, ctypes.c_void_p]),
     "tidepool_vmm_owns": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_int]),
 }
@@ -116,6 +120,24 @@ def prefetch_ptrs(device: int, ptrs: list[int], stream: int | None = None) -> in
                                          ctypes.byref(left_on_host)),
            f"prefetching {len(ptrs)} pointers on device {device}")
     return left_on_host.value
+
+
+def device_ranges_except(device: int, tag: int, ptrs: list[int]) -> list[int]:
+    """The base addresses of the device's ranges of `tag` that are on the device and hold
+    none of `ptrs`, oldest first: what a step used beyond the state it names (Note [state
+    outside optimizer.state] in _optim_hooks.py). One C call, two when there are more
+    than 64 such ranges (a range made between the two calls is tried again)."""
+    fn = _fn("tidepool_device_ranges_except")
+    names = _pointer_array(ptrs)
+    capacity = 64
+    while True:
+        out = (ctypes.c_void_p * capacity)()
+        count = ctypes.c_size_t(0)
+        _check(fn(device, tag, names, len(ptrs), out, capacity, ctypes.byref(count)),
+               f"listing the ranges of tag {tag} on device {device}")
+        if count.value <= capacity:
+            return [out[i] for i in range(count.value)]
+        capacity = count.value
 
 
 def owns(device: int, ptr: int) -> bool:

@@ -1,0 +1,106 @@
+"""State an optimizer keeps outside optimizer.state (Note [state outside optimizer.state]
+in _optim_hooks.py), with the tiering C ABI a recorder (fake_tiering.py) whose
+device_ranges_except answers what a test says is on the device: after a step the hooks
+ask which ranges of optimizer_state beyond the optimizer's own state are on the device,
+and the next step prefetches those after its own; those the budget left on the host are
+tried again while a range still holds them; nothing is asked without a state budget."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tidepool import _optim_hooks, _tags, _tiering
+
+from fake_tiering import EVICT, fake_tiering, state_pointers  # noqa: F401  (a fixture)
+from fake_torch_cuda import fake_cuda, install  # noqa: F401  (a fixture, and the install)
+
+EXTRA = 0x7F0000200000  # the base of a range of state kept on the optimizer object
+OTHER = 0x7F0000400000
+
+
+class OnDevice:
+    """What the fake tiering layer says is on the device, and the calls that asked."""
+
+    def __init__(self, monkeypatch):
+        self.on_device: list[int] = []
+        self.owned: set[int] = set()
+        self.asked: list[tuple] = []
+        monkeypatch.setattr(_tiering, "device_ranges_except", self.device_ranges_except)
+        monkeypatch.setattr(_tiering, "owns", lambda d, ptr: ptr in self.owned)
+
+    def device_ranges_except(self, device, tag, ptrs):
+        self.asked.append((device, tag, tuple(ptrs)))
+        return list(self.on_device)
+
+
+@pytest.fixture
+def on_device(monkeypatch, fake_tiering):
+    return OnDevice(monkeypatch)
+
+
+def stepped(optimizer, p):
+    p.grad = torch.ones(4)
+    optimizer.step()
+
+
+def test_state_outside_optimizer_state_is_prefetched_after_its_own(fake_cuda, fake_tiering,
+                                                                   on_device):
+    install(state_budget="1GiB")
+    p = torch.nn.Parameter(torch.ones(4))
+    optimizer = torch.optim.SGD([p], lr=0.5, momentum=0.9)
+    on_device.on_device = [EXTRA]  # the first step made it, on the device
+    on_device.owned = {EXTRA}
+    stepped(optimizer, p)
+    # Asked once, before the eviction, naming the optimizer's own state.
+    assert on_device.asked == [(0, _tags.OPTIMIZER_STATE, state_pointers(optimizer))]
+    assert fake_tiering == [EVICT]
+    stepped(optimizer, p)
+    assert fake_tiering[1] == ("prefetch", 0, state_pointers(optimizer) + (EXTRA,), 4242)
+    # Freed before the third step: its range gone, the step after it no longer asks for it.
+    on_device.on_device, on_device.owned = [], set()
+    stepped(optimizer, p)
+    assert fake_tiering[3] == ("prefetch", 0, state_pointers(optimizer) + (EXTRA,), 4242)
+    stepped(optimizer, p)
+    assert fake_tiering[5] == ("prefetch", 0, state_pointers(optimizer), 4242)
+
+
+def test_what_the_budget_left_on_the_host_is_tried_again_while_a_range_holds_it(
+        fake_cuda, fake_tiering, on_device):
+    install(state_budget="1GiB")
+    p = torch.nn.Parameter(torch.ones(4))
+    optimizer = torch.optim.SGD([p], lr=0.5, momentum=0.9)
+    on_device.on_device, on_device.owned = [EXTRA, OTHER], {EXTRA, OTHER}
+    stepped(optimizer, p)
+    on_device.on_device = [OTHER]  # the budget had no room for EXTRA: still a range, on the host
+    stepped(optimizer, p)
+    stepped(optimizer, p)
+    assert fake_tiering[3] == ("prefetch", 0, state_pointers(optimizer) + (OTHER, EXTRA), 4242)
+
+
+def test_each_optimizer_prefetches_only_what_it_keeps_outside(fake_cuda, fake_tiering, on_device):
+    install(state_budget="1GiB")
+    p, q = torch.nn.Parameter(torch.ones(4)), torch.nn.Parameter(torch.ones(4))
+    first = torch.optim.SGD([p], lr=0.5, momentum=0.9)
+    second = torch.optim.SGD([q], lr=0.5, momentum=0.9)
+    on_device.on_device, on_device.owned = [EXTRA], {EXTRA}
+    stepped(first, p)
+    on_device.on_device, on_device.owned = [], {EXTRA}
+    stepped(second, q)
+    stepped(second, q)
+    stepped(first, p)
+    prefetches = [m for m in fake_tiering if m[0] == "prefetch"]
+    assert prefetches == [("prefetch", 0, state_pointers(second), 4242),
+                          ("prefetch", 0, state_pointers(first) + (EXTRA,), 4242)]
+
+
+def test_without_a_state_budget_nothing_is_asked(fake_cuda, fake_tiering, on_device):
+    install()
+    p = torch.nn.Parameter(torch.ones(4))
+    optimizer = torch.optim.SGD([p], lr=0.5, momentum=0.9)
+    on_device.on_device = [EXTRA]
+    for _ in range(2):
+        stepped(optimizer, p)
+    assert on_device.asked == []
+    assert fake_tiering == [EVICT, EVICT]
+    assert _optim_hooks._known_outside_state(optimizer) == {}
