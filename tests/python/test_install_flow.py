@@ -254,6 +254,25 @@ def test_region_tags_and_in_pool_mode_routes_to_the_pool(fake_cuda):
     assert fake_cuda[-1] == ("exit_pool", None)
 
 
+def test_region_routes_every_device_it_names_to_the_pool(fake_cuda):
+    install(mode="pool")
+    with tidepool.region("optimizer_state", device=[1, torch.device("cuda", 0), 1]):
+        assert [c for c in fake_cuda if c[0] == "enter_pool"] == [("enter_pool", 1),
+                                                                   ("enter_pool", 0)]
+    assert fake_cuda[-2:] == [("exit_pool", 0), ("exit_pool", 1)]
+    with tidepool.region("optimizer_state", device=2):
+        assert fake_cuda[-1] == ("enter_pool", 2)
+    with tidepool.region("optimizer_state", device=torch.device("cuda")):  # the current one
+        assert fake_cuda[-1] == ("enter_pool", None)
+    for bad in (-1, "cuda:0", torch.device("cpu"), [], [0, None], True):
+        before = list(fake_cuda)
+        with pytest.raises(ValueError, match="tidepool.region: device"):
+            with tidepool.region("optimizer_state", device=bad):
+                pass
+        assert fake_cuda == before  # nothing entered, no tag left pushed
+        assert _tags.current() != _tags.OPTIMIZER_STATE
+
+
 def test_host_backend_cannot_back_cuda_tensors(fake_cuda):
     with pytest.warns(_install.TidepoolInactiveWarning, match="device_backend:host"):
         install(device_backend="host")

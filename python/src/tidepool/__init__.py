@@ -137,16 +137,48 @@ def _torch_using_cuda():
     return torch if torch is not None and torch.cuda.is_initialized() else None
 
 
+def _region_devices(device) -> list:
+    """region()'s `device` as the list use_mem_pool is entered for, each device once, in
+    the order given; None stands for the current device (device None, or
+    torch.device("cuda") without an index)."""
+    if device is None:
+        return [None]
+    items = list(device) if isinstance(device, (list, tuple, set, frozenset, range)) else [device]
+    devices = []
+    for item in items:
+        if getattr(item, "type", "cuda") != "cuda":
+            index = -1
+        else:
+            index = getattr(item, "index", item)  # a torch.device("cuda", i) or an int
+        if index is None and item is not None:
+            pass  # torch.device("cuda"): the current device
+        elif isinstance(index, bool) or not isinstance(index, int) or index < 0:
+            raise ValueError(f"tidepool.region: device must be a CUDA device index (an int >= 0), "
+                             f"a torch.device('cuda', i), or a list of them; got {item!r}")
+        if index not in devices:
+            devices.append(index)
+    if not devices:
+        raise ValueError("tidepool.region: device is an empty list; name at least one device, "
+                         "or leave it out for the current one")
+    return devices
+
+
 @contextlib.contextmanager
-def region(tag: str | int = "user"):
+def region(tag: str | int = "user", device=None):
     """Allocations made by this thread inside the block carry `tag` (for stats and for
-    evict/prefetch). In pool mode they are also served from tidepool's MemPool."""
+    evict/prefetch). In pool mode they are also served from tidepool's MemPool: on the
+    current device, or on each device `device` names (an index, a torch.device, or a
+    list of them, for a process that allocates on several GPUs inside the block). In
+    global mode every device's allocations are tidepool's anyway, and `device` only has
+    to be valid."""
     from . import _install, _tags
     tag_id = _tags.tag_id(tag)
+    devices = _region_devices(device)
     pool = _install.pool()
     with contextlib.ExitStack() as stack:
         if pool is not None:
-            stack.enter_context(_install.STATE.torch.cuda.use_mem_pool(pool))
+            for d in devices:
+                stack.enter_context(_install.STATE.torch.cuda.use_mem_pool(pool, d))
         _tags.push(tag_id)
         try:
             yield tag_id
