@@ -3,9 +3,12 @@ in _optim_hooks.py), with the tiering C ABI a recorder (fake_tiering.py) whose
 device_ranges_except answers what a test says is on the device: after a step the hooks
 ask which ranges of optimizer_state beyond the optimizer's own state are on the device,
 and the next step prefetches those after its own; those the budget left on the host are
-tried again while a range still holds them; nothing is asked without a state budget."""
+tried again while a range still holds them; nothing is asked without a state budget; a
+failure to ask warns once and the eviction still happens."""
 
 from __future__ import annotations
+
+import warnings
 
 import pytest
 import torch
@@ -104,3 +107,22 @@ def test_without_a_state_budget_nothing_is_asked(fake_cuda, fake_tiering, on_dev
     assert on_device.asked == []
     assert fake_tiering == [EVICT, EVICT]
     assert _optim_hooks._known_outside_state(optimizer) == {}
+
+
+def test_a_failure_to_learn_warns_once_and_the_state_is_still_evicted(fake_cuda, fake_tiering,
+                                                                      on_device, monkeypatch):
+    install(state_budget="1GiB")
+    monkeypatch.setattr(_optim_hooks, "_warned_learning_failed", False)
+
+    def failing(device, tag, ptrs):
+        raise RuntimeError("tidepool: injected")
+
+    monkeypatch.setattr(_tiering, "device_ranges_except", failing)
+    p = torch.nn.Parameter(torch.ones(4))
+    optimizer = torch.optim.SGD([p], lr=0.5, momentum=0.9)
+    with pytest.warns(RuntimeWarning, match="could not learn .*injected"):
+        stepped(optimizer, p)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        stepped(optimizer, p)  # said once
+    assert [m for m in fake_tiering if m[0] == "evict"] == [EVICT, EVICT]

@@ -29,6 +29,7 @@ from . import _in_flight, _install, _patches, _tags, _tiering
 
 _local = threading.local()
 _warned_no_tiering = False
+_warned_learning_failed = False
 # Note [step tags]: optimizer -> {id(p): (weak reference to p, _settings of its group)} for
 # the parameters a step went through and left without state. Weak both ways: it keeps
 # neither the optimizer nor its parameters alive (an id is trusted only while its
@@ -283,6 +284,15 @@ def _learn_outside_state(optimizers: list, devices: list[int]) -> None:
         pass
 
 
+def _warn_learning_failed(error: Exception) -> None:
+    global _warned_learning_failed
+    if not _warned_learning_failed and (_install.STATE.config or {}).get("log") != "off":
+        warnings.warn(f"tidepool: could not learn the state kept outside optimizer.state "
+                      f"({error}); it is not prefetched before the next steps (said once)",
+                      RuntimeWarning)
+        _warned_learning_failed = True
+
+
 def _state_budget_allows_prefetch() -> bool:
     """Note [state budget 0]: with no device budget for optimizer state (the default)
     nothing is prefetched: the evicted state stays in host memory and the step's kernels
@@ -462,7 +472,10 @@ def _evict(devices: list[int], optimizers: list) -> None:
     torch = _install.STATE.torch
     with _in_flight.evicting(devices) as (by_tag, by_pointer):
         if by_tag and optimizers and _state_budget_allows_prefetch():
-            _learn_outside_state(optimizers, by_tag)
+            try:
+                _learn_outside_state(optimizers, by_tag)
+            except Exception as e:  # only a prefetch hint is lost: the eviction goes on
+                _warn_learning_failed(e)
         for d in by_tag:
             _tiering.evict_tag(d, _tags.OPTIMIZER_STATE, _stream(torch, d))
         if by_pointer:
