@@ -31,7 +31,13 @@
 // Room, in order:
 //   1. A store that needs room for an acquire evicts its own released handles and uses
 //      or waits for its own write-backs, as with a budget of its own (make_room_locked,
-//      Note [Loads over write-backs] in tiered_store.h), charging against the ledger.
+//      Note [Loads over write-backs] in tiered_store.h), charging against the ledger;
+//      but not a handle its current step uses again (all its released handles are, when
+//      the one whose next use is furthest is): the other stores are asked first (2.),
+//      whose released handles their own steps need later, and such a handle is evicted
+//      only once asking gave nothing (the last attempt of 2.). Two optimizers whose steps
+//      alternate each keep their step's working set while the other's idle state makes
+//      room.
 //   2. When the ledger still lacks room, the acquire asks the other stores
 //      (Seat::ask_peers): each evicts released handles, furthest next use first, and
 //      waits for its write-backs, what TieredStore::reclaim does for an allocator's OOM,

@@ -254,6 +254,13 @@ class TIDEPOOL_API PrefetchPolicy {
   }
 
   bool replaying() const { return !current().coming.order.empty() && !recording_; }
+  // The acquires the replayed step still expects (0 between steps or not replaying): a
+  // handle whose eviction_score() is below it is used again in this step.
+  std::size_t rest_of_step() const {
+    if (!in_step_ || !replaying()) return 0;
+    const std::size_t size = current().coming.order.size();
+    return position_ < size ? size - position_ : 0;
+  }
   bool recording() const { return recording_; }
   // The acquires the current key's step replays (or, between steps, its next one will).
   std::size_t schedule_length() const { return current().coming.order.size(); }

@@ -77,7 +77,7 @@ std::size_t TieredStore::peer_shortfall_locked(std::size_t bytes) const {
 // evictions and write-backs are all it can use here; the others are asked by the acquire
 // once this returns none (with_room_from_peers), a prefetch never asks them.
 TieredStore::Room TieredStore::make_room_locked(std::size_t bytes, const Entry* incoming,
-                                                bool may_wait) {
+                                                bool may_wait, bool others_first) {
   const std::size_t budget = options_.device_budget_bytes;
   const std::size_t incoming_score =
       incoming != nullptr && !may_wait ? policy_.eviction_score(incoming->id) : 0;
@@ -88,6 +88,12 @@ TieredStore::Room TieredStore::make_room_locked(std::size_t bytes, const Entry* 
     if (held_once_written_back_locked() + bytes > budget) {
       Entry* victim = eviction_victim_locked(
           incoming, may_wait ? std::nullopt : std::optional<std::size_t>(incoming_score));
+      // Note [Shared state budget], step 1: the furthest own handle is used again in this
+      // step (so are all the others): the other stores are asked first.
+      if (victim != nullptr && others_first &&
+          policy_.eviction_score_of_key(victim->evict_key) < policy_.rest_of_step()) {
+        victim = nullptr;
+      }
       if (victim != nullptr) {
         evict_locked(*victim);
         continue;
@@ -112,7 +118,8 @@ TieredStore::Room TieredStore::make_room_locked(std::size_t bytes, const Entry* 
 TieredStore::DeviceBuffer TieredStore::device_allocate_locked(std::size_t bytes,
                                                               const Entry* incoming, RoomFor why) {
   const bool may_wait = why != RoomFor::prefetch;
-  const Room room = make_room_locked(bytes, incoming, may_wait);
+  const Room room =
+      make_room_locked(bytes, incoming, may_wait, why == RoomFor::acquire_may_ask_peers);
   switch (room.kind) {
     case Room::Kind::none:
       if (why == RoomFor::acquire) throw_no_room_locked(bytes);

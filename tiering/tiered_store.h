@@ -331,7 +331,10 @@ class TIDEPOOL_API TieredStore {
   void evict_locked(Entry& e, bool discard = false);
   // fresh: `bytes` are reserved (reserved_); release_pending: the pending frees' charge
   // plus the reservation cover `bytes` (store_budget.cpp).
-  Room make_room_locked(std::size_t bytes, const Entry* incoming, bool may_wait);
+  // `others_first`: keep the handles this step uses again while the other stores sharing
+  // the budget may give room (Note [Shared state budget], step 1).
+  Room make_room_locked(std::size_t bytes, const Entry* incoming, bool may_wait,
+                        bool others_first = false);
   // Room from the pending frees alone, without waiting; none if they cannot give it.
   Room room_from_pending_locked(std::size_t bytes) const;
   // Hands the first `count` pending frees back in stream order; their charge becomes the

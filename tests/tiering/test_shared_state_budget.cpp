@@ -201,6 +201,76 @@ TEST_P(SharedStateBudgetTest, AnAcquireEvictsAReleasedHandleOfTheOtherStore) {
   EXPECT_EQ(first_difference(contents(*b, h).data(), mine.data(), kUnit), -1);
 }
 
+// Note [Shared state budget], step 1: an acquire whose store's released handles are all
+// used again later in its step (here the step is 0 1 2 0 1, and 2 comes when 0 and 1 are
+// resident) takes room from the other store's idle handles first, keeping its working set;
+// with nothing to take there it evicts its own after all, as with a budget of its own.
+TEST_P(SharedStateBudgetTest, AStepKeepsWhatItUsesAgainWhileTheOtherStoreCanGiveRoom) {
+  configure(kBudget);
+  TieredStoreOptions o = tiering_test::test_store_options(TieredStoreOptions::kDeviceBudgetFromConfig);
+  o.prefetch_lookahead = 0;  // only acquires load: each eviction is the acquire's
+  TieredStore a(backend(), o);
+  auto b = make_store();
+  std::vector<TieredStore::Handle> h;
+  for (int i = 0; i < 3; ++i) h.push_back(a.create(kUnit, kTagOptimizerState));
+  const auto step = [&] {
+    a.begin_step();
+    for (int i : {0, 1, 2, 0, 1}) {
+      a.acquire(h[static_cast<std::size_t>(i)], stream_);
+      a.release(h[static_cast<std::size_t>(i)], /*dirty=*/false);
+    }
+    a.end_step();
+  };
+  step();  // recorded, within the budget
+  for (auto x : h) a.evict(x);
+  a.synchronize();  // their buffers handed back: the ledger holds nothing of a's
+  const Filled in_b = fill_released(*b, 2, 300);  // the other optimizer's idle state
+  a.begin_step();
+  a.acquire(h[0], stream_);
+  a.release(h[0], false);
+  a.acquire(h[1], stream_);
+  a.release(h[1], false);
+  ASSERT_EQ(ledger_bytes(), kBudget);
+  a.acquire(h[2], stream_);  // 0 and 1 come again in this step: b gives the room
+  a.release(h[2], false);
+  EXPECT_TRUE(a.resident(h[0]));
+  EXPECT_TRUE(a.resident(h[1]));
+  EXPECT_EQ(b->stats().peer_evictions, 1u);
+  EXPECT_EQ(a.stats().evictions, 3u);  // the three evicted by hand, none by the step
+  const std::uint64_t misses = a.stats().misses;
+  for (int i : {0, 1}) {
+    a.acquire(h[static_cast<std::size_t>(i)], stream_);
+    a.release(h[static_cast<std::size_t>(i)], false);
+  }
+  a.end_step();
+  EXPECT_EQ(a.stats().misses, misses);  // both found on the device
+  expect_intact(*b, in_b);
+
+  // With nothing left to give (b's last resident handle acquired), the acquire evicts its
+  // own handle after asking, and succeeds.
+  for (auto x : h) a.evict(x);
+  for (auto x : in_b.handles) b->evict(x);
+  a.synchronize();
+  b->synchronize();
+  b->acquire(in_b.handles[0], stream_);
+  b->acquire(in_b.handles[1], stream_);
+  a.begin_step();
+  a.acquire(h[0], stream_);
+  a.release(h[0], false);
+  const std::uint64_t asked = a.stats().peer_room_requests;
+  a.acquire(h[1], stream_);  // a budget of 4 units, b holds 2 and a 1: a fits without asking
+  a.release(h[1], false);
+  EXPECT_EQ(a.stats().peer_room_requests, asked);
+  a.acquire(h[2], stream_);  // asks b, which has nothing released; then evicts 1 of its own
+  a.release(h[2], false);
+  EXPECT_GT(a.stats().peer_room_requests, asked);
+  EXPECT_FALSE(a.resident(h[1]));
+  EXPECT_TRUE(a.resident(h[2]));
+  a.end_step();
+  b->release(in_b.handles[0], false);
+  b->release(in_b.handles[1], false);
+}
+
 // A handle created on the device gets its room as an acquire does: from the other store's
 // released handles, and with none left, the shared budget's clear error, nothing created.
 TEST_P(SharedStateBudgetTest, ACreateOnTheDeviceTakesRoomFromTheOtherStore) {
