@@ -8,13 +8,20 @@
 // table of the pointers it handed out (`owned`) is locked on every cudaMalloc and
 // cudaFree of the program, so a parent thread allocating at the fork hung the child's
 // first cudaFree (a DataLoader worker dropping what it inherited, cleanup in a child
-// before exec). So once tidepool is set up the shim takes its three locks (the table's,
-// the ordering streams', the legacy-ordered frees') before every fork (pthread_atfork)
-// and lets them go after it, in the parent and in the child: the fork waits until a
-// thread inside the shim leaves its short section, and the child's tables are whole.
-// None of the three is held across anything that could fork or wait for the forking
-// thread (the other two span CUDA runtime calls, which do neither), and none is taken
-// while another is held, so the order they are taken in cannot deadlock.
+// before exec). The same goes for the shim's set-up: a fork while another thread ran it
+// (a once-flag in progress) left the child's first call waiting for a set-up no thread
+// would finish. So the shim takes its four locks (the set-up's, held while either
+// once-flag's function runs; the table's; the ordering streams'; the legacy-ordered
+// frees') before every fork (pthread_atfork, registered when the shim is loaded) and
+// lets them go after it, in the parent and in the child: the fork waits until a thread
+// inside the shim leaves its section, and the child's tables and set-up are whole. The
+// set-up's is taken first, as the set-up's own calls would; the other three are never
+// taken while another is held. None is held across anything that could fork or wait for
+// the forking thread (the set-up loads libraries and calls libtidepool's start-up; the
+// ordering and legacy-frees locks span CUDA runtime calls). They are plain mutexes
+// (std::mutex): a recursive one could not be let go by the child's thread, whose id is
+// not the parent thread's, so the set-up's nested calls skip the lock instead
+// (SetUpScope in libraries.cpp).
 // In a child forked after tidepool made an allocator (tidepool_in_forked_child; Note
 // [Forked child] in allocator/fork_guard.h) CUDA cannot be used, and tidepool refuses
 // every call but frees, which do nothing. There the shim:
@@ -41,6 +48,7 @@ namespace {
 
 void lock_before_fork() {
   Shim& s = shim();
+  s.setup_mutex.lock();
   s.mutex.lock();
   s.ordering_mutex.lock();
   legacy_frees_mutex().lock();
@@ -52,6 +60,7 @@ void unlock_after_fork() {
   legacy_frees_mutex().unlock();
   s.ordering_mutex.unlock();
   s.mutex.unlock();
+  s.setup_mutex.unlock();
 }
 
 }  // namespace

@@ -319,7 +319,6 @@ void initialise() {
             "goes through tidepool");
   }
   if (s.verbose) say("active: ", json.c_str());
-  register_fork_handlers();
   s.ready = true;
   s.serving.store(true, std::memory_order_release);
 }
@@ -339,19 +338,53 @@ bool environment_names_tidepool() {
 // so the many processes that inherit LD_PRELOAD and never touch CUDA (shells, compilers)
 // pay nothing.
 __attribute__((constructor)) void preload_start() {
+  register_fork_handlers();  // Note [Forked child under the shim]: before any set-up
   if (environment_names_tidepool()) ready();
 }
+
+// Note [Forked child under the shim]: set while this thread holds Shim::setup_mutex, so
+// that the set-up's own nested calls (initialise resolves the runtime) do not take it
+// again: a plain mutex, which a fork handler can let go in the child.
+constinit thread_local bool t_in_setup = false;
+
+class SetUpScope {
+ public:
+  SetUpScope() : owner_(!t_in_setup) {
+    if (owner_) {
+      shim().setup_mutex.lock();
+      t_in_setup = true;
+    }
+  }
+  ~SetUpScope() {
+    if (owner_) {
+      t_in_setup = false;
+      shim().setup_mutex.unlock();
+    }
+  }
+  SetUpScope(const SetUpScope&) = delete;
+  SetUpScope& operator=(const SetUpScope&) = delete;
+
+ private:
+  bool owner_;
+};
 
 }  // namespace
 
 void resolve_cudart_once() {
   Shim& s = shim();
+  if (s.cuda_resolved.load(std::memory_order_acquire)) return;
+  SetUpScope setting_up;
   std::call_once(s.cuda_once, resolve_cudart);
+  s.cuda_resolved.store(true, std::memory_order_release);
 }
 
 bool ready() {
   Shim& s = shim();
-  std::call_once(s.once, initialise);
+  if (!s.set_up.load(std::memory_order_acquire)) {
+    SetUpScope setting_up;
+    std::call_once(s.once, initialise);
+    s.set_up.store(true, std::memory_order_release);
+  }
   return s.ready;
 }
 

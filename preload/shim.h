@@ -67,6 +67,11 @@ struct Shim {
   std::once_flag cuda_once;  // resolves `cuda` (Note [two once-flags])
   bool serve = false;        // the runtime has tidepool's major (Note [runtime version])
   std::once_flag once;       // sets up tidepool
+  // Note [Forked child under the shim]: held while either once-flag's function runs (a
+  // fork waits for it), and whether each has run (the calls' fast path, without it).
+  std::mutex setup_mutex;
+  std::atomic<bool> cuda_resolved{false};
+  std::atomic<bool> set_up{false};
   bool ready = false;   // both libraries loaded, configuration applied
   bool verbose = false;  // tidepool.log:info or debug
   bool quiet = false;    // tidepool.log:off
@@ -113,7 +118,7 @@ void resolve_cudart_once();
 bool ready();
 
 // Note [Forked child under the shim] (fork_handlers.cpp).
-// Takes the shim's locks around every fork from now on. Once, when tidepool is set up.
+// Takes the shim's locks around every fork from now on. Once, when the shim is loaded.
 void register_fork_handlers();
 // Whether this process is a child that may not use tidepool. Only once ready().
 bool in_forked_child();

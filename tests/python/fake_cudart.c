@@ -18,6 +18,9 @@
  *   FAKE_CUDART_SYNC_OPENS_GATE  when set, cudaStreamSynchronize opens the host-streams
  *                        helper's gate first: a test holds a stream back, and only a wait
  *                        for it lets it pass (no timing);
+ *   FAKE_CUDART_VERSION_DELAY_MS  cudaRuntimeGetVersion first sleeps that long, with
+ *                        fake_cudart_version_query_running set meanwhile: the shim's
+ *                        set-up (which asks it) is then under way for that long;
  *   FAKE_CUDART_NEST     when set, a cudaFree of a non-NULL pointer makes, before freeing,
  *                        the nested calls a runtime (or tidepool's cuda backend) may make
  *                        while the shim forwards to it: cudaFree(NULL), then cudaMalloc and
@@ -53,6 +56,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #ifndef FAKE_CUDART_DEFAULT_VERSION
 #define FAKE_CUDART_DEFAULT_VERSION 13000
@@ -201,7 +205,17 @@ int cudaDeviceSynchronize(void) {
   return 0;
 }
 
+/* Non-zero while a cudaRuntimeGetVersion that FAKE_CUDART_VERSION_DELAY_MS slows down runs. */
+atomic_int fake_cudart_version_query_running;
+
 int cudaRuntimeGetVersion(int* version) {
+  const int delay_ms = env_int("FAKE_CUDART_VERSION_DELAY_MS", 0);
+  if (delay_ms > 0) {
+    atomic_store(&fake_cudart_version_query_running, 1);
+    const struct timespec pause = {delay_ms / 1000, (long)(delay_ms % 1000) * 1000000L};
+    nanosleep(&pause, NULL);
+    atomic_store(&fake_cudart_version_query_running, 0);
+  }
   *version = env_int("FAKE_CUDART_VERSION", FAKE_CUDART_DEFAULT_VERSION);
   return 0;
 }

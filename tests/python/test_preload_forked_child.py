@@ -1,8 +1,8 @@
 """The LD_PRELOAD shim in a process forked after tidepool allocated (Note [Forked child
 under the shim] in preload/fork_handlers.cpp), against the stand-in libcudart and the real
 libtidepool on its host backend: frees of the shim's pointers succeed with no CUDA call,
-everything else reaches the runtime unchanged, a parent thread inside the shim at the fork
-never hangs the child, and the parent goes on as before."""
+everything else reaches the runtime unchanged, a parent thread inside the shim (or inside
+its set-up) at the fork never hangs the child, and the parent goes on as before."""
 
 from __future__ import annotations
 
@@ -119,3 +119,44 @@ out["free_rc"] = process.cudaFree(p)
 """, TIDEPOOL_BACKEND="host", timeout=300)
     assert out == {"malloc_rc": 0, "churn_rc": 0, "hung": 0, "failed": 0, "churned": True,
                    "free_rc": 0}, stderr
+
+
+def test_a_fork_while_another_thread_sets_the_shim_up_never_hangs_the_child(run_python):
+    # A thread's first cudaMalloc sets the shim up (the stand-in runtime's version query
+    # takes 1 s of it) while the main thread forks: the child's own cudaMalloc must not
+    # wait for a set-up no thread of it is running. The fork waits for the set-up, and the
+    # child finds it done (its cudaMalloc then goes to the runtime or, when the fork came
+    # before the parent's allocator, to a tidepool of its own: either succeeds).
+    out, stderr = run_with_fake(run_python, """
+import signal, threading, time
+result = {}
+def first_malloc():
+    r = c_void_p()
+    result["rc"] = process.cudaMalloc(byref(r), 4096)
+worker = threading.Thread(target=first_malloc)
+worker.start()
+deadline = time.monotonic() + 30
+while not ctypes.c_int.in_dll(fake, "fake_cudart_version_query_running").value:
+    assert time.monotonic() < deadline, "the set-up never started"
+    time.sleep(0.001)
+pid = os.fork()
+if pid == 0:
+    r = c_void_p()
+    os._exit(0 if process.cudaMalloc(byref(r), 4096) == 0 else 1)
+deadline = time.monotonic() + 15
+status = None
+while status is None:
+    done, code = os.waitpid(pid, os.WNOHANG)
+    if done:
+        status = code
+    elif time.monotonic() > deadline:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        status = "hung"
+    else:
+        time.sleep(0.01)
+worker.join()
+out["child"] = status
+out["parent_malloc_rc"] = result["rc"]
+""", TIDEPOOL_BACKEND="host", FAKE_CUDART_VERSION_DELAY_MS="1000", timeout=120)
+    assert out == {"child": 0, "parent_malloc_rc": 0}, stderr
