@@ -34,6 +34,21 @@ Registry& registry() {
   return *r;
 }
 
+// Note [Forked child]: a child forked while a thread held the registry's lock is marked.
+// Registered (and the registry made) when libtidepool is loaded, so the probe, which runs
+// in the child's fork handler, allocates nothing and no fork comes before it.
+bool registry_locked_at_fork() {
+  Registry& r = registry();
+  if (!r.mutex.try_lock()) return true;
+  r.mutex.unlock();
+  return false;
+}
+const bool g_registry_watched = [] {
+  registry();
+  detail::watch_registry_at_fork(&registry_locked_at_fork);
+  return true;
+}();
+
 std::optional<BackendKind> parse_backend(std::string_view name) {
   if (name == "host") return BackendKind::host;
   if (name == "cuda") return BackendKind::cuda;
@@ -107,6 +122,9 @@ void check_device(int device) {
 CachingAllocator& device_allocator(int device) {
   refuse_in_forked_child();  // Note [Forked child]: before any lock
   if (CachingAllocator* a = existing_device_allocator(device)) return *a;
+  // Note [Forked child]: from here on a fork marks its child, which then never waits for
+  // the lock below (held through the backend's start-up, which may take seconds).
+  detail::note_allocator_in_use();
   Registry& r = registry();
   std::lock_guard lock(r.mutex);
   const BackendKind kind = checked_kind_locked(r, device);
@@ -118,7 +136,6 @@ CachingAllocator& device_allocator(int device) {
   // Before it is published: no event of its first allocation may be missed.
   if (r.segment_observers > 0) a->segment_events().set_observed(true);
   r.allocators[device].store(a, std::memory_order_release);
-  detail::note_allocator_in_use();
   return *a;
 }
 

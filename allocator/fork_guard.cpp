@@ -6,19 +6,33 @@
 #include <unistd.h>
 
 #include <atomic>
-#include <mutex>
 
 namespace tidepool {
 namespace {
 
 std::atomic<bool> g_forked_child{false};
+std::atomic<bool> g_allocator_in_use{false};
 std::atomic<pid_t> g_parent{0};  // the process that forked this one, once marked
 
-// Runs in the child right after fork, on the one thread it has: async-signal-safe only.
+std::atomic<bool (*)()> g_registry_busy{nullptr};
+
+// Runs in the child right after fork, on the one thread it has: async-signal-safe only
+// (atomics, getppid, and the registry's probe: a try-lock).
 void on_fork_child() {
+  bool (*busy)() = g_registry_busy.load(std::memory_order_acquire);
+  if (!g_allocator_in_use.load(std::memory_order_acquire) && (busy == nullptr || !busy())) {
+    return;
+  }
   g_parent.store(getppid(), std::memory_order_relaxed);
   g_forked_child.store(true, std::memory_order_release);
 }
+
+// Registered when libtidepool is loaded, so that it runs for a fork that comes while the
+// first allocator is being made.
+const bool g_registered = [] {
+  pthread_atfork(nullptr, nullptr, &on_fork_child);
+  return true;
+}();
 
 }  // namespace
 
@@ -37,8 +51,11 @@ void refuse_in_forked_child() {
 }
 
 void detail::note_allocator_in_use() noexcept {
-  static std::once_flag registered;
-  std::call_once(registered, [] { pthread_atfork(nullptr, nullptr, &on_fork_child); });
+  g_allocator_in_use.store(true, std::memory_order_release);
+}
+
+void detail::watch_registry_at_fork(bool (*busy)()) noexcept {
+  g_registry_busy.store(busy, std::memory_order_release);
 }
 
 }  // namespace tidepool

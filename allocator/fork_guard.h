@@ -12,7 +12,7 @@
 // CUDA tensor it inherited (its objects collected at exit) calls the allocator's free.
 // Reaching the allocator there could hang the worker on a lock the parent's other thread
 // held at the fork, or touch CUDA. So once a device allocator exists in a process, a fork
-// marks the child (pthread_atfork, registered when the first allocator is created;
+// marks the child (pthread_atfork, registered when libtidepool is loaded; the mark is
 // inherited by the child's own children):
 //   - frees (tidepool_free, tidepool_pytorch_free, tidepool_vmm_free) return at once and
 //     succeed: the memory is the parent's, which still owns it; the child's copy of the
@@ -22,7 +22,13 @@
 //     with 'spawn' or 'forkserver'), as PyTorch refuses CUDA in a forked child;
 //   - what needs neither (the last error, the current tag) works as before.
 // A process that forks before tidepool made an allocator is not marked: its child starts
-// afresh and may use tidepool itself.
+// afresh and may use tidepool itself. "Made" counts from the moment a thread asks for
+// the first allocator, before it takes the device registry's lock to create it: a child
+// forked while another thread creates it (the backend's start-up may take seconds) is
+// marked, and so never waits for that lock, which no thread of it would release. So is a
+// child forked while any other holder had that lock (a device check, the backend choice,
+// peer access: the child's handler finds it locked), what it guards being possibly
+// half-changed there.
 #pragma once
 
 #include <string>
@@ -45,8 +51,12 @@ TIDEPOOL_API bool in_forked_child() noexcept;
 TIDEPOOL_API void refuse_in_forked_child();
 
 namespace detail {
-// A device allocator now exists: from now on a fork marks its child. Idempotent.
+// A device allocator is being made (or exists): from now on a fork marks its child.
+// Idempotent.
 void note_allocator_in_use() noexcept;
+// `busy()`, asked in a forked child, says whether the device registry's lock was held at
+// the fork (by a thread the child does not have); the child is then marked too.
+void watch_registry_at_fork(bool (*busy)()) noexcept;
 }  // namespace detail
 
 }  // namespace tidepool

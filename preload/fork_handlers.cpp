@@ -21,7 +21,10 @@
 // ordering and legacy-frees locks span CUDA runtime calls). They are plain mutexes
 // (std::mutex): a recursive one could not be let go by the child's thread, whose id is
 // not the parent thread's, so the set-up's nested calls skip the lock instead
-// (SetUpScope in libraries.cpp).
+// (SetUpScope in libraries.cpp). A fork that waited for the set-up may see libtidepool
+// loaded meanwhile, and libtidepool's own fork handler, registered as it loaded, not run
+// in the child: the child then counts as forked after tidepool was in use
+// (Shim::forked_during_setup), whether or not an allocator was made yet.
 // In a child forked after tidepool made an allocator (tidepool_in_forked_child; Note
 // [Forked child] in allocator/fork_guard.h) CUDA cannot be used, and tidepool refuses
 // every call but frees, which do nothing. There the shim:
@@ -46,15 +49,21 @@ namespace tidepool_preload {
 
 namespace {
 
+// Whether tidepool served before this thread's fork waited for the set-up (the forking
+// thread's; the child's one thread is that thread).
+constinit thread_local bool t_served_before_fork = false;
+
 void lock_before_fork() {
   Shim& s = shim();
+  t_served_before_fork = s.serving.load(std::memory_order_acquire);
   s.setup_mutex.lock();
   s.mutex.lock();
   s.ordering_mutex.lock();
   legacy_frees_mutex().lock();
 }
 
-// In the parent, and in the child, whose one thread is the one that locked them.
+// In the parent, and (unlock_in_child) in the child, whose one thread is the one that
+// locked them.
 void unlock_after_fork() {
   Shim& s = shim();
   legacy_frees_mutex().unlock();
@@ -63,17 +72,28 @@ void unlock_after_fork() {
   s.setup_mutex.unlock();
 }
 
+void unlock_in_child() {
+  Shim& s = shim();
+  // libtidepool was loaded while this fork waited for the set-up: its own fork handler,
+  // registered then, may not have run in this child.
+  if (!t_served_before_fork && s.serving.load(std::memory_order_acquire)) {
+    s.forked_during_setup.store(true, std::memory_order_relaxed);
+  }
+  unlock_after_fork();
+}
+
 }  // namespace
 
 void register_fork_handlers() {
   static std::once_flag registered;
   std::call_once(registered,
-                 [] { pthread_atfork(&lock_before_fork, &unlock_after_fork, &unlock_after_fork); });
+                 [] { pthread_atfork(&lock_before_fork, &unlock_after_fork, &unlock_in_child); });
 }
 
 bool in_forked_child() {
-  const TidepoolAbi& tp = shim().tp;
-  return tp.in_forked_child != nullptr && tp.in_forked_child() == 1;
+  const Shim& s = shim();
+  if (s.forked_during_setup.load(std::memory_order_relaxed)) return true;
+  return s.tp.in_forked_child != nullptr && s.tp.in_forked_child() == 1;
 }
 
 }  // namespace tidepool_preload

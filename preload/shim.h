@@ -72,6 +72,8 @@ struct Shim {
   std::mutex setup_mutex;
   std::atomic<bool> cuda_resolved{false};
   std::atomic<bool> set_up{false};
+  // Set in a child whose fork waited for the set-up that loaded libtidepool.
+  std::atomic<bool> forked_during_setup{false};
   bool ready = false;   // both libraries loaded, configuration applied
   bool verbose = false;  // tidepool.log:info or debug
   bool quiet = false;    // tidepool.log:off
