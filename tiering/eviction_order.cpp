@@ -137,7 +137,9 @@ TieredStore::Entry* TieredStore::eviction_victim_locked(const Entry* incoming,
   if (victim == incoming) {
     victim = nullptr;
     for (std::size_t child = 1; child <= 2 && child < evictable_.size(); ++child) {
-      if (victim == nullptr || evicted_sooner(evictable_[child], victim)) victim = evictable_[child];
+      if (victim == nullptr || evicted_sooner(evictable_[child], victim)) {
+        victim = evictable_[child];
+      }
     }
     if (victim == nullptr) return nullptr;
   }

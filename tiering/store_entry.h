@@ -1,8 +1,8 @@
 // A tiered store's record of one handle (TieredStore::Entry): its host block, its device
 // buffer and the events and streams that order their copies. Internal to libtidepool
 // (not installed); shared by the files that hold the store's parts (tiered_store.cpp,
-// store_budget.cpp, eviction_order.cpp, ...). The states it goes through: Note [Handle state machine] in
-// tiered_store.cpp.
+// store_budget.cpp, eviction_order.cpp, ...). The states it goes through: Note [Handle
+// state machine] in tiered_store.cpp.
 #pragma once
 
 #include <cstddef>

@@ -2,8 +2,8 @@
 // allocator frees nothing and refuses every other call before it takes a lock or waits
 // for a stream (here: a stream the parent's gate holds, which no thread in the child
 // will ever run); its parent is untouched; a process forked before tidepool was used
-// starts afresh, unless another thread held the device registry's lock at the fork. Runs on the host backend, whose stream threads, like CUDA, do not
-// survive a fork.
+// starts afresh, unless another thread held the device registry's lock at the fork.
+// Runs on the host backend, whose stream threads, like CUDA, do not survive a fork.
 #include <gtest/gtest.h>
 #include <unistd.h>
 

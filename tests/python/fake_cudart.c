@@ -321,7 +321,8 @@ static atomic_int churn_stopping;
 atomic_long fake_cudart_churn_rounds;
 
 static void* churn(void* unused) {
-  int (*process_malloc)(void**, size_t) = (int (*)(void**, size_t))dlsym(RTLD_DEFAULT, "cudaMalloc");
+  int (*process_malloc)(void**, size_t) =
+      (int (*)(void**, size_t))dlsym(RTLD_DEFAULT, "cudaMalloc");
   int (*process_free)(void*) = (int (*)(void*))dlsym(RTLD_DEFAULT, "cudaFree");
   (void)unused;
   while (!atomic_load(&churn_stopping)) {

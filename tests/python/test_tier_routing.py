@@ -3,8 +3,9 @@ libtidepool.so, the names the package hands to CUDAPluggableAllocator): allocati
 optimizer_state of at least tidepool.tier_min_bytes become pointer-stable ranges that
 evict() moves to host memory and prefetch() brings back, within tidepool.state_budget, at
 the same address with the same bytes, prefetch and evict by pointers move only the
-ranges named, and the ranges on the device beyond those named are listed; smaller state and other tags go to the caching allocator. Tiering errors
-reach Python with tidepool's message. Runs on the host backend (its "device" memory is
+ranges named, and the ranges on the device beyond those named are listed; smaller state
+and other tags go to the caching allocator. Tiering errors reach Python with tidepool's
+message. Runs on the host backend (its "device" memory is
 host RAM, so the test can read through the pointers), in a fresh interpreter because the
 backend is chosen before the first allocation."""
 

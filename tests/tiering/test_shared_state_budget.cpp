@@ -207,7 +207,8 @@ TEST_P(SharedStateBudgetTest, AnAcquireEvictsAReleasedHandleOfTheOtherStore) {
 // with nothing to take there it evicts its own after all, as with a budget of its own.
 TEST_P(SharedStateBudgetTest, AStepKeepsWhatItUsesAgainWhileTheOtherStoreCanGiveRoom) {
   configure(kBudget);
-  TieredStoreOptions o = tiering_test::test_store_options(TieredStoreOptions::kDeviceBudgetFromConfig);
+  TieredStoreOptions o =
+      tiering_test::test_store_options(TieredStoreOptions::kDeviceBudgetFromConfig);
   o.prefetch_lookahead = 0;  // only acquires load: each eviction is the acquire's
   TieredStore a(backend(), o);
   auto b = make_store();

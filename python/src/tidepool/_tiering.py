@@ -46,10 +46,9 @@ _SIGNATURES = {
                                               ctypes.POINTER(ctypes.c_uint64)]),
     "tidepool_evict_ptrs": (ctypes.c_int, [ctypes.c_int, ctypes.POINTER(ctypes.c_void_p),
                                            ctypes.c_size_t]),
-    "tidepool_device_ranges_except": (ctypes.c_int, [ctypes.c_int, ctypes.c_int,
-                                                     ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t,
-                                                     ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t,
-                                                     ctypes.POINTER(ctypes.c_size_t)]),
+    "tidepool_device_ranges_except": (ctypes.c_int, [
+        ctypes.c_int, ctypes.c_int, ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t,
+        ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t, ctypes.POINTER(ctypes.c_size_t)]),
     "tidepool_get_tiering_stats_v1": (ctypes.c_int, [ctypes.c_int, ctypes.c_void_p]),
     "tidepool_vmm_owns": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_int]),
 }
