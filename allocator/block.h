@@ -4,10 +4,10 @@
 // A Segment is one contiguous address range from the backend: either a plain segment
 // (one device_alloc, fully backed) or an expandable range (reserve_address, backed slot
 // by slot by create_physical + map on demand, or by moving a free slot's handle; see
-// Notes [Expandable segments] and [Moving free runs] in segments.cpp). A segment is cut into Blocks that tile [base, used_end) in
-// address order (prev/next); each block is allocated, free (in its owner's BlockPool),
-// quick (freed, parked uncoalesced in an exact-size quick list), or pending (freed, but
-// waiting for events recorded on other streams). A block held by a thread cache (Note
+// Notes [Expandable segments] and [Moving free runs] in segments.cpp). A segment is cut into Blocks
+// that tile [base, used_end) in address order (prev/next); each block is allocated, free (in its
+// owner's BlockPool), quick (freed, parked uncoalesced in an exact-size quick list), or pending
+// (freed, but waiting for events recorded on other streams). A block held by a thread cache (Note
 // [Thread caches], thread_cache.cpp) stays `allocated` here while its thread parks and
 // reuses it; Block::in_thread_cache says which.
 #pragma once

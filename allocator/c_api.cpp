@@ -144,7 +144,8 @@ void tidepool_free(void* ptr, size_t size, int device, void* stream) {
       if (owner < 0 || owner == device) throw;
       throw tidepool::AllocatorUsageError(
           "tidepool: free of a pointer on device " + std::to_string(device) +
-          ", but it was allocated on device " + std::to_string(owner) + "; the block was not freed");
+          ", but it was allocated on device " + std::to_string(owner) +
+          "; the block was not freed");
     }
     return 0;
   });

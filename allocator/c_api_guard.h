@@ -72,7 +72,9 @@ void copy_versioned_struct(T* out, T full) {
   std::memcpy(out, &full, n);
 }
 
-inline tidepool_stat_v1 to_c_stat(const Stat& s) { return {s.current, s.peak, s.allocated, s.freed}; }
+inline tidepool_stat_v1 to_c_stat(const Stat& s) {
+  return {s.current, s.peak, s.allocated, s.freed};
+}
 
 // A malloc'd, NUL-terminated copy of s, which the C caller frees with
 // tidepool_string_free (free). Throws std::bad_alloc when malloc fails.

@@ -98,7 +98,9 @@ const std::vector<KeySpec>& key_specs() {
          c.mode = pick<Mode>(v, {{"global", Mode::global}, {"pool", Mode::pool}});
        }},
       {"tidepool.state_budget", "a size (e.g. 0, 4GiB, 512MiB, 1000000) or a percentage (e.g. 25%)",
-       [](Config& c, std::string_view v) { c.state_budget = parse_budget("tidepool.state_budget", v); }},
+       [](Config& c, std::string_view v) {
+         c.state_budget = parse_budget("tidepool.state_budget", v);
+       }},
       {"tidepool.pinned_budget",
        "a size (e.g. 16GiB), a percentage of host RAM (e.g. 50%), or unlimited",
        [](Config& c, std::string_view v) {
@@ -197,7 +199,8 @@ std::uint64_t Budget::resolve(std::uint64_t total, std::uint64_t when_unset) con
   switch (kind) {
     case Kind::unset: return when_unset;
     case Kind::bytes: return bytes;
-    case Kind::fraction: return static_cast<std::uint64_t>(std::floor(fraction * static_cast<double>(total)));
+    case Kind::fraction:
+      return static_cast<std::uint64_t>(std::floor(fraction * static_cast<double>(total)));
   }
   return when_unset;
 }
@@ -510,7 +513,8 @@ int tidepool_config_claim(const char* conf, char* remaining, size_t remaining_si
     if (conf == nullptr) throw tidepool::ConfigError("tidepool_config_claim: conf is NULL");
     const tidepool::ClaimResult r = tidepool::claim_config(conf);
     const bool fits = write_c_string(r.remaining, remaining, remaining_size) &
-                      write_c_string(tidepool::config_to_json(r.config), config_json, config_json_size);
+                      write_c_string(tidepool::config_to_json(r.config), config_json,
+                                     config_json_size);
     if (!fits) {
       write_c_string("tidepool_config_claim: output buffer too small", error, error_size);
       return -2;

@@ -158,7 +158,8 @@ void observe_segment_events(bool on) {
   const bool now = r.segment_observers > 0;
   if (was == now) return;
   for (auto& slot : r.allocators)
-    if (CachingAllocator* a = slot.load(std::memory_order_acquire)) a->segment_events().set_observed(now);
+    if (CachingAllocator* a = slot.load(std::memory_order_acquire))
+      a->segment_events().set_observed(now);
 }
 
 void set_backend(std::string_view name) {

@@ -79,7 +79,8 @@ ResetPoints& reset_points() {
 
 template <class Fn>
 int guarded(Fn&& fn) {
-  return tidepool::detail::guarded(tidepool::detail::kAllocatorErrorStyle, -1, std::forward<Fn>(fn));
+  return tidepool::detail::guarded(tidepool::detail::kAllocatorErrorStyle, -1,
+                                   std::forward<Fn>(fn));
 }
 
 }  // namespace

@@ -189,7 +189,8 @@ AllocatorStats CachingAllocator::Impl::compute_stats() const {
   s.fragmentation =
       s.cached_bytes == 0
           ? 0.0
-          : 1.0 - static_cast<double>(std::min<std::size_t>(largest_free_backed(), s.cached_bytes)) /
+          : 1.0 - static_cast<double>(std::min<std::size_t>(largest_free_backed(),
+                                                            s.cached_bytes)) /
                       static_cast<double>(s.cached_bytes);
   return s;
 }
@@ -258,7 +259,8 @@ std::string CachingAllocator::Impl::snapshot_json() const {
   json_stat(os, "segments", st.segments);
   os << ",\"cached_bytes\":" << st.cached_bytes
      << ",\"segments_acquired\":" << st.segments.allocated
-     << ",\"segments_released\":" << st.segments.freed << ",\"alloc_count\":" << st.allocations.allocated
+     << ",\"segments_released\":" << st.segments.freed
+     << ",\"alloc_count\":" << st.allocations.allocated
      << ",\"free_count\":" << st.allocations.freed << ",\"cache_hits\":" << st.cache_hits
      << ",\"cache_misses\":" << st.cache_misses << ",\"oom_count\":" << st.oom_count
      << ",\"reclaim_calls\":" << st.reclaim_calls << ",\"reclaimed_bytes\":" << st.reclaimed_bytes

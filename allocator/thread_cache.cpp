@@ -248,7 +248,8 @@ void CachingAllocator::Impl::release_thread_cache(ThreadCache& tc) {
     tc.held.clear();
     tc.allocator = nullptr;
   }
-  std::erase_if(thread_caches, [&](const std::shared_ptr<ThreadCache>& c) { return c.get() == &tc; });
+  std::erase_if(thread_caches,
+                [&](const std::shared_ptr<ThreadCache>& c) { return c.get() == &tc; });
 }
 
 void CachingAllocator::Impl::detach_thread_caches() {

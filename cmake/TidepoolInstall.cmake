@@ -17,7 +17,8 @@ install(TARGETS ${_tidepool_targets} EXPORT tidepoolTargets
   LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR}
   ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR}
   RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
-install(EXPORT tidepoolTargets NAMESPACE tidepool:: DESTINATION ${CMAKE_INSTALL_LIBDIR}/cmake/tidepool)
+install(EXPORT tidepoolTargets NAMESPACE tidepool::
+  DESTINATION ${CMAKE_INSTALL_LIBDIR}/cmake/tidepool)
 configure_package_config_file(cmake/tidepoolConfig.cmake.in
   ${CMAKE_CURRENT_BINARY_DIR}/tidepoolConfig.cmake
   INSTALL_DESTINATION ${CMAKE_INSTALL_LIBDIR}/cmake/tidepool)

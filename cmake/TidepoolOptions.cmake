@@ -11,7 +11,9 @@ set(CMAKE_SHARED_LINKER_FLAGS "${CMAKE_SHARED_LINKER_FLAGS} -Wl,--exclude-libs,A
 
 if(TIDEPOOL_SANITIZE)
   message(STATUS "tidepool: sanitizers ${TIDEPOOL_SANITIZE}")
-  add_compile_options("$<$<COMPILE_LANGUAGE:C,CXX>:-fsanitize=${TIDEPOOL_SANITIZE};-fno-omit-frame-pointer;-fno-sanitize-recover=all>")
+  set(tidepool_sanitizer_flags
+      "-fsanitize=${TIDEPOOL_SANITIZE};-fno-omit-frame-pointer;-fno-sanitize-recover=all")
+  add_compile_options("$<$<COMPILE_LANGUAGE:C,CXX>:${tidepool_sanitizer_flags}>")
   add_link_options("-fsanitize=${TIDEPOOL_SANITIZE}")
 endif()
 

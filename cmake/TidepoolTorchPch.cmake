@@ -26,7 +26,8 @@ function(tidepool_torch_pch_target)
   endif()
   add_library(tidepool_torch_pch OBJECT "${PROJECT_SOURCE_DIR}/cmake/torch_pch.cpp")
   target_link_libraries(tidepool_torch_pch PRIVATE ${TORCH_LIBRARIES})
-  target_precompile_headers(tidepool_torch_pch PRIVATE "$<$<COMPILE_LANGUAGE:CXX>:<torch/torch.h$<ANGLE-R>>")
+  target_precompile_headers(tidepool_torch_pch PRIVATE
+    "$<$<COMPILE_LANGUAGE:CXX>:<torch/torch.h$<ANGLE-R>>")
 endfunction()
 
 # tidepool_use_torch_pch(<target>... [ONLY <source>...]): the targets' C++ sources start

@@ -158,8 +158,8 @@ int main(int argc, char** argv) {
   };
 
   const auto train = [&](const char* label, torch::nn::Sequential& model,
-                         torch::optim::Optimizer& optimizer, tidepool::optim::TieredPlacement& placement,
-                         int tag) {
+                         torch::optim::Optimizer& optimizer,
+                         tidepool::optim::TieredPlacement& placement, int tag) {
     const std::vector<torch::Tensor> params = model->parameters();
     tidepool::TieredStore& store = placement.store();
     for (int step = 1; step <= args.steps; ++step) {
@@ -184,7 +184,8 @@ int main(int argc, char** argv) {
       std::printf("%-6s step %3d  loss %.6f  device MiB: parameter %.2f gradient %.2f %s %.2f "
                   "(peak %.2f, tiered peak this step %.2f of budget %.2f)  moved in %.2f out %.2f "
                   "MiB  %.2f GB/s while copying, %.2f GB/s over the step (%.1f ms)\n",
-                  label, step, loss.item<double>(), mib(static_cast<double>(bytes_of(params, false))),
+                  label, step, loss.item<double>(),
+                  mib(static_cast<double>(bytes_of(params, false))),
                   mib(static_cast<double>(bytes_of(params, true))), tidepool_tag_name(tag), tag_now,
                   tag_peak, mib(static_cast<double>(placement.peak_device_bytes())),
                   mib(static_cast<double>(store.device_budget_bytes())),
@@ -214,7 +215,8 @@ int main(int argc, char** argv) {
     auto model = make_model();
     const auto params = model->parameters();
     int64_t largest = 0;
-    for (const auto& p : params) largest = std::max<int64_t>(largest, static_cast<int64_t>(p.nbytes()));
+    for (const auto& p : params)
+      largest = std::max<int64_t>(largest, static_cast<int64_t>(p.nbytes()));
     const int64_t state_bytes = 3 * bytes_of(params, false);
     // Room for the parameter being computed and two more (m, B, d each): well below the
     // whole state, so the step streams it.

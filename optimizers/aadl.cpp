@@ -292,8 +292,9 @@ void AADL::load(torch::serialize::InputArchive& archive) {
   TORCH_CHECK(read_value(archive, "aadl_format").toInt() == kArchiveFormat,
               "AADL::load: not an AADL archive of format ", kArchiveFormat);
   const int64_t group_count = read_value(archive, "group_count").toInt();
-  TORCH_CHECK(group_count == static_cast<int64_t>(histories_.size()), "AADL::load: the archive has ",
-              group_count, " groups, this optimizer ", histories_.size());
+  TORCH_CHECK(group_count == static_cast<int64_t>(histories_.size()),
+              "AADL::load: the archive has ", group_count, " groups, this optimizer ",
+              histories_.size());
   struct Saved {
     std::vector<torch::Tensor> vectors;
     torch::Tensor gram, rhs;

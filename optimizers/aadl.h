@@ -7,9 +7,9 @@
 //     2. every store_each_nth-th call, each group's parameters, flattened, join that group's
 //        history (a ring buffer of history_depth vectors, see anderson_history.h).
 //     3. when calls > wait_iterations and calls % frequency == 0, for each group whose
-//        history holds ≥ 3 vectors: γ = argmin ‖DX[:,−1] − DRγ‖² + reg_acc‖γ‖² (solved in
-//        fp64 on the host from the incrementally kept Gram matrix), x_AA = X[:,−2] + DX[:,−1]
-//        − (DX[:,:−1] + DR)γ, relaxed: x = β·x_AA + (1 − β)·X[:,:−1]α.
+//        history holds ≥ 3 vectors: γ = argmin ‖DX[:,−1] − DRγ‖² + reg_acc‖γ‖²
+//        (solved in fp64 on the host from the incrementally kept Gram matrix), x_AA = X[:,−2] +
+//        DX[:,−1] − (DX[:,:−1] + DR)γ, relaxed: x = β·x_AA + (1 − β)·X[:,:−1]α.
 //        With a closure (the safeguard): the closure is called with grad mode off at the
 //        plain iterate and at x; x is kept, and replaces the newest history vector, only if
 //        its loss is strictly lower, else the plain iterate is restored. Without a closure

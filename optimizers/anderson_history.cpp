@@ -163,7 +163,8 @@ void AndersonHistory::drop_newest_column() {
 AndersonHistory::Column AndersonHistory::store(const torch::Tensor& x) const {
   Column column;
   for (int64_t start = 0; start < x.numel(); start += kStoreChunk) {
-    column.push_back(placement_->create(x.narrow(0, start, std::min(kStoreChunk, x.numel() - start))));
+    column.push_back(
+        placement_->create(x.narrow(0, start, std::min(kStoreChunk, x.numel() - start))));
   }
   return column;
 }

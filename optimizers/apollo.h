@@ -10,9 +10,9 @@
 //   - LibTorch ops (any device, fp32/fp64): the reference's sequence of tensor operations.
 //   - fused (fp32/fp64; CUDA kernels in optimizers/apollo_kernels.cu for CUDA tensors, the
 //     same algorithm on the host in apollo_fused_host.cpp for CPU tensors): one reduction
-//     pass (⟨g,d⟩ and ‖δ‖∞ in fp64; ‖d‖₄, ⟨m,d⟩, ⟨B,d²⟩ come carried from the previous
-//     step's update pass, Note [carried sums] in apollo_step_math.h), one elementwise pass
-//     that updates m, B, d and θ, plus a second reduction for mean(D) with
+//     pass (⟨g,d⟩ and ‖δ‖∞ in fp64; ‖d‖₄, ⟨m,d⟩, ⟨B,d²⟩ come carried from
+//     the previous step's update pass, Note [carried sums] in apollo_step_math.h), one elementwise
+//     pass that updates m, B, d and θ, plus a second reduction for mean(D) with
 //     weight_decay_type stable. No host synchronisation inside the step.
 //
 // Save/load write the options of every group and, per parameter (numbered in group order),

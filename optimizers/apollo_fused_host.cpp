@@ -119,7 +119,8 @@ void step(T* param, const T* grad, T* exp_avg, T* hessian, T* update, std::int64
     }
     LaneSums<kApolloCarried> sums;
     for_each_lane_element(begin, end, [&](std::int64_t i, int l) {
-      const ApolloUpdated<T> u = apollo_update_element(param, grad, exp_avg, hessian, update, i, k, a);
+      const ApolloUpdated<T> u =
+          apollo_update_element(param, grad, exp_avg, hessian, update, i, k, a);
       apollo_add_state_terms(sums.lane(l), u.m, u.b, u.d);
     });
     sums.combine_into(carry_out + static_cast<std::ptrdiff_t>(b) * kApolloCarried);

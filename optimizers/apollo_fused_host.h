@@ -19,8 +19,8 @@ namespace tidepool::optim::kernels {
 TIDEPOOL_API void apollo_step_host(float* param, const float* grad, float* exp_avg, float* hessian,
                       float* update, std::int64_t n, const ApolloStepArgs& args,
                       ApolloCarry carry);
-TIDEPOOL_API void apollo_step_host(double* param, const double* grad, double* exp_avg, double* hessian,
-                      double* update, std::int64_t n, const ApolloStepArgs& args,
+TIDEPOOL_API void apollo_step_host(double* param, const double* grad, double* exp_avg,
+                      double* hessian, double* update, std::int64_t n, const ApolloStepArgs& args,
                       ApolloCarry carry);
 
 }  // namespace tidepool::optim::kernels

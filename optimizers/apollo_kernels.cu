@@ -109,7 +109,8 @@ __global__ void update_kernel(T* param, const T* grad, T* exp_avg, T* hessian, T
   double sum_d[1] = {0.0};
   double carried[kApolloCarried] = {0.0, 0.0, 0.0};
   for (std::int64_t i = first_index(); i < n; i += grid_stride()) {
-    const ApolloUpdated<T> u = apollo_update_element(param, grad, exp_avg, hessian, update, i, k, a);
+    const ApolloUpdated<T> u =
+        apollo_update_element(param, grad, exp_avg, hessian, update, i, k, a);
     if (stable) {
       sum_d[0] += static_cast<double>(u.denom);
     } else if (carry_out != nullptr) {
@@ -122,7 +123,8 @@ __global__ void update_kernel(T* param, const T* grad, T* exp_avg, T* hessian, T
   } else if (carry_out != nullptr) {
     block_reduce(carried);
     if (threadIdx.x == 0) {
-      for (int c = 0; c < kApolloCarried; ++c) carry_out[blockIdx.x * kApolloCarried + c] = carried[c];
+      for (int c = 0; c < kApolloCarried; ++c)
+        carry_out[blockIdx.x * kApolloCarried + c] = carried[c];
     }
   }
 }

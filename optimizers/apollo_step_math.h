@@ -13,9 +13,9 @@
 // Note [carried sums]
 // ~~~~~~~~~~~~~~~~~~~
 // Step t needs, before it can update any element, five reductions over the whole tensor:
-// Σd⁴, Σm·d, ΣB·d² (d, m, B as the previous step left them), Σg·d and max|g − m| (belief
-// only), where g is this step's gradient (+ λθ for L2). The first three involve only state
-// that the previous step's update pass wrote, so that pass sums them as it writes them
+// Σd⁴, Σm·d, ΣB·d² (d, m, B as the previous step left them), Σg·d and max|g − m|
+// (belief only), where g is this step's gradient (+ λθ for L2). The first three involve only
+// state that the previous step's update pass wrote, so that pass sums them as it writes them
 // (per block, from registers: no extra memory traffic) and keeps the block partials in
 // the parameter's carried-sums buffer (at most kApolloCarried × kApolloMaxBlocks doubles,
 // 24 KiB). Step t then reads only g and d (and m for belief,
@@ -23,8 +23,8 @@
 // rather than 52 B against the 36 B the update itself must move (bench/RESULTS.md).
 // ⟨δ, d⟩ is computed as Σg·d − Σm·d in fp64 in both cases, and the update pass sums the
 // state with the very function the first pass uses, over the same partition in the same
-// order, so a carried sum equals the recomputed one bit for bit: a step after a checkpoint load (no carry)
-// gives what the uninterrupted run gives. The carry is valid only while m, B and d change
+// order, so a carried sum equals the recomputed one bit for bit: a step after a checkpoint load (no
+// carry) gives what the uninterrupted run gives. The carry is valid only while m, B and d change
 // through the fused step alone; the ops path and load() drop it, and weight_decay_type
 // stable, whose update pass does not write the final d, never keeps one.
 #pragma once
@@ -206,8 +206,9 @@ struct ApolloUpdated {
 // Updates element i: m, B and d always; θ too unless the decay is stable, which needs
 // mean(D) first (then d holds m/D).
 template <typename T>
-TIDEPOOL_HOST_DEVICE inline ApolloUpdated<T> apollo_update_element(T* param, const T* grad, T* exp_avg,
-                                                    T* hessian, T* update, std::int64_t i,
+TIDEPOOL_HOST_DEVICE inline ApolloUpdated<T> apollo_update_element(T* param, const T* grad,
+                                                    T* exp_avg, T* hessian, T* update,
+                                                    std::int64_t i,
                                                     const ApolloElementScalars<T>& k,
                                                     const ApolloStepArgs& a) {
   const T delta = apollo_decayed_grad(grad, param, i, a) - exp_avg[i];

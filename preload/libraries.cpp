@@ -208,7 +208,8 @@ constexpr const char* kInterposed =
 // tidepool.log:off read from the variables themselves, for the one message given before
 // libtidepool (whose parser knows the keys) is loaded, or when it never is.
 bool environment_says_log_off() {
-  for (const char* name : {"TIDEPOOL_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"}) {
+  for (const char* name :
+       {"TIDEPOOL_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"}) {
     const char* value = std::getenv(name);
     if (value != nullptr && std::strstr(value, "tidepool.log:off") != nullptr) return true;
   }

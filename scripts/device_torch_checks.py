@@ -89,18 +89,21 @@ PRELUDE = textwrap.dedent(
             shim = ctypes.CDLL(TORCH_CUDA)
             assert shim.tidepool_torch_install_cuda_allocator() == 0, lib.tidepool_last_error()
             return "torch_cuda"
-        alloc = torch.cuda.memory.CUDAPluggableAllocator(ROUTER, "tidepool_pytorch_malloc", "tidepool_pytorch_free")
+        alloc = torch.cuda.memory.CUDAPluggableAllocator(ROUTER, "tidepool_pytorch_malloc",
+                                                         "tidepool_pytorch_free")
         torch.cuda.memory.change_current_allocator(alloc)
         return "pluggable"
     def train(steps=5):
         torch.manual_seed(0)
         torch.backends.cudnn.deterministic = True
-        model = torch.nn.Sequential(torch.nn.Linear(512, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 10)).cuda()
+        model = torch.nn.Sequential(torch.nn.Linear(512, 1024), torch.nn.GELU(),
+                                    torch.nn.Linear(1024, 10)).cuda()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         x = torch.randn(256, 512, device="cuda"); y = torch.randint(0, 10, (256,), device="cuda")
         losses = []
         for _ in range(steps):
-            opt.zero_grad(); loss = torch.nn.functional.cross_entropy(model(x), y); loss.backward(); opt.step()
+            opt.zero_grad(); loss = torch.nn.functional.cross_entropy(model(x), y)
+            loss.backward(); opt.step()
             losses.append(loss.item())
         return losses
     """
@@ -128,7 +131,8 @@ CHECKS = {
             t = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
         lib.tidepool_tag_pop()
         snap = snapshot()
-        print("REGION", json.dumps([x for x in json.dumps(snap).split(",") if "device_check_region" in x][:3]))
+        print("REGION", json.dumps([x for x in json.dumps(snap).split(",")
+                                    if "device_check_region" in x][:3]))
         print("SNAPSHOT", json.dumps(snap)[:600])
         """
     ),
@@ -141,7 +145,8 @@ CHECKS = {
             print("NO EXCEPTION")
         except Exception as e:  # torch.OutOfMemoryError is a RuntimeError
             print("EXC", type(e).__name__, "|", str(e)[:300].replace("\\n", " "))
-            print("LAST_ERROR", (lib.tidepool_last_error() or b"").decode()[:400].replace("\\n", " "))
+            print("LAST_ERROR",
+                  (lib.tidepool_last_error() or b"").decode()[:400].replace("\\n", " "))
         keep.add_(1); torch.cuda.synchronize(); print("ALIVE", float(keep[0]))
         """
     ),
@@ -234,7 +239,8 @@ CHECKS = {
             trace = snap["device_traces"][0]
             actions = {e["action"] for e in trace}
             stacked = sum(1 for e in trace if e["action"] == "alloc" and e["frames"])
-            live = [b for s in snap["segments"] for b in s["blocks"] if b["state"] == "active_allocated"]
+            live = [b for s in snap["segments"] for b in s["blocks"]
+                    if b["state"] == "active_allocated"]
             path = tempfile.mktemp(suffix=".pickle")
             torch.cuda.memory._dump_snapshot(path)
             torch.cuda.memory._record_memory_history(enabled=None)
@@ -243,7 +249,8 @@ CHECKS = {
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
                          profile_memory=True) as prof:
                 train(1)
-            usage = lambda e: getattr(e, "self_device_memory_usage", getattr(e, "self_cuda_memory_usage", 0))
+            usage = lambda e: getattr(e, "self_device_memory_usage",
+                                      getattr(e, "self_cuda_memory_usage", 0))
             profiled = sum(1 for e in prof.key_averages() if usage(e) != 0)
             print("ACTIONS", sorted(actions), "ALLOCS_WITH_STACKS", stacked,
                   "LIVE_WITH_STACKS", sum(1 for b in live if b["frames"]), "OF", len(live),
@@ -273,7 +280,8 @@ CHECKS = {
         buf.seek(0); ckpt = torch.load(buf, map_location="cuda")
         model2 = torch.nn.Linear(1024, 1024).cuda(); model2.load_state_dict(ckpt["model"])
         opt2 = torch.optim.AdamW(model2.parameters(), lr=1e-3); opt2.load_state_dict(ckpt["opt"])
-        big = [v for st in opt2.state.values() for v in st.values() if v.numel() * v.element_size() >= 1 << 20]
+        big = [v for st in opt2.state.values() for v in st.values()
+               if v.numel() * v.element_size() >= 1 << 20]
         tiered = sum(lib.tidepool_vmm_owns(v.data_ptr(), 0) == 1 for v in big)
         step(model2, opt2)
         print("TIERED", tiered, "OF", len(big), "SAME", torch.equal(model2.weight, uninterrupted))
@@ -288,7 +296,8 @@ CHECKS = {
         _install.install(torch, _config.claim("backend:tidepool,tidepool.mode:pool").config)
         def in_tidepool():  # the caching allocator's blocks and the pointer-stable ranges
             s = tidepool.stats(0)
-            return s["allocated_bytes.all.current"] + s["tiering.vmm_device_bytes"] + s["tiering.vmm_host_bytes"]
+            return (s["allocated_bytes.all.current"] + s["tiering.vmm_device_bytes"]
+                    + s["tiering.vmm_host_bytes"])
         model = torch.nn.Linear(1024, 1024).cuda()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         model(torch.randn(64, 1024, device="cuda")).square().mean().backward()
@@ -303,7 +312,8 @@ CHECKS = {
             outside = in_tidepool() - before
             before = in_tidepool()
             opt.step()
-            print("RAISED", str(e), "AFTER_RAISE_IN_TIDEPOOL", outside, "STATE_IN_TIDEPOOL", in_tidepool() - before)
+            print("RAISED", str(e), "AFTER_RAISE_IN_TIDEPOOL", outside,
+                  "STATE_IN_TIDEPOOL", in_tidepool() - before)
         """
     ),
     "step_closure": textwrap.dedent(
@@ -315,7 +325,8 @@ CHECKS = {
         _install.install(torch, _config.claim("backend:tidepool,tidepool.mode:pool").config)
         def in_tidepool():
             s = tidepool.stats(0)
-            return s["allocated_bytes.all.current"] + s["tiering.vmm_device_bytes"] + s["tiering.vmm_host_bytes"]
+            return (s["allocated_bytes.all.current"] + s["tiering.vmm_device_bytes"]
+                    + s["tiering.vmm_host_bytes"])
         model = torch.nn.Linear(1024, 1024).cuda()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         x = torch.randn(64, 1024, device="cuda")
@@ -379,7 +390,8 @@ CHECKS = {
                     self.inside()
                 return result
         torch.manual_seed(0)
-        models = [torch.nn.Linear(2048, 1024).cuda() for _ in range(2)]  # 16.8 MB of AdamW state each
+        # 16.8 MB of AdamW state each
+        models = [torch.nn.Linear(2048, 1024).cuda() for _ in range(2)]
         opts = [PacedAdamW(m.parameters(), lr=1e-4) for m in models]
         x = torch.randn(64, 2048, device="cuda")
         def train_step(i):
@@ -409,9 +421,11 @@ CHECKS = {
     ),
     "cudnn_benchmark": textwrap.dedent(
         """
-        print("VIA", use_tidepool_globally(pluggable_class=os.environ.get("CHECK_PLUGGABLE") == "1"))
+        print("VIA", use_tidepool_globally(
+            pluggable_class=os.environ.get("CHECK_PLUGGABLE") == "1"))
         torch.backends.cudnn.benchmark = True
-        net = torch.nn.Sequential(torch.nn.Conv2d(3, 32, 3), torch.nn.ReLU(), torch.nn.Conv2d(32, 8, 3)).cuda()
+        net = torch.nn.Sequential(torch.nn.Conv2d(3, 32, 3), torch.nn.ReLU(),
+                                  torch.nn.Conv2d(32, 8, 3)).cuda()
         x = torch.randn(16, 3, 64, 64, device="cuda")
         try:
             for _ in range(3):
@@ -439,7 +453,8 @@ def report(label, result, passed, width=300):
     """Prints one check's line (its output, and stderr when it failed or printed nothing);
     returns whether it passed."""
     rc, out, err = result
-    print(f"{label:<8} {'PASS' if passed else 'FAIL'}  {out[:width]} {err if rc or not out else ''}")
+    print(f"{label:<8} {'PASS' if passed else 'FAIL'}  {out[:width]} "
+          f"{err if rc or not out else ''}")
     return passed
 
 
@@ -452,24 +467,29 @@ def main():
     ok = True
     ref_rc, ref_out, _ = results["native-reference"]
     g_rc, g_out, g_err = results["global"]
-    same = g_rc == 0 and ref_rc == 0 and bool(g_out) and g_out.splitlines()[0] == ref_out.splitlines()[0]
+    same = (g_rc == 0 and ref_rc == 0 and bool(g_out)
+            and g_out.splitlines()[0] == ref_out.splitlines()[0])
     ok &= same
-    print(f"global   {'PASS' if same else 'FAIL'}  losses native={ref_out.splitlines()[:1]} tidepool={g_out.splitlines()[:1]} {g_err if g_rc or not g_out else ''}")
+    print(f"global   {'PASS' if same else 'FAIL'}  losses native={ref_out.splitlines()[:1]} "
+          f"tidepool={g_out.splitlines()[:1]} {g_err if g_rc or not g_out else ''}")
     print("         " + "\n         ".join(g_out.splitlines()[1:]))
-    ok &= report("pool", results["pool"], passed("pool", lambda out: "device_check_region" in out), 700)
+    ok &= report("pool", results["pool"],
+                 passed("pool", lambda out: "device_check_region" in out), 700)
     # libtidepool_torch_cuda raises torch.OutOfMemoryError, as PyTorch's own allocator does.
     ok &= report("oom", results["oom"], passed("oom", lambda out: out.startswith(
         "EXC OutOfMemoryError" if TORCH_CUDA else "EXC ") and "ALIVE" in out), 900)
-    ok &= report("record", results["record_stream"], passed("record_stream", lambda out: "REUSED False" in out
-                 and out.endswith(f"SUM {float(8 << 20)} EXPECTED {float(8 << 20)}")))
+    ok &= report("record", results["record_stream"], passed(
+        "record_stream", lambda out: "REUSED False" in out
+        and out.endswith(f"SUM {float(8 << 20)} EXPECTED {float(8 << 20)}")))
 
     def memory_ok(out):
         fields = out.split()
         return (len(fields) >= 10 and int(fields[1]) > 0 and int(fields[5]) < int(fields[3])
                 and fields[7] == "True" and fields[9] == "True")
     ok &= report("memory", results["memory_api"], passed("memory_api", memory_ok))
-    ok &= report("fraction", results["memory_fraction"], passed("memory_fraction", lambda out: out.startswith(
-        "EXC OutOfMemoryError FRACTION_NAMED True GET 0.1")))
+    ok &= report("fraction", results["memory_fraction"], passed(
+        "memory_fraction", lambda out: out.startswith(
+            "EXC OutOfMemoryError FRACTION_NAMED True GET 0.1")))
     # Refused clearly (no memory pools in global mode), never captured over reusable memory.
     ok &= report("graph", results["cuda_graph"], passed("cuda_graph", lambda out: (
         out.startswith("EXC") and "POOL_MODE_NAMED True" in out) if TORCH_CUDA else bool(out)))
@@ -482,7 +502,8 @@ def main():
         "TIERED 2 OF 2 SAME True")))
     def step_raises_ok(out):
         fields = out.split()
-        return (len(fields) == 6 and fields[:4] == ["RAISED", "boom", "AFTER_RAISE_IN_TIDEPOOL", "0"]
+        return (len(fields) == 6
+                and fields[:4] == ["RAISED", "boom", "AFTER_RAISE_IN_TIDEPOOL", "0"]
                 and int(fields[5]) >= 2 * 1024 * 1024 * 4)  # AdamW's exp_avg(_sq) of the weight
     ok &= report("raises", results["step_raises"], passed("step_raises", step_raises_ok))
 
@@ -512,11 +533,13 @@ def main():
         during, state_b, after = int(fields[1]), int(fields[3]), int(fields[5])
         return state_b > 0 and 0.9 * state_b <= during <= state_b + (8 << 20) and after == 0
     ok &= report("threads", results["two_threads"], passed("two_threads", two_threads_ok))
-    ok &= report("cudnn", results["cudnn_benchmark"], passed("cudnn_benchmark", lambda out: "TRAINED" in out))
+    ok &= report("cudnn", results["cudnn_benchmark"],
+                 passed("cudnn_benchmark", lambda out: "TRAINED" in out))
     # For the record, torch's CUDAPluggableAllocator class alone (the package's fallback):
     # expected to fail with "does not yet support cacheInfo" (pytorch#98481).
     f_rc, f_out, f_err = run("cudnn_benchmark", CHECK_PLUGGABLE="1")
-    print(f"cudnn-pluggable-class (informational)  {f_out[:300]} {f_err if f_rc or not f_out else ''}")
+    print(f"cudnn-pluggable-class (informational)  {f_out[:300]} "
+          f"{f_err if f_rc or not f_out else ''}")
     return 0 if ok else 1
 
 

@@ -123,7 +123,8 @@ def worker(args) -> dict:
             import tidepool._autoload  # noqa: F401
         except ImportError as e:
             return {"cannot_run": f"the tidepool package is not importable ({e}); "
-                                  "pip install --no-build-isolation ./python, or set PYTHONPATH=python/src"}
+                                  "pip install --no-build-isolation ./python, "
+                                  "or set PYTHONPATH=python/src"}
     import torch
     try:
         from transformers import LlamaForCausalLM
@@ -187,7 +188,8 @@ def worker(args) -> dict:
     result["losses"] = [float.hex(x) for x in losses]  # exact, for bitwise comparison
     result["losses_readable"] = losses
     result["step_seconds"] = step_seconds
-    result["steady_step_seconds"] = statistics.median(step_seconds[1:]) if len(step_seconds) > 1 else None
+    result["steady_step_seconds"] = (statistics.median(step_seconds[1:])
+                                     if len(step_seconds) > 1 else None)
     if sampler:
         result["peak_device_bytes"] = sampler.peaks
         result["torch_max_reserved"] = _safe(torch.cuda.max_memory_reserved)
@@ -260,7 +262,8 @@ def driver(args) -> int:
         print(json.dumps(summary, indent=1))
         return EXIT_CANNOT_RUN
 
-    check("tidepool_run_completed", "losses" in tp and "oom" not in tp, tp.get("failed") or tp.get("oom"))
+    check("tidepool_run_completed", "losses" in tp and "oom" not in tp,
+          tp.get("failed") or tp.get("oom"))
     check("same_losses_bitwise", tp.get("losses") == plain["losses"],
           {"plain": plain.get("losses_readable"), "tidepool": tp.get("losses_readable")})
     state = plain["state_bytes"]
@@ -285,13 +288,16 @@ def driver(args) -> int:
         cap_tp = run_worker("cap_tidepool", args, {"PYTORCH_CUDA_ALLOC_CONF": "backend:tidepool"},
                             cap_args)
         summary["runs"].update(cap_plain=cap_plain, cap_tidepool=cap_tp)
-        check("cap_plain_runs_out_of_memory", "oom" in cap_plain, cap_plain.get("oom") or cap_plain.get("failed"))
-        check("cap_tidepool_trains", "oom" not in cap_tp and cap_tp.get("losses") == plain["losses"],
+        check("cap_plain_runs_out_of_memory", "oom" in cap_plain,
+              cap_plain.get("oom") or cap_plain.get("failed"))
+        check("cap_tidepool_trains",
+              "oom" not in cap_tp and cap_tp.get("losses") == plain["losses"],
               cap_tp.get("oom") or cap_tp.get("failed") or cap_tp.get("losses_readable"))
 
     preload = find_preload()
     if preload is None:
-        check("preload_run", False, "libtidepool_preload.so not found (set TIDEPOOL_PRELOAD_LIBRARY)")
+        check("preload_run", False,
+              "libtidepool_preload.so not found (set TIDEPOOL_PRELOAD_LIBRARY)")
     else:
         pre = run_worker("preload", args, {"LD_PRELOAD": preload,
                                            "PYTORCH_CUDA_ALLOC_CONF": "tidepool.log:info"})
@@ -314,7 +320,8 @@ def driver(args) -> int:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--worker", choices=["plain", "tidepool", "cap_plain", "cap_tidepool", "preload"])
+    parser.add_argument("--worker",
+                        choices=["plain", "tidepool", "cap_plain", "cap_tidepool", "preload"])
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--layers", type=int, default=22)
     parser.add_argument("--batch", type=int, default=4)

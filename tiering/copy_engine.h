@@ -10,9 +10,9 @@
 // completion event, which consumers wait on.
 //
 // Telemetry: bytes and copies per direction, busy time per direction measured with
-// backend timing events (per batch of transfers, collected lazily once they complete), and the exposed time: host
-// wall time a caller spent blocked on a transfer (reported by the tiered store through
-// note_exposed_wait). Hidden time = busy time - exposed time.
+// backend timing events (per batch of transfers, collected lazily once they complete), and the
+// exposed time: host wall time a caller spent blocked on a transfer (reported by the tiered store
+// through note_exposed_wait). Hidden time = busy time - exposed time.
 //
 // Thread-safety: all methods may be called concurrently.
 #pragma once

@@ -23,9 +23,9 @@
 // vmm_migration.h), so it is charged unconditionally, and the others find that much less
 // room until it leaves the device. Before it is, the pool asks the stores for the room it
 // lacks (Seat::ask_peers, as in 2. below), so the budget is passed only by what they
-// cannot give back (acquired handles) or the ranges themselves. Each participant checks a charge against the budget
-// as it resolved it (a store when it was built, the pool at each migration); they agree
-// unless the configuration changes in between, and a budget lowered below what is
+// cannot give back (acquired handles) or the ranges themselves. Each participant checks a charge
+// against the budget as it resolved it (a store when it was built, the pool at each migration);
+// they agree unless the configuration changes in between, and a budget lowered below what is
 // charged takes nothing back: new charges wait until enough has been given back.
 //
 // Room, in order:

@@ -133,7 +133,8 @@ void* map_aligned(std::size_t bytes, std::size_t align) {
   const std::uintptr_t aligned = (start + align - 1) / align * align;
   if (aligned > start) munmap(raw, aligned - start);
   const std::uintptr_t end = start + reserve;
-  if (end > aligned + bytes) munmap(reinterpret_cast<void*>(aligned + bytes), end - aligned - bytes);
+  if (end > aligned + bytes)
+    munmap(reinterpret_cast<void*>(aligned + bytes), end - aligned - bytes);
   return reinterpret_cast<void*>(aligned);
 }
 
@@ -356,7 +357,8 @@ HostArena::Slab* HostArena::add_slab(std::size_t bytes, std::string* why_not) {
   {
     std::lock_guard pool_lock(pool_mutex());
     auto& idle = idle_slabs();
-    auto it = std::find_if(idle.begin(), idle.end(), [&](Slab* s) { return s->bytes == bytes && s->mi == &mi; });
+    auto it = std::find_if(idle.begin(), idle.end(),
+                           [&](Slab* s) { return s->bytes == bytes && s->mi == &mi; });
     if (it != idle.end()) {
       slab = *it;
       idle.erase(it);
@@ -375,7 +377,8 @@ HostArena::Slab* HostArena::add_slab(std::size_t bytes, std::string* why_not) {
     }
     void* base = map_aligned(bytes, kArenaAlign);
     if (base == nullptr) {
-      *why_not = "mmap of a " + std::to_string(bytes >> 20) + " MiB slab failed: " + std::strerror(errno);
+      *why_not = "mmap of a " + std::to_string(bytes >> 20) + " MiB slab failed: " +
+                 std::strerror(errno);
       return nullptr;
     }
     if (!register_range(base, bytes, why_not)) {
@@ -442,8 +445,8 @@ std::string pageable_fallback_warning(const HostArenaStats& s, std::size_t bytes
   const std::string requested = format_bytes(s.pinned_budget_requested_bytes);
   std::string cause, remedy;
   if (s.budget_capped_by_memlock && why != FallbackCause::no_mimalloc) {
-    cause = "pinned host memory is capped by RLIMIT_MEMLOCK at " + format_bytes(s.pinned_budget_bytes) +
-            " (pinned budget requested: " + requested + ")";
+    cause = "pinned host memory is capped by RLIMIT_MEMLOCK at " +
+            format_bytes(s.pinned_budget_bytes) + " (pinned budget requested: " + requested + ")";
     remedy = kRaise;
   } else if (why == FallbackCause::register_failed) {
     rlimit limit{};
@@ -458,7 +461,8 @@ std::string pageable_fallback_warning(const HostArenaStats& s, std::size_t bytes
     cause = "the pinned host budget of " + format_bytes(s.pinned_budget_bytes) + " is spent";
     remedy = "raise tidepool.pinned_budget (or HostArenaOptions::pinned_budget_bytes)";
   } else {
-    cause = "pinned host memory could not serve a request" + (reason.empty() ? "" : " (" + reason + ")");
+    cause = "pinned host memory could not serve a request" +
+            (reason.empty() ? "" : " (" + reason + ")");
     remedy = "raise tidepool.pinned_budget or free host memory";
   }
   return "tidepool: " + cause + "; tiered state from here on (this block: " + format_bytes(bytes) +

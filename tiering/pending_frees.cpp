@@ -109,7 +109,8 @@ void TieredStore::release_pending_locked(std::size_t count) {
 // Only when not even that event can be recorded (a backend that is going away) is the
 // buffer left to the device, still charged: handing back memory a transfer may still
 // write is worse than a smaller budget, as at teardown (teardown.h).
-void TieredStore::give_back_failed_load_locked(const DeviceBuffer& buf, std::size_t bytes) noexcept {
+void TieredStore::give_back_failed_load_locked(const DeviceBuffer& buf,
+                                               std::size_t bytes) noexcept {
   const Stream h2d = copies_.stream(Direction::host_to_device);
   try {
     pending_frees_.reserve(pending_frees_.size() + 1);  // the push_backs below cannot throw

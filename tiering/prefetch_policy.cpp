@@ -374,7 +374,8 @@ std::size_t PrefetchPolicy::eviction_score(HandleId h) const {
       auto it = stretch.shape->positions.find(h);
       if (it != stretch.shape->positions.end()) {
         auto next = std::lower_bound(it->second.begin(), it->second.end(), stretch.begin);
-        if (next != it->second.end() && *next < stretch.end) return distance + (*next - stretch.begin);
+        if (next != it->second.end() && *next < stretch.end)
+          return distance + (*next - stretch.begin);
       }
       distance += stretch.end - stretch.begin;
     }

@@ -36,7 +36,8 @@ void rethrow_as_tiering_error(const std::string& operation) {
     std::throw_with_nested(
         TieringError(std::string(kPrefix) + operation + " failed: " + std::string(why)));
   } catch (...) {
-    std::throw_with_nested(TieringError(std::string(kPrefix) + operation + " failed: unknown error"));
+    std::throw_with_nested(
+        TieringError(std::string(kPrefix) + operation + " failed: unknown error"));
   }
 }
 

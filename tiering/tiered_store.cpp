@@ -109,7 +109,9 @@ DeviceMemorySource caching_allocator_source(CachingAllocator& allocator, int tag
       return nullptr;  // the store evicts its own released state and retries
     }
   };
-  source.deallocate = [&allocator](void* p, std::size_t n, Stream s) { allocator.deallocate(p, n, s); };
+  source.deallocate = [&allocator](void* p, std::size_t n, Stream s) {
+    allocator.deallocate(p, n, s);
+  };
   source.release_stream = [&allocator](Stream s) { allocator.release_stream(s); };
   source.stream_ordered = true;
   return source;
@@ -161,14 +163,16 @@ TieredStore::~TieredStore() {
   std::lock_guard lock(mutex_);
   const Stream d2h = copies_.stream(Direction::device_to_host);
   for (const PendingFree& f : pending_frees_) {
-    if (idle) teardown.attempt("freeing a device buffer", [&] { device_.deallocate(f.ptr, f.bytes, d2h); });
+    if (idle)
+      teardown.attempt("freeing a device buffer", [&] { device_.deallocate(f.ptr, f.bytes, d2h); });
     free_events_.push_back(f.after);
   }
   pending_frees_.clear();
   for (auto& [id, e] : entries_) {
     if (idle) {
       if (e->dev != nullptr) {
-        teardown.attempt("freeing a device buffer", [&] { device_.deallocate(e->dev, e->bytes, d2h); });
+        teardown.attempt("freeing a device buffer",
+                         [&] { device_.deallocate(e->dev, e->bytes, d2h); });
       }
       teardown.attempt("freeing a host block", [&] { host_.deallocate(e->host); });
     }

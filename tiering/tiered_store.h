@@ -187,9 +187,10 @@ class TIDEPOOL_API TieredStore {
   TieredStore(Backend& backend, TieredStoreOptions options, DeviceMemorySource device = {});
   // Waits for all transfers, frees every buffer, then releases the copy streams from the
   // memory source (DeviceMemorySource::release_stream) before the copy engine destroys
-  // them. Handles still acquired are a caller bug but are freed too. Never throws: when the backend fails (e.g. its CUDA context is
-  // already gone at process exit) the error is reported once on stderr, events and
-  // streams are released, and buffers a transfer might still use are leaked (teardown.h).
+  // them. Handles still acquired are a caller bug but are freed too. Never throws: when the backend
+  // fails (e.g. its CUDA context is already gone at process exit) the error is reported once on
+  // stderr, events and streams are released, and buffers a transfer might still use are leaked
+  // (teardown.h).
   ~TieredStore();
   TieredStore(const TieredStore&) = delete;
   TieredStore& operator=(const TieredStore&) = delete;

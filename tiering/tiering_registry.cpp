@@ -239,8 +239,8 @@ std::size_t reclaim_tiered_stores(int device, std::size_t bytes_needed) {
   auto it = registry().find(device);
   if (it == registry().end()) return 0;
   std::size_t freed = 0;
-  for (TieredStore* s = next_store(it->second.stores, nullptr); s != nullptr && freed < bytes_needed;
-       s = next_store(it->second.stores, s)) {
+  for (TieredStore* s = next_store(it->second.stores, nullptr);
+       s != nullptr && freed < bytes_needed; s = next_store(it->second.stores, s)) {
     freed += s->reclaim(bytes_needed - freed);
   }
   return freed;
@@ -249,7 +249,8 @@ std::size_t reclaim_tiered_stores(int device, std::size_t bytes_needed) {
 void register_tiered_store(int device, TieredStore* store) {
   static std::once_flag hook_once;
   std::call_once(hook_once, [] {
-    register_reclaim_hook([](int dev, std::size_t bytes) { return reclaim_tiered_stores(dev, bytes); });
+    register_reclaim_hook(
+        [](int dev, std::size_t bytes) { return reclaim_tiered_stores(dev, bytes); });
   });
   RegistryHold hold("creating a tiered store");
   registry()[device].stores.insert(store);

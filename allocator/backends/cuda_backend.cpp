@@ -58,8 +58,8 @@ const DriverApi& driver() {
     DriverApi loaded;
     auto load = [](const char* symbol, void** fn) {
       cudaDriverEntryPointQueryResult status = cudaDriverEntryPointSymbolNotFound;
-      const cudaError_t err =
-          cudaGetDriverEntryPointByVersion(symbol, fn, kDriverAbiVersion, cudaEnableDefault, &status);
+      const cudaError_t err = cudaGetDriverEntryPointByVersion(
+          symbol, fn, kDriverAbiVersion, cudaEnableDefault, &status);
       if (err != cudaSuccess || status != cudaDriverEntryPointSuccess || *fn == nullptr) {
         (void)cudaGetLastError();
         throw BackendError(std::string("tidepool cuda backend: cannot load the driver function ") +
@@ -82,8 +82,10 @@ std::string error_text(cudaError_t err) {
 std::string error_text(CUresult res) {
   const char* name = nullptr;
   const char* text = nullptr;
-  if (driver().cuGetErrorName(res, &name) != CUDA_SUCCESS || name == nullptr) name = "CUDA_ERROR_?";
-  if (driver().cuGetErrorString(res, &text) != CUDA_SUCCESS || text == nullptr) text = "unknown error";
+  if (driver().cuGetErrorName(res, &name) != CUDA_SUCCESS || name == nullptr)
+    name = "CUDA_ERROR_?";
+  if (driver().cuGetErrorString(res, &text) != CUDA_SUCCESS || text == nullptr)
+    text = "unknown error";
   return std::string(name) + " (" + std::to_string(static_cast<int>(res)) + "): " + text;
 }
 
@@ -342,7 +344,8 @@ class CudaBackend final : public Backend {
   }
   void do_release_physical(PhysicalHandle h, std::size_t) override {
     DeviceGuard guard(device(), ApiLevel::driver);
-    check(driver().cuMemRelease(static_cast<CUmemGenericAllocationHandle>(h.value)), "cuMemRelease");
+    check(driver().cuMemRelease(static_cast<CUmemGenericAllocationHandle>(h.value)),
+          "cuMemRelease");
   }
   void do_map(void* va, std::size_t bytes, PhysicalHandle h) override {
     DeviceGuard guard(device(), ApiLevel::driver);

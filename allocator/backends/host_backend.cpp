@@ -497,7 +497,8 @@ void HostBackend::do_map(void* va, std::size_t bytes, PhysicalHandle h) {
     fail("map", "cannot map " + std::to_string(bytes) + " bytes of a physical handle holding " +
                     std::to_string(phys->second.bytes));
   auto res = reservations_.upper_bound(start);
-  if (res == reservations_.begin() || std::prev(res)->first + std::prev(res)->second < start + bytes)
+  if (res == reservations_.begin() ||
+      std::prev(res)->first + std::prev(res)->second < start + bytes)
     fail("map", "range " + hex(va) + " + " + std::to_string(bytes) +
                     " is not inside one range returned by reserve_address");
   auto next = mappings_.lower_bound(start);
@@ -518,7 +519,8 @@ void HostBackend::do_unmap(void* va, std::size_t bytes) {
   std::lock_guard lock(vm_mutex_);
   // The range must consist of whole mappings (as with cuMemUnmap) and hold at least one.
   auto first = mappings_.lower_bound(start);
-  if (first != mappings_.begin() && std::prev(first)->first + std::prev(first)->second.bytes > start)
+  if (first != mappings_.begin() &&
+      std::prev(first)->first + std::prev(first)->second.bytes > start)
     fail("unmap", "range " + hex(va) + " starts inside a mapping; unmap whole mappings");
   auto last = first;
   while (last != mappings_.end() && last->first < end) {
@@ -527,7 +529,8 @@ void HostBackend::do_unmap(void* va, std::size_t bytes) {
                         " ends inside a mapping; unmap whole mappings");
     ++last;
   }
-  if (first == last) fail("unmap", "nothing is mapped in " + hex(va) + " + " + std::to_string(bytes));
+  if (first == last)
+    fail("unmap", "nothing is mapped in " + hex(va) + " + " + std::to_string(bytes));
   // MAP_FIXED replaces the mapping atomically: the address range stays reserved.
   void* got = ::mmap(va, bytes, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE,
                      -1, 0);

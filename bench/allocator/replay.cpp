@@ -108,7 +108,8 @@ Trace load_trace(const std::string& path) {
     } else {
       auto it = ids.find(id);
       if (it == ids.end())
-        throw std::runtime_error(path + ":" + std::to_string(line_no) + ": free of unknown id " + id);
+        throw std::runtime_error(path + ":" + std::to_string(line_no) +
+                                 ": free of unknown id " + id);
       o.slot = it->second;
       live -= live_size[o.slot];
     }
@@ -368,7 +369,8 @@ void print_backend_costs(const std::vector<const Result*>& rows, const Settings&
 int usage() {
   std::fprintf(stderr,
                "usage: tidepool_replay [--backend host|cuda] [--capacity-gib N] [--plain] "
-               "[--slot-mib N] [--map-us F] [--unmap-us F] [--prefer-backed-fit] [--recycle-slack F] "
+               "[--slot-mib N] [--map-us F] [--unmap-us F] [--prefer-backed-fit] "
+               "[--recycle-slack F] "
                "[--repeat N] "
                "TRACE.csv...\n");
   return 2;
@@ -473,8 +475,8 @@ int main(int argc, char** argv) {
                     "GPT-2, 1.111 ResNet-50), modeled time %.3fx the baseline (target <= 1.1;"
                     " wall %.3fx)\n",
                     i == 0 ? "verdict" : "compare", row.name.c_str(),
-                    i == 0 ? (pass ? "PASS" : "FAIL") : (pass ? "within" : "outside"), ratio, time_ratio,
-                    row.r.wall_ns / baseline.wall_ns);
+                    i == 0 ? (pass ? "PASS" : "FAIL") : (pass ? "within" : "outside"), ratio,
+                    time_ratio, row.r.wall_ns / baseline.wall_ns);
       }
     } catch (const std::exception& e) {
       std::fprintf(stderr, "tidepool_replay: %s: %s\n", path.c_str(), e.what());

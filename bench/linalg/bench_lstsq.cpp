@@ -108,7 +108,8 @@ void BM_TorchLstsq(benchmark::State& state, at::Device device, std::optional<std
       benchmark::DoNotOptimize(solution.cpu());
     }
   } catch (const std::exception& error) {
-    state.SkipWithError((std::string("at::linalg_lstsq failed: ") + error.what()).substr(0, 200).c_str());
+    state.SkipWithError(
+        (std::string("at::linalg_lstsq failed: ") + error.what()).substr(0, 200).c_str());
     return;
   }
   state.counters["rel_error"] = relative_error(solution, p.x);
@@ -127,7 +128,8 @@ void BM_ReadAOnce(benchmark::State& state) {
 const at::Device kCpu(at::kCPU);
 const at::Device kCuda(at::kCUDA);
 
-BENCHMARK_CAPTURE(BM_TidepoolLstsq, cpu, kCpu)->Args({20'000'000, 5})->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(BM_TidepoolLstsq, cpu, kCpu)
+    ->Args({20'000'000, 5})->Unit(benchmark::kMillisecond);
 BENCHMARK_CAPTURE(BM_TorchLstsq, cpu_gelsd, kCpu, std::string("gelsd"))
     ->Args({20'000'000, 5})->Unit(benchmark::kMillisecond);
 BENCHMARK_CAPTURE(BM_TorchLstsq, cpu_default, kCpu, std::nullopt)
@@ -135,13 +137,18 @@ BENCHMARK_CAPTURE(BM_TorchLstsq, cpu_default, kCpu, std::nullopt)
 
 // GPU: per size, tidepool, the read-once floor and torch next to each other (one problem
 // is cached at a time, so grouping by size builds each A once).
-BENCHMARK_CAPTURE(BM_TidepoolLstsq, cuda, kCuda)->Args({4'194'304, 8})->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(BM_TidepoolLstsq, cuda, kCuda)
+    ->Args({4'194'304, 8})->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_ReadAOnce)->Args({4'194'304, 8})->Unit(benchmark::kMillisecond);
-BENCHMARK_CAPTURE(BM_TorchLstsq, cuda_default, kCuda, std::nullopt)->Args({4'194'304, 8})->Unit(benchmark::kMillisecond);
-BENCHMARK_CAPTURE(BM_TidepoolLstsq, cuda, kCuda)->Args({16'777'216, 8})->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(BM_TorchLstsq, cuda_default, kCuda, std::nullopt)
+    ->Args({4'194'304, 8})->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(BM_TidepoolLstsq, cuda, kCuda)
+    ->Args({16'777'216, 8})->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_ReadAOnce)->Args({16'777'216, 8})->Unit(benchmark::kMillisecond);
-BENCHMARK_CAPTURE(BM_TorchLstsq, cuda_default, kCuda, std::nullopt)->Args({16'777'216, 8})->Unit(benchmark::kMillisecond);
-BENCHMARK_CAPTURE(BM_TidepoolLstsq, cuda, kCuda)->Args({268'435'456, 8})->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(BM_TorchLstsq, cuda_default, kCuda, std::nullopt)
+    ->Args({16'777'216, 8})->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(BM_TidepoolLstsq, cuda, kCuda)
+    ->Args({268'435'456, 8})->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_ReadAOnce)->Args({268'435'456, 8})->Unit(benchmark::kMillisecond);
 
 }  // namespace

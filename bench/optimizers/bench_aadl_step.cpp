@@ -141,8 +141,10 @@ void run_aadl(benchmark::State& state, torch::Device device, Where where) {
 
 void BM_Cpu_AADL_Resident(benchmark::State& s) { run_aadl(s, torch::kCPU, Where::resident); }
 void BM_Cpu_AADL_Tiered(benchmark::State& s) { run_aadl(s, torch::kCPU, Where::tiered); }
-BENCHMARK(BM_Cpu_AADL_Resident)->RangeMultiplier(4)->Range(1 << 18, 1 << 22)->Unit(benchmark::kMillisecond)->UseRealTime();
-BENCHMARK(BM_Cpu_AADL_Tiered)->RangeMultiplier(4)->Range(1 << 18, 1 << 22)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_Cpu_AADL_Resident)
+    ->RangeMultiplier(4)->Range(1 << 18, 1 << 22)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_Cpu_AADL_Tiered)
+    ->RangeMultiplier(4)->Range(1 << 18, 1 << 22)->Unit(benchmark::kMillisecond)->UseRealTime();
 
 // ---- GPU (2^28 parameters; skipped without CUDA) -------------------------------------------
 
@@ -157,9 +159,12 @@ void BM_Gpu_AADL_Tiered(benchmark::State& s) {
 }
 
 constexpr int64_t kGpuParams = int64_t{1} << 28;
-BENCHMARK(BM_Gpu_AADL_Resident)->Arg(kGpuParams)->Unit(benchmark::kMillisecond)->Iterations(3)->UseRealTime();
-BENCHMARK(BM_Gpu_AADL_HostStaged)->Arg(kGpuParams)->Unit(benchmark::kMillisecond)->Iterations(3)->UseRealTime();
-BENCHMARK(BM_Gpu_AADL_Tiered)->Arg(kGpuParams)->Unit(benchmark::kMillisecond)->Iterations(3)->UseRealTime();
+BENCHMARK(BM_Gpu_AADL_Resident)
+    ->Arg(kGpuParams)->Unit(benchmark::kMillisecond)->Iterations(3)->UseRealTime();
+BENCHMARK(BM_Gpu_AADL_HostStaged)
+    ->Arg(kGpuParams)->Unit(benchmark::kMillisecond)->Iterations(3)->UseRealTime();
+BENCHMARK(BM_Gpu_AADL_Tiered)
+    ->Arg(kGpuParams)->Unit(benchmark::kMillisecond)->Iterations(3)->UseRealTime();
 
 }  // namespace
 

@@ -133,7 +133,8 @@ double device_copy_rate(const torch::Device& device) {
   const auto start = std::chrono::steady_clock::now();
   for (int i = 0; i < kCopies; ++i) to.copy_(from);
   sync(device);
-  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   return 2.0 * static_cast<double>(from.nbytes()) * kCopies / seconds;
 }
 
@@ -234,11 +235,16 @@ void BM_Cpu_Apollo_Tiered(benchmark::State& s) {
   run_tidepool(s, torch::kCPU, Where::tiered, true);
 }
 
-BENCHMARK(BM_Cpu_Reference)->RangeMultiplier(4)->Range(1 << 16, 1 << 22)->Unit(benchmark::kMillisecond);
-BENCHMARK(BM_Cpu_Apollo_Resident)->RangeMultiplier(4)->Range(1 << 16, 1 << 22)->Unit(benchmark::kMillisecond);
-BENCHMARK(BM_Cpu_Apollo_Resident_Ops)->RangeMultiplier(4)->Range(1 << 16, 1 << 22)->Unit(benchmark::kMillisecond);
-BENCHMARK(BM_Cpu_Apollo_HostStaged)->RangeMultiplier(4)->Range(1 << 16, 1 << 22)->Unit(benchmark::kMillisecond);
-BENCHMARK(BM_Cpu_Apollo_Tiered)->RangeMultiplier(4)->Range(1 << 16, 1 << 22)->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_Cpu_Reference)
+    ->RangeMultiplier(4)->Range(1 << 16, 1 << 22)->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_Cpu_Apollo_Resident)
+    ->RangeMultiplier(4)->Range(1 << 16, 1 << 22)->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_Cpu_Apollo_Resident_Ops)
+    ->RangeMultiplier(4)->Range(1 << 16, 1 << 22)->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_Cpu_Apollo_HostStaged)
+    ->RangeMultiplier(4)->Range(1 << 16, 1 << 22)->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_Cpu_Apollo_Tiered)
+    ->RangeMultiplier(4)->Range(1 << 16, 1 << 22)->Unit(benchmark::kMillisecond);
 
 // ---- GPU (2^28 parameters; skipped without CUDA) -------------------------------------------
 
@@ -246,7 +252,8 @@ void BM_Gpu_Reference(benchmark::State& s) {
   if (want_cuda(s)) run_reference(s, torch::Device(torch::kCUDA, 0), ReferenceStateAt::device);
 }
 void BM_Gpu_SeedsPageableTo(benchmark::State& s) {
-  if (want_cuda(s)) run_reference(s, torch::Device(torch::kCUDA, 0), ReferenceStateAt::pageable_host);
+  if (want_cuda(s))
+    run_reference(s, torch::Device(torch::kCUDA, 0), ReferenceStateAt::pageable_host);
 }
 void BM_Gpu_PinnedNoOverlap(benchmark::State& s) {
   if (want_cuda(s)) run_reference(s, torch::Device(torch::kCUDA, 0), ReferenceStateAt::pinned_host);
@@ -271,11 +278,16 @@ constexpr int64_t kGpuParams = int64_t{1} << 28;
 BENCHMARK(BM_Gpu_Reference)->Arg(kGpuParams)->Unit(benchmark::kMillisecond)->Iterations(5);
 BENCHMARK(BM_Gpu_SeedsPageableTo)->Arg(kGpuParams)->Unit(benchmark::kMillisecond)->Iterations(2);
 BENCHMARK(BM_Gpu_PinnedNoOverlap)->Arg(kGpuParams)->Unit(benchmark::kMillisecond)->Iterations(3);
-BENCHMARK(BM_Gpu_Apollo_Fused_Resident)->Arg(kGpuParams)->Unit(benchmark::kMillisecond)->Iterations(5);
-BENCHMARK(BM_Gpu_Apollo_Ops_Resident)->Arg(kGpuParams)->Unit(benchmark::kMillisecond)->Iterations(5);
-BENCHMARK(BM_Gpu_Apollo_Fused_HostStaged)->Arg(kGpuParams)->Unit(benchmark::kMillisecond)->Iterations(3);
-BENCHMARK(BM_Gpu_Apollo_Fused_Tiered)->Arg(kGpuParams)->Unit(benchmark::kMillisecond)->Iterations(4);
-BENCHMARK(BM_Gpu_PinnedBidirectional)->Arg(int64_t{1} << 30)->Unit(benchmark::kMillisecond)->Iterations(5);
+BENCHMARK(BM_Gpu_Apollo_Fused_Resident)
+    ->Arg(kGpuParams)->Unit(benchmark::kMillisecond)->Iterations(5);
+BENCHMARK(BM_Gpu_Apollo_Ops_Resident)
+    ->Arg(kGpuParams)->Unit(benchmark::kMillisecond)->Iterations(5);
+BENCHMARK(BM_Gpu_Apollo_Fused_HostStaged)
+    ->Arg(kGpuParams)->Unit(benchmark::kMillisecond)->Iterations(3);
+BENCHMARK(BM_Gpu_Apollo_Fused_Tiered)
+    ->Arg(kGpuParams)->Unit(benchmark::kMillisecond)->Iterations(4);
+BENCHMARK(BM_Gpu_PinnedBidirectional)
+    ->Arg(int64_t{1} << 30)->Unit(benchmark::kMillisecond)->Iterations(5);
 
 }  // namespace
 

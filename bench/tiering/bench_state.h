@@ -36,7 +36,8 @@ inline std::size_t parse_bytes(const char* name, const std::string& text) {
   if (unit == "K" || unit == "KiB") shift = 10;
   else if (unit == "M" || unit == "MiB") shift = 20;
   else if (unit == "G" || unit == "GiB") shift = 30;
-  else if (!unit.empty()) throw std::invalid_argument(std::string(name) + "=" + text + ": unknown unit");
+  else if (!unit.empty())
+    throw std::invalid_argument(std::string(name) + "=" + text + ": unknown unit");
   const std::size_t bytes = static_cast<std::size_t>(n) << shift;
   if (bytes < kMinTensor) {
     throw std::invalid_argument(std::string(name) + "=" + text + " is below one 64 KiB tensor");
@@ -55,14 +56,16 @@ inline BackendKind choose_backend() {
 }
 
 inline std::size_t choose_total_bytes(BackendKind kind) {
-  if (const char* env = std::getenv("TIDEPOOL_BENCH_BYTES")) return parse_bytes("TIDEPOOL_BENCH_BYTES", env);
+  if (const char* env = std::getenv("TIDEPOOL_BENCH_BYTES"))
+    return parse_bytes("TIDEPOOL_BENCH_BYTES", env);
   return kind == BackendKind::cuda ? std::size_t{1} << 30 : std::size_t{256} << 20;
 }
 
 // Sizes in [kMinTensor, kMaxTensor], multiples of 4 KiB, log-uniform, summing to `total`.
 inline std::vector<std::size_t> mixed_tensor_sizes(std::size_t total) {
   std::mt19937_64 rng(20261129);
-  std::uniform_real_distribution<double> log_size(std::log(double(kMinTensor)), std::log(double(kMaxTensor)));
+  std::uniform_real_distribution<double> log_size(std::log(double(kMinTensor)),
+                                                  std::log(double(kMaxTensor)));
   std::vector<std::size_t> sizes;
   std::size_t remaining = total;
   while (remaining > 0) {

@@ -47,7 +47,8 @@ void BM_StoreStep(benchmark::State& state) {
     TieredStore store(*backend, options);
     const Stream compute = backend->create_stream();
     std::vector<TieredStore::Handle> handles;
-    for (std::size_t i = 0; i < n; ++i) handles.push_back(store.create(kHandleBytes, kTagOptimizerState));
+    for (std::size_t i = 0; i < n; ++i)
+      handles.push_back(store.create(kHandleBytes, kTagOptimizerState));
     auto step = [&] {
       store.begin_step();
       for (TieredStore::Handle h : handles) {

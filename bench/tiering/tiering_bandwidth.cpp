@@ -69,7 +69,10 @@ struct Op {
 
 class Bench {
  public:
-  Bench() : kind_(choose_backend()), total_(choose_total_bytes(kind_)), sizes_(mixed_tensor_sizes(total_)) {
+  Bench()
+      : kind_(choose_backend()),
+        total_(choose_total_bytes(kind_)),
+        sizes_(mixed_tensor_sizes(total_)) {
     std::unique_ptr<Backend> backend;
     if (kind_ == BackendKind::cuda) {
       backend = make_cuda_backend(0);
@@ -187,7 +190,8 @@ class Bench {
       o.device_budget_bytes = total_;  // the bidirectional pass holds A and B at its peak
       o.host = pinned_options();
       store_ = std::make_unique<TieredStore>(backend(), o, caching_allocator_source(*allocator_));
-      for (std::size_t s : sizes_) store_handles_.push_back(store_->create(s, TIDEPOOL_TAG_OPTIMIZER_STATE));
+      for (std::size_t s : sizes_)
+        store_handles_.push_back(store_->create(s, TIDEPOOL_TAG_OPTIMIZER_STATE));
     }
     return *store_;
   }
@@ -199,7 +203,8 @@ class Bench {
     plain_arena_ = std::make_unique<HostArena>(backend(), pinned_options());
     for (std::size_t s : sizes_) plain_host_.push_back(plain_arena_->allocate(s));
     plain_dev_ = backend().device_alloc(total_);
-    if (plain_dev_ == nullptr) throw std::runtime_error("bench: no device memory for the baseline buffers");
+    if (plain_dev_ == nullptr)
+      throw std::runtime_error("bench: no device memory for the baseline buffers");
     plain_h2d_ = backend().create_stream();
     plain_d2h_ = backend().create_stream();
   }
@@ -329,7 +334,8 @@ void bm_vmm_migrate(benchmark::State& state, Bench& bench) {
   std::optional<VmmPool> pool;
   void* range = nullptr;
   try {
-    pool.emplace(bench.backend(), VmmPoolOptions{.device_budget_bytes = VmmPoolOptions::kNoDeviceBudget});
+    pool.emplace(bench.backend(),
+                 VmmPoolOptions{.device_budget_bytes = VmmPoolOptions::kNoDeviceBudget});
     range = pool->allocate(n, TIDEPOOL_TAG_OPTIMIZER_STATE);
   } catch (const std::exception& e) {
     state.SkipWithError((std::string("the backend cannot map VA ranges: ") + e.what()).c_str());
@@ -361,7 +367,8 @@ void bm_vmm_migrate(benchmark::State& state, Bench& bench) {
   state.counters["to_device_GBps"] = to_device_gbps;
   state.counters["ratio_to_host_vs_memcpy"] = to_host_gbps / d2h_baseline;
   state.counters["ratio_to_device_vs_memcpy"] = to_device_gbps / h2d_baseline;
-  state.SetBytesProcessed(static_cast<std::int64_t>(state.iterations()) * 2 * static_cast<std::int64_t>(n));
+  state.SetBytesProcessed(static_cast<std::int64_t>(state.iterations()) * 2 *
+                          static_cast<std::int64_t>(n));
   state.SetLabel(bench.label());
 }
 
@@ -370,13 +377,16 @@ void register_benchmarks(Bench& bench) {
     b->UseManualTime()->Unit(benchmark::kMillisecond);
   };
   for (Mode m : {Mode::h2d, Mode::d2h, Mode::bidir}) {
-    finish(benchmark::RegisterBenchmark((std::string("memcpy/") + mode_name(m)).c_str(),
-                                        [&bench, m](benchmark::State& s) { bm_memcpy(s, bench, m); }));
+    finish(benchmark::RegisterBenchmark(
+        (std::string("memcpy/") + mode_name(m)).c_str(),
+        [&bench, m](benchmark::State& s) { bm_memcpy(s, bench, m); }));
   }
   const std::pair<Mode, const char*> store_rows[] = {
-      {Mode::h2d, "store/prefetch_h2d"}, {Mode::d2h, "store/evict_d2h"}, {Mode::bidir, "store/bidir"}};
+      {Mode::h2d, "store/prefetch_h2d"}, {Mode::d2h, "store/evict_d2h"},
+      {Mode::bidir, "store/bidir"}};
   for (const auto& [m, name] : store_rows) {
-    finish(benchmark::RegisterBenchmark(name, [&bench, m = m](benchmark::State& s) { bm_store(s, bench, m); }));
+    finish(benchmark::RegisterBenchmark(
+        name, [&bench, m = m](benchmark::State& s) { bm_store(s, bench, m); }));
   }
   finish(benchmark::RegisterBenchmark("vmm/migrate_d2h2d",
                                       [&bench](benchmark::State& s) { bm_vmm_migrate(s, bench); }));

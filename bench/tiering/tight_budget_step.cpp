@@ -54,7 +54,8 @@ struct Shared {
     allocator = std::make_unique<CachingAllocator>(std::move(backend));
   }
   std::vector<std::size_t> same_sizes() const {
-    const std::size_t each = std::max(kMinTensor, total / mixed.size() / kTensorAlign * kTensorAlign);
+    const std::size_t each =
+        std::max(kMinTensor, total / mixed.size() / kTensorAlign * kTensorAlign);
     return std::vector<std::size_t>(mixed.size(), each);
   }
 };
@@ -103,14 +104,17 @@ void bm_step(benchmark::State& state, Shared& shared, bool mixed) {
     const double gbps = moved / seconds / 1e9;
     state.counters["GBps"] = gbps;
     state.counters["budget_waits"] = double(after.budget_waits - before.budget_waits) / steps;
-    state.counters["exposed_ms"] = (after.copy.exposed_wait_ms - before.copy.exposed_wait_ms) / steps;
-    state.counters["prefetch_skipped"] = double(after.prefetch_skipped - before.prefetch_skipped) / steps;
+    state.counters["exposed_ms"] =
+        (after.copy.exposed_wait_ms - before.copy.exposed_wait_ms) / steps;
+    state.counters["prefetch_skipped"] =
+        double(after.prefetch_skipped - before.prefetch_skipped) / steps;
     state.counters["frees_stream_ordered"] =
         double(after.frees_stream_ordered - before.frees_stream_ordered) / steps;
     state.counters["buffers_reused"] = double(after.buffers_reused - before.buffers_reused) / steps;
     state.counters["peak_over_budget"] = double(after.device_peak_bytes) / double(shared.budget);
     if (mixed) {
-      state.counters["ratio_vs_same_size"] = shared.same_size_gbps > 0 ? gbps / shared.same_size_gbps : 0;
+      state.counters["ratio_vs_same_size"] =
+          shared.same_size_gbps > 0 ? gbps / shared.same_size_gbps : 0;
     } else {
       shared.same_size_gbps = gbps;
     }
@@ -130,8 +134,9 @@ int main(int argc, char** argv) {
     Shared shared;
     // Registration order is run order: the baseline first, so step/mixed can divide by it.
     for (const bool mixed : {false, true}) {
-      benchmark::RegisterBenchmark(mixed ? "step/mixed" : "step/same_size",
-                                   [&shared, mixed](benchmark::State& s) { bm_step(s, shared, mixed); })
+      benchmark::RegisterBenchmark(
+          mixed ? "step/mixed" : "step/same_size",
+          [&shared, mixed](benchmark::State& s) { bm_step(s, shared, mixed); })
           ->UseManualTime()
           ->Unit(benchmark::kMillisecond);
     }

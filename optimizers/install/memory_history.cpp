@@ -75,7 +75,8 @@ TraceEntry::Action trace_action(SegmentEvent::Kind kind) {
 std::vector<TraceEntry> in_order(const std::vector<TraceEntry>& entries, std::size_t next) {
   std::vector<TraceEntry> out;
   out.reserve(entries.size());
-  for (std::size_t i = 0; i < entries.size(); ++i) out.push_back(entries[(next + i) % entries.size()]);
+  for (std::size_t i = 0; i < entries.size(); ++i)
+    out.push_back(entries[(next + i) % entries.size()]);
   return out;
 }
 
@@ -245,7 +246,8 @@ SnapshotInfo MemoryHistory::snapshot(c10::cuda::MempoolId_t mempool, bool includ
   std::vector<std::pair<int, std::vector<MemoryRange>>> devices;
   for (int device = 0; device < kMaxDevices; ++device)
     if (const CachingAllocator* allocator = existing_device_allocator(device))
-      devices.emplace_back(device, all_memory ? allocator->backed_ranges() : std::vector<MemoryRange>{});
+      devices.emplace_back(device,
+                           all_memory ? allocator->backed_ranges() : std::vector<MemoryRange>{});
   for (const auto& [device, ranges] : devices) {
     std::size_t active = 0;
     for (const MemoryRange& range : ranges) {

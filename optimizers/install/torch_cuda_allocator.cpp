@@ -150,9 +150,10 @@ void torch_set_memory_fraction(double fraction, int device) {
 // allocator/c_api.h), which is laid out as c10's struct: a copy, no interpretation.
 using C10Stat = c10::CachingAllocator::Stat;
 using detail::for_each_pytorch_stat;
-static_assert(static_cast<int>(c10::CachingAllocator::StatType::AGGREGATE) == TIDEPOOL_POOL_ALL &&
-              static_cast<int>(c10::CachingAllocator::StatType::SMALL_POOL) == TIDEPOOL_POOL_SMALL &&
-              static_cast<int>(c10::CachingAllocator::StatType::LARGE_POOL) == TIDEPOOL_POOL_LARGE);
+static_assert(
+    static_cast<int>(c10::CachingAllocator::StatType::AGGREGATE) == TIDEPOOL_POOL_ALL &&
+    static_cast<int>(c10::CachingAllocator::StatType::SMALL_POOL) == TIDEPOOL_POOL_SMALL &&
+    static_cast<int>(c10::CachingAllocator::StatType::LARGE_POOL) == TIDEPOOL_POOL_LARGE);
 
 C10Stat to_c10(const tidepool_stat_v1& s) {
   C10Stat out;
@@ -197,7 +198,8 @@ class TorchCudaAllocator final : public Pluggable {
 
   // torch.cuda.memory._record_memory_history, _snapshot / _dump_snapshot (the memory
   // visualizer), memory_snapshot(), and the out-of-memory observers.
-  void recordHistory(bool enabled, c10::cuda::CUDACachingAllocator::CreateContextFn context_recorder,
+  void recordHistory(bool enabled,
+                     c10::cuda::CUDACachingAllocator::CreateContextFn context_recorder,
                      size_t alloc_trace_max_entries,
                      c10::cuda::CUDACachingAllocator::RecordContext when, bool clear_history,
                      const std::vector<std::string>& skip_actions) override {
@@ -300,8 +302,9 @@ class TorchCudaAllocator final : public Pluggable {
 
  private:
   explicit TorchCudaAllocator(std::shared_ptr<MemoryHistory> history)
-      : Pluggable([history](size_t bytes, int device,
-                            cudaStream_t stream) { return torch_alloc(*history, bytes, device, stream); },
+      : Pluggable([history](size_t bytes, int device, cudaStream_t stream) {
+                    return torch_alloc(*history, bytes, device, stream);
+                  },
                   [history](void* ptr, size_t bytes, int device, cudaStream_t stream) {
                     torch_free(*history, ptr, bytes, device, stream);
                   }),
@@ -351,11 +354,12 @@ int tidepool_torch_install_cuda_allocator(void) {
     tidepool::optim::install_torch_cuda_allocator();
     return 0;
   } catch (const c10::Error& e) {
-    tidepool::set_last_error(std::string("tidepool: cannot make tidepool PyTorch's CUDA allocator: ") +
-                             e.what_without_backtrace());
+    tidepool::set_last_error(
+        std::string("tidepool: cannot make tidepool PyTorch's CUDA allocator: ") +
+        e.what_without_backtrace());
   } catch (const std::exception& e) {
-    tidepool::set_last_error(std::string("tidepool: cannot make tidepool PyTorch's CUDA allocator: ") +
-                             e.what());
+    tidepool::set_last_error(
+        std::string("tidepool: cannot make tidepool PyTorch's CUDA allocator: ") + e.what());
   }
   return -1;
 }

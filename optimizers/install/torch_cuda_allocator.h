@@ -57,8 +57,9 @@
 //                   keeps c10's own allocator after changeCurrentAllocator. -> set too.
 // And malloc and free: out of memory is c10's OutOfMemoryError (Python:
 // torch.OutOfMemoryError) with c10's opening "CUDA out of memory. Tried to allocate ...",
-// as with PyTorch's own allocator, not the RuntimeError the plain pair can throw; and both report to torch.profiler(profile_memory=True), which the plain
-// pair leaves without a single CUDA memory event.
+// as with PyTorch's own allocator, not the RuntimeError the plain pair can throw; and both report
+// to torch.profiler(profile_memory=True), which the plain pair leaves without a single CUDA memory
+// event.
 //
 // Two ways in, both before LibTorch's CUDA allocator is first used:
 //   C++     tidepool::optim::install_from_env() (torch_install.h) in global mode;

@@ -8,8 +8,8 @@
 // sized by Xgeqrf_bufferSize, so the overflow is most likely inside cuSOLVER (torch and
 // CUDA.jl report the same family of faults: geqrf/ormqr buffer sizes overflowing for
 // large thin matrices). So no cuSOLVER call here ever sees more than 2²⁷ elements (2³⁰
-// bytes, below 2³¹ even as a byte offset): R of [X₁; X₂; …] is R of [R₁; R₂; …] (TSQR,
-// Demmel, Grigori, Hoemmen, Langou 2012: as backward stable as one Householder QR, and
+// bytes, below 2³¹ even as a byte offset): R of [X₁; X₂; …] is R of [R₁; R₂; …]
+// (TSQR, Demmel, Grigori, Hoemmen, Langou 2012: as backward stable as one Householder QR, and
 // the row signs of R do not matter to solve_from_r_factor, which only uses R's SVD and
 // the R_A/R_B rows together). The stacked R_c (chunks·m rows × m) are tiny and are
 // factored on the host in fp64 by LAPACK. No Q is formed and no ormqr is needed: lstsq
@@ -45,8 +45,8 @@ namespace {
 
 void check_cusolver(cusolverStatus_t status, const char* what) {
   if (status != CUSOLVER_STATUS_SUCCESS) {
-    throw std::runtime_error(std::string("tidepool::linalg: cuSOLVER ") + what + " failed with status " +
-                             std::to_string(static_cast<int>(status)));
+    throw std::runtime_error(std::string("tidepool::linalg: cuSOLVER ") + what +
+                             " failed with status " + std::to_string(static_cast<int>(status)));
   }
 }
 
@@ -111,10 +111,10 @@ class Workspace {
   at::Tensor fallback_;
 };
 
-// R factor of one chunk (rows×cols fp64 on the device, rows·cols ≤ 2²⁷): min(rows,cols)×cols,
-// upper trapezoidal, on the device. Xgeqrf's status lands in info[0] (device int32) and is
-// checked by the caller after all chunks, with one synchronisation; `host_work` is the
-// host workspace, which the caller keeps alive until then.
+// R factor of one chunk (rows×cols fp64 on the device, rows·cols ≤ 2²⁷):
+// min(rows,cols)×cols, upper trapezoidal, on the device. Xgeqrf's status lands in info[0] (device
+// int32) and is checked by the caller after all chunks, with one synchronisation; `host_work` is
+// the host workspace, which the caller keeps alive until then.
 at::Tensor chunk_r_factor(DeviceSolver& solver, const at::Tensor& chunk, at::Tensor info,
                           std::vector<unsigned char>& host_work, cudaStream_t stream) {
   const int64_t rows = chunk.size(0);
@@ -131,9 +131,10 @@ at::Tensor chunk_r_factor(DeviceSolver& solver, const at::Tensor& chunk, at::Ten
                  "Xgeqrf_bufferSize");
   const Workspace device_work(chunk, device_bytes, stream);
   host_work.resize(host_bytes + 1);
-  check_cusolver(cusolverDnXgeqrf(solver.handle, solver.params, rows, cols, CUDA_R_64F, Xt.data_ptr(),
-                                  rows, CUDA_R_64F, tau.data_ptr(), CUDA_R_64F, device_work.get(),
-                                  device_bytes, host_work.data(), host_bytes, info.data_ptr<int>()),
+  check_cusolver(cusolverDnXgeqrf(solver.handle, solver.params, rows, cols, CUDA_R_64F,
+                                  Xt.data_ptr(), rows, CUDA_R_64F, tau.data_ptr(), CUDA_R_64F,
+                                  device_work.get(), device_bytes, host_work.data(), host_bytes,
+                                  info.data_ptr<int>()),
                  "Xgeqrf");
   // R(i, j) = Xt[j][i] for i ≤ j, in the top min(rows, cols) rows. triu() copies, so Xt and
   // the workspace may be released (stream-ordered) when this returns.
@@ -158,14 +159,15 @@ at::Tensor cusolver_r_factor(const at::Tensor& X) {
   std::vector<std::vector<unsigned char>> host_works(static_cast<size_t>(plan.chunks));
   triangles.reserve(static_cast<size_t>(plan.chunks));
   for (int64_t c = 0; c < plan.chunks; ++c) {
-    triangles.push_back(chunk_r_factor(solver, X.narrow(0, plan.begin(c), plan.count(c)), infos.narrow(0, c, 1),
+    triangles.push_back(chunk_r_factor(solver, X.narrow(0, plan.begin(c), plan.count(c)),
+                                       infos.narrow(0, c, 1),
                                        host_works[static_cast<size_t>(c)], stream));
   }
   const auto host_infos = infos.cpu();  // synchronises with the stream
   for (int64_t c = 0; c < plan.chunks; ++c) {
     if (const int status = host_infos[c].item<int>(); status != 0) {
-      throw std::runtime_error("tidepool::linalg: cuSOLVER Xgeqrf reported info = " + std::to_string(status) +
-                               " on row chunk " + std::to_string(c));
+      throw std::runtime_error("tidepool::linalg: cuSOLVER Xgeqrf reported info = " +
+                               std::to_string(status) + " on row chunk " + std::to_string(c));
     }
   }
   if (plan.chunks == 1) return triangles.front().cpu().contiguous();

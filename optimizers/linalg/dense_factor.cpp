@@ -2,8 +2,8 @@
 //
 // Shifted CholeskyQR3 (Fukaya, Kannan, Nakatsukasa, Yamamoto, Yanagisawa 2020): the first
 // Cholesky is of AᵀA + sI with s = 11(Nk + k(k+1))·u·‖A‖²_F, which always succeeds for
-// κ(A) ≲ u⁻¹ and gives Q₁ = A R₁⁻¹ with κ(Q₁) ≲ u^(-1/2); two plain CholeskyQR steps then
-// make Q orthonormal to working precision. Every step is a gemm or a triangular solve on
+// κ(A) ≲ u⁻¹ and gives Q₁ = A R₁⁻¹ with κ(Q₁) ≲ u^(-1/2); two plain CholeskyQR
+// steps then make Q orthonormal to working precision. Every step is a gemm or a triangular solve on
 // A's device (cuBLAS on the GPU); the three k×k Cholesky factorisations run in fp64 on the
 // host. It needs one fp64 N×k copy of A (Q is built in place of it).
 //

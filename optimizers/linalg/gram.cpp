@@ -44,13 +44,15 @@ int64_t block_rows_for(const at::Tensor& column) {
 void check_columns(const std::vector<at::Tensor>& columns) {
   const auto& first = columns.front();
   if (first.scalar_type() != at::kFloat && first.scalar_type() != at::kDouble) {
-    throw std::invalid_argument(std::string("tidepool::linalg: the Gram pass takes float32 or float64 columns, got ") +
-                                c10::toString(first.scalar_type()));
+    throw std::invalid_argument(
+        std::string("tidepool::linalg: the Gram pass takes float32 or float64 columns, got ") +
+        c10::toString(first.scalar_type()));
   }
   for (const auto& column : columns) {
-    if (column.dim() != 1 || column.size(0) != first.size(0) || column.scalar_type() != first.scalar_type() ||
-        column.device() != first.device()) {
-      throw std::invalid_argument("tidepool::linalg: the Gram pass needs 1-D columns of one length, dtype and device");
+    if (column.dim() != 1 || column.size(0) != first.size(0) ||
+        column.scalar_type() != first.scalar_type() || column.device() != first.device()) {
+      throw std::invalid_argument(
+          "tidepool::linalg: the Gram pass needs 1-D columns of one length, dtype and device");
     }
   }
 }
@@ -77,7 +79,8 @@ at::Tensor blocked_gram(const std::vector<at::Tensor>& columns) {
 
 // Raw pointers and strides of 1-D CPU columns of dtype T.
 template <typename T>
-std::pair<std::vector<const T*>, std::vector<int64_t>> raw_columns(const std::vector<at::Tensor>& columns) {
+std::pair<std::vector<const T*>, std::vector<int64_t>> raw_columns(
+    const std::vector<at::Tensor>& columns) {
   std::pair<std::vector<const T*>, std::vector<int64_t>> raw;
   for (const auto& column : columns) {
     raw.first.push_back(column.data_ptr<T>());
@@ -174,7 +177,8 @@ at::Tensor gram_of_columns(const std::vector<at::Tensor>& columns) {
   }
 #endif
   if (columns.front().is_cpu()) {
-    return columns.front().scalar_type() == at::kDouble ? host_gram<double>(columns) : host_gram<float>(columns);
+    return columns.front().scalar_type() == at::kDouble ? host_gram<double>(columns)
+                                                        : host_gram<float>(columns);
   }
   return blocked_gram(columns);
 }
@@ -210,7 +214,8 @@ std::vector<double> direct_residual_norms(const std::vector<at::Tensor>& a_colum
                               first.options().dtype(at::kDouble));
   for (int64_t begin = 0; begin < rows; begin += block) {
     const int64_t count = std::min(block, rows - begin);
-    const auto residual = fp64_block(b_columns, begin, count) - fp64_block(a_columns, begin, count).mm(x_here);
+    const auto residual =
+        fp64_block(b_columns, begin, count) - fp64_block(a_columns, begin, count).mm(x_here);
     squares += residual.square().sum(0);
   }
   const auto norms = squares.sqrt().cpu();

@@ -81,7 +81,8 @@ void GramAccumulator::set_column(int64_t slot, const at::Tensor& column) {
       fail("set_column: the new column (" + std::to_string(column.size(0)) + " " +
            std::string(c10::toString(column.scalar_type())) + " on " + column.device().str() +
            ") does not match the live column in slot " + std::to_string(j) + " (" +
-           std::to_string(existing.size(0)) + " " + std::string(c10::toString(existing.scalar_type())) +
+           std::to_string(existing.size(0)) + " " +
+           std::string(c10::toString(existing.scalar_type())) +
            " on " + existing.device().str() + ")");
     }
     others.push_back(j);
@@ -147,7 +148,8 @@ at::Tensor GramAccumulator::gram(const std::vector<int64_t>& slots) const {
   auto g = G.accessor<double, 2>();
   for (int64_t a = 0; a < n; ++a) {
     check_live(slots[static_cast<size_t>(a)], "gram");
-    for (int64_t b = 0; b < n; ++b) g[a][b] = entry(slots[static_cast<size_t>(a)], slots[static_cast<size_t>(b)]);
+    for (int64_t b = 0; b < n; ++b)
+      g[a][b] = entry(slots[static_cast<size_t>(a)], slots[static_cast<size_t>(b)]);
   }
   return G;
 }
@@ -181,7 +183,8 @@ LstsqResult GramAccumulator::solve(const std::vector<int64_t>& a_slots, int64_t 
   } else {
     const bool forced = options.method == LstsqMethod::gram_cholesky;
     small = detail::solve_from_gram(G, k, options, rcond, LstsqMethod::gram_cholesky, !forced);
-    if (!small) small = detail::solve_from_gram(G, k, options, rcond, LstsqMethod::gram_eigh, false);
+    if (!small)
+      small = detail::solve_from_gram(G, k, options, rcond, LstsqMethod::gram_eigh, false);
   }
   LstsqResult result;
   result.solution = small->x.squeeze(1);

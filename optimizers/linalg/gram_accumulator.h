@@ -2,9 +2,9 @@
 // column at a time, and the small least-squares solve on top of it. Made for AADL.
 //
 // How AADL uses it. AADL keeps the last `history_depth` flattened iterates X; with
-// DX = diff(X) and DR = diff(DX) it solves γ = argmin ‖DX[:,-1] − DR·γ‖² (+ reg·‖γ‖²).
-// Give the accumulator capacity = the number of columns you keep (e.g. the DR columns
-// plus DX[:,-1]) and treat its slots as your ring buffer: each step, overwrite the oldest
+// DX = diff(X) and DR = diff(DX) it solves γ = argmin ‖DX[:,-1] − DR·γ‖²
+// (+ reg·‖γ‖²). Give the accumulator capacity = the number of columns you keep (e.g. the DR
+// columns plus DX[:,-1]) and treat its slots as your ring buffer: each step, overwrite the oldest
 // slot with set_column(slot, new_column) — that one call computes the new column's fp64
 // inner products with every live column (reading the new column and each live column
 // once; nothing else is recomputed) — then call solve(a_slots, b_slot, options) with the

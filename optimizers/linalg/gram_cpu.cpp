@@ -6,8 +6,8 @@
 // at::parallel_for spreads over threads; each chunk writes its own partial G and the
 // partials are summed in chunk order, so the result is the same on every run and with any
 // number of threads. Inside a chunk, tiles of kTileRows rows are upcast into a small
-// column-major fp64 buffer (in L1) and every requested pair (a, b) is a dot product over the tile with
-// four independent accumulators, which the compiler keeps in vector registers. This reads
+// column-major fp64 buffer (in L1) and every requested pair (a, b) is a dot product over the tile
+// with four independent accumulators, which the compiler keeps in vector registers. This reads
 // X once at memory speed; the earlier version (stack + at::mm per block) spent most of
 // its time in tensor bookkeeping.
 #include "optimizers/linalg/gram_cpu.h"
@@ -38,8 +38,9 @@ double dot_tile(const double* x, const double* y, int64_t n) {
 }  // namespace
 
 template <typename T>
-std::vector<double> cpu_inner_products(const std::vector<const T*>& data, const std::vector<int64_t>& stride,
-                                       int64_t rows, const std::vector<std::pair<int, int>>& pairs) {
+std::vector<double> cpu_inner_products(const std::vector<const T*>& data,
+                                       const std::vector<int64_t>& stride, int64_t rows,
+                                       const std::vector<std::pair<int, int>>& pairs) {
   const auto m = static_cast<int64_t>(data.size());
   const auto n_pairs = static_cast<int64_t>(pairs.size());
   const int64_t chunks = (rows + kChunkRows - 1) / kChunkRows;
@@ -66,13 +67,15 @@ std::vector<double> cpu_inner_products(const std::vector<const T*>& data, const 
   });
   std::vector<double> out(static_cast<size_t>(n_pairs), 0.0);
   for (int64_t chunk = 0; chunk < chunks; ++chunk) {
-    for (int64_t p = 0; p < n_pairs; ++p) out[static_cast<size_t>(p)] += partials[static_cast<size_t>(chunk * n_pairs + p)];
+    for (int64_t p = 0; p < n_pairs; ++p)
+      out[static_cast<size_t>(p)] += partials[static_cast<size_t>(chunk * n_pairs + p)];
   }
   return out;
 }
 
-template std::vector<double> cpu_inner_products<float>(const std::vector<const float*>&, const std::vector<int64_t>&,
-                                                       int64_t, const std::vector<std::pair<int, int>>&);
+template std::vector<double> cpu_inner_products<float>(const std::vector<const float*>&,
+                                                       const std::vector<int64_t>&, int64_t,
+                                                       const std::vector<std::pair<int, int>>&);
 template std::vector<double> cpu_inner_products<double>(const std::vector<const double*>&,
                                                         const std::vector<int64_t>&, int64_t,
                                                         const std::vector<std::pair<int, int>>&);

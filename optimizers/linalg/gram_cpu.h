@@ -12,7 +12,8 @@ namespace tidepool::linalg::detail {
 // column j is element i at data[j][i·stride[j]]. T is float or double. Reads each column
 // once; deterministic for a given `rows`, whatever the number of threads.
 template <typename T>
-std::vector<double> cpu_inner_products(const std::vector<const T*>& data, const std::vector<int64_t>& stride,
-                                       int64_t rows, const std::vector<std::pair<int, int>>& pairs);
+std::vector<double> cpu_inner_products(const std::vector<const T*>& data,
+                                       const std::vector<int64_t>& stride, int64_t rows,
+                                       const std::vector<std::pair<int, int>>& pairs);
 
 }  // namespace tidepool::linalg::detail

@@ -63,7 +63,8 @@ __device__ void load_vectorised(const Panel& panel, int64_t row0, int n, double*
   const int count = n * panel.width;                                          // ≤ 8192
   // segment is sizeof(T)-aligned (checked on the host), so `head` whole elements bring it
   // to a 16-byte boundary.
-  const VectorSplit split = vector_split(reinterpret_cast<uintptr_t>(segment), count, static_cast<int>(sizeof(T)));
+  const VectorSplit split =
+      vector_split(reinterpret_cast<uintptr_t>(segment), count, static_cast<int>(sizeof(T)));
   const int head = split.head;
   const int vectors = split.vectors;
   const int body_end = split.body_end;  // elements [body_end, count) are the tail
@@ -83,7 +84,8 @@ __device__ void load_vectorised(const Panel& panel, int64_t row0, int n, double*
         T lanes[kLanes];
         memcpy(lanes, &loaded[u], sizeof(Vec));  // register moves, no aliasing questions
 #pragma unroll
-        for (int q = 0; q < kLanes; ++q) store_element<T, kPitch>(tile, panel, head + v * kLanes + q, lanes[q]);
+        for (int q = 0; q < kLanes; ++q)
+          store_element<T, kPitch>(tile, panel, head + v * kLanes + q, lanes[q]);
       }
     }
   }
@@ -125,7 +127,8 @@ __device__ void prefetch_rows(const PanelSet& panels, int64_t row0, int n) {
   for (int i = 0; i < panels.count; ++i) {
     const Panel& panel = panels.panel[i];
     if (panel.row_stride != panel.width) continue;  // strided panels: not worth the lines
-    const auto first = reinterpret_cast<uintptr_t>(static_cast<const T*>(panel.base) + row0 * panel.width);
+    const auto first =
+        reinterpret_cast<uintptr_t>(static_cast<const T*>(panel.base) + row0 * panel.width);
     const uintptr_t last = first + static_cast<uintptr_t>(n) * panel.width * sizeof(T) - 1;
     const uintptr_t first_line = first / 128;
     const int lines = static_cast<int>(last / 128 - first_line + 1);
@@ -184,12 +187,14 @@ __global__ void __launch_bounds__(kThreads, 2)
   constexpr int kRowStep = kThreads / kGroups;  // rows of a tile one pass of the block covers
   __shared__ double tile[M * kPitch];
   __shared__ double warp_sums[kWarps][kPerGroup];
-  static_assert(sizeof(tile) + sizeof(warp_sums) == partials_shared_bytes(M), "gram_plan.h's size is the kernel's");
+  static_assert(sizeof(tile) + sizeof(warp_sums) == partials_shared_bytes(M),
+                "gram_plan.h's size is the kernel's");
 
   const int lane = static_cast<int>(threadIdx.x) % 32;
   const int warp = static_cast<int>(threadIdx.x) / 32;
   const int group = warp % kGroups;
-  const int first_row = (warp / kGroups) * 32 + lane;  // this thread's rows: first_row + i·kRowStep
+  const int first_row = (warp / kGroups) * 32 + lane;  // this thread's rows:
+                                                       // first_row + i·kRowStep
 
   double acc[kPerGroup];
 #pragma unroll
@@ -200,7 +205,8 @@ __global__ void __launch_bounds__(kThreads, 2)
   for (int64_t row0 = slab_begin; row0 < slab_end; row0 += kRows) {
     const int n = static_cast<int>(min(static_cast<int64_t>(kRows), slab_end - row0));
     if (row0 + kRows < slab_end) {
-      prefetch_rows<T>(panels, row0 + kRows, static_cast<int>(min(static_cast<int64_t>(kRows), slab_end - row0 - kRows)));
+      prefetch_rows<T>(panels, row0 + kRows,
+                       static_cast<int>(min(static_cast<int64_t>(kRows), slab_end - row0 - kRows)));
     }
     for (int i = 0; i < panels.count; ++i) {
       if (panels.panel[i].vectorised) {
@@ -225,14 +231,16 @@ __global__ void __launch_bounds__(kThreads, 2)
     const int g = p / kPerGroup;
     const int q = p - g * kPerGroup;
     double total = 0.0;
-    for (int w = g; w < kWarps; w += kGroups) total += warp_sums[w][q];  // group g's warps, in order
+    for (int w = g; w < kWarps; w += kGroups) total += warp_sums[w][q];  // group g's warps,
+                                                                         // in order
     partials[static_cast<int64_t>(p) * gridDim.x + blockIdx.x] = total;
   }
 }
 
 // Pass 2: block p sums partials[p·blocks .. p·blocks + blocks) in a fixed order (strided per
 // thread, then a fixed shuffle tree, then warps in order) into gram[p].
-__global__ void __launch_bounds__(kThreads) reduce_partials_kernel(const double* partials, int blocks, double* gram) {
+__global__ void __launch_bounds__(kThreads) reduce_partials_kernel(const double* partials,
+                                                                   int blocks, double* gram) {
   __shared__ double warp_totals[kWarps];
   const double* row = partials + static_cast<int64_t>(blockIdx.x) * blocks;
   double v = 0.0;
@@ -248,9 +256,11 @@ __global__ void __launch_bounds__(kThreads) reduce_partials_kernel(const double*
 }
 
 template <typename T, int M>
-cudaError_t launch_for(const PanelSet& panels, int64_t rows, double* workspace, double* gram, cudaStream_t stream) {
+cudaError_t launch_for(const PanelSet& panels, int64_t rows, double* workspace, double* gram,
+                       cudaStream_t stream) {
   const LaunchShape shape = launch_shape(rows, M);
-  gram_partials_kernel<T, M><<<shape.blocks, kThreads, 0, stream>>>(panels, rows, shape.rows_per_block, workspace);
+  gram_partials_kernel<T, M><<<shape.blocks, kThreads, 0, stream>>>(
+      panels, rows, shape.rows_per_block, workspace);
   if (const cudaError_t status = cudaGetLastError(); status != cudaSuccess) return status;
   reduce_partials_kernel<<<pair_count(M), kThreads, 0, stream>>>(workspace, shape.blocks, gram);
   return cudaGetLastError();
@@ -258,8 +268,8 @@ cudaError_t launch_for(const PanelSet& panels, int64_t rows, double* workspace, 
 
 // Run-time m → compile-time M, so the accumulators stay in registers.
 template <typename T, int M = 1>
-cudaError_t dispatch_columns(const PanelSet& panels, int m, int64_t rows, double* workspace, double* gram,
-                             cudaStream_t stream) {
+cudaError_t dispatch_columns(const PanelSet& panels, int m, int64_t rows, double* workspace,
+                             double* gram, cudaStream_t stream) {
   if constexpr (M > kMaxKernelColumns) {
     return cudaErrorInvalidValue;
   } else {
@@ -270,15 +280,16 @@ cudaError_t dispatch_columns(const PanelSet& panels, int m, int64_t rows, double
 
 }  // namespace
 
-cudaError_t launch_gram(const ColumnSet& columns, int m, int64_t rows, bool is_fp64, double* workspace,
-                        double* gram, cudaStream_t stream) {
+cudaError_t launch_gram(const ColumnSet& columns, int m, int64_t rows, bool is_fp64,
+                        double* workspace, double* gram, cudaStream_t stream) {
   if (m < 1 || m > kMaxKernelColumns || rows < 1 || workspace == nullptr || gram == nullptr) {
     return cudaErrorInvalidValue;
   }
   const size_t element_size = is_fp64 ? sizeof(double) : sizeof(float);
   for (int j = 0; j < m; ++j) {
     if (columns.data[j] == nullptr) return cudaErrorInvalidValue;
-    if (reinterpret_cast<uintptr_t>(columns.data[j]) % element_size != 0) return cudaErrorMisalignedAddress;
+    if (reinterpret_cast<uintptr_t>(columns.data[j]) % element_size != 0)
+      return cudaErrorMisalignedAddress;
   }
   const PanelSet panels = make_panels(columns, m, element_size);
   return is_fp64 ? dispatch_columns<double>(panels, m, rows, workspace, gram, stream)

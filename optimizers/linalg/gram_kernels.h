@@ -14,12 +14,12 @@ namespace tidepool::linalg::cuda {
 // kMaxKernelColumns), fp32 (is_fp64 false) or fp64 input, fp64 accumulation. Writes the
 // m(m+1)/2 sums of the upper triangle, packed row by row ((0,0),(0,1)…(0,m−1),(1,1)…), to
 // `gram` (device memory, m(m+1)/2 doubles). `workspace` is device memory of
-// gram_workspace_doubles(rows, m) doubles (gram_plan.h). Two kernels on `stream`: per-block partials,
-// then a fixed-order reduction; no atomics, so the result is bitwise reproducible run to
+// gram_workspace_doubles(rows, m) doubles (gram_plan.h). Two kernels on `stream`: per-block
+// partials, then a fixed-order reduction; no atomics, so the result is bitwise reproducible run to
 // run on one device. Returns cudaErrorInvalidValue for bad sizes or null pointers,
 // cudaErrorMisalignedAddress for a column pointer not aligned to its element size, else
 // the launch status.
-cudaError_t launch_gram(const ColumnSet& columns, int m, int64_t rows, bool is_fp64, double* workspace,
-                        double* gram, cudaStream_t stream);
+cudaError_t launch_gram(const ColumnSet& columns, int m, int64_t rows, bool is_fp64,
+                        double* workspace, double* gram, cudaStream_t stream);
 
 }  // namespace tidepool::linalg::cuda

@@ -56,8 +56,10 @@ TIDEPOOL_HOST_DEVICE constexpr size_t partials_shared_bytes(int m) {
 
 static_assert(tile_rows(1) * kMaxKernelColumns < (1 << 22),
               "row_of() divides by a float reciprocal, exact only below 2^22");
-static_assert(kThreads % (32 * pair_groups(kMaxKernelColumns)) == 0, "warps split evenly over pair groups");
-static_assert(pairs_per_group(kMaxKernelColumns) * pair_groups(kMaxKernelColumns) >= pair_count(kMaxKernelColumns),
+static_assert(kThreads % (32 * pair_groups(kMaxKernelColumns)) == 0,
+              "warps split evenly over pair groups");
+static_assert(pairs_per_group(kMaxKernelColumns) * pair_groups(kMaxKernelColumns) >=
+                  pair_count(kMaxKernelColumns),
               "groups cover all pairs");
 static_assert(partials_shared_bytes(9) < 48 * 1024 && partials_shared_bytes(10) < 48 * 1024 &&
                   partials_shared_bytes(kMaxKernelColumns) < 48 * 1024,
@@ -76,7 +78,8 @@ constexpr LaunchShape launch_shape(int64_t rows, int m) {
   const int64_t tiles = rows / tile + (rows % tile != 0 ? 1 : 0);  // no rows + tile − 1 overflow
   const int64_t tiles_per_block = (tiles + kMaxBlocks - 1) / kMaxBlocks;
   const int64_t rows_per_block = tiles_per_block * tile;
-  return {rows_per_block, static_cast<int>(rows / rows_per_block + (rows % rows_per_block != 0 ? 1 : 0))};
+  return {rows_per_block,
+          static_cast<int>(rows / rows_per_block + (rows % rows_per_block != 0 ? 1 : 0))};
 }
 
 // Doubles of device workspace launch_gram needs for `rows` rows and m columns: one partial
@@ -118,7 +121,8 @@ inline PanelSet make_panels(const ColumnSet& columns, int m, size_t element_size
     }
     panel.inverse_width = 1.0f / static_cast<float>(panel.width);
     panel.vectorised =
-        panel.row_stride == panel.width && static_cast<size_t>(panel.width) * element_size >= kVectorBytes ? 1 : 0;
+        panel.row_stride == panel.width &&
+        static_cast<size_t>(panel.width) * element_size >= kVectorBytes ? 1 : 0;
     set.panel[set.count++] = panel;
     j += panel.width;
   }
@@ -160,7 +164,8 @@ struct VectorSplit {
   int body_end;
 };
 
-TIDEPOOL_HOST_DEVICE inline VectorSplit vector_split(uintptr_t address, int count, int element_size) {
+TIDEPOOL_HOST_DEVICE inline VectorSplit vector_split(uintptr_t address, int count,
+                                                     int element_size) {
   const int lanes = kVectorBytes / element_size;
   const int misalign = static_cast<int>(address % kVectorBytes) / element_size;
   const int to_boundary = (lanes - misalign) % lanes;

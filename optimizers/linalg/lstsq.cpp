@@ -61,8 +61,9 @@ void check_options(const LstsqOptions& options) {
 
 void check_dtype_and_device(const at::Tensor& t, const char* name, const Problem& problem) {
   if (t.scalar_type() != problem.dtype) {
-    fail(std::string(name) + " has dtype " + std::string(c10::toString(t.scalar_type())) + " but A has " +
-         std::string(c10::toString(problem.dtype)) + "; convert both to float32 or float64");
+    fail(std::string(name) + " has dtype " + std::string(c10::toString(t.scalar_type())) +
+         " but A has " + std::string(c10::toString(problem.dtype)) +
+         "; convert both to float32 or float64");
   }
   if (t.device() != problem.device) {
     fail(std::string(name) + " is on " + t.device().str() + " but A is on " + problem.device.str() +
@@ -72,12 +73,15 @@ void check_dtype_and_device(const at::Tensor& t, const char* name, const Problem
 
 void set_dtype_and_device(const at::Tensor& first, const char* name, Problem& problem) {
   if (first.scalar_type() != at::kFloat && first.scalar_type() != at::kDouble) {
-    fail(std::string("unsupported dtype ") + std::string(c10::toString(first.scalar_type())) + " for " + name +
-         "; lstsq takes float32 or float64");
+    fail(std::string("unsupported dtype ") + std::string(c10::toString(first.scalar_type())) +
+         " for " + name + "; lstsq takes float32 or float64");
   }
-  if (!first.is_cpu() && !first.is_cuda()) fail(std::string(name) + " must be on the CPU or a CUDA device");
+  if (!first.is_cpu() && !first.is_cuda())
+    fail(std::string(name) + " must be on the CPU or a CUDA device");
 #if !TIDEPOOL_HAVE_CUDA
-  if (first.is_cuda()) fail("this libtidepool_optim was built without CUDA; " + std::string(name) + " is on " + first.device().str());
+  if (first.is_cuda())
+    fail("this libtidepool_optim was built without CUDA; " + std::string(name) + " is on " +
+         first.device().str());
 #endif
   problem.dtype = first.scalar_type();
   problem.device = first.device();
@@ -171,9 +175,11 @@ SmallSolution run_svd(const Problem& problem, const LstsqOptions& options, doubl
     // zero and shows up as rank deficiency (as column_scales does).
     scale = at::where(norms > 0, 1.0 / norms.clamp_min(std::numeric_limits<double>::min()), scale);
   }
-  const double lambda = detail::tikhonov_lambda(options, norms.square().sum().item<double>(), problem.k);
+  const double lambda =
+      detail::tikhonov_lambda(options, norms.square().sum().item<double>(), problem.k);
   if (!std::isfinite(lambda)) {
-    fail("tikhonov_relative: trace(AᵀA) overflows float64; rescale A or give an absolute tikhonov");
+    fail("tikhonov_relative: trace(AᵀA) overflows float64; rescale A or give an absolute "
+         "tikhonov");
   }
   const auto R = detail::householder_r_factor(at::cat({A * scale.to(A.device()), B}, 1));
   return detail::solve_from_r_factor(R, problem.k, scale, rcond, lambda);
@@ -188,16 +194,19 @@ std::optional<SmallSolution> run_cholesky_qr(const Problem& problem, const Lstsq
   const auto factors = detail::shifted_cholesky_qr3(A, fp64_matrix(problem.b_columns));
   if (!factors) return std::nullopt;
   auto solution =
-      detail::solve_from_r_factor(at::cat({factors->R, factors->QtB}, 1), problem.k, scale, rcond, lambda);
+      detail::solve_from_r_factor(at::cat({factors->R, factors->QtB}, 1), problem.k, scale,
+                                  rcond, lambda);
   solution.method = LstsqMethod::cholesky_qr;
   // R and QᵀB describe only B's part in range(A); the residual needs one more pass.
-  solution.residual_norms = detail::direct_residual_norms(problem.a_columns, problem.b_columns, solution.x);
+  solution.residual_norms =
+      detail::direct_residual_norms(problem.a_columns, problem.b_columns, solution.x);
   return solution;
 }
 
 SmallSolution select_and_solve(const Problem& problem, const LstsqOptions& options, double rcond) {
   const LstsqMethod method = options.method;
-  const bool tiny = problem.rows < problem.k || problem.rows * problem.k <= options.svd_below_elements;
+  const bool tiny =
+      problem.rows < problem.k || problem.rows * problem.k <= options.svd_below_elements;
   if (method == LstsqMethod::svd || (method == LstsqMethod::automatic && tiny)) {
     return run_svd(problem, options, rcond);
   }
@@ -216,7 +225,8 @@ SmallSolution select_and_solve(const Problem& problem, const LstsqOptions& optio
         "tidepool::linalg::lstsq: cholesky_qr broke down (A is numerically rank-deficient); "
         "use method automatic or svd");
   }
-  if (auto solution = detail::solve_from_gram(G, problem.k, options, rcond, LstsqMethod::gram_cholesky,
+  if (auto solution = detail::solve_from_gram(G, problem.k, options, rcond,
+                                              LstsqMethod::gram_cholesky,
                                               /*may_decline=*/true)) {
     return *solution;
   }
@@ -225,7 +235,8 @@ SmallSolution select_and_solve(const Problem& problem, const LstsqOptions& optio
   // limit of fp64 goes to the Householder QR + SVD, which decides the rank reliably.
   constexpr double kCholeskyQrTrustedCondition = 1e11;
   if (auto solution = run_cholesky_qr(problem, options, G, rcond);
-      solution && solution->rank == problem.k && solution->condition <= kCholeskyQrTrustedCondition) {
+      solution && solution->rank == problem.k &&
+      solution->condition <= kCholeskyQrTrustedCondition) {
     return *solution;
   }
   return run_svd(problem, options, rcond);
@@ -238,7 +249,8 @@ LstsqResult solve(const Problem& problem, const LstsqOptions& requested) {
   SmallSolution small = select_and_solve(problem, options, rcond);
   if (options.exact_residual &&
       (small.method == LstsqMethod::gram_cholesky || small.method == LstsqMethod::gram_eigh)) {
-    small.residual_norms = detail::direct_residual_norms(problem.a_columns, problem.b_columns, small.x);
+    small.residual_norms =
+        detail::direct_residual_norms(problem.a_columns, problem.b_columns, small.x);
   }
 
   LstsqResult result;

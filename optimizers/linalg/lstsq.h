@@ -52,8 +52,8 @@ struct LstsqOptions {
   // methods cannot resolve σ/σ_max that small and apply max(rcond, √eps64) (gram_cholesky)
   // or max(rcond, √(10k·eps64)) (gram_eigh); LstsqResult::rcond says what was applied.
   double rcond = -1.0;
-  // Tikhonov λ: minimise ‖Ax − b‖² + λ‖x‖². With tikhonov_relative, λ is multiplied by
-  // trace(AᵀA)/k, so λ = 1e-8 means "1e-8 of the average squared column norm".
+  // Tikhonov λ: minimise ‖Ax − b‖² + λ‖x‖². With tikhonov_relative, λ is multiplied
+  // by trace(AᵀA)/k, so λ = 1e-8 means "1e-8 of the average squared column norm".
   double tikhonov = 0.0;
   bool tikhonov_relative = true;
   // Scale columns of A to unit norm before factorising: with D = diag(1/‖a_j‖) the problem
@@ -72,10 +72,11 @@ struct LstsqOptions {
   // automatic uses SVD directly when N·k is at most this.
   int64_t svd_below_elements = 4096;
   // The Gram method gets the residual from the Gram matrix for free, r² = bᵀb − 2xᵀAᵀb +
-  // xᵀAᵀAx, but that is a cancellation: r² carries an absolute error of ~√N·eps64·(‖b‖ +
-  // ‖A‖_F‖x‖)², so r is reliable only well above √(√N·eps64)·(‖b‖ + ‖A‖_F‖x‖) (~3e-7 of
-  // that scale at N = 2e5); a nearly consistent system reports noise of that size. true
-  // spends one more pass over A for b − Ax computed directly in fp64.
+  // xᵀAᵀAx, but that is a cancellation: r² carries an absolute error of
+  // ~√N·eps64·(‖b‖ + ‖A‖_F‖x‖)², so r is reliable only well above
+  // √(√N·eps64)·(‖b‖ + ‖A‖_F‖x‖) (~3e-7 of that scale at N = 2e5); a nearly
+  // consistent system reports noise of that size. true spends one more pass over A for
+  // b − Ax computed directly in fp64.
   bool exact_residual = false;
 };
 

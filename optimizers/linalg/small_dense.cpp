@@ -31,7 +31,8 @@ double off_diagonal_squares(const std::vector<double>& a, int n) {
 std::vector<double> symmetric_eigenvalues(std::vector<double> a, int n) {
   double frobenius_squares = 0.0;
   for (const double v : a) frobenius_squares += v * v;
-  const double tolerance = 0.1 * std::numeric_limits<double>::epsilon() * std::sqrt(frobenius_squares);
+  const double tolerance =
+      0.1 * std::numeric_limits<double>::epsilon() * std::sqrt(frobenius_squares);
   for (int sweep = 0; sweep < kMaxSweeps; ++sweep) {
     if (!(std::sqrt(off_diagonal_squares(a, n)) > tolerance)) break;  // also stops on NaN
     for (int p = 0; p < n; ++p) {
@@ -40,8 +41,10 @@ std::vector<double> symmetric_eigenvalues(std::vector<double> a, int n) {
         if (apq == 0.0) continue;
         const double tau = (a[q * n + q] - a[p * n + p]) / (2.0 * apq);
         // For huge τ, √(1+τ²) overflows; t → 1/(2τ) there.
-        const double t = std::abs(tau) > 1e150 ? 0.5 / tau
-                                                : std::copysign(1.0, tau) / (std::abs(tau) + std::sqrt(1.0 + tau * tau));
+        const double t =
+            std::abs(tau) > 1e150
+                ? 0.5 / tau
+                : std::copysign(1.0, tau) / (std::abs(tau) + std::sqrt(1.0 + tau * tau));
         const double c = 1.0 / std::sqrt(1.0 + t * t);
         const double s = t * c;
         for (int k = 0; k < n; ++k) {  // A ← A·J: columns p and q

@@ -1,7 +1,7 @@
 // Host-side fp64 solves for lstsq: the equilibrated Gram system and the R-factor SVD.
 //
-// Note [Equilibration]: with D = diag(1/‖a_j‖) we solve for y in (DAᵀAD + λD²) y = DAᵀb and
-// return x = Dy. Scaling columns to unit norm can only lower κ (van der Sluis: within √k
+// Note [Equilibration]: with D = diag(1/‖a_j‖) we solve for y in (DAᵀAD + λD²) y = DAᵀb
+// and return x = Dy. Scaling columns to unit norm can only lower κ (van der Sluis: within √k
 // of the best diagonal scaling), so the condition estimate and the rank test look at the
 // problem's real difficulty, not at its units. Tikhonov stays on x (λ‖x‖² = λ‖Dy‖²).
 //
@@ -66,13 +66,16 @@ at::Tensor column_scales(const at::Tensor& gram_diagonal, bool equilibrate) {
 double resolve_rcond(const LstsqOptions& options, at::ScalarType dtype, int64_t rows, int64_t k) {
   if (options.rcond >= 0.0) return options.rcond;
   const double data_eps = dtype == at::kFloat ? std::numeric_limits<float>::epsilon() : kEps64;
-  return std::max(data_eps * static_cast<double>(k), 10.0 * std::sqrt(static_cast<double>(rows)) * kEps64);
+  return std::max(data_eps * static_cast<double>(k),
+                  10.0 * std::sqrt(static_cast<double>(rows)) * kEps64);
 }
 
-LstsqOptions resolve_defaults(const LstsqOptions& options, at::ScalarType dtype, int64_t rows, int64_t k) {
+LstsqOptions resolve_defaults(const LstsqOptions& options, at::ScalarType dtype, int64_t rows,
+                              int64_t k) {
   LstsqOptions resolved = options;
   resolved.rcond = resolve_rcond(options, dtype, rows, k);
-  if (resolved.gram_condition_limit < 0.0) resolved.gram_condition_limit = dtype == at::kFloat ? 1e7 : 1e4;
+  if (resolved.gram_condition_limit < 0.0)
+    resolved.gram_condition_limit = dtype == at::kFloat ? 1e7 : 1e4;
   return resolved;
 }
 
@@ -122,14 +125,17 @@ std::optional<SmallSolution> solve_from_gram(const at::Tensor& G, int64_t k,
   for (int64_t j = 0; j < k; ++j) {
     const double d = g[j * m + j];
     trace += d;
-    if (options.equilibrate && d > 0.0) scale[static_cast<size_t>(j)] = 1.0 / std::sqrt(std::max(d, std::numeric_limits<double>::min()));
+    if (options.equilibrate && d > 0.0)
+      scale[static_cast<size_t>(j)] =
+          1.0 / std::sqrt(std::max(d, std::numeric_limits<double>::min()));
   }
   const double lambda = tikhonov_lambda(options, trace, k);
   std::vector<double> ghat(static_cast<size_t>(k * k));
   std::vector<double> chat(static_cast<size_t>(k * r));
   for (int64_t i = 0; i < k; ++i) {
     const double si = scale[static_cast<size_t>(i)];
-    for (int64_t j = 0; j < k; ++j) ghat[static_cast<size_t>(i * k + j)] = g[i * m + j] * si * scale[static_cast<size_t>(j)];
+    for (int64_t j = 0; j < k; ++j)
+      ghat[static_cast<size_t>(i * k + j)] = g[i * m + j] * si * scale[static_cast<size_t>(j)];
     ghat[static_cast<size_t>(i * k + i)] += lambda * si * si;
     for (int64_t j = 0; j < r; ++j) chat[static_cast<size_t>(i * r + j)] = g[i * m + k + j] * si;
   }
@@ -137,7 +143,8 @@ std::optional<SmallSolution> solve_from_gram(const at::Tensor& G, int64_t k,
   const auto eigenvalues = dense::symmetric_eigenvalues(ghat, n);  // ascending
   const double smallest = eigenvalues.front();
   const double largest = eigenvalues.back();
-  const double condition = (largest <= 0.0 || smallest <= 0.0) ? kInf : std::sqrt(largest / smallest);
+  const double condition =
+      (largest <= 0.0 || smallest <= 0.0) ? kInf : std::sqrt(largest / smallest);
   const double gram_condition = condition * condition;
 
   SmallSolution out;
@@ -149,21 +156,23 @@ std::optional<SmallSolution> solve_from_gram(const at::Tensor& G, int64_t k,
       if (may_decline) return std::nullopt;
       throw std::runtime_error(
           "tidepool::linalg::lstsq: gram_cholesky: the equilibrated AᵀA is not positive "
-          "definite (A is rank-deficient or κ(A) ≳ 1e8); use method automatic, svd or gram_eigh, "
-          "or set tikhonov");
+          "definite (A is rank-deficient or κ(A) ≳ 1e8); use method automatic, svd or "
+          "gram_eigh, or set tikhonov");
     }
     auto y = chat;
     dense::cholesky_solve(factor, n, y, static_cast<int>(r));
     for (int64_t i = 0; i < k; ++i) {
-      for (int64_t j = 0; j < r; ++j) y[static_cast<size_t>(i * r + j)] *= scale[static_cast<size_t>(i)];
+      for (int64_t j = 0; j < r; ++j)
+        y[static_cast<size_t>(i * r + j)] *= scale[static_cast<size_t>(i)];
     }
     out.x = at::from_blob(y.data(), {k, r}, at::TensorOptions().dtype(at::kDouble)).clone();
     // Note [Condition from the Gram matrix]: the rank is resolved to ~√eps64 only, so that
     // is the smallest rcond this method can apply (and the one it reports).
     out.rcond = std::max(rcond, std::sqrt(kEps64));
     const double threshold = out.rcond * std::sqrt(std::max(largest, 0.0));
-    out.rank = std::count_if(eigenvalues.begin(), eigenvalues.end(),
-                             [threshold](double e) { return std::sqrt(std::max(e, 0.0)) > threshold; });
+    out.rank = std::count_if(
+        eigenvalues.begin(), eigenvalues.end(),
+        [threshold](double e) { return std::sqrt(std::max(e, 0.0)) > threshold; });
     // An rcond above 1/κ asks for truncation, which Cholesky cannot do: automatic moves on
     // to a method that truncates; a forced gram_cholesky refuses rather than return the
     // untruncated solution under a rank that says otherwise.
@@ -210,8 +219,8 @@ SmallSolution solve_from_r_factor(const at::Tensor& R, int64_t k, const at::Tens
   const auto RA = R.narrow(1, 0, k);
   const auto RB = R.narrow(1, k, r);
   // Note [Minimum norm with equilibration]: one SVD of the equilibrated R_A (with √λ·D
-  // stacked under it for Tikhonov: λ‖x‖² = λ‖Dy‖²) gives the condition estimate, the rank
-  // and y; x = D·y.
+  // stacked under it for Tikhonov: λ‖x‖² = λ‖Dy‖²) gives the condition estimate, the
+  // rank and y; x = D·y.
   auto matrix = RA;
   auto rhs = RB;
   if (lambda > 0.0) {

@@ -41,7 +41,8 @@ double resolve_rcond(const LstsqOptions& options, at::ScalarType dtype, int64_t 
 
 // options with rcond and gram_condition_limit resolved for this dtype and size (the
 // defaults documented in lstsq.h).
-LstsqOptions resolve_defaults(const LstsqOptions& options, at::ScalarType dtype, int64_t rows, int64_t k);
+LstsqOptions resolve_defaults(const LstsqOptions& options, at::ScalarType dtype, int64_t rows,
+                              int64_t k);
 
 // λ in absolute terms: options.tikhonov, times trace(AᵀA)/k when relative.
 double tikhonov_lambda(const LstsqOptions& options, double gram_trace, int64_t k);
@@ -58,9 +59,9 @@ std::optional<SmallSolution> solve_from_gram(const at::Tensor& G, int64_t k,
                                              const LstsqOptions& options, double rcond,
                                              LstsqMethod method, bool may_decline);
 
-// ‖b_j − A x_j‖ from the Gram matrix: √(bᵀb − 2xᵀAᵀb + xᵀAᵀAx), clamped at 0. The square
-// has absolute error ~√N·eps64·(‖b‖ + ‖A‖_F‖x‖)², so the norm is only good to the square
-// root of that (see LstsqOptions::exact_residual).
+// ‖b_j − A x_j‖ from the Gram matrix: √(bᵀb − 2xᵀAᵀb + xᵀAᵀAx), clamped at 0.
+// The square has absolute error ~√N·eps64·(‖b‖ + ‖A‖_F‖x‖)², so the norm is only
+// good to the square root of that (see LstsqOptions::exact_residual).
 std::vector<double> gram_residual_norms(const at::Tensor& G, int64_t k, const at::Tensor& x);
 
 // Minimum-norm solution from R (p×(k+r) fp64 CPU, upper trapezoidal), the R factor of

@@ -31,7 +31,8 @@ struct TsqrPlan {
 // root QR handles).
 inline TsqrPlan tsqr_plan(int64_t rows, int64_t cols) {
   if (rows < 1 || cols < 1) {
-    throw std::invalid_argument("tidepool::linalg: TSQR of a " + std::to_string(rows) + "x" + std::to_string(cols) +
+    throw std::invalid_argument("tidepool::linalg: TSQR of a " + std::to_string(rows) + "x" +
+                                std::to_string(cols) +
                                 " matrix (needs at least one row and one column)");
   }
   const int64_t chunk_rows = std::min(rows, std::max(cols, kTsqrMaxChunkElements / cols));

@@ -158,7 +158,9 @@ class FaultBackend final : public Backend {
   void do_grant_peer_access(void*, std::size_t, const std::vector<int>& peers) override {
     for (const int peer : peers) inner_->enable_peer_access(peer);
   }
-  bool do_peer_has_access(const void* a, int peer) override { return inner_->peer_has_access(a, peer); }
+  bool do_peer_has_access(const void* a, int peer) override {
+    return inner_->peer_has_access(a, peer);
+  }
 
   std::unique_ptr<Backend> inner_;
   std::array<Plan, static_cast<std::size_t>(Op::count_)> plans_;

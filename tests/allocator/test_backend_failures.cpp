@@ -1,10 +1,10 @@
 // Backend calls that fail after the allocator holds memory or events (Note [Failed frees]
 // in frees.cpp): recording a free's events (and the device synchronization that replaces
 // them, Note [Free after a lost stream]), querying pending events, giving cached memory
-// back (Note [Unreleased handles] in segments.cpp). Each failure must leave the allocator consistent: a clear error,
-// the stats as true as before, no block lost or doubled, nothing leaked, and the same
-// operation working once the backend does again. Host backend behind a FaultBackend
-// (fault_backend.h) that fails the chosen calls.
+// back (Note [Unreleased handles] in segments.cpp). Each failure must leave the allocator
+// consistent: a clear error, the stats as true as before, no block lost or doubled, nothing
+// leaked, and the same operation working once the backend does again. Host backend behind a
+// FaultBackend (fault_backend.h) that fails the chosen calls.
 #include <gtest/gtest.h>
 
 #include <atomic>
@@ -27,7 +27,8 @@ using Op = test::FaultBackend::Op;
 // An allocator over a FaultBackend of 1 GiB; `faults` stays valid while it lives.
 struct FaultyAllocator {
   explicit FaultyAllocator(AllocatorOptions options = {}) {
-    auto backend = std::make_unique<test::FaultBackend>(make_host_backend(0, {std::size_t{1} << 30}));
+    auto backend =
+        std::make_unique<test::FaultBackend>(make_host_backend(0, {std::size_t{1} << 30}));
     faults = backend.get();
     allocator = std::make_unique<CachingAllocator>(std::move(backend), options);
   }
@@ -136,7 +137,8 @@ TEST_P(FailedFree, ARecordFailureSynchronizesTheDeviceAndFrees) {
   EXPECT_EQ(s.allocated.current, before_.allocated.current - bytes_);
   EXPECT_EQ(s.allocations.freed, before_.allocations.freed + 1);
   EXPECT_EQ(s.tags[kTagActivation].count, 0u);
-  EXPECT_EQ(test::count_of(allocator_.snapshot_json(), "\"pending\""), 0u) << "no event to wait for";
+  EXPECT_EQ(test::count_of(allocator_.snapshot_json(), "\"pending\""), 0u)
+      << "no event to wait for";
   EXPECT_THROW(allocator_.deallocate(block_, bytes_), AllocatorUsageError) << "freed already";
   // Free at once on its stream: the next allocation there gets it back.
   EXPECT_EQ(allocator_.allocate(bytes_), block_);

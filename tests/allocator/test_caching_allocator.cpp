@@ -233,8 +233,9 @@ TEST_P(Battery, BackedRangesTileTheReservedMemoryAndShowTheLiveBlocks) {
           seen.insert(p.address);
           EXPECT_EQ(p.tag, tag);
         }
-        pending_seen = pending_seen || (p.state == MemoryRange::State::pending_free &&
-                                        p.address == reinterpret_cast<std::uintptr_t>(live[1].first));
+        pending_seen = pending_seen ||
+                       (p.state == MemoryRange::State::pending_free &&
+                        p.address == reinterpret_cast<std::uintptr_t>(live[1].first));
       }
       EXPECT_EQ(at, r.address + r.size);
     }
@@ -257,7 +258,8 @@ TEST_P(Battery, BackedRangesTileTheReservedMemoryAndShowTheLiveBlocks) {
   check_ranges("with holes");
   const auto large_ranges = [&] {
     const std::vector<MemoryRange> ranges = alloc_->backed_ranges();
-    return std::count_if(ranges.begin(), ranges.end(), [](const MemoryRange& r) { return !r.small; });
+    return std::count_if(ranges.begin(), ranges.end(),
+                         [](const MemoryRange& r) { return !r.small; });
   };
   const auto large_before = large_ranges();
   // An expandable range gives the free slot's backing back: its backed memory is then two

@@ -30,15 +30,17 @@ std::string error_of(Fn&& fn) {
 
 TEST(ConfigClaim, BackendTidepoolIsClaimedAndPyTorchKeysStayInOrder) {
   const ClaimResult r = claim_config(
-      "expandable_segments:True,backend:tidepool,max_split_size_mb:128,garbage_collection_threshold:0.6");
+      "expandable_segments:True,backend:tidepool,max_split_size_mb:128,"
+      "garbage_collection_threshold:0.6");
   EXPECT_TRUE(r.config.enabled);
-  EXPECT_EQ(r.remaining, "expandable_segments:True,max_split_size_mb:128,garbage_collection_threshold:0.6");
+  EXPECT_EQ(r.remaining,
+            "expandable_segments:True,max_split_size_mb:128,garbage_collection_threshold:0.6");
   EXPECT_EQ(r.config.mode, Mode::global);
 }
 
 TEST(ConfigClaim, NothingNamedLeavesTheStringExactlyAsGiven) {
-  for (const char* conf : {"", "expandable_segments:True", " max_split_size_mb:128 ,,backend:native",
-                           "backend:cudaMallocAsync"}) {
+  for (const char* conf : {"", "expandable_segments:True",
+                           " max_split_size_mb:128 ,,backend:native", "backend:cudaMallocAsync"}) {
     const ClaimResult r = claim_config(conf);
     EXPECT_FALSE(r.config.enabled) << conf;
     EXPECT_EQ(r.remaining, conf);
@@ -138,7 +140,8 @@ TEST(ConfigBudget, BadSizesNameTheKeyAndTheForm) {
   EXPECT_NE(error_of([] { parse_budget("k", "150%"); }).find("(0%, 100%]"), std::string::npos);
   EXPECT_NE(error_of([] { parse_budget("k", "1.5"); }).find("whole number of bytes"),
             std::string::npos);
-  EXPECT_NE(error_of([] { parse_budget("k", "99999999TiB"); }).find("too large"), std::string::npos);
+  EXPECT_NE(error_of([] { parse_budget("k", "99999999TiB"); }).find("too large"),
+            std::string::npos);
 }
 
 TEST(ConfigTierMinBytes, DefaultsToOneMiBAndTakesByteCounts) {
@@ -153,14 +156,17 @@ TEST(ConfigTierMinBytes, DefaultsToOneMiBAndTakesByteCounts) {
 TEST(ConfigTierMinBytes, BadValuesNameTheKeyAndSayWhatItTakes) {
   EXPECT_EQ(error_of([] { claim_config("tidepool.tier_min_bytes:10%", "X"); }),
             "X: tidepool.tier_min_bytes: '10%' is not a valid value; allowed: a byte count with "
-            "an optional unit (B, KiB, MiB, GiB, TiB, KB, MB, GB, TB), e.g. 1MiB; not a percentage");
+            "an optional unit (B, KiB, MiB, GiB, TiB, KB, MB, GB, TB), e.g. 1MiB; "
+            "not a percentage");
   for (const char* v : {"lots", "-1", "1e6", "2 MiB", "inf"}) {
     const std::string msg =
         error_of([&] { claim_config(std::string("tidepool.tier_min_bytes:") + v, "X"); });
-    const std::string expected = std::string("X: tidepool.tier_min_bytes: '") + v + "' is not a valid value";
+    const std::string expected =
+        std::string("X: tidepool.tier_min_bytes: '") + v + "' is not a valid value";
     EXPECT_EQ(msg.rfind(expected, 0), 0u) << msg;
   }
-  EXPECT_NE(error_of([] { claim_config("tidepool.tier_min_bytes:1.5"); }).find("whole number of bytes"),
+  EXPECT_NE(error_of([] { claim_config("tidepool.tier_min_bytes:1.5"); })
+                .find("whole number of bytes"),
             std::string::npos);
   EXPECT_NE(error_of([] { claim_config("tidepool.tier_min_bytes:99999999TiB"); }).find("too large"),
             std::string::npos);
@@ -178,7 +184,9 @@ TEST(ConfigTierMinBytes, ApplyingSetsTheRoutesThreshold) {
 
 TEST(ConfigErrors, UnknownKeyNamesItAndListsTheKnownOnes) {
   const std::string msg =
-      error_of([] { claim_config("backend:tidepool,tidepool.moed:pool", "PYTORCH_CUDA_ALLOC_CONF"); });
+      error_of([] {
+        claim_config("backend:tidepool,tidepool.moed:pool", "PYTORCH_CUDA_ALLOC_CONF");
+      });
   EXPECT_EQ(msg,
             "PYTORCH_CUDA_ALLOC_CONF: unknown key 'tidepool.moed'; tidepool keys are: "
             "backend:tidepool, tidepool.mode, tidepool.state_budget, tidepool.pinned_budget, "
@@ -190,7 +198,8 @@ TEST(ConfigErrors, UnknownKeyNamesItAndListsTheKnownOnes) {
 
 TEST(ConfigErrors, BadValueNamesKeyValueAndAllowedValues) {
   EXPECT_EQ(error_of([] { claim_config("tidepool.mode:globl", "PYTORCH_ALLOC_CONF"); }),
-            "PYTORCH_ALLOC_CONF: tidepool.mode: 'globl' is not a valid value; allowed: global, pool");
+            "PYTORCH_ALLOC_CONF: tidepool.mode: 'globl' is not a valid value; "
+            "allowed: global, pool");
   EXPECT_EQ(error_of([] { claim_config("tidepool.log:verbose", "X"); }),
             "X: tidepool.log: 'verbose' is not a valid value; allowed: off, warn, info, debug");
   EXPECT_EQ(error_of([] { claim_config("tidepool.device_backend:rocm", "X"); }),
@@ -198,7 +207,8 @@ TEST(ConfigErrors, BadValueNamesKeyValueAndAllowedValues) {
   EXPECT_EQ(error_of([] { claim_config("tidepool.optimizer_hooks:yes", "X"); }),
             "X: tidepool.optimizer_hooks: 'yes' is not a valid value; allowed: on, off");
   const std::string budget = error_of([] { claim_config("tidepool.pinned_budget:lots", "X"); });
-  EXPECT_EQ(budget.rfind("X: tidepool.pinned_budget: 'lots' is not a valid value", 0), 0u) << budget;
+  EXPECT_EQ(budget.rfind("X: tidepool.pinned_budget: 'lots' is not a valid value", 0), 0u)
+      << budget;
 }
 
 TEST(ConfigErrors, MissingValueDuplicatesAndConflicts) {
@@ -229,7 +239,8 @@ TEST(ConfigJson, DescribesEveryField) {
   EXPECT_EQ(config_to_json(claim_config("tidepool.mode:pool,tidepool.state_budget:10%,"
                                         "tidepool.pinned_budget:2KiB,tidepool.log:info")
                                .config),
-            R"({"enabled":true,"mode":"pool","state_budget":{"kind":"fraction","fraction":0.10000000000000001},)"
+            R"({"enabled":true,"mode":"pool",)"
+            R"("state_budget":{"kind":"fraction","fraction":0.10000000000000001},)"
             R"("pinned_budget":{"kind":"bytes","bytes":2048},"log":"info","device_backend":"auto",)"
             R"("optimizer_hooks":true,"tier_min_bytes":1048576})");
   EXPECT_EQ(config_to_json(Config{}),
@@ -307,7 +318,8 @@ class ConfigEnv : public ::testing::Test {
 };
 
 TEST_F(ConfigEnv, InstallRewritesTheVariableAndAppliesTheConfig) {
-  ::setenv("PYTORCH_CUDA_ALLOC_CONF", "backend:tidepool,tidepool.log:debug,expandable_segments:True", 1);
+  ::setenv("PYTORCH_CUDA_ALLOC_CONF",
+           "backend:tidepool,tidepool.log:debug,expandable_segments:True", 1);
   const Config c = install_from_env();
   EXPECT_TRUE(c.enabled);
   EXPECT_EQ(c.log, LogLevel::debug);
@@ -338,7 +350,9 @@ TEST_F(ConfigEnv, TidepoolAllocConfTakesTidepoolKeysOnly) {
             "TIDEPOOL_ALLOC_CONF holds tidepool keys only; 'expandable_segments:True' belongs in "
             "PYTORCH_ALLOC_CONF");
   ::setenv("TIDEPOOL_ALLOC_CONF", "tidepool.mode:bad", 1);
-  EXPECT_EQ(error_of([] { install_from_env(); }).rfind("TIDEPOOL_ALLOC_CONF: tidepool.mode: 'bad'", 0), 0u);
+  EXPECT_EQ(error_of([] { install_from_env(); })
+                .rfind("TIDEPOOL_ALLOC_CONF: tidepool.mode: 'bad'", 0),
+            0u);
 }
 
 TEST_F(ConfigEnv, InstallUnsetsAVariableLeftEmpty) {
@@ -420,7 +434,8 @@ TEST_F(ConfigEnv, AnInheritedConfigurationConflictsWithAnotherBackendNamedByTheC
 
 TEST_F(ConfigEnv, ActiveJsonThroughTheCAbi) {
   char error[256];
-  ASSERT_EQ(tidepool_config_apply("backend:tidepool,tidepool.state_budget:3MiB", error, sizeof error), 0)
+  ASSERT_EQ(
+      tidepool_config_apply("backend:tidepool,tidepool.state_budget:3MiB", error, sizeof error), 0)
       << error;
   const std::size_t n = tidepool_config_active_json(nullptr, 0);
   std::string json(n + 1, '\0');
@@ -441,7 +456,9 @@ TEST(ConfigApply, DeviceBackendIsSelectedBeforeTheFirstAllocationOnly) {
   ASSERT_NE(p, nullptr) << tidepool_last_error();
   const Config before = active_config();
   const std::string msg =
-      error_of([] { apply_config(claim_config("tidepool.device_backend:cuda,tidepool.log:debug").config); });
+      error_of([] {
+        apply_config(claim_config("tidepool.device_backend:cuda,tidepool.log:debug").config);
+      });
   EXPECT_EQ(msg.rfind("tidepool.device_backend:cuda cannot be applied: ", 0), 0u) << msg;
   EXPECT_NE(msg.find("before the first allocation"), std::string::npos) << msg;
   EXPECT_EQ(active_config(), before);  // nothing half-applied
@@ -460,7 +477,8 @@ TEST(TierRouting, BudgetsResolveToBytesAgainstDeviceAndHostMemory) {
   EXPECT_EQ(configured_state_budget_bytes(absolute, *backend), std::size_t{3} << 29);
   EXPECT_EQ(configured_pinned_budget_bytes(absolute), std::size_t{512} << 20);
 
-  const Config percent = claim_config("tidepool.state_budget:50%,tidepool.pinned_budget:25%").config;
+  const Config percent =
+      claim_config("tidepool.state_budget:50%,tidepool.pinned_budget:25%").config;
   EXPECT_EQ(configured_state_budget_bytes(percent, *backend), backend->mem_info().total_bytes / 2);
   EXPECT_EQ(configured_pinned_budget_bytes(percent), host_memory_bytes() / 4);
   EXPECT_GT(host_memory_bytes(), std::size_t{64} << 20);

@@ -211,7 +211,8 @@ TEST_P(Oom, AThrowingHookDoesNotBreakThePolicy) {
 TEST_P(Oom, ATransientBackendFailureIsRetriedAfterReleasingTheCache) {
   void* warm = alloc_->allocate(8 * kMiB);
   alloc_->deallocate(warm, 8 * kMiB);
-  alloc_->backend().inject_fault(GetParam() ? FaultPoint::create_physical : FaultPoint::device_alloc);
+  alloc_->backend().inject_fault(GetParam() ? FaultPoint::create_physical
+                                            : FaultPoint::device_alloc);
   void* p = alloc_->allocate(32 * kMiB);
   EXPECT_NE(p, nullptr);
   EXPECT_EQ(alloc_->stats().oom_count, 0u);

@@ -185,7 +185,8 @@ TEST_F(PeerAccess, MappingsRacingEnablesEndUpWithEveryPeer) {
   mapper.join();
   for (int i = 0; i < kRanges; ++i)
     for (int peer = 1; peer < kMaxDevices; ++peer)
-      EXPECT_TRUE(backend_->peer_has_access(va + i * g_, peer)) << "range " << i << " peer " << peer;
+      EXPECT_TRUE(backend_->peer_has_access(va + i * g_, peer))
+          << "range " << i << " peer " << peer;
   backend_->unmap(va, kRanges * g_);
 }
 

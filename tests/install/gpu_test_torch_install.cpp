@@ -48,7 +48,10 @@ TEST(TorchInstallGpu, EmptyCacheGivesTidepoolsCachedMemoryBack) {
   if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA";
   setenv("PYTORCH_ALLOC_CONF", "backend:tidepool", 1);
   ASSERT_EQ(install_from_env().state, InstallState::installed);
-  { torch::Tensor t = torch::ones({int64_t{64} << 20}, torch::TensorOptions().device(torch::kCUDA, 0)); }
+  {
+    torch::Tensor t =
+        torch::ones({int64_t{64} << 20}, torch::TensorOptions().device(torch::kCUDA, 0));
+  }
   torch::cuda::synchronize();
   tidepool_stats_v1 stats{};
   stats.struct_size = sizeof(stats);

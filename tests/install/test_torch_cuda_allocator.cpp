@@ -28,7 +28,9 @@ namespace {
 
 class TorchCudaAllocatorTest : public ::testing::Test {
  protected:
-  static void SetUpTestSuite() { ASSERT_EQ(tidepool_set_backend("host"), 0) << tidepool_last_error(); }
+  static void SetUpTestSuite() {
+    ASSERT_EQ(tidepool_set_backend("host"), 0) << tidepool_last_error();
+  }
 
   static tidepool_stats_v1 stats() {
     tidepool_stats_v1 s{};
@@ -63,7 +65,8 @@ TEST_F(TorchCudaAllocatorTest, CacheInfoAnswersWhatTidepoolAnswers) {
     allocator->cacheInfo(99, &largest);
     ADD_FAILURE() << "cacheInfo of device 99 did not throw";
   } catch (const c10::Error& e) {
-    EXPECT_NE(std::string(e.what()).find("device 99 does not exist"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("device 99 does not exist"), std::string::npos)
+        << e.what();
   }
   ::testing::internal::GetCapturedStderr();
 }
@@ -219,7 +222,8 @@ TEST_F(TorchCudaAllocatorTest, TheHistoryKeepsTheNewestEntriesAndSkipsWhatItIsTo
   allocator->recordHistory(true, numbered_context, 3, RecordContext::STATE, true,
                            {"free_requested", "snapshot"});
   std::vector<void*> blocks;
-  for (int i = 0; i < 4; ++i) blocks.push_back(allocator->malloc(std::size_t(i + 1) << 20, 0, nullptr));
+  for (int i = 0; i < 4; ++i)
+    blocks.push_back(allocator->malloc(std::size_t(i + 1) << 20, 0, nullptr));
   auto entries = traces(*allocator);
   ASSERT_EQ(entries.size(), 3u) << "a ring of max_entries";
   for (int i = 0; i < 3; ++i) {
@@ -407,7 +411,8 @@ TEST_F(TorchCudaAllocatorTest, AllocationsAndFreesReachTheProfiler) {
     EXPECT_EQ(profiler->events[0].device, c10::Device(c10::DeviceType::CUDA, 0));
     EXPECT_EQ(profiler->events[1].ptr, p);
     EXPECT_EQ(profiler->events[1].size, -(int64_t{3} << 20)) << "a free is a negative size";
-    EXPECT_EQ(profiler->events[1].allocated, after_alloc.allocated.current - (std::size_t{3} << 20));
+    EXPECT_EQ(profiler->events[1].allocated,
+              after_alloc.allocated.current - (std::size_t{3} << 20));
     EXPECT_EQ(profiler->out_of_memory, std::vector<int64_t>{int64_t{64} << 30});
   }
   allocator->raw_delete(unseen);  // the profiler's scope has ended
@@ -443,7 +448,9 @@ TEST_F(TorchCudaAllocatorTest, OutOfMemoryIsC10sOutOfMemoryError) {
     ADD_FAILURE() << "64 GiB on an 8 GiB device did not throw";
   } catch (const c10::OutOfMemoryError& e) {
     // c10's opening, which training tools match to tell an OOM (pytorch_out_of_memory_message).
-    EXPECT_EQ(std::string(e.what_without_backtrace()).rfind("CUDA out of memory. Tried to allocate 64.00 GiB. ", 0), 0u)
+    EXPECT_EQ(std::string(e.what_without_backtrace())
+                  .rfind("CUDA out of memory. Tried to allocate 64.00 GiB. ", 0),
+              0u)
         << e.what();
     EXPECT_NE(std::string(e.what()).find("tidepool: out of memory"), std::string::npos) << e.what();
   }
@@ -478,8 +485,9 @@ void expect_refused(const std::function<void()>& call, const std::string& about)
 TEST_F(TorchCudaAllocatorTest, MemoryPoolsAreRefusedNamingPoolMode) {
   const auto allocator = make_torch_cuda_allocator();
   expect_refused([&] { allocator->createOrIncrefPool(0, {1, 0}, nullptr); }, "CUDA graph");
-  expect_refused([&] { allocator->beginAllocateToPool(0, {1, 0}, [](cudaStream_t) { return true; }); },
-                 "CUDA graph");
+  expect_refused(
+      [&] { allocator->beginAllocateToPool(0, {1, 0}, [](cudaStream_t) { return true; }); },
+      "CUDA graph");
 }
 
 // CUDA IPC (torch.multiprocessing with CUDA tensors): tidepool's error with the way out,
@@ -518,8 +526,9 @@ TEST_F(TorchCudaAllocatorTest, InstalledItIsWhatC10Calls) {
   c10::cuda::CUDACachingAllocator::setMemoryFraction(1.0, 0);
   // c10's registry by device type too (torch.accelerator's memory functions).
   EXPECT_EQ(c10::GetAllocator(c10::DeviceType::CUDA), c10::cuda::CUDACachingAllocator::get());
-  EXPECT_EQ(c10::getDeviceAllocator(c10::DeviceType::CUDA)->getDeviceStats(0).reserved_bytes[0].current,
-            static_cast<int64_t>(stats().reserved.current));
+  EXPECT_EQ(
+      c10::getDeviceAllocator(c10::DeviceType::CUDA)->getDeviceStats(0).reserved_bytes[0].current,
+      static_cast<int64_t>(stats().reserved.current));
 }
 
 }  // namespace

@@ -51,7 +51,8 @@ TEST_F(TorchInstallTest, NothingNamedChangesNothing) {
 
 TEST_F(TorchInstallTest, GlobalModeWithoutCudaIsAStatusNotAnError) {
   if (torch::cuda::is_available()) GTEST_SKIP() << "CUDA is available: this tests its absence";
-  setenv("PYTORCH_ALLOC_CONF", "backend:tidepool,expandable_segments:True,tidepool.state_budget:1GiB", 1);
+  setenv("PYTORCH_ALLOC_CONF",
+         "backend:tidepool,expandable_segments:True,tidepool.state_budget:1GiB", 1);
   const InstallStatus s = install_from_env();
   EXPECT_EQ(s.state, InstallState::inactive_no_cuda) << install_state_name(s.state);
   EXPECT_NE(s.message.find("inactive: no CUDA"), std::string::npos) << s.message;

@@ -32,7 +32,9 @@ struct GramCase {
 
 void PrintTo(const GramCase& c, std::ostream* os) { *os << c.name; }
 
-at::TensorOptions on_gpu(at::ScalarType dtype) { return at::TensorOptions().dtype(dtype).device(at::kCUDA); }
+at::TensorOptions on_gpu(at::ScalarType dtype) {
+  return at::TensorOptions().dtype(dtype).device(at::kCUDA);
+}
 
 std::vector<at::Tensor> columns_of(const at::Tensor& matrix) {
   std::vector<at::Tensor> columns;
@@ -75,7 +77,9 @@ Layout column_slices() {
 
 // A column-major N×k matrix (each column contiguous, k separate width-1 panels).
 Layout column_major(int64_t k) {
-  return [k](int64_t rows, at::ScalarType dtype) { return columns_of(at::randn({k, rows}, on_gpu(dtype)).t()); };
+  return [k](int64_t rows, at::ScalarType dtype) {
+    return columns_of(at::randn({k, rows}, on_gpu(dtype)).t());
+  };
 }
 
 // A constant column given as a stride-0 view, between two ordinary ones.
@@ -104,12 +108,14 @@ TEST_P(GramKernel, MatchesFp64ReferenceAndIsReproducible) {
   accumulator.recompute();  // one Gram pass over the columns as given (views, not copies)
   const auto G = accumulator.gram(slots);
   accumulator.recompute();
-  EXPECT_TRUE(at::equal(G, accumulator.gram(slots))) << "two runs differ: the reduction order is not fixed";
+  EXPECT_TRUE(at::equal(G, accumulator.gram(slots)))
+      << "two runs differ: the reduction order is not fixed";
 
   const auto X = at::stack(columns, 1).to(at::kCPU, at::kDouble);
   const auto reference = X.t().mm(X);
   // Both sums are fp64 over products that are exact (fp32 input) or correctly rounded:
-  // |G_ab − ref_ab| ≤ c·eps64·√N·‖x_a‖‖x_b‖ with room to spare at 1e-12 (√N·eps64 ≤ 4e-13).
+  // |G_ab − ref_ab| ≤ c·eps64·√N·‖x_a‖‖x_b‖ with room to spare at 1e-12
+  // (√N·eps64 ≤ 4e-13).
   const auto diagonal = reference.diagonal();
   const auto scale = (diagonal.unsqueeze(1) * diagonal.unsqueeze(0)).sqrt();
   const double worst = ((G - reference).abs() / scale).max().item<double>();
@@ -122,9 +128,12 @@ std::vector<GramCase> gram_cases() {
     const std::string suffix = dtype == at::kDouble ? "_fp64" : "_fp32";
     // m = 9, the AADL/bench shape: one pair group, 512-row tiles; odd N; N > 2048 tiles so
     // every block walks several tiles and the L2 prefetch runs; N below one vector.
-    cases.push_back({"row_major_8_plus_1_odd" + suffix, row_major_plus_vectors(8, 1), 100'003, dtype});
-    cases.push_back({"row_major_8_plus_1_multi_tile" + suffix, row_major_plus_vectors(8, 1), 1'500'007, dtype});
-    cases.push_back({"row_major_8_plus_1_three_rows" + suffix, row_major_plus_vectors(8, 1), 3, dtype});
+    cases.push_back(
+        {"row_major_8_plus_1_odd" + suffix, row_major_plus_vectors(8, 1), 100'003, dtype});
+    cases.push_back({"row_major_8_plus_1_multi_tile" + suffix, row_major_plus_vectors(8, 1),
+                     1'500'007, dtype});
+    cases.push_back(
+        {"row_major_8_plus_1_three_rows" + suffix, row_major_plus_vectors(8, 1), 3, dtype});
     cases.push_back({"one_row" + suffix, row_major_plus_vectors(4, 1), 1, dtype});
     // Odd widths: 5·4 = 20-byte rows (vectors straddle rows), 3 columns (narrow for fp32,
     // vectorised for fp64), single column.
@@ -148,7 +157,9 @@ std::vector<GramCase> gram_cases() {
 }
 
 INSTANTIATE_TEST_SUITE_P(Layouts, GramKernel, ::testing::ValuesIn(gram_cases()),
-                         [](const ::testing::TestParamInfo<GramCase>& test) { return test.param.name; });
+                         [](const ::testing::TestParamInfo<GramCase>& test) {
+                           return test.param.name;
+                         });
 
 }  // namespace
 }  // namespace tidepool::linalg

@@ -52,7 +52,8 @@ TEST_P(LstsqCpuCudaAgreement, SameAnswerOnBothDevices) {
   const auto param = GetParam();
   const auto A = matrix_with_condition(200000, 8, param.condition, 31).to(param.dtype);
   // Consistent right-hand sides: with a residual, the problem's own sensitivity
-  // (κ²·‖r‖/‖x‖·eps64) lets any two correct computations differ by more than 1e-10 at κ = 1e6.
+  // (κ²·‖r‖/‖x‖·eps64) lets any two correct computations differ by more than 1e-10 at
+  // κ = 1e6.
   at::manual_seed(32);
   const auto B = A.to(at::kDouble).mm(at::randn({8, 2}, at::kDouble)).to(param.dtype);
   LstsqOptions options;
@@ -67,19 +68,21 @@ TEST_P(LstsqCpuCudaAgreement, SameAnswerOnBothDevices) {
       << "method " << on_cpu.method_name << " κ " << param.condition;
 
   // Residual norms, per right-hand side. The default comes from the Gram matrix,
-  // r² = bᵀb − 2xᵀAᵀb + xᵀAᵀAx. Each device sums G in fp64 over N rows in its own order, so
-  // an entry carries an absolute error of about γ·|a|ᵀ|b| with γ = √N·eps64 (random-walk
-  // rounding); then r² is known to ±γ(‖b‖ + ‖A‖_F‖x‖)² and, since |√u − √v| ≤ √|u − v|,
-  // the two devices' r agree to 2√γ·(‖b‖ + ‖A‖_F‖x‖) — about 5e-7·‖b‖ here. These B are
-  // consistent up to fp32 rounding, so the true residual (~1e-8·‖b‖) lies below that
-  // noise: the H200 saw the two r 5.2e-8 apart (fp32, κ = 1e3) against a 1e-8·‖B‖ bound
-  // that no Gram residual can meet. The bound was wrong, not the solver (the solutions
-  // agreed to 1e-6); lstsq.h documents this accuracy, and exact_residual is the option
-  // for residuals far below √eps64·‖b‖, checked tightly below.
+  // r² = bᵀb − 2xᵀAᵀb + xᵀAᵀAx. Each device sums G in fp64 over N rows in its own
+  // order, so an entry carries an absolute error of about γ·|a|ᵀ|b| with γ = √N·eps64
+  // (random-walk rounding); then r² is known to ±γ(‖b‖ + ‖A‖_F‖x‖)² and, since
+  // |√u − √v| ≤ √|u − v|, the two devices' r agree to
+  // 2√γ·(‖b‖ + ‖A‖_F‖x‖) — about 5e-7·‖b‖ here. These B are consistent up to
+  // fp32 rounding, so the true residual (~1e-8·‖b‖) lies below that noise: the H200 saw the
+  // two r 5.2e-8 apart (fp32, κ = 1e3) against a 1e-8·‖B‖ bound that no Gram residual can
+  // meet. The bound was wrong, not the solver (the solutions agreed to 1e-6); lstsq.h
+  // documents this accuracy, and exact_residual is the option for residuals far below
+  // √eps64·‖b‖, checked tightly below.
   const auto A64 = A.to(at::kDouble);
   const auto B64 = B.to(at::kDouble);
   const double a_norm = A64.norm().item<double>();
-  const double gamma = std::sqrt(static_cast<double>(A.size(0))) * std::numeric_limits<double>::epsilon();
+  const double gamma =
+      std::sqrt(static_cast<double>(A.size(0))) * std::numeric_limits<double>::epsilon();
   const auto x_cpu = on_cpu.solution.to(at::kDouble);
   options.exact_residual = true;
   const auto exact_cpu = lstsq(A, B, options);
@@ -92,15 +95,20 @@ TEST_P(LstsqCpuCudaAgreement, SameAnswerOnBothDevices) {
   ASSERT_EQ(exact_cuda.residual_norms.size(), 2u);
   for (int64_t j = 0; j < 2; ++j) {
     const auto jj = static_cast<size_t>(j);
-    const double scale = B64.select(1, j).norm().item<double>() + a_norm * x_cpu.select(1, j).norm().item<double>();
-    EXPECT_NEAR(on_cuda.residual_norms[jj], on_cpu.residual_norms[jj], 2.0 * std::sqrt(gamma) * scale)
+    const double scale = B64.select(1, j).norm().item<double>() +
+                         a_norm * x_cpu.select(1, j).norm().item<double>();
+    EXPECT_NEAR(on_cuda.residual_norms[jj], on_cpu.residual_norms[jj],
+                2.0 * std::sqrt(gamma) * scale)
         << "Gram residual, right-hand side " << j;
-    // Exact residuals: | ‖b − Ax₁‖ − ‖b − Ax₂‖ | ≤ ‖A(x₁ − x₂)‖, plus fp64 rounding of
-    // b − Ax (≲ eps64·√N·scale; 1e-12·scale is generous).
-    const double solutions_apart = A64.mv(x_exact_cpu.select(1, j) - x_exact_cuda.select(1, j)).norm().item<double>();
-    EXPECT_NEAR(exact_cuda.residual_norms[jj], exact_cpu.residual_norms[jj], solutions_apart + 1e-12 * scale)
+    // Exact residuals: | ‖b − Ax₁‖ − ‖b − Ax₂‖ | ≤ ‖A(x₁ − x₂)‖, plus
+    // fp64 rounding of b − Ax (≲ eps64·√N·scale; 1e-12·scale is generous).
+    const double solutions_apart =
+        A64.mv(x_exact_cpu.select(1, j) - x_exact_cuda.select(1, j)).norm().item<double>();
+    EXPECT_NEAR(exact_cuda.residual_norms[jj], exact_cpu.residual_norms[jj],
+                solutions_apart + 1e-12 * scale)
         << "exact residual, right-hand side " << j;
-    const double direct = (B64.select(1, j) - A64.mv(x_exact_cpu.select(1, j))).norm().item<double>();
+    const double direct =
+        (B64.select(1, j) - A64.mv(x_exact_cpu.select(1, j))).norm().item<double>();
     EXPECT_NEAR(exact_cpu.residual_norms[jj], direct, 1e-12 * scale) << "right-hand side " << j;
   }
 }
@@ -109,7 +117,8 @@ std::vector<AgreementCase> agreement_cases() {
   std::vector<AgreementCase> cases;
   for (const auto dtype : {at::kFloat, at::kDouble}) {
     for (const double condition : {1.0, 1e3, 1e6}) {
-      for (const auto method : {LstsqMethod::automatic, LstsqMethod::cholesky_qr, LstsqMethod::svd}) {
+      for (const auto method :
+           {LstsqMethod::automatic, LstsqMethod::cholesky_qr, LstsqMethod::svd}) {
         cases.push_back({dtype, condition, method});
       }
     }
@@ -210,7 +219,9 @@ TEST(GramAccumulatorCuda, DeviceColumnsMatchHostColumns) {
     on_device.set_column(j, column.cuda());
   }
   EXPECT_LT(relative_error(on_device.gram({0, 1, 2, 3}), on_host.gram({0, 1, 2, 3})), 1e-12);
-  EXPECT_LT(relative_error(on_device.solve({0, 1, 2}, 3).solution, on_host.solve({0, 1, 2}, 3).solution), 1e-10);
+  EXPECT_LT(relative_error(on_device.solve({0, 1, 2}, 3).solution,
+                           on_host.solve({0, 1, 2}, 3).solution),
+            1e-10);
 }
 
 }  // namespace

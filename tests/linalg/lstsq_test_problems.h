@@ -1,5 +1,5 @@
-// Constructed least-squares problems with known answers and small checks, shared by the
-// CPU and GPU lstsq tests: A = Q₁·diag(σ)·Q₂ᵀ with σ log-spaced from 1 to 1/κ, so κ₂(A)
+// Constructed least-squares problems with known answers and small checks, shared by the CPU
+// and GPU lstsq tests: A = Q₁·diag(σ)·Q₂ᵀ with σ log-spaced from 1 to 1/κ, so κ₂(A)
 // is known exactly.
 #pragma once
 

@@ -49,7 +49,8 @@ TEST(GramAccumulator, RingBufferUpdatesEqualFromScratchAndLstsqColumns) {
       const auto incremental = accumulator.solve(a_slots, order.back());
       const std::vector<at::Tensor> a_columns(columns.begin(), columns.end() - 1);
       const auto dense = lstsq_columns(a_columns, columns.back());
-      EXPECT_LT(relative_error(incremental.solution, dense.solution), dtype == at::kFloat ? 1e-5 : 1e-9)
+      EXPECT_LT(relative_error(incremental.solution, dense.solution),
+                dtype == at::kFloat ? 1e-5 : 1e-9)
           << "step " << step;
       EXPECT_EQ(incremental.rank, static_cast<int64_t>(a_slots.size()));
     }
@@ -77,7 +78,9 @@ TEST(GramAccumulator, ReplacingAndRemovingColumnsUpdatesOnlyTheirEntries) {
   accumulator.remove_column(1);
   EXPECT_FALSE(accumulator.has_column(1));
   EXPECT_EQ(accumulator.live_columns(), 3);
-  EXPECT_LT(relative_error(accumulator.gram({0, 2, 3}), fresh_gram({columns[0], columns[2], columns[3]})), 1e-13);
+  EXPECT_LT(relative_error(accumulator.gram({0, 2, 3}),
+                           fresh_gram({columns[0], columns[2], columns[3]})),
+            1e-13);
   accumulator.clear();
   EXPECT_EQ(accumulator.live_columns(), 0);
 }
@@ -171,10 +174,13 @@ TEST(GramAccumulator, BadInputIsRejectedAndLeavesStateUnchanged) {
   expect_invalid([] { GramAccumulator bad(0); }, "capacity");
   expect_invalid([&] { accumulator.set_column(3, a); }, "outside [0, 3)");
   expect_invalid([&] { accumulator.set_column(-1, a); }, "outside");
-  expect_invalid([&] { accumulator.set_column(1, at::randn({99}, at::kDouble)); }, "does not match");
-  expect_invalid([&] { accumulator.set_column(1, at::randn({100}, at::kFloat)); }, "does not match");
+  expect_invalid([&] { accumulator.set_column(1, at::randn({99}, at::kDouble)); },
+                 "does not match");
+  expect_invalid([&] { accumulator.set_column(1, at::randn({100}, at::kFloat)); },
+                 "does not match");
   expect_invalid([&] { accumulator.set_column(1, at::randn({10, 10}, at::kDouble)); }, "1-D");
-  expect_invalid([&] { accumulator.set_column(1, at::ones({100}, at::kInt)); }, "unsupported dtype");
+  expect_invalid([&] { accumulator.set_column(1, at::ones({100}, at::kInt)); },
+                 "unsupported dtype");
   auto with_nan = at::randn({100}, at::kDouble);
   with_nan[5] = std::numeric_limits<double>::quiet_NaN();
   expect_invalid([&] { accumulator.set_column(1, with_nan); }, "NaN or Inf");

@@ -63,7 +63,9 @@ TEST(GramPlan, LaunchShapeCoversEveryRowOnceWithABoundedGrid) {
       const int64_t last_begin = static_cast<int64_t>(shape.blocks - 1) * shape.rows_per_block;
       EXPECT_LT(last_begin, rows) << what;
       EXPECT_LE(rows - last_begin, shape.rows_per_block) << what;
-      EXPECT_EQ(gram_workspace_doubles(rows, m), static_cast<int64_t>(shape.blocks) * pair_count(m)) << what;
+      EXPECT_EQ(gram_workspace_doubles(rows, m),
+                static_cast<int64_t>(shape.blocks) * pair_count(m))
+          << what;
     }
   }
   EXPECT_EQ(gram_workspace_doubles(0, 3), 0);
@@ -83,11 +85,12 @@ TEST(GramPlan, PairGroupsFitRegistersAndSharedMemory) {
 TEST(GramPlan, VectorSplitCoversTheRangeWithAlignedVectors) {
   for (const int size : {4, 8}) {
     const int lanes = kVectorBytes / size;
-    for (uintptr_t address = 4096; address < 4096 + 2 * kVectorBytes; address += static_cast<uintptr_t>(size)) {
+    for (uintptr_t address = 4096; address < 4096 + 2 * kVectorBytes;
+         address += static_cast<uintptr_t>(size)) {
       for (int count = 0; count <= 40; ++count) {
         const VectorSplit split = vector_split(address, count, size);
-        const std::string what = "size " + std::to_string(size) + " address " + std::to_string(address % 16) +
-                                 " count " + std::to_string(count);
+        const std::string what = "size " + std::to_string(size) + " address " +
+                                 std::to_string(address % 16) + " count " + std::to_string(count);
         ASSERT_GE(split.head, 0) << what;
         ASSERT_LT(split.head, lanes) << what;
         ASSERT_GE(split.vectors, 0) << what;
@@ -95,7 +98,8 @@ TEST(GramPlan, VectorSplitCoversTheRangeWithAlignedVectors) {
         ASSERT_LE(split.body_end, count) << what;
         EXPECT_LT(count - split.body_end, lanes) << what;  // the tail is less than one vector
         if (split.head < count) {
-          EXPECT_EQ((address + static_cast<uintptr_t>(split.head * size)) % kVectorBytes, 0u) << what;
+          EXPECT_EQ((address + static_cast<uintptr_t>(split.head * size)) % kVectorBytes, 0u)
+              << what;
         }
       }
     }
@@ -178,7 +182,8 @@ std::vector<Layout<T>> layouts(const std::vector<T>& buffer) {
   // Row-major N×k at element offsets 0..3 (16-byte aligned or not), then a separate vector.
   for (int k = 1; k <= kMaxKernelColumns - 1; ++k) {
     for (int offset = 0; offset < 4; ++offset) {
-      Layout<T> layout{"row_major_" + std::to_string(k) + "_at_" + std::to_string(offset), {}, {}, 600};
+      Layout<T> layout{"row_major_" + std::to_string(k) + "_at_" + std::to_string(offset), {}, {},
+                       600};
       for (int j = 0; j < k; ++j) {
         layout.data.push_back(b + offset + j);
         layout.stride.push_back(k);
@@ -189,7 +194,8 @@ std::vector<Layout<T>> layouts(const std::vector<T>& buffer) {
     }
   }
   // Columns 0..4 and 7 of an N×8 matrix: a strided width-5 panel and a strided width-1 one.
-  Layout<T> slices{"column_slices", {b + 1, b + 2, b + 3, b + 4, b + 5, b + 8}, {8, 8, 8, 8, 8, 8}, 700};
+  Layout<T> slices{
+      "column_slices", {b + 1, b + 2, b + 3, b + 4, b + 5, b + 8}, {8, 8, 8, 8, 8, 8}, 700};
   all.push_back(slices);
   // Column-major N×4 (four width-1 panels), and N = 1 column-major (adjacent, stride 1: one
   // overlapping panel of width 4 whose element (0, c) is base + c).
@@ -215,11 +221,14 @@ void check_every_layout() {
     ASSERT_EQ(covered, m) << layout.name;
     const int rows_per_tile = tile_rows(m);
     // Tiles at several starting rows, full and partial (the kernel's last tile of a slab).
-    for (const int64_t row0 : {int64_t{0}, int64_t{1}, int64_t{3}, int64_t{rows_per_tile / 2 + 1}}) {
+    for (const int64_t row0 :
+         {int64_t{0}, int64_t{1}, int64_t{3}, int64_t{rows_per_tile / 2 + 1}}) {
       if (row0 >= layout.rows) continue;
-      for (const int64_t wanted : {int64_t{1}, int64_t{2}, int64_t{3}, int64_t{5}, int64_t{rows_per_tile}}) {
+      for (const int64_t wanted :
+           {int64_t{1}, int64_t{2}, int64_t{3}, int64_t{5}, int64_t{rows_per_tile}}) {
         const int n = static_cast<int>(std::min(wanted, layout.rows - row0));
-        const std::string what = layout.name + " row0 " + std::to_string(row0) + " n " + std::to_string(n);
+        const std::string what =
+            layout.name + " row0 " + std::to_string(row0) + " n " + std::to_string(n);
         std::vector<double> tile(static_cast<size_t>(m * tile_pitch(m)), -1.0);
         std::vector<int> writes(tile.size(), 0);
         replay_loads<T>(panels, m, row0, n, tile, writes);
@@ -227,12 +236,15 @@ void check_every_layout() {
         for (int j = 0; j < m; ++j) {
           for (int r = 0; r < n; ++r) {
             const size_t slot = static_cast<size_t>(j * tile_pitch(m) + r);
-            const auto expected = static_cast<double>(layout.data[static_cast<size_t>(j)][(row0 + r) * layout.stride[static_cast<size_t>(j)]]);
+            const auto expected = static_cast<double>(
+                layout.data[static_cast<size_t>(j)]
+                           [(row0 + r) * layout.stride[static_cast<size_t>(j)]]);
             ASSERT_EQ(writes[slot], 1) << what << ": column " << j << " row " << r;
             ASSERT_EQ(tile[slot], expected) << what << ": column " << j << " row " << r;
           }
           for (int r = n; r < tile_pitch(m); ++r) {
-            ASSERT_EQ(writes[static_cast<size_t>(j * tile_pitch(m) + r)], 0) << what << ": wrote past row n";
+            ASSERT_EQ(writes[static_cast<size_t>(j * tile_pitch(m) + r)], 0)
+                << what << ": wrote past row n";
           }
         }
       }
@@ -247,9 +259,10 @@ TEST(GramPlan, PanelsMergeOnlyAdjacentEqualStrideColumns) {
   std::vector<float> f(1000);
   std::vector<double> d(1000);
   // Row-major N×8 fp32 + a vector: one vectorised width-8 panel, one scalar width-1 panel.
-  auto set = make_panels(column_set<float>({&f[0], &f[1], &f[2], &f[3], &f[4], &f[5], &f[6], &f[7], &f[500]},
-                                           {8, 8, 8, 8, 8, 8, 8, 8, 1}),
-                         9, sizeof(float));
+  auto set = make_panels(
+      column_set<float>({&f[0], &f[1], &f[2], &f[3], &f[4], &f[5], &f[6], &f[7], &f[500]},
+                        {8, 8, 8, 8, 8, 8, 8, 8, 1}),
+      9, sizeof(float));
   ASSERT_EQ(set.count, 2);
   EXPECT_EQ(set.panel[0].width, 8);
   EXPECT_EQ(set.panel[0].vectorised, 1);
@@ -268,7 +281,8 @@ TEST(GramPlan, PanelsMergeOnlyAdjacentEqualStrideColumns) {
   set = make_panels(column_set<float>({&f[0], &f[2]}, {4, 4}), 2, sizeof(float));
   EXPECT_EQ(set.count, 2);
   // Strided panel (columns 0..4 of N×8): merged but not vectorised (stride ≠ width).
-  set = make_panels(column_set<double>({&d[0], &d[1], &d[2], &d[3], &d[4]}, {8, 8, 8, 8, 8}), 5, sizeof(double));
+  set = make_panels(column_set<double>({&d[0], &d[1], &d[2], &d[3], &d[4]}, {8, 8, 8, 8, 8}), 5,
+                    sizeof(double));
   ASSERT_EQ(set.count, 1);
   EXPECT_EQ(set.panel[0].width, 5);
   EXPECT_EQ(set.panel[0].vectorised, 0);

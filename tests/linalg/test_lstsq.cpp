@@ -34,7 +34,8 @@ TEST(Lstsq, WellConditionedFp64UsesGramCholeskyAndIsExact) {
   EXPECT_GT(result.condition, 10.0 / 3.0);
   EXPECT_EQ(result.solution.sizes(), at::IntArrayRef({5}));
   EXPECT_EQ(result.solution.scalar_type(), at::kDouble);
-  EXPECT_LT(relative_error(result.solution, x), 100.0 * 100.0 * std::numeric_limits<double>::epsilon());
+  EXPECT_LT(relative_error(result.solution, x),
+            100.0 * 100.0 * std::numeric_limits<double>::epsilon());
 }
 
 // The headline case: torch's default cuts this to rank 1, its fp32 drivers lose
@@ -65,8 +66,10 @@ TEST_P(LstsqCondition, RecoversKnownSolutionToConditionTimesEps) {
   EXPECT_EQ(result.rank, 6);
   // The Gram route is accurate to ~κ²·eps64, the QR routes to ~κ·eps64.
   const double eps = std::numeric_limits<double>::epsilon();
-  const double growth = result.method == LstsqMethod::gram_cholesky ? condition * condition : condition;
-  EXPECT_LT(relative_error(result.solution, x), 100.0 * eps * growth) << "method " << result.method_name;
+  const double growth =
+      result.method == LstsqMethod::gram_cholesky ? condition * condition : condition;
+  EXPECT_LT(relative_error(result.solution, x), 100.0 * eps * growth)
+      << "method " << result.method_name;
   // fp64's default gram_condition_limit is 1e4 on κ(AᵀA), i.e. κ(A) ≤ 100.
   if (condition < 100.0) {
     EXPECT_EQ(result.method, LstsqMethod::gram_cholesky);
@@ -78,7 +81,8 @@ TEST_P(LstsqCondition, RecoversKnownSolutionToConditionTimesEps) {
   EXPECT_LT(result.condition, condition * std::sqrt(6.0) * 1.01);
 }
 
-INSTANTIATE_TEST_SUITE_P(UpTo1e10, LstsqCondition, ::testing::Values(1.0, 1e2, 1e4, 1e6, 1e8, 1e10));
+INSTANTIATE_TEST_SUITE_P(UpTo1e10, LstsqCondition,
+                         ::testing::Values(1.0, 1e2, 1e4, 1e6, 1e8, 1e10));
 
 // A proxy, testable on the CPU, for "CPU and CUDA give the same answer": permuting the
 // rows changes every summation order (as a different device does) but not the solution.
@@ -97,7 +101,8 @@ TEST_P(LstsqRowOrder, DoesNotChangeTheAnswer) {
     const auto original = lstsq(Ad, bd);
     const auto permuted = lstsq(Ad.index_select(0, permutation), bd.index_select(0, permutation));
     EXPECT_EQ(original.method, permuted.method);
-    EXPECT_LT(relative_error(permuted.solution, original.solution), dtype == at::kDouble ? 1e-10 : 1e-6)
+    EXPECT_LT(relative_error(permuted.solution, original.solution),
+              dtype == at::kDouble ? 1e-10 : 1e-6)
         << original.method_name << " " << at::toString(dtype);
   }
 }
@@ -116,7 +121,8 @@ TEST_P(LstsqMethods, ResidualIsOrthogonalToRangeAndReportedNormIsRight) {
   EXPECT_EQ(result.method, GetParam());
   const auto residual = b - A.mv(result.solution);
   const double orthogonality =
-      A.t().mv(residual).abs().max().item<double>() / (A.norm().item<double>() * residual.norm().item<double>());
+      A.t().mv(residual).abs().max().item<double>() /
+      (A.norm().item<double>() * residual.norm().item<double>());
   EXPECT_LT(orthogonality, 1e-9);
   EXPECT_NEAR(result.residual_norm, residual.norm().item<double>(), 1e-8 * b.norm().item<double>());
   ASSERT_EQ(result.residual_norms.size(), 1u);
@@ -143,7 +149,8 @@ TEST(Lstsq, MultipleRightHandSidesMatchSeparateSolves) {
     for (int64_t j = 0; j < 3; ++j) {
       const auto alone = lstsq(A, B.select(1, j), options);
       EXPECT_LT(relative_error(together.solution.select(1, j), alone.solution), 1e-12);
-      const double direct = (B.select(1, j) - A.mv(together.solution.select(1, j))).norm().item<double>();
+      const double direct =
+          (B.select(1, j) - A.mv(together.solution.select(1, j))).norm().item<double>();
       EXPECT_NEAR(together.residual_norms[static_cast<size_t>(j)], direct, 1e-9 * direct);
       squares += direct * direct;
     }
@@ -203,7 +210,8 @@ TEST(Lstsq, ZeroColumnGetsZeroCoefficientAndLowersRank) {
     const auto result = lstsq(A, b, options);
     EXPECT_EQ(result.rank, 3) << method_name(method);
     EXPECT_EQ(result.solution[2].item<double>(), 0.0) << method_name(method);
-    EXPECT_LT(relative_error(result.solution, min_norm_reference(A, b)), 1e-9) << method_name(method);
+    EXPECT_LT(relative_error(result.solution, min_norm_reference(A, b)), 1e-9)
+        << method_name(method);
   }
 }
 
@@ -258,11 +266,14 @@ TEST(Lstsq, TruncationDoesNotDependOnColumnUnits) {
       const auto scaled = units_problem(rows, s, 40);
       const auto result = lstsq(scaled.A, scaled.b, options);
       EXPECT_EQ(result.rank, 2) << method_name(method) << " s=" << s;
-      EXPECT_LT(relative_error(result.solution, equilibrated_reference(scaled.A, scaled.b, result.rcond)), 1e-8)
+      EXPECT_LT(relative_error(result.solution,
+                               equilibrated_reference(scaled.A, scaled.b, result.rcond)),
+                1e-8)
           << method_name(method) << " s=" << s;
       // Only column 1's units changed, so only x_1 changes, by 1/s.
       const auto rescaled = result.solution * testing::values({1.0, s, 1.0});
-      EXPECT_LT(relative_error(rescaled, expected.solution), 1e-8) << method_name(method) << " s=" << s;
+      EXPECT_LT(relative_error(rescaled, expected.solution), 1e-8)
+          << method_name(method) << " s=" << s;
     }
   }
 }
@@ -276,7 +287,9 @@ TEST(Lstsq, WithoutEquilibrationTruncationGivesTrueMinimumNorm) {
     options.equilibrate = false;
     const auto result = lstsq(problem.A, problem.b, options);
     EXPECT_EQ(result.rank, 2) << method_name(method);
-    EXPECT_LT(relative_error(result.solution, at::linalg_pinv(problem.A, result.rcond).mv(problem.b)), 1e-8)
+    EXPECT_LT(relative_error(result.solution,
+                             at::linalg_pinv(problem.A, result.rcond).mv(problem.b)),
+              1e-8)
         << method_name(method);
   }
 }
@@ -290,13 +303,15 @@ TEST(Lstsq, FullRankBadlyScaledColumnsStayAccurateOnEveryPath) {
     for (const double s : {1.0, 1e-6, 1e-8}) {
       at::manual_seed(42);
       const auto a1 = at::randn({5000}, kF64);
-      const auto A = at::stack({a1, s * at::randn({5000}, kF64), a1 + 1e-2 * at::randn({5000}, kF64)}, 1);
+      const auto A =
+          at::stack({a1, s * at::randn({5000}, kF64), a1 + 1e-2 * at::randn({5000}, kF64)}, 1);
       const auto x = testing::values({1.0, 2.0 / s, 3.0});
       LstsqOptions options;
       options.method = method;
       const auto result = lstsq(A, A.mv(x), options);
       EXPECT_EQ(result.rank, 3) << method_name(method) << " s=" << s;
-      EXPECT_LT(relative_error(result.solution * testing::values({1.0, s, 1.0}), testing::values({1.0, 2.0, 3.0})),
+      EXPECT_LT(relative_error(result.solution * testing::values({1.0, s, 1.0}),
+                               testing::values({1.0, 2.0, 3.0})),
                 1e-9)
           << method_name(method) << " s=" << s;
     }
@@ -359,7 +374,8 @@ TEST(Lstsq, HugeAndTinyFiniteInputOnTheSvdPath) {
       EXPECT_EQ(result.method, LstsqMethod::svd);
       EXPECT_EQ(result.rank, 3) << magnitude << equilibrate;
       EXPECT_LT(relative_error(result.solution, x), 1e-5) << magnitude << equilibrate;
-      const double direct = magnitude * ((b - A.mv(result.solution)) / magnitude).norm().item<double>();
+      const double direct =
+          magnitude * ((b - A.mv(result.solution)) / magnitude).norm().item<double>();
       EXPECT_NEAR(result.residual_norm, direct, 1e-8 * direct) << magnitude << equilibrate;
     }
   }
@@ -494,7 +510,8 @@ TEST(LstsqErrors, ForcedGramCholeskyOnSingularInputSaysWhatToDo) {
     lstsq(A, at::randn({3000}, kF64), options);
     ADD_FAILURE() << "expected a breakdown";
   } catch (const std::runtime_error& error) {
-    EXPECT_NE(std::string(error.what()).find("not positive definite"), std::string::npos) << error.what();
+    EXPECT_NE(std::string(error.what()).find("not positive definite"), std::string::npos)
+        << error.what();
   }
 }
 

@@ -47,8 +47,8 @@ TEST(TsqrPlan, ChunksTileTheRowsWithinTheElementLimit) {
                                         (int64_t{1} << 28) + 4096,
                                         (int64_t{1} << 31) + 1,
                                         (int64_t{1} << 36) + 7};
-  for (const int64_t cols : {int64_t{1}, int64_t{2}, int64_t{9}, int64_t{10}, int64_t{17}, int64_t{33},
-                             int64_t{11'585}, int64_t{11'586}, int64_t{20'000}}) {
+  for (const int64_t cols : {int64_t{1}, int64_t{2}, int64_t{9}, int64_t{10}, int64_t{17},
+                             int64_t{33}, int64_t{11'585}, int64_t{11'586}, int64_t{20'000}}) {
     for (const int64_t rows : row_counts) expect_valid(rows, cols);
   }
 }

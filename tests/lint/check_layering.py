@@ -16,7 +16,8 @@ import sys
 MAX_LINES = 900
 SOURCE_SUFFIXES = {".h", ".hpp", ".cpp", ".cc", ".cu", ".cuh", ".c"}
 INCLUDE = re.compile(r'^\s*#\s*include\s*[<"]([^">]+)[">]')
-CUDA_HEADER = re.compile(r"^(cuda|cuda_runtime|cuda_runtime_api|cudaTypedefs|driver_types|cuComplex|cublas|cusolver|nvrtc|curand)")
+CUDA_HEADER = re.compile(r"^(cuda|cuda_runtime|cuda_runtime_api|cudaTypedefs|driver_types"
+                         r"|cuComplex|cublas|cusolver|nvrtc|curand)")
 TORCH_HEADER = re.compile(r"^(torch/|ATen/|c10/|cusolver|cublas)")
 
 
@@ -37,7 +38,8 @@ def check(root: pathlib.Path) -> list[str]:
             text = path.read_text(errors="replace")
             lines = text.splitlines()
             if len(lines) > MAX_LINES:
-                problems.append(f"{rel}: {len(lines)} lines (limit {MAX_LINES}): split it by concept")
+                problems.append(
+                    f"{rel}: {len(lines)} lines (limit {MAX_LINES}): split it by concept")
             first = next((line.strip() for line in lines if line.strip()), "")
             if not (first.startswith("//") or first.startswith("/*")):
                 problems.append(f"{rel}: does not open with a summary comment")
@@ -52,7 +54,8 @@ def check(root: pathlib.Path) -> list[str]:
                     if CUDA_HEADER.match(header) and not in_backend:
                         problems.append(f"{where}: CUDA headers belong in allocator/backends/ only")
                     if TORCH_HEADER.match(header):
-                        problems.append(f"{where}: LibTorch/cuSOLVER/cuBLAS belong in optimizers/ and above")
+                        problems.append(
+                            f"{where}: LibTorch/cuSOLVER/cuBLAS belong in optimizers/ and above")
                 if layer == "allocator" and header.startswith(("tiering/", "optimizers/")):
                     problems.append(f"{where}: allocator/ may not import upper layers")
                 if layer == "tiering" and header.startswith("optimizers/"):

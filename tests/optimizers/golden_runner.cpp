@@ -80,7 +80,8 @@ optim::AADLOptions aadl_options(const JsonValue& a) {
   optim::AADLOptions o;
   if (a.has("acceleration_type")) o.acceleration_type(a["acceleration_type"].string());
   if (a.has("relaxation")) o.relaxation(a["relaxation"].number());
-  if (a.has("wait_iterations")) o.wait_iterations(static_cast<int64_t>(a["wait_iterations"].number()));
+  if (a.has("wait_iterations"))
+    o.wait_iterations(static_cast<int64_t>(a["wait_iterations"].number()));
   if (a.has("history_depth")) o.history_depth(static_cast<int64_t>(a["history_depth"].number()));
   if (a.has("store_each_nth")) o.store_each_nth(static_cast<int64_t>(a["store_each_nth"].number()));
   if (a.has("frequency")) o.frequency(static_cast<int64_t>(a["frequency"].number()));
@@ -230,7 +231,8 @@ Deviation compare(const GoldenCase& golden, const Trajectory& run) {
     const GoldenStep& ref = golden.steps[static_cast<size_t>(k)];
     double worst = 0.0;
     for (size_t i = 0; i < ref.params.size(); ++i) {
-      const torch::Tensor got = run.params[static_cast<size_t>(k)][i].to(torch::kFloat64).reshape(-1);
+      const torch::Tensor got =
+          run.params[static_cast<size_t>(k)][i].to(torch::kFloat64).reshape(-1);
       if (got.numel() != static_cast<int64_t>(ref.params[i].size())) {
         throw std::runtime_error(golden.path + ": parameter size mismatch");
       }

@@ -149,7 +149,8 @@ TEST(TieredOnGpu, AadlHistoryStreamedFromTheStoreIsBitwiseIdenticalToHostStaged)
   const auto run = [&](const std::shared_ptr<tidepool::optim::StatePlacement>& placement) {
     SideStream side;
     torch::manual_seed(3);
-    auto p = torch::randn({n}, torch::TensorOptions().device(torch::kCUDA, 0)).set_requires_grad(true);
+    auto p =
+        torch::randn({n}, torch::TensorOptions().device(torch::kCUDA, 0)).set_requires_grad(true);
     auto sgd = std::make_shared<torch::optim::SGD>(std::vector<torch::Tensor>{p},
                                                    torch::optim::SGDOptions(0.1));
     tidepool::optim::AADL aadl(sgd, tidepool::optim::AADLOptions().relaxation(0.5).history_depth(5),

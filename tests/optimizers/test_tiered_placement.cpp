@@ -478,8 +478,9 @@ TEST(TieredAADL, SingleChunkHistoryInTheSmallestBudgetStaysExact) {
   auto backend = tidepool::make_host_backend();
   auto store = host_store(*backend, budget);
   auto placement = writing_back_on_release(store);
-  EXPECT_TRUE(torch::equal(train_aadl(std::make_shared<tidepool::optim::ResidentPlacement>(), steps),
-                           train_aadl(placement, steps)));
+  EXPECT_TRUE(
+      torch::equal(train_aadl(std::make_shared<tidepool::optim::ResidentPlacement>(), steps),
+                   train_aadl(placement, steps)));
   EXPECT_LE(store->stats().device_peak_bytes, budget);
 }
 

@@ -125,7 +125,8 @@ def main(argv: list[str]) -> int:
         raise SystemExit(f"libtidepool was loaded although no tidepool key was set: {plain}")
 
     step("import torch with backend:tidepool and tidepool.state_budget:1GiB")
-    claimed = probe(python, work, "max_split_size_mb:256,backend:tidepool,tidepool.state_budget:1GiB")
+    claimed = probe(python, work,
+                    "max_split_size_mb:256,backend:tidepool,tidepool.state_budget:1GiB")
     if not claimed["loaded"]:
         raise SystemExit(f"the .pth hook did not load libtidepool: {claimed}")
     if claimed["conf"] != "max_split_size_mb:256":
@@ -138,7 +139,8 @@ def main(argv: list[str]) -> int:
         if not (claimed["torch_cuda"] or "").startswith(os.path.join(site, "tidepool", "lib")):
             raise SystemExit(f"the installed libtidepool_torch_cuda.so is not found: {claimed}")
         if claimed["torch_cuda_loads"] != "yes":
-            raise SystemExit(f"libtidepool_torch_cuda.so does not load against this torch: {claimed}")
+            raise SystemExit(
+                f"libtidepool_torch_cuda.so does not load against this torch: {claimed}")
 
     step("import torch with an unknown tidepool key")
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "TIDEPOOL_LIBRARY")}

@@ -73,8 +73,8 @@ def clean_env(**variables: str) -> dict:
     """The test process's environment without anything that would steer tidepool or
     PyTorch's allocator, plus `variables`."""
     env = {k: v for k, v in os.environ.items()
-           if k not in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "TIDEPOOL_ALLOC_CONF", "LD_PRELOAD",
-                        "TIDEPOOL_AUTOLOAD", "TIDEPOOL_BACKEND", "TIDEPOOL_CUDART",
+           if k not in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "TIDEPOOL_ALLOC_CONF",
+                        "LD_PRELOAD", "TIDEPOOL_AUTOLOAD", "TIDEPOOL_BACKEND", "TIDEPOOL_CUDART",
                         "PYTHONWARNINGS")}
     env["PYTHONPATH"] = str(PACKAGE_SRC)
     env.update(variables)

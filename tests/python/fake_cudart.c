@@ -258,7 +258,8 @@ int cudaEventRecord(void* event, void* stream) {
 }
 
 int cudaStreamWaitEvent(void* stream, void* event, unsigned flags) {
-  int (*host_wait)(void*, void*, int) = (int (*)(void*, void*, int))helper("host_streams_wait_event");
+  int (*host_wait)(void*, void*, int) =
+      (int (*)(void*, void*, int))helper("host_streams_wait_event");
   (void)flags;
   return answer(host_wait != NULL ? host_wait(stream, event, env_int("FAKE_CUDART_DEVICE", 0))
                                   : 801);

@@ -12,8 +12,9 @@ PRELOAD = os.environ.get("TIDEPOOL_PRELOAD_LIBRARY", "")
 FAKE_CUDART = os.environ.get("TIDEPOOL_TEST_FAKE_CUDART", "")
 HOST_STREAMS = os.environ.get("TIDEPOOL_TEST_HOST_STREAMS", "")
 
-needs_preload = pytest.mark.skipif(not os.path.isfile(PRELOAD),
-                                   reason="TIDEPOOL_PRELOAD_LIBRARY not built (a build without CUDA)")
+needs_preload = pytest.mark.skipif(
+    not os.path.isfile(PRELOAD),
+    reason="TIDEPOOL_PRELOAD_LIBRARY not built (a build without CUDA)")
 
 
 # The checks below run in a fresh interpreter with the shim preloaded and the fake

@@ -18,7 +18,8 @@ KNOWN_KEYS = ("backend:tidepool, tidepool.mode, tidepool.state_budget, tidepool.
     ("backend:tidepool,expandable_segments:True", "expandable_segments:True"),
     ("max_split_size_mb:128,backend:tidepool,garbage_collection_threshold:0.6",
      "max_split_size_mb:128,garbage_collection_threshold:0.6"),
-    ("roundup_power2_divisions:[256:1,512:2,>:8],tidepool.mode:pool,pinned_use_cuda_host_register:True",
+    ("roundup_power2_divisions:[256:1,512:2,>:8],tidepool.mode:pool,"
+     "pinned_use_cuda_host_register:True",
      "roundup_power2_divisions:[256:1,512:2,>:8],pinned_use_cuda_host_register:True"),
     ("tidepool.log:debug, expandable_segments:True", " expandable_segments:True"),
 ])
@@ -29,7 +30,8 @@ def test_tidepool_entries_are_claimed_and_pytorch_entries_kept_in_order(conf, re
 
 
 @pytest.mark.parametrize("conf", [
-    "", "expandable_segments:True", "backend:native", "backend:cudaMallocAsync,max_split_size_mb:64",
+    "", "expandable_segments:True", "backend:native",
+    "backend:cudaMallocAsync,max_split_size_mb:64",
     "garbage_collection_threshold:0.6,,expandable_segments:False",
 ])
 def test_strings_that_do_not_name_tidepool_are_returned_untouched(conf):
@@ -65,7 +67,8 @@ def test_state_budget_sizes(value, expected):
         "kind": "bytes", "bytes": expected}
 
 
-@pytest.mark.parametrize("value, expected", [("0", 0), ("4096", 4096), ("2MiB", 2 << 20), ("1MB", 10**6)])
+@pytest.mark.parametrize("value, expected",
+                         [("0", 0), ("4096", 4096), ("2MiB", 2 << 20), ("1MB", 10**6)])
 def test_tier_min_bytes_sizes(value, expected):
     assert claim(f"tidepool.tier_min_bytes:{value}").config["tier_min_bytes"] == expected
 
@@ -80,7 +83,8 @@ def test_unknown_key_names_the_key_and_lists_the_known_ones():
 @pytest.mark.parametrize("conf, message", [
     ("tidepool.mode:everything",
      "tidepool.mode: 'everything' is not a valid value; allowed: global, pool"),
-    ("tidepool.log:loud", "tidepool.log: 'loud' is not a valid value; allowed: off, warn, info, debug"),
+    ("tidepool.log:loud",
+     "tidepool.log: 'loud' is not a valid value; allowed: off, warn, info, debug"),
     ("tidepool.device_backend:tpu",
      "tidepool.device_backend: 'tpu' is not a valid value; allowed: auto, cuda, host"),
     ("tidepool.optimizer_hooks:true",

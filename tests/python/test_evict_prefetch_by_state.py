@@ -41,7 +41,8 @@ def test_an_optimizers_state_moves_by_its_tensors_pointers(fake_cuda, fake_tieri
     tidepool.evict("optimizer_state")
     tidepool.prefetch(_tags.OPTIMIZER_STATE, device=0, stream=3)
     assert fake_tiering == [("evict_ptrs", 0, ptrs, None), ("prefetch", 0, ptrs, 7),
-                            ("evict_ptrs", 0, ptrs, None), ("evict", 0, _tags.OPTIMIZER_STATE, None),
+                            ("evict_ptrs", 0, ptrs, None),
+                            ("evict", 0, _tags.OPTIMIZER_STATE, None),
                             ("prefetch_tag", 0, _tags.OPTIMIZER_STATE, 3)]
 
 
@@ -64,7 +65,8 @@ def test_tensors_move_by_their_storages_pointers(fake_cuda, fake_tiering):
 
 def test_what_cannot_be_moved_is_a_clear_error(fake_cuda, fake_tiering, monkeypatch):
     for what in (None, 2.5, object()):
-        with pytest.raises(TypeError, match="take a tag .a name or an id., a torch.optim.Optimizer, "
+        with pytest.raises(TypeError, match="take a tag .a name or an id., "
+                           "a torch.optim.Optimizer, "
                            "a tensor or an iterable of tensors, not"):
             tidepool.evict(what)
     with pytest.raises(TypeError, match="the iterable holds a str"):
@@ -96,14 +98,16 @@ def test_tensors_over_tidepools_ranges_move_and_others_are_skipped(run_python):
         with tidepool.region("optimizer_state"):
             ranges = [malloc(2 * MiB) for _ in range(3)]
         def over(ptr):
-            return torch.frombuffer((ctypes.c_char * (2 * MiB)).from_address(ptr), dtype=torch.uint8)
+            return torch.frombuffer((ctypes.c_char * (2 * MiB)).from_address(ptr),
+                                    dtype=torch.uint8)
         _optim_hooks._cuda_index = lambda tensor: 0  # they stand in for tensors on cuda:0
         mine = [over(ranges[0])[4096:], over(ranges[1]), torch.ones(4)]
         tidepool.evict(mine)
         def device_bytes():
             return tidepool.stats(0)["tiering.vmm_device_bytes"]
         after_evict = device_bytes()
-        left = tidepool.prefetch(reversed(mine))  # the second first: with the third on the device, the budget takes one more
+        # the second first: with the third on the device, the budget takes one more
+        left = tidepool.prefetch(reversed(mine))
         print(json.dumps({"after_evict": after_evict, "left": left,
                           "after_prefetch": device_bytes()}))
         """, "tidepool.state_budget:5MiB")).stdout.strip().splitlines()[-1])

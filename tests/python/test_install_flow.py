@@ -44,7 +44,8 @@ def test_a_refused_swap_is_an_error_with_tidepools_message(fake_cuda, monkeypatc
     shim = SimpleNamespace(tidepool_torch_install_cuda_allocator=lambda: -1)
     monkeypatch.setattr(_lib, "load_torch_cuda", lambda: (shim, ""))
     monkeypatch.setattr(_lib, "last_error", lambda: "Can't swap an already initialized allocator")
-    with pytest.raises(RuntimeError, match="already initialized allocator.*before CUDA is first used"):
+    with pytest.raises(RuntimeError,
+                       match="already initialized allocator.*before CUDA is first used"):
         install()
     assert fake_cuda == []
 
@@ -125,7 +126,8 @@ def test_without_an_install_torchs_cuda_gives_the_current_device_and_stream(monk
     monkeypatch.setattr(torch.cuda, "ExternalStream", lambda handle, device: SimpleNamespace(
         synchronize=lambda: synchronized.append((handle, device))))
     calls = []
-    monkeypatch.setattr(_tiering, "_fn", lambda name: lambda *args: calls.append((name, *args[:3])) or 0)
+    monkeypatch.setattr(_tiering, "_fn",
+                        lambda name: lambda *args: calls.append((name, *args[:3])) or 0)
     tidepool.evict()
     tidepool.prefetch()
     assert synchronized == [(1002, 2)]
@@ -166,7 +168,8 @@ def test_the_real_libtidepool_torch_cuda_becomes_c10s_allocator(run_python):
         from tidepool import _config, _install
         before = torch.cuda.memory.get_allocator_backend()
         original = torch.Tensor.record_stream
-        _install.install(torch, _config.claim("backend:tidepool,tidepool.optimizer_hooks:off").config)
+        _install.install(torch,
+                         _config.claim("backend:tidepool,tidepool.optimizer_hooks:off").config)
         print("BEFORE", before, "AFTER", torch.cuda.memory.get_allocator_backend())
         print("WRAPPED", torch.Tensor.record_stream is not original)
         print("VIA", _install.STATE.cuda_allocator)
@@ -185,13 +188,15 @@ def test_the_real_libtidepool_torch_cuda_becomes_c10s_allocator(run_python):
         torch.cuda.reset_accumulated_memory_stats(0)
         lib.tidepool_free(ctypes.c_void_p(ptr), 5 << 20, 0, None)
         after = torch.cuda.memory_stats(0)
-        print("RESET", after["allocation.all.allocated"] == 0 and after["allocation.all.freed"] == 1)
+        print("RESET",
+              after["allocation.all.allocated"] == 0 and after["allocation.all.freed"] == 1)
         torch.cuda.reset_peak_memory_stats(0)
         print("PEAK_RESET", torch.cuda.max_memory_allocated(0) == torch.cuda.memory_allocated(0))
         print("PATCHED", torch.cuda.memory.memory_stats_as_nested_dict.__module__)
         # The fallback's ctypes mirror reads the same struct c10 is filled from.
         from tidepool import _torch_memory
-        print("SAME_AS_FALLBACK", torch.cuda.memory.memory_stats_as_nested_dict(0) == _torch_memory.nested_stats(0))
+        print("SAME_AS_FALLBACK", torch.cuda.memory.memory_stats_as_nested_dict(0)
+              == _torch_memory.nested_stats(0))
         # The memory visualizer's snapshot comes from tidepool's backed ranges through c10.
         import os, pickle, tempfile
         held = lib.tidepool_malloc(3 << 20, 0, None)
@@ -199,7 +204,8 @@ def test_the_real_libtidepool_torch_cuda_becomes_c10s_allocator(run_python):
         blocks = [b for seg in snap["segments"] for b in seg["blocks"]]
         print("SNAPSHOT", any(b["address"] == held and b["state"] == "active_allocated"
                               and b["requested_size"] == 3 << 20 for b in blocks),
-              sum(seg["total_size"] for seg in snap["segments"]) == _stats.raw_stats(0).reserved.current,
+              sum(seg["total_size"] for seg in snap["segments"])
+              == _stats.raw_stats(0).reserved.current,
               len(torch.cuda.memory_snapshot()) == len(snap["segments"]))
         path = os.path.join(tempfile.mkdtemp(), "snapshot.pickle")
         torch.cuda.memory._dump_snapshot(path)
@@ -491,7 +497,8 @@ def test_a_failed_record_stream_raises_with_tidepools_message(monkeypatch):
 def test_a_library_without_the_pytorch_entry_points_is_a_clear_error(fake_cuda, monkeypatch):
     real_optional = _lib.optional
     monkeypatch.setattr(_lib, "optional",
-                        lambda name: None if name == "tidepool_pytorch_malloc" else real_optional(name))
+                        lambda name: None if name == "tidepool_pytorch_malloc"
+                        else real_optional(name))
     with pytest.raises(_lib.LibraryError, match="tidepool_pytorch_malloc is missing"):
         install()
     assert fake_cuda == []

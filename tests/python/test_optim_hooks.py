@@ -7,9 +7,10 @@ stateless does not make later steps optimizer_state ones until its group's
 hyperparameters may turn state on (Note [step tags]), and the bookkeeping of that keeps
 no optimizer alive; the closure of step(closure) runs
 outside the step's scope and the state is still tagged (Note [closures]), a step or hook
-that raises closes its scope (Note [a step that raises]), nested steps keep the outer scope, loaded state
-(plain tensors and DTensor shards) is taken into tiering (Note [loaded state]), the
-patches come off cleanly, and the update itself is torch's, bit for bit, compiled or not."""
+that raises closes its scope (Note [a step that raises]), nested steps keep the outer
+scope, loaded state (plain tensors and DTensor shards) is taken into tiering
+(Note [loaded state]), the patches come off cleanly, and the update itself is torch's,
+bit for bit, compiled or not."""
 
 from __future__ import annotations
 
@@ -93,7 +94,8 @@ def test_with_two_optimizers_each_step_prefetches_only_its_own_state(fake_cuda, 
     state = generator.state
     own = tuple(state[p][k].data_ptr() for p in (g2, g1) for k in ("step", "exp_avg", "exp_avg_sq"))
     assert fake_tiering == [("prefetch", 0, own, 4242), EVICT,
-                            ("prefetch", 0, (discriminator.state[d1]["momentum_buffer"].data_ptr(),), 4242),
+                            ("prefetch", 0,
+                             (discriminator.state[d1]["momentum_buffer"].data_ptr(),), 4242),
                             EVICT]
 
 
@@ -496,7 +498,8 @@ def test_a_hook_that_raises_closes_the_scope_too(fake_cuda, fake_tiering, where)
     p = torch.nn.Parameter(torch.ones(2))
     p.grad = torch.ones(2)
     optimizer = FreshSGD([p], lr=0.1)
-    register = optimizer.register_step_pre_hook if where == "pre" else optimizer.register_step_post_hook
+    register = (optimizer.register_step_pre_hook if where == "pre"
+                else optimizer.register_step_post_hook)
     register(failing_hook)
     outside = _tags.current()
     with pytest.raises(ValueError, match="gradient check failed"):
@@ -674,7 +677,8 @@ def test_torchs_step_patcher_is_put_back_as_the_staticmethod_it_was(fake_cuda, f
     assert not getattr(LaterSGD.step, "tidepool_guarded", False)
 
 
-def test_stock_adamw_foreach_and_plain_give_identical_results_with_the_hooks(fake_cuda, fake_tiering):
+def test_stock_adamw_foreach_and_plain_give_identical_results_with_the_hooks(fake_cuda,
+                                                                              fake_tiering):
     torch.manual_seed(0)
     grads = [torch.randn(5, 3) for _ in range(3)]
 

@@ -587,7 +587,9 @@ os.environ["FAKE_CUDART_DEVICE"] = "5"
 out["free_rc"] = process.cudaFree(p)
 out["allocated_after_free"] = tidepool.stats(5)["allocated_bytes.all.current"]
 """, TIDEPOOL_BACKEND="host")
-    assert out == {"malloc_rc": 0, "free_elsewhere_rc": 101, "still_allocated": 4096,  # cudaErrorInvalidDevice
+    assert out == {"malloc_rc": 0,
+                   "free_elsewhere_rc": 101,  # cudaErrorInvalidDevice
+                   "still_allocated": 4096,
                    "free_rc": 0, "allocated_after_free": 0}
 
 

@@ -10,8 +10,8 @@
 
 namespace tidepool::test_support {
 
-inline std::unique_ptr<Backend> make_test_backend(BackendKind kind,
-                                                  std::size_t host_capacity = std::size_t{1} << 30) {
+inline std::unique_ptr<Backend> make_test_backend(
+    BackendKind kind, std::size_t host_capacity = std::size_t{1} << 30) {
   if (kind == BackendKind::cuda) {
     if (cuda_device_count() == 0) return nullptr;
     return make_cuda_backend(0);

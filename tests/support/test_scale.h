@@ -18,7 +18,8 @@ inline double test_scale() {
 
 // `n` times the scale, at least 1.
 inline std::int64_t scaled(std::int64_t n) {
-  return std::max<std::int64_t>(1, static_cast<std::int64_t>(static_cast<double>(n) * test_scale()));
+  return std::max<std::int64_t>(
+      1, static_cast<std::int64_t>(static_cast<double>(n) * test_scale()));
 }
 
 }  // namespace tidepool::test_support

@@ -91,18 +91,32 @@ class FailingBackend final : public Backend {
     throw BackendError(std::string("failing backend: ") + op + ": the backend is gone");
   }
 
-  void* do_device_alloc(std::size_t b) override { return gate("device_alloc"), inner_.device_alloc(b); }
-  void do_device_free(void* p, std::size_t b) override { gate("device_free"); inner_.device_free(p, b); }
+  void* do_device_alloc(std::size_t b) override {
+    return gate("device_alloc"), inner_.device_alloc(b);
+  }
+  void do_device_free(void* p, std::size_t b) override {
+    gate("device_free");
+    inner_.device_free(p, b);
+  }
   MemInfo do_mem_info() override { return gate("mem_info"), inner_.mem_info(); }
   Stream do_create_stream() override { return gate("create_stream"), inner_.create_stream(); }
   void do_destroy_stream(Stream s) override { gate("destroy_stream"); inner_.destroy_stream(s); }
-  void do_stream_synchronize(Stream s) override { gate("stream_synchronize"); inner_.stream_synchronize(s); }
+  void do_stream_synchronize(Stream s) override {
+    gate("stream_synchronize");
+    inner_.stream_synchronize(s);
+  }
   void do_device_synchronize() override { gate("device_synchronize"); inner_.device_synchronize(); }
   Event do_create_event() override { return gate("create_event"), inner_.create_event(); }
   void do_destroy_event(Event e) override { gate("destroy_event"); inner_.destroy_event(e); }
-  void do_record_event(Event e, Stream s) override { gate("record_event"); inner_.record_event(e, s); }
+  void do_record_event(Event e, Stream s) override {
+    gate("record_event");
+    inner_.record_event(e, s);
+  }
   bool do_event_query(Event e) override { return gate("event_query"), inner_.event_query(e); }
-  void do_event_synchronize(Event e) override { gate("event_synchronize"); inner_.event_synchronize(e); }
+  void do_event_synchronize(Event e) override {
+    gate("event_synchronize");
+    inner_.event_synchronize(e);
+  }
   void do_stream_wait_event(Stream s, Event e) override {
     gate("stream_wait_event");
     inner_.stream_wait_event(s, e);
@@ -122,9 +136,14 @@ class FailingBackend final : public Backend {
     gate("launch_host_func");
     inner_.launch_host_func(s, fn, arg);
   }
-  void do_host_register(void* p, std::size_t b) override { gate("host_register"); inner_.host_register(p, b); }
+  void do_host_register(void* p, std::size_t b) override {
+    gate("host_register");
+    inner_.host_register(p, b);
+  }
   void do_host_unregister(void* p) override { gate("host_unregister"); inner_.host_unregister(p); }
-  void* do_reserve_address(std::size_t b) override { return gate("reserve_address"), inner_.reserve_address(b); }
+  void* do_reserve_address(std::size_t b) override {
+    return gate("reserve_address"), inner_.reserve_address(b);
+  }
   void do_release_address(void* va, std::size_t b) override {
     gate("release_address");
     inner_.release_address(va, b);
@@ -142,7 +161,10 @@ class FailingBackend final : public Backend {
     std::lock_guard lock(mutex_);
     live_.erase(h.value);
   }
-  void do_map(void* va, std::size_t b, PhysicalHandle h) override { gate("map"); inner_.map(va, b, h); }
+  void do_map(void* va, std::size_t b, PhysicalHandle h) override {
+    gate("map");
+    inner_.map(va, b, h);
+  }
   void do_unmap(void* va, std::size_t b) override { gate("unmap"); inner_.unmap(va, b); }
   // The inner backend holds the real mappings: it becomes the peers' too.
   void do_grant_peer_access(void*, std::size_t, const std::vector<int>& peers) override {

@@ -56,7 +56,8 @@ TEST_P(ConfigBudgetsTest, ZeroOrNoStateBudgetKeepsTheBuiltInDefault) {
   apply_config(Config{});  // tidepool not enabled: the configuration is not consulted
   TieredStoreOptions o;
   o.host = tiering_test::test_host_options();
-  EXPECT_EQ(TieredStore(backend(), o).device_budget_bytes(), TieredStoreOptions::kDefaultDeviceBudget);
+  EXPECT_EQ(TieredStore(backend(), o).device_budget_bytes(),
+            TieredStoreOptions::kDefaultDeviceBudget);
 }
 
 TEST_P(ConfigBudgetsTest, PinnedBudgetIsTheArenasDefaultAndIsEnforced) {

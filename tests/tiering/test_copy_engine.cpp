@@ -64,7 +64,8 @@ TEST_P(CopyEngineTest, SmallTransfersAreTimedInBatches) {
 
 TEST_P(CopyEngineTest, DirectionsUseTheirOwnStreams) {
   CopyEngine engine(backend());
-  EXPECT_FALSE(engine.stream(Direction::host_to_device) == engine.stream(Direction::device_to_host));
+  EXPECT_FALSE(engine.stream(Direction::host_to_device) ==
+               engine.stream(Direction::device_to_host));
   EXPECT_FALSE(engine.stream(Direction::host_to_device) == Stream{});
 }
 

@@ -42,7 +42,8 @@ TEST_P(HostArenaTest, BlocksAreAlignedPinnedDistinctAndHoldTheirBytes) {
   // No block overlaps another: each still holds its own fill.
   for (std::size_t i = 0; i < blocks.size(); ++i) {
     const auto* p = static_cast<const unsigned char*>(blocks[i].ptr);
-    ASSERT_TRUE(std::all_of(p, p + blocks[i].bytes, [&](unsigned char c) { return c == (i & 0xff); }))
+    ASSERT_TRUE(std::all_of(p, p + blocks[i].bytes,
+                            [&](unsigned char c) { return c == (i & 0xff); }))
         << "block " << i << " was overwritten";
   }
   const HostArenaStats s = arena.stats();
@@ -374,7 +375,8 @@ TEST_P(HostArenaTest, MissingMimallocFallsBackNamingThePackage) {
   EXPECT_EQ(s.fallback_no_mimalloc, 1u);
   EXPECT_EQ(s.fallback_budget, 0u);
   EXPECT_EQ(s.slab_count, 0u);
-  EXPECT_NE(s.last_fallback_reason.find("libmimalloc2"), std::string::npos) << s.last_fallback_reason;
+  EXPECT_NE(s.last_fallback_reason.find("libmimalloc2"), std::string::npos)
+      << s.last_fallback_reason;
   EXPECT_NE(s.last_fallback_reason.find("libtidepool_test_no_such_mimalloc"), std::string::npos);
   arena.deallocate(small);
   arena.deallocate(large);
@@ -382,7 +384,8 @@ TEST_P(HostArenaTest, MissingMimallocFallsBackNamingThePackage) {
 }
 
 TEST_P(HostArenaTest, MissingMimallocWithoutFallbackThrowsNamingThePackage) {
-  HostArena arena(backend(), options_with_mimalloc(kNoSuchMimalloc, /*allow_pageable_fallback=*/false));
+  HostArena arena(backend(),
+                  options_with_mimalloc(kNoSuchMimalloc, /*allow_pageable_fallback=*/false));
   try {
     arena.allocate(4096);
     FAIL() << "allocate without mimalloc and without the fallback must throw";

@@ -66,7 +66,9 @@ class LoadsOverWriteBacksTest : public ::testing::TestWithParam<Param> {
   DeviceMemorySource source() {
     return stream_ordered() ? caching_allocator_source(*allocator_) : DeviceMemorySource{};
   }
-  std::unique_ptr<TieredStore> make_store(std::size_t budget) { return make_store(budget, source()); }
+  std::unique_ptr<TieredStore> make_store(std::size_t budget) {
+    return make_store(budget, source());
+  }
   std::unique_ptr<TieredStore> make_store(std::size_t budget, DeviceMemorySource source) {
     TieredStoreOptions o;
     o.device_budget_bytes = budget;
@@ -111,7 +113,8 @@ struct GatedScene {
 };
 
 TEST_P(LoadsOverWriteBacksTest, LoadOfAnotherSizeIsQueuedBehindWriteBacks) {
-  if (GetParam().backend != BackendKind::host) GTEST_SKIP() << "the gate needs host-backend streams";
+  if (GetParam().backend != BackendKind::host)
+    GTEST_SKIP() << "the gate needs host-backend streams";
   if (!stream_ordered()) GTEST_SKIP() << "needs a stream-ordered source (see the next test)";
   for (const bool by_acquire : {false, true}) {
     SCOPED_TRACE(by_acquire ? "acquire" : "prefetch");
@@ -137,7 +140,8 @@ TEST_P(LoadsOverWriteBacksTest, LoadOfAnotherSizeIsQueuedBehindWriteBacks) {
     void* dev_c = nullptr;
     bool returned_in_time = true;
     if (by_acquire) {
-      auto acquired = std::async(std::launch::async, [&] { return store->acquire(scene.c, other); });
+      auto acquired =
+          std::async(std::launch::async, [&] { return store->acquire(scene.c, other); });
       returned_in_time = acquired.wait_for(std::chrono::seconds(5)) == std::future_status::ready;
       if (!returned_in_time) scene.gate.open();  // the old store waits here for the gate
       dev_c = acquired.get();
@@ -169,8 +173,11 @@ TEST_P(LoadsOverWriteBacksTest, LoadOfAnotherSizeIsQueuedBehindWriteBacks) {
         << "c's load ran before the write-backs whose memory it may reuse";
     EXPECT_EQ(first_difference(seen_c.data(), scene.data_c.data(), c_bytes), -1);
     store->release(scene.c, /*dirty=*/false);
-    EXPECT_EQ(first_difference(contents(*store, scene.a).data(), scene.data_a.data(), 2 * kMiB), -1);
-    EXPECT_EQ(first_difference(contents(*store, scene.b).data(), scene.data_b.data(), 3 * kMiB / 2), -1);
+    EXPECT_EQ(first_difference(contents(*store, scene.a).data(), scene.data_a.data(), 2 * kMiB),
+              -1);
+    EXPECT_EQ(
+        first_difference(contents(*store, scene.b).data(), scene.data_b.data(), 3 * kMiB / 2),
+        -1);
     backend().destroy_event(c_seen);
     store->evict(scene.c);
     store->synchronize();
@@ -187,7 +194,8 @@ TEST_P(LoadsOverWriteBacksTest, LoadOfAnotherSizeIsQueuedBehindWriteBacks) {
 // write-backs are done: no buffer is handed back twice (the caching allocator would call
 // it a double free), none is lost, and every byte stays readable.
 TEST_P(LoadsOverWriteBacksTest, ADeallocateThrowingMidwayHandsNoBufferBackTwice) {
-  if (GetParam().backend != BackendKind::host) GTEST_SKIP() << "the gate needs host-backend streams";
+  if (GetParam().backend != BackendKind::host)
+    GTEST_SKIP() << "the gate needs host-backend streams";
   if (!stream_ordered()) GTEST_SKIP() << "only a stream-ordered source gets frees in stream order";
   int calls_before_failure = -1;  // deallocates let through before one throws; -1: none throws
   DeviceMemorySource failing = source();
@@ -225,7 +233,8 @@ TEST_P(LoadsOverWriteBacksTest, ADeallocateThrowingMidwayHandsNoBufferBackTwice)
   EXPECT_NO_THROW(store->synchronize());  // hands b's buffer back, and a's no second time
   EXPECT_EQ(store->device_bytes(), 0u);
   EXPECT_EQ(first_difference(contents(*store, scene.a).data(), scene.data_a.data(), 2 * kMiB), -1);
-  EXPECT_EQ(first_difference(contents(*store, scene.b).data(), scene.data_b.data(), 3 * kMiB / 2), -1);
+  EXPECT_EQ(first_difference(contents(*store, scene.b).data(), scene.data_b.data(), 3 * kMiB / 2),
+            -1);
   void* dev_c = store->acquire(scene.c, stream_);
   std::vector<unsigned char> seen_c(3 * kMiB);
   backend().copy_async(seen_c.data(), dev_c, seen_c.size(), CopyKind::device_to_host, stream_);
@@ -241,7 +250,8 @@ TEST_P(LoadsOverWriteBacksTest, ADeallocateThrowingMidwayHandsNoBufferBackTwice)
 // another size is skipped (it never waits), nothing exceeds the budget, and once the
 // write-back is done the same prefetch goes through and every byte is intact.
 TEST_P(LoadsOverWriteBacksTest, WithoutAStreamOrderedSourceAPrefetchIsSkippedWithinBudget) {
-  if (GetParam().backend != BackendKind::host) GTEST_SKIP() << "the gate needs host-backend streams";
+  if (GetParam().backend != BackendKind::host)
+    GTEST_SKIP() << "the gate needs host-backend streams";
   if (stream_ordered()) GTEST_SKIP() << "a stream-ordered source gives room (previous test)";
   auto store = make_store(3 * kMiB + kMiB / 2);
   auto big = store->create(3 * kMiB, kTagOptimizerState);
@@ -277,18 +287,21 @@ TEST_P(LoadsOverWriteBacksTest, WithoutAStreamOrderedSourceAPrefetchIsSkippedWit
 // Sizes log-uniform in [64 KiB, max], multiples of 4 KiB, like bench/tiering.
 std::vector<std::size_t> mixed_sizes(std::size_t count, std::size_t max_bytes, std::uint64_t seed) {
   std::mt19937_64 rng(seed);
-  std::uniform_real_distribution<double> log_size(std::log(64.0 * 1024), std::log(double(max_bytes)));
+  std::uniform_real_distribution<double> log_size(std::log(64.0 * 1024),
+                                                  std::log(double(max_bytes)));
   std::vector<std::size_t> sizes;
   for (std::size_t i = 0; i < count; ++i) {
-    sizes.push_back(std::max<std::size_t>(64 << 10, std::size_t(std::exp(log_size(rng))) / 4096 * 4096));
+    sizes.push_back(
+        std::max<std::size_t>(64 << 10, std::size_t(std::exp(log_size(rng))) / 4096 * 4096));
   }
   return sizes;
 }
 
 // Training-step shaped traffic over mixed sizes (64 KiB to 64 MiB) under a budget of a
-// third of the state (at least 1.25x the largest): every handle acquired in order, rewritten, released dirty, with the
-// recorded schedule prefetching ahead. Every byte must come back; the budget must hold at
-// every step; with the caching allocator no acquire ever waits on the host for room.
+// third of the state (at least 1.25x the largest): every handle acquired in order,
+// rewritten, released dirty, with the recorded schedule prefetching ahead. Every byte must
+// come back; the budget must hold at every step; with the caching allocator no acquire ever
+// waits on the host for room.
 TEST_P(LoadsOverWriteBacksTest, MixedSizesUnderATightBudgetLoseNothing) {
   const std::size_t count = static_cast<std::size_t>(test_support::scaled(10));
   const std::size_t max_bytes = 64 * kMiB;
@@ -338,8 +351,9 @@ TEST_P(LoadsOverWriteBacksTest, MixedSizesUnderATightBudgetLoseNothing) {
 #define TIDEPOOL_TIERING_BACKENDS_RAW BackendKind::host
 #endif
 INSTANTIATE_TEST_SUITE_P(Sources, LoadsOverWriteBacksTest,
-                         ::testing::Values(Param{TIDEPOOL_TIERING_BACKENDS_RAW, Source::caching_allocator},
-                                           Param{TIDEPOOL_TIERING_BACKENDS_RAW, Source::backend}),
+                         ::testing::Values(
+                             Param{TIDEPOOL_TIERING_BACKENDS_RAW, Source::caching_allocator},
+                             Param{TIDEPOOL_TIERING_BACKENDS_RAW, Source::backend}),
                          param_name);
 
 }  // namespace

@@ -49,7 +49,8 @@ class TestSource {
       return p;
     };
     s.deallocate = [this](void* p, std::size_t n, Stream) {
-      if (refuse_deallocate) throw BackendError("test source: deallocate refused, nothing given back");
+      if (refuse_deallocate)
+        throw BackendError("test source: deallocate refused, nothing given back");
       {
         std::lock_guard lock(mutex_);
         EXPECT_EQ(live_.erase(p), 1u) << "a buffer handed back twice, or never allocated";
@@ -203,7 +204,8 @@ TEST_P(StoreErrorsTest, AnAllocateThatThrowsIsATieringErrorWithItsCause) {
   TieredStore& store = make_store();
   const auto h = create_written(3);
   source_->allocate_error = std::make_exception_ptr(BackendError("test source: allocate broke"));
-  const std::string handle = "of handle " + std::to_string(h) + " (" + std::to_string(kBytes) + " bytes)";
+  const std::string handle =
+      "of handle " + std::to_string(h) + " (" + std::to_string(kBytes) + " bytes)";
   expect_tiering_error([&] { store.acquire(h, stream_); }, "acquire " + handle, "allocate broke");
   expect_tiering_error([&] { store.prefetch(h, stream_); }, "prefetch " + handle, "allocate broke");
   expect_tiering_error([&] { store.prefetch_tag(kTagOptimizerState, stream_); },

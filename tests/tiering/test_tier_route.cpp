@@ -209,7 +209,8 @@ TEST_F(TierRouteTest, PyTorchRecordStreamReachesAPointerStableRange) {
   void* p = malloc_state(2 * kMiB);
   ASSERT_TRUE(routed(p));
   ASSERT_EQ(tidepool_pytorch_record_stream(p, s.handle), 0) << tidepool_last_error();
-  auto evicted = std::async(std::launch::async, [&] { return tidepool_evict_ptr(kRouteDevice, p); });
+  auto evicted =
+      std::async(std::launch::async, [&] { return tidepool_evict_ptr(kRouteDevice, p); });
   // Not a timing bound: a wait that ends early is the failure.
   EXPECT_EQ(evicted.wait_for(std::chrono::milliseconds(200)), std::future_status::timeout)
       << "the range moved while the stream PyTorch recorded was still held";

@@ -500,7 +500,8 @@ TEST_P(TieredStoreFaultTest, AQueryFailingWhileFreeingFreesNoBufferTwice) {
   backend().device_synchronize();  // both buffers are ready to be handed back
   failing.fail_calls_to("event_query", 1, /*skip=*/1);  // a's is handed back, b's fails
   // Note [One error type]: the query's BackendError reaches the caller as a TieringError.
-  const std::string m = test_support::expect_error<TieringError>([&] { store.acquire(h, stream_); });
+  const std::string m =
+      test_support::expect_error<TieringError>([&] { store.acquire(h, stream_); });
   EXPECT_NE(m.find("event_query"), std::string::npos) << m;
   EXPECT_EQ(store.device_bytes(), n);  // b's buffer, still pending
   const auto seen = read_device(store.acquire(h, stream_), n, stream_);

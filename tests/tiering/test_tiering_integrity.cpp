@@ -125,7 +125,8 @@ TEST_P(TieringIntegrityTest, RandomOperationsLoseNoByteAndKeepTheBudget) {
           ASSERT_GT(acquired + h.shadow.size(), kBudget) << e.what();
           refused_acquires++;
         }
-        if (h.dev != nullptr && pick(8) == 0) verify_device(h.dev, h.shadow, h.stream, "acquired handle");
+        if (h.dev != nullptr && pick(8) == 0)
+          verify_device(h.dev, h.shadow, h.stream, "acquired handle");
       } else {
         write_some(static_cast<unsigned char*>(h.dev), h.shadow, h.stream);
         h.written = true;
@@ -153,7 +154,8 @@ TEST_P(TieringIntegrityTest, RandomOperationsLoseNoByteAndKeepTheBudget) {
       const std::size_t i = pick(ranges.size());
       vmm.migrate(ranges[i].ptr, pick(2) ? MemoryLocation::host : MemoryLocation::device);
       ASSERT_EQ(vmm.base_of(ranges[i].ptr), ranges[i].ptr);
-      if (pick(4) == 0) verify_device(ranges[i].ptr, ranges[i].shadow, streams[i], "migrated range");
+      if (pick(4) == 0)
+        verify_device(ranges[i].ptr, ranges[i].shadow, streams[i], "migrated range");
     } else {
       store.reclaim(kBudget / 4);
     }
@@ -228,7 +230,8 @@ TEST_P(TieringIntegrityTest, ConcurrentThreadsKeepTheirDataAndTheBudget) {
           auto* dev = static_cast<unsigned char*>(store.acquire(ids[i], s));
           const std::size_t off = rng() % shadows[i].size();
           const std::size_t len = 1 + rng() % (shadows[i].size() - off);
-          b.copy_async(dev + off, src.data(), std::min(len, src.size()), CopyKind::host_to_device, s);
+          b.copy_async(dev + off, src.data(), std::min(len, src.size()),
+                       CopyKind::host_to_device, s);
           std::memcpy(shadows[i].data() + off, src.data(), std::min(len, src.size()));
           store.release(ids[i], true);
           switch (rng() % 4) {
@@ -258,7 +261,8 @@ TEST_P(TieringIntegrityTest, ConcurrentThreadsKeepTheirDataAndTheBudget) {
         std::vector<unsigned char> seen(shadows[i].size());
         store.read(ids[i], seen.data());
         if (first_difference(seen.data(), shadows[i].data(), seen.size()) != -1) {
-          failures[t] = "thread " + std::to_string(t) + ": final mismatch in handle " + std::to_string(i);
+          failures[t] =
+              "thread " + std::to_string(t) + ": final mismatch in handle " + std::to_string(i);
         }
         store.destroy(ids[i]);
       }

@@ -108,7 +108,8 @@ TEST_F(VmmFailureTest, EveryFailedCallOfAMigrationLeavesTheDataAndNoHandleBehind
         fill(p, data);
         const long failed_before = backend_.failed_calls();
         backend_.fail_calls_to(op, count, skip);
-        const std::string failure = failure_of([&] { pool.migrate(p, MemoryLocation::host); }, where);
+        const std::string failure =
+            failure_of([&] { pool.migrate(p, MemoryLocation::host); }, where);
         backend_.fail_calls_to(op, 0);
         const bool any_failed = backend_.failed_calls() > failed_before;
         if (!failure.empty()) {

@@ -153,7 +153,8 @@ TEST_P(VmmMigrationTest, AMigrationWithNothingToMoveDoesNotWaitForTheUsers) {
   const tiering_test::StreamGate::OpenOnExit open_on_exit{gate};
   backend().launch_host_func(stream_, &tiering_test::StreamGate::wait, &gate);
   // Generous: a wait would last until the gate opens, which is only after this.
-  auto in_place = std::async(std::launch::async, [&] { return pool.migrate(p, MemoryLocation::device); });
+  auto in_place =
+      std::async(std::launch::async, [&] { return pool.migrate(p, MemoryLocation::device); });
   ASSERT_EQ(in_place.wait_for(std::chrono::seconds(30)), std::future_status::ready)
       << "a migration that moves nothing waited for the stream";
   const MigrationResult r = in_place.get();

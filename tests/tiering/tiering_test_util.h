@@ -126,7 +126,8 @@ inline std::vector<unsigned char> random_bytes(std::size_t n, std::uint64_t seed
   std::mt19937_64 rng(seed);
   for (std::size_t i = 0; i < n; i += 8) {
     const std::uint64_t r = rng();
-    for (std::size_t k = 0; k < 8 && i + k < n; ++k) v[i + k] = static_cast<unsigned char>(r >> (8 * k));
+    for (std::size_t k = 0; k < 8 && i + k < n; ++k)
+      v[i + k] = static_cast<unsigned char>(r >> (8 * k));
   }
   return v;
 }

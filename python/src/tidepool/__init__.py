@@ -18,7 +18,8 @@ import contextlib
 import sys
 
 __all__ = ["region", "stats", "snapshot", "evict", "prefetch", "enable_peer_access", "status",
-           "config", "install", "ConfigError", "LibraryError", "TidepoolInactiveWarning", "TidepoolFallbackWarning"]
+           "config", "install", "ConfigError", "LibraryError", "TidepoolInactiveWarning",
+           "TidepoolFallbackWarning"]
 __version__ = "0.1.0"
 
 

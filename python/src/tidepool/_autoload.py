@@ -2,8 +2,8 @@
 
 It must cost next to nothing when tidepool is not asked for: one look at two
 environment variables, no ctypes, no torch. Only when PYTORCH_CUDA_ALLOC_CONF or
-PYTORCH_ALLOC_CONF mentions tidepool, or TIDEPOOL_ALLOC_CONF is set, does it load the library and claim the keys
-(tidepool._startup). TIDEPOOL_AUTOLOAD=0 turns the hook off.
+PYTORCH_ALLOC_CONF mentions tidepool, or TIDEPOOL_ALLOC_CONF is set, does it load the library
+and claim the keys (tidepool._startup). TIDEPOOL_AUTOLOAD=0 turns the hook off.
 """
 
 import os as _os

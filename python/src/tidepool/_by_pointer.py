@@ -19,7 +19,8 @@ def pointers(what, device: int | None, one_stream: bool) -> dict[int, list[int]]
     every device) keeps an optimizer's state on that device only, and a tensor on
     another is a ValueError, as is a tensor not on a CUDA device. `one_stream`: the
     caller names one stream, which cannot serve several devices (ValueError)."""
-    torch = sys.modules.get("torch")  # no torch imported: nothing here can be an optimizer or a tensor
+    # no torch imported: nothing here can be an optimizer or a tensor
+    torch = sys.modules.get("torch")
     if torch is not None and isinstance(what, torch.optim.Optimizer):
         by_device = _optim_hooks._state_pointers(what, every_parameter=True)
         if device is not None:
@@ -60,4 +61,5 @@ def _storage_pointer(tensor) -> int:
     try:
         return tensor.untyped_storage().data_ptr()
     except (RuntimeError, NotImplementedError) as e:  # sparse, and other layouts without one
-        raise ValueError(f"tidepool: a {tensor.layout} tensor has no storage to move ({e})") from None
+        raise ValueError(
+            f"tidepool: a {tensor.layout} tensor has no storage to move ({e})") from None

@@ -87,7 +87,8 @@ def load_torch_cuda() -> tuple[ctypes.CDLL | None, str]:
     error: the caller falls back to torch's CUDAPluggableAllocator class."""
     path = torch_cuda_library_path()
     if path is None:
-        return None, "libtidepool_torch_cuda.so is not installed (the package was built without torch)"
+        return None, ("libtidepool_torch_cuda.so is not installed "
+                      "(the package was built without torch)")
     load()  # its dependency on libtidepool resolves to the copy this package uses
     try:
         shim = ctypes.CDLL(path)
@@ -177,7 +178,8 @@ def load() -> ctypes.CDLL:
             try:
                 fn = getattr(lib, name)
             except AttributeError:
-                raise LibraryError(f"{path} lacks {name}; it is not a matching libtidepool build") from None
+                raise LibraryError(
+                    f"{path} lacks {name}; it is not a matching libtidepool build") from None
             fn.restype, fn.argtypes = restype, argtypes
         for name, (restype, argtypes) in _ALLOCATOR.items():
             fn = getattr(lib, name, None)
@@ -196,7 +198,8 @@ def function(name: str, what: str):
     """The C function `name`; raises LibraryError naming `what` when the build lacks it."""
     fn = optional(name)
     if fn is None:
-        raise LibraryError(f"{what} is not available in this build of libtidepool ({name} is missing)")
+        raise LibraryError(
+            f"{what} is not available in this build of libtidepool ({name} is missing)")
     return fn
 
 

@@ -98,7 +98,8 @@ def register(torch) -> _patches.Patches:
         return nested_stats(device_index(device, optional=True))
 
     def reset_accumulated_memory_stats(device=None):
-        fn = _lib.function("tidepool_pytorch_reset_accumulated_stats", "PyTorch's memory statistics")
+        fn = _lib.function("tidepool_pytorch_reset_accumulated_stats",
+                           "PyTorch's memory statistics")
         d = device_index(device, optional=True)
         _lib.check(fn(d), f"resetting the accumulated statistics of device {d}")
 
