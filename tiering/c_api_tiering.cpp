@@ -129,10 +129,23 @@ int tidepool_vmm_owns(const void* ptr, int device) {
   });
 }
 
+int tidepool_range_ids(int device, const void* const* ptrs, size_t n, uint64_t* ids) {
+  return guarded("tidepool_range_ids", -1, [&] {
+    if (n > 0 && (ptrs == nullptr || ids == nullptr)) {
+      throw std::invalid_argument(std::string(ptrs == nullptr ? "ptrs" : "ids") +
+                                  " is NULL but n is " + std::to_string(n));
+    }
+    const tidepool::VmmPool* pool = existing_vmm_pool(device);
+    for (size_t i = 0; i < n; ++i) ids[i] = pool != nullptr ? pool->range_id(ptrs[i]) : 0;
+    return 0;
+  });
+}
+
 int tidepool_evict_tag(int device, int tag) {
   return guarded("tidepool_evict_tag", -1, [&] {
     check_tag(tag);
-    if (tidepool::VmmPool* pool = existing_vmm_pool(device)) pool->migrate_tag(tag, MemoryLocation::host);
+    if (tidepool::VmmPool* pool = existing_vmm_pool(device))
+      pool->migrate_tag(tag, MemoryLocation::host);
     tidepool::for_each_tiered_store(device, [&](TieredStore& s) { s.evict_tag(tag); });
     return 0;
   });
@@ -144,8 +157,8 @@ int tidepool_prefetch_tag_within_budget(int device, int tag, void* stream,
     if (bytes_left_on_host != nullptr) *bytes_left_on_host = 0;
     check_tag(tag);
     const std::uint64_t left = prefetch_ranges_within_budget(existing_vmm_pool(device), tag);
-    tidepool::for_each_tiered_store(device,
-                                    [&](TieredStore& s) { s.prefetch_tag(tag, as_stream(stream)); });
+    tidepool::for_each_tiered_store(
+        device, [&](TieredStore& s) { s.prefetch_tag(tag, as_stream(stream)); });
     if (bytes_left_on_host != nullptr) *bytes_left_on_host = left;
     return 0;
   });

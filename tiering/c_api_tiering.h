@@ -107,6 +107,18 @@ TIDEPOOL_API int tidepool_device_ranges_except(int device, int tag, const void* 
                                                size_t n_except, void** out, size_t capacity,
                                                size_t* count);
 
+/* For each of ptrs[0..n), the identity of `device`'s pointer-stable range holding it
+ * (tidepool_vmm_owns), in ids[i]: a number no other range of the device is given in this
+ * process, though its base address may be taken again once it is freed; 0 where no range
+ * holds it (NULL, ordinary device memory, a freed range). So a caller that remembers a
+ * range by its address can tell it from a later range at the same address: the Python
+ * hooks check the state an optimizer keeps outside optimizer.state with it (Note [state
+ * outside optimizer.state]). Creates nothing: on a device without ranges every id is 0.
+ * 0 on success; -1 with tidepool_tiering_last_error() when ptrs or ids is NULL and n > 0
+ * (ids untouched). */
+TIDEPOOL_API int tidepool_range_ids(int device, const void* const* ptrs, size_t n,
+                                    uint64_t* ids);
+
 /* ---- stats ---------------------------------------------------------------------------- */
 typedef struct tidepool_tiering_stats_v1 {
   uint32_t struct_size; /* set by the caller to sizeof(tidepool_tiering_stats_v1) */

@@ -84,7 +84,8 @@ VmmPool::~VmmPool() {
       kept_bytes += r.bytes;
     }
   }
-  if (kept > kKeptRangesNamed) kept_named += ", and " + std::to_string(kept - kKeptRangesNamed) + " more";
+  if (kept > kKeptRangesNamed)
+    kept_named += ", and " + std::to_string(kept - kKeptRangesNamed) + " more";
   ranges_.clear();
   for (const DeferredRelease& d : deferred_releases_) {
     teardown.attempt("releasing a backing whose release failed before",
@@ -664,6 +665,12 @@ std::vector<void*> VmmPool::device_backed_ranges(int tag,
 bool VmmPool::owns(const void* ptr) const {
   std::lock_guard lock(mutex_);
   return find_locked(ptr) != nullptr;
+}
+
+std::uint64_t VmmPool::range_id(const void* ptr) const {
+  std::lock_guard lock(mutex_);
+  const Range* r = find_locked(ptr);
+  return r != nullptr ? r->sequence : 0;
 }
 
 void* VmmPool::base_of(const void* ptr) const {

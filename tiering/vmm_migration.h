@@ -195,6 +195,10 @@ class TIDEPOOL_API VmmPool {
   std::optional<std::size_t> device_budget_bytes() const;
 
   bool owns(const void* ptr) const;
+  // The identity of the range holding `ptr`: its allocation sequence number, which no
+  // other range of this pool is given (a base address may be taken again once its range
+  // is freed); 0 if no range holds `ptr`.
+  std::uint64_t range_id(const void* ptr) const;
   // Base address and rounded size of the range holding `ptr` (nullptr/0 if none).
   void* base_of(const void* ptr) const;
   std::size_t size_of(const void* ptr) const;
@@ -274,7 +278,7 @@ class TIDEPOOL_API VmmPool {
   std::size_t unmapped_chunks_ = 0;  // chunks with mapped == false, in all ranges
   mutable std::mutex mutex_;
   std::map<const char*, Range> ranges_;  // by base address
-  std::uint64_t next_sequence_ = 0;
+  std::uint64_t next_sequence_ = 1;  // 0 is range_id's "no range"
   VmmStats stats_;
   // The pool's seat in the device's ledger with a budget from the configuration (Note
   // [Shared state budget]), else null. It charges stats_.device_backed_bytes.

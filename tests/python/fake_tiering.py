@@ -23,15 +23,18 @@ def fake_tiering(monkeypatch):
     monkeypatch.setattr(_tiering, "prefetch_tag",
                         lambda d, tag, stream: moves.append(("prefetch_tag", d, tag, stream)) or 0)
     monkeypatch.setattr(_tiering, "prefetch_ptrs",
-                        lambda d, ptrs, stream: moves.append(("prefetch", d, tuple(ptrs), stream)) or 0)
+                        lambda d, ptrs, stream:
+                            moves.append(("prefetch", d, tuple(ptrs), stream)) or 0)
     monkeypatch.setattr(_tiering, "evict_tag",
                         lambda d, tag, stream: moves.append(("evict", d, tag, stream)))
     monkeypatch.setattr(_tiering, "evict_ptrs",
-                        lambda d, ptrs, stream: moves.append(("evict_ptrs", d, tuple(ptrs), stream)))
+                        lambda d, ptrs, stream:
+                            moves.append(("evict_ptrs", d, tuple(ptrs), stream)))
     # Note [state outside optimizer.state]: no range beyond the state the hooks name,
     # unless a test says otherwise.
     monkeypatch.setattr(_tiering, "device_ranges_except", lambda d, tag, ptrs: [])
     monkeypatch.setattr(_tiering, "owns", lambda d, ptr: False)
+    monkeypatch.setattr(_tiering, "range_ids", lambda d, ptrs: [0] * len(ptrs))
     monkeypatch.setattr(_optim_hooks, "_cuda_devices", lambda optimizer: [0])
     monkeypatch.setattr(_optim_hooks, "_cuda_index", lambda tensor: 0)
     monkeypatch.setattr(_optim_hooks, "_stream", lambda torch, d: 4242)
@@ -47,7 +50,8 @@ def state_pointers(*optimizers) -> tuple:
     order, one optimizer after the other."""
     return tuple(value.data_ptr() for optimizer in optimizers
                  for group in optimizer.param_groups for p in group["params"]
-                 for value in optimizer.state.get(p, {}).values() if isinstance(value, torch.Tensor))
+                 for value in optimizer.state.get(p, {}).values()
+                 if isinstance(value, torch.Tensor))
 
 
 def prefetch_of(*optimizers):

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <chrono>
 #include <condition_variable>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -15,6 +16,7 @@
 #include <iterator>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
 #include <thread>
 #include <utility>
@@ -145,7 +147,8 @@ TEST_F(CApiTieringTest, StatsCarryTheStoresScheduleCounters) {
   std::vector<TieredStore::Handle> order{store.create(4096, kTagOptimizerState, Tier::host),
                                          store.create(4096, kTagOptimizerState, Tier::host)};
   for (int step = 0; step < 3; ++step) {
-    if (step == 1) order.insert(order.begin() + 1, store.create(4096, kTagOptimizerState, Tier::host));
+    if (step == 1)
+      order.insert(order.begin() + 1, store.create(4096, kTagOptimizerState, Tier::host));
     store.begin_step();
     for (auto h : order) {
       store.acquire(h, Stream{});
@@ -317,6 +320,10 @@ TEST(TieringCApi, AskingAboutAnUnusedDeviceCreatesNothingThere) {
   constexpr int kUnusedDevice = 11;
   int x = 0;
   EXPECT_EQ(tidepool_vmm_owns(&x, kUnusedDevice), 0);
+  const void* asked[] = {&x};
+  std::uint64_t id = 7;
+  EXPECT_EQ(tidepool_range_ids(kUnusedDevice, asked, 1, &id), 0) << tidepool_last_error();
+  EXPECT_EQ(id, 0u);
   EXPECT_EQ(tidepool_evict_tag(kUnusedDevice, kTagOptimizerState), 0) << tidepool_last_error();
   std::uint64_t left = 1;
   EXPECT_EQ(
@@ -577,6 +584,62 @@ TEST_F(PrefetchBudgetTest, DeviceRangesExceptListsTheTagsOtherRangesOnTheDevice)
   fails_with("out is NULL but capacity is 4", tag_, except, 3, nullptr, 4, &count);
   fails_with("count is NULL", tag_, except, 3, out, 4, nullptr);
   fails_with("no tag has the id -1", -1, except, 3, out, 4, &count);
+}
+
+// tidepool_range_ids tells a range from a later one at the same address: an id is never
+// given twice, though the pool may hand the address out again (Note [state outside
+// optimizer.state] in _optim_hooks.py relies on it).
+TEST_F(CApiTieringTest, RangeIdsAreNeverGivenTwiceThoughAddressesAre) {
+  void* first = tidepool_vmm_malloc(3 * kMiB, kDevice, kTagOptimizerState, nullptr);
+  void* other = tidepool_vmm_malloc(kMiB, kDevice, kTagOptimizerState, nullptr);
+  ASSERT_NE(first, nullptr) << tidepool_last_error();
+  ASSERT_NE(other, nullptr) << tidepool_last_error();
+  int not_tiered = 0;
+  const void* asked[] = {first, static_cast<const char*>(first) + kMiB + 5, other, nullptr,
+                         &not_tiered};
+  std::uint64_t ids[5] = {9, 9, 9, 9, 9};
+  ASSERT_EQ(tidepool_range_ids(kDevice, asked, 5, ids), 0) << tidepool_last_error();
+  EXPECT_NE(ids[0], 0u);
+  EXPECT_EQ(ids[1], ids[0]);  // an interior pointer names its range
+  EXPECT_NE(ids[2], 0u);
+  EXPECT_NE(ids[2], ids[0]);
+  EXPECT_EQ(ids[3], 0u);
+  EXPECT_EQ(ids[4], 0u);
+  // Freed: no range holds the address, until a later range may take it; that one's id
+  // is new either way. Several tries, so that one lands on the freed address if the pool
+  // reuses addresses at all (the host backend's does).
+  std::set<std::uint64_t> seen = {ids[0], ids[2]};
+  ASSERT_EQ(tidepool_vmm_free(first, kDevice), 0) << tidepool_last_error();
+  std::uint64_t id_now = 9;
+  ASSERT_EQ(tidepool_range_ids(kDevice, asked, 1, &id_now), 0);
+  EXPECT_EQ(id_now, 0u);
+  std::vector<void*> later;
+  bool address_taken_again = false;
+  for (int i = 0; i < 4 && !address_taken_again; ++i) {
+    later.push_back(tidepool_vmm_malloc(3 * kMiB, kDevice, kTagOptimizerState, nullptr));
+    ASSERT_NE(later.back(), nullptr) << tidepool_last_error();
+    const void* named[] = {later.back(), first};
+    std::uint64_t now[2] = {};
+    ASSERT_EQ(tidepool_range_ids(kDevice, named, 2, now), 0) << tidepool_last_error();
+    EXPECT_TRUE(seen.insert(now[0]).second) << "id " << now[0] << " given twice";
+    address_taken_again = later.back() == first;
+    EXPECT_EQ(now[1], address_taken_again ? now[0] : 0u);
+  }
+  // Bad arrays: an error that names the call and the array, the ids left alone.
+  for (const bool null_ptrs : {true, false}) {
+    tidepool_clear_error();
+    std::uint64_t untouched[1] = {9};
+    EXPECT_EQ(tidepool_range_ids(kDevice, null_ptrs ? nullptr : asked, 1,
+                                 null_ptrs ? untouched : nullptr),
+              -1);
+    EXPECT_EQ(std::string(tidepool_last_error()),
+              std::string("tidepool_range_ids: ") + (null_ptrs ? "ptrs" : "ids") +
+                  " is NULL but n is 1");
+    EXPECT_EQ(untouched[0], 9u);
+  }
+  EXPECT_EQ(tidepool_range_ids(kDevice, nullptr, 0, nullptr), 0) << tidepool_last_error();
+  for (void* p : later) EXPECT_EQ(tidepool_vmm_free(p, kDevice), 0) << tidepool_last_error();
+  EXPECT_EQ(tidepool_vmm_free(other, kDevice), 0) << tidepool_last_error();
 }
 
 // The shared state budget reaches the C struct (Note [Shared state budget]): two stores

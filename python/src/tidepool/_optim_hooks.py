@@ -36,8 +36,9 @@ _warned_learning_failed = False
 # reference still gives that very parameter, so a parameter dropped and another made at
 # its address is new).
 _stateless: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-# Note [state outside optimizer.state]: optimizer -> {device: [base addresses of the ranges
-# of state it keeps elsewhere]}, learnt after each of its steps.
+# Note [state outside optimizer.state]: optimizer -> {device: {base address: range id}} of
+# the ranges of state it keeps elsewhere, in allocation order, learnt after each of its
+# steps.
 _outside_state: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -235,20 +236,30 @@ def _prefetch_state(optimizer, has_closure: bool) -> None:
     prefetches nothing: the enclosing one did (_being_stepped)."""
     torch = _install.STATE.torch
     by_device = _state_pointers(optimizer, every_parameter=has_closure)
-    for d, bases in _known_outside_state(optimizer).items():
-        by_device.setdefault(d, []).extend(bases)
+    for d, remembered in _known_outside_state(optimizer).items():
+        by_device.setdefault(d, []).extend(_still_held(d, remembered))
     for d, ptrs in by_device.items():
         _tiering.prefetch_ptrs(d, ptrs, _stream(torch, d))
 
 
-def _known_outside_state(optimizer) -> dict[int, list[int]]:
+def _known_outside_state(optimizer) -> dict[int, dict[int, int]]:
     try:
         return _outside_state.get(optimizer, {})
     except TypeError:  # not weakly referenceable: nothing is remembered for it
         return {}
 
 
-def _learn_outside_state(optimizers: list, devices: list[int]) -> None:
+def _still_held(device: int, remembered: dict[int, int]) -> list[int]:
+    """The remembered bases whose address the range learnt still holds (one C call): a
+    range freed since, its address taken by another optimizer's state, is not brought
+    back (Note [state outside optimizer.state])."""
+    bases = list(remembered)
+    ids = _tiering.range_ids(device, bases) if bases else []
+    return [b for b, i in zip(bases, ids) if i == remembered[b]]
+
+
+def _learn_outside_state(optimizers: list, devices: list[int],
+                         own: dict[int, list[int]]) -> None:
     """Note [state outside optimizer.state]: after a step of optimizers[0] (with those
     stepped inside it), before the eviction by tag, on `devices` where no other step is in
     flight: the ranges of optimizer_state on the device that hold none of their state in
@@ -257,21 +268,32 @@ def _learn_outside_state(optimizers: list, devices: list[int]) -> None:
     step prefetches them after its own state, so a budget that has room for them spares
     the step reading them over the link. Each step learns them anew: state no longer
     kept is freed (its range gone) or no longer on the device. Those the budget left on
-    the host are kept from the last time while a range still holds them (else a budget
+    the host are kept from the last time while their range is alive (else a budget
     too small for them would forget them after one step), so the prefetch tries again.
     Only with a state budget (no prefetch otherwise: Note [state budget 0]). Other
     optimizers' state is not on the device then: each step evicts its tag, and a device
-    another thread's step is in flight on is not asked about (its state is there)."""
+    another thread's step is in flight on is not asked about (its state is there).
+
+    A range is remembered by its base address and its id (_tiering.range_ids), which no
+    later range is given: a range freed between two steps may have its address taken by
+    another optimizer's state, which the prefetch would otherwise bring to the device for
+    nothing, after which this learning would find it there and keep it, at every step.
+    So the prefetch names only the bases whose range is still the one learnt
+    (_still_held), and a base kept from the last time stays only while its id does.
+    `own` is the pointers of the optimizers' state (_pointers_of), by device."""
     optimizer = optimizers[0]
     known = _known_outside_state(optimizer)
-    own = _pointers_of(optimizers)
-    learnt: dict[int, list[int]] = {}
+    learnt: dict[int, dict[int, int]] = {}
     for d in devices:
+        remembered = known.get(d, {})
         bases = _tiering.device_ranges_except(d, _tags.OPTIMIZER_STATE, own.get(d, []))
         on_device = set(bases)
-        left = [b for b in known.get(d, []) if b not in on_device and _tiering.owns(d, b)]
-        if bases or left:
-            learnt[d] = bases + left
+        asked = bases + [b for b in remembered if b not in on_device]
+        ids = _tiering.range_ids(d, asked) if asked else []
+        kept = {b: i for b, i in zip(asked, ids)
+                if i != 0 and (b in on_device or i == remembered[b])}
+        if kept:
+            learnt[d] = kept
     for d, bases in known.items():  # devices not asked this time keep theirs
         if d not in devices:
             learnt[d] = bases
@@ -471,15 +493,18 @@ def _evict(devices: list[int], optimizers: list) -> None:
     be done before its state moves) and a walk over the tag's range list in C++."""
     torch = _install.STATE.torch
     with _in_flight.evicting(devices) as (by_tag, by_pointer):
+        own = None  # the optimizers' state pointers: one walk serves learning and eviction
         if by_tag and optimizers and _state_budget_allows_prefetch():
             try:
-                _learn_outside_state(optimizers, by_tag)
+                own = _pointers_of(optimizers)
+                _learn_outside_state(optimizers, by_tag, own)
             except Exception as e:  # only a prefetch hint is lost: the eviction goes on
                 _warn_learning_failed(e)
         for d in by_tag:
             _tiering.evict_tag(d, _tags.OPTIMIZER_STATE, _stream(torch, d))
         if by_pointer:
-            own = _pointers_of(optimizers)
+            if own is None:
+                own = _pointers_of(optimizers)
             for d in by_pointer:
                 if own.get(d):
                     _tiering.evict_ptrs(d, own[d], _stream(torch, d))

@@ -39,7 +39,8 @@ class TieringStatsV1(ctypes.Structure):
 
 _SIGNATURES = {
     "tidepool_evict_tag": (ctypes.c_int, [ctypes.c_int, ctypes.c_int]),
-    "tidepool_prefetch_tag_within_budget": (ctypes.c_int, [ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
+    "tidepool_prefetch_tag_within_budget": (ctypes.c_int, [ctypes.c_int, ctypes.c_int,
+                                                           ctypes.c_void_p,
                                                            ctypes.POINTER(ctypes.c_uint64)]),
     "tidepool_prefetch_ptrs": (ctypes.c_int, [ctypes.c_int, ctypes.POINTER(ctypes.c_void_p),
                                               ctypes.c_size_t, ctypes.c_void_p,
@@ -51,6 +52,8 @@ _SIGNATURES = {
         ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t, ctypes.POINTER(ctypes.c_size_t)]),
     "tidepool_get_tiering_stats_v1": (ctypes.c_int, [ctypes.c_int, ctypes.c_void_p]),
     "tidepool_vmm_owns": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_int]),
+    "tidepool_range_ids": (ctypes.c_int, [ctypes.c_int, ctypes.POINTER(ctypes.c_void_p),
+                                          ctypes.c_size_t, ctypes.POINTER(ctypes.c_uint64)]),
 }
 
 
@@ -104,7 +107,8 @@ def prefetch_tag(device: int, tag: int, stream: int | None = None) -> int:
     tidepool.state_budget. Returns the bytes that stayed in host memory (still usable
     at the same addresses, over the link)."""
     left_on_host = ctypes.c_uint64(0)
-    _check(_fn("tidepool_prefetch_tag_within_budget")(device, tag, stream, ctypes.byref(left_on_host)),
+    _check(_fn("tidepool_prefetch_tag_within_budget")(device, tag, stream,
+                                                      ctypes.byref(left_on_host)),
            f"prefetching tag {tag} on device {device}")
     return left_on_host.value
 
@@ -137,6 +141,16 @@ def device_ranges_except(device: int, tag: int, ptrs: list[int]) -> list[int]:
         if count.value <= capacity:
             return [out[i] for i in range(count.value)]
         capacity = count.value
+
+
+def range_ids(device: int, ptrs: list[int]) -> list[int]:
+    """For each pointer, the identity of the device's pointer-stable range holding it (0:
+    none), never given to another range though an address may be: a range remembered by
+    address is still the same one while its id is. One C call."""
+    ids = (ctypes.c_uint64 * len(ptrs))()
+    _check(_fn("tidepool_range_ids")(device, _pointer_array(ptrs), len(ptrs), ids),
+           f"identifying the ranges of {len(ptrs)} pointers on device {device}")
+    return list(ids)
 
 
 def owns(device: int, ptr: int) -> bool:
