@@ -52,6 +52,14 @@ R guarded(R failed, Fn&& fn) {
                                    std::forward<Fn>(fn));
 }
 
+// The tag calls' errors: as guarded's, but they run in a forked child too (Note [Tags
+// across fork] in tags.cpp).
+template <class R, class Fn>
+R guarded_tag_call(R failed, Fn&& fn) {
+  constexpr tidepool::detail::CErrorStyle kTagCallStyle{nullptr, true, false};
+  return tidepool::detail::guarded(kTagCallStyle, failed, std::forward<Fn>(fn));
+}
+
 // What tidepool_set_memory_fraction last set per device (the limit itself is the
 // backend's, in bytes; PyTorch hands back the fraction as it was given).
 std::atomic<double>& memory_fraction(int device) {
@@ -302,20 +310,20 @@ int tidepool_tag_id(const char* name) {
     set_error("tidepool: tidepool_tag_id(NULL)", true);
     return -1;
   }
-  return guarded(-1, [&] { return tidepool::tag_id(name); });
+  return guarded_tag_call(-1, [&] { return tidepool::tag_id(name); });
 }
 
 const char* tidepool_tag_name(int tag) { return tidepool::tag_name(tag); }
 
 int tidepool_tag_push(int tag) {
-  return guarded(-1, [&] {
+  return guarded_tag_call(-1, [&] {
     tidepool::push_tag(tag);
     return 0;
   });
 }
 
 int tidepool_tag_pop(void) {
-  return guarded(-1, [&] {
+  return guarded_tag_call(-1, [&] {
     tidepool::pop_tag();
     return 0;
   });

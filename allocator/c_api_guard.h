@@ -25,6 +25,9 @@ struct CErrorStyle {
   // Also print every error but out-of-memory on stderr (the allocator ABI: a caller of
   // tidepool_free, which returns void, sees no status).
   bool print = false;
+  // Whether a forked child's call fails before it runs (Note [Forked child] in
+  // fork_guard.h); the tag calls run there (Note [Tags across fork] in tags.cpp).
+  bool forked_child_refused = true;
 };
 
 // Records the exception being handled as the thread's last error: out-of-memory with its
@@ -35,11 +38,12 @@ void record_current_exception(const CErrorStyle& style) noexcept;
 
 // Runs fn; when it throws, records the exception (record_current_exception) and returns
 // `failed`, so that no C++ exception unwinds into a C caller or PyTorch. In a forked
-// child fn does not run: the call fails (Note [Forked child] in fork_guard.h).
+// child fn does not run, unless the style says otherwise: the call fails (Note [Forked
+// child] in fork_guard.h).
 template <class R, class Fn>
 R guarded(const CErrorStyle& style, R failed, Fn&& fn) noexcept {
   try {
-    refuse_in_forked_child();
+    if (style.forked_child_refused) refuse_in_forked_child();
     return fn();
   } catch (...) {
     record_current_exception(style);

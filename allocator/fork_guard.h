@@ -20,7 +20,8 @@
 //   - every other entry point of the C ABIs, and device_allocator(), fails before it
 //     takes any lock, with a message naming the cause and the fix (start such processes
 //     with 'spawn' or 'forkserver'), as PyTorch refuses CUDA in a forked child;
-//   - what needs neither (the last error, the current tag) works as before.
+//   - what needs neither works as before: the last error, and the tags (push, pop, the
+//     current tag, names: Note [Tags across fork] in tags.cpp).
 // A process that forks before tidepool made an allocator is not marked: its child starts
 // afresh and may use tidepool itself. "Made" counts from the moment a thread asks for
 // the first allocator, before it takes the device registry's lock to create it: a child

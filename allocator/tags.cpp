@@ -1,7 +1,8 @@
 // Tag registry (process-wide names <-> ids) and the per-thread tag stack.
 //
 // Names are written once into fixed slots and published with a release store of the
-// count, so tag_name() reads without a lock; creation takes a mutex.
+// count, so tag_name() reads without a lock; creation takes a mutex, which every fork
+// takes too (Note [Tags across fork]).
 #include "allocator/tags.h"
 
 #include <pthread.h>
@@ -88,6 +89,26 @@ pthread_key_t deeper_key() {
   }();
   return key;
 }
+
+// Note [Tags across fork]
+// The tag stack is per thread and the names are read without a lock, so a process forked
+// from one that uses tidepool can use tags as before (the calls that need the allocator
+// it refuses, Note [Forked child] in fork_guard.h): a DataLoader worker, or CPU training
+// under the fork start method (Hogwild), whose optimizer step the Python hooks run in a
+// tag scope like any other step. All but the lock that looking up or creating a name
+// takes: a child forked while another thread held it would find it held for good. So
+// every fork takes it (pthread_atfork, registered when libtidepool is loaded): the
+// forking thread locks it before the fork, the parent and the child unlock it after, and
+// the child finds the table whole and the lock free. Nothing is waited for under it, so
+// a fork waits at most for one lookup.
+void lock_tags_for_fork() { registry().mutex.lock(); }
+void unlock_tags_after_fork() { registry().mutex.unlock(); }
+
+const bool g_tag_fork_handlers = [] {
+  registry();  // made now, not by a first use a fork could interrupt
+  pthread_atfork(&lock_tags_for_fork, &unlock_tags_after_fork, &unlock_tags_after_fork);
+  return true;
+}();
 
 }  // namespace
 

@@ -1,8 +1,10 @@
 // Note [Forked child] (allocator/fork_guard.h): a process forked after tidepool made an
-// allocator frees nothing and refuses every other call before it takes a lock or waits
-// for a stream (here: a stream the parent's gate holds, which no thread in the child
-// will ever run); its parent is untouched; a process forked before tidepool was used
-// starts afresh, unless another thread held the device registry's lock at the fork.
+// allocator frees nothing and refuses every other call but the tag calls before it takes
+// a lock or waits for a stream (here: a stream the parent's gate holds, which no thread
+// in the child will ever run); its parent is untouched; a process forked before tidepool
+// was used starts afresh, unless another thread held the device registry's lock at the
+// fork. Tags work in any child, also one forked while another thread looked a name up
+// (Note [Tags across fork] in allocator/tags.cpp).
 // Runs on the host backend, whose stream threads, like CUDA, do not survive a fork.
 #include <gtest/gtest.h>
 #include <unistd.h>
@@ -36,8 +38,12 @@ enum ChildResult : int {
   kReleaseStreamServed,
   kEmptyCacheServed,
   kStatsServed,
-  kTagPushServed,
-  kCurrentTagChanged,
+  kTagPushRefused,
+  kPushedTagNotCurrent,
+  kTagLookupRefused,
+  kTagCreationRefused,
+  kTagPopRefused,
+  kCurrentTagNotRestored,
   kNotMarked,
   kCppAllocatorServed,
 };
@@ -64,9 +70,18 @@ int child_checks(void* parents_block, void* gated_stream) {
   tidepool_stats_v1 stats{};
   stats.struct_size = sizeof stats;
   if (tidepool_get_stats_v1(0, &stats) != -1) return kStatsServed;
+  // Tags are the thread's and the table's, not the allocator's: they work.
   const int tag = tidepool_tag_current();
-  if (tidepool_tag_push(TIDEPOOL_TAG_WORKSPACE) != -1) return kTagPushServed;
-  if (tidepool_tag_current() != tag) return kCurrentTagChanged;
+  if (tidepool_tag_push(TIDEPOOL_TAG_WORKSPACE) != 0) return kTagPushRefused;
+  if (tidepool_tag_current() != TIDEPOOL_TAG_WORKSPACE) return kPushedTagNotCurrent;
+  if (tidepool_tag_id("optimizer_state") != TIDEPOOL_TAG_OPTIMIZER_STATE) {
+    return kTagLookupRefused;
+  }
+  if (tidepool_tag_id("made_in_a_forked_child") < TIDEPOOL_TAG_FIRST_USER) {
+    return kTagCreationRefused;
+  }
+  if (tidepool_tag_pop() != 0) return kTagPopRefused;
+  if (tidepool_tag_current() != tag) return kCurrentTagNotRestored;
   try {
     tidepool::device_allocator(0);
     return kCppAllocatorServed;
@@ -187,6 +202,36 @@ TEST(ForkedChild, AChildForkedWhileTheRegistryIsLockedIsMarkedNotHung) {
         checker.join();
         // Some forks came while the lock was held (else the test showed nothing).
         _exit(outcome != 0 ? outcome : marked > 0 ? 0 : 22);
+      },
+      ::testing::ExitedWithCode(0), "");
+}
+
+// Note [Tags across fork]: a child forked while another thread looks tag names up
+// (each lookup holds the table's lock) finds the lock free and looks up and makes names,
+// rather than waiting for a lock no thread of it would release.
+TEST(ForkedChild, AChildForkedWhileTagsAreLookedUpUsesTagsNotHung) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_EXIT(
+      {
+        std::atomic<bool> stop{false};
+        std::thread looker([&] {
+          while (!stop.load()) tidepool_tag_id("looked_up_without_pause");
+        });
+        int outcome = 0;
+        for (int i = 0; i < 200 && outcome == 0; ++i) {
+          std::fflush(nullptr);
+          const pid_t pid = fork();
+          if (pid == 0) {
+            const int made = tidepool_tag_id("made_in_the_child");
+            const int found = tidepool_tag_id("looked_up_without_pause");
+            _exit(made >= TIDEPOOL_TAG_FIRST_USER && found >= TIDEPOOL_TAG_FIRST_USER ? 0 : 10);
+          }
+          const int r = pid < 0 ? -2 : wait_for_child(pid, std::chrono::seconds(10));
+          if (r != 0) outcome = r == -1 ? 20 : 21;  // 20: a child hung
+        }
+        stop = true;
+        looker.join();
+        _exit(outcome);
       },
       ::testing::ExitedWithCode(0), "");
 }
