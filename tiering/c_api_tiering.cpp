@@ -136,7 +136,11 @@ int tidepool_range_ids(int device, const void* const* ptrs, size_t n, uint64_t* 
                                   " is NULL but n is " + std::to_string(n));
     }
     const tidepool::VmmPool* pool = existing_vmm_pool(device);
-    for (size_t i = 0; i < n; ++i) ids[i] = pool != nullptr ? pool->range_id(ptrs[i]) : 0;
+    if (pool != nullptr) {
+      pool->range_ids({ptrs, n}, {ids, n});
+    } else {
+      std::fill(ids, ids + n, std::uint64_t{0});
+    }
     return 0;
   });
 }

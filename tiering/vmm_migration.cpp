@@ -668,9 +668,21 @@ bool VmmPool::owns(const void* ptr) const {
 }
 
 std::uint64_t VmmPool::range_id(const void* ptr) const {
+  std::uint64_t id = 0;
+  range_ids({&ptr, 1}, {&id, 1});
+  return id;
+}
+
+void VmmPool::range_ids(std::span<const void* const> ptrs, std::span<std::uint64_t> ids) const {
+  if (ids.size() != ptrs.size()) {
+    throw TieringError("vmm pool: range_ids got " + std::to_string(ptrs.size()) +
+                       " pointers but room for " + std::to_string(ids.size()) + " ids");
+  }
   std::lock_guard lock(mutex_);
-  const Range* r = find_locked(ptr);
-  return r != nullptr ? r->sequence : 0;
+  for (std::size_t i = 0; i < ptrs.size(); ++i) {
+    const Range* r = find_locked(ptrs[i]);
+    ids[i] = r != nullptr ? r->sequence : 0;
+  }
 }
 
 void* VmmPool::base_of(const void* ptr) const {

@@ -199,6 +199,9 @@ class TIDEPOOL_API VmmPool {
   // other range of this pool is given (a base address may be taken again once its range
   // is freed); 0 if no range holds `ptr`.
   std::uint64_t range_id(const void* ptr) const;
+  // range_id of each of `ptrs` into `ids` (as many), under one lock: the Python hooks ask
+  // for every state tensor of the optimizers at once, after each step.
+  void range_ids(std::span<const void* const> ptrs, std::span<std::uint64_t> ids) const;
   // Base address and rounded size of the range holding `ptr` (nullptr/0 if none).
   void* base_of(const void* ptr) const;
   std::size_t size_of(const void* ptr) const;

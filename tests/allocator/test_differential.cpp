@@ -53,7 +53,8 @@ void run_differential(std::unique_ptr<Backend> backend, const AllocatorOptions& 
   const Stream streams[2] = {Stream{}, be.create_stream()};
   const int tags[3] = {kTagUntagged, kTagActivation, tag_id("differential")};
 
-  std::mt19937_64 rng(12345);
+  SCOPED_TRACE(test_support::seed_note());
+  std::mt19937_64 rng(test_support::seeded(12345));
   Model m;
   const int steps = test::scaled(6000);
   unsigned char next_value = 1;

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "allocator/held_table.h"
+#include "tests/support/test_seed.h"
 
 namespace tidepool::detail {
 namespace {
@@ -20,7 +21,8 @@ TEST(HeldTable, RandomInsertsAndErasesMatchAMap) {
     blocks[i].ptr = reinterpret_cast<char*>(std::uintptr_t{1} << 32) + i * 512;
   HeldTable table;
   std::map<const void*, Block*> model;
-  std::mt19937 rng(7);
+  SCOPED_TRACE(test_support::seed_note());
+  std::mt19937 rng(static_cast<std::mt19937::result_type>(test_support::seeded(7)));
   for (int step = 0; step < 200000; ++step) {
     Block* b = &blocks[rng() % blocks.size()];
     if (model.count(b->ptr) != 0) {

@@ -18,6 +18,7 @@
 #include "allocator/caching_allocator.h"
 #include "tests/support/test_backend.h"
 #include "tests/support/test_scale.h"
+#include "tests/support/test_seed.h"
 
 namespace tidepool::test {
 

@@ -411,13 +411,15 @@ TEST(ThreadCache, ThreadsPairingOnTwoStreamsKeepBlocksAndStatsExact) {
   Backend& be = a->backend();
   const Stream streams[2] = {be.create_stream(), be.create_stream()};
   constexpr int kThreads = 4;
+  SCOPED_TRACE(test_support::seed_note());
   const int ops = test::scaled(20000);
   std::atomic<std::uint64_t> allocs{0};
   std::atomic<int> corrupted{0};
   std::mutex handoff_mutex;
   std::vector<std::pair<std::uint64_t*, std::size_t>> handoff;  // freed by another thread
   auto worker = [&](int id) {
-    std::mt19937 rng(static_cast<unsigned>(id) + 17u);
+    std::mt19937 rng(static_cast<std::mt19937::result_type>(
+        test_support::seeded(static_cast<unsigned>(id) + 17u)));
     TagScope scope(id % 2 == 0 ? kTagParameter : kTagGradient);
     const Stream s = streams[id % 2];
     for (int i = 0; i < ops; ++i) {

@@ -24,6 +24,7 @@ TEST(Threads, EightThreadsOfMixedOperationsKeepBlocksAndStatsConsistent) {
   o.capacity_bytes = std::size_t{2} << 30;
   CachingAllocator alloc(make_host_backend(0, o));
   constexpr int kThreads = 8;
+  SCOPED_TRACE(test_support::seed_note());
   const int ops = test::scaled(100000);
   // Blocks handed between threads: a shared exchange that any thread may free from.
   std::mutex exchange_mutex;
@@ -35,7 +36,7 @@ TEST(Threads, EightThreadsOfMixedOperationsKeepBlocksAndStatsConsistent) {
     return p[0] == reinterpret_cast<std::uintptr_t>(p) && p[n / 8 - 1] == ~p[0];
   };
   auto worker = [&](int id) {
-    std::mt19937_64 rng(static_cast<unsigned>(id) * 7919u + 1u);
+    std::mt19937_64 rng(test_support::seeded(static_cast<unsigned>(id) * 7919u + 1u));
     std::vector<std::pair<std::uint64_t*, std::size_t>> mine;
     TagScope scope(id % 2 == 0 ? kTagActivation : kTagGradient);
     for (int i = 0; i < ops; ++i) {

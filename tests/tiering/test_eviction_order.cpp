@@ -95,7 +95,8 @@ TEST_P(EvictionOrderTest, TheStoreEvictsTheHighestScoreTheShadowPolicyGives) {
   usual[1] = {handles.begin() + 6, handles.end()};
   std::reverse(usual[1].begin(), usual[1].end());
   std::vector<TieredStore::Handle> held;  // acquired, not released yet
-  std::mt19937_64 rng(20261203);
+  SCOPED_TRACE(test_support::seed_note());
+  std::mt19937_64 rng(test_support::seeded(20261203));
   auto chance = [&](int percent) { return static_cast<int>(rng() % 100) < percent; };
   auto resident_set = [&] {
     std::vector<TieredStore::Handle> r;

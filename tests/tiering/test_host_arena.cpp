@@ -28,7 +28,8 @@ class HostArenaTest : public tiering_test::TieringTest {};
 TEST_P(HostArenaTest, BlocksAreAlignedPinnedDistinctAndHoldTheirBytes) {
   HostArena arena(backend(), test_host_options());
   std::vector<HostBlock> blocks;
-  std::mt19937 rng(1);
+  SCOPED_TRACE(test_support::seed_note());
+  std::mt19937 rng(static_cast<std::mt19937::result_type>(test_support::seeded(1)));
   for (int i = 0; i < 300; ++i) {
     const std::size_t n = 1 + rng() % (256 << 10);
     HostBlock b = arena.allocate(n);
@@ -323,12 +324,14 @@ TEST_P(HostArenaTest, SlabsAreReusedByTheNextArena) {
 
 TEST_P(HostArenaTest, ThreadsAllocateAndFreeEachOthersBlocks) {
   HostArena arena(backend(), test_host_options());
+  SCOPED_TRACE(test_support::seed_note());
   constexpr int kThreads = 4;
   std::vector<std::vector<HostBlock>> made(kThreads);
   std::vector<std::thread> threads;
   for (int t = 0; t < kThreads; ++t) {
     threads.emplace_back([&, t] {
-      std::mt19937 rng(t);
+      std::mt19937 rng(static_cast<std::mt19937::result_type>(
+          test_support::seeded(static_cast<std::uint64_t>(t))));
       for (int i = 0; i < 200; ++i) {
         HostBlock b = arena.allocate(64 + rng() % 65536);
         std::memset(b.ptr, t, b.bytes);

@@ -286,7 +286,7 @@ TEST_P(LoadsOverWriteBacksTest, WithoutAStreamOrderedSourceAPrefetchIsSkippedWit
 
 // Sizes log-uniform in [64 KiB, max], multiples of 4 KiB, like bench/tiering.
 std::vector<std::size_t> mixed_sizes(std::size_t count, std::size_t max_bytes, std::uint64_t seed) {
-  std::mt19937_64 rng(seed);
+  std::mt19937_64 rng(test_support::seeded(seed));
   std::uniform_real_distribution<double> log_size(std::log(64.0 * 1024),
                                                   std::log(double(max_bytes)));
   std::vector<std::size_t> sizes;
@@ -303,6 +303,7 @@ std::vector<std::size_t> mixed_sizes(std::size_t count, std::size_t max_bytes, s
 // come back; the budget must hold at every step; with the caching allocator no acquire ever
 // waits on the host for room.
 TEST_P(LoadsOverWriteBacksTest, MixedSizesUnderATightBudgetLoseNothing) {
+  SCOPED_TRACE(test_support::seed_note());
   const std::size_t count = static_cast<std::size_t>(test_support::scaled(10));
   const std::size_t max_bytes = 64 * kMiB;
   std::vector<std::size_t> sizes = mixed_sizes(count, max_bytes, 42);

@@ -27,7 +27,8 @@ TEST_P(ResidentHandlesTest, TheResidentListFollowsEveryOperation) {
   TieredStore store(backend(), options);
   std::vector<TieredStore::Handle> handles;
   std::vector<TieredStore::Handle> acquired;
-  std::mt19937_64 rng(20261203);
+  SCOPED_TRACE(test_support::seed_note());
+  std::mt19937_64 rng(test_support::seeded(20261203));
   auto pick = [&](const std::vector<TieredStore::Handle>& from) {
     return from[std::uniform_int_distribution<std::size_t>(0, from.size() - 1)(rng)];
   };

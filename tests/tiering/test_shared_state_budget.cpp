@@ -115,13 +115,17 @@ TEST_P(SharedStateBudgetTest, TwoStoresFromTheConfigurationStayWithinTheOneBudge
     std::vector<unsigned char> bytes;
   };
   std::array<std::vector<Shadow>, 2> shadow;
-  std::mt19937_64 rng(20261203);
+  SCOPED_TRACE(test_support::seed_note());
+  std::mt19937_64 rng(test_support::seeded(20261203));
+  // Each store alone holds more than the budget less an acquired handle, so that either
+  // may need room the other holds (a peer eviction), whatever sizes the seed draws.
   for (std::size_t s = 0; s < 2; ++s) {
     EXPECT_EQ(stores[s]->device_budget_bytes(), kSharedBudget);
-    for (int i = 0; i < 8; ++i) {
+    for (std::size_t total = 0; total < kSharedBudget + kSizes.back();) {
       const std::size_t n = kSizes[rng() % kSizes.size()];
       shadow[s].push_back(
           {stores[s]->create(n, kTagOptimizerState), std::vector<unsigned char>(n, 0)});
+      total += n;
     }
   }
   // At most one handle per store stays acquired across operations (so the acquired

@@ -57,7 +57,8 @@ TEST_P(TieringIntegrityTest, RandomOperationsLoseNoByteAndKeepTheBudget) {
   o.copy.chunk_bytes = 32 << 10;  // several chunks per handle
   TieredStore store(b, o);
   VmmPool vmm(b);
-  std::mt19937_64 rng(12345);
+  SCOPED_TRACE(test_support::seed_note());
+  std::mt19937_64 rng(test_support::seeded(12345));
   auto pick = [&](std::size_t n) { return static_cast<std::size_t>(rng() % n); };
 
   std::vector<Stream> streams;
@@ -203,6 +204,7 @@ TEST_P(TieringIntegrityTest, ConcurrentThreadsKeepTheirDataAndTheBudget) {
   o.copy.chunk_bytes = 16 << 10;
   TieredStore store(b, o);
   VmmPool vmm(b);
+  SCOPED_TRACE(test_support::seed_note());
   constexpr int kThreads = 4;
   const auto iterations = test_support::scaled(1500);
   std::atomic<bool> stop{false};
@@ -212,7 +214,8 @@ TEST_P(TieringIntegrityTest, ConcurrentThreadsKeepTheirDataAndTheBudget) {
 
   for (int t = 0; t < kThreads; ++t) {
     threads.emplace_back([&, t] {
-      std::mt19937 rng(t);
+      std::mt19937 rng(static_cast<std::mt19937::result_type>(
+          test_support::seeded(static_cast<std::uint64_t>(t))));
       const Stream s = b.create_stream();
       std::vector<TieredStore::Handle> ids;
       std::vector<std::vector<unsigned char>> shadows;

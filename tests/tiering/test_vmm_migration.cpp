@@ -138,6 +138,22 @@ TEST_P(VmmMigrationTest, BadInputIsAClearError) {
   EXPECT_THROW(pool.deallocate(static_cast<char*>(p) + 64), TieringError);  // not the base
   EXPECT_FALSE(pool.owns(&x));
   EXPECT_TRUE(pool.owns(static_cast<char*>(p) + 64));
+  // Ids for as many pointers as there is room: a mismatch names both and writes nothing.
+  const void* asked[] = {p, &x};
+  std::uint64_t ids[1] = {7};
+  try {
+    pool.range_ids(asked, ids);
+    ADD_FAILURE() << "range_ids took 2 pointers with room for 1 id";
+  } catch (const TieringError& e) {
+    EXPECT_NE(std::string(e.what()).find("2 pointers but room for 1"), std::string::npos)
+        << e.what();
+  }
+  EXPECT_EQ(ids[0], 7u);
+  std::uint64_t both[2] = {};
+  pool.range_ids(asked, both);
+  EXPECT_EQ(both[0], pool.range_id(p));
+  EXPECT_NE(both[0], 0u);
+  EXPECT_EQ(both[1], 0u);
   pool.deallocate(p);
 }
 

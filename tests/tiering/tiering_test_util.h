@@ -25,6 +25,7 @@
 #include "tests/support/stream_gate.h"
 #include "tests/support/test_backend.h"
 #include "tests/support/test_scale.h"
+#include "tests/support/test_seed.h"
 
 #ifndef TIDEPOOL_TIERING_BACKENDS
 #define TIDEPOOL_TIERING_BACKENDS ::testing::Values(::tidepool::BackendKind::host)
