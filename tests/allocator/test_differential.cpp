@@ -1,7 +1,10 @@
 // Randomized differential test: a long random sequence of allocations, frees, tag scopes
 // and empty_cache calls runs against the allocator and a reference model of what must
 // hold: live blocks never overlap, the bytes written into each block are intact when it
-// is freed, and the allocator's stats equal the model's after every step.
+// is freed, and the allocator's stats equal the model's after every step. Bad frees are
+// mixed in (a freed block again, a pointer inside a live block, a live block with another
+// size, a pointer never handed out): each must be refused, changing nothing the model
+// and the later steps can see.
 #include <gtest/gtest.h>
 
 #include <map>
@@ -58,6 +61,7 @@ void run_differential(std::unique_ptr<Backend> backend, const AllocatorOptions& 
   Model m;
   const int steps = test::scaled(6000);
   unsigned char next_value = 1;
+  std::vector<char*> freed;  // recently freed bases, for double frees
   for (int step = 0; step < steps; ++step) {
     const int dice = static_cast<int>(rng() % 100);
     if ((dice < 50 && m.live.size() < 120) || m.live.empty()) {
@@ -91,7 +95,7 @@ void run_differential(std::unique_ptr<Backend> backend, const AllocatorOptions& 
       m.requested += n;
       m.tag_bytes[tag] += round_request(n);
       ++m.tag_count[tag];
-    } else if (dice < 97) {
+    } else if (dice < 94) {
       auto it = m.live.begin();
       std::advance(it, static_cast<long>(rng() % m.live.size()));
       char* p = it->first;
@@ -104,11 +108,57 @@ void run_differential(std::unique_ptr<Backend> backend, const AllocatorOptions& 
           ASSERT_EQ(bytes[i], b.value) << "block " << static_cast<void*>(p) << " byte " << off + i;
       }
       alloc.deallocate(p, b.size, b.stream);
+      if (freed.size() < 64) {
+        freed.push_back(p);
+      } else {
+        freed[rng() % freed.size()] = p;
+      }
       m.live.erase(it);
       m.allocated -= round_request(b.size);
       m.requested -= b.size;
       m.tag_bytes[b.tag] -= round_request(b.size);
       --m.tag_count[b.tag];
+    } else if (dice < 99) {
+      // A bad free: an error, and nothing changes (the checks below, the later reads).
+      auto it = m.live.begin();
+      std::advance(it, static_cast<long>(rng() % m.live.size()));
+      int on_stack = 0;
+      char* p = reinterpret_cast<char*>(&on_stack);
+      std::size_t n = sizeof on_stack;
+      Stream s = streams[0];
+      switch (rng() % 4) {
+        case 0:  // a freed base again, unless it is live again
+          if (!freed.empty()) {
+            char* again = freed[rng() % freed.size()];
+            if (!m.live.contains(again)) {
+              p = again;
+              n = 1 + rng() % 4096;
+            }
+          }
+          break;
+        case 1:  // inside a live block
+          if (it->second.size > 1) {
+            p = it->first + 1 + rng() % (it->second.size - 1);
+            n = 1;
+            s = it->second.stream;
+          }
+          break;
+        case 2:  // a live block with another size
+          p = it->first;
+          n = it->second.size > 1 && rng() % 2 == 0 ? it->second.size - 1 : it->second.size + 1;
+          s = it->second.stream;
+          break;
+        default:  // never handed out
+          break;
+      }
+      bool refused = false;
+      try {
+        alloc.deallocate(p, n, s);
+      } catch (const AllocatorUsageError&) {
+        refused = true;
+      }
+      ASSERT_TRUE(refused) << "a bad free of " << static_cast<void*>(p) << " (" << n
+                           << " bytes) was taken, step " << step;
     } else {
       be.device_synchronize();
       alloc.empty_cache();
