@@ -1,7 +1,9 @@
 // Integrity of the tiering engine under random use: sequences of prefetch / acquire /
 // write-through-the-device-pointer / release / evict / read over many handles and several
-// streams, plus pointer-stable VMM ranges written and migrated both ways. Every byte is
-// checked against a shadow copy and the device budget is checked after every operation.
+// streams, plus pointer-stable VMM ranges written and migrated both ways, with misuse mixed
+// in (release of a handle not acquired; evict, read or destroy of an acquired one), which
+// must be refused. Every byte is checked against a shadow copy and the device budget is
+// checked after every operation.
 // A concurrent variant runs the same operations from several threads (for TSan).
 //
 // Size: TIDEPOOL_TEST_SCALE x 100k operations (about 15 s on 2 busy cores), 20k under
@@ -109,6 +111,17 @@ TEST_P(TieringIntegrityTest, RandomOperationsLoseNoByteAndKeepTheBudget) {
     std::memcpy(shadow.data() + off, src.data() + src_off, len);
   };
 
+  // Misuse mixed into the sequence: a clear TieringError, and the handle, its bytes and
+  // the budget as they were (the checks after each operation and the final reads).
+  long misuses = 0;
+  auto expect_misuse = [&](auto&& call, const char* what) {
+    try {
+      call();
+      ADD_FAILURE() << "misuse accepted: " << what;
+    } catch (const TieringError&) {
+      misuses++;
+    }
+  };
   bool in_step = false;
   long refused_acquires = 0;
   for (long op = 0; op < ops; ++op) {
@@ -137,13 +150,25 @@ TEST_P(TieringIntegrityTest, RandomOperationsLoseNoByteAndKeepTheBudget) {
         store.release(h.id, h.written);
         h.dev = nullptr;
         h.written = false;
+      } else if (pick(4) == 0) {  // misuse: refused, and nothing changes (the checks below)
+        expect_misuse([&] { store.release(h.id, pick(2) == 0); }, "release, not acquired");
       }
     } else if (kind < 62) {
       store.prefetch(h.id, streams[pick(streams.size())]);
     } else if (kind < 77) {
-      if (h.dev == nullptr) store.evict(h.id);
+      if (h.dev == nullptr) {
+        store.evict(h.id);
+      } else if (pick(4) == 0) {
+        expect_misuse([&] { store.evict(h.id); }, "evict, acquired");
+      }
     } else if (kind < 82) {
-      if (h.dev == nullptr) verify_read(h);
+      if (h.dev == nullptr) {
+        verify_read(h);
+      } else if (pick(4) == 0) {
+        std::vector<unsigned char> out(h.shadow.size());
+        expect_misuse([&] { store.read(h.id, out.data()); }, "read, acquired");
+        expect_misuse([&] { store.destroy(h.id); }, "destroy, acquired");
+      }
     } else if (kind < 86) {  // a replayable step: the same order every time
       if (!in_step) store.begin_step(); else store.end_step();
       in_step = !in_step;
@@ -194,6 +219,7 @@ TEST_P(TieringIntegrityTest, RandomOperationsLoseNoByteAndKeepTheBudget) {
   EXPECT_GT(vmm.stats().bytes_to_host, 0u);
   EXPECT_GT(verified_bytes, 0u);
   EXPECT_LT(refused_acquires, ops / 10) << "the test mostly exercised refusals";
+  EXPECT_GT(misuses, 0);
   for (auto& h : handles) store.destroy(h.id);
   for (Stream st : streams) b.destroy_stream(st);
 }
