@@ -21,7 +21,7 @@ import weakref
 import pytest
 import torch
 
-from tidepool import _install, _optim_hooks, _tags, _tiering
+from tidepool import _in_flight, _install, _optim_hooks, _tags, _tiering
 
 from fake_tiering import EVICT, fake_tiering, prefetch_of  # noqa: F401  (a fixture)
 from fake_torch_cuda import fake_cuda, install  # noqa: F401  (a fixture, and the install)
@@ -384,15 +384,53 @@ def test_an_evict_that_fails_after_a_raising_step_does_not_hide_the_steps_error(
     assert _tags.current() == outside
 
 
-def test_a_step_wrapped_before_the_install_has_its_scope_closed_by_the_next_step(
-        fake_cuda, fake_tiering):
+def test_a_step_wrapped_before_the_install_is_guarded_from_the_install_on(fake_cuda,
+                                                                          fake_tiering):
     class EarlySGD(torch.optim.SGD):
         def step(self, closure=None):
             return super().step(closure)
 
     p = torch.nn.Parameter(torch.ones(2))
-    optimizer = EarlySGD([p], lr=0.1)  # torch wraps EarlySGD.step now, without tidepool
+    optimizer = EarlySGD([p], lr=0.1, momentum=0.9)  # torch wraps EarlySGD.step now
+    hooked = vars(EarlySGD)["step"]
+    assert not getattr(hooked, "tidepool_guarded", False)
+    install(state_budget="1GiB")
+    assert EarlySGD.step.tidepool_guarded and EarlySGD.step.hooked  # not wrapped twice
+    outside = _tags.current()
+    p.grad = torch.ones(2)
+    optimizer.step()  # state to prefetch
+    fake_tiering.clear()
+    with pytest.raises(RuntimeError, match="boom"):
+        optimizer.step(raising_closure)
+    assert _tags.current() == outside  # closed by the guard, not left to the next step
+    assert _in_flight.in_flight() == {}
+    assert fake_tiering == [prefetch_of(optimizer), EVICT]
+    for handle in _install.STATE.optimizer_hooks:  # removal puts torch's wrapping back
+        handle.remove()
+    _install.STATE.optimizer_hooks = None
+    assert vars(EarlySGD)["step"] is hooked
+
+
+def unguarded(cls):
+    """`cls` with its step() wrapped by torch's own step patcher, past tidepool's: a
+    step with the hooks and no guard, as one wrapped by hand would be."""
+    original_patcher = torch.optim.Optimizer.profile_hook_step.__wrapped__
+    cls.step = original_patcher(cls.step)
+    cls.step.hooked = True
+    return cls
+
+
+def test_a_step_without_the_guard_has_its_scope_closed_by_the_next_step(fake_cuda, fake_tiering):
     install()
+
+    @unguarded
+    class HandWrappedSGD(torch.optim.SGD):
+        def step(self, closure=None):
+            return super().step(closure)
+
+    p = torch.nn.Parameter(torch.ones(2))
+    optimizer = HandWrappedSGD([p], lr=0.1)
+    assert not getattr(HandWrappedSGD.step, "tidepool_guarded", False)
     outside = _tags.current()
     p.grad = torch.ones(2)
     with pytest.raises(RuntimeError, match="boom"):
@@ -453,7 +491,10 @@ def test_a_step_inside_a_step_keeps_the_outer_scope(fake_cuda, fake_tiering, mod
 
 
 def test_a_guarded_step_inside_an_unguarded_one_keeps_its_scope(fake_cuda, fake_tiering):
-    class EarlyWrapper(torch.optim.SGD):  # torch wraps its step before the install
+    install()
+
+    @unguarded
+    class EarlyWrapper(torch.optim.SGD):
         seen: list = []
 
         def __init__(self, params, inner=None):
@@ -466,8 +507,6 @@ def test_a_guarded_step_inside_an_unguarded_one_keeps_its_scope(fake_cuda, fake_
             return super().step(closure)
 
     a, b = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(3))
-    EarlyWrapper([torch.nn.Parameter(torch.ones(1))])
-    install()
 
     class LateInner(torch.optim.SGD):
         def step(self, closure=None):

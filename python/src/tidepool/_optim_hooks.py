@@ -433,12 +433,16 @@ def _guard_step(hooked_step):
     since it began (its pre-hook's, and any a nested step left), evicts the state on
     their devices as the post-hook would have, and lets the error go on.
 
+    An optimizer class whose step() torch wrapped before tidepool was installed (an
+    optimizer made before tidepool.install(), or while the hooks were off) gets the
+    guard at the install (register: its step() is replaced, and put back on removal).
+
     Scopes nest: each guarded step's pre-hook keeps the scopes below the depth at which
     its step began (an enclosing step's, guarded or not) and closes any above it (left
-    by an unguarded step that raised). An optimizer class whose step() torch wrapped
-    before tidepool was installed has no guard; its pre-hook keeps the scopes of the
-    guarded steps running around it and closes the rest, so a scope such a step left
-    when it raised is closed by the next step on the thread."""
+    by an unguarded step that raised: one wrapped by hand, past torch's patcher). Such
+    a step's own pre-hook keeps the scopes of the guarded steps running around it and
+    closes the rest, so a scope it left when it raised is closed by the next step on the
+    thread."""
 
     @functools.wraps(hooked_step)
     def guarded_step(*args, **kwargs):
@@ -710,6 +714,17 @@ def _adopt_loaded_state(optimizer) -> int:
     return adopted
 
 
+def _subclasses(base) -> list:
+    """Every class derived from `base`, however deep, each once."""
+    found, stack = [], [base]
+    while stack:
+        for cls in type.__subclasses__(stack.pop()):
+            if cls not in found:
+                found.append(cls)
+                stack.append(cls)
+    return found
+
+
 def register(torch):
     """Registers the two global step hooks, wraps Optimizer.load_state_dict and torch's
     step patcher (Note [a step that raises]); returns what removes each (two hook
@@ -733,5 +748,10 @@ def register(torch):
     patches = _patches.Patches()
     patches.replace(optimizer_class, "load_state_dict", load_state_dict)
     patches.replace(optimizer_class, "profile_hook_step", staticmethod(profile_hook_step))
+    # The classes torch wrapped already get the guard now (Note [a step that raises]).
+    for cls in _subclasses(optimizer_class):
+        step = vars(cls).get("step")
+        if getattr(step, "hooked", False) and not getattr(step, "tidepool_guarded", False):
+            patches.replace(cls, "step", _guard_step(step))  # keeps torch's `hooked` mark
     return (register_optimizer_step_pre_hook(_pre_step),
             register_optimizer_step_post_hook(_post_step), patches)

@@ -1,0 +1,156 @@
+"""The optimizer step hooks through random training sequences, on a machine without a GPU
+(torch's CUDA entry points and the tiering C ABI are recorders: fake_torch_cuda.py and
+fake_tiering.py; tags go through the real libtidepool).
+
+Several stock torch.optim optimizers, each on parameters of its own, run a random
+sequence of steps (some parameters without a gradient), steps with a closure, steps
+whose closure raises, zero_grad, a parameter group added, and a state_dict round trip.
+The same sequence runs once without tidepool and once with the hooks installed, and the
+hooks must be invisible to training and keep their own books:
+  - every parameter and every state tensor is bit for bit what it is without them;
+  - after each operation the allocation tag is the one in force before it, tidepool's
+    pool (pool mode) is not entered, no step is counted in flight, and a step that raised
+    raised the closure's own error;
+  - every step that ran ends with an eviction of the state.
+TIDEPOOL_TEST_SEED draws other sequences (tests/support/test_seed.h for the C++ tests);
+TIDEPOOL_TEST_SCALE makes them longer."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+
+from tidepool import _in_flight, _tags
+
+from fake_tiering import fake_tiering  # noqa: F401  (a fixture)
+from fake_torch_cuda import fake_cuda, install  # noqa: F401  (a fixture, and the install)
+
+OPTIMIZERS = {
+    "SGD": lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9, nesterov=True),
+    "Adam": lambda params: torch.optim.Adam(params, lr=1e-2, amsgrad=True),
+    "AdamW-foreach": lambda params: torch.optim.AdamW(params, lr=1e-2, foreach=True),
+    "RMSprop": lambda params: torch.optim.RMSprop(params, lr=1e-2, momentum=0.5, centered=True),
+    "Adagrad": lambda params: torch.optim.Adagrad(params, lr=0.1),
+    "NAdam": lambda params: torch.optim.NAdam(params, lr=1e-2),
+    "Rprop": lambda params: torch.optim.Rprop(params, lr=1e-2),
+    "Adadelta": lambda params: torch.optim.Adadelta(params),
+}
+
+
+class ClosureError(RuntimeError):
+    pass
+
+
+def seeds() -> list[int]:
+    override = os.environ.get("TIDEPOOL_TEST_SEED", "")
+    base = int(override) if override.isdigit() and int(override) > 0 else 0
+    return [base * 1000 + 1, base * 1000 + 2, base * 1000 + 3]
+
+
+def scale() -> float:
+    try:
+        value = float(os.environ.get("TIDEPOOL_TEST_SCALE", "1"))
+    except ValueError:
+        return 1.0
+    return value if value > 0 else 1.0
+
+
+def snapshot(optimizers) -> list[torch.Tensor]:
+    """Every parameter and every tensor of every optimizer's state, in a fixed order."""
+    out = []
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                out.append(p.detach().clone())
+                for key in sorted(optimizer.state.get(p, {})):
+                    value = optimizer.state[p][key]
+                    if isinstance(value, torch.Tensor):
+                        out.append(value.detach().clone())
+    return out
+
+
+def run(seed: int, operations: int, on_each=None) -> list[list[torch.Tensor]]:
+    """The random sequence of `seed`; the snapshots after each operation. on_each(kind,
+    raised) is called after each."""
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    names = rng.sample(sorted(OPTIMIZERS), 3)
+    params = {name: [torch.nn.Parameter(torch.randn(rng.randint(1, 6), 3)) for _ in range(3)]
+              for name in names}
+    optimizers = [OPTIMIZERS[name](params[name]) for name in names]
+    snapshots = []
+    for _ in range(operations):
+        i = rng.randrange(len(optimizers))
+        optimizer, own = optimizers[i], params[names[i]]
+        kind = rng.choices(["step", "closure", "raising closure", "zero_grad", "add group",
+                            "state_dict"], weights=[50, 20, 5, 10, 3, 5])[0]
+        grads = [torch.randn(p.shape) if rng.random() < 0.8 else None for p in own]
+        raised = None
+        if kind == "step":
+            for p, g in zip(own, grads):
+                p.grad = g
+            optimizer.step()
+        elif kind in ("closure", "raising closure"):
+            def closure():
+                if kind == "raising closure":
+                    raise ClosureError("the closure's own error")
+                optimizer.zero_grad()
+                loss = sum((p * p).sum() for p in own)
+                loss.backward()
+                return loss
+
+            try:
+                optimizer.step(closure)
+            except ClosureError as e:
+                raised = e
+        elif kind == "zero_grad":
+            optimizer.zero_grad(set_to_none=rng.random() < 0.5)
+        elif kind == "add group" and len(own) < 6 and names[i] != "Adagrad":
+            # (torch's Adagrad makes its state in __init__ only: a later group has none)
+            p = torch.nn.Parameter(torch.randn(rng.randint(1, 4), 3))
+            own.append(p)
+            optimizer.add_param_group({"params": [p]})
+        elif kind == "state_dict":
+            optimizer.load_state_dict(optimizer.state_dict())
+        if on_each is not None:
+            on_each(kind, raised)
+        snapshots.append(snapshot(optimizers))
+    return snapshots
+
+
+@pytest.mark.parametrize("mode", ["global", "pool"])
+@pytest.mark.parametrize("seed", seeds())
+def test_random_training_is_bitwise_the_same_and_every_step_ends_evicted(fake_cuda,
+                                                                          fake_tiering, seed,
+                                                                          mode):
+    operations = max(1, int(120 * scale()))
+    reference = run(seed, operations)
+
+    install(mode=mode, state_budget="1GiB")
+    outside = _tags.current()
+    steps = 0
+
+    def check(kind, raised):
+        nonlocal steps
+        assert _tags.current() == outside, f"after {kind}: the tag in force changed"
+        pools_entered = sum({"enter_pool": 1, "exit_pool": -1}.get(c[0], 0) for c in fake_cuda)
+        assert pools_entered == 0, f"after {kind}: tidepool's pool is still entered"
+        assert _in_flight.in_flight() == {}, f"after {kind}: a step is still in flight"
+        if kind == "raising closure":
+            assert isinstance(raised, ClosureError), "the closure's error did not come out"
+        if kind in ("step", "closure", "raising closure"):
+            steps += 1
+            assert fake_tiering, f"after {kind}: nothing moved"
+            assert fake_tiering[-1][0] in ("evict", "evict_ptrs"), (
+                f"after {kind}: the last move was {fake_tiering[-1]}, not an eviction")
+            fake_tiering.clear()
+
+    hooked = run(seed, operations, check)
+    assert steps > 0
+    for n, (want, got) in enumerate(zip(reference, hooked)):
+        assert len(want) == len(got), f"operation {n}: another number of state tensors"
+        for a, b in zip(want, got):
+            assert torch.equal(a, b), f"operation {n}: a tensor differs with the hooks"
