@@ -1,0 +1,139 @@
+// Placement does not change a bit, over random problems: Apollo with random options
+// (rebound, warmup, weight decay and its type, fp32 or fp64), random parameter counts and
+// sizes, parameters left without a gradient at random steps, and a random device budget
+// for the tiered store, from about two parameters' state to more than all of it. After
+// every step the parameters with state in the tiered store (host backend) are bitwise
+// those with resident state, and the store kept to its budget.
+// Size: TIDEPOOL_TEST_SCALE x 12 problems; TIDEPOOL_TEST_SEED draws other ones.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "allocator/backend.h"
+#include "optimizers/apollo.h"
+#include "optimizers/state_placement.h"
+#include "optimizers/tiered_placement.h"
+#include "tests/support/test_scale.h"
+#include "tests/support/test_seed.h"
+#include "tiering/tiered_store.h"
+
+namespace {
+
+using tidepool::optim::Apollo;
+using tidepool::optim::ApolloOptions;
+using tidepool::optim::ApolloRebound;
+using tidepool::optim::ApolloWeightDecay;
+
+struct Problem {
+  std::vector<int64_t> sizes;
+  torch::Dtype dtype = torch::kFloat32;
+  ApolloOptions options{0.01};
+  int steps = 0;
+  std::vector<std::vector<bool>> has_grad;  // [step][parameter]
+  std::size_t budget = 0;
+  std::string describe() const {
+    std::string s = std::to_string(sizes.size()) + " parameters (";
+    for (int64_t n : sizes) s += std::to_string(n) + " ";
+    s += dtype == torch::kFloat32 ? "fp32)" : "fp64)";
+    s += ", lr " + std::to_string(options.lr()) + ", warmup " + std::to_string(options.warmup());
+    s += options.rebound() == ApolloRebound::belief ? ", belief" : ", constant";
+    s += ", weight decay " + std::to_string(options.weight_decay());
+    s += ", " + std::to_string(steps) + " steps, budget " + std::to_string(budget) + " B";
+    return s;
+  }
+};
+
+Problem random_problem(std::mt19937_64& rng) {
+  auto pick = [&](std::uint64_t n) { return static_cast<int64_t>(rng() % n); };
+  Problem p;
+  const int64_t count = 1 + pick(6);
+  for (int64_t i = 0; i < count; ++i) p.sizes.push_back(1 + pick(4000));
+  p.dtype = pick(2) == 0 ? torch::kFloat32 : torch::kFloat64;
+  p.options = ApolloOptions(pick(2) == 0 ? 0.01 : 0.1);
+  p.options.warmup(pick(6));
+  p.options.rebound(pick(2) == 0 ? ApolloRebound::constant : ApolloRebound::belief);
+  if (pick(2) == 0) {
+    p.options.weight_decay(1e-3);
+    const ApolloWeightDecay types[] = {ApolloWeightDecay::L2, ApolloWeightDecay::decoupled,
+                                       ApolloWeightDecay::stable};
+    p.options.weight_decay_type(types[pick(3)]);
+  }
+  p.steps = 3 + static_cast<int>(pick(6));
+  for (int s = 0; s < p.steps; ++s) {
+    std::vector<bool> grads;
+    for (int64_t i = 0; i < count; ++i) grads.push_back(pick(100) >= 15);
+    p.has_grad.push_back(grads);
+  }
+  const std::size_t element = p.dtype == torch::kFloat32 ? 4 : 8;
+  const std::size_t largest = static_cast<std::size_t>(
+      *std::max_element(p.sizes.begin(), p.sizes.end()));
+  std::size_t total = 0;
+  for (int64_t n : p.sizes) total += 3 * static_cast<std::size_t>(n) * element;
+  const std::size_t smallest = 2 * 3 * largest * element;  // two parameters' state at once
+  p.budget = smallest + static_cast<std::size_t>(rng() % (total + total / 3 + 1));
+  return p;
+}
+
+// The parameters after each step of `problem` with state in `placement`.
+std::vector<std::vector<torch::Tensor>> train(
+    const Problem& problem, const std::shared_ptr<tidepool::optim::StatePlacement>& placement) {
+  torch::manual_seed(11);
+  std::vector<torch::Tensor> params;
+  for (int64_t n : problem.sizes) {
+    params.push_back(torch::randn({n}, problem.dtype).set_requires_grad(true));
+  }
+  Apollo apollo(params, problem.options, placement);
+  std::vector<std::vector<torch::Tensor>> after;
+  for (int step = 0; step < problem.steps; ++step) {
+    for (std::size_t i = 0; i < params.size(); ++i) {
+      const torch::Tensor& p = params[i];
+      if (problem.has_grad[static_cast<std::size_t>(step)][i]) {
+        params[i].mutable_grad() = torch::sin(p.detach() * (step + 1)) + 0.1 * p.detach();
+      } else {
+        params[i].mutable_grad() = torch::Tensor();
+      }
+    }
+    apollo.step();
+    std::vector<torch::Tensor> now;
+    for (const auto& p : params) now.push_back(p.detach().clone());
+    after.push_back(std::move(now));
+  }
+  return after;
+}
+
+TEST(PlacementRandom, TieredApolloIsBitwiseResidentApolloOnRandomProblems) {
+  SCOPED_TRACE(tidepool::test_support::seed_note());
+  std::mt19937_64 rng(tidepool::test_support::seeded(20261204));
+  const auto problems = tidepool::test_support::scaled(12);
+  std::uint64_t evictions = 0;
+  for (int64_t n = 0; n < problems && !::testing::Test::HasFailure(); ++n) {
+    const Problem problem = random_problem(rng);
+    SCOPED_TRACE("problem " + std::to_string(n) + ": " + problem.describe());
+    const auto resident = train(problem, std::make_shared<tidepool::optim::ResidentPlacement>());
+    std::unique_ptr<tidepool::Backend> backend = tidepool::make_host_backend();
+    tidepool::TieredStoreOptions store_options;
+    store_options.device_budget_bytes = problem.budget;
+    auto store = std::make_shared<tidepool::TieredStore>(*backend, store_options);
+    const auto tiered =
+        train(problem, std::make_shared<tidepool::optim::TieredPlacement>(store));
+    ASSERT_EQ(tiered.size(), resident.size());
+    for (std::size_t step = 0; step < resident.size(); ++step) {
+      for (std::size_t i = 0; i < resident[step].size(); ++i) {
+        ASSERT_TRUE(torch::equal(tiered[step][i], resident[step][i]))
+            << "parameter " << i << " differs after step " << step + 1;
+      }
+    }
+    const auto stats = store->stats();
+    EXPECT_LE(stats.device_peak_bytes, problem.budget);
+    evictions += stats.evictions;
+  }
+  EXPECT_GT(evictions, 0u) << "no budget was tight enough to evict";
+}
+
+}  // namespace
