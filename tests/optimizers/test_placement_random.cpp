@@ -1,10 +1,15 @@
-// Placement does not change a bit, over random problems: Apollo with random options
-// (rebound, warmup, weight decay and its type, fp32 or fp64), random parameter counts and
-// sizes, parameters left without a gradient at random steps, and a random device budget
-// for the tiered store, from about two parameters' state to more than all of it. After
-// every step the parameters with state in the tiered store (host backend) are bitwise
-// those with resident state, and the store kept to its budget.
-// Size: TIDEPOOL_TEST_SCALE x 12 problems; TIDEPOOL_TEST_SEED draws other ones.
+// Placement does not change a bit, over random problems:
+//   - Apollo with random options (rebound, warmup, weight decay and its type, fp32 or
+//     fp64), random parameter counts and sizes, parameters left without a gradient at
+//     random steps, and a device budget from about two parameters' state to more than
+//     all of it;
+//   - AADL with random options (acceleration type, relaxation, waiting, history depth,
+//     storing and accelerating frequencies, regularization), around SGD with or without
+//     momentum, stepped with or without a closure, each write-back mode, under a budget
+//     from the smallest that holds the history's passes up.
+// After every step the parameters with state in the tiered store (host backend) are
+// bitwise those with resident state, and the store kept to its budget.
+// Size: TIDEPOOL_TEST_SCALE x 12 problems each; TIDEPOOL_TEST_SEED draws other ones.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -16,6 +21,7 @@
 #include <vector>
 
 #include "allocator/backend.h"
+#include "optimizers/aadl.h"
 #include "optimizers/apollo.h"
 #include "optimizers/state_placement.h"
 #include "optimizers/tiered_placement.h"
@@ -25,6 +31,9 @@
 
 namespace {
 
+using tidepool::optim::AADL;
+using tidepool::optim::AADLOptions;
+using tidepool::optim::AndersonType;
 using tidepool::optim::Apollo;
 using tidepool::optim::ApolloOptions;
 using tidepool::optim::ApolloRebound;
@@ -134,6 +143,116 @@ TEST(PlacementRandom, TieredApolloIsBitwiseResidentApolloOnRandomProblems) {
     evictions += stats.evictions;
   }
   EXPECT_GT(evictions, 0u) << "no budget was tight enough to evict";
+}
+
+// ---- AADL ------------------------------------------------------------------------------
+
+struct AADLProblem {
+  int64_t n = 0;
+  AADLOptions options;
+  double momentum = 0.0;
+  bool closure = true;
+  tidepool::optim::WriteBack write_back = tidepool::optim::WriteBack::automatic;
+  int steps = 0;
+  std::size_t budget = 0;
+  std::string describe() const {
+    return std::to_string(n) + " elements, depth " + std::to_string(options.history_depth()) +
+           (options.acceleration_type() == AndersonType::anderson ? ", anderson" : ", normal") +
+           ", relaxation " + std::to_string(options.relaxation()) + ", wait " +
+           std::to_string(options.wait_iterations()) + ", every " +
+           std::to_string(options.store_each_nth()) + "th stored, frequency " +
+           std::to_string(options.frequency()) + ", momentum " + std::to_string(momentum) +
+           (closure ? ", closure" : ", no closure") +
+           ", write-back " + tidepool::optim::to_string(write_back) + ", " +
+           std::to_string(steps) + " steps, budget " + std::to_string(budget) + " B";
+  }
+};
+
+AADLProblem random_aadl_problem(std::mt19937_64& rng) {
+  auto pick = [&](std::uint64_t n) { return static_cast<int64_t>(rng() % n); };
+  AADLProblem p;
+  p.n = 10 + pick(5000);
+  const double relaxations[] = {0.1, 0.5, 1.0};
+  p.options.acceleration_type(pick(2) == 0 ? AndersonType::anderson
+                                           : AndersonType::anderson_normal_equation)
+      .relaxation(relaxations[pick(3)])
+      .wait_iterations(pick(4))
+      .history_depth(3 + pick(5))
+      .store_each_nth(1 + pick(2))
+      .frequency(1 + pick(3))
+      .reg_acc(pick(2) == 0 ? 0.0 : 1e-6);
+  p.momentum = pick(2) == 0 ? 0.0 : 0.9;
+  p.closure = pick(4) != 0;
+  const tidepool::optim::WriteBack write_backs[] = {tidepool::optim::WriteBack::automatic,
+                                                    tidepool::optim::WriteBack::on_release,
+                                                    tidepool::optim::WriteBack::on_demand};
+  p.write_back = write_backs[pick(3)];
+  p.steps = 6 + static_cast<int>(pick(12));
+  // Each vector is one stored chunk: a pass holds one of each (SingleChunkHistoryIn
+  // TheSmallestBudgetStaysExact in test_tiered_placement.cpp).
+  const std::size_t smallest =
+      static_cast<std::size_t>(p.options.history_depth() * p.n) * sizeof(float);
+  p.budget = smallest + static_cast<std::size_t>(rng() % (2 * smallest + 1));
+  return p;
+}
+
+std::vector<torch::Tensor> train_aadl(const AADLProblem& problem,
+                                      const std::shared_ptr<tidepool::optim::StatePlacement>&
+                                          placement) {
+  torch::manual_seed(7);
+  torch::Tensor p = torch::randn({problem.n}, torch::kFloat32).set_requires_grad(true);
+  const torch::Tensor curvature = torch::linspace(0.2, 2.0, problem.n);
+  AADL aadl(std::make_shared<torch::optim::SGD>(
+                std::vector<torch::Tensor>{p},
+                torch::optim::SGDOptions(0.2).momentum(problem.momentum)),
+            problem.options, placement);
+  const auto loss = [&] { return (0.5f * curvature * p * p + 0.3f * torch::sin(2.0f * p)).sum(); };
+  std::vector<torch::Tensor> after;
+  for (int step = 0; step < problem.steps; ++step) {
+    if (problem.closure) {
+      aadl.step([&] {
+        const bool gradient = torch::GradMode::is_enabled();
+        if (gradient) aadl.zero_grad();
+        torch::Tensor value = loss();
+        if (gradient) value.backward();
+        return value;
+      });
+    } else {
+      aadl.zero_grad();
+      loss().backward();
+      aadl.step();
+    }
+    after.push_back(p.detach().clone());
+  }
+  return after;
+}
+
+TEST(PlacementRandom, TieredAADLIsBitwiseResidentAADLOnRandomProblems) {
+  SCOPED_TRACE(tidepool::test_support::seed_note());
+  std::mt19937_64 rng(tidepool::test_support::seeded(20261205));
+  const auto problems = tidepool::test_support::scaled(12);
+  std::uint64_t acquires = 0;
+  for (int64_t n = 0; n < problems && !::testing::Test::HasFailure(); ++n) {
+    const AADLProblem problem = random_aadl_problem(rng);
+    SCOPED_TRACE("problem " + std::to_string(n) + ": " + problem.describe());
+    const auto resident =
+        train_aadl(problem, std::make_shared<tidepool::optim::ResidentPlacement>());
+    std::unique_ptr<tidepool::Backend> backend = tidepool::make_host_backend();
+    tidepool::TieredStoreOptions store_options;
+    store_options.device_budget_bytes = problem.budget;
+    auto store = std::make_shared<tidepool::TieredStore>(*backend, store_options);
+    const auto tiered = train_aadl(
+        problem, std::make_shared<tidepool::optim::TieredPlacement>(
+                     store, tidepool::Stream{}, TIDEPOOL_TAG_OPTIMIZER_STATE, problem.write_back));
+    ASSERT_EQ(tiered.size(), resident.size());
+    for (std::size_t step = 0; step < resident.size(); ++step) {
+      ASSERT_TRUE(torch::equal(tiered[step], resident[step])) << "after step " << step + 1;
+    }
+    const auto stats = store->stats();
+    EXPECT_LE(stats.device_peak_bytes, problem.budget);
+    acquires += stats.acquires;
+  }
+  EXPECT_GT(acquires, 0u) << "no history was ever used";
 }
 
 }  // namespace
