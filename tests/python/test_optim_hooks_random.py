@@ -4,7 +4,8 @@ fake_tiering.py; tags go through the real libtidepool).
 
 Several stock torch.optim optimizers, each on parameters of its own, run a random
 sequence of steps (some parameters without a gradient), steps with a closure, steps
-whose closure raises, zero_grad, a parameter group added, and a state_dict round trip.
+whose closure raises, zero_grad, a parameter group added, a state_dict round trip, and
+the hooks taken off and registered again.
 The same sequence runs once without tidepool and once with the hooks installed, and the
 hooks must be invisible to training and keep their own books:
   - every parameter and every state tensor is bit for bit what it is without them;
@@ -23,7 +24,7 @@ import random
 import pytest
 import torch
 
-from tidepool import _in_flight, _tags
+from tidepool import _in_flight, _install, _optim_hooks, _tags
 
 from fake_tiering import fake_tiering  # noqa: F401  (a fixture)
 from fake_torch_cuda import fake_cuda, install  # noqa: F401  (a fixture, and the install)
@@ -86,7 +87,7 @@ def run(seed: int, operations: int, on_each=None) -> list[list[torch.Tensor]]:
         i = rng.randrange(len(optimizers))
         optimizer, own = optimizers[i], params[names[i]]
         kind = rng.choices(["step", "closure", "raising closure", "zero_grad", "add group",
-                            "state_dict"], weights=[50, 20, 5, 10, 3, 5])[0]
+                            "state_dict", "hooks again"], weights=[50, 20, 5, 10, 3, 5, 2])[0]
         grads = [torch.randn(p.shape) if rng.random() < 0.8 else None for p in own]
         raised = None
         if kind == "step":
@@ -115,6 +116,7 @@ def run(seed: int, operations: int, on_each=None) -> list[list[torch.Tensor]]:
             optimizer.add_param_group({"params": [p]})
         elif kind == "state_dict":
             optimizer.load_state_dict(optimizer.state_dict())
+        # "hooks again": on_each takes the hooks off and registers them anew.
         if on_each is not None:
             on_each(kind, raised)
         snapshots.append(snapshot(optimizers))
@@ -135,6 +137,10 @@ def test_random_training_is_bitwise_the_same_and_every_step_ends_evicted(fake_cu
 
     def check(kind, raised):
         nonlocal steps
+        if kind == "hooks again":  # off and on: the guards come back with them
+            for handle in _install.STATE.optimizer_hooks:
+                handle.remove()
+            _install.STATE.optimizer_hooks = _optim_hooks.register(torch)
         assert _tags.current() == outside, f"after {kind}: the tag in force changed"
         pools_entered = sum({"enter_pool": 1, "exit_pool": -1}.get(c[0], 0) for c in fake_cuda)
         assert pools_entered == 0, f"after {kind}: tidepool's pool is still entered"
