@@ -2,10 +2,11 @@
 (torch's CUDA entry points and the tiering C ABI are recorders: fake_torch_cuda.py and
 fake_tiering.py; tags go through the real libtidepool).
 
-Several stock torch.optim optimizers, each on parameters of its own, run a random
-sequence of steps (some parameters without a gradient), steps with a closure, steps
-whose closure raises, zero_grad, a parameter group added, a state_dict round trip, and
-the hooks taken off and registered again.
+Several stock torch.optim optimizers (and a Lookahead that steps an inner one), each on
+parameters of its own, run a random sequence of steps (some parameters without a
+gradient), steps with a closure, steps whose closure raises, zero_grad, a parameter group
+added, a state_dict round trip, the hooks taken off and registered again, and an
+optimizer replaced by a new one.
 The same sequence runs once without tidepool and once with the hooks installed, and the
 hooks must be invisible to training and keep their own books:
   - every parameter and every state tensor is bit for bit what it is without them;
@@ -29,6 +30,30 @@ from tidepool import _in_flight, _install, _optim_hooks, _tags
 from fake_tiering import fake_tiering  # noqa: F401  (a fixture)
 from fake_torch_cuda import fake_cuda, install  # noqa: F401  (a fixture, and the install)
 
+class Lookahead(torch.optim.Optimizer):
+    """An optimizer that steps another inside its own step (Lookahead: every k steps the
+    weights move halfway back to slow copies it keeps in its state)."""
+
+    def __init__(self, params, k=2, alpha=0.5):
+        params = list(params)
+        super().__init__(params, {"k": k, "alpha": alpha})
+        self.inner = torch.optim.SGD(params, lr=0.05, momentum=0.9)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = self.inner.step(closure)
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state[p]
+                if "slow" not in state:
+                    state["slow"], state["count"] = p.detach().clone(), 0
+                state["count"] += 1
+                if state["count"] % group["k"] == 0:
+                    state["slow"].add_(p - state["slow"], alpha=group["alpha"])
+                    p.copy_(state["slow"])
+        return loss
+
+
 OPTIMIZERS = {
     "SGD": lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9, nesterov=True),
     "Adam": lambda params: torch.optim.Adam(params, lr=1e-2, amsgrad=True),
@@ -38,7 +63,11 @@ OPTIMIZERS = {
     "NAdam": lambda params: torch.optim.NAdam(params, lr=1e-2),
     "Rprop": lambda params: torch.optim.Rprop(params, lr=1e-2),
     "Adadelta": lambda params: torch.optim.Adadelta(params),
+    "Lookahead(SGD)": lambda params: Lookahead(params),
 }
+# Optimizers whose later param groups get no state of theirs: torch's Adagrad makes its
+# state in __init__, and Lookahead's inner optimizer keeps the groups it was made with.
+NO_ADDED_GROUPS = ("Adagrad", "Lookahead(SGD)")
 
 
 class ClosureError(RuntimeError):
@@ -62,7 +91,7 @@ def scale() -> float:
 def snapshot(optimizers) -> list[torch.Tensor]:
     """Every parameter and every tensor of every optimizer's state, in a fixed order."""
     out = []
-    for optimizer in optimizers:
+    for optimizer in optimizers + [o.inner for o in optimizers if isinstance(o, Lookahead)]:
         for group in optimizer.param_groups:
             for p in group["params"]:
                 out.append(p.detach().clone())
@@ -78,16 +107,19 @@ def run(seed: int, operations: int, on_each=None) -> list[list[torch.Tensor]]:
     raised) is called after each."""
     rng = random.Random(seed)
     torch.manual_seed(seed)
-    names = rng.sample(sorted(OPTIMIZERS), 3)
-    params = {name: [torch.nn.Parameter(torch.randn(rng.randint(1, 6), 3)) for _ in range(3)]
-              for name in names}
-    optimizers = [OPTIMIZERS[name](params[name]) for name in names]
+
+    def fresh(name):
+        params = [torch.nn.Parameter(torch.randn(rng.randint(1, 6), 3)) for _ in range(3)]
+        return name, params, OPTIMIZERS[name](params)
+
+    slots = [fresh(name) for name in rng.sample(sorted(OPTIMIZERS), 3)]
     snapshots = []
     for _ in range(operations):
-        i = rng.randrange(len(optimizers))
-        optimizer, own = optimizers[i], params[names[i]]
+        i = rng.randrange(len(slots))
+        name, own, optimizer = slots[i]
         kind = rng.choices(["step", "closure", "raising closure", "zero_grad", "add group",
-                            "state_dict", "hooks again"], weights=[50, 20, 5, 10, 3, 5, 2])[0]
+                            "state_dict", "hooks again", "new optimizer"],
+                           weights=[50, 20, 5, 10, 3, 5, 2, 3])[0]
         grads = [torch.randn(p.shape) if rng.random() < 0.8 else None for p in own]
         raised = None
         if kind == "step":
@@ -109,17 +141,18 @@ def run(seed: int, operations: int, on_each=None) -> list[list[torch.Tensor]]:
                 raised = e
         elif kind == "zero_grad":
             optimizer.zero_grad(set_to_none=rng.random() < 0.5)
-        elif kind == "add group" and len(own) < 6 and names[i] != "Adagrad":
-            # (torch's Adagrad makes its state in __init__ only: a later group has none)
+        elif kind == "add group" and len(own) < 6 and name not in NO_ADDED_GROUPS:
             p = torch.nn.Parameter(torch.randn(rng.randint(1, 4), 3))
             own.append(p)
             optimizer.add_param_group({"params": [p]})
         elif kind == "state_dict":
             optimizer.load_state_dict(optimizer.state_dict())
+        elif kind == "new optimizer":  # made after the install; the old one is dropped
+            slots[i] = fresh(rng.choice(sorted(OPTIMIZERS)))
         # "hooks again": on_each takes the hooks off and registers them anew.
         if on_each is not None:
             on_each(kind, raised)
-        snapshots.append(snapshot(optimizers))
+        snapshots.append(snapshot([optimizer for _, _, optimizer in slots]))
     return snapshots
 
 
