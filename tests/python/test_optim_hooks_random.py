@@ -19,7 +19,6 @@ TIDEPOOL_TEST_SCALE makes them longer."""
 
 from __future__ import annotations
 
-import os
 import random
 
 import pytest
@@ -29,6 +28,7 @@ from tidepool import _in_flight, _install, _optim_hooks, _tags
 
 from fake_tiering import fake_tiering  # noqa: F401  (a fixture)
 from fake_torch_cuda import fake_cuda, install  # noqa: F401  (a fixture, and the install)
+from random_sequences import scaled, seeds
 
 class Lookahead(torch.optim.Optimizer):
     """An optimizer that steps another inside its own step (Lookahead: every k steps the
@@ -72,20 +72,6 @@ NO_ADDED_GROUPS = ("Adagrad", "Lookahead(SGD)")
 
 class ClosureError(RuntimeError):
     pass
-
-
-def seeds() -> list[int]:
-    override = os.environ.get("TIDEPOOL_TEST_SEED", "")
-    base = int(override) if override.isdigit() and int(override) > 0 else 0
-    return [base * 1000 + 1, base * 1000 + 2, base * 1000 + 3]
-
-
-def scale() -> float:
-    try:
-        value = float(os.environ.get("TIDEPOOL_TEST_SCALE", "1"))
-    except ValueError:
-        return 1.0
-    return value if value > 0 else 1.0
 
 
 def snapshot(optimizers) -> list[torch.Tensor]:
@@ -157,11 +143,11 @@ def run(seed: int, operations: int, on_each=None) -> list[list[torch.Tensor]]:
 
 
 @pytest.mark.parametrize("mode", ["global", "pool"])
-@pytest.mark.parametrize("seed", seeds())
+@pytest.mark.parametrize("seed", seeds(3))
 def test_random_training_is_bitwise_the_same_and_every_step_ends_evicted(fake_cuda,
                                                                           fake_tiering, seed,
                                                                           mode):
-    operations = max(1, int(120 * scale()))
+    operations = scaled(120)
     reference = run(seed, operations)
 
     install(mode=mode, state_budget="1GiB")

@@ -13,11 +13,10 @@ TIDEPOOL_TEST_SEED draws other sequences; TIDEPOOL_TEST_SCALE makes them longer.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 from preload_fake import needs_fake, needs_preload, run_with_fake
+from random_sequences import scaled, seeds
 
 pytestmark = [needs_preload, needs_fake]
 
@@ -110,23 +109,9 @@ out["kinds"] = sorted(done)
 """
 
 
-def seeds() -> list[int]:
-    override = os.environ.get("TIDEPOOL_TEST_SEED", "")
-    base = int(override) if override.isdigit() and int(override) > 0 else 0
-    return [base * 1000 + 1, base * 1000 + 2]
-
-
-def operations() -> int:
-    try:
-        scale = float(os.environ.get("TIDEPOOL_TEST_SCALE", "1"))
-    except ValueError:
-        scale = 1.0
-    return max(1, int(600 * (scale if scale > 0 else 1.0)))
-
-
-@pytest.mark.parametrize("seed", seeds())
+@pytest.mark.parametrize("seed", seeds(2))
 def test_random_cuda_calls_through_the_shim_match_the_model(run_python, seed):
-    code = RANDOM_CALLS.replace("SEED", str(seed)).replace("OPERATIONS", str(operations()))
+    code = RANDOM_CALLS.replace("SEED", str(seed)).replace("OPERATIONS", str(scaled(600)))
     out, stderr = run_with_fake(run_python, code, TIDEPOOL_BACKEND="host")
     assert out == {"problems": [], "live_at_end": 0,
                    "kinds": ["foreign", "free", "free again", "free inside", "malloc"]}, stderr

@@ -14,11 +14,11 @@ TIDEPOOL_TEST_SEED draws other sequences; TIDEPOOL_TEST_SCALE makes them longer.
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 
 from conftest import host_backend_script
+from random_sequences import scaled, seeds
 
 CHECKS = """
 import random, threading
@@ -125,23 +125,9 @@ print(json.dumps({"problems": [list(map(str, p)) for p in problems]}))
 """
 
 
-def seeds() -> list[int]:
-    override = os.environ.get("TIDEPOOL_TEST_SEED", "")
-    base = int(override) if override.isdigit() and int(override) > 0 else 0
-    return [base * 1000 + 1, base * 1000 + 2]
-
-
-def operations() -> int:
-    try:
-        scale = float(os.environ.get("TIDEPOOL_TEST_SCALE", "1"))
-    except ValueError:
-        scale = 1.0
-    return max(1, int(300 * (scale if scale > 0 else 1.0)))
-
-
-@pytest.mark.parametrize("seed", seeds())
+@pytest.mark.parametrize("seed", seeds(2))
 def test_the_snapshot_describes_memory_exactly_through_random_use(run_python, seed):
-    body = CHECKS.replace("SEED", str(seed)).replace("OPERATIONS", str(operations()))
+    body = CHECKS.replace("SEED", str(seed)).replace("OPERATIONS", str(scaled(300)))
     result = run_python(host_backend_script(body))
     out = json.loads(result.stdout.strip().splitlines()[-1])
     assert out == {"problems": []}, result.stderr
