@@ -11,14 +11,17 @@
 //   - device_backed_ranges lists exactly the ranges of the tag with device bytes that
 //     hold none of the pointers excepted, oldest first;
 //   - range ids stay with their ranges and are never given again.
+// Under a budget of the pool's own and under tidepool.state_budget (the shared ledger).
 // Size: TIDEPOOL_TEST_SCALE x 1,500 operations (400 under sanitizers); TIDEPOOL_TEST_SEED
 // draws other ones.
 #include <algorithm>
 #include <cstdint>
+#include <optional>
 #include <random>
 #include <set>
 #include <vector>
 
+#include "allocator/config.h"
 #include "allocator/tags.h"
 #include "tests/tiering/tiering_test_util.h"
 #include "tiering/vmm_migration.h"
@@ -36,7 +39,15 @@ constexpr long kBaseOps = 400;
 constexpr long kBaseOps = 1500;
 #endif
 
-class VmmRandomTest : public tiering_test::TieringStreamTest {};
+class VmmRandomTest : public tiering_test::TieringStreamTest {
+ protected:
+  void TearDown() override {
+    apply_config(Config{});
+    TieringStreamTest::TearDown();
+  }
+  // The random sequence on `pool`, whose device budget is `budget` bytes.
+  void run(VmmPool& pool, std::size_t budget, std::uint64_t fixed_seed);
+};
 
 struct ShadowRange {
   unsigned char* ptr = nullptr;
@@ -46,14 +57,12 @@ struct ShadowRange {
   std::vector<unsigned char> bytes;
 };
 
-TEST_P(VmmRandomTest, RangesKeepBytesBackingAndBudgetThroughRandomMoves) {
+void VmmRandomTest::run(VmmPool& pool, std::size_t budget, std::uint64_t fixed_seed) {
   SCOPED_TRACE(test_support::seed_note());
-  std::mt19937_64 rng(test_support::seeded(20261206));
+  std::mt19937_64 rng(test_support::seeded(fixed_seed));
   auto pick = [&](std::size_t n) { return static_cast<std::size_t>(rng() % n); };
   Backend& b = backend();
   const std::size_t granule = b.granularity();
-  const std::size_t budget = (2 + pick(5)) * granule;
-  VmmPool pool(b, VmmPoolOptions{budget});
   const int tags[2] = {kTagOptimizerState, tag_id("vmm-random")};
   std::vector<ShadowRange> ranges;
   std::set<std::uint64_t> ids_given;
@@ -196,6 +205,22 @@ TEST_P(VmmRandomTest, RangesKeepBytesBackingAndBudgetThroughRandomMoves) {
   }
   EXPECT_GT(pool.stats().bytes_to_host, 0u);
   EXPECT_GT(pool.stats().bytes_to_device, 0u);
+}
+
+TEST_P(VmmRandomTest, RangesKeepBytesBackingAndBudgetThroughRandomMoves) {
+  const std::size_t budget = (2 + test_support::seeded(5) % 5) * backend().granularity();
+  VmmPool pool(backend(), VmmPoolOptions{budget});
+  run(pool, budget, 20261206);
+}
+
+// The same with the budget from tidepool.state_budget: the pool's device bytes are then
+// charged to the device's shared ledger (Note [Shared state budget]).
+TEST_P(VmmRandomTest, UnderTheConfiguredStateBudgetToo) {
+  const std::size_t budget = 3 * backend().granularity();
+  apply_config(claim_config("tidepool.state_budget:" + std::to_string(budget)).config);
+  VmmPool pool(backend());
+  ASSERT_EQ(pool.device_budget_bytes(), std::optional<std::size_t>(budget));
+  run(pool, budget, 20261207);
 }
 
 INSTANTIATE_TEST_SUITE_P(Backends, VmmRandomTest, TIDEPOOL_TIERING_BACKENDS,
