@@ -76,8 +76,10 @@ void free_deeper_at_thread_exit(void* deeper) {
   g_stacks_on_heap.fetch_sub(1, std::memory_order_relaxed);
 }
 
-// The key whose per-thread value is the thread's heap part, created on the first push
-// that needs one. Throws std::runtime_error when the process has no key left.
+// The key whose per-thread value is the thread's heap part, created when libtidepool is
+// loaded (g_tag_fork_handlers), not by a first deep push a fork in another thread could
+// interrupt: the child would wait for good on the one-time initialization's guard. Throws
+// std::runtime_error when the process has no key left (then again at each deep push).
 pthread_key_t deeper_key() {
   static const pthread_key_t key = [] {
     pthread_key_t k;
@@ -106,6 +108,10 @@ void unlock_tags_after_fork() { registry().mutex.unlock(); }
 
 const bool g_tag_fork_handlers = [] {
   registry();  // made now, not by a first use a fork could interrupt
+  try {
+    deeper_key();  // likewise
+  } catch (const std::runtime_error&) {  // no key left: said by the first deep push
+  }
   pthread_atfork(&lock_tags_for_fork, &unlock_tags_after_fork, &unlock_tags_after_fork);
   return true;
 }();
