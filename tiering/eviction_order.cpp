@@ -125,24 +125,12 @@ void TieredStore::evictable_build_locked() {
   evictable_valid_ = true;
 }
 
-TieredStore::Entry* TieredStore::eviction_victim_locked(const Entry* incoming,
-                                                        std::optional<std::size_t> above) {
+TieredStore::Entry* TieredStore::eviction_victim_locked(std::optional<std::size_t> above) {
   if (!evictable_valid_ || policy_.eviction_key_epoch() != evictable_epoch_) {
     evictable_build_locked();
   }
   if (evictable_.empty()) return nullptr;
-  // `incoming` (a handle being loaded, so not resident, in every caller today) is the only
-  // evictable entry to pass over: then the victim is the first of the top's children.
   Entry* victim = evictable_[0];
-  if (victim == incoming) {
-    victim = nullptr;
-    for (std::size_t child = 1; child <= 2 && child < evictable_.size(); ++child) {
-      if (victim == nullptr || evicted_sooner(evictable_[child], victim)) {
-        victim = evictable_[child];
-      }
-    }
-    if (victim == nullptr) return nullptr;
-  }
   if (above && policy_.eviction_score_of_key(victim->evict_key) <= *above) return nullptr;
   return victim;
 }

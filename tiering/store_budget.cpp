@@ -87,7 +87,7 @@ TieredStore::Room TieredStore::make_room_locked(std::size_t bytes, const Entry* 
     // Nothing is reserved here (a reservation is taken only as this returns).
     if (held_once_written_back_locked() + bytes > budget) {
       Entry* victim = eviction_victim_locked(
-          incoming, may_wait ? std::nullopt : std::optional<std::size_t>(incoming_score));
+          may_wait ? std::nullopt : std::optional<std::size_t>(incoming_score));
       // Note [Shared state budget], step 1: the furthest own handle is used again in this
       // step (so are all the others): the other stores are asked first.
       if (victim != nullptr && others_first &&
@@ -142,11 +142,10 @@ TieredStore::DeviceBuffer TieredStore::device_allocate_locked(std::size_t bytes,
     case Room::Kind::fresh:
       break;
   }
-  return allocate_reserved_locked(bytes, incoming, may_wait);
+  return allocate_reserved_locked(bytes, may_wait);
 }
 
 TieredStore::DeviceBuffer TieredStore::allocate_reserved_locked(std::size_t bytes,
-                                                                const Entry* incoming,
                                                                 bool may_wait) {
   const Stream s = copies_.stream(Direction::host_to_device);
   void* p = nullptr;
@@ -159,7 +158,7 @@ TieredStore::DeviceBuffer TieredStore::allocate_reserved_locked(std::size_t byte
         return {};
       }
       // The same victim the budget would give up: the furthest next use.
-      Entry* victim = eviction_victim_locked(incoming, std::nullopt);
+      Entry* victim = eviction_victim_locked(std::nullopt);
       if (victim != nullptr) evict_locked(*victim);
       if (victim == nullptr && pending_frees_.empty()) {
         throw TieringError("tiered store: the device is out of memory for " +

@@ -567,7 +567,7 @@ void TieredStore::warn_reclaim_failure(const char* why, const char* what) noexce
 
 void TieredStore::reclaim_locked(std::size_t bytes_needed, std::size_t& scheduled) {
   while (scheduled < bytes_needed) {
-    Entry* victim = eviction_victim_locked(nullptr, std::nullopt);
+    Entry* victim = eviction_victim_locked(std::nullopt);
     if (victim == nullptr) break;
     try {
       evict_locked(*victim);

@@ -352,10 +352,11 @@ class TIDEPOOL_API TieredStore {
   // it, Note [Reclaim never throws]).
   void reclaim_locked(std::size_t bytes_needed, std::size_t& scheduled);
   // ---- which handle an eviction takes (eviction_order.cpp) ----
-  // Note [Resident handles]: the resident, unacquired handle other than `incoming` whose
-  // next use is furthest (PrefetchPolicy::eviction_score), among those scoring above
-  // `above` when given; nullptr when there is none.
-  Entry* eviction_victim_locked(const Entry* incoming, std::optional<std::size_t> above);
+  // Note [Resident handles]: the resident, unacquired handle whose next use is furthest
+  // (PrefetchPolicy::eviction_score), among those scoring above `above` when given;
+  // nullptr when there is none. (A handle being loaded is not resident: never a victim of
+  // its own load.)
+  Entry* eviction_victim_locked(std::optional<std::size_t> above);
   // `e`'s device copy was just set / is being dropped: it joins / leaves resident_ (and
   // evictable_).
   void note_resident_locked(Entry& e) noexcept;
@@ -373,7 +374,7 @@ class TIDEPOOL_API TieredStore {
   DeviceBuffer device_allocate_locked(std::size_t bytes, const Entry* incoming, RoomFor why);
   // Allocates the buffer `reserved_` holds room for (make_room_locked); gives the
   // reservation back when that fails.
-  DeviceBuffer allocate_reserved_locked(std::size_t bytes, const Entry* incoming, bool may_wait);
+  DeviceBuffer allocate_reserved_locked(std::size_t bytes, bool may_wait);
   [[noreturn]] void throw_no_room_locked(std::size_t bytes);
 
   // ---- the budget's books (store_budget.cpp; Note [Shared state budget]) ----
