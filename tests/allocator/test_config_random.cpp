@@ -11,7 +11,7 @@
 // Size: TIDEPOOL_TEST_SCALE x 20k strings; TIDEPOOL_TEST_SEED draws other ones.
 #include <gtest/gtest.h>
 
-#include <cstring>
+#include <algorithm>
 #include <random>
 #include <string>
 #include <vector>
