@@ -78,6 +78,7 @@ void VmmRandomTest::run(VmmPool& pool, std::size_t budget, std::uint64_t fixed_s
     ASSERT_NE(r.ptr, nullptr);
     r.bytes = random_bytes(n, seed++);
     b.copy_async(r.ptr, r.bytes.data(), n, CopyKind::host_to_device, stream_);
+    b.stream_synchronize(stream_);  // the shadow it reads from is written again later
     pool.record_use(r.ptr, stream_);
     r.id = pool.range_id(r.ptr);
     ASSERT_TRUE(ids_given.insert(r.id).second) << "range id " << r.id << " given twice";
