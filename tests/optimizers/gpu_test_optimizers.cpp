@@ -24,6 +24,7 @@
 #include "optimizers/apollo.h"
 #include "optimizers/state_placement.h"
 #include "optimizers/tiered_placement.h"
+#include "store_with_budget.h"
 #include "tiering/tiered_store.h"
 
 namespace {
@@ -127,9 +128,8 @@ TEST(TieredOnGpu, ApolloOnASideStreamIsBitwiseIdenticalToResident) {
     return out;
   };
   std::unique_ptr<tidepool::Backend> backend = tidepool::make_cuda_backend(0);
-  tidepool::TieredStoreOptions options;
-  options.device_budget_bytes = std::size_t{48} << 20;  // half of the 96 MiB of state
-  auto store = std::make_shared<tidepool::TieredStore>(*backend, options);
+  // Half of the 96 MiB of state.
+  auto store = tidepool::testing::store_with_budget(*backend, std::size_t{48} << 20);
   auto placement = std::make_shared<tidepool::optim::TieredPlacement>(store);
   const auto tiered = run(placement);
   const auto resident = run(std::make_shared<tidepool::optim::ResidentPlacement>());
@@ -140,7 +140,7 @@ TEST(TieredOnGpu, ApolloOnASideStreamIsBitwiseIdenticalToResident) {
   const auto stats = store->stats();
   EXPECT_GT(stats.evictions, 0u);
   EXPECT_GT(stats.prefetch_hits, 0u);
-  EXPECT_LE(placement->peak_device_bytes(), options.device_budget_bytes);
+  EXPECT_LE(placement->peak_device_bytes(), store->device_budget_bytes());
 }
 
 TEST(TieredOnGpu, AadlHistoryStreamedFromTheStoreIsBitwiseIdenticalToHostStaged) {
@@ -162,15 +162,13 @@ TEST(TieredOnGpu, AadlHistoryStreamedFromTheStoreIsBitwiseIdenticalToHostStaged)
     return p.detach().cpu();
   };
   std::unique_ptr<tidepool::Backend> backend = tidepool::make_cuda_backend(0);
-  tidepool::TieredStoreOptions options;
   // Two 4 MiB chunks per vector and some room: well below the 60 MiB history.
-  options.device_budget_bytes = std::size_t{41} << 20;
-  auto store = std::make_shared<tidepool::TieredStore>(*backend, options);
+  auto store = tidepool::testing::store_with_budget(*backend, std::size_t{41} << 20);
   auto placement = std::make_shared<tidepool::optim::TieredPlacement>(store);
   const torch::Tensor tiered = run(placement);
   const torch::Tensor staged = run(std::make_shared<tidepool::optim::HostStagedPlacement>());
   EXPECT_TRUE(torch::equal(tiered, staged));
-  EXPECT_LE(store->stats().device_peak_bytes, options.device_budget_bytes);
+  EXPECT_LE(store->stats().device_peak_bytes, store->device_budget_bytes());
   EXPECT_GT(store->stats().evictions, 0u);
 }
 

@@ -14,6 +14,7 @@
 #include "allocator/backend.h"
 #include "optimizers/state_placement.h"
 #include "optimizers/tiered_placement.h"
+#include "store_with_budget.h"
 #include "tiering/tiered_store.h"
 
 namespace {
@@ -86,9 +87,8 @@ TEST_P(Golden, TieredPlacementIsBitwiseIdenticalToResident) {
   // vector at once; these vectors are one chunk each (up to 5 × 736 B), so 4 KiB.
   const bool aadl = golden_.optimizer["type"].string() == "AADL";
   std::unique_ptr<tidepool::Backend> backend = tidepool::make_host_backend();
-  tidepool::TieredStoreOptions store_options;
-  store_options.device_budget_bytes = aadl ? 4096 : 2048;
-  auto store = std::make_shared<tidepool::TieredStore>(*backend, store_options);
+  const std::size_t budget = aadl ? 4096 : 2048;
+  auto store = tidepool::testing::store_with_budget(*backend, budget);
   RunOptions tiered;
   tiered.placement = std::make_shared<tidepool::optim::TieredPlacement>(store);
   RunOptions resident;
@@ -101,7 +101,7 @@ TEST_P(Golden, TieredPlacementIsBitwiseIdenticalToResident) {
     EXPECT_GT(stats.evictions, 0u) << "the budget did not force any eviction";
   }
   EXPECT_GT(stats.acquires, 0u);
-  EXPECT_LE(stats.device_peak_bytes, store_options.device_budget_bytes);
+  EXPECT_LE(stats.device_peak_bytes, budget);
 }
 
 INSTANTIATE_TEST_SUITE_P(Files, Golden, ::testing::ValuesIn(golden_files()), test_name);

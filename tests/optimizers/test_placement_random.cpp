@@ -25,6 +25,7 @@
 #include "optimizers/apollo.h"
 #include "optimizers/state_placement.h"
 #include "optimizers/tiered_placement.h"
+#include "store_with_budget.h"
 #include "tests/support/test_scale.h"
 #include "tests/support/test_seed.h"
 #include "tiering/tiered_store.h"
@@ -126,9 +127,7 @@ TEST(PlacementRandom, TieredApolloIsBitwiseResidentApolloOnRandomProblems) {
     SCOPED_TRACE("problem " + std::to_string(n) + ": " + problem.describe());
     const auto resident = train(problem, std::make_shared<tidepool::optim::ResidentPlacement>());
     std::unique_ptr<tidepool::Backend> backend = tidepool::make_host_backend();
-    tidepool::TieredStoreOptions store_options;
-    store_options.device_budget_bytes = problem.budget;
-    auto store = std::make_shared<tidepool::TieredStore>(*backend, store_options);
+    auto store = tidepool::testing::store_with_budget(*backend, problem.budget);
     const auto tiered =
         train(problem, std::make_shared<tidepool::optim::TieredPlacement>(store));
     ASSERT_EQ(tiered.size(), resident.size());
@@ -238,9 +237,7 @@ TEST(PlacementRandom, TieredAADLIsBitwiseResidentAADLOnRandomProblems) {
     const auto resident =
         train_aadl(problem, std::make_shared<tidepool::optim::ResidentPlacement>());
     std::unique_ptr<tidepool::Backend> backend = tidepool::make_host_backend();
-    tidepool::TieredStoreOptions store_options;
-    store_options.device_budget_bytes = problem.budget;
-    auto store = std::make_shared<tidepool::TieredStore>(*backend, store_options);
+    auto store = tidepool::testing::store_with_budget(*backend, problem.budget);
     const auto tiered = train_aadl(
         problem, std::make_shared<tidepool::optim::TieredPlacement>(
                      store, tidepool::Stream{}, TIDEPOOL_TAG_OPTIMIZER_STATE, problem.write_back));

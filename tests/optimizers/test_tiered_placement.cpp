@@ -21,12 +21,13 @@
 #include "optimizers/apollo.h"
 #include "optimizers/state_placement.h"
 #include "optimizers/tiered_placement.h"
+#include "store_with_budget.h"
 #include "tiering/tiered_store.h"
 
 namespace {
 
 using tidepool::TieredStore;
-using tidepool::TieredStoreOptions;
+using tidepool::testing::store_with_budget;
 using tidepool::optim::AndersonHistory;
 using tidepool::optim::StatePlacement;
 using tidepool::optim::TieredPlacement;
@@ -34,12 +35,6 @@ using tidepool::optim::WriteBack;
 
 constexpr int kParams = 8;
 constexpr int64_t kElements = 256;  // fp32: 1 KiB per state tensor, 3 KiB per parameter
-
-std::shared_ptr<TieredStore> host_store(tidepool::Backend& backend, std::size_t budget) {
-  TieredStoreOptions options;
-  options.device_budget_bytes = budget;
-  return std::make_shared<TieredStore>(backend, options);
-}
 
 // kParams parameters trained with Apollo for `steps` steps; `after_step` sees each step.
 std::vector<torch::Tensor> train_apollo(const std::shared_ptr<StatePlacement>& placement,
@@ -76,7 +71,7 @@ TEST(TieredApollo, PipelinePrefetchesAlongTheRecordedOrderAndWritesBackOnRelease
 
   auto backend = tidepool::make_host_backend();
   const std::size_t budget = 12 * 1024;  // 4 of the 8 parameters' state
-  auto store = host_store(*backend, budget);
+  auto store = store_with_budget(*backend, budget);
   auto placement = std::make_shared<TieredPlacement>(store);
   std::vector<std::size_t> resident_after;
   const auto tiered = train_apollo(placement, 5, [&](int) {
@@ -118,7 +113,7 @@ TEST(TieredApollo, TwoOptimizersShareOneStoreEachOnItsOwnSchedule) {
     return out;
   };
   auto backend = tidepool::make_host_backend();
-  auto store = host_store(*backend, 12 * 1024);  // a quarter of the two optimizers' state
+  auto store = store_with_budget(*backend, 12 * 1024);  // a quarter of the two optimizers' state
   auto placement_a = std::make_shared<TieredPlacement>(store);
   auto placement_b = std::make_shared<TieredPlacement>(store);
 
@@ -159,7 +154,7 @@ TEST(TieredApollo, TwoOptimizersShareOneStoreEachOnItsOwnSchedule) {
 TEST(TieredApollo, AStoreOutlivingItsOptimizersKeepsNoSchedulesOfTheDeadOnes) {
   // A sweep in one process: one store, one optimizer after another.
   auto backend = tidepool::make_host_backend();
-  auto store = host_store(*backend, 12 * 1024);
+  auto store = store_with_budget(*backend, 12 * 1024);
   EXPECT_EQ(store->schedule_count(), 1u);  // the store's own key
   for (int run = 0; run < 3; ++run) {
     torch::manual_seed(run);
@@ -182,7 +177,7 @@ TEST(TieredApollo, AStoreOutlivingItsOptimizersKeepsNoSchedulesOfTheDeadOnes) {
 
 TEST(TieredApollo, StateThatFitsStaysResidentAfterTheFirstStep) {
   auto backend = tidepool::make_host_backend();
-  auto store = host_store(*backend, 64 * 1024);  // room for all 24 KiB
+  auto store = store_with_budget(*backend, 64 * 1024);  // room for all 24 KiB
   auto placement = std::make_shared<TieredPlacement>(store);
   std::uint64_t loaded_after_first = 0;
   tidepool::TieredStoreStats last;  // taken before the optimizer (and its state) goes
@@ -202,7 +197,7 @@ TEST(TieredApollo, StateThatFitsStaysResidentAfterTheFirstStep) {
 
 TEST(TieredApollo, WriteBackOnDemandKeepsStateUntilTheRoomIsNeeded) {
   auto backend = tidepool::make_host_backend();
-  auto store = host_store(*backend, 12 * 1024);
+  auto store = store_with_budget(*backend, 12 * 1024);
   auto placement = std::make_shared<TieredPlacement>(store, tidepool::Stream{},
                                                      TIDEPOOL_TAG_OPTIMIZER_STATE,
                                                      WriteBack::on_demand);
@@ -218,7 +213,7 @@ TEST(TieredPlacement, NullStoreIsRejected) {
 
 TEST(TieredPlacement, BuffersAreCountedAndUncounted) {
   auto backend = tidepool::make_host_backend();
-  auto store = host_store(*backend, 4096);
+  auto store = store_with_budget(*backend, 4096);
   TieredPlacement placement(store);
   {
     auto a = placement.create(torch::ones({100}, torch::kFloat64));
@@ -232,7 +227,7 @@ TEST(TieredPlacement, BuffersAreCountedAndUncounted) {
 
 TEST(StateLease, AFailedAcquireLeavesNothingAcquired) {
   auto backend = tidepool::make_host_backend();
-  auto store = host_store(*backend, 1024);  // one 1 KiB buffer at a time
+  auto store = store_with_budget(*backend, 1024);  // one 1 KiB buffer at a time
   TieredPlacement placement(store);
   auto a = placement.create(torch::ones({256}, torch::kFloat32));
   auto b = placement.create(torch::full({256}, 2.0f));
@@ -291,7 +286,7 @@ TEST(TieredAADL, HistoryStreamsInChunksUnderABudgetSmallerThanTheHistory) {
   const std::size_t budget = 2 * depth * chunk_bytes + (1 << 20);
   ASSERT_LT(budget, history_bytes);
   auto backend = tidepool::make_host_backend();
-  auto store = host_store(*backend, budget);
+  auto store = store_with_budget(*backend, budget);
   auto placement = std::make_shared<TieredPlacement>(store);
   AndersonHistory tiered(depth, placement);
   AndersonHistory resident(depth, std::make_shared<tidepool::optim::ResidentPlacement>());
@@ -399,7 +394,7 @@ TEST(TieredAADL, SingleChunkHistoryIsLoadedAheadOfEveryPass) {
   const std::size_t vector_bytes = kAADLElements * sizeof(float);
   const std::size_t budget = 2 * kAADLDepth * vector_bytes;
   auto backend = tidepool::make_host_backend();
-  auto store = host_store(*backend, budget);
+  auto store = store_with_budget(*backend, budget);
   auto placement = writing_back_on_release(store);
   // Loaded (or loading) while the inner step's forward/backward runs, per step.
   std::vector<std::size_t> loaded_in_forward;
@@ -449,7 +444,7 @@ TEST(TieredAADL, PrefetchBeforeAForwardPassOutsideStepLoadsTheHistoryThen) {
     SCOPED_TRACE(prefetch ? "with prefetch()" : "without prefetch()");
     const std::size_t budget = 2 * kAADLDepth * kAADLElements * sizeof(float);
     auto backend = tidepool::make_host_backend();
-    auto store = host_store(*backend, budget);
+    auto store = store_with_budget(*backend, budget);
     auto placement = writing_back_on_release(store);
     std::vector<std::size_t> loaded_in_forward;
     const torch::Tensor tiered = train_aadl_outside_step(placement, steps, prefetch, [&](int) {
@@ -476,7 +471,7 @@ TEST(TieredAADL, SingleChunkHistoryInTheSmallestBudgetStaysExact) {
   const int steps = 10;
   const std::size_t budget = kAADLDepth * kAADLElements * sizeof(float);
   auto backend = tidepool::make_host_backend();
-  auto store = host_store(*backend, budget);
+  auto store = store_with_budget(*backend, budget);
   auto placement = writing_back_on_release(store);
   EXPECT_TRUE(
       torch::equal(train_aadl(std::make_shared<tidepool::optim::ResidentPlacement>(), steps),
@@ -496,7 +491,7 @@ TEST(TieredAADL, AStepThatThrowsAfterLoadingAheadLeavesNothingHeld) {
       train_aadl(std::make_shared<tidepool::optim::ResidentPlacement>(), steps, plan);
 
   auto backend = tidepool::make_host_backend();
-  auto store = host_store(*backend, 2 * kAADLDepth * kAADLElements * sizeof(float));
+  auto store = store_with_budget(*backend, 2 * kAADLDepth * kAADLElements * sizeof(float));
   auto placement = std::make_shared<TieredPlacement>(store);
   int throws = 0;
   const torch::Tensor tiered = train_aadl(placement, steps, plan, {}, [&] {
