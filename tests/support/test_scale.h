@@ -16,6 +16,14 @@ inline double test_scale() {
   return scale > 0 ? scale : 1.0;
 }
 
+// Whether this build runs under ASan or TSan, which slow every backend call by an order
+// of magnitude: the longest random sequences are sized down for them.
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+inline constexpr bool kSanitizedBuild = true;
+#else
+inline constexpr bool kSanitizedBuild = false;
+#endif
+
 // `n` times the scale, at least 1.
 inline std::int64_t scaled(std::int64_t n) {
   return std::max<std::int64_t>(

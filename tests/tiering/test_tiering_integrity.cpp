@@ -26,11 +26,7 @@ using tiering_test::random_bytes;
 
 constexpr std::size_t kBudget = 1 << 20;
 constexpr std::size_t kMaxHandleBytes = 96 << 10;
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
-constexpr long kBaseOps = 20000;
-#else
-constexpr long kBaseOps = 100000;
-#endif
+constexpr long kBaseOps = test_support::kSanitizedBuild ? 20000 : 100000;
 
 class TieringIntegrityTest : public tiering_test::TieringTest {
  protected:

@@ -33,11 +33,7 @@ using tiering_test::first_difference;
 using tiering_test::random_bytes;
 
 // Every move maps and unmaps pages: about 4 ms per operation on the host backend.
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
-constexpr long kBaseOps = 400;
-#else
-constexpr long kBaseOps = 1500;
-#endif
+constexpr long kBaseOps = test_support::kSanitizedBuild ? 400 : 1500;
 
 class VmmRandomTest : public tiering_test::TieringStreamTest {
  protected:
