@@ -3,6 +3,7 @@
 #include "optimizers/aadl.h"
 
 #include <cmath>
+#include <exception>
 #include <string>
 #include <utility>
 
@@ -263,6 +264,45 @@ torch::Tensor read_tensor(torch::serialize::InputArchive& archive, const std::st
   return tensor;
 }
 
+// Loads `archive` into `inner` as a replacement of its state, all or nothing. LibTorch's
+// optimizers load into their state map group by group: one that fails on a later group
+// keeps the earlier groups' state and options from the archive, and one that succeeds
+// keeps the state of parameters the archive has none for (those that had not stepped when
+// it was saved: every momentum buffer in an archive saved before the first step). So the
+// load starts from no state, as in a fresh optimizer, and the previous state and options
+// go back if it throws. (State an inner optimizer keeps outside state() and its groups'
+// options is its own load's to keep consistent.)
+void load_replacing_state(torch::optim::Optimizer& inner,
+                          torch::serialize::InputArchive& archive) {
+  auto previous_state = std::move(inner.state());
+  inner.state().clear();  // a moved-from map is only valid, not necessarily empty
+  std::vector<std::unique_ptr<torch::optim::OptimizerOptions>> previous_options;
+  for (const auto& group : inner.param_groups()) {
+    previous_options.push_back(group.options().clone());
+  }
+  const auto put_back = [&] {
+    inner.state() = std::move(previous_state);
+    for (size_t g = 0; g < previous_options.size(); ++g) {
+      inner.param_groups()[g].set_options(std::move(previous_options[g]));
+    }
+  };
+  try {
+    inner.load(archive);
+  } catch (c10::Error& e) {
+    put_back();
+    // The inner optimizer's message does not say that AADL's load was refused.
+    e.add_context("AADL::load: the inner optimizer refused its archive");
+    throw;
+  } catch (const std::exception& e) {
+    // e.g. torch::jit::ObjectAttributeError for a key its archive lacks.
+    put_back();
+    TORCH_CHECK(false, "AADL::load: the inner optimizer refused its archive: ", e.what());
+  } catch (...) {
+    put_back();
+    throw;
+  }
+}
+
 }  // namespace
 
 void AADL::save(torch::serialize::OutputArchive& archive) const {
@@ -284,10 +324,23 @@ void AADL::save(torch::serialize::OutputArchive& archive) const {
     }
     history_archive.write("gram", histories_[g]->gram(), true);
     history_archive.write("rhs", histories_[g]->rhs(), true);
+    // The group's parameter shapes, which load checks: the history only fixes their total
+    // size, and LibTorch's optimizers load per-parameter state without checking its shape
+    // (a momentum buffer of another parameter would load and fail the next step).
+    const auto& params = inner_->param_groups()[g].params();
+    history_archive.write("param_count", c10::IValue(static_cast<int64_t>(params.size())));
+    for (size_t i = 0; i < params.size(); ++i) {
+      history_archive.write("param_shape_" + std::to_string(i), c10::IValue(params[i].sizes()));
+    }
     archive.write("history_" + std::to_string(g), history_archive);
   }
 }
 
+// All or nothing: everything is read and checked, and the histories are rebuilt beside
+// the current ones, before the inner optimizer loads (load_replacing_state, which puts it
+// back if it throws); only then are the histories and counters replaced, which cannot
+// fail. A failed load leaves this optimizer as it was, at the cost of holding the old and
+// the new history at once while it runs (in the placement: host memory when tiered).
 void AADL::load(torch::serialize::InputArchive& archive) {
   TORCH_CHECK(read_value(archive, "aadl_format").toInt() == kArchiveFormat,
               "AADL::load: not an AADL archive of format ", kArchiveFormat);
@@ -295,41 +348,54 @@ void AADL::load(torch::serialize::InputArchive& archive) {
   TORCH_CHECK(group_count == static_cast<int64_t>(histories_.size()),
               "AADL::load: the archive has ", group_count, " groups, this optimizer ",
               histories_.size());
-  struct Saved {
-    std::vector<torch::Tensor> vectors;
-    torch::Tensor gram, rhs;
-  };
-  std::vector<Saved> saved(histories_.size());
+  const int64_t call_counter = read_value(archive, "call_counter").toInt();
+  const int64_t store_counter = read_value(archive, "store_counter").toInt();
+  const int64_t accepted = read_value(archive, "accepted").toInt();
+  const int64_t rejected = read_value(archive, "rejected").toInt();
+  std::vector<std::unique_ptr<AndersonHistory>> restored;
   for (size_t g = 0; g < histories_.size(); ++g) {
     torch::serialize::InputArchive history_archive;
     TORCH_CHECK(archive.try_read("history_" + std::to_string(g), history_archive),
                 "AADL::load: the archive has no history for group ", g);
+    const auto& params = inner_->param_groups()[g].params();
+    // Archives written before the shapes were saved have none to check.
+    c10::IValue param_count;
+    if (history_archive.try_read("param_count", param_count)) {
+      TORCH_CHECK(param_count.toInt() == static_cast<int64_t>(params.size()),
+                  "AADL::load: group ", g, " has ", param_count.toInt(),
+                  " parameters in the archive, this optimizer ", params.size());
+      for (size_t i = 0; i < params.size(); ++i) {
+        const std::vector<int64_t> shape =
+            read_value(history_archive, "param_shape_" + std::to_string(i)).toIntVector();
+        TORCH_CHECK(params[i].sizes() == at::IntArrayRef(shape), "AADL::load: parameter ", i,
+                    " of group ", g, " has shape ", at::IntArrayRef(shape),
+                    " in the archive, this optimizer ", params[i].sizes());
+      }
+    }
     const int64_t count = read_value(history_archive, "count").toInt();
     TORCH_CHECK(count >= 0 && count <= options_.history_depth(), "AADL::load: ", count,
                 " history vectors for history_depth ", options_.history_depth());
-    const int64_t numel = flatten(inner_->param_groups()[g].params()).numel();
+    const int64_t numel = flatten(params).numel();
+    std::vector<torch::Tensor> vectors;
     for (int64_t i = 0; i < count; ++i) {
       torch::Tensor v = read_tensor(history_archive, "vector_" + std::to_string(i));
       TORCH_CHECK(v.dim() == 1 && v.numel() == numel, "AADL::load: history vector ", i,
                   " of group ", g, " has ", v.numel(), " elements, the group ", numel);
-      saved[g].vectors.push_back(v);
+      vectors.push_back(v);
     }
-    saved[g].gram = read_tensor(history_archive, "gram");
-    saved[g].rhs = read_tensor(history_archive, "rhs");
+    restored.push_back(histories_[g]->restored(vectors, read_tensor(history_archive, "gram"),
+                                               read_tensor(history_archive, "rhs"),
+                                               params.front().options().requires_grad(false)));
   }
   torch::serialize::InputArchive inner_archive;
   TORCH_CHECK(archive.try_read("inner", inner_archive),
               "AADL::load: the archive has no inner optimizer");
-  inner_->load(inner_archive);
-  for (size_t g = 0; g < histories_.size(); ++g) {
-    const auto& first = inner_->param_groups()[g].params().front();
-    histories_[g]->restore(saved[g].vectors, saved[g].gram, saved[g].rhs,
-                          first.options().requires_grad(false));
-  }
-  call_counter_ = read_value(archive, "call_counter").toInt();
-  store_counter_ = read_value(archive, "store_counter").toInt();
-  accepted_ = read_value(archive, "accepted").toInt();
-  rejected_ = read_value(archive, "rejected").toInt();
+  load_replacing_state(*inner_, inner_archive);
+  histories_ = std::move(restored);
+  call_counter_ = call_counter;
+  store_counter_ = store_counter;
+  accepted_ = accepted;
+  rejected_ = rejected;
 }
 
 }  // namespace tidepool::optim

@@ -81,7 +81,9 @@ class TIDEPOOL_API AADL : public torch::optim::Optimizer {
   void prefetch() const;
 
   // Saves the inner optimizer (nested archive "inner"), the counters and every group's
-  // history with its matrices; load restores them into this optimizer's placement.
+  // history with its matrices and parameter shapes; load restores them into this
+  // optimizer's placement, replacing the inner optimizer's state (as a fresh optimizer's
+  // would be), or throws c10::Error naming what does not fit and changes nothing.
   void save(torch::serialize::OutputArchive& archive) const override;
   void load(torch::serialize::InputArchive& archive) override;
 

@@ -276,4 +276,12 @@ void AndersonHistory::restore(const std::vector<torch::Tensor>& vectors,
   rhs_ = rhs.to(torch::kFloat64).cpu().contiguous();
 }
 
+std::unique_ptr<AndersonHistory> AndersonHistory::restored(
+    const std::vector<torch::Tensor>& vectors, const torch::Tensor& gram, const torch::Tensor& rhs,
+    const torch::TensorOptions& compute) const {
+  auto history = std::make_unique<AndersonHistory>(depth_, placement_);
+  history->restore(vectors, gram, rhs, compute);
+  return history;
+}
+
 }  // namespace tidepool::optim

@@ -131,6 +131,12 @@ class TIDEPOOL_API AndersonHistory {
   std::vector<torch::Tensor> read_host() const;
   void restore(const std::vector<torch::Tensor>& vectors, const torch::Tensor& gram,
                const torch::Tensor& rhs, const torch::TensorOptions& compute);
+  // A new history of this one's depth and placement, restored from what was saved; this
+  // one is left as it is. AADL::load builds every group's before it replaces any, so a
+  // load that fails halfway (a bad group, a store out of room) changes no history.
+  std::unique_ptr<AndersonHistory> restored(const std::vector<torch::Tensor>& vectors,
+                                            const torch::Tensor& gram, const torch::Tensor& rhs,
+                                            const torch::TensorOptions& compute) const;
 
   // The length of the stored vectors (0 while empty and never pushed).
   int64_t length() const noexcept { return length_; }

@@ -1,11 +1,15 @@
 // AADL and its history beyond the golden trajectories: option checks, the incremental Gram
 // matrix against one formed directly, the extrapolation against the reference formula,
-// the no-closure rule (history untouched), history placement, save/load.
+// the no-closure rule (history untouched), history placement, save/load (a load replaces
+// the inner optimizer's state; a refused one changes nothing).
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <memory>
 #include <sstream>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "expect_error.h"
 #include "optimizers/aadl.h"
@@ -339,6 +343,136 @@ TEST(AADL, LoadRejectsAnArchiveOfAnotherOptimizer) {
   torch::serialize::InputArchive in;
   in.load_from(bytes);
   expect_error_mentions([&] { opt.load(in); }, "aadl_format");
+}
+
+// ---- load: replaces everything, or changes nothing ---------------------------------------
+
+std::string archive_of(const torch::optim::Optimizer& opt) {
+  torch::serialize::OutputArchive archive;
+  opt.save(archive);
+  std::ostringstream bytes;
+  archive.save_to(bytes);
+  return bytes.str();
+}
+
+void load_from(torch::optim::Optimizer& opt, const std::string& bytes) {
+  std::istringstream in(bytes);
+  torch::serialize::InputArchive archive;
+  archive.load_from(in);
+  opt.load(archive);
+}
+
+std::shared_ptr<torch::optim::SGD> sgd_with_momentum(
+    std::vector<torch::optim::OptimizerParamGroup> groups, double lr) {
+  return std::make_shared<torch::optim::SGD>(std::move(groups),
+                                             torch::optim::SGDOptions(lr).momentum(0.9));
+}
+
+void quadratic_step(AADL& opt, const std::vector<torch::Tensor>& params) {
+  opt.zero_grad();
+  torch::Tensor loss = torch::zeros({}, torch::kFloat64);
+  for (const auto& p : params) loss = loss + (p * p).sum() + torch::sin(3 * p).sum();
+  loss.backward();
+  opt.step();
+}
+
+// LibTorch's optimizers load into their state, keeping that of parameters the archive has
+// none for: loading a checkpoint saved before the first step into an AADL that had
+// stepped kept its momentum buffers, and it went on unlike a fresh optimizer loaded alike.
+TEST(AADL, LoadReplacesTheInnerStateAsInAFreshOptimizer) {
+  const torch::Tensor start = torch::linspace(-1.0, 1.0, 6, torch::kFloat64);
+  auto p = start.clone().set_requires_grad(true);
+  AADL used(sgd_with_momentum({torch::optim::OptimizerParamGroup({p})}, 0.1),
+            AADLOptions().history_depth(3));
+  const std::string before_any_step = archive_of(used);
+  quadratic_step(used, {p});
+  quadratic_step(used, {p});
+  auto q = start.clone().set_requires_grad(true);
+  AADL fresh(sgd_with_momentum({torch::optim::OptimizerParamGroup({q})}, 0.1),
+             AADLOptions().history_depth(3));
+  load_from(used, before_any_step);
+  load_from(fresh, before_any_step);
+  EXPECT_TRUE(used.inner().state().empty()) << "the momentum of the steps before stayed";
+  {
+    torch::NoGradGuard no_grad;
+    p.copy_(start);
+  }
+  for (int step = 0; step < 4; ++step) {
+    quadratic_step(used, {p});
+    quadratic_step(fresh, {q});
+    ASSERT_TRUE(torch::equal(p.detach(), q.detach())) << "step " << step;
+  }
+}
+
+// The archive's group 1 has two parameters, the optimizer's one. The history did not show
+// it (saved before any vector was stored), so the inner SGD loaded: it took group 0's
+// options, then refused group 1 and left them there. And parameters of other shapes but
+// the same total size loaded, momentum buffers and all, and the next step threw.
+TEST(AADL, ALoadOfOtherParametersIsRefusedAndChangesNothing) {
+  const auto param = [](at::IntArrayRef shape) {
+    return torch::ones(shape, torch::kFloat64).set_requires_grad(true);
+  };
+  auto a = param({3}), b = param({2}), c = param({2});
+  AADL other_count(sgd_with_momentum({torch::optim::OptimizerParamGroup({a}),
+                                      torch::optim::OptimizerParamGroup({b, c})},
+                                     0.5),
+                   AADLOptions().history_depth(3).store_each_nth(2));
+  quadratic_step(other_count, {a, b, c});  // the second call would store the first vector
+  auto d = param({3}), e = param({4});
+  AADL target(sgd_with_momentum({torch::optim::OptimizerParamGroup({d}),
+                                 torch::optim::OptimizerParamGroup({e})},
+                                0.1),
+              AADLOptions().history_depth(3));
+  quadratic_step(target, {d, e});
+  expect_error_mentions([&] { load_from(target, archive_of(other_count)); }, "parameters");
+  EXPECT_DOUBLE_EQ(target.inner().param_groups()[0].options().get_lr(), 0.1);
+
+  auto f = param({2, 3});
+  AADL other_shape(sgd_with_momentum({torch::optim::OptimizerParamGroup({f})}, 0.1));
+  quadratic_step(other_shape, {f});
+  auto g = param({3, 2});
+  AADL transposed(sgd_with_momentum({torch::optim::OptimizerParamGroup({g})}, 0.1));
+  quadratic_step(transposed, {g});
+  expect_error_mentions([&] { load_from(transposed, archive_of(other_shape)); }, "shape");
+  quadratic_step(transposed, {g});
+}
+
+// An inner optimizer whose load throws after it took the archive's state and options.
+class SGDThatFailsAfterLoading : public torch::optim::SGD {
+ public:
+  using torch::optim::SGD::SGD;
+  bool fail = false;
+  void load(torch::serialize::InputArchive& archive) override {
+    torch::optim::SGD::load(archive);
+    TORCH_CHECK(!fail, "cannot load");
+  }
+};
+
+TEST(AADL, AnInnerLoadThatThrowsLeavesTheOptimizerAsItWas) {
+  const auto run = [](std::shared_ptr<torch::optim::SGD> inner, torch::Tensor p, int steps) {
+    auto opt = std::make_unique<AADL>(std::move(inner), AADLOptions().history_depth(4));
+    for (int step = 0; step < steps; ++step) quadratic_step(*opt, {p});
+    return opt;
+  };
+  auto p = torch::linspace(-1.0, 1.0, 5, torch::kFloat64).set_requires_grad(true);
+  auto q = p.detach().clone().set_requires_grad(true);
+  auto failing = std::make_shared<SGDThatFailsAfterLoading>(
+      std::vector<torch::Tensor>{p}, torch::optim::SGDOptions(0.1).momentum(0.9));
+  auto target = run(failing, p, 4);
+  auto twin = run(sgd_with_momentum({torch::optim::OptimizerParamGroup({q})}, 0.1), q, 4);
+  auto r = torch::zeros({5}, torch::kFloat64).set_requires_grad(true);
+  const std::string other = archive_of(
+      *run(sgd_with_momentum({torch::optim::OptimizerParamGroup({r})}, 0.3), r, 2));
+  failing->fail = true;
+  expect_error_mentions([&] { load_from(*target, other); }, "cannot load");
+  EXPECT_DOUBLE_EQ(target->inner().param_groups()[0].options().get_lr(), 0.1);
+  ASSERT_EQ(target->history(0).size(), twin->history(0).size());
+  EXPECT_TRUE(torch::equal(target->history(0).gram(), twin->history(0).gram()));
+  for (int step = 0; step < 4; ++step) {
+    quadratic_step(*target, {p});
+    quadratic_step(*twin, {q});
+    ASSERT_TRUE(torch::equal(p.detach(), q.detach())) << "step " << step;
+  }
 }
 
 }  // namespace
