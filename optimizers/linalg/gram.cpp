@@ -19,6 +19,7 @@
 #include <utility>
 
 #include "optimizers/linalg/gram_cpu.h"
+#include "optimizers/linalg/small_solve.h"
 
 #if TIDEPOOL_HAVE_CUDA
 #include <c10/cuda/CUDAGuard.h>
@@ -210,16 +211,19 @@ std::vector<double> direct_residual_norms(const std::vector<at::Tensor>& a_colum
   const int64_t rows = first.size(0);
   const int64_t block = block_rows_for(first);
   const auto x_here = x.to(first.device());
-  auto squares = at::zeros({static_cast<int64_t>(b_columns.size())},
-                              first.options().dtype(at::kDouble));
+  // Norms, not sums of squares: residual entries below ~1e-154 square to subnormals or 0 in
+  // fp64 (a residual of 7e-162 came out as 0). column_norms() rescales each block before it
+  // squares, and hypot combines the blocks' norms without squaring them.
+  auto norms = at::zeros({static_cast<int64_t>(b_columns.size())},
+                         first.options().dtype(at::kDouble));
   for (int64_t begin = 0; begin < rows; begin += block) {
     const int64_t count = std::min(block, rows - begin);
     const auto residual =
         fp64_block(b_columns, begin, count) - fp64_block(a_columns, begin, count).mm(x_here);
-    squares += residual.square().sum(0);
+    norms = at::hypot(norms, column_norms(residual));
   }
-  const auto norms = squares.sqrt().cpu();
-  return std::vector<double>(norms.data_ptr<double>(), norms.data_ptr<double>() + norms.numel());
+  const auto host = norms.cpu();
+  return std::vector<double>(host.data_ptr<double>(), host.data_ptr<double>() + host.numel());
 }
 
 }  // namespace tidepool::linalg::detail

@@ -19,7 +19,8 @@ at::Tensor gram_of_columns(const std::vector<at::Tensor>& columns);
 at::Tensor dots_with(const at::Tensor& v, const std::vector<at::Tensor>& columns);
 
 // ‖b_j − Σ_i x_ij a_i‖₂ for every column b_j of `b_columns`, computed directly in fp64
-// blocks of rows (one more read of the columns). x is k×r fp64 (any device).
+// blocks of rows (one more read of the columns), without underflow or overflow for finite
+// values (each block is rescaled before squaring). x is k×r fp64 (any device).
 std::vector<double> direct_residual_norms(const std::vector<at::Tensor>& a_columns,
                                           const std::vector<at::Tensor>& b_columns,
                                           const at::Tensor& x);

@@ -8,6 +8,17 @@
 //
 // Non-finite input is caught for free on the Gram path: a NaN or Inf anywhere in column j
 // makes G_jj non-finite, so checking the small G replaces a separate pass over A.
+//
+// Note [Underflowing squares]: the mirror image of squares that overflow. A product below
+// DBL_MIN (entries ≲ 1.5e-154) is subnormal and carries an absolute error of up to 2⁻¹⁰⁷⁵
+// instead of a relative eps64, or is 0. Once ‖a_j‖² < N·DBL_MIN the column's Gram entries
+// may have lost all their accuracy, and below ~1e-162 the column vanishes from G: the
+// Gram routes, and CholeskyQR3 equilibrated from G's diagonal, then misjudge κ and rank (a
+// κ ≈ 1 problem came out with κ ≈ 2e4, or rank k − 1 and that column's coefficient 0).
+// automatic takes the SVD, which scales by column_norms() before it squares anything; a
+// forced method that needs G refuses, as it does for squares that overflow. A right-hand
+// side that small loses bᵀb, and with it the Gram residual: its residual is measured
+// directly (direct_residual_norms rescales too).
 #include "optimizers/linalg/lstsq.h"
 
 #include <algorithm>
@@ -157,6 +168,23 @@ at::Tensor fp64_matrix(const std::vector<at::Tensor>& columns) {
   return at::stack(columns, 1).to(at::kDouble);
 }
 
+// Note [Underflowing squares]: the first of `columns` (whose Gram diagonal starts at G's
+// entry `first`) that is not zero but whose squares underflowed (‖c_j‖² < N·DBL_MIN), or -1.
+// Only a column that small is read again, to tell a zero column (which G represents
+// exactly) from a tiny one.
+int64_t underflowing_column(const std::vector<at::Tensor>& columns, const at::Tensor& G,
+                            int64_t first) {
+  const double limit =
+      static_cast<double>(columns.front().size(0)) * std::numeric_limits<double>::min();
+  const auto diagonal = G.diagonal().contiguous();
+  const double* d = diagonal.data_ptr<double>() + first;
+  for (size_t j = 0; j < columns.size(); ++j) {
+    if (d[j] >= limit) continue;
+    if (d[j] > 0.0 || columns[j].ne(0).any().item<bool>()) return static_cast<int64_t>(j);
+  }
+  return -1;
+}
+
 SmallSolution run_svd(const Problem& problem, const LstsqOptions& options, double rcond) {
   auto A = fp64_matrix(problem.a_columns);
   auto B = fp64_matrix(problem.b_columns);
@@ -215,9 +243,27 @@ SmallSolution select_and_solve(const Problem& problem, const LstsqOptions& optio
   all_columns.insert(all_columns.end(), problem.b_columns.begin(), problem.b_columns.end());
   const auto G = detail::gram_of_columns(all_columns);
   check_finite_gram(G);
+  if (const int64_t tiny_column = underflowing_column(problem.a_columns, G, 0);
+      tiny_column >= 0) {
+    if (method == LstsqMethod::automatic) return run_svd(problem, options, rcond);
+    fail("column " + std::to_string(tiny_column) + " of A is so small that its squares " +
+         "underflow float64 (entries below ~1e-154), which method " + method_name(method) +
+         " cannot resolve; rescale A, or use method automatic or svd");
+  }
 
+  // The Gram residual is a cancellation (LstsqOptions::exact_residual), and it needs bᵀb,
+  // which a right-hand side whose squares underflow has lost (Note [Underflowing squares]):
+  // either way one more pass measures the residuals directly.
+  auto with_residuals = [&](SmallSolution solution) {
+    if (options.exact_residual || underflowing_column(problem.b_columns, G, problem.k) >= 0) {
+      solution.residual_norms =
+          detail::direct_residual_norms(problem.a_columns, problem.b_columns, solution.x);
+    }
+    return solution;
+  };
   if (method == LstsqMethod::gram_cholesky || method == LstsqMethod::gram_eigh) {
-    return *detail::solve_from_gram(G, problem.k, options, rcond, method, /*may_decline=*/false);
+    return with_residuals(
+        *detail::solve_from_gram(G, problem.k, options, rcond, method, /*may_decline=*/false));
   }
   if (method == LstsqMethod::cholesky_qr) {
     if (auto solution = run_cholesky_qr(problem, options, G, rcond)) return *solution;
@@ -228,7 +274,7 @@ SmallSolution select_and_solve(const Problem& problem, const LstsqOptions& optio
   if (auto solution = detail::solve_from_gram(G, problem.k, options, rcond,
                                               LstsqMethod::gram_cholesky,
                                               /*may_decline=*/true)) {
-    return *solution;
+    return with_residuals(*solution);
   }
   // CholeskyQR3's R is trusted only well inside its proven range (κ ≲ u⁻¹): an exactly
   // singular A can come out of it with a tiny but non-zero σ_min, so anything near the
@@ -246,12 +292,7 @@ LstsqResult solve(const Problem& problem, const LstsqOptions& requested) {
   check_options(requested);
   const auto options = detail::resolve_defaults(requested, problem.dtype, problem.rows, problem.k);
   const double rcond = options.rcond;
-  SmallSolution small = select_and_solve(problem, options, rcond);
-  if (options.exact_residual &&
-      (small.method == LstsqMethod::gram_cholesky || small.method == LstsqMethod::gram_eigh)) {
-    small.residual_norms =
-        detail::direct_residual_norms(problem.a_columns, problem.b_columns, small.x);
-  }
+  const SmallSolution small = select_and_solve(problem, options, rcond);
 
   LstsqResult result;
   auto solution = small.x.to(problem.device, problem.dtype);

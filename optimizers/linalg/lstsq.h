@@ -33,7 +33,7 @@ enum class LstsqMethod {
   automatic,      // choose per problem, as described at the top of this file
   gram_cholesky,  // one Gram pass + fp64 Cholesky (fast; accuracy ~κ(A)²·eps64). Cannot
                   // truncate: forced, it throws std::runtime_error if AᵀA breaks down or
-                  // the rank at max(rcond, √eps64) is below k
+                  // the rank at max(rcond, √(10k·eps64)) is below k
   cholesky_qr,    // shifted CholeskyQR3 on an fp64 copy of A (accuracy ~κ(A)·eps64)
   svd,            // Householder QR of [A·D | B] (LAPACK geqrf / cuSOLVER 64-bit Xgeqrf),
                   // then the minimum-norm solution from the SVD of R, truncated at rcond
@@ -46,14 +46,17 @@ TIDEPOOL_API const char* method_name(LstsqMethod method);
 
 struct LstsqOptions {
   LstsqMethod method = LstsqMethod::automatic;
-  // Singular values below rcond·σ_max (of the equilibrated A) count as zero. Negative means
-  // the default max(k·eps(input dtype), 10·√N·eps64): the data's precision or fp64's
-  // rounding over N rows — deliberately not eps·N, which is what ruins gelsy. The Gram
-  // methods cannot resolve σ/σ_max that small and apply max(rcond, √eps64) (gram_cholesky)
-  // or max(rcond, √(10k·eps64)) (gram_eigh); LstsqResult::rcond says what was applied.
+  // Singular values below rcond·σ_max of the equilibrated A (with tikhonov, of the
+  // regularised [A·D; √λ·D], see `tikhonov`) count as zero. Negative means the default
+  // max(k·eps(input dtype), 10·√N·eps64): the data's precision or fp64's rounding over N
+  // rows — deliberately not eps·N, which is what ruins gelsy. The Gram methods
+  // (gram_cholesky, gram_eigh) cannot resolve σ/σ_max that small and apply
+  // max(rcond, √(10k·eps64)) (≈ 1e-7); LstsqResult::rcond says what was applied.
   double rcond = -1.0;
   // Tikhonov λ: minimise ‖Ax − b‖² + λ‖x‖². With tikhonov_relative, λ is multiplied
-  // by trace(AᵀA)/k, so λ = 1e-8 means "1e-8 of the average squared column norm".
+  // by trace(AᵀA)/k, so λ = 1e-8 means "1e-8 of the average squared column norm". Every
+  // method solves the regularised least-squares problem [A·D; √λ·D]·y ≈ [b; 0] (x = Dy), so
+  // with λ > 0 the rank, the truncation at rcond and the condition estimate are its own.
   double tikhonov = 0.0;
   bool tikhonov_relative = true;
   // Scale columns of A to unit norm before factorising: with D = diag(1/‖a_j‖) the problem
@@ -76,7 +79,8 @@ struct LstsqOptions {
   // ~√N·eps64·(‖b‖ + ‖A‖_F‖x‖)², so r is reliable only well above
   // √(√N·eps64)·(‖b‖ + ‖A‖_F‖x‖) (~3e-7 of that scale at N = 2e5); a nearly
   // consistent system reports noise of that size. true spends one more pass over A for
-  // b − Ax computed directly in fp64.
+  // b − Ax computed directly in fp64. (That pass is also taken, whatever this says, for a
+  // right-hand side whose squares underflow fp64, ‖b‖² < N·DBL_MIN: bᵀb is lost then.)
   bool exact_residual = false;
 };
 
@@ -84,10 +88,12 @@ struct LstsqResult {
   at::Tensor solution;        // k (B was 1-D) or k×r; dtype and device of the input
   LstsqMethod method = LstsqMethod::automatic;  // the method that produced the solution
   const char* method_name = "";  // method_name(method)
-  // Numerical rank of A (equilibrated, if on) at `rcond`: the number of singular directions
-  // the solution keeps. gram_cholesky always solves with all k, so it returns only rank k.
+  // Numerical rank of A (equilibrated, if on; with tikhonov, of [A·D; √λ·D]) at `rcond`: the
+  // number of singular directions the solution keeps. gram_cholesky always solves with all
+  // k, so it returns only rank k.
   int64_t rank = 0;
-  double condition = 0.0;        // estimate of κ₂(A) after equilibration (inf if singular)
+  // Estimate of κ₂(A) after equilibration (with tikhonov, of [A·D; √λ·D]); inf if singular.
+  double condition = 0.0;
   double rcond = 0.0;            // the threshold on σ/σ_max actually applied (see options)
   std::vector<double> residual_norms;  // ‖b_j − A x_j‖₂ per right-hand side
   double residual_norm = 0.0;          // Frobenius norm of B − AX
@@ -96,7 +102,10 @@ struct LstsqResult {
 // Solves min ‖A X − B‖ for A (N×k) and B (N or N×r): fp32 or fp64 (both the same), both on
 // the same device (CPU or CUDA). Throws std::invalid_argument for empty, mismatched,
 // non-finite, unsupported-dtype or mixed-device input (and for finite input whose squares
-// overflow fp64 where a method needs them: the Gram pass, a relative tikhonov).
+// overflow fp64 where a method needs them: the Gram pass, a relative tikhonov). Squares
+// that underflow cannot be resolved by the Gram pass either: when a column of A is not zero
+// but ‖a_j‖² < N·DBL_MIN (fp64 entries ≲ 1e-154), automatic solves by the SVD and the
+// forced gram_cholesky, cholesky_qr and gram_eigh throw std::invalid_argument.
 TIDEPOOL_API LstsqResult lstsq(const at::Tensor& A, const at::Tensor& B,
                                const LstsqOptions& options = {});
 

@@ -6,10 +6,12 @@
 // problem's real difficulty, not at its units. Tikhonov stays on x (λ‖x‖² = λ‖Dy‖²).
 //
 // Note [Condition from the Gram matrix]: the eigenvalues of the equilibrated AᵀA are
-// σ_i² of AD, computed with absolute error ~k·eps64·λ_max; so σ_min/σ_max is resolved down
-// to ~1e-8 from the Gram matrix alone. Beyond that the Gram route cannot tell
-// "ill-conditioned" from "rank-deficient", which is why automatic hands such problems to a
-// method that reads A again.
+// σ_i² of AD, computed with absolute error ~k·eps64·λ_max (the Jacobi sweeps, and G's own
+// rounding: an exactly singular AD shows 2-8·eps64·λ_max for N ≤ 1e4, growing slowly with
+// N, ~20·eps64·λ_max at N = 1e7); so σ_min/σ_max is resolved down to √(10k·eps64) ≈ 1e-7
+// from the Gram matrix alone, the floor on rcond of both Gram methods. Beyond that the Gram
+// route cannot tell "ill-conditioned" from "rank-deficient", which is why automatic hands
+// such problems to a method that reads A again.
 //
 // Note [Minimum norm with equilibration]: a rank-deficient (or rcond-truncated) problem has
 // many solutions, and which one is "minimum norm" depends on the variables. With
@@ -43,6 +45,11 @@ constexpr double kInf = std::numeric_limits<double>::infinity();
 int64_t count_above(const at::Tensor& values, double threshold) {
   return (values > threshold).sum().item<int64_t>();
 }
+
+// Note [Condition from the Gram matrix]: the smallest eigenvalue of the equilibrated AᵀA
+// (λ_max ≤ k) that is not rounding, relative to λ_max. Both Gram methods count only
+// eigenvalues above it, so the smallest rcond on σ they apply is its square root.
+double gram_resolution(int64_t k) { return 10.0 * static_cast<double>(k) * kEps64; }
 
 }  // namespace
 
@@ -166,9 +173,11 @@ std::optional<SmallSolution> solve_from_gram(const at::Tensor& G, int64_t k,
         y[static_cast<size_t>(i * r + j)] *= scale[static_cast<size_t>(i)];
     }
     out.x = at::from_blob(y.data(), {k, r}, at::TensorOptions().dtype(at::kDouble)).clone();
-    // Note [Condition from the Gram matrix]: the rank is resolved to ~√eps64 only, so that
-    // is the smallest rcond this method can apply (and the one it reports).
-    out.rcond = std::max(rcond, std::sqrt(kEps64));
+    // Note [Condition from the Gram matrix]: the rank is resolved to √(10k·eps64) only, so
+    // that is the smallest rcond this method can apply (and the one it reports). It was
+    // √eps64, below the rounding of G itself: an intercept and a rescaled copy of it (exactly
+    // dependent) kept an eigenvalue of 2-8·eps64·λ_max and came out as "rank k".
+    out.rcond = std::max(rcond, std::sqrt(gram_resolution(k)));
     const double threshold = out.rcond * std::sqrt(std::max(largest, 0.0));
     out.rank = std::count_if(
         eigenvalues.begin(), eigenvalues.end(),
@@ -193,7 +202,7 @@ std::optional<SmallSolution> solve_from_gram(const at::Tensor& G, int64_t k,
         at::from_blob(ghat.data(), {k, k}, at::TensorOptions().dtype(at::kDouble)).clone();
     auto [w, V] = at::linalg_eigh(ghat_tensor);  // ascending: keep the last `rank`
     const double top = std::max(w[-1].item<double>(), 0.0);
-    const double resolution = 10.0 * static_cast<double>(k) * kEps64;
+    const double resolution = gram_resolution(k);
     out.rcond = std::max(rcond, std::sqrt(resolution));
     out.rank = count_above(w, std::max(rcond * rcond, resolution) * top);
     const auto C = at::from_blob(chat.data(), {k, r}, at::TensorOptions().dtype(at::kDouble));

@@ -50,11 +50,11 @@ double tikhonov_lambda(const LstsqOptions& options, double gram_trace, int64_t k
 // Solves from G = [A|B]ᵀ[A|B] ((k+r)×(k+r) fp64 CPU). `method` is gram_cholesky or
 // gram_eigh. Returns nullopt, when `may_decline`, if the equilibrated AᵀA is more
 // ill-conditioned than options.gram_condition_limit, not positive definite, or of rank < k
-// at rcond (the caller then falls back to a method that reads A again). Without
-// `may_decline`, gram_cholesky that breaks down, or finds rank < k at max(rcond, √eps64)
-// (it cannot truncate), throws std::runtime_error. gram_eigh truncates at
-// max(rcond, √(10k·eps64)) and returns the minimum-norm solution in the equilibrated
-// variables (small_solve.cpp, Note [Minimum norm with equilibration]).
+// at max(rcond, √(10k·eps64)) (the caller then falls back to a method that reads A again).
+// Without `may_decline`, gram_cholesky that breaks down, or finds that rank < k (it cannot
+// truncate), throws std::runtime_error. gram_eigh truncates at max(rcond, √(10k·eps64))
+// and returns the minimum-norm solution in the equilibrated variables (small_solve.cpp,
+// Note [Minimum norm with equilibration]).
 std::optional<SmallSolution> solve_from_gram(const at::Tensor& G, int64_t k,
                                              const LstsqOptions& options, double rcond,
                                              LstsqMethod method, bool may_decline);

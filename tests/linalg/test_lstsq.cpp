@@ -8,6 +8,8 @@
 #include <limits>
 #include <stdexcept>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "optimizers/linalg/lstsq.h"
 #include "tests/linalg/lstsq_test_problems.h"
@@ -325,7 +327,7 @@ TEST(Lstsq, ReportedRcondIsTheThresholdApplied) {
   const auto b = A.mv(at::ones({5}, kF64));
   const auto automatic = lstsq(A, b);  // default rcond ≈ 3e-13, below the Gram's resolution
   ASSERT_EQ(automatic.method, LstsqMethod::gram_cholesky);
-  EXPECT_DOUBLE_EQ(automatic.rcond, std::sqrt(eps));
+  EXPECT_DOUBLE_EQ(automatic.rcond, std::sqrt(10.0 * 5.0 * eps));
   LstsqOptions options;
   options.method = LstsqMethod::gram_eigh;
   options.rcond = 1e-12;
@@ -359,6 +361,43 @@ TEST(LstsqErrors, ForcedGramCholeskyRefusesToTruncate) {
   EXPECT_NE(truncated.method, LstsqMethod::gram_cholesky);
 }
 
+// Random-test finding (test_lstsq_random.cpp): an intercept and a rescaled copy of it are
+// exactly dependent, but their Gram entries are sums of N equal products whose rounding
+// leaves a spurious eigenvalue of ~2-8·eps64·λ_max (N ≤ 1e4). gram_cholesky refused only
+// below eps64·λ_max (rcond √eps64), so it returned "rank k" and an arbitrary split of the
+// duplicated coefficient in about half of such problems. Its floor is now gram_eigh's,
+// √(10k·eps64): the Gram eigenvalues' resolution (Note [Condition from the Gram matrix]).
+TEST(LstsqErrors, ForcedGramCholeskyRefusesProportionalConstantColumns) {
+  for (const int64_t rows : {100, 305, 1000, 5000}) {
+    for (const auto& [s1, s2] : std::vector<std::pair<double, double>>{
+             {5.76e3, 46.0}, {3.08e-4, 6.26e-3}, {0.1, 0.3}, {1.0, 0.7}, {2.5e2, 1.3e-2}}) {
+      at::manual_seed(48);
+      const auto A = at::cat({at::full({rows, 1}, s1, kF64), at::full({rows, 1}, s2, kF64),
+                              at::randn({rows, 2}, kF64)},
+                             1);
+      const auto b = at::randn({rows}, kF64);
+      LstsqOptions options;
+      options.method = LstsqMethod::gram_cholesky;
+      try {
+        const auto result = lstsq(A, b, options);
+        ADD_FAILURE() << "N " << rows << " scales " << s1 << ", " << s2 << ": rank "
+                      << result.rank << ", condition " << result.condition;
+      } catch (const std::runtime_error& error) {
+        EXPECT_NE(std::string(error.what()).find("use method automatic, svd or gram_eigh"),
+                  std::string::npos)
+            << error.what();
+      }
+      // gram_eigh drops the direction: minimum norm splits the intercept evenly (y_0 = y_1).
+      options.method = LstsqMethod::gram_eigh;
+      const auto result = lstsq(A, b, options);
+      EXPECT_EQ(result.rank, 3);
+      const double norm = std::sqrt(static_cast<double>(rows));
+      EXPECT_NEAR(result.solution[0].item<double>() * s1 * norm,
+                  result.solution[1].item<double>() * s2 * norm, 1e-8);
+    }
+  }
+}
+
 // Review finding: finite |a| > ~1.3e154 overflowed A.square().sum(0) on the SVD path and
 // torch threw c10::Error ("non-finite") from the SVD of a NaN matrix.
 TEST(Lstsq, HugeAndTinyFiniteInputOnTheSvdPath) {
@@ -384,6 +423,67 @@ TEST(Lstsq, HugeAndTinyFiniteInputOnTheSvdPath) {
   LstsqOptions options;
   options.tikhonov = 1e-6;
   expect_invalid([&] { lstsq(huge, huge.sum(1), options); }, "overflows");
+}
+
+// Random-test finding (test_lstsq_random.cpp): entries ≲ 1e-154 have squares in float64's
+// subnormal range, or 0, so the Gram matrix loses that column's precision or the column
+// altogether. For this κ ≈ 1 problem, at 1e-160 every Gram-equilibrated route reported
+// κ ≈ 2e4 and lost 8 digits; at 1e-165 forced gram_eigh and cholesky_qr returned rank 2
+// with the column's coefficient 0. automatic must take the SVD (which rescales), forced
+// methods that need the Gram matrix must refuse, as they do for squares that overflow.
+TEST(Lstsq, ColumnsWhoseSquaresUnderflowLeaveTheGramRoute) {
+  for (const double magnitude : {1e-160, 1e-165, 1e-200}) {
+    at::manual_seed(46);
+    auto A = at::randn({5000, 3}, kF64);
+    A.select(1, 1).mul_(magnitude);
+    const auto b = A.mv(testing::values({1.0, 2.0 / magnitude, 3.0}));
+    const auto result = lstsq(A, b);
+    EXPECT_EQ(result.method, LstsqMethod::svd) << magnitude;
+    EXPECT_EQ(result.rank, 3) << magnitude;
+    EXPECT_LT(result.condition, 1.1) << magnitude;
+    EXPECT_LT(relative_error(result.solution * testing::values({1.0, magnitude, 1.0}),
+                             testing::values({1.0, 2.0, 3.0})),
+              1e-13)
+        << magnitude;
+    for (const auto method :
+         {LstsqMethod::gram_cholesky, LstsqMethod::gram_eigh, LstsqMethod::cholesky_qr}) {
+      LstsqOptions options;
+      options.method = method;
+      expect_invalid([&] { lstsq(A, b, options); }, "underflow");
+    }
+  }
+  // An exactly zero column is no underflow: it stays rank deficiency on the Gram route.
+  auto A = at::randn({5000, 3}, kF64);
+  A.select(1, 2).zero_();
+  LstsqOptions options;
+  options.method = LstsqMethod::gram_eigh;
+  EXPECT_EQ(lstsq(A, at::randn({5000}, kF64), options).rank, 2);
+}
+
+// Random-test finding: for b ~ 1e-160 (residual ~7e-162) the direct residual squared
+// entries of ~1e-163 to 0, so exact_residual and every cholesky_qr result reported a
+// residual of 0; the Gram residual lost bᵀb the same way.
+TEST(Lstsq, ResidualsOfATinyRightHandSideDoNotUnderflow) {
+  at::manual_seed(47);
+  const auto A = at::randn({5000, 3}, kF64);
+  const auto noise = at::randn({5000}, kF64);
+  for (const double magnitude : {1e-160, 1e-200}) {
+    const auto b = (A.mv(testing::values({1.0, 2.0, 3.0})) + 1e-3 * noise) * magnitude;
+    for (const auto method : {LstsqMethod::automatic, LstsqMethod::gram_eigh,
+                              LstsqMethod::cholesky_qr, LstsqMethod::svd}) {
+      for (const bool exact : {false, true}) {
+        LstsqOptions options;
+        options.method = method;
+        options.exact_residual = exact;
+        const auto result = lstsq(A, b, options);
+        const double direct =
+            magnitude * ((b - A.mv(result.solution)) / magnitude).norm().item<double>();
+        EXPECT_GT(direct, 0.0);
+        EXPECT_NEAR(result.residual_norm, direct, 1e-10 * direct)
+            << magnitude << " " << method_name(method) << " exact_residual " << exact;
+      }
+    }
+  }
 }
 
 TEST(Lstsq, TikhonovMatchesClosedFormAbsoluteAndRelative) {
