@@ -22,6 +22,7 @@
 #include "optimizers/apollo.h"
 #include "optimizers/state_placement.h"
 #include "optimizers/tiered_placement.h"
+#include "random_options.h"
 #include "store_with_budget.h"
 #include "tests/support/test_seed.h"
 #include "tiering/tiered_store.h"
@@ -30,11 +31,8 @@ namespace tidepool::testing::checkpoint {
 
 using tidepool::optim::AADL;
 using tidepool::optim::AADLOptions;
-using tidepool::optim::AndersonType;
 using tidepool::optim::Apollo;
 using tidepool::optim::ApolloOptions;
-using tidepool::optim::ApolloRebound;
-using tidepool::optim::ApolloWeightDecay;
 using tidepool::optim::StatePlacement;
 using tidepool::optim::TieredPlacement;
 using tidepool::optim::WriteBack;
@@ -105,6 +103,39 @@ inline std::vector<Params> split(const Shapes& shapes, const Params& params) {
     i += group.size();
   }
   return groups;
+}
+
+// What an Apollo and an AADL problem have alike: the parameters, grouped, and the steps.
+struct ProblemParameters {
+  Shapes shapes;  // [group][parameter]
+  torch::Dtype dtype = torch::kFloat32;
+  int steps = 0;
+  std::vector<std::vector<bool>> has_grad;  // random_gradients()
+  std::uint64_t seed = 0;                   // of the initial parameters
+
+  size_t parameters() const {
+    size_t n = 0;
+    for (const auto& group : shapes) n += group.size();
+    return n;
+  }
+  std::size_t element() const { return dtype == torch::kFloat32 ? 4 : 8; }
+};
+
+// 1..max_groups groups of 1..3 parameters of random shapes, either dtype, min_steps..
+// max_steps steps with random gradients, a seed for the initial values.
+inline void randomize_parameters(Rng& rng, ProblemParameters& p, int64_t max_groups,
+                                 int min_steps, int max_steps) {
+  const int64_t groups = 1 + rng.pick(static_cast<std::uint64_t>(max_groups));
+  for (int64_t g = 0; g < groups; ++g) {
+    auto& group = p.shapes.emplace_back();
+    const int64_t count = 1 + rng.pick(3);
+    for (int64_t i = 0; i < count; ++i) group.push_back(random_shape(rng, 1500));
+  }
+  p.dtype = rng.percent(50) ? torch::kFloat32 : torch::kFloat64;
+  p.steps = min_steps + static_cast<int>(rng.pick(static_cast<std::uint64_t>(
+                            max_steps - min_steps + 1)));
+  p.has_grad = random_gradients(rng, p.steps, p.parameters());
+  p.seed = static_cast<std::uint64_t>(rng.pick(1000));
 }
 
 // ---- where the state lives ---------------------------------------------------------------
@@ -185,21 +216,10 @@ struct StateHome {
 
 // ---- Apollo problems -----------------------------------------------------------------------
 
-struct ApolloProblem {
-  Shapes shapes;
+struct ApolloProblem : ProblemParameters {
   std::vector<ApolloOptions> options;  // per group
-  torch::Dtype dtype = torch::kFloat32;
   bool fused = true;
-  int steps = 0;
-  std::vector<std::vector<bool>> has_grad;
-  std::uint64_t seed = 0;  // of the initial parameters
 
-  size_t parameters() const {
-    size_t n = 0;
-    for (const auto& group : shapes) n += group.size();
-    return n;
-  }
-  std::size_t element() const { return dtype == torch::kFloat32 ? 4 : 8; }
   // Three state tensors per parameter; the budget must hold two parameters' at once.
   std::size_t smallest_budget() const {
     int64_t largest = 0;
@@ -219,42 +239,24 @@ struct ApolloProblem {
     std::string s = "Apollo " + describe_shapes(shapes) +
                     (dtype == torch::kFloat32 ? " fp32" : " fp64") +
                     (fused ? ", fused" : ", ops") + ", " + std::to_string(steps) + " steps";
-    for (const auto& o : options) {
-      s += "; lr " + std::to_string(o.lr()) + " warmup " + std::to_string(o.warmup()) + " " +
-           tidepool::optim::to_string(o.rebound()) + " wd " + std::to_string(o.weight_decay()) +
-           (o.weight_decay_type() ? tidepool::optim::to_string(*o.weight_decay_type()) : "");
-    }
+    for (const auto& o : options) s += "; " + tidepool::testing::describe(o);
     return s;
   }
 };
 
-inline ApolloOptions random_apollo_options(Rng& rng) {
-  ApolloOptions o(rng.percent(50) ? 0.01 : 0.1);
-  o.beta(rng.percent(50) ? 0.9 : 0.5).warmup(rng.pick(6));
-  o.rebound(rng.percent(50) ? ApolloRebound::constant : ApolloRebound::belief);
-  if (rng.percent(50)) {
-    o.weight_decay(1e-3);
-    const ApolloWeightDecay types[] = {ApolloWeightDecay::L2, ApolloWeightDecay::decoupled,
-                                       ApolloWeightDecay::stable};
-    o.weight_decay_type(types[rng.pick(3)]);
+// Other options for each of the problem's groups.
+inline std::vector<ApolloOptions> random_group_options(const ApolloProblem& problem, Rng& rng) {
+  std::vector<ApolloOptions> options;
+  for (size_t g = 0; g < problem.shapes.size(); ++g) {
+    options.push_back(random_apollo_options(rng.engine));
   }
-  if (rng.percent(30)) o.init_lr(o.lr() / 10);
-  return o;
+  return options;
 }
 
 inline void randomize(Rng& rng, ApolloProblem& p) {
-  const int64_t groups = 1 + rng.pick(3);
-  for (int64_t g = 0; g < groups; ++g) {
-    auto& group = p.shapes.emplace_back();
-    const int64_t count = 1 + rng.pick(3);
-    for (int64_t i = 0; i < count; ++i) group.push_back(random_shape(rng, 1500));
-    p.options.push_back(random_apollo_options(rng));
-  }
-  p.dtype = rng.percent(50) ? torch::kFloat32 : torch::kFloat64;
+  randomize_parameters(rng, p, /*max_groups=*/3, /*min_steps=*/3, /*max_steps=*/8);
+  p.options = random_group_options(p, rng);
   p.fused = rng.percent(75);
-  p.steps = 3 + static_cast<int>(rng.pick(6));
-  p.has_grad = random_gradients(rng, p.steps, p.parameters());
-  p.seed = static_cast<std::uint64_t>(rng.pick(1000));
 }
 
 struct ApolloRun {
@@ -300,34 +302,15 @@ struct ApolloRun {
     apollo = std::make_unique<Apollo>(groups, ApolloOptions(0.5), home.placement);
     apollo->set_fused_kernels(problem.fused);
   }
-  static std::vector<ApolloOptions> random_group_options(const ApolloProblem& problem,
-                                                         Rng& rng) {
-    std::vector<ApolloOptions> options;
-    for (size_t g = 0; g < problem.shapes.size(); ++g) {
-      options.push_back(random_apollo_options(rng));
-    }
-    return options;
-  }
 };
 
 // ---- AADL problems -----------------------------------------------------------------------
 
-struct AADLProblem {
-  Shapes shapes;
-  torch::Dtype dtype = torch::kFloat32;
+struct AADLProblem : ProblemParameters {
   AADLOptions options;
   torch::optim::SGDOptions sgd{0.1};
   bool closure = true;
-  int steps = 0;
-  std::vector<std::vector<bool>> has_grad;
-  std::uint64_t seed = 0;
 
-  size_t parameters() const {
-    size_t n = 0;
-    for (const auto& group : shapes) n += group.size();
-    return n;
-  }
-  std::size_t element() const { return dtype == torch::kFloat32 ? 4 : 8; }
   std::size_t largest_group_bytes() const {
     int64_t largest = 0;
     for (const auto& group : shapes) {
@@ -347,42 +330,20 @@ struct AADLProblem {
   }
   std::string describe() const {
     return "AADL " + describe_shapes(shapes) + (dtype == torch::kFloat32 ? " fp32" : " fp64") +
-           ", depth " + std::to_string(options.history_depth()) +
-           (options.acceleration_type() == AndersonType::anderson ? ", anderson" : ", normal") +
-           ", relaxation " + std::to_string(options.relaxation()) + ", wait " +
-           std::to_string(options.wait_iterations()) + ", every " +
-           std::to_string(options.store_each_nth()) + "th stored, frequency " +
-           std::to_string(options.frequency()) + ", reg " + std::to_string(options.reg_acc()) +
-           ", SGD momentum " + std::to_string(sgd.momentum()) +
+           ", " + tidepool::testing::describe(options) + ", SGD momentum " +
+           std::to_string(sgd.momentum()) +
            (sgd.nesterov() ? " nesterov" : "") + " wd " + std::to_string(sgd.weight_decay()) +
            (closure ? ", closure" : ", no closure") + ", " + std::to_string(steps) + " steps";
   }
 };
 
 inline void randomize(Rng& rng, AADLProblem& p) {
-  const int64_t groups = 1 + rng.pick(2);
-  for (int64_t g = 0; g < groups; ++g) {
-    auto& group = p.shapes.emplace_back();
-    const int64_t count = 1 + rng.pick(3);
-    for (int64_t i = 0; i < count; ++i) group.push_back(random_shape(rng, 1500));
-  }
-  p.dtype = rng.percent(50) ? torch::kFloat32 : torch::kFloat64;
-  const double relaxations[] = {0.1, 0.5, 1.0};
-  p.options.acceleration_type(rng.percent(50) ? AndersonType::anderson
-                                              : AndersonType::anderson_normal_equation)
-      .relaxation(relaxations[rng.pick(3)])
-      .wait_iterations(rng.pick(4))
-      .history_depth(3 + rng.pick(4))
-      .store_each_nth(1 + rng.pick(2))
-      .frequency(1 + rng.pick(3))
-      .reg_acc(rng.percent(50) ? 0.0 : 1e-6);
+  randomize_parameters(rng, p, /*max_groups=*/2, /*min_steps=*/4, /*max_steps=*/13);
+  p.options = random_aadl_options(rng.engine);
   p.sgd = torch::optim::SGDOptions(rng.percent(50) ? 0.2 : 0.05);
   if (rng.percent(60)) p.sgd.momentum(0.9).nesterov(rng.percent(30));
   if (rng.percent(30)) p.sgd.weight_decay(1e-3);
   p.closure = rng.percent(70);
-  p.steps = 4 + static_cast<int>(rng.pick(10));
-  p.has_grad = random_gradients(rng, p.steps, p.parameters());
-  p.seed = static_cast<std::uint64_t>(rng.pick(1000));
 }
 
 struct AADLRun {

@@ -6,9 +6,9 @@
 #include <cmath>
 #include <filesystem>
 #include <limits>
-#include <sstream>
 #include <stdexcept>
 
+#include "archive_bytes.h"
 #include "optimizers/aadl.h"
 #include "optimizers/apollo.h"
 
@@ -205,14 +205,9 @@ Trajectory run_golden(const GoldenCase& golden, const RunOptions& run) {
       out.params.push_back(std::move(snapshot));
     }
     if (k == run.reload_after) {
-      std::stringstream bytes;
-      torch::serialize::OutputArchive archive;
-      optimizer->save(archive);
-      archive.save_to(bytes);
+      const std::string bytes = archive_bytes(*optimizer);
       optimizer = make_optimizer(golden, params, run);
-      torch::serialize::InputArchive in;
-      in.load_from(bytes);
-      optimizer->load(in);
+      load_archive_bytes(*optimizer, bytes);
     }
   }
   return out;

@@ -6,11 +6,11 @@
 
 #include <algorithm>
 #include <memory>
-#include <sstream>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "archive_bytes.h"
 #include "expect_error.h"
 #include "optimizers/aadl.h"
 #include "optimizers/anderson_history.h"
@@ -22,7 +22,9 @@ using tidepool::optim::AADL;
 using tidepool::optim::AADLOptions;
 using tidepool::optim::AndersonHistory;
 
+using tidepool::testing::archive_bytes;
 using tidepool::testing::expect_error_mentions;
+using tidepool::testing::load_archive_bytes;
 
 std::shared_ptr<torch::optim::SGD> sgd(const torch::Tensor& p) {
   return std::make_shared<torch::optim::SGD>(std::vector<torch::Tensor>{p},
@@ -333,34 +335,12 @@ TEST(AADL, HistoryPlacementDoesNotChangeAnyBit) {
 TEST(AADL, LoadRejectsAnArchiveOfAnotherOptimizer) {
   auto p = torch::zeros({3}, torch::kFloat64).set_requires_grad(true);
   torch::optim::SGD plain({p}, torch::optim::SGDOptions(0.1));
-  std::stringstream bytes;
-  {
-    torch::serialize::OutputArchive archive;
-    plain.save(archive);
-    archive.save_to(bytes);
-  }
+  const std::string bytes = archive_bytes(plain);
   AADL opt(sgd(p));
-  torch::serialize::InputArchive in;
-  in.load_from(bytes);
-  expect_error_mentions([&] { opt.load(in); }, "aadl_format");
+  expect_error_mentions([&] { load_archive_bytes(opt, bytes); }, "aadl_format");
 }
 
 // ---- load: replaces everything, or changes nothing ---------------------------------------
-
-std::string archive_of(const torch::optim::Optimizer& opt) {
-  torch::serialize::OutputArchive archive;
-  opt.save(archive);
-  std::ostringstream bytes;
-  archive.save_to(bytes);
-  return bytes.str();
-}
-
-void load_from(torch::optim::Optimizer& opt, const std::string& bytes) {
-  std::istringstream in(bytes);
-  torch::serialize::InputArchive archive;
-  archive.load_from(in);
-  opt.load(archive);
-}
 
 std::shared_ptr<torch::optim::SGD> sgd_with_momentum(
     std::vector<torch::optim::OptimizerParamGroup> groups, double lr) {
@@ -384,14 +364,14 @@ TEST(AADL, LoadReplacesTheInnerStateAsInAFreshOptimizer) {
   auto p = start.clone().set_requires_grad(true);
   AADL used(sgd_with_momentum({torch::optim::OptimizerParamGroup({p})}, 0.1),
             AADLOptions().history_depth(3));
-  const std::string before_any_step = archive_of(used);
+  const std::string before_any_step = archive_bytes(used);
   quadratic_step(used, {p});
   quadratic_step(used, {p});
   auto q = start.clone().set_requires_grad(true);
   AADL fresh(sgd_with_momentum({torch::optim::OptimizerParamGroup({q})}, 0.1),
              AADLOptions().history_depth(3));
-  load_from(used, before_any_step);
-  load_from(fresh, before_any_step);
+  load_archive_bytes(used, before_any_step);
+  load_archive_bytes(fresh, before_any_step);
   EXPECT_TRUE(used.inner().state().empty()) << "the momentum of the steps before stayed";
   {
     torch::NoGradGuard no_grad;
@@ -424,7 +404,8 @@ TEST(AADL, ALoadOfOtherParametersIsRefusedAndChangesNothing) {
                                 0.1),
               AADLOptions().history_depth(3));
   quadratic_step(target, {d, e});
-  expect_error_mentions([&] { load_from(target, archive_of(other_count)); }, "parameters");
+  expect_error_mentions([&] { load_archive_bytes(target, archive_bytes(other_count)); },
+                        "parameters");
   EXPECT_DOUBLE_EQ(target.inner().param_groups()[0].options().get_lr(), 0.1);
 
   auto f = param({2, 3});
@@ -433,7 +414,8 @@ TEST(AADL, ALoadOfOtherParametersIsRefusedAndChangesNothing) {
   auto g = param({3, 2});
   AADL transposed(sgd_with_momentum({torch::optim::OptimizerParamGroup({g})}, 0.1));
   quadratic_step(transposed, {g});
-  expect_error_mentions([&] { load_from(transposed, archive_of(other_shape)); }, "shape");
+  expect_error_mentions(
+      [&] { load_archive_bytes(transposed, archive_bytes(other_shape)); }, "shape");
   quadratic_step(transposed, {g});
 }
 
@@ -461,10 +443,10 @@ TEST(AADL, AnInnerLoadThatThrowsLeavesTheOptimizerAsItWas) {
   auto target = run(failing, p, 4);
   auto twin = run(sgd_with_momentum({torch::optim::OptimizerParamGroup({q})}, 0.1), q, 4);
   auto r = torch::zeros({5}, torch::kFloat64).set_requires_grad(true);
-  const std::string other = archive_of(
+  const std::string other = archive_bytes(
       *run(sgd_with_momentum({torch::optim::OptimizerParamGroup({r})}, 0.3), r, 2));
   failing->fail = true;
-  expect_error_mentions([&] { load_from(*target, other); }, "cannot load");
+  expect_error_mentions([&] { load_archive_bytes(*target, other); }, "cannot load");
   EXPECT_DOUBLE_EQ(target->inner().param_groups()[0].options().get_lr(), 0.1);
   ASSERT_EQ(target->history(0).size(), twin->history(0).size());
   EXPECT_TRUE(torch::equal(target->history(0).gram(), twin->history(0).gram()));

@@ -2,9 +2,9 @@
 // gradients, parameter groups, zero_grad, step(closure), save/load errors.
 #include <gtest/gtest.h>
 
-#include <sstream>
 #include <string>
 
+#include "archive_bytes.h"
 #include "expect_error.h"
 #include "optimizers/apollo.h"
 
@@ -19,7 +19,9 @@ torch::Tensor param(int64_t n, double value = 0.5) {
   return torch::full({n}, value, torch::kFloat64).set_requires_grad(true);
 }
 
+using tidepool::testing::archive_bytes;
 using tidepool::testing::expect_error_mentions;
+using tidepool::testing::load_archive_bytes;
 
 TEST(ApolloOptions, InvalidValuesAreRejectedWithTheirName) {
   const auto make = [](ApolloOptions o) { return [o] { Apollo({param(3)}, o); }; };
@@ -126,19 +128,12 @@ TEST(Apollo, Float32OpsPathTracksFloat64) {
 TEST(Apollo, LoadRejectsAMismatchedOptimizerAndKeepsItsState) {
   auto p = param(3);
   Apollo source({p, param(2)}, ApolloOptions(0.1));
-  std::stringstream bytes;
-  {
-    torch::serialize::OutputArchive archive;
-    source.save(archive);
-    archive.save_to(bytes);
-  }
+  const std::string bytes = archive_bytes(source);
   auto q = param(3);
   Apollo target({q}, ApolloOptions(0.3));
   q.mutable_grad() = torch::ones_like(q);
   target.step();
-  torch::serialize::InputArchive in;
-  in.load_from(bytes);
-  expect_error_mentions([&] { target.load(in); }, "parameters");
+  expect_error_mentions([&] { load_archive_bytes(target, bytes); }, "parameters");
   EXPECT_EQ(target.state().size(), 1u);
   EXPECT_DOUBLE_EQ(target.param_groups()[0].options().get_lr(), 0.3);
 }
@@ -159,18 +154,11 @@ TEST(Apollo, ALearningRateOfZeroAfterConstructionStepsAndCheckpoints) {
   }
   EXPECT_TRUE(torch::equal(frozen.detach(), before));
   EXPECT_FALSE(torch::equal(training.detach(), before));
-  std::stringstream bytes;
-  {
-    torch::serialize::OutputArchive archive;
-    opt.save(archive);
-    archive.save_to(bytes);
-  }
+  const std::string bytes = archive_bytes(opt);
   auto f2 = param(3), t2 = param(3);
   Apollo resumed({torch::optim::OptimizerParamGroup({f2}), torch::optim::OptimizerParamGroup({t2})},
                  ApolloOptions(0.1));
-  torch::serialize::InputArchive in;
-  in.load_from(bytes);
-  resumed.load(in);
+  load_archive_bytes(resumed, bytes);
   EXPECT_DOUBLE_EQ(resumed.param_groups()[0].options().get_lr(), 0.0);
   opt.param_groups()[1].options().set_lr(-0.1);  // negative stays an error
   expect_error_mentions([&] { opt.step(); }, "learning rate");

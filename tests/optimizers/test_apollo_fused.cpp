@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "apollo_fused_check.h"
+#include "archive_bytes.h"
 #include "optimizers/apollo.h"
 #include "optimizers/apollo_fused_host.h"
 
@@ -19,6 +20,8 @@ namespace {
 using tidepool::optim::Apollo;
 using tidepool::optim::ApolloOptions;
 using tidepool::optim::ApolloParamState;
+using tidepool::testing::archive_bytes;
+using tidepool::testing::load_archive_bytes;
 namespace kernels = tidepool::optim::kernels;
 
 TEST(ApolloFusedHost, MatchesTheOpsPath) {
@@ -143,14 +146,7 @@ TEST(ApolloFused, ALoadedOptimizerStartsWithoutACarry) {
   Apollo opt({p}, ApolloOptions(0.01).warmup(0));
   p.mutable_grad() = torch::ones_like(p);
   opt.step();
-  torch::serialize::OutputArchive out;
-  opt.save(out);
-  std::ostringstream bytes;
-  out.save_to(bytes);
-  std::istringstream in_bytes(bytes.str());
-  torch::serialize::InputArchive in;
-  in.load_from(in_bytes);
-  opt.load(in);
+  load_archive_bytes(opt, archive_bytes(opt));
   EXPECT_FALSE(carried_sums_of(opt).defined());
 }
 

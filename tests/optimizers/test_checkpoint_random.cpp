@@ -33,6 +33,7 @@
 #include <utility>
 #include <vector>
 
+#include "archive_bytes.h"
 #include "checkpoint_problems.h"
 #include "tests/support/test_scale.h"
 #include "tests/support/test_seed.h"
@@ -40,25 +41,11 @@
 namespace {
 
 using namespace tidepool::testing::checkpoint;  // the problems and runs checkpointed here
+using tidepool::testing::archive_bytes;
+using tidepool::testing::load_archive_bytes;
 
 int64_t problem_count() {
   return tidepool::test_support::scaled(tidepool::test_support::kSanitizedBuild ? 3 : 20);
-}
-
-std::string save_bytes(const torch::optim::Optimizer& optimizer) {
-  torch::serialize::OutputArchive archive;
-  optimizer.save(archive);
-  std::ostringstream out;
-  archive.save_to(out);
-  return out.str();
-}
-
-// Reading the archive and loading it are one operation to a caller: both count as "load".
-void load_bytes(torch::optim::Optimizer& optimizer, const std::string& bytes) {
-  std::istringstream in(bytes);
-  torch::serialize::InputArchive archive;
-  archive.load_from(in);
-  optimizer.load(archive);
 }
 
 // Archives compared without printing them (binary, hundreds of KiB).
@@ -120,8 +107,8 @@ Reference run_uninterrupted(Run& run, const Problem& problem, const std::vector<
   Reference reference;
   for (int step = 0; step <= problem.steps; ++step) {
     if (std::find(saves.begin(), saves.end(), step) != saves.end()) {
-      Checkpoint checkpoint{step, save_bytes(run.optimizer()), values(run.params)};
-      EXPECT_TRUE(same_bytes(save_bytes(run.optimizer()), checkpoint.bytes))
+      Checkpoint checkpoint{step, archive_bytes(run.optimizer()), values(run.params)};
+      EXPECT_TRUE(same_bytes(archive_bytes(run.optimizer()), checkpoint.bytes))
           << "saved twice at step " << step;
       reference.checkpoints.push_back(std::move(checkpoint));
     }
@@ -177,14 +164,14 @@ void round_trips(std::uint64_t fixed, bool resave_is_identical) {
           resumed.params[i].copy_(checkpoint.params[i]);
         }
       }
-      load_bytes(resumed.optimizer(), checkpoint.bytes);
-      const Checkpoint resaved{checkpoint.step, save_bytes(resumed.optimizer()),
+      load_archive_bytes(resumed.optimizer(), checkpoint.bytes);
+      const Checkpoint resaved{checkpoint.step, archive_bytes(resumed.optimizer()),
                                checkpoint.params};
       if (resave_is_identical) {
         EXPECT_TRUE(same_bytes(resaved.bytes, checkpoint.bytes)) << "loaded and saved again";
       }
       Run again(problem, placement(), copies(checkpoint.params), rng);
-      load_bytes(again.optimizer(), resaved.bytes);
+      load_archive_bytes(again.optimizer(), resaved.bytes);
       ASSERT_NO_FATAL_FAILURE(continue_and_compare(resumed, problem, checkpoint, reference));
       SCOPED_TRACE("saved again, loaded into " + again.home.choice.describe());
       ASSERT_NO_FATAL_FAILURE(continue_and_compare(again, problem, resaved, reference));
@@ -209,10 +196,7 @@ TEST(CheckpointRandom, AADLResumesBitwiseInAnyPlacement) {
 // Other options too (one set per group), so that a load that takes them before it
 // refuses the archive shows.
 void vary_options(ApolloProblem& problem, Rng& rng) {
-  problem.options.clear();
-  for (size_t g = 0; g < problem.shapes.size(); ++g) {
-    problem.options.push_back(random_apollo_options(rng));
-  }
+  problem.options = random_group_options(problem, rng);
 }
 void vary_options(AADLProblem& problem, Rng& rng) {
   problem.sgd.lr(0.01 * double(1 + rng.pick(9))).momentum(rng.percent(50) ? 0.0 : 0.5);
@@ -274,7 +258,7 @@ template <class Run, class Problem>
 std::string archive_after_steps(const Problem& problem, int steps) {
   Run run(problem, PlacementChoice{});
   for (int s = 0; s < steps; ++s) run.step(problem, s);
-  return save_bytes(run.optimizer());
+  return archive_bytes(run.optimizer());
 }
 
 // An archive that does not fit, and how.
@@ -396,7 +380,7 @@ BadArchive bad_archive(const AADLProblem& problem, Rng& rng) {
 // The state two optimizers hold, compared: whatever a failed load could have touched.
 void expect_same_state(const ApolloRun& a, const ApolloRun& b) {
   // Apollo's archive is the whole state and the options, by parameter index.
-  EXPECT_TRUE(same_bytes(save_bytes(a.optimizer()), save_bytes(b.optimizer())))
+  EXPECT_TRUE(same_bytes(archive_bytes(a.optimizer()), archive_bytes(b.optimizer())))
       << "the state changed";
 }
 

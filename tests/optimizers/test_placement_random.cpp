@@ -1,12 +1,12 @@
 // Placement does not change a bit, over random problems:
-//   - Apollo with random options (rebound, warmup, weight decay and its type, fp32 or
-//     fp64), random parameter counts and sizes, parameters left without a gradient at
-//     random steps, and a device budget from about two parameters' state to more than
-//     all of it;
-//   - AADL with random options (acceleration type, relaxation, waiting, history depth,
-//     storing and accelerating frequencies, regularization), around SGD with or without
-//     momentum, stepped with or without a closure, each write-back mode, under a budget
-//     from the smallest that holds the history's passes up.
+//   - Apollo with random options (random_options.h: lr, beta, warmup, init_lr, rebound,
+//     weight decay and its type; fp32 or fp64), random parameter counts and sizes,
+//     parameters left without a gradient at random steps, and a device budget from about
+//     two parameters' state to more than all of it;
+//   - AADL with random options (random_options.h: acceleration type, relaxation, waiting,
+//     history depth, storing and accelerating frequencies, regularization), around SGD
+//     with or without momentum, stepped with or without a closure, each write-back mode,
+//     under a budget from the smallest that holds the history's passes up.
 // After every step the parameters with state in the tiered store (host backend) are
 // bitwise those with resident state, and the store kept to its budget.
 // Size: TIDEPOOL_TEST_SCALE x 12 problems each; TIDEPOOL_TEST_SEED draws other ones.
@@ -25,6 +25,7 @@
 #include "optimizers/apollo.h"
 #include "optimizers/state_placement.h"
 #include "optimizers/tiered_placement.h"
+#include "random_options.h"
 #include "store_with_budget.h"
 #include "tests/support/test_scale.h"
 #include "tests/support/test_seed.h"
@@ -34,11 +35,8 @@ namespace {
 
 using tidepool::optim::AADL;
 using tidepool::optim::AADLOptions;
-using tidepool::optim::AndersonType;
 using tidepool::optim::Apollo;
 using tidepool::optim::ApolloOptions;
-using tidepool::optim::ApolloRebound;
-using tidepool::optim::ApolloWeightDecay;
 
 struct Problem {
   std::vector<int64_t> sizes;
@@ -51,9 +49,7 @@ struct Problem {
     std::string s = std::to_string(sizes.size()) + " parameters (";
     for (int64_t n : sizes) s += std::to_string(n) + " ";
     s += dtype == torch::kFloat32 ? "fp32)" : "fp64)";
-    s += ", lr " + std::to_string(options.lr()) + ", warmup " + std::to_string(options.warmup());
-    s += options.rebound() == ApolloRebound::belief ? ", belief" : ", constant";
-    s += ", weight decay " + std::to_string(options.weight_decay());
+    s += ", " + tidepool::testing::describe(options);
     s += ", " + std::to_string(steps) + " steps, budget " + std::to_string(budget) + " B";
     return s;
   }
@@ -65,15 +61,7 @@ Problem random_problem(std::mt19937_64& rng) {
   const int64_t count = 1 + pick(6);
   for (int64_t i = 0; i < count; ++i) p.sizes.push_back(1 + pick(4000));
   p.dtype = pick(2) == 0 ? torch::kFloat32 : torch::kFloat64;
-  p.options = ApolloOptions(pick(2) == 0 ? 0.01 : 0.1);
-  p.options.warmup(pick(6));
-  p.options.rebound(pick(2) == 0 ? ApolloRebound::constant : ApolloRebound::belief);
-  if (pick(2) == 0) {
-    p.options.weight_decay(1e-3);
-    const ApolloWeightDecay types[] = {ApolloWeightDecay::L2, ApolloWeightDecay::decoupled,
-                                       ApolloWeightDecay::stable};
-    p.options.weight_decay_type(types[pick(3)]);
-  }
+  p.options = tidepool::testing::random_apollo_options(rng);
   p.steps = 3 + static_cast<int>(pick(6));
   for (int s = 0; s < p.steps; ++s) {
     std::vector<bool> grads;
@@ -155,12 +143,8 @@ struct AADLProblem {
   int steps = 0;
   std::size_t budget = 0;
   std::string describe() const {
-    return std::to_string(n) + " elements, depth " + std::to_string(options.history_depth()) +
-           (options.acceleration_type() == AndersonType::anderson ? ", anderson" : ", normal") +
-           ", relaxation " + std::to_string(options.relaxation()) + ", wait " +
-           std::to_string(options.wait_iterations()) + ", every " +
-           std::to_string(options.store_each_nth()) + "th stored, frequency " +
-           std::to_string(options.frequency()) + ", momentum " + std::to_string(momentum) +
+    return std::to_string(n) + " elements, " + tidepool::testing::describe(options) +
+           ", momentum " + std::to_string(momentum) +
            (closure ? ", closure" : ", no closure") +
            ", write-back " + tidepool::optim::to_string(write_back) + ", " +
            std::to_string(steps) + " steps, budget " + std::to_string(budget) + " B";
@@ -171,15 +155,7 @@ AADLProblem random_aadl_problem(std::mt19937_64& rng) {
   auto pick = [&](std::uint64_t n) { return static_cast<int64_t>(rng() % n); };
   AADLProblem p;
   p.n = 10 + pick(5000);
-  const double relaxations[] = {0.1, 0.5, 1.0};
-  p.options.acceleration_type(pick(2) == 0 ? AndersonType::anderson
-                                           : AndersonType::anderson_normal_equation)
-      .relaxation(relaxations[pick(3)])
-      .wait_iterations(pick(4))
-      .history_depth(3 + pick(5))
-      .store_each_nth(1 + pick(2))
-      .frequency(1 + pick(3))
-      .reg_acc(pick(2) == 0 ? 0.0 : 1e-6);
+  p.options = tidepool::testing::random_aadl_options(rng);
   p.momentum = pick(2) == 0 ? 0.0 : 0.9;
   p.closure = pick(4) != 0;
   const tidepool::optim::WriteBack write_backs[] = {tidepool::optim::WriteBack::automatic,
