@@ -47,6 +47,7 @@ before CUDA initialises:
      step to end evicts the tag.
 Prints one line per check: name, PASS/FAIL, what was seen.
 """
+import concurrent.futures
 import os
 import subprocess
 import sys
@@ -441,8 +442,14 @@ CHECKS = {
 
 def run(name, **variables):
     env = dict(os.environ, **variables)
-    proc = subprocess.run([sys.executable, "-c", "import os\n" + PRELUDE + CHECKS[name]],
-                          capture_output=True, text=True, timeout=300, env=env)
+    try:
+        proc = subprocess.run([sys.executable, "-c", "import os\n" + PRELUDE + CHECKS[name]],
+                              capture_output=True, text=True, env=env,
+                              timeout=int(os.environ.get("CHECK_TIMEOUT", "150")))
+    except subprocess.TimeoutExpired as e:
+        tail = (e.stderr or b"")[-600:]
+        tail = tail.decode(errors="replace") if isinstance(tail, bytes) else tail
+        return 124, "", f"[timed out after {e.timeout} s] {tail}"
     err = proc.stderr.strip()[-1200:]
     if proc.returncode != 0:
         err = f"[exit {proc.returncode}] {err}"
@@ -462,7 +469,10 @@ def main():
     if not LIB or not os.path.exists(LIB):
         print(f"TIDEPOOL_LIBRARY={LIB!r} does not exist")
         return 2
-    results = {name: run(name) for name in CHECKS}
+    # Each check is its own interpreter, and none measures time: they run side by side
+    # (the device script's time on the GPU machine is short).
+    with concurrent.futures.ThreadPoolExecutor(int(os.environ.get("CHECK_JOBS", "8"))) as pool:
+        results = dict(zip(CHECKS, pool.map(run, CHECKS)))
     passed = lambda name, test: results[name][0] == 0 and test(results[name][1])
     ok = True
     ref_rc, ref_out, _ = results["native-reference"]

@@ -223,12 +223,26 @@ def run_worker(name: str, args, env_extra: dict, extra_args=()) -> dict:
            "--device", args.device, *extra_args]
     if args.tiny:
         cmd.append("--tiny")
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-    out = json.loads(lines[-1]) if lines else {"mode": name}
-    if proc.returncode != 0 and "cannot_run" not in out:
-        out["failed"] = f"exit {proc.returncode}"
-    out["stderr_tail"] = proc.stderr[-3000:]
+    start = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True,
+                              timeout=args.timeout)
+    except subprocess.TimeoutExpired as e:
+        tail = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else e.stderr
+        out = {"mode": name, "failed": f"timed out after {e.timeout} s",
+               "stderr_tail": (tail or "")[-3000:]}
+    else:
+        lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+        out = json.loads(lines[-1]) if lines else {"mode": name}
+        if proc.returncode != 0 and "cannot_run" not in out:
+            out["failed"] = f"exit {proc.returncode}"
+        out["stderr_tail"] = proc.stderr[-3000:]
+    # One line per run as it ends: a driver cut short by its caller still reports these.
+    brief = {k: out.get(k) for k in ("cannot_run", "failed", "oom", "params", "losses_readable",
+                                     "steady_step_seconds", "peak_device_bytes") if k in out}
+    if "failed" in out or "cannot_run" in out:
+        brief["stderr_tail"] = out["stderr_tail"][-600:]
+    print(f"[e2e {time.perf_counter() - start:5.1f}s] {name}: {json.dumps(brief)}", flush=True)
     return out
 
 
