@@ -45,6 +45,8 @@ void BM_C10_CachedPair(benchmark::State& state) {
     return;
   }
   const auto n = static_cast<std::size_t>(state.range(0));
+  // Warm, as tidepool's pair is (pair_loop.h): the first request of a size cudaMallocs.
+  c10::cuda::CUDACachingAllocator::raw_delete(c10::cuda::CUDACachingAllocator::raw_alloc(n));
   for (auto _ : state) {
     void* p = c10::cuda::CUDACachingAllocator::raw_alloc(n);
     benchmark::DoNotOptimize(p);
@@ -58,8 +60,9 @@ void BM_Tidepool_Cuda_CachedPair(benchmark::State& state) {
 
 }  // namespace
 
-BENCHMARK(BM_C10_CachedPair)->Arg(4096)->Arg(1 << 20);
-BENCHMARK(BM_Tidepool_Cuda_CachedPair)->Arg(4096)->Arg(1 << 20);
+// Issue 2's target is on the median pair: five repetitions, the median reported with them.
+BENCHMARK(BM_C10_CachedPair)->Arg(4096)->Arg(1 << 20)->Repetitions(5);
+BENCHMARK(BM_Tidepool_Cuda_CachedPair)->Arg(4096)->Arg(1 << 20)->Repetitions(5);
 BENCHMARK(BM_C10_CachedPair)->Arg(4096)->Threads(8)->UseRealTime();
 BENCHMARK(BM_Tidepool_Cuda_CachedPair)->Arg(4096)->Threads(8)->UseRealTime();
 

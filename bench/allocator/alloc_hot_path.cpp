@@ -126,6 +126,10 @@ void BM_CudaMallocAsync_CachedPair(benchmark::State& state) {
   }
   const auto n = static_cast<std::size_t>(state.range(0));
   cudaStream_t stream = nullptr;
+  // Warm, as tidepool's pair is (pair_loop.h): the pool's first request maps memory.
+  void* warm = nullptr;
+  if (cudaMallocAsync(&warm, n, stream) == cudaSuccess) cudaFreeAsync(warm, stream);
+  cudaStreamSynchronize(stream);
   for (auto _ : state) {
     void* p = nullptr;
     cudaMallocAsync(&p, n, stream);
@@ -134,16 +138,17 @@ void BM_CudaMallocAsync_CachedPair(benchmark::State& state) {
   }
   cudaStreamSynchronize(stream);
 }
-BENCHMARK(BM_CudaMallocAsync_CachedPair)->Arg(4096)->Arg(1 << 20);
+BENCHMARK(BM_CudaMallocAsync_CachedPair)->Arg(4096)->Arg(1 << 20)->Repetitions(5);
 BENCHMARK(BM_CudaMallocAsync_CachedPair)->Arg(4096)->Threads(8)->UseRealTime();
 #endif
 
 }  // namespace
 
-BENCHMARK(BM_Glibc_CachedPair)->Arg(4096)->Arg(1 << 20);
-BENCHMARK(BM_Tidepool_Host_CachedPair)->Arg(4096)->Arg(1 << 20);
-BENCHMARK(BM_Tidepool_HostShared_CachedPair)->Arg(4096)->Arg(1 << 20);
-BENCHMARK(BM_Tidepool_Cuda_CachedPair)->Arg(4096)->Arg(1 << 20);
+// Issue 2's targets are on the median pair: five repetitions, the median among them.
+BENCHMARK(BM_Glibc_CachedPair)->Arg(4096)->Arg(1 << 20)->Repetitions(5);
+BENCHMARK(BM_Tidepool_Host_CachedPair)->Arg(4096)->Arg(1 << 20)->Repetitions(5);
+BENCHMARK(BM_Tidepool_HostShared_CachedPair)->Arg(4096)->Arg(1 << 20)->Repetitions(5);
+BENCHMARK(BM_Tidepool_Cuda_CachedPair)->Arg(4096)->Arg(1 << 20)->Repetitions(5);
 BENCHMARK(BM_Glibc_Mixed64Live);
 BENCHMARK(BM_Tidepool_Host_Mixed64Live);
 BENCHMARK(BM_Tidepool_HostShared_Mixed64Live);
