@@ -35,6 +35,9 @@ class ChunkedPass {
   template <typename Fn>
   void run(Fn&& fn) {
     const size_t chunks = columns_.front().size();
+    // Note [Sub-chunks per device] (anderson_history.h).
+    const int64_t sub_chunk =
+        AndersonHistory::compute_chunk(columns_.front().front()->options().device());
     prefetch_chunk(columns_, 0, stored_, 0);
     for (size_t c = 0; c < chunks; ++c) {
       Acquired acquired(columns_, stored_, c);
@@ -42,8 +45,8 @@ class ChunkedPass {
       const int64_t base = static_cast<int64_t>(c) * AndersonHistory::kStoreChunk;
       const int64_t n = columns_.front()[c]->sizes()[0];
       if (newest_.defined()) acquired.tensors.push_back(newest_.narrow(0, base, n));
-      for (int64_t offset = 0; offset < n; offset += AndersonHistory::kComputeChunk) {
-        const int64_t length = std::min(AndersonHistory::kComputeChunk, n - offset);
+      for (int64_t offset = 0; offset < n; offset += sub_chunk) {
+        const int64_t length = std::min(sub_chunk, n - offset);
         std::vector<torch::Tensor> slices;
         slices.reserve(acquired.tensors.size());
         for (const auto& t : acquired.tensors) slices.push_back(t.narrow(0, offset, length));

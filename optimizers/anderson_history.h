@@ -25,9 +25,22 @@
 // that stored): with the history in host memory an accelerated step brings 8(m − 1) bytes
 // per fp32 parameter to the device instead of 8m — only what must cross the link, the
 // m − 1 older vectors for each of the two passes. Inside a chunk the arithmetic runs in
-// sub-chunks of
-// kComputeChunk elements in a fixed order, on the compute device, so where the history
-// lives (and how it is chunked for storage, and when it is loaded) does not change any bit.
+// sub-chunks of compute_chunk(device) elements in a fixed order, on the compute device, so
+// where the history lives (and how it is chunked for storage, and when it is loaded) does
+// not change any bit. The sub-chunk depends on the compute device alone (Note [Sub-chunks
+// per device]).
+//
+// Note [Sub-chunks per device]
+// Each sub-chunk costs about twenty LibTorch calls (views, stack, the fp64 conversion, two
+// differences, two matrix-vector products, the accumulations). On the CPU they are worth
+// their cost: 2^18-element temporaries stay near the cache. On CUDA each call is a few
+// microseconds of host time for a few microseconds of device work at 2^18 elements: a
+// step over 2^28 parameters made two passes of 1024 sub-chunks, some 40,000 host-bound
+// calls, of the order of the 173 ms the resident history took per step on the H200
+// (bench/RESULTS.md, 2026-12-04; an estimate from the call count, not a profile). A whole
+// stored chunk per sub-chunk makes that a quarter. Changing the sub-chunk changes the
+// order of the fp64 sums, so the device's bits differ from those of earlier builds
+// (placements still agree bit for bit: they share it).
 //
 // Note [Loading the history ahead of use]
 // A pass needs chunk c of every vector at once (the arithmetic stacks them), so while it
@@ -86,10 +99,16 @@ namespace tidepool::optim {
 
 class TIDEPOOL_API AndersonHistory {
  public:
-  // Elements per stored chunk (one StateBuffer), and per step of the arithmetic inside one.
+  // Elements per stored chunk (one StateBuffer), and per step of the arithmetic inside one
+  // on the CPU and on CUDA (Note [Sub-chunks per device]).
   static constexpr int64_t kStoreChunk = int64_t{1} << 20;
   static constexpr int64_t kComputeChunk = int64_t{1} << 18;
+  static constexpr int64_t kComputeChunkCuda = kStoreChunk;
   static_assert(kStoreChunk % kComputeChunk == 0, "sub-chunks must tile a stored chunk");
+  static_assert(kStoreChunk % kComputeChunkCuda == 0, "sub-chunks must tile a stored chunk");
+  static int64_t compute_chunk(const torch::Device& device) {
+    return device.is_cuda() ? kComputeChunkCuda : kComputeChunk;
+  }
 
   AndersonHistory(int64_t depth, std::shared_ptr<StatePlacement> placement);
 

@@ -157,10 +157,11 @@ ApolloParamState& Apollo::state_for(const torch::Tensor& param) {
   auto& slot = state_[param.unsafeGetTensorImpl()];
   if (!slot) {
     auto state = std::make_unique<ApolloParamState>();
-    const torch::Tensor zeros = torch::zeros_like(param, at::MemoryFormat::Contiguous);
-    state->exp_avg_grad = placement_->create(zeros);
-    state->approx_hessian = placement_->create(zeros);
-    state->update = placement_->create(zeros);
+    // Made where the placement keeps them: a tiered or host-staged state costs no device
+    // memory and no copy here (StatePlacement::create_zeros).
+    state->exp_avg_grad = placement_->create_zeros(param.sizes(), param.options());
+    state->approx_hessian = placement_->create_zeros(param.sizes(), param.options());
+    state->update = placement_->create_zeros(param.sizes(), param.options());
     slot = std::move(state);
   }
   return static_cast<ApolloParamState&>(*slot);

@@ -7,6 +7,17 @@
 // θ for L2; Note [carried sums]) and the state once more for the update, which writes it
 // once. Reductions accumulate in fp64 for fp32 tensors too, and are combined in a fixed
 // order so that two runs of the same step give the same bits (the placement tests).
+//
+// Note [Loads in flight]
+// A pass is bound by memory latency unless each thread keeps several loads in flight:
+// with one element per thread and iteration, a grid-stride loop has at most one load per
+// array outstanding per thread (the update pass cannot even start the next element's
+// loads early, since its stores might alias them as far as the compiler knows), about a
+// quarter of what the H200 needs to stream at its copy rate. So every pass takes kUnroll
+// elements of its grid-stride walk at a time (i, i + stride, …), loads them all, then
+// handles them in the walk's order: each thread still visits the same elements in the
+// same order and adds them to its sums in that order, so no bit changes against one
+// element at a time (and the carried sums stay equal to recomputed ones).
 #include "optimizers/apollo_kernels.h"
 
 #include <cuda_runtime.h>
@@ -53,16 +64,40 @@ __device__ std::int64_t grid_stride() {
   return static_cast<std::int64_t>(gridDim.x) * blockDim.x;
 }
 
+// Elements of a thread's grid-stride walk loaded together (Note [Loads in flight]).
+constexpr int kUnroll = 4;
+
+// The thread's grid-stride walk over [0, n) in the order of one element at a time, kUnroll
+// elements per round while a whole round fits, then one by one: load(i) reads element i
+// (every load of a round is issued before any use), use(i, loaded) handles it.
+template <typename Load, typename Use>
+__device__ void walk_unrolled(std::int64_t n, Load load, Use use) {
+  const std::int64_t stride = grid_stride();
+  std::int64_t i = first_index();
+  for (; i + (kUnroll - 1) * stride < n; i += kUnroll * stride) {
+    decltype(load(i)) loaded[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) loaded[u] = load(i + u * stride);
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) use(i + u * stride, loaded[u]);
+  }
+  for (; i < n; i += stride) use(i, load(i));
+}
+
 // Pass 1: Σg·d, max|g − m| and, without a carry, Σd⁴, Σm·d, ΣB·d², per block.
 template <typename T>
 __global__ void reduce_kernel(const T* param, const T* grad, const T* exp_avg, const T* hessian,
                               const T* update, std::int64_t n, ApolloStepArgs a, bool carried,
                               double* scratch) {
   double v[kApolloSums] = {0.0, 0.0, 0.0, 0.0, 0.0};
-  for (std::int64_t i = first_index(); i < n; i += grid_stride()) {
-    apollo_add_first_pass_terms(ApolloSumSlots{v, 1}, param, grad, exp_avg, hessian, update, i,
-                                a, carried);
-  }
+  walk_unrolled(
+      n,
+      [&](std::int64_t i) {
+        return apollo_load_first_pass(param, grad, exp_avg, hessian, update, i, a, carried);
+      },
+      [&](std::int64_t, const ApolloFirstPassElement<T>& e) {
+        apollo_add_first_pass_values(ApolloSumSlots{v, 1}, e, a, carried);
+      });
   block_reduce(v);
   if (threadIdx.x == 0) {
     for (int c = 0; c < kApolloSums; ++c) scratch[kPartials + blockIdx.x * kApolloSums + c] = v[c];
@@ -108,15 +143,20 @@ __global__ void update_kernel(T* param, const T* grad, T* exp_avg, T* hessian, T
   const bool stable = a.decay == ApolloDecayMode::stable;
   double sum_d[1] = {0.0};
   double carried[kApolloCarried] = {0.0, 0.0, 0.0};
-  for (std::int64_t i = first_index(); i < n; i += grid_stride()) {
-    const ApolloUpdated<T> u =
-        apollo_update_element(param, grad, exp_avg, hessian, update, i, k, a);
-    if (stable) {
-      sum_d[0] += static_cast<double>(u.denom);
-    } else if (carry_out != nullptr) {
-      apollo_add_state_terms(ApolloSumSlots{carried, 1}, u.m, u.b, u.d);
-    }
-  }
+  walk_unrolled(
+      n,
+      [&](std::int64_t i) {
+        return apollo_load_update(param, grad, exp_avg, hessian, update, i, a);
+      },
+      [&](std::int64_t i, const ApolloUpdateElement<T>& e) {
+        const ApolloUpdated<T> u = apollo_update_values(e, k, a);
+        apollo_store_update(param, exp_avg, hessian, update, i, u, a);
+        if (stable) {
+          sum_d[0] += static_cast<double>(u.denom);
+        } else if (carry_out != nullptr) {
+          apollo_add_state_terms(ApolloSumSlots{carried, 1}, u.m, u.b, u.d);
+        }
+      });
   if (stable) {
     block_reduce(sum_d);
     if (threadIdx.x == 0) scratch[kDPartials + blockIdx.x] = sum_d[0];
@@ -141,9 +181,13 @@ __global__ void apply_stable_kernel(T* param, T* update, std::int64_t n, ApolloS
                                     const double* scratch) {
   const T wd = static_cast<T>(a.weight_decay / scratch[kFinals + kMeanD]);
   const T lr = static_cast<T>(a.lr);
-  for (std::int64_t i = first_index(); i < n; i += grid_stride()) {
-    apollo_apply_stable_element(param, update, i, wd, lr);
-  }
+  walk_unrolled(
+      n, [&](std::int64_t i) { return ApolloStable<T>{param[i], update[i]}; },
+      [&](std::int64_t i, const ApolloStable<T>& e) {
+        const ApolloStable<T> out = apollo_stable_values(e, wd, lr);
+        update[i] = out.update;
+        param[i] = out.param;
+      });
 }
 
 template <typename T>

@@ -106,13 +106,19 @@ TIDEPOOL_HOST_DEVICE inline bool apollo_keeps_carry(const ApolloStepArgs& a) {
   return a.decay != ApolloDecayMode::stable;
 }
 
-// g (+ λθ for L2), in the parameter's precision as the reference computes it.
+// g (+ λθ for L2), in the parameter's precision as the reference computes it: from the
+// values (`param` is read only for L2), and from element i of the arrays.
+template <typename T>
+TIDEPOOL_HOST_DEVICE inline T apollo_decay(T grad, T param, const ApolloStepArgs& a) {
+  T g = grad;
+  if (a.decay == ApolloDecayMode::l2) g = g + param * static_cast<T>(a.weight_decay);
+  return g;
+}
+
 template <typename T>
 TIDEPOOL_HOST_DEVICE inline T apollo_decayed_grad(const T* grad, const T* param, std::int64_t i,
                                                   const ApolloStepArgs& a) {
-  T g = grad[i];
-  if (a.decay == ApolloDecayMode::l2) g = g + param[i] * static_cast<T>(a.weight_decay);
-  return g;
+  return apollo_decay(grad[i], a.decay == ApolloDecayMode::l2 ? param[i] : T(0), a);
 }
 
 // v + a·b, rounded the same way wherever a sum is formed: one fused multiply-add on the
@@ -138,8 +144,48 @@ TIDEPOOL_HOST_DEVICE inline void apollo_add_state_terms(ApolloSumSlots v, T m, T
   v[kSumHessianD2] = apollo_mul_add(static_cast<double>(b), d2, v[kSumHessianD2]);
 }
 
-// Adds element i's terms to the first pass's sums: Σg·d, and max|g − m| for belief, and,
+// What the first pass reads of one element: which arrays depends on the step (θ for L2,
+// m for belief or without a carry, B without a carry); the others stay 0.
+template <typename T>
+struct ApolloFirstPassElement {
+  T param = T(0), grad = T(0), m = T(0), b = T(0), d = T(0);
+};
+
+TIDEPOOL_HOST_DEVICE inline bool apollo_first_pass_reads_m(const ApolloStepArgs& a, bool carried) {
+  return a.belief || !carried;
+}
+
+template <typename T>
+TIDEPOOL_HOST_DEVICE inline ApolloFirstPassElement<T> apollo_load_first_pass(
+    const T* param, const T* grad, const T* exp_avg, const T* hessian, const T* update,
+    std::int64_t i, const ApolloStepArgs& a, bool carried) {
+  ApolloFirstPassElement<T> e;
+  e.grad = grad[i];
+  if (a.decay == ApolloDecayMode::l2) e.param = param[i];
+  e.d = update[i];
+  if (apollo_first_pass_reads_m(a, carried)) e.m = exp_avg[i];
+  if (!carried) e.b = hessian[i];
+  return e;
+}
+
+// Adds one element's terms to the first pass's sums: Σg·d, and max|g − m| for belief, and,
 // when the previous step left no carry, the state terms above.
+template <typename T>
+TIDEPOOL_HOST_DEVICE inline void apollo_add_first_pass_values(ApolloSumSlots v,
+                                                              const ApolloFirstPassElement<T>& e,
+                                                              const ApolloStepArgs& a,
+                                                              bool carried) {
+  const T g = apollo_decay(e.grad, e.param, a);
+  const T d = e.d;
+  v[kSumGradD] = apollo_mul_add(static_cast<double>(g), static_cast<double>(d), v[kSumGradD]);
+  if (apollo_first_pass_reads_m(a, carried)) {
+    const T m = e.m;
+    if (a.belief) v[kMaxDelta] = apollo_max(v[kMaxDelta], fabs(static_cast<double>(g - m)));
+    if (!carried) apollo_add_state_terms(v, m, e.b, d);
+  }
+}
+
+// The same for element i of the arrays.
 template <typename T>
 TIDEPOOL_HOST_DEVICE inline void apollo_add_first_pass_terms(ApolloSumSlots v, const T* param,
                                                              const T* grad, const T* exp_avg,
@@ -147,14 +193,9 @@ TIDEPOOL_HOST_DEVICE inline void apollo_add_first_pass_terms(ApolloSumSlots v, c
                                                              std::int64_t i,
                                                              const ApolloStepArgs& a,
                                                              bool carried) {
-  const T g = apollo_decayed_grad(grad, param, i, a);
-  const T d = update[i];
-  v[kSumGradD] = apollo_mul_add(static_cast<double>(g), static_cast<double>(d), v[kSumGradD]);
-  if (a.belief || !carried) {
-    const T m = exp_avg[i];
-    if (a.belief) v[kMaxDelta] = apollo_max(v[kMaxDelta], fabs(static_cast<double>(g - m)));
-    if (!carried) apollo_add_state_terms(v, m, hessian[i], d);
-  }
+  apollo_add_first_pass_values(
+      v, apollo_load_first_pass(param, grad, exp_avg, hessian, update, i, a, carried), a,
+      carried);
 }
 
 // The scalars the update needs, from the combined sums: s = ‖d‖₄ + ε′, Δ, σ, ε′.
@@ -197,47 +238,101 @@ TIDEPOOL_HOST_DEVICE inline ApolloElementScalars<T> apollo_element_scalars(
   return k;
 }
 
-// What the update wrote for one element, and its D (for stable decay's mean(D)).
+// What the update wrote for one element (θ: the new value, or the old one for stable
+// decay, which leaves θ for after mean(D)), and its D (for stable decay's mean(D)).
 template <typename T>
 struct ApolloUpdated {
-  T m, b, d, denom;
+  T m, b, d, denom, param;
 };
 
-// Updates element i: m, B and d always; θ too unless the decay is stable, which needs
-// mean(D) first (then d holds m/D).
+// What the update reads of one element (θ is read unless the decay is stable).
+template <typename T>
+struct ApolloUpdateElement {
+  T param, grad, m, b, d;
+};
+
+TIDEPOOL_HOST_DEVICE inline bool apollo_update_reads_param(const ApolloStepArgs& a) {
+  return a.decay != ApolloDecayMode::stable;
+}
+
+template <typename T>
+TIDEPOOL_HOST_DEVICE inline ApolloUpdateElement<T> apollo_load_update(
+    const T* param, const T* grad, const T* exp_avg, const T* hessian, const T* update,
+    std::int64_t i, const ApolloStepArgs& a) {
+  return ApolloUpdateElement<T>{apollo_update_reads_param(a) ? param[i] : T(0), grad[i],
+                                exp_avg[i], hessian[i], update[i]};
+}
+
+// The update of one element from its values: m, B and d always; θ too unless the decay is
+// stable, which needs mean(D) first (then d holds m/D).
+template <typename T>
+TIDEPOOL_HOST_DEVICE inline ApolloUpdated<T> apollo_update_values(const ApolloUpdateElement<T>& e,
+                                                                  const ApolloElementScalars<T>& k,
+                                                                  const ApolloStepArgs& a) {
+  const T delta = apollo_decay(e.grad, e.param, a) - e.m;
+  const T m = e.m + k.alpha * delta;
+  const T d = e.d / k.s;
+  const T b = e.b + k.delta_b * (d * d);
+  const T abs_b = b < T(0) ? -b : b;
+  const T denom = a.belief ? (abs_b > k.sigma ? abs_b : k.sigma) + k.floor_add
+                           : (abs_b > T(kApolloConstantRebound) ? abs_b
+                                                                : T(kApolloConstantRebound));
+  T direction = m / denom;
+  T param = e.param;
+  if (a.decay != ApolloDecayMode::stable) {
+    if (a.decay == ApolloDecayMode::decoupled) direction = direction + k.wd * param;
+    param = param - k.lr * direction;
+  }
+  return ApolloUpdated<T>{m, b, direction, denom, param};
+}
+
+// Writes what apollo_update_values computed for element i.
+template <typename T>
+TIDEPOOL_HOST_DEVICE inline void apollo_store_update(T* param, T* exp_avg, T* hessian,
+                                                     T* update, std::int64_t i,
+                                                     const ApolloUpdated<T>& u,
+                                                     const ApolloStepArgs& a) {
+  exp_avg[i] = u.m;
+  hessian[i] = u.b;
+  if (a.decay != ApolloDecayMode::stable) param[i] = u.param;
+  update[i] = u.d;
+}
+
+// Updates element i of the arrays (load, apollo_update_values, store).
 template <typename T>
 TIDEPOOL_HOST_DEVICE inline ApolloUpdated<T> apollo_update_element(T* param, const T* grad,
                                                     T* exp_avg, T* hessian, T* update,
                                                     std::int64_t i,
                                                     const ApolloElementScalars<T>& k,
                                                     const ApolloStepArgs& a) {
-  const T delta = apollo_decayed_grad(grad, param, i, a) - exp_avg[i];
-  const T m = exp_avg[i] + k.alpha * delta;
-  const T d = update[i] / k.s;
-  const T b = hessian[i] + k.delta_b * (d * d);
-  const T abs_b = b < T(0) ? -b : b;
-  const T denom = a.belief ? (abs_b > k.sigma ? abs_b : k.sigma) + k.floor_add
-                           : (abs_b > T(kApolloConstantRebound) ? abs_b
-                                                                : T(kApolloConstantRebound));
-  T direction = m / denom;
-  exp_avg[i] = m;
-  hessian[i] = b;
-  if (a.decay != ApolloDecayMode::stable) {
-    if (a.decay == ApolloDecayMode::decoupled) direction = direction + k.wd * param[i];
-    param[i] = param[i] - k.lr * direction;
-  }
-  update[i] = direction;
-  return ApolloUpdated<T>{m, b, direction, denom};
+  const ApolloUpdated<T> u =
+      apollo_update_values(apollo_load_update(param, grad, exp_avg, hessian, update, i, a), k, a);
+  apollo_store_update(param, exp_avg, hessian, update, i, u, a);
+  return u;
 }
 
-// Stable decay, after mean(D): d += λ/mean(D)·θ, θ −= η·d.
+// Stable decay, after mean(D): d += λ/mean(D)·θ, θ −= η·d; from the values of θ and d
+// (the new ones returned), and on element i of the arrays.
+template <typename T>
+struct ApolloStable {
+  T param, update;
+};
+
+template <typename T>
+TIDEPOOL_HOST_DEVICE inline ApolloStable<T> apollo_stable_values(ApolloStable<T> e,
+                                                                 T wd_over_mean, T lr) {
+  const T direction = e.update + wd_over_mean * e.param;
+  return ApolloStable<T>{e.param - lr * direction, direction};
+}
+
 template <typename T>
 TIDEPOOL_HOST_DEVICE inline void apollo_apply_stable_element(T* param, T* update,
                                                              std::int64_t i, T wd_over_mean,
                                                              T lr) {
-  const T direction = update[i] + wd_over_mean * param[i];
-  update[i] = direction;
-  param[i] = param[i] - lr * direction;
+  const ApolloStable<T> out =
+      apollo_stable_values(ApolloStable<T>{param[i], update[i]}, wd_over_mean, lr);
+  update[i] = out.update;
+  param[i] = out.param;
 }
 
 }  // namespace tidepool::optim::kernels

@@ -9,8 +9,9 @@
 //   release(dirty)    ends the use; with dirty = true the tensor's contents are the new
 //                     contents of the buffer (written back where the placement keeps them).
 //   read_host()       a CPU copy of the contents (for saving), allowed when not acquired.
-// Copies are ordered on the compute device's current stream, so a result never depends on
-// where the state lives: placements move bytes, they do not round or reorder arithmetic.
+// Copies are ordered with the compute device's current stream (enqueued on it, or on copy
+// streams that events tie to it), so a result never depends on where the state lives:
+// placements move bytes, they do not round or reorder arithmetic.
 //
 // Step boundaries (StatePlacement::begin_step / end_step, or the StepScope guard): an
 // optimizer brackets each step's acquires with them, in the same order every step, so a
@@ -22,7 +23,11 @@
 //   HostStagedPlacement  the state lives in host memory (pinned when the compute device is
 //                        CUDA); acquire copies it into a staging tensor on the device, and
 //                        release(dirty) copies it back and frees the staging tensor, so the
-//                        device holds only the buffers currently acquired.
+//                        device holds only the buffers currently acquired (and prefetched).
+//                        On CUDA the copies run on two copy streams of the placement, one
+//                        per direction (Note [Host-staged copy streams] in
+//                        state_placement.cpp), so that a prefetch loads while the compute
+//                        stream works and a write-back runs while the next buffer loads.
 // And in tiered_placement.h:
 //   TieredPlacement      the state lives in tiering/'s TieredStore: host memory, brought
 //                        onto the device ahead of use and written back after it, under a
@@ -117,6 +122,12 @@ class TIDEPOOL_API StatePlacement {
  public:
   virtual ~StatePlacement() = default;
   virtual std::unique_ptr<StateBuffer> create(const torch::Tensor& initial) = 0;
+  // What create(torch::zeros(sizes, options)) returns (options: dtype and compute device),
+  // without that tensor: the placements here make the zeros where they keep the state
+  // (a tiered store's buffers start as zeros in host memory), so a new optimizer's state
+  // costs no device memory and no copy. Default: create() of the zeros.
+  virtual std::unique_ptr<StateBuffer> create_zeros(at::IntArrayRef sizes,
+                                                    const torch::TensorOptions& options);
   virtual std::string name() const = 0;
   // Step boundaries (see the top of this file). Default: nothing to learn.
   virtual void begin_step() {}
@@ -140,6 +151,8 @@ class StepScope {
 class TIDEPOOL_API ResidentPlacement final : public StatePlacement {
  public:
   std::unique_ptr<StateBuffer> create(const torch::Tensor& initial) override;
+  std::unique_ptr<StateBuffer> create_zeros(at::IntArrayRef sizes,
+                                            const torch::TensorOptions& options) override;
   std::string name() const override { return "resident"; }
 };
 
@@ -152,12 +165,23 @@ class TIDEPOOL_API HostStagedPlacement final : public StatePlacement {
     std::atomic<int64_t> to_host{0};
   };
 
+  HostStagedPlacement();
+  ~HostStagedPlacement() override;
+  HostStagedPlacement(const HostStagedPlacement&) = delete;
+  HostStagedPlacement& operator=(const HostStagedPlacement&) = delete;
+
   std::unique_ptr<StateBuffer> create(const torch::Tensor& initial) override;
+  std::unique_ptr<StateBuffer> create_zeros(at::IntArrayRef sizes,
+                                            const torch::TensorOptions& options) override;
   std::string name() const override { return "host_staged"; }
   const Traffic& traffic() const noexcept { return *traffic_; }
 
+  // The copy streams of each CUDA device this placement staged state for (state_placement.cpp).
+  struct CopyStreams;
+
  private:
   std::shared_ptr<Traffic> traffic_ = std::make_shared<Traffic>();
+  std::unique_ptr<CopyStreams> streams_;
 };
 
 // The placement used when an optimizer is given none.

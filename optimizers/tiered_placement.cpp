@@ -6,6 +6,8 @@
 #include <chrono>
 #include <utility>
 
+#include <c10/util/accumulate.h>
+
 #if TIDEPOOL_HAVE_CUDA
 #include <c10/cuda/CUDAStream.h>
 #endif
@@ -29,38 +31,69 @@ std::uint64_t next_schedule_key() {
   return next.fetch_add(1, std::memory_order_relaxed);
 }
 
+// Note [Creating on the device]
+// A CUDA tensor used to enter the store through host memory: a blocking copy to a
+// pageable CPU tensor (which waits for the whole compute stream), then a host memcpy into
+// the handle's pinned block. AADL stores a vector of the parameters' size every step, so
+// that was a device-wide wait per 4 MiB chunk and the vector's bytes copied twice at
+// host speed. Now the handle is created on the device (TieredStore::create with
+// Tier::device: room as an acquire gets it), acquired on the use stream, filled there
+// by a device-to-device copy, released dirty and, when this placement writes back on
+// release, evicted: the store's D2H stream copies it to its pinned block after the use,
+// overlapping what follows, and the copy is counted in the store's copy stats like every
+// other write-back. No host wait, and bitwise the same bytes. If the store cannot make
+// room now (every byte of the budget acquired), the buffer is created through host
+// memory as before. create_zeros creates the handle in host memory, which the store
+// fills with zeros: nothing to copy at all.
 class TieredBuffer final : public StateBuffer {
  public:
-  TieredBuffer(const torch::Tensor& initial, std::shared_ptr<TieredStore> store,
+  // A buffer of `sizes`/`options` holding `initial` (zeros when null), copied on the
+  // device when `on_device` (Note [Creating on the device]).
+  TieredBuffer(at::IntArrayRef sizes, const torch::TensorOptions& options,
+               const torch::Tensor* initial, bool on_device, std::shared_ptr<TieredStore> store,
                Stream host_stream, int tag, WriteBack write_back,
                std::shared_ptr<TieredPlacement::Shared> shared)
-      : StateBuffer(initial.sizes(), initial.options()),
+      : StateBuffer(sizes, options),
         store_(std::move(store)),
         host_stream_(host_stream),
         write_back_(write_back),
         shared_(std::move(shared)) {
+    const torch::Device device = options.device();
     const bool cuda_store = store_->backend().kind() == BackendKind::cuda;
-    TORCH_CHECK(cuda_store == initial.is_cuda(), "TieredPlacement: a ",
-                store_->backend().name(), " tiered store cannot hold state for ",
-                initial.device(), " tensors");
-    TORCH_CHECK(!cuda_store || initial.device().index() == store_->backend().device(),
+    TORCH_CHECK(cuda_store == device.is_cuda(), "TieredPlacement: a ",
+                store_->backend().name(), " tiered store cannot hold state for ", device,
+                " tensors");
+    TORCH_CHECK(!cuda_store || device.index() == store_->backend().device(),
                 "TieredPlacement: the tiered store is on cuda:", store_->backend().device(),
-                ", the state is for ", initial.device(), " tensors: use a store of that device");
+                ", the state is for ", device, " tensors: use a store of that device");
 #if !TIDEPOOL_HAVE_CUDA
-    TORCH_CHECK(!initial.is_cuda(), "TieredPlacement: CUDA state needs tidepool_optim built "
+    TORCH_CHECK(!device.is_cuda(), "TieredPlacement: CUDA state needs tidepool_optim built "
                 "with CUDA (TIDEPOOL_HAVE_CUDA)");
 #endif
-    TORCH_CHECK(initial.nbytes() > 0, "TieredPlacement: empty state tensors are not supported");
-    const torch::Tensor host = initial.to(torch::kCPU).contiguous();
-    handle_ = store_->create(host.nbytes(), tag);
+    bytes_ = static_cast<std::size_t>(c10::multiply_integers(sizes)) *
+             options.dtype().itemsize();
+    TORCH_CHECK(bytes_ > 0, "TieredPlacement: empty state tensors are not supported");
+    // Counted first: whether this buffer is written back on release depends on it too.
+    shared_->live_bytes += bytes_;
     try {
-      store_->write(handle_, host.data_ptr());
+      if (initial == nullptr) {
+        handle_ = store_->create(bytes_, tag);  // zeros
+      } else if (on_device && create_on_device(*initial, tag)) {
+        shared_->created_on_device++;
+      } else {
+        create_through_host(*initial, tag);
+        shared_->created_through_host++;
+      }
     } catch (...) {
-      store_->destroy(handle_);
+      shared_->live_bytes -= bytes_;
       throw;
     }
-    bytes_ = host.nbytes();
-    shared_->live_bytes += bytes_;
+    try {
+      pageable_ = store_->host_tier(handle_) == HostTier::pageable;
+    } catch (...) {
+      // Only a query: a store that cannot answer it counts the buffer as pinned.
+    }
+    if (pageable_) shared_->pageable_bytes += bytes_;
   }
   ~TieredBuffer() override {
     try {
@@ -70,6 +103,7 @@ class TieredBuffer final : public StateBuffer {
       // A destructor does not throw; the store frees what it still holds when it goes.
     }
     shared_->live_bytes -= bytes_;
+    if (pageable_) shared_->pageable_bytes -= bytes_;
   }
 
  private:
@@ -99,6 +133,54 @@ class TieredBuffer final : public StateBuffer {
       case WriteBack::automatic: break;
     }
     return shared_->live_bytes.load() > store_->device_budget_bytes();
+  }
+
+  // Note [Creating on the device]. False, with nothing created, when the store has no
+  // room for the handle on the device now.
+  bool create_on_device(const torch::Tensor& initial, int tag) {
+    TieredStore::Handle h = 0;
+    try {
+      h = store_->create(bytes_, tag, Tier::device);
+    } catch (const TieringError&) {
+      return false;
+    }
+    try {
+      const Stream stream = use_stream();
+      void* ptr = store_->acquire(h, stream);
+      try {
+        note_device_bytes();
+        // CPU compute runs on this thread: wait for the handle's device copy first.
+        if (!options().device().is_cuda()) store_->backend().stream_synchronize(stream);
+        // On the use stream for CUDA tensors (the current one of their device).
+        torch::from_blob(ptr, sizes(), options()).copy_(initial, /*non_blocking=*/true);
+      } catch (...) {
+        store_->release(h, /*dirty=*/false);
+        throw;
+      }
+      store_->release(h, /*dirty=*/true);
+      // Written back now (on the D2H stream, after the copy) or kept, as a release would.
+      if (write_back_on_release()) store_->evict(h);
+    } catch (...) {
+      try {
+        store_->destroy(h);
+      } catch (const std::exception&) {
+        // The copy's error is the one to report; the store frees the handle when it goes.
+      }
+      throw;
+    }
+    handle_ = h;
+    return true;
+  }
+
+  void create_through_host(const torch::Tensor& initial, int tag) {
+    const torch::Tensor host = initial.to(torch::kCPU).contiguous();
+    handle_ = store_->create(host.nbytes(), tag);
+    try {
+      store_->write(handle_, host.data_ptr());
+    } catch (...) {
+      store_->destroy(handle_);
+      throw;
+    }
   }
 
   void do_prefetch() override {
@@ -142,6 +224,7 @@ class TieredBuffer final : public StateBuffer {
   std::shared_ptr<TieredPlacement::Shared> shared_;
   TieredStore::Handle handle_ = 0;
   std::size_t bytes_ = 0;
+  bool pageable_ = false;  // the store put the host copy in pageable memory
 };
 
 }  // namespace
@@ -159,8 +242,16 @@ TieredPlacement::TieredPlacement(std::shared_ptr<TieredStore> store, Stream host
 TieredPlacement::~TieredPlacement() { store_->retire_schedule(schedule_key_); }
 
 std::unique_ptr<StateBuffer> TieredPlacement::create(const torch::Tensor& initial) {
-  return std::make_unique<TieredBuffer>(initial, store_, host_stream_, tag_, write_back_,
-                                        shared_);
+  const bool on_device = initial_copy_ == InitialCopy::on_device ||
+                         (initial_copy_ == InitialCopy::automatic && initial.is_cuda());
+  return std::make_unique<TieredBuffer>(initial.sizes(), initial.options(), &initial, on_device,
+                                        store_, host_stream_, tag_, write_back_, shared_);
+}
+
+std::unique_ptr<StateBuffer> TieredPlacement::create_zeros(at::IntArrayRef sizes,
+                                                           const torch::TensorOptions& options) {
+  return std::make_unique<TieredBuffer>(sizes, options, nullptr, false, store_, host_stream_,
+                                        tag_, write_back_, shared_);
 }
 
 }  // namespace tidepool::optim

@@ -23,10 +23,24 @@
 //     (furthest next use first). automatic (the default) picks on_release while the bytes
 //     this placement holds exceed the store's budget (the state cannot all stay), else
 //     on_demand (no traffic at all once everything is resident).
+// Creating a buffer (Note [Creating on the device] in tiered_placement.cpp):
+//   - create_zeros: the store's new handles are zeros in host memory: nothing is copied;
+//   - create(initial) of a CUDA tensor: the handle is made on the device and `initial` is
+//     copied into it there, on the current stream, then it is written back (on the
+//     store's D2H stream, without a host wait) or kept, as a release would; if the budget
+//     has no room for it now, through host memory as below;
+//   - create(initial) of a CPU tensor: `initial` is written into the handle's host memory.
+//   set_initial_copy(InitialCopy::on_device) takes the device route for CPU tensors too
+//   (the host backend's tests run it that way).
 // peak_device_bytes(): the most device memory the store held, sampled after every
-// prefetch and acquire made through this placement (the only calls that allocate device
-// memory), since construction or the last reset_peak_device_bytes(): for a store used by
-// one optimizer, the staging windows of the pipeline.
+// prefetch and acquire made through this placement and every buffer created on the
+// device (the only calls that allocate device memory), since construction or the last
+// reset_peak_device_bytes(): for a store used by one optimizer, the staging windows of
+// the pipeline.
+// pageable_bytes(): bytes of this placement's live buffers whose host copy the store had
+// to put in pageable memory (its pinned budget spent, or pinning refused): every copy of
+// those runs at pageable speed and does not overlap (HostArenaOptions, the store's
+// pinned budget and its RLIMIT_MEMLOCK cap). 0 is what a training run wants.
 // acquire_wait_seconds(): host time spent inside acquire() of this placement's buffers
 // (the store's acquire plus, for CPU tensors, the wait for the stage-in): what loading
 // ahead of use saves. On CUDA an acquire only enqueues a wait, so this stays near zero
@@ -57,6 +71,9 @@
 namespace tidepool::optim {
 
 enum class WriteBack { automatic, on_release, on_demand };
+// How create(initial) brings `initial` into the store (see above): automatic is on the
+// device for CUDA tensors and through host memory for CPU tensors.
+enum class InitialCopy { automatic, through_host, on_device };
 
 TIDEPOOL_API const char* to_string(WriteBack mode);
 
@@ -65,8 +82,12 @@ class TIDEPOOL_API TieredPlacement final : public StatePlacement {
   // What the buffers of one placement share with it.
   struct Shared {
     std::atomic<std::size_t> live_bytes{0};       // bytes of all live buffers
+    std::atomic<std::size_t> pageable_bytes{0};   // ... whose host copy is pageable
     std::atomic<std::size_t> peak_device_bytes{0};
     std::atomic<std::int64_t> acquire_wait_ns{0};
+    // Buffers created from a tensor on the device / through host memory (see above).
+    std::atomic<std::uint64_t> created_on_device{0};
+    std::atomic<std::uint64_t> created_through_host{0};
   };
 
   // `store` must outlive every buffer created here (the shared_ptr keeps it alive).
@@ -80,7 +101,11 @@ class TIDEPOOL_API TieredPlacement final : public StatePlacement {
   TieredPlacement& operator=(const TieredPlacement&) = delete;
 
   std::unique_ptr<StateBuffer> create(const torch::Tensor& initial) override;
+  std::unique_ptr<StateBuffer> create_zeros(at::IntArrayRef sizes,
+                                            const torch::TensorOptions& options) override;
   std::string name() const override { return "tiered"; }
+  void set_initial_copy(InitialCopy mode) noexcept { initial_copy_ = mode; }
+  InitialCopy initial_copy() const noexcept { return initial_copy_; }
   // The store's recorded schedule (see the top of this file).
   void begin_step() override { store_->begin_step(schedule_key_); }
   void end_step() override { store_->end_step(); }
@@ -88,6 +113,8 @@ class TIDEPOOL_API TieredPlacement final : public StatePlacement {
   TieredStore& store() const noexcept { return *store_; }
   WriteBack write_back() const noexcept { return write_back_; }
   std::size_t live_bytes() const noexcept { return shared_->live_bytes.load(); }
+  std::size_t pageable_bytes() const noexcept { return shared_->pageable_bytes.load(); }
+  const Shared& counters() const noexcept { return *shared_; }
   std::size_t peak_device_bytes() const noexcept { return shared_->peak_device_bytes.load(); }
   void reset_peak_device_bytes() { shared_->peak_device_bytes = store_->device_bytes(); }
   double acquire_wait_seconds() const noexcept {
@@ -99,6 +126,7 @@ class TIDEPOOL_API TieredPlacement final : public StatePlacement {
   Stream host_stream_;
   int tag_;
   WriteBack write_back_;
+  InitialCopy initial_copy_ = InitialCopy::automatic;
   std::uint64_t schedule_key_;  // this placement's schedule in the store, unique in the process
   std::shared_ptr<Shared> shared_ = std::make_shared<Shared>();
 };

@@ -17,13 +17,19 @@
 // column pass and the extrapolation each read them; the newest vector is on the device)
 // and send the new vector to the host once: H2D 2(m − 1)·4N bytes, D2H 4N bytes. Floor
 // time = the largest of H2D/h2d_rate, D2H/d2h_rate and (H2D + D2H)/both_rate. Counters:
-// floor_ms, floor_ratio (step time ÷ floor), and B/param actually moved per step.
+// floor_ms, floor_ratio (step time ÷ floor), and B/param actually moved per step. The
+// tiered store's host memory is pinned (Note [Benchmark stores are pinned] in
+// bench_common.h) and it reports its per-step counters (tiered_step_counters there), with
+// chunks_stored (stored chunks per step) and through_host (of those, the ones that went
+// through host memory: on CUDA those the store had no device room for, Note [Creating on
+// the device] in tiered_placement.cpp; on the CPU all of them, by design).
 // On the CPU there is no link: the counters are params/s, and the resident and tiered
 // (host backend) placements compare the store's overhead.
 #include <benchmark/benchmark.h>
 
 #include <algorithm>
 #include <chrono>
+#include <cstdint>
 #include <memory>
 #include <vector>
 
@@ -40,28 +46,11 @@ namespace {
 
 constexpr int64_t kDepth = 5;
 
+using tidepool::bench_optim::LinkRates;
+using tidepool::bench_optim::measure_link;
 using tidepool::bench_optim::mixed_sizes;
 using tidepool::bench_optim::sync;
 using tidepool::bench_optim::want_cuda;
-
-// Pinned-memory rates of the link in bytes/s: H2D, D2H, and both at once on two streams
-// (the best of three 1 GiB copies each).
-struct LinkRates {
-  double h2d = 0, d2h = 0, both = 0;
-};
-
-LinkRates measure_link(int device) {
-  tidepool::bench_optim::LinkCopies link(device, int64_t{1} << 30);
-  const auto best_rate = [&](bool up, bool down) {
-    double best = 0;
-    for (int rep = 0; rep < 3; ++rep) {
-      const double bytes = static_cast<double>(link.bytes()) * ((up ? 1 : 0) + (down ? 1 : 0));
-      best = std::max(best, bytes / link.copy(up, down));
-    }
-    return best;
-  };
-  return LinkRates{best_rate(true, false), best_rate(false, true), best_rate(true, true)};
-}
 
 enum class Where { resident, host_staged, tiered };
 
@@ -79,13 +68,18 @@ void run_aadl(benchmark::State& state, torch::Device device, Where where) {
   std::shared_ptr<tidepool::TieredStore> store;
   std::shared_ptr<tidepool::optim::StatePlacement> placement;
   std::shared_ptr<tidepool::optim::HostStagedPlacement> staged;
+  std::shared_ptr<tidepool::optim::TieredPlacement> tiered;
   if (where == Where::tiered) {
-    tidepool::TieredStoreOptions options;
-    options.device_budget_bytes = static_cast<std::size_t>(2 * kDepth) *
-                                  tidepool::optim::AndersonHistory::kStoreChunk * sizeof(float);
+    // Host memory for the whole history (and the vector on its way in) pinned: Note
+    // [Benchmark stores are pinned] in bench_common.h.
+    const tidepool::TieredStoreOptions options = tidepool::bench_optim::pinned_store_options(
+        static_cast<std::size_t>(2 * kDepth) * tidepool::optim::AndersonHistory::kStoreChunk *
+            sizeof(float),
+        static_cast<std::size_t>(kDepth + 1) * sizeof(float) * static_cast<std::size_t>(n));
     bench_store = std::make_unique<tidepool::bench_optim::BenchStore>(device, options);
     store = bench_store->store;
-    placement = std::make_shared<tidepool::optim::TieredPlacement>(store);
+    tiered = std::make_shared<tidepool::optim::TieredPlacement>(store);
+    placement = tiered;
   } else if (where == Where::host_staged) {
     staged = std::make_shared<tidepool::optim::HostStagedPlacement>();
     placement = staged;
@@ -101,7 +95,12 @@ void run_aadl(benchmark::State& state, torch::Device device, Where where) {
   const LinkRates link = device.is_cuda() ? measure_link(device.index()) : LinkRates{};
   const int64_t to_device_before = staged ? staged->traffic().to_device.load() : 0;
   const int64_t to_host_before = staged ? staged->traffic().to_host.load() : 0;
+  if (store) store->synchronize();
   const auto store_before = store ? store->stats() : tidepool::TieredStoreStats{};
+  const std::uint64_t created_before =
+      tiered ? tiered->counters().created_on_device + tiered->counters().created_through_host : 0;
+  const std::uint64_t through_host_before =
+      tiered ? tiered->counters().created_through_host.load() : 0;
 
   double elapsed_s = 0;  // the same wall time the benchmark reports (UseRealTime)
   for (auto _ : state) {
@@ -119,13 +118,22 @@ void run_aadl(benchmark::State& state, torch::Device device, Where where) {
     moved = static_cast<double>(staged->traffic().to_device.load() - to_device_before +
                                 staged->traffic().to_host.load() - to_host_before);
   }
-  if (store) {
-    store->synchronize();
-    const auto s = store->stats();
-    moved = static_cast<double>(s.copy.h2d.bytes - store_before.copy.h2d.bytes +
-                                s.copy.d2h.bytes - store_before.copy.d2h.bytes);
-  }
   if (moved > 0) state.counters["B/param"] = moved / steps / static_cast<double>(n);
+  if (store) {
+    // B/param from the store's copies: the new vector's write-back included (it goes
+    // through the store on CUDA: Note [Creating on the device] in tiered_placement.cpp).
+    store->synchronize();
+    tidepool::bench_optim::tiered_step_counters(state, store_before, store->stats(), steps,
+                                                static_cast<double>(n));
+    // Stored chunks per step, and of those the ones that went through host memory (no
+    // room on the device): 0 is the fast path.
+    const auto& c = tiered->counters();
+    state.counters["chunks_stored"] =
+        static_cast<double>(c.created_on_device + c.created_through_host - created_before) /
+        steps;
+    state.counters["through_host"] =
+        static_cast<double>(c.created_through_host - through_host_before) / steps;
+  }
   if (device.is_cuda() && where != Where::resident) {
     const double h2d = 2.0 * (kDepth - 1) * 4.0 * static_cast<double>(n);
     const double d2h = 4.0 * static_cast<double>(n);

@@ -8,14 +8,23 @@
 // (issue 5's two comparisons for the tiered step). On the GPU the same run also
 // measures the link: pinned copies in both directions at once (the tiered step's floor is
 // 24 B/param at that rate). Sizes: 2^16 … 2^22 parameters on the CPU; 2^28 parameters in
-// mixed tensor sizes on the GPU (skipped when no CUDA device is present). Counters:
+// mixed tensor sizes on the GPU (skipped when no CUDA device is present). Every tidepool
+// case takes one step before timing, reported as first_step_ms: it creates the state
+// (and, tiered, records the prefetch schedule; fused, it has no carried sums yet), which
+// the timed steps, the steady state a training run sees, must not average in. Counters:
 // parameters per second, bytes/param moved where state crosses the link, and for tiered
-// state staging_MiB, the most device memory the store held during the steps. The fused
+// state staging_MiB, the most device memory the store held during the timed steps, and
+// the store's per-step counters (bench_common.h: tiered_step_counters), its host memory
+// pinned (Note [Benchmark stores are pinned] there). The fused
 // step with resident state on the GPU also reports floor_ratio against its HBM floor: the
 // 36 B/param (fp32) the update must read and write (θ, g, m, B, d in; θ, m, B, d out) at
 // the rate of a plain device-to-device copy measured in the same run (hbm_GB/s, read +
 // write). Its steady state moves 44 B/param (Note [carried sums] in
-// optimizers/apollo_step_math.h), so 1.22× is the least it can show. On the CPU, the
+// optimizers/apollo_step_math.h), so 1.22× is the least it can show. The host-staged and
+// tiered cases on the GPU report floor_ratio against their link floor: 24 B/param (m, B,
+// d in and out) at the rate of pinned copies both ways at once, measured right before
+// their steps (link_GB/s; BM_Gpu_PinnedBidirectional measures the same on its own). On
+// the CPU, the
 // fused host step and the ops path (Resident vs Resident_Ops) compare in the same run.
 #include <benchmark/benchmark.h>
 
@@ -141,6 +150,9 @@ double device_copy_rate(const torch::Device& device) {
 // fp32 bytes per parameter the fused update cannot avoid: θ, g, m, B, d read, θ, m, B, d
 // written.
 constexpr double kUpdateFloorBytesPerParam = 36.0;
+// fp32 bytes per parameter that state kept in host memory moves over the link per step:
+// m, B, d to the device and back.
+constexpr double kLinkFloorBytesPerParam = 24.0;
 
 void run_tidepool(benchmark::State& state, torch::Device device, Where where, bool fused) {
   Problem problem(state.range(0), device);
@@ -153,8 +165,10 @@ void run_tidepool(benchmark::State& state, torch::Device device, Where where, bo
   if (where == Where::tiered) {
     // Budget: two thirds of the state (8 of 12 B/param), so the step streams it; it must
     // hold the three states of the largest tensor (half the parameters) at once: 6 B/param.
-    tidepool::TieredStoreOptions options;
-    options.device_budget_bytes = static_cast<std::size_t>(state.range(0)) * 8;
+    const auto params = static_cast<std::size_t>(state.range(0));
+    const auto elements = static_cast<std::size_t>(torch::elementSize(torch::kFloat32));
+    const tidepool::TieredStoreOptions options =
+        tidepool::bench_optim::pinned_store_options(params * 8, 3 * elements * params);
     bench_store = std::make_unique<tidepool::bench_optim::BenchStore>(device, options);
     store = bench_store->store;
     tiered = std::make_shared<tidepool::optim::TieredPlacement>(store);
@@ -168,12 +182,24 @@ void run_tidepool(benchmark::State& state, torch::Device device, Where where, bo
   tidepool::optim::Apollo apollo(problem.params,
                                  tidepool::optim::ApolloOptions(1e-3).warmup(0), placement);
   apollo.set_fused_kernels(fused);
-  if (where == Where::resident) {
-    // The first step has no carried sums and makes a first pass over all the state;
-    // the timed ones are the steady state a training run sees.
-    apollo.step();
-    sync(device);
+  // The first step: see the top of this file.
+  const auto first_start = std::chrono::steady_clock::now();
+  apollo.step();
+  sync(device);
+  const double first_step_s =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - first_start).count();
+  const int64_t to_device_before = staged ? staged->traffic().to_device.load() : 0;
+  const int64_t to_host_before = staged ? staged->traffic().to_host.load() : 0;
+  tidepool::TieredStoreStats store_before;
+  if (tiered) {
+    store->synchronize();
+    store_before = store->stats();
+    tiered->reset_peak_device_bytes();
   }
+  const double acquire_wait_before = tiered ? tiered->acquire_wait_seconds() : 0.0;
+  const bool over_link = device.is_cuda() && where != Where::resident;
+  const double link_both =
+      over_link ? tidepool::bench_optim::measure_link(device.index()).both : 0.0;
   double elapsed_s = 0.0;
   for (auto _ : state) {
     const auto start = std::chrono::steady_clock::now();
@@ -183,28 +209,37 @@ void run_tidepool(benchmark::State& state, torch::Device device, Where where, bo
   }
   state.counters["params/s"] = benchmark::Counter(
       static_cast<double>(state.range(0)), benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["first_step_ms"] = first_step_s * 1e3;
+  const auto steps = static_cast<double>(state.iterations());
   if (device.is_cuda() && where == Where::resident && fused) {
     const double rate = device_copy_rate(device);
     const double floor_s = kUpdateFloorBytesPerParam * static_cast<double>(state.range(0)) / rate;
     state.counters["hbm_GB/s"] = rate * 1e-9;
     state.counters["floor_ms"] = floor_s * 1e3;
-    state.counters["floor_ratio"] = elapsed_s / static_cast<double>(state.iterations()) / floor_s;
+    state.counters["floor_ratio"] = elapsed_s / steps / floor_s;
+  }
+  if (over_link && link_both > 0) {
+    const double floor_s = kLinkFloorBytesPerParam * static_cast<double>(state.range(0)) /
+                           link_both;
+    state.counters["link_GB/s"] = link_both * 1e-9;
+    state.counters["floor_ms"] = floor_s * 1e3;
+    state.counters["floor_ratio"] = elapsed_s / steps / floor_s;
   }
   if (staged) {
-    const double moved = static_cast<double>(staged->traffic().to_device.load() +
-                                             staged->traffic().to_host.load());
-    state.counters["B/param"] =
-        moved / static_cast<double>(state.iterations()) / static_cast<double>(state.range(0));
+    const double moved = static_cast<double>(staged->traffic().to_device.load() -
+                                             to_device_before +
+                                             staged->traffic().to_host.load() - to_host_before);
+    state.counters["B/param"] = moved / steps / static_cast<double>(state.range(0));
   }
   if (tiered) {
     store->synchronize();
-    const auto stats = store->stats();
-    // Includes the first step's loads (the benchmark's warm-up iteration is not separate).
-    const double moved = static_cast<double>(stats.copy.h2d.bytes + stats.copy.d2h.bytes);
-    state.counters["B/param"] =
-        moved / static_cast<double>(state.iterations()) / static_cast<double>(state.range(0));
+    tidepool::bench_optim::tiered_step_counters(state, store_before, store->stats(), steps,
+                                                static_cast<double>(state.range(0)));
     state.counters["staging_MiB"] =
         static_cast<double>(tiered->peak_device_bytes()) / (1024.0 * 1024.0);
+    // Host time inside acquire per step (on CUDA only a wait for room shows here).
+    state.counters["acquire_wait_ms"] =
+        (tiered->acquire_wait_seconds() - acquire_wait_before) * 1e3 / steps;
   }
 }
 

@@ -19,13 +19,16 @@ namespace tidepool::testing {
 
 // Two copies of the same parameters, each requiring grad, for two optimizers to step side
 // by side. 600'007 elements: 1024 blocks of 256 threads on the device, so a thread visits
-// up to 3 of them; 147 ranges on the host.
+// up to 3 of them; 147 ranges on the host. On the device also 2'107'149 elements: a
+// thread visits 8 or 9, two whole rounds of the kernels' unrolled walk and, for some, one
+// element after them (Note [Loads in flight] in optimizers/apollo_kernels.cu).
 struct TwinParams {
   std::vector<torch::Tensor> a, b;
   TwinParams(torch::Device device, torch::Dtype dtype) {
     const auto opts = torch::TensorOptions().dtype(dtype).device(device);
     a = {torch::randn({600007}, opts), torch::randn({7, 13}, opts), torch::randn({1}, opts),
          torch::randn({256}, opts)};
+    if (device.is_cuda()) a.push_back(torch::randn({2107149}, opts));
     for (auto& t : a) {
       t.set_requires_grad(true);
       b.push_back(t.detach().clone().set_requires_grad(true));

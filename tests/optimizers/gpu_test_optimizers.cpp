@@ -2,8 +2,9 @@
 // Apollo kernels and AADL on CUDA pass the golden files, fp32 stays within 1e-4, the fused
 // path is bitwise reproducible and its carried sums change no bit, and state / history
 // placement does not change any bit — also with the state in the tiered store on the cuda
-// backend, stepped on a LibTorch stream that is not the default one (the placement must
-// follow the current stream).
+// backend or host-staged (its own copy streams, Note [Host-staged copy streams] in
+// optimizers/state_placement.cpp), stepped on a LibTorch stream that is not the default
+// one (the placement must follow the current stream).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -133,9 +134,12 @@ TEST(TieredOnGpu, ApolloOnASideStreamIsBitwiseIdenticalToResident) {
   auto placement = std::make_shared<tidepool::optim::TieredPlacement>(store);
   const auto tiered = run(placement);
   const auto resident = run(std::make_shared<tidepool::optim::ResidentPlacement>());
+  const auto staged = run(std::make_shared<tidepool::optim::HostStagedPlacement>());
   ASSERT_EQ(tiered.size(), resident.size());
+  ASSERT_EQ(staged.size(), resident.size());
   for (size_t i = 0; i < tiered.size(); ++i) {
     EXPECT_TRUE(torch::equal(tiered[i], resident[i])) << "parameter " << i;
+    EXPECT_TRUE(torch::equal(staged[i], resident[i])) << "host-staged, parameter " << i;
   }
   const auto stats = store->stats();
   EXPECT_GT(stats.evictions, 0u);
@@ -167,7 +171,12 @@ TEST(TieredOnGpu, AadlHistoryStreamedFromTheStoreIsBitwiseIdenticalToHostStaged)
   auto placement = std::make_shared<tidepool::optim::TieredPlacement>(store);
   const torch::Tensor tiered = run(placement);
   const torch::Tensor staged = run(std::make_shared<tidepool::optim::HostStagedPlacement>());
+  const torch::Tensor resident = run(std::make_shared<tidepool::optim::ResidentPlacement>());
   EXPECT_TRUE(torch::equal(tiered, staged));
+  EXPECT_TRUE(torch::equal(staged, resident));
+  // The history's vectors entered the store on the device (Note [Creating on the device]).
+  EXPECT_GT(placement->counters().created_on_device, 0u);
+  EXPECT_EQ(placement->counters().created_through_host, 0u);
   EXPECT_LE(store->stats().device_peak_bytes, store->device_budget_bytes());
   EXPECT_GT(store->stats().evictions, 0u);
 }

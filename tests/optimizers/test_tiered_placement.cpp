@@ -27,6 +27,7 @@
 namespace {
 
 using tidepool::TieredStore;
+using tidepool::TieredStoreOptions;
 using tidepool::testing::store_with_budget;
 using tidepool::optim::AndersonHistory;
 using tidepool::optim::StatePlacement;
@@ -56,6 +57,8 @@ std::vector<torch::Tensor> train_apollo(const std::shared_ptr<StatePlacement>& p
   for (const auto& p : params) out.push_back(p.detach().clone());
   return out;
 }
+
+std::shared_ptr<TieredPlacement> writing_back_on_release(std::shared_ptr<TieredStore> store);
 
 bool all_equal(const std::vector<torch::Tensor>& a, const std::vector<torch::Tensor>& b) {
   if (a.size() != b.size()) return false;
@@ -89,6 +92,9 @@ TEST(TieredApollo, PipelinePrefetchesAlongTheRecordedOrderAndWritesBackOnRelease
   EXPECT_LE(stats.device_peak_bytes, budget);
   EXPECT_GT(placement->peak_device_bytes(), 3u * 1024u);
   EXPECT_LE(placement->peak_device_bytes(), budget);
+  // Apollo's state starts as the store's own zeros: nothing was copied in.
+  EXPECT_EQ(placement->counters().created_through_host + placement->counters().created_on_device,
+            0u);
 }
 
 TEST(TieredApollo, TwoOptimizersShareOneStoreEachOnItsOwnSchedule) {
@@ -225,6 +231,83 @@ TEST(TieredPlacement, BuffersAreCountedAndUncounted) {
   EXPECT_EQ(store->stats().handles, 0u);
 }
 
+// Note [Creating on the device] (tiered_placement.cpp): zeros are made in the store's host
+// memory, so a new optimizer's state moves no byte and takes no device memory.
+TEST(TieredPlacement, ZerosAreMadeInHostMemoryWithoutACopy) {
+  auto backend = tidepool::make_host_backend();
+  auto store = store_with_budget(*backend, 4096);
+  TieredPlacement placement(store);
+  auto zeros = placement.create_zeros({3, 100}, torch::TensorOptions().dtype(torch::kFloat64));
+  EXPECT_EQ(zeros->sizes(), torch::IntArrayRef({3, 100}));
+  EXPECT_EQ(zeros->options().dtype(), torch::kFloat64);
+  EXPECT_EQ(placement.live_bytes(), 2400u);
+  EXPECT_TRUE(torch::equal(zeros->read_host(), torch::zeros({3, 100}, torch::kFloat64)));
+  store->synchronize();
+  const auto stats = store->stats();
+  EXPECT_EQ(stats.copy.h2d.bytes + stats.copy.d2h.bytes, 0u);
+  EXPECT_EQ(stats.device_peak_bytes, 0u);
+  EXPECT_EQ(placement.counters().created_on_device + placement.counters().created_through_host,
+            0u);
+}
+
+// The route CUDA tensors take (made on the device, filled there, written back by the
+// store's D2H stream), run on the host backend: the same contents as through host memory,
+// the write-back counted in the store's copy stats, and through host memory after all
+// when the budget has no room for it now.
+TEST(TieredPlacement, CreatingOnTheDeviceWritesBackThroughTheStore) {
+  auto backend = tidepool::make_host_backend();
+  auto store = store_with_budget(*backend, 1024);  // one 1 KiB buffer on the device at a time
+  auto placement = writing_back_on_release(store);
+  placement->set_initial_copy(tidepool::optim::InitialCopy::on_device);
+  const torch::Tensor ones = torch::ones({256}, torch::kFloat32);
+  auto a = placement->create(ones);
+  store->synchronize();
+  EXPECT_EQ(store->stats().copy.d2h.bytes, 1024u) << "the new contents go back through the store";
+  EXPECT_EQ(store->stats().resident_handles, 0u) << "written back on release";
+  EXPECT_TRUE(torch::equal(a->read_host(), ones));
+  EXPECT_EQ(placement->counters().created_on_device, 1u);
+  {
+    tidepool::optim::StateLease held(*a);  // the whole budget
+    EXPECT_TRUE(torch::equal(held.tensor(), ones));
+    auto b = placement->create(torch::full({256}, 2.0f));
+    EXPECT_EQ(placement->counters().created_through_host, 1u) << "no room on the device";
+    EXPECT_TRUE(torch::equal(b->read_host(), torch::full({256}, 2.0f)));
+    held.release(/*dirty=*/false);
+  }
+  EXPECT_LE(store->stats().device_peak_bytes, 1024u);
+}
+
+// A store whose pinned budget is spent puts host copies in pageable memory; the placement
+// says how much of its state is there (the benchmarks report it: every copy of it runs
+// at pageable speed).
+TEST(TieredPlacement, PageableHostCopiesAreCounted) {
+  auto backend = tidepool::make_host_backend();
+  const auto store_with_pinned = [&](std::size_t pinned_budget) {
+    TieredStoreOptions options;
+    options.device_budget_bytes = std::size_t{16} << 20;
+    options.host.pinned_budget_bytes = pinned_budget;
+    options.host.respect_memlock_limit = false;
+    options.host.warn_on_pageable_fallback = false;
+    return std::make_shared<TieredStore>(*backend, options);
+  };
+  const auto four_mib = torch::TensorOptions().dtype(torch::kFloat32);
+  const int64_t elements = int64_t{1} << 20;  // a direct mapping of its own: no mimalloc
+  {
+    TieredPlacement pinned(store_with_pinned(std::size_t{64} << 20));
+    auto buffer = pinned.create_zeros({elements}, four_mib);
+    EXPECT_EQ(pinned.pageable_bytes(), 0u);
+  }
+  TieredPlacement starved(store_with_pinned(4096));
+  {
+    auto buffer = starved.create_zeros({elements}, four_mib);
+    auto copied = starved.create(torch::ones({100}, torch::kFloat32));
+    EXPECT_EQ(starved.pageable_bytes(), (std::size_t{4} << 20) + 400u);
+    EXPECT_GT(starved.store().stats().host.pageable_allocs, 0u);
+    EXPECT_TRUE(torch::equal(copied->read_host(), torch::ones({100}, torch::kFloat32)));
+  }
+  EXPECT_EQ(starved.pageable_bytes(), 0u);
+}
+
 TEST(StateLease, AFailedAcquireLeavesNothingAcquired) {
   auto backend = tidepool::make_host_backend();
   auto store = store_with_budget(*backend, 1024);  // one 1 KiB buffer at a time
@@ -299,6 +382,42 @@ TEST(TieredAADL, HistoryStreamsInChunksUnderABudgetSmallerThanTheHistory) {
   EXPECT_LE(placement->peak_device_bytes(), budget);
   EXPECT_GT(stats.evictions, 0u);
   EXPECT_GT(stats.prefetch_issued, 0u);
+}
+
+// The same history with every vector entering the store the way CUDA vectors do (made
+// on the device and written back by the store, Note [Creating on the device]): the same
+// bits, and each stored vector crosses back exactly once, counted in the store's stats.
+TEST(TieredAADL, VectorsCreatedOnTheDeviceAreWrittenBackOnceAndChangeNoBit) {
+  const OneComputeThread one_thread;
+  const int64_t n = 2 * AndersonHistory::kStoreChunk + 1000;  // 3 stored chunks per vector
+  const int64_t depth = 4;
+  const auto fill = [&](AndersonHistory& history) {
+    torch::manual_seed(4);
+    torch::Tensor x = torch::randn({n}, torch::kFloat32);
+    for (int64_t i = 0; i < depth + 2; ++i) {
+      x = x - 0.1f * torch::tanh(x) + 0.01f * static_cast<float>(i);
+      history.push(x);
+    }
+    history.replace_newest(x * 0.999f);
+    return history.combine(torch::linspace(-0.5, 0.5, depth - 1, torch::kFloat64));
+  };
+  const std::size_t chunk_bytes = AndersonHistory::kStoreChunk * sizeof(float);
+  auto backend = tidepool::make_host_backend();
+  auto store = store_with_budget(*backend, 2 * depth * chunk_bytes);
+  auto placement = writing_back_on_release(store);
+  placement->set_initial_copy(tidepool::optim::InitialCopy::on_device);
+  AndersonHistory tiered(depth, placement);
+  AndersonHistory resident(depth, std::make_shared<tidepool::optim::ResidentPlacement>());
+  EXPECT_TRUE(torch::equal(fill(tiered), fill(resident)));
+  EXPECT_TRUE(torch::equal(tiered.gram(), resident.gram()));
+  EXPECT_TRUE(torch::equal(tiered.rhs(), resident.rhs()));
+  EXPECT_TRUE(torch::equal(tiered.newest(), resident.newest()));
+  store->synchronize();
+  const std::uint64_t stored = depth + 3;  // pushes and the replacement
+  EXPECT_EQ(placement->counters().created_on_device, 3 * stored);
+  EXPECT_EQ(placement->counters().created_through_host, 0u);
+  EXPECT_EQ(store->stats().copy.d2h.bytes, stored * n * sizeof(float));
+  EXPECT_LE(store->stats().device_peak_bytes, 2 * depth * chunk_bytes);
 }
 
 // ---- AADL with a single-chunk history: loaded ahead of every pass -----------------------
