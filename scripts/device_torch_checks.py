@@ -8,9 +8,12 @@ before CUDA initialises:
   2. pool: route one region through torch.cuda.MemPool + use_mem_pool under a user tag and
      show the region's bytes in tidepool's per-tag stats;
   3. oom: ask for more than the GPU has and show the Python exception and its message;
-  4. record_stream: global mode through the package's record_stream wrapper; a tensor
-     read on a side stream and freed is not handed out again before that read (Note
-     [record_stream from PyTorch]), and the read sees the tensor's own values;
+  4. record_stream: global mode as the package installs it; a tensor read on a side
+     stream and freed is not handed out again while that read has not run (Note
+     [record_stream from PyTorch]), and the read sees the tensor's own values. Every
+     kernel runs once first: a kernel's first launch may synchronize the context (CUDA's
+     lazy loading), ending the side stream's sleep before the free; SIDE_BUSY says the
+     read was still pending when the next tensor was handed out (else nothing was shown);
   5. memory_api: global mode as the package installs it; after training, torch.cuda's
      memory statistics (max_memory_allocated, memory_reserved, memory_summary,
      reset_peak_memory_stats, reset_accumulated_memory_stats) answer from tidepool
@@ -38,13 +41,18 @@ before CUDA initialises:
   13. two_optimizers: pool mode through the package with tidepool.state_budget:1GiB; a
      generator and a discriminator, each with its own AdamW, stepped in turn (a GAN): the
      pre-step prefetch of one brings back only its own state (Note [prefetch by pointer]),
-     so the bytes moved to the device during the discriminator's step equal its state,
-     not both optimizers'.
+     so the bytes moved to the device during the discriminator's step are those of the
+     ranges holding its state (RANGES_D), none of the generator's own (RANGES_G_ONLY). The
+     ranges are the segments PyTorch's allocator asks the pool for, which it sizes: the
+     discriminator's two 4 MiB moments share one 20 MiB segment and its bias moments a
+     2 MiB one (with the generator's), so 22 MiB move for 8.4 MB of state (2026-12-04).
   14. two_threads: pool mode through the package with tidepool.state_budget:1GiB; two
-     models, each with its own AdamW, stepped in two threads at once: b's step pauses
-     after its update while a's runs and ends; a's eviction takes only its own state
-     (Note [steps in flight]), so b's state is still on the device then, and the last
-     step to end evicts the tag.
+     models, each with its own AdamW, stepped in two threads at once (each thread in a
+     MemPool of its own: Note [one MemPool per thread and device at a time]): b's step
+     pauses after its update while a's runs and ends. b, alone when it began, prefetched
+     its ranges; a, overlapping b, moves nothing (Note [steps in flight in pool mode]), so
+     b's ranges are on the device then and none of a's own; the last step to end evicts
+     the tag. An error in either thread is printed, and releases the other.
 Prints one line per check: name, PASS/FAIL, what was seen.
 """
 import concurrent.futures
@@ -94,6 +102,19 @@ PRELUDE = textwrap.dedent(
                                                          "tidepool_pytorch_free")
         torch.cuda.memory.change_current_allocator(alloc)
         return "pluggable"
+    def state_bytes(opt):  # the optimizer's state on CUDA devices (not its step counts)
+        return sum(t.numel() * t.element_size() for st in opt.state.values()
+                   for t in st.values() if torch.is_tensor(t) and t.is_cuda and t.dim() > 0)
+    def segments_holding(opt):
+        # Pool mode: base -> size of the segments of PyTorch's allocator holding the
+        # optimizer's state. Each is one tidepool range (its MemPool asked tidepool for
+        # it under optimizer_state), the unit tidepool moves; PyTorch sizes them (20 MiB
+        # for requests of 1 to 10 MiB, 2 MiB for small ones) and packs several
+        # optimizers' state into one.
+        ptrs = [t.data_ptr() for st in opt.state.values() for t in st.values()
+                if torch.is_tensor(t) and t.is_cuda and t.dim() > 0]
+        return dict((s["address"], s["total_size"]) for s in torch.cuda.memory_snapshot()
+                    if any(s["address"] <= p < s["address"] + s["total_size"] for p in ptrs))
     def train(steps=5):
         torch.manual_seed(0)
         torch.backends.cudnn.deterministic = True
@@ -157,19 +178,27 @@ CHECKS = {
             from tidepool import _record_stream
             _record_stream.register(torch)
         n = 8 << 20
-        x = torch.ones(n, device="cuda")
         side = torch.cuda.Stream()
+        # Each kernel below runs once first: CUDA loads a kernel at its first launch, which
+        # may synchronize the context (lazy loading), here with the side stream's sleep,
+        # so the read would be over before the free and reusing the memory right (the run
+        # of 2026-12-04: REUSED True with the sum right).
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(1000); torch.ones(n, device="cuda").sum()
+        torch.full((n,), 2.0, device="cuda"); torch.cuda.synchronize()
+        x = torch.ones(n, device="cuda")
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            torch.cuda._sleep(200_000_000)  # the read comes well after the next writes
+            torch.cuda._sleep(1 << 30)  # about 0.5 s: the read comes well after the next writes
             total = x.sum()
         x.record_stream(side)
         freed = x.data_ptr()
         del x
         y = torch.full((n,), 2.0, device="cuda")
+        busy = not side.query()  # the read not done yet when y was handed out
         reused = y.data_ptr() == freed
         torch.cuda.synchronize()
-        print("REUSED", reused, "SUM", float(total), "EXPECTED", float(n))
+        print("REUSED", reused, "SIDE_BUSY", busy, "SUM", float(total), "EXPECTED", float(n))
         """
     ),
     "memory_api": textwrap.dedent(
@@ -361,9 +390,6 @@ CHECKS = {
         opt_g = torch.optim.AdamW(gen.parameters(), lr=1e-4)
         opt_d = torch.optim.AdamW(disc.parameters(), lr=1e-4)
         x = torch.randn(64, 2048, device="cuda")
-        def state_bytes(opt):
-            return sum(t.numel() * t.element_size() for st in opt.state.values()
-                       for t in st.values() if torch.is_tensor(t) and t.is_cuda and t.dim() > 0)
         moved_d = []
         for step in range(4):
             opt_d.zero_grad(); disc(gen(x).detach()).square().mean().backward()
@@ -372,7 +398,10 @@ CHECKS = {
             moved_d.append(tidepool.stats(0)["tiering.vmm_bytes_to_device"] - before)
             opt_g.zero_grad(); disc(gen(x)).mean().backward(); opt_g.step()
         torch.cuda.synchronize()
-        print("MOVED_D", moved_d[-1], "STATE_D", state_bytes(opt_d), "STATE_G", state_bytes(opt_g))
+        d, g = segments_holding(opt_d), segments_holding(opt_g)
+        print("MOVED_D", moved_d[-1], "RANGES_D", sum(d.values()), "RANGES_G_ONLY",
+              sum(size for base, size in g.items() if base not in d), "STATE_D",
+              state_bytes(opt_d), "STATE_G", state_bytes(opt_g))
         """
     ),
     "two_threads": textwrap.dedent(
@@ -400,24 +429,36 @@ CHECKS = {
         for i in range(2):
             train_step(i)  # the state exists now, evicted
         torch.cuda.synchronize()
-        def state_bytes(opt):
-            return sum(t.numel() * t.element_size() for st in opt.state.values()
-                       for t in st.values() if torch.is_tensor(t) and t.is_cuda and t.dim() > 0)
-        b_in, a_out, seen = threading.Event(), threading.Event(), {}
+        b_in, a_out, seen, errors = threading.Event(), threading.Event(), {}, []
         def b_inside():  # b's step, after its update: a steps and ends meanwhile
+            seen["b_in"] = tidepool.stats(0)["tiering.vmm_device_bytes"]
             b_in.set()
-            a_out.wait(120)
+            a_out.wait(30)
             torch.cuda.synchronize()
             seen["during"] = tidepool.stats(0)["tiering.vmm_device_bytes"]
         opts[1].inside = b_inside
+        def guarded(body):  # an error is reported, and never leaves the other thread waiting
+            def run():
+                try:
+                    body()
+                except BaseException as e:
+                    errors.append(repr(e)[:200])
+                finally:
+                    b_in.set(); a_out.set()
+            return run
         def step_a():
-            b_in.wait(120); train_step(0); torch.cuda.synchronize(); a_out.set()
-        threads = [threading.Thread(target=train_step, args=(1,)), threading.Thread(target=step_a)]
+            b_in.wait(30); train_step(0); torch.cuda.synchronize()
+        threads = [threading.Thread(target=guarded(lambda: train_step(1))),
+                   threading.Thread(target=guarded(step_a))]
         for t in threads: t.start()
-        for t in threads: t.join(300)
+        for t in threads: t.join(60)
         torch.cuda.synchronize()
-        print("DEVICE_DURING_B", seen.get("during", -1), "STATE_B", state_bytes(opts[1]),
-              "AFTER", tidepool.stats(0)["tiering.vmm_device_bytes"])
+        a, b = segments_holding(opts[0]), segments_holding(opts[1])
+        print("DEVICE_AT_B", seen.get("b_in", -1), "DEVICE_DURING_B", seen.get("during", -1),
+              "RANGES_B", sum(b.values()),
+              "RANGES_B_ONLY", sum(size for base, size in b.items() if base not in a),
+              "STATE_B", state_bytes(opts[1]), "AFTER",
+              tidepool.stats(0)["tiering.vmm_device_bytes"], "ERRORS", len(errors), *errors)
         """
     ),
     "cudnn_benchmark": textwrap.dedent(
@@ -489,7 +530,7 @@ def main():
     ok &= report("oom", results["oom"], passed("oom", lambda out: out.startswith(
         "EXC OutOfMemoryError" if TORCH_CUDA else "EXC ") and "ALIVE" in out), 900)
     ok &= report("record", results["record_stream"], passed(
-        "record_stream", lambda out: "REUSED False" in out
+        "record_stream", lambda out: "REUSED False SIDE_BUSY True" in out
         and out.endswith(f"SUM {float(8 << 20)} EXPECTED {float(8 << 20)}")))
 
     def memory_ok(out):
@@ -523,25 +564,28 @@ def main():
                 and int(fields[3]) >= 2 * 1024 * 1024 * 4)  # AdamW's exp_avg(_sq) of the weight
     ok &= report("closure", results["step_closure"], passed("step_closure", step_closure_ok))
     def two_optimizers_ok(out):
-        # The discriminator's step brought back its own state (biases under
-        # tidepool.tier_min_bytes stay resident; ranges round up to 2 MiB granules),
-        # none of the generator's 33.6 MB.
+        # The discriminator's step brought back the ranges holding its state, whole, and
+        # no range holding only the generator's.
         fields = out.split()
-        if len(fields) != 6 or fields[0] != "MOVED_D":
+        if len(fields) != 10 or fields[0::2] != ["MOVED_D", "RANGES_D", "RANGES_G_ONLY",
+                                                 "STATE_D", "STATE_G"]:
             return False
-        moved, state_d = int(fields[1]), int(fields[3])
-        return state_d > 0 and 0.9 * state_d <= moved <= state_d + (8 << 20)
+        moved, ranges_d, _, state_d, state_g = map(int, fields[1::2])
+        return state_d > 0 and state_g > 0 and ranges_d >= state_d and moved == ranges_d
     ok &= report("two_opt", results["two_optimizers"], passed("two_optimizers", two_optimizers_ok))
 
     def two_threads_ok(out):
-        # While b's step ran, a's ended: b's state (prefetched; ranges round up to 2 MiB
-        # granules, biases under tidepool.tier_min_bytes stay resident) was still on the
-        # device, and none of a's 16.8 MB; b, the last to end, evicted the tag.
+        # a's step, which began and ended while b's ran, moved nothing: what b's prefetch
+        # had brought was on the device all along, b's ranges (all of them: b was alone
+        # then) and none holding only a's state; b, the last to end, evicted the tag;
+        # neither thread raised.
         fields = out.split()
-        if len(fields) != 6 or fields[0] != "DEVICE_DURING_B":
+        if len(fields) != 14 or fields[0::2] != ["DEVICE_AT_B", "DEVICE_DURING_B", "RANGES_B",
+                                                 "RANGES_B_ONLY", "STATE_B", "AFTER", "ERRORS"]:
             return False
-        during, state_b, after = int(fields[1]), int(fields[3]), int(fields[5])
-        return state_b > 0 and 0.9 * state_b <= during <= state_b + (8 << 20) and after == 0
+        at_b, during, ranges_b, ranges_b_only, state_b, after, errors = map(int, fields[1::2])
+        return (errors == 0 and state_b > 0 and ranges_b >= state_b and during == at_b
+                and ranges_b_only <= during <= ranges_b and after == 0)
     ok &= report("threads", results["two_threads"], passed("two_threads", two_threads_ok))
     ok &= report("cudnn", results["cudnn_benchmark"],
                  passed("cudnn_benchmark", lambda out: "TRAINED" in out))

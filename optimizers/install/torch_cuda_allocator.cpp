@@ -331,20 +331,34 @@ std::shared_ptr<c10::cuda::CUDACachingAllocator::CUDAAllocator> make_torch_cuda_
   return std::make_shared<TorchCudaAllocator>();
 }
 
+// Note [the installed allocator is never destroyed]
+// What c10's CUDA allocator holds may belong to Python: the stacks of the memory history
+// (trace entries, live blocks' allocation stacks) are PyTorch's CapturedTracebacks, whose
+// destructor hands their Python frames to a free list in libtorch_python, and an
+// out-of-memory observer from torch._C._cuda_attach_out_of_memory_observer holds a Python
+// callable. LibTorch keeps the installed allocator in a static shared_ptr of
+// libtorch_cuda (CUDAPluggableAllocator's current_custom_allocator), whose destructor
+// runs at exit after Python is finalized and after libtorch_python's own statics (that
+// free list among them) are destroyed, libtorch_python having been loaded later:
+// destroying the allocator there wrote into the destroyed free list, and a program that
+// had used torch.cuda.memory._record_memory_history died at exit with "double free or
+// corruption" (H200, 2026-12-04). So one reference is never dropped: the allocator lives
+// until the process is gone, as c10's own allocator leaks its trace ring for the same
+// reason. (It must live that long anyway: c10's registry holds a plain pointer to it.)
 void install_torch_cuda_allocator() {
+  using Allocator = c10::cuda::CUDACachingAllocator::CUDAAllocator;
   std::lock_guard lock(install_mutex());
-  // A second swap would fail (ours is initialised by then) and gain nothing. Kept for the
-  // life of the process: c10's allocator registry holds a plain pointer to it.
-  static std::shared_ptr<c10::cuda::CUDACachingAllocator::CUDAAllocator> installed;
+  // A second swap would fail (ours is initialised by then) and gain nothing.
+  static std::shared_ptr<Allocator>* installed = nullptr;  // never deleted once set
   if (installed != nullptr) return;
-  auto allocator = make_torch_cuda_allocator();
-  torch::cuda::CUDAPluggableAllocator::changeCurrentAllocator(allocator);
-  installed = allocator;
+  auto holder = std::make_unique<std::shared_ptr<Allocator>>(make_torch_cuda_allocator());
+  torch::cuda::CUDAPluggableAllocator::changeCurrentAllocator(*holder);
+  installed = holder.release();
   // changeCurrentAllocator swaps what c10::cuda::CUDACachingAllocator calls, not c10's
   // registry of allocators by device type, where c10's own allocator stays otherwise:
   // torch.accelerator's memory functions (at::accelerator::getDeviceStats, emptyCache,
   // ...) and code that asks GetAllocator(kCUDA) would reach an allocator nobody uses.
-  c10::SetAllocator(c10::DeviceType::CUDA, installed.get(), /*priority=*/0);
+  c10::SetAllocator(c10::DeviceType::CUDA, installed->get(), /*priority=*/0);
 }
 
 }  // namespace tidepool::optim

@@ -83,8 +83,9 @@ TIDEPOOL_API std::shared_ptr<c10::cuda::CUDACachingAllocator::CUDAAllocator>
 make_torch_cuda_allocator();
 
 // Makes a make_torch_cuda_allocator() c10's CUDA allocator, once per process: later calls
-// change nothing. Throws c10::Error when LibTorch refuses (its own CUDA allocator has
-// been used already).
+// change nothing. Throws c10::Error when LibTorch refuses (its own CUDA allocator has been
+// used already). The installed allocator is never destroyed, not even at exit (Note [the
+// installed allocator is never destroyed] in torch_cuda_allocator.cpp).
 TIDEPOOL_API void install_torch_cuda_allocator();
 
 }  // namespace tidepool::optim

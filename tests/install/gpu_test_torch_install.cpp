@@ -66,28 +66,47 @@ TEST(TorchInstallGpu, EmptyCacheGivesTidepoolsCachedMemoryBack) {
 // A tensor read on a side stream and freed on its allocating stream: with record_stream
 // its memory must not be handed out again until the side stream is past the read, or the
 // next tensor's writes race with it.
+// Every kernel runs once before the measured part: CUDA loads a kernel at its first launch,
+// and loading may synchronize the context (lazy loading, CUDA's default), which here waited
+// for the side stream's sleep, so the read was done before the free and handing the memory
+// out again was right (H200, 2026-12-04: the same pointer, the sum right). What the test
+// shows needs the read still pending when the next tensor is handed out: it says so when not.
+// (Without a GPU: RecordStreamThroughC10HoldsTheMemoryUntilTheStreamPassesIt in
+// test_torch_cuda_allocator.cpp, with a stream held by a gate instead of a sleep.)
 TEST(TorchInstallGpu, RecordStreamHoldsMemoryUntilTheOtherStreamHasReadIt) {
   if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA";
   setenv("PYTORCH_ALLOC_CONF", "backend:tidepool", 1);
   ASSERT_EQ(install_from_env().state, InstallState::installed);
   const auto options = torch::TensorOptions().device(torch::kCUDA, 0);
   constexpr int64_t n = int64_t{8} << 20;
+  const c10::cuda::CUDAStream side = c10::cuda::getStreamFromPool(false, 0);
+  {  // the kernels of the measured part, loaded
+    const c10::cuda::CUDAStreamGuard guard(side);
+    at::cuda::sleep(1000);
+    (void)torch::ones({n}, options).sum();
+  }
+  (void)torch::full({n}, 2.0f, options);
+  torch::cuda::synchronize();
+
   torch::Tensor x = torch::ones({n}, options);
   const void* freed = x.data_ptr();
-  const c10::cuda::CUDAStream side = c10::cuda::getStreamFromPool(false, 0);
   c10::cuda::CUDAEvent written;
   written.record(c10::cuda::getCurrentCUDAStream(0));
   written.block(side);
   torch::Tensor sum;
   {
     const c10::cuda::CUDAStreamGuard guard(side);
-    at::cuda::sleep(int64_t{200} << 20);  // the read comes well after the next writes
+    at::cuda::sleep(int64_t{1} << 30);  // about 0.5 s: the read comes well after the next writes
     sum = x.sum();
   }
   x.record_stream(side);
   x = torch::Tensor();
   const torch::Tensor next = torch::full({n}, 2.0f, options);
-  EXPECT_NE(next.data_ptr(), freed) << "handed out again while the side stream still reads it";
+  const bool read_pending = !side.query();
+  EXPECT_TRUE(read_pending) << "the side stream had read x before the next tensor was handed "
+                               "out: nothing was shown (a kernel loaded in between?)";
+  if (read_pending)
+    EXPECT_NE(next.data_ptr(), freed) << "handed out again while the side stream still reads it";
   torch::cuda::synchronize();
   EXPECT_EQ(sum.item<float>(), static_cast<float>(n));
 }

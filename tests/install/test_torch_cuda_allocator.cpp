@@ -1,27 +1,43 @@
 // tidepool as c10's CUDA allocator (optimizers/install/torch_cuda_allocator.h), without a
 // GPU: the hooks the plain pluggable allocator raises for or drops answer from tidepool
 // (here over the host backend), both on the allocator object and through c10's own entry
-// points once it is installed; installing twice is harmless. The CUDA memory paths
-// (malloc, record_stream) are in gpu_test_torch_install.cpp.
+// points once it is installed; installing twice is harmless; Tensor::record_stream's path
+// through c10 holds the memory until the named stream passes it; the installed allocator
+// outlives the process's static destructors. The same paths with CUDA memory and streams
+// are in gpu_test_torch_install.cpp.
 #include <gtest/gtest.h>
 
 #if TIDEPOOL_HAVE_TORCH_CUDA
 #include <c10/core/Allocator.h>
 #include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAStream.h>
 #include <c10/util/ThreadLocalDebugInfo.h>
 #include <c10/util/Exception.h>
+#include <spawn.h>
 #include <torch/csrc/cuda/CUDAPluggableAllocator.h>
+#include <unistd.h>
 
+#include <atomic>
+#include <chrono>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <functional>
 #include <map>
 #include <memory>
+#include <stdexcept>
 #include <string>
 #include <tuple>
 #include <vector>
 
+#include "allocator/backend.h"
 #include "allocator/c_api.h"
+#include "allocator/device_registry.h"
 #include "optimizers/install/torch_cuda_allocator.h"
+#include "tests/support/child_process.h"
+#include "tests/support/stream_gate.h"
+
+extern char** environ;
 
 namespace tidepool::optim {
 namespace {
@@ -529,6 +545,110 @@ TEST_F(TorchCudaAllocatorTest, InstalledItIsWhatC10Calls) {
   EXPECT_EQ(
       c10::getDeviceAllocator(c10::DeviceType::CUDA)->getDeviceStats(0).reserved_bytes[0].current,
       static_cast<int64_t>(stats().reserved.current));
+}
+
+using Pluggable = torch::cuda::CUDAPluggableAllocator::CUDAPluggableAllocator;
+
+Pluggable& installed_allocator() {
+  EXPECT_EQ(tidepool_torch_install_cuda_allocator(), 0) << tidepool_last_error();
+  auto* installed = dynamic_cast<Pluggable*>(c10::cuda::CUDACachingAllocator::get());
+  if (installed == nullptr) throw std::runtime_error("tidepool is not c10's CUDA allocator");
+  return *installed;
+}
+
+// Tensor::record_stream as LibTorch makes it (at::native::record_stream_cuda): c10's
+// recordStream with the storage's DataPtr and the stream, through the installed
+// allocator to tidepool. The block freed on its allocating stream is not handed out again
+// while the recorded stream has not passed the call (here it is held by a gate, so the
+// test needs no timing), and is once it has. Without the record-stream function set on the
+// allocator the plain class drops the call and the second request gets the same block.
+TEST_F(TorchCudaAllocatorTest, RecordStreamThroughC10HoldsTheMemoryUntilTheStreamPassesIt) {
+  Pluggable& allocator = installed_allocator();
+  Backend& backend = device_allocator(0).backend();
+  const Stream side = backend.create_stream();
+  test_support::StreamGate gate;
+  const test_support::StreamGate::OpenOnExit open_on_exit{gate};
+  backend.launch_host_func(side, &test_support::StreamGate::wait, &gate);
+  // c10's handle of a stream it did not create: the handle itself (as for torch.cuda.
+  // ExternalStream), so no CUDA call is needed to name it.
+  const c10::cuda::CUDAStream side_in_c10 =
+      c10::cuda::getStreamFromExternal(static_cast<cudaStream_t>(side.handle), 0);
+  ASSERT_EQ(side_in_c10.stream(), static_cast<cudaStream_t>(side.handle));
+
+  constexpr std::size_t kBytes = std::size_t{32} << 20;
+  void* p = allocator.malloc(kBytes, 0, nullptr);  // on the default stream, as a tensor
+  ASSERT_NE(p, nullptr);
+  c10::cuda::CUDACachingAllocator::recordStream(c10::DataPtr(p, c10::Device(c10::kCUDA, 0)),
+                                                side_in_c10);
+  allocator.raw_delete(p);  // the tensor's deleter: freed on its allocating stream
+  void* q = allocator.malloc(kBytes, 0, nullptr);
+  EXPECT_NE(q, p) << "handed out again while the recorded stream had not passed the call";
+  gate.open();
+  backend.stream_synchronize(side);
+  allocator.raw_delete(q);
+  void* r = allocator.malloc(kBytes, 0, nullptr);
+  EXPECT_TRUE(r == p || r == q) << "the held block is free again once the stream passed";
+  allocator.raw_delete(r);
+  EXPECT_EQ(tidepool_release_stream(0, side.handle), 0) << tidepool_last_error();
+  backend.destroy_stream(side);
+}
+
+// Note [the installed allocator is never destroyed] (torch_cuda_allocator.cpp): a stand-in
+// for PyTorch's Python stacks, which must not be released once Python is gone.
+std::atomic<bool> g_python_gone{false};
+struct PythonStackStandIn : c10::GatheredContext {
+  ~PythonStackStandIn() override {
+    if (!g_python_gone.load()) return;
+    std::fputs("a Python stack was released after Python had ended\n", stderr);
+    std::_Exit(3);
+  }
+};
+std::shared_ptr<c10::GatheredContext> python_stack() {
+  return std::make_shared<PythonStackStandIn>();
+}
+
+constexpr const char* kExitChildVariable = "TIDEPOOL_TEST_EXIT_CHILD";
+
+// The child of TheInstalledAllocatorOutlivesTheStaticDestructors (skipped otherwise): the
+// memory visualizer's state as a Python program leaves it at exit (history on, a trace of
+// allocations and frees with their stacks, a live block with its allocation stack, an
+// out-of-memory observer holding Python state), then an exit handler registered after
+// LibTorch was loaded marks Python as gone, as Py_Finalize and libtorch_python's static
+// destructors come before libtorch_cuda's, which holds the installed allocator.
+TEST_F(TorchCudaAllocatorTest, ExitChildOfTheOutlivesTest) {
+  if (std::getenv(kExitChildVariable) == nullptr)
+    GTEST_SKIP() << "run by TheInstalledAllocatorOutlivesTheStaticDestructors";
+  Pluggable& allocator = installed_allocator();
+  c10::cuda::CUDACachingAllocator::recordHistory(true, python_stack, 100, RecordContext::ALL,
+                                                 true, {});
+  void* freed = allocator.malloc(8192, 0, nullptr);
+  allocator.raw_delete(freed);
+  void* live = allocator.malloc(4096, 0, nullptr);  // still allocated at exit
+  ASSERT_NE(live, nullptr);
+  c10::cuda::CUDACachingAllocator::attachOutOfMemoryObserver(
+      [held = python_stack()](int64_t, std::size_t, std::size_t, std::size_t) {});
+  ASSERT_EQ(std::atexit([] { g_python_gone.store(true); }), 0);
+}
+
+TEST_F(TorchCudaAllocatorTest, TheInstalledAllocatorOutlivesTheStaticDestructors) {
+  if (std::getenv(kExitChildVariable) != nullptr) GTEST_SKIP() << "in the child";
+  // The child is this binary afresh (exec, not a bare fork: a fork of a process that has
+  // used tidepool is refused tidepool's calls, Note [Forked child]).
+  std::vector<std::string> args = {
+      "/proc/self/exe", "--gtest_filter=TorchCudaAllocatorTest.ExitChildOfTheOutlivesTest"};
+  std::vector<char*> argv;
+  for (std::string& a : args) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  std::vector<std::string> env_strings = {std::string(kExitChildVariable) + "=1"};
+  for (char** e = environ; *e != nullptr; ++e) env_strings.emplace_back(*e);
+  std::vector<char*> envp;
+  for (std::string& e : env_strings) envp.push_back(e.data());
+  envp.push_back(nullptr);
+  pid_t pid = 0;
+  ASSERT_EQ(posix_spawn(&pid, argv[0], nullptr, nullptr, argv.data(), envp.data()), 0);
+  EXPECT_EQ(test_support::wait_for_child(pid, std::chrono::seconds(120)), 0)
+      << "the child (its output is above) released a Python stack during its static "
+         "destructors, or failed otherwise";
 }
 
 }  // namespace

@@ -1,11 +1,14 @@
 """torch's CUDA entry points replaced by recorders, for the tests of what installation
 does inside torch on a machine without a GPU (test_install_flow.py, test_optim_hooks.py):
-`fake_cuda` records which allocator is registered and when a MemPool is made or entered;
-`install(**keys)` runs the package's install with torch.cuda claiming a device."""
+`fake_cuda` records which allocator is registered and when a MemPool is made or entered
+(and, as PyTorch does, refuses to enter a MemPool on a device where it is entered
+already, by any thread); `install(**keys)` runs the package's install with torch.cuda
+claiming a device."""
 
 from __future__ import annotations
 
 import contextlib
+import threading
 import warnings
 
 import pytest
@@ -30,17 +33,31 @@ def fake_cuda(monkeypatch):
         def __init__(self, allocator):
             calls.append(("mempool", allocator))
 
+    recording = set()  # (pool, device): entered, by whichever thread
+    lock = threading.Lock()
+
     @contextlib.contextmanager
     def fake_use_mem_pool(pool, device=None):
-        calls.append(("enter_pool", device))
-        yield
-        calls.append(("exit_pool", device))
+        # c10's beginAllocateToPool: one recording of a pool per device at a time.
+        key = (id(pool), 0 if device is None else device)
+        with lock:
+            if key in recording:
+                raise RuntimeError("beginAllocateToPool: already recording to mempool_id")
+            recording.add(key)
+            calls.append(("enter_pool", device))
+        try:
+            yield
+        finally:
+            with lock:
+                recording.discard(key)
+                calls.append(("exit_pool", device))
 
     monkeypatch.setattr(torch.cuda.memory, "CUDAPluggableAllocator", FakePluggableAllocator)
     monkeypatch.setattr(torch.cuda.memory, "change_current_allocator",
                         lambda allocator: calls.append(("change_current_allocator", allocator)))
     monkeypatch.setattr(torch.cuda, "MemPool", FakeMemPool)
     monkeypatch.setattr(torch.cuda, "use_mem_pool", fake_use_mem_pool)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(_install, "STATE", _install._State())
     # Global mode through torch's CUDAPluggableAllocator class unless a test hands in a
     # libtidepool_torch_cuda (test_global_mode_prefers_libtidepool_torch_cuda): the real

@@ -12,12 +12,14 @@ import pytest
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "device_torch_checks.py")
 
+N = float(8 << 20)  # the record_stream check's tensor: its sum
+
 GOOD = {
     "native-reference": "[1.0, 0.5]",
     "global": "[1.0, 0.5]\nstats ok",
     "pool": "device_check_region 64MiB",
     "oom": "EXC OutOfMemoryError | too big\nLAST_ERROR tidepool: out of memory\nALIVE 2.0",
-    "record_stream": f"REUSED False SUM {float(8 << 20)} EXPECTED {float(8 << 20)}",
+    "record_stream": f"REUSED False SIDE_BUSY True SUM {N} EXPECTED {N}",
     "memory_api": "PEAK 100 RESERVED 200 AFTER_EMPTY 0 SUMMARY True RESET True",
     "memory_fraction": "EXC OutOfMemoryError FRACTION_NAMED True GET 0.1",
     "cuda_graph": "EXC RuntimeError POOL_MODE_NAMED True",
@@ -27,8 +29,12 @@ GOOD = {
     "resume": "TIERED 2 OF 2 SAME True",
     "step_raises": "RAISED boom AFTER_RAISE_IN_TIDEPOOL 0 STATE_IN_TIDEPOOL 8392704",
     "step_closure": "CLOSURE_IN_TIDEPOOL 0 STATE_IN_TIDEPOOL 8392704",
-    "two_optimizers": "MOVED_D 8388608 STATE_D 8392704 STATE_G 33570816",
-    "two_threads": "DEVICE_DURING_B 16777216 STATE_B 16785408 AFTER 0",
+    # The H200's figures (2026-12-04): 20 MiB + 2 MiB segments hold the discriminator's
+    # state, 2 x 16 MiB only the generator's.
+    "two_optimizers": ("MOVED_D 23068672 RANGES_D 23068672 RANGES_G_ONLY 33554432 "
+                       "STATE_D 8392704 STATE_G 33570816"),
+    "two_threads": ("DEVICE_AT_B 23068672 DEVICE_DURING_B 23068672 RANGES_B 23068672 "
+                    "RANGES_B_ONLY 20971520 STATE_B 16785408 AFTER 0 ERRORS 0"),
     "cudnn_benchmark": "VIA torch_cuda\nTRAINED",
 }
 
@@ -36,7 +42,7 @@ BAD = {
     "global": "[1.0, 0.7]",
     "pool": "no region",
     "oom": "NO EXCEPTION\nALIVE 2.0",
-    "record_stream": f"REUSED True SUM {float(8 << 20)} EXPECTED {float(8 << 20)}",
+    "record_stream": f"REUSED True SIDE_BUSY True SUM {N} EXPECTED {N}",
     "memory_api": "PEAK 100 RESERVED 200 AFTER_EMPTY 300 SUMMARY True RESET True",
     "memory_fraction": "NO EXCEPTION",
     "cuda_graph": "CAPTURED",
@@ -45,9 +51,11 @@ BAD = {
     "step_raises": "RAISED boom AFTER_RAISE_IN_TIDEPOOL 67108864 STATE_IN_TIDEPOOL 8392704",
     "step_closure": "CLOSURE_IN_TIDEPOOL 67108864 STATE_IN_TIDEPOOL 8392704",
     # both optimizers' state came back for the discriminator's step
-    "two_optimizers": "MOVED_D 41959424 STATE_D 8392704 STATE_G 33570816",
+    "two_optimizers": ("MOVED_D 56623104 RANGES_D 23068672 RANGES_G_ONLY 33554432 "
+                       "STATE_D 8392704 STATE_G 33570816"),
     # a's eviction by tag took b's state from under b's step
-    "two_threads": "DEVICE_DURING_B 0 STATE_B 16785408 AFTER 0",
+    "two_threads": ("DEVICE_AT_B 23068672 DEVICE_DURING_B 0 RANGES_B 23068672 "
+                    "RANGES_B_ONLY 20971520 STATE_B 16785408 AFTER 0 ERRORS 0"),
     "cudnn_benchmark": "EXC RuntimeError | does not yet support cacheInfo",
 }
 
@@ -86,6 +94,33 @@ def test_good_outputs_pass(checks, capsys):
 @pytest.mark.parametrize("check", sorted(BAD))
 def test_each_failing_check_fails_the_run(checks, capsys, check):
     assert run_with(checks, dict(GOOD, **{check: BAD[check]})) == 1
+    assert "FAIL" in capsys.readouterr().out
+
+
+# What else must fail: the read done before the reuse (the check showed nothing), an
+# old-format line, a range of the generator's brought back with the discriminator's, a's
+# own ranges on the device during b's step, a's end moving a range it shares with b, an
+# error in a thread (the run of 2026-12-04 stopped in one with "beginAllocateToPool:
+# already recording to mempool_id"), the tag not evicted at the end.
+@pytest.mark.parametrize("check, output", [
+    ("record_stream", f"REUSED True SIDE_BUSY False SUM {N} EXPECTED {N}"),
+    ("record_stream", f"REUSED False SIDE_BUSY False SUM {N} EXPECTED {N}"),
+    ("record_stream", f"REUSED False SIDE_BUSY True SUM {2 * N} EXPECTED {N}"),
+    ("two_optimizers", "MOVED_D 23068672 STATE_D 8392704 STATE_G 33570816"),
+    ("two_optimizers", ("MOVED_D 39845888 RANGES_D 23068672 RANGES_G_ONLY 33554432 "
+                        "STATE_D 8392704 STATE_G 33570816")),
+    ("two_threads", ("DEVICE_AT_B 44040192 DEVICE_DURING_B 44040192 RANGES_B 23068672 "
+                     "RANGES_B_ONLY 20971520 STATE_B 16785408 AFTER 0 ERRORS 0")),
+    ("two_threads", ("DEVICE_AT_B 23068672 DEVICE_DURING_B 20971520 RANGES_B 23068672 "
+                     "RANGES_B_ONLY 20971520 STATE_B 16785408 AFTER 0 ERRORS 0")),
+    ("two_threads", ("DEVICE_AT_B 23068672 DEVICE_DURING_B 23068672 RANGES_B 23068672 "
+                     "RANGES_B_ONLY 20971520 STATE_B 16785408 AFTER 0 ERRORS 1 "
+                     "RuntimeError('beginAllocateToPool')")),
+    ("two_threads", ("DEVICE_AT_B 23068672 DEVICE_DURING_B 23068672 RANGES_B 23068672 "
+                     "RANGES_B_ONLY 20971520 STATE_B 16785408 AFTER 23068672 ERRORS 0")),
+])
+def test_these_outputs_fail_too(checks, capsys, check, output):
+    assert run_with(checks, dict(GOOD, **{check: output})) == 1
     assert "FAIL" in capsys.readouterr().out
 
 

@@ -4,8 +4,8 @@ device_ranges_except answers what a test says is on the device: after a step the
 ask which ranges of optimizer_state beyond the optimizer's own state are on the device,
 and the next step prefetches those after its own; those the budget left on the host are
 tried again while the range learnt still holds them, and an address another range took
-since is not prefetched; nothing is asked without a state budget; a failure to ask warns
-once and the eviction still happens."""
+since is not prefetched; nothing is asked without a state budget, nor in pool mode; a
+failure to ask warns once and the eviction still happens."""
 
 from __future__ import annotations
 
@@ -69,6 +69,21 @@ def test_state_outside_optimizer_state_is_prefetched_after_its_own(fake_cuda, fa
     stepped(optimizer, p)
     assert fake_tiering[3] == ("prefetch", 0, state_pointers(optimizer), 4242)
     assert _optim_hooks._known_outside_state(optimizer) == {}
+
+
+def test_pool_mode_learns_no_state_outside_optimizer_state(fake_cuda, fake_tiering, on_device):
+    # In pool mode the ranges are segments of PyTorch's allocator: one the first step's
+    # temporaries left is kept by the pool and may hold another optimizer's state by the
+    # next step, which the prefetch would bring in with this one's.
+    install(mode="pool", state_budget="1GiB")
+    p = torch.nn.Parameter(torch.ones(4))
+    optimizer = torch.optim.SGD([p], lr=0.5, momentum=0.9)
+    on_device.on_device = [EXTRA]
+    on_device.ids = {EXTRA: 1}
+    stepped(optimizer, p)
+    stepped(optimizer, p)
+    assert on_device.asked == []
+    assert fake_tiering == [EVICT, ("prefetch", 0, state_pointers(optimizer), 4242), EVICT]
 
 
 def test_what_the_budget_left_on_the_host_is_tried_again_while_a_range_holds_it(

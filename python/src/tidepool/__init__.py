@@ -167,19 +167,19 @@ def _region_devices(device) -> list:
 @contextlib.contextmanager
 def region(tag: str | int = "user", device=None):
     """Allocations made by this thread inside the block carry `tag` (for stats and for
-    evict/prefetch). In pool mode they are also served from tidepool's MemPool: on the
-    current device, or on each device `device` names (an index, a torch.device, or a
-    list of them, for a process that allocates on several GPUs inside the block). In
-    global mode every device's allocations are tidepool's anyway, and `device` only has
-    to be valid."""
+    evict/prefetch). In pool mode they are also served from a tidepool MemPool (one that
+    no other thread uses on the device meanwhile: Note [one MemPool per thread and device
+    at a time] in _install.py): on the current device, or on each device `device` names
+    (an index, a torch.device, or a list of them, for a process that allocates on several
+    GPUs inside the block). In global mode every device's allocations are tidepool's
+    anyway, and `device` only has to be valid."""
     from . import _install, _tags
     tag_id = _tags.tag_id(tag)
     devices = _region_devices(device)
-    pool = _install.pool()
     with contextlib.ExitStack() as stack:
-        if pool is not None:
+        if _install.pool_mode():
             for d in devices:
-                stack.enter_context(_install.STATE.torch.cuda.use_mem_pool(pool, d))
+                stack.enter_context(_install.pool_lease(d))
         _tags.push(tag_id)
         try:
             yield tag_id

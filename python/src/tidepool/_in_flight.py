@@ -23,6 +23,20 @@ step(closure), which runs with the step's scope closed (Note [closures]), stays 
 in: the step is still in flight. A load_state_dict that takes state in (Note [loaded
 state]) counts as a step. A scope an unguarded step left open when it raised (Note [a
 step that raises]) counts until the next step on its thread closes it.
+
+Note [steps in flight in pool mode]: in pool mode the state lives in the segments
+PyTorch's caching allocator takes from tidepool's MemPool, and it packs the state of
+different optimizers into one segment (a discriminator's and a generator's bias moments in
+one 2 MiB segment; tensors of 1 to 10 MiB share 20 MiB segments), which is one
+pointer-stable range: moving "this optimizer's ranges" moves the others' state in them
+too. While another thread's step is in flight on the device, whose kernels may be
+reading or writing that state, a migration under them could lose their writes. So in
+pool mode a step moves state by pointer only while it is alone on the device: its
+prefetch runs only when no other step is in flight there, with later steps waiting in
+begin until it is done (prefetching_alone), and a step that ends while another is in
+flight evicts nothing (the last one evicts the tag). The steps that overlap another use
+their state where it is, in host memory through the mapping. (In global mode every state
+tensor of at least tidepool.tier_min_bytes is a range of its own, shared with nothing.)
 """
 
 from __future__ import annotations
@@ -32,16 +46,19 @@ import threading
 
 _condition = threading.Condition()
 _steps: dict[int, int] = {}  # device -> steps in flight on it, over all threads
-_tag_evictions: set[int] = set()  # devices whose optimizer_state tag is being evicted
+# Devices where a step alone moves state (its tag evicted; in pool mode also a prefetch):
+# a step that begins there waits.
+_moving: set[int] = set()
 
 
 def begin(devices: list[int]) -> None:
     """A step begins on `devices` (those it holds): counts it in, once no eviction of the
-    tag on one of them is running (Note [steps in flight])."""
+    tag on one of them is running (Note [steps in flight]), nor a prefetch of a step alone
+    there in pool mode (Note [steps in flight in pool mode])."""
     if not devices:
         return
     with _condition:
-        _condition.wait_for(lambda: _tag_evictions.isdisjoint(devices))
+        _condition.wait_for(lambda: _moving.isdisjoint(devices))
         for d in devices:
             _steps[d] = _steps.get(d, 0) + 1
 
@@ -64,17 +81,37 @@ def evicting(devices: list[int]):
     """For a step that ended on `devices`: (by_tag, by_pointer), the devices no step is in
     flight on, whose tag this caller evicts inside the block (a step that begins there
     waits until the block is left), and those where another thread's step still runs or
-    evicts the tag, where it evicts only its own state (Note [steps in flight])."""
+    moves state, where it evicts only its own state (Note [steps in flight]; in pool mode
+    nothing, Note [steps in flight in pool mode])."""
     with _condition:
-        by_tag = [d for d in devices if d not in _steps and d not in _tag_evictions]
-        _tag_evictions.update(by_tag)
+        by_tag = [d for d in devices if d not in _steps and d not in _moving]
+        _moving.update(by_tag)
     try:
         yield by_tag, [d for d in devices if d not in by_tag]
     finally:
-        if by_tag:
-            with _condition:
-                _tag_evictions.difference_update(by_tag)
-                _condition.notify_all()
+        _moved(by_tag)
+
+
+@contextlib.contextmanager
+def prefetching_alone(devices: list[int]):
+    """For a step counted in on (or nested in a step on) `devices`: those where it is the
+    only step in flight and nothing is moved, for it to prefetch inside the block; a step
+    that begins there meanwhile waits until the block is left (Note [steps in flight in
+    pool mode])."""
+    with _condition:
+        alone = [d for d in devices if _steps.get(d, 0) <= 1 and d not in _moving]
+        _moving.update(alone)
+    try:
+        yield alone
+    finally:
+        _moved(alone)
+
+
+def _moved(devices: list[int]) -> None:
+    if devices:
+        with _condition:
+            _moving.difference_update(devices)
+            _condition.notify_all()
 
 
 def in_flight() -> dict[int, int]:

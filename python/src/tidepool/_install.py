@@ -42,7 +42,12 @@ class _State:
         self.torch = None
         self.allocator = None  # the CUDAPluggableAllocator (pool mode; global-mode fallback)
         self.cuda_allocator = None  # global mode: what c10's CUDA allocator is
-        self.pool = None  # the MemPool, pool mode only, created on first use
+        self.pool = None  # the first MemPool, pool mode only, created on first use
+        # Pool mode (Note [one MemPool per thread and device at a time]): every MemPool made,
+        # STATE.pool first, and device -> {thread ident: [index into pools, depth, the
+        # use_mem_pool context entered]}.
+        self.pools: list = []
+        self.pool_leases: dict[int, dict[int, list]] = {}
         self.optimizer_hooks = None  # two step-hook handles and the load_state_dict Patches
         self.record_stream = None  # global mode: the handle of the record_stream wrapper
         self.torch_memory = None  # global-mode fallback: the torch.cuda memory functions' handle
@@ -160,11 +165,111 @@ def _install_global(torch, config: dict, path: str, malloc_name: str, free_name:
         STATE.torch_memory = _torch_memory.register(torch)
 
 
+def pool_mode() -> bool:
+    """Whether tidepool is installed in pool mode (route allocations with pool_lease)."""
+    return STATE.active and STATE.config["mode"] == "pool"
+
+
 def pool():
-    """The tidepool MemPool in pool mode (created on first use), else None."""
+    """The first tidepool MemPool in pool mode (created on first use), else None. Route
+    allocations with pool_lease(), which may take another one."""
     if not STATE.active or STATE.config["mode"] != "pool":
         return None
     with STATE.lock:
-        if STATE.pool is None:
-            STATE.pool = STATE.torch.cuda.MemPool(STATE.allocator.allocator())
-        return STATE.pool
+        return _pool_locked(0)
+
+
+def _pool_locked(index: int):
+    """STATE.pools[index], made (with those before it) if it does not exist yet. Pre:
+    STATE.lock held, pool mode."""
+    while len(STATE.pools) <= index:
+        STATE.pools.append(STATE.torch.cuda.MemPool(STATE.allocator.allocator()))
+    STATE.pool = STATE.pools[0]
+    return STATE.pools[index]
+
+
+def exit_all(contexts: list) -> None:
+    """Exits `contexts` (pool leases), innermost first, every one of them even when one
+    raises; then raises the first error."""
+    error = None
+    for context in reversed(contexts):
+        try:
+            context.__exit__(None, None, None)
+        except BaseException as e:  # noqa: BLE001  (raised once the others are exited)
+            error = error or e
+    if error is not None:
+        raise error
+
+
+def pool_lease(device: int | None) -> "_PoolLease":
+    """A context manager routing this thread's allocations on `device` to a tidepool
+    MemPool (Note [one MemPool per thread and device at a time], _PoolLease)."""
+    return _PoolLease(device)
+
+
+class _PoolLease:
+    """Note [one MemPool per thread and device at a time]: PyTorch lets a MemPool record
+    one allocating thread per device at a time (torch.cuda.use_mem_pool in a second
+    thread, or a second time in one thread, raises "beginAllocateToPool: already recording
+    to mempool_id"), and ending it ends the recording of whichever thread began it. So
+    two threads in tidepool scopes on one device at once (two models stepped in two
+    threads, a tidepool.region() in each) cannot share tidepool's pool. Inside this
+    context the calling thread's allocations on `device` (an index; None: the current
+    device) go to a tidepool MemPool that no other thread routes that device's
+    allocations to: the first such pool, or a new one when all are taken. A thread that
+    already routes `device` to a pool (a region inside an optimizer step) keeps it and
+    enters nothing. The pools live as long as the process, like the first one: their
+    blocks may outlive any scope; so a process gets as many pools as it has threads in
+    scopes on one device at once, and each caches the segments its blocks came from.
+    An exception on the way in leaves nothing taken."""
+
+    def __init__(self, device: int | None):
+        self.device = device
+        self._key = None
+
+    def __enter__(self):
+        torch = STATE.torch
+        key = self.device if self.device is not None else torch.cuda.current_device()
+        me = threading.get_ident()
+        with STATE.lock:
+            by_thread = STATE.pool_leases.setdefault(key, {})
+            lease = by_thread.get(me)
+            if lease is not None:  # this thread routes the device to a pool already
+                lease[1] += 1
+                self._key = key
+                return self
+            taken = {lease[0] for lease in by_thread.values()}
+            index = next(i for i in range(len(STATE.pools) + 1) if i not in taken)
+            mempool = _pool_locked(index)
+            lease = by_thread[me] = [index, 1, None]
+        try:
+            context = torch.cuda.use_mem_pool(mempool, self.device)
+            context.__enter__()
+        except BaseException:
+            self._release(key, me)
+            raise
+        lease[2] = context
+        self._key = key
+        return self
+
+    def __exit__(self, *exc):
+        key, self._key = self._key, None
+        me = threading.get_ident()
+        with STATE.lock:
+            lease = STATE.pool_leases[key][me]
+            lease[1] -= 1
+            if lease[1] > 0:  # another lease of this thread on the device still routes
+                return False
+        try:
+            lease[2].__exit__(None, None, None)
+        finally:
+            self._release(key, me)
+        return False
+
+    @staticmethod
+    def _release(key: int, me: int) -> None:
+        with STATE.lock:
+            by_thread = STATE.pool_leases.get(key, {})
+            by_thread.pop(me, None)
+            if not by_thread:
+                STATE.pool_leases.pop(key, None)

@@ -4,13 +4,14 @@ of the optimizer being stepped is prefetched (Note [prefetch by pointer]), after
 step the device's optimizer_state is evicted to host memory (Note [evict by tag];
 pointer-stable, so AdamW's foreach and fused paths keep their tensors and notice nothing),
 or only the stepped optimizer's while another thread's step on the device still runs
-(Note [steps in flight] in _in_flight.py).
+(Note [steps in flight] in _in_flight.py; in pool mode nothing, Note [steps in flight in
+pool mode]).
 
 Whether the pre-hook prefetches depends on tidepool.state_budget, see Note [state budget 0].
-The pre-hook opens a scope (tag push, and in pool mode the tidepool MemPool for each
-device the optimizer's parameters live on); the post-hook closes it. See Note [a step
-that raises] for what closes it when step() raises, and Note [closures] for the closure
-of step(closure), which runs outside it.
+The pre-hook opens a scope (tag push, and in pool mode a tidepool MemPool for each device
+the optimizer's parameters live on, _install.pool_lease); the post-hook closes it. See
+Note [a step that raises] for what closes it when step() raises, and Note [closures] for
+the closure of step(closure), which runs outside it.
 
 State that appears outside step() is taken in too: Optimizer.load_state_dict (resuming
 from a checkpoint) is wrapped, see Note [loaded state].
@@ -233,13 +234,22 @@ def _prefetch_state(optimizer, has_closure: bool) -> None:
     (Lookahead stepping its inner optimizer) prefetches its own state even on a device
     the enclosing step holds: the enclosing step brought only its own. A step nested in
     the same optimizer's (a subclass's step() calling its base's, both hooked by torch)
-    prefetches nothing: the enclosing one did (_being_stepped)."""
+    prefetches nothing: the enclosing one did (_being_stepped). In pool mode a step that
+    overlaps another thread's step on a device prefetches nothing there (Note [steps in
+    flight in pool mode] in _in_flight.py)."""
     torch = _install.STATE.torch
     by_device = _state_pointers(optimizer, every_parameter=has_closure)
     for d, remembered in _known_outside_state(optimizer).items():
         by_device.setdefault(d, []).extend(_still_held(d, remembered))
-    for d, ptrs in by_device.items():
-        _tiering.prefetch_ptrs(d, ptrs, _stream(torch, d))
+    if not _install.pool_mode():
+        for d, ptrs in by_device.items():
+            _tiering.prefetch_ptrs(d, ptrs, _stream(torch, d))
+        return
+    # Pool mode: only where no other thread's step is in flight (Note [steps in flight in
+    # pool mode] in _in_flight.py).
+    with _in_flight.prefetching_alone(list(by_device)) as alone:
+        for d in alone:
+            _tiering.prefetch_ptrs(d, by_device[d], _stream(torch, d))
 
 
 def _known_outside_state(optimizer) -> dict[int, dict[int, int]]:
@@ -272,7 +282,13 @@ def _learn_outside_state(optimizers: list, devices: list[int],
     too small for them would forget them after one step), so the prefetch tries again.
     Only with a state budget (no prefetch otherwise: Note [state budget 0]). Other
     optimizers' state is not on the device then: each step evicts its tag, and a device
-    another thread's step is in flight on is not asked about (its state is there).
+    another thread's step is in flight on is not asked about (its state is there). Only
+    in global mode: in pool mode a range is a segment of PyTorch's allocator, which keeps
+    the segments freed allocations leave (the temporaries of the step that made the
+    state) and later puts any allocation of the pool there, another optimizer's state
+    among them, which the prefetch would then bring in with this optimizer's (Note
+    [prefetch by pointer]); a step's tensors outside optimizer.state are used where they
+    are there.
 
     A range is remembered by its base address and its id (_tiering.range_ids), which no
     later range is given: a range freed between two steps may have its address taken by
@@ -362,20 +378,33 @@ def _close_scope(step_over: bool = True) -> _Scope | None:
         return None
     scope = scopes.pop()
     try:
-        _tags.pop()
-        for context in reversed(scope.contexts):
-            context.__exit__(None, None, None)
+        try:
+            _tags.pop()
+        finally:
+            _install.exit_all(scope.contexts)
     finally:
         if step_over:
             _in_flight.end(scope.devices)
     return scope
 
 
-def _close_scopes_down_to(depth: int) -> list[_Scope]:
-    """Closes scopes until `depth` are left; returns those it closed."""
-    closed = []
+def _close_scopes_down_to(depth: int, errors: list | None = None) -> list[_Scope]:
+    """Closes scopes until `depth` are left; returns those it closed. A scope whose closing
+    raised is closed all the same (_close_scope); the error is raised after the others
+    are closed, or appended to `errors` when that is given (unless it is no Exception:
+    a KeyboardInterrupt is raised)."""
+    closed, first_error = [], None
     while len(_scopes()) > depth:
-        closed.append(_close_scope())
+        scope = _scopes()[-1]
+        try:
+            _close_scope()
+        except BaseException as e:  # noqa: BLE001  (raised or handed over below)
+            first_error = first_error or e
+        closed.append(scope)
+    if first_error is not None:
+        if errors is None or not isinstance(first_error, Exception):
+            raise first_error
+        errors.append(first_error)
     return closed
 
 
@@ -395,15 +424,17 @@ def _open_scope(own: list[int], tag: int, stepping=None, optimizers: list | None
     counts the step out of `own`: the caller counted it in (_in_flight.begin), and counts
     it out itself if this raises. `optimizers`: whose state the scope's step uses (by
     default the one `stepping`)."""
-    torch = _install.STATE.torch
     contexts = []
-    pool = _install.pool()
-    if pool is not None:
-        for d in own:
-            context = torch.cuda.use_mem_pool(pool, d)
-            context.__enter__()
-            contexts.append(context)
-    _tags.push(tag)
+    try:
+        if _install.pool_mode():
+            for d in own:  # Note [one MemPool per thread and device at a time] in _install.py
+                context = _install.pool_lease(d)
+                context.__enter__()
+                contexts.append(context)
+        _tags.push(tag)
+    except BaseException:
+        _install.exit_all(contexts)  # nothing stays entered (another thread may need the pools)
+        raise
     if optimizers is None:
         optimizers = [] if stepping is None else [stepping]
     _scopes().append(_Scope(own, contexts, tag, None if stepping is None else id(stepping),
@@ -452,14 +483,18 @@ def _guard_step(hooked_step):
         try:
             return hooked_step(*args, **kwargs)
         except BaseException:
-            closed = _close_scopes_down_to(base)
+            errors = []  # the step's own error is the one to raise
+            closed = _close_scopes_down_to(base, errors)
             devices = sorted({d for scope in closed for d in scope.devices})
             if devices and _tiering.available():
                 try:
                     _evict(devices, [o for scope in closed for o in scope.optimizers])
-                except Exception as evict_error:  # the step's own error is the one to raise
-                    warnings.warn(f"tidepool: evicting optimizer state after a step that raised "
-                                  f"failed: {evict_error}", _install.TidepoolInactiveWarning)
+                except Exception as evict_error:  # noqa: BLE001
+                    errors.append(evict_error)
+            for error in errors:
+                warnings.warn(f"tidepool: closing the scope of a step that raised, or evicting "
+                              f"its optimizer state, failed: {error}",
+                              _install.TidepoolInactiveWarning)
             raise
         finally:
             steps.pop()
@@ -497,8 +532,12 @@ def _evict(devices: list[int], optimizers: list) -> None:
     be done before its state moves) and a walk over the tag's range list in C++."""
     torch = _install.STATE.torch
     with _in_flight.evicting(devices) as (by_tag, by_pointer):
+        if _install.pool_mode():
+            # The state's segments may hold the other step's state too: the last step to end
+            # evicts the tag (Note [steps in flight in pool mode] in _in_flight.py).
+            by_pointer = []
         own = None  # the optimizers' state pointers: one walk serves learning and eviction
-        if by_tag and optimizers and _state_budget_allows_prefetch():
+        if by_tag and optimizers and _state_budget_allows_prefetch() and not _install.pool_mode():
             try:
                 own = _pointers_of(optimizers)
                 _learn_outside_state(optimizers, by_tag, own)

@@ -1,0 +1,187 @@
+"""Pool mode with several threads (Note [one MemPool per thread and device at a time] in
+_install.py): PyTorch refuses a MemPool that is already recording on the device, by any
+thread (the H200 run of 2026-12-04 stopped two models stepped in two threads with
+"beginAllocateToPool: already recording to mempool_id"; fake_torch_cuda.py's
+use_mem_pool refuses as PyTorch does). Each thread in a tidepool scope on a device gets a
+pool no other thread is using there, a scope inside another on the same thread keeps the
+pool it has, and a failure while a scope opens leaves no pool taken and no step counted
+in flight, so no other thread waits for it. A step moves state by pointer only while
+it is alone on the device (Note [steps in flight in pool mode] in _in_flight.py). Threads
+are paced by events: the same interleaving on every run."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+import tidepool
+from tidepool import _in_flight, _install, _optim_hooks, _tiering
+
+from fake_tiering import EVICT, fake_tiering, prefetch_of  # noqa: F401  (a fixture)
+from fake_torch_cuda import fake_cuda, install  # noqa: F401  (a fixture, and the install)
+from test_optim_hooks_threads import PacedSGD, model, run_threads, waited
+
+WAIT = 10  # seconds: only a broken test waits that long
+
+
+def pools_made(fake_cuda) -> int:
+    return sum(1 for c in fake_cuda if c[0] == "mempool")
+
+
+def pool_events(fake_cuda) -> list:
+    return [c for c in fake_cuda if c[0] in ("enter_pool", "exit_pool")]
+
+
+def test_steps_of_two_threads_at_once_route_to_pools_of_their_own(fake_cuda, fake_tiering):
+    # As the device check's two_threads: b's step is under way when a's begins and ends.
+    install(mode="pool", state_budget="1GiB")
+    a_in, b_in, a_out = threading.Event(), threading.Event(), threading.Event()
+    a = PacedSGD([model(2)], lr=0.1, momentum=0.9)
+    b = PacedSGD([model(3)], lr=0.1, momentum=0.9)
+    a.step()  # one at a time: both have state now, in the first pool
+    b.step()
+    assert pools_made(fake_cuda) == 1
+    fake_cuda.clear()
+    fake_tiering.clear()
+
+    def b_inside():
+        b_in.set()
+        waited(a_out)
+
+    def step_a():
+        try:
+            waited(b_in)
+            a.step()
+        finally:
+            a_out.set()
+
+    b.inside = b_inside
+    run_threads(b.step, step_a)
+    assert pools_made(fake_cuda) == 1  # made now: a second pool, for a's step
+    assert pool_events(fake_cuda) == [("enter_pool", 0), ("enter_pool", 0), ("exit_pool", 0),
+                                      ("exit_pool", 0)]
+    # Note [steps in flight in pool mode]: b, alone when it began, prefetched; a, which
+    # overlapped b, moved nothing (its state may share b's segments); b, the last, evicted
+    # the tag.
+    assert fake_tiering == [prefetch_of(b), EVICT]
+    assert _install.STATE.pool_leases == {}
+    # One at a time, a step takes the first pool again: no third is made.
+    b.inside = lambda: None
+    run_threads(a.step)
+    run_threads(b.step)
+    assert pools_made(fake_cuda) == 1
+    assert fake_tiering[2:] == [prefetch_of(a), EVICT, prefetch_of(b), EVICT]
+
+
+def test_a_step_that_begins_while_a_step_alone_prefetches_waits_for_it(
+        fake_cuda, fake_tiering, monkeypatch):
+    # In pool mode the prefetch of a step alone on the device may move segments that hold
+    # another optimizer's state too: no step may begin (and run its kernels on that
+    # state) until it is done.
+    install(mode="pool", state_budget="1GiB")
+    a = PacedSGD([model(2)], lr=0.1, momentum=0.9)
+    b = PacedSGD([model(3)], lr=0.1, momentum=0.9)
+    a.step()
+    b.step()
+    fake_tiering.clear()
+    prefetching, release, b_in = threading.Event(), threading.Event(), threading.Event()
+    record_prefetch = _tiering.prefetch_ptrs
+
+    def slow_prefetch(d, ptrs, stream):  # a's; b's comes after
+        if not prefetching.is_set():
+            prefetching.set()
+            waited(release)
+        return record_prefetch(d, ptrs, stream)
+
+    monkeypatch.setattr(_tiering, "prefetch_ptrs", slow_prefetch)
+    a_out = threading.Event()
+
+    def b_inside():
+        b_in.set()
+        waited(a_out)  # a ends first
+
+    def step_a():
+        try:
+            a.inside = lambda: waited(b_in)  # b begins while a is in flight
+            a.step()
+        finally:
+            a_out.set()
+
+    def step_b():
+        waited(prefetching)
+        b.inside = b_inside
+        b.step()
+
+    def release_when_b_waits():
+        waited(prefetching)
+        # Not a timing bound: a step that gets in while a's prefetch runs is the failure.
+        assert not b_in.wait(0.3), "b's step began while a's prefetch ran"
+        release.set()
+
+    run_threads(step_a, step_b, release_when_b_waits)
+    # b overlapped a: no prefetch; a ended while b was in flight: no eviction; b, the last
+    # one, evicted the tag.
+    assert fake_tiering == [prefetch_of(a), EVICT]
+
+
+def test_regions_of_two_threads_at_once(fake_cuda):
+    install(mode="pool")
+    both_inside = threading.Barrier(2, timeout=WAIT)
+    tags = []
+
+    def body(name):
+        with tidepool.region(name) as tag:
+            tags.append(tag)
+            both_inside.wait()
+
+    run_threads(lambda: body("kv_cache"), lambda: body("activations"))
+    assert pools_made(fake_cuda) == 2 and len(set(tags)) == 2
+    assert _install.STATE.pool_leases == {}
+
+
+def test_a_region_inside_a_step_keeps_the_step_s_pool(fake_cuda, fake_tiering):
+    # Entering the pool the thread records to already would be refused by PyTorch.
+    install(mode="pool")
+    seen = []
+
+    def inside():
+        with tidepool.region("scratch", device=0) as tag:
+            seen.append(tag)
+        with tidepool.region("scratch"):  # the current device: the same one
+            pass
+
+    a = PacedSGD([model(2)], inside, lr=0.1, momentum=0.9)
+    a.step()
+    assert seen and pools_made(fake_cuda) == 1
+    assert pool_events(fake_cuda) == [("enter_pool", 0), ("exit_pool", 0)]
+    assert _install.STATE.pool_leases == {}
+
+
+def test_a_failure_while_a_step_opens_its_scope_leaves_nothing_taken(
+        fake_cuda, fake_tiering, monkeypatch):
+    # An optimizer on devices 0 and 1 whose pool cannot be entered on device 1 (once):
+    # the step raises, device 0's pool is left again, nothing is counted in flight, and
+    # another thread's step goes on at once.
+    install(mode="pool")
+    monkeypatch.setattr(_optim_hooks, "_cuda_devices", lambda optimizer: [0, 1])
+    real_use = torch.cuda.use_mem_pool
+    failures = [RuntimeError("CUDA error: out of memory (entering the pool)")]
+
+    def use_mem_pool(pool, device=None):
+        if device == 1 and failures:
+            raise failures.pop()
+        return real_use(pool, device)
+
+    monkeypatch.setattr(torch.cuda, "use_mem_pool", use_mem_pool)
+    a = PacedSGD([model(2)], lr=0.1, momentum=0.9)
+    with pytest.raises(RuntimeError, match="entering the pool"):
+        a.step()
+    assert pool_events(fake_cuda) == [("enter_pool", 0), ("exit_pool", 0)]
+    assert _install.STATE.pool_leases == {} and _in_flight.in_flight() == {}
+    b = PacedSGD([model(3)], lr=0.1, momentum=0.9)
+    run_threads(b.step)  # would find device 0 counted in flight, or its pool taken
+    assert fake_tiering[-2:] == [("evict", 0, EVICT[2], EVICT[3]), ("evict", 1, EVICT[2], EVICT[3])]
+    a.step()  # and the failed step's optimizer steps again
+    assert _install.STATE.pool_leases == {}
