@@ -177,14 +177,20 @@ LstsqResult GramAccumulator::solve(const std::vector<int64_t>& a_slots, int64_t 
   const auto options = detail::resolve_defaults(requested, b.scalar_type(), b.size(0), k);
   const double rcond = options.rcond;
 
+  // These methods return y in fp64 whatever the columns' dtype (the header says so), so
+  // nothing is rounded and the residual is that of the fp64 y returned.
+  constexpr auto kOutput = at::kDouble;
   std::optional<detail::SmallSolution> small;
   if (options.method == LstsqMethod::gram_eigh) {
-    small = detail::solve_from_gram(G, k, options, rcond, LstsqMethod::gram_eigh, false);
+    small = detail::solve_from_gram(G, k, options, rcond, LstsqMethod::gram_eigh, false, kOutput);
   } else {
     const bool forced = options.method == LstsqMethod::gram_cholesky;
-    small = detail::solve_from_gram(G, k, options, rcond, LstsqMethod::gram_cholesky, !forced);
-    if (!small)
-      small = detail::solve_from_gram(G, k, options, rcond, LstsqMethod::gram_eigh, false);
+    small = detail::solve_from_gram(G, k, options, rcond, LstsqMethod::gram_cholesky, !forced,
+                                    kOutput);
+    if (!small) {
+      small =
+          detail::solve_from_gram(G, k, options, rcond, LstsqMethod::gram_eigh, false, kOutput);
+    }
   }
   LstsqResult result;
   result.solution = small->x.squeeze(1);

@@ -210,7 +210,7 @@ SmallSolution run_svd(const Problem& problem, const LstsqOptions& options, doubl
          "tikhonov");
   }
   const auto R = detail::householder_r_factor(at::cat({A * scale.to(A.device()), B}, 1));
-  return detail::solve_from_r_factor(R, problem.k, scale, rcond, lambda);
+  return detail::solve_from_r_factor(R, problem.k, scale, rcond, lambda, problem.dtype);
 }
 
 std::optional<SmallSolution> run_cholesky_qr(const Problem& problem, const LstsqOptions& options,
@@ -223,9 +223,10 @@ std::optional<SmallSolution> run_cholesky_qr(const Problem& problem, const Lstsq
   if (!factors) return std::nullopt;
   auto solution =
       detail::solve_from_r_factor(at::cat({factors->R, factors->QtB}, 1), problem.k, scale,
-                                  rcond, lambda);
+                                  rcond, lambda, problem.dtype);
   solution.method = LstsqMethod::cholesky_qr;
-  // R and QᵀB describe only B's part in range(A); the residual needs one more pass.
+  // R and QᵀB describe only B's part in range(A); the residual needs one more pass (of the
+  // x returned: solution.x is already rounded to the output dtype).
   solution.residual_norms =
       detail::direct_residual_norms(problem.a_columns, problem.b_columns, solution.x);
   return solution;
@@ -253,7 +254,7 @@ SmallSolution select_and_solve(const Problem& problem, const LstsqOptions& optio
 
   // The Gram residual is a cancellation (LstsqOptions::exact_residual), and it needs bᵀb,
   // which a right-hand side whose squares underflow has lost (Note [Underflowing squares]):
-  // either way one more pass measures the residuals directly.
+  // either way one more pass measures the residuals directly, of the x returned (rounded).
   auto with_residuals = [&](SmallSolution solution) {
     if (options.exact_residual || underflowing_column(problem.b_columns, G, problem.k) >= 0) {
       solution.residual_norms =
@@ -262,8 +263,8 @@ SmallSolution select_and_solve(const Problem& problem, const LstsqOptions& optio
     return solution;
   };
   if (method == LstsqMethod::gram_cholesky || method == LstsqMethod::gram_eigh) {
-    return with_residuals(
-        *detail::solve_from_gram(G, problem.k, options, rcond, method, /*may_decline=*/false));
+    return with_residuals(*detail::solve_from_gram(G, problem.k, options, rcond, method,
+                                                   /*may_decline=*/false, problem.dtype));
   }
   if (method == LstsqMethod::cholesky_qr) {
     if (auto solution = run_cholesky_qr(problem, options, G, rcond)) return *solution;
@@ -273,7 +274,7 @@ SmallSolution select_and_solve(const Problem& problem, const LstsqOptions& optio
   }
   if (auto solution = detail::solve_from_gram(G, problem.k, options, rcond,
                                               LstsqMethod::gram_cholesky,
-                                              /*may_decline=*/true)) {
+                                              /*may_decline=*/true, problem.dtype)) {
     return with_residuals(*solution);
   }
   // CholeskyQR3's R is trusted only well inside its proven range (κ ≲ u⁻¹): an exactly
@@ -295,6 +296,7 @@ LstsqResult solve(const Problem& problem, const LstsqOptions& requested) {
   const SmallSolution small = select_and_solve(problem, options, rcond);
 
   LstsqResult result;
+  // Exact: small.x is already rounded to problem.dtype (detail::as_returned).
   auto solution = small.x.to(problem.device, problem.dtype);
   result.solution = problem.vector_rhs ? solution.squeeze(1) : solution;
   result.method = small.method;
@@ -303,12 +305,22 @@ LstsqResult solve(const Problem& problem, const LstsqOptions& requested) {
   result.condition = small.condition;
   result.rcond = small.rcond;
   result.residual_norms = small.residual_norms;
+  // A solution that overflowed the output dtype came back as ±inf: its residual is +inf
+  // (the formulas would give inf or NaN, 0·inf, depending on the route).
+  const auto x = small.x.contiguous();
+  const double* xs = x.data_ptr<double>();
+  const int64_t r = x.size(1);
+  for (int64_t i = 0; i < x.numel(); ++i) {
+    if (!std::isfinite(xs[i])) {
+      result.residual_norms[static_cast<size_t>(i % r)] = std::numeric_limits<double>::infinity();
+    }
+  }
   // Frobenius norm, scaled by the largest term so that huge residuals do not overflow.
   double peak = 0.0;
-  for (const double norm : small.residual_norms) peak = std::max(peak, norm);
+  for (const double norm : result.residual_norms) peak = std::max(peak, norm);
   double squares = 0.0;
   if (peak > 0.0 && std::isfinite(peak)) {
-    for (const double norm : small.residual_norms) squares += (norm / peak) * (norm / peak);
+    for (const double norm : result.residual_norms) squares += (norm / peak) * (norm / peak);
   }
   result.residual_norm = peak > 0.0 && std::isfinite(peak) ? peak * std::sqrt(squares) : peak;
   return result;

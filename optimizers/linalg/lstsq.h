@@ -95,8 +95,10 @@ struct LstsqResult {
   // Estimate of κ₂(A) after equilibration (with tikhonov, of [A·D; √λ·D]); inf if singular.
   double condition = 0.0;
   double rcond = 0.0;            // the threshold on σ/σ_max actually applied (see options)
-  std::vector<double> residual_norms;  // ‖b_j − A x_j‖₂ per right-hand side
-  double residual_norm = 0.0;          // Frobenius norm of B − AX
+  // ‖b_j − A x_j‖₂ per right-hand side, for x_j as returned (for fp32 input: the solution
+  // rounded to fp32, not the fp64 one it came from); +inf where x_j overflowed the dtype.
+  std::vector<double> residual_norms;
+  double residual_norm = 0.0;  // Frobenius norm of B − AX
 };
 
 // Solves min ‖A X − B‖ for A (N×k) and B (N or N×r): fp32 or fp64 (both the same), both on

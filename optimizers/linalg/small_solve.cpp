@@ -92,6 +92,23 @@ double tikhonov_lambda(const LstsqOptions& options, double gram_trace, int64_t k
                                    : options.tikhonov;
 }
 
+at::Tensor as_returned(at::Tensor x, at::ScalarType output_dtype) {
+  if (output_dtype == at::kDouble) return x;
+  if (output_dtype != at::kFloat) {
+    throw std::logic_error("tidepool::linalg: as_returned: output dtype must be fp32 or fp64");
+  }
+  if (x.scalar_type() != at::kDouble || !x.is_cpu() || !x.is_contiguous()) {
+    throw std::logic_error("tidepool::linalg: as_returned needs a contiguous fp64 CPU tensor");
+  }
+  // A plain loop on k·r doubles (two ATen casts would cost more than the Cholesky solve).
+  // Round to nearest, as the cast to the output dtype will; beyond fp32's range that is ±inf.
+  double* values = x.data_ptr<double>();
+  for (int64_t i = 0; i < x.numel(); ++i) {
+    values[i] = static_cast<double>(static_cast<float>(values[i]));
+  }
+  return x;
+}
+
 std::vector<double> gram_residual_norms(const at::Tensor& G, int64_t k, const at::Tensor& x) {
   const auto Gc = G.to(at::kCPU, at::kDouble).contiguous();
   const auto xc = x.to(at::kCPU, at::kDouble).contiguous();
@@ -117,7 +134,8 @@ std::vector<double> gram_residual_norms(const at::Tensor& G, int64_t k, const at
 
 std::optional<SmallSolution> solve_from_gram(const at::Tensor& G, int64_t k,
                                              const LstsqOptions& options, double rcond,
-                                             LstsqMethod method, bool may_decline) {
+                                             LstsqMethod method, bool may_decline,
+                                             at::ScalarType output_dtype) {
   // Plain loops on the (k+r)² doubles (small_dense.h says why), so this fast path costs
   // microseconds, not tens of ATen dispatches.
   const auto Gc = G.to(at::kCPU, at::kDouble).contiguous();
@@ -218,12 +236,14 @@ std::optional<SmallSolution> solve_from_gram(const at::Tensor& G, int64_t k,
     out.x = y * D.unsqueeze(1);
   }
   out.method = method;
+  // The formula holds for any x: evaluate it for the x the caller receives.
+  out.x = as_returned(out.x, output_dtype);
   out.residual_norms = gram_residual_norms(Gc, k, out.x);
   return out;
 }
 
 SmallSolution solve_from_r_factor(const at::Tensor& R, int64_t k, const at::Tensor& scale,
-                                  double rcond, double lambda) {
+                                  double rcond, double lambda, at::ScalarType output_dtype) {
   const int64_t r = R.size(1) - k;
   const auto RA = R.narrow(1, 0, k);
   const auto RB = R.narrow(1, k, r);
@@ -248,8 +268,12 @@ SmallSolution solve_from_r_factor(const at::Tensor& R, int64_t k, const at::Tens
   const auto Ur = U.narrow(1, 0, out.rank);
   const auto Vr = Vh.narrow(0, 0, out.rank).t();
   const auto y = Vr.mm((1.0 / S.narrow(0, 0, out.rank)).unsqueeze(1) * Ur.t().mm(rhs));
-  out.x = y * scale.unsqueeze(1);
-  const auto residual = RB - RA.mm(y);
+  out.x = as_returned(y * scale.unsqueeze(1), output_dtype);
+  // ‖R_B − R_A·D⁻¹x‖ = ‖B − AX‖ for any x, so it is evaluated for the x returned. With fp64
+  // output y itself is used: x = D·y rounded is within b − Ax's own fp64 rounding of it,
+  // and the fp64 results stay what they were.
+  const auto y_returned = output_dtype == at::kDouble ? y : out.x / scale.unsqueeze(1);
+  const auto residual = RB - RA.mm(y_returned);
   const auto norms = column_norms(residual);  // B may be huge (column_norms says why)
   out.residual_norms.resize(static_cast<size_t>(r));
   for (int64_t j = 0; j < r; ++j) {

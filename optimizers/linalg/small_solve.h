@@ -13,9 +13,12 @@
 
 namespace tidepool::linalg::detail {
 
-// A solution in fp64 on the host, before it is cast back to the input's dtype/device.
+// A solution in fp64 on the host, before it is moved back to the input's device.
 struct SmallSolution {
-  at::Tensor x;  // k×r fp64 CPU, in the caller's (unequilibrated) variables
+  // k×r fp64 CPU, in the caller's (unequilibrated) variables, already rounded to the output
+  // dtype (see as_returned): casting it to that dtype is exact, and residual_norms are those
+  // of the solution the caller receives.
+  at::Tensor x;
   LstsqMethod method = LstsqMethod::automatic;
   int64_t rank = 0;
   double rcond = 0.0;  // the threshold on σ/σ_max actually applied (≥ the requested one)
@@ -47,6 +50,12 @@ LstsqOptions resolve_defaults(const LstsqOptions& options, at::ScalarType dtype,
 // λ in absolute terms: options.tikhonov, times trace(AᵀA)/k when relative.
 double tikhonov_lambda(const LstsqOptions& options, double gram_trace, int64_t k);
 
+// Rounds x (a fresh, contiguous fp64 CPU tensor, modified in place and returned) to the
+// dtype the caller will receive (fp32 or fp64; fp64 leaves it alone): LstsqResult's
+// residual_norms are ‖b − Ax‖ of the solution returned, and for fp32 output that differs from
+// the fp64 solution's by ~eps32·‖A‖‖x‖, far more than exact_residual's fp64 rounding.
+at::Tensor as_returned(at::Tensor x, at::ScalarType output_dtype);
+
 // Solves from G = [A|B]ᵀ[A|B] ((k+r)×(k+r) fp64 CPU). `method` is gram_cholesky or
 // gram_eigh. Returns nullopt, when `may_decline`, if the equilibrated AᵀA is more
 // ill-conditioned than options.gram_condition_limit, not positive definite, or of rank < k
@@ -54,12 +63,14 @@ double tikhonov_lambda(const LstsqOptions& options, double gram_trace, int64_t k
 // Without `may_decline`, gram_cholesky that breaks down, or finds that rank < k (it cannot
 // truncate), throws std::runtime_error. gram_eigh truncates at max(rcond, √(10k·eps64))
 // and returns the minimum-norm solution in the equilibrated variables (small_solve.cpp,
-// Note [Minimum norm with equilibration]).
+// Note [Minimum norm with equilibration]). x is rounded to output_dtype (as_returned) and
+// the residuals are the Gram formula's for that x.
 std::optional<SmallSolution> solve_from_gram(const at::Tensor& G, int64_t k,
                                              const LstsqOptions& options, double rcond,
-                                             LstsqMethod method, bool may_decline);
+                                             LstsqMethod method, bool may_decline,
+                                             at::ScalarType output_dtype);
 
-// ‖b_j − A x_j‖ from the Gram matrix: √(bᵀb − 2xᵀAᵀb + xᵀAᵀAx), clamped at 0.
+// ‖b_j − A x_j‖ from the Gram matrix: √(bᵀb − 2xᵀAᵀb + xᵀAᵀAx), clamped at 0, for any x.
 // The square has absolute error ~√N·eps64·(‖b‖ + ‖A‖_F‖x‖)², so the norm is only
 // good to the square root of that (see LstsqOptions::exact_residual).
 std::vector<double> gram_residual_norms(const at::Tensor& G, int64_t k, const at::Tensor& x);
@@ -67,9 +78,9 @@ std::vector<double> gram_residual_norms(const at::Tensor& G, int64_t k, const at
 // Minimum-norm solution from R (p×(k+r) fp64 CPU, upper trapezoidal), the R factor of
 // [A·diag(scale) | B]: the minimum-‖y‖ solution of min ‖R_A y − R_B‖ via the SVD of R_A
 // (with √λ·diag(scale) stacked under it when λ > 0), singular values below rcond·σ_max
-// dropped, x = scale ⊙ y.
-// Residual norms are exact: B − AX = Q(R_B − R_A y).
+// dropped, x = scale ⊙ y, rounded to output_dtype (as_returned).
+// Residual norms are exact, for the x returned: B − AX = Q(R_B − R_A·D⁻¹X) holds for any X.
 SmallSolution solve_from_r_factor(const at::Tensor& R, int64_t k, const at::Tensor& scale,
-                                  double rcond, double lambda);
+                                  double rcond, double lambda, at::ScalarType output_dtype);
 
 }  // namespace tidepool::linalg::detail
