@@ -2,6 +2,8 @@
 #include "tiering/tiering_registry.h"
 
 #include <cstdint>
+#include <cstdio>
+#include <exception>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -129,8 +131,14 @@ void set_tiering_backend(int device, Backend* backend) {
   d.backend = backend;
 }
 
+namespace detail {
+void ensure_reclaim_hook();
+}  // namespace detail
+
 VmmPool& tiering_vmm_pool(int device) {
   if (device < 0) throw TieringError("tiering: invalid device " + std::to_string(device));
+  // Note [State pushed out under pressure]: the allocator's OOM reaches the pool's ranges.
+  detail::ensure_reclaim_hook();
   RegistryHold hold("tiering_vmm_pool");
   DeviceTiering& d = registry()[device];
   if (!d.vmm) d.vmm = std::make_unique<VmmPool>(backend_locked(device, d));
@@ -143,10 +151,61 @@ VmmPool* existing_tiering_vmm_pool(int device) {
   return it == registry().end() ? nullptr : it->second.vmm.get();
 }
 
+namespace {
+
+// Note [State pushed out under pressure]
+// A pointer-stable range is state the GPU reaches wherever its backing is: on the host it
+// is read and written over the link, at the same address. So when the device runs out,
+// the ranges on it make room before anything fails: a fresh range that finds no device
+// memory (allocate_tierable_range) first has the caching allocator give back its cached
+// blocks, then moves older ranges to the host, oldest first, until it fits; and the
+// caching allocator's own OOM policy, through the reclaim hook (reclaim_tiered_stores),
+// moves ranges after the tiered stores have given what they could. A foreach AdamW's
+// first step needs all of its state at once, with temporaries of the same size: under a
+// memory cap below that, the step goes on with part of the state in host memory instead
+// of raising OutOfMemoryError (on the H200 on 2026-12-04 a cap between the steady-state
+// peaks of the plain and the tidepool runs stopped both at their first step). Moving a
+// range waits for the streams that used it, in the middle of an allocation: the price
+// of going on. Only the route's tags are moved (optimizer_state): ranges the tiering C
+// ABI made under other tags are their owner's to place.
+constexpr std::uint64_t kRoutedTags = std::uint64_t{1} << kTagOptimizerState;
+
+std::size_t push_ranges_to_host(VmmPool& pool, std::size_t bytes_needed) {
+  std::size_t moved = 0;
+  for (int tag = 0; tag < kTagCount && moved < bytes_needed; ++tag) {
+    if ((kRoutedTags >> tag & 1u) == 0) continue;
+    for (void* base : pool.device_backed_ranges(tag, {})) {
+      if (moved >= bytes_needed) break;
+      try {
+        moved += pool.migrate(base, MemoryLocation::host).bytes_moved;
+      } catch (const std::exception& e) {
+        // Freed meanwhile, or a step that failed (counted in failed_migrations, and the
+        // range stays readable where it is): the next range may still move.
+        static std::once_flag said;
+        std::call_once(said, [&] {
+          std::fprintf(stderr, "tidepool: moving optimizer state to the host to make room "
+                               "on the device failed (said once): %s\n", e.what());
+        });
+      }
+    }
+  }
+  return moved;
+}
+
+}  // namespace
+
 void* allocate_tierable_range(int device, std::size_t bytes, int tag, Stream stream) {
   VmmPool& pool = tiering_vmm_pool(device);
   void* p = pool.allocate(bytes, tag, MemoryLocation::device);
-  if (p == nullptr) return nullptr;
+  if (p == nullptr) {
+    // Note [State pushed out under pressure]: the cache first, then older state.
+    device_allocator(device).empty_cache();
+    p = pool.allocate(bytes, tag, MemoryLocation::device);
+    if (p == nullptr && push_ranges_to_host(pool, bytes) > 0) {
+      p = pool.allocate(bytes, tag, MemoryLocation::device);
+    }
+    if (p == nullptr) return nullptr;
+  }
   try {
     // PyTorch gives a pluggable allocator no record_stream for other streams; at least
     // the allocating stream's work must finish before the range moves.
@@ -180,7 +239,7 @@ namespace {
 // Note [tier route] (allocator/tier_routing.h): optimizer_state allocations reaching
 // tidepool_malloc become tierable ranges.
 const TierRoute kTierRoute{
-    std::uint64_t{1} << kTagOptimizerState,
+    kRoutedTags,
     [](std::size_t bytes, int device, int tag, void* stream) {
       return allocate_tierable_range(device, bytes, tag, Stream{stream});
     },
@@ -231,27 +290,41 @@ namespace detail {
 // that holds the registry already it walks the stores under that hold (Note [Registry
 // re-entry]): a store's OOM inside a walk (a prefetch by tag) still gets the others'.
 std::size_t reclaim_tiered_stores(int device, std::size_t bytes_needed) {
-  std::optional<RegistryHold> hold;
-  if (!t_holding_registry) {
-    hold.emplace(std::try_to_lock);
-    if (!hold->owns()) return 0;
-  }
-  auto it = registry().find(device);
-  if (it == registry().end()) return 0;
   std::size_t freed = 0;
-  for (TieredStore* s = next_store(it->second.stores, nullptr);
-       s != nullptr && freed < bytes_needed; s = next_store(it->second.stores, s)) {
-    freed += s->reclaim(bytes_needed - freed);
+  VmmPool* pool = nullptr;
+  {
+    std::optional<RegistryHold> hold;
+    if (!t_holding_registry) {
+      hold.emplace(std::try_to_lock);
+      if (!hold->owns()) return 0;
+    }
+    auto it = registry().find(device);
+    if (it == registry().end()) return 0;
+    for (TieredStore* s = next_store(it->second.stores, nullptr);
+         s != nullptr && freed < bytes_needed; s = next_store(it->second.stores, s)) {
+      freed += s->reclaim(bytes_needed - freed);
+    }
+    // The registry never destroys a pool it made (registry() lives for the process).
+    pool = it->second.vmm.get();
+  }
+  // Note [State pushed out under pressure]: then the pointer-stable ranges, past the
+  // registry's lock (a migration takes only the pool's).
+  if (freed < bytes_needed && pool != nullptr) {
+    freed += push_ranges_to_host(*pool, bytes_needed - freed);
   }
   return freed;
 }
 
-void register_tiered_store(int device, TieredStore* store) {
+void ensure_reclaim_hook() {
   static std::once_flag hook_once;
   std::call_once(hook_once, [] {
     register_reclaim_hook(
         [](int dev, std::size_t bytes) { return reclaim_tiered_stores(dev, bytes); });
   });
+}
+
+void register_tiered_store(int device, TieredStore* store) {
+  ensure_reclaim_hook();
   RegistryHold hold("creating a tiered store");
   registry()[device].stores.insert(store);
 }

@@ -15,8 +15,11 @@
 // (tidepool_prefetch_tag) brings back the state the step needs first.
 //
 // OOM: the registry registers one allocator reclaim hook (allocator/reclaim.h) when the
-// first store registers; on a device OOM it asks that device's stores to evict released
-// state (TieredStore::reclaim). Going through the registry, not a hook per store, means
+// first store registers or the first VMM pool is made; on a device OOM it asks that
+// device's stores to evict released state (TieredStore::reclaim), then moves the pool's
+// optimizer-state ranges to the host, oldest first (Note [State pushed out under
+// pressure] in tiering_registry.cpp, which a fresh range finding the device full also
+// takes). Going through the registry, not a hook per store, means
 // a store being destroyed is never called: it leaves the registry first, under the same
 // lock. The hook only try_locks the registry, so it cannot deadlock with a thread that
 // holds the registry and waits for a store whose owner is inside the allocator.
