@@ -16,19 +16,36 @@
 
 namespace tidepool {
 
-void TieredStore::reap_frees_locked(bool wait_all) {
+// Note [Reaping in stream order]
+// Every load asks for room, and asking reaps: with the caller's evictions running ahead of
+// the D2H stream (a prefetch and eviction pass issues everything at once), tens of frees
+// are pending at each load. Those an eviction queued have their event on the D2H stream in
+// list order, so once one of them is not done, no later one is: the reap stops asking
+// there (it still asks each of the few a failed load put back, whose events are out of
+// that order), so a pass makes about one event query per load and free instead of one per
+// load and pending free.
+// A done free goes back to the memory source on the H2D stream, where the store allocates
+// every buffer: the write-back and every use before it are over (its event is done), so
+// this is a free on the buffer's own stream, which a caching allocator takes at once, with
+// no event of its own (a free on another stream records one there, a D2H stream operation
+// between two copy-backs, and the next allocation on the H2D stream must ask it).
+void TieredStore::reap_frees_locked(bool wait_all, bool streams_idle) {
   auto keep = pending_frees_.begin();
   auto it = pending_frees_.begin();
+  bool d2h_behind = false;  // a D2H-ordered free is not done: no later one is
   try {
     for (; it != pending_frees_.end(); ++it) {
-      if (wait_all) {
+      if (streams_idle) {
+        // done: the caller synchronized both copy streams
+      } else if (wait_all) {
         copies_.wait_exposed(it->after);
-      } else if (!backend_.event_query(it->after)) {
+      } else if ((it->in_d2h_order && d2h_behind) || !backend_.event_query(it->after)) {
+        d2h_behind = d2h_behind || it->in_d2h_order;
         if (keep != it) *keep = std::move(*it);
         ++keep;
         continue;
       }
-      device_.deallocate(it->ptr, it->bytes, copies_.stream(Direction::device_to_host));
+      device_.deallocate(it->ptr, it->bytes, copies_.stream(Direction::host_to_device));
       uncharge_locked(it->bytes);
       give_event_locked(it->after);
     }
@@ -121,7 +138,8 @@ void TieredStore::give_back_failed_load_locked(const DeviceBuffer& buf,
       h2d_idle = false;
     }
     if (h2d_idle && buf.wait) {
-      pending_frees_.push_back(PendingFree{buf.ptr, bytes, buf.wait});
+      // Recorded before frees now ahead of it in the list: asked on its own at each reap.
+      pending_frees_.push_back(PendingFree{buf.ptr, bytes, buf.wait, /*in_d2h_order=*/false});
       return;
     }
     if (h2d_idle) {
@@ -145,7 +163,7 @@ void TieredStore::give_back_failed_load_locked(const DeviceBuffer& buf,
     // The wait is enqueued: the write-back's event may be re-recorded (Note [Stream
     // semantics]).
     if (buf.wait) give_event_locked(buf.wait);
-    pending_frees_.push_back(PendingFree{buf.ptr, bytes, after});
+    pending_frees_.push_back(PendingFree{buf.ptr, bytes, after, /*in_d2h_order=*/false});
   } catch (...) {
     // Left to the device, charged (above). buf.wait, if any, is lost with it: an event
     // is a few bytes, and one the backend cannot wait on now is better not reused.

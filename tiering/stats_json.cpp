@@ -143,6 +143,17 @@ std::string to_json(const VmmStats& s) {
       .num("deferred_releases", ull(s.deferred_releases))
       .num("deferred_release_bytes", ull(s.deferred_release_bytes))
       .num("lost_stream_syncs", ull(s.lost_stream_syncs))
+      .num("migration_batches", ull(s.migration_batches))
+      .num("migration_backend_calls", ull(s.migration_backend_calls))
+      .num("backings_created", ull(s.backings_created))
+      .num("spare_host_reuses", ull(s.spare_host_reuses))
+      .num("create_ms", s.create_ms)
+      .num("create_wait_ms", s.create_wait_ms)
+      .num("copy_wait_ms", s.copy_wait_ms)
+      .num("remap_ms", s.remap_ms)
+      .num("release_ms", s.release_ms)
+      .num("spare_host_backings", ull(s.spare_host_backings))
+      .num("spare_host_bytes", ull(s.spare_host_bytes))
       .done();
 }
 

@@ -715,7 +715,7 @@ void TieredStore::synchronize() {
   std::lock_guard lock(mutex_);
   try {
     copies_.synchronize();
-    reap_frees_locked(/*wait_all=*/true);
+    reap_frees_locked(/*wait_all=*/true, /*streams_idle=*/true);
   } catch (...) {
     detail::rethrow_as_tiering_error("synchronize");
   }

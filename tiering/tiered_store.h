@@ -290,6 +290,10 @@ class TIDEPOOL_API TieredStore {
     void* ptr;
     std::size_t bytes;
     Event after;
+    // `after` was recorded on the D2H stream when the free was queued, so the pending
+    // frees so marked complete in list order (Note [Reaping in stream order] in
+    // pending_frees.cpp).
+    bool in_d2h_order = true;
   };
   // A device buffer for a load: fresh, or a pending free of the same size taken over in
   // stream order (`wait`: the H2D stream must wait on it, then it goes back to the pool).
@@ -346,7 +350,10 @@ class TIDEPOOL_API TieredStore {
   // the load's own error is what propagates; a buffer it cannot hand back stays among the
   // pending frees (Note [A failed load's buffer] in pending_frees.cpp).
   void give_back_failed_load_locked(const DeviceBuffer& buf, std::size_t bytes) noexcept;
-  void reap_frees_locked(bool wait_all);
+  // Hands back the pending frees whose write-backs are done (all of them with wait_all,
+  // waiting; with streams_idle, the caller has just synchronized both copy streams, so
+  // every one is done and none is asked).
+  void reap_frees_locked(bool wait_all, bool streams_idle = false);
   // reclaim() past its lock: evicts until `bytes_needed` are scheduled (counted in
   // `scheduled` as it goes), then waits for the frees; throws what fails (reclaim catches
   // it, Note [Reclaim never throws]).

@@ -14,14 +14,12 @@
 #include "allocator/warn_once.h"
 #include "tiering/teardown.h"
 #include "tiering/tiered_store.h"  // TieringError
+#include "tiering/vmm_backing_supply.h"
 
 namespace tidepool {
 
 namespace {
 std::size_t round_up(std::size_t n, std::size_t to) { return (n + to - 1) / to * to; }
-const char* location_name(MemoryLocation w) {
-  return w == MemoryLocation::device ? "device" : "host";
-}
 }  // namespace
 
 VmmPool::VmmPool(Backend& backend, VmmPoolOptions options)
@@ -30,7 +28,10 @@ VmmPool::VmmPool(Backend& backend, VmmPoolOptions options)
     shared_ = std::make_unique<DeviceBudgetLedger::Seat>(
         DeviceBudgetLedger::of_device(backend_.device()));
   }
-  scratch_bytes_ = backend_.granularity() * kChunkGranules;
+  chunk_bytes_ = backend_.granularity() * std::max<std::size_t>(1, options_.chunk_granules);
+  batch_chunks_ = std::max<std::size_t>(1, options_.batch_chunks);
+  scratch_bytes_ = chunk_bytes_ * batch_chunks_;
+  scratch_mapped_.reserve(batch_chunks_);  // its push_backs never throw
   stream_ = backend_.create_stream();
   sync_event_ = backend_.create_event();
   scratch_ = backend_.reserve_address(scratch_bytes_);
@@ -92,11 +93,18 @@ VmmPool::~VmmPool() {
                      [&] { backend_.release_physical(d.physical, d.bytes); });
   }
   deferred_releases_.clear();
+  // Spares are mapped nowhere and no copy uses them (Note [Spare host backings]).
+  for (const auto& [bytes, physical] : spares_) {
+    teardown.attempt("releasing a spare host backing",
+                     [&] { backend_.release_physical(physical, bytes); });
+  }
+  spares_.clear();
+  spare_bytes_ = 0;
   if (drained) {
-    if (scratch_mapped_bytes_ > 0) {
+    if (!scratch_mapped_.empty()) {
       teardown.attempt("unmapping the scratch range", [&] { unmap_scratch_locked(); });
     }
-    if (scratch_mapped_bytes_ == 0) {
+    if (scratch_mapped_.empty()) {
       teardown.attempt("releasing the scratch range",
                        [&] { backend_.release_address(scratch_, scratch_bytes_); });
     }
@@ -195,7 +203,7 @@ void VmmPool::release_or_defer_locked(PhysicalHandle physical, std::size_t bytes
 
 // What fails again stays for the next call (Note [Deferred releases]).
 void VmmPool::repair_locked() {
-  if (scratch_mapped_bytes_ > 0) {
+  if (!scratch_mapped_.empty()) {
     try {
       // A copy into it may still run when the synchronize after it failed.
       backend_.stream_synchronize(stream_);
@@ -227,8 +235,14 @@ void VmmPool::repair_locked() {
 }
 
 void VmmPool::unmap_scratch_locked() {
-  backend_.unmap(scratch_, scratch_mapped_bytes_);
-  scratch_mapped_bytes_ = 0;
+  while (!scratch_mapped_.empty()) unmap_scratch_slot_locked(scratch_mapped_.back().offset);
+}
+
+void VmmPool::unmap_scratch_slot_locked(std::size_t offset) {
+  auto it = std::ranges::find(scratch_mapped_, offset, &ScratchSlot::offset);
+  if (it == scratch_mapped_.end()) return;
+  backend_.unmap(static_cast<char*>(scratch_) + offset, it->bytes);
+  scratch_mapped_.erase(it);
 }
 
 void* VmmPool::allocate(std::size_t bytes, int tag, MemoryLocation where) {
@@ -268,9 +282,10 @@ void* VmmPool::allocate(std::size_t bytes, int tag, MemoryLocation where) {
     }
   };
   try {
-    for (std::size_t off = 0; off < total; off += scratch_bytes_) {
-      const std::size_t n = std::min(scratch_bytes_, total - off);
-      PhysicalHandle h = backend_.create_physical(n, where);
+    for (std::size_t off = 0; off < total; off += chunk_bytes_) {
+      const std::size_t n = std::min(chunk_bytes_, total - off);
+      PhysicalHandle h = where == MemoryLocation::host ? take_spare_locked(n) : PhysicalHandle{};
+      if (!h) h = backend_.create_physical(n, where);
       if (!h) {
         unwind();
         return nullptr;
@@ -306,8 +321,14 @@ void VmmPool::deallocate(void* ptr) {
     throw TieringError("vmm pool: deallocate of a pointer it does not own (or not a range base)");
   }
   wait_for_users_locked(it->second);
-  release_range_locked(it->second);
+  try {
+    release_range_locked(it->second);
+  } catch (...) {
+    trim_spares_locked();  // the chunks unmapped before the failure are gone
+    throw;
+  }
   ranges_.erase(it);
+  trim_spares_locked();  // fewer device-backed bytes: fewer spares are of use
 }
 
 void VmmPool::record_use(const void* ptr, Stream stream) {
@@ -418,8 +439,9 @@ std::optional<std::size_t> VmmPool::ask_stores_for_room(std::size_t bytes) {
   return shared_->ask_peers(std::min(charged + bytes - *budget, bytes));
 }
 
-bool VmmPool::take_device_room_locked(std::size_t bytes, std::optional<std::size_t> budget) {
-  if (!shared_) return !budget || stats_.device_backed_bytes + bytes <= *budget;
+bool VmmPool::take_device_room_locked(std::size_t bytes, std::optional<std::size_t> budget,
+                                      std::size_t taken) {
+  if (!shared_) return !budget || stats_.device_backed_bytes + taken + bytes <= *budget;
   if (!budget) {
     shared_->charge(bytes);  // tidepool not configured: nothing to keep within, but counted
     return true;
@@ -441,9 +463,10 @@ MigrationResult VmmPool::migrate(const void* ptr, MemoryLocation to) {
 }
 
 MigrationResult VmmPool::migrate_locked(Range& r, MemoryLocation to,
-                                        std::optional<std::size_t> budget) {
+                                        std::optional<std::size_t> budget,
+                                        BackingSupply* supply) {
   try {
-    return move_range_locked(r, to, budget);
+    return move_range_locked(r, to, budget, supply);
   } catch (...) {
     stats_.failed_migrations++;
     throw;
@@ -461,7 +484,8 @@ MigrationResult VmmPool::migrate_locked(Range& r, MemoryLocation to,
 // synchronized per stream, per range) would be thousands of backend calls a step for
 // nothing. A range partly in place still waits once, before its first chunk moves.
 MigrationResult VmmPool::move_range_locked(Range& r, MemoryLocation to,
-                                           std::optional<std::size_t> budget) {
+                                           std::optional<std::size_t> budget,
+                                           BackingSupply* supply) {
   MigrationResult result;
   result.ranges = 1;
   for (const Chunk& c : r.chunks) {
@@ -476,143 +500,92 @@ MigrationResult VmmPool::move_range_locked(Range& r, MemoryLocation to,
   }
   wait_for_users_locked(r);
   const auto t0 = std::chrono::steady_clock::now();
-  try {
-    for (Chunk& c : r.chunks) {
-      if (c.where == to) continue;
-      // Note [VMM device budget]: a chunk that would exceed it stays; a later, smaller
-      // one may still fit. Room is taken before the move and given back if it fails.
-      const bool to_device = to == MemoryLocation::device;
-      if (to_device && !take_device_room_locked(c.bytes, budget)) {
+  auto add_time = [&] {
+    stats_.migration_ms +=
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  };
+  const bool to_device = to == MemoryLocation::device;
+  // Note [VMM device budget]: a chunk that would exceed it stays; a later, smaller one may
+  // still fit. Room is taken for every chunk that moves before the first one moves, and
+  // given back for those a failure leaves where they were.
+  std::vector<std::size_t> plan;  // indices into r.chunks, in order
+  plan.reserve(r.chunks.size());
+  std::size_t taken = 0;  // device room taken for the planned chunks
+  for (std::size_t i = 0; i < r.chunks.size(); ++i) {
+    const Chunk& c = r.chunks[i];
+    if (c.where == to) continue;
+    if (to_device) {
+      if (!take_device_room_locked(c.bytes, budget, taken)) {
         result.bytes_left += c.bytes;
         continue;
       }
-      try {
-        migrate_chunk_locked(r, c, to);
-      } catch (...) {
-        if (to_device) give_device_room_locked(c.bytes);
-        throw;
-      }
-      if (!to_device) give_device_room_locked(c.bytes);
-      result.bytes_moved += c.bytes;
+      taken += c.bytes;
     }
+    plan.push_back(i);
+  }
+  std::size_t moved = 0;  // plan[0, moved) are swapped
+  try {
+    if (!plan.empty()) move_planned_locked(r, plan, to, moved, result, supply);  // vmm_moves.cpp
   } catch (...) {
-    stats_.migration_ms +=
-        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    if (to_device) {
+      for (std::size_t k = moved; k < plan.size(); ++k) {
+        give_device_room_locked(r.chunks[plan[k]].bytes);
+      }
+    }
+    add_time();
     throw;
   }
   if (result.bytes_left > 0) {
     stats_.budget_stops++;
     stats_.bytes_left_on_host += result.bytes_left;
   }
-  stats_.migration_ms +=
-      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  add_time();
   return result;
 }
 
-// One chunk: new backing in `to`, filled through the scratch VA, swapped in at the
-// original address. Every failure path leaves the old backing mapped at the original
-// address (or, when even that map fails, kept for repair_locked) and gives back what it
-// created; releases that fail are deferred (Note [Deferred releases]).
-void VmmPool::migrate_chunk_locked(Range& r, Chunk& c, MemoryLocation to) {
-  char* va = r.base + c.offset;
-  PhysicalHandle fresh;
-  try {
-    fresh = backend_.create_physical(c.bytes, to);
-  } catch (const BackendError& e) {
-    throw TieringError(std::string("vmm pool: migrate: creating ") + location_name(to) +
-                       " memory failed: " + e.what());
-  }
-  if (!fresh) {
-    throw TieringError("vmm pool: migrate: out of " + std::string(location_name(to)) +
-                       " memory for a " + std::to_string(c.bytes) +
-                       "-byte chunk (data stays where it was)");
-  }
-  // Gives `fresh` back and throws: the data stays in the old backing, mapped at `va`.
-  auto abandon = [&](const char* what, const BackendError& e) {
-    release_or_defer_locked(fresh, c.bytes);
-    throw TieringError(std::string("vmm pool: migrate: ") + what +
-                       " failed (data stays where it was): " + e.what());
-  };
-  try {
-    backend_.map(scratch_, c.bytes, fresh);
-  } catch (const BackendError& e) {
-    abandon("mapping the new backing", e);
-  }
-  scratch_mapped_bytes_ = c.bytes;
-  try {
-    backend_.copy_async(scratch_, va, c.bytes, CopyKind::device_to_device, stream_);
-    backend_.stream_synchronize(stream_);
-  } catch (const BackendError& e) {
-    try {
-      backend_.stream_synchronize(stream_);
-      unmap_scratch_locked();
-    } catch (const BackendError&) {
-      // repair_locked unmaps the scratch range at the next call
-    }
-    abandon("copy", e);
-  }
-  try {
-    unmap_scratch_locked();
-  } catch (const BackendError& e) {
-    abandon("unmapping the scratch range", e);
-  }
-  try {
-    backend_.unmap(va, c.bytes);
-  } catch (const BackendError& e) {
-    abandon("unmapping the original address", e);
-  }
-  try {
-    backend_.map(va, c.bytes, fresh);
-  } catch (const BackendError& e) {
-    try {
-      backend_.map(va, c.bytes, c.physical);  // put the old backing back
-    } catch (const BackendError&) {
-      c.mapped = false;
-      unmapped_chunks_++;
-    }
-    release_or_defer_locked(fresh, c.bytes);
-    throw TieringError(std::string("vmm pool: migrate: remapping the original address failed (") +
-                       (c.mapped ? "old backing restored"
-                                 : "old backing kept, mapped there again at the next call") +
-                       "): " + e.what());
-  }
-  const PhysicalHandle old = c.physical;
-  (c.where == MemoryLocation::device ? stats_.device_backed_bytes : stats_.host_backed_bytes) -=
-      c.bytes;
-  (to == MemoryLocation::device ? stats_.device_backed_bytes : stats_.host_backed_bytes) +=
-      c.bytes;
-  if (to == MemoryLocation::host) {
-    stats_.migrations_to_host++;
-    stats_.bytes_to_host += c.bytes;
-  } else {
-    stats_.migrations_to_device++;
-    stats_.bytes_to_device += c.bytes;
-  }
-  c.physical = fresh;
-  c.where = to;
-  release_or_defer_locked(old, c.bytes);
-}
-
+// Note [Migration batches] in vmm_moves.cpp: a call that moves several ranges to the host
+// has their host backings created ahead, on helper threads, while it moves them one by one
+// (an eviction by tag of many ranges of a chunk or two each would otherwise create each
+// range's backing only as its move starts, with no copy to overlap).
 MigrationResult VmmPool::migrate_tag(int tag, MemoryLocation to) {
   const std::optional<std::size_t> budget = budget_towards(to);
   // (sequence, base) of the tag's ranges, oldest first. The lock is let go between ranges
   // (a migration waits for streams); the sequence tells a range freed meanwhile, whose
   // address a new range may have taken, from the one listed.
   std::vector<std::pair<std::uint64_t, const char*>> order;
+  std::unique_ptr<BackingSupply> supply;
   {
     std::lock_guard lock(mutex_);
     repair_locked();
+    std::vector<const Range*> planned;
     for (auto& [base, r] : ranges_) {
-      if (r.tag == tag) order.emplace_back(r.sequence, base);
+      if (r.tag != tag) continue;
+      order.emplace_back(r.sequence, base);
+      planned.push_back(&r);
     }
+    std::sort(order.begin(), order.end());
+    std::sort(planned.begin(), planned.end(),
+              [](const Range* a, const Range* b) { return a->sequence < b->sequence; });
+    if (to == MemoryLocation::host) supply = host_supply_locked(planned);
   }
-  std::sort(order.begin(), order.end());
   MigrationResult total;
-  for (const auto& [sequence, base] : order) {
+  try {
+    for (const auto& [sequence, base] : order) {
+      std::lock_guard lock(mutex_);
+      auto it = ranges_.find(base);
+      if (it == ranges_.end() || it->second.sequence != sequence) continue;  // freed meanwhile
+      total += migrate_locked(it->second, to, budget, supply.get());
+    }
+  } catch (...) {
+    if (supply) {
+      std::lock_guard lock(mutex_);
+      finish_supply_locked(*supply);
+    }
+    throw;
+  }
+  if (supply) {
     std::lock_guard lock(mutex_);
-    auto it = ranges_.find(base);
-    if (it == ranges_.end() || it->second.sequence != sequence) continue;  // freed meanwhile
-    total += migrate_locked(it->second, to, budget);
+    finish_supply_locked(*supply);
   }
   return total;
 }
@@ -620,21 +593,43 @@ MigrationResult VmmPool::migrate_tag(int tag, MemoryLocation to) {
 MigrationResult VmmPool::migrate_ranges_holding(std::span<const void* const> ptrs,
                                                 MemoryLocation to) {
   const std::optional<std::size_t> budget = budget_towards(to);
+  std::unique_ptr<BackingSupply> supply;
   {
     std::lock_guard lock(mutex_);
     repair_locked();
+    if (to == MemoryLocation::host) {
+      std::vector<const Range*> planned;
+      std::unordered_set<std::uint64_t> seen;
+      for (const void* ptr : ptrs) {
+        const Range* r = ptr != nullptr ? find_locked(ptr) : nullptr;
+        if (r != nullptr && seen.insert(r->sequence).second) planned.push_back(r);
+      }
+      supply = host_supply_locked(planned);
+    }
   }
   // Ranges already visited, by sequence (unique, where a base address may be taken again
   // by a range allocated after one was freed). The lock is let go between ranges, as in
   // migrate_tag.
   std::unordered_set<std::uint64_t> visited;
   MigrationResult total;
-  for (const void* ptr : ptrs) {
-    if (ptr == nullptr) continue;
+  try {
+    for (const void* ptr : ptrs) {
+      if (ptr == nullptr) continue;
+      std::lock_guard lock(mutex_);
+      Range* r = find_locked(ptr);
+      if (r == nullptr || !visited.insert(r->sequence).second) continue;
+      total += migrate_locked(*r, to, budget, supply.get());
+    }
+  } catch (...) {
+    if (supply) {
+      std::lock_guard lock(mutex_);
+      finish_supply_locked(*supply);
+    }
+    throw;
+  }
+  if (supply) {
     std::lock_guard lock(mutex_);
-    Range* r = find_locked(ptr);
-    if (r == nullptr || !visited.insert(r->sequence).second) continue;
-    total += migrate_locked(*r, to, budget);
+    finish_supply_locked(*supply);
   }
   return total;
 }
@@ -718,6 +713,8 @@ VmmStats VmmPool::stats() const {
   s.device_budget_bytes = budget.value_or(0);
   s.budget_shared = shared_ != nullptr && budget.has_value();
   s.budget_peer_bytes = shared_ ? shared_->others_bytes() : 0;
+  s.spare_host_backings = spares_.size();
+  s.spare_host_bytes = spare_bytes_;
   return s;
 }
 

@@ -2,18 +2,22 @@
 // between device memory and host memory while the pointer stays the same.
 //
 // A VmmPool allocation is a reserved virtual range backed, through the seam's VA API, by
-// physical chunks of whole 2 MiB granules (at most kChunkGranules per chunk, so a move is
+// physical chunks of whole 2 MiB granules (at most chunk_granules per chunk, so a move is
 // a few large copies rather than hundreds of small ones). migrate(ptr, to) moves every
 // chunk not already in `to`:
 //   1. wait until the streams that used the range (record_use) have passed their work;
-//   2. create physical memory in `to`, map it at a scratch range, copy the chunk there;
+//   2. find physical memory in `to` for each chunk (a spare host backing a move to the
+//      device left, else a new one, created by helper threads while earlier chunks copy),
+//      map it at a scratch range, copy the chunk there, batch_chunks chunks per wait;
 //   3. unmap the chunk at the original address and map the new backing in its place;
-//   4. release the old backing.
+//   4. keep the old backing as a spare (host backings, up to a limit) or release it.
+// (Note [Migration batches] and Note [Spare host backings] in vmm_moves.cpp.)
 // The virtual address never changes. A failure at any step (no memory in `to`, a copy
-// or map that fails) undoes that chunk's step and throws TieringError; chunks moved
-// before the failure stay moved, and every byte stays readable at the same address.
-// A backing whose release fails is kept and released at a later call (Note [Deferred
-// releases] in vmm_migration.cpp): no physical memory is lost or released twice.
+// or map that fails) undoes that step for the chunks not yet swapped and throws
+// TieringError; chunks swapped before the failure stay moved, and every byte stays
+// readable at the same address. A backing whose release fails is kept and released at a
+// later call (Note [Deferred releases] in vmm_migration.cpp): no physical memory is lost
+// or released twice.
 //
 // Note [VMM device budget]
 // Moving state to the device (a prefetch before the optimizer step) respects a device
@@ -46,7 +50,9 @@
 // block's stream, and those record_stream names, use it for as long as it lives).
 // release_stream waits only for a stream some range names; any other costs nothing.
 //
-// Thread-safety: every method may be called from any thread concurrently.
+// Thread-safety: every method may be called from any thread concurrently. A migration may
+// create new backings on helper threads of its own (VmmPoolOptions::creation_threads);
+// they call only Backend::create_physical and have ended when it returns.
 #pragma once
 
 #include <cstddef>
@@ -102,6 +108,23 @@ struct VmmStats {
   // Note [A lost use stream] in vmm_migration.cpp: waits for a range's users that
   // synchronized the device because a recorded stream was destroyed unreleased.
   std::uint64_t lost_stream_syncs = 0;
+  // Where migration time goes (Note [Migration batches] in vmm_moves.cpp). The phases
+  // overlap (backings are created by helper threads while earlier chunks copy), so they
+  // need not add up to migration_ms.
+  std::uint64_t migration_batches = 0;   // copy batches, one stream synchronize each
+  std::uint64_t migration_backend_calls = 0;  // creates, maps, unmaps, copies, syncs,
+                                              // releases
+  std::uint64_t backings_created = 0;    // new physical backings migrations created
+  std::uint64_t spare_host_reuses = 0;   // spare host backings migrations took instead
+  double create_ms = 0;       // creating backings, summed over the threads creating them
+  double create_wait_ms = 0;  // migrations waiting for a backing still being created
+  double copy_wait_ms = 0;    // migrations waiting for their batches' copies
+  double remap_ms = 0;        // map and unmap calls (scratch range and the ranges)
+  double release_ms = 0;      // releasing old backings not kept as spares
+  // Note [Spare host backings] in vmm_moves.cpp: host backings kept for the next move to
+  // the host.
+  std::uint64_t spare_host_backings = 0;
+  std::uint64_t spare_host_bytes = 0;
 };
 
 struct VmmPoolOptions {
@@ -113,6 +136,22 @@ struct VmmPoolOptions {
   static constexpr std::size_t kDeviceBudgetFromConfig = static_cast<std::size_t>(-1);
   static constexpr std::size_t kNoDeviceBudget = static_cast<std::size_t>(-2);
   std::size_t device_budget_bytes = kDeviceBudgetFromConfig;
+  // Note [Spare host backings] in vmm_moves.cpp: the most bytes of host backing kept for
+  // the next migration to the host (never more than the pool's device-backed bytes, the
+  // most such a migration can use). kSpareHostUpToDevice: that bound only; 0: none kept.
+  static constexpr std::size_t kSpareHostUpToDevice = static_cast<std::size_t>(-1);
+  std::size_t spare_host_bytes = kSpareHostUpToDevice;
+  // Note [Migration batches] in vmm_moves.cpp: threads that create a migration's new
+  // backings while its earlier chunks copy (0 or 1: the migrating thread creates each one
+  // when it needs it).
+  unsigned creation_threads = 4;
+  // Note [Migration batches]: chunks copied between two waits for the migration stream
+  // (at least 1); the scratch range holds that many chunks.
+  std::size_t batch_chunks = 8;
+  // Granules per chunk (at least 1): the unit a migration moves and the device budget
+  // counts. Tests make it small, so that a range of several chunks is a few MiB.
+  static constexpr std::size_t kDefaultChunkGranules = 32;  // 64 MiB at 2 MiB granularity
+  std::size_t chunk_granules = kDefaultChunkGranules;
 };
 
 // What a migration did.
@@ -134,7 +173,8 @@ struct MigrationResult {
 
 class TIDEPOOL_API VmmPool {
  public:
-  static constexpr std::size_t kChunkGranules = 32;  // 64 MiB chunks at 2 MiB granularity
+  // Granules per chunk unless VmmPoolOptions::chunk_granules says otherwise.
+  static constexpr std::size_t kChunkGranules = VmmPoolOptions::kDefaultChunkGranules;
 
   explicit VmmPool(Backend& backend, VmmPoolOptions options = {});
   // Frees every range still allocated. Never throws (teardown.h): a backend failure is
@@ -210,6 +250,10 @@ class TIDEPOOL_API VmmPool {
 
   VmmStats stats() const;
   Backend& backend() const { return backend_; }
+  // Releases the spare host backings now (Note [Spare host backings] in vmm_moves.cpp):
+  // the next migration to the host creates what it needs. Never throws: a release that
+  // fails is deferred (Note [Deferred releases]).
+  void release_spare_host_backings();
 
  private:
   struct Chunk {
@@ -225,6 +269,12 @@ class TIDEPOOL_API VmmPool {
     PhysicalHandle physical;
     std::size_t bytes;
   };
+  // A backing mapped at the scratch range, at `offset` (Note [Migration batches]).
+  struct ScratchSlot {
+    std::size_t offset;
+    std::size_t bytes;
+  };
+  class BackingSupply;  // vmm_backing_supply.h
   struct Range {
     char* base = nullptr;
     std::size_t bytes = 0;
@@ -240,14 +290,42 @@ class TIDEPOOL_API VmmPool {
   // (destroyed) is waited for by a device synchronization (Note [A lost use stream]).
   void wait_for_users_locked(Range& r);
   void synchronize_for_lost_stream_locked(Stream lost, const BackendError& record_error);
-  void migrate_chunk_locked(Range& r, Chunk& c, MemoryLocation to);
+  // Note [Migration batches]: moves the chunks plan[i] of `r` (indices into r.chunks, in
+  // order) to `to`; `moved` counts those swapped so far (they are swapped in plan order).
+  void move_planned_locked(Range& r, const std::vector<std::size_t>& plan, MemoryLocation to,
+                           std::size_t& moved, MigrationResult& result, BackingSupply* supply);
+  // For a call moving `ranges` to the host: a supply creating the host backings their
+  // chunks need beyond the spares, ahead of the moves; null when it would not help (fewer
+  // than two to create, or no helper threads).
+  std::unique_ptr<BackingSupply> host_supply_locked(const std::vector<const Range*>& ranges);
+  // Hands back what `supply` made and no move took (Note [Spare host backings]), and adds
+  // its figures to the stats.
+  void finish_supply_locked(BackingSupply& supply);
+  // Of chunk `sizes` about to move to the host, those the spares do not cover.
+  std::vector<std::size_t> sizes_beyond_spares_locked(const std::vector<std::size_t>& sizes) const;
+  // The chunks plan[begin, end) of `r`, one batch; `moved`
+  // counts the planned chunks swapped so far (they are swapped in plan order).
+  void move_batch_locked(Range& r, const std::vector<std::size_t>& plan, std::size_t begin,
+                         std::size_t end, MemoryLocation to, BackingSupply& supply,
+                         std::size_t& moved, MigrationResult& result);
+  // The chunk's new backing, copied and mapped at the scratch slot `slot`, in its place.
+  void swap_chunk_locked(Range& r, Chunk& c, PhysicalHandle fresh, std::size_t slot,
+                         MemoryLocation to);
+  // Note [Spare host backings].
+  PhysicalHandle take_spare_locked(std::size_t bytes);
+  void keep_or_release_locked(PhysicalHandle old, std::size_t bytes, MemoryLocation where);
+  std::size_t spare_limit_locked() const;
+  void trim_spares_locked();
   // The budget a migration towards `to` observes: the device budget, none towards the host.
   // Called without the lock.
   std::optional<std::size_t> budget_towards(MemoryLocation to) const;
   // Note [VMM device budget]: room for `bytes` more device-backed bytes within `budget`
   // (nullopt: none), the pool's own or, shared, all the ledger's participants'; taken
-  // (charged to the ledger) when true. give_device_room_locked: device-backed bytes gone.
-  bool take_device_room_locked(std::size_t bytes, std::optional<std::size_t> budget);
+  // (charged to the ledger) when true. `taken` is the room this move took already for
+  // chunks not swapped yet (a budget of the pool's own counts it; the ledger holds it).
+  // give_device_room_locked: device-backed bytes gone.
+  bool take_device_room_locked(std::size_t bytes, std::optional<std::size_t> budget,
+                               std::size_t taken = 0);
   // Note [VMM device budget]: before an allocation of `bytes` on the device, asks the
   // stores sharing the budget to give back what the ledger lacks for it, and returns the
   // bytes they gave (nullopt: nothing was asked). Called without the lock
@@ -255,9 +333,12 @@ class TIDEPOOL_API VmmPool {
   std::optional<std::size_t> ask_stores_for_room(std::size_t bytes);
   void give_device_room_locked(std::size_t bytes) noexcept;
   // Counts a migration that throws (VmmStats::failed_migrations) around move_range_locked.
-  MigrationResult migrate_locked(Range& r, MemoryLocation to, std::optional<std::size_t> budget);
+  // `supply`: backings created ahead for the moves of this call (Note [Migration
+  // batches]), or null: the move makes its own.
+  MigrationResult migrate_locked(Range& r, MemoryLocation to, std::optional<std::size_t> budget,
+                                 BackingSupply* supply = nullptr);
   MigrationResult move_range_locked(Range& r, MemoryLocation to,
-                                    std::optional<std::size_t> budget);
+                                    std::optional<std::size_t> budget, BackingSupply* supply);
   // Unmaps the range's chunks and releases their backings and its address. Without a
   // teardown, throws at the first failed unmap or address release; with one, records each
   // failure and goes on, and returns false when a chunk stayed mapped (the address is then
@@ -266,16 +347,24 @@ class TIDEPOOL_API VmmPool {
   // Note [Deferred releases].
   void release_or_defer_locked(PhysicalHandle physical, std::size_t bytes);
   void repair_locked();
+  // Unmaps every backing mapped at the scratch range (throws at the first that fails; the
+  // rest stay listed for repair_locked), or the one at `offset`.
   void unmap_scratch_locked();
+  void unmap_scratch_slot_locked(std::size_t offset);
 
   Backend& backend_;
   VmmPoolOptions options_;
   Stream stream_;
   Event sync_event_;
   bool warned_lost_stream_ = false;  // Note [A lost use stream]
-  void* scratch_ = nullptr;  // reserved VA of one full chunk, where new backing is filled
+  std::size_t chunk_bytes_ = 0;  // granularity * options_.chunk_granules
+  std::size_t batch_chunks_ = 1;  // options_.batch_chunks, at least 1
+  void* scratch_ = nullptr;  // reserved VA of batch_chunks_ chunks, where backings are filled
   std::size_t scratch_bytes_ = 0;
-  std::size_t scratch_mapped_bytes_ = 0;  // > 0 while a backing is mapped at scratch_
+  std::vector<ScratchSlot> scratch_mapped_;  // backings mapped at scratch_ now
+  // Note [Spare host backings]: by size.
+  std::multimap<std::size_t, PhysicalHandle> spares_;
+  std::size_t spare_bytes_ = 0;
   // Note [Deferred releases].
   std::vector<DeferredRelease> deferred_releases_;
   std::size_t unmapped_chunks_ = 0;  // chunks with mapped == false, in all ranges

@@ -21,14 +21,37 @@
 // Streams are created non-blocking, so the null stream (the legacy default stream) does
 // not implicitly synchronise with them and behaves like any other stream, as the seam's
 // Note [Stream semantics] requires.
+//
+// Note [Copies across host-NUMA mappings]
+// A pointer-stable range is one reservation backed by several physical allocations (its
+// chunks), some on the device and some host-NUMA memory, which the driver's pointer query
+// types as host memory (CU_MEMORYTYPE_HOST, as open-mpi/ompi#12751 found). The H200 run of
+// 2026-12-04 verified copies within one host-NUMA allocation and copies across device
+// allocations; the one test whose copies ran from one host-NUMA allocation into the next,
+// and across a device and a host-NUMA allocation
+// (VmmMigrationTest.BudgetCanSplitARangeBetweenDeviceAndHost), died of a segmentation
+// fault with nothing else to go on. A driver that takes a host-typed copy's pages from
+// the allocation at its start would read past that allocation's end, which fits; it is
+// not known. So this backend remembers its host-NUMA mappings and cuts a copy at their
+// edges (copy_split.h): each cudaMemcpyAsync lies within one host-NUMA allocation or
+// outside all of them, the kinds of copy the run verified. Copies that touch no host-NUMA
+// mapping (the allocator's memory, device-backed chunks) cost one relaxed atomic load.
+// tests/allocator/gpu_test_backend.cpp (CudaSpanningCopy) and the VmmSpanningCopyTest
+// suite make each kind of spanning copy in a test of its own, to say which one failed.
 #include <cuda.h>
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstdio>
+#include <mutex>
 #include <string>
+#include <unordered_set>
 #include <vector>
 
 #include "allocator/backend.h"
+#include "allocator/backends/copy_split.h"
 
 namespace tidepool {
 namespace {
@@ -297,7 +320,23 @@ class CudaBackend final : public Backend {
   void do_copy_async(void* dst, const void* src, std::size_t bytes, CopyKind kind,
                      Stream s) override {
     DeviceGuard guard(device());
-    check(cudaMemcpyAsync(dst, src, bytes, to_cuda(kind), to_cuda(s)), "cudaMemcpyAsync");
+    if (host_mapping_count_.load(std::memory_order_relaxed) == 0) {
+      check(cudaMemcpyAsync(dst, src, bytes, to_cuda(kind), to_cuda(s)), "cudaMemcpyAsync");
+      return;
+    }
+    std::vector<std::size_t> ends;  // Note [Copies across host-NUMA mappings]
+    {
+      std::lock_guard lock(vm_mutex_);
+      ends = backend_detail::copy_piece_ends(host_mappings_, reinterpret_cast<std::uintptr_t>(dst),
+                                             reinterpret_cast<std::uintptr_t>(src), bytes);
+    }
+    std::size_t from = 0;
+    for (const std::size_t to : ends) {
+      check(cudaMemcpyAsync(static_cast<char*>(dst) + from, static_cast<const char*>(src) + from,
+                            to - from, to_cuda(kind), to_cuda(s)),
+            "cudaMemcpyAsync");
+      from = to;
+    }
   }
   void do_memset_async(void* dst, int value, std::size_t bytes, Stream s) override {
     DeviceGuard guard(device());
@@ -340,19 +379,34 @@ class CudaBackend final : public Backend {
     const CUresult res = driver().cuMemCreate(&handle, bytes, &prop, 0);
     if (res == CUDA_ERROR_OUT_OF_MEMORY) return PhysicalHandle{};
     check(res, where == MemoryLocation::device ? "cuMemCreate(device)" : "cuMemCreate(host NUMA)");
+    if (where == MemoryLocation::host) {
+      try {
+        std::lock_guard lock(vm_mutex_);
+        host_handles_.insert(static_cast<std::uint64_t>(handle));
+      } catch (...) {  // std::bad_alloc: give it back rather than lose track of its kind
+        (void)driver().cuMemRelease(handle);
+        throw;
+      }
+    }
     return PhysicalHandle{static_cast<std::uint64_t>(handle)};
   }
   void do_release_physical(PhysicalHandle h, std::size_t) override {
     DeviceGuard guard(device(), ApiLevel::driver);
     check(driver().cuMemRelease(static_cast<CUmemGenericAllocationHandle>(h.value)),
           "cuMemRelease");
+    std::lock_guard lock(vm_mutex_);
+    host_handles_.erase(h.value);
   }
   void do_map(void* va, std::size_t bytes, PhysicalHandle h) override {
     DeviceGuard guard(device(), ApiLevel::driver);
     const auto handle = static_cast<CUmemGenericAllocationHandle>(h.value);
-    CUmemAllocationProp prop{};
-    check(driver().cuMemGetAllocationPropertiesFromHandle(&prop, handle),
-          "cuMemGetAllocationPropertiesFromHandle");
+    // Every handle comes from do_create_physical, which remembers the host-NUMA ones: no
+    // driver query per map.
+    bool host_backed = false;
+    {
+      std::lock_guard lock(vm_mutex_);
+      host_backed = host_handles_.contains(h.value);
+    }
     check(driver().cuMemMap(to_cu(va), bytes, 0, handle, 0), "cuMemMap");
     // A new mapping has no access at all: grant the device read/write, and the host too
     // when the backing is host memory (the CPU may then touch migrated state directly).
@@ -361,26 +415,48 @@ class CudaBackend final : public Backend {
     access[0].location.id = device();
     access[0].flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
     std::size_t count = 1;
-    if (prop.location.type == CU_MEM_LOCATION_TYPE_HOST_NUMA) {
+    if (host_backed) {
       access[1].location.type = CU_MEM_LOCATION_TYPE_HOST_NUMA;
-      access[1].location.id = prop.location.id;
+      access[1].location.id = host_numa_id_;  // ignored by the driver for HOST_NUMA
       access[1].flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
       count = 2;
     }
     CUresult res = driver().cuMemSetAccess(to_cu(va), bytes, access, count);
     if (res != CUDA_SUCCESS && count == 2) {
       // Host access to host-NUMA backing is optional (not every driver grants it); the
-      // device access is what the seam requires.
+      // device access is what the seam requires. Said once: the driver types this memory
+      // as host memory, and a path of its that touches it from the CPU would then fault.
+      if (!host_access_refusal_said_.exchange(true)) {
+        std::fprintf(stderr,
+                     "tidepool cuda backend (device %d): cuMemSetAccess refused host access to "
+                     "host-NUMA memory (%s); it stays device-accessible only. Said once.\n",
+                     device(), error_text(res).c_str());
+      }
       res = driver().cuMemSetAccess(to_cu(va), bytes, access, 1);
     }
     if (res != CUDA_SUCCESS) {
       (void)driver().cuMemUnmap(to_cu(va), bytes);  // leave the range as it was: reserved, unmapped
       check(res, "cuMemSetAccess");
     }
+    if (host_backed) {
+      try {
+        std::lock_guard lock(vm_mutex_);
+        host_mappings_[reinterpret_cast<std::uintptr_t>(va)] = bytes;
+        host_mapping_count_.store(host_mappings_.size(), std::memory_order_relaxed);
+      } catch (...) {  // std::bad_alloc: unmapped again, as a failed map leaves it
+        (void)driver().cuMemUnmap(to_cu(va), bytes);
+        throw;
+      }
+    }
   }
   void do_unmap(void* va, std::size_t bytes) override {
     DeviceGuard guard(device(), ApiLevel::driver);
     check(driver().cuMemUnmap(to_cu(va), bytes), "cuMemUnmap");
+    const auto start = reinterpret_cast<std::uintptr_t>(va);
+    std::lock_guard lock(vm_mutex_);
+    host_mappings_.erase(host_mappings_.lower_bound(start),
+                         host_mappings_.lower_bound(start + bytes));
+    host_mapping_count_.store(host_mappings_.size(), std::memory_order_relaxed);
   }
 
   // --- peer access (Note [Peer access to mapped ranges] in backend.h) ---
@@ -408,6 +484,13 @@ class CudaBackend final : public Backend {
 
   const int host_numa_id_;
   const bool host_numa_supported_;
+  // Note [Copies across host-NUMA mappings]: the host-NUMA handles created and not
+  // released, and the ranges they are mapped at (start -> bytes), under vm_mutex_.
+  mutable std::mutex vm_mutex_;
+  std::unordered_set<std::uint64_t> host_handles_;
+  backend_detail::MappingMap host_mappings_;
+  std::atomic<std::size_t> host_mapping_count_{0};
+  std::atomic<bool> host_access_refusal_said_{false};
 };
 
 }  // namespace

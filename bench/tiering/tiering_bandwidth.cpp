@@ -18,6 +18,14 @@
 // direction. Time per iteration is host wall time from the first enqueue until both
 // streams are idle (UseManualTime), the same clock for the store and the baseline; the
 // untimed part of an iteration puts the handles where the pass needs them.
+// Where the time goes, for the next GPU run to read: the memcpy and store rows count the
+// backend calls of a pass per tensor (copies, event records, stream waits, event queries;
+// counting_backend.h) and the host time spent issuing it (`issue_ms`, and its share of the
+// pass, `issue_share`: near 1, the host and not the link sets the pace). The vmm row times
+// a first, cold move to the host (no spare host backings yet: `cold_to_host_GBps`) apart
+// from the timed, warm ones, and splits each direction into VmmStats' phases per
+// migration: creating backings, waiting for them, waiting for the copies, map/unmap calls,
+// releases (Note [Migration batches] in tiering/vmm_moves.cpp).
 //
 // Backend: cuda when a GPU exists, else host; TIDEPOOL_BENCH_BACKEND=host|cuda forces
 // one. Everything that holds backend resources lives in a Bench object owned by main()
@@ -45,6 +53,7 @@
 #include "tiering/tiered_store.h"
 #include "tiering/vmm_migration.h"
 #include "bench/tiering/bench_state.h"
+#include "bench/tiering/counting_backend.h"
 
 namespace {
 
@@ -80,10 +89,12 @@ class Bench {
       // Room for the baseline's device buffer, the store's cached buffers and the range.
       backend = make_host_backend(0, HostBackendOptions{4 * total_ + (std::size_t{256} << 20)});
     }
+    auto counting = std::make_unique<CountingBackend>(std::move(backend));
+    counting_ = counting.get();
     // The store takes device buffers from a caching allocator, as in production: buffers
     // an eviction frees are reused by the next prefetch instead of going back to the
     // device (cudaMalloc/cudaFree would dominate the small tensors).
-    allocator_ = std::make_unique<CachingAllocator>(std::move(backend));
+    allocator_ = std::make_unique<CachingAllocator>(std::move(counting));
     offsets_.reserve(sizes_.size());
     std::size_t off = 0;
     for (std::size_t s : sizes_) {
@@ -126,6 +137,7 @@ class Bench {
 
   Backend& backend() { return allocator_->backend(); }
   CachingAllocator& allocator() { return *allocator_; }
+  CallCounts calls() const { return counting_->counts(); }
   std::size_t total_bytes() const { return total_; }
   const std::vector<std::size_t>& sizes() const { return sizes_; }
   std::string label() const {
@@ -151,7 +163,8 @@ class Bench {
   // ---- the baseline: plain copies of pinned buffers ----
 
   // One pass of `mode`: every op as one copy_async, H2D on one stream and D2H on another.
-  double memcpy_pass(Mode mode) {
+  // `issue_seconds`, when given, gets the host time spent enqueueing.
+  double memcpy_pass(Mode mode, double* issue_seconds = nullptr) {
     ensure_plain();
     const std::vector<Op> todo = ops(mode);
     auto* dev = static_cast<char*>(plain_dev_);
@@ -165,6 +178,7 @@ class Bench {
         backend().copy_async(h, d, sizes_[op.index], CopyKind::device_to_host, plain_d2h_);
       }
     }
+    if (issue_seconds != nullptr) *issue_seconds += seconds_since(t0);
     backend().stream_synchronize(plain_h2d_);
     backend().stream_synchronize(plain_d2h_);
     return seconds_since(t0);
@@ -226,6 +240,7 @@ class Bench {
   std::vector<std::size_t> offsets_;
   std::vector<Op> bidir_ops_;
   std::unique_ptr<CachingAllocator> allocator_;  // owns the backend
+  CountingBackend* counting_ = nullptr;          // the backend, owned by allocator_
 
   std::unique_ptr<HostArena> plain_arena_;
   std::vector<HostBlock> plain_host_;
@@ -248,15 +263,33 @@ void report_rate(benchmark::State& state, Bench& bench, double seconds) {
   state.SetLabel(bench.label());
 }
 
+// The backend calls of `passes` passes (`calls`) per tensor, and the host's issue time.
+void report_calls(benchmark::State& state, Bench& bench, const CallCounts& calls,
+                  double passes, double issue_seconds, double seconds) {
+  const double per_tensor = passes * double(bench.sizes().size());
+  state.counters["copies_per_tensor"] = double(calls[bench_state::Op::copy]) / per_tensor;
+  state.counters["records_per_tensor"] = double(calls[bench_state::Op::record_event]) / per_tensor;
+  state.counters["waits_per_tensor"] =
+      double(calls[bench_state::Op::stream_wait_event]) / per_tensor;
+  state.counters["queries_per_tensor"] = double(calls[bench_state::Op::event_query]) / per_tensor;
+  state.counters["calls_per_tensor"] = double(calls.total()) / per_tensor;
+  state.counters["issue_ms"] = issue_seconds * 1e3 / passes;
+  state.counters["issue_share"] = seconds > 0 ? issue_seconds / seconds : 0.0;
+}
+
 void bm_memcpy(benchmark::State& state, Bench& bench, Mode mode) {
   bench.memcpy_pass(mode);  // first touch of the buffers is not the link's speed
   double seconds = 0;
+  double issue_seconds = 0;
+  const CallCounts before = bench.calls();
   for (auto _ : state) {
-    const double s = bench.memcpy_pass(mode);
+    const double s = bench.memcpy_pass(mode, &issue_seconds);
     state.SetIterationTime(s);
     seconds += s;
   }
+  const CallCounts calls = bench.calls() - before;
   report_rate(state, bench, seconds);
+  report_calls(state, bench, calls, double(state.iterations()), issue_seconds, seconds);
   bench.record_memcpy_gbps(mode, state.counters["GBps"]);
 }
 
@@ -284,8 +317,11 @@ void bm_store(benchmark::State& state, Bench& bench, Mode mode) {
   TieredStore& store = bench.store();
   const Stream compute = bench.backend().create_stream();
   const std::vector<Op> todo = bench.ops(mode);
+  double issue_seconds = 0;
+  CallCounts calls;  // of the timed parts only
   auto pass = [&] {
     stage_store(bench, store, mode, compute);
+    const CallCounts calls_before = bench.calls();
     const Clock::time_point t0 = Clock::now();
     for (const Op& op : todo) {
       const TieredStore::Handle h = bench.handle(op.index);
@@ -295,10 +331,16 @@ void bm_store(benchmark::State& state, Bench& bench, Mode mode) {
         store.evict(h);
       }
     }
+    issue_seconds += seconds_since(t0);
     store.synchronize();
-    return seconds_since(t0);
+    const double s = seconds_since(t0);
+    const CallCounts pass_calls = bench.calls() - calls_before;
+    for (std::size_t i = 0; i < calls.n.size(); ++i) calls.n[i] += pass_calls.n[i];
+    return s;
   };
   pass();  // first touch of the allocator's buffers
+  issue_seconds = 0;
+  calls = CallCounts{};
   const TieredStoreStats before = store.stats();
   const std::uint64_t segments_before = bench.allocator().stats().segments.allocated;
   const MappingStats maps_before = bench.allocator().mapping_stats();
@@ -313,6 +355,7 @@ void bm_store(benchmark::State& state, Bench& bench, Mode mode) {
   const MappingStats maps_after = bench.allocator().mapping_stats();
   bench.backend().destroy_stream(compute);
   report_rate(state, bench, seconds);
+  report_calls(state, bench, calls, double(state.iterations()), issue_seconds, seconds);
   state.counters["memcpy_GBps"] = baseline;
   state.counters["ratio_vs_memcpy"] = state.counters["GBps"] / baseline;
   // A fair comparison needs every prefetch issued and every host block pinned.
@@ -326,6 +369,39 @@ void bm_store(benchmark::State& state, Bench& bench, Mode mode) {
   state.counters["allocator_maps"] = double(maps_after.map_calls - maps_before.map_calls);
   state.counters["allocator_move_syncs"] = double(maps_after.move_syncs - maps_before.move_syncs);
 }
+
+// VmmStats' phases of the migrations between two snapshots (Note [Migration batches] in
+// tiering/vmm_moves.cpp), added up over a benchmark's migrations of one direction.
+struct VmmPhases {
+  double create_ms = 0, create_wait_ms = 0, copy_wait_ms = 0, remap_ms = 0, release_ms = 0;
+  double batches = 0, backend_calls = 0, created = 0, spare_reuses = 0;
+  void add(const VmmStats& before, const VmmStats& after) {
+    create_ms += after.create_ms - before.create_ms;
+    create_wait_ms += after.create_wait_ms - before.create_wait_ms;
+    copy_wait_ms += after.copy_wait_ms - before.copy_wait_ms;
+    remap_ms += after.remap_ms - before.remap_ms;
+    release_ms += after.release_ms - before.release_ms;
+    batches += double(after.migration_batches - before.migration_batches);
+    backend_calls += double(after.migration_backend_calls - before.migration_backend_calls);
+    created += double(after.backings_created - before.backings_created);
+    spare_reuses += double(after.spare_host_reuses - before.spare_host_reuses);
+  }
+  // Counters `<prefix>_<phase>` per migration.
+  void report(benchmark::State& state, const std::string& prefix, double migrations) const {
+    auto put = [&](const char* name, double v) {
+      state.counters[prefix + "_" + name] = v / migrations;
+    };
+    put("create_ms", create_ms);
+    put("create_wait_ms", create_wait_ms);
+    put("copy_wait_ms", copy_wait_ms);
+    put("remap_ms", remap_ms);
+    put("release_ms", release_ms);
+    put("batches", batches);
+    put("backend_calls", backend_calls);
+    put("backings_created", created);
+    put("spare_reuses", spare_reuses);
+  }
+};
 
 void bm_vmm_migrate(benchmark::State& state, Bench& bench) {
   const std::size_t n = bench.total_bytes();
@@ -347,14 +423,31 @@ void bm_vmm_migrate(benchmark::State& state, Bench& bench) {
   }
   bench.backend().memset_async(range, 1, n, Stream{});
   bench.backend().stream_synchronize(Stream{});
+  // The first move to the host creates (and pins) all of its host memory, as the first
+  // eviction of a training run does; later ones take the spare host backings the move
+  // back left (Note [Spare host backings]). Timed apart, untimed by the loop.
+  VmmPhases cold;
+  VmmStats s0 = pool->stats();
+  Clock::time_point t0 = Clock::now();
+  pool->migrate(range, MemoryLocation::host);
+  const double cold_seconds = seconds_since(t0);
+  VmmStats s1 = pool->stats();
+  cold.add(s0, s1);
+  pool->migrate(range, MemoryLocation::device);
+  VmmPhases to_host_phases, to_device_phases;
   double to_host = 0, to_device = 0;
   for (auto _ : state) {
-    const Clock::time_point t0 = Clock::now();
+    s0 = pool->stats();
+    t0 = Clock::now();
     pool->migrate(range, MemoryLocation::host);
     const double down = seconds_since(t0);
+    s1 = pool->stats();
     const Clock::time_point t1 = Clock::now();
     pool->migrate(range, MemoryLocation::device);
     const double up = seconds_since(t1);
+    const VmmStats s2 = pool->stats();
+    to_host_phases.add(s0, s1);
+    to_device_phases.add(s1, s2);
     to_host += down;
     to_device += up;
     state.SetIterationTime(down + up);
@@ -365,8 +458,12 @@ void bm_vmm_migrate(benchmark::State& state, Bench& bench) {
   const double to_device_gbps = double(n) * iters / to_device / 1e9;
   state.counters["to_host_GBps"] = to_host_gbps;
   state.counters["to_device_GBps"] = to_device_gbps;
+  state.counters["cold_to_host_GBps"] = double(n) / cold_seconds / 1e9;
   state.counters["ratio_to_host_vs_memcpy"] = to_host_gbps / d2h_baseline;
   state.counters["ratio_to_device_vs_memcpy"] = to_device_gbps / h2d_baseline;
+  cold.report(state, "cold_to_host", 1.0);
+  to_host_phases.report(state, "to_host", iters);
+  to_device_phases.report(state, "to_device", iters);
   state.SetBytesProcessed(static_cast<std::int64_t>(state.iterations()) * 2 *
                           static_cast<std::int64_t>(n));
   state.SetLabel(bench.label());

@@ -135,6 +135,118 @@ TEST_F(VmmFailureTest, EveryFailedCallOfAMigrationLeavesTheDataAndNoHandleBehind
   }
 }
 
+// The same for a range of three chunks moved two at a time, their new backings made by
+// helper threads (Note [Migration batches] in vmm_moves.cpp), in both directions, and to
+// the host again taking the spare host backings the move to the device kept (Note [Spare
+// host backings]). Whatever call fails: every byte at its address (at once, or after the
+// next call), the chunks swapped before the failure moved and the others stayed, the next
+// move completes, and each live handle is the range's or a spare: none leaked, none
+// released twice. A failed release is no failure of the move.
+TEST_F(VmmFailureTest, EveryFailedCallOfABatchedMoveLeavesTheDataAndNoHandleBehind) {
+  const std::size_t g = backend_.granularity();
+  const std::size_t n = 5 * g;  // chunks of 2, 2 and 1 granules
+  const VmmPoolOptions options{.device_budget_bytes = VmmPoolOptions::kNoDeviceBudget,
+                               .batch_chunks = 2,
+                               .chunk_granules = 2};
+  const auto data = random_bytes(n, 45);
+  enum class Move { to_host, to_device, to_host_again };
+  for (const Move move : {Move::to_host, Move::to_device, Move::to_host_again}) {
+    const MemoryLocation to = move == Move::to_device ? MemoryLocation::device
+                                                      : MemoryLocation::host;
+    for (const char* op : {"create_physical", "map", "copy_async", "stream_synchronize",
+                           "unmap", "release_physical"}) {
+      for (int skip = 0;; ++skip) {
+        const std::string where = std::string(op) + " after " + std::to_string(skip) +
+                                  (move == Move::to_host        ? " to the host"
+                                   : move == Move::to_device    ? " to the device"
+                                                                : " to the host again");
+        VmmPool pool(backend_, options);
+        void* p = pool.allocate(n, kTagOptimizerState,
+                                move == Move::to_device ? MemoryLocation::host
+                                                        : MemoryLocation::device);
+        ASSERT_NE(p, nullptr) << where;
+        fill(p, data);
+        if (move == Move::to_host_again) {
+          pool.migrate(p, MemoryLocation::host);
+          pool.migrate(p, MemoryLocation::device);
+          ASSERT_EQ(pool.stats().spare_host_backings, 3u) << where;
+        }
+        const long failed_before = backend_.failed_calls();
+        backend_.fail_calls_to(op, 1, skip);
+        const std::string failure = failure_of([&] { pool.migrate(p, to); }, where);
+        backend_.fail_calls_to(op, 0);
+        const bool any_failed = backend_.failed_calls() > failed_before;
+        const MemoryLocation from = to == MemoryLocation::host ? MemoryLocation::device
+                                                               : MemoryLocation::host;
+        EXPECT_EQ(pool.bytes_in(p, to) + pool.bytes_in(p, from), n) << where;
+        if (failure.empty()) {
+          EXPECT_EQ(pool.bytes_in(p, to), n) << where;
+        } else if (failure.find("at the next call") == std::string::npos) {
+          EXPECT_EQ(difference(p, data), -1) << where << ": " << failure;
+        }
+        EXPECT_EQ(failure_of([&] { pool.migrate(p, to); }, where), "") << where;
+        EXPECT_EQ(pool.bytes_in(p, to), n) << where;
+        EXPECT_EQ(difference(p, data), -1) << where;
+        const VmmStats s = pool.stats();
+        EXPECT_EQ(s.deferred_releases, 0u) << where;
+        EXPECT_LE(s.spare_host_bytes, s.device_backed_bytes) << where;
+        EXPECT_EQ(backend_.live_physicals(), 3u + s.spare_host_backings) << where;
+        EXPECT_EQ(failure_of([&] { pool.deallocate(p); }, where), "") << where;
+        EXPECT_EQ(backend_.live_physicals(), 0u) << where;
+        if (!any_failed) break;  // `skip` passed the op's last call in the move
+      }
+    }
+  }
+}
+
+// An eviction by tag whose host backings are created ahead by helper threads (Note
+// [Migration batches] in vmm_moves.cpp), with one creation failing: the call stops at the
+// range whose backing failed, each range is wholly on one side with its bytes, and what
+// was created for ranges not reached is handed back (kept as a spare or released), so
+// every live handle is a range's or a spare.
+TEST_F(VmmFailureTest, AFailedCreationInAnEvictionByTagLeavesEveryRangeWholeAndNoHandleBehind) {
+  const std::size_t g = backend_.granularity();
+  for (int skip = 0; skip < 4; ++skip) {
+    const std::string where = "create_physical after " + std::to_string(skip);
+    VmmPool pool(backend_, VmmPoolOptions{.device_budget_bytes = VmmPoolOptions::kNoDeviceBudget});
+    std::vector<void*> ranges;
+    std::vector<std::vector<unsigned char>> data;
+    for (int i = 0; i < 4; ++i) {
+      ranges.push_back(pool.allocate(g, kTagOptimizerState));
+      ASSERT_NE(ranges.back(), nullptr) << where;
+      data.push_back(random_bytes(g, 70 + i));
+      fill(ranges.back(), data.back());
+    }
+    backend_.fail_calls_to("create_physical", 1, skip);
+    const std::string failure = failure_of(
+        [&] { pool.migrate_tag(kTagOptimizerState, MemoryLocation::host); }, where);
+    backend_.fail_calls_to("create_physical", 0);
+    EXPECT_NE(failure, "") << where;
+    EXPECT_EQ(pool.stats().failed_migrations, 1u) << where;
+    for (int i = 0; i < 4; ++i) {
+      EXPECT_EQ(pool.bytes_in(ranges[i], MemoryLocation::host) +
+                    pool.bytes_in(ranges[i], MemoryLocation::device),
+                g)
+          << where << " range " << i;
+      EXPECT_EQ(difference(ranges[i], data[i]), -1) << where << " range " << i;
+    }
+    VmmStats s = pool.stats();
+    EXPECT_LE(s.spare_host_bytes, s.device_backed_bytes) << where;
+    EXPECT_EQ(backend_.live_physicals(), 4u + s.spare_host_backings) << where;
+    EXPECT_EQ(failure_of([&] { pool.migrate_tag(kTagOptimizerState, MemoryLocation::host); },
+                         where),
+              "")
+        << where;
+    s = pool.stats();
+    EXPECT_EQ(s.host_backed_bytes, 4 * g) << where;
+    EXPECT_EQ(s.deferred_releases, 0u) << where;
+    EXPECT_EQ(backend_.live_physicals(), 4u + s.spare_host_backings) << where;
+    for (int i = 0; i < 4; ++i) EXPECT_EQ(difference(ranges[i], data[i]), -1) << where;
+    for (void* p : ranges) pool.deallocate(p);
+    EXPECT_EQ(backend_.live_physicals(), 0u) << where;
+  }
+}
+
 // A release that keeps failing stays deferred: the retries at later calls do not lose the
 // handle, and the pool's destruction releases it at last.
 TEST_F(VmmFailureTest, AReleaseThatFailsAgainIsRetriedUntilTheTeardown) {
@@ -154,11 +266,16 @@ TEST_F(VmmFailureTest, AReleaseThatFailsAgainIsRetriedUntilTheTeardown) {
     EXPECT_EQ(pool.stats().deferred_releases, 1u);
     EXPECT_EQ(pool.bytes_in(p, MemoryLocation::device), n);
     EXPECT_EQ(difference(p, data), -1);
-    EXPECT_EQ(backend_.live_physicals(), 2u);
+    // The old host backing is kept as a spare (Note [Spare host backings]).
+    EXPECT_EQ(pool.stats().spare_host_backings, 1u);
+    EXPECT_EQ(backend_.live_physicals(), 3u);
 
     backend_.fail_calls_to("release_physical", 1, 1);  // the range's own release fails
-    pool.deallocate(p);  // retries the deferred one first, then defers the range's
+    // Retries the deferred one first, then defers the range's; with no device-backed bytes
+    // left, the spare is of no use and is released.
+    pool.deallocate(p);
     EXPECT_FALSE(pool.owns(p));
+    EXPECT_EQ(pool.stats().spare_host_backings, 0u);
     EXPECT_EQ(pool.stats().ranges, 0u);
     EXPECT_EQ(pool.stats().deferred_releases, 1u);
     EXPECT_EQ(backend_.live_physicals(), 1u);
@@ -183,7 +300,8 @@ TEST_F(VmmFailureTest, AScratchRangeLeftMappedIsUnmappedAtTheNextCall) {
     EXPECT_EQ(difference(p, data), -1);
   }
   EXPECT_EQ(pool.stats().deferred_releases, 0u);
-  EXPECT_EQ(backend_.live_physicals(), 1u);
+  EXPECT_EQ(pool.stats().spare_host_backings, 1u);  // Note [Spare host backings]
+  EXPECT_EQ(backend_.live_physicals(), 2u);         // the range's and the spare
   pool.deallocate(p);
   EXPECT_EQ(backend_.live_physicals(), 0u);
 }

@@ -299,6 +299,181 @@ TEST_P(VmmMigrationTest, BudgetCanSplitARangeBetweenDeviceAndHost) {
   pool.deallocate(p);
 }
 
+// BudgetCanSplitARangeBetweenDeviceAndHost in its steps, each a test of its own: on the
+// H200 (2026-12-04) that test died of a segmentation fault with nothing printed, and these
+// say which kind of copy did it. Each copy spans two chunks, that is two physical
+// backings: both on the host (written and read), then one on the device and one on the
+// host (Note [Copies across host-NUMA mappings] in cuda_backend.cpp).
+class VmmSpanningCopyTest : public VmmMigrationTest {
+ protected:
+  // A range of two chunks (32 and 1 granules), on the host, and its word-index pattern
+  // (cheap under sanitizers, unlike random bytes).
+  void SetUp() override {
+    VmmMigrationTest::SetUp();
+    if (IsSkipped()) return;
+    n_ = (VmmPool::kChunkGranules + 1) * backend().granularity();
+    data_.resize(n_);
+    for (std::size_t i = 0; i < n_; i += sizeof(std::uint64_t)) {
+      const std::uint64_t word = i * 0x9E3779B97F4A7C15ull + 1;
+      std::memcpy(data_.data() + i, &word, sizeof word);
+    }
+  }
+  std::size_t n_ = 0;
+  std::vector<unsigned char> data_;
+};
+
+TEST_P(VmmSpanningCopyTest, OneCopyWritesTwoHostBackedChunks) {
+  VmmPool pool(backend());
+  void* p = pool.allocate(n_, kTagOptimizerState, MemoryLocation::host);
+  ASSERT_NE(p, nullptr);
+  fill(p, data_);
+  pool.migrate(p, MemoryLocation::device);  // copies chunk by chunk, never across
+  EXPECT_EQ(difference(p, data_), -1);
+  pool.deallocate(p);
+}
+
+TEST_P(VmmSpanningCopyTest, OneCopyReadsTwoHostBackedChunks) {
+  VmmPool pool(backend());
+  void* p = pool.allocate(n_, kTagOptimizerState, MemoryLocation::device);
+  ASSERT_NE(p, nullptr);
+  fill(p, data_);
+  pool.migrate(p, MemoryLocation::host);
+  EXPECT_EQ(difference(p, data_), -1);
+  pool.deallocate(p);
+}
+
+TEST_P(VmmSpanningCopyTest, OneCopyReadsAndWritesADeviceAndAHostBackedChunk) {
+  const std::size_t g = backend().granularity();
+  VmmPool pool(backend(), VmmPoolOptions{.device_budget_bytes = VmmPool::kChunkGranules * g});
+  void* p = pool.allocate(n_, kTagOptimizerState, MemoryLocation::device);
+  ASSERT_NE(p, nullptr);
+  pool.migrate(p, MemoryLocation::host);
+  EXPECT_EQ(pool.migrate(p, MemoryLocation::device).bytes_left, g);  // the second chunk stays
+  fill(p, data_);
+  EXPECT_EQ(difference(p, data_), -1);
+  pool.migrate(p, MemoryLocation::host);  // and the bytes written across both moved
+  EXPECT_EQ(difference(p, data_), -1);
+  pool.deallocate(p);
+}
+
+// Note [Migration batches]: a range of more chunks than one batch moves whole, each batch
+// waited for once, its backings created by helper threads; moved back to the device and
+// out again, it takes the spare host backings (Note [Spare host backings]) and creates no
+// host memory.
+TEST_P(VmmMigrationTest, ARangeOfSeveralBatchesMovesWholeAndReusesItsHostBackings) {
+  const std::size_t g = backend().granularity();
+  const std::size_t chunks = 5;  // of 2 granules, the last one of 1
+  const std::size_t n = 9 * g;
+  VmmPool pool(backend(), VmmPoolOptions{.device_budget_bytes = VmmPoolOptions::kNoDeviceBudget,
+                                         .batch_chunks = 2,
+                                         .chunk_granules = 2});
+  void* p = pool.allocate(n, kTagOptimizerState);
+  ASSERT_NE(p, nullptr);
+  std::vector<unsigned char> data(n);
+  for (std::size_t i = 0; i < n; i += sizeof(std::uint64_t)) {
+    const std::uint64_t word = i * 0xD6E8FEB86659FD93ull + 7;
+    std::memcpy(data.data() + i, &word, sizeof word);
+  }
+  fill(p, data);
+
+  EXPECT_EQ(pool.migrate(p, MemoryLocation::host).bytes_moved, n);
+  VmmStats s = pool.stats();
+  EXPECT_EQ(s.migration_batches, 3u);
+  EXPECT_EQ(s.backings_created, chunks);
+  EXPECT_EQ(s.spare_host_reuses, 0u);
+  EXPECT_EQ(s.migrations_to_host, chunks);
+  EXPECT_GT(s.migration_backend_calls, 0u);
+  EXPECT_EQ(difference(p, data), -1);
+
+  EXPECT_EQ(pool.migrate(p, MemoryLocation::device).bytes_moved, n);
+  s = pool.stats();
+  EXPECT_EQ(s.spare_host_backings, chunks);  // every old host backing kept
+  EXPECT_EQ(s.spare_host_bytes, n);
+  EXPECT_EQ(difference(p, data), -1);
+
+  const std::uint64_t created = s.backings_created;
+  EXPECT_EQ(pool.migrate(p, MemoryLocation::host).bytes_moved, n);
+  s = pool.stats();
+  EXPECT_EQ(s.backings_created, created);  // no host memory created this time
+  EXPECT_EQ(s.spare_host_reuses, chunks);
+  EXPECT_EQ(s.spare_host_backings, 0u);
+  EXPECT_EQ(s.migration_batches, 9u);  // three per move
+  EXPECT_EQ(difference(p, data), -1);
+  pool.deallocate(p);
+}
+
+// Note [Migration batches]: a tag's ranges of one chunk each, evicted together, have their
+// host backings created ahead by helper threads; moved back and evicted again by pointer,
+// they take the spares instead.
+TEST_P(VmmMigrationTest, MovesOfManyRangesToTheHostCreateAheadOrTakeSpares) {
+  const std::size_t g = backend().granularity();
+  VmmPool pool(backend(), VmmPoolOptions{.device_budget_bytes = VmmPoolOptions::kNoDeviceBudget});
+  std::vector<void*> ranges;
+  std::vector<std::vector<unsigned char>> data;
+  for (int i = 0; i < 6; ++i) {
+    ranges.push_back(pool.allocate(g, kTagOptimizerState));
+    ASSERT_NE(ranges.back(), nullptr);
+    data.push_back(random_bytes(g, 60 + i));
+    fill(ranges.back(), data.back());
+  }
+  EXPECT_EQ(pool.migrate_tag(kTagOptimizerState, MemoryLocation::host).bytes_moved, 6 * g);
+  VmmStats s = pool.stats();
+  EXPECT_EQ(s.backings_created, 6u);
+  EXPECT_EQ(s.host_backed_bytes, 6 * g);
+  for (int i = 0; i < 6; ++i) EXPECT_EQ(difference(ranges[i], data[i]), -1) << i;
+
+  EXPECT_EQ(pool.migrate_tag(kTagOptimizerState, MemoryLocation::device).bytes_moved, 6 * g);
+  EXPECT_EQ(pool.stats().spare_host_backings, 6u);
+  // Four of them by pointer (one named twice, inside it): the spares serve, none created.
+  const void* ptrs[] = {ranges[4], ranges[1], static_cast<char*>(ranges[1]) + 5, ranges[0],
+                        ranges[5]};
+  const std::uint64_t created = pool.stats().backings_created;
+  EXPECT_EQ(pool.migrate_ranges_holding(ptrs, MemoryLocation::host).bytes_moved, 4 * g);
+  s = pool.stats();
+  EXPECT_EQ(s.backings_created, created + 0);
+  EXPECT_EQ(s.spare_host_reuses, 4u);
+  EXPECT_LE(s.spare_host_bytes, s.device_backed_bytes);
+  for (int i = 0; i < 6; ++i) EXPECT_EQ(difference(ranges[i], data[i]), -1) << i;
+  for (void* p : ranges) pool.deallocate(p);
+  EXPECT_EQ(pool.stats().spare_host_backings, 0u);
+}
+
+// Note [Spare host backings]: never more than the pool's device-backed bytes, none with
+// spare_host_bytes 0, and given back on request.
+TEST_P(VmmMigrationTest, SpareHostBackingsAreBoundedAndCanBeGivenBack) {
+  const std::size_t g = backend().granularity();
+  {
+    VmmPool pool(backend(), VmmPoolOptions{.device_budget_bytes = VmmPoolOptions::kNoDeviceBudget,
+                                           .spare_host_bytes = 0});
+    void* p = pool.allocate(2 * g, kTagOptimizerState, MemoryLocation::host);
+    pool.migrate(p, MemoryLocation::device);
+    EXPECT_EQ(pool.stats().spare_host_backings, 0u);
+    pool.deallocate(p);
+  }
+  VmmPool pool(backend(), VmmPoolOptions{.device_budget_bytes = VmmPoolOptions::kNoDeviceBudget});
+  void* a = pool.allocate(2 * g, kTagOptimizerState, MemoryLocation::host);
+  void* b = pool.allocate(g, kTagOptimizerState, MemoryLocation::host);
+  pool.migrate(a, MemoryLocation::device);
+  pool.migrate(b, MemoryLocation::device);
+  EXPECT_EQ(pool.stats().spare_host_bytes, 3 * g);
+  pool.deallocate(a);  // 1 granule left on the device: the 2-granule spare is of no use
+  VmmStats s = pool.stats();
+  EXPECT_LE(s.spare_host_bytes, s.device_backed_bytes);
+  EXPECT_EQ(s.spare_host_bytes, g);
+  // An allocation on the host takes a spare of its size.
+  void* c = pool.allocate(g, kTagOptimizerState, MemoryLocation::host);
+  EXPECT_EQ(pool.stats().spare_host_backings, 0u);
+  pool.migrate(c, MemoryLocation::device);
+  EXPECT_EQ(pool.stats().spare_host_backings, 1u);
+  pool.release_spare_host_backings();
+  s = pool.stats();
+  EXPECT_EQ(s.spare_host_backings, 0u);
+  EXPECT_EQ(s.spare_host_bytes, 0u);
+  EXPECT_EQ(s.deferred_releases, 0u);
+  pool.deallocate(b);
+  pool.deallocate(c);
+}
+
 TEST_P(VmmMigrationTest, WithoutABudgetEverythingMoves) {
   const std::size_t g = backend().granularity();
   VmmPool pool(backend(), VmmPoolOptions{.device_budget_bytes = VmmPoolOptions::kNoDeviceBudget});
@@ -389,6 +564,8 @@ TEST_P(VmmMigrationFaultTest, OutOfDeviceMemoryOnAllocateIsNull) {
 INSTANTIATE_TEST_SUITE_P(Backends, VmmMigrationTest, TIDEPOOL_TIERING_BACKENDS,
                          tiering_test::backend_name);
 INSTANTIATE_TEST_SUITE_P(Backends, VmmBudgetConfigTest, TIDEPOOL_TIERING_BACKENDS,
+                         tiering_test::backend_name);
+INSTANTIATE_TEST_SUITE_P(Backends, VmmSpanningCopyTest, TIDEPOOL_TIERING_BACKENDS,
                          tiering_test::backend_name);
 #ifndef TIDEPOOL_TIERING_GPU_BUILD  // fault injection exists on the host backend only
 INSTANTIATE_TEST_SUITE_P(Host, VmmMigrationFaultTest, ::testing::Values(BackendKind::host),
