@@ -61,8 +61,14 @@ struct HostArenaOptions {
   // configured tidepool.pinned_budget (allocator/tier_routing.h) when there is one,
   // else a quarter of physical memory.
   std::size_t pinned_budget_bytes = 0;
-  // Cap the budget at RLIMIT_MEMLOCK when that limit is finite.
-  bool respect_memlock_limit = true;
+  // Cap the budget at RLIMIT_MEMLOCK when that limit is finite. Off by default: neither
+  // backend pins through mlock (cudaHostRegister pins in the driver, which RLIMIT_MEMLOCK
+  // does not bound; the host backend only records registrations), so on a machine with the
+  // usual 8 MiB limit the cap sent all but 8 MiB of the state to pageable memory, which
+  // the GPU copies at a fraction of the pinned rate without overlap (a suspect for the
+  // tiered optimizer steps at 1/15 of the link on the H200, 2026-12-04). For a backend that
+  // pins with mlock.
+  bool respect_memlock_limit = false;
   // Serve from pageable memory when pinned memory is unavailable (else throw).
   bool allow_pageable_fallback = true;
   // Print one "tidepool: ..." line on stderr at this arena's first pageable fallback

@@ -217,6 +217,21 @@ class MemlockLimit {
   rlimit saved_{};
 };
 
+// By default the locked-memory limit does not bound pinned memory (neither backend pins
+// with mlock; HostArenaOptions::respect_memlock_limit): under the usual 8 MiB limit, a
+// 16 MiB block is still pinned.
+TEST_P(HostArenaTest, ByDefaultTheLockedMemoryLimitDoesNotCapPinnedMemory) {
+  const MemlockLimit eight_mib;
+  HostArenaOptions o;
+  o.pinned_budget_bytes = std::size_t{1} << 30;
+  HostArena arena(backend(), o);
+  EXPECT_EQ(arena.pinned_budget_bytes(), std::size_t{1} << 30);
+  EXPECT_FALSE(arena.stats().budget_capped_by_memlock);
+  HostBlock block = arena.allocate(std::size_t{16} << 20);
+  EXPECT_EQ(block.tier, HostTier::pinned);
+  arena.deallocate(block);
+}
+
 HostArenaOptions memlock_capped_options() {
   HostArenaOptions o;
   o.pinned_budget_bytes = std::size_t{1} << 30;  // "requested", then capped
