@@ -568,26 +568,16 @@ MigrationResult VmmPool::migrate_tag(int tag, MemoryLocation to) {
               [](const Range* a, const Range* b) { return a->sequence < b->sequence; });
     if (to == MemoryLocation::host) supply = host_supply_locked(planned);
   }
-  MigrationResult total;
-  try {
+  return with_supply(supply, [&] {
+    MigrationResult total;
     for (const auto& [sequence, base] : order) {
       std::lock_guard lock(mutex_);
       auto it = ranges_.find(base);
       if (it == ranges_.end() || it->second.sequence != sequence) continue;  // freed meanwhile
       total += migrate_locked(it->second, to, budget, supply.get());
     }
-  } catch (...) {
-    if (supply) {
-      std::lock_guard lock(mutex_);
-      finish_supply_locked(*supply);
-    }
-    throw;
-  }
-  if (supply) {
-    std::lock_guard lock(mutex_);
-    finish_supply_locked(*supply);
-  }
-  return total;
+    return total;
+  });
 }
 
 MigrationResult VmmPool::migrate_ranges_holding(std::span<const void* const> ptrs,
@@ -611,8 +601,8 @@ MigrationResult VmmPool::migrate_ranges_holding(std::span<const void* const> ptr
   // by a range allocated after one was freed). The lock is let go between ranges, as in
   // migrate_tag.
   std::unordered_set<std::uint64_t> visited;
-  MigrationResult total;
-  try {
+  return with_supply(supply, [&] {
+    MigrationResult total;
     for (const void* ptr : ptrs) {
       if (ptr == nullptr) continue;
       std::lock_guard lock(mutex_);
@@ -620,17 +610,25 @@ MigrationResult VmmPool::migrate_ranges_holding(std::span<const void* const> ptr
       if (r == nullptr || !visited.insert(r->sequence).second) continue;
       total += migrate_locked(*r, to, budget, supply.get());
     }
-  } catch (...) {
-    if (supply) {
-      std::lock_guard lock(mutex_);
-      finish_supply_locked(*supply);
-    }
-    throw;
-  }
-  if (supply) {
+    return total;
+  });
+}
+
+MigrationResult VmmPool::with_supply(std::unique_ptr<BackingSupply>& supply,
+                                     const std::function<MigrationResult()>& moves) {
+  auto finish = [&] {
+    if (!supply) return;
     std::lock_guard lock(mutex_);
     finish_supply_locked(*supply);
+  };
+  MigrationResult total;
+  try {
+    total = moves();
+  } catch (...) {
+    finish();
+    throw;
   }
+  finish();
   return total;
 }
 

@@ -57,6 +57,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -301,6 +302,10 @@ class TIDEPOOL_API VmmPool {
   // Hands back what `supply` made and no move took (Note [Spare host backings]), and adds
   // its figures to the stats.
   void finish_supply_locked(BackingSupply& supply);
+  // Runs `moves` (which locks per range), then finishes `supply` (if any) under the lock,
+  // also when `moves` throws: a multi-range migration's backings all go back or are kept.
+  MigrationResult with_supply(std::unique_ptr<BackingSupply>& supply,
+                              const std::function<MigrationResult()>& moves);
   // Of chunk `sizes` about to move to the host, those the spares do not cover.
   std::vector<std::size_t> sizes_beyond_spares_locked(const std::vector<std::size_t>& sizes) const;
   // The chunks plan[begin, end) of `r`, one batch; `moved`
