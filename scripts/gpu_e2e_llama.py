@@ -6,8 +6,8 @@ torch.optim.AdamW, once plainly and once with PYTORCH_CUDA_ALLOC_CONF=backend:ti
 Checks, each in a fresh process (the allocator is chosen at process start):
   plain       the reference: losses, peak device memory, step time;
   tidepool    the same training through the .pth hook: bitwise the same losses, peak
-              device memory lower by >= 90% of the optimizer-state bytes (steady state,
-              steps after the first), step-time overhead against the floor of moving
+              device memory lower by >= 90% of the optimizer-state bytes (the whole
+              run's peak, first step included), step-time overhead against the floor of moving
               that state across the link (in and out, 93.2 GB/s measured both ways at
               once on the H200, DESIGN.md);
   cap_plain / cap_tidepool
@@ -282,14 +282,19 @@ def driver(args) -> int:
           {"plain": plain.get("losses_readable"), "tidepool": tp.get("losses_readable")})
     state = plain["state_bytes"]
     if args.device == "cuda" and "peak_device_bytes" in tp:
-        p_peak = plain["peak_device_bytes"].get("steady", 0)
-        t_peak = tp["peak_device_bytes"].get("steady", 0)
+        # The whole run's peak, first step included: the step that creates the state
+        # counts as much as the others (on 2026-12-04 only the steady peak was compared,
+        # and tidepool's first step peaked above all of the plain run).
+        p_peak = max(plain["peak_device_bytes"].values(), default=0)
+        t_peak = max(tp["peak_device_bytes"].values(), default=0)
         saved = p_peak - t_peak
         check("peak_lower_by_90pct_of_state", saved >= 0.9 * state,
-              {"plain_steady_peak": p_peak, "tidepool_steady_peak": t_peak, "saved": saved,
+              {"plain_peak": p_peak, "tidepool_peak": t_peak, "saved": saved,
                "state_bytes": state, "saved_fraction_of_state": saved / state,
                "first_step_peaks": [plain["peak_device_bytes"].get("first_step"),
-                                    tp["peak_device_bytes"].get("first_step")]})
+                                    tp["peak_device_bytes"].get("first_step")],
+               "steady_peaks": [plain["peak_device_bytes"].get("steady"),
+                                tp["peak_device_bytes"].get("steady")]})
         floor = 2 * state / LINK_GBPS_BOTH_WAYS
         overhead = (tp["steady_step_seconds"] or 0) - (plain["steady_step_seconds"] or 0)
         summary["step_time"] = {"plain_s": plain["steady_step_seconds"],

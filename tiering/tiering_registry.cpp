@@ -156,15 +156,18 @@ namespace {
 // Note [State pushed out under pressure]
 // A pointer-stable range is state the GPU reaches wherever its backing is: on the host it
 // is read and written over the link, at the same address. So when the device runs out,
-// the ranges on it make room before anything fails: a fresh range that finds no device
-// memory (allocate_tierable_range) first has the caching allocator give back its cached
-// blocks, then moves older ranges to the host, oldest first, until it fits; and the
-// caching allocator's own OOM policy, through the reclaim hook (reclaim_tiered_stores),
-// moves ranges after the tiered stores have given what they could. A foreach AdamW's
-// first step needs all of its state at once, with temporaries of the same size: under a
-// memory cap below that, the step goes on with part of the state in host memory instead
-// of raising OutOfMemoryError (on the H200 on 2026-12-04 a cap between the steady-state
-// peaks of the plain and the tidepool runs stopped both at their first step). Moving a
+// the ranges on it make room before anything fails: the caching allocator's OOM policy,
+// through the reclaim hook (reclaim_tiered_stores), moves ranges after the tiered stores
+// have given what they could; and where no state budget is configured (the C ABI used
+// without tidepool's configuration; with one, new state goes where the budget puts it,
+// Note [New state where the budget puts it] in vmm_migration.cpp, on the host when the
+// device is full), a fresh range that finds no device memory (allocate_tierable_range)
+// first has the caching allocator give back its cached blocks, then moves older ranges
+// to the host, oldest first, until it fits. A foreach AdamW's first step needs all of
+// its state at once, with temporaries of the same size: under a memory cap below that,
+// the step goes on with part of the state in host memory instead of raising
+// OutOfMemoryError (on the H200 on 2026-12-04 a cap between the steady-state peaks of
+// the plain and the tidepool runs stopped both at their first step). Moving a
 // range waits for the streams that used it, in the middle of an allocation: the price
 // of going on. Only the route's tags are moved (optimizer_state): ranges the tiering C
 // ABI made under other tags are their owner's to place.
@@ -196,8 +199,13 @@ std::size_t push_ranges_to_host(VmmPool& pool, std::size_t bytes_needed) {
 
 void* allocate_tierable_range(int device, std::size_t bytes, int tag, Stream stream) {
   VmmPool& pool = tiering_vmm_pool(device);
-  void* p = pool.allocate(bytes, tag, MemoryLocation::device);
-  if (p == nullptr) {
+  // Note [New state where the budget puts it] (vmm_migration.cpp): with tidepool
+  // configured there is a state budget (0 unless tidepool.state_budget says otherwise),
+  // and new state goes where the prefetches will keep it; without one, on the device.
+  const bool budgeted = pool.device_budget_bytes().has_value();
+  void* p = budgeted ? pool.allocate_within_budget(bytes, tag)
+                     : pool.allocate(bytes, tag, MemoryLocation::device);
+  if (p == nullptr && !budgeted) {
     // Note [State pushed out under pressure]: the cache first, then older state.
     device_allocator(device).empty_cache();
     p = pool.allocate(bytes, tag, MemoryLocation::device);

@@ -190,6 +190,12 @@ class TIDEPOOL_API VmmPool {
   // Returns nullptr when `where` is out of memory; throws TieringError for bad input
   // (bytes == 0) and BackendError-caused failures (as TieringError).
   void* allocate(std::size_t bytes, int tag, MemoryLocation where = MemoryLocation::device);
+  // A range of at least `bytes` placed chunk by chunk as a prefetch would place it: on the
+  // device while the device budget has free room for the chunk, and on the host past it
+  // or when the device has no memory for it; all on the device when there is no budget
+  // (Note [New state where the budget puts it] in vmm_migration.cpp). Returns nullptr
+  // only when the host is out of memory too; throws as allocate().
+  void* allocate_within_budget(std::size_t bytes, int tag);
   // Waits for the streams recorded as users (record_use), then unmaps and releases the
   // range. Pre: ptr came from allocate(). Throws TieringError for a pointer the pool does
   // not own, and when an unmap fails: the range then stays allocated, less what was
@@ -316,6 +322,9 @@ class TIDEPOOL_API VmmPool {
   // The chunk's new backing, copied and mapped at the scratch slot `slot`, in its place.
   void swap_chunk_locked(Range& r, Chunk& c, PhysicalHandle fresh, std::size_t slot,
                          MemoryLocation to);
+  // Where allocate_range puts a range's chunks.
+  enum class Placement { device, host, within_budget };
+  void* allocate_range(std::size_t bytes, int tag, Placement placement);
   // Note [Spare host backings].
   PhysicalHandle take_spare_locked(std::size_t bytes);
   void keep_or_release_locked(PhysicalHandle old, std::size_t bytes, MemoryLocation where);

@@ -118,5 +118,41 @@ TEST_F(StatePressureTest, WhatCannotFitEvenWithAllStateOnTheHostIsStillAClearOom
   EXPECT_TRUE(holds(state_.front(), 0x11)) << "the state is intact wherever it is";
 }
 
+// Note [New state where the budget puts it] (tiering/vmm_migration.cpp): with tidepool
+// configured, the budget places new state, so none of it has to be pushed out.
+TEST_F(StatePressureTest, ConfiguredWithTheDefaultBudgetNewStateIsMadeOnTheHost) {
+  const tiering_test::ConfigScope config("backend:tidepool");  // state_budget 0
+  const VmmStats before = pool().stats();
+  constexpr int kRanges = static_cast<int>(2 * kCapacity / kRange);
+  for (int i = 0; i < kRanges; ++i) {
+    void* p = new_state(static_cast<unsigned char>(0x60 + i));
+    ASSERT_NE(p, nullptr) << "range " << i << ": " << tidepool_last_error();
+    EXPECT_EQ(pool().bytes_in(p, MemoryLocation::host), kRange) << "range " << i;
+  }
+  for (int i = 0; i < kRanges; ++i) {
+    EXPECT_TRUE(holds(state_[static_cast<std::size_t>(i)], static_cast<unsigned char>(0x60 + i)))
+        << "range " << i;
+  }
+  const VmmStats after = pool().stats();
+  EXPECT_EQ(after.device_backed_bytes, before.device_backed_bytes);
+  EXPECT_EQ(after.bytes_to_host, before.bytes_to_host) << "nothing had to be moved";
+}
+
+TEST_F(StatePressureTest, ConfiguredWithABudgetTheFirstStateIsMadeOnTheDevice) {
+  const tiering_test::ConfigScope config("backend:tidepool,tidepool.state_budget:16MiB");
+  const VmmStats before = pool().stats();
+  for (int i = 0; i < 4; ++i) {
+    void* p = new_state(static_cast<unsigned char>(0x70 + i));
+    ASSERT_NE(p, nullptr) << "range " << i << ": " << tidepool_last_error();
+    EXPECT_EQ(pool().bytes_in(p, i < 2 ? MemoryLocation::device : MemoryLocation::host), kRange)
+        << "range " << i << ": two fit in the budget";
+  }
+  EXPECT_EQ(pool().stats().device_backed_bytes, before.device_backed_bytes + 2 * kRange);
+  for (int i = 0; i < 4; ++i) {
+    EXPECT_TRUE(holds(state_[static_cast<std::size_t>(i)], static_cast<unsigned char>(0x70 + i)))
+        << "range " << i;
+  }
+}
+
 }  // namespace
 }  // namespace tidepool
