@@ -110,6 +110,7 @@ void AndersonHistory::push(const torch::Tensor& x) {
   append_or_roll_back(x, rollback, [&] {
     if (dropped) columns_.push_front(std::move(*dropped));
   });
+  if (dropped) keep_spare(std::move(*dropped));
 }
 
 void AndersonHistory::replace_newest(const torch::Tensor& x) {
@@ -118,6 +119,7 @@ void AndersonHistory::replace_newest(const torch::Tensor& x) {
   Column dropped = std::move(columns_.back());
   drop_newest_column();
   append_or_roll_back(x, rollback, [&] { columns_.push_back(std::move(dropped)); });
+  keep_spare(std::move(dropped));
 }
 
 template <class PutBackDropped>
@@ -127,7 +129,11 @@ void AndersonHistory::append_or_roll_back(const torch::Tensor& x, const Rollback
   try {
     append(x);
   } catch (...) {
-    if (columns_.size() > before) columns_.pop_back();
+    if (columns_.size() > before) {  // stored, then the pass failed
+      Column stored = std::move(columns_.back());
+      columns_.pop_back();
+      keep_spare(std::move(stored));
+    }
     put_back_dropped();
     gram_ = rollback.gram;
     rhs_ = rollback.rhs;
@@ -163,13 +169,35 @@ void AndersonHistory::drop_newest_column() {
   if (k > 0) gram_ = gram_.slice(0, 0, k - 1).slice(1, 0, k - 1).contiguous();
 }
 
-AndersonHistory::Column AndersonHistory::store(const torch::Tensor& x) const {
-  Column column;
-  for (int64_t start = 0; start < x.numel(); start += kStoreChunk) {
-    column.push_back(
-        placement_->create(x.narrow(0, start, std::min(kStoreChunk, x.numel() - start))));
+AndersonHistory::Column AndersonHistory::store(const torch::Tensor& x) {
+  const auto chunk = [&](size_t c) {
+    const int64_t start = static_cast<int64_t>(c) * kStoreChunk;
+    return x.narrow(0, start, std::min(kStoreChunk, x.numel() - start));
+  };
+  const auto chunks = static_cast<size_t>((x.numel() + kStoreChunk - 1) / kStoreChunk);
+  // Note [Reusing dropped columns]. The spare fits a vector of the history's length; after
+  // restore() (another length, dtype or device) it may not, and goes.
+  Column column = std::exchange(spare_, Column());
+  const bool fits = !column.empty() && column.size() == chunks &&
+                    column.back()->sizes() == chunk(chunks - 1).sizes() &&
+                    x.scalar_type() == column.front()->options().dtype() &&
+                    x.device() == column.front()->options().device();
+  if (fits) {
+    try {
+      for (size_t c = 0; c < chunks; ++c) column[c]->overwrite(chunk(c));
+    } catch (...) {
+      spare_ = std::move(column);
+      throw;
+    }
+    return column;
   }
+  column.clear();
+  for (size_t c = 0; c < chunks; ++c) column.push_back(placement_->create(chunk(c)));
   return column;
+}
+
+void AndersonHistory::keep_spare(Column column) noexcept {
+  if (placement_->reuse_dropped_buffers()) spare_ = std::move(column);
 }
 
 void AndersonHistory::append(const torch::Tensor& x) {

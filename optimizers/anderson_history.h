@@ -79,6 +79,20 @@
 // evicts them when it needs the room, or frees them with their vector; nothing stays
 // acquired.
 //
+// Note [Reusing dropped columns]
+// push drops the oldest vector once the history is full, replace_newest drops the newest,
+// and both then store a vector of the same length. In the tiered store a new column was
+// a new handle per chunk, each a host block allocated and zeroed, and the dropped column's
+// were destroyed: hundreds of blocks per step for a large model (the H200 run). Where the
+// placement asks for it (StatePlacement::reuse_dropped_buffers), the dropped column is
+// kept as a spare and the next vector stored is written over its buffers
+// (StateBuffer::overwrite): once the ring has been full, a step creates and destroys no
+// buffer. Not the column the same call drops: Note [A failed push] needs it intact until
+// the new vector is in. So the placement holds at most depth + 1 columns, as it did while
+// a push or a replacement ran. The spare is never read, prefetched or saved, and its
+// contents are nobody's (a failed overwrite leaves it a spare). Bits do not change: every
+// byte of the spare is written before any pass reads the column.
+//
 // Why not linalg::GramAccumulator: it keeps every column as a whole tensor it reads again
 // for each new inner product, and its columns would be the k DR differences (a second
 // depth × parameters copy). Here only the iterates x are stored, DR is formed in fp64 from
@@ -178,11 +192,16 @@ class TIDEPOOL_API AndersonHistory {
   void append_or_roll_back(const torch::Tensor& x, const Rollback& rollback,
                            PutBackDropped put_back_dropped);
   void update_matrices(const torch::Tensor& newest);
-  Column store(const torch::Tensor& x) const;
+  // x in chunks: written over the spare when it fits x, else in new buffers.
+  Column store(const torch::Tensor& x);
+  // A column no longer in the history becomes the spare (or goes, when the placement
+  // does not reuse buffers): Note [Reusing dropped columns].
+  void keep_spare(Column column) noexcept;
 
   int64_t depth_;
   std::shared_ptr<StatePlacement> placement_;
   std::deque<Column> columns_;
+  Column spare_;  // empty when there is none
   int64_t length_ = 0;
   torch::Tensor gram_;  // fp64 CPU, k×k
   torch::Tensor rhs_;   // fp64 CPU, k

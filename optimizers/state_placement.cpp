@@ -58,6 +58,30 @@ torch::Tensor StateBuffer::read_host() const {
   return do_read_host();
 }
 
+void StateBuffer::overwrite(const torch::Tensor& contents) {
+  TORCH_CHECK(!acquired_, "tidepool: StateBuffer::overwrite while the buffer is acquired");
+  TORCH_CHECK(contents.sizes() == at::IntArrayRef(sizes_) &&
+                  contents.scalar_type() == options_.dtype() &&
+                  contents.device() == options_.device(),
+              "tidepool: StateBuffer::overwrite with a tensor of shape ", contents.sizes(), " (",
+              contents.scalar_type(), ", ", contents.device(), ") for a buffer of shape ",
+              at::IntArrayRef(sizes_), " (", options_.dtype(), ", ", options_.device(), ")");
+  do_overwrite(contents);
+}
+
+void StateBuffer::do_overwrite(const torch::Tensor& contents) {
+  torch::Tensor working = acquire();
+  try {
+    working.copy_(contents, /*non_blocking=*/true);  // on the current stream (CUDA)
+  } catch (...) {
+    working = torch::Tensor();
+    release(/*dirty=*/false);
+    throw;
+  }
+  working = torch::Tensor();  // drop our view before the placement may move the bytes
+  release(/*dirty=*/true);
+}
+
 namespace {
 
 // ---- resident: the tensor is the state ----------------------------------------------------
@@ -73,6 +97,10 @@ class ResidentBuffer final : public StateBuffer {
   void do_release(torch::Tensor& working, bool /*dirty*/) override {
     // The working tensor is the storage itself: writes already landed.
     (void)working;
+  }
+  // Into the storage itself, on the current stream (CUDA) like create()'s clone.
+  void do_overwrite(const torch::Tensor& contents) override {
+    tensor_.copy_(contents, /*non_blocking=*/true);
   }
   // Blocking: a non_blocking copy from the device would hand a checkpoint a pinned host
   // tensor the copy may not have filled yet (nothing else waits for it).

@@ -9,6 +9,10 @@
 //   release(dirty)    ends the use; with dirty = true the tensor's contents are the new
 //                     contents of the buffer (written back where the placement keeps them).
 //   read_host()       a CPU copy of the contents (for saving), allowed when not acquired.
+//   overwrite(t)      makes `t` (same shape, dtype and compute device) the contents,
+//                     whatever they were, when not acquired: a buffer kept for reuse is
+//                     written over where a new one would be created (AADL's history,
+//                     Note [Reusing dropped columns] in anderson_history.h).
 // Copies are ordered with the compute device's current stream (enqueued on it, or on copy
 // streams that events tie to it), so a result never depends on where the state lives:
 // placements move bytes, they do not round or reorder arithmetic.
@@ -59,6 +63,10 @@ class TIDEPOOL_API StateBuffer {
   torch::Tensor acquire();
   void release(bool dirty);
   torch::Tensor read_host() const;
+  // Replaces the contents with `contents`, ordered as StatePlacement::create orders its
+  // copy (complete, or on the compute device's current stream, when it returns). If it
+  // throws, the contents are unspecified: the buffer is still usable, to be written again.
+  void overwrite(const torch::Tensor& contents);
 
   bool acquired() const noexcept { return acquired_; }
   const torch::TensorOptions& options() const noexcept { return options_; }
@@ -72,6 +80,9 @@ class TIDEPOOL_API StateBuffer {
   virtual torch::Tensor do_acquire() = 0;
   virtual void do_release(torch::Tensor& working, bool dirty) = 0;
   virtual torch::Tensor do_read_host() const = 0;
+  // Default: acquire, copy on the compute device, release dirty (what a placement without
+  // a cheaper route does: a host-staged buffer loads its old contents first).
+  virtual void do_overwrite(const torch::Tensor& contents);
 
   std::vector<int64_t> sizes_;
   torch::TensorOptions options_;  // dtype and compute device of the acquired tensor
@@ -129,6 +140,14 @@ class TIDEPOOL_API StatePlacement {
   virtual std::unique_ptr<StateBuffer> create_zeros(at::IntArrayRef sizes,
                                                     const torch::TensorOptions& options);
   virtual std::string name() const = 0;
+  // Whether an owner that drops buffers and soon needs like ones (AADL's history drops a
+  // vector and stores one every step) should keep a dropped buffer and overwrite() it
+  // instead of creating a new one: true where creating costs more than the memory kept
+  // (TieredPlacement: a host block allocated and zeroed by the store, freed on destroy).
+  // Default false: a kept buffer holds its memory between uses, and the placements here
+  // get new buffers from caches (LibTorch's device and pinned-host allocators) that hand
+  // the block just freed back for the next one anyway.
+  virtual bool reuse_dropped_buffers() const { return false; }
   // Step boundaries (see the top of this file). Default: nothing to learn.
   virtual void begin_step() {}
   virtual void end_step() {}

@@ -31,6 +31,12 @@ std::uint64_t next_schedule_key() {
   return next.fetch_add(1, std::memory_order_relaxed);
 }
 
+// Whether `contents` enters the store on the device (Note [Creating on the device]).
+bool copies_on_device(InitialCopy mode, const torch::Tensor& contents) {
+  return mode == InitialCopy::on_device ||
+         (mode == InitialCopy::automatic && contents.is_cuda());
+}
+
 // Note [Creating on the device]
 // A CUDA tensor used to enter the store through host memory: a blocking copy to a
 // pageable CPU tensor (which waits for the whole compute stream), then a host memcpy into
@@ -45,6 +51,21 @@ std::uint64_t next_schedule_key() {
 // room now (every byte of the budget acquired), the buffer is created through host
 // memory as before. create_zeros creates the handle in host memory, which the store
 // fills with zeros: nothing to copy at all.
+//
+// Note [Overwriting on the device]
+// overwrite() takes the route create() would take, into the handle the buffer already
+// has: acquired on the use stream, filled there by a device-to-device copy, released
+// dirty and written back (or kept) as a release would. A handle still on the device (the
+// budget holds the state, or write-back on demand) costs only that copy. A handle written
+// back since its last use is loaded first: the store's acquire always brings the latest
+// contents and has no form that skips the load for a caller about to write every byte.
+// So writing over a buffer moves its bytes host → device once more, on the store's H2D
+// stream (an acquire that misses, in the store's stats), where creating one allocated a
+// host block and zeroed it on the calling thread, and zeroed a device buffer (and
+// destroying the dropped one freed both); an acquire that skipped the load would leave
+// just the copy and the write-back. With no room on the device now
+// (every byte of the budget acquired), the buffer is written through host memory, as
+// create() does.
 class TieredBuffer final : public StateBuffer {
  public:
   // A buffer of `sizes`/`options` holding `initial` (zeros when null), copied on the
@@ -135,6 +156,25 @@ class TieredBuffer final : public StateBuffer {
     return shared_->live_bytes.load() > store_->device_budget_bytes();
   }
 
+  // `h`, acquired on `stream` at `ptr`: fills it with `contents` there and releases it
+  // dirty, then writes it back now (on the D2H stream, after the copy) or keeps it, as a
+  // release would. When the copy fails, `h` is released clean.
+  void fill_acquired(TieredStore::Handle h, void* ptr, Stream stream,
+                     const torch::Tensor& contents) {
+    try {
+      note_device_bytes();
+      // CPU compute runs on this thread: wait for the handle's device copy first.
+      if (!options().device().is_cuda()) store_->backend().stream_synchronize(stream);
+      // On the use stream for CUDA tensors (the current one of their device).
+      torch::from_blob(ptr, sizes(), options()).copy_(contents, /*non_blocking=*/true);
+    } catch (...) {
+      store_->release(h, /*dirty=*/false);
+      throw;
+    }
+    store_->release(h, /*dirty=*/true);
+    if (write_back_on_release()) store_->evict(h);
+  }
+
   // Note [Creating on the device]. False, with nothing created, when the store has no
   // room for the handle on the device now.
   bool create_on_device(const torch::Tensor& initial, int tag) {
@@ -146,20 +186,7 @@ class TieredBuffer final : public StateBuffer {
     }
     try {
       const Stream stream = use_stream();
-      void* ptr = store_->acquire(h, stream);
-      try {
-        note_device_bytes();
-        // CPU compute runs on this thread: wait for the handle's device copy first.
-        if (!options().device().is_cuda()) store_->backend().stream_synchronize(stream);
-        // On the use stream for CUDA tensors (the current one of their device).
-        torch::from_blob(ptr, sizes(), options()).copy_(initial, /*non_blocking=*/true);
-      } catch (...) {
-        store_->release(h, /*dirty=*/false);
-        throw;
-      }
-      store_->release(h, /*dirty=*/true);
-      // Written back now (on the D2H stream, after the copy) or kept, as a release would.
-      if (write_back_on_release()) store_->evict(h);
+      fill_acquired(h, store_->acquire(h, stream), stream, initial);
     } catch (...) {
       try {
         store_->destroy(h);
@@ -173,14 +200,39 @@ class TieredBuffer final : public StateBuffer {
   }
 
   void create_through_host(const torch::Tensor& initial, int tag) {
-    const torch::Tensor host = initial.to(torch::kCPU).contiguous();
-    handle_ = store_->create(host.nbytes(), tag);
+    handle_ = store_->create(bytes_, tag);
     try {
-      store_->write(handle_, host.data_ptr());
+      write_through_host(initial);
     } catch (...) {
       store_->destroy(handle_);
       throw;
     }
+  }
+
+  // The host bytes of `contents` become the handle's (a CPU tensor's own, uncopied).
+  void write_through_host(const torch::Tensor& contents) {
+    const torch::Tensor host = contents.to(torch::kCPU).contiguous();
+    store_->write(handle_, host.data_ptr());
+  }
+
+  // Note [Overwriting on the device].
+  void do_overwrite(const torch::Tensor& contents) override {
+    if (copies_on_device(shared_->initial_copy.load(), contents)) {
+      const Stream stream = use_stream();
+      void* ptr = nullptr;
+      try {
+        ptr = store_->acquire(handle_, stream);
+      } catch (const TieringError&) {
+        // No room on the device now: through host memory below.
+      }
+      if (ptr != nullptr) {
+        fill_acquired(handle_, ptr, stream, contents);
+        shared_->overwritten_on_device++;
+        return;
+      }
+    }
+    write_through_host(contents);
+    shared_->overwritten_through_host++;
   }
 
   void do_prefetch() override {
@@ -242,8 +294,7 @@ TieredPlacement::TieredPlacement(std::shared_ptr<TieredStore> store, Stream host
 TieredPlacement::~TieredPlacement() { store_->retire_schedule(schedule_key_); }
 
 std::unique_ptr<StateBuffer> TieredPlacement::create(const torch::Tensor& initial) {
-  const bool on_device = initial_copy_ == InitialCopy::on_device ||
-                         (initial_copy_ == InitialCopy::automatic && initial.is_cuda());
+  const bool on_device = copies_on_device(shared_->initial_copy.load(), initial);
   return std::make_unique<TieredBuffer>(initial.sizes(), initial.options(), &initial, on_device,
                                         store_, host_stream_, tag_, write_back_, shared_);
 }

@@ -32,6 +32,15 @@
 //   - create(initial) of a CPU tensor: `initial` is written into the handle's host memory.
 //   set_initial_copy(InitialCopy::on_device) takes the device route for CPU tensors too
 //   (the host backend's tests run it that way).
+// Overwriting a buffer (StateBuffer::overwrite; AADL's history writes each new vector
+// over the buffers of one it dropped, Note [Reusing dropped columns] in
+// anderson_history.h): the same routes into the handle the buffer has, with no handle
+// created or destroyed, so no host block allocated, zeroed and freed:
+//   - through host memory: the store's write() of the host bytes (drops any device copy);
+//   - on the device: the handle is acquired on the use stream, filled there and released
+//     dirty, then written back or kept as for create. The store has no acquire that skips
+//     the load, so a handle not on the device loads its old contents first (Note
+//     [Overwriting on the device] in tiered_placement.cpp).
 // peak_device_bytes(): the most device memory the store held, sampled after every
 // prefetch and acquire made through this placement and every buffer created on the
 // device (the only calls that allocate device memory), since construction or the last
@@ -88,6 +97,11 @@ class TIDEPOOL_API TieredPlacement final : public StatePlacement {
     // Buffers created from a tensor on the device / through host memory (see above).
     std::atomic<std::uint64_t> created_on_device{0};
     std::atomic<std::uint64_t> created_through_host{0};
+    // Buffers overwritten (StateBuffer::overwrite) on the device / through host memory.
+    std::atomic<std::uint64_t> overwritten_on_device{0};
+    std::atomic<std::uint64_t> overwritten_through_host{0};
+    // The placement's set_initial_copy, which its buffers' overwrite() follows too.
+    std::atomic<InitialCopy> initial_copy{InitialCopy::automatic};
   };
 
   // `store` must outlive every buffer created here (the shared_ptr keeps it alive).
@@ -104,8 +118,10 @@ class TIDEPOOL_API TieredPlacement final : public StatePlacement {
   std::unique_ptr<StateBuffer> create_zeros(at::IntArrayRef sizes,
                                             const torch::TensorOptions& options) override;
   std::string name() const override { return "tiered"; }
-  void set_initial_copy(InitialCopy mode) noexcept { initial_copy_ = mode; }
-  InitialCopy initial_copy() const noexcept { return initial_copy_; }
+  // Creating a handle allocates and zeroes a host block, destroying it frees the block.
+  bool reuse_dropped_buffers() const override { return true; }
+  void set_initial_copy(InitialCopy mode) noexcept { shared_->initial_copy = mode; }
+  InitialCopy initial_copy() const noexcept { return shared_->initial_copy.load(); }
   // The store's recorded schedule (see the top of this file).
   void begin_step() override { store_->begin_step(schedule_key_); }
   void end_step() override { store_->end_step(); }
@@ -126,7 +142,6 @@ class TIDEPOOL_API TieredPlacement final : public StatePlacement {
   Stream host_stream_;
   int tag_;
   WriteBack write_back_;
-  InitialCopy initial_copy_ = InitialCopy::automatic;
   std::uint64_t schedule_key_;  // this placement's schedule in the store, unique in the process
   std::shared_ptr<Shared> shared_ = std::make_shared<Shared>();
 };

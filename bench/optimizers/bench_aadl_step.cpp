@@ -20,9 +20,15 @@
 // floor_ms, floor_ratio (step time ÷ floor), and B/param actually moved per step. The
 // tiered store's host memory is pinned (Note [Benchmark stores are pinned] in
 // bench_common.h) and it reports its per-step counters (tiered_step_counters there), with
-// chunks_stored (stored chunks per step) and through_host (of those, the ones that went
-// through host memory: on CUDA those the store had no device room for, Note [Creating on
-// the device] in tiered_placement.cpp; on the CPU all of them, by design).
+// chunks_stored (stored chunks per step), chunks_created (of those, the ones stored in
+// new buffers: 0 after the first push into a full ring, an untimed step, since each new
+// vector is written over the buffers of one the ring dropped, Note [Reusing dropped
+// columns] in anderson_history.h; host_allocs, the store's host blocks per step, is 0
+// then too) and through_host (of the stored chunks, the ones that went through host
+// memory: on CUDA those the store had no device room for, Note [Creating on the device]
+// in tiered_placement.cpp; on the CPU all of them, by design). Writing over a buffer the
+// store has written back loads its old contents first (Note [Overwriting on the device]
+// there): 4N bytes H2D per step beyond the floor, and one miss per stored chunk.
 // On the CPU there is no link: the counters are params/s, and the resident and tiered
 // (host backend) placements compare the store's overhead.
 #include <benchmark/benchmark.h>
@@ -90,17 +96,31 @@ void run_aadl(benchmark::State& state, torch::Device device, Where where) {
   tidepool::optim::AADL aadl(
       sgd, tidepool::optim::AADLOptions().history_depth(kDepth).relaxation(0.5).wait_iterations(0),
       placement);
-  for (int64_t i = 0; i < kDepth; ++i) aadl.step();  // a full ring before timing
+  // A full ring before timing, and one push into it: the tiered history then holds its
+  // spare column, as in every later step (Note [Reusing dropped columns]).
+  for (int64_t i = 0; i < kDepth + 1; ++i) aadl.step();
   sync(device);
   const LinkRates link = device.is_cuda() ? measure_link(device.index()) : LinkRates{};
   const int64_t to_device_before = staged ? staged->traffic().to_device.load() : 0;
   const int64_t to_host_before = staged ? staged->traffic().to_host.load() : 0;
   if (store) store->synchronize();
   const auto store_before = store ? store->stats() : tidepool::TieredStoreStats{};
-  const std::uint64_t created_before =
-      tiered ? tiered->counters().created_on_device + tiered->counters().created_through_host : 0;
-  const std::uint64_t through_host_before =
-      tiered ? tiered->counters().created_through_host.load() : 0;
+  // Chunks stored in new buffers, written over kept ones, and through host memory.
+  const auto created = [&] {
+    const auto& c = tiered->counters();
+    return c.created_on_device.load() + c.created_through_host.load();
+  };
+  const auto overwritten = [&] {
+    const auto& c = tiered->counters();
+    return c.overwritten_on_device.load() + c.overwritten_through_host.load();
+  };
+  const auto through_host = [&] {
+    const auto& c = tiered->counters();
+    return c.created_through_host.load() + c.overwritten_through_host.load();
+  };
+  const std::uint64_t created_before = tiered ? created() : 0;
+  const std::uint64_t overwritten_before = tiered ? overwritten() : 0;
+  const std::uint64_t through_host_before = tiered ? through_host() : 0;
 
   double elapsed_s = 0;  // the same wall time the benchmark reports (UseRealTime)
   for (auto _ : state) {
@@ -125,14 +145,15 @@ void run_aadl(benchmark::State& state, torch::Device device, Where where) {
     store->synchronize();
     tidepool::bench_optim::tiered_step_counters(state, store_before, store->stats(), steps,
                                                 static_cast<double>(n));
-    // Stored chunks per step, and of those the ones that went through host memory (no
-    // room on the device): 0 is the fast path.
-    const auto& c = tiered->counters();
+    // Stored chunks per step; of those, the ones in new buffers and the ones that went
+    // through host memory (no room on the device): 0 and 0 are the fast path.
+    const auto per_step = [&](std::uint64_t now, std::uint64_t before) {
+      return static_cast<double>(now - before) / steps;
+    };
     state.counters["chunks_stored"] =
-        static_cast<double>(c.created_on_device + c.created_through_host - created_before) /
-        steps;
-    state.counters["through_host"] =
-        static_cast<double>(c.created_through_host - through_host_before) / steps;
+        per_step(created() + overwritten(), created_before + overwritten_before);
+    state.counters["chunks_created"] = per_step(created(), created_before);
+    state.counters["through_host"] = per_step(through_host(), through_host_before);
   }
   if (device.is_cuda() && where != Where::resident) {
     const double h2d = 2.0 * (kDepth - 1) * 4.0 * static_cast<double>(n);

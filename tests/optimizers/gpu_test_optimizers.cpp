@@ -174,9 +174,12 @@ TEST(TieredOnGpu, AadlHistoryStreamedFromTheStoreIsBitwiseIdenticalToHostStaged)
   const torch::Tensor resident = run(std::make_shared<tidepool::optim::ResidentPlacement>());
   EXPECT_TRUE(torch::equal(tiered, staged));
   EXPECT_TRUE(torch::equal(staged, resident));
-  // The history's vectors entered the store on the device (Note [Creating on the device]).
+  // The history's vectors entered the store on the device (Note [Creating on the device]),
+  // the last one over the buffers of a dropped one (Note [Overwriting on the device]).
   EXPECT_GT(placement->counters().created_on_device, 0u);
   EXPECT_EQ(placement->counters().created_through_host, 0u);
+  EXPECT_GT(placement->counters().overwritten_on_device, 0u);
+  EXPECT_EQ(placement->counters().overwritten_through_host, 0u);
   EXPECT_LE(store->stats().device_peak_bytes, store->device_budget_bytes());
   EXPECT_GT(store->stats().evictions, 0u);
 }

@@ -239,15 +239,17 @@ TEST(AADL, SafeguardRejectsAWorseExtrapolation) {
   EXPECT_EQ(run.opt.accepted(), 0);
 }
 
-// A placement whose buffers refuse to be acquired while `failing` is set: a tiered store
-// that cannot load a chunk, a device out of memory in the pass.
+// A placement whose buffers refuse to be acquired (and so overwritten) while `failing` is
+// set: a tiered store that cannot load a chunk, a device out of memory in the pass.
 class FlakyPlacement final : public tidepool::optim::StatePlacement {
  public:
+  explicit FlakyPlacement(bool reuse = false) : reuse_(reuse) {}
   bool failing = false;
   std::unique_ptr<tidepool::optim::StateBuffer> create(const torch::Tensor& initial) override {
     return std::make_unique<Buffer>(initial, *this);
   }
   std::string name() const override { return "flaky"; }
+  bool reuse_dropped_buffers() const override { return reuse_; }
 
  private:
   class Buffer final : public tidepool::optim::StateBuffer {
@@ -266,11 +268,16 @@ class FlakyPlacement final : public tidepool::optim::StatePlacement {
     const FlakyPlacement& owner_;
     torch::Tensor tensor_;
   };
+  bool reuse_;
 };
 
-TEST(AndersonHistory, AFailedPushOrReplaceLeavesTheHistoryAsItWas) {
-  // Note [A failed push]: the columns and the Gram matrix stay in step.
-  auto placement = std::make_shared<FlakyPlacement>();
+// Note [A failed push]: the columns and the Gram matrix stay in step. With buffers reused
+// (Note [Reusing dropped columns]), the failed push keeps the column it stored as the
+// spare, and the failed replacement fails writing over it: still nothing changes.
+class AFailedPushOrReplace : public ::testing::TestWithParam<bool> {};
+
+TEST_P(AFailedPushOrReplace, LeavesTheHistoryAsItWas) {
+  auto placement = std::make_shared<FlakyPlacement>(/*reuse=*/GetParam());
   AndersonHistory history(4, placement);
   torch::manual_seed(3);
   std::vector<torch::Tensor> pushed;
@@ -296,7 +303,14 @@ TEST(AndersonHistory, AFailedPushOrReplaceLeavesTheHistoryAsItWas) {
   clean.push(next);
   EXPECT_TRUE(torch::equal(history.gram(), clean.gram()));
   EXPECT_TRUE(torch::equal(history.rhs(), clean.rhs()));
+  history.replace_newest(next * 0.5);  // over the spare, when reused
+  clean.replace_newest(next * 0.5);
+  EXPECT_TRUE(torch::equal(history.gram(), clean.gram()));
+  EXPECT_TRUE(torch::equal(history.rhs(), clean.rhs()));
+  EXPECT_TRUE(torch::equal(history.newest(), clean.newest()));
 }
+
+INSTANTIATE_TEST_SUITE_P(ReusingBuffers, AFailedPushOrReplace, ::testing::Bool());
 
 TEST(AADL, AClosureThatThrowsInTheSafeguardLeavesThePlainIterate) {
   AADLBesidePlainSGD run;

@@ -4,8 +4,9 @@
 // resident when it fits) and AADL's history streamed chunk by chunk under a budget smaller
 // than the history, loaded ahead of every pass also when each vector is one chunk (and
 // left with nothing held when a step throws), or before a forward pass run outside step()
-// through AADL::prefetch(). Every case must give bitwise the same
-// parameters as resident state.
+// through AADL::prefetch(); a full history writes each new vector over the buffers of
+// one it dropped, creating none (StateBuffer::overwrite, in every placement). Every case
+// must give bitwise the same parameters as resident state.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -332,6 +333,42 @@ TEST(StateLease, AFailedAcquireLeavesNothingAcquired) {
   }
 }
 
+// StateBuffer::overwrite in every placement: the new contents, wherever the old ones were
+// (a tiered handle on the device or written back), with no handle created; refused while
+// acquired or for a tensor of another shape.
+TEST(StateBuffer, OverwriteReplacesTheContentsInEveryPlacement) {
+  auto backend = tidepool::make_host_backend();
+  auto store = store_with_budget(*backend, 4096);
+  auto through_host = std::make_shared<TieredPlacement>(store);
+  auto on_device = writing_back_on_release(store);
+  on_device->set_initial_copy(tidepool::optim::InitialCopy::on_device);
+  const std::vector<std::shared_ptr<StatePlacement>> placements = {
+      std::make_shared<tidepool::optim::ResidentPlacement>(),
+      std::make_shared<tidepool::optim::HostStagedPlacement>(), through_host, on_device};
+  const torch::Tensor twos = torch::full({256}, 2.0f);
+  for (const auto& placement : placements) {
+    SCOPED_TRACE(placement->name());
+    auto buffer = placement->create(torch::ones({256}, torch::kFloat32));
+    const std::size_t handles = store->stats().handles;
+    buffer->prefetch();  // a loaded (or staged) copy of the old contents must not survive
+    buffer->overwrite(twos);
+    EXPECT_TRUE(torch::equal(buffer->read_host(), twos));
+    EXPECT_TRUE(torch::equal(tidepool::optim::StateLease(*buffer).tensor(), twos));
+    buffer->overwrite(torch::full({256}, 3.0f));  // after a load
+    EXPECT_TRUE(torch::equal(tidepool::optim::StateLease(*buffer).tensor(),
+                             torch::full({256}, 3.0f)));
+    EXPECT_EQ(store->stats().handles, handles);
+    tidepool::testing::expect_error_mentions([&] { buffer->overwrite(torch::ones({255})); },
+                                             "shape");
+    tidepool::optim::StateLease held(*buffer);
+    tidepool::testing::expect_error_mentions([&] { buffer->overwrite(twos); }, "acquired");
+  }
+  EXPECT_EQ(through_host->counters().overwritten_through_host, 2u);
+  EXPECT_EQ(on_device->counters().overwritten_on_device, 2u);
+  EXPECT_TRUE(through_host->reuse_dropped_buffers());
+  EXPECT_FALSE(placements[0]->reuse_dropped_buffers());
+}
+
 // LibTorch's OpenMP workers spin between ops and starve the host backend's copy threads
 // on a small machine (measured on 2 cores: 36 s instead of 1.5 s): one compute thread
 // while this lives.
@@ -346,6 +383,31 @@ class OneComputeThread {
   int threads_;
 };
 
+// Fills a history of n-element vectors: `pushes` iterates of a contraction (past the
+// depth, the ring drops the oldest), the newest replaced, then an extrapolation over all.
+torch::Tensor fill_history(AndersonHistory& history, int64_t n, int64_t pushes,
+                           std::uint64_t seed) {
+  torch::manual_seed(seed);
+  torch::Tensor x = torch::randn({n}, torch::kFloat32);
+  for (int64_t i = 0; i < pushes; ++i) {
+    x = x - 0.1f * torch::tanh(x) + 0.01f * static_cast<float>(i);
+    history.push(x);
+  }
+  history.replace_newest(x * 0.999f);
+  return history.combine(torch::linspace(-0.5, 0.5, history.depth() - 1, torch::kFloat64));
+}
+
+// `fill` run on `tiered` and on a resident history of its depth gives bitwise the same
+// extrapolation, matrices and newest vector.
+void expect_history_matches_resident(
+    AndersonHistory& tiered, const std::function<torch::Tensor(AndersonHistory&)>& fill) {
+  AndersonHistory resident(tiered.depth(), std::make_shared<tidepool::optim::ResidentPlacement>());
+  EXPECT_TRUE(torch::equal(fill(tiered), fill(resident))) << "the extrapolation";
+  EXPECT_TRUE(torch::equal(tiered.gram(), resident.gram())) << "the Gram matrix";
+  EXPECT_TRUE(torch::equal(tiered.rhs(), resident.rhs())) << "the right-hand side";
+  EXPECT_TRUE(torch::equal(tiered.newest(), resident.newest())) << "the newest vector";
+}
+
 // AADL's history, tiered under a budget smaller than the history: each pass holds about
 // two chunks per vector on the device, never all the vectors; the matrices and the
 // extrapolation are bitwise those of a resident history.
@@ -354,16 +416,6 @@ TEST(TieredAADL, HistoryStreamsInChunksUnderABudgetSmallerThanTheHistory) {
   // 4 stored chunks per vector (the last one short), 5 vectors: 5 × 12 MiB of history.
   const int64_t n = 3 * AndersonHistory::kStoreChunk + 1000;
   const int64_t depth = 5;
-  const auto fill = [&](AndersonHistory& history) {
-    torch::manual_seed(3);
-    torch::Tensor x = torch::randn({n}, torch::kFloat32);
-    for (int64_t i = 0; i < depth + 1; ++i) {  // one more than fits: the ring drops one
-      x = x - 0.1f * torch::tanh(x) + 0.01f * static_cast<float>(i);
-      history.push(x);
-    }
-    history.replace_newest(x * 0.999f);
-    return history.combine(torch::linspace(-0.5, 0.5, depth - 1, torch::kFloat64));
-  };
   const std::size_t chunk_bytes = AndersonHistory::kStoreChunk * sizeof(float);
   const std::size_t history_bytes = depth * static_cast<std::size_t>(n) * sizeof(float);
   const std::size_t budget = 2 * depth * chunk_bytes + (1 << 20);
@@ -372,11 +424,9 @@ TEST(TieredAADL, HistoryStreamsInChunksUnderABudgetSmallerThanTheHistory) {
   auto store = store_with_budget(*backend, budget);
   auto placement = std::make_shared<TieredPlacement>(store);
   AndersonHistory tiered(depth, placement);
-  AndersonHistory resident(depth, std::make_shared<tidepool::optim::ResidentPlacement>());
-  EXPECT_TRUE(torch::equal(fill(tiered), fill(resident)));
-  EXPECT_TRUE(torch::equal(tiered.gram(), resident.gram()));
-  EXPECT_TRUE(torch::equal(tiered.rhs(), resident.rhs()));
-  EXPECT_TRUE(torch::equal(tiered.newest(), resident.newest()));
+  // One push more than fits: the ring drops one.
+  expect_history_matches_resident(
+      tiered, [&](AndersonHistory& history) { return fill_history(history, n, depth + 1, 3); });
   const auto stats = store->stats();
   EXPECT_LE(stats.device_peak_bytes, budget);
   EXPECT_LE(placement->peak_device_bytes(), budget);
@@ -386,36 +436,30 @@ TEST(TieredAADL, HistoryStreamsInChunksUnderABudgetSmallerThanTheHistory) {
 
 // The same history with every vector entering the store the way CUDA vectors do (made
 // on the device and written back by the store, Note [Creating on the device]): the same
-// bits, and each stored vector crosses back exactly once, counted in the store's stats.
+// bits, and each stored vector crosses back exactly once, counted in the store's stats,
+// also when it was written over the buffers of a dropped one (Note [Reusing dropped
+// columns] in anderson_history.h).
 TEST(TieredAADL, VectorsCreatedOnTheDeviceAreWrittenBackOnceAndChangeNoBit) {
   const OneComputeThread one_thread;
   const int64_t n = 2 * AndersonHistory::kStoreChunk + 1000;  // 3 stored chunks per vector
   const int64_t depth = 4;
-  const auto fill = [&](AndersonHistory& history) {
-    torch::manual_seed(4);
-    torch::Tensor x = torch::randn({n}, torch::kFloat32);
-    for (int64_t i = 0; i < depth + 2; ++i) {
-      x = x - 0.1f * torch::tanh(x) + 0.01f * static_cast<float>(i);
-      history.push(x);
-    }
-    history.replace_newest(x * 0.999f);
-    return history.combine(torch::linspace(-0.5, 0.5, depth - 1, torch::kFloat64));
-  };
   const std::size_t chunk_bytes = AndersonHistory::kStoreChunk * sizeof(float);
   auto backend = tidepool::make_host_backend();
   auto store = store_with_budget(*backend, 2 * depth * chunk_bytes);
   auto placement = writing_back_on_release(store);
   placement->set_initial_copy(tidepool::optim::InitialCopy::on_device);
   AndersonHistory tiered(depth, placement);
-  AndersonHistory resident(depth, std::make_shared<tidepool::optim::ResidentPlacement>());
-  EXPECT_TRUE(torch::equal(fill(tiered), fill(resident)));
-  EXPECT_TRUE(torch::equal(tiered.gram(), resident.gram()));
-  EXPECT_TRUE(torch::equal(tiered.rhs(), resident.rhs()));
-  EXPECT_TRUE(torch::equal(tiered.newest(), resident.newest()));
+  expect_history_matches_resident(
+      tiered, [&](AndersonHistory& history) { return fill_history(history, n, depth + 2, 4); });
   store->synchronize();
   const std::uint64_t stored = depth + 3;  // pushes and the replacement
-  EXPECT_EQ(placement->counters().created_on_device, 3 * stored);
-  EXPECT_EQ(placement->counters().created_through_host, 0u);
+  // The first push into a full ring made the spare column; every later vector was
+  // written over the column dropped before it.
+  const auto& counters = placement->counters();
+  EXPECT_EQ(counters.created_on_device, 3u * (depth + 1));
+  EXPECT_EQ(counters.overwritten_on_device, 3u * (stored - depth - 1));
+  EXPECT_EQ(counters.created_through_host + counters.overwritten_through_host, 0u);
+  EXPECT_EQ(store->stats().handles, 3u * (depth + 1)) << "the history's columns and the spare";
   EXPECT_EQ(store->stats().copy.d2h.bytes, stored * n * sizeof(float));
   EXPECT_LE(store->stats().device_peak_bytes, 2 * depth * chunk_bytes);
 }
@@ -596,6 +640,47 @@ TEST(TieredAADL, SingleChunkHistoryInTheSmallestBudgetStaysExact) {
       torch::equal(train_aadl(std::make_shared<tidepool::optim::ResidentPlacement>(), steps),
                    train_aadl(placement, steps)));
   EXPECT_LE(store->stats().device_peak_bytes, budget);
+}
+
+// Host blocks the store has allocated (each create() allocates and zeroes one).
+std::uint64_t host_blocks_allocated(TieredStore& store) {
+  const auto stats = store.stats();
+  return stats.host.pinned_allocs + stats.host.pageable_allocs;
+}
+
+// Note [Reusing dropped columns] (anderson_history.h): once the ring has been full, a step
+// writes the vector it stores (and the replacement the safeguard keeps) over the buffers
+// of one the history dropped, so the store allocates no host block and creates no handle
+// in any later step, on both routes into the store, and no bit changes.
+TEST(TieredAADL, AFullHistoryWritesOverTheBuffersItDropsInsteadOfCreatingNew) {
+  const OneComputeThread one_thread;
+  const int steps = 14;
+  const torch::Tensor resident =
+      train_aadl(std::make_shared<tidepool::optim::ResidentPlacement>(), steps);
+  for (const auto route :
+       {tidepool::optim::InitialCopy::automatic, tidepool::optim::InitialCopy::on_device}) {
+    const bool on_device = route == tidepool::optim::InitialCopy::on_device;
+    SCOPED_TRACE(on_device ? "filled on the device" : "written through host memory");
+    auto backend = tidepool::make_host_backend();
+    auto store = store_with_budget(*backend, 2 * kAADLDepth * kAADLElements * sizeof(float));
+    auto placement = writing_back_on_release(store);
+    placement->set_initial_copy(route);
+    // Seen in each step's forward pass: what the steps before it allocated.
+    std::vector<std::uint64_t> blocks_before;
+    std::size_t most_handles = 0;
+    const torch::Tensor tiered = train_aadl(placement, steps, {}, [&](int) {
+      blocks_before.push_back(host_blocks_allocated(*store));
+      most_handles = std::max(most_handles, store->stats().handles);
+    });
+    EXPECT_TRUE(torch::equal(resident, tiered));
+    ASSERT_EQ(blocks_before.size(), static_cast<size_t>(steps));
+    // Step depth + 1 is the first push into a full ring: from it on, one column is spare.
+    const std::uint64_t when_full = blocks_before[kAADLDepth + 1];
+    EXPECT_LE(when_full, static_cast<std::uint64_t>(kAADLDepth + 1));
+    EXPECT_EQ(host_blocks_allocated(*store), when_full)
+        << "a step after the ring was full created buffers";
+    EXPECT_LE(most_handles, static_cast<std::size_t>(kAADLDepth + 1));
+  }
 }
 
 // A step that throws after its history started loading (in the forward/backward, or in
