@@ -55,17 +55,14 @@ bool copies_on_device(InitialCopy mode, const torch::Tensor& contents) {
 // Note [Overwriting on the device]
 // overwrite() takes the route create() would take, into the handle the buffer already
 // has: acquired on the use stream, filled there by a device-to-device copy, released
-// dirty and written back (or kept) as a release would. A handle still on the device (the
-// budget holds the state, or write-back on demand) costs only that copy. A handle written
-// back since its last use is loaded first: the store's acquire always brings the latest
-// contents and has no form that skips the load for a caller about to write every byte.
-// So writing over a buffer moves its bytes host → device once more, on the store's H2D
-// stream (an acquire that misses, in the store's stats), where creating one allocated a
-// host block and zeroed it on the calling thread, and zeroed a device buffer (and
-// destroying the dropped one freed both); an acquire that skipped the load would leave
-// just the copy and the write-back. With no room on the device now
-// (every byte of the budget acquired), the buffer is written through host memory, as
-// create() does.
+// dirty and written back (or kept) as a release would. The acquire is the store's
+// acquire_to_overwrite: a handle written back since its last use gets its device buffer
+// without loading the contents about to be replaced (Note [Acquiring to overwrite] in
+// tiering/tiered_store.cpp), so writing over a buffer costs the copy and the write-back,
+// where creating one allocated a host block and zeroed it on the calling thread, and
+// zeroed a device buffer (and destroying the dropped one freed both). With no room on
+// the device now (every byte of the budget acquired), the buffer is written through host
+// memory, as create() does.
 class TieredBuffer final : public StateBuffer {
  public:
   // A buffer of `sizes`/`options` holding `initial` (zeros when null), copied on the
@@ -221,7 +218,7 @@ class TieredBuffer final : public StateBuffer {
       const Stream stream = use_stream();
       void* ptr = nullptr;
       try {
-        ptr = store_->acquire(handle_, stream);
+        ptr = store_->acquire_to_overwrite(handle_, stream);
       } catch (const TieringError&) {
         // No room on the device now: through host memory below.
       }

@@ -100,6 +100,7 @@ std::string to_json(const TieredStoreStats& s) {
       .num("prefetch_hits", ull(s.prefetch_hits))
       .num("prefetch_late", ull(s.prefetch_late))
       .num("misses", ull(s.misses))
+      .num("loads_skipped", ull(s.loads_skipped))
       .num("prefetch_skipped", ull(s.prefetch_skipped))
       .num("evictions", ull(s.evictions))
       .num("evictions_clean", ull(s.evictions_clean))

@@ -11,6 +11,8 @@
 //
 //   HOST     --acquire/prefetch--> LOADING   (device buffer taken within the budget;
 //                                             H2D waits on host_ready)
+//   HOST     --acquire_to_overwrite-> ACQUIRED (the same, without the copy; dirty at once:
+//                                             Note [Acquiring to overwrite])
 //   LOADING  --(event)-----------> RESIDENT
 //   RESIDENT --acquire-----------> ACQUIRED  (stream waits on dev_ready and on the
 //                                             earlier use streams; pins++)
@@ -303,13 +305,21 @@ void TieredStore::destroy(Handle h) {
 
 // ---- moving data --------------------------------------------------------------------------
 
-bool TieredStore::load_locked(Entry& e, RoomFor why) {
+bool TieredStore::load_locked(Entry& e, RoomFor why, bool load) {
   const bool for_prefetch = why == RoomFor::prefetch;
   const DeviceBuffer buf = device_allocate_locked(e.bytes, &e, why);
   if (buf.ptr == nullptr) return false;
   const Event waits[] = {e.host_ready, buf.wait};
   try {
-    copies_.transfer(buf.ptr, e.host.ptr, e.bytes, Direction::host_to_device, e.dev_ready, waits);
+    if (load) {
+      copies_.transfer(buf.ptr, e.host.ptr, e.bytes, Direction::host_to_device, e.dev_ready,
+                       waits);
+    } else {  // Note [Acquiring to overwrite]: the load's ordering without its copy
+      const Stream h2d = copies_.stream(Direction::host_to_device);
+      if (buf.wait) backend_.stream_wait_event(h2d, buf.wait);
+      backend_.record_event(e.dev_ready, h2d);
+      stats_.loads_skipped++;
+    }
   } catch (const BackendError& err) {
     give_back_failed_load_locked(buf, e.bytes);  // never throws: this error is the one
     throw TieringError(std::string("tiered store: copy to the device failed (the host copy is "
@@ -322,7 +332,9 @@ bool TieredStore::load_locked(Entry& e, RoomFor why) {
   if (buf.wait) give_event_locked(buf.wait);
   e.dev = buf.ptr;
   note_resident_locked(e);
-  e.uncounted_load = for_prefetch ? Entry::LoadBy::prefetch : Entry::LoadBy::acquire;
+  e.uncounted_load = !load          ? Entry::LoadBy::none
+                     : for_prefetch ? Entry::LoadBy::prefetch
+                                    : Entry::LoadBy::acquire;
   return true;
 }
 
@@ -398,20 +410,38 @@ void TieredStore::prefetch(Handle h, Stream stream) {
 }
 
 void* TieredStore::acquire(Handle h, Stream stream) {
-  std::unique_lock lock(mutex_);
-  if (!shared_) return acquire_locked(h, stream, RoomFor::acquire);
-  const std::size_t bytes = entry_locked(h, "acquire").bytes;
-  return with_room_from_peers(  // store_budget.cpp
-      lock, bytes, [&](RoomFor why) { return acquire_locked(h, stream, why); });
+  return acquire_with_room(h, stream, /*load=*/true);
 }
 
-void* TieredStore::acquire_locked(Handle h, Stream stream, RoomFor why) {
+// Note [Acquiring to overwrite]
+// A caller about to write every byte of a handle (AADL writing a new vector over the
+// buffers of a column it dropped: Note [Reusing dropped columns] in
+// optimizers/anderson_history.h) has no use for its old contents, and loading them would
+// cost the link a copy of the handle's size for nothing. So a handle on the host gets its
+// device buffer as a load would (the same room, the same waits on the H2D stream for the
+// memory's earlier use, dev_ready recorded there) without the copy. Its device copy then
+// becomes the latest (dirty, host copy stale) at once, so that a caller that fails
+// half-way, or releases it clean, cannot leave a device copy that differs from a host
+// copy still called valid: whatever the device holds is written back.
+void* TieredStore::acquire_to_overwrite(Handle h, Stream stream) {
+  return acquire_with_room(h, stream, /*load=*/false);
+}
+
+void* TieredStore::acquire_with_room(Handle h, Stream stream, bool load) {
+  std::unique_lock lock(mutex_);
+  if (!shared_) return acquire_locked(h, stream, RoomFor::acquire, load);
+  const std::size_t bytes = entry_locked(h, "acquire").bytes;
+  return with_room_from_peers(  // store_budget.cpp
+      lock, bytes, [&](RoomFor why) { return acquire_locked(h, stream, why, load); });
+}
+
+void* TieredStore::acquire_locked(Handle h, Stream stream, RoomFor why, bool load) {
   InsideStore inside(this);
   Entry& e = entry_locked(h, "acquire");
   bool late = false;  // a prefetched copy still in flight
   try {
     if (e.dev == nullptr) {
-      if (!load_locked(e, why)) return nullptr;  // the peers may give room
+      if (!load_locked(e, why, load)) return nullptr;  // the peers may give room
     } else if (e.uncounted_load == Entry::LoadBy::prefetch) {
       late = !backend_.event_query(e.dev_ready);
     }
@@ -436,6 +466,10 @@ void* TieredStore::acquire_locked(Handle h, Stream stream, RoomFor why) {
     stats_.misses++;
   }
   e.uncounted_load = Entry::LoadBy::none;
+  if (!load) {  // Note [Acquiring to overwrite]
+    e.dev_dirty = true;
+    e.host_valid = false;
+  }
   // With no other holder left, `stream` is now ordered after every earlier use, so later
   // waits (evict, read, the next acquire) need only this stream.
   if (e.pins == 0) e.use_streams.clear();

@@ -149,6 +149,7 @@ struct TieredStoreStats {
   std::uint64_t prefetch_hits = 0;   // acquire found the copy in flight or done
   std::uint64_t prefetch_late = 0;   // ... but the copy had not finished yet
   std::uint64_t misses = 0;          // acquire had to start the copy itself
+  std::uint64_t loads_skipped = 0;   // acquire_to_overwrite found it on the host: no copy
   std::uint64_t prefetch_skipped = 0;  // back-pressure: no room without harming sooner uses
   std::uint64_t evictions = 0;
   std::uint64_t evictions_clean = 0;  // dropped without a copy back
@@ -212,6 +213,11 @@ class TIDEPOOL_API TieredStore {
   // shared budget, another store may be made to evict released handles for it, with
   // this store's lock let go meanwhile (Note [Shared state budget]).
   void* acquire(Handle h, Stream stream);
+  // acquire() for a caller that writes every byte of `h` before anything reads it: a
+  // handle on the host gets its device buffer without being loaded (Note [Acquiring to
+  // overwrite] in tiered_store.cpp). The device copy is the latest from this call on,
+  // whatever is written: release it dirty or not, it is written back when evicted.
+  void* acquire_to_overwrite(Handle h, Stream stream);
   // Ends one acquire. dirty: the device copy was written, the host copy is now stale.
   // Throws TieringError (an unknown handle, one not acquired); makes no backend call.
   void release(Handle h, bool dirty);
@@ -327,10 +333,13 @@ class TIDEPOOL_API TieredStore {
   Handle create_checked(std::size_t bytes, int tag, Tier initial);
   void read_locked(Entry& e, void* dst);
   // False: no room (a prefetch: skipped; RoomFor::acquire_may_ask_peers: ask the peers).
-  bool load_locked(Entry& e, RoomFor why);
-  // acquire() under the lock; nullptr: no room but the other stores may give it
-  // (RoomFor::acquire_may_ask_peers), to be asked with the lock let go.
-  void* acquire_locked(Handle h, Stream stream, RoomFor why);
+  // load: copy the host contents in (false: Note [Acquiring to overwrite]).
+  bool load_locked(Entry& e, RoomFor why, bool load = true);
+  // acquire() (acquire_to_overwrite() when !load) under the lock; nullptr: no room but
+  // the other stores may give it (RoomFor::acquire_may_ask_peers), to be asked with the
+  // lock let go.
+  void* acquire_locked(Handle h, Stream stream, RoomFor why, bool load = true);
+  void* acquire_with_room(Handle h, Stream stream, bool load);
   // discard: the contents are dropped (destroy, write), no copy back. The dirty flag is
   // cleared only once the eviction is enqueued, so a failed one keeps the latest copy.
   void evict_locked(Entry& e, bool discard = false);

@@ -98,9 +98,10 @@ inline TieredStoreOptions pinned_store_options(std::size_t device_budget,
 //   h2d_GB/s, d2h_GB/s the copy engine's rate while busy (busy time errs high: a batch's
 //                      time includes idle gaps, copy_engine.h);
 //   exposed_ms         host time per step blocked on copies (acquire waiting for room);
-//   budget_waits, misses, late, skipped   per step: acquires that waited for a write-back
-//                      to free room, acquires that found nothing loading, prefetched loads
-//                      not finished at their acquire, prefetches refused by the budget;
+//   budget_waits, misses, late, skipped, loads_skipped   per step: acquires that waited
+//                      for a write-back to free room, acquires that found nothing loading,
+//                      prefetched loads not finished at their acquire, prefetches refused
+//                      by the budget, acquires to overwrite that needed no load;
 //   host_allocs        host blocks allocated per step (each of 4 MiB or more a fresh
 //                      mapping registered with the driver, host_arena.h);
 //   pageable_MiB, memlock_capped   the store's host memory that is pageable now, and
@@ -125,6 +126,8 @@ inline void tiered_step_counters(benchmark::State& state, const TieredStoreStats
                                                         before.prefetch_late));
   state.counters["skipped"] = per_step(static_cast<double>(after.prefetch_skipped -
                                                            before.prefetch_skipped));
+  state.counters["loads_skipped"] =
+      per_step(static_cast<double>(after.loads_skipped - before.loads_skipped));
   state.counters["host_allocs"] = per_step(static_cast<double>(
       after.host.pinned_allocs + after.host.pageable_allocs - before.host.pinned_allocs -
       before.host.pageable_allocs));
