@@ -21,9 +21,7 @@ constexpr std::size_t kBytes = 100 << 10;
 class AcquireToOverwriteTest : public tiering_test::TieringStreamTest {
  protected:
   TieredStoreOptions options(std::size_t budget) {
-    TieredStoreOptions o = tiering_test::test_store_options(budget);
-    o.copy.chunk_bytes = 64 << 10;
-    return o;
+    return tiering_test::small_chunk_store_options(budget);
   }
   // `data` through the device pointer of an acquired handle, on `s`; waits for it.
   void write_device(void* dev, const std::vector<unsigned char>& data, Stream s) {

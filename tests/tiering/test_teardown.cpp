@@ -74,11 +74,10 @@ void sweep(const std::function<void(Backend&)>& build, const std::function<void(
 }
 
 TieredStoreOptions store_options() {
-  TieredStoreOptions o = tiering_test::test_store_options(std::size_t{8} << 20);
+  TieredStoreOptions o = tiering_test::small_chunk_store_options(std::size_t{8} << 20);
   // Direct pinned mappings only: a slab whose unregistration fails is abandoned, and
   // mimalloc allows 64 arenas per process.
   o.host.direct_threshold_bytes = 64 << 10;
-  o.copy.chunk_bytes = 64 << 10;
   return o;
 }
 

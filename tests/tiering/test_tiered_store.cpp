@@ -35,9 +35,7 @@ using tiering_test::StreamGate;
 class TieredStoreTest : public tiering_test::TieringStreamTest {
  protected:
   TieredStoreOptions options(std::size_t budget) {
-    TieredStoreOptions o = tiering_test::test_store_options(budget);
-    o.copy.chunk_bytes = 64 << 10;
-    return o;
+    return tiering_test::small_chunk_store_options(budget);
   }
   // Writes `data` through the device pointer of an acquired handle, on stream_.
   void write_device(void* dev, const std::vector<unsigned char>& data) {

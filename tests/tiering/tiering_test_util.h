@@ -67,6 +67,14 @@ inline TieredStoreOptions test_store_options(std::size_t device_budget) {
   return o;
 }
 
+// test_store_options with 64 KiB copy chunks, so that a handle of a few hundred KiB is
+// copied in several chunks.
+inline TieredStoreOptions small_chunk_store_options(std::size_t device_budget) {
+  TieredStoreOptions o = test_store_options(device_budget);
+  o.copy.chunk_bytes = 64 << 10;
+  return o;
+}
+
 // A new handle of `store` acquired on a stream made for it, which the use-stream tests
 // (Note [Use streams] in tiered_store.h) then release, forget or destroy. The caller
 // writes through `dev` and releases the handle.
