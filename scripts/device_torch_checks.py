@@ -290,7 +290,7 @@ CHECKS = {
     ),
     "resume": textwrap.dedent(
         """
-        # Note [loaded state] (python/src/tidepool/_optim_hooks.py): optimizer state loaded
+        # Note [loaded state] (python/src/tidepool/_loaded_state.py): optimizer state loaded
         # from a checkpoint lands in pointer-stable ranges and is evicted, as state a step
         # creates does; training goes on bit for bit.
         import io, sys

@@ -96,7 +96,7 @@ TIDEPOOL_API int tidepool_evict_ptrs(int device, const void* const* ptrs, size_t
  * none of except[0..n_except), oldest first: what is on the device beyond what the caller
  * names. The Python hooks ask it after a step, naming the optimizer's state, to learn the
  * state it keeps elsewhere, which they prefetch with its own before the next step
- * (Note [state outside optimizer.state] in python/src/tidepool/_optim_hooks.py). Writes
+ * (Note [state outside optimizer.state] in python/src/tidepool/_state_outside.py). Writes
  * the number of such ranges to *count and the first min(*count, capacity) bases to
  * out[]; call with capacity 0 (out may then be NULL) to size the array, though ranges may
  * come and go between two calls. Pointers in no range are ignored; `except` may be NULL

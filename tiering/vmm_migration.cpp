@@ -525,7 +525,7 @@ MigrationResult VmmPool::migrate_locked(Range& r, MemoryLocation to,
 // the wait is there so that no copy reads or unmaps memory a kernel still uses, and
 // nothing is copied or unmapped. This is what makes a tag call cheap for the ranges it
 // finds in place: the optimizer hooks evict the whole optimizer_state tag after each
-// step (Note [evict by tag] in python/src/tidepool/_optim_hooks.py), and with several
+// step (Note [evict by tag] in python/src/tidepool/_state_moves.py), and with several
 // optimizers on a device most of the tag's ranges (the other optimizers' state) were
 // evicted after their own steps; waiting on each one's streams (an event recorded and
 // synchronized per stream, per range) would be thousands of backend calls a step for

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tidepool import _in_flight, _optim_hooks, _tags, _tiering
+from tidepool import _in_flight, _state_moves, _state_tensors, _tags, _tiering
 
 
 @pytest.fixture
@@ -35,9 +35,9 @@ def fake_tiering(monkeypatch):
     monkeypatch.setattr(_tiering, "device_ranges_except", lambda d, tag, ptrs: [])
     monkeypatch.setattr(_tiering, "owns", lambda d, ptr: False)
     monkeypatch.setattr(_tiering, "range_ids", lambda d, ptrs: [0] * len(ptrs))
-    monkeypatch.setattr(_optim_hooks, "_cuda_devices", lambda optimizer: [0])
-    monkeypatch.setattr(_optim_hooks, "_cuda_index", lambda tensor: 0)
-    monkeypatch.setattr(_optim_hooks, "_stream", lambda torch, d: 4242)
+    monkeypatch.setattr(_state_tensors, "_cuda_devices", lambda optimizer: [0])
+    monkeypatch.setattr(_state_tensors, "_cuda_index", lambda tensor: 0)
+    monkeypatch.setattr(_state_moves, "_stream", lambda torch, d: 4242)
     yield moves
     assert _in_flight.in_flight() == {}, "a step is still counted in flight"
 

@@ -11,13 +11,13 @@ import pytest
 import torch
 
 import tidepool
-from tidepool import _optim_hooks, _tags
+from tidepool import _state_tensors, _tags
 
 from conftest import host_backend_script
 from fake_tiering import fake_tiering, state_pointers  # noqa: F401  (a fixture)
 from fake_torch_cuda import fake_cuda  # noqa: F401  (a fixture: a fresh, uninstalled STATE)
 
-real_cuda_index = _optim_hooks._cuda_index
+real_cuda_index = _state_tensors._cuda_index
 
 
 def stepped_adamw():
@@ -75,13 +75,13 @@ def test_what_cannot_be_moved_is_a_clear_error(fake_cuda, fake_tiering, monkeypa
         tidepool.evict({"exp_avg": torch.ones(2)})  # a dict iterates over its keys
     with pytest.raises(ValueError, match=r"a tensor on cuda:0 was given with device=1"):
         tidepool.evict([torch.ones(2)], device=1)
-    monkeypatch.setattr(_optim_hooks, "_cuda_index", lambda t: t.numel() % 2)
+    monkeypatch.setattr(_state_tensors, "_cuda_index", lambda t: t.numel() % 2)
     with pytest.raises(ValueError, match=r"a stream serves one device, and the tensors are on "
                        r"cuda:0, cuda:1; pass device="):
         tidepool.evict([torch.ones(2), torch.ones(3)], stream=5)
     with pytest.raises(ValueError, match="a torch.sparse_coo tensor has no storage to move"):
         tidepool.evict(torch.eye(3).to_sparse())
-    monkeypatch.setattr(_optim_hooks, "_cuda_index", real_cuda_index)
+    monkeypatch.setattr(_state_tensors, "_cuda_index", real_cuda_index)
     with pytest.raises(ValueError, match="a tensor on cpu is not in CUDA memory"):
         tidepool.evict([torch.ones(2)])
     # An optimizer's state on the CPU (its step counters) is not an error: it is left out.
@@ -94,7 +94,7 @@ def test_tensors_over_tidepools_ranges_move_and_others_are_skipped(run_python):
     # made over a pointer-stable range); a tensor in no range is skipped, not an error.
     out = json.loads(run_python(host_backend_script("""
         import torch
-        from tidepool import _optim_hooks
+        from tidepool import _state_tensors
         def device_bytes():
             return tidepool.stats(0)["tiering.vmm_device_bytes"]
         with tidepool.region("optimizer_state"):
@@ -103,7 +103,7 @@ def test_tensors_over_tidepools_ranges_move_and_others_are_skipped(run_python):
         def over(ptr):
             return torch.frombuffer((ctypes.c_char * (2 * MiB)).from_address(ptr),
                                     dtype=torch.uint8)
-        _optim_hooks._cuda_index = lambda tensor: 0  # they stand in for tensors on cuda:0
+        _state_tensors._cuda_index = lambda tensor: 0  # they stand in for tensors on cuda:0
         mine = [over(ranges[0])[4096:], over(ranges[1]), torch.ones(4)]
         tidepool.evict(mine)
         tidepool.prefetch(over(ranges[2]))

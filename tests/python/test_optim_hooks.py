@@ -21,7 +21,8 @@ import weakref
 import pytest
 import torch
 
-from tidepool import _in_flight, _install, _optim_hooks, _tags, _tiering
+from tidepool import (_in_flight, _install, _loaded_state, _state_tensors, _step_tags, _tags,
+                      _tiering)
 
 from fake_tiering import EVICT, fake_tiering, prefetch_of  # noqa: F401  (a fixture)
 from fake_torch_cuda import fake_cuda, install  # noqa: F401  (a fixture, and the install)
@@ -37,7 +38,7 @@ class RecordingSGD(torch.optim.SGD):
         return super().step(closure)
 
 
-original_cuda_index = _optim_hooks._cuda_index
+original_cuda_index = _state_tensors._cuda_index
 
 
 @pytest.mark.parametrize("mode", ["global", "pool"])
@@ -140,16 +141,16 @@ def test_the_prefetch_names_the_state_tensors_on_cuda_in_the_order_the_step_uses
     optimizer.state[torch.nn.Parameter(torch.ones(1))]  # an empty entry (defaultdict)
     install()
     # Multi-element tensors stand in for CUDA ones; the 0-d step counter for one on the CPU.
-    monkeypatch.setattr(_optim_hooks, "_cuda_index", lambda t: 1 if t.dim() > 0 else -1)
+    monkeypatch.setattr(_state_tensors, "_cuda_index", lambda t: 1 if t.dim() > 0 else -1)
     used = [tb.data_ptr(), view.data_ptr(), ta.data_ptr(), h1.data_ptr(), h2.data_ptr()]
-    assert _optim_hooks._state_pointers(optimizer, every_parameter=False) == {
+    assert _state_tensors._state_pointers(optimizer, every_parameter=False) == {
         1: used + [shared.data_ptr()]}
     # With a closure the gradients come later: every parameter's state is named.
-    assert _optim_hooks._state_pointers(optimizer, every_parameter=True) == {
+    assert _state_tensors._state_pointers(optimizer, every_parameter=True) == {
         1: used[:2] + [tf.data_ptr()] + used[2:] + [shared.data_ptr()]}
-    monkeypatch.setattr(_optim_hooks, "_cuda_index", original_cuda_index)
+    monkeypatch.setattr(_state_tensors, "_cuda_index", original_cuda_index)
     # On this machine: all on the CPU.
-    assert _optim_hooks._state_pointers(optimizer, every_parameter=True) == {}
+    assert _state_tensors._state_pointers(optimizer, every_parameter=True) == {}
 
 
 def test_a_parameter_a_step_left_stateless_does_not_make_later_steps_state_steps(
@@ -229,7 +230,7 @@ def test_remembering_stateless_parameters_keeps_no_optimizer_or_parameter_alive(
     optimizer = torch.optim.SGD([p], lr=0.1)
     p.grad = torch.ones(2)
     optimizer.step()
-    assert optimizer in _optim_hooks._stateless  # remembered ...
+    assert optimizer in _step_tags._stateless  # remembered ...
     optimizer_ref, parameter_ref = weakref.ref(optimizer), weakref.ref(p)
     del optimizer, p
     gc.collect()
@@ -237,7 +238,7 @@ def test_remembering_stateless_parameters_keeps_no_optimizer_or_parameter_alive(
 
 
 def test_with_no_state_budget_nothing_is_prefetched(fake_cuda, fake_tiering):
-    # Note [state budget 0] in _optim_hooks.py: the state stays on the host.
+    # Note [state budget 0] in _state_moves.py: the state stays on the host.
     install()
     p = torch.nn.Parameter(torch.ones(4))
     optimizer = torch.optim.AdamW([p])
@@ -563,8 +564,8 @@ def untiered_state(monkeypatch, fake_tiering):
         tiered.add(copy.data_ptr())
         return copy
 
-    monkeypatch.setattr(_optim_hooks, "_on_cuda", lambda value: True)
-    monkeypatch.setattr(_optim_hooks, "_adopt_tensor", adopt)
+    monkeypatch.setattr(_loaded_state, "_on_cuda", lambda value: True)
+    monkeypatch.setattr(_loaded_state, "_adopt_tensor", adopt)
     monkeypatch.setattr(_tiering, "owns", lambda device, ptr: ptr in tiered)
     return adopted_under
 
@@ -616,7 +617,7 @@ def test_loaded_state_is_taken_into_tiering_and_evicted(fake_cuda, fake_tiering,
     assert torch.equal(resumed.detach(), uninterrupted), "resuming changes no bit"
     # A tensor subclass without the flatten protocol is not one storage to copy: left as
     # it is (DTensor has the protocol: test_loaded_dtensor_state_...).
-    assert not _optim_hooks._outside_tiering(torch.nn.Parameter(torch.ones(64)), 0)
+    assert not _loaded_state._outside_tiering(torch.nn.Parameter(torch.ones(64)), 0)
     # Loading state that is already tiered (the same tensors) takes nothing in, moves nothing.
     fake_tiering.clear()
     optimizer.load_state_dict(optimizer.state_dict())

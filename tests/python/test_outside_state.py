@@ -1,5 +1,5 @@
 """State an optimizer keeps outside optimizer.state (Note [state outside optimizer.state]
-in _optim_hooks.py), with the tiering C ABI a recorder (fake_tiering.py) whose
+in _state_outside.py), with the tiering C ABI a recorder (fake_tiering.py) whose
 device_ranges_except answers what a test says is on the device: after a step the hooks
 ask which ranges of optimizer_state beyond the optimizer's own state are on the device,
 and the next step prefetches those after its own; those the budget left on the host are
@@ -14,7 +14,7 @@ import warnings
 import pytest
 import torch
 
-from tidepool import _optim_hooks, _tags, _tiering
+from tidepool import _state_outside, _tags, _tiering
 
 from fake_tiering import EVICT, fake_tiering, state_pointers  # noqa: F401  (a fixture)
 from fake_torch_cuda import fake_cuda, install  # noqa: F401  (a fixture, and the install)
@@ -68,7 +68,7 @@ def test_state_outside_optimizer_state_is_prefetched_after_its_own(fake_cuda, fa
     on_device.on_device, on_device.ids = [], {}
     stepped(optimizer, p)
     assert fake_tiering[3] == ("prefetch", 0, state_pointers(optimizer), 4242)
-    assert _optim_hooks._known_outside_state(optimizer) == {}
+    assert _state_outside._known_outside_state(optimizer) == {}
 
 
 def test_pool_mode_learns_no_state_outside_optimizer_state(fake_cuda, fake_tiering, on_device):
@@ -127,12 +127,12 @@ def test_an_address_another_range_took_since_is_not_prefetched(fake_cuda, fake_t
     on_device.on_device, on_device.ids = [], {EXTRA: 2}
     stepped(optimizer, p)
     assert fake_tiering[1] == ("prefetch", 0, state_pointers(optimizer), 4242)
-    assert _optim_hooks._known_outside_state(optimizer) == {}
+    assert _state_outside._known_outside_state(optimizer) == {}
     # Made again by this optimizer's step at the same address (range 3), on the device:
     # learnt anew, with the new range's id, and prefetched before the next step.
     on_device.on_device, on_device.ids = [EXTRA], {EXTRA: 3}
     stepped(optimizer, p)
-    assert _optim_hooks._known_outside_state(optimizer) == {0: {EXTRA: 3}}
+    assert _state_outside._known_outside_state(optimizer) == {0: {EXTRA: 3}}
     on_device.on_device = []
     stepped(optimizer, p)
     assert fake_tiering[5] == ("prefetch", 0, state_pointers(optimizer) + (EXTRA,), 4242)
@@ -147,13 +147,13 @@ def test_without_a_state_budget_nothing_is_asked(fake_cuda, fake_tiering, on_dev
         stepped(optimizer, p)
     assert on_device.asked == []
     assert fake_tiering == [EVICT, EVICT]
-    assert _optim_hooks._known_outside_state(optimizer) == {}
+    assert _state_outside._known_outside_state(optimizer) == {}
 
 
 def test_a_failure_to_learn_warns_once_and_the_state_is_still_evicted(fake_cuda, fake_tiering,
                                                                       on_device, monkeypatch):
     install(state_budget="1GiB")
-    monkeypatch.setattr(_optim_hooks, "_warned_learning_failed", False)
+    monkeypatch.setattr(_state_outside, "_warned_learning_failed", False)
 
     def failing(device, tag, ptrs):
         raise RuntimeError("tidepool: injected")

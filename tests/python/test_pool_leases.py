@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import tidepool
-from tidepool import _in_flight, _install, _optim_hooks, _tiering
+from tidepool import _in_flight, _install, _state_tensors, _tiering
 
 from fake_tiering import EVICT, fake_tiering, prefetch_of  # noqa: F401  (a fixture)
 from fake_torch_cuda import fake_cuda, install  # noqa: F401  (a fixture, and the install)
@@ -165,7 +165,7 @@ def test_a_failure_while_a_step_opens_its_scope_leaves_nothing_taken(
     # the step raises, device 0's pool is left again, nothing is counted in flight, and
     # another thread's step goes on at once.
     install(mode="pool")
-    monkeypatch.setattr(_optim_hooks, "_cuda_devices", lambda optimizer: [0, 1])
+    monkeypatch.setattr(_state_tensors, "_cuda_devices", lambda optimizer: [0, 1])
     real_use = torch.cuda.use_mem_pool
     failures = [RuntimeError("CUDA error: out of memory (entering the pool)")]
 

@@ -82,7 +82,7 @@ def test_optimizer_state_is_pointer_stable_migrates_and_prefetch_keeps_to_the_bu
 
 
 def test_prefetch_and_evict_by_pointers_move_only_the_ranges_named(run_python):
-    # What the optimizer pre-hook calls (Note [prefetch by pointer] in _optim_hooks.py):
+    # What the optimizer pre-hook calls (Note [prefetch by pointer] in _state_moves.py):
     # one optimizer's state by its tensors' pointers, through the real C ABI; and what its
     # post-hook calls while another thread's step on the device still runs (Note [steps
     # in flight] in _in_flight.py): evict its own state, not the other's.
@@ -113,7 +113,7 @@ def test_prefetch_and_evict_by_pointers_move_only_the_ranges_named(run_python):
 
 def test_the_ranges_on_the_device_beyond_those_named_are_listed_oldest_first(run_python):
     # What the optimizer post-hook asks (Note [state outside optimizer.state] in
-    # _optim_hooks.py), through the real C ABI: the device-backed ranges of the tag that
+    # _state_outside.py), through the real C ABI: the device-backed ranges of the tag that
     # hold none of the pointers named; past 64 of them the wrapper asks again with room
     # for all.
     out = json.loads(run_python(host_backend_script("""

@@ -588,7 +588,7 @@ TEST_F(PrefetchBudgetTest, DeviceRangesExceptListsTheTagsOtherRangesOnTheDevice)
 
 // tidepool_range_ids tells a range from a later one at the same address: an id is never
 // given twice, though the pool may hand the address out again (Note [state outside
-// optimizer.state] in _optim_hooks.py relies on it).
+// optimizer.state] in _state_outside.py relies on it).
 TEST_F(CApiTieringTest, RangeIdsAreNeverGivenTwiceThoughAddressesAre) {
   void* first = tidepool_vmm_malloc(3 * kMiB, kDevice, kTagOptimizerState, nullptr);
   void* other = tidepool_vmm_malloc(kMiB, kDevice, kTagOptimizerState, nullptr);

@@ -2,7 +2,7 @@
 step that ends may evict the device's whole optimizer_state tag (Note [steps in flight]).
 
 Note [steps in flight]: the post-hook evicts the device's optimizer_state by tag (Note
-[evict by tag] in _optim_hooks.py), which takes every optimizer's state there. With two
+[evict by tag] in _state_moves.py), which takes every optimizer's state there. With two
 threads stepping optimizers on one device at once (two models trained in two threads),
 one thread's eviction would move the other's state to the host in the middle of its
 step: its kernels would then reach it over the link, and a prefetch just done would be

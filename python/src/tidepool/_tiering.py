@@ -128,7 +128,7 @@ def prefetch_ptrs(device: int, ptrs: list[int], stream: int | None = None) -> in
 def device_ranges_except(device: int, tag: int, ptrs: list[int]) -> list[int]:
     """The base addresses of the device's ranges of `tag` that are on the device and hold
     none of `ptrs`, oldest first: what a step used beyond the state it names (Note [state
-    outside optimizer.state] in _optim_hooks.py). One C call, two when there are more
+    outside optimizer.state] in _state_outside.py). One C call, two when there are more
     than 64 such ranges (a range made between the two calls is tried again)."""
     fn = _fn("tidepool_device_ranges_except")
     names = _pointer_array(ptrs)
