@@ -37,10 +37,10 @@
 // anderson_history.h): the same routes into the handle the buffer has, with no handle
 // created or destroyed, so no host block allocated, zeroed and freed:
 //   - through host memory: the store's write() of the host bytes (drops any device copy);
-//   - on the device: the handle is acquired on the use stream, filled there and released
-//     dirty, then written back or kept as for create. The store has no acquire that skips
-//     the load, so a handle not on the device loads its old contents first (Note
-//     [Overwriting on the device] in tiered_placement.cpp).
+//   - on the device: the handle is acquired on the use stream without loading its old
+//     contents (TieredStore::acquire_to_overwrite), filled there and released dirty,
+//     then written back or kept as for create (Note [Overwriting on the device] in
+//     tiered_placement.cpp).
 // peak_device_bytes(): the most device memory the store held, sampled after every
 // prefetch and acquire made through this placement and every buffer created on the
 // device (the only calls that allocate device memory), since construction or the last

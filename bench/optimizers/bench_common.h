@@ -48,6 +48,15 @@ inline std::vector<int64_t> mixed_sizes(int64_t total) {
   return sizes;
 }
 
+// `total` parameters in `count` tensors of one size (the last takes the remainder), as
+// the layers of a transformer are: the shape a pipeline over the tensors works best on,
+// against mixed_sizes' halving series, where one tensor holds half of everything.
+inline std::vector<int64_t> layer_sizes(int64_t total, int64_t count = 32) {
+  std::vector<int64_t> sizes(static_cast<std::size_t>(count), total / count);
+  sizes.back() += total % count;
+  return sizes;
+}
+
 inline void sync(const torch::Device& device) {
   if (device.is_cuda()) torch::cuda::synchronize(device.index());
 }

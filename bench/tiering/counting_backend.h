@@ -1,8 +1,8 @@
-// CountingBackend: a backend that forwards every call to the one it owns and counts the
-// calls per operation, so a benchmark can say how many backend calls (copies, event
-// records, stream waits, event queries, synchronizations) a pass of the tiered store made
-// per tensor against the plain copy_async baseline, and a VMM migration per chunk. A
-// relaxed atomic increment per call: the baseline pays it too.
+// CountingBackend: a backend that forwards every call to the one it owns
+// (ForwardingBackend) and counts the calls per operation, so a benchmark can say how many
+// backend calls (copies, event records, stream waits, event queries, synchronizations) a
+// pass of the tiered store made per tensor against the plain copy_async baseline, and a
+// VMM migration per chunk. A relaxed atomic increment per call: the baseline pays it too.
 #pragma once
 
 #include <array>
@@ -10,9 +10,9 @@
 #include <cstdint>
 #include <memory>
 #include <utility>
-#include <vector>
 
 #include "allocator/backend.h"
+#include "allocator/forwarding_backend.h"
 
 namespace tidepool::bench_state {
 
@@ -47,10 +47,9 @@ struct CallCounts {
   }
 };
 
-class CountingBackend final : public Backend {
+class CountingBackend final : public ForwardingBackend {
  public:
-  explicit CountingBackend(std::unique_ptr<Backend> inner)
-      : Backend(inner->kind(), inner->device(), inner->granularity()), inner_(std::move(inner)) {}
+  explicit CountingBackend(std::unique_ptr<Backend> inner) : ForwardingBackend(std::move(inner)) {}
 
   CallCounts counts() const {
     CallCounts c;
@@ -61,103 +60,25 @@ class CountingBackend final : public Backend {
   }
 
  private:
-  void count(Op op) {
-    counts_[static_cast<std::size_t>(op)].fetch_add(1, std::memory_order_relaxed);
+  static Op op_of(Call call) {
+    switch (call) {
+      case Call::copy_async: return Op::copy;
+      case Call::record_event: return Op::record_event;
+      case Call::stream_wait_event: return Op::stream_wait_event;
+      case Call::event_query: return Op::event_query;
+      case Call::event_synchronize: return Op::event_synchronize;
+      case Call::stream_synchronize: return Op::stream_synchronize;
+      case Call::create_physical: return Op::create_physical;
+      case Call::release_physical: return Op::release_physical;
+      case Call::map: return Op::map;
+      case Call::unmap: return Op::unmap;
+      default: return Op::other;
+    }
+  }
+  void on_call(Call call) override {
+    counts_[static_cast<std::size_t>(op_of(call))].fetch_add(1, std::memory_order_relaxed);
   }
 
-  void* do_device_alloc(std::size_t b) override {
-    return count(Op::other), inner_->device_alloc(b);
-  }
-  void do_device_free(void* p, std::size_t b) override {
-    count(Op::other);
-    inner_->device_free(p, b);
-  }
-  MemInfo do_mem_info() override { return count(Op::other), inner_->mem_info(); }
-  Stream do_create_stream() override { return count(Op::other), inner_->create_stream(); }
-  void do_destroy_stream(Stream s) override {
-    count(Op::other);
-    inner_->destroy_stream(s);
-  }
-  void do_stream_synchronize(Stream s) override {
-    count(Op::stream_synchronize);
-    inner_->stream_synchronize(s);
-  }
-  void do_device_synchronize() override {
-    count(Op::other);
-    inner_->device_synchronize();
-  }
-  Event do_create_event() override { return count(Op::other), inner_->create_event(); }
-  void do_destroy_event(Event e) override {
-    count(Op::other);
-    inner_->destroy_event(e);
-  }
-  void do_record_event(Event e, Stream s) override {
-    count(Op::record_event);
-    inner_->record_event(e, s);
-  }
-  bool do_event_query(Event e) override { return count(Op::event_query), inner_->event_query(e); }
-  void do_event_synchronize(Event e) override {
-    count(Op::event_synchronize);
-    inner_->event_synchronize(e);
-  }
-  void do_stream_wait_event(Stream s, Event e) override {
-    count(Op::stream_wait_event);
-    inner_->stream_wait_event(s, e);
-  }
-  float do_event_elapsed_ms(Event a, Event b) override {
-    return count(Op::other), inner_->event_elapsed_ms(a, b);
-  }
-  void do_copy_async(void* dst, const void* src, std::size_t b, CopyKind k, Stream s) override {
-    count(Op::copy);
-    inner_->copy_async(dst, src, b, k, s);
-  }
-  void do_memset_async(void* dst, int v, std::size_t b, Stream s) override {
-    count(Op::other);
-    inner_->memset_async(dst, v, b, s);
-  }
-  void do_launch_host_func(Stream s, void (*fn)(void*), void* arg) override {
-    count(Op::other);
-    inner_->launch_host_func(s, fn, arg);
-  }
-  void do_host_register(void* p, std::size_t b) override {
-    count(Op::other);
-    inner_->host_register(p, b);
-  }
-  void do_host_unregister(void* p) override {
-    count(Op::other);
-    inner_->host_unregister(p);
-  }
-  void* do_reserve_address(std::size_t b) override {
-    return count(Op::other), inner_->reserve_address(b);
-  }
-  void do_release_address(void* va, std::size_t b) override {
-    count(Op::other);
-    inner_->release_address(va, b);
-  }
-  PhysicalHandle do_create_physical(std::size_t b, MemoryLocation w) override {
-    return count(Op::create_physical), inner_->create_physical(b, w);
-  }
-  void do_release_physical(PhysicalHandle h, std::size_t b) override {
-    count(Op::release_physical);
-    inner_->release_physical(h, b);
-  }
-  void do_map(void* va, std::size_t b, PhysicalHandle h) override {
-    count(Op::map);
-    inner_->map(va, b, h);
-  }
-  void do_unmap(void* va, std::size_t b) override {
-    count(Op::unmap);
-    inner_->unmap(va, b);
-  }
-  void do_grant_peer_access(void*, std::size_t, const std::vector<int>& peers) override {
-    count(Op::other);
-    for (const int peer : peers) inner_->enable_peer_access(peer);
-  }
-  bool do_peer_has_access(const void* a, int peer) override {
-    return count(Op::other), inner_->peer_has_access(a, peer);
-  }
-
-  std::unique_ptr<Backend> inner_;
   std::array<std::atomic<std::uint64_t>, static_cast<std::size_t>(Op::count_)> counts_{};
 };
 

@@ -28,13 +28,13 @@
 #include "allocator/c_api.h"
 #include "allocator/caching_allocator.h"
 #include "bench/tiering/bench_state.h"
+#include "bench/tiering/store_steps.h"
 #include "tiering/tiered_store.h"
 
 namespace {
 
 using namespace tidepool;
 using namespace tidepool::bench_state;
-using Clock = std::chrono::steady_clock;
 
 // What both rows share; destroyed before main returns (a CUDA context is gone by the time
 // static destructors run).
@@ -71,34 +71,13 @@ void bm_step(benchmark::State& state, Shared& shared, bool mixed) {
   const Stream compute = backend.create_stream();
   {
     TieredStore store(backend, o, caching_allocator_source(*shared.allocator));
-    std::vector<TieredStore::Handle> handles;
-    for (std::size_t s : sizes) {
-      handles.push_back(store.create(s, TIDEPOOL_TAG_OPTIMIZER_STATE));
-      total += s;
-    }
-    auto step = [&] {
-      const Clock::time_point t0 = Clock::now();
-      store.begin_step();
-      for (TieredStore::Handle h : handles) {
-        store.acquire(h, compute);
-        store.release(h, /*dirty=*/true);
-      }
-      store.end_step();
-      backend.stream_synchronize(compute);
-      store.synchronize();
-      return std::chrono::duration<double>(Clock::now() - t0).count();
-    };
-    step();  // records the schedule
-    step();  // first touch of the allocator's buffers under replay
-    const TieredStoreStats before = store.stats();
-    double seconds = 0;
-    for (auto _ : state) {
-      const double s = step();
-      state.SetIterationTime(s);
-      seconds += s;
-    }
-    const TieredStoreStats after = store.stats();
-    const double steps = double(state.iterations());
+    const StoreSteps steps_of = create_handles(store, sizes);
+    total = steps_of.total_bytes;
+    const TimedSteps t = time_store_steps(state, store, compute, steps_of, [](std::size_t) {});
+    const TieredStoreStats& before = t.before;
+    const TieredStoreStats& after = t.after;
+    const double seconds = t.seconds;
+    const double steps = t.steps;
     const double moved = double(after.copy.h2d.bytes - before.copy.h2d.bytes) +
                          double(after.copy.d2h.bytes - before.copy.d2h.bytes);
     const double gbps = moved / seconds / 1e9;
