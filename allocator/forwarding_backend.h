@@ -4,7 +4,9 @@
 // overriding only what it changes instead of restating the whole seam.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
+#include <iterator>
 #include <memory>
 #include <utility>
 #include <vector>
@@ -57,6 +59,21 @@ class ForwardingBackend : public Backend {
       : Backend(inner.kind(), inner.device(), inner.granularity()), inner_(inner) {}
 
   Backend& inner() const { return inner_; }
+
+  // The seam method's name ("create_physical"), for decorators that report or choose
+  // calls by name.
+  static const char* call_name(Call call) {
+    static constexpr const char* kNames[] = {
+        "device_alloc",     "device_free",       "mem_info",          "create_stream",
+        "destroy_stream",   "stream_synchronize", "device_synchronize", "create_event",
+        "destroy_event",    "record_event",      "event_query",       "event_synchronize",
+        "stream_wait_event", "event_elapsed_ms",  "copy_async",        "memset_async",
+        "launch_host_func", "host_register",     "host_unregister",   "reserve_address",
+        "release_address",  "create_physical",   "release_physical",  "map",
+        "unmap",            "grant_peer_access", "peer_has_access"};
+    static_assert(std::size(kNames) == static_cast<std::size_t>(Call::peer_has_access) + 1);
+    return kNames[static_cast<std::size_t>(call)];
+  }
 
  protected:
   // Called before each call is passed on (from any thread that calls the backend).
