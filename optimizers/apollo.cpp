@@ -445,6 +445,10 @@ void Apollo::load(torch::serialize::InputArchive& archive) {
       if (group_archive.try_read("state_" + std::to_string(index), param_archive)) {
         auto state = std::make_unique<ApolloParamState>();
         state->step = read_value(param_archive, "step").toInt();
+        // A negative count would make the bias correction divide by zero (1 - beta^0) and
+        // the next step write inf or NaN into the parameter.
+        TORCH_CHECK(state->step >= 0, "Apollo::load: parameter ", index, " has step ",
+                    state->step, " in the archive (a count of steps taken, at least 0)");
         const auto adopt = [&](const char* key) {
           torch::Tensor t;
           TORCH_CHECK(param_archive.try_read(key, t, true), "Apollo::load: parameter ", index,

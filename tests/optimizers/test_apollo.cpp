@@ -12,6 +12,7 @@ namespace {
 
 using tidepool::optim::Apollo;
 using tidepool::optim::ApolloOptions;
+using tidepool::optim::ApolloParamState;
 using tidepool::optim::ApolloRebound;
 using tidepool::optim::ApolloWeightDecay;
 
@@ -135,6 +136,25 @@ TEST(Apollo, LoadRejectsAMismatchedOptimizerAndKeepsItsState) {
   target.step();
   expect_error_mentions([&] { load_archive_bytes(target, bytes); }, "parameters");
   EXPECT_EQ(target.state().size(), 1u);
+  EXPECT_DOUBLE_EQ(target.param_groups()[0].options().get_lr(), 0.3);
+}
+
+TEST(Apollo, LoadRejectsANegativeStepCountAndKeepsItsState) {
+  // A corrupted or hand-made checkpoint: a negative step would divide by zero in the bias
+  // correction of the next step and write NaN into the parameter.
+  auto p = param(3);
+  Apollo source({p}, ApolloOptions(0.1));
+  p.mutable_grad() = torch::ones_like(p);
+  source.step();
+  static_cast<ApolloParamState&>(*source.state().begin()->second).step = -1;
+  const std::string bytes = archive_bytes(source);
+  auto q = param(3);
+  Apollo target({q}, ApolloOptions(0.3));
+  q.mutable_grad() = torch::ones_like(q);
+  target.step();
+  expect_error_mentions([&] { load_archive_bytes(target, bytes); }, "step -1");
+  ASSERT_EQ(target.state().size(), 1u);
+  EXPECT_EQ(static_cast<ApolloParamState&>(*target.state().begin()->second).step, 1);
   EXPECT_DOUBLE_EQ(target.param_groups()[0].options().get_lr(), 0.3);
 }
 
