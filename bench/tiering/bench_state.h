@@ -61,6 +61,20 @@ inline std::size_t choose_total_bytes(BackendKind kind) {
   return kind == BackendKind::cuda ? std::size_t{1} << 30 : std::size_t{256} << 20;
 }
 
+// TIDEPOOL_BENCH_MODELED_LINK_GBPS (host backend): GB/s each way of a modelled PCIe link
+// (link_model_backend.h) the benchmark's backend sits behind; 0 (the default): none.
+inline double modeled_link_bytes_per_second() {
+  const char* env = std::getenv("TIDEPOOL_BENCH_MODELED_LINK_GBPS");
+  if (env == nullptr || *env == '\0') return 0;
+  char* end = nullptr;
+  const double gbps = std::strtod(env, &end);
+  if (end == env || *end != '\0' || !(gbps >= 0)) {
+    throw std::invalid_argument(std::string("TIDEPOOL_BENCH_MODELED_LINK_GBPS=") + env +
+                                ": expected a rate in GB/s");
+  }
+  return gbps * 1e9;
+}
+
 // Sizes in [kMinTensor, kMaxTensor], multiples of 4 KiB, log-uniform, summing to `total`.
 inline std::vector<std::size_t> mixed_tensor_sizes(std::size_t total) {
   std::mt19937_64 rng(20261129);

@@ -28,7 +28,9 @@
 // releases (Note [Migration batches] in tiering/vmm_moves.cpp).
 //
 // Backend: cuda when a GPU exists, else host; TIDEPOOL_BENCH_BACKEND=host|cuda forces
-// one. Everything that holds backend resources lives in a Bench object owned by main()
+// one. On the host backend, TIDEPOOL_BENCH_MODELED_LINK_GBPS=R puts it behind a modelled
+// link of R GB/s each way (link_model_backend.h), so the store rows' ratios measure how it
+// issues and orders its copies rather than memcpy on this host. Everything that holds backend resources lives in a Bench object owned by main()
 // and destroyed before main returns (no statics: a CUDA context is gone by the time
 // static destructors run).
 #include <benchmark/benchmark.h>
@@ -54,6 +56,7 @@
 #include "tiering/vmm_migration.h"
 #include "bench/tiering/bench_state.h"
 #include "bench/tiering/counting_backend.h"
+#include "bench/tiering/link_model_backend.h"
 
 namespace {
 
@@ -88,6 +91,11 @@ class Bench {
     } else {
       // Room for the baseline's device buffer, the store's cached buffers and the range.
       backend = make_host_backend(0, HostBackendOptions{4 * total_ + (std::size_t{256} << 20)});
+      // TIDEPOOL_BENCH_MODELED_LINK_GBPS: the host backend behind a modelled link, so that
+      // the store's ratios to the plain copies are those of its issuing, not of memcpy.
+      if (const double rate = modeled_link_bytes_per_second(); rate > 0) {
+        backend = std::make_unique<LinkModelBackend>(std::move(backend), rate);
+      }
     }
     auto counting = std::make_unique<CountingBackend>(std::move(backend));
     counting_ = counting.get();
