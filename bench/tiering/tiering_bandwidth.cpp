@@ -30,9 +30,9 @@
 // Backend: cuda when a GPU exists, else host; TIDEPOOL_BENCH_BACKEND=host|cuda forces
 // one. On the host backend, TIDEPOOL_BENCH_MODELED_LINK_GBPS=R puts it behind a modelled
 // link of R GB/s each way (link_model_backend.h), so the store rows' ratios measure how it
-// issues and orders its copies rather than memcpy on this host. Everything that holds backend resources lives in a Bench object owned by main()
-// and destroyed before main returns (no statics: a CUDA context is gone by the time
-// static destructors run).
+// issues and orders its copies rather than memcpy on this host. Everything that holds
+// backend resources lives in a Bench object owned by main() and destroyed before main
+// returns (no statics: a CUDA context is gone by the time static destructors run).
 #include <benchmark/benchmark.h>
 
 #include <algorithm>
