@@ -286,6 +286,7 @@ int tidepool_get_tiering_stats_v1(int device, tidepool_tiering_stats_v1* out) {
       full.peer_evictions += s.peer_evictions;
       full.peer_evicted_bytes += s.peer_evicted_bytes;
       full.peer_room_requests += s.peer_room_requests;
+      full.loads_skipped += s.loads_skipped;
     });
     if (const auto ledger = tidepool::DeviceBudgetLedger::existing(device)) {
       full.shared_budget_charged_bytes = ledger->charged_bytes();

@@ -163,6 +163,9 @@ typedef struct tidepool_tiering_stats_v1 {
    * other stores for room. */
   uint64_t shared_budget_stores, shared_budget_charged_bytes;
   uint64_t peer_evictions, peer_evicted_bytes, peer_room_requests;
+  /* Appended: acquires to overwrite (TieredStore::acquire_to_overwrite) that found their
+   * handle on the host and gave it a device buffer without loading it. */
+  uint64_t loads_skipped;
 } tidepool_tiering_stats_v1;
 
 /* The size of tidepool_tiering_stats_v1 as first released; struct_size may not be less. */

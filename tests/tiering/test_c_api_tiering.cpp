@@ -165,6 +165,24 @@ TEST_F(CApiTieringTest, StatsCarryTheStoresScheduleCounters) {
   EXPECT_EQ(s.schedule_adoptions, 1u);
 }
 
+// Acquires to overwrite that skipped a load (Note [Acquiring to overwrite] in
+// tiering/tiered_store.cpp) reach the C struct.
+TEST_F(CApiTieringTest, StatsCountTheLoadsAnOverwriteSkipped) {
+  TieredStore store(*backend_, tiering_test::test_store_options(1 << 20));
+  const TieredStore::Handle on_host = store.create(4096, kTagOptimizerState, Tier::host);
+  const TieredStore::Handle resident = store.create(4096, kTagOptimizerState, Tier::device);
+  for (const TieredStore::Handle h : {on_host, resident}) {
+    store.acquire_to_overwrite(h, Stream{});
+    store.release(h, true);
+  }
+  store.synchronize();
+  tidepool_tiering_stats_v1 s{};
+  s.struct_size = sizeof s;
+  ASSERT_EQ(tidepool_get_tiering_stats_v1(kDevice, &s), 0) << tidepool_last_error();
+  EXPECT_EQ(s.loads_skipped, 1u) << "only the handle on the host needed a load";
+  EXPECT_EQ(s.h2d_bytes, 0u);
+}
+
 
 // The reclaim hook's set-up: a caching allocator over an 8 MiB host device (`device`: an
 // index of the test's own, sharing no registry state with other tests), and stores with

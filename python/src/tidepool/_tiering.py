@@ -34,7 +34,8 @@ class TieringStatsV1(ctypes.Structure):
         + [(n, ctypes.c_uint64) for n in ("off_schedule_acquires", "schedule_adoptions")]
         + [(n, ctypes.c_uint64) for n in (
             "shared_budget_stores", "shared_budget_charged_bytes", "peer_evictions",
-            "peer_evicted_bytes", "peer_room_requests")])
+            "peer_evicted_bytes", "peer_room_requests")]
+        + [("loads_skipped", ctypes.c_uint64)])
 
 
 _SIGNATURES = {
