@@ -305,35 +305,37 @@ void* VmmPool::allocate_range(std::size_t bytes, int tag, Placement placement) {
       ranges_.emplace(base, std::move(r));
     }
   };
-  // A chunk's backing in `where`, charged to the budget's ledger when on the device (the
-  // room within_budget took is charged already). Null when `where` is out of memory.
-  auto create_backing = [&](std::size_t n, MemoryLocation where, bool room_taken) {
+  // A chunk's backing in `where`; null when `where` is out of memory.
+  auto create_backing = [&](std::size_t n, MemoryLocation where) {
     PhysicalHandle h = where == MemoryLocation::host ? take_spare_locked(n) : PhysicalHandle{};
     if (!h) h = backend_.create_physical(n, where);
-    // Not limited by the budget (Note [VMM device budget]), but charged: the stores
-    // sharing it find that much less room.
-    if (h && where == MemoryLocation::device && !room_taken && shared_) shared_->charge(n);
     return h;
   };
   try {
     for (std::size_t off = 0; off < total; off += chunk_bytes_) {
       const std::size_t n = std::min(chunk_bytes_, total - off);
-      MemoryLocation where =
-          placement == Placement::host ? MemoryLocation::host : MemoryLocation::device;
-      const bool room_taken =
-          placement == Placement::within_budget && take_device_room_locked(n, budget);
-      if (placement == Placement::within_budget && !room_taken) where = MemoryLocation::host;
+      // A device chunk takes its room first (given back on every way out below). Placed
+      // on the device it is not limited by the budget (`budget` is none: Note [VMM device
+      // budget]), only charged, so the stores sharing it find that much less room; within
+      // the budget, a chunk without room goes to the host.
+      MemoryLocation where = MemoryLocation::host;
+      if (placement != Placement::host && take_device_room_locked(n, budget)) {
+        where = MemoryLocation::device;
+      }
       PhysicalHandle h;
       try {
-        h = create_backing(n, where, room_taken);
+        h = create_backing(n, where);
       } catch (...) {
-        if (room_taken) give_device_room_locked(n);
+        if (where == MemoryLocation::device) give_device_room_locked(n);
         throw;
       }
-      if (!h && room_taken) {  // Note [New state where the budget puts it]: the device is full
+      if (!h && where == MemoryLocation::device) {
         give_device_room_locked(n);
-        where = MemoryLocation::host;
-        h = create_backing(n, where, false);
+        // Note [New state where the budget puts it]: the device is full.
+        if (placement == Placement::within_budget) {
+          where = MemoryLocation::host;
+          h = create_backing(n, where);
+        }
       }
       if (!h) {
         unwind();
