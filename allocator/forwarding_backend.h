@@ -6,7 +6,6 @@
 
 #include <cstddef>
 #include <cstdint>
-#include <iterator>
 #include <memory>
 #include <utility>
 #include <vector>
@@ -15,38 +14,21 @@
 
 namespace tidepool {
 
+// Every seam operation a ForwardingBackend passes on, in one list: X(name) for each.
+#define TIDEPOOL_FORWARDED_CALLS(X)                                                          \
+  X(device_alloc) X(device_free) X(mem_info) X(create_stream) X(destroy_stream)              \
+  X(stream_synchronize) X(device_synchronize) X(create_event) X(destroy_event)               \
+  X(record_event) X(event_query) X(event_synchronize) X(stream_wait_event)                   \
+  X(event_elapsed_ms) X(copy_async) X(memset_async) X(launch_host_func) X(host_register)     \
+  X(host_unregister) X(reserve_address) X(release_address) X(create_physical)                \
+  X(release_physical) X(map) X(unmap) X(grant_peer_access) X(peer_has_access)
+
 class ForwardingBackend : public Backend {
  public:
   // Every seam operation a ForwardingBackend passes on, for on_call.
-  enum class Call : std::uint8_t {
-    device_alloc,
-    device_free,
-    mem_info,
-    create_stream,
-    destroy_stream,
-    stream_synchronize,
-    device_synchronize,
-    create_event,
-    destroy_event,
-    record_event,
-    event_query,
-    event_synchronize,
-    stream_wait_event,
-    event_elapsed_ms,
-    copy_async,
-    memset_async,
-    launch_host_func,
-    host_register,
-    host_unregister,
-    reserve_address,
-    release_address,
-    create_physical,
-    release_physical,
-    map,
-    unmap,
-    grant_peer_access,
-    peer_has_access,
-  };
+#define TIDEPOOL_CALL_ENUMERATOR(name) name,
+  enum class Call : std::uint8_t { TIDEPOOL_FORWARDED_CALLS(TIDEPOOL_CALL_ENUMERATOR) };
+#undef TIDEPOOL_CALL_ENUMERATOR
 
   // Passes the calls to `inner`, which it owns.
   // (Members initialise in declaration order: inner_ is bound before owned_ takes it.)
@@ -63,15 +45,9 @@ class ForwardingBackend : public Backend {
   // The seam method's name ("create_physical"), for decorators that report or choose
   // calls by name.
   static const char* call_name(Call call) {
-    static constexpr const char* kNames[] = {
-        "device_alloc",     "device_free",       "mem_info",          "create_stream",
-        "destroy_stream",   "stream_synchronize", "device_synchronize", "create_event",
-        "destroy_event",    "record_event",      "event_query",       "event_synchronize",
-        "stream_wait_event", "event_elapsed_ms",  "copy_async",        "memset_async",
-        "launch_host_func", "host_register",     "host_unregister",   "reserve_address",
-        "release_address",  "create_physical",   "release_physical",  "map",
-        "unmap",            "grant_peer_access", "peer_has_access"};
-    static_assert(std::size(kNames) == static_cast<std::size_t>(Call::peer_has_access) + 1);
+#define TIDEPOOL_CALL_NAME(name) #name,
+    static constexpr const char* kNames[] = {TIDEPOOL_FORWARDED_CALLS(TIDEPOOL_CALL_NAME)};
+#undef TIDEPOOL_CALL_NAME
     return kNames[static_cast<std::size_t>(call)];
   }
 
