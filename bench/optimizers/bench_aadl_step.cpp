@@ -27,8 +27,8 @@
 // then too) and through_host (of the stored chunks, the ones that went through host
 // memory: on CUDA those the store had no device room for, Note [Creating on the device]
 // in tiered_placement.cpp; on the CPU all of them, by design). Writing over a buffer the
-// store has written back loads its old contents first (Note [Overwriting on the device]
-// there): 4N bytes H2D per step beyond the floor, and one miss per stored chunk.
+// store has written back loads nothing (TieredStore::acquire_to_overwrite, Note
+// [Overwriting on the device] there): loads_skipped per step, one per such chunk.
 // On the CPU there is no link: the counters are params/s, and the resident and tiered
 // (host backend) placements compare the store's overhead.
 #include <benchmark/benchmark.h>

@@ -1,8 +1,8 @@
 // The tiered store's optimizer step over a modelled PCIe link (link_model_backend.h), on
 // the host backend: how close the pipeline comes to the link's floor when the host never
 // blocks on compute, as with GPU kernels. Measured without a GPU, so that a pipeline that
-// leaves the link idle (loads started late, write-backs waited for) shows in CI's
-// benchmarks and not only on the device.
+// leaves the link idle (loads started late, write-backs waited for) shows on any machine
+// and not only on the device.
 //
 // One iteration is one step over the state, as the optimizers make it: every handle
 // acquired in order on a compute stream, "computed" there (a host function that holds the
@@ -100,13 +100,11 @@ void bm_step(benchmark::State& state, const std::vector<std::size_t>& sizes,
     StoreSteps steps_of = create_handles(store, sizes);
     steps_of.evict_on_release = true;
     total = steps_of.total_bytes;
-    const TimedSteps t = time_store_steps(state, store, stream, steps_of, [&](std::size_t i) {
-      backend.launch_host_func(stream, &compute, reinterpret_cast<void*>(std::uintptr_t{sizes[i]}));
-    });
-    const TieredStoreStats& before = t.before;
-    const TieredStoreStats& after = t.after;
-    const double seconds = t.seconds;
-    const double steps = t.steps;
+    const auto [before, after, seconds, steps] =
+        time_store_steps(state, store, stream, steps_of, [&](std::size_t i) {
+          backend.launch_host_func(stream, &compute,
+                                   reinterpret_cast<void*>(std::uintptr_t{sizes[i]}));
+        });
     const double h2d = double(after.copy.h2d.bytes - before.copy.h2d.bytes) / steps;
     const double d2h = double(after.copy.d2h.bytes - before.copy.d2h.bytes) / steps;
     const double step_s = seconds / steps;

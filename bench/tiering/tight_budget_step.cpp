@@ -73,11 +73,8 @@ void bm_step(benchmark::State& state, Shared& shared, bool mixed) {
     TieredStore store(backend, o, caching_allocator_source(*shared.allocator));
     const StoreSteps steps_of = create_handles(store, sizes);
     total = steps_of.total_bytes;
-    const TimedSteps t = time_store_steps(state, store, compute, steps_of, [](std::size_t) {});
-    const TieredStoreStats& before = t.before;
-    const TieredStoreStats& after = t.after;
-    const double seconds = t.seconds;
-    const double steps = t.steps;
+    const auto [before, after, seconds, steps] =
+        time_store_steps(state, store, compute, steps_of, [](std::size_t) {});
     const double moved = double(after.copy.h2d.bytes - before.copy.h2d.bytes) +
                          double(after.copy.d2h.bytes - before.copy.d2h.bytes);
     const double gbps = moved / seconds / 1e9;
