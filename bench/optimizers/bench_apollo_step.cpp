@@ -54,7 +54,7 @@ using tidepool::bench_optim::want_cuda;
 // quarter, ...) or layer_sizes (32 alike). Over a modelled link without a GPU
 // (tidepool_bench_modeled_link, the store's step as the optimizers make it), the halving
 // shape under this benchmark's budget of two thirds of the state comes to 1.19x its link
-// floor, the layers to 1.07x: loading the first tensor, a sixth of the state, is a fill
+// floor, the layers to 1.06x: loading the first tensor, a sixth of the state, is a fill
 // nothing overlaps. The tiered step is timed in both.
 enum class Shape { mixed, layers };
 
