@@ -2,8 +2,10 @@
 // algorithm and anderson_history.h for how the history and its matrices are kept).
 #include "optimizers/aadl.h"
 
+#include <algorithm>
 #include <cmath>
 #include <exception>
+#include <limits>
 #include <string>
 #include <utility>
 
@@ -252,16 +254,124 @@ torch::Tensor AADL::step(LossClosure closure) {
 
 namespace {
 
-c10::IValue read_value(torch::serialize::InputArchive& archive, const std::string& key) {
-  c10::IValue value;
-  TORCH_CHECK(archive.try_read(key, value), "AADL::load: the archive has no '", key, "'");
-  return value;
-}
+// One (possibly nested) archive of AADL's, read with messages that name the key as a path
+// from the top ("history_1/gram"), and values of the wrong type refused as such rather than
+// by c10's bare "Expected Int but got String".
+struct ArchiveReader {
+  torch::serialize::InputArchive& archive;
+  std::string prefix;  // "" at the top, "history_<g>/" inside a group's archive
 
-torch::Tensor read_tensor(torch::serialize::InputArchive& archive, const std::string& key) {
-  torch::Tensor tensor;
-  TORCH_CHECK(archive.try_read(key, tensor, true), "AADL::load: the archive has no '", key, "'");
-  return tensor;
+  std::string path(const std::string& key) const { return prefix + key; }
+
+  c10::IValue value(const std::string& key) const {
+    c10::IValue value;
+    TORCH_CHECK(archive.try_read(key, value), "AADL::load: the archive has no '", path(key),
+                "'");
+    return value;
+  }
+
+  int64_t integer(const std::string& key) const { return integer(key, value(key)); }
+  int64_t integer(const std::string& key, const c10::IValue& v) const {
+    TORCH_CHECK(v.isInt(), "AADL::load: ", path(key), " is a ", v.tagKind(),
+                " in the archive; it must be an integer");
+    return v.toInt();
+  }
+
+  // Counts and counters: a negative one is no archive AADL::save writes, and the largest
+  // int64 would overflow at the next step's increment.
+  int64_t non_negative(const std::string& key) const {
+    const int64_t v = integer(key);
+    TORCH_CHECK(v >= 0 && v < std::numeric_limits<int64_t>::max(), "AADL::load: ", path(key),
+                " is ", v, " in the archive; it must be >= 0 and below 2^63 - 1");
+    return v;
+  }
+
+  std::vector<int64_t> integers(const std::string& key) const {
+    const c10::IValue v = value(key);
+    TORCH_CHECK(v.isIntList(), "AADL::load: ", path(key), " is a ", v.tagKind(),
+                " in the archive; it must be a list of integers");
+    return v.toIntVector();
+  }
+
+  torch::Tensor tensor(const std::string& key) const {
+    const c10::IValue v = value(key);
+    TORCH_CHECK(v.isTensor(), "AADL::load: ", path(key), " is a ", v.tagKind(),
+                " in the archive; it must be a tensor");
+    return v.toTensor();
+  }
+};
+
+// Group g's history from its archive (history_<g>), as a new history of `current`'s depth
+// and placement on the parameters' device, in their dtype; `current` is left as it is.
+//
+// Dtypes. The history vectors are iterates of the parameters and are stored in their
+// dtype, as step() pushes them; an archive saved from a model of another dtype (fp64
+// loaded into fp32, or back) is cast to it, as PyTorch's Optimizer.load_state_dict casts
+// floating-point state to its parameter's dtype: fp64 → fp32 rounds the iterates, the
+// other way is exact. The matrices are then recomputed from the vectors as stored, not
+// taken from the archive: G and c must be DRᵀDR and DRᵀb of exactly the stored vectors,
+// because later pushes add rows computed from the stored values, and G with rows of two
+// origins is the Gram matrix of no history (it need not even be positive semidefinite);
+// recomputing costs one pass per vector, once, at load. gram and rhs are fp64 however the
+// parameters are (anderson_history.h) and save writes them so: any other dtype or shape
+// is no archive of AADL's and is refused, not cast (an fp32 "Gram matrix" cast up would
+// pass for the fp64 accumulator it is not). Vectors that are not floating point are
+// refused too: integer "iterates" are no archive of AADL's either.
+std::unique_ptr<AndersonHistory> read_history(torch::serialize::InputArchive& archive, size_t g,
+                                              const AndersonHistory& current,
+                                              const std::vector<torch::Tensor>& params) {
+  const ArchiveReader reader{archive, "history_" + std::to_string(g) + "/"};
+  // Archives written before the shapes were saved have none to check.
+  c10::IValue saved_param_count;
+  if (archive.try_read("param_count", saved_param_count)) {
+    const int64_t param_count = reader.integer("param_count", saved_param_count);
+    TORCH_CHECK(param_count == static_cast<int64_t>(params.size()), "AADL::load: group ", g,
+                " has ", param_count, " parameters in the archive, this optimizer ",
+                params.size());
+    for (size_t i = 0; i < params.size(); ++i) {
+      const std::vector<int64_t> shape = reader.integers("param_shape_" + std::to_string(i));
+      TORCH_CHECK(params[i].sizes() == at::IntArrayRef(shape), "AADL::load: parameter ", i,
+                  " of group ", g, " has shape ", at::IntArrayRef(shape),
+                  " in the archive, this optimizer ", params[i].sizes());
+    }
+  }
+  const int64_t count = reader.non_negative("count");
+  TORCH_CHECK(count <= current.depth(), "AADL::load: ", reader.path("count"), " is ", count,
+              " in the archive: more history vectors than history_depth ", current.depth());
+  const torch::TensorOptions compute = params.front().options().requires_grad(false);
+  const int64_t numel = flatten(params).numel();
+  std::vector<torch::Tensor> vectors;
+  bool recast = false;  // some vector is of another dtype than the parameters
+  for (int64_t i = 0; i < count; ++i) {
+    const std::string key = "vector_" + std::to_string(i);
+    torch::Tensor v = reader.tensor(key);
+    TORCH_CHECK(v.dim() == 1 && v.numel() == numel, "AADL::load: ", reader.path(key),
+                " is a ", v.sizes(), " tensor in the archive; group ", g, " has ", numel,
+                " elements");
+    TORCH_CHECK(c10::isFloatingType(v.scalar_type()), "AADL::load: ", reader.path(key),
+                " is a ", v.scalar_type(), " tensor in the archive; it must be floating point");
+    recast = recast || v.scalar_type() != params.front().scalar_type();
+    vectors.push_back(std::move(v));
+  }
+  const int64_t k = std::max<int64_t>(count - 2, 0);
+  const torch::Tensor gram = reader.tensor("gram");
+  const torch::Tensor rhs = reader.tensor("rhs");
+  const bool gram_fits =
+      gram.scalar_type() == torch::kFloat64 && gram.dim() == 2 && gram.size(0) == k &&
+      gram.size(1) == k;
+  const bool rhs_fits = rhs.scalar_type() == torch::kFloat64 && rhs.dim() == 1 && rhs.size(0) == k;
+  TORCH_CHECK(gram_fits,
+              "AADL::load: ", reader.path("gram"), " is a ", gram.sizes(), " ",
+              gram.scalar_type(), " tensor in the archive; it must be a [", k, ", ", k,
+              "] Double tensor (the fp64 Gram matrix of ", count, " history vectors)");
+  TORCH_CHECK(rhs_fits,
+              "AADL::load: ", reader.path("rhs"), " is a ", rhs.sizes(), " ", rhs.scalar_type(),
+              " tensor in the archive; it must be a [", k, "] Double tensor (for ", count,
+              " history vectors)");
+  if (!recast) return current.restored(vectors, gram, rhs, compute);
+  auto history = current.restored({}, gram.new_zeros({0, 0}), rhs.new_zeros({0}), compute);
+  for (const auto& v : vectors) history->push(v.to(compute));
+  return history;
 }
 
 // Loads `archive` into `inner` as a replacement of its state, all or nothing. LibTorch's
@@ -342,50 +452,32 @@ void AADL::save(torch::serialize::OutputArchive& archive) const {
 // fail. A failed load leaves this optimizer as it was, at the cost of holding the old and
 // the new history at once while it runs (in the placement: host memory when tiered).
 void AADL::load(torch::serialize::InputArchive& archive) {
-  TORCH_CHECK(read_value(archive, "aadl_format").toInt() == kArchiveFormat,
-              "AADL::load: not an AADL archive of format ", kArchiveFormat);
-  const int64_t group_count = read_value(archive, "group_count").toInt();
+  const ArchiveReader reader{archive, ""};
+  const int64_t format = reader.integer("aadl_format");
+  TORCH_CHECK(format == kArchiveFormat, "AADL::load: aadl_format is ", format,
+              " in the archive; this build reads format ", kArchiveFormat);
+  const int64_t group_count = reader.integer("group_count");
   TORCH_CHECK(group_count == static_cast<int64_t>(histories_.size()),
               "AADL::load: the archive has ", group_count, " groups, this optimizer ",
               histories_.size());
-  const int64_t call_counter = read_value(archive, "call_counter").toInt();
-  const int64_t store_counter = read_value(archive, "store_counter").toInt();
-  const int64_t accepted = read_value(archive, "accepted").toInt();
-  const int64_t rejected = read_value(archive, "rejected").toInt();
+  // Only the sign is checked. save writes store_counter <= call_counter (calls since the
+  // last store) and accepted + rejected <= call_counter × groups, but nothing relies on
+  // either: next_step() reads each of the two step counters on its own, against this
+  // optimizer's options (store_each_nth, frequency), which need not be those that saved
+  // (any value >= 0 then steps correctly), and accepted and rejected are only reported.
+  // A negative store_counter or call_counter would silently postpone the next store or
+  // the next acceleration by as many calls.
+  const int64_t call_counter = reader.non_negative("call_counter");
+  const int64_t store_counter = reader.non_negative("store_counter");
+  const int64_t accepted = reader.non_negative("accepted");
+  const int64_t rejected = reader.non_negative("rejected");
   std::vector<std::unique_ptr<AndersonHistory>> restored;
   for (size_t g = 0; g < histories_.size(); ++g) {
     torch::serialize::InputArchive history_archive;
     TORCH_CHECK(archive.try_read("history_" + std::to_string(g), history_archive),
                 "AADL::load: the archive has no history for group ", g);
-    const auto& params = inner_->param_groups()[g].params();
-    // Archives written before the shapes were saved have none to check.
-    c10::IValue param_count;
-    if (history_archive.try_read("param_count", param_count)) {
-      TORCH_CHECK(param_count.toInt() == static_cast<int64_t>(params.size()),
-                  "AADL::load: group ", g, " has ", param_count.toInt(),
-                  " parameters in the archive, this optimizer ", params.size());
-      for (size_t i = 0; i < params.size(); ++i) {
-        const std::vector<int64_t> shape =
-            read_value(history_archive, "param_shape_" + std::to_string(i)).toIntVector();
-        TORCH_CHECK(params[i].sizes() == at::IntArrayRef(shape), "AADL::load: parameter ", i,
-                    " of group ", g, " has shape ", at::IntArrayRef(shape),
-                    " in the archive, this optimizer ", params[i].sizes());
-      }
-    }
-    const int64_t count = read_value(history_archive, "count").toInt();
-    TORCH_CHECK(count >= 0 && count <= options_.history_depth(), "AADL::load: ", count,
-                " history vectors for history_depth ", options_.history_depth());
-    const int64_t numel = flatten(params).numel();
-    std::vector<torch::Tensor> vectors;
-    for (int64_t i = 0; i < count; ++i) {
-      torch::Tensor v = read_tensor(history_archive, "vector_" + std::to_string(i));
-      TORCH_CHECK(v.dim() == 1 && v.numel() == numel, "AADL::load: history vector ", i,
-                  " of group ", g, " has ", v.numel(), " elements, the group ", numel);
-      vectors.push_back(v);
-    }
-    restored.push_back(histories_[g]->restored(vectors, read_tensor(history_archive, "gram"),
-                                               read_tensor(history_archive, "rhs"),
-                                               params.front().options().requires_grad(false)));
+    restored.push_back(read_history(history_archive, g, *histories_[g],
+                                    inner_->param_groups()[g].params()));
   }
   torch::serialize::InputArchive inner_archive;
   TORCH_CHECK(archive.try_read("inner", inner_archive),

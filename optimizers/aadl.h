@@ -83,7 +83,11 @@ class TIDEPOOL_API AADL : public torch::optim::Optimizer {
   // Saves the inner optimizer (nested archive "inner"), the counters and every group's
   // history with its matrices and parameter shapes; load restores them into this
   // optimizer's placement, replacing the inner optimizer's state (as a fresh optimizer's
-  // would be), or throws c10::Error naming what does not fit and changes nothing.
+  // would be), or throws c10::Error naming what does not fit (the key, for a value that is
+  // missing, negative or of the wrong type) and changes nothing. History vectors saved
+  // from parameters of another floating dtype are cast to this optimizer's, and their
+  // matrices recomputed (read_history in aadl.cpp); the inner optimizer's state is what
+  // its own load makes of it (LibTorch's keep the dtype it was saved in).
   void save(torch::serialize::OutputArchive& archive) const override;
   void load(torch::serialize::InputArchive& archive) override;
 

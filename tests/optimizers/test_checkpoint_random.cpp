@@ -34,6 +34,7 @@
 #include <vector>
 
 #include "archive_bytes.h"
+#include "checkpoint_checks.h"
 #include "checkpoint_problems.h"
 #include "tests/support/test_scale.h"
 #include "tests/support/test_seed.h"
@@ -70,13 +71,6 @@ Params values(const Params& params) {
 }
 
 // ---- round trips -------------------------------------------------------------------------
-
-void expect_bitwise(const Params& got, const Params& want, const std::string& what) {
-  ASSERT_EQ(got.size(), want.size());
-  for (size_t i = 0; i < got.size(); ++i) {
-    ASSERT_TRUE(torch::equal(got[i].detach(), want[i].detach())) << "parameter " << i << what;
-  }
-}
 
 // Random save points in [0, steps]: 1 to 3 of them, in order, sometimes before any step.
 std::vector<int> random_save_points(Rng& rng, int steps) {
@@ -298,28 +292,6 @@ BadArchive mismatched_archive(const Problem& problem, Rng& rng) {
   return bad;
 }
 
-// Copies `from` into `to` but for `skip`: values, tensors and nested archives.
-void copy_archive(torch::serialize::InputArchive& from, torch::serialize::OutputArchive& to,
-                  const std::string& skip) {
-  for (const std::string& key : from.keys()) {
-    if (key == skip || key == "training") continue;  // every archive has its own "training"
-    torch::serialize::InputArchive nested_in;
-    if (from.try_read(key, nested_in)) {
-      torch::serialize::OutputArchive nested_out;
-      copy_archive(nested_in, nested_out, "");
-      to.write(key, nested_out);
-      continue;
-    }
-    c10::IValue value;
-    from.read(key, value);
-    if (value.isTensor()) {
-      to.write(key, value.toTensor(), /*is_buffer=*/true);
-    } else {
-      to.write(key, value);
-    }
-  }
-}
-
 // AADL's own part of a valid archive of `problem`, the inner optimizer's of one with
 // another parameter count in its last group: it passes AADL's checks and fails in the
 // inner optimizer's load, for a LibTorch optimizer after it took the earlier groups'
@@ -377,52 +349,13 @@ BadArchive bad_archive(const AADLProblem& problem, Rng& rng) {
   return mismatched_archive<AADLRun>(problem, rng);
 }
 
-// The state two optimizers hold, compared: whatever a failed load could have touched.
+// The state two optimizers hold, compared: whatever a failed load could have touched
+// (AADL's: checkpoint_checks.h, overloaded here).
+using tidepool::testing::checkpoint::expect_same_state;
 void expect_same_state(const ApolloRun& a, const ApolloRun& b) {
   // Apollo's archive is the whole state and the options, by parameter index.
   EXPECT_TRUE(same_bytes(archive_bytes(a.optimizer()), archive_bytes(b.optimizer())))
       << "the state changed";
-}
-
-void expect_same_state(const AADLRun& a, const AADLRun& b) {
-  EXPECT_EQ(a.aadl->accepted(), b.aadl->accepted());
-  EXPECT_EQ(a.aadl->rejected(), b.aadl->rejected());
-  auto& inner_a = a.aadl->inner();
-  auto& inner_b = b.aadl->inner();
-  ASSERT_EQ(inner_a.param_groups().size(), inner_b.param_groups().size());
-  for (size_t g = 0; g < inner_a.param_groups().size(); ++g) {
-    const auto& history_a = a.aadl->history(g);
-    const auto& history_b = b.aadl->history(g);
-    ASSERT_EQ(history_a.size(), history_b.size()) << "group " << g << "'s history";
-    const auto vectors_a = history_a.read_host();
-    const auto vectors_b = history_b.read_host();
-    for (size_t i = 0; i < vectors_a.size(); ++i) {
-      EXPECT_TRUE(torch::equal(vectors_a[i], vectors_b[i])) << "group " << g << " vector " << i;
-    }
-    EXPECT_TRUE(torch::equal(history_a.gram(), history_b.gram())) << "group " << g << "'s gram";
-    EXPECT_TRUE(torch::equal(history_a.rhs(), history_b.rhs())) << "group " << g << "'s rhs";
-    const auto& options_a =
-        static_cast<const torch::optim::SGDOptions&>(inner_a.param_groups()[g].options());
-    const auto& options_b =
-        static_cast<const torch::optim::SGDOptions&>(inner_b.param_groups()[g].options());
-    EXPECT_TRUE(options_a == options_b) << "group " << g << "'s SGD options";
-    const auto& params_a = inner_a.param_groups()[g].params();
-    const auto& params_b = inner_b.param_groups()[g].params();
-    for (size_t i = 0; i < params_a.size(); ++i) {
-      const auto it_a = inner_a.state().find(params_a[i].unsafeGetTensorImpl());
-      const auto it_b = inner_b.state().find(params_b[i].unsafeGetTensorImpl());
-      ASSERT_EQ(it_a == inner_a.state().end(), it_b == inner_b.state().end())
-          << "group " << g << " parameter " << i << "'s SGD state";
-      if (it_a == inner_a.state().end()) continue;
-      const auto& buffer_a =
-          static_cast<const torch::optim::SGDParamState&>(*it_a->second).momentum_buffer();
-      const auto& buffer_b =
-          static_cast<const torch::optim::SGDParamState&>(*it_b->second).momentum_buffer();
-      EXPECT_TRUE(buffer_a.defined() == buffer_b.defined() &&
-                  (!buffer_a.defined() || torch::equal(buffer_a, buffer_b)))
-          << "group " << g << " parameter " << i << "'s momentum";
-    }
-  }
 }
 
 std::string message_of(const std::exception& e) {
