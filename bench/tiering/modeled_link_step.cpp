@@ -10,9 +10,16 @@
 // time is far below the copy's), released dirty, and with the state larger than the
 // budget evicted at once (TieredPlacement's WriteBack::on_release), the recorded schedule
 // prefetching ahead. The host thread only enqueues. Rows, each with 64 MiB of state and a
-// budget of a quarter of it:
+// budget of a quarter of it unless said:
 //   step/layers     32 tensors of one size (a transformer's layers);
-//   step/mixed      bench_state.h's log-uniform 64 KiB-8 MiB sizes.
+//   step/mixed      bench_state.h's log-uniform 64 KiB-8 MiB sizes;
+//   step/halving    bench_apollo_step's GPU shape (budget two thirds of the state), one
+//                   handle at a time; step/halving/apollo takes each parameter's three
+//                   handles together, as Apollo does.
+// Each row is timed twice (Note [Isolated and steady steps] in store_steps.h): one step
+// per wait, as bench_apollo_step times the GPU step, and, as .../steady, kSteadySteps
+// steps per wait, as a training loop runs them (write-backs of one step beside the first
+// loads of the next).
 // Counters: floor_ratio, the step's time over its busier direction's bytes at the
 // modelled rate (1 at best; the target for a tiered step is 1.15); link_busy_share,
 // both directions' modelled busy time over twice the step's (1: both busy all along);
@@ -83,8 +90,17 @@ std::vector<std::size_t> halving_sizes() {
   return sizes;
 }
 
-void bm_step(benchmark::State& state, const std::vector<std::size_t>& sizes,
-             std::size_t budget = kBudget) {
+constexpr int kSteadySteps = 8;
+
+struct StepShape {
+  std::vector<std::size_t> sizes;
+  std::size_t budget = kBudget;
+  std::size_t group = 1;  // handles acquired together
+};
+
+void bm_step(benchmark::State& state, const StepShape& shape, int steps_per_sync) {
+  const std::vector<std::size_t>& sizes = shape.sizes;
+  const std::size_t budget = shape.budget;
   auto allocator = std::make_unique<CachingAllocator>(std::make_unique<LinkModelBackend>(
       make_host_backend(0, HostBackendOptions{2 * budget + (std::size_t{64} << 20)}),
       kLinkRate));
@@ -99,6 +115,8 @@ void bm_step(benchmark::State& state, const std::vector<std::size_t>& sizes,
     TieredStore store(backend, o, caching_allocator_source(*allocator));
     StoreSteps steps_of = create_handles(store, sizes);
     steps_of.evict_on_release = true;
+    steps_of.group = shape.group;
+    steps_of.steps_per_sync = steps_per_sync;
     total = steps_of.total_bytes;
     const auto [before, after, seconds, steps] =
         time_store_steps(state, store, stream, steps_of, [&](std::size_t i) {
@@ -121,14 +139,29 @@ void bm_step(benchmark::State& state, const std::vector<std::size_t>& sizes,
                  std::to_string(int(kLinkRate / 1e9)) + " GB/s each way (modelled)");
 }
 
-void BM_Layers(benchmark::State& s) { bm_step(s, layer_sizes()); }
-void BM_Mixed(benchmark::State& s) { bm_step(s, mixed_sizes()); }
-void BM_Halving(benchmark::State& s) { bm_step(s, halving_sizes(), kState * 2 / 3); }
-
-BENCHMARK(BM_Layers)->Name("step/layers")->UseManualTime()->Unit(benchmark::kMillisecond);
-BENCHMARK(BM_Mixed)->Name("step/mixed")->UseManualTime()->Unit(benchmark::kMillisecond);
-BENCHMARK(BM_Halving)->Name("step/halving")->UseManualTime()->Unit(benchmark::kMillisecond);
+void register_rows(const char* name, const StepShape& shape) {
+  for (const int steps_per_sync : {1, kSteadySteps}) {
+    const std::string row =
+        std::string("step/") + name + (steps_per_sync == 1 ? "" : "/steady");
+    benchmark::RegisterBenchmark(row.c_str(),
+                                 [shape, steps_per_sync](benchmark::State& s) {
+                                   bm_step(s, shape, steps_per_sync);
+                                 })
+        ->UseManualTime()
+        ->Unit(benchmark::kMillisecond);
+  }
+}
 
 }  // namespace
 
-BENCHMARK_MAIN();
+int main(int argc, char** argv) {
+  register_rows("layers", {layer_sizes()});
+  register_rows("mixed", {mixed_sizes()});
+  register_rows("halving", {halving_sizes(), kState * 2 / 3});
+  register_rows("halving/apollo", {halving_sizes(), kState * 2 / 3, 3});
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}
