@@ -57,6 +57,11 @@ def test_steps_of_two_threads_at_once_route_to_pools_of_their_own(fake_cuda, fak
         finally:
             a_out.set()
 
+    # Parameters added now make both steps state steps, which enter the pools (Note [only
+    # state steps enter the pool] in _step_scopes.py); the state made before is prefetched.
+    a.add_param_group({"params": [model(4)]})
+    b.add_param_group({"params": [model(5)]})
+    b_prefetch = prefetch_of(b)  # the state b has when its step begins
     b.inside = b_inside
     run_threads(b.step, step_a)
     assert pools_made(fake_cuda) == 1  # made now: a second pool, for a's step
@@ -65,14 +70,18 @@ def test_steps_of_two_threads_at_once_route_to_pools_of_their_own(fake_cuda, fak
     # Note [steps in flight in pool mode]: b, alone when it began, prefetched; a, which
     # overlapped b, moved nothing (its state may share b's segments); b, the last, evicted
     # the tag.
-    assert fake_tiering == [prefetch_of(b), EVICT]
+    assert fake_tiering == [b_prefetch, EVICT]
     assert _install.STATE.pool_leases == {}
-    # One at a time, a step takes the first pool again: no third is made.
+    # One at a time, a state step takes the first pool again: no third is made.
+    a.add_param_group({"params": [model(6)]})
+    b.add_param_group({"params": [model(7)]})
+    a_prefetch, b_prefetch = prefetch_of(a), prefetch_of(b)
     b.inside = lambda: None
     run_threads(a.step)
     run_threads(b.step)
     assert pools_made(fake_cuda) == 1
-    assert fake_tiering[2:] == [prefetch_of(a), EVICT, prefetch_of(b), EVICT]
+    assert pool_events(fake_cuda)[4:] == [("enter_pool", 0), ("exit_pool", 0)] * 2
+    assert fake_tiering[2:] == [a_prefetch, EVICT, b_prefetch, EVICT]
 
 
 def test_a_step_that_begins_while_a_step_alone_prefetches_waits_for_it(

@@ -8,11 +8,11 @@ optimizer's while another thread's step on the device still runs (Note [steps in
 flight] in _in_flight.py; in pool mode nothing, Note [steps in flight in pool mode]).
 
 Whether the pre-hook prefetches depends on tidepool.state_budget, see Note [state budget
-0] in _state_moves.py. The pre-hook opens a scope (tag push, and in pool mode a tidepool
-MemPool for each device the optimizer's parameters live on, _install.pool_lease; see
-_step_scopes.py); the post-hook closes it. See Note [a step that raises] for what closes
-it when step() raises, and Note [closures] for the closure of step(closure), which runs
-outside it.
+0] in _state_moves.py. The pre-hook opens a scope (tag push, and in pool mode, for a step
+that may create state, a tidepool MemPool for each device the optimizer's parameters live
+on, _install.pool_lease; see _step_scopes.py); the post-hook closes it. See Note [a step
+that raises] for what closes it when step() raises, and Note [closures] for the closure
+of step(closure), which runs outside it.
 
 State that appears outside step() is taken in too: Optimizer.load_state_dict (resuming
 from a checkpoint) is wrapped, see Note [loaded state] in _loaded_state.py.

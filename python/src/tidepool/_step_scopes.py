@@ -1,13 +1,13 @@
 """A thread's step scopes: from an optimizer step's pre-hook to its post-hook the thread's
-allocations go under the step's tag (and, in pool mode, to tidepool's MemPool of each
-device the step holds), and the step counts as in flight on those devices (Note [steps
-in flight] in _in_flight.py). Scopes nest (a subclass's step() calling its base's,
-Lookahead stepping its inner optimizer), a nested step holding only the devices no
-enclosing scope holds (_devices_not_held). A scope also closes without its post-hook:
-around a closure (Note [closures] in _optim_hooks.py) and when a step raises (Note [a
-step that raises] in _optim_hooks.py). So opening and closing are kept here, with the
-thread-local stack of scopes they share, and closing goes on through errors: nothing
-may stay entered.
+allocations go under the step's tag (and, in pool mode, for a step that may create
+state, to tidepool's MemPool of each device the step holds), and the step counts as in
+flight on those devices (Note [steps in flight] in _in_flight.py). Scopes nest (a
+subclass's step() calling its base's, Lookahead stepping its inner optimizer), a nested
+step holding only the devices no enclosing scope holds (_devices_not_held). A scope also
+closes without its post-hook: around a closure (Note [closures] in _optim_hooks.py) and
+when a step raises (Note [a step that raises] in _optim_hooks.py). So opening and closing
+are kept here, with the thread-local stack of scopes they share, and closing goes on
+through errors: nothing may stay entered.
 """
 
 from __future__ import annotations
@@ -97,14 +97,24 @@ def _devices_not_held(devices: list[int]) -> list[int]:
 
 
 def _open_scope(own: list[int], tag: int, stepping=None, optimizers: list | None = None) -> None:
-    """Allocations of this thread go under `tag` (and, in pool mode, to the tidepool
-    MemPool of each device in `own`, from _devices_not_held) until _close_scope, which
+    """Allocations of this thread go under `tag` (and, in pool mode, when `tag` is
+    optimizer_state, to the tidepool MemPool of each device in `own`, from
+    _devices_not_held: Note [only state steps enter the pool]) until _close_scope, which
     counts the step out of `own`: the caller counted it in (_in_flight.begin), and counts
     it out itself if this raises. `optimizers`: whose state the scope's step uses (by
-    default the one `stepping`)."""
+    default the one `stepping`).
+
+    Note [only state steps enter the pool]: in pool mode a step whose allocations are
+    only temporaries (a workspace step, Note [step tags] in _step_tags.py) allocates as
+    the program does outside it, with PyTorch's own allocator. In tidepool's MemPool those
+    temporaries would be served from the blocks PyTorch's pool keeps cached: blocks of
+    the state's segments, and the freed temporaries of the step that made the state
+    (tagged optimizer_state, so made migratable), all of which the post-hook's eviction
+    by tag moves to host memory with the state. Temporaries placed there would make
+    every later step read and write them over the link."""
     contexts = []
     try:
-        if _install.pool_mode():
+        if _install.pool_mode() and tag == _tags.OPTIMIZER_STATE:
             for d in own:  # Note [one MemPool per thread and device at a time] in _install.py
                 context = _install.pool_lease(d)
                 context.__enter__()
