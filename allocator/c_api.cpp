@@ -30,6 +30,7 @@
 #include "allocator/device_registry.h"
 #include "allocator/errors.h"
 #include "allocator/fork_guard.h"
+#include "allocator/reclaim.h"
 #include "allocator/tags.h"
 #include "allocator/tier_routing.h"
 
@@ -202,7 +203,11 @@ int tidepool_pytorch_record_stream(void* ptr, void* stream) {
 
 int tidepool_empty_cache(int device) {
   return guarded(-1, [&] {
-    tidepool::device_allocator(device).empty_cache();
+    tidepool::CachingAllocator& allocator = tidepool::device_allocator(device);
+    // The higher layers' caches first, with no allocator lock held (Note [Empty-cache
+    // hooks] in reclaim.cpp): what they free through the allocator goes back below.
+    tidepool::detail::run_empty_cache_hooks(device);
+    allocator.empty_cache();
     return 0;
   });
 }
@@ -291,8 +296,12 @@ int tidepool_enable_peer_access(int device, int peer) {
 
 int tidepool_empty_cache_all(void) {
   return guarded(-1, [] {
-    for (int d = 0; d < tidepool::kMaxDevices; ++d)
+    for (int d = 0; d < tidepool::kMaxDevices; ++d) {
+      // Every index: a layer above may hold a cache on a device whose allocator was never
+      // made (its objects over a backend of their own); the hooks create nothing.
+      tidepool::detail::run_empty_cache_hooks(d);
       if (auto* a = tidepool::existing_device_allocator(d)) a->empty_cache();
+    }
     return 0;
   });
 }

@@ -65,6 +65,10 @@ TIDEPOOL_API int tidepool_record_stream(void* ptr, int device, void* stream);
  * tidepool does not own `ptr` (NULL, or memory from elsewhere: nothing to do, as PyTorch's
  * own allocator ignores pointers it did not hand out); -1 on error (tidepool_last_error). */
 TIDEPOOL_API int tidepool_pytorch_record_stream(void* ptr, void* stream);
+/* Gives back what tidepool only caches on `device`: the caching allocator's fully free
+ * memory, and what the layers above it cache through their empty-cache hooks
+ * (allocator/reclaim.h; the tiering layer's spare host backings of pointer-stable
+ * ranges). 0, or -1 on error (a hook that fails is reported on stderr, not here). */
 TIDEPOOL_API int tidepool_empty_cache(int device);
 /* What c10's cacheInfo answers for PyTorch's own allocator, which cuDNN's autotuner
  * (torch.backends.cudnn.benchmark) sizes its workspace by: the larger of the device's
@@ -81,8 +85,9 @@ TIDEPOOL_API int tidepool_cache_info(int device, size_t* largest_block);
 TIDEPOOL_API int tidepool_set_memory_fraction(double fraction, int device);
 /* The fraction last set on `device` (1.0 when none), or -1.0 for a bad device. */
 TIDEPOOL_API double tidepool_get_memory_fraction(int device);
-/* tidepool_empty_cache on every device tidepool has an allocator for (creating none), as
- * torch.cuda.empty_cache() empties every device's cache. 0, or -1 on error. */
+/* tidepool_empty_cache on every device tidepool has an allocator for (creating none; the
+ * empty-cache hooks run for every device index), as torch.cuda.empty_cache() empties
+ * every device's cache. 0, or -1 on error. */
 TIDEPOOL_API int tidepool_empty_cache_all(void);
 /* "`stream` (a cudaStream_t) is about to be destroyed": call it before cudaStreamDestroy
  * (LD_PRELOAD=libtidepool_preload.so does it for cudaStreamDestroy itself).

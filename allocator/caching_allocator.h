@@ -160,7 +160,9 @@ class TIDEPOOL_API CachingAllocator {
   void record_stream(void* ptr, Stream stream);
   // Gives fully free backed memory back to the backend (waits for the streams that last
   // used it; blocks still waiting for record_stream events are kept). Returns bytes
-  // released. A no-op when options.allow_release is false.
+  // released. A no-op when options.allow_release is false. This allocator's cache only:
+  // tidepool_empty_cache (c_api.h) also runs the empty-cache hooks (Note [Empty-cache
+  // hooks] in reclaim.cpp says why they are not run here).
   std::size_t empty_cache();
   // Moves every block parked in any thread's cache back into the shared pools (they then
   // serve other threads, and other streams once their stream has passed the free).

@@ -1,44 +1,102 @@
-// Registry of reclaim hooks (see reclaim.h). The list is copied before the hooks run so a
-// hook may register or unregister hooks, and no lock is held while hooks run.
+// Registries of reclaim hooks and empty-cache hooks (see reclaim.h). A list is copied
+// before its hooks run so a hook may register or unregister hooks, and no lock is held
+// while hooks run.
 #include "allocator/reclaim.h"
 
 #include <cstdio>
 #include <exception>
 #include <mutex>
 #include <stdexcept>
+#include <string>
 #include <utility>
 #include <vector>
 
 namespace tidepool {
 namespace {
 
-struct HookRegistry {
-  std::mutex mutex;
-  int next_id = 1;
-  std::vector<std::pair<int, ReclaimHook>> hooks;
+template <class Hook>
+class HookList {
+ public:
+  using Entry = std::pair<int, Hook>;
+
+  // `what` names the list in messages ("reclaim hook").
+  explicit HookList(const char* what) : what_(what) {}
+
+  int add(Hook hook) {
+    if (!hook) {
+      throw std::invalid_argument(std::string("tidepool: register_") + what_ +
+                                  " given an empty hook");
+    }
+    std::lock_guard lock(mutex_);
+    const int id = next_id_++;
+    hooks_.emplace_back(id, std::move(hook));
+    return id;
+  }
+  void remove(int id) {
+    std::lock_guard lock(mutex_);
+    std::erase_if(hooks_, [id](const Entry& entry) { return entry.first == id; });
+  }
+  std::vector<Entry> snapshot() {
+    std::lock_guard lock(mutex_);
+    return hooks_;
+  }
+
+  // Runs call(hook) for each hook of `snapshot`; a hook that throws is reported on stderr
+  // (`during`: what the allocator was doing) and the next one runs.
+  template <class Call>
+  void run_each(std::vector<Entry>& snapshot, const char* during, Call&& call) const {
+    for (auto& [id, hook] : snapshot) {
+      try {
+        call(hook);
+      } catch (const std::exception& e) {
+        std::fprintf(stderr, "tidepool: %s %d threw during %s: %s\n", what_, id, during,
+                     e.what());
+      } catch (...) {
+        std::fprintf(stderr, "tidepool: %s %d threw a non-standard exception\n", what_, id);
+      }
+    }
+  }
+
+ private:
+  const char* what_;
+  std::mutex mutex_;
+  int next_id_ = 1;
+  std::vector<Entry> hooks_;
 };
 
-HookRegistry& hooks() {
-  static HookRegistry* r = new HookRegistry();  // outlives static destructors
-  return *r;
+// Never destroyed: hooks may be registered, unregistered and run during static destruction.
+HookList<ReclaimHook>& reclaim_hooks() {
+  static auto* list = new HookList<ReclaimHook>("reclaim hook");
+  return *list;
 }
+HookList<EmptyCacheHook>& empty_cache_hooks() {
+  static auto* list = new HookList<EmptyCacheHook>("empty-cache hook");
+  return *list;
+}
+
+// Marks this thread as running hooks of one list until destroyed.
+class RunningHooks {
+ public:
+  explicit RunningHooks(bool& flag) : flag_(flag) { flag_ = true; }
+  ~RunningHooks() { flag_ = false; }
+  RunningHooks(const RunningHooks&) = delete;
+  RunningHooks& operator=(const RunningHooks&) = delete;
+
+ private:
+  bool& flag_;
+};
 
 }  // namespace
 
-int register_reclaim_hook(ReclaimHook hook) {
-  if (!hook) throw std::invalid_argument("tidepool: register_reclaim_hook given an empty hook");
-  HookRegistry& r = hooks();
-  std::lock_guard lock(r.mutex);
-  const int id = r.next_id++;
-  r.hooks.emplace_back(id, std::move(hook));
-  return id;
+int register_reclaim_hook(ReclaimHook hook) { return reclaim_hooks().add(std::move(hook)); }
+
+void unregister_reclaim_hook(int id) { reclaim_hooks().remove(id); }
+
+int register_empty_cache_hook(EmptyCacheHook hook) {
+  return empty_cache_hooks().add(std::move(hook));
 }
 
-void unregister_reclaim_hook(int id) {
-  HookRegistry& r = hooks();
-  std::lock_guard lock(r.mutex);
-  std::erase_if(r.hooks, [id](const auto& entry) { return entry.first == id; });
-}
+void unregister_empty_cache_hook(int id) { empty_cache_hooks().remove(id); }
 
 namespace detail {
 
@@ -49,34 +107,49 @@ namespace detail {
 // the stack does. So while this thread runs hooks, a nested OOM runs none: the nested
 // request fails with OutOfMemoryError, which the hook may catch.
 namespace {
-constinit thread_local bool t_running_hooks = false;
-}
+constinit thread_local bool t_running_reclaim_hooks = false;
+constinit thread_local bool t_running_empty_cache_hooks = false;
+}  // namespace
 
 ReclaimResult run_reclaim_hooks(int device, std::size_t bytes_needed) {
-  if (t_running_hooks) return {};  // Note [Nested reclaim]
-  t_running_hooks = true;
-  struct Reset {
-    ~Reset() { t_running_hooks = false; }
-  } reset;
-  std::vector<std::pair<int, ReclaimHook>> snapshot;
-  {
-    HookRegistry& r = hooks();
-    std::lock_guard lock(r.mutex);
-    snapshot = r.hooks;
-  }
+  if (t_running_reclaim_hooks) return {};  // Note [Nested reclaim]
+  const RunningHooks running(t_running_reclaim_hooks);
+  HookList<ReclaimHook>& list = reclaim_hooks();
+  std::vector<HookList<ReclaimHook>::Entry> snapshot = list.snapshot();
   ReclaimResult result;
-  for (auto& [id, hook] : snapshot) {
+  list.run_each(snapshot, "OOM handling", [&](ReclaimHook& hook) {
     ++result.calls;
-    try {
-      result.bytes += hook(device, bytes_needed);
-    } catch (const std::exception& e) {
-      std::fprintf(stderr, "tidepool: reclaim hook %d threw during OOM handling: %s\n", id,
-                   e.what());
-    } catch (...) {
-      std::fprintf(stderr, "tidepool: reclaim hook %d threw a non-standard exception\n", id);
-    }
-  }
+    result.bytes += hook(device, bytes_needed);
+  });
   return result;
+}
+
+// Note [Empty-cache hooks]
+// torch.cuda.empty_cache() means "give back everything tidepool only caches", and not all
+// of that is the allocator's: the tiering layer keeps the host backings of state moved
+// back to the device for the next move to the host (Note [Spare host backings] in
+// tiering/vmm_moves.cpp), pinned host memory up to the size of that state. The allocator
+// cannot call the tiering layer, so the tiering layer registers an empty-cache hook, as
+// it registers its reclaim hook.
+// The C ABI runs the hooks, not CachingAllocator::empty_cache: the tiering layer itself
+// empties the allocator's cache to make room on the device (a fresh range that found it
+// full, Note [State pushed out under pressure] in tiering/tiering_registry.cpp), and
+// there its spares are of use, since the moves to the host that follow take them. It runs
+// them before emptying the allocator's cache, so that device memory a hook frees through
+// the allocator goes back to the device in the same call.
+// A hook that calls tidepool_empty_cache itself empties the allocator's cache but runs no
+// hooks again (as Note [Nested reclaim]): it would call itself without end.
+std::size_t run_empty_cache_hooks(int device) {
+  if (t_running_empty_cache_hooks) return 0;  // Note [Empty-cache hooks]
+  const RunningHooks running(t_running_empty_cache_hooks);
+  HookList<EmptyCacheHook>& list = empty_cache_hooks();
+  std::vector<HookList<EmptyCacheHook>::Entry> snapshot = list.snapshot();
+  std::size_t calls = 0;
+  list.run_each(snapshot, "empty_cache", [&](EmptyCacheHook& hook) {
+    ++calls;
+    hook(device);
+  });
+  return calls;
 }
 
 }  // namespace detail

@@ -132,13 +132,14 @@ void set_tiering_backend(int device, Backend* backend) {
 }
 
 namespace detail {
-void ensure_reclaim_hook();
+void ensure_allocator_hooks();
 }  // namespace detail
 
 VmmPool& tiering_vmm_pool(int device) {
   if (device < 0) throw TieringError("tiering: invalid device " + std::to_string(device));
-  // Note [State pushed out under pressure]: the allocator's OOM reaches the pool's ranges.
-  detail::ensure_reclaim_hook();
+  // Note [State pushed out under pressure]: the allocator's OOM reaches the pool's ranges;
+  // Note [empty_cache releases the spares]: its empty_cache reaches the pool's spares.
+  detail::ensure_allocator_hooks();
   RegistryHold hold("tiering_vmm_pool");
   DeviceTiering& d = registry()[device];
   if (!d.vmm) d.vmm = std::make_unique<VmmPool>(backend_locked(device, d));
@@ -323,16 +324,45 @@ std::size_t reclaim_tiered_stores(int device, std::size_t bytes_needed) {
   return freed;
 }
 
-void ensure_reclaim_hook() {
-  static std::once_flag hook_once;
-  std::call_once(hook_once, [] {
+// Note [empty_cache releases the spares]
+// torch.cuda.empty_cache() reaches tidepool_empty_cache_all, whose empty-cache hooks
+// (Note [Empty-cache hooks] in allocator/reclaim.cpp) bring it here: the device's VMM pool
+// gives back its spare host backings (Note [Spare host backings] in vmm_moves.cpp),
+// pinned host memory as large as the state moved back to the device, which a user who
+// empties the cache expects back. The next move to the host creates its backings anew.
+// The hook creates nothing: a device without a pool has no spares (it is called for every
+// device index). It runs with no allocator lock held, takes the registry only to find the
+// pool (on a thread that holds it already, tidepool_empty_cache called from inside a
+// walk, it reads under that hold: Note [Registry re-entry]), and then the pool's lock,
+// which no path holds while it empties a cache. It cannot recurse: releasing spares calls
+// only the backend, and allocate_tierable_range's own empty_cache runs no hooks.
+namespace {
+void release_cached_host_memory(int device) {
+  VmmPool* pool = nullptr;
+  {
+    std::optional<RegistryHold> hold;
+    if (!t_holding_registry) hold.emplace("releasing cached host memory");
+    auto it = registry().find(device);
+    if (it == registry().end()) return;
+    pool = it->second.vmm.get();  // never destroyed (registry() lives for the process)
+  }
+  if (pool != nullptr) pool->release_spare_host_backings();  // never throws
+}
+}  // namespace
+
+// Registered once the first store or VMM pool exists: before that there is nothing to
+// reclaim or release, and a process that never tiers pays nothing.
+void ensure_allocator_hooks() {
+  static std::once_flag hooks_once;
+  std::call_once(hooks_once, [] {
     register_reclaim_hook(
         [](int dev, std::size_t bytes) { return reclaim_tiered_stores(dev, bytes); });
+    register_empty_cache_hook([](int dev) { release_cached_host_memory(dev); });
   });
 }
 
 void register_tiered_store(int device, TieredStore* store) {
-  ensure_reclaim_hook();
+  ensure_allocator_hooks();
   RegistryHold hold("creating a tiered store");
   registry()[device].stores.insert(store);
 }

@@ -23,6 +23,9 @@
 // a store being destroyed is never called: it leaves the registry first, under the same
 // lock. The hook only try_locks the registry, so it cannot deadlock with a thread that
 // holds the registry and waits for a store whose owner is inside the allocator.
+// empty_cache: with it the registry registers an empty-cache hook, through which
+// tidepool_empty_cache (torch.cuda.empty_cache()) makes the device's VMM pool give back
+// its spare host backings (Note [empty_cache releases the spares] in tiering_registry.cpp).
 //
 // Thread-safety: every function may be called from any thread.
 #pragma once

@@ -259,7 +259,8 @@ class TIDEPOOL_API VmmPool {
   Backend& backend() const { return backend_; }
   // Releases the spare host backings now (Note [Spare host backings] in vmm_moves.cpp):
   // the next migration to the host creates what it needs. Never throws: a release that
-  // fails is deferred (Note [Deferred releases]).
+  // fails is deferred (Note [Deferred releases]). tidepool_empty_cache calls it for the
+  // tiering registry's pool (Note [empty_cache releases the spares] there).
   void release_spare_host_backings();
 
  private:

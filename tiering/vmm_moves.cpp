@@ -43,7 +43,8 @@
 // chunk_granules chunks but a range's last one. An allocation on the host takes spares
 // too. A spare is mapped nowhere and no copy uses it, so the destructor and
 // release_spare_host_backings release them whatever else failed. The host memory they
-// hold is what the state they would take takes on the host anyway.
+// hold is what the state they would take takes on the host anyway; torch.cuda.empty_cache()
+// gives it back (Note [empty_cache releases the spares] in tiering_registry.cpp).
 #include <algorithm>
 #include <chrono>
 #include <exception>
