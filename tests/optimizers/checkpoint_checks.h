@@ -23,6 +23,19 @@ inline void expect_bitwise(const Params& got, const Params& want, const std::str
   }
 }
 
+// Steps `a` and `b` alike from step `from` to the problem's last, and expects the same
+// parameters, bit for bit, after each step.
+template <typename Run, typename Problem>
+void expect_steps_alike(Run& a, Run& b, const Problem& problem, int from,
+                        const std::string& what) {
+  for (int s = from; s < problem.steps; ++s) {
+    a.step(problem, s);
+    b.step(problem, s);
+    ASSERT_NO_FATAL_FAILURE(
+        expect_bitwise(a.params, b.params, what + " after step " + std::to_string(s + 1)));
+  }
+}
+
 // The state two AADL runs hold, compared: the safeguard's counts, every group's history
 // and matrices, the inner SGD's options and momentum buffers. (The step counters have no
 // accessor: stepping both on and comparing the parameters shows them.)

@@ -125,12 +125,7 @@ TEST(AADLLoad, AnArchiveWithOneBadValueIsRefusedNamingItAndChangesNothing) {
     expect_error_mentions([&] { load_archive_bytes(*target.aadl, forged); }, bad.message);
     EXPECT_EQ(target.home.holdings(), before) << "the refused load left store handles";
     ASSERT_NO_FATAL_FAILURE(expect_same_state(target, twin));
-    for (int s = kStepped; s < problem.steps; ++s) {
-      target.step(problem, s);
-      twin.step(problem, s);
-      ASSERT_NO_FATAL_FAILURE(expect_bitwise(target.params, twin.params,
-                                             " differs after step " + std::to_string(s + 1)));
-    }
+    ASSERT_NO_FATAL_FAILURE(expect_steps_alike(target, twin, problem, kStepped, " differs"));
   }
 }
 
@@ -146,12 +141,7 @@ TEST(AADLLoad, AnArchiveForgedWithItsOwnValueResumesAsTheOriginal) {
   AADLRun resumed(problem, tiered(problem), copies(source.params), /*inner_lr=*/0.3);
   load_archive_bytes(*resumed.aadl, forged);
   ASSERT_NO_FATAL_FAILURE(expect_same_state(resumed, source));
-  for (int s = kSourceSteps; s < problem.steps; ++s) {
-    source.step(problem, s);
-    resumed.step(problem, s);
-    ASSERT_NO_FATAL_FAILURE(expect_bitwise(resumed.params, source.params,
-                                           " differs after step " + std::to_string(s + 1)));
-  }
+  ASSERT_NO_FATAL_FAILURE(expect_steps_alike(resumed, source, problem, kSourceSteps, " differs"));
 }
 
 // (saved with, loaded into): fp64 → fp32 rounds the history, fp32 → fp64 is exact.

@@ -416,13 +416,8 @@ void bad_loads(std::uint64_t fixed) {
     }
     EXPECT_EQ(target.home.holdings(), before) << "the failed load left store handles";
     ASSERT_NO_FATAL_FAILURE(expect_same_state(target, twin));
-    for (int s = stepped; s < problem.steps; ++s) {
-      target.step(problem, s);
-      twin.step(problem, s);
-      ASSERT_NO_FATAL_FAILURE(expect_bitwise(target.params, twin.params,
-                                             " differs from the twin's after step " +
-                                                 std::to_string(s + 1)));
-    }
+    ASSERT_NO_FATAL_FAILURE(
+        expect_steps_alike(target, twin, problem, stepped, " differs from the twin's"));
   }
   if (problem_count() >= 10) {
     EXPECT_GT(refused, 0) << "no bad archive was refused";
