@@ -105,8 +105,9 @@ TEST(TorchInstallGpu, RecordStreamHoldsMemoryUntilTheOtherStreamHasReadIt) {
   const bool read_pending = !side.query();
   EXPECT_TRUE(read_pending) << "the side stream had read x before the next tensor was handed "
                                "out: nothing was shown (a kernel loaded in between?)";
-  if (read_pending)
+  if (read_pending) {
     EXPECT_NE(next.data_ptr(), freed) << "handed out again while the side stream still reads it";
+  }
   torch::cuda::synchronize();
   EXPECT_EQ(sum.item<float>(), static_cast<float>(n));
 }
