@@ -47,8 +47,10 @@ before CUDA initialises:
      discriminator's two 4 MiB moments share one 20 MiB segment and its bias moments a
      2 MiB one (with the generator's), so 22 MiB move for 8.4 MB of state (2026-12-04).
   14. two_threads: pool mode through the package with tidepool.state_budget:1GiB; two
-     models, each with its own AdamW, stepped in two threads at once (each thread in a
-     MemPool of its own: Note [one MemPool per thread and device at a time]): b's step
+     models, each with its own AdamW, stepped in two threads at once, after a first step
+     each that made their state (so these steps are workspace steps, which enter no
+     MemPool: Note [only state steps enter the pool]; two threads' state steps at once,
+     each in a MemPool of its own, are tests/python/test_pool_leases.py's): b's step
      pauses after its update while a's runs and ends. b, alone when it began, prefetched
      its ranges; a, overlapping b, moves nothing (Note [steps in flight in pool mode]), so
      b's ranges are on the device then and none of a's own; the last step to end evicts
