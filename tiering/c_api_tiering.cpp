@@ -304,6 +304,7 @@ int tidepool_get_tiering_stats_v1(int device, tidepool_tiering_stats_v1* out) {
     full.vmm_device_budget_bytes = v.has_device_budget ? v.device_budget_bytes : UINT64_MAX;
     full.vmm_budget_stops = v.budget_stops;
     full.vmm_bytes_left_on_host = v.bytes_left_on_host;
+    full.vmm_spare_host_bytes = v.spare_host_bytes;
     tidepool::detail::copy_versioned_struct(out, full);
     return 0;
   });

@@ -166,6 +166,10 @@ typedef struct tidepool_tiering_stats_v1 {
   /* Appended: acquires to overwrite (TieredStore::acquire_to_overwrite) that found their
    * handle on the host and gave it a device buffer without loading it. */
   uint64_t loads_skipped;
+  /* Appended: pinned host memory the pointer-stable ranges keep for their next move to
+   * the host (spare host backings, freed by moves to the device), which
+   * tidepool_empty_cache gives back. */
+  uint64_t vmm_spare_host_bytes;
 } tidepool_tiering_stats_v1;
 
 /* The size of tidepool_tiering_stats_v1 as first released; struct_size may not be less. */

@@ -52,6 +52,11 @@ out["intact_on_host"] = ctypes.string_at(state, len(pattern)) == pattern
 out["left_on_host"] = tidepool.prefetch("optimizer_state", device=0)
 out["prefetched"] = figures()
 out["intact_after_prefetch"] = ctypes.string_at(state, len(pattern)) == pattern
+# The 4 MiB range's host backing, freed by its move back, is kept for its next move out,
+# until empty_cache (what torch.cuda.empty_cache() reaches) gives it back.
+out["spare"] = tidepool.stats(0)["tiering.vmm_spare_host_bytes"]
+assert lib.tidepool_empty_cache_all() == 0
+out["spare_after_empty_cache"] = tidepool.stats(0)["tiering.vmm_spare_host_bytes"]
 for p, n in ((state, 4 * MiB), (more_state, 2 * MiB), (bias_state, 64 << 10), (workspace, MiB)):
     free(p, n, 0, None)
 out["freed"] = figures()
@@ -77,6 +82,7 @@ def test_optimizer_state_is_pointer_stable_migrates_and_prefetch_keeps_to_the_bu
     assert out["left_on_host"] == 2 * MiB
     assert out["prefetched"]["tiering.vmm_device_bytes"] == 4 * MiB
     assert out["prefetched"]["tiering.vmm_host_bytes"] == 2 * MiB
+    assert out["spare"] == 4 * MiB and out["spare_after_empty_cache"] == 0
     assert out["freed"] == {"allocated_bytes.all.current": 0, "tiering.vmm_ranges": 0,
                             "tiering.vmm_device_bytes": 0, "tiering.vmm_host_bytes": 0}
 

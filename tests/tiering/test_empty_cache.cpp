@@ -70,6 +70,14 @@ class EmptyCacheSpares : public ::testing::Test {
     EXPECT_EQ(s.spare_host_backings, 0u);
     EXPECT_EQ(s.spare_host_bytes, 0u);
     EXPECT_EQ(s.deferred_releases, 0u);
+    EXPECT_EQ(c_stats_spare_bytes(), 0u);
+  }
+  // What the C stats (and tidepool.stats()'s tiering.vmm_spare_host_bytes) report.
+  static std::uint64_t c_stats_spare_bytes() {
+    tidepool_tiering_stats_v1 s{};
+    s.struct_size = sizeof s;
+    EXPECT_EQ(tidepool_get_tiering_stats_v1(kDevice, &s), 0) << tidepool_last_error();
+    return s.vmm_spare_host_bytes;
   }
   static VmmPool& pool() { return tiering_vmm_pool(kDevice); }
   static constexpr int kDevice = 3;
@@ -80,6 +88,7 @@ TEST_F(EmptyCacheSpares, EmptyCacheReleasesTheSpareHostBackings) {
   ASSERT_NE(p, nullptr);
   ASSERT_EQ(pool().stats().spare_host_backings, 1u);
   ASSERT_EQ(pool().stats().spare_host_bytes, kRange);
+  EXPECT_EQ(c_stats_spare_bytes(), kRange);
   EXPECT_EQ(tidepool_empty_cache(kDevice), 0) << tidepool_last_error();
   expect_no_spares();
   EXPECT_TRUE(holds(p, 0x5a)) << "the range keeps its bytes at its address";
