@@ -29,6 +29,9 @@ before CUDA initialises:
      step under torch.profiler(profile_memory=True) shows CUDA memory per operator;
   9. resume: global mode through the package; AdamW state loaded from a checkpoint
      (map_location="cuda") is in pointer-stable ranges, and training goes on bit for bit;
+  9b. big_checkpoint: global mode through the package; torch.save of AdamW state that lives
+     in host memory across several host-NUMA allocations (a 128 MiB moment in 64 MiB
+     chunks) saves what a kernel reads through the same pointers;
   10. cudnn_benchmark: global mode with torch.backends.cudnn.benchmark = True (PyTorch's
      cuDNN autotuner asks the allocator for cacheInfo, which pluggable allocators lack,
      pytorch#98481): a conv net trains, or the check shows the error;
@@ -319,6 +322,40 @@ CHECKS = {
         print("TIERED", tiered, "OF", len(big), "SAME", torch.equal(model2.weight, uninterrupted))
         """
     ),
+    "big_checkpoint": textwrap.dedent(
+        """
+        # Note [Copies across host-NUMA mappings] (allocator/backends/cuda_backend.cpp):
+        # tidepool cuts its own copies at the edges of host-NUMA allocations, but PyTorch's
+        # copies of host-resident state are PyTorch's. A moment of 8192 x 4096 (128 MiB)
+        # lives in host memory between steps (budget 0) in two 64 MiB chunks, each its
+        # own host-NUMA allocation; torch.save copies it to the CPU in one cudaMemcpy.
+        # Compared with what a kernel reads through the same pointer (an elementwise copy
+        # into ordinary device memory, then to the CPU).
+        import io, sys
+        sys.path.insert(0, PYSRC)
+        import tidepool
+        from tidepool import _config, _install
+        _install.install(torch, _config.claim("backend:tidepool").config)
+        torch.manual_seed(0)
+        model = torch.nn.Linear(8192, 4096).cuda()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        x = torch.randn(64, 8192, device="cuda")
+        for _ in range(2):
+            opt.zero_grad(); model(x).square().mean().backward(); opt.step()
+        torch.cuda.synchronize()
+        on_host = tidepool.stats(0)["tiering.vmm_host_bytes"]
+        buf = io.BytesIO(); torch.save(opt.state_dict(), buf); buf.seek(0)
+        saved = torch.load(buf, map_location="cpu")["state"]
+        live = opt.state_dict()["state"]
+        checked = equal = 0
+        for i, st in live.items():
+            for k, v in st.items():
+                if torch.is_tensor(v) and v.numel() * v.element_size() >= 64 << 20:
+                    checked += 1
+                    equal += int(torch.equal(saved[i][k], (v + 0).cpu()))
+        print("ON_HOST", on_host, "CHECKED", checked, "EQUAL", equal)
+        """
+    ),
     "step_raises": textwrap.dedent(
         """
         import sys
@@ -553,6 +590,11 @@ def main():
             and "DUMPED True" in out and "PROFILED_OPS 0" not in out))), 400)
     ok &= report("resume", results["resume"], passed("resume", lambda out: out.startswith(
         "TIERED 2 OF 2 SAME True")))
+    def big_checkpoint_ok(out):
+        fields = out.split()
+        return (len(fields) == 6 and fields[0::2] == ["ON_HOST", "CHECKED", "EQUAL"]
+                and int(fields[1]) >= 2 * (128 << 20) and fields[3] == "2" and fields[5] == "2")
+    ok &= report("big_ckpt", results["big_checkpoint"], passed("big_checkpoint", big_checkpoint_ok))
     def step_raises_ok(out):
         fields = out.split()
         return (len(fields) == 6
