@@ -27,6 +27,8 @@ GOOD = {
                        "ALLOCS_WITH_STACKS 12 LIVE_WITH_STACKS 3 OF 3 OOM_OBSERVED 1 DUMPED True "
                        "PROFILED_OPS 7"),
     "resume": "TIERED 2 OF 2 SAME True",
+    # two 128 MiB moments (and the bias's) in host memory, both saved as a kernel reads them
+    "big_checkpoint": "ON_HOST 268468224 CHECKED 2 EQUAL 2",
     "step_raises": "RAISED boom AFTER_RAISE_IN_TIDEPOOL 0 STATE_IN_TIDEPOOL 8392704",
     "step_closure": "CLOSURE_IN_TIDEPOOL 0 STATE_IN_TIDEPOOL 8392704",
     # The H200's figures (2026-12-04): 20 MiB + 2 MiB segments hold the discriminator's
@@ -48,6 +50,8 @@ BAD = {
     "cuda_graph": "CAPTURED",
     "memory_history": GOOD["memory_history"].replace("PROFILED_OPS 7", "PROFILED_OPS 0"),
     "resume": "TIERED 0 OF 2 SAME True",
+    # torch.save's copy of one moment differs from what a kernel reads
+    "big_checkpoint": "ON_HOST 268468224 CHECKED 2 EQUAL 1",
     "step_raises": "RAISED boom AFTER_RAISE_IN_TIDEPOOL 67108864 STATE_IN_TIDEPOOL 8392704",
     "step_closure": "CLOSURE_IN_TIDEPOOL 67108864 STATE_IN_TIDEPOOL 8392704",
     # both optimizers' state came back for the discriminator's step
