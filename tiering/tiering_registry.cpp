@@ -53,6 +53,9 @@ std::map<int, DeviceTiering>& registry() {
 //   - unregister_tiered_store (a store destroyed from inside a walk) leaves the set under
 //     the hold this thread already has, since a destructor cannot be refused; the walks
 //     step by key (next_store), never holding an iterator across a call, so they skip it;
+//   - the empty-cache hook (tidepool_empty_cache called from inside a walk) finds the
+//     device's VMM pool under that hold too: it only reads the registry, and an
+//     empty_cache is not refused (Note [empty_cache releases the spares]);
 //   - everything else (creating a store, a nested for_each_tiered_store, the VMM pool
 //     accessors, set_tiering_backend) throws TieringError: the documented rule is that a
 //     walk's callback creates no store, and a nested walk would call stores this thread
@@ -90,6 +93,13 @@ class RegistryHold {
  private:
   std::unique_lock<std::mutex> lock_;
 };
+
+// The device's VMM pool, or nullptr when it has none; the caller holds the registry. A
+// pool, once made, lives as long as the registry (the process).
+VmmPool* vmm_pool_locked(int device) {
+  auto it = registry().find(device);
+  return it == registry().end() ? nullptr : it->second.vmm.get();
+}
 
 // The store after `current` in `stores` (the first one for nullptr), or nullptr. Found by
 // key, so a store added or removed by the previous call leaves no dangling iterator.
@@ -148,8 +158,7 @@ VmmPool& tiering_vmm_pool(int device) {
 
 VmmPool* existing_tiering_vmm_pool(int device) {
   RegistryHold hold("existing_tiering_vmm_pool");
-  auto it = registry().find(device);
-  return it == registry().end() ? nullptr : it->second.vmm.get();
+  return vmm_pool_locked(device);
 }
 
 namespace {
@@ -342,9 +351,7 @@ void release_cached_host_memory(int device) {
   {
     std::optional<RegistryHold> hold;
     if (!t_holding_registry) hold.emplace("releasing cached host memory");
-    auto it = registry().find(device);
-    if (it == registry().end()) return;
-    pool = it->second.vmm.get();  // never destroyed (registry() lives for the process)
+    pool = vmm_pool_locked(device);
   }
   if (pool != nullptr) pool->release_spare_host_backings();  // never throws
 }
