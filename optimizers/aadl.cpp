@@ -2,7 +2,6 @@
 // algorithm and anderson_history.h for how the history and its matrices are kept).
 #include "optimizers/aadl.h"
 
-#include <algorithm>
 #include <cmath>
 #include <exception>
 #include <limits>
@@ -353,7 +352,7 @@ std::unique_ptr<AndersonHistory> read_history(torch::serialize::InputArchive& ar
     recast = recast || v.scalar_type() != params.front().scalar_type();
     vectors.push_back(std::move(v));
   }
-  const int64_t k = std::max<int64_t>(count - 2, 0);
+  const int64_t k = AndersonHistory::matrix_order(count);
   const torch::Tensor gram = reader.tensor("gram");
   const torch::Tensor rhs = reader.tensor("rhs");
   const bool gram_fits =

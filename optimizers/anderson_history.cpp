@@ -289,7 +289,7 @@ void AndersonHistory::restore(const std::vector<torch::Tensor>& vectors,
                               const torch::Tensor& gram, const torch::Tensor& rhs,
                               const torch::TensorOptions& compute) {
   const int64_t m = static_cast<int64_t>(vectors.size());
-  const int64_t k = std::max<int64_t>(m - 2, 0);
+  const int64_t k = matrix_order(m);
   TORCH_CHECK(m <= depth_, "AndersonHistory::restore: ", m, " vectors for depth ", depth_);
   TORCH_CHECK(gram.dim() == 2 && gram.size(0) == k && gram.size(1) == k && rhs.dim() == 1 &&
                   rhs.size(0) == k,

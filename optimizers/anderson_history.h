@@ -140,8 +140,12 @@ class TIDEPOOL_API AndersonHistory {
 
   int64_t size() const noexcept { return static_cast<int64_t>(columns_.size()); }
   int64_t depth() const noexcept { return depth_; }
-  // G = DRᵀDR and c = DRᵀb as fp64 CPU tensors (k×k and k; k = size() − 2, empty below 3).
+  // G = DRᵀDR and c = DRᵀb as fp64 CPU tensors (k×k and k; k = matrix_order(size())).
   const torch::Tensor& gram() const noexcept { return gram_; }
+  // k for a history of `vectors` stored vectors: vectors − 2, 0 below 3.
+  static int64_t matrix_order(int64_t vectors) noexcept {
+    return vectors > 2 ? vectors - 2 : 0;
+  }
   const torch::Tensor& rhs() const noexcept { return rhs_; }
 
   // x_{m−1} + Σ_l u_l·DX_l for u (fp64 CPU, size() − 1 entries), in the history's dtype on
