@@ -35,7 +35,7 @@ class EmptyCacheSpares : public ::testing::Test {
       GTEST_SKIP() << "the process's backend is not host";
   }
   // A pointer-stable range on the device, filled with `fill`, whose host backing is kept
-  // as a spare: moved to the host and back.
+  // as the pool's one spare: moved to the host and back. nullptr when that failed.
   unsigned char* range_with_a_spare(unsigned char fill) {
     auto* p = static_cast<unsigned char*>(
         tidepool_vmm_malloc(kRange, kDevice, kTagOptimizerState, nullptr));
@@ -45,7 +45,16 @@ class EmptyCacheSpares : public ::testing::Test {
     EXPECT_EQ(tidepool_evict_ptr(kDevice, p), 0) << tidepool_last_error();
     EXPECT_EQ(tidepool_prefetch_ptr(kDevice, p, nullptr), 0) << tidepool_last_error();
     EXPECT_EQ(pool().bytes_in(p, MemoryLocation::device), kRange);
-    return p;
+    EXPECT_EQ(pool().stats().spare_host_backings, 1u) << "no spare for empty_cache to release";
+    return pool().stats().spare_host_backings == 1 ? p : nullptr;
+  }
+  // After an empty_cache: no spare is left, the range keeps its bytes at its address and
+  // moves out and back again (moves_again); then it is freed.
+  static void expect_released_and_freed(unsigned char* p, unsigned char fill) {
+    expect_no_spares();
+    EXPECT_TRUE(holds(p, fill)) << "the range keeps its bytes at its address";
+    moves_again(p, fill);
+    EXPECT_EQ(tidepool_vmm_free(p, kDevice), 0) << tidepool_last_error();
   }
   static bool holds(const unsigned char* p, unsigned char fill) {
     for (std::size_t i = 0; i < kRange; ++i) {
@@ -86,24 +95,17 @@ class EmptyCacheSpares : public ::testing::Test {
 TEST_F(EmptyCacheSpares, EmptyCacheReleasesTheSpareHostBackings) {
   unsigned char* p = range_with_a_spare(0x5a);
   ASSERT_NE(p, nullptr);
-  ASSERT_EQ(pool().stats().spare_host_backings, 1u);
   ASSERT_EQ(pool().stats().spare_host_bytes, kRange);
   EXPECT_EQ(c_stats_spare_bytes(), kRange);
   EXPECT_EQ(tidepool_empty_cache(kDevice), 0) << tidepool_last_error();
-  expect_no_spares();
-  EXPECT_TRUE(holds(p, 0x5a)) << "the range keeps its bytes at its address";
-  moves_again(p, 0x5a);
-  EXPECT_EQ(tidepool_vmm_free(p, kDevice), 0) << tidepool_last_error();
+  expect_released_and_freed(p, 0x5a);
 }
 
 TEST_F(EmptyCacheSpares, EmptyCacheAllReleasesThem) {
   unsigned char* p = range_with_a_spare(0xc3);
   ASSERT_NE(p, nullptr);
-  ASSERT_EQ(pool().stats().spare_host_backings, 1u);
   EXPECT_EQ(tidepool_empty_cache_all(), 0) << tidepool_last_error();
-  expect_no_spares();
-  moves_again(p, 0xc3);
-  EXPECT_EQ(tidepool_vmm_free(p, kDevice), 0) << tidepool_last_error();
+  expect_released_and_freed(p, 0xc3);
 }
 
 // On a thread that holds the registry (a walk of the stores), the hook reads the
@@ -111,7 +113,6 @@ TEST_F(EmptyCacheSpares, EmptyCacheAllReleasesThem) {
 TEST_F(EmptyCacheSpares, EmptyCacheFromInsideAStoreWalkReleasesThem) {
   unsigned char* p = range_with_a_spare(0x3c);
   ASSERT_NE(p, nullptr);
-  ASSERT_EQ(pool().stats().spare_host_backings, 1u);
   {
     TieredStore store(device_allocator(kDevice).backend(),
                       tiering_test::test_store_options(8 * kMiB));
@@ -124,9 +125,7 @@ TEST_F(EmptyCacheSpares, EmptyCacheFromInsideAStoreWalkReleasesThem) {
     ASSERT_EQ(walked, 1);
     EXPECT_EQ(rc, 0) << tidepool_last_error();
   }
-  expect_no_spares();
-  moves_again(p, 0x3c);
-  EXPECT_EQ(tidepool_vmm_free(p, kDevice), 0) << tidepool_last_error();
+  expect_released_and_freed(p, 0x3c);
 }
 
 }  // namespace
