@@ -25,20 +25,6 @@ namespace {
 
 constexpr std::size_t kBlock = std::size_t{8} << 20;  // a large block: no thread cache
 
-// Registers a hook for the scope of a test.
-class EmptyCacheHookGuard {
- public:
-  explicit EmptyCacheHookGuard(EmptyCacheHook hook)
-      : id_(register_empty_cache_hook(std::move(hook))) {}
-  ~EmptyCacheHookGuard() { unregister_empty_cache_hook(id_); }
-  EmptyCacheHookGuard(const EmptyCacheHookGuard&) = delete;
-  EmptyCacheHookGuard& operator=(const EmptyCacheHookGuard&) = delete;
-  int id() const { return id_; }
-
- private:
-  int id_;
-};
-
 class EmptyCacheHooks : public ::testing::Test {
  protected:
   static void SetUpTestSuite() { ASSERT_EQ(tidepool_set_backend("host"), 0); }
@@ -55,7 +41,7 @@ TEST_F(EmptyCacheHooks, RunWithTheDeviceBeforeTheCacheIsEmptied) {
   void* held = tidepool_malloc(kBlock, kDevice, nullptr);
   ASSERT_NE(held, nullptr) << tidepool_last_error();
   std::vector<int> asked;
-  EmptyCacheHookGuard guard([&](int device) {
+  test::ScopedEmptyCacheHook guard([&](int device) {
     asked.push_back(device);
     if (held != nullptr) tidepool_free(std::exchange(held, nullptr), kBlock, device, nullptr);
   });
@@ -69,15 +55,15 @@ TEST_F(EmptyCacheHooks, RunWithTheDeviceBeforeTheCacheIsEmptied) {
 TEST_F(EmptyCacheHooks, AThrowingHookDoesNotStopEmptyCache) {
   constexpr int kDevice = 2;
   std::vector<int> calls;
-  EmptyCacheHookGuard first([&](int) {
+  test::ScopedEmptyCacheHook first([&](int) {
     calls.push_back(1);
     throw std::runtime_error("a layer that failed to release its cache");
   });
-  EmptyCacheHookGuard second([&](int) {
+  test::ScopedEmptyCacheHook second([&](int) {
     calls.push_back(2);
     throw 42;  // not a std::exception
   });
-  EmptyCacheHookGuard third([&](int) { calls.push_back(3); });
+  test::ScopedEmptyCacheHook third([&](int) { calls.push_back(3); });
   void* p = tidepool_malloc(kBlock, kDevice, nullptr);
   ASSERT_NE(p, nullptr) << tidepool_last_error();
   tidepool_free(p, kBlock, kDevice, nullptr);
@@ -114,7 +100,7 @@ TEST_F(EmptyCacheHooks, EmptyCacheAllAsksForEveryDeviceAndCreatesNoAllocator) {
   constexpr int kUnused = 13;
   ASSERT_EQ(existing_device_allocator(kUnused), nullptr);
   std::vector<int> asked;
-  EmptyCacheHookGuard guard([&](int device) { asked.push_back(device); });
+  test::ScopedEmptyCacheHook guard([&](int device) { asked.push_back(device); });
   EXPECT_EQ(tidepool_empty_cache_all(), 0) << tidepool_last_error();
   std::vector<int> every;
   for (int d = 0; d < kMaxDevices; ++d) every.push_back(d);
@@ -126,7 +112,7 @@ TEST_F(EmptyCacheHooks, AHooksOwnEmptyCacheDoesNotCallTheHooksAgain) {
   constexpr int kDevice = 4;
   int calls = 0;
   int nested_rc = -2;
-  EmptyCacheHookGuard guard([&](int device) {
+  test::ScopedEmptyCacheHook guard([&](int device) {
     ++calls;
     nested_rc = tidepool_empty_cache(device);
   });
@@ -139,7 +125,7 @@ TEST_F(EmptyCacheHooks, AHooksOwnEmptyCacheDoesNotCallTheHooksAgain) {
 
 TEST_F(EmptyCacheHooks, ABadDeviceRunsNoHook) {
   int calls = 0;
-  EmptyCacheHookGuard guard([&](int) { ++calls; });
+  test::ScopedEmptyCacheHook guard([&](int) { ++calls; });
   EXPECT_EQ(tidepool_empty_cache(-1), -1);
   EXPECT_EQ(tidepool_empty_cache(kMaxDevices), -1);
   EXPECT_EQ(calls, 0);
@@ -147,7 +133,7 @@ TEST_F(EmptyCacheHooks, ABadDeviceRunsNoHook) {
 
 TEST_F(EmptyCacheHooks, TheAllocatorsOwnEmptyCacheRunsNone) {
   int calls = 0;
-  EmptyCacheHookGuard guard([&](int) { ++calls; });
+  test::ScopedEmptyCacheHook guard([&](int) { ++calls; });
   CachingAllocator allocator(test::make_backend("host"));
   allocator.deallocate(allocator.allocate(kBlock), kBlock);
   EXPECT_GE(allocator.empty_cache(), kBlock);

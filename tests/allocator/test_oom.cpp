@@ -20,15 +20,6 @@ namespace {
 
 constexpr std::size_t kMiB = std::size_t{1} << 20;
 
-class HookGuard {
- public:
-  explicit HookGuard(ReclaimHook h) : id_(register_reclaim_hook(std::move(h))) {}
-  ~HookGuard() { unregister_reclaim_hook(id_); }
-
- private:
-  int id_;
-};
-
 class Oom : public ::testing::TestWithParam<bool> {
  protected:
   Oom() {
@@ -43,7 +34,7 @@ class Oom : public ::testing::TestWithParam<bool> {
 
 TEST_P(Oom, CachedMemoryIsReleasedBeforeHooksAreAsked) {
   int hook_calls = 0;
-  HookGuard guard([&](int, std::size_t) {
+  test::ScopedReclaimHook guard([&](int, std::size_t) {
     ++hook_calls;
     return std::size_t{0};
   });
@@ -70,7 +61,7 @@ TEST_P(Oom, ReclaimHookFreesMemoryAndTheRetrySucceeds) {
     for (int i = 0; i < 3; ++i) cold.push_back(alloc_->allocate(16 * kMiB));
   }
   int calls = 0;
-  HookGuard guard([&](int device, std::size_t needed) {
+  test::ScopedReclaimHook guard([&](int device, std::size_t needed) {
     ++calls;
     EXPECT_EQ(device, 0);
     EXPECT_GE(needed, 24 * kMiB);
@@ -135,7 +126,7 @@ TEST_P(Oom, AHookThatAllocatesIsNotCalledAgainFromItsOwnOom) {
   int depth = 0;
   int max_depth = 0;
   int nested_ooms = 0;
-  HookGuard guard([&](int, std::size_t) {
+  test::ScopedReclaimHook guard([&](int, std::size_t) {
     ++calls;
     max_depth = std::max(max_depth, ++depth);
     // Bounded here so that the test ends even when hooks do recurse.
@@ -174,7 +165,7 @@ TEST_P(Oom, AMemoryFractionLimitRunsThePolicyAndTheErrorNamesIt) {
   void* held = alloc_->allocate(24 * kMiB);
   int hook_calls = 0;
   {
-    HookGuard guard([&](int, std::size_t) {
+    test::ScopedReclaimHook guard([&](int, std::size_t) {
       ++hook_calls;
       if (held == nullptr) return std::size_t{0};
       alloc_->deallocate(held, 24 * kMiB);
@@ -202,7 +193,8 @@ TEST_P(Oom, AMemoryFractionLimitRunsThePolicyAndTheErrorNamesIt) {
 }
 
 TEST_P(Oom, AThrowingHookDoesNotBreakThePolicy) {
-  HookGuard guard([](int, std::size_t) -> std::size_t { throw std::runtime_error("hook bug"); });
+  test::ScopedReclaimHook guard(
+      [](int, std::size_t) -> std::size_t { throw std::runtime_error("hook bug"); });
   void* a = alloc_->allocate(40 * kMiB);
   EXPECT_THROW(alloc_->allocate(40 * kMiB), OutOfMemoryError);
   alloc_->deallocate(a, 40 * kMiB);

@@ -1,5 +1,6 @@
 // Shared helpers of the allocator tests: which backends to run on, allocators over a
-// fresh backend, an iteration scale (TIDEPOOL_TEST_SCALE) and a small JSON checker.
+// fresh backend, an iteration scale (TIDEPOOL_TEST_SCALE), a small JSON checker, and
+// reclaim and empty-cache hooks registered for a test's scope.
 #pragma once
 
 #include <gtest/gtest.h>
@@ -13,14 +14,33 @@
 #include <string_view>
 #include <thread>
 #include <tuple>
+#include <utility>
 
 #include "allocator/backend.h"
 #include "allocator/caching_allocator.h"
+#include "allocator/reclaim.h"
 #include "tests/support/test_backend.h"
 #include "tests/support/test_scale.h"
 #include "tests/support/test_seed.h"
 
 namespace tidepool::test {
+
+// A hook of allocator/reclaim.h, registered from construction to destruction.
+template <class Hook, int (*Register)(Hook), void (*Unregister)(int)>
+class ScopedHook {
+ public:
+  explicit ScopedHook(Hook hook) : id_(Register(std::move(hook))) {}
+  ~ScopedHook() { Unregister(id_); }
+  ScopedHook(const ScopedHook&) = delete;
+  ScopedHook& operator=(const ScopedHook&) = delete;
+  int id() const { return id_; }
+
+ private:
+  int id_;
+};
+using ScopedReclaimHook = ScopedHook<ReclaimHook, register_reclaim_hook, unregister_reclaim_hook>;
+using ScopedEmptyCacheHook =
+    ScopedHook<EmptyCacheHook, register_empty_cache_hook, unregister_empty_cache_hook>;
 
 // Iteration counts times TIDEPOOL_TEST_SCALE (tests/support/test_scale.h).
 inline int scaled(int n) { return static_cast<int>(test_support::scaled(n)); }
