@@ -1,7 +1,8 @@
 // What the checkpoint tests compare and forge, shared by test_checkpoint_random.cpp and
-// test_aadl_load.cpp: parameters bitwise, the whole state of two AADL runs (what a failed
-// load could have touched), and archives copied key by key with one value left out or
-// replaced (a valid archive damaged in exactly one place).
+// test_aadl_load.cpp: parameters copied and compared bitwise, runs stepped on side by side,
+// the whole state of two AADL runs (what a failed load could have touched), and archives
+// copied key by key with one value left out or replaced (a valid archive damaged in
+// exactly one place).
 #pragma once
 
 #include <gtest/gtest.h>
@@ -15,6 +16,13 @@
 #include "checkpoint_problems.h"
 
 namespace tidepool::testing::checkpoint {
+
+// Fresh leaf parameters with the same values: a second run that starts where `params` are.
+inline Params copies(const Params& params) {
+  Params out;
+  for (const auto& p : params) out.push_back(p.detach().clone().set_requires_grad(true));
+  return out;
+}
 
 inline void expect_bitwise(const Params& got, const Params& want, const std::string& what) {
   ASSERT_EQ(got.size(), want.size());

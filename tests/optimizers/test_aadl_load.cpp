@@ -62,12 +62,6 @@ PlacementChoice tiered(const AADLProblem& problem) {
   return choice;
 }
 
-Params copies(const Params& params) {
-  Params out;
-  for (const auto& p : params) out.push_back(p.detach().clone().set_requires_grad(true));
-  return out;
-}
-
 struct BadValue {
   std::string path;     // as with_value takes it
   c10::IValue value;    // what replaces the saved one

@@ -58,12 +58,6 @@ int64_t problem_count() {
          << (differ.first - a.begin());
 }
 
-Params copies(const Params& params) {
-  Params out;
-  for (const auto& p : params) out.push_back(p.detach().clone().set_requires_grad(true));
-  return out;
-}
-
 Params values(const Params& params) {
   Params out;
   for (const auto& p : params) out.push_back(p.detach().clone());
