@@ -29,6 +29,11 @@ before CUDA initialises:
      step under torch.profiler(profile_memory=True) shows CUDA memory per operator;
   9. resume: global mode through the package; AdamW state loaded from a checkpoint
      (map_location="cuda") is in pointer-stable ranges, and training goes on bit for bit;
+  9a. lbfgs: global mode through the package; LBFGS makes its state (direction, last
+     gradient, history lists) in steps that run under workspace; after each step it is
+     copied into pointer-stable ranges and evicted (Note [state made in workspace steps]),
+     so all of it is tiered and in host memory, and the losses are those of the same run
+     on PyTorch's allocator (lbfgs-native);
   9b. big_checkpoint: global mode through the package; torch.save of AdamW state that lives
      in host memory across several host-NUMA allocations (a 128 MiB moment in 64 MiB
      chunks) saves what a kernel reads through the same pointers;
@@ -133,6 +138,44 @@ PRELUDE = textwrap.dedent(
             loss.backward(); opt.step()
             losses.append(loss.item())
         return losses
+    """
+)
+
+LBFGS_CHECK = textwrap.dedent(
+    """
+    # Note [state made in workspace steps] (python/src/tidepool/_stray_state.py): LBFGS's
+    # one state entry exists from its first step on, so its later steps run under
+    # workspace and make their state in ordinary memory; the post-hook copies it into
+    # pointer-stable ranges, which the eviction moves to host memory. NATIVE: the same
+    # run on PyTorch's allocator, for its losses.
+    import sys
+    sys.path.insert(0, PYSRC)
+    if not NATIVE:
+        import tidepool
+        from tidepool import _config, _install
+        _install.install(torch, _config.claim("backend:tidepool").config)
+        lib.tidepool_vmm_owns.argtypes = [ctypes.c_void_p, ctypes.c_int]
+    torch.manual_seed(0)
+    model = torch.nn.Linear(1024, 1024).cuda()
+    x = torch.randn(64, 1024, device="cuda"); y = torch.randn(64, 1024, device="cuda")
+    opt = torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=4, history_size=6)
+    def closure():
+        opt.zero_grad(); loss = (model(x) - y).square().mean(); loss.backward(); return loss
+    losses = [opt.step(closure).item() for _ in range(4)]
+    torch.cuda.synchronize()
+    def tensors(v):
+        if isinstance(v, dict): v = list(v.values())
+        if isinstance(v, (list, tuple)): return [t for i in v for t in tensors(i)]
+        return [v] if torch.is_tensor(v) and v.numel() * v.element_size() >= 1 << 20 else []
+    big = tensors(opt.state[opt.param_groups[0]["params"][0]])
+    if NATIVE:
+        print("LOSSES", losses)
+    else:
+        tiered = sum(lib.tidepool_vmm_owns(t.data_ptr(), 0) == 1 for t in big)
+        on_host = tidepool.stats(0)["tiering.vmm_host_bytes"]
+        state = sum(t.numel() * t.element_size() for t in big)
+        print("TIERED", tiered, "OF", len(big), "ON_HOST", on_host, "STATE", state,
+              "LOSSES", losses)
     """
 )
 
@@ -322,6 +365,8 @@ CHECKS = {
         print("TIERED", tiered, "OF", len(big), "SAME", torch.equal(model2.weight, uninterrupted))
         """
     ),
+    "lbfgs-native": "NATIVE = True\n" + LBFGS_CHECK,
+    "lbfgs": "NATIVE = False\n" + LBFGS_CHECK,
     "big_checkpoint": textwrap.dedent(
         """
         # Note [Copies across host-NUMA mappings] (allocator/backends/cuda_backend.cpp):
@@ -590,6 +635,19 @@ def main():
             and "DUMPED True" in out and "PROFILED_OPS 0" not in out))), 400)
     ok &= report("resume", results["resume"], passed("resume", lambda out: out.startswith(
         "TIERED 2 OF 2 SAME True")))
+    def lbfgs_ok(out):
+        # All of LBFGS's state tiered and in host memory, and the losses bit for bit those
+        # of the run on PyTorch's allocator.
+        head, _, losses = out.partition(" LOSSES ")
+        fields = head.split()
+        n_rc, native, _ = results["lbfgs-native"]
+        if (len(fields) != 8 or fields[0::2] != ["TIERED", "OF", "ON_HOST", "STATE"]
+                or n_rc != 0 or not native.startswith("LOSSES ")):
+            return False
+        tiered, total, on_host, state = map(int, fields[1::2])
+        return (tiered == total > 0 and on_host >= state > 0
+                and losses == native.partition("LOSSES ")[2])
+    ok &= report("lbfgs", results["lbfgs"], passed("lbfgs", lbfgs_ok))
     def big_checkpoint_ok(out):
         fields = out.split()
         return (len(fields) == 6 and fields[0::2] == ["ON_HOST", "CHECKED", "EQUAL"]

@@ -1,15 +1,21 @@
 """The tiering layer's C ABI replaced by a recorder, for the tests of the optimizer step
 hooks and of tidepool.evict / prefetch on a machine without a GPU (test_optim_hooks.py,
-test_optim_hooks_threads.py, test_evict_prefetch_by_state.py): `fake_tiering` records
-each move and makes every tensor count as on CUDA device 0; EVICT, prefetch_of and
-evict_ptrs_of are the moves the hooks make."""
+test_optim_hooks_threads.py, test_evict_prefetch_by_state.py, test_stray_state.py):
+`fake_tiering` records each move and makes every tensor count as on CUDA device 0;
+EVICT, prefetch_of and evict_ptrs_of are the moves the hooks make. `untiered_state`
+adds where tensors are: CPU tensors stand in for CUDA ones, in a pointer-stable range
+when made under the optimizer_state tag, as in global mode."""
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
+from torch.utils import _pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from tidepool import _in_flight, _state_moves, _state_tensors, _tags, _tiering
+from tidepool import _adoption, _in_flight, _state_moves, _state_tensors, _tags, _tiering
 
 
 @pytest.fixture
@@ -64,3 +70,63 @@ def evict_ptrs_of(*optimizers):
     """The eviction by pointer of a step that ends while another thread's is in flight:
     its optimizer's state, then that of the optimizers stepped inside it."""
     return ("evict_ptrs", 0, state_pointers(*optimizers), 4242)
+
+
+class _PlacedByTag(TorchDispatchMode):
+    """Global mode's placement, on the CPU: each tensor an op makes (not one of its
+    inputs, given back) while the thread's tag is optimizer_state counts as in a
+    pointer-stable range for as long as that tensor lives; a wrapper's (DTensor's) inner
+    tensors count for it."""
+
+    def __init__(self, tiered: dict):
+        super().__init__()
+        self.tiered = tiered
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if _tags.current() == _tags.OPTIMIZER_STATE:
+            given = {part.data_ptr() for part in _parts(_pytree.tree_leaves((args, kwargs)))}
+            for part in _parts(_pytree.tree_leaves(out)):
+                if part.data_ptr() not in given:
+                    self.tiered[part.data_ptr()] = weakref.ref(part)
+        return out
+
+
+def _parts(leaves) -> list:
+    return [part for leaf in leaves if isinstance(leaf, torch.Tensor)
+            for part in _state_tensors._plain_parts(leaf, any_tensor=True)]
+
+
+class Placement:
+    """What `untiered_state` gives a test: `adopted_under`, the tag in force at each copy
+    the adoption made (Note [adopted state]), and `tiered(tensor)`."""
+
+    def __init__(self):
+        self.adopted_under: list[int] = []
+        self.ranges: dict = {}  # data pointer -> weak reference to the tensor made there
+
+    def owns(self, device, ptr) -> bool:
+        ref = self.ranges.get(ptr)
+        tensor = ref() if ref is not None else None
+        return tensor is not None and tensor.data_ptr() == ptr
+
+    def tiered(self, tensor) -> bool:
+        return all(self.owns(0, part.data_ptr()) for part in _state_tensors._plain_parts(tensor))
+
+
+@pytest.fixture
+def untiered_state(monkeypatch, fake_tiering):
+    """Every tensor stands in for one on CUDA device 0; one made under the optimizer_state
+    tag (a step that may create state, or the adoption's copy) counts as in a
+    pointer-stable range (_PlacedByTag); any other is ordinary device memory."""
+    placement = Placement()
+
+    def adopt(value):
+        placement.adopted_under.append(_tags.current())
+        return value.clone()
+
+    monkeypatch.setattr(_adoption, "_on_cuda", lambda value: True)
+    monkeypatch.setattr(_adoption, "_adopt_tensor", adopt)
+    monkeypatch.setattr(_tiering, "owns", placement.owns)
+    with _PlacedByTag(placement.ranges):
+        yield placement

@@ -27,6 +27,11 @@ GOOD = {
                        "ALLOCS_WITH_STACKS 12 LIVE_WITH_STACKS 3 OF 3 OOM_OBSERVED 1 DUMPED True "
                        "PROFILED_OPS 7"),
     "resume": "TIERED 2 OF 2 SAME True",
+    "lbfgs-native": "LOSSES [1.25, 0.5, 0.25, 0.125]",
+    # the direction, the last gradient and 2 x 6 history vectors of 4 MiB (the weight's
+    # and the bias's, flattened together)
+    "lbfgs": ("TIERED 14 OF 14 ON_HOST 58777600 STATE 58777600 "
+              "LOSSES [1.25, 0.5, 0.25, 0.125]"),
     # two 128 MiB moments (and the bias's) in host memory, both saved as a kernel reads them
     "big_checkpoint": "ON_HOST 268468224 CHECKED 2 EQUAL 2",
     "step_raises": "RAISED boom AFTER_RAISE_IN_TIDEPOOL 0 STATE_IN_TIDEPOOL 8392704",
@@ -50,6 +55,9 @@ BAD = {
     "cuda_graph": "CAPTURED",
     "memory_history": GOOD["memory_history"].replace("PROFILED_OPS 7", "PROFILED_OPS 0"),
     "resume": "TIERED 0 OF 2 SAME True",
+    # the history made in later steps left in ordinary device memory
+    "lbfgs": ("TIERED 4 OF 14 ON_HOST 16793600 STATE 58777600 "
+              "LOSSES [1.25, 0.5, 0.25, 0.125]"),
     # torch.save's copy of one moment differs from what a kernel reads
     "big_checkpoint": "ON_HOST 268468224 CHECKED 2 EQUAL 1",
     "step_raises": "RAISED boom AFTER_RAISE_IN_TIDEPOOL 67108864 STATE_IN_TIDEPOOL 8392704",
@@ -83,7 +91,7 @@ def run_with(module, outputs):
 
 def test_every_check_has_a_canned_output(checks):
     assert set(checks.CHECKS) == set(GOOD)
-    assert set(BAD) == set(GOOD) - {"native-reference"}
+    assert set(BAD) == set(GOOD) - {"native-reference", "lbfgs-native"}
 
 
 def test_good_outputs_pass(checks, capsys):
@@ -91,7 +99,7 @@ def test_good_outputs_pass(checks, capsys):
     printed = capsys.readouterr().out
     assert "FAIL" not in printed
     for label in ("global", "pool", "oom", "record", "memory", "fraction", "graph", "history",
-                  "resume", "raises", "closure", "two_opt", "threads", "cudnn"):
+                  "resume", "lbfgs", "raises", "closure", "two_opt", "threads", "cudnn"):
         assert f"\n{label}" in "\n" + printed, label
 
 
@@ -122,6 +130,12 @@ def test_each_failing_check_fails_the_run(checks, capsys, check):
                      "RuntimeError('beginAllocateToPool')")),
     ("two_threads", ("DEVICE_AT_B 23068672 DEVICE_DURING_B 23068672 RANGES_B 23068672 "
                      "RANGES_B_ONLY 20971520 STATE_B 16785408 AFTER 23068672 ERRORS 0")),
+    # LBFGS: tiered but left on the device; other losses than on PyTorch's allocator; no state
+    ("lbfgs", ("TIERED 14 OF 14 ON_HOST 0 STATE 58777600 LOSSES [1.25, 0.5, 0.25, 0.125]")),
+    ("lbfgs", ("TIERED 14 OF 14 ON_HOST 58777600 STATE 58777600 "
+               "LOSSES [1.25, 0.5, 0.25, 0.25]")),
+    ("lbfgs", ("TIERED 0 OF 0 ON_HOST 0 STATE 0 LOSSES [1.25, 0.5, 0.25, 0.125]")),
+    ("lbfgs-native", "Traceback (most recent call last)"),
 ])
 def test_these_outputs_fail_too(checks, capsys, check, output):
     assert run_with(checks, dict(GOOD, **{check: output})) == 1

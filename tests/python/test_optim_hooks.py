@@ -21,10 +21,10 @@ import weakref
 import pytest
 import torch
 
-from tidepool import (_in_flight, _install, _loaded_state, _state_tensors, _step_tags, _tags,
+from tidepool import (_adoption, _in_flight, _install, _state_tensors, _step_tags, _tags,
                       _tiering)
 
-from fake_tiering import EVICT, fake_tiering, prefetch_of  # noqa: F401  (a fixture)
+from fake_tiering import EVICT, fake_tiering, prefetch_of, untiered_state  # noqa: F401  (fixtures)
 from fake_torch_cuda import fake_cuda, install  # noqa: F401  (a fixture, and the install)
 
 
@@ -562,26 +562,6 @@ def test_a_hook_that_raises_closes_the_scope_too(fake_cuda, fake_tiering, where)
     assert fake_tiering == [("evict", 0, _tags.OPTIMIZER_STATE, 4242)]
 
 
-@pytest.fixture
-def untiered_state(monkeypatch, fake_tiering):
-    """CPU tensors stand in for CUDA state; a state tensor counts as tiered once it was
-    made by _adopt_tensor (what, on a GPU, lands in a pointer-stable range). Returns the
-    tags in force at each adoption."""
-    tiered: set[int] = set()
-    adopted_under: list[int] = []
-
-    def adopt(value):
-        adopted_under.append(_tags.current())
-        copy = value.clone()
-        tiered.add(copy.data_ptr())
-        return copy
-
-    monkeypatch.setattr(_loaded_state, "_on_cuda", lambda value: True)
-    monkeypatch.setattr(_loaded_state, "_adopt_tensor", adopt)
-    monkeypatch.setattr(_tiering, "owns", lambda device, ptr: ptr in tiered)
-    return adopted_under
-
-
 @pytest.mark.parametrize("mode", ["global", "pool"])
 def test_loaded_state_is_taken_into_tiering_and_evicted(fake_cuda, fake_tiering, untiered_state,
                                                         mode):
@@ -615,7 +595,7 @@ def test_loaded_state_is_taken_into_tiering_and_evicted(fake_cuda, fake_tiering,
     state = optimizer.state[resumed]
     # exp_avg and exp_avg_sq (128 bytes each) are taken in under optimizer_state; the
     # 4-byte step counter stays below tier_min_bytes.
-    assert untiered_state == [_tags.OPTIMIZER_STATE] * 2
+    assert untiered_state.adopted_under == [_tags.OPTIMIZER_STATE] * 2
     assert all(_tiering.owns(0, state[k].data_ptr()) for k in ("exp_avg", "exp_avg_sq"))
     assert not _tiering.owns(0, state["step"].data_ptr())
     assert torch.equal(state["exp_avg"], checkpoint["optimizer"]["state"][0]["exp_avg"])
@@ -629,11 +609,11 @@ def test_loaded_state_is_taken_into_tiering_and_evicted(fake_cuda, fake_tiering,
     assert torch.equal(resumed.detach(), uninterrupted), "resuming changes no bit"
     # A tensor subclass without the flatten protocol is not one storage to copy: left as
     # it is (DTensor has the protocol: test_loaded_dtensor_state_...).
-    assert not _loaded_state._outside_tiering(torch.nn.Parameter(torch.ones(64)), 0)
+    assert not _adoption._outside_tiering(torch.nn.Parameter(torch.ones(64)), 0)
     # Loading state that is already tiered (the same tensors) takes nothing in, moves nothing.
     fake_tiering.clear()
     optimizer.load_state_dict(optimizer.state_dict())
-    assert len(untiered_state) == 2
+    assert len(untiered_state.adopted_under) == 2
     assert fake_tiering == []
 
 
@@ -678,11 +658,12 @@ def test_loaded_dtensor_state_is_taken_in_through_its_local_shard(
 
     resumed = torch.nn.Parameter(sharded(checkpoint["param"].clone()))
     optimizer = torch.optim.AdamW([resumed], lr=1e-2)
-    untiered_state.clear()
+    untiered_state.adopted_under.clear()
     fake_tiering.clear()
     optimizer.load_state_dict(checkpoint["optimizer"])
     state = optimizer.state[resumed]
-    assert untiered_state == [_tags.OPTIMIZER_STATE] * 2  # exp_avg's and exp_avg_sq's shards
+    # exp_avg's and exp_avg_sq's shards
+    assert untiered_state.adopted_under == [_tags.OPTIMIZER_STATE] * 2
     for key in ("exp_avg", "exp_avg_sq"):
         assert type(state[key]) is DTensor
         assert state[key].placements == (Shard(0),) and state[key].device_mesh == mesh

@@ -14,8 +14,10 @@ on, _install.pool_lease; see _step_scopes.py); the post-hook closes it. See Note
 that raises] for what closes it when step() raises, and Note [closures] for the closure
 of step(closure), which runs outside it.
 
-State that appears outside step() is taken in too: Optimizer.load_state_dict (resuming
-from a checkpoint) is wrapped, see Note [loaded state] in _loaded_state.py.
+State made in a step that ran under workspace (LBFGS's) is taken into tiering after the
+step, before the eviction: Note [state made in workspace steps] in _stray_state.py. State
+that appears outside step() is taken in too: Optimizer.load_state_dict (resuming from a
+checkpoint) is wrapped, see Note [loaded state] in _loaded_state.py.
 
 This module installs the hooks and runs them; what they decide and move is in the
 modules named above, which import nothing from here.
@@ -27,7 +29,7 @@ import functools
 import warnings
 
 from . import (_in_flight, _install, _loaded_state, _patches, _state_moves, _state_tensors,
-               _step_scopes, _step_tags, _tags, _tiering)
+               _step_scopes, _step_tags, _stray_state, _tags, _tiering)
 
 
 def _guard_step(hooked_step):
@@ -176,7 +178,10 @@ def _post_step(optimizer, args, kwargs):
         _step_tags._remember_stateless(optimizer)
     scope = _step_scopes._close_scope()
     if scope is not None and scope.devices and _tiering.available():
-        _state_moves._evict(scope.devices, scope.optimizers)
+        try:
+            _stray_state.adopt_after_step(scope.optimizers, scope.devices)
+        finally:  # what was made stays usable where it is; the rest is evicted all the same
+            _state_moves._evict(scope.devices, scope.optimizers)
 
 
 def _subclasses(base) -> list:

@@ -1,0 +1,67 @@
+"""State a step made outside an optimizer_state scope, taken into tiering after the step
+(Note [state made in workspace steps]); which optimizers' state is looked through after
+their steps, and which are trusted to make none, is decided here. The step post-hook
+(_optim_hooks.py) calls adopt_after_step before it evicts.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+from . import _adoption
+
+# Note [state made in workspace steps]: optimizer -> how many looks in a row found none of
+# its state outside tiering, or _REPLACES once one did.
+_verdicts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_REPLACES = -1
+# Looks in a row that find nothing before an optimizer is trusted to make no state
+# outside optimizer_state steps: its first step (which makes its state) and one more.
+_CLEAN_LOOKS_TO_TRUST = 2
+
+
+def _verdict(optimizer) -> int:
+    try:
+        return _verdicts.get(optimizer, 0)
+    except TypeError:  # not weakly referenceable: looked through after every step
+        return 0
+
+
+def _set_verdict(optimizer, verdict: int) -> None:
+    try:
+        _verdicts[optimizer] = verdict
+    except TypeError:
+        pass
+
+
+def adopt_after_step(optimizers: list, own: list[int]) -> int:
+    """Note [state made in workspace steps]: a step whose tag was workspace (Note [step
+    tags] in _step_tags.py: no parameter was without state) may still make state: LBFGS
+    keeps its one entry from the first step on and puts new tensors in it every step
+    (the direction, the last gradient, two history vectors appended to lists); an
+    optimizer written as `state["m"] = beta * state["m"] + g` makes its state anew each
+    step. Made under workspace, that state is ordinary device memory, resident for the
+    rest of the run, and it replaces the tiered tensors of the first step. So after a
+    step, before its eviction, the state of the step's optimizers is looked through and
+    what is outside tiering is copied into optimizer_state ranges (Note [adopted state]
+    in _adoption.py), which the eviction then moves to host memory. The copy costs a
+    device-to-device pass over the new state, small beside moving it over the link.
+
+    Looking costs a walk over the state in Python, which a step that updates its state
+    in place (every torch.optim optimizer but LBFGS) need not pay every step: an
+    optimizer whose first _CLEAN_LOOKS_TO_TRUST looks find nothing is trusted and not
+    looked through again; one whose look found state outside tiering is looked through
+    after every step. A trusted optimizer that later makes state under workspace (a
+    custom one that replaces its state only after some number of steps) leaves that
+    state resident. Returns the bytes taken in."""
+    adopted = 0
+    for optimizer in optimizers:
+        verdict = _verdict(optimizer)
+        if verdict >= _CLEAN_LOOKS_TO_TRUST:
+            continue
+        places = _adoption.stray_state([optimizer])
+        if places:
+            _set_verdict(optimizer, _REPLACES)
+            adopted += _adoption.adopt_stray_state([optimizer], own, places)
+        elif verdict != _REPLACES:
+            _set_verdict(optimizer, verdict + 1)
+    return adopted

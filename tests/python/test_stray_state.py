@@ -1,0 +1,231 @@
+"""State a step makes under workspace is taken into tiering after it (Note [state made in
+workspace steps] in _stray_state.py, Note [adopted state] in _adoption.py), on a machine
+without a GPU: LBFGS's direction, last gradient and history lists, and the state of an
+optimizer that makes it anew each step, are copied into optimizer_state ranges before
+the eviction; an optimizer that updates its state in place is trusted after two looks
+and not walked again; loaded LBFGS state is taken in through its lists; and none of it
+changes a bit of the trajectory."""
+
+from __future__ import annotations
+
+import collections
+import copy
+
+import pytest
+import torch
+
+from tidepool import _adoption, _install, _stray_state, _tags
+
+from fake_tiering import EVICT, fake_tiering, untiered_state  # noqa: F401  (fixtures)
+from fake_torch_cuda import fake_cuda, install  # noqa: F401  (a fixture, and the install)
+
+MIN_BYTES = 64  # tidepool.tier_min_bytes in these tests: a 32-float vector is tiered
+
+
+def remove_hooks() -> None:
+    for handle in _install.STATE.optimizer_hooks:
+        handle.remove()
+    _install.STATE.optimizer_hooks = None
+
+
+def state_tensors(value) -> list:
+    """Every tensor of at least MIN_BYTES in `value` (a state dict, list or tuple, nested)."""
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (list, tuple)):
+        return [t for item in value for t in state_tensors(item)]
+    if isinstance(value, torch.Tensor) and value.numel() * value.element_size() >= MIN_BYTES:
+        return [value]
+    return []
+
+
+def lbfgs_problem(flat: bool):
+    """Parameters (one vector, or two tensors) and the closure of a least-squares problem."""
+    torch.manual_seed(0)
+    a, b = torch.randn(48, 32), torch.randn(48)
+    if flat:
+        params = [torch.nn.Parameter(torch.zeros(32))]
+    else:
+        params = [torch.nn.Parameter(torch.zeros(16)), torch.nn.Parameter(torch.zeros(16))]
+
+    def make_closure(optimizer):
+        def closure():
+            optimizer.zero_grad()
+            x = torch.cat([p.reshape(-1) for p in params])
+            loss = ((a @ x - b) ** 2).mean()
+            loss.backward()
+            return loss
+        return closure
+
+    return params, make_closure
+
+
+def run_lbfgs(flat: bool, steps: int, after_step=None):
+    params, make_closure = lbfgs_problem(flat)
+    optimizer = torch.optim.LBFGS(params, lr=0.5, max_iter=3, history_size=4)
+    closure = make_closure(optimizer)
+    losses = []
+    for _ in range(steps):
+        losses.append(optimizer.step(closure).item())
+        if after_step is not None:
+            after_step(optimizer)
+    return [p.detach().clone() for p in params], losses
+
+
+@pytest.mark.parametrize("mode", ["global", "pool"])
+@pytest.mark.parametrize("flat", [True, False], ids=["one_vector", "two_tensors"])
+def test_lbfgs_state_is_taken_into_tiering_after_every_step(fake_cuda, fake_tiering,
+                                                            untiered_state, mode, flat):
+    plain_params, plain_losses = run_lbfgs(flat, steps=6)
+    install(mode=mode, tier_min_bytes=str(MIN_BYTES))
+    seen = []
+
+    def after_step(optimizer):
+        state = optimizer.state[optimizer.param_groups[0]["params"][0]]
+        tensors = state_tensors(state)
+        # d, prev_flat_grad and the history vectors: all in ranges, none left behind.
+        assert len(tensors) >= 2 + min(len(seen), 1) * 2
+        assert all(untiered_state.tiered(t) for t in tensors)
+        assert fake_tiering[-1] == EVICT  # the copies are evicted with the rest
+        seen.append(len(untiered_state.adopted_under))
+        fake_tiering.clear()
+
+    params, losses = run_lbfgs(flat, steps=6, after_step=after_step)
+    assert set(untiered_state.adopted_under) == {_tags.OPTIMIZER_STATE}
+    # The steps after the first make state under workspace every time (a step with two
+    # tensors makes its first state under optimizer_state: the second has no entry yet).
+    assert all(later > earlier for earlier, later in zip(seen[1:], seen[2:]))
+    assert losses == plain_losses
+    assert all(torch.equal(p, q) for p, q in zip(params, plain_params)), "no bit changes"
+
+
+class RenewingMomentum(torch.optim.Optimizer):
+    """Momentum SGD that makes its state anew each step (state["m"] = beta * m + g), and
+    keeps the last two gradients as a tuple: what an optimizer written without in-place
+    ops does."""
+
+    def __init__(self, params, lr=0.1, beta=0.9):
+        super().__init__(params, {"lr": lr, "beta": beta})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state[p]
+                m = state.get("m")
+                m = p.grad.clone() if m is None else group["beta"] * m + p.grad
+                last = state.get("last", (torch.zeros_like(p), torch.zeros_like(p)))
+                state["m"] = m
+                state["last"] = (last[1], p.grad.clone())
+                p.sub_(group["lr"] * (m + 0.5 * last[0]))
+
+
+def run_renewing(steps: int, after_step=None):
+    torch.manual_seed(1)
+    p = torch.nn.Parameter(torch.randn(32))
+    optimizer = RenewingMomentum([p])
+    for i in range(steps):
+        p.grad = torch.randn(32) * (i + 1)
+        optimizer.step()
+        if after_step is not None:
+            after_step(optimizer, p)
+    return p.detach().clone()
+
+
+def test_state_made_anew_each_step_is_taken_in_each_step(fake_cuda, fake_tiering, untiered_state):
+    plain = run_renewing(steps=5)
+    install(tier_min_bytes=str(MIN_BYTES))
+    adopted = []
+
+    def after_step(optimizer, p):
+        state = optimizer.state[p]
+        assert isinstance(state["last"], tuple)
+        assert all(untiered_state.tiered(t) for t in state_tensors(state))
+        adopted.append(len(untiered_state.adopted_under))
+
+    result = run_renewing(steps=5, after_step=after_step)
+    # The first step makes m and `last` under optimizer_state; each later one makes m
+    # and a new gradient copy in `last` under workspace: two copies per step.
+    assert adopted == [0, 2, 4, 6, 8]
+    assert torch.equal(result, plain)
+
+
+def test_named_tuples_in_the_state_are_rebuilt_as_named_tuples(fake_cuda, fake_tiering,
+                                                              untiered_state):
+    install(tier_min_bytes=str(MIN_BYTES))
+    pair = collections.namedtuple("pair", "first second")
+    p = torch.nn.Parameter(torch.zeros(32))
+    optimizer = torch.optim.SGD([p], lr=0.1)
+    small = torch.ones(2)
+    optimizer.state[p] = {"pair": pair(torch.ones(32), small), "n": 3,
+                          "lists": [[torch.full((32,), 2.0)], {"x": torch.full((32,), 3.0)}]}
+    inner_list = optimizer.state[p]["lists"]
+    places = _adoption.stray_state([optimizer])
+    assert len(places) == 3
+    assert _adoption.adopt_stray_state([optimizer], [0], places) == 3 * 32 * 4
+    state = optimizer.state[p]
+    assert type(state["pair"]) is pair and state["pair"].second is small  # under MIN_BYTES
+    assert torch.equal(state["pair"].first, torch.ones(32))
+    assert state["lists"] is inner_list, "a list is changed where it is"
+    assert all(untiered_state.tiered(t) for t in state_tensors(state))
+    assert state["n"] == 3
+    assert _adoption.stray_state([optimizer]) == []
+
+
+def test_an_optimizer_updating_its_state_in_place_is_looked_through_twice(
+        fake_cuda, fake_tiering, untiered_state, monkeypatch):
+    install(tier_min_bytes=str(MIN_BYTES))
+    looks = []
+    real_stray_state = _adoption.stray_state
+    monkeypatch.setattr(_adoption, "stray_state",
+                        lambda optimizers: looks.append(len(optimizers)) or
+                        real_stray_state(optimizers))
+    torch.manual_seed(2)
+    p = torch.nn.Parameter(torch.randn(32))
+    optimizer = torch.optim.AdamW([p], lr=1e-2)
+    for _ in range(5):
+        p.grad = torch.randn(32)
+        optimizer.step()
+    assert looks == [1, 1], "the first step and one more; trusted from then on"
+    assert untiered_state.adopted_under == []
+    assert untiered_state.tiered(optimizer.state[p]["exp_avg"])
+
+
+def test_an_optimizer_once_found_renewing_is_looked_through_after_every_step(
+        fake_cuda, fake_tiering, untiered_state):
+    install(tier_min_bytes=str(MIN_BYTES))
+    p = torch.nn.Parameter(torch.zeros(32))
+    optimizer = RenewingMomentum([p])
+    for _ in range(4):
+        p.grad = torch.ones(32)
+        optimizer.step()
+    assert _stray_state._verdict(optimizer) == _stray_state._REPLACES
+
+
+def test_loaded_lbfgs_state_is_taken_in_through_its_lists(fake_cuda, fake_tiering, untiered_state):
+    install(tier_min_bytes=str(MIN_BYTES))
+    params, make_closure = lbfgs_problem(flat=True)
+    optimizer = torch.optim.LBFGS(params, lr=0.5, max_iter=3, history_size=4)
+    closure = make_closure(optimizer)
+    for _ in range(3):
+        optimizer.step(closure)
+    checkpoint = copy.deepcopy(optimizer.state_dict())  # what torch.load gives: not tiered
+    saved = state_tensors(checkpoint["state"][0])
+    assert saved and not any(untiered_state.tiered(t) for t in saved)
+    fake_tiering.clear()
+    untiered_state.adopted_under.clear()
+    optimizer.load_state_dict(checkpoint)
+    state = optimizer.state[params[0]]
+    assert len(state["old_dirs"]) == len(checkpoint["state"][0]["old_dirs"]) > 0
+    assert all(untiered_state.tiered(t) for t in state_tensors(state))
+    assert len(untiered_state.adopted_under) == len(saved)
+    assert fake_tiering == [EVICT]
+    for loaded, original in zip(state_tensors(state), saved):
+        assert torch.equal(loaded, original)
+
+
+def test_without_the_hooks_nothing_is_taken_in(fake_cuda, fake_tiering, untiered_state):
+    install(tier_min_bytes=str(MIN_BYTES))
+    remove_hooks()
+    run_lbfgs(flat=True, steps=3)
+    assert untiered_state.adopted_under == []
