@@ -8,8 +8,6 @@ when made under the optimizer_state tag, as in global mode."""
 
 from __future__ import annotations
 
-import weakref
-
 import pytest
 import torch
 from torch.utils import _pytree
@@ -73,22 +71,25 @@ def evict_ptrs_of(*optimizers):
 
 
 class _PlacedByTag(TorchDispatchMode):
-    """Global mode's placement, on the CPU: each tensor an op makes (not one of its
-    inputs, given back) while the thread's tag is optimizer_state counts as in a
-    pointer-stable range for as long as that tensor lives; a wrapper's (DTensor's) inner
-    tensors count for it."""
+    """Global mode's placement, on the CPU: the memory each op allocates (an output that
+    is no view or in-place result of its inputs) while the thread's tag is
+    optimizer_state counts as a pointer-stable range; a wrapper's (DTensor's) inner
+    tensors count for it. The range keeps its storage alive, so that no tensor made
+    later outside the tag takes its address."""
 
-    def __init__(self, tiered: dict):
+    def __init__(self, ranges: dict):
         super().__init__()
-        self.tiered = tiered
+        self.ranges = ranges
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if _tags.current() == _tags.OPTIMIZER_STATE:
-            given = {part.data_ptr() for part in _parts(_pytree.tree_leaves((args, kwargs)))}
-            for part in _parts(_pytree.tree_leaves(out)):
-                if part.data_ptr() not in given:
-                    self.tiered[part.data_ptr()] = weakref.ref(part)
+            results = out if isinstance(out, (tuple, list)) else (out,)
+            for result, schema in zip(results, func._schema.returns):
+                if schema.alias_info is None:
+                    for part in _parts(_pytree.tree_leaves(result)):
+                        storage = part.untyped_storage()
+                        self.ranges[storage.data_ptr()] = (storage.nbytes(), storage)
         return out
 
 
@@ -103,12 +104,10 @@ class Placement:
 
     def __init__(self):
         self.adopted_under: list[int] = []
-        self.ranges: dict = {}  # data pointer -> weak reference to the tensor made there
+        self.ranges: dict = {}  # base address -> (bytes, the storage, kept alive)
 
     def owns(self, device, ptr) -> bool:
-        ref = self.ranges.get(ptr)
-        tensor = ref() if ref is not None else None
-        return tensor is not None and tensor.data_ptr() == ptr
+        return any(base <= ptr < base + size for base, (size, _) in self.ranges.items())
 
     def tiered(self, tensor) -> bool:
         return all(self.owns(0, part.data_ptr()) for part in _state_tensors._plain_parts(tensor))

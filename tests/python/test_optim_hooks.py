@@ -21,7 +21,7 @@ import weakref
 import pytest
 import torch
 
-from tidepool import (_adoption, _in_flight, _install, _state_tensors, _step_tags, _tags,
+from tidepool import (_in_flight, _install, _state_tensors, _step_tags, _tags,
                       _tiering)
 
 from fake_tiering import EVICT, fake_tiering, prefetch_of, untiered_state  # noqa: F401  (fixtures)
@@ -609,7 +609,7 @@ def test_loaded_state_is_taken_into_tiering_and_evicted(fake_cuda, fake_tiering,
     assert torch.equal(resumed.detach(), uninterrupted), "resuming changes no bit"
     # A tensor subclass without the flatten protocol is not one storage to copy: left as
     # it is (DTensor has the protocol: test_loaded_dtensor_state_...).
-    assert not _adoption._outside_tiering(torch.nn.Parameter(torch.ones(64)), 0)
+    assert _state_tensors._plain_parts(torch.nn.Parameter(torch.ones(64))) == []
     # Loading state that is already tiered (the same tensors) takes nothing in, moves nothing.
     fake_tiering.clear()
     optimizer.load_state_dict(optimizer.state_dict())

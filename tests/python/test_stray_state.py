@@ -160,16 +160,16 @@ def test_named_tuples_in_the_state_are_rebuilt_as_named_tuples(fake_cuda, fake_t
     optimizer.state[p] = {"pair": pair(torch.ones(32), small), "n": 3,
                           "lists": [[torch.full((32,), 2.0)], {"x": torch.full((32,), 3.0)}]}
     inner_list = optimizer.state[p]["lists"]
-    places = _adoption.stray_state([optimizer])
-    assert len(places) == 3
-    assert _adoption.adopt_stray_state([optimizer], [0], places) == 3 * 32 * 4
+    stray = _adoption.stray_state([optimizer])
+    assert len(stray) == 3
+    assert _adoption.adopt_stray_state([optimizer], [0], stray) == 3 * 32 * 4
     state = optimizer.state[p]
     assert type(state["pair"]) is pair and state["pair"].second is small  # under MIN_BYTES
     assert torch.equal(state["pair"].first, torch.ones(32))
     assert state["lists"] is inner_list, "a list is changed where it is"
     assert all(untiered_state.tiered(t) for t in state_tensors(state))
     assert state["n"] == 3
-    assert _adoption.stray_state([optimizer]) == []
+    assert len(_adoption.stray_state([optimizer])) == 0
 
 
 def test_an_optimizer_updating_its_state_in_place_is_looked_through_twice(
@@ -229,3 +229,49 @@ def test_without_the_hooks_nothing_is_taken_in(fake_cuda, fake_tiering, untiered
     remove_hooks()
     run_lbfgs(flat=True, steps=3)
     assert untiered_state.adopted_under == []
+
+
+class ViewKeeping(torch.optim.Optimizer):
+    """Keeps, besides momentum made anew each step, a view of its parameter and the
+    gradient itself (memory that is the parameter's and the gradient's), and two moments
+    that are rows of one buffer, with a small view of the first (sharing a storage)."""
+
+    def __init__(self, params):
+        super().__init__(params, {"lr": 0.1})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state[p]
+                state["flat"] = p.view(-1)
+                state["grad"] = p.grad
+                rows = torch.stack([p.grad, p.grad * 2]) + state.get("rows", 0)
+                state["rows"] = rows
+                state["first"], state["second"], state["head"] = rows[0], rows[1], rows[0, :2]
+                p.sub_(group["lr"] * state["first"])
+
+
+def test_views_of_parameters_are_never_copied_and_shared_storages_stay_shared(
+        fake_cuda, fake_tiering, untiered_state):
+    install(tier_min_bytes=str(MIN_BYTES))
+    p = torch.nn.Parameter(torch.zeros(32))
+    optimizer = ViewKeeping([p])
+    for i in range(3):
+        p.grad = torch.full((32,), float(i + 1))
+        optimizer.step()
+        state = optimizer.state[p]
+        # The parameter's own memory stays what the optimizer holds: a copy would make
+        # the optimizer's updates through it go nowhere.
+        assert state["flat"].data_ptr() == p.data_ptr()
+        assert state["grad"] is p.grad
+        shared = {state[k].untyped_storage().data_ptr()
+                  for k in ("rows", "first", "second", "head")}
+        assert len(shared) == 1, "views of one storage stay views of one storage"
+        assert untiered_state.tiered(state["rows"]) and untiered_state.tiered(state["head"])
+        assert state["second"].storage_offset() == 32 and state["head"].size() == (2,)
+        state["first"][0] = 100.0  # still a view: the buffer sees it
+        assert state["rows"][0, 0] == 100.0 and state["head"][0] == 100.0
+        state["first"][0] = state["rows"][0, 1]
+    # Adopted from the second step on: the first made its state under optimizer_state.
+    assert len(untiered_state.adopted_under) == 2, "each storage copied once per step"

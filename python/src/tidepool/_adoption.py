@@ -7,11 +7,15 @@ it is held may be deep: optimizer.state[p][key], or an item of a list or dict th
 (LBFGS keeps its history as lists of tensors), changed in place so that whoever holds the
 list sees the copies, or of a tuple, rebuilt. A tensor subclass other than a wrapper with
 PyTorch's flatten protocol (FSDP2's DTensor, taken in through its local shard) is left as
-it is: it is not one storage to copy. The copies are made one at a time, each old tensor
-freed as its last reference goes, so that adopting costs the device one tensor's bytes
-at most beyond the state. Two callers: the wrapped load_state_dict (Note [loaded state]
-in _loaded_state.py) and the step post-hook, for state a step made under workspace (Note
-[state made in workspace steps] in _stray_state.py).
+it is: it is not one storage to copy. Nothing the state shares with the optimizer's
+parameters or their gradients is copied (a view of a parameter kept in the state is the
+parameter's memory), and tensors of the state that share a storage share one copy of
+it, each at its own offset (_Copier). The copies are made one at a time, each old
+tensor freed as its last reference goes (a shared storage once its last view is
+replaced), so that adopting needs little device memory beyond the state. Two callers:
+the wrapped load_state_dict (Note [loaded state] in _loaded_state.py) and the step
+post-hook, for state a step made under workspace (Note [state made in workspace steps]
+in _stray_state.py).
 """
 
 from __future__ import annotations
@@ -28,20 +32,20 @@ def _adopt_tensor(value):
     return value.clone()
 
 
-def _adopted(value):
-    """`value` with every plain part copied by _adopt_tensor; a wrapper subclass is
+def _adopted(value, copier):
+    """`value` with every plain part the copier wants copied by it; a wrapper subclass is
     rebuilt around its copied parts. A DTensor keeps its own spec (mesh, placements,
     shard order: its __tensor_unflatten__ would rebuild the spec without the order);
     other wrappers are rebuilt by __tensor_unflatten__. A part that is neither a plain
     tensor nor a wrapper is kept as it is."""
     torch = _install.STATE.torch
     if type(value) is torch.Tensor:
-        return _adopt_tensor(value)
+        return copier.copy(value) if copier.wants(value) else value
     flat = _state_tensors._flatten(value)
     if flat is None:
         return value
     names, context = flat
-    parts = {name: _adopted(getattr(value, name)) for name in names}
+    parts = {name: _adopted(getattr(value, name), copier) for name in names}
     dtensor = _dtensor_class()
     if dtensor is not None and type(value) is dtensor:
         return dtensor(parts["_local_tensor"], value._spec, requires_grad=value.requires_grad)
@@ -56,87 +60,164 @@ def _dtensor_class():
     return DTensor
 
 
-def _outside_tiering(value, min_bytes: int) -> bool:
-    """Some plain part of the tensor `value` is on a CUDA device, at least min_bytes, and
-    not in a pointer-stable range."""
-    return any(_on_cuda(part) and part.numel() * part.element_size() >= min_bytes
-               and not _tiering.owns(part.device.index, part.data_ptr())
-               for part in _state_tensors._plain_parts(value))
+def _storage_key(part) -> tuple:
+    return (part.device.index, part.untyped_storage().data_ptr())
 
 
-def _stray_places(container, key, min_bytes: int, found: list) -> None:
-    """Note [adopted state]: appends (container, key) for each place under
-    container[key] that holds a tensor outside tiering: the tensor's own place, or, for a
-    tuple (immutable), the tuple's place, rebuilt whole. Dicts and lists are walked and
-    their items replaced where they are, so that whoever holds the list (LBFGS's
-    old_dirs) sees the copies."""
+class _Copier:
+    """Note [adopted state]: which plain tensors of the state to copy, and the copying.
+    A tensor is copied when its storage holds a tensor outside tiering (_outside): one
+    on a CUDA device, at least min_bytes, not in a pointer-stable range, and not
+    sharing its storage with a parameter or a gradient of the optimizers (a view of a
+    parameter kept in the state is the parameter's memory: a copy would update nothing).
+    Tensors sharing a storage stay sharing one: their storage is copied once, whole,
+    and each is made a view of the copy with its own offset, sizes and strides (a
+    tensor alone on its storage is cloned, compact)."""
+
+    def __init__(self, min_bytes: int, kept: set):
+        self.min_bytes = min_bytes
+        self.kept = kept       # storage keys of the optimizers' parameters and gradients
+        self.views: dict = {}  # storage key -> plain tensors of the state on it (counted)
+        self.stray: set = set()  # storage keys holding a tensor outside tiering
+        self.copies: dict = {}   # storage key -> its whole copy (bytes), made once
+
+    def note(self, value) -> None:
+        """During the walk: each plain part of the tensor `value` on a CUDA device."""
+        for part in _state_tensors._plain_parts(value):
+            if not _on_cuda(part) or part.numel() == 0:
+                continue
+            key = _storage_key(part)
+            self.views[key] = self.views.get(key, 0) + 1
+            if (key not in self.kept and part.numel() * part.element_size() >= self.min_bytes
+                    and not _tiering.owns(part.device.index, part.data_ptr())):
+                self.stray.add(key)
+
+    def wants(self, value) -> bool:
+        """After the walk: whether some plain part of `value` is to be copied."""
+        return any(_on_cuda(part) and part.numel() > 0 and _storage_key(part) in self.stray
+                   for part in _state_tensors._plain_parts(value))
+
+    def copy(self, part):
+        """The adopted copy of the plain tensor `part`, which `wants`."""
+        key = _storage_key(part)
+        if self.views.get(key, 0) < 2:
+            return _adopt_tensor(part)
+        torch = _install.STATE.torch
+        whole = self.copies.get(key)
+        if whole is None:
+            storage = torch.empty(0, dtype=torch.uint8, device=part.device)
+            whole = self.copies[key] = _adopt_tensor(storage.set_(part.untyped_storage()))
+        view = torch.empty(0, dtype=part.dtype, device=part.device)
+        return view.set_(whole.untyped_storage(), part.storage_offset(), part.size(),
+                         part.stride())
+
+
+def _walk(container, key, copier: _Copier | None, leaves: list) -> None:
+    """Appends to `leaves` the (container, key) of each tensor under container[key], and
+    of each tuple holding one (immutable: rebuilt whole), noting their parts in `copier`
+    (unless None). Dicts and lists are walked, so that their items can be replaced where they
+    are and whoever holds the list (LBFGS's old_dirs) sees the copies."""
     value = container[key]
     if isinstance(value, dict):
         for k in list(value):
-            _stray_places(value, k, min_bytes, found)
+            _walk(value, k, copier, leaves)
     elif isinstance(value, list):
         for i in range(len(value)):
-            _stray_places(value, i, min_bytes, found)
+            _walk(value, i, copier, leaves)
     elif isinstance(value, tuple):
         inner: list = []
         for i in range(len(value)):
-            _stray_places(value, i, min_bytes, inner)
+            _walk(value, i, copier, inner)
         if inner:
-            found.append((container, key))
-    elif _outside_tiering(value, min_bytes):
-        found.append((container, key))
+            leaves.append((container, key))
+    elif isinstance(value, _install.STATE.torch.Tensor):
+        if copier is not None:
+            copier.note(value)
+        leaves.append((container, key))
 
 
-def _adopt_place(container, key, min_bytes: int) -> int:
-    """Replaces container[key] (a place from _stray_places) by its adopted copy: a
-    tensor's parts copied by _adopted, a tuple rebuilt around its items with each of its
-    stray places adopted in turn. Returns the bytes copied."""
+def _adopt_place(container, key, copier: _Copier) -> int:
+    """Replaces container[key] (a place StrayState holds) by its adopted copy: a
+    tensor's wanted parts copied (a wrapper rebuilt around them, _adopted), a tuple
+    rebuilt around its items with each of its places adopted in turn. Returns the bytes
+    copied."""
     value = container[key]
     if isinstance(value, tuple):
         items = list(value)
-        places: list = []
+        inner: list = []
         for i in range(len(items)):
-            _stray_places(items, i, min_bytes, places)
-        copied = sum(_adopt_place(place, k, min_bytes) for place, k in places)
+            _walk(items, i, None, inner)
+        copied = sum(_adopt_place(c, k, copier) for c, k in inner
+                     if isinstance(c[k], tuple) or copier.wants(c[k]))
         container[key] = type(value)._make(items) if hasattr(type(value), "_make") \
             else type(value)(items)
         return copied
-    copied = sum(part.numel() * part.element_size()
-                 for part in _state_tensors._plain_parts(value))
-    container[key] = _adopted(value)
+    copied = sum(part.numel() * part.element_size() for part in
+                 _state_tensors._plain_parts(value) if copier.wants(part))
+    container[key] = _adopted(value, copier)
     return copied
 
 
-def stray_state(optimizers: list) -> list:
+class StrayState:
+    """What stray_state found: `places`, the (container, key) pairs holding state to
+    copy, and the copier that copies it."""
+
+    def __init__(self, places: list, copier: _Copier):
+        self.places = places
+        self.copier = copier
+
+    def __len__(self) -> int:
+        return len(self.places)
+
+
+def _kept_storages(optimizers: list) -> set:
+    """The storage keys of the optimizers' parameters and their gradients on CUDA devices."""
+    torch = _install.STATE.torch
+    kept = set()
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                for t in (p, p.grad):
+                    if isinstance(t, torch.Tensor):
+                        for part in _state_tensors._plain_parts(t, any_tensor=True):
+                            if _on_cuda(part) and part.numel() > 0:
+                                kept.add(_storage_key(part))
+    return kept
+
+
+def stray_state(optimizers: list) -> StrayState:
     """Note [adopted state]: the places in the optimizers' state (every entry of
-    optimizer.state, through nested dicts, lists and tuples) that hold a tensor outside
-    tiering, as (container, key) pairs."""
+    optimizer.state, through nested dicts, lists and tuples) that hold a tensor to copy
+    (_Copier), as (container, key) pairs."""
     min_bytes = (_install.STATE.config or {}).get("tier_min_bytes", 1 << 20)
-    found: list = []
+    copier = _Copier(min_bytes, _kept_storages(optimizers))
+    leaves: list = []
     for optimizer in optimizers:
         state = optimizer.state
         for key in list(state):
-            _stray_places(state, key, min_bytes, found)
-    return found
+            _walk(state, key, copier, leaves)
+    if not copier.stray:
+        return StrayState([], copier)
+    return StrayState([(c, k) for c, k in leaves
+                       if isinstance(c[k], tuple) or copier.wants(c[k])], copier)
 
 
-def adopt_stray_state(optimizers: list, own: list[int], places: list) -> int:
-    """Note [adopted state]: replaces what each of `places` (from stray_state) holds by
+def adopt_stray_state(optimizers: list, own: list[int], stray: StrayState) -> int:
+    """Note [adopted state]: replaces what each of stray's places (stray_state) holds by
     copies made under the optimizer_state tag (in pool mode, in the tidepool MemPool of
     each device in `own`: devices no open scope holds), one at a time, so that the old
     copy is freed as its last reference goes before the next is made. Returns the bytes
     taken in. The caller evicts."""
-    if not places:
+    if not stray:
         return 0
-    min_bytes = (_install.STATE.config or {}).get("tier_min_bytes", 1 << 20)
     adopted = 0
     depth = len(_step_scopes._scopes())
     _step_scopes._begun(own, lambda: _step_scopes._open_scope(own, _tags.OPTIMIZER_STATE,
                                                               optimizers=list(optimizers)))
     try:
         with _install.STATE.torch.no_grad():  # copies of state, not steps of a graph
-            for container, key in places:
-                adopted += _adopt_place(container, key, min_bytes)
+            for container, key in stray.places:
+                adopted += _adopt_place(container, key, stray.copier)
     finally:
         _step_scopes._close_scopes_down_to(depth)
     return adopted

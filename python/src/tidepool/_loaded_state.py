@@ -24,10 +24,10 @@ def _adopt_loaded_state(optimizer) -> int:
     devices = _state_tensors._cuda_devices(optimizer)
     if not devices or not _state_moves._tiering_or_warn():
         return 0
-    places = _adoption.stray_state([optimizer])
-    if not places:
+    stray = _adoption.stray_state([optimizer])
+    if not stray:
         return 0
     own = _step_scopes._devices_not_held(devices)
-    adopted = _adoption.adopt_stray_state([optimizer], own, places)
+    adopted = _adoption.adopt_stray_state([optimizer], own, stray)
     _state_moves._evict(own, [optimizer])
     return adopted

@@ -58,10 +58,10 @@ def adopt_after_step(optimizers: list, own: list[int]) -> int:
         verdict = _verdict(optimizer)
         if verdict >= _CLEAN_LOOKS_TO_TRUST:
             continue
-        places = _adoption.stray_state([optimizer])
-        if places:
+        stray = _adoption.stray_state([optimizer])
+        if stray:
             _set_verdict(optimizer, _REPLACES)
-            adopted += _adoption.adopt_stray_state([optimizer], own, places)
+            adopted += _adoption.adopt_stray_state([optimizer], own, stray)
         elif verdict != _REPLACES:
             _set_verdict(optimizer, verdict + 1)
     return adopted
