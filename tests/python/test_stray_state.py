@@ -178,8 +178,8 @@ def test_an_optimizer_updating_its_state_in_place_is_looked_through_twice(
     looks = []
     real_stray_state = _adoption.stray_state
     monkeypatch.setattr(_adoption, "stray_state",
-                        lambda optimizers: looks.append(len(optimizers)) or
-                        real_stray_state(optimizers))
+                        lambda optimizers, **options: looks.append(len(optimizers)) or
+                        real_stray_state(optimizers, **options))
     torch.manual_seed(2)
     p = torch.nn.Parameter(torch.randn(32))
     optimizer = torch.optim.AdamW([p], lr=1e-2)
@@ -275,3 +275,48 @@ def test_views_of_parameters_are_never_copied_and_shared_storages_stay_shared(
         state["first"][0] = state["rows"][0, 1]
     # Adopted from the second step on: the first made its state under optimizer_state.
     assert len(untiered_state.adopted_under) == 2, "each storage copied once per step"
+
+
+class SharingOutside(torch.optim.Optimizer):
+    """Makes its momentum m anew each step, and a row of a new buffer; keeps on itself,
+    besides, what `share` says: m itself, a view of m, or the buffer's other row."""
+
+    def __init__(self, params, share: str):
+        super().__init__(params, {"lr": 0.1})
+        self.share = share
+        self.kept = None
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state[p]
+                m = p.grad + 0.5 * state.get("m", 0)
+                buffer = torch.stack([m, m * 2])
+                state["m"], state["row"] = m, buffer[1]
+                self.kept = {"tensor": m, "view": m[:4], "sibling": buffer[0]}[self.share]
+                p.sub_(group["lr"] * m)
+
+
+@pytest.mark.parametrize("share, left", [("tensor", "m"), ("view", "m"), ("sibling", "row")])
+def test_state_something_else_holds_too_is_left_where_it_is(fake_cuda, fake_tiering,
+                                                            untiered_state, share, left,
+                                                            monkeypatch):
+    monkeypatch.setattr(_stray_state, "_warned_shared", set())
+    install(tier_min_bytes=str(MIN_BYTES))
+    p = torch.nn.Parameter(torch.zeros(32))
+    optimizer = SharingOutside([p], share)
+    taken = "row" if left == "m" else "m"
+    with pytest.warns(_install.TidepoolInactiveWarning, match="SharingOutside") as warned:
+        for step in range(3):
+            p.grad = torch.ones(32)
+            optimizer.step()
+            state = optimizer.state[p]
+            if step == 0:  # made under optimizer_state: in ranges where it was made
+                continue
+            # Both holders keep one tensor, or one storage: a copy would part them.
+            assert optimizer.kept.untyped_storage().data_ptr() == \
+                state[left].untyped_storage().data_ptr()
+            assert not untiered_state.tiered(state[left])
+            assert untiered_state.tiered(state[taken]), "what the state alone holds is taken in"
+    assert len([w for w in warned if "SharingOutside" in str(w.message)]) == 1, "said once"

@@ -20,6 +20,8 @@ in _stray_state.py).
 
 from __future__ import annotations
 
+import sys
+
 from . import _install, _state_tensors, _step_scopes, _tags, _tiering
 
 
@@ -64,6 +66,37 @@ def _storage_key(part) -> tuple:
     return (part.device.index, part.untyped_storage().data_ptr())
 
 
+def _storage_users(part) -> int | None:
+    """How many tensors (and storage objects) use the storage of `part`, the one made
+    here to ask left out; None where this torch cannot say."""
+    use_count = getattr(_install.STATE.torch._C, "_storage_Use_Count", None)
+    if use_count is None:
+        return None
+    return use_count(part.untyped_storage()._cdata) - 1
+
+
+def _held_elsewhere(values: dict, extra: set) -> set:
+    """The ids of the tensors in `values` (id -> (tensor, places in the state holding it))
+    referenced from more places than the state's (and, for those in `extra`, one more):
+    their reference counts against a probe held the same way."""
+    holder = [_install.STATE.torch.empty(0)]  # one place, as a tensor the state holds once
+    values = dict(values)
+    values[id(holder[0])] = (holder[0], 1)
+    counts = {i: sys.getrefcount(value) - places - (i in extra)
+              for i, (value, places) in values.items()}
+    baseline = counts.pop(id(holder[0]))
+    return {i for i, count in counts.items() if count > baseline}
+
+
+def _storage_bytes(key, values: dict) -> int:
+    """The bytes of the storage `key`, from a tensor of the state on it."""
+    for value, _ in values.values():
+        for part in _state_tensors._plain_parts(value):
+            if _on_cuda(part) and part.numel() > 0 and _storage_key(part) == key:
+                return part.untyped_storage().nbytes()
+    return 0
+
+
 class _Copier:
     """Note [adopted state]: which plain tensors of the state to copy, and the copying.
     A tensor is copied when its storage holds a tensor outside tiering (_outside): one
@@ -72,17 +105,35 @@ class _Copier:
     parameter kept in the state is the parameter's memory: a copy would update nothing).
     Tensors sharing a storage stay sharing one: their storage is copied once, whole,
     and each is made a view of the copy with its own offset, sizes and strides (a
-    tensor alone on its storage is cloned, compact)."""
+    tensor alone on its storage is cloned, compact).
 
-    def __init__(self, min_bytes: int, kept: set):
+    With `exclusive` (state a step made, Note [state made in workspace steps] in
+    _stray_state.py), only what the state alone holds is copied: a copy of a tensor
+    something else also holds (a tensor object referenced from outside the state, a
+    storage other tensors view) would leave the two holders with different tensors,
+    and their updates would no longer meet. What is shared stays where it is
+    (`shared_bytes` says how much). Loaded state is copied whatever else holds it: the
+    holder is the checkpoint the load read, which PyTorch's own load leaves apart from
+    the state too when it moves or casts it."""
+
+    def __init__(self, min_bytes: int, kept: set, exclusive: bool = False):
         self.min_bytes = min_bytes
         self.kept = kept       # storage keys of the optimizers' parameters and gradients
+        self.exclusive = exclusive
         self.views: dict = {}  # storage key -> plain tensors of the state on it (counted)
         self.stray: set = set()  # storage keys holding a tensor outside tiering
         self.copies: dict = {}   # storage key -> its whole copy (bytes), made once
+        # With `exclusive`: storage key -> (its users: tensors and storage objects, ids
+        # of the tensors of the state on it and of the bases they view); id(value) ->
+        # (value, places in the state holding it), for the tensors of the state.
+        self.users: dict = {}
+        self.values: dict = {}
+        self.bases: set = set()  # ids of the tensors the state's views view
+        self.shared_bytes = 0
 
     def note(self, value) -> None:
         """During the walk: each plain part of the tensor `value` on a CUDA device."""
+        noted = False
         for part in _state_tensors._plain_parts(value):
             if not _on_cuda(part) or part.numel() == 0:
                 continue
@@ -91,6 +142,36 @@ class _Copier:
             if (key not in self.kept and part.numel() * part.element_size() >= self.min_bytes
                     and not _tiering.owns(part.device.index, part.data_ptr())):
                 self.stray.add(key)
+            if self.exclusive:
+                noted = True
+                users, ids = self.users.get(key, (None, set()))
+                ids.add(id(part))
+                if part._base is not None:
+                    ids.add(id(part._base))
+                    self.bases.add(id(part._base))
+                self.users[key] = (_storage_users(part) if users is None else users, ids)
+        if noted:
+            held = self.values.get(id(value))
+            self.values[id(value)] = (value, 1 if held is None else held[1] + 1)
+
+    def keep_shared(self) -> None:
+        """With `exclusive`, after the walk: drops from `stray` each storage something
+        outside the state also holds (a tensor other than the state's and the bases they
+        view, or a tensor object of the state referenced from elsewhere)."""
+        if not self.exclusive or not self.stray:
+            return
+        shared = {key for key, (users, ids) in self.users.items()
+                  if users is not None and users > len(ids)}
+        # A tensor other tensors view is held from C++ too (their view information), and
+        # PyTorch then holds its Python object once more (PyObject preservation).
+        held_elsewhere = _held_elsewhere(self.values, self.bases)
+        for value, _ in self.values.values():
+            if id(value) in held_elsewhere:
+                shared.update(_storage_key(part) for part in _state_tensors._plain_parts(value)
+                              if _on_cuda(part) and part.numel() > 0)
+        for key in shared & self.stray:
+            self.stray.discard(key)
+            self.shared_bytes += _storage_bytes(key, self.values)
 
     def wants(self, value) -> bool:
         """After the walk: whether some plain part of `value` is to be copied."""
@@ -185,17 +266,19 @@ def _kept_storages(optimizers: list) -> set:
     return kept
 
 
-def stray_state(optimizers: list) -> StrayState:
+def stray_state(optimizers: list, exclusive: bool = False) -> StrayState:
     """Note [adopted state]: the places in the optimizers' state (every entry of
     optimizer.state, through nested dicts, lists and tuples) that hold a tensor to copy
-    (_Copier), as (container, key) pairs."""
+    (_Copier; with `exclusive`, only what the state alone holds), as (container, key)
+    pairs."""
     min_bytes = (_install.STATE.config or {}).get("tier_min_bytes", 1 << 20)
-    copier = _Copier(min_bytes, _kept_storages(optimizers))
+    copier = _Copier(min_bytes, _kept_storages(optimizers), exclusive)
     leaves: list = []
     for optimizer in optimizers:
         state = optimizer.state
         for key in list(state):
             _walk(state, key, copier, leaves)
+    copier.keep_shared()
     if not copier.stray:
         return StrayState([], copier)
     return StrayState([(c, k) for c, k in leaves

@@ -6,9 +6,12 @@ their steps, and which are trusted to make none, is decided here. The step post-
 
 from __future__ import annotations
 
+import warnings
 import weakref
 
-from . import _adoption
+from . import _adoption, _install
+
+_warned_shared: set = set()  # optimizer classes _warn_shared has warned about
 
 # Note [state made in workspace steps]: optimizer -> how many looks in a row found none of
 # its state outside tiering, or _REPLACES once one did.
@@ -52,16 +55,34 @@ def adopt_after_step(optimizers: list, own: list[int]) -> int:
     looked through again; one whose look found state outside tiering is looked through
     after every step. A trusted optimizer that later makes state under workspace (a
     custom one that replaces its state only after some number of steps) leaves that
-    state resident. Returns the bytes taken in."""
+    state resident. So does state something outside optimizer.state holds too (Note
+    [adopted state] in _adoption.py), with a warning once per optimizer class. Returns
+    the bytes taken in."""
     adopted = 0
     for optimizer in optimizers:
         verdict = _verdict(optimizer)
         if verdict >= _CLEAN_LOOKS_TO_TRUST:
             continue
-        stray = _adoption.stray_state([optimizer])
-        if stray:
+        stray = _adoption.stray_state([optimizer], exclusive=True)
+        if stray.copier.shared_bytes:
+            _warn_shared(optimizer, stray.copier.shared_bytes)
+        if stray or stray.copier.shared_bytes:
             _set_verdict(optimizer, _REPLACES)
             adopted += _adoption.adopt_stray_state([optimizer], own, stray)
         elif verdict != _REPLACES:
             _set_verdict(optimizer, verdict + 1)
     return adopted
+
+
+def _warn_shared(optimizer, shared_bytes: int) -> None:
+    """Says once per optimizer class that state its step made under workspace stays in
+    device memory because something outside the state holds it too (Note [adopted
+    state] in _adoption.py: a copy would part the two holders)."""
+    name = type(optimizer).__qualname__
+    if name in _warned_shared or (_install.STATE.config or {}).get("log") == "off":
+        return
+    _warned_shared.add(name)
+    warnings.warn(f"tidepool: {shared_bytes} bytes of {name}'s optimizer state, made in a "
+                  f"step outside tidepool's optimizer_state tag, stay in device memory: "
+                  f"something outside optimizer.state holds the same tensors or storages, "
+                  f"and a copy in host memory would part them", _install.TidepoolInactiveWarning)
