@@ -27,13 +27,10 @@ using tiering_test::kMiB;
 
 constexpr std::size_t kRange = 6 * kMiB;  // three 2 MiB granules: one chunk
 
-class EmptyCacheSpares : public ::testing::Test {
+constexpr int kSparesDevice = 3;
+
+class EmptyCacheSpares : public tiering_test::HostBackendTest<kSparesDevice> {
  protected:
-  static void SetUpTestSuite() { tidepool_set_backend("host"); }  // fails if already chosen
-  void SetUp() override {
-    if (std::strcmp(tidepool_backend_name(kDevice), "host") != 0)
-      GTEST_SKIP() << "the process's backend is not host";
-  }
   // A pointer-stable range on the device, filled with `fill`, whose host backing is kept
   // as the pool's one spare: moved to the host and back. nullptr when that failed.
   unsigned char* range_with_a_spare(unsigned char fill) {
@@ -89,7 +86,7 @@ class EmptyCacheSpares : public ::testing::Test {
     return s.vmm_spare_host_bytes;
   }
   static VmmPool& pool() { return tiering_vmm_pool(kDevice); }
-  static constexpr int kDevice = 3;
+  static constexpr int kDevice = kSparesDevice;
 };
 
 TEST_F(EmptyCacheSpares, EmptyCacheReleasesTheSpareHostBackings) {

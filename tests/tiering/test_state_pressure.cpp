@@ -28,12 +28,11 @@ constexpr int kSmallDevice = 5;
 constexpr std::size_t kCapacity = 64 * kMiB;
 constexpr std::size_t kRange = 8 * kMiB;  // above tier_min_bytes: routed
 
-class StatePressureTest : public ::testing::Test {
+class StatePressureTest : public tiering_test::HostBackendTest<kSmallDevice> {
  protected:
-  static void SetUpTestSuite() { tidepool_set_backend("host"); }  // fails if already chosen
   void SetUp() override {
-    if (std::strcmp(tidepool_backend_name(kSmallDevice), "host") != 0)
-      GTEST_SKIP() << "the process's backend is not host";
+    HostBackendTest::SetUp();
+    if (IsSkipped()) return;
     if (existing_device_allocator(kSmallDevice) == nullptr) {
       ASSERT_EQ(setenv("TIDEPOOL_HOST_CAPACITY_MB", "64", 1), 0);
       device_allocator(kSmallDevice);

@@ -30,12 +30,11 @@ using tiering_test::kMiB;
 // on the host backend (the test reads the memory through the pointers).
 constexpr int kRouteDevice = 3;
 
-class TierRouteTest : public ::testing::Test {
+class TierRouteTest : public tiering_test::HostBackendTest<kRouteDevice> {
  protected:
-  static void SetUpTestSuite() { tidepool_set_backend("host"); }  // fails if already chosen
   void SetUp() override {
-    if (std::strcmp(tidepool_backend_name(kRouteDevice), "host") != 0)
-      GTEST_SKIP() << "the process's backend is not host";
+    HostBackendTest::SetUp();
+    if (IsSkipped()) return;
     set_tier_min_bytes(kDefaultTierMinBytes);
   }
   void TearDown() override { set_tier_min_bytes(kDefaultTierMinBytes); }

@@ -13,12 +13,14 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <memory>
 #include <random>
 #include <string>
 #include <vector>
 
 #include "allocator/backend.h"
+#include "allocator/c_api.h"
 #include "allocator/config.h"
 #include "tiering/host_arena.h"
 #include "tiering/tiered_store.h"
@@ -45,6 +47,21 @@ class ConfigScope {
   ConfigScope& operator=(const ConfigScope&) = delete;
 };
 
+
+// The fixture of a suite that runs only where the process's backend is the host
+// backend, on device `Device`: it asks for the host backend before the suite's first
+// test (a request that fails when the binary chose a backend already) and skips each
+// test where the backend is another. A fixture with more set-up calls this SetUp first
+// and returns when IsSkipped().
+template <int Device>
+class HostBackendTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() { tidepool_set_backend("host"); }
+  void SetUp() override {
+    if (std::strcmp(tidepool_backend_name(Device), "host") != 0)
+      GTEST_SKIP() << "the process's backend is not host";
+  }
+};
 
 inline std::string backend_name(const ::testing::TestParamInfo<BackendKind>& info) {
   return info.param == BackendKind::host ? "host" : "cuda";
