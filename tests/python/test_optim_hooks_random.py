@@ -2,14 +2,19 @@
 (torch's CUDA entry points and the tiering C ABI are recorders: fake_torch_cuda.py and
 fake_tiering.py; tags go through the real libtidepool).
 
-Several stock torch.optim optimizers (and a Lookahead that steps an inner one), each on
-parameters of its own, run a random sequence of steps (some parameters without a
+Several stock torch.optim optimizers (LBFGS among them), a Lookahead that steps an inner
+one, and an optimizer that makes its state anew each step, each on parameters of its own,
+run a random sequence of steps (some parameters without a
 gradient), steps with a closure, steps whose closure raises, zero_grad, a parameter group
 added, a state_dict round trip, the hooks taken off and registered again, and an
 optimizer replaced by a new one.
 The same sequence runs once without tidepool and once with the hooks installed, and the
 hooks must be invisible to training and keep their own books:
   - every parameter and every state tensor is bit for bit what it is without them;
+  - after each step that ran, every state tensor of the stepped optimizer is in a
+    pointer-stable range (the fake placement of fake_tiering.py: state made outside an
+    optimizer_state scope, by LBFGS, by the renewing optimizer, by Adagrad's __init__, is
+    taken in after the step: Note [state made in workspace steps]);
   - after each operation the allocation tag is the one in force before it, tidepool's
     pool (pool mode) is not entered, no step is counted in flight, and a step that raised
     raised the closure's own error;
@@ -26,7 +31,7 @@ import torch
 
 from tidepool import _in_flight, _install, _optim_hooks, _tags
 
-from fake_tiering import fake_tiering  # noqa: F401  (a fixture)
+from fake_tiering import fake_tiering, untiered_state  # noqa: F401  (fixtures)
 from fake_torch_cuda import fake_cuda, install  # noqa: F401  (a fixture, and the install)
 from random_sequences import scaled, seeds
 
@@ -54,6 +59,28 @@ class Lookahead(torch.optim.Optimizer):
         return loss
 
 
+class Renewing(torch.optim.Optimizer):
+    """Heavy-ball momentum written without in-place updates of its state: each step makes
+    the buffer anew (state["buf"] = beta * buf + grad), as some hand-written optimizers do."""
+
+    def __init__(self, params, lr=0.05, beta=0.8):
+        super().__init__(params, {"lr": lr, "beta": beta})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    state = self.state[p]
+                    state["buf"] = group["beta"] * state.get("buf", 0) + p.grad
+                    p.sub_(group["lr"] * state["buf"])
+        return loss
+
+
 OPTIMIZERS = {
     "SGD": lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9, nesterov=True),
     "Adam": lambda params: torch.optim.Adam(params, lr=1e-2, amsgrad=True),
@@ -64,14 +91,27 @@ OPTIMIZERS = {
     "Rprop": lambda params: torch.optim.Rprop(params, lr=1e-2),
     "Adadelta": lambda params: torch.optim.Adadelta(params),
     "Lookahead(SGD)": lambda params: Lookahead(params),
+    "LBFGS": lambda params: torch.optim.LBFGS(params, lr=0.1, max_iter=3, history_size=3),
+    "Renewing": lambda params: Renewing(params),
 }
 # Optimizers whose later param groups get no state of theirs: torch's Adagrad makes its
-# state in __init__, and Lookahead's inner optimizer keeps the groups it was made with.
-NO_ADDED_GROUPS = ("Adagrad", "Lookahead(SGD)")
+# state in __init__, and Lookahead's inner optimizer keeps the groups it was made with;
+# LBFGS takes one group only.
+NO_ADDED_GROUPS = ("Adagrad", "Lookahead(SGD)", "LBFGS")
+# Optimizers that step only with a closure.
+CLOSURE_ONLY = ("LBFGS",)
+TIER_MIN_BYTES = 16  # tidepool.tier_min_bytes: state of parameters of 2 rows or more
 
 
 class ClosureError(RuntimeError):
     pass
+
+
+def state_tensors(value) -> list[torch.Tensor]:
+    """The tensors in a state value (LBFGS keeps lists of them), in order."""
+    if isinstance(value, (list, tuple)):
+        return [t for item in value for t in state_tensors(item)]
+    return [value] if isinstance(value, torch.Tensor) else []
 
 
 def snapshot(optimizers) -> list[torch.Tensor]:
@@ -82,15 +122,13 @@ def snapshot(optimizers) -> list[torch.Tensor]:
             for p in group["params"]:
                 out.append(p.detach().clone())
                 for key in sorted(optimizer.state.get(p, {})):
-                    value = optimizer.state[p][key]
-                    if isinstance(value, torch.Tensor):
-                        out.append(value.detach().clone())
+                    out += [t.detach().clone() for t in state_tensors(optimizer.state[p][key])]
     return out
 
 
 def run(seed: int, operations: int, on_each=None) -> list[list[torch.Tensor]]:
     """The random sequence of `seed`; the snapshots after each operation. on_each(kind,
-    raised) is called after each."""
+    raised, optimizer) is called after each."""
     rng = random.Random(seed)
     torch.manual_seed(seed)
 
@@ -108,6 +146,8 @@ def run(seed: int, operations: int, on_each=None) -> list[list[torch.Tensor]]:
                            weights=[50, 20, 5, 10, 3, 5, 2, 3])[0]
         grads = [torch.randn(p.shape) if rng.random() < 0.8 else None for p in own]
         raised = None
+        if kind == "step" and name in CLOSURE_ONLY:
+            kind = "closure"
         if kind == "step":
             for p, g in zip(own, grads):
                 p.grad = g
@@ -137,7 +177,7 @@ def run(seed: int, operations: int, on_each=None) -> list[list[torch.Tensor]]:
             slots[i] = fresh(rng.choice(sorted(OPTIMIZERS)))
         # "hooks again": on_each takes the hooks off and registers them anew.
         if on_each is not None:
-            on_each(kind, raised)
+            on_each(kind, raised, optimizer)
         snapshots.append(snapshot([optimizer for _, _, optimizer in slots]))
     return snapshots
 
@@ -145,16 +185,17 @@ def run(seed: int, operations: int, on_each=None) -> list[list[torch.Tensor]]:
 @pytest.mark.parametrize("mode", ["global", "pool"])
 @pytest.mark.parametrize("seed", seeds(3))
 def test_random_training_is_bitwise_the_same_and_every_step_ends_evicted(fake_cuda,
-                                                                          fake_tiering, seed,
+                                                                          fake_tiering,
+                                                                          untiered_state, seed,
                                                                           mode):
     operations = scaled(120)
     reference = run(seed, operations)
 
-    install(mode=mode, state_budget="1GiB")
+    install(mode=mode, state_budget="1GiB", tier_min_bytes=str(TIER_MIN_BYTES))
     outside = _tags.current()
     steps = 0
 
-    def check(kind, raised):
+    def check(kind, raised, optimizer):
         nonlocal steps
         if kind == "hooks again":  # off and on: the guards come back with them
             for handle in _install.STATE.optimizer_hooks:
@@ -172,6 +213,12 @@ def test_random_training_is_bitwise_the_same_and_every_step_ends_evicted(fake_cu
             assert fake_tiering[-1][0] in ("evict", "evict_ptrs"), (
                 f"after {kind}: the last move was {fake_tiering[-1]}, not an eviction")
             fake_tiering.clear()
+        if kind in ("step", "closure"):
+            for value in optimizer.state.values():
+                for t in state_tensors(list(value.values())):
+                    if t.numel() * t.element_size() >= TIER_MIN_BYTES:
+                        assert untiered_state.tiered(t), (
+                            f"after {kind} of {type(optimizer).__name__}: state left out")
 
     hooked = run(seed, operations, check)
     assert steps > 0

@@ -111,6 +111,8 @@ class RenewingMomentum(torch.optim.Optimizer):
     def step(self, closure=None):
         for group in self.param_groups:
             for p in group["params"]:
+                if p.grad is None:
+                    continue
                 state = self.state[p]
                 m = state.get("m")
                 m = p.grad.clone() if m is None else group["beta"] * m + p.grad
@@ -186,7 +188,9 @@ def test_an_optimizer_updating_its_state_in_place_is_looked_through_twice(
     for _ in range(5):
         p.grad = torch.randn(32)
         optimizer.step()
-    assert looks == [1, 1], "the first step and one more; trusted from then on"
+    # The first step makes the state under optimizer_state (a look after it shows
+    # nothing); the next two, under workspace, vouch: trusted from then on.
+    assert looks == [1, 1, 1]
     assert untiered_state.adopted_under == []
     assert untiered_state.tiered(optimizer.state[p]["exp_avg"])
 
@@ -320,3 +324,25 @@ def test_state_something_else_holds_too_is_left_where_it_is(fake_cuda, fake_tier
             assert not untiered_state.tiered(state[left])
             assert untiered_state.tiered(state[taken]), "what the state alone holds is taken in"
     assert len([w for w in warned if "SharingOutside" in str(w.message)]) == 1, "said once"
+
+
+@pytest.mark.parametrize("grads", [
+    # a parameter's first gradient comes late: its step makes state under optimizer_state,
+    # so the other's renewed buffer lands in a range too, and a look shows nothing
+    [(True, False), (True, True), (True, True), (True, True)],
+    # steps in which no parameter had a gradient update no state
+    [(True, True), (False, False), (False, False), (True, True), (True, True)],
+], ids=["late_gradient", "no_gradients"])
+def test_only_steps_that_could_show_renewed_state_count_towards_trust(
+        fake_cuda, fake_tiering, untiered_state, grads):
+    install(tier_min_bytes=str(MIN_BYTES))
+    params = [torch.nn.Parameter(torch.zeros(32)), torch.nn.Parameter(torch.zeros(32))]
+    optimizer = RenewingMomentum(params)
+    for step in grads:
+        for p, has in zip(params, step):
+            p.grad = torch.ones(32) if has else None
+        optimizer.step()
+    # The last step renewed both buffers under workspace: taken in, not trusted away.
+    for p in params:
+        assert untiered_state.tiered(optimizer.state[p]["m"])
+    assert _stray_state._verdict(optimizer) == _stray_state._REPLACES

@@ -176,6 +176,8 @@ def _post_step(optimizer, args, kwargs):
     scopes = _step_scopes._scopes()
     if scopes and scopes[-1].tag == _tags.OPTIMIZER_STATE:  # the tag the step ended under
         _step_tags._remember_stateless(optimizer)
+    if scopes:
+        _stray_state.step_ended(optimizer, scopes[-1].tag)
     scope = _step_scopes._close_scope()
     if scope is not None and scope.devices and _tiering.available():
         try:

@@ -9,17 +9,19 @@ from __future__ import annotations
 import warnings
 import weakref
 
-from . import _adoption, _install
+from . import _adoption, _install, _tags
 
 _warned_shared: set = set()  # optimizer classes _warn_shared has warned about
 
-# Note [state made in workspace steps]: optimizer -> how many looks in a row found none of
-# its state outside tiering, or _REPLACES once one did.
+# Note [state made in workspace steps]: optimizer -> how many looks after steps that vouch
+# (step_ended) found none of its state outside tiering, or _REPLACES once one found some.
 _verdicts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _REPLACES = -1
-# Looks in a row that find nothing before an optimizer is trusted to make no state
-# outside optimizer_state steps: its first step (which makes its state) and one more.
+# Looks after vouching steps that find nothing before an optimizer is trusted to make no
+# state outside optimizer_state steps.
 _CLEAN_LOOKS_TO_TRUST = 2
+# optimizer -> whether its last step vouches for it (step_ended)
+_vouching: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _verdict(optimizer) -> int:
@@ -33,6 +35,25 @@ def _set_verdict(optimizer, verdict: int) -> None:
     try:
         _verdicts[optimizer] = verdict
     except TypeError:
+        pass
+
+
+def step_ended(optimizer, tag: int) -> None:
+    """Called by every step's post-hook, nested steps' too, with the tag the step ended
+    under (Note [state made in workspace steps]): notes whether a clean look after this
+    step would vouch for the optimizer. It does when the step ran under workspace (state
+    an optimizer_state step makes lands in ranges however it is made, so a clean look
+    after one shows nothing) and some parameter that has state had a gradient (a step
+    that updated no state shows nothing either). Not for a trusted optimizer."""
+    if _verdict(optimizer) >= _CLEAN_LOOKS_TO_TRUST:
+        return
+    state = optimizer.state
+    vouches = tag == _tags.WORKSPACE and any(
+        p.grad is not None and bool(state.get(p))
+        for group in optimizer.param_groups for p in group["params"])
+    try:
+        _vouching[optimizer] = vouches
+    except TypeError:  # not weakly referenceable: never trusted (_verdict is 0)
         pass
 
 
@@ -51,9 +72,10 @@ def adopt_after_step(optimizers: list, own: list[int]) -> int:
 
     Looking costs a walk over the state in Python, which a step that updates its state
     in place (every torch.optim optimizer but LBFGS) need not pay every step: an
-    optimizer whose first _CLEAN_LOOKS_TO_TRUST looks find nothing is trusted and not
-    looked through again; one whose look found state outside tiering is looked through
-    after every step. A trusted optimizer that later makes state under workspace (a
+    optimizer whose looks find nothing after _CLEAN_LOOKS_TO_TRUST steps that vouch for
+    it (step_ended: steps that ran under workspace and updated some state) is trusted
+    and not looked through again; one whose look found state outside tiering is looked
+    through after every step. A trusted optimizer that later makes state under workspace (a
     custom one that replaces its state only after some number of steps) leaves that
     state resident. So does state something outside optimizer.state holds too (Note
     [adopted state] in _adoption.py), with a warning once per optimizer class. Returns
@@ -69,9 +91,16 @@ def adopt_after_step(optimizers: list, own: list[int]) -> int:
         if stray or stray.copier.shared_bytes:
             _set_verdict(optimizer, _REPLACES)
             adopted += _adoption.adopt_stray_state([optimizer], own, stray)
-        elif verdict != _REPLACES:
+        elif verdict != _REPLACES and _vouches(optimizer):
             _set_verdict(optimizer, verdict + 1)
     return adopted
+
+
+def _vouches(optimizer) -> bool:
+    try:
+        return _vouching.get(optimizer, False)
+    except TypeError:
+        return False
 
 
 def _warn_shared(optimizer, shared_bytes: int) -> None:
