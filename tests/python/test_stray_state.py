@@ -90,8 +90,11 @@ def test_lbfgs_state_is_taken_into_tiering_after_every_step(fake_cuda, fake_tier
         seen.append(len(untiered_state.adopted_under))
         fake_tiering.clear()
 
+    before = _adoption.stats(0)["hooks.state_adopted_after_step_bytes"]
     params, losses = run_lbfgs(flat, steps=6, after_step=after_step)
     assert set(untiered_state.adopted_under) == {_tags.OPTIMIZER_STATE}
+    # tidepool.stats() counts what was copied: at least a direction per later step.
+    assert _adoption.stats(0)["hooks.state_adopted_after_step_bytes"] - before >= 5 * 32 * 4
     # The steps after the first make state under workspace every time (a step with two
     # tensors makes its first state under optimizer_state: the second has no entry yet).
     assert all(later > earlier for earlier, later in zip(seen[1:], seen[2:]))
@@ -164,7 +167,12 @@ def test_named_tuples_in_the_state_are_rebuilt_as_named_tuples(fake_cuda, fake_t
     inner_list = optimizer.state[p]["lists"]
     stray = _adoption.stray_state([optimizer])
     assert len(stray) == 3
-    assert _adoption.adopt_stray_state([optimizer], [0], stray) == 3 * 32 * 4
+    before = _adoption.stats(0)
+    assert _adoption.adopt_stray_state([optimizer], [0], stray, "on_load") == 3 * 32 * 4
+    after = _adoption.stats(0)
+    assert after["hooks.state_adopted_on_load_bytes"] - \
+        before["hooks.state_adopted_on_load_bytes"] == 3 * 32 * 4
+    assert after["hooks.num_state_adoptions"] == before["hooks.num_state_adoptions"] + 1
     state = optimizer.state[p]
     assert type(state["pair"]) is pair and state["pair"].second is small  # under MIN_BYTES
     assert torch.equal(state["pair"].first, torch.ones(32))

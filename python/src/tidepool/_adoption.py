@@ -21,6 +21,7 @@ in _stray_state.py).
 from __future__ import annotations
 
 import sys
+import threading
 
 from . import _install, _state_tensors, _step_scopes, _tags, _tiering
 
@@ -63,7 +64,7 @@ def _dtensor_class():
 
 
 def _storage_key(part) -> tuple:
-    return (part.device.index, part.untyped_storage().data_ptr())
+    return (_state_tensors._cuda_index(part), part.untyped_storage().data_ptr())
 
 
 def _storage_users(part) -> int | None:
@@ -112,7 +113,7 @@ class _Copier:
     something else also holds (a tensor object referenced from outside the state, a
     storage other tensors view) would leave the two holders with different tensors,
     and their updates would no longer meet. What is shared stays where it is
-    (`shared_bytes` says how much). Loaded state is copied whatever else holds it: the
+    (`shared_bytes` says how much, per device). Loaded state is copied whatever else holds it: the
     holder is the checkpoint the load read, which PyTorch's own load leaves apart from
     the state too when it moves or casts it."""
 
@@ -129,7 +130,8 @@ class _Copier:
         self.users: dict = {}
         self.values: dict = {}
         self.bases: set = set()  # ids of the tensors the state's views view
-        self.shared_bytes = 0
+        self.shared_bytes: dict = {}  # device -> bytes of storages left shared
+        self.copied: dict = {}        # device -> bytes copied
 
     def note(self, value) -> None:
         """During the walk: each plain part of the tensor `value` on a CUDA device."""
@@ -140,7 +142,7 @@ class _Copier:
             key = _storage_key(part)
             self.views[key] = self.views.get(key, 0) + 1
             if (key not in self.kept and part.numel() * part.element_size() >= self.min_bytes
-                    and not _tiering.owns(part.device.index, part.data_ptr())):
+                    and not _tiering.owns(key[0], part.data_ptr())):
                 self.stray.add(key)
             if self.exclusive:
                 noted = True
@@ -171,7 +173,11 @@ class _Copier:
                               if _on_cuda(part) and part.numel() > 0)
         for key in shared & self.stray:
             self.stray.discard(key)
-            self.shared_bytes += _storage_bytes(key, self.values)
+            self.shared_bytes[key[0]] = (self.shared_bytes.get(key[0], 0)
+                                         + _storage_bytes(key, self.values))
+
+    def _count(self, device, copied: int) -> None:
+        self.copied[device] = self.copied.get(device, 0) + copied
 
     def wants(self, value) -> bool:
         """After the walk: whether some plain part of `value` is to be copied."""
@@ -182,12 +188,14 @@ class _Copier:
         """The adopted copy of the plain tensor `part`, which `wants`."""
         key = _storage_key(part)
         if self.views.get(key, 0) < 2:
+            self._count(key[0], part.numel() * part.element_size())
             return _adopt_tensor(part)
         torch = _install.STATE.torch
         whole = self.copies.get(key)
         if whole is None:
             storage = torch.empty(0, dtype=torch.uint8, device=part.device)
             whole = self.copies[key] = _adopt_tensor(storage.set_(part.untyped_storage()))
+            self._count(key[0], whole.numel())
         view = torch.empty(0, dtype=part.dtype, device=part.device)
         return view.set_(whole.untyped_storage(), part.storage_offset(), part.size(),
                          part.stride())
@@ -217,26 +225,23 @@ def _walk(container, key, copier: _Copier | None, leaves: list) -> None:
         leaves.append((container, key))
 
 
-def _adopt_place(container, key, copier: _Copier) -> int:
+def _adopt_place(container, key, copier: _Copier) -> None:
     """Replaces container[key] (a place StrayState holds) by its adopted copy: a
     tensor's wanted parts copied (a wrapper rebuilt around them, _adopted), a tuple
-    rebuilt around its items with each of its places adopted in turn. Returns the bytes
-    copied."""
+    rebuilt around its items with each of its places adopted in turn."""
     value = container[key]
     if isinstance(value, tuple):
         items = list(value)
         inner: list = []
         for i in range(len(items)):
             _walk(items, i, None, inner)
-        copied = sum(_adopt_place(c, k, copier) for c, k in inner
-                     if isinstance(c[k], tuple) or copier.wants(c[k]))
+        for c, k in inner:
+            if isinstance(c[k], tuple) or copier.wants(c[k]):
+                _adopt_place(c, k, copier)
         container[key] = type(value)._make(items) if hasattr(type(value), "_make") \
             else type(value)(items)
-        return copied
-    copied = sum(part.numel() * part.element_size() for part in
-                 _state_tensors._plain_parts(value) if copier.wants(part))
+        return
     container[key] = _adopted(value, copier)
-    return copied
 
 
 class StrayState:
@@ -285,22 +290,50 @@ def stray_state(optimizers: list, exclusive: bool = False) -> StrayState:
                        if isinstance(c[k], tuple) or copier.wants(c[k])], copier)
 
 
-def adopt_stray_state(optimizers: list, own: list[int], stray: StrayState) -> int:
+def adopt_stray_state(optimizers: list, own: list[int], stray: StrayState, why: str) -> int:
     """Note [adopted state]: replaces what each of stray's places (stray_state) holds by
     copies made under the optimizer_state tag (in pool mode, in the tidepool MemPool of
     each device in `own`: devices no open scope holds), one at a time, so that the old
     copy is freed as its last reference goes before the next is made. Returns the bytes
-    taken in. The caller evicts."""
+    taken in, which stats() counts under `why` ("after_step" or "on_load"). The caller
+    evicts."""
     if not stray:
         return 0
-    adopted = 0
     depth = len(_step_scopes._scopes())
     _step_scopes._begun(own, lambda: _step_scopes._open_scope(own, _tags.OPTIMIZER_STATE,
                                                               optimizers=list(optimizers)))
     try:
         with _install.STATE.torch.no_grad():  # copies of state, not steps of a graph
             for container, key in stray.places:
-                adopted += _adopt_place(container, key, stray.copier)
+                _adopt_place(container, key, stray.copier)
     finally:
         _step_scopes._close_scopes_down_to(depth)
-    return adopted
+        _count_copied(why, stray.copier.copied)
+    return sum(stray.copier.copied.values())
+
+
+# stats(): device -> {key: value}, process-wide, under _totals_lock (steps on several
+# threads adopt at once).
+_totals: dict = {}
+_totals_lock = threading.Lock()
+
+
+def _count_copied(why: str, copied: dict) -> None:
+    with _totals_lock:
+        for device, n in copied.items():
+            totals = _totals.setdefault(device, {})
+            key = f"hooks.state_adopted_{why}_bytes"
+            totals[key] = totals.get(key, 0) + n
+            totals["hooks.num_state_adoptions"] = totals.get("hooks.num_state_adoptions", 0) + 1
+
+
+def stats(device: int) -> dict:
+    """Note [adopted state]: tidepool.stats() keys of `device`, since the start: the bytes
+    of optimizer state copied into tiering after steps (hooks.state_adopted_after_step_
+    bytes) and after loads (hooks.state_adopted_on_load_bytes), and how many steps and
+    loads copied some (hooks.num_state_adoptions)."""
+    keys = ("hooks.state_adopted_after_step_bytes", "hooks.state_adopted_on_load_bytes",
+            "hooks.num_state_adoptions")
+    with _totals_lock:
+        totals = _totals.get(device, {})
+        return {key: totals.get(key, 0) for key in keys}

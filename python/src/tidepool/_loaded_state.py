@@ -28,6 +28,6 @@ def _adopt_loaded_state(optimizer) -> int:
     if not stray:
         return 0
     own = _step_scopes._devices_not_held(devices)
-    adopted = _adoption.adopt_stray_state([optimizer], own, stray)
+    adopted = _adoption.adopt_stray_state([optimizer], own, stray, "on_load")
     _state_moves._evict(own, [optimizer])
     return adopted

@@ -83,9 +83,10 @@ def stats(device: int = 0) -> dict:
         _stat_keys(out, f"tag.{name}", t.bytes)
         out[f"tag.{name}.count"] = t.count
         out[f"tag.{name}.total_count"] = t.total_count
-    from . import _tiering
+    from . import _adoption, _tiering
 
     out.update(_tiering.transfer_stats(device))
+    out.update(_adoption.stats(device))
     return out
 
 

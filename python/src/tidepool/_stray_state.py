@@ -86,11 +86,12 @@ def adopt_after_step(optimizers: list, own: list[int]) -> int:
         if verdict >= _CLEAN_LOOKS_TO_TRUST:
             continue
         stray = _adoption.stray_state([optimizer], exclusive=True)
-        if stray.copier.shared_bytes:
-            _warn_shared(optimizer, stray.copier.shared_bytes)
-        if stray or stray.copier.shared_bytes:
+        shared = sum(stray.copier.shared_bytes.values())
+        if shared:
+            _warn_shared(optimizer, shared)
+        if stray or shared:
             _set_verdict(optimizer, _REPLACES)
-            adopted += _adoption.adopt_stray_state([optimizer], own, stray)
+            adopted += _adoption.adopt_stray_state([optimizer], own, stray, "after_step")
         elif verdict != _REPLACES and _vouches(optimizer):
             _set_verdict(optimizer, verdict + 1)
     return adopted
