@@ -354,3 +354,23 @@ def test_only_steps_that_could_show_renewed_state_count_towards_trust(
     for p in params:
         assert untiered_state.tiered(optimizer.state[p]["m"])
     assert _stray_state._verdict(optimizer) == _stray_state._REPLACES
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16,
+                                   torch.int64, torch.uint8, torch.bool, torch.complex64,
+                                   torch.complex128])
+def test_the_adoptions_copy_is_bit_for_bit(fake_cuda, dtype):
+    # What _adopt_tensor copies with (a kernel, not the copy engine) keeps every bit: -0.0
+    # and NaN payloads, and the strides of a transposed tensor.
+    install()
+    source = torch.arange(24, dtype=torch.float64).reshape(4, 6).to(dtype)
+    if dtype.is_floating_point:
+        source[0, 0], source[0, 1] = -0.0, float("nan")
+        bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}[source.element_size()]
+        source.view(bits)[0, 2] = source.view(bits)[0, 1] ^ 1  # another NaN payload
+    for value in (source, source.t()):
+        copy = _adoption._adopt_tensor(value)
+        assert copy.data_ptr() != value.data_ptr() and copy.stride() == value.stride()
+        assert copy.dtype == value.dtype and copy.shape == value.shape
+        assert bytes(copy.contiguous().view(torch.uint8).flatten().tolist()) == \
+            bytes(value.contiguous().view(torch.uint8).flatten().tolist())

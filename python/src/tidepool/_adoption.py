@@ -31,8 +31,23 @@ def _on_cuda(value) -> bool:
 
 
 def _adopt_tensor(value):
-    """A copy of the plain tensor `value`, made under the scope adopt_stray_state opened."""
-    return value.clone()
+    """A copy of the plain tensor `value`, bit for bit, made under the scope
+    adopt_stray_state opened, so in a pointer-stable range: in global mode with no state
+    budget one backed by host memory, in chunks that are separate host-NUMA allocations
+    (Note [Copies across host-NUMA mappings] in allocator/backends/cuda_backend.cpp).
+    clone() would copy with cudaMemcpyAsync, the kind of copy across such allocations
+    not known to be safe; so the copy is an elementwise kernel, which reads and writes
+    through the mapping as the optimizer's own kernels do: a bitwise OR with 0 over the
+    bits seen as integers of the element's width (exact for every value, -0.0 and NaN
+    payloads included). An element width with no such integer (complex128) is cloned."""
+    torch = _install.STATE.torch
+    bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}.get(
+        value.element_size())
+    if bits is None:
+        return value.clone()
+    out = torch.empty_like(value)
+    torch.bitwise_or(value.view(bits), 0, out=out.view(bits))
+    return out
 
 
 def _adopted(value, copier):
@@ -100,10 +115,10 @@ def _storage_bytes(key, values: dict) -> int:
 
 class _Copier:
     """Note [adopted state]: which plain tensors of the state to copy, and the copying.
-    A tensor is copied when its storage holds a tensor outside tiering (_outside): one
-    on a CUDA device, at least min_bytes, not in a pointer-stable range, and not
-    sharing its storage with a parameter or a gradient of the optimizers (a view of a
-    parameter kept in the state is the parameter's memory: a copy would update nothing).
+    A tensor is copied when its storage holds a tensor outside tiering (note): one on a
+    CUDA device, at least min_bytes, not in a pointer-stable range, and not sharing its
+    storage with a parameter or a gradient of the optimizers (a view of a parameter
+    kept in the state is the parameter's memory: a copy would update nothing).
     Tensors sharing a storage stay sharing one: their storage is copied once, whole,
     and each is made a view of the copy with its own offset, sizes and strides (a
     tensor alone on its storage is cloned, compact).
@@ -113,9 +128,9 @@ class _Copier:
     something else also holds (a tensor object referenced from outside the state, a
     storage other tensors view) would leave the two holders with different tensors,
     and their updates would no longer meet. What is shared stays where it is
-    (`shared_bytes` says how much, per device). Loaded state is copied whatever else holds it: the
-    holder is the checkpoint the load read, which PyTorch's own load leaves apart from
-    the state too when it moves or casts it."""
+    (`shared_bytes` says how much, per device). Loaded state is copied whatever else
+    holds it: the holder is the checkpoint the load read, which PyTorch's own load
+    leaves apart from the state too when it moves or casts it."""
 
     def __init__(self, min_bytes: int, kept: set, exclusive: bool = False):
         self.min_bytes = min_bytes
@@ -204,8 +219,8 @@ class _Copier:
 def _walk(container, key, copier: _Copier | None, leaves: list) -> None:
     """Appends to `leaves` the (container, key) of each tensor under container[key], and
     of each tuple holding one (immutable: rebuilt whole), noting their parts in `copier`
-    (unless None). Dicts and lists are walked, so that their items can be replaced where they
-    are and whoever holds the list (LBFGS's old_dirs) sees the copies."""
+    (unless None). Dicts and lists are walked, so that their items can be replaced where
+    they are and whoever holds the list (LBFGS's old_dirs) sees the copies."""
     value = container[key]
     if isinstance(value, dict):
         for k in list(value):
