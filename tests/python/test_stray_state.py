@@ -374,3 +374,42 @@ def test_the_adoptions_copy_is_bit_for_bit(fake_cuda, dtype):
         assert copy.dtype == value.dtype and copy.shape == value.shape
         assert bytes(copy.contiguous().view(torch.uint8).flatten().tolist()) == \
             bytes(value.contiguous().view(torch.uint8).flatten().tolist())
+
+
+class TensorEntries(torch.optim.Optimizer):
+    """Keeps each parameter's momentum as its state entry itself (state[p] is a tensor,
+    not a dict), updated in place."""
+
+    def __init__(self, params):
+        super().__init__(params, {"lr": 0.1})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    buf = self.state.get(p)
+                    if buf is None:
+                        self.state[p] = buf = p.grad.clone()
+                    else:
+                        buf.mul_(0.9).add_(p.grad)
+                    p.sub_(group["lr"] * buf)
+
+
+def test_a_state_entry_that_is_a_tensor_is_state(fake_cuda, fake_tiering, untiered_state):
+    # A tensor's truth value is an error for several elements: the hooks must not ask it.
+    def run():
+        torch.manual_seed(3)
+        p = torch.nn.Parameter(torch.zeros(32))
+        optimizer = TensorEntries([p])
+        for _ in range(4):
+            p.grad = torch.randn(32)
+            optimizer.step()
+        return p.detach().clone(), optimizer
+    plain, _ = run()
+    install(tier_min_bytes=str(MIN_BYTES))
+    hooked, optimizer = run()
+    assert torch.equal(hooked, plain)
+    (entry,) = optimizer.state.values()
+    assert untiered_state.tiered(entry)  # made by the first step, under optimizer_state
+    assert untiered_state.adopted_under == []

@@ -49,7 +49,7 @@ def _step_tag(optimizer) -> int:
     for group in optimizer.param_groups:
         settings = None  # the group's, computed once a remembered parameter needs them
         for p in group["params"]:
-            if p.grad is not None and not state.get(p):
+            if p.grad is not None and not has_state(state, p):
                 entry = known.get(id(p)) if known else None
                 if entry is None or entry[0]() is not p:
                     return _tags.OPTIMIZER_STATE
@@ -58,6 +58,17 @@ def _step_tag(optimizer) -> int:
                 if entry[1] != settings:
                     return _tags.OPTIMIZER_STATE
     return _tags.WORKSPACE
+
+
+def has_state(state, p) -> bool:
+    """Whether optimizer.state holds state for `p`: an entry that is not an empty dict
+    (torch's optimizers keep a dict per parameter, which `state[p]` makes empty). A
+    custom optimizer's entry may be a tensor itself: it is state, whatever its value
+    (a tensor's truth value is its element's, or an error for several)."""
+    entry = state.get(p)
+    if entry is None:
+        return False
+    return len(entry) > 0 if isinstance(entry, (dict, list, tuple)) else True
 
 
 def _settings(group: dict) -> tuple:
@@ -102,7 +113,7 @@ def _remember_stateless(optimizer) -> None:
     for group in optimizer.param_groups:
         settings = _settings(group)
         for p in group["params"]:
-            if p.grad is not None and not state.get(p):
+            if p.grad is not None and not has_state(state, p):
                 try:
                     known[id(p)] = (weakref.ref(p), settings)
                 except TypeError:  # a parameter type without weak references: counts each time

@@ -9,7 +9,7 @@ from __future__ import annotations
 import warnings
 import weakref
 
-from . import _adoption, _install, _tags
+from . import _adoption, _install, _step_tags, _tags
 
 _warned_shared: set = set()  # optimizer classes _warn_shared has warned about
 
@@ -49,7 +49,7 @@ def step_ended(optimizer, tag: int) -> None:
         return
     state = optimizer.state
     vouches = tag == _tags.WORKSPACE and any(
-        p.grad is not None and bool(state.get(p))
+        p.grad is not None and _step_tags.has_state(state, p)
         for group in optimizer.param_groups for p in group["params"])
     try:
         _vouching[optimizer] = vouches
