@@ -102,10 +102,9 @@ def test_lbfgs_state_is_taken_into_tiering_after_every_step(fake_cuda, fake_tier
     assert all(torch.equal(p, q) for p, q in zip(params, plain_params)), "no bit changes"
 
 
-class RenewingMomentum(torch.optim.Optimizer):
-    """Momentum SGD that makes its state anew each step (state["m"] = beta * m + g), and
-    keeps the last two gradients as a tuple: what an optimizer written without in-place
-    ops does."""
+class PerParameter(torch.optim.Optimizer):
+    """The test optimizers below: step() calls update(group, p) for each parameter with a
+    gradient."""
 
     def __init__(self, params, lr=0.1, beta=0.9):
         super().__init__(params, {"lr": lr, "beta": beta})
@@ -114,15 +113,23 @@ class RenewingMomentum(torch.optim.Optimizer):
     def step(self, closure=None):
         for group in self.param_groups:
             for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                m = state.get("m")
-                m = p.grad.clone() if m is None else group["beta"] * m + p.grad
-                last = state.get("last", (torch.zeros_like(p), torch.zeros_like(p)))
-                state["m"] = m
-                state["last"] = (last[1], p.grad.clone())
-                p.sub_(group["lr"] * (m + 0.5 * last[0]))
+                if p.grad is not None:
+                    self.update(group, p)
+
+
+class RenewingMomentum(PerParameter):
+    """Momentum SGD that makes its state anew each step (state["m"] = beta * m + g), and
+    keeps the last two gradients as a tuple: what an optimizer written without in-place
+    ops does."""
+
+    def update(self, group, p):
+        state = self.state[p]
+        m = state.get("m")
+        m = p.grad.clone() if m is None else group["beta"] * m + p.grad
+        last = state.get("last", (torch.zeros_like(p), torch.zeros_like(p)))
+        state["m"] = m
+        state["last"] = (last[1], p.grad.clone())
+        p.sub_(group["lr"] * (m + 0.5 * last[0]))
 
 
 def run_renewing(steps: int, after_step=None):
@@ -243,25 +250,19 @@ def test_without_the_hooks_nothing_is_taken_in(fake_cuda, fake_tiering, untiered
     assert untiered_state.adopted_under == []
 
 
-class ViewKeeping(torch.optim.Optimizer):
+class ViewKeeping(PerParameter):
     """Keeps, besides momentum made anew each step, a view of its parameter and the
     gradient itself (memory that is the parameter's and the gradient's), and two moments
     that are rows of one buffer, with a small view of the first (sharing a storage)."""
 
-    def __init__(self, params):
-        super().__init__(params, {"lr": 0.1})
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        for group in self.param_groups:
-            for p in group["params"]:
-                state = self.state[p]
-                state["flat"] = p.view(-1)
-                state["grad"] = p.grad
-                rows = torch.stack([p.grad, p.grad * 2]) + state.get("rows", 0)
-                state["rows"] = rows
-                state["first"], state["second"], state["head"] = rows[0], rows[1], rows[0, :2]
-                p.sub_(group["lr"] * state["first"])
+    def update(self, group, p):
+        state = self.state[p]
+        state["flat"] = p.view(-1)
+        state["grad"] = p.grad
+        rows = torch.stack([p.grad, p.grad * 2]) + state.get("rows", 0)
+        state["rows"] = rows
+        state["first"], state["second"], state["head"] = rows[0], rows[1], rows[0, :2]
+        p.sub_(group["lr"] * state["first"])
 
 
 def test_views_of_parameters_are_never_copied_and_shared_storages_stay_shared(
@@ -289,25 +290,22 @@ def test_views_of_parameters_are_never_copied_and_shared_storages_stay_shared(
     assert len(untiered_state.adopted_under) == 2, "each storage copied once per step"
 
 
-class SharingOutside(torch.optim.Optimizer):
+class SharingOutside(PerParameter):
     """Makes its momentum m anew each step, and a row of a new buffer; keeps on itself,
     besides, what `share` says: m itself, a view of m, or the buffer's other row."""
 
     def __init__(self, params, share: str):
-        super().__init__(params, {"lr": 0.1})
+        super().__init__(params)
         self.share = share
         self.kept = None
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        for group in self.param_groups:
-            for p in group["params"]:
-                state = self.state[p]
-                m = p.grad + 0.5 * state.get("m", 0)
-                buffer = torch.stack([m, m * 2])
-                state["m"], state["row"] = m, buffer[1]
-                self.kept = {"tensor": m, "view": m[:4], "sibling": buffer[0]}[self.share]
-                p.sub_(group["lr"] * m)
+    def update(self, group, p):
+        state = self.state[p]
+        m = p.grad + 0.5 * state.get("m", 0)
+        buffer = torch.stack([m, m * 2])
+        state["m"], state["row"] = m, buffer[1]
+        self.kept = {"tensor": m, "view": m[:4], "sibling": buffer[0]}[self.share]
+        p.sub_(group["lr"] * m)
 
 
 @pytest.mark.parametrize("share, left", [("tensor", "m"), ("view", "m"), ("sibling", "row")])
@@ -376,24 +374,17 @@ def test_the_adoptions_copy_is_bit_for_bit(fake_cuda, dtype):
             bytes(value.contiguous().view(torch.uint8).flatten().tolist())
 
 
-class TensorEntries(torch.optim.Optimizer):
+class TensorEntries(PerParameter):
     """Keeps each parameter's momentum as its state entry itself (state[p] is a tensor,
     not a dict), updated in place."""
 
-    def __init__(self, params):
-        super().__init__(params, {"lr": 0.1})
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
-                    buf = self.state.get(p)
-                    if buf is None:
-                        self.state[p] = buf = p.grad.clone()
-                    else:
-                        buf.mul_(0.9).add_(p.grad)
-                    p.sub_(group["lr"] * buf)
+    def update(self, group, p):
+        buf = self.state.get(p)
+        if buf is None:
+            self.state[p] = buf = p.grad.clone()
+        else:
+            buf.mul_(group["beta"]).add_(p.grad)
+        p.sub_(group["lr"] * buf)
 
 
 def test_a_state_entry_that_is_a_tensor_is_state(fake_cuda, fake_tiering, untiered_state):
