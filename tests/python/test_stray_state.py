@@ -404,3 +404,57 @@ def test_a_state_entry_that_is_a_tensor_is_state(fake_cuda, fake_tiering, untier
     (entry,) = optimizer.state.values()
     assert untiered_state.tiered(entry)  # made by the first step, under optimizer_state
     assert untiered_state.adopted_under == []
+
+
+class RenewsLater(PerParameter):
+    """Momentum updated in place until step `renew_from`, made anew each step after."""
+
+    def __init__(self, params, renew_from: int):
+        super().__init__(params)
+        self.renew_from = renew_from
+        self.steps = 0
+
+    def step(self, closure=None):
+        self.steps += 1
+        return super().step(closure)
+
+    def update(self, group, p):
+        state = self.state[p]
+        m = state.get("m")
+        if m is None:
+            state["m"] = m = p.grad.clone()
+        elif self.steps >= self.renew_from:
+            state["m"] = m = group["beta"] * m + p.grad
+        else:
+            m.mul_(group["beta"]).add_(p.grad)
+        p.sub_(group["lr"] * m)
+
+
+def test_a_trusted_optimizer_is_looked_through_again_now_and_then(fake_cuda, fake_tiering,
+                                                                  untiered_state):
+    install(tier_min_bytes=str(MIN_BYTES))
+    p = torch.nn.Parameter(torch.zeros(32))
+    optimizer = RenewsLater([p], renew_from=6)
+    trusted_after = 3  # the state step, then two workspace steps that updated state
+    relook = trusted_after + _stray_state._FIRST_RELOOK
+    for step in range(1, relook + 3):
+        p.grad = torch.ones(32)
+        optimizer.step()
+        verdict = _stray_state._verdict(optimizer)
+        if trusted_after <= step < relook:
+            assert verdict == _stray_state._CLEAN_LOOKS_TO_TRUST
+        tiered = untiered_state.tiered(optimizer.state[p]["m"])
+        # Renewed from step 6 on, under workspace: resident until the look after `relook`,
+        # taken in after every step from then on.
+        assert tiered == (step < 6 or step >= relook), f"step {step}"
+    assert _stray_state._verdict(optimizer) == _stray_state._REPLACES
+
+
+def test_relooks_come_twice_as_far_apart_each_time_up_to_a_limit(fake_cuda):
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
+    _stray_state._start_relooks(optimizer)
+    due = [step for step in range(1, 5000) if _stray_state._relook_due(optimizer)]
+    first = _stray_state._FIRST_RELOOK
+    gaps = [b - a for a, b in zip([0] + due, due)]
+    assert gaps[:3] == [first, 2 * first, 4 * first]
+    assert max(gaps) == _stray_state._LAST_RELOOK and gaps[-1] == _stray_state._LAST_RELOOK

@@ -22,6 +22,12 @@ _REPLACES = -1
 _CLEAN_LOOKS_TO_TRUST = 2
 # optimizer -> whether its last step vouches for it (step_ended)
 _vouching: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# A trusted optimizer is looked through again _FIRST_RELOOK steps after it was trusted,
+# then after twice as many steps each time, up to every _LAST_RELOOK steps:
+# optimizer -> [steps until its next look, steps between the last two].
+_relooks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_FIRST_RELOOK = 8
+_LAST_RELOOK = 1024
 
 
 def _verdict(optimizer) -> int:
@@ -75,15 +81,18 @@ def adopt_after_step(optimizers: list, own: list[int]) -> int:
     optimizer whose looks find nothing after _CLEAN_LOOKS_TO_TRUST steps that vouch for
     it (step_ended: steps that ran under workspace and updated some state) is trusted
     and not looked through again; one whose look found state outside tiering is looked
-    through after every step. A trusted optimizer that later makes state under workspace (a
-    custom one that replaces its state only after some number of steps) leaves that
-    state resident. So does state something outside optimizer.state holds too (Note
-    [adopted state] in _adoption.py), with a warning once per optimizer class. Returns
-    the bytes taken in."""
+    through after every step. A trusted optimizer is looked through again now and then:
+    _FIRST_RELOOK steps after it was trusted, then after twice as many steps each time,
+    up to every _LAST_RELOOK steps; so state it starts making under workspace later (a
+    custom optimizer that replaces its state only after some number of steps), or that
+    code outside step() puts in its state, is taken in by the next such look, and from
+    then on the optimizer is looked through after every step. State something outside
+    optimizer.state holds too stays where it is (Note [adopted state] in _adoption.py),
+    with a warning once per optimizer class. Returns the bytes taken in."""
     adopted = 0
     for optimizer in optimizers:
         verdict = _verdict(optimizer)
-        if verdict >= _CLEAN_LOOKS_TO_TRUST:
+        if verdict >= _CLEAN_LOOKS_TO_TRUST and not _relook_due(optimizer):
             continue
         stray = _adoption.stray_state([optimizer], exclusive=True)
         shared = sum(stray.copier.shared_bytes.values())
@@ -92,9 +101,35 @@ def adopt_after_step(optimizers: list, own: list[int]) -> int:
         if stray or shared:
             _set_verdict(optimizer, _REPLACES)
             adopted += _adoption.adopt_stray_state([optimizer], own, stray, "after_step")
-        elif verdict != _REPLACES and _vouches(optimizer):
+        elif _CLEAN_LOOKS_TO_TRUST > verdict != _REPLACES and _vouches(optimizer):
             _set_verdict(optimizer, verdict + 1)
+            if verdict + 1 == _CLEAN_LOOKS_TO_TRUST:
+                _start_relooks(optimizer)
     return adopted
+
+
+def _start_relooks(optimizer) -> None:
+    try:
+        _relooks[optimizer] = [_FIRST_RELOOK, _FIRST_RELOOK]
+    except TypeError:
+        pass
+
+
+def _relook_due(optimizer) -> bool:
+    """Counts a step of the trusted `optimizer`; whether it is the one to look again
+    after (Note [state made in workspace steps])."""
+    try:
+        relook = _relooks.get(optimizer)
+    except TypeError:
+        return False
+    if relook is None:
+        return False
+    relook[0] -= 1
+    if relook[0] > 0:
+        return False
+    relook[1] = min(2 * relook[1], _LAST_RELOOK)
+    relook[0] = relook[1]
+    return True
 
 
 def _vouches(optimizer) -> bool:
