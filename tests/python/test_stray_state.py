@@ -218,7 +218,7 @@ def test_an_optimizer_once_found_renewing_is_looked_through_after_every_step(
     for _ in range(4):
         p.grad = torch.ones(32)
         optimizer.step()
-    assert _stray_state._verdict(optimizer) == _stray_state._REPLACES
+    assert _stray_state._verdict(optimizer) == 0
 
 
 def test_loaded_lbfgs_state_is_taken_in_through_its_lists(fake_cuda, fake_tiering, untiered_state):
@@ -351,7 +351,7 @@ def test_only_steps_that_could_show_renewed_state_count_towards_trust(
     # The last step renewed both buffers under workspace: taken in, not trusted away.
     for p in params:
         assert untiered_state.tiered(optimizer.state[p]["m"])
-    assert _stray_state._verdict(optimizer) == _stray_state._REPLACES
+    assert _stray_state._verdict(optimizer) == 0
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16,
@@ -447,7 +447,7 @@ def test_a_trusted_optimizer_is_looked_through_again_now_and_then(fake_cuda, fak
         # Renewed from step 6 on, under workspace: resident until the look after `relook`,
         # taken in after every step from then on.
         assert tiered == (step < 6 or step >= relook), f"step {step}"
-    assert _stray_state._verdict(optimizer) == _stray_state._REPLACES
+    assert _stray_state._verdict(optimizer) == 0
 
 
 def test_relooks_come_twice_as_far_apart_each_time_up_to_a_limit(fake_cuda):
@@ -458,3 +458,24 @@ def test_relooks_come_twice_as_far_apart_each_time_up_to_a_limit(fake_cuda):
     gaps = [b - a for a, b in zip([0] + due, due)]
     assert gaps[:3] == [first, 2 * first, 4 * first]
     assert max(gaps) == _stray_state._LAST_RELOOK and gaps[-1] == _stray_state._LAST_RELOOK
+
+
+def test_state_made_once_outside_a_step_is_taken_in_and_the_optimizer_trusted_after(
+        fake_cuda, fake_tiering, untiered_state, monkeypatch):
+    # torch's Adagrad makes its state in __init__, outside any step: its first step finds
+    # it outside tiering and takes it in; the steps after update it in place.
+    install(tier_min_bytes=str(MIN_BYTES))
+    looks = []
+    real_stray_state = _adoption.stray_state
+    monkeypatch.setattr(_adoption, "stray_state",
+                        lambda optimizers, **options: looks.append(len(optimizers)) or
+                        real_stray_state(optimizers, **options))
+    p = torch.nn.Parameter(torch.zeros(32))
+    optimizer = torch.optim.Adagrad([p], lr=0.1)
+    assert not untiered_state.tiered(optimizer.state[p]["sum"])
+    for _ in range(6):
+        p.grad = torch.ones(32)
+        optimizer.step()
+        assert untiered_state.tiered(optimizer.state[p]["sum"])
+    assert untiered_state.adopted_under == [_tags.OPTIMIZER_STATE]
+    assert looks == [1, 1, 1], "taken in at the first step, trusted after two more"

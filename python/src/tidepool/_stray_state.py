@@ -14,9 +14,8 @@ from . import _adoption, _install, _step_tags, _tags
 _warned_shared: set = set()  # optimizer classes _warn_shared has warned about
 
 # Note [state made in workspace steps]: optimizer -> how many looks after steps that vouch
-# (step_ended) found none of its state outside tiering, or _REPLACES once one found some.
+# (step_ended) found none of its state outside tiering since one last found some.
 _verdicts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_REPLACES = -1
 # Looks after vouching steps that find nothing before an optimizer is trusted to make no
 # state outside optimizer_state steps.
 _CLEAN_LOOKS_TO_TRUST = 2
@@ -78,15 +77,18 @@ def adopt_after_step(optimizers: list, own: list[int]) -> int:
 
     Looking costs a walk over the state in Python, which a step that updates its state
     in place (every torch.optim optimizer but LBFGS) need not pay every step: an
-    optimizer whose looks find nothing after _CLEAN_LOOKS_TO_TRUST steps that vouch for
-    it (step_ended: steps that ran under workspace and updated some state) is trusted
-    and not looked through again; one whose look found state outside tiering is looked
-    through after every step. A trusted optimizer is looked through again now and then:
+    optimizer whose looks find nothing after _CLEAN_LOOKS_TO_TRUST steps in a row that
+    vouch for it (step_ended: steps that ran under workspace and updated some state) is
+    trusted and not looked through after every step; a look that finds state outside
+    tiering starts the count again (so an optimizer that makes state every step, LBFGS,
+    is looked through after every step, and one whose state was made once outside a
+    step, as Adagrad's __init__ makes it, is trusted two steps after it was taken in).
+    A trusted optimizer is looked through again now and then:
     _FIRST_RELOOK steps after it was trusted, then after twice as many steps each time,
     up to every _LAST_RELOOK steps; so state it starts making under workspace later (a
     custom optimizer that replaces its state only after some number of steps), or that
-    code outside step() puts in its state, is taken in by the next such look, and from
-    then on the optimizer is looked through after every step. State something outside
+    code outside step() puts in its state, is taken in by the next such look, which
+    starts the count again. State something outside
     optimizer.state holds too stays where it is (Note [adopted state] in _adoption.py),
     with a warning once per optimizer class. Returns the bytes taken in."""
     adopted = 0
@@ -99,9 +101,9 @@ def adopt_after_step(optimizers: list, own: list[int]) -> int:
         if shared:
             _warn_shared(optimizer, shared)
         if stray or shared:
-            _set_verdict(optimizer, _REPLACES)
+            _set_verdict(optimizer, 0)
             adopted += _adoption.adopt_stray_state([optimizer], own, stray, "after_step")
-        elif _CLEAN_LOOKS_TO_TRUST > verdict != _REPLACES and _vouches(optimizer):
+        elif verdict < _CLEAN_LOOKS_TO_TRUST and _vouches(optimizer):
             _set_verdict(optimizer, verdict + 1)
             if verdict + 1 == _CLEAN_LOOKS_TO_TRUST:
                 _start_relooks(optimizer)
