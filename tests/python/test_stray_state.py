@@ -22,6 +22,18 @@ from fake_torch_cuda import fake_cuda, install  # noqa: F401  (a fixture, and th
 MIN_BYTES = 64  # tidepool.tier_min_bytes in these tests: a 32-float vector is tiered
 
 
+@pytest.fixture
+def looks(monkeypatch) -> list:
+    """The looks through optimizer state after steps (_adoption.stray_state calls), each
+    as the number of optimizers looked through."""
+    seen: list = []
+    real_stray_state = _adoption.stray_state
+    monkeypatch.setattr(_adoption, "stray_state",
+                        lambda optimizers, **options: seen.append(len(optimizers)) or
+                        real_stray_state(optimizers, **options))
+    return seen
+
+
 def remove_hooks() -> None:
     for handle in _install.STATE.optimizer_hooks:
         handle.remove()
@@ -190,13 +202,8 @@ def test_named_tuples_in_the_state_are_rebuilt_as_named_tuples(fake_cuda, fake_t
 
 
 def test_an_optimizer_updating_its_state_in_place_is_looked_through_twice(
-        fake_cuda, fake_tiering, untiered_state, monkeypatch):
+        fake_cuda, fake_tiering, untiered_state, looks):
     install(tier_min_bytes=str(MIN_BYTES))
-    looks = []
-    real_stray_state = _adoption.stray_state
-    monkeypatch.setattr(_adoption, "stray_state",
-                        lambda optimizers, **options: looks.append(len(optimizers)) or
-                        real_stray_state(optimizers, **options))
     torch.manual_seed(2)
     p = torch.nn.Parameter(torch.randn(32))
     optimizer = torch.optim.AdamW([p], lr=1e-2)
@@ -461,15 +468,10 @@ def test_relooks_come_twice_as_far_apart_each_time_up_to_a_limit(fake_cuda):
 
 
 def test_state_made_once_outside_a_step_is_taken_in_and_the_optimizer_trusted_after(
-        fake_cuda, fake_tiering, untiered_state, monkeypatch):
+        fake_cuda, fake_tiering, untiered_state, looks):
     # torch's Adagrad makes its state in __init__, outside any step: its first step finds
     # it outside tiering and takes it in; the steps after update it in place.
     install(tier_min_bytes=str(MIN_BYTES))
-    looks = []
-    real_stray_state = _adoption.stray_state
-    monkeypatch.setattr(_adoption, "stray_state",
-                        lambda optimizers, **options: looks.append(len(optimizers)) or
-                        real_stray_state(optimizers, **options))
     p = torch.nn.Parameter(torch.zeros(32))
     optimizer = torch.optim.Adagrad([p], lr=0.1)
     assert not untiered_state.tiered(optimizer.state[p]["sum"])
