@@ -39,11 +39,13 @@ def _adopt_tensor(value):
     not known to be safe; so the copy is an elementwise kernel, which reads and writes
     through the mapping as the optimizer's own kernels do: a bitwise OR with 0 over the
     bits seen as integers of the element's width (exact for every value, -0.0 and NaN
-    payloads included). An element width with no such integer (complex128) is cloned."""
+    payloads included). An element width with no such integer (complex128), and a view
+    whose values are its bits conjugated or negated (a lazy conj() or neg view), are
+    cloned."""
     torch = _install.STATE.torch
     bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}.get(
         value.element_size())
-    if bits is None:
+    if bits is None or value.is_conj() or value.is_neg():
         return value.clone()
     out = torch.empty_like(value)
     torch.bitwise_or(value.view(bits), 0, out=out.view(bits))
