@@ -14,7 +14,7 @@ import copy
 import pytest
 import torch
 
-from tidepool import _adoption, _install, _stray_state, _tags
+from tidepool import _adoption, _in_flight, _install, _stray_state, _tags
 
 from fake_tiering import EVICT, fake_tiering, untiered_state  # noqa: F401  (fixtures)
 from fake_torch_cuda import fake_cuda, install  # noqa: F401  (a fixture, and the install)
@@ -319,7 +319,7 @@ class SharingOutside(PerParameter):
 def test_state_something_else_holds_too_is_left_where_it_is(fake_cuda, fake_tiering,
                                                             untiered_state, share, left,
                                                             monkeypatch):
-    monkeypatch.setattr(_stray_state, "_warned_shared", set())
+    monkeypatch.setattr(_stray_state, "_warned", set())
     install(tier_min_bytes=str(MIN_BYTES))
     p = torch.nn.Parameter(torch.zeros(32))
     optimizer = SharingOutside([p], share)
@@ -485,3 +485,31 @@ def test_state_made_once_outside_a_step_is_taken_in_and_the_optimizer_trusted_af
         assert untiered_state.tiered(optimizer.state[p]["sum"])
     assert untiered_state.adopted_under == [_tags.OPTIMIZER_STATE]
     assert looks == [1, 1, 1], "taken in at the first step, trusted after two more"
+
+
+def test_a_copy_that_fails_is_said_and_the_step_goes_on(fake_cuda, fake_tiering,
+                                                       untiered_state, monkeypatch):
+    # The update is done when the post-hook copies: a failed copy must not fail the step
+    # nor lose state; the next step's look tries again.
+    monkeypatch.setattr(_stray_state, "_warned", set())
+    plain = run_renewing(steps=5)
+    install(tier_min_bytes=str(MIN_BYTES))
+    real_adopt = _adoption._adopt_tensor
+    calls = []
+
+    def failing_once(value):
+        calls.append(1)
+        if len(calls) == 2:  # the second copy of the second step
+            raise RuntimeError("out of memory (test)")
+        return real_adopt(value)
+
+    monkeypatch.setattr(_adoption, "_adopt_tensor", failing_once)
+    outside = _tags.current()
+    tiered_after = []
+    with pytest.warns(_install.TidepoolInactiveWarning, match="out of memory") as warned:
+        result = run_renewing(steps=5, after_step=lambda optimizer, p: tiered_after.append(
+            all(untiered_state.tiered(t) for t in state_tensors(optimizer.state[p]))))
+    assert torch.equal(result, plain), "no state lost, no bit changed"
+    assert tiered_after == [True, False, True, True, True], "the next look took it in"
+    assert len([w for w in warned if "out of memory" in str(w.message)]) == 1
+    assert _tags.current() == outside and _in_flight.in_flight() == {}, "every scope closed"

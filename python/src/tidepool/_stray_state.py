@@ -11,7 +11,7 @@ import weakref
 
 from . import _adoption, _install, _step_tags, _tags
 
-_warned_shared: set = set()  # optimizer classes _warn_shared has warned about
+_warned: set = set()  # (what, optimizer class) _warn_once has warned about
 
 # Note [state made in workspace steps]: optimizer -> how many looks after steps that vouch
 # (step_ended) found none of its state outside tiering since one last found some.
@@ -90,7 +90,10 @@ def adopt_after_step(optimizers: list, own: list[int]) -> int:
     code outside step() puts in its state, is taken in by the next such look, which
     starts the count again. State something outside
     optimizer.state holds too stays where it is (Note [adopted state] in _adoption.py),
-    with a warning once per optimizer class. Returns the bytes taken in."""
+    with a warning once per optimizer class. A copy that fails (the memory for it ran
+    out) is said the same way and does not fail the step, which is done: each place the
+    copies did not reach keeps its tensor, and the next look tries again. Returns the
+    bytes taken in."""
     adopted = 0
     for optimizer in optimizers:
         verdict = _verdict(optimizer)
@@ -99,10 +102,20 @@ def adopt_after_step(optimizers: list, own: list[int]) -> int:
         stray = _adoption.stray_state([optimizer], exclusive=True)
         shared = sum(stray.copier.shared_bytes.values())
         if shared:
-            _warn_shared(optimizer, shared)
+            _warn_once("shared", optimizer,
+                       f"{shared} bytes of its optimizer state, made in a step outside "
+                       f"tidepool's optimizer_state tag, stay in device memory: something "
+                       f"outside optimizer.state holds the same tensors or storages, and a "
+                       f"copy in host memory would part them")
         if stray or shared:
             _set_verdict(optimizer, 0)
-            adopted += _adoption.adopt_stray_state([optimizer], own, stray, "after_step")
+            try:
+                adopted += _adoption.adopt_stray_state([optimizer], own, stray, "after_step")
+            except Exception as error:  # noqa: BLE001  (the step is done; said, not raised)
+                _warn_once("failed", optimizer,
+                           f"optimizer state made in a step outside tidepool's "
+                           f"optimizer_state tag could not be copied into tiering, and what "
+                           f"was not copied stays in device memory: {error}")
         elif verdict < _CLEAN_LOOKS_TO_TRUST and _vouches(optimizer):
             _set_verdict(optimizer, verdict + 1)
             if verdict + 1 == _CLEAN_LOOKS_TO_TRUST:
@@ -141,15 +154,14 @@ def _vouches(optimizer) -> bool:
         return False
 
 
-def _warn_shared(optimizer, shared_bytes: int) -> None:
-    """Says once per optimizer class that state its step made under workspace stays in
-    device memory because something outside the state holds it too (Note [adopted
-    state] in _adoption.py: a copy would part the two holders)."""
+def _warn_once(what: str, optimizer, message: str) -> None:
+    """Says `message` about `optimizer` once per optimizer class and kind of trouble
+    (Note [state made in workspace steps]): state left in device memory because something
+    else holds it too ("shared", Note [adopted state] in _adoption.py), or because
+    copying it failed ("failed": the step is done, so the error is said, not raised; each
+    place the copy did not reach keeps its tensor, whole)."""
     name = type(optimizer).__qualname__
-    if name in _warned_shared or (_install.STATE.config or {}).get("log") == "off":
+    if (what, name) in _warned or (_install.STATE.config or {}).get("log") == "off":
         return
-    _warned_shared.add(name)
-    warnings.warn(f"tidepool: {shared_bytes} bytes of {name}'s optimizer state, made in a "
-                  f"step outside tidepool's optimizer_state tag, stay in device memory: "
-                  f"something outside optimizer.state holds the same tensors or storages, "
-                  f"and a copy in host memory would part them", _install.TidepoolInactiveWarning)
+    _warned.add((what, name))
+    warnings.warn(f"tidepool: {name}: {message}", _install.TidepoolInactiveWarning)
