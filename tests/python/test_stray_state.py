@@ -1,10 +1,19 @@
 """State a step makes under workspace is taken into tiering after it (Note [state made in
 workspace steps] in _stray_state.py, Note [adopted state] in _adoption.py), on a machine
-without a GPU: LBFGS's direction, last gradient and history lists, and the state of an
-optimizer that makes it anew each step, are copied into optimizer_state ranges before
-the eviction; an optimizer that updates its state in place is trusted after two looks
-and not walked again; loaded LBFGS state is taken in through its lists; and none of it
-changes a bit of the trajectory."""
+without a GPU (fake_tiering.py's placement: memory allocated under optimizer_state is a
+range):
+  - LBFGS's direction, last gradient and history lists, and the state of an optimizer
+    that makes it anew each step, are copied into ranges before the eviction, and no bit
+    of the trajectory changes; loaded LBFGS state is taken in through its lists;
+  - what the copy keeps: named tuples, lists changed where they are, views sharing one
+    storage sharing one copy, every bit of every dtype; never a parameter's or a
+    gradient's memory, nor a tensor or storage something outside the state holds (said
+    once); a state entry that is a tensor itself;
+  - when it looks: an optimizer that updates its state in place is trusted after two
+    steps that could show otherwise (not a state step, not one without gradients), and
+    looked through again at doubling intervals; Adagrad's constructor-made state is taken
+    in at its first step;
+  - a copy that fails is said, and neither fails the step nor loses state."""
 
 from __future__ import annotations
 
