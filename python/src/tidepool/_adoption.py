@@ -106,21 +106,13 @@ def _held_elsewhere(values: dict, extra: set) -> set:
     return {i for i, count in counts.items() if count > baseline}
 
 
-def _storage_bytes(key, values: dict) -> int:
-    """The bytes of the storage `key`, from a tensor of the state on it."""
-    for value, _ in values.values():
-        for part in _state_tensors._plain_parts(value):
-            if _on_cuda(part) and part.numel() > 0 and _storage_key(part) == key:
-                return part.untyped_storage().nbytes()
-    return 0
-
-
 class _Copier:
     """Note [adopted state]: which plain tensors of the state to copy, and the copying.
     A tensor is copied when its storage holds a tensor outside tiering (note): one on a
     CUDA device, at least min_bytes, not in a pointer-stable range, and not sharing its
     storage with a parameter or a gradient of the optimizers (a view of a parameter
-    kept in the state is the parameter's memory: a copy would update nothing).
+    kept in the state is the parameter's memory: a copy would update nothing; those
+    storages are taken out of `stray` after the walk, and only when it found some).
     Tensors sharing a storage stay sharing one: their storage is copied once, whole,
     and each is made a view of the copy with its own offset, sizes and strides (a
     tensor alone on its storage is cloned, compact).
@@ -134,12 +126,12 @@ class _Copier:
     holds it: the holder is the checkpoint the load read, which PyTorch's own load
     leaves apart from the state too when it moves or casts it."""
 
-    def __init__(self, min_bytes: int, kept: set, exclusive: bool = False):
+    def __init__(self, min_bytes: int, exclusive: bool = False):
         self.min_bytes = min_bytes
-        self.kept = kept       # storage keys of the optimizers' parameters and gradients
         self.exclusive = exclusive
         self.views: dict = {}  # storage key -> plain tensors of the state on it (counted)
         self.stray: set = set()  # storage keys holding a tensor outside tiering
+        self.nbytes: dict = {}   # storage key in `stray` -> the storage's bytes
         self.copies: dict = {}   # storage key -> its whole copy (bytes), made once
         # With `exclusive`: storage key -> (its users: tensors and storage objects, ids
         # of the tensors of the state on it and of the bases they view); id(value) ->
@@ -158,9 +150,10 @@ class _Copier:
                 continue
             key = _storage_key(part)
             self.views[key] = self.views.get(key, 0) + 1
-            if (key not in self.kept and part.numel() * part.element_size() >= self.min_bytes
+            if (part.numel() * part.element_size() >= self.min_bytes
                     and not _tiering.owns(key[0], part.data_ptr())):
                 self.stray.add(key)
+                self.nbytes[key] = part.untyped_storage().nbytes()
             if self.exclusive:
                 noted = True
                 users, ids = self.users.get(key, (None, set()))
@@ -190,8 +183,7 @@ class _Copier:
                               if _on_cuda(part) and part.numel() > 0)
         for key in shared & self.stray:
             self.stray.discard(key)
-            self.shared_bytes[key[0]] = (self.shared_bytes.get(key[0], 0)
-                                         + _storage_bytes(key, self.values))
+            self.shared_bytes[key[0]] = self.shared_bytes.get(key[0], 0) + self.nbytes[key]
 
     def _count(self, device, copied: int) -> None:
         self.copied[device] = self.copied.get(device, 0) + copied
@@ -294,12 +286,14 @@ def stray_state(optimizers: list, exclusive: bool = False) -> StrayState:
     (_Copier; with `exclusive`, only what the state alone holds), as (container, key)
     pairs."""
     min_bytes = (_install.STATE.config or {}).get("tier_min_bytes", 1 << 20)
-    copier = _Copier(min_bytes, _kept_storages(optimizers), exclusive)
+    copier = _Copier(min_bytes, exclusive)
     leaves: list = []
     for optimizer in optimizers:
         state = optimizer.state
         for key in list(state):
             _walk(state, key, copier, leaves)
+    if copier.stray:  # only then is the walk over the parameters worth it
+        copier.stray -= _kept_storages(optimizers)
     copier.keep_shared()
     if not copier.stray:
         return StrayState([], copier)
