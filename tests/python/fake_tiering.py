@@ -70,6 +70,18 @@ def evict_ptrs_of(*optimizers):
     return ("evict_ptrs", 0, state_pointers(*optimizers), 4242)
 
 
+def state_tensors(value, min_bytes: int = 0) -> list[torch.Tensor]:
+    """Every tensor of at least min_bytes in a state value: a tensor, or a dict, list or
+    tuple of them, nested (LBFGS keeps lists), in order."""
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (list, tuple)):
+        return [t for item in value for t in state_tensors(item, min_bytes)]
+    if isinstance(value, torch.Tensor) and value.numel() * value.element_size() >= min_bytes:
+        return [value]
+    return []
+
+
 class _PlacedByTag(TorchDispatchMode):
     """Global mode's placement, on the CPU: the memory each op allocates (an output that
     is no view or in-place result of its inputs) while the thread's tag is

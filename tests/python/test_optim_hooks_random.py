@@ -31,7 +31,7 @@ import torch
 
 from tidepool import _in_flight, _install, _optim_hooks, _tags
 
-from fake_tiering import fake_tiering, untiered_state  # noqa: F401  (fixtures)
+from fake_tiering import fake_tiering, state_tensors, untiered_state  # noqa: F401  (fixtures)
 from fake_torch_cuda import fake_cuda, install  # noqa: F401  (a fixture, and the install)
 from random_sequences import scaled, seeds
 
@@ -105,13 +105,6 @@ TIER_MIN_BYTES = 16  # tidepool.tier_min_bytes: state of parameters of 2 rows or
 
 class ClosureError(RuntimeError):
     pass
-
-
-def state_tensors(value) -> list[torch.Tensor]:
-    """The tensors in a state value (LBFGS keeps lists of them), in order."""
-    if isinstance(value, (list, tuple)):
-        return [t for item in value for t in state_tensors(item)]
-    return [value] if isinstance(value, torch.Tensor) else []
 
 
 def snapshot(optimizers) -> list[torch.Tensor]:
@@ -214,11 +207,9 @@ def test_random_training_is_bitwise_the_same_and_every_step_ends_evicted(fake_cu
                 f"after {kind}: the last move was {fake_tiering[-1]}, not an eviction")
             fake_tiering.clear()
         if kind in ("step", "closure"):
-            for value in optimizer.state.values():
-                for t in state_tensors(list(value.values())):
-                    if t.numel() * t.element_size() >= TIER_MIN_BYTES:
-                        assert untiered_state.tiered(t), (
-                            f"after {kind} of {type(optimizer).__name__}: state left out")
+            for t in state_tensors(list(optimizer.state.values()), TIER_MIN_BYTES):
+                assert untiered_state.tiered(t), (
+                    f"after {kind} of {type(optimizer).__name__}: state left out")
 
     hooked = run(seed, operations, check)
     assert steps > 0

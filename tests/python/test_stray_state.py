@@ -25,7 +25,7 @@ import torch
 
 from tidepool import _adoption, _in_flight, _install, _stray_state, _tags
 
-from fake_tiering import EVICT, fake_tiering, untiered_state  # noqa: F401  (fixtures)
+from fake_tiering import EVICT, fake_tiering, state_tensors, untiered_state  # noqa: F401
 from fake_torch_cuda import fake_cuda, install  # noqa: F401  (a fixture, and the install)
 
 MIN_BYTES = 64  # tidepool.tier_min_bytes in these tests: a 32-float vector is tiered
@@ -47,17 +47,6 @@ def remove_hooks() -> None:
     for handle in _install.STATE.optimizer_hooks:
         handle.remove()
     _install.STATE.optimizer_hooks = None
-
-
-def state_tensors(value) -> list:
-    """Every tensor of at least MIN_BYTES in `value` (a state dict, list or tuple, nested)."""
-    if isinstance(value, dict):
-        value = list(value.values())
-    if isinstance(value, (list, tuple)):
-        return [t for item in value for t in state_tensors(item)]
-    if isinstance(value, torch.Tensor) and value.numel() * value.element_size() >= MIN_BYTES:
-        return [value]
-    return []
 
 
 def lbfgs_problem(flat: bool):
@@ -103,7 +92,7 @@ def test_lbfgs_state_is_taken_into_tiering_after_every_step(fake_cuda, fake_tier
 
     def after_step(optimizer):
         state = optimizer.state[optimizer.param_groups[0]["params"][0]]
-        tensors = state_tensors(state)
+        tensors = state_tensors(state, MIN_BYTES)
         # d, prev_flat_grad and the history vectors: all in ranges, none left behind.
         assert len(tensors) >= 2 + min(len(seen), 1) * 2
         assert all(untiered_state.tiered(t) for t in tensors)
@@ -173,7 +162,7 @@ def test_state_made_anew_each_step_is_taken_in_each_step(fake_cuda, fake_tiering
     def after_step(optimizer, p):
         state = optimizer.state[p]
         assert isinstance(state["last"], tuple)
-        assert all(untiered_state.tiered(t) for t in state_tensors(state))
+        assert all(untiered_state.tiered(t) for t in state_tensors(state, MIN_BYTES))
         adopted.append(len(untiered_state.adopted_under))
 
     result = run_renewing(steps=5, after_step=after_step)
@@ -205,7 +194,7 @@ def test_named_tuples_in_the_state_are_rebuilt_as_named_tuples(fake_cuda, fake_t
     assert type(state["pair"]) is pair and state["pair"].second is small  # under MIN_BYTES
     assert torch.equal(state["pair"].first, torch.ones(32))
     assert state["lists"] is inner_list, "a list is changed where it is"
-    assert all(untiered_state.tiered(t) for t in state_tensors(state))
+    assert all(untiered_state.tiered(t) for t in state_tensors(state, MIN_BYTES))
     assert state["n"] == 3
     assert len(_adoption.stray_state([optimizer])) == 0
 
@@ -245,17 +234,17 @@ def test_loaded_lbfgs_state_is_taken_in_through_its_lists(fake_cuda, fake_tierin
     for _ in range(3):
         optimizer.step(closure)
     checkpoint = copy.deepcopy(optimizer.state_dict())  # what torch.load gives: not tiered
-    saved = state_tensors(checkpoint["state"][0])
+    saved = state_tensors(checkpoint["state"][0], MIN_BYTES)
     assert saved and not any(untiered_state.tiered(t) for t in saved)
     fake_tiering.clear()
     untiered_state.adopted_under.clear()
     optimizer.load_state_dict(checkpoint)
     state = optimizer.state[params[0]]
     assert len(state["old_dirs"]) == len(checkpoint["state"][0]["old_dirs"]) > 0
-    assert all(untiered_state.tiered(t) for t in state_tensors(state))
+    assert all(untiered_state.tiered(t) for t in state_tensors(state, MIN_BYTES))
     assert len(untiered_state.adopted_under) == len(saved)
     assert fake_tiering == [EVICT]
-    for loaded, original in zip(state_tensors(state), saved):
+    for loaded, original in zip(state_tensors(state, MIN_BYTES), saved):
         assert torch.equal(loaded, original)
 
 
@@ -517,7 +506,7 @@ def test_a_copy_that_fails_is_said_and_the_step_goes_on(fake_cuda, fake_tiering,
     tiered_after = []
     with pytest.warns(_install.TidepoolInactiveWarning, match="out of memory") as warned:
         result = run_renewing(steps=5, after_step=lambda optimizer, p: tiered_after.append(
-            all(untiered_state.tiered(t) for t in state_tensors(optimizer.state[p]))))
+            all(untiered_state.tiered(t) for t in state_tensors(optimizer.state[p], MIN_BYTES))))
     assert torch.equal(result, plain), "no state lost, no bit changed"
     assert tiered_after == [True, False, True, True, True], "the next look took it in"
     assert len([w for w in warned if "out of memory" in str(w.message)]) == 1
