@@ -223,7 +223,7 @@ def test_an_optimizer_once_found_renewing_is_looked_through_after_every_step(
     for _ in range(4):
         p.grad = torch.ones(32)
         optimizer.step()
-    assert _stray_state._verdict(optimizer) == 0
+    assert _stray_state._record(optimizer).clean == 0
 
 
 def test_loaded_lbfgs_state_is_taken_in_through_its_lists(fake_cuda, fake_tiering, untiered_state):
@@ -356,7 +356,7 @@ def test_only_steps_that_could_show_renewed_state_count_towards_trust(
     # The last step renewed both buffers under workspace: taken in, not trusted away.
     for p in params:
         assert untiered_state.tiered(optimizer.state[p]["m"])
-    assert _stray_state._verdict(optimizer) == 0
+    assert _stray_state._record(optimizer).clean == 0
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16,
@@ -449,20 +449,21 @@ def test_a_trusted_optimizer_is_looked_through_again_now_and_then(fake_cuda, fak
     for step in range(1, relook + 3):
         p.grad = torch.ones(32)
         optimizer.step()
-        verdict = _stray_state._verdict(optimizer)
+        verdict = _stray_state._record(optimizer).clean
         if trusted_after <= step < relook:
             assert verdict == _stray_state._CLEAN_LOOKS_TO_TRUST
         tiered = untiered_state.tiered(optimizer.state[p]["m"])
         # Renewed from step 6 on, under workspace: resident until the look after `relook`,
         # taken in after every step from then on.
         assert tiered == (step < 6 or step >= relook), f"step {step}"
-    assert _stray_state._verdict(optimizer) == 0
+    assert _stray_state._record(optimizer).clean == 0
 
 
 def test_relooks_come_twice_as_far_apart_each_time_up_to_a_limit(fake_cuda):
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
-    _stray_state._start_relooks(optimizer)
-    due = [step for step in range(1, 5000) if _stray_state._relook_due(optimizer)]
+    record = _stray_state._record(optimizer)
+    _stray_state._start_relooks(record)
+    due = [step for step in range(1, 5000) if _stray_state._relook_due(record)]
     first = _stray_state._FIRST_RELOOK
     gaps = [b - a for a, b in zip([0] + due, due)]
     assert gaps[:3] == [first, 2 * first, 4 * first]

@@ -13,34 +13,40 @@ from . import _adoption, _install, _step_tags, _tags
 
 _warned: set = set()  # (what, optimizer class) _warn_once has warned about
 
-# Note [state made in workspace steps]: optimizer -> how many looks after steps that vouch
-# (step_ended) found none of its state outside tiering since one last found some.
-_verdicts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 # Looks after vouching steps that find nothing before an optimizer is trusted to make no
 # state outside optimizer_state steps.
 _CLEAN_LOOKS_TO_TRUST = 2
-# optimizer -> whether its last step vouches for it (step_ended)
-_vouching: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 # A trusted optimizer is looked through again _FIRST_RELOOK steps after it was trusted,
-# then after twice as many steps each time, up to every _LAST_RELOOK steps:
-# optimizer -> [steps until its next look, steps between the last two].
-_relooks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# then after twice as many steps each time, up to every _LAST_RELOOK steps.
 _FIRST_RELOOK = 8
 _LAST_RELOOK = 1024
 
 
-def _verdict(optimizer) -> int:
-    try:
-        return _verdicts.get(optimizer, 0)
-    except TypeError:  # not weakly referenceable: looked through after every step
-        return 0
+class _Record:
+    """Note [state made in workspace steps]: what is known of an optimizer. `clean`: looks
+    after steps that vouch (step_ended) that found none of its state outside tiering since
+    one last found some; `vouches`: whether its last step vouches; `next_look` and `gap`,
+    once it is trusted: steps until its next look, and between the last two."""
+
+    __slots__ = ("clean", "vouches", "next_look", "gap")
+
+    def __init__(self):
+        self.clean, self.vouches, self.next_look, self.gap = 0, False, 0, 0
 
 
-def _set_verdict(optimizer, verdict: int) -> None:
+_records: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> _Record
+
+
+def _record(optimizer) -> _Record:
+    """The optimizer's record; a fresh one, never trusted, for an optimizer that cannot be
+    weakly referenced (looked through after every step)."""
     try:
-        _verdicts[optimizer] = verdict
+        record = _records.get(optimizer)
+        if record is None:
+            record = _records[optimizer] = _Record()
+        return record
     except TypeError:
-        pass
+        return _Record()
 
 
 def step_ended(optimizer, tag: int) -> None:
@@ -50,16 +56,13 @@ def step_ended(optimizer, tag: int) -> None:
     an optimizer_state step makes lands in ranges however it is made, so a clean look
     after one shows nothing) and some parameter that has state had a gradient (a step
     that updated no state shows nothing either). Not for a trusted optimizer."""
-    if _verdict(optimizer) >= _CLEAN_LOOKS_TO_TRUST:
+    record = _record(optimizer)
+    if record.clean >= _CLEAN_LOOKS_TO_TRUST:
         return
     state = optimizer.state
-    vouches = tag == _tags.WORKSPACE and any(
+    record.vouches = tag == _tags.WORKSPACE and any(
         p.grad is not None and _step_tags.has_state(state, p)
         for group in optimizer.param_groups for p in group["params"])
-    try:
-        _vouching[optimizer] = vouches
-    except TypeError:  # not weakly referenceable: never trusted (_verdict is 0)
-        pass
 
 
 def adopt_after_step(optimizers: list, own: list[int]) -> int:
@@ -96,8 +99,8 @@ def adopt_after_step(optimizers: list, own: list[int]) -> int:
     bytes taken in."""
     adopted = 0
     for optimizer in optimizers:
-        verdict = _verdict(optimizer)
-        if verdict >= _CLEAN_LOOKS_TO_TRUST and not _relook_due(optimizer):
+        record = _record(optimizer)
+        if record.clean >= _CLEAN_LOOKS_TO_TRUST and not _relook_due(record):
             continue
         stray = _adoption.stray_state([optimizer], exclusive=True)
         shared = sum(stray.copier.shared_bytes.values())
@@ -108,7 +111,7 @@ def adopt_after_step(optimizers: list, own: list[int]) -> int:
                        f"outside optimizer.state holds the same tensors or storages, and a "
                        f"copy in host memory would part them")
         if stray or shared:
-            _set_verdict(optimizer, 0)
+            record.clean = 0
             try:
                 adopted += _adoption.adopt_stray_state([optimizer], own, stray, "after_step")
             except Exception as error:  # noqa: BLE001  (the step is done; said, not raised)
@@ -116,42 +119,26 @@ def adopt_after_step(optimizers: list, own: list[int]) -> int:
                            f"optimizer state made in a step outside tidepool's "
                            f"optimizer_state tag could not be copied into tiering, and what "
                            f"was not copied stays in device memory: {error}")
-        elif verdict < _CLEAN_LOOKS_TO_TRUST and _vouches(optimizer):
-            _set_verdict(optimizer, verdict + 1)
-            if verdict + 1 == _CLEAN_LOOKS_TO_TRUST:
-                _start_relooks(optimizer)
+        elif record.clean < _CLEAN_LOOKS_TO_TRUST and record.vouches:
+            record.clean += 1
+            if record.clean == _CLEAN_LOOKS_TO_TRUST:
+                _start_relooks(record)
     return adopted
 
 
-def _start_relooks(optimizer) -> None:
-    try:
-        _relooks[optimizer] = [_FIRST_RELOOK, _FIRST_RELOOK]
-    except TypeError:
-        pass
+def _start_relooks(record: _Record) -> None:
+    record.next_look = record.gap = _FIRST_RELOOK
 
 
-def _relook_due(optimizer) -> bool:
-    """Counts a step of the trusted `optimizer`; whether it is the one to look again
-    after (Note [state made in workspace steps])."""
-    try:
-        relook = _relooks.get(optimizer)
-    except TypeError:
+def _relook_due(record: _Record) -> bool:
+    """Counts a step of a trusted optimizer; whether it is the one to look again after
+    (Note [state made in workspace steps])."""
+    record.next_look -= 1
+    if record.next_look > 0:
         return False
-    if relook is None:
-        return False
-    relook[0] -= 1
-    if relook[0] > 0:
-        return False
-    relook[1] = min(2 * relook[1], _LAST_RELOOK)
-    relook[0] = relook[1]
+    record.gap = min(2 * record.gap, _LAST_RELOOK)
+    record.next_look = record.gap
     return True
-
-
-def _vouches(optimizer) -> bool:
-    try:
-        return _vouching.get(optimizer, False)
-    except TypeError:
-        return False
 
 
 def _warn_once(what: str, optimizer, message: str) -> None:
