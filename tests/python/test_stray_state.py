@@ -449,9 +449,9 @@ def test_a_trusted_optimizer_is_looked_through_again_now_and_then(fake_cuda, fak
     for step in range(1, relook + 3):
         p.grad = torch.ones(32)
         optimizer.step()
-        verdict = _stray_state._record(optimizer).clean
+        clean = _stray_state._record(optimizer).clean
         if trusted_after <= step < relook:
-            assert verdict == _stray_state._CLEAN_LOOKS_TO_TRUST
+            assert clean == _stray_state._CLEAN_LOOKS_TO_TRUST
         tiered = untiered_state.tiered(optimizer.state[p]["m"])
         # Renewed from step 6 on, under workspace: resident until the look after `relook`,
         # taken in after every step from then on.
