@@ -87,6 +87,13 @@ void ApolloOptions::validate(Check when) const {
               weight_decay(), " (must be >= 0)");
 }
 
+ApolloOptions& ApolloOptions::resolve_defaults() {
+  if (!base_lr()) base_lr(lr());
+  if (!init_lr()) init_lr(lr() / 1000.0);
+  weight_decay_type(decay_type(*this));
+  return *this;
+}
+
 // ---- construction ------------------------------------------------------------------------
 
 Apollo::Apollo(const std::vector<torch::optim::OptimizerParamGroup>& param_groups,
@@ -104,15 +111,13 @@ Apollo::Apollo(std::vector<torch::Tensor> params, ApolloOptions defaults,
     : Apollo({torch::optim::OptimizerParamGroup(std::move(params))}, std::move(defaults),
              std::move(placement)) {}
 
-// Fills the reference's defaults that depend on other options (init_lr = lr/1000,
-// weight_decay_type by rebound, base_lr = lr) once, so later lr changes do not move them.
+// Validates every group's options and fills their lr-dependent defaults
+// (ApolloOptions::resolve_defaults).
 void Apollo::resolve_group_options() {
   for (auto& group : param_groups_) {
     auto& options = static_cast<ApolloOptions&>(group.options());
     options.validate();
-    if (!options.base_lr()) options.base_lr(options.lr());
-    if (!options.init_lr()) options.init_lr(options.lr() / 1000.0);
-    options.weight_decay_type(decay_type(options));
+    options.resolve_defaults();
   }
 }
 
@@ -387,32 +392,102 @@ void read_options(torch::serialize::InputArchive& archive, ApolloOptions& o) {
   o.base_lr(read_value(archive, "base_lr").toDouble());
   o.weight_decay(read_value(archive, "weight_decay").toDouble());
   o.weight_decay_type(read_value(archive, "weight_decay_type").toStringRef());
-  o.validate(ApolloOptions::Check::training);  // a run saved after its lr reached 0 loads
 }
 
 }  // namespace
 
+std::vector<std::optional<ApolloSavedParam>> Apollo::saved_state() const {
+  std::vector<std::optional<ApolloSavedParam>> saved;
+  for (const auto& group : param_groups_) {
+    for (const auto& p : group.params()) {
+      auto it = state_.find(p.unsafeGetTensorImpl());
+      if (it == state_.end()) {
+        saved.emplace_back();
+        continue;
+      }
+      const auto& state = static_cast<const ApolloParamState&>(*it->second);
+      saved.push_back(ApolloSavedParam{state.step, state.exp_avg_grad->read_host(),
+                                       state.approx_hessian->read_host(),
+                                       state.update->read_host()});
+    }
+  }
+  return saved;
+}
+
+void Apollo::restore_state(std::vector<ApolloOptions> options,
+                           const std::vector<std::optional<ApolloSavedParam>>& state) {
+  TORCH_CHECK(options.size() == param_groups_.size(), "Apollo: options for ", options.size(),
+              " parameter groups given, this optimizer has ", param_groups_.size());
+  for (size_t g = 0; g < options.size(); ++g) {
+    try {
+      // A run saved after its lr reached 0 restores.
+      options[g].validate(ApolloOptions::Check::training);
+    } catch (const c10::Error& e) {
+      TORCH_CHECK(false, "Apollo: the options of parameter group ", g, ": ",
+                  e.what_without_backtrace());
+    }
+    options[g].resolve_defaults();
+  }
+  size_t param_count = 0;
+  for (const auto& group : param_groups_) param_count += group.params().size();
+  TORCH_CHECK(state.size() == param_count, "Apollo: state for ", state.size(),
+              " parameters given, this optimizer has ", param_count);
+  // Copy everything into the placement first so that a refusal leaves this optimizer as
+  // it was.
+  std::vector<std::pair<torch::Tensor, std::unique_ptr<ApolloParamState>>> states;
+  size_t index = 0;
+  for (const auto& group : param_groups_) {
+    for (const auto& p : group.params()) {
+      const auto& saved = state[index];
+      if (saved) {
+        // A negative count would make the bias correction divide by zero (1 - beta^0) and
+        // the next step write inf or NaN into the parameter.
+        TORCH_CHECK(saved->step >= 0, "Apollo: parameter ", index, " has step ", saved->step,
+                    " (a count of steps taken, at least 0)");
+        const auto adopt = [&](const char* key, const torch::Tensor& t) {
+          TORCH_CHECK(t.defined(), "Apollo: parameter ", index, " has no '", key, "'");
+          TORCH_CHECK(t.sizes() == p.sizes(), "Apollo: '", key, "' of parameter ", index,
+                      " has shape ", t.sizes(), ", the parameter ", p.sizes());
+          TORCH_CHECK(t.is_floating_point(), "Apollo: '", key, "' of parameter ", index,
+                      " is ", t.scalar_type(), ", not a floating-point tensor");
+          return std::shared_ptr<StateBuffer>(
+              placement_->create(t.to(p.options(), false, false, at::MemoryFormat::Contiguous)));
+        };
+        auto restored = std::make_unique<ApolloParamState>();
+        restored->step = saved->step;
+        restored->exp_avg_grad = adopt("exp_avg_grad", saved->exp_avg_grad);
+        restored->approx_hessian = adopt("approx_hessian", saved->approx_hessian);
+        restored->update = adopt("update", saved->update);
+        states.emplace_back(p, std::move(restored));
+      }
+      ++index;
+    }
+  }
+  for (size_t g = 0; g < param_groups_.size(); ++g) {
+    param_groups_[g].set_options(std::make_unique<ApolloOptions>(std::move(options[g])));
+  }
+  state_.clear();
+  for (auto& [p, restored] : states) state_[p.unsafeGetTensorImpl()] = std::move(restored);
+}
+
 void Apollo::save(torch::serialize::OutputArchive& archive) const {
   archive.write("apollo_format", c10::IValue(kArchiveFormat));
   archive.write("group_count", c10::IValue(static_cast<int64_t>(param_groups_.size())));
-  int64_t index = 0;  // parameters are numbered across groups, in group order
+  const auto saved = saved_state();
+  size_t index = 0;  // parameters are numbered across groups, in group order
   for (size_t g = 0; g < param_groups_.size(); ++g) {
     const auto& group = param_groups_[g];
     torch::serialize::OutputArchive group_archive;
     write_options(group_archive, static_cast<const ApolloOptions&>(group.options()));
     group_archive.write("param_count", c10::IValue(static_cast<int64_t>(group.params().size())));
-    for (const auto& p : group.params()) {
-      auto it = state_.find(p.unsafeGetTensorImpl());
-      if (it != state_.end()) {
-        const auto& state = static_cast<const ApolloParamState&>(*it->second);
-        torch::serialize::OutputArchive param_archive;
-        param_archive.write("step", c10::IValue(state.step));
-        param_archive.write("exp_avg_grad", state.exp_avg_grad->read_host(), true);
-        param_archive.write("approx_hessian", state.approx_hessian->read_host(), true);
-        param_archive.write("update", state.update->read_host(), true);
-        group_archive.write("state_" + std::to_string(index), param_archive);
-      }
-      ++index;
+    for (size_t i = 0; i < group.params().size(); ++i, ++index) {
+      if (!saved[index]) continue;
+      torch::serialize::OutputArchive param_archive;
+      param_archive.write("step", c10::IValue(saved[index]->step));
+      param_archive.write("exp_avg_grad", saved[index]->exp_avg_grad, true);
+      param_archive.write("approx_hessian", saved[index]->approx_hessian, true);
+      param_archive.write("update", saved[index]->update, true);
+      group_archive.write("state_" + std::to_string(index), param_archive);
     }
     archive.write("group_" + std::to_string(g), group_archive);
   }
@@ -425,10 +500,8 @@ void Apollo::load(torch::serialize::InputArchive& archive) {
   TORCH_CHECK(group_count == static_cast<int64_t>(param_groups_.size()),
               "Apollo::load: the archive has ", group_count, " parameter groups, this optimizer ",
               param_groups_.size());
-  // Read everything first so that a bad archive leaves this optimizer unchanged.
   std::vector<ApolloOptions> options;
-  std::vector<std::pair<torch::Tensor, std::unique_ptr<ApolloParamState>>> states;
-  int64_t index = 0;
+  std::vector<std::optional<ApolloSavedParam>> state;
   for (size_t g = 0; g < param_groups_.size(); ++g) {
     const auto& group = param_groups_[g];
     torch::serialize::InputArchive group_archive;
@@ -440,37 +513,23 @@ void Apollo::load(torch::serialize::InputArchive& archive) {
     TORCH_CHECK(param_count == static_cast<int64_t>(group.params().size()),
                 "Apollo::load: group ", g, " has ", param_count,
                 " parameters in the archive, this optimizer ", group.params().size());
-    for (const auto& p : group.params()) {
+    for (size_t i = 0; i < group.params().size(); ++i) {
+      const size_t index = state.size();
+      auto& saved = state.emplace_back();
       torch::serialize::InputArchive param_archive;
-      if (group_archive.try_read("state_" + std::to_string(index), param_archive)) {
-        auto state = std::make_unique<ApolloParamState>();
-        state->step = read_value(param_archive, "step").toInt();
-        // A negative count would make the bias correction divide by zero (1 - beta^0) and
-        // the next step write inf or NaN into the parameter.
-        TORCH_CHECK(state->step >= 0, "Apollo::load: parameter ", index, " has step ",
-                    state->step, " in the archive (a count of steps taken, at least 0)");
-        const auto adopt = [&](const char* key) {
-          torch::Tensor t;
-          TORCH_CHECK(param_archive.try_read(key, t, true), "Apollo::load: parameter ", index,
-                      " has no '", key, "'");
-          TORCH_CHECK(t.sizes() == p.sizes(), "Apollo::load: '", key, "' of parameter ", index,
-                      " has shape ", t.sizes(), ", the parameter ", p.sizes());
-          return std::shared_ptr<StateBuffer>(
-              placement_->create(t.to(p.options(), false, false, at::MemoryFormat::Contiguous)));
-        };
-        state->exp_avg_grad = adopt("exp_avg_grad");
-        state->approx_hessian = adopt("approx_hessian");
-        state->update = adopt("update");
-        states.emplace_back(p, std::move(state));
-      }
-      ++index;
+      if (!group_archive.try_read("state_" + std::to_string(index), param_archive)) continue;
+      saved.emplace();
+      saved->step = read_value(param_archive, "step").toInt();
+      const auto read = [&](const char* key, torch::Tensor& t) {
+        TORCH_CHECK(param_archive.try_read(key, t, true), "Apollo::load: parameter ", index,
+                    " has no '", key, "'");
+      };
+      read("exp_avg_grad", saved->exp_avg_grad);
+      read("approx_hessian", saved->approx_hessian);
+      read("update", saved->update);
     }
   }
-  for (size_t g = 0; g < param_groups_.size(); ++g) {
-    param_groups_[g].set_options(std::make_unique<ApolloOptions>(options[g]));
-  }
-  state_.clear();
-  for (auto& [p, state] : states) state_[p.unsafeGetTensorImpl()] = std::move(state);
+  restore_state(std::move(options), state);
 }
 
 }  // namespace tidepool::optim

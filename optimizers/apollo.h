@@ -75,6 +75,10 @@ struct TIDEPOOL_API ApolloOptions
   // < 0, beta outside [0, 1), warmup < 0, init_lr outside [0, lr], weight_decay < 0,
   // non-finite values).
   void validate(Check when = Check::construction) const;
+  // Fills the reference's defaults that depend on other options where unset: init_lr =
+  // lr / 1000, base_lr = lr, weight_decay_type by rebound. An optimizer does this once,
+  // when a group joins it, so that later lr changes do not move them.
+  ApolloOptions& resolve_defaults();
 };
 
 // Per-parameter state. Copies (clone()) share the buffers.
@@ -89,6 +93,14 @@ struct TIDEPOOL_API ApolloParamState
   // 24 KiB per parameter), undefined when the next step must compute them itself.
   // Whoever changes m, B or d other than through step() must reset it.
   torch::Tensor carried_sums;
+};
+
+// One parameter's state as save() writes it: host copies of m, B and d, and the step count.
+struct ApolloSavedParam {
+  int64_t step = 0;
+  torch::Tensor exp_avg_grad;    // m
+  torch::Tensor approx_hessian;  // B
+  torch::Tensor update;          // d
 };
 
 class TIDEPOOL_API Apollo : public torch::optim::Optimizer {
@@ -108,6 +120,19 @@ class TIDEPOOL_API Apollo : public torch::optim::Optimizer {
 
   void save(torch::serialize::OutputArchive& archive) const override;
   void load(torch::serialize::InputArchive& archive) override;
+
+  // Every parameter's state, numbered across groups in group order as save() numbers it:
+  // host copies, nullopt for a parameter with no state yet. save() writes this; the Python
+  // binding (tidepool.optim) makes its state_dict of it.
+  std::vector<std::optional<ApolloSavedParam>> saved_state() const;
+  // Replaces every group's options (one per group) and every parameter's state (one per
+  // parameter, numbered as saved_state() numbers them; nullopt: no state). Everything is
+  // checked first (options valid for training, step >= 0, each tensor of its parameter's
+  // shape): a refusal throws c10::Error naming the parameter and the key, and changes
+  // nothing. The tensors are copied into this optimizer's placement, converted to their
+  // parameter's dtype and device. load() reads an archive into this.
+  void restore_state(std::vector<ApolloOptions> options,
+                     const std::vector<std::optional<ApolloSavedParam>>& state);
 
   const StatePlacement& placement() const noexcept { return *placement_; }
   // The fused step (default on): CUDA kernels for CUDA parameters when built with CUDA,

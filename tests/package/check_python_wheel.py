@@ -3,12 +3,13 @@
 into a fresh virtual environment, and check in a new interpreter that the package
 really works from there (not from the source tree the pytest suite uses):
 
-  - the wheel holds libtidepool, the start-up .pth and the package (and, in a CUDA build,
-    libtidepool_torch_cuda.so, built against this torch), and no library names a build
-    directory in its RUNPATH;
+  - the wheel holds libtidepool, the start-up .pth and the package, tidepool.optim's
+    binding (and, in a CUDA build, libtidepool_torch_cuda.so), built against this torch,
+    and no library names a build directory in its RUNPATH;
   - without tidepool keys, `import torch` leaves libtidepool unloaded;
   - with them, the .pth hook claims the tidepool keys, leaves PyTorch's own key in the
-    variable, loads the installed library and applies tidepool.state_budget;
+    variable, loads the installed library and applies tidepool.state_budget, and
+    tidepool.optim's Apollo and AADL step from the installed binding;
   - an unknown tidepool key stops `import torch` with a message naming it.
 
 Usage: check_python_wheel.py SOURCE_DIR WORK_DIR   (needs scikit-build-core, torch)
@@ -44,6 +45,11 @@ def check_wheel_contents(wheel: str) -> None:
             raise SystemExit(f"{wheel}: {required} is missing (has: {sorted(names)})")
     if not any(n.startswith("tidepool/lib/libtidepool.so") for n in names):
         raise SystemExit(f"{wheel}: no tidepool/lib/libtidepool.so* (has: {sorted(names)})")
+    # Built with torch at hand (this check needs it): tidepool.optim's binding comes along.
+    for prefix in ("tidepool/lib/_optim.", "tidepool/lib/libtidepool_optim.so"):
+        if not any(n.startswith(prefix) for n in names):
+            raise SystemExit(f"{wheel}: a build with torch at hand lacks {prefix}* "
+                             f"(has: {sorted(names)})")
     if cuda_build(names) and not any(n.startswith("tidepool/lib/libtidepool_torch_cuda.so")
                                      for n in names):
         raise SystemExit(f"{wheel}: a CUDA build built with torch at hand lacks "
@@ -79,6 +85,14 @@ PROBE = textwrap.dedent("""
         report["budget"] = tidepool.stats().get("tiering.vmm_device_budget_bytes")
         report["torch_cuda"] = lib.torch_cuda_library_path()
         report["torch_cuda_loads"] = lib.load_torch_cuda()[1] or "yes"
+        import tidepool.optim
+        device = "cuda" if torch.cuda.is_available() else "cpu"  # tidepool's backend's
+        p = torch.nn.Parameter(torch.ones(4, dtype=torch.float64, device=device))
+        opt = tidepool.optim.AADL(torch.optim.SGD([p], lr=0.1), history_depth=3)
+        apollo = tidepool.optim.Apollo([p], lr=0.1, state="tiered")
+        for o in (opt, apollo):
+            o.zero_grad(); (p * p).sum().backward(); o.step()
+        report["optim"] = "stepped" if bool((p < 1).all()) else f"unchanged: {p.tolist()}"
     print(json.dumps(report))
 """)
 
@@ -86,7 +100,8 @@ PROBE = textwrap.dedent("""
 def probe(python: str, cwd: str, conf: str | None) -> dict:
     env = {k: v for k, v in os.environ.items()
            if k not in ("PYTHONPATH", "TIDEPOOL_LIBRARY", "TIDEPOOL_TORCH_CUDA_LIBRARY",
-                        "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")}
+                        "TIDEPOOL_OPTIM_MODULE", "PYTORCH_CUDA_ALLOC_CONF",
+                        "PYTORCH_ALLOC_CONF")}
     if conf is not None:
         env["PYTORCH_CUDA_ALLOC_CONF"] = conf
     out = run([python, "-c", PROBE], cwd=cwd, env=env).stdout.strip().splitlines()
@@ -133,6 +148,8 @@ def main(argv: list[str]) -> int:
         raise SystemExit(f"PyTorch's variable should keep only its own key: {claimed}")
     if not claimed["library"].startswith(os.path.join(site, "tidepool", "lib")):
         raise SystemExit(f"the library loaded is not the installed one: {claimed}")
+    if claimed["optim"] != "stepped":
+        raise SystemExit(f"tidepool.optim does not work from the installed wheel: {claimed}")
     if claimed["budget"] != 1 << 30:
         raise SystemExit(f"tidepool.state_budget:1GiB was not applied: {claimed}")
     if cuda_build(zipfile.ZipFile(wheels[0]).namelist()):

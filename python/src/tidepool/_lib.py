@@ -26,7 +26,7 @@ import sys
 import threading
 
 __all__ = ["LibraryError", "PYTORCH_ENTRY_POINTS", "library_path", "load", "optional", "check",
-           "last_error", "torch_cuda_library_path", "load_torch_cuda"]
+           "last_error", "torch_cuda_library_path", "load_torch_cuda", "optim_module_path"]
 
 
 class LibraryError(RuntimeError):
@@ -78,6 +78,21 @@ def torch_cuda_library_path() -> str | None:
     if os.environ.get("TIDEPOOL_TORCH_CUDA_LIBRARY") == "":
         return None
     return _find_library("TIDEPOOL_TORCH_CUDA_LIBRARY", "libtidepool_torch_cuda.so")
+
+
+def optim_module_path() -> str:
+    """tidepool._optim (python/binding/optim_module.cpp), the binding tidepool.optim
+    loads: $TIDEPOOL_OPTIM_MODULE (tests and development builds), else the copy installed
+    with the package. Raises LibraryError when there is none."""
+    path = _find_library("TIDEPOOL_OPTIM_MODULE", "_optim")
+    if path is None:
+        raise LibraryError(
+            f"tidepool.optim's binding (_optim*.so) is not installed in "
+            f"{os.path.join(_PACKAGE_DIR, 'lib')}: the package was built without torch or "
+            "without Python's headers; install it with `pip install --no-build-isolation "
+            "./python` from a Python that has torch, or set TIDEPOOL_OPTIM_MODULE to a "
+            "built _optim module")
+    return path
 
 
 def load_torch_cuda() -> tuple[ctypes.CDLL | None, str]:

@@ -17,7 +17,8 @@ of step(closure), which runs outside it.
 State made in a step that ran under workspace (LBFGS's) is taken into tiering after the
 step, before the eviction: Note [state made in workspace steps] in _stray_state.py. State
 that appears outside step() is taken in too: Optimizer.load_state_dict (resuming from a
-checkpoint) is wrapped, see Note [loaded state] in _loaded_state.py.
+checkpoint) is wrapped, see Note [loaded state] in _loaded_state.py. Optimizers that keep
+their state themselves (tidepool.optim's Apollo) are left alone.
 
 This module installs the hooks and runs them; what they decide and move is in the
 modules named above, which import nothing from here.
@@ -153,7 +154,15 @@ def _being_stepped(optimizer) -> bool:
     return any(scope.stepping == id(optimizer) for scope in _step_scopes._scopes())
 
 
+def _owns_state(optimizer) -> bool:
+    """An optimizer that keeps its state itself, not in `optimizer.state`
+    (tidepool.optim's Apollo: its placement moves it): the hooks leave its steps alone."""
+    return getattr(optimizer, "_tidepool_owns_state", False)
+
+
 def _pre_step(optimizer, args, kwargs):
+    if _owns_state(optimizer):
+        return None
     _step_scopes._close_scopes_down_to(_scopes_to_keep())
     devices = _state_tensors._cuda_devices(optimizer)
     own = _step_scopes._devices_not_held(devices)
@@ -173,6 +182,8 @@ def _pre_step(optimizer, args, kwargs):
 
 
 def _post_step(optimizer, args, kwargs):
+    if _owns_state(optimizer):
+        return
     scopes = _step_scopes._scopes()
     if scopes and scopes[-1].tag == _tags.OPTIMIZER_STATE:  # the tag the step ended under
         _step_tags._remember_stateless(optimizer)

@@ -1,0 +1,397 @@
+"""tidepool.optim: Apollo and AADL (Anderson acceleration) for Python trainers, with their
+state where you choose to keep it.
+
+    opt = tidepool.optim.Apollo(model.parameters(), lr=0.01, state="tiered")
+    aadl = tidepool.optim.AADL(torch.optim.SGD(model.parameters(), lr=0.1),
+                               relaxation=0.5, history_depth=5)          # history on the host
+
+Both run tidepool's C++ optimizers (optimizers/apollo.h, optimizers/aadl.h) through the
+binding tidepool._optim (python/binding/optim_module.cpp): the same step as a C++ trainer
+gets, which follows the published Python references (the golden trajectories in
+../shared/golden pin it down), but with
+
+  - Apollo's elementwise work fused into one pass per parameter (CUDA kernels, or the host
+    loop for CPU tensors) and its three state tensors wherever `state` says;
+  - AADL's history (history_depth flattened copies of the parameters) in host memory by
+    default, streamed through the device chunk by chunk for each pass, never stacked into
+    one N x k matrix on the device, and its least-squares problem solved in fp64.
+
+Where the state lives (`state=` for Apollo, `history=` for AADL):
+  "device"  resident on the parameters' device (Apollo's default);
+  "host"    in host memory, pinned for CUDA parameters, copied onto the device around
+            each use (AADL's default; for CPU parameters it is the same as "device");
+  "tiered"  in tidepool's tiered store: host memory, brought onto the device ahead of
+            use under a device budget (`state_budget=`/`history_budget=` bytes; None:
+            tidepool.state_budget when configured, else the store's 1 GiB). It needs the
+            backend tidepool's allocators use in this process to be the parameters' (cuda
+            for CUDA parameters; host, i.e. no GPU, for CPU ones).
+
+Apollo is a torch.optim.Optimizer: param groups, LR schedulers (their changes to a
+group's options reach the next step), zero_grad, step(closure), state_dict() in the
+reference's format (per parameter: step, exp_avg_grad, approx_hessian, update), so
+checkpoints of the published Apollo load here and the other way round. Its state is not
+in `self.state`: it lives in the C++ optimizer, and state_dict() copies it out.
+
+AADL wraps any torch.optim optimizer (it steps it, then accelerates), like the
+reference's AADL.accelerate(optimizer, ...), and takes the same options. Its
+state_dict() holds the inner optimizer's state_dict and its own history.
+
+The drop-in's step hooks (PYTORCH_CUDA_ALLOC_CONF=backend:tidepool) leave these optimizers
+alone, since their state is not in `optimizer.state`; an AADL's inner optimizer is a
+plain torch.optim one, whose state the hooks tier as usual.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import threading
+
+import torch
+
+from . import _lib
+
+__all__ = ["Apollo", "AADL"]
+
+_PLACEMENTS = ("device", "host", "tiered")
+_APOLLO_OPTIONS = ("lr", "beta", "eps", "rebound", "warmup", "init_lr", "base_lr",
+                   "weight_decay", "weight_decay_type")
+_APOLLO_STATE = ("exp_avg_grad", "approx_hessian", "update")
+
+_binding = None
+_binding_lock = threading.Lock()
+
+
+def _module():
+    """tidepool._optim, loaded on first use (after libtidepool, which it links: the
+    dynamic loader then resolves it to the copy this package uses)."""
+    global _binding
+    with _binding_lock:
+        if _binding is None:
+            _lib.load()
+            path = _lib.optim_module_path()
+            spec = importlib.util.spec_from_file_location("tidepool._optim", path)
+            module = importlib.util.module_from_spec(spec)
+            try:
+                spec.loader.exec_module(module)
+            except ImportError as e:
+                raise _lib.LibraryError(
+                    f"cannot load {path}: {e}; it must be built against this torch "
+                    f"({torch.__version__})") from e
+            _binding = module
+        return _binding
+
+
+def _check_placement(where, budget, what: str) -> None:
+    if where not in _PLACEMENTS:
+        raise ValueError(f"tidepool.optim: {what}={where!r} is not one of "
+                         f"{', '.join(repr(p) for p in _PLACEMENTS)}")
+    if budget is None:
+        return
+    if where != "tiered":
+        raise ValueError(f"tidepool.optim: {what}_budget applies to {what}='tiered' only, "
+                         f"not {what}={where!r}")
+    if isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0:
+        raise ValueError(f"tidepool.optim: {what}_budget must be a positive number of bytes, "
+                         f"not {budget!r}")
+
+
+class Apollo(torch.optim.Optimizer):
+    """Apollo (Ma 2020), as the published reference (XuezheMax/apollo, optim/apollo.py)
+    takes it, with its state where `state` says (see the module's docstring).
+
+    Options as the reference's: lr (required, > 0), beta, eps, rebound ("constant" |
+    "belief"), warmup (steps over which the lr ramps from init_lr), init_lr (default
+    lr/1000), weight_decay, weight_decay_type ("L2" | "decoupled" | "stable"; default L2
+    for constant rebound, decoupled for belief). A group that gives its own lr gets its
+    own init_lr and base_lr (the lr the warmup ramps to) from it, unless it gives them.
+    fused=False runs the reference's sequence of tensor operations instead of the fused
+    step (the same results within rounding; slower).
+    """
+
+    # The drop-in's step hooks leave this optimizer alone: its state is not in self.state.
+    _tidepool_owns_state = True
+
+    def __init__(self, params, lr, beta=0.9, eps=1e-4, rebound="constant", warmup=500,
+                 init_lr=None, weight_decay=0.0, weight_decay_type=None, *, state="device",
+                 state_budget=None, fused=True):
+        _check_placement(state, state_budget, "state")
+        defaults = dict(lr=lr, beta=beta, eps=eps, rebound=rebound, warmup=warmup,
+                        init_lr=init_lr, base_lr=None, weight_decay=weight_decay,
+                        weight_decay_type=weight_decay_type)
+        super().__init__(params, defaults)
+        groups = [(list(g["params"]), _options_of(g)) for g in self.param_groups]
+        self._apollo = _module().Apollo(groups, state, state_budget)
+        self._apollo.fused = bool(fused)
+        self._state_placement = state
+        for index, group in enumerate(self.param_groups):
+            group.update(self._apollo.options(index))  # init_lr, base_lr, ... as resolved
+
+    def __getstate__(self):
+        raise TypeError("tidepool.optim.Apollo cannot be pickled (its state lives in C++); "
+                        "save its state_dict() instead")
+
+    @property
+    def placement(self) -> str:
+        """Where the state lives: "device", "host" or "tiered"."""
+        return self._state_placement
+
+    @property
+    def fused(self) -> bool:
+        return self._apollo.fused
+
+    @fused.setter
+    def fused(self, enabled: bool) -> None:
+        self._apollo.fused = bool(enabled)
+
+    def placement_stats(self) -> dict:
+        """What the state's placement moved and holds: bytes_to_device and bytes_to_host
+        (host and tiered), and for tiered the store's figures (state_bytes,
+        device_budget_bytes, device_peak_bytes, prefetch_hits, misses, evictions, ...)."""
+        return self._apollo.placement_stats()
+
+    def add_param_group(self, param_group):
+        super().add_param_group(param_group)
+        apollo = getattr(self, "_apollo", None)
+        if apollo is None:  # torch.optim.Optimizer.__init__ adding the first groups
+            return
+        group = self.param_groups[-1]
+        try:
+            apollo.add_param_group(list(group["params"]), _options_of(group))
+        except BaseException:
+            self.param_groups.pop()
+            raise
+        group.update(apollo.options(len(self.param_groups) - 1))
+
+    def step(self, closure=None):
+        """One Apollo step for every parameter with a gradient; with a closure, calls it
+        (grad mode on) and returns its loss. A step it refuses (sparse gradients, a dtype
+        other than float32/float64, invalid options) raises and changes nothing."""
+        self._send_options()
+        return self._apollo.step(closure)
+
+    def _send_options(self) -> None:
+        for index, group in enumerate(self.param_groups):
+            self._apollo.set_options(index, _options_of(group))
+
+    def state_dict(self) -> dict:
+        """{'state': {index: {'step', 'exp_avg_grad', 'approx_hessian', 'update'}},
+        'param_groups': [...]} as torch.optim and the reference make it (parameters
+        numbered across groups in order); the tensors are host copies."""
+        state = {}
+        for index, saved in enumerate(self._apollo.saved_state()):
+            if saved is not None:
+                step, m, B, d = saved
+                state[index] = {"step": step, "exp_avg_grad": m, "approx_hessian": B,
+                                "update": d}
+        packed, start = [], 0
+        for group in self.param_groups:
+            entry = {k: v for k, v in group.items() if k != "params"}
+            entry["params"] = list(range(start, start + len(group["params"])))
+            start += len(group["params"])
+            packed.append(entry)
+        return {"state": state, "param_groups": packed}
+
+    def load_state_dict(self, state_dict) -> None:
+        """Loads a state_dict of this class or of the published Apollo: everything is
+        checked and copied into this optimizer's placement before anything changes, so a
+        refused one (ValueError naming what) leaves the optimizer as it was."""
+        saved_groups, saved_state = _unpack_state_dict(state_dict)
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError(
+                f"tidepool.optim.Apollo: the state_dict has {len(saved_groups)} parameter "
+                f"groups, this optimizer {len(self.param_groups)}")
+        for index, (group, saved) in enumerate(zip(self.param_groups, saved_groups)):
+            if len(saved["params"]) != len(group["params"]):
+                raise ValueError(
+                    f"tidepool.optim.Apollo: group {index} of the state_dict has "
+                    f"{len(saved['params'])} parameters, this optimizer's {len(group['params'])}")
+        position = {pid: i for i, pid in
+                    enumerate(itertools.chain.from_iterable(g["params"] for g in saved_groups))}
+        states = [None] * len(position)
+        for key, value in saved_state.items():
+            if key not in position:
+                raise ValueError(f"tidepool.optim.Apollo: the state_dict has state for "
+                                 f"parameter {key!r}, which none of its groups lists")
+            states[position[key]] = _apollo_param_state(key, value)
+        options = []
+        for index, saved in enumerate(saved_groups):
+            missing = [k for k in ("lr", "beta", "eps", "rebound", "warmup", "weight_decay")
+                       if k not in saved]
+            if missing:
+                raise ValueError(f"tidepool.optim.Apollo: group {index} of the state_dict "
+                                 f"lacks {', '.join(missing)}")
+            options.append({k: saved.get(k) for k in _APOLLO_OPTIONS})
+        self._apollo.restore_state(options, states)
+        for index, (group, saved) in enumerate(zip(self.param_groups, saved_groups)):
+            group.update({k: v for k, v in saved.items() if k != "params"})
+            group.update(self._apollo.options(index))
+
+
+def _options_of(group: dict) -> dict:
+    return {k: group[k] for k in _APOLLO_OPTIONS}
+
+
+def _unpack_state_dict(state_dict):
+    if not isinstance(state_dict, dict) or "param_groups" not in state_dict \
+            or "state" not in state_dict:
+        raise ValueError("tidepool.optim.Apollo: not an optimizer state_dict (a dict with "
+                         "'state' and 'param_groups')")
+    groups, state = state_dict["param_groups"], state_dict["state"]
+    if not isinstance(groups, (list, tuple)) or not all(
+            isinstance(g, dict) and isinstance(g.get("params"), (list, tuple)) for g in groups):
+        raise ValueError("tidepool.optim.Apollo: the state_dict's param_groups are not a list "
+                         "of dicts with 'params'")
+    if not isinstance(state, dict):
+        raise ValueError("tidepool.optim.Apollo: the state_dict's state is not a dict")
+    return groups, state
+
+
+def _apollo_param_state(key, value) -> tuple:
+    """(step, m, B, d) of one parameter's saved state, checked for form (the C++ side
+    checks shapes and values)."""
+    if not isinstance(value, dict):
+        raise ValueError(f"tidepool.optim.Apollo: the state of parameter {key!r} is not a dict")
+    missing = [k for k in ("step",) + _APOLLO_STATE if k not in value]
+    if missing:
+        raise ValueError(f"tidepool.optim.Apollo: the state of parameter {key!r} lacks "
+                         f"{', '.join(missing)}")
+    step = value["step"]
+    if isinstance(step, torch.Tensor):
+        if step.numel() != 1:
+            raise ValueError(f"tidepool.optim.Apollo: 'step' of parameter {key!r} is not a "
+                             "single number")
+        step = step.item()
+    if isinstance(step, float) and step.is_integer():
+        step = int(step)
+    if isinstance(step, bool) or not isinstance(step, int):
+        raise ValueError(f"tidepool.optim.Apollo: 'step' of parameter {key!r} is {step!r}, "
+                         "not a count of steps")
+    tensors = []
+    for name in _APOLLO_STATE:
+        if not isinstance(value[name], torch.Tensor):
+            raise ValueError(f"tidepool.optim.Apollo: {name!r} of parameter {key!r} is not a "
+                             "tensor")
+        tensors.append(value[name])
+    return (step, *tensors)
+
+
+class AADL:
+    """Anderson acceleration (the published AADL, ORNL/AADL) around `optimizer`, any
+    torch.optim optimizer: step() steps it, stores the parameters in the history and, as
+    the options say, replaces them by the extrapolated iterate (with a closure, only when
+    its loss is lower: the reference's safeguard).
+
+    Options as AADL.accelerate's: acceleration_type ("anderson" |
+    "anderson_normal_equation"; both solve the same least-squares problem here, in fp64),
+    relaxation, wait_iterations, history_depth (≥ 3), store_each_nth, frequency, reg_acc.
+    `history` and `history_budget`: see the module's docstring. Change learning rates
+    on the inner optimizer (an LR scheduler takes it, or this object: param_groups are the
+    inner optimizer's).
+    """
+
+    def __init__(self, optimizer, acceleration_type="anderson", relaxation=0.1,
+                 wait_iterations=1, history_depth=15, store_each_nth=1, frequency=1,
+                 reg_acc=0.0, *, history="host", history_budget=None):
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"tidepool.optim.AADL wraps a torch.optim.Optimizer, not "
+                            f"{type(optimizer).__name__}")
+        _check_placement(history, history_budget, "history")
+        self._options = dict(acceleration_type=acceleration_type, relaxation=relaxation,
+                             wait_iterations=wait_iterations, history_depth=history_depth,
+                             store_each_nth=store_each_nth, frequency=frequency,
+                             reg_acc=reg_acc)
+        self._inner = optimizer
+        self._params = [list(g["params"]) for g in optimizer.param_groups]
+        self._aadl = _module().AADL(self._params, optimizer.step, self._options, history,
+                                    history_budget)
+        self._history_placement = history
+
+    def __getstate__(self):
+        raise TypeError("tidepool.optim.AADL cannot be pickled (its history lives in C++); "
+                        "save its state_dict() instead")
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The inner optimizer."""
+        return self._inner
+
+    @property
+    def param_groups(self) -> list:
+        return self._inner.param_groups
+
+    @property
+    def state(self):
+        """The inner optimizer's state (the history is not in it; see state_dict)."""
+        return self._inner.state
+
+    @property
+    def defaults(self) -> dict:
+        return self._inner.defaults
+
+    @property
+    def options(self) -> dict:
+        return dict(self._options)
+
+    @property
+    def placement(self) -> str:
+        """Where the history lives: "device", "host" or "tiered"."""
+        return self._history_placement
+
+    @property
+    def accepted(self) -> int:
+        """Accelerated iterates the safeguard kept so far."""
+        return self._aadl.accepted
+
+    @property
+    def rejected(self) -> int:
+        """Accelerated iterates the safeguard rejected so far (their loss was not lower)."""
+        return self._aadl.rejected
+
+    def history_size(self, group: int = 0) -> int:
+        """How many vectors the history of parameter group `group` holds."""
+        return self._aadl.history_size(group)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._inner.zero_grad(set_to_none=set_to_none)
+
+    def prefetch(self) -> None:
+        """Starts loading the history the next step reads first. step() does this itself
+        on entry; call it before the forward pass when that runs outside step(closure)."""
+        self._aadl.prefetch()
+
+    def step(self, closure=None):
+        """Steps the inner optimizer, then accelerates; returns the inner step's loss."""
+        current = self._inner.param_groups
+        if len(current) != len(self._params) or any(
+                len(g["params"]) != len(params) or
+                any(a is not b for a, b in zip(g["params"], params))
+                for g, params in zip(current, self._params)):
+            raise RuntimeError("tidepool.optim.AADL: the inner optimizer's parameters changed "
+                               "since this AADL was made; make a new one around it")
+        return self._aadl.step(closure)
+
+    def state_dict(self) -> dict:
+        """{'inner': the inner optimizer's state_dict(), 'aadl': the history and counters
+        (bytes)}."""
+        return {"inner": self._inner.state_dict(), "aadl": self._aadl.save()}
+
+    def load_state_dict(self, state_dict) -> None:
+        """Loads what state_dict() returned; if either part is refused, both the inner
+        optimizer and the history stay as they were."""
+        if not isinstance(state_dict, dict) or set(state_dict) != {"inner", "aadl"}:
+            raise ValueError("tidepool.optim.AADL: not an AADL state_dict (a dict with "
+                             "'inner' and 'aadl')")
+        if not isinstance(state_dict["aadl"], (bytes, bytearray)):
+            raise ValueError("tidepool.optim.AADL: the state_dict's 'aadl' is not bytes")
+        previous = self._inner.state_dict()
+        self._inner.load_state_dict(state_dict["inner"])
+        try:
+            self._aadl.load(bytes(state_dict["aadl"]))
+        except BaseException:
+            self._inner.load_state_dict(previous)
+            raise
+
+    def __repr__(self) -> str:
+        options = ", ".join(f"{k}={v!r}" for k, v in self._options.items())
+        return f"AADL({options}, history={self._history_placement!r},\n  {self._inner!r})"

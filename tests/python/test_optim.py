@@ -1,0 +1,518 @@
+"""tidepool.optim (Apollo, AADL through the binding tidepool._optim), on the CPU:
+
+- every golden trajectory of ../shared/golden (the published Apollo and AADL), through the
+  Python classes, in each placement, fused and not;
+- placement does not change results (bitwise), save -> load -> continue equals an
+  uninterrupted run, and Apollo's state_dict has the reference's layout;
+- LR schedulers and added parameter groups reach the C++ step; closures (their loss,
+  their exceptions);
+- bad options, bad state_dicts, sparse gradients and unsupported dtypes are refused with
+  a clear error and change nothing;
+- the drop-in's step hooks leave tidepool.optim's optimizers alone.
+
+ctest sets TIDEPOOL_OPTIM_MODULE to the built binding; without it (a build without
+Python's headers) these tests are skipped, saying so.
+"""
+
+from __future__ import annotations
+
+import copy
+import glob
+import io
+import json
+import os
+
+import pytest
+import torch
+
+import tidepool.optim as topt
+from tidepool import _lib
+
+try:
+    _lib.optim_module_path()
+except _lib.LibraryError as e:  # pragma: no cover - depends on the build
+    pytest.skip(f"tidepool._optim is not built: {e}", allow_module_level=True)
+
+SHARED = os.environ.get("TIDEPOOL_SHARED_DIR",
+                        os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared"))
+GOLDEN = sorted(glob.glob(os.path.join(SHARED, "golden", "*.json")))
+# ../shared/golden/README.md: |x - ref| <= 1e-6 * (1e-3 + |ref|) at every step.
+GOLDEN_TOLERANCE = 1e-6
+GOLDEN_FLOOR = 1e-3
+
+
+# ---- problems ---------------------------------------------------------------------------------
+
+class Golden:
+    def __init__(self, path: str):
+        with open(path) as f:
+            data = json.load(f)
+        p = data["problem"]
+        self.name = data["name"]
+        self.optimizer = data["optimizer"]
+        self.closure = p["step_protocol"].startswith("closure")
+        self.X = torch.tensor(p["X"], dtype=torch.float64).reshape(p["X_shape"])
+        self.Y = torch.tensor(p["Y"], dtype=torch.float64).reshape(p["Y_shape"])
+        self.shapes = p["param_shapes"]
+        self.init = p["init_params"]
+        self.steps = data["steps"]
+
+    def params(self):
+        return [torch.tensor(v, dtype=torch.float64).reshape(s).requires_grad_()
+                for v, s in zip(self.init, self.shapes)]
+
+    def loss(self, params):
+        W1, b1, W2, b2 = params
+        y = torch.tanh(self.X @ W1.t() + b1) @ W2.t() + b2
+        return ((y - self.Y) ** 2).mean()
+
+
+def make_golden_optimizer(golden: Golden, params, where: str, fused: bool = True):
+    spec = dict(golden.optimizer)
+    kind = spec.pop("type")
+    if kind == "Apollo":
+        return topt.Apollo(params, state=where, fused=fused, **spec)
+    assert kind == "AADL"
+    base = getattr(torch.optim, spec["base"])(params, **spec["base_options"])
+    return topt.AADL(base, history=where, **spec["accelerate"])
+
+
+def run_golden(golden: Golden, where: str, fused: bool = True):
+    params = golden.params()
+    opt = make_golden_optimizer(golden, params, where, fused)
+    worst = 0.0
+    for ref in golden.steps:
+        if golden.closure:
+            def closure():
+                grad = torch.is_grad_enabled()
+                if grad:
+                    opt.zero_grad()
+                loss = golden.loss(params)
+                if grad:
+                    loss.backward()
+                return loss
+            opt.step(closure)
+        else:
+            opt.zero_grad()
+            golden.loss(params).backward()
+            opt.step()
+        with torch.no_grad():
+            got = [golden.loss(params).reshape(1)] + [p.detach().reshape(-1) for p in params]
+            want = [torch.tensor([ref["loss"]], dtype=torch.float64)] + [
+                torch.tensor(v, dtype=torch.float64) for v in ref["params"]]
+            for g, w in zip(got, want):
+                worst = max(worst, ((g - w).abs() / (GOLDEN_FLOOR + w.abs())).max().item())
+    return worst
+
+
+def regression_problem(dtype=torch.float32, seed=0, groups=1):
+    """A small least-squares problem with parameters in `groups` groups."""
+    gen = torch.Generator().manual_seed(seed)
+    X = torch.randn(64, 12, generator=gen, dtype=dtype)
+    Y = torch.randn(64, 3, generator=gen, dtype=dtype)
+    W = torch.randn(3, 12, generator=gen, dtype=dtype).requires_grad_()
+    b = torch.randn(3, generator=gen, dtype=dtype).requires_grad_()
+
+    def loss():
+        return ((X @ W.t() + b - Y) ** 2).mean()
+    params = [W, b] if groups == 1 else [{"params": [W]}, {"params": [b], "lr": 0.02}]
+    return params, [W, b], loss
+
+
+def train(opt, loss, steps):
+    for _ in range(steps):
+        opt.zero_grad()
+        loss().backward()
+        opt.step()
+
+
+def snapshot(tensors):
+    return [t.detach().clone() for t in tensors]
+
+
+def assert_bitwise(a, b):
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert torch.equal(x, y), (x - y).abs().max()
+
+
+# ---- golden trajectories ------------------------------------------------------------------------
+
+def test_the_golden_files_are_there():
+    assert len(GOLDEN) >= 6, f"no golden trajectories under {SHARED}/golden"
+
+
+@pytest.mark.parametrize("path", GOLDEN, ids=lambda p: os.path.basename(p)[:-5])
+@pytest.mark.parametrize("where", ["device", "host", "tiered"])
+def test_golden_trajectory(path, where):
+    golden = Golden(path)
+    worst = run_golden(golden, where)
+    assert worst <= GOLDEN_TOLERANCE, f"{golden.name}: deviation {worst:.3e}"
+
+
+@pytest.mark.parametrize("path", [p for p in GOLDEN if "apollo" in os.path.basename(p)],
+                         ids=lambda p: os.path.basename(p)[:-5])
+def test_golden_trajectory_without_fused_kernels(path):
+    assert run_golden(Golden(path), "device", fused=False) <= GOLDEN_TOLERANCE
+
+
+# ---- placement, checkpoints ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("where", ["host", "tiered"])
+def test_apollo_placement_does_not_change_results(where):
+    results = []
+    for placement in ("device", where):
+        params, tensors, loss = regression_problem(groups=2)
+        opt = topt.Apollo(params, lr=0.05, warmup=3, rebound="belief", weight_decay=1e-3,
+                          state=placement)
+        train(opt, loss, 12)
+        results.append(snapshot(tensors))
+    assert_bitwise(*results)
+
+
+@pytest.mark.parametrize("where", ["device", "tiered"])
+def test_aadl_history_placement_does_not_change_results(where):
+    results = []
+    for placement in ("host", where):
+        params, tensors, loss = regression_problem()
+        opt = topt.AADL(torch.optim.Adam(params, lr=0.05), relaxation=0.5, history_depth=4,
+                        history=placement)
+        train(opt, loss, 12)
+        results.append(snapshot(tensors))
+    assert_bitwise(*results)
+
+
+def test_tiered_state_reports_its_store():
+    params, tensors, loss = regression_problem()
+    opt = topt.Apollo(params, lr=0.05, state="tiered", state_budget=1 << 20)
+    train(opt, loss, 3)
+    stats = opt.placement_stats()
+    assert stats["placement"] == "tiered"
+    assert stats["device_budget_bytes"] == 1 << 20
+    assert stats["state_bytes"] == 3 * sum(t.nbytes for t in tensors)
+    assert opt.placement == "tiered"
+
+
+@pytest.mark.parametrize("where", ["device", "tiered"])
+def test_apollo_save_load_continue_equals_an_uninterrupted_run(where):
+    params, tensors, loss = regression_problem(groups=2)
+    straight = topt.Apollo(params, lr=0.05, warmup=4, state=where)
+    train(straight, loss, 10)
+    expected = snapshot(tensors)
+
+    params, tensors, loss = regression_problem(groups=2)
+    first = topt.Apollo(params, lr=0.05, warmup=4, state=where)
+    train(first, loss, 5)
+    buffer = io.BytesIO()
+    torch.save(first.state_dict(), buffer)
+    buffer.seek(0)
+    resumed = topt.Apollo(params, lr=0.9, warmup=1, state=where)  # options come from the file
+    resumed.load_state_dict(torch.load(buffer))
+    assert resumed.param_groups[0]["lr"] == 0.05 and resumed.param_groups[1]["lr"] == 0.02
+    train(resumed, loss, 5)
+    assert_bitwise(expected, snapshot(tensors))
+
+
+def test_apollo_state_dict_has_the_reference_layout():
+    params, tensors, loss = regression_problem(groups=2)
+    opt = topt.Apollo(params, lr=0.05)
+    assert opt.state_dict()["state"] == {}
+    train(opt, loss, 2)
+    sd = opt.state_dict()
+    assert sorted(sd["state"]) == [0, 1]
+    for index, t in enumerate(tensors):
+        entry = sd["state"][index]
+        assert entry["step"] == 2
+        assert set(entry) == {"step", "exp_avg_grad", "approx_hessian", "update"}
+        for key in ("exp_avg_grad", "approx_hessian", "update"):
+            assert entry[key].shape == t.shape and entry[key].dtype == t.dtype
+    assert [g["params"] for g in sd["param_groups"]] == [[0], [1]]
+    group = sd["param_groups"][1]
+    assert group["lr"] == 0.02 and group["init_lr"] == pytest.approx(0.02 / 1000)
+    assert group["base_lr"] == 0.02 and group["weight_decay_type"] == "L2"
+
+
+def test_apollo_loads_a_state_dict_in_another_dtype_with_tensor_steps():
+    """As PyTorch's optimizers save 'step' (a tensor) and as a float32 run saves state."""
+    params, tensors, loss = regression_problem(dtype=torch.float64)
+    reference = topt.Apollo(params, lr=0.05, warmup=2)
+    train(reference, loss, 3)
+    sd = reference.state_dict()
+    for entry in sd["state"].values():
+        entry["step"] = torch.tensor(float(entry["step"]))
+        for key in ("exp_avg_grad", "approx_hessian", "update"):
+            entry[key] = entry[key].float()
+    twin = topt.Apollo(params, lr=0.05, warmup=2)
+    twin.load_state_dict(sd)
+    back = twin.state_dict()["state"][0]
+    assert back["step"] == 3 and back["update"].dtype == torch.float64
+    assert torch.equal(back["update"], sd["state"][0]["update"].double())
+
+
+@pytest.mark.parametrize("where", ["host", "tiered"])
+def test_aadl_save_load_continue_equals_an_uninterrupted_run(where):
+    def make(params):
+        return topt.AADL(torch.optim.SGD(params, lr=0.1, momentum=0.5), relaxation=0.5,
+                         history_depth=4, history=where)
+    params, tensors, loss = regression_problem()
+    straight = make(params)
+    train(straight, loss, 10)
+    expected = snapshot(tensors)
+
+    params, tensors, loss = regression_problem()
+    first = make(params)
+    train(first, loss, 5)
+    buffer = io.BytesIO()
+    torch.save(first.state_dict(), buffer)
+    buffer.seek(0)
+    resumed = make(params)
+    resumed.load_state_dict(torch.load(buffer))
+    assert resumed.history_size() == first.history_size() == 4
+    train(resumed, loss, 5)
+    assert_bitwise(expected, snapshot(tensors))
+
+
+# ---- options, schedulers, groups, closures ------------------------------------------------------
+
+def test_an_lr_scheduler_reaches_the_step():
+    params, tensors, loss = regression_problem()
+    opt = topt.Apollo(params, lr=0.05, warmup=1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda epoch: 1.0 if epoch < 2 else 0.0)
+    for _ in range(2):
+        train(opt, loss, 1)
+        scheduler.step()
+    assert opt.param_groups[0]["lr"] == 0.0
+    before = snapshot(tensors)
+    train(opt, loss, 2)  # lr 0 after the warmup: nothing moves
+    assert_bitwise(before, snapshot(tensors))
+    opt.param_groups[0]["lr"] = 0.05
+    train(opt, loss, 1)
+    assert not torch.equal(before[0], tensors[0])
+
+
+def test_a_group_added_later_is_stepped_with_its_options_resolved():
+    params, tensors, loss = regression_problem()
+    W, b = tensors
+    opt = topt.Apollo([W], lr=0.05, rebound="belief")
+    opt.add_param_group({"params": [b], "lr": 0.01})
+    group = opt.param_groups[1]
+    assert group["init_lr"] == pytest.approx(1e-5) and group["base_lr"] == 0.01
+    assert group["weight_decay_type"] == "decoupled"
+    before = b.detach().clone()
+    train(opt, loss, 2)
+    assert not torch.equal(before, b)
+    assert sorted(opt.state_dict()["state"]) == [0, 1]
+
+
+def test_a_refused_group_is_not_added():
+    params, tensors, loss = regression_problem()
+    W, b = tensors
+    opt = topt.Apollo([W], lr=0.05)
+    with pytest.raises(ValueError, match="beta"):
+        opt.add_param_group({"params": [b], "beta": 1.5})
+    assert len(opt.param_groups) == 1
+    train(opt, loss, 1)
+
+
+def test_the_closure_runs_with_grad_and_its_loss_is_returned():
+    params, tensors, loss = regression_problem()
+    opt = topt.Apollo(params, lr=0.05)
+    seen = []
+
+    def closure():
+        seen.append(torch.is_grad_enabled())
+        opt.zero_grad()
+        value = loss()
+        value.backward()
+        return value
+    result = opt.step(closure)
+    assert seen == [True] and isinstance(result, torch.Tensor) and result.item() > 0
+    assert opt.step(lambda: 1.5).item() == 1.5  # a number is taken as the loss
+
+
+def test_an_exception_in_the_closure_propagates_and_changes_nothing():
+    params, tensors, loss = regression_problem()
+    opt = topt.Apollo(params, lr=0.05)
+    twin_params, twin_tensors, twin_loss = regression_problem()
+    twin = topt.Apollo(twin_params, lr=0.05)
+    train(opt, loss, 2)
+    train(twin, twin_loss, 2)
+
+    def failing():
+        raise KeyError("from the closure")
+    with pytest.raises(KeyError, match="from the closure"):
+        opt.step(failing)
+    with pytest.raises(TypeError, match="closure must return"):
+        opt.step(lambda: "a string")
+    assert_bitwise(snapshot(twin_tensors), snapshot(tensors))
+    train(opt, loss, 2)
+    train(twin, twin_loss, 2)
+    assert_bitwise(snapshot(twin_tensors), snapshot(tensors))
+
+
+def test_aadl_closure_exception_propagates():
+    params, tensors, loss = regression_problem()
+    opt = topt.AADL(torch.optim.SGD(params, lr=0.1), history_depth=3)
+
+    def failing():
+        raise ArithmeticError("inner closure")
+    with pytest.raises(ArithmeticError, match="inner closure"):
+        opt.step(failing)
+
+
+# ---- refusals ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"lr": -1.0}, "learning rate"),
+    ({"lr": 0.0}, "learning rate"),
+    ({"beta": 1.0}, "beta"),
+    ({"eps": -1e-3}, "eps"),
+    ({"warmup": -1}, "warmup"),
+    ({"init_lr": 1.0}, "init_lr"),
+    ({"weight_decay": -0.1}, "weight_decay"),
+    ({"rebound": "elastic"}, "rebound"),
+    ({"weight_decay_type": "L3"}, "weight_decay_type"),
+    ({"state": "disk"}, "state='disk'"),
+    ({"state_budget": 1 << 20}, "state='tiered'"),
+    ({"state": "tiered", "state_budget": 0}, "positive"),
+])
+def test_apollo_refuses_bad_options(kwargs, match):
+    params, _, _ = regression_problem()
+    options = {"lr": 0.01, **kwargs}
+    with pytest.raises(ValueError, match=match):
+        topt.Apollo(params, **options)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"history_depth": 2}, "history_depth"),
+    ({"relaxation": 0.0}, "relaxation"),
+    ({"frequency": 0}, "frequency"),
+    ({"store_each_nth": 0}, "store_each_nth"),
+    ({"reg_acc": -1.0}, "reg_acc"),
+    ({"acceleration_type": "broyden"}, "broyden"),
+    ({"history": "gpu"}, "history='gpu'"),
+    ({"history_budget": 4096}, "history='tiered'"),
+])
+def test_aadl_refuses_bad_options(kwargs, match):
+    params, _, _ = regression_problem()
+    with pytest.raises(ValueError, match=match):
+        topt.AADL(torch.optim.SGD(params, lr=0.1), **kwargs)
+
+
+def test_aadl_wraps_only_an_optimizer():
+    with pytest.raises(TypeError, match="torch.optim.Optimizer"):
+        topt.AADL(object())
+
+
+def test_aadl_refuses_to_step_when_the_inner_parameters_changed():
+    params, tensors, loss = regression_problem()
+    inner = torch.optim.SGD([tensors[0]], lr=0.1)
+    opt = topt.AADL(inner, history_depth=3)
+    inner.add_param_group({"params": [tensors[1]]})
+    with pytest.raises(RuntimeError, match="parameters changed"):
+        opt.step()
+
+
+def test_the_step_refuses_sparse_gradients_and_half_precision_changing_nothing():
+    emb = torch.nn.Embedding(10, 4, sparse=True)
+    opt = topt.Apollo(emb.parameters(), lr=0.05)
+    emb(torch.tensor([1, 2])).sum().backward()
+    before = emb.weight.detach().clone()
+    with pytest.raises(RuntimeError, match="sparse"):
+        opt.step()
+    assert torch.equal(before, emb.weight)
+
+    half = torch.zeros(4, dtype=torch.float16, requires_grad=True)
+    full = torch.zeros(4, requires_grad=True)
+    opt = topt.Apollo([full, half], lr=0.05)
+    (full.sum() + half.float().sum()).backward()
+    with pytest.raises(RuntimeError, match="Half|float16|dtype"):
+        opt.step()
+    assert not full.detach().any()
+
+
+def forged_state_dicts(sd):
+    """(name, forged copy of the Apollo state_dict sd, what the error names)."""
+    def forge(change):
+        copy_ = copy.deepcopy(sd)
+        change(copy_)
+        return copy_
+    yield "not a dict", [1, 2], "not an optimizer state_dict"
+    yield "groups", forge(lambda d: d["param_groups"].pop()), "parameter groups"
+    yield "group size", forge(lambda d: d["param_groups"][0]["params"].append(7)), \
+        "parameters"
+    yield "unknown parameter", forge(lambda d: d["state"].update({9: d["state"][0]})), \
+        "parameter 9"
+    yield "negative step", forge(lambda d: d["state"][1].update(step=-1)), "step"
+    yield "fractional step", forge(lambda d: d["state"][1].update(step=1.5)), "step"
+    yield "missing key", forge(lambda d: d["state"][1].pop("update")), "update"
+    yield "not a tensor", forge(lambda d: d["state"][1].update(update=[0.0])), "update"
+    yield "wrong shape", forge(
+        lambda d: d["state"][1].update(update=torch.zeros(5))), "shape"
+    yield "integer state", forge(
+        lambda d: d["state"][1].update(exp_avg_grad=torch.zeros(3, dtype=torch.int64))), \
+        "floating"
+    yield "bad option", forge(lambda d: d["param_groups"][1].update(beta=2.0)), "beta"
+    yield "missing option", forge(lambda d: d["param_groups"][0].pop("eps")), "eps"
+
+
+def test_apollo_refuses_a_bad_state_dict_and_changes_nothing():
+    params, tensors, loss = regression_problem(groups=2)
+    opt = topt.Apollo(params, lr=0.05, warmup=3)
+    train(opt, loss, 3)
+    sd = opt.state_dict()
+    twin_params, twin_tensors, twin_loss = regression_problem(groups=2)
+    twin = topt.Apollo(twin_params, lr=0.05, warmup=3)
+    train(twin, twin_loss, 3)
+    for name, forged, match in forged_state_dicts(sd):
+        with pytest.raises(ValueError, match=match):
+            opt.load_state_dict(forged)
+        assert opt.param_groups[1]["beta"] == 0.9, name
+        assert opt.state_dict()["state"][1]["step"] == 3, name
+    train(opt, loss, 3)
+    train(twin, twin_loss, 3)
+    assert_bitwise(snapshot(twin_tensors), snapshot(tensors))
+
+
+def test_aadl_refuses_a_bad_state_dict_and_changes_nothing():
+    def make(params):
+        return topt.AADL(torch.optim.Adam(params, lr=0.05), relaxation=0.5, history_depth=4)
+    params, tensors, loss = regression_problem()
+    opt = make(params)
+    train(opt, loss, 4)
+    good = opt.state_dict()
+    twin_params, twin_tensors, twin_loss = regression_problem()
+    twin = make(twin_params)
+    train(twin, twin_loss, 4)
+    other_params, other_tensors, other_loss = regression_problem(seed=3)
+    other = make(other_params)
+    train(other, other_loss, 2)  # a valid inner state, with a truncated history beside it
+    truncated = {"inner": other.state_dict()["inner"], "aadl": good["aadl"][:40]}
+    for forged, error in [({"inner": good["inner"]}, ValueError),
+                          ({"inner": good["inner"], "aadl": "text"}, ValueError),
+                          (truncated, ValueError)]:
+        with pytest.raises(error):
+            opt.load_state_dict(forged)
+    train(opt, loss, 4)
+    train(twin, twin_loss, 4)
+    assert_bitwise(snapshot(twin_tensors), snapshot(tensors))
+
+
+def test_a_missing_binding_is_a_clear_error(monkeypatch, tmp_path):
+    monkeypatch.setenv("TIDEPOOL_OPTIM_MODULE", str(tmp_path / "nothing.so"))
+    with pytest.raises(_lib.LibraryError, match="TIDEPOOL_OPTIM_MODULE"):
+        _lib.optim_module_path()
+
+
+# ---- the drop-in's hooks -----------------------------------------------------------------------
+
+def test_the_step_hooks_leave_tidepool_optimizers_alone():
+    from tidepool import _optim_hooks, _step_scopes
+    params, _, _ = regression_problem()
+    opt = topt.Apollo(params, lr=0.05)
+    scopes = len(_step_scopes._scopes())
+    assert _optim_hooks._pre_step(opt, (), {}) is None
+    assert len(_step_scopes._scopes()) == scopes
+    _optim_hooks._post_step(opt, (), {})
+    assert len(_step_scopes._scopes()) == scopes
+    assert not _optim_hooks._owns_state(torch.optim.SGD(params, lr=0.1))
