@@ -433,6 +433,10 @@ PYBIND11_MODULE(_optim, m) {
            })
       .def_property_readonly("accepted", &AADL::accepted)
       .def_property_readonly("rejected", &AADL::rejected)
+      .def("placement_stats",
+           [](const AADL& aadl, size_t group) {
+             return placement_stats(aadl.history(group).placement());
+           })
       .def("history_size",
            [](const AADL& aadl, size_t group) { return aadl.history(group).size(); })
       .def("save", &save_aadl)

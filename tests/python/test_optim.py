@@ -21,6 +21,8 @@ import glob
 import io
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -191,6 +193,16 @@ def test_tiered_state_reports_its_store():
     assert stats["device_budget_bytes"] == 1 << 20
     assert stats["state_bytes"] == 3 * sum(t.nbytes for t in tensors)
     assert opt.placement == "tiered"
+
+    aadl = topt.AADL(torch.optim.SGD(params, lr=0.1), history_depth=3, history="tiered",
+                     history_budget=1 << 20)
+    train(aadl, loss, 4)
+    stats = aadl.placement_stats()
+    assert stats["placement"] == "tiered" and stats["device_budget_bytes"] == 1 << 20
+    # Three vectors of all parameters, and the spare a tiered history keeps for reuse.
+    assert stats["state_bytes"] == 4 * sum(t.nbytes for t in tensors)
+    assert topt.AADL(torch.optim.SGD(params, lr=0.1)).placement_stats()["placement"] == \
+        "resident"  # "host" for CPU parameters
 
 
 @pytest.mark.parametrize("where", ["device", "tiered"])
@@ -502,6 +514,17 @@ def test_a_missing_binding_is_a_clear_error(monkeypatch, tmp_path):
     monkeypatch.setenv("TIDEPOOL_OPTIM_MODULE", str(tmp_path / "nothing.so"))
     with pytest.raises(_lib.LibraryError, match="TIDEPOOL_OPTIM_MODULE"):
         _lib.optim_module_path()
+
+
+def test_the_device_script_runs_small_on_the_cpu():
+    """scripts/optim_checks.py, which scripts/device-check runs on the GPU."""
+    script = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "optim_checks.py")
+    result = subprocess.run([sys.executable, script, "--device", "cpu", "--layers", "2",
+                             "--width", "64", "--steps", "3"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "optim apollo PASS" in result.stdout and "optim aadl   PASS" in result.stdout
+    assert result.stdout.count(" ms/step ") == 6
 
 
 # ---- the drop-in's hooks -----------------------------------------------------------------------

@@ -145,9 +145,10 @@ class Apollo(torch.optim.Optimizer):
         self._apollo.fused = bool(enabled)
 
     def placement_stats(self) -> dict:
-        """What the state's placement moved and holds: bytes_to_device and bytes_to_host
-        (host and tiered), and for tiered the store's figures (state_bytes,
-        device_budget_bytes, device_peak_bytes, prefetch_hits, misses, evictions, ...)."""
+        """What the state's placement moved and holds: "placement" (the C++ placement's
+        name: resident, host_staged or tiered), bytes_to_device and bytes_to_host (host
+        and tiered), and for tiered the store's figures (state_bytes, device_budget_bytes,
+        device_peak_bytes, prefetch_hits, misses, evictions, ...)."""
         return self._apollo.placement_stats()
 
     def add_param_group(self, param_group):
@@ -351,6 +352,12 @@ class AADL:
     def history_size(self, group: int = 0) -> int:
         """How many vectors the history of parameter group `group` holds."""
         return self._aadl.history_size(group)
+
+    def placement_stats(self, group: int = 0) -> dict:
+        """What the placement of parameter group `group`'s history moved and holds, as
+        Apollo.placement_stats() says it ("placement" is the C++ placement's name:
+        resident, host_staged or tiered)."""
+        return self._aadl.placement_stats(group)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._inner.zero_grad(set_to_none=set_to_none)

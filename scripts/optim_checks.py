@@ -1,0 +1,114 @@
+#!/usr/bin/env python3
+"""tidepool.optim (Apollo, AADL through the Python binding) on one device, in every
+placement: the trajectories must be bitwise the same wherever the state lives; the time
+per step and the device memory each placement takes are printed beside each other.
+
+    scripts/optim_checks.py [--device cuda|cpu] [--layers N] [--width W] [--steps S]
+
+Prints one line per optimizer and placement, then "optim <name> PASS|FAIL"; exits 1 when
+a placement changed a result. Run alone for its times (scripts/device-check runs it after
+the side-by-side checks; the test suite runs it small on the CPU, tests/python/
+test_optim.py). Needs the environment the Python tests have (PYTHONPATH=python/src,
+TIDEPOOL_LIBRARY, TIDEPOOL_OPTIM_MODULE), or the installed package.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import torch
+
+import tidepool.optim as topt
+
+
+def model_and_batch(args, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    layers = [torch.nn.Linear(args.width, args.width) for _ in range(args.layers)]
+    for layer in layers:
+        with torch.no_grad():
+            layer.weight.copy_(torch.randn(layer.weight.shape, generator=gen) / args.width ** 0.5)
+            layer.bias.zero_()
+    model = torch.nn.Sequential(*[m for layer in layers for m in (layer, torch.nn.Tanh())])
+    x = torch.randn(64, args.width, generator=gen)
+    return model.to(args.device), x.to(args.device)
+
+
+def synchronize(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def run(args, make, placement: str):
+    """(parameters after the run, seconds per step after the first, device peak bytes
+    the state took: torch's peak over the run beyond the model for device-resident
+    state, the tiered store's peak for tiered state)."""
+    model, x = model_and_batch(args)
+    opt = make(model.parameters(), placement)
+    if args.device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated() if args.device == "cuda" else 0
+    times = []
+    for _ in range(args.steps):
+        synchronize(args.device)
+        start = time.perf_counter()
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        opt.step()
+        synchronize(args.device)
+        times.append(time.perf_counter() - start)
+    peak = torch.cuda.max_memory_allocated() - base if args.device == "cuda" else 0
+    stats = opt.placement_stats()
+    if stats.get("placement") == "tiered":
+        peak = stats["device_peak_bytes"]
+    params = [p.detach().cpu() for p in model.parameters()]
+    per_step = sum(times[1:]) / max(1, len(times) - 1)
+    return params, per_step, peak, stats
+
+
+def check(args, name, make, placements) -> bool:
+    results = {p: run(args, make, p) for p in placements}
+    first = results[placements[0]][0]
+    same = all(all(torch.equal(a, b) for a, b in zip(first, r[0])) for r in results.values())
+    for placement, (_, per_step, peak, stats) in results.items():
+        moved = (stats.get("bytes_to_device", 0) + stats.get("bytes_to_host", 0)) / args.steps
+        print(f"optim {name:<6} {placement:<7} {per_step * 1e3:9.2f} ms/step  state on the "
+              f"device: peak {peak / 2**20:9.1f} MiB  moved {moved / 2**20:9.1f} MiB/step "
+              f"({stats.get('placement')})", flush=True)
+    print(f"optim {name:<6} {'PASS' if same else 'FAIL'}  trajectories bitwise equal across "
+          f"{', '.join(placements)}: {same}", flush=True)
+    return same
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--width", type=int, default=4096)
+    parser.add_argument("--steps", type=int, default=6)
+    args = parser.parse_args()
+    n = args.layers * (args.width + 1) * args.width
+    state = 3 * n * 4
+    budget = max(state // 4, 3 * 4 * (args.width + 1) * args.width)  # a quarter, >= a layer
+    print(f"optim: {args.device}, {n / 1e6:.1f} M fp32 parameters, {args.steps} steps; "
+          f"Apollo state {state / 2**20:.0f} MiB, tiered budget {budget / 2**20:.0f} MiB; "
+          f"AADL history 5 vectors ({5 * n * 4 / 2**20:.0f} MiB), tiered budget 64 MiB",
+          flush=True)
+
+    def apollo(params, placement):
+        return topt.Apollo(params, lr=0.01, warmup=2, state=placement,
+                           state_budget=budget if placement == "tiered" else None)
+
+    def aadl(params, placement):
+        return topt.AADL(torch.optim.SGD(params, lr=0.05), relaxation=0.5, history_depth=5,
+                         history=placement,
+                         history_budget=64 << 20 if placement == "tiered" else None)
+
+    ok = check(args, "apollo", apollo, ["device", "host", "tiered"])
+    ok &= check(args, "aadl", aadl, ["device", "host", "tiered"])
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
