@@ -23,6 +23,7 @@ import json
 import os
 import subprocess
 import sys
+import weakref
 
 import pytest
 import torch
@@ -360,6 +361,62 @@ def test_an_exception_in_the_closure_propagates_and_changes_nothing():
     train(opt, loss, 2)
     train(twin, twin_loss, 2)
     assert_bitwise(snapshot(twin_tensors), snapshot(tensors))
+
+
+def test_accelerate_replaces_the_optimizers_step_as_the_reference_does():
+    params, tensors, loss = regression_problem()
+    twin_params, twin_tensors, twin_loss = regression_problem()
+    inner = torch.optim.SGD(params, lr=0.1)
+    aadl = topt.accelerate(inner, relaxation=0.5, history_depth=4)
+    twin = topt.AADL(torch.optim.SGD(twin_params, lr=0.1), relaxation=0.5, history_depth=4)
+    train(inner, loss, 6)  # the optimizer's own step(), accelerated
+    train(twin, twin_loss, 6)
+    assert aadl.history_size() == 4
+    assert_bitwise(snapshot(twin_tensors), snapshot(tensors))
+    with pytest.raises(ValueError, match="accelerated already"):
+        topt.accelerate(inner)
+    del inner.step  # the plain step again
+    before = snapshot(tensors)
+    train(inner, loss, 1)
+    assert aadl.history_size() == 4 and not torch.equal(before[0], tensors[0])
+
+
+@pytest.mark.parametrize("scheduler_first", [False, True])
+def test_accelerate_works_with_an_lr_scheduler_made_before_or_after(scheduler_first):
+    """The scheduler sees every step (no warning), and halves the lr of the steps the
+    accelerated optimizer takes, bit for bit as for an AADL around a scheduled optimizer."""
+    def run(accelerated):
+        params, tensors, loss = regression_problem()
+        inner = torch.optim.SGD(params, lr=0.1)
+        make_scheduler = lambda: torch.optim.lr_scheduler.StepLR(inner, 2, gamma=0.5)
+        scheduler = make_scheduler() if scheduler_first else None
+        if accelerated:
+            opt = topt.accelerate(inner, relaxation=0.5, history_depth=4)
+            stepper = inner
+        else:
+            opt = stepper = topt.AADL(inner, relaxation=0.5, history_depth=4)
+        scheduler = scheduler or make_scheduler()
+        for _ in range(6):
+            train(stepper, loss, 1)
+            scheduler.step()
+        assert inner.param_groups[0]["lr"] == 0.1 / 8 and opt.history_size() == 4
+        return snapshot(tensors)
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert_bitwise(run(False), run(True))
+
+
+def test_an_accelerated_optimizer_is_collected_with_its_history():
+    import gc
+    params, tensors, loss = regression_problem()
+    inner = torch.optim.SGD(params, lr=0.1)
+    topt.accelerate(inner, history_depth=3)
+    train(inner, loss, 3)
+    gone = weakref.ref(inner)
+    del inner
+    gc.collect()
+    assert gone() is None
 
 
 def test_aadl_closure_exception_propagates():

@@ -32,9 +32,10 @@ reference's format (per parameter: step, exp_avg_grad, approx_hessian, update), 
 checkpoints of the published Apollo load here and the other way round. Its state is not
 in `self.state`: it lives in the C++ optimizer, and state_dict() copies it out.
 
-AADL wraps any torch.optim optimizer (it steps it, then accelerates), like the
-reference's AADL.accelerate(optimizer, ...), and takes the same options. Its
-state_dict() holds the inner optimizer's state_dict and its own history.
+AADL wraps any torch.optim optimizer (it steps it, then accelerates) and takes the
+options of the reference's AADL.accelerate(optimizer, ...). Its state_dict() holds the
+inner optimizer's state_dict and its own history. accelerate(optimizer, ...) does what
+the reference's does: the optimizer's own step() is accelerated from then on.
 
 The drop-in's step hooks (PYTORCH_CUDA_ALLOC_CONF=backend:tidepool) leave these optimizers
 alone, since their state is not in `optimizer.state`; an AADL's inner optimizer is a
@@ -46,12 +47,14 @@ from __future__ import annotations
 import importlib.util
 import itertools
 import threading
+import types
+import weakref
 
 import torch
 
 from . import _lib
 
-__all__ = ["Apollo", "AADL"]
+__all__ = ["Apollo", "AADL", "accelerate"]
 
 _PLACEMENTS = ("device", "host", "tiered")
 _APOLLO_OPTIONS = ("lr", "beta", "eps", "rebound", "warmup", "init_lr", "base_lr",
@@ -304,8 +307,8 @@ class AADL:
                              reg_acc=reg_acc)
         self._inner = optimizer
         self._params = [list(g["params"]) for g in optimizer.param_groups]
-        self._aadl = _module().AADL(self._params, optimizer.step, self._options, history,
-                                    history_budget)
+        self._aadl = _module().AADL(self._params, _InnerStep(optimizer), self._options,
+                                    history, history_budget)
         self._history_placement = history
 
     def __getstate__(self):
@@ -402,3 +405,70 @@ class AADL:
     def __repr__(self) -> str:
         options = ", ".join(f"{k}={v!r}" for k, v in self._options.items())
         return f"AADL({options}, history={self._history_placement!r},\n  {self._inner!r})"
+
+
+def accelerate(optimizer, acceleration_type="anderson", relaxation=0.1, wait_iterations=1,
+               history_depth=15, store_each_nth=1, frequency=1, reg_acc=0.0, *,
+               history="host", history_budget=None) -> AADL:
+    """As the reference's AADL.accelerate(optimizer, ...): from now on optimizer.step()
+    (with or without a closure) is the accelerated step. Returns the AADL doing it, whose
+    state_dict() is the one to save to resume with the history (optimizer.state_dict() is
+    the inner optimizer's alone, as with the reference). LR schedulers made before or
+    after work as with the plain optimizer. Accelerating an optimizer twice is refused;
+    `del optimizer.step` undoes it (unless a scheduler wrapped it since)."""
+    if _accelerated(vars(optimizer).get("step")) is not None:
+        raise ValueError("tidepool.optim.accelerate: this optimizer is accelerated already")
+    aadl = AADL(optimizer, acceleration_type, relaxation, wait_iterations, history_depth,
+                store_each_nth, frequency, reg_acc, history=history,
+                history_budget=history_budget)
+
+    def accelerated_step(self, closure=None):
+        return aadl.step(closure)
+    accelerated_step._tidepool_accelerated = True
+    # The instance-level step this replaces, which _InnerStep then calls: an LR scheduler
+    # made earlier had wrapped the step to see it called. The scheduler checks that the
+    # step it finds is still wrapped.
+    replaced = vars(optimizer).get("step")
+    accelerated_step._tidepool_replaced = replaced
+    if getattr(replaced, "_wrapped_by_lr_sched", False):
+        accelerated_step._wrapped_by_lr_sched = True
+    # A method of the optimizer, as a scheduler made later expects to find (it rebinds
+    # the function to the optimizer).
+    optimizer.step = types.MethodType(accelerated_step, optimizer)
+    return aadl
+
+
+def _accelerated(step):
+    """accelerate()'s step function when `step` (an optimizer's instance-level step) is
+    it or wraps it (an LR scheduler's wrapper: functools.wraps keeps the wrapped
+    function), else None."""
+    func = getattr(step, "__func__", step)
+    while func is not None:
+        if getattr(func, "_tidepool_accelerated", False):
+            return func
+        func = getattr(func, "__wrapped__", None)
+    return None
+
+
+class _InnerStep:
+    """The inner optimizer's own step, as AADL's C++ side calls it: its instance-level
+    step (an LR scheduler's wrapper, which marks the optimizer stepped) or, where that is
+    accelerate()'s, the one accelerate() replaced; else the class's. It holds the optimizer weakly: the binding's reference to
+    it is invisible to Python's cycle collector, and accelerate() makes a cycle through it
+    (optimizer -> step -> AADL -> binding -> this), which must stay collectable; the AADL
+    object holds the optimizer strongly."""
+
+    def __init__(self, optimizer):
+        self._optimizer = weakref.ref(optimizer)
+
+    def __call__(self, closure=None):
+        optimizer = self._optimizer()
+        if optimizer is None:
+            raise RuntimeError("tidepool.optim.AADL: the inner optimizer no longer exists")
+        step = vars(optimizer).get("step")
+        accelerated = _accelerated(step)
+        if accelerated is not None:
+            step = accelerated._tidepool_replaced
+        if step is None:
+            step = type(optimizer).step.__get__(optimizer)
+        return step() if closure is None else step(closure)
