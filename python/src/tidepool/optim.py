@@ -453,10 +453,11 @@ def _accelerated(step):
 class _InnerStep:
     """The inner optimizer's own step, as AADL's C++ side calls it: its instance-level
     step (an LR scheduler's wrapper, which marks the optimizer stepped) or, where that is
-    accelerate()'s, the one accelerate() replaced; else the class's. It holds the optimizer weakly: the binding's reference to
-    it is invisible to Python's cycle collector, and accelerate() makes a cycle through it
-    (optimizer -> step -> AADL -> binding -> this), which must stay collectable; the AADL
-    object holds the optimizer strongly."""
+    accelerate()'s, the one accelerate() replaced; else the class's. It holds the
+    optimizer weakly: the binding's reference to it is invisible to Python's cycle
+    collector, and accelerate() makes a cycle through it (optimizer -> step -> AADL ->
+    binding -> this), which must stay collectable; the AADL object holds the optimizer
+    strongly."""
 
     def __init__(self, optimizer):
         self._optimizer = weakref.ref(optimizer)
