@@ -245,6 +245,23 @@ def test_apollo_state_dict_has_the_reference_layout():
     assert group["base_lr"] == 0.02 and group["weight_decay_type"] == "L2"
 
 
+def test_apollo_runs_the_state_dict_hooks():
+    params, tensors, loss = regression_problem()
+    opt = topt.Apollo(params, lr=0.05)
+    train(opt, loss, 1)
+    calls = []
+    opt.register_state_dict_pre_hook(lambda o: calls.append("save-pre"))
+    opt.register_state_dict_post_hook(
+        lambda o, sd: calls.append("save-post") or {**sd, "note": "from a hook"})
+    opt.register_load_state_dict_pre_hook(
+        lambda o, sd: calls.append("load-pre") or {k: v for k, v in sd.items() if k != "note"})
+    opt.register_load_state_dict_post_hook(lambda o: calls.append("load-post"))
+    sd = opt.state_dict()
+    assert sd["note"] == "from a hook"
+    opt.load_state_dict(sd)
+    assert calls == ["save-pre", "save-post", "load-pre", "load-post"]
+
+
 def test_apollo_loads_a_state_dict_in_another_dtype_with_tensor_steps():
     """As PyTorch's optimizers save 'step' (a tensor) and as a float32 run saves state."""
     params, tensors, loss = regression_problem(dtype=torch.float64)

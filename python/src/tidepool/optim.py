@@ -181,7 +181,11 @@ class Apollo(torch.optim.Optimizer):
     def state_dict(self) -> dict:
         """{'state': {index: {'step', 'exp_avg_grad', 'approx_hessian', 'update'}},
         'param_groups': [...]} as torch.optim and the reference make it (parameters
-        numbered across groups in order); the tensors are host copies."""
+        numbered across groups in order); the tensors are host copies. The state_dict
+        hooks torch.optim.Optimizer offers (register_state_dict_pre_hook, ...) run as
+        there."""
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
+            pre_hook(self)
         state = {}
         for index, saved in enumerate(self._apollo.saved_state()):
             if saved is not None:
@@ -194,12 +198,24 @@ class Apollo(torch.optim.Optimizer):
             entry["params"] = list(range(start, start + len(group["params"])))
             start += len(group["params"])
             packed.append(entry)
-        return {"state": state, "param_groups": packed}
+        state_dict = {"state": state, "param_groups": packed}
+        for post_hook in self._optimizer_state_dict_post_hooks.values():
+            result = post_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        return state_dict
 
     def load_state_dict(self, state_dict) -> None:
         """Loads a state_dict of this class or of the published Apollo: everything is
         checked and copied into this optimizer's placement before anything changes, so a
-        refused one (ValueError naming what) leaves the optimizer as it was."""
+        refused one (ValueError naming what) leaves the optimizer as it was. The state_dict
+        hooks torch.optim.Optimizer offers run as there."""
+        if isinstance(state_dict, dict):
+            state_dict = state_dict.copy()
+            for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+                result = pre_hook(self, state_dict)
+                if result is not None:
+                    state_dict = result
         saved_groups, saved_state = _unpack_state_dict(state_dict)
         if len(saved_groups) != len(self.param_groups):
             raise ValueError(
@@ -230,6 +246,8 @@ class Apollo(torch.optim.Optimizer):
         for index, (group, saved) in enumerate(zip(self.param_groups, saved_groups)):
             group.update({k: v for k, v in saved.items() if k != "params"})
             group.update(self._apollo.options(index))
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
 
 
 def _options_of(group: dict) -> dict:
