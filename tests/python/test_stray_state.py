@@ -13,12 +13,14 @@ range):
     steps that could show otherwise (not a state step, not one without gradients), and
     looked through again at doubling intervals; Adagrad's constructor-made state is taken
     in at its first step;
-  - a copy that fails is said, and neither fails the step nor loses state."""
+  - a copy that fails is said, and neither fails the step nor loses state;
+  - the published AADL's history, which no hook sees, is pointed out once."""
 
 from __future__ import annotations
 
 import collections
 import copy
+import warnings
 
 import pytest
 import torch
@@ -512,3 +514,43 @@ def test_a_copy_that_fails_is_said_and_the_step_goes_on(fake_cuda, fake_tiering,
     assert tiered_after == [True, False, True, True, True], "the next look took it in"
     assert len([w for w in warned if "out of memory" in str(w.message)]) == 1
     assert _tags.current() == outside and _in_flight.in_flight() == {}, "every scope closed"
+
+
+def test_the_published_aadls_history_on_the_device_is_pointed_out_once(
+        fake_cuda, fake_tiering, untiered_state, monkeypatch):
+    """The published AADL.accelerate keeps its history in optimizer.acc_param_hist,
+    appended after the step it wraps: no hook tiers it, and the pre-step hook says once
+    where tidepool.optim.accelerate would keep it (_untiered_history.py). Meta tensors
+    stand for device memory here; a history in host memory is not pointed out."""
+    from tidepool import _untiered_history
+    install(tier_min_bytes=str(MIN_BYTES))
+    monkeypatch.setattr(_untiered_history, "_said", False)
+
+    def accelerate(optimizer, device):  # the published AADL's way, reduced to the history
+        optimizer.acc_param_hist = [collections.deque(maxlen=3) for _ in optimizer.param_groups]
+        optimizer.orig_step = optimizer.step
+
+        def accelerated_step(self, closure=None):
+            self.orig_step(closure)
+            for group, hist in zip(self.param_groups, self.acc_param_hist):
+                hist.append(torch.cat([p.detach().reshape(-1) for p in group["params"]])
+                            .to(device))
+        optimizer.step = accelerated_step.__get__(optimizer)
+
+    def steps(device, count):
+        params = [torch.nn.Parameter(torch.ones(8))]
+        optimizer = torch.optim.SGD(params, lr=0.1)
+        accelerate(optimizer, device)
+        for _ in range(count):
+            optimizer.zero_grad()
+            params[0].square().sum().backward()
+            optimizer.step()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        steps("cpu", 3)  # in host memory: nothing to say
+        with pytest.warns(_install.TidepoolInactiveWarning,
+                          match=r"acc_param_hist: 1 vector, 0\.0 MiB on meta\).*"
+                                r"tidepool\.optim\.accelerate"):
+            steps("meta", 3)  # said at the second step's pre-hook, the history holding one
+        steps("meta", 3)  # once per process

@@ -18,7 +18,8 @@ State made in a step that ran under workspace (LBFGS's) is taken into tiering af
 step, before the eviction: Note [state made in workspace steps] in _stray_state.py. State
 that appears outside step() is taken in too: Optimizer.load_state_dict (resuming from a
 checkpoint) is wrapped, see Note [loaded state] in _loaded_state.py. Optimizers that keep
-their state themselves (tidepool.optim's Apollo) are left alone.
+their state themselves (tidepool.optim's Apollo) are left alone. The published AADL's
+history, which no hook sees, is pointed out once (_untiered_history.py).
 
 This module installs the hooks and runs them; what they decide and move is in the
 modules named above, which import nothing from here.
@@ -30,7 +31,7 @@ import functools
 import warnings
 
 from . import (_in_flight, _install, _loaded_state, _patches, _state_moves, _state_tensors,
-               _step_scopes, _step_tags, _stray_state, _tags, _tiering)
+               _step_scopes, _step_tags, _stray_state, _tags, _tiering, _untiered_history)
 
 
 def _guard_step(hooked_step):
@@ -163,6 +164,7 @@ def _owns_state(optimizer) -> bool:
 def _pre_step(optimizer, args, kwargs):
     if _owns_state(optimizer):
         return None
+    _untiered_history.check(optimizer)
     _step_scopes._close_scopes_down_to(_scopes_to_keep())
     devices = _state_tensors._cuda_devices(optimizer)
     own = _step_scopes._devices_not_held(devices)
