@@ -3,7 +3,8 @@
 - every golden trajectory of ../shared/golden (the published Apollo and AADL), through the
   Python classes, in each placement, fused and not;
 - placement does not change results (bitwise), save -> load -> continue equals an
-  uninterrupted run, and Apollo's state_dict has the reference's layout;
+  uninterrupted run, and Apollo's state_dict has the reference's layout: checkpoints move
+  between the published Apollo (reference_apollo.py) and this one both ways;
 - LR schedulers and added parameter groups reach the C++ step; closures (their loss,
   their exceptions);
 - bad options, bad state_dicts, sparse gradients and unsupported dtypes are refused with
@@ -30,6 +31,8 @@ import torch
 
 import tidepool.optim as topt
 from tidepool import _lib
+
+from reference_apollo import ReferenceApollo
 
 try:
     _lib.optim_module_path()
@@ -157,6 +160,40 @@ def test_golden_trajectory(path, where):
                          ids=lambda p: os.path.basename(p)[:-5])
 def test_golden_trajectory_without_fused_kernels(path):
     assert run_golden(Golden(path), "device", fused=False) <= GOLDEN_TOLERANCE
+
+
+@pytest.mark.parametrize("path", [p for p in GOLDEN if "apollo" in os.path.basename(p)],
+                         ids=lambda p: os.path.basename(p)[:-5])
+@pytest.mark.parametrize("first, then", [(ReferenceApollo, topt.Apollo),
+                                         (topt.Apollo, ReferenceApollo)],
+                         ids=["reference_to_tidepool", "tidepool_to_reference"])
+def test_checkpoints_move_between_the_published_apollo_and_this_one(path, first, then):
+    """Half the golden run with one, its state_dict through torch.save, the rest with the
+    other (made with another lr: the options come from the checkpoint): the golden
+    trajectory all the same. ReferenceApollo (reference_apollo.py) keeps its state as
+    the published Apollo does, and follows the golden runs too (checked here first)."""
+    golden = Golden(path)
+    spec = {k: v for k, v in golden.optimizer.items() if k != "type"}
+    params = golden.params()
+    half = len(golden.steps) // 2
+    optimizer = first(params, **spec)
+    worst = 0.0
+    for index, ref in enumerate(golden.steps):
+        if index == half:
+            buffer = io.BytesIO()
+            torch.save(optimizer.state_dict(), buffer)
+            buffer.seek(0)
+            optimizer = then(params, **{**spec, "lr": 0.5})
+            optimizer.load_state_dict(torch.load(buffer))
+            assert optimizer.param_groups[0]["lr"] == spec["lr"]
+        optimizer.zero_grad()
+        golden.loss(params).backward()
+        optimizer.step()
+        for got, want in zip(params, ref["params"]):
+            want = torch.tensor(want, dtype=torch.float64)
+            worst = max(worst, ((got.detach().reshape(-1) - want).abs()
+                                / (GOLDEN_FLOOR + want.abs())).max().item())
+    assert worst <= GOLDEN_TOLERANCE, f"{golden.name}: deviation {worst:.3e}"
 
 
 # ---- placement, checkpoints ---------------------------------------------------------------------
