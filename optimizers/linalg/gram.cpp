@@ -14,6 +14,7 @@
 #include "optimizers/linalg/gram.h"
 
 #include <algorithm>
+#include <limits>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -161,6 +162,19 @@ at::Tensor kernel_gram(const std::vector<at::Tensor>& columns) {
 #endif
 
 }  // namespace
+
+int64_t underflowing_column(const std::vector<at::Tensor>& columns, const at::Tensor& G,
+                            int64_t first) {
+  const double limit =
+      static_cast<double>(columns.front().size(0)) * std::numeric_limits<double>::min();
+  const auto diagonal = G.diagonal().contiguous();
+  const double* d = diagonal.data_ptr<double>() + first;
+  for (size_t j = 0; j < columns.size(); ++j) {
+    if (d[j] >= limit) continue;
+    if (d[j] > 0.0 || columns[j].ne(0).any().item<bool>()) return static_cast<int64_t>(j);
+  }
+  return -1;
+}
 
 std::vector<at::Tensor> columns_of(const at::Tensor& matrix) {
   std::vector<at::Tensor> columns;

@@ -2,6 +2,7 @@
 // read chunk by chunk (internal to tidepool_optim).
 #pragma once
 
+#include <cstdint>
 #include <vector>
 
 #include <ATen/ATen.h>
@@ -24,6 +25,14 @@ at::Tensor dots_with(const at::Tensor& v, const std::vector<at::Tensor>& columns
 std::vector<double> direct_residual_norms(const std::vector<at::Tensor>& a_columns,
                                           const std::vector<at::Tensor>& b_columns,
                                           const at::Tensor& x);
+
+// The first of `columns` that is not zero but whose squares underflowed fp64
+// (‖c_j‖² < N·DBL_MIN, entries ≲ 1.5e-154; Note [Underflowing squares] in lstsq.cpp), or
+// -1. `G` is the Gram matrix the columns' diagonal entries are in, from entry `first` on.
+// Only a column that small is read again, to tell a zero column (which G represents
+// exactly) from a tiny one.
+int64_t underflowing_column(const std::vector<at::Tensor>& columns, const at::Tensor& G,
+                            int64_t first);
 
 // Columns of a 2-D matrix as strided 1-D views (no copy).
 std::vector<at::Tensor> columns_of(const at::Tensor& matrix);

@@ -160,10 +160,11 @@ LstsqResult GramAccumulator::solve(const std::vector<int64_t>& a_slots, int64_t 
   check_live(b_slot, "solve");
   for (const int64_t slot : a_slots) check_live(slot, "solve");
 
+  std::vector<at::Tensor> a_columns;
+  for (const int64_t slot : a_slots) a_columns.push_back(columns_[static_cast<size_t>(slot)]);
+  const auto& b = columns_[static_cast<size_t>(b_slot)];
   if (requested.method == LstsqMethod::cholesky_qr || requested.method == LstsqMethod::svd) {
-    std::vector<at::Tensor> columns;
-    for (const int64_t slot : a_slots) columns.push_back(columns_[static_cast<size_t>(slot)]);
-    return lstsq_columns(columns, columns_[static_cast<size_t>(b_slot)], requested);
+    return lstsq_columns(a_columns, b, requested);
   }
   if (!(requested.tikhonov >= 0.0) || !std::isfinite(requested.tikhonov)) {
     fail("solve: options.tikhonov must be finite and >= 0");
@@ -173,7 +174,22 @@ LstsqResult GramAccumulator::solve(const std::vector<int64_t>& a_slots, int64_t 
   slots.push_back(b_slot);
   const auto G = gram(slots);
   const auto k = static_cast<int64_t>(a_slots.size());
-  const auto& b = columns_[static_cast<size_t>(b_slot)];
+  // Note [Underflowing squares] (lstsq.cpp): a column whose squares underflow is not in G
+  // to any accuracy; as lstsq does, automatic solves by the SVD from the columns and the
+  // forced Gram methods refuse.
+  if (const int64_t tiny = detail::underflowing_column(a_columns, G, 0); tiny >= 0) {
+    if (requested.method != LstsqMethod::automatic) {
+      fail("solve: the column in slot " + std::to_string(a_slots[static_cast<size_t>(tiny)]) +
+           " is so small that its squares underflow float64 (entries below ~1e-154), which "
+           "method " + method_name(requested.method) + " cannot resolve; rescale the "
+           "columns, or use method automatic or svd");
+    }
+    LstsqOptions svd = requested;
+    svd.method = LstsqMethod::svd;
+    LstsqResult result = lstsq_columns(a_columns, b, svd);
+    result.solution = result.solution.to(at::kDouble).cpu();  // automatic's contract
+    return result;
+  }
   const auto options = detail::resolve_defaults(requested, b.scalar_type(), b.size(0), k);
   const double rcond = options.rcond;
 
@@ -191,6 +207,11 @@ LstsqResult GramAccumulator::solve(const std::vector<int64_t>& a_slots, int64_t 
       small =
           detail::solve_from_gram(G, k, options, rcond, LstsqMethod::gram_eigh, false, kOutput);
     }
+  }
+  // A right-hand side that small has lost bᵀb, and with it the Gram residual: measured
+  // directly (rescaled blocks).
+  if (detail::underflowing_column({b}, G, k) >= 0) {
+    small->residual_norms = detail::direct_residual_norms(a_columns, {b}, small->x);
   }
   LstsqResult result;
   result.solution = small->x.squeeze(1);

@@ -65,7 +65,12 @@ class TIDEPOOL_API GramAccumulator {
   // options.gram_condition_limit or AᵀA is singular, returns the minimum-norm solution
   // from its eigendecomposition (method gram_eigh; minimum norm in the equilibrated
   // variables when options.equilibrate, as lstsq.h describes). cholesky_qr and svd read the columns
-  // again through lstsq_columns (and return the columns' dtype and device).
+  // again through lstsq_columns (and return the columns' dtype and device). A column of
+  // a_slots whose squares underflow fp64 (not zero, ‖c‖² < N·DBL_MIN: fp64 entries
+  // ≲ 1e-154) is not in the Gram matrix to any accuracy: automatic then solves by the SVD
+  // from the columns (y still fp64 CPU), the forced gram_cholesky and gram_eigh throw
+  // std::invalid_argument naming the slot; a right-hand side that small has its residual
+  // measured from the columns (Note [Underflowing squares] in lstsq.cpp).
   LstsqResult solve(const std::vector<int64_t>& a_slots, int64_t b_slot,
                     const LstsqOptions& options = {}) const;
 

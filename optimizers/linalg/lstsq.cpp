@@ -168,23 +168,6 @@ at::Tensor fp64_matrix(const std::vector<at::Tensor>& columns) {
   return at::stack(columns, 1).to(at::kDouble);
 }
 
-// Note [Underflowing squares]: the first of `columns` (whose Gram diagonal starts at G's
-// entry `first`) that is not zero but whose squares underflowed (‖c_j‖² < N·DBL_MIN), or -1.
-// Only a column that small is read again, to tell a zero column (which G represents
-// exactly) from a tiny one.
-int64_t underflowing_column(const std::vector<at::Tensor>& columns, const at::Tensor& G,
-                            int64_t first) {
-  const double limit =
-      static_cast<double>(columns.front().size(0)) * std::numeric_limits<double>::min();
-  const auto diagonal = G.diagonal().contiguous();
-  const double* d = diagonal.data_ptr<double>() + first;
-  for (size_t j = 0; j < columns.size(); ++j) {
-    if (d[j] >= limit) continue;
-    if (d[j] > 0.0 || columns[j].ne(0).any().item<bool>()) return static_cast<int64_t>(j);
-  }
-  return -1;
-}
-
 SmallSolution run_svd(const Problem& problem, const LstsqOptions& options, double rcond) {
   auto A = fp64_matrix(problem.a_columns);
   auto B = fp64_matrix(problem.b_columns);
@@ -244,7 +227,7 @@ SmallSolution select_and_solve(const Problem& problem, const LstsqOptions& optio
   all_columns.insert(all_columns.end(), problem.b_columns.begin(), problem.b_columns.end());
   const auto G = detail::gram_of_columns(all_columns);
   check_finite_gram(G);
-  if (const int64_t tiny_column = underflowing_column(problem.a_columns, G, 0);
+  if (const int64_t tiny_column = detail::underflowing_column(problem.a_columns, G, 0);
       tiny_column >= 0) {
     if (method == LstsqMethod::automatic) return run_svd(problem, options, rcond);
     fail("column " + std::to_string(tiny_column) + " of A is so small that its squares " +
@@ -256,7 +239,7 @@ SmallSolution select_and_solve(const Problem& problem, const LstsqOptions& optio
   // which a right-hand side whose squares underflow has lost (Note [Underflowing squares]):
   // either way one more pass measures the residuals directly, of the x returned (rounded).
   auto with_residuals = [&](SmallSolution solution) {
-    if (options.exact_residual || underflowing_column(problem.b_columns, G, problem.k) >= 0) {
+    if (options.exact_residual || detail::underflowing_column(problem.b_columns, G, problem.k) >= 0) {
       solution.residual_norms =
           detail::direct_residual_norms(problem.a_columns, problem.b_columns, solution.x);
     }

@@ -193,5 +193,54 @@ TEST(GramAccumulator, BadInputIsRejectedAndLeavesStateUnchanged) {
   EXPECT_TRUE(at::equal(accumulator.gram({0}), before));
 }
 
+// Note [Underflowing squares] (lstsq.cpp): a column of entries ~1e-160 is all but absent
+// from the Gram matrix (its squares are subnormal), which would give a wrong rank and
+// coefficient; automatic solves from the columns by the SVD, the forced Gram methods
+// refuse, as lstsq does.
+TEST(GramAccumulator, AColumnWhoseSquaresUnderflowIsSolvedFromTheColumns) {
+  at::manual_seed(31);
+  const auto tiny = at::randn({kRows}, at::kDouble) * 1e-160;
+  const auto plain = at::randn({kRows}, at::kDouble);
+  GramAccumulator accumulator(3);
+  accumulator.set_column(0, tiny);
+  accumulator.set_column(1, plain);
+  // The tiny column carries as much of b as the other (coefficient 2e160): well posed.
+  accumulator.set_column(2, (2.0 / 1e-160) * tiny + 3.0 * plain);
+  const auto result = accumulator.solve({0, 1}, 2);
+  EXPECT_EQ(result.method, LstsqMethod::svd);
+  EXPECT_EQ(result.rank, 2);
+  EXPECT_EQ(result.solution.scalar_type(), at::kDouble);
+  EXPECT_TRUE(result.solution.is_cpu());
+  EXPECT_LT(relative_error(result.solution * at::tensor({1e-160, 1.0}, at::kDouble),
+                           at::tensor({2.0, 3.0}, at::kDouble)),
+            1e-12);
+  for (const auto method : {LstsqMethod::gram_cholesky, LstsqMethod::gram_eigh}) {
+    LstsqOptions forced;
+    forced.method = method;
+    expect_invalid([&] { accumulator.solve({0, 1}, 2, forced); }, "slot 0 is so small");
+  }
+}
+
+// A right-hand side that small loses bᵀb, and with it the residual the Gram matrix gives:
+// it is measured from the columns.
+TEST(GramAccumulator, ATinyRightHandSidesResidualIsMeasuredFromTheColumns) {
+  at::manual_seed(32);
+  const auto a0 = at::randn({kRows}, at::kDouble);
+  const auto a1 = at::randn({kRows}, at::kDouble);
+  const auto b = at::randn({kRows}, at::kDouble) * 1e-160;
+  GramAccumulator accumulator(3);
+  accumulator.set_column(0, a0);
+  accumulator.set_column(1, a1);
+  accumulator.set_column(2, b);
+  const auto result = accumulator.solve({0, 1}, 2);
+  const auto y = result.solution * 1e160;  // in units where nothing underflows
+  const double expected =
+      (b * 1e160 - a0 * y[0].item<double>() - a1 * y[1].item<double>()).norm().item<double>() *
+      1e-160;
+  ASSERT_EQ(result.residual_norms.size(), 1u);
+  EXPECT_NEAR(result.residual_norms[0] / expected, 1.0, 1e-12);
+  EXPECT_GT(result.residual_norm, 0.0);
+}
+
 }  // namespace
 }  // namespace tidepool::linalg
