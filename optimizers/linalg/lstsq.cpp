@@ -239,7 +239,8 @@ SmallSolution select_and_solve(const Problem& problem, const LstsqOptions& optio
   // which a right-hand side whose squares underflow has lost (Note [Underflowing squares]):
   // either way one more pass measures the residuals directly, of the x returned (rounded).
   auto with_residuals = [&](SmallSolution solution) {
-    if (options.exact_residual || detail::underflowing_column(problem.b_columns, G, problem.k) >= 0) {
+    if (options.exact_residual ||
+        detail::underflowing_column(problem.b_columns, G, problem.k) >= 0) {
       solution.residual_norms =
           detail::direct_residual_norms(problem.a_columns, problem.b_columns, solution.x);
     }
