@@ -5,10 +5,10 @@ its state in the reference's layout: a checkpoint test partner for tidepool.opti
 
 from __future__ import annotations
 
-import torch
+from per_parameter import PerParameter
 
 
-class ReferenceApollo(torch.optim.Optimizer):
+class ReferenceApollo(PerParameter):
     def __init__(self, params, lr, beta=0.9, eps=1e-4, rebound="constant", warmup=500,
                  init_lr=None, weight_decay=0.0, weight_decay_type=None):
         if init_lr is None:
@@ -20,24 +20,12 @@ class ReferenceApollo(torch.optim.Optimizer):
                                       weight_decay=weight_decay,
                                       weight_decay_type=weight_decay_type))
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
-                    self._update(p, group)
-        return loss
-
-    def _update(self, p, group) -> None:
+    def update(self, group, p) -> None:
         state = self.state[p]
         if not state:
             state["step"] = 0
             for key in ("exp_avg_grad", "approx_hessian", "update"):
-                state[key] = torch.zeros_like(p)
+                state[key] = p.new_zeros(p.shape)
         k = state["step"]
         if k < group["warmup"]:  # 1.
             lr = group["init_lr"] + (group["base_lr"] - group["init_lr"]) * k / group["warmup"]
@@ -64,7 +52,7 @@ class ReferenceApollo(torch.optim.Optimizer):
         if group["rebound"] == "constant":  # 7.
             D = B.abs().clamp(min=0.01)
         else:
-            D = torch.maximum(B.abs(), sigma) + eps / alpha
+            D = B.abs().maximum(sigma) + eps / alpha
         d.copy_(m / D)  # 8.
         if wd != 0 and wd_type == "decoupled":
             d.add_(p, alpha=wd)

@@ -33,6 +33,7 @@ from tidepool import _in_flight, _install, _optim_hooks, _tags
 
 from fake_tiering import fake_tiering, state_tensors, untiered_state  # noqa: F401  (fixtures)
 from fake_torch_cuda import fake_cuda, install  # noqa: F401  (a fixture, and the install)
+from per_parameter import PerParameter
 from random_sequences import scaled, seeds
 
 class Lookahead(torch.optim.Optimizer):
@@ -59,26 +60,17 @@ class Lookahead(torch.optim.Optimizer):
         return loss
 
 
-class Renewing(torch.optim.Optimizer):
+class Renewing(PerParameter):
     """Heavy-ball momentum written without in-place updates of its state: each step makes
     the buffer anew (state["buf"] = beta * buf + grad), as some hand-written optimizers do."""
 
     def __init__(self, params, lr=0.05, beta=0.8):
         super().__init__(params, {"lr": lr, "beta": beta})
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
-                    state = self.state[p]
-                    state["buf"] = group["beta"] * state.get("buf", 0) + p.grad
-                    p.sub_(group["lr"] * state["buf"])
-        return loss
+    def update(self, group, p):
+        state = self.state[p]
+        state["buf"] = group["beta"] * state.get("buf", 0) + p.grad
+        p.sub_(group["lr"] * state["buf"])
 
 
 OPTIMIZERS = {

@@ -27,6 +27,7 @@ import torch
 
 from tidepool import _adoption, _in_flight, _install, _stray_state, _tags
 
+import per_parameter
 from fake_tiering import EVICT, fake_tiering, state_tensors, untiered_state  # noqa: F401
 from fake_torch_cuda import fake_cuda, install  # noqa: F401  (a fixture, and the install)
 
@@ -114,19 +115,11 @@ def test_lbfgs_state_is_taken_into_tiering_after_every_step(fake_cuda, fake_tier
     assert all(torch.equal(p, q) for p, q in zip(params, plain_params)), "no bit changes"
 
 
-class PerParameter(torch.optim.Optimizer):
-    """The test optimizers below: step() calls update(group, p) for each parameter with a
-    gradient."""
+class PerParameter(per_parameter.PerParameter):
+    """The test optimizers below (lr and beta in their groups)."""
 
     def __init__(self, params, lr=0.1, beta=0.9):
         super().__init__(params, {"lr": lr, "beta": beta})
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
-                    self.update(group, p)
 
 
 class RenewingMomentum(PerParameter):
