@@ -392,6 +392,14 @@ PYBIND11_MODULE(_optim, m) {
   });
 
   m.def("has_fused_cuda_kernels", &Apollo::has_fused_kernels);
+  // The options checked as a constructor checks them, with the lr-dependent defaults
+  // filled in (ApolloOptions::resolve_defaults): tidepool.optim.Apollo's defaults, which
+  // its groups inherit, as the reference's do.
+  m.def("resolved_apollo_options", [](const py::dict& options) {
+    ApolloOptions o = apollo_options(options);
+    refused_as_value_error([&] { o.validate(); });
+    return apollo_options_dict(o.resolve_defaults());
+  });
 
   py::class_<Apollo>(m, "Apollo")
       .def(py::init(&make_apollo), py::arg("groups"), py::arg("placement"), py::arg("budget"))

@@ -277,9 +277,9 @@ def test_apollo_state_dict_has_the_reference_layout():
         for key in ("exp_avg_grad", "approx_hessian", "update"):
             assert entry[key].shape == t.shape and entry[key].dtype == t.dtype
     assert [g["params"] for g in sd["param_groups"]] == [[0], [1]]
-    group = sd["param_groups"][1]
-    assert group["lr"] == 0.02 and group["init_lr"] == pytest.approx(0.02 / 1000)
-    assert group["base_lr"] == 0.02 and group["weight_decay_type"] == "L2"
+    group = sd["param_groups"][1]  # its own lr; the rest from the constructor's, as the
+    assert group["lr"] == 0.02 and group["init_lr"] == pytest.approx(0.05 / 1000)  # reference
+    assert group["base_lr"] == 0.05 and group["weight_decay_type"] == "L2"
 
 
 def test_apollo_runs_the_state_dict_hooks():
@@ -357,13 +357,13 @@ def test_an_lr_scheduler_reaches_the_step():
     assert not torch.equal(before[0], tensors[0])
 
 
-def test_a_group_added_later_is_stepped_with_its_options_resolved():
+def test_a_group_added_later_is_stepped_with_the_constructors_defaults():
     params, tensors, loss = regression_problem()
     W, b = tensors
     opt = topt.Apollo([W], lr=0.05, rebound="belief")
-    opt.add_param_group({"params": [b], "lr": 0.01})
+    opt.add_param_group({"params": [b], "lr": 0.01, "rebound": "constant"})
     group = opt.param_groups[1]
-    assert group["init_lr"] == pytest.approx(1e-5) and group["base_lr"] == 0.01
+    assert group["init_lr"] == pytest.approx(5e-5) and group["base_lr"] == 0.05
     assert group["weight_decay_type"] == "decoupled"
     before = b.detach().clone()
     train(opt, loss, 2)

@@ -41,15 +41,18 @@ PLACEMENTS = ("device", "host", "tiered")
 
 
 def random_options(rng: random.Random) -> dict:
-    """A group's options, init_lr and base_lr always given: the reference takes unset ones
-    from the top-level lr, tidepool from the group's (python/README.md)."""
+    """A group's options; init_lr, base_lr and weight_decay_type given or not (then both
+    take them from the constructor's arguments)."""
     lr = rng.choice([0.005, 0.02, 0.05])
-    rebound = rng.choice(["constant", "belief"])
-    return {"lr": lr, "base_lr": lr, "init_lr": lr * rng.choice([0.0, 0.001, 0.5]),
-            "beta": rng.choice([0.5, 0.9]), "eps": rng.choice([1e-4, 1e-6]),
-            "rebound": rebound, "warmup": rng.randint(0, 5),
-            "weight_decay": rng.choice([0.0, 1e-3, 0.05]),
-            "weight_decay_type": rng.choice(["L2", "decoupled", "stable"])}
+    options = {"lr": lr, "base_lr": lr, "init_lr": lr * rng.choice([0.0, 0.001, 0.5]),
+               "beta": rng.choice([0.5, 0.9]), "eps": rng.choice([1e-4, 1e-6]),
+               "rebound": rng.choice(["constant", "belief"]), "warmup": rng.randint(0, 5),
+               "weight_decay": rng.choice([0.0, 1e-3, 0.05]),
+               "weight_decay_type": rng.choice(["L2", "decoupled", "stable"])}
+    for key in ("base_lr", "init_lr", "weight_decay_type"):
+        if rng.random() < 0.4:
+            del options[key]
+    return options
 
 
 @pytest.mark.parametrize("seed", seeds(6))
@@ -73,9 +76,10 @@ def test_random_use_of_apollo_follows_the_reference(seed):
     first = random_options(rng)
     later = random_options(rng)
     where = rng.choice(PLACEMENTS)
-    opt = topt.Apollo([{"params": mine[:3], **first}], lr=first["lr"], state=where,
+    top_lr = rng.choice([0.01, 0.03])  # the constructor's: the defaults' source
+    opt = topt.Apollo([{"params": mine[:3], **first}], lr=top_lr, state=where,
                       fused=rng.random() < 0.7)
-    ref = ReferenceApollo([{"params": theirs[:3], **first}], lr=first["lr"])
+    ref = ReferenceApollo([{"params": theirs[:3], **first}], lr=top_lr)
     grouped, unsynced = False, 0
     for step in range(scaled(30)):
         action = rng.random()

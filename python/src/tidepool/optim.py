@@ -106,8 +106,9 @@ class Apollo(torch.optim.Optimizer):
     Options as the reference's: lr (required, > 0), beta, eps, rebound ("constant" |
     "belief"), warmup (steps over which the lr ramps from init_lr), init_lr (default
     lr/1000), weight_decay, weight_decay_type ("L2" | "decoupled" | "stable"; default L2
-    for constant rebound, decoupled for belief). A group that gives its own lr gets its
-    own init_lr and base_lr (the lr the warmup ramps to) from it, unless it gives them.
+    for constant rebound, decoupled for belief). As in the reference, these defaults
+    come from the constructor's arguments: a group that gives only its own lr ramps to
+    the constructor's lr (base_lr) during the warmup and steps with its own after.
     fused=False runs the reference's sequence of tensor operations instead of the fused
     step (the same results within rounding; slower).
     """
@@ -119,9 +120,9 @@ class Apollo(torch.optim.Optimizer):
                  init_lr=None, weight_decay=0.0, weight_decay_type=None, *, state="device",
                  state_budget=None, fused=True):
         _check_placement(state, state_budget, "state")
-        defaults = dict(lr=lr, beta=beta, eps=eps, rebound=rebound, warmup=warmup,
-                        init_lr=init_lr, base_lr=None, weight_decay=weight_decay,
-                        weight_decay_type=weight_decay_type)
+        defaults = _module().resolved_apollo_options(dict(
+            lr=lr, beta=beta, eps=eps, rebound=rebound, warmup=warmup, init_lr=init_lr,
+            base_lr=None, weight_decay=weight_decay, weight_decay_type=weight_decay_type))
         super().__init__(params, defaults)
         groups = [(list(g["params"]), _options_of(g)) for g in self.param_groups]
         self._apollo = _module().Apollo(groups, state, state_budget)
