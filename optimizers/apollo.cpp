@@ -139,8 +139,11 @@ std::vector<std::vector<torch::Tensor>> Apollo::parameters_to_step() const {
     for (const auto& p : group.params()) {
       if (!p.grad().defined()) continue;
       TORCH_CHECK(!p.grad().is_sparse(), "Apollo does not support sparse gradients");
-      TORCH_CHECK(p.scalar_type() == torch::kFloat32 || p.scalar_type() == torch::kFloat64,
-                  "Apollo: parameters must be float32 or float64, got ", p.scalar_type());
+      const auto dtype = p.scalar_type();
+      TORCH_CHECK(dtype == torch::kFloat32 || dtype == torch::kFloat64 ||
+                      dtype == torch::kBFloat16 || dtype == torch::kFloat16,
+                  "Apollo: parameters must be float32, float64, bfloat16 or float16, got ",
+                  dtype);
       if (auto it = state_.find(p.unsafeGetTensorImpl()); it != state_.end()) {
         // The fused kernels take raw pointers: state elsewhere than its parameter would be
         // read as the wrong memory, not refused by a LibTorch op.
@@ -339,7 +342,12 @@ torch::Tensor Apollo::step(LossClosure closure) {
       torch::Tensor B = B_lease.tensor();
       torch::Tensor d = d_lease.tensor();
       const StepScalars scalars = step_scalars(options, state.step);
-      const bool fused = fused_kernels_ && (p.is_cpu() || (has_fused_kernels() && p.is_cuda()));
+      // bfloat16 and float16 take the ops path, in the parameter's dtype as the reference
+      // computes (the fused step is written for fp32 and fp64).
+      const bool fused_dtype =
+          p.scalar_type() == torch::kFloat32 || p.scalar_type() == torch::kFloat64;
+      const bool fused = fused_kernels_ && fused_dtype &&
+                         (p.is_cpu() || (has_fused_kernels() && p.is_cuda()));
       if (fused) {
         step_fused(p, p.grad(), m, B, d, state.carried_sums, options, scalars);
       } else {

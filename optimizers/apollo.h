@@ -7,7 +7,8 @@
 // ../shared/golden pin it down to ~1e-12 in fp64.
 //
 // Two implementations of the same step:
-//   - LibTorch ops (any device, fp32/fp64): the reference's sequence of tensor operations.
+//   - LibTorch ops (any device, fp32/fp64, and bf16/fp16 in the parameter's dtype as the
+//     reference computes): the reference's sequence of tensor operations.
 //   - fused (fp32/fp64; CUDA kernels in optimizers/apollo_kernels.cu for CUDA tensors, the
 //     same algorithm on the host in apollo_fused_host.cpp for CPU tensors): one reduction
 //     pass (⟨g,d⟩ and ‖δ‖∞ in fp64; ‖d‖₄, ⟨m,d⟩, ⟨B,d²⟩ come carried from

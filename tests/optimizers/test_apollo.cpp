@@ -1,5 +1,6 @@
 // Apollo's contract beyond the golden trajectories: option checks and defaults, sparse
-// gradients, parameter groups, zero_grad, step(closure), save/load errors.
+// gradients, half-precision and complex parameters, parameter groups, zero_grad,
+// step(closure), save/load errors.
 #include <gtest/gtest.h>
 
 #include <string>
@@ -124,6 +125,43 @@ TEST(Apollo, Float32OpsPathTracksFloat64) {
     o32.step();
   }
   EXPECT_LE((p32.detach().to(torch::kFloat64) - p64.detach()).abs().max().item<double>(), 1e-5);
+}
+
+// bfloat16 and float16 parameters take the ops path in their own dtype (as the reference
+// computes): with the fused step asked for, the same bits as without it, state in the
+// parameter's dtype, and within that dtype's precision of the float64 run. Complex
+// parameters are refused before anything moves.
+TEST(Apollo, HalfPrecisionParametersTakeTheOpsPathInTheirDtype) {
+  for (const auto dtype : {torch::kBFloat16, torch::kFloat16}) {
+    auto p64 = torch::linspace(-1, 1, 64, torch::kFloat64).set_requires_grad(true);
+    auto fused = p64.detach().to(dtype).set_requires_grad(true);
+    auto ops = p64.detach().to(dtype).set_requires_grad(true);
+    Apollo o64({p64}, ApolloOptions(0.01).warmup(3));
+    Apollo o_fused({fused}, ApolloOptions(0.01).warmup(3));
+    Apollo o_ops({ops}, ApolloOptions(0.01).warmup(3));
+    o_ops.set_fused_kernels(false);
+    for (int step = 0; step < 10; ++step) {
+      p64.mutable_grad() = torch::sin(3 * p64.detach());
+      fused.mutable_grad() = torch::sin(3 * fused.detach());
+      ops.mutable_grad() = torch::sin(3 * ops.detach());
+      o64.step();
+      o_fused.step();
+      o_ops.step();
+    }
+    EXPECT_TRUE(torch::equal(fused.detach(), ops.detach())) << dtype;
+    const auto& state = static_cast<ApolloParamState&>(*o_fused.state().begin()->second);
+    EXPECT_EQ(state.exp_avg_grad->options().dtype(), dtype);
+    EXPECT_LE((fused.detach().to(torch::kFloat64) - p64.detach()).abs().max().item<double>(),
+              dtype == torch::kBFloat16 ? 3e-2 : 5e-3)
+        << dtype;
+  }
+  auto complex = torch::zeros({4}, torch::kComplexFloat).set_requires_grad(true);
+  auto plain = param(4);
+  Apollo opt({plain, complex}, ApolloOptions(0.1));
+  plain.mutable_grad() = torch::ones_like(plain);
+  complex.mutable_grad() = torch::ones_like(complex);
+  expect_error_mentions([&] { opt.step(); }, "ComplexFloat");
+  EXPECT_TRUE(torch::equal(plain.detach(), param(4).detach()));
 }
 
 // Loads `bytes` into an Apollo over one 3-element parameter that has taken a step with

@@ -5,6 +5,8 @@ its state in the reference's layout: a checkpoint test partner for tidepool.opti
 
 from __future__ import annotations
 
+import torch
+
 from per_parameter import PerParameter
 
 
@@ -44,7 +46,8 @@ class ReferenceApollo(PerParameter):
         else:
             sigma, eps = delta.abs().max(), group["eps"]
         m.add_(delta, alpha=alpha)  # 4.
-        s = d.pow(4).sum().pow(0.25) + eps  # 5.
+        # 5. (a norm, as the reference takes it: in fp32 for half-precision tensors)
+        s = torch.linalg.vector_norm(d, 4) + eps
         d.div_(s)
         v = d * d
         Delta = -alpha * ((delta / s) * d).sum() - (B * v).sum()  # 6.

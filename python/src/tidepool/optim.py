@@ -110,7 +110,8 @@ class Apollo(torch.optim.Optimizer):
     come from the constructor's arguments: a group that gives only its own lr ramps to
     the constructor's lr (base_lr) during the warmup and steps with its own after.
     fused=False runs the reference's sequence of tensor operations instead of the fused
-    step (the same results within rounding; slower).
+    step (the same results within rounding; slower). bfloat16 and float16 parameters
+    always take that path, in their own dtype, as the reference computes.
     """
 
     # The drop-in's step hooks leave this optimizer alone: its state is not in self.state.
@@ -171,7 +172,8 @@ class Apollo(torch.optim.Optimizer):
     def step(self, closure=None):
         """One Apollo step for every parameter with a gradient; with a closure, calls it
         (grad mode on) and returns its loss. A step it refuses (sparse gradients, a dtype
-        other than float32/float64, invalid options) raises and changes nothing."""
+        other than float32, float64, bfloat16 or float16, invalid options) raises and
+        changes nothing."""
         self._send_options()
         return self._apollo.step(closure)
 
