@@ -644,6 +644,11 @@ def test_aadl_refuses_a_bad_state_dict_and_changes_nothing():
     assert_bitwise(snapshot(twin_tensors), snapshot(tensors))
 
 
+def test_tidepool_optim_is_reached_from_the_package_without_importing_it():
+    import tidepool
+    assert tidepool.optim is topt
+
+
 def test_a_missing_binding_is_a_clear_error(monkeypatch, tmp_path):
     monkeypatch.setenv("TIDEPOOL_OPTIM_MODULE", str(tmp_path / "nothing.so"))
     with pytest.raises(_lib.LibraryError, match="TIDEPOOL_OPTIM_MODULE"):

@@ -6,7 +6,7 @@ Turn it on without changing code:
 
 (see python/README.md for the tidepool.* keys). The API below is for those who want
 more: tagged regions, statistics, snapshots, explicit evict/prefetch (of a tag, an
-optimizer's state or tensors).
+optimizer's state or tensors). tidepool.optim has tidepool's Apollo and AADL.
 
 This module is imported by the start-up hook in every Python process, so it imports
 nothing heavy at module level (no ctypes, no torch): everything loads on first use.
@@ -23,7 +23,7 @@ __all__ = ["region", "stats", "snapshot", "evict", "prefetch", "enable_peer_acce
 __version__ = "0.1.0"
 
 
-def __getattr__(name):  # PEP 562: the exception classes load their modules on first use
+def __getattr__(name):  # PEP 562: the exception classes and tidepool.optim load on first use
     if name == "ConfigError":
         from ._config import ConfigError
         return ConfigError
@@ -33,6 +33,9 @@ def __getattr__(name):  # PEP 562: the exception classes load their modules on f
     if name in ("TidepoolInactiveWarning", "TidepoolFallbackWarning"):
         from . import _install
         return getattr(_install, name)
+    if name == "optim":  # Apollo and AADL (optim.py); imports torch, so only when asked
+        import importlib
+        return importlib.import_module(".optim", __name__)
     raise AttributeError(f"module 'tidepool' has no attribute {name!r}")
 
 
