@@ -132,6 +132,11 @@ torch::Tensor loss_from_python(const py::object& result) {
                        std::string(py::str(py::type::of(result).attr("__name__"))));
 }
 
+// The loss back to Python: the tensor, or None when there is none.
+py::object loss_to_python(const torch::Tensor& loss) {
+  return loss.defined() ? py::cast(loss) : py::none();
+}
+
 torch::optim::Optimizer::LossClosure closure_from_python(const py::object& closure) {
   if (closure.is_none()) return nullptr;
   PyObject* borrowed = closure.ptr();
@@ -161,10 +166,7 @@ class PythonInnerOptimizer final : public torch::optim::Optimizer {
     if (!closure) return loss_from_python(step_());
     // The Python optimizer calls this with the GIL held; the closure takes it again
     // (re-entrant) around the user's Python closure.
-    py::cpp_function call([closure]() -> py::object {
-      torch::Tensor loss = closure();
-      return loss.defined() ? py::cast(loss) : py::none();
-    });
+    py::cpp_function call([closure]() -> py::object { return loss_to_python(closure()); });
     return loss_from_python(step_(call));
   }
   void save(torch::serialize::OutputArchive& /*archive*/) const override {}
@@ -189,7 +191,7 @@ py::object step_optimizer(torch::optim::Optimizer& optimizer, const py::object& 
     py::gil_scoped_release released;
     loss = optimizer.step(cpp_closure);
   }
-  return loss.defined() ? py::cast(loss) : py::none();
+  return loss_to_python(loss);
 }
 
 // ---- options ---------------------------------------------------------------------------------
@@ -238,6 +240,14 @@ ApolloOptions apollo_options(const py::dict& d) {
   });
 }
 
+// A group's options as a group joining an optimizer needs them: checked as a constructor
+// checks them (a refusal is a ValueError) and with the lr-dependent defaults filled in.
+ApolloOptions joining_apollo_options(const py::dict& d) {
+  ApolloOptions o = apollo_options(d);
+  refused_as_value_error([&] { o.validate(); });
+  return o.resolve_defaults();
+}
+
 py::dict apollo_options_dict(const ApolloOptions& o) {
   py::dict d;
   d["lr"] = o.lr();
@@ -280,14 +290,15 @@ std::unique_ptr<Apollo> make_apollo(const ParamGroups& groups, const std::string
   }
   std::vector<torch::optim::OptimizerParamGroup> cpp_groups;
   for (const auto& [params, options] : groups) {
-    ApolloOptions o = apollo_options(options);
-    refused_as_value_error([&] { o.validate(); });
-    cpp_groups.emplace_back(params, std::make_unique<ApolloOptions>(o));
+    cpp_groups.emplace_back(params,
+                            std::make_unique<ApolloOptions>(joining_apollo_options(options)));
   }
   auto placement = make_placement(where, budget, groups.front().first.front(),
                                   TIDEPOOL_TAG_OPTIMIZER_STATE,
                                   tidepool::optim::WriteBack::automatic);
-  return std::make_unique<Apollo>(cpp_groups, apollo_options(groups.front().second), placement);
+  // Every group has its options; the defaults are the first group's.
+  const auto& defaults = static_cast<const ApolloOptions&>(cpp_groups.front().options());
+  return std::make_unique<Apollo>(cpp_groups, defaults, placement);
 }
 
 py::list saved_apollo_state(const Apollo& apollo) {
@@ -396,9 +407,7 @@ PYBIND11_MODULE(_optim, m) {
   // filled in (ApolloOptions::resolve_defaults): tidepool.optim.Apollo's defaults, which
   // its groups inherit, as the reference's do.
   m.def("resolved_apollo_options", [](const py::dict& options) {
-    ApolloOptions o = apollo_options(options);
-    refused_as_value_error([&] { o.validate(); });
-    return apollo_options_dict(o.resolve_defaults());
+    return apollo_options_dict(joining_apollo_options(options));
   });
 
   py::class_<Apollo>(m, "Apollo")
@@ -418,11 +427,8 @@ PYBIND11_MODULE(_optim, m) {
            })
       .def("add_param_group",
            [](Apollo& apollo, const std::vector<torch::Tensor>& params, const py::dict& options) {
-             ApolloOptions o = apollo_options(options);
-             refused_as_value_error([&] { o.validate(); });
-             o.resolve_defaults();
-             apollo.add_param_group(
-                 torch::optim::OptimizerParamGroup(params, std::make_unique<ApolloOptions>(o)));
+             apollo.add_param_group(torch::optim::OptimizerParamGroup(
+                 params, std::make_unique<ApolloOptions>(joining_apollo_options(options))));
            })
       .def("saved_state", &saved_apollo_state)
       .def("restore_state", &restore_apollo_state)
