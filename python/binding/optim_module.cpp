@@ -116,10 +116,13 @@ py::dict placement_stats(const StatePlacement& placement) {
 
 // Note [Python called from the step]: step() runs with the GIL released, so whatever calls
 // back into Python (a closure, AADL's Python inner optimizer) takes it first. The closure
-// object is borrowed: the Python caller's argument keeps it alive for the whole step, and
-// a borrowed handle costs no reference counting, which would need the GIL in whichever
-// thread destroys the std::function. A Python exception leaves as py::error_already_set
-// through the C++ step (which unwinds as for any error) and is raised again in the caller.
+// is held by a strong reference, shared by every copy of the std::function: a Python inner
+// optimizer may keep the callable it was given (ours wraps the std::function) past the
+// step, and a borrowed pointer would then dangle once the caller dropped its closure. The
+// last copy may be destroyed in any thread, so the reference is dropped with the GIL taken
+// (and not at all once the interpreter is finalizing, when taking it is unsafe). A Python
+// exception leaves as py::error_already_set through the C++ step (which unwinds as for any
+// error) and is raised again in the caller.
 
 // A closure's result as the loss tensor: a tensor, a Python number (as fp64), or None.
 torch::Tensor loss_from_python(const py::object& result) {
@@ -137,12 +140,28 @@ py::object loss_to_python(const torch::Tensor& loss) {
   return loss.defined() ? py::cast(loss) : py::none();
 }
 
+bool interpreter_finalizing() {
+#if PY_VERSION_HEX >= 0x030D0000
+  return Py_IsFinalizing() != 0;
+#else
+  return _Py_IsFinalizing() != 0;
+#endif
+}
+
+// A strong reference to a Python object that may be dropped in a thread without the GIL.
+std::shared_ptr<PyObject> owned_with_gil_on_release(const py::object& object) {
+  return std::shared_ptr<PyObject>(object.inc_ref().ptr(), [](PyObject* held) {
+    if (Py_IsInitialized() == 0 || interpreter_finalizing()) return;
+    py::gil_scoped_acquire gil;
+    Py_DECREF(held);
+  });
+}
+
 torch::optim::Optimizer::LossClosure closure_from_python(const py::object& closure) {
   if (closure.is_none()) return nullptr;
-  PyObject* borrowed = closure.ptr();
-  return [borrowed]() -> torch::Tensor {
+  return [held = owned_with_gil_on_release(closure)]() -> torch::Tensor {
     py::gil_scoped_acquire gil;
-    return loss_from_python(py::reinterpret_borrow<py::object>(borrowed)());
+    return loss_from_python(py::reinterpret_borrow<py::object>(held.get())());
   };
 }
 

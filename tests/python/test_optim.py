@@ -483,6 +483,37 @@ def test_aadl_closure_exception_propagates():
         opt.step(failing)
 
 
+def test_a_closure_the_inner_optimizer_keeps_stays_alive_with_it_and_no_longer():
+    """A Python inner optimizer may keep the callable its step was given; the user's closure
+    behind it must live as long as that (not dangle once the caller drops it), and be freed
+    when the last holder goes."""
+    import gc
+
+    class KeepingSGD(torch.optim.SGD):
+        def step(self, closure=None):
+            self.kept = closure
+            return super().step(closure)
+
+    params, tensors, loss = regression_problem()
+    inner = KeepingSGD(params, lr=0.1)
+    opt = topt.AADL(inner, history_depth=3)
+
+    def closure():
+        opt.zero_grad()
+        value = loss()
+        value.backward()
+        return value
+    alive = weakref.ref(closure)
+    expected = opt.step(closure).item()
+    del closure
+    gc.collect()
+    assert alive() is not None and inner.kept is not None
+    assert inner.kept().item() < expected  # the step moved the parameters downhill
+    del inner.kept
+    gc.collect()
+    assert alive() is None
+
+
 # ---- refusals ----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("kwargs, match", [
