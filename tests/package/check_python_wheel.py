@@ -45,6 +45,12 @@ def check_wheel_contents(wheel: str) -> None:
             raise SystemExit(f"{wheel}: {required} is missing (has: {sorted(names)})")
     if not any(n.startswith("tidepool/lib/libtidepool.so") for n in names):
         raise SystemExit(f"{wheel}: no tidepool/lib/libtidepool.so* (has: {sorted(names)})")
+    # One file per library: a wheel turns symlinks into copies, so libX.so.0 beside
+    # libX.so.0.1.0 would ship X twice (python/CMakeLists.txt names each by its soname).
+    libraries = [n for n in names if n.startswith("tidepool/lib/lib") and ".so" in n]
+    stems = [n.split(".so")[0] for n in libraries]
+    if len(set(stems)) != len(stems):
+        raise SystemExit(f"{wheel}: a library is in it more than once: {sorted(libraries)}")
     # Built with torch at hand (this check needs it): tidepool.optim's binding comes along.
     for prefix in ("tidepool/lib/_optim.", "tidepool/lib/libtidepool_optim.so"):
         if not any(n.startswith(prefix) for n in names):
