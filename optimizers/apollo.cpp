@@ -3,6 +3,7 @@
 // and save/load. The algorithm is in apollo.h and DESIGN.md "optimizers/".
 #include "optimizers/apollo.h"
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <utility>
@@ -79,10 +80,23 @@ void ApolloOptions::validate(Check when) const {
   TORCH_CHECK(finite(beta()) && beta() >= 0.0 && beta() < 1.0, "Apollo: invalid beta ", beta(),
               " (must be in [0, 1))");
   TORCH_CHECK(warmup() >= 0, "Apollo: invalid warmup ", warmup(), " (must be >= 0)");
+  // init_lr when made: at most lr, as the reference's constructor checks it, or the lr the
+  // warmup ramps to (base_lr), whichever is larger. A group inherits base_lr and init_lr
+  // from the constructor's lr, so its own lr may lie below both or between them, as the
+  // reference (which checks no group) lets it. In training only its sign: a schedule may
+  // take lr below init_lr.
   const double init = init_lr().value_or(lr() / 1000.0);
-  const double ramp_to = base_lr().value_or(lr());
-  TORCH_CHECK(finite(init) && init >= 0.0 && init <= ramp_to, "Apollo: invalid init_lr ", init,
-              " (must be in [0, lr = ", ramp_to, "])");
+  if (when == Check::construction) {
+    const double highest = std::max(lr(), base_lr().value_or(lr()));
+    TORCH_CHECK(finite(init) && init >= 0.0 && init <= highest, "Apollo: invalid init_lr ", init,
+                " (must be in [0, lr = ", highest, "])");
+  } else {
+    TORCH_CHECK(finite(init) && init >= 0.0, "Apollo: invalid init_lr ", init, " (must be >= 0)");
+  }
+  if (base_lr()) {
+    TORCH_CHECK(finite(*base_lr()) && *base_lr() >= 0.0, "Apollo: invalid base_lr ", *base_lr(),
+                " (must be >= 0)");
+  }
   TORCH_CHECK(finite(weight_decay()) && weight_decay() >= 0.0, "Apollo: invalid weight_decay ",
               weight_decay(), " (must be >= 0)");
 }

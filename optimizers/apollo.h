@@ -73,8 +73,8 @@ struct TIDEPOOL_API ApolloOptions
   // decays to 0, a group frozen with set_lr(0)), which the reference never refuses there.
   enum class Check { construction, training };
   // Throws c10::Error naming the first invalid option (lr ≤ 0, or < 0 in training, eps
-  // < 0, beta outside [0, 1), warmup < 0, init_lr outside [0, lr], weight_decay < 0,
-  // non-finite values).
+  // < 0, beta outside [0, 1), warmup < 0, init_lr outside [0, max(lr, base_lr)] when
+  // made, or < 0 in training, base_lr < 0, weight_decay < 0, non-finite values).
   void validate(Check when = Check::construction) const;
   // Fills the reference's defaults that depend on other options where unset: init_lr =
   // lr / 1000, base_lr = lr, weight_decay_type by rebound. An optimizer does this once,

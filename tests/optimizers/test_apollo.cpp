@@ -40,6 +40,38 @@ TEST(ApolloOptions, InvalidValuesAreRejectedWithTheirName) {
   expect_error_mentions([] { ApolloOptions(0.1).weight_decay_type("L3"); }, "L3");
 }
 
+// A group inherits base_lr and init_lr from the constructor's lr (as the Python class
+// resolves them), so its own lr may lie below init_lr or between it and base_lr: the
+// reference checks no group, and neither is refused here. init_lr above both is.
+TEST(ApolloOptions, InitLrIsCheckedAgainstTheLargerOfLrAndBaseLr) {
+  const auto make = [](ApolloOptions o) { return [o] { Apollo({param(3)}, o); }; };
+  EXPECT_NO_THROW(make(ApolloOptions(0.05).base_lr(0.01).init_lr(0.025))());  // between
+  EXPECT_NO_THROW(make(ApolloOptions(1e-6).base_lr(0.01).init_lr(1e-5))());    // above lr
+  expect_error_mentions(make(ApolloOptions(0.05).base_lr(0.01).init_lr(0.06)), "init_lr");
+  expect_error_mentions(make(ApolloOptions(0.05).base_lr(-0.01)), "base_lr");
+}
+
+// In training (steps, checkpoints) init_lr may lie above a decayed lr and base_lr: only
+// its sign and finiteness are checked.
+TEST(ApolloOptions, TrainingTakesAnLrDecayedBelowInitLr) {
+  using Check = ApolloOptions::Check;
+  EXPECT_NO_THROW(ApolloOptions(1e-4).base_lr(0.01).init_lr(0.02).validate(Check::training));
+  expect_error_mentions([] { ApolloOptions(0.1).init_lr(-1.0).validate(Check::training); },
+                        "init_lr");
+  auto p = param(3);
+  Apollo opt({p}, ApolloOptions(0.1).init_lr(0.05).warmup(2));
+  p.mutable_grad() = torch::ones_like(p);
+  opt.step();
+  const std::string saved = archive_bytes(opt);
+  Apollo restored({p}, ApolloOptions(0.1));
+  load_archive_bytes(restored, saved);  // lr 0.1 >= init_lr: the ordinary case
+  opt.param_groups()[0].options().set_lr(0.01);  // a schedule took lr below init_lr
+  opt.step();
+  const std::string decayed = archive_bytes(opt);
+  EXPECT_NO_THROW(load_archive_bytes(restored, decayed));
+  EXPECT_DOUBLE_EQ(restored.param_groups()[0].options().get_lr(), 0.01);
+}
+
 TEST(ApolloOptions, DefaultsFollowTheReference) {
   Apollo constant({param(3)}, ApolloOptions(0.5));
   const auto& c = static_cast<const ApolloOptions&>(constant.param_groups()[0].options());

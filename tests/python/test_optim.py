@@ -371,6 +371,27 @@ def test_a_group_added_later_is_stepped_with_the_constructors_defaults():
     assert sorted(opt.state_dict()["state"]) == [0, 1]
 
 
+def test_a_group_whose_init_lr_lies_above_the_inherited_ramp_is_taken_as_the_reference_takes_it():
+    """A group's own init_lr between the constructor's lr (its base_lr) and its own lr, or
+    an own lr below the init_lr it inherits: the reference checks neither, and steps them
+    (the warmup ramps down); init_lr above both lr and base_lr is refused."""
+    def run(make):
+        params, tensors, loss = regression_problem(torch.float64)
+        W, b = tensors
+        opt = make([W], lr=0.01, warmup=3)
+        opt.add_param_group({"params": [b], "lr": 0.05, "init_lr": 0.025})
+        opt.add_param_group({"params": [], "lr": 1e-6})  # inherits init_lr 1e-5
+        train(opt, loss, 5)
+        return snapshot(tensors)
+    mine, theirs = run(topt.Apollo), run(ReferenceApollo)
+    for a, b in zip(mine, theirs):
+        assert torch.allclose(a, b, rtol=1e-12, atol=0)
+    params, tensors, loss = regression_problem()
+    opt = topt.Apollo([tensors[0]], lr=0.01)
+    with pytest.raises(ValueError, match="init_lr"):
+        opt.add_param_group({"params": [tensors[1]], "lr": 0.05, "init_lr": 0.06})
+
+
 def test_a_refused_group_is_not_added():
     params, tensors, loss = regression_problem()
     W, b = tensors

@@ -97,8 +97,12 @@ def test_random_use_of_apollo_follows_the_reference(seed):
             torch.save(opt.state_dict(), buffer)
             buffer.seek(0)
             where = rng.choice(PLACEMENTS)
-            opt = topt.Apollo([{"params": list(g["params"])} for g in opt.param_groups],
-                              lr=1.0, state=where, fused=rng.random() < 0.7)
+            # Made as the script made the first one (its constructor's arguments are the
+            # defaults of groups added later, as in torch.optim), with other group
+            # options, which load_state_dict must replace.
+            opt = topt.Apollo([{"params": list(g["params"]), "lr": 1.0, "beta": 0.1}
+                               for g in opt.param_groups],
+                              lr=top_lr, state=where, fused=rng.random() < 0.7)
             opt.load_state_dict(torch.load(buffer))
         elif action < 0.32:
             opt.fused = not opt.fused
