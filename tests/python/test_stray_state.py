@@ -10,7 +10,8 @@ range):
     gradient's memory, nor a tensor or storage something outside the state holds (said
     once); a state entry that is a tensor itself;
   - when it looks: an optimizer that updates its state in place is trusted after two
-    steps that could show otherwise (not a state step, not one without gradients), and
+    steps that could show otherwise (not a state step, not one without gradients for
+    state large enough to tier), and
     looked through again at doubling intervals; Adagrad's constructor-made state is taken
     in at its first step;
   - a copy that fails is said, and neither fails the step nor loses state;
@@ -351,6 +352,23 @@ def test_only_steps_that_could_show_renewed_state_count_towards_trust(
     # The last step renewed both buffers under workspace: taken in, not trusted away.
     for p in params:
         assert untiered_state.tiered(optimizer.state[p]["m"])
+    assert _stray_state._record(optimizer).clean == 0
+
+
+def test_steps_that_renew_only_state_too_small_to_tier_do_not_count_towards_trust(
+        fake_cuda, fake_tiering, untiered_state):
+    """Steps with gradients for the small parameters only (their state under
+    tier_min_bytes, never tiered) show nothing a look could find: were they counted, the
+    optimizer would be trusted and the large state its next step renews left out (found
+    by test_optim_hooks_random.py with TIDEPOOL_TEST_SEED=2401)."""
+    install(tier_min_bytes=str(MIN_BYTES))
+    small, large = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(32))
+    optimizer = RenewingMomentum([small, large])
+    for has_large in (True, False, False, False, True):
+        small.grad = torch.ones(2)
+        large.grad = torch.ones(32) if has_large else None
+        optimizer.step()
+    assert untiered_state.tiered(optimizer.state[large]["m"]), "the renewed state was left out"
     assert _stray_state._record(optimizer).clean == 0
 
 

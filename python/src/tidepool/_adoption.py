@@ -30,6 +30,27 @@ def _on_cuda(value) -> bool:
     return value.is_cuda
 
 
+def tier_min_bytes() -> int:
+    """tidepool.tier_min_bytes: smaller state tensors are never taken into tiering."""
+    return (_install.STATE.config or {}).get("tier_min_bytes", 1 << 20)
+
+
+def _tierable(part, min_bytes: int) -> bool:
+    """Whether the plain tensor `part` is state tiering takes in: on a CUDA device and at
+    least `min_bytes`."""
+    return _on_cuda(part) and part.numel() * part.element_size() >= min_bytes
+
+
+def holds_tierable(value, min_bytes: int) -> bool:
+    """Whether `value` (a tensor, or a dict, list or tuple of them, nested) has a plain
+    part tiering takes in (_tierable)."""
+    if isinstance(value, dict):
+        value = value.values()
+    elif not isinstance(value, (list, tuple)):
+        return any(_tierable(part, min_bytes) for part in _state_tensors._plain_parts(value))
+    return any(holds_tierable(item, min_bytes) for item in value)
+
+
 def _adopt_tensor(value):
     """A copy of the plain tensor `value`, bit for bit, made under the scope
     adopt_stray_state opened, so in a pointer-stable range: in global mode with no state
@@ -150,8 +171,7 @@ class _Copier:
                 continue
             key = _storage_key(part)
             self.views[key] = self.views.get(key, 0) + 1
-            if (part.numel() * part.element_size() >= self.min_bytes
-                    and not _tiering.owns(key[0], part.data_ptr())):
+            if _tierable(part, self.min_bytes) and not _tiering.owns(key[0], part.data_ptr()):
                 self.stray.add(key)
                 self.nbytes[key] = part.untyped_storage().nbytes()
             if self.exclusive:
@@ -285,8 +305,7 @@ def stray_state(optimizers: list, exclusive: bool = False) -> StrayState:
     optimizer.state, through nested dicts, lists and tuples) that hold a tensor to copy
     (_Copier; with `exclusive`, only what the state alone holds), as (container, key)
     pairs."""
-    min_bytes = (_install.STATE.config or {}).get("tier_min_bytes", 1 << 20)
-    copier = _Copier(min_bytes, exclusive)
+    copier = _Copier(tier_min_bytes(), exclusive)
     leaves: list = []
     for optimizer in optimizers:
         state = optimizer.state

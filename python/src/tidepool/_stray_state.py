@@ -54,14 +54,22 @@ def step_ended(optimizer, tag: int) -> None:
     under (Note [state made in workspace steps]): notes whether a clean look after this
     step would vouch for the optimizer. It does when the step ran under workspace (state
     an optimizer_state step makes lands in ranges however it is made, so a clean look
-    after one shows nothing) and some parameter that has state had a gradient (a step
-    that updated no state shows nothing either). Not for a trusted optimizer."""
+    after one shows nothing) and some parameter whose state tiering takes in (a tensor
+    of tidepool.tier_min_bytes or more) had a gradient: a step that updated no state, or
+    only state too small to be tiered, shows nothing either (an optimizer that makes its
+    state anew each step, stepped twice with gradients for its small parameters only,
+    would otherwise be trusted and its large state made next left out). Not for a
+    trusted optimizer."""
     record = _record(optimizer)
     if record.clean >= _CLEAN_LOOKS_TO_TRUST:
         return
-    state = optimizer.state
-    record.vouches = tag == _tags.WORKSPACE and any(
+    if tag != _tags.WORKSPACE:
+        record.vouches = False
+        return
+    state, min_bytes = optimizer.state, _adoption.tier_min_bytes()
+    record.vouches = any(
         p.grad is not None and _step_tags.has_state(state, p)
+        and _adoption.holds_tierable(state[p], min_bytes)
         for group in optimizer.param_groups for p in group["params"])
 
 
