@@ -34,6 +34,15 @@
 // pinned, at the cost of one host_register per block (counted in
 // HostArenaStats::direct_after_no_arena). Only when that fails too does it fall back to
 // pageable memory.
+//
+// Note [A slab may not serve this thread]
+// mimalloc gives each thread's heap whole segments of an arena (32 MiB in 2.0.9), so a
+// 64 MiB slab serves at most two threads at once, however few bytes they hold: a slab
+// whose segments other threads' heaps own returns NULL to this one. A slab taken from the
+// idle pool (Note [Empty slabs are unpinned], or a destroyed arena's) can be such a slab,
+// and so can any slab this arena has. So an allocation that no slab of the arena serves
+// adds slabs until one does: idle ones first, then fresh ones, which always serve; each
+// one added stays in the arena for the threads it can serve.
 #include "tiering/host_arena.h"
 
 #include <dlfcn.h>
@@ -288,17 +297,21 @@ HostBlock HostArena::allocate(std::size_t bytes) {
     charged = bytes;
   } else {
     p = allocate_in_slabs(bytes);
-    if (p == nullptr) {
+    // Note [A slab may not serve this thread]: slabs are added until one serves, or none
+    // can be had (each added slab is registered, so the budget bounds this).
+    while (p == nullptr) {
       Slab* slab = add_slab(options_.slab_bytes, &why_not);
-      if (slab != nullptr) {
-        p = slab->mi->heap_malloc_aligned(thread_heap(*slab), bytes, kBlockAlign);
-        if (p != nullptr) {
-          slab->live_blocks++;
-          slab->ever_used = true;
+      if (slab == nullptr) {
+        if (why_not == kNoArenaLeft) {
+          p = allocate_direct_pinned(bytes, &why_not);
+          if (p != nullptr) stats_.direct_after_no_arena++;
         }
-      } else if (why_not == kNoArenaLeft) {
-        p = allocate_direct_pinned(bytes, &why_not);
-        if (p != nullptr) stats_.direct_after_no_arena++;
+        break;
+      }
+      p = slab->mi->heap_malloc_aligned(thread_heap(*slab), bytes, kBlockAlign);
+      if (p != nullptr) {
+        slab->live_blocks++;
+        slab->ever_used = true;
       }
     }
     charged = bytes;
@@ -535,6 +548,36 @@ void HostArena::deallocate(const HostBlock& block) {
   (*slab)->mi->free(block.ptr);
   (*slab)->live_blocks--;
   stats_.pinned_in_use_bytes -= block.bytes;
+}
+
+std::size_t HostArena::release_empty_slabs() noexcept {
+  std::lock_guard lock(mutex_);
+  std::size_t released = 0;
+  for (auto it = slabs_.begin(); it != slabs_.end();) {
+    Slab* slab = *it;
+    if (slab->live_blocks != 0) {
+      ++it;
+      continue;
+    }
+    try {
+      std::lock_guard pool_lock(pool_mutex());
+      // Room first: once unregistered, the slab must reach the pool, or a later add_slab
+      // would never find it.
+      idle_slabs().reserve(idle_slabs().size() + 1);
+      backend_.host_unregister(slab->base);
+      idle_slabs().push_back(slab);
+    } catch (...) {  // std::bad_alloc, BackendError: the slab stays registered, and ours
+      stats_.slab_release_failures++;
+      ++it;
+      continue;
+    }
+    it = slabs_.erase(it);
+    stats_.pinned_registered_bytes -= slab->bytes;
+    stats_.slab_count--;
+    stats_.slabs_released++;
+    released += slab->bytes;
+  }
+  return released;
 }
 
 HostArenaStats HostArena::stats() const {

@@ -24,6 +24,15 @@
 // HostArena reuses. This also keeps the per-thread heaps valid: a thread's heap for an
 // arena is created on first use and lives until the thread exits.
 //
+// Note [Empty slabs are unpinned]
+// release_empty_slabs() (the empty-cache hook, tiering_registry.cpp, reaches it through
+// every tiered store of the device) unregisters the slabs no block lives in and parks them
+// in that process-wide pool, as the destructor does, so the pinned registration and the
+// budget it held are given back; the next slab this or another arena needs is taken from
+// the pool and registered again. The pages stay mapped and resident: mimalloc keeps its
+// bookkeeping inside them, so they cannot be handed back to the OS (MADV_DONTNEED would
+// zero it).
+//
 // Thread-safety: every method may be called from any thread concurrently; a block may be
 // freed by a thread other than the one that allocated it.
 #pragma once
@@ -110,6 +119,10 @@ struct HostArenaStats {
   std::uint64_t fallback_no_mimalloc = 0;      // ... because libmimalloc could not be loaded
   std::uint64_t fallback_other = 0;  // ... for another reason (mmap of a slab failed, ...)
   std::uint64_t register_failures = 0;
+  // Slabs release_empty_slabs() unregistered, and those the backend would not unregister
+  // (they stay registered, in this arena).
+  std::uint64_t slabs_released = 0;
+  std::uint64_t slab_release_failures = 0;
   std::string last_fallback_reason;
   bool fallback_warned = false;  // the stderr warning was printed (once per arena)
 };
@@ -129,6 +142,10 @@ class TIDEPOOL_API HostArena {
   HostBlock allocate(std::size_t bytes);
   // Pre: `block` came from allocate() of this arena and is freed once.
   void deallocate(const HostBlock& block);
+
+  // Note [Empty slabs are unpinned]. Returns the bytes unregistered. Never throws: a slab
+  // the backend would not unregister is kept as it was and counted (slab_release_failures).
+  std::size_t release_empty_slabs() noexcept;
 
   HostArenaStats stats() const;
   std::size_t pinned_budget_bytes() const { return budget_; }

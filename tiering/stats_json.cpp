@@ -72,6 +72,8 @@ std::string to_json(const HostArenaStats& s) {
       .num("fallback_no_mimalloc", ull(s.fallback_no_mimalloc))
       .num("fallback_other", ull(s.fallback_other))
       .num("register_failures", ull(s.register_failures))
+      .num("slabs_released", ull(s.slabs_released))
+      .num("slab_release_failures", ull(s.slab_release_failures))
       .str("last_fallback_reason", s.last_fallback_reason)
       .boolean("fallback_warned", s.fallback_warned)
       .done();

@@ -240,6 +240,9 @@ class TIDEPOOL_API TieredStore {
   // it: it returns what it freed until then, the handle that failed keeps its device
   // copy, and the failure is counted (reclaim_failures) and said once on stderr.
   std::size_t reclaim(std::size_t bytes_needed) noexcept;
+  // The host arena's empty pinned slabs are unregistered (Note [Empty slabs are unpinned]
+  // in host_arena.h); returns their bytes. Never throws. The empty-cache hook calls it.
+  std::size_t release_empty_host_slabs() noexcept { return host_.release_empty_slabs(); }
 
   // Step boundaries for the recorded prefetch schedule (see prefetch_policy.h): each
   // `schedule` key (one per optimizer sharing the store) records and replays its own,

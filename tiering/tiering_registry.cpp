@@ -335,16 +335,20 @@ std::size_t reclaim_tiered_stores(int device, std::size_t bytes_needed) {
 
 // Note [empty_cache releases the spares]
 // torch.cuda.empty_cache() reaches tidepool_empty_cache_all, whose empty-cache hooks
-// (Note [Empty-cache hooks] in allocator/reclaim.cpp) bring it here: the device's VMM pool
-// gives back its spare host backings (Note [Spare host backings] in vmm_moves.cpp),
-// pinned host memory as large as the state moved back to the device, which a user who
-// empties the cache expects back. The next move to the host creates its backings anew.
-// The hook creates nothing: a device without a pool has no spares (it is called for every
-// device index). It runs with no allocator lock held, takes the registry only to find the
-// pool (on a thread that holds it already, tidepool_empty_cache called from inside a
-// walk, it reads under that hold: Note [Registry re-entry]), and then the pool's lock,
-// which no path holds while it empties a cache. It cannot recurse: releasing spares calls
-// only the backend, and allocate_tierable_range's own empty_cache runs no hooks.
+// (Note [Empty-cache hooks] in allocator/reclaim.cpp) bring it here, to give back the
+// pinned host memory tiering keeps only as a cache, which a user who empties the cache
+// expects back:
+//   - the device's VMM pool gives back its spare host backings, as large as the state
+//     moved back to the device (Note [Spare host backings] in vmm_moves.cpp); the next
+//     move to the host creates its backings anew;
+//   - each tiered store of the device unregisters its empty host slabs (Note [Empty slabs
+//     are unpinned] in host_arena.h).
+// The hook creates nothing (it is called for every device index). It runs with no
+// allocator lock held and takes the registry to find the pool and walk the stores (on a
+// thread that holds it already, tidepool_empty_cache called from inside a walk, it reads
+// under that hold: Note [Registry re-entry]), then the arenas' and the pool's locks, which
+// no path holds while it empties a cache. It cannot recurse: releasing spares and slabs
+// calls only the backend, and allocate_tierable_range's own empty_cache runs no hooks.
 namespace {
 void release_cached_host_memory(int device) {
   VmmPool* pool = nullptr;
@@ -352,6 +356,14 @@ void release_cached_host_memory(int device) {
     std::optional<RegistryHold> hold;
     if (!t_holding_registry) hold.emplace("releasing cached host memory");
     pool = vmm_pool_locked(device);
+    // Each store's empty pinned slabs (Note [Empty slabs are unpinned] in host_arena.h):
+    // only the arenas' own locks, which no path holds while it empties a cache.
+    if (auto it = registry().find(device); it != registry().end()) {
+      for (TieredStore* s = next_store(it->second.stores, nullptr); s != nullptr;
+           s = next_store(it->second.stores, s)) {
+        s->release_empty_host_slabs();  // never throws
+      }
+    }
   }
   if (pool != nullptr) pool->release_spare_host_backings();  // never throws
 }

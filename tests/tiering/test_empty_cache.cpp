@@ -1,7 +1,8 @@
 // Note [empty_cache releases the spares] (tiering/tiering_registry.cpp): the C ABI's
 // empty_cache, which torch.cuda.empty_cache() reaches, makes the tiering registry's VMM
 // pool give back its spare host backings (Note [Spare host backings] in
-// tiering/vmm_moves.cpp), also when called from inside a walk of the registry's stores;
+// tiering/vmm_moves.cpp), also when called from inside a walk of the registry's stores,
+// and the stores unpin their empty host slabs (Note [Empty slabs are unpinned]);
 // the ranges keep their addresses and bytes, and the next move to the host creates new
 // backings. Runs on the host backend, whose VMM is real (memfd + mmap).
 #include <gtest/gtest.h>
@@ -123,6 +124,35 @@ TEST_F(EmptyCacheSpares, EmptyCacheFromInsideAStoreWalkReleasesThem) {
     EXPECT_EQ(rc, 0) << tidepool_last_error();
   }
   expect_released_and_freed(p, 0x3c);
+}
+
+// Note [Empty slabs are unpinned] (tiering/host_arena.h): empty_cache has every tiered
+// store of the device unregister its empty pinned slabs; a slab that holds a handle's host
+// copy stays, and so do its bytes.
+TEST_F(EmptyCacheSpares, EmptyCacheUnpinsTheStoresEmptyHostSlabs) {
+  TieredStore store(device_allocator(kDevice).backend(),
+                    tiering_test::test_store_options(8 * kMiB));
+  const TieredStore::Handle kept = store.create(100 << 10, kTagOptimizerState);
+  const TieredStore::Handle gone = store.create(200 << 10, kTagOptimizerState);
+  ASSERT_EQ(store.stats().host.slab_count, 1u);
+  EXPECT_EQ(tidepool_empty_cache(kDevice), 0) << tidepool_last_error();
+  EXPECT_EQ(store.stats().host.slab_count, 1u) << "a slab holding two handles was released";
+
+  store.destroy(gone);
+  EXPECT_EQ(tidepool_empty_cache(kDevice), 0) << tidepool_last_error();
+  EXPECT_EQ(store.stats().host.slab_count, 1u) << "a slab holding a handle was released";
+  store.destroy(kept);
+  EXPECT_EQ(tidepool_empty_cache_all(), 0) << tidepool_last_error();
+  const HostArenaStats s = store.stats().host;
+  EXPECT_EQ(s.slab_count, 0u);
+  EXPECT_EQ(s.pinned_registered_bytes, 0u);
+  EXPECT_EQ(s.slabs_released, 1u);
+
+  // The next host copy takes a parked slab, registered again.
+  const TieredStore::Handle next = store.create(100 << 10, kTagOptimizerState);
+  EXPECT_EQ(store.stats().host.slab_count, 1u);
+  EXPECT_EQ(store.stats().host.pageable_allocs, 0u);
+  store.destroy(next);
 }
 
 }  // namespace

@@ -6,15 +6,19 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <random>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "allocator/config.h"
 #include "allocator/stats.h"
 #include "tests/support/backend_errors.h"
+#include "tests/tiering/failing_backend.h"
 #include "tests/tiering/tiering_test_util.h"
 #include "tiering/host_arena.h"
 
@@ -369,6 +373,127 @@ TEST_P(HostArenaTest, ThreadsAllocateAndFreeEachOthersBlocks) {
   }
   for (auto& th : threads) th.join();
   EXPECT_EQ(arena.stats().pinned_in_use_bytes, 0u);
+}
+
+// Note [Empty slabs are unpinned]: a slab no block lives in gives back its registration
+// and its budget; one with a live block keeps both; the next slab needed is the parked one,
+// registered again, and holds what is written to it.
+TEST_P(HostArenaTest, EmptySlabsAreUnregisteredAndTakenAgainWhenNeeded) {
+  HostArenaOptions options = test_host_options(std::size_t{64} << 20);  // one slab, no more
+  options.allow_pageable_fallback = false;
+  HostArena arena(backend(), options);
+  std::vector<HostBlock> blocks;
+  for (int i = 0; i < 8; ++i) blocks.push_back(arena.allocate(std::size_t{100} << 10));
+  EXPECT_EQ(arena.release_empty_slabs(), 0u) << "a slab with live blocks was released";
+  HostArenaStats s = arena.stats();
+  EXPECT_EQ(s.slab_count, 1u);
+  const std::size_t slab_bytes = s.pinned_registered_bytes;
+  EXPECT_EQ(slab_bytes, options.slab_bytes);
+  for (std::size_t i = 1; i < blocks.size(); ++i) arena.deallocate(blocks[i]);
+  EXPECT_EQ(arena.release_empty_slabs(), 0u) << "a slab with one live block was released";
+  arena.deallocate(blocks[0]);
+
+  EXPECT_EQ(arena.release_empty_slabs(), slab_bytes);
+  s = arena.stats();
+  EXPECT_EQ(s.slab_count, 0u);
+  EXPECT_EQ(s.pinned_registered_bytes, 0u);
+  EXPECT_EQ(s.slabs_released, 1u);
+  EXPECT_EQ(s.slab_release_failures, 0u);
+  EXPECT_EQ(arena.release_empty_slabs(), 0u);  // nothing left to release
+
+  // The budget holds one slab: these come from a parked one (the released slab or another
+  // arena's), registered again. The host backend refuses to register a range twice, so a
+  // slab released without unregistering would fail here (no fallback allowed).
+  std::vector<HostBlock> again;
+  for (int i = 0; i < 8; ++i) {
+    again.push_back(arena.allocate(std::size_t{100} << 10));
+    EXPECT_EQ(again.back().tier, HostTier::pinned);
+    std::memset(again.back().ptr, i + 1, again.back().bytes);
+  }
+  for (int i = 0; i < 8; ++i) {
+    const auto* p = static_cast<const unsigned char*>(again[static_cast<std::size_t>(i)].ptr);
+    EXPECT_EQ(p[0], i + 1);
+    EXPECT_EQ(p[again[static_cast<std::size_t>(i)].bytes - 1], i + 1);
+  }
+  s = arena.stats();
+  EXPECT_EQ(s.slab_count, 1u);
+  EXPECT_EQ(s.pinned_registered_bytes, slab_bytes);
+  for (const HostBlock& b : again) arena.deallocate(b);
+}
+
+// Releases racing allocations and frees on other threads: a block is never handed out
+// from a released (unregistered) slab, nor a slab released under a live block; every block
+// keeps its bytes. Run under TSan in CI.
+TEST_P(HostArenaTest, ReleasingEmptySlabsWhileOtherThreadsAllocateKeepsEveryBlock) {
+  HostArenaOptions options = test_host_options();
+  options.allow_pageable_fallback = false;
+  HostArena arena(backend(), options);
+  constexpr int kThreads = 4;
+  std::atomic<int> running{kThreads};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      std::mt19937 rng(static_cast<std::mt19937::result_type>(
+          test_support::seeded(static_cast<std::uint64_t>(100 + t))));
+      for (int round = 0; round < 400; ++round) {
+        std::vector<HostBlock> blocks;
+        const int fill = (t * 151 + round) & 0xff;
+        try {
+          for (std::uint32_t i = 0, n = 1 + rng() % 4; i < n; ++i) {
+            blocks.push_back(arena.allocate(64 + rng() % (256 << 10)));
+            std::memset(blocks.back().ptr, fill, blocks.back().bytes);
+          }
+        } catch (const HostArenaError& e) {
+          ADD_FAILURE() << "thread " << t << " round " << round << ": " << e.what();
+        }
+        for (const HostBlock& b : blocks) {
+          const auto* p = static_cast<const unsigned char*>(b.ptr);
+          EXPECT_TRUE(std::all_of(p, p + b.bytes, [&](unsigned char c) { return c == fill; }))
+              << "thread " << t << " round " << round;
+          EXPECT_EQ(b.tier, HostTier::pinned);
+          arena.deallocate(b);
+        }
+      }
+      running.fetch_sub(1);
+    });
+  }
+  std::uint64_t calls = 0;
+  while (running.load() > 0) {
+    arena.release_empty_slabs();
+    ++calls;
+  }
+  for (auto& th : threads) th.join();
+  arena.release_empty_slabs();
+  const HostArenaStats s = arena.stats();
+  EXPECT_EQ(s.pinned_in_use_bytes, 0u);
+  EXPECT_EQ(s.slab_count, 0u);
+  EXPECT_EQ(s.pinned_registered_bytes, 0u);  // no direct mapping is left either
+  EXPECT_EQ(s.slab_release_failures, 0u);
+  EXPECT_GT(calls, 0u);
+}
+
+// A slab the backend would not unregister stays registered, in the arena, and serves
+// blocks; the failure is counted, not thrown.
+TEST_P(HostArenaTest, ASlabTheBackendWouldNotUnregisterIsKeptAndCounted) {
+  if (!on_host()) GTEST_SKIP() << "the failing backend wraps the host backend";
+  tiering_test::FailingBackend failing(backend());
+  HostArena arena(failing, test_host_options());
+  HostBlock block = arena.allocate(4096);
+  const std::size_t registered = arena.stats().pinned_registered_bytes;
+  arena.deallocate(block);
+  failing.fail_calls_to("host_unregister", 1);
+  EXPECT_EQ(arena.release_empty_slabs(), 0u);
+  HostArenaStats s = arena.stats();
+  EXPECT_EQ(s.slab_release_failures, 1u);
+  EXPECT_EQ(s.slabs_released, 0u);
+  EXPECT_EQ(s.slab_count, 1u);
+  EXPECT_EQ(s.pinned_registered_bytes, registered);
+  block = arena.allocate(4096);  // from the kept slab: no new one
+  EXPECT_EQ(block.tier, HostTier::pinned);
+  EXPECT_EQ(arena.stats().slab_count, 1u);
+  std::memset(block.ptr, 0x3c, block.bytes);
+  arena.deallocate(block);
+  EXPECT_EQ(arena.release_empty_slabs(), registered);  // the backend works again
 }
 
 // Note [mimalloc is loaded RTLD_LOCAL] in host_arena.cpp: without mimalloc the slabs are
