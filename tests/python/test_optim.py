@@ -558,6 +558,38 @@ def test_apollo_refuses_bad_options(kwargs, match):
         topt.Apollo(params, **options)
 
 
+class Dispatching(torch.Tensor):
+    """A tensor subclass that dispatches its own operations, as DTensor does."""
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        unwrap = lambda t: t.as_subclass(torch.Tensor) if isinstance(t, cls) else t  # noqa: E731
+        return func(*torch.utils._pytree.tree_map(unwrap, args),
+                    **torch.utils._pytree.tree_map(unwrap, kwargs or {}))
+
+
+class Marked(torch.nn.Parameter):
+    """A parameter subclass that dispatches nothing itself (a tag on a plain tensor)."""
+
+
+def test_parameters_of_a_dispatching_subclass_are_refused_before_anything_is_made():
+    params, tensors, loss = regression_problem()
+    W, b = tensors
+    odd = torch.Tensor._make_subclass(Dispatching, torch.zeros(3), True)
+    for make in (lambda ps: topt.Apollo(ps, lr=0.01),
+                 lambda ps: topt.AADL(torch.optim.SGD(ps, lr=0.1)),
+                 lambda ps: topt.accelerate(torch.optim.SGD(ps, lr=0.1))):
+        with pytest.raises(TypeError, match="parameter 1 is a Dispatching.*DTensor"):
+            make([W, odd])
+    opt = topt.Apollo([W], lr=0.01)
+    with pytest.raises(TypeError, match="Dispatching"):
+        opt.add_param_group({"params": [odd]})
+    assert len(opt.param_groups) == 1
+    train(opt, loss, 1)
+    marked = Marked(torch.zeros(3))
+    topt.Apollo([W, marked], lr=0.01)  # a subclass that dispatches nothing is a plain tensor
+
+
 @pytest.mark.parametrize("kwargs, match", [
     ({"history_depth": 2}, "history_depth"),
     ({"relaxation": 0.0}, "relaxation"),

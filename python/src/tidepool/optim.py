@@ -99,6 +99,26 @@ def _check_placement(where, budget, what: str) -> None:
                          f"not {budget!r}")
 
 
+def _check_plain_parameters(params, who: str) -> None:
+    """Refuses, before anything is made, a parameter of a tensor subclass that dispatches
+    its operations itself (__torch_dispatch__): FSDP2's and tensor parallelism's DTensor
+    above all. The C++ step reads a parameter's memory directly (the fused step through
+    its data pointer, which such a wrapper does not have; a DTensor's data is its local
+    shard) and mixes it with the plain tensors of its state, and Apollo's sums and AADL's
+    inner products would have to span the shards of every rank. Not supported yet: the
+    drop-in (PYTORCH_CUDA_ALLOC_CONF=backend:tidepool) tiers the state of stock
+    torch.optim optimizers on DTensor parameters."""
+    plain = torch.Tensor.__torch_dispatch__
+    for index, p in enumerate(params):
+        if getattr(type(p), "__torch_dispatch__", plain) is not plain:
+            raise TypeError(
+                f"tidepool.optim.{who}: parameter {index} is a {type(p).__name__}, a tensor "
+                f"subclass that dispatches its own operations (FSDP2's and tensor "
+                f"parallelism's DTensor are); {who} steps plain tensors only. For sharded "
+                f"training, use a stock torch.optim optimizer with the drop-in "
+                f"(PYTORCH_CUDA_ALLOC_CONF=backend:tidepool), which tiers its state.")
+
+
 class Apollo(torch.optim.Optimizer):
     """Apollo (Ma 2020), as the published reference (XuezheMax/apollo, optim/apollo.py)
     takes it, with its state where `state` says (see the module's docstring).
@@ -125,6 +145,7 @@ class Apollo(torch.optim.Optimizer):
             lr=lr, beta=beta, eps=eps, rebound=rebound, warmup=warmup, init_lr=init_lr,
             base_lr=None, weight_decay=weight_decay, weight_decay_type=weight_decay_type))
         super().__init__(params, defaults)
+        _check_plain_parameters([p for g in self.param_groups for p in g["params"]], "Apollo")
         groups = [(list(g["params"]), _options_of(g)) for g in self.param_groups]
         self._apollo = _module().Apollo(groups, state, state_budget)
         self._apollo.fused = bool(fused)
@@ -163,6 +184,7 @@ class Apollo(torch.optim.Optimizer):
             return
         group = self.param_groups[-1]
         try:
+            _check_plain_parameters(group["params"], "Apollo")
             apollo.add_param_group(list(group["params"]), _options_of(group))
         except BaseException:
             self.param_groups.pop()
@@ -322,6 +344,8 @@ class AADL:
             raise TypeError(f"tidepool.optim.AADL wraps a torch.optim.Optimizer, not "
                             f"{type(optimizer).__name__}")
         _check_placement(history, history_budget, "history")
+        _check_plain_parameters([p for g in optimizer.param_groups for p in g["params"]],
+                                "AADL")
         self._options = dict(acceleration_type=acceleration_type, relaxation=relaxation,
                              wait_iterations=wait_iterations, history_depth=history_depth,
                              store_each_nth=store_each_nth, frequency=frequency,
