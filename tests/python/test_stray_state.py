@@ -472,6 +472,33 @@ def test_a_trusted_optimizer_is_looked_through_again_now_and_then(fake_cuda, fak
     assert _stray_state._record(optimizer).clean == 0
 
 
+@pytest.mark.parametrize("mode", ["global", "pool"])
+def test_a_trusted_optimizer_whose_step_leaves_workspace_bytes_alive_is_looked_at_once(
+        fake_cuda, fake_tiering, untiered_state, monkeypatch, mode):
+    """Note [workspace growth]: in global mode, bytes alive under workspace after a
+    trusted optimizer's step that were not before it make the look come at once; in pool
+    mode (workspace steps allocate outside tidepool) the re-looks remain. Tensors on this
+    machine do not go through tidepool, so the renewal counts its bytes here itself."""
+    install(tier_min_bytes=str(MIN_BYTES), mode=mode)
+    assert isinstance(_stray_state._workspace_bytes(0), int)  # tidepool's per-tag stats
+    alive = {0: 0}
+    monkeypatch.setattr(_stray_state, "_workspace_bytes", lambda device: alive.get(device))
+
+    class CountedRenewal(RenewsLater):
+        def update(self, group, p):
+            if self.steps >= self.renew_from:
+                alive[0] += p.numel() * p.element_size()  # the new buffer, made under workspace
+            super().update(group, p)
+
+    p = torch.nn.Parameter(torch.zeros(32))
+    optimizer = CountedRenewal([p], renew_from=6)
+    for step in range(1, 9):
+        p.grad = torch.ones(32)
+        optimizer.step()
+        tiered = untiered_state.tiered(optimizer.state[p]["m"])
+        assert tiered == (step < 6 or mode == "global"), f"step {step}"
+
+
 def test_relooks_come_twice_as_far_apart_each_time_up_to_a_limit(fake_cuda):
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
     record = _stray_state._record(optimizer)

@@ -168,6 +168,7 @@ def _pre_step(optimizer, args, kwargs):
     _step_scopes._close_scopes_down_to(_scopes_to_keep())
     devices = _state_tensors._cuda_devices(optimizer)
     own = _step_scopes._devices_not_held(devices)
+    _stray_state.step_begins(optimizer, devices)
 
     def prefetch_and_open():  # counted in first: Note [steps in flight]
         if devices and _state_moves._tiering_or_warn() \

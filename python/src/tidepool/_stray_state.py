@@ -9,7 +9,7 @@ from __future__ import annotations
 import warnings
 import weakref
 
-from . import _adoption, _install, _step_tags, _tags
+from . import _adoption, _install, _stats, _step_tags, _tags
 
 _warned: set = set()  # (what, optimizer class) _warn_once has warned about
 
@@ -26,12 +26,16 @@ class _Record:
     """Note [state made in workspace steps]: what is known of an optimizer. `clean`: looks
     after steps that vouch (step_ended) that found none of its state outside tiering since
     one last found some; `vouches`: whether its last step vouches; `next_look` and `gap`,
-    once it is trusted: steps until its next look, and between the last two."""
+    once it is trusted: steps until its next look, and between the last two;
+    `workspace_before`: once it is trusted, in global mode, the bytes alive under
+    workspace on each of its devices when its current step began (Note [workspace
+    growth]), else None."""
 
-    __slots__ = ("clean", "vouches", "next_look", "gap")
+    __slots__ = ("clean", "vouches", "next_look", "gap", "workspace_before")
 
     def __init__(self):
         self.clean, self.vouches, self.next_look, self.gap = 0, False, 0, 0
+        self.workspace_before = None
 
 
 _records: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> _Record
@@ -47,6 +51,49 @@ def _record(optimizer) -> _Record:
         return record
     except TypeError:
         return _Record()
+
+
+def _workspace_bytes(device: int) -> int | None:
+    """The bytes alive under the workspace tag on `device` (tidepool's per-tag stats);
+    None when they cannot be read."""
+    try:
+        return _stats.raw_stats(device).tags[_tags.WORKSPACE].bytes.current
+    except Exception:  # noqa: BLE001  (no stats: no trigger, the re-looks remain)
+        return None
+
+
+def step_begins(optimizer, devices: list[int]) -> None:
+    """Called by every step's pre-hook with the optimizer's CUDA devices. Note [workspace
+    growth]: a trusted optimizer is not looked through after each step, so state it
+    starts making anew under workspace later (a restart that replaces its buffers every
+    few thousand steps, a buffer cast to another dtype) would stay in device memory
+    until the next re-look, up to _LAST_RELOOK steps on. In global mode every allocation
+    goes through tidepool and is counted under its tag, and a workspace step's
+    temporaries are freed before it returns; so bytes alive under workspace after the
+    step that were not before it are most likely such state, and adopt_after_step looks
+    at once. Another thread's allocations under workspace in the meantime make only a
+    look that finds nothing. (In pool mode a workspace step allocates outside tidepool:
+    nothing to read, the re-looks remain.) Costs one read of the stats per device and
+    step, for trusted optimizers only."""
+    record = _record(optimizer)
+    record.workspace_before = None
+    if record.clean < _CLEAN_LOOKS_TO_TRUST or not devices or not _install.STATE.active \
+            or _install.pool_mode():
+        return
+    record.workspace_before = {d: _workspace_bytes(d) for d in devices}
+
+
+def _workspace_grew(record: _Record) -> bool:
+    """Note [workspace growth]: whether more bytes are alive under workspace on one of
+    the devices than when the optimizer's step began (forgets the count)."""
+    before, record.workspace_before = record.workspace_before, None
+    if not before:
+        return False
+    for device, then in before.items():
+        now = _workspace_bytes(device) if then is not None else None
+        if now is not None and now > then:
+            return True
+    return False
 
 
 def step_ended(optimizer, tag: int) -> None:
@@ -99,7 +146,9 @@ def adopt_after_step(optimizers: list, own: list[int]) -> int:
     up to every _LAST_RELOOK steps; so state it starts making under workspace later (a
     custom optimizer that replaces its state only after some number of steps), or that
     code outside step() puts in its state, is taken in by the next such look, which
-    starts the count again. State something outside
+    starts the count again. In global mode a step after which more bytes are alive
+    under workspace than before it is looked through at once (Note [workspace growth],
+    step_begins). State something outside
     optimizer.state holds too stays where it is (Note [adopted state] in _adoption.py),
     with a warning once per optimizer class. A copy that fails (the memory for it ran
     out) is said the same way and does not fail the step, which is done: each place the
@@ -108,7 +157,8 @@ def adopt_after_step(optimizers: list, own: list[int]) -> int:
     adopted = 0
     for optimizer in optimizers:
         record = _record(optimizer)
-        if record.clean >= _CLEAN_LOOKS_TO_TRUST and not _relook_due(record):
+        if record.clean >= _CLEAN_LOOKS_TO_TRUST and not _relook_due(record) \
+                and not _workspace_grew(record):
             continue
         stray = _adoption.stray_state([optimizer], exclusive=True)
         shared = sum(stray.copier.shared_bytes.values())
