@@ -26,14 +26,11 @@ import pytest
 import torch
 
 import tidepool.optim as topt
-from tidepool import _lib
 
+from optim_binding import skip_without_binding
 from random_sequences import scaled, seeds
 
-try:
-    _lib.optim_module_path()
-except _lib.LibraryError as e:  # pragma: no cover - depends on the build
-    pytest.skip(f"tidepool._optim is not built: {e}", allow_module_level=True)
+skip_without_binding()
 
 # How each copy reaches AADL: (the way in, where its history lives).
 WAYS_IN = (("AADL", "device"), ("AADL", "host"), ("AADL", "tiered"), ("accelerate", "host"))

@@ -32,12 +32,10 @@ import torch
 import tidepool.optim as topt
 from tidepool import _lib
 
+from optim_binding import skip_without_binding
 from reference_apollo import ReferenceApollo
 
-try:
-    _lib.optim_module_path()
-except _lib.LibraryError as e:  # pragma: no cover - depends on the build
-    pytest.skip(f"tidepool._optim is not built: {e}", allow_module_level=True)
+skip_without_binding()
 
 SHARED = os.environ.get("TIDEPOOL_SHARED_DIR",
                         os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared"))

@@ -24,15 +24,12 @@ import pytest
 import torch
 
 import tidepool.optim as topt
-from tidepool import _lib
 
+from optim_binding import skip_without_binding
 from random_sequences import scaled, seeds
 from reference_apollo import ReferenceApollo
 
-try:
-    _lib.optim_module_path()
-except _lib.LibraryError as e:  # pragma: no cover - depends on the build
-    pytest.skip(f"tidepool._optim is not built: {e}", allow_module_level=True)
+skip_without_binding()
 
 TOLERANCE = 1e-9
 FLOOR = 1e-3
