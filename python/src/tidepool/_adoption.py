@@ -44,11 +44,7 @@ def _tierable(part, min_bytes: int) -> bool:
 def holds_tierable(value, min_bytes: int) -> bool:
     """Whether `value` (a tensor, or a dict, list or tuple of them, nested) has a plain
     part tiering takes in (_tierable)."""
-    if isinstance(value, dict):
-        value = value.values()
-    elif not isinstance(value, (list, tuple)):
-        return any(_tierable(part, min_bytes) for part in _state_tensors._plain_parts(value))
-    return any(holds_tierable(item, min_bytes) for item in value)
+    return any(_tierable(part, min_bytes) for part in _state_tensors._parts_in(value))
 
 
 def _adopt_tensor(value):

@@ -31,20 +31,26 @@ def _cuda_index(tensor) -> int:
     return tensor.get_device() if tensor.is_cuda else -1
 
 
-def _add_pointers(value, by_device: dict) -> None:
-    """Appends to by_device[d] the data pointer of each plain tensor (_plain_parts: a
-    DTensor's local shard) in `value` on CUDA device d; `value` may be a tensor, or a
-    dict, list or tuple of them (LBFGS keeps lists of tensors), nested."""
+def _parts_in(value):
+    """Yields each plain tensor (_plain_parts: a DTensor's local shard) in `value`, a
+    tensor or a dict, list or tuple of them (LBFGS keeps lists of tensors), nested, in
+    order; anything else in it yields nothing."""
     if isinstance(value, dict):
         value = value.values()
     elif not isinstance(value, (list, tuple)):
-        for part in _plain_parts(value):
-            d = _cuda_index(part)
-            if d >= 0:
-                by_device.setdefault(d, []).append(part.data_ptr())
+        yield from _plain_parts(value)
         return
     for item in value:
-        _add_pointers(item, by_device)
+        yield from _parts_in(item)
+
+
+def _add_pointers(value, by_device: dict) -> None:
+    """Appends to by_device[d] the data pointer of each plain tensor in `value`
+    (_parts_in) on CUDA device d."""
+    for part in _parts_in(value):
+        d = _cuda_index(part)
+        if d >= 0:
+            by_device.setdefault(d, []).append(part.data_ptr())
 
 
 def _state_pointers(optimizer, every_parameter: bool) -> dict[int, list[int]]:
