@@ -12,7 +12,7 @@ and without set_to_none, and save -> load into a new optimizer (another placemen
 between the two ways in) in the middle of the run. After every operation the four
 copies must agree bit for bit: parameters, history sizes, accepted and rejected counts.
 (The values themselves are checked against the published AADL by the golden files, in
-test_optim.py and tests/optimizers.)
+test_optim.py and tests/optimizers, and on random options in test_aadl_reference.py.)
 
 TIDEPOOL_TEST_SEED=N draws other sequences, TIDEPOOL_TEST_SCALE=S makes them longer
 (random_sequences.py)."""

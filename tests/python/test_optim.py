@@ -18,9 +18,7 @@ Python's headers) these tests are skipped, saying so.
 from __future__ import annotations
 
 import copy
-import glob
 import io
-import json
 import os
 import subprocess
 import sys
@@ -33,43 +31,13 @@ import tidepool.optim as topt
 from tidepool import _lib
 
 from optim_binding import skip_without_binding
+from golden_problems import GOLDEN, GOLDEN_TOLERANCE, SHARED, Golden, deviation
 from reference_apollo import ReferenceApollo
 
 skip_without_binding()
 
-SHARED = os.environ.get("TIDEPOOL_SHARED_DIR",
-                        os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared"))
-GOLDEN = sorted(glob.glob(os.path.join(SHARED, "golden", "*.json")))
-# ../shared/golden/README.md: |x - ref| <= 1e-6 * (1e-3 + |ref|) at every step.
-GOLDEN_TOLERANCE = 1e-6
-GOLDEN_FLOOR = 1e-3
-
 
 # ---- problems ---------------------------------------------------------------------------------
-
-class Golden:
-    def __init__(self, path: str):
-        with open(path) as f:
-            data = json.load(f)
-        p = data["problem"]
-        self.name = data["name"]
-        self.optimizer = data["optimizer"]
-        self.closure = p["step_protocol"].startswith("closure")
-        self.X = torch.tensor(p["X"], dtype=torch.float64).reshape(p["X_shape"])
-        self.Y = torch.tensor(p["Y"], dtype=torch.float64).reshape(p["Y_shape"])
-        self.shapes = p["param_shapes"]
-        self.init = p["init_params"]
-        self.steps = data["steps"]
-
-    def params(self):
-        return [torch.tensor(v, dtype=torch.float64).reshape(s).requires_grad_()
-                for v, s in zip(self.init, self.shapes)]
-
-    def loss(self, params):
-        W1, b1, W2, b2 = params
-        y = torch.tanh(self.X @ W1.t() + b1) @ W2.t() + b2
-        return ((y - self.Y) ** 2).mean()
-
 
 def make_golden_optimizer(golden: Golden, params, where: str, fused: bool = True):
     spec = dict(golden.optimizer)
@@ -83,30 +51,7 @@ def make_golden_optimizer(golden: Golden, params, where: str, fused: bool = True
 
 def run_golden(golden: Golden, where: str, fused: bool = True):
     params = golden.params()
-    opt = make_golden_optimizer(golden, params, where, fused)
-    worst = 0.0
-    for ref in golden.steps:
-        if golden.closure:
-            def closure():
-                grad = torch.is_grad_enabled()
-                if grad:
-                    opt.zero_grad()
-                loss = golden.loss(params)
-                if grad:
-                    loss.backward()
-                return loss
-            opt.step(closure)
-        else:
-            opt.zero_grad()
-            golden.loss(params).backward()
-            opt.step()
-        with torch.no_grad():
-            got = [golden.loss(params).reshape(1)] + [p.detach().reshape(-1) for p in params]
-            want = [torch.tensor([ref["loss"]], dtype=torch.float64)] + [
-                torch.tensor(v, dtype=torch.float64) for v in ref["params"]]
-            for g, w in zip(got, want):
-                worst = max(worst, ((g - w).abs() / (GOLDEN_FLOOR + w.abs())).max().item())
-    return worst
+    return golden.follow(make_golden_optimizer(golden, params, where, fused), params)
 
 
 def regression_problem(dtype=torch.float32, seed=0, groups=1):
@@ -188,9 +133,8 @@ def test_checkpoints_move_between_the_published_apollo_and_this_one(path, first,
         golden.loss(params).backward()
         optimizer.step()
         for got, want in zip(params, ref["params"]):
-            want = torch.tensor(want, dtype=torch.float64)
-            worst = max(worst, ((got.detach().reshape(-1) - want).abs()
-                                / (GOLDEN_FLOOR + want.abs())).max().item())
+            worst = max(worst, deviation(got.detach().reshape(-1),
+                                         torch.tensor(want, dtype=torch.float64)))
     assert worst <= GOLDEN_TOLERANCE, f"{golden.name}: deviation {worst:.3e}"
 
 
