@@ -155,6 +155,7 @@ class TIDEPOOL_API HostArena {
 
  private:
   void* allocate_in_slabs(std::size_t bytes);                 // nullptr: slabs are full
+  void* allocate_in_slab(Slab& slab, std::size_t bytes);     // nullptr: this one is full
   Slab* add_slab(std::size_t bytes, std::string* why_not);    // nullptr: why_not says
   void* allocate_direct_pinned(std::size_t bytes, std::string* why_not);
   HostBlock allocate_pageable(std::size_t bytes, const std::string& reason);
