@@ -338,6 +338,24 @@ bool TieredStore::load_locked(Entry& e, RoomFor why, bool load) {
   return true;
 }
 
+// Note [A failed acquire to overwrite]
+// acquire_to_overwrite makes a handle on the host resident without its copy and marks the
+// device copy the latest only once the acquire succeeds (Note [Acquiring to overwrite]).
+// If a wait after the skipped load fails (the caller's stream is invalid, the device in a
+// sticky error), no caller ever got the buffer, and its bytes are not the handle's: left
+// resident, the next acquire would return them as the latest contents, and a release
+// dirty after a partial write would copy them over the intact host copy. So the buffer is
+// given back as a failed load's is, and the handle is as before the call: on the host,
+// its host copy the latest.
+void TieredStore::drop_skipped_load_locked(Entry& e) noexcept {
+  note_not_resident_locked(e);
+  // No wait event: the H2D stream, where dev_ready was recorded after the buffer's earlier
+  // use, is what the give-back orders the free after.
+  give_back_failed_load_locked(DeviceBuffer{e.dev, Event{}}, e.bytes);
+  e.dev = nullptr;
+  e.uncounted_load = Entry::LoadBy::none;
+}
+
 void TieredStore::evict_locked(Entry& e, bool discard) {
   const Stream d2h = copies_.stream(Direction::device_to_host);
   // The D2H stream must pass every use of the buffer and its own load.
@@ -439,9 +457,11 @@ void* TieredStore::acquire_locked(Handle h, Stream stream, RoomFor why, bool loa
   InsideStore inside(this);
   Entry& e = entry_locked(h, "acquire");
   bool late = false;  // a prefetched copy still in flight
+  bool skipped_load = false;  // a device buffer that holds nothing yet (load == false)
   try {
     if (e.dev == nullptr) {
       if (!load_locked(e, why, load)) return nullptr;  // the peers may give room
+      skipped_load = !load;
     } else if (e.uncounted_load == Entry::LoadBy::prefetch) {
       late = !backend_.event_query(e.dev_ready);
     }
@@ -455,7 +475,9 @@ void* TieredStore::acquire_locked(Handle h, Stream stream, RoomFor why, bool loa
     }
   } catch (...) {
     // Nothing is pinned yet: the handle is as a failed load or wait left it (resident or
-    // not), never acquired.
+    // not), never acquired — except a load skipped for an overwrite (Note [A failed
+    // acquire to overwrite]), whose buffer goes.
+    if (skipped_load) drop_skipped_load_locked(e);
     detail::rethrow_as_tiering_error(detail::of_handle("acquire", h, e.bytes));
   }
   // The acquire succeeds: its load is counted now, once (Entry::uncounted_load).

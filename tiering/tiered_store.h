@@ -362,6 +362,8 @@ class TIDEPOOL_API TieredStore {
   // the load's own error is what propagates; a buffer it cannot hand back stays among the
   // pending frees (Note [A failed load's buffer] in pending_frees.cpp).
   void give_back_failed_load_locked(const DeviceBuffer& buf, std::size_t bytes) noexcept;
+  // Note [A failed acquire to overwrite] (tiered_store.cpp).
+  void drop_skipped_load_locked(Entry& e) noexcept;
   // Hands back the pending frees whose write-backs are done (all of them with wait_all,
   // waiting; with streams_idle, the caller has just synchronized both copy streams, so
   // every one is done and none is asked).

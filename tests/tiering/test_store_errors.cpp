@@ -380,6 +380,33 @@ TEST_P(StoreErrorsTest, AFailedAcquireCountsNoHitOrMissAndItsRetryCountsOnce) {
   EXPECT_EQ(store.stats().acquires, 3u);
 }
 
+// Note [A failed acquire to overwrite]: whichever of its stream waits fails, an
+// acquire_to_overwrite of a handle on the host leaves it there, its host copy the latest
+// (not resident with a buffer that never received the data, called clean).
+TEST_P(StoreErrorsTest, AFailedAcquireToOverwriteLeavesTheHandleOnTheHost) {
+  TieredStore& store = make_store();
+  const auto probe = create_written(29);
+  const long waits_before = failing_->calls_to("stream_wait_event");
+  (void)store.acquire_to_overwrite(probe, stream_);  // on the host: its load is skipped
+  store.release(probe, /*dirty=*/false);
+  const long waits = failing_->calls_to("stream_wait_event") - waits_before;
+  ASSERT_GT(waits, 0);
+  for (int failing_wait = 0; failing_wait < waits; ++failing_wait) {
+    SCOPED_TRACE("failing wait " + std::to_string(failing_wait));
+    const auto h = create_written(30 + static_cast<std::uint64_t>(failing_wait));
+    const TieredStoreStats before = store.stats();
+    failing_->fail_calls_to("stream_wait_event", 1, failing_wait);
+    expect_tiering_error([&] { (void)store.acquire_to_overwrite(h, stream_); }, "acquire",
+                         "stream_wait_event");
+    failing_->fail_calls_to("stream_wait_event", 0);
+    EXPECT_FALSE(store.resident(h));
+    EXPECT_EQ(store.stats().acquires, before.acquires);
+    EXPECT_TRUE(holds(h, 30 + static_cast<std::uint64_t>(failing_wait)));
+    EXPECT_TRUE(acquires(h, 30 + static_cast<std::uint64_t>(failing_wait)));
+    store.destroy(h);
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Host, StoreErrorsTest, ::testing::Values(BackendKind::host),
                          tiering_test::backend_name);
 
