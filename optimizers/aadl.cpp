@@ -7,6 +7,9 @@
 #include <limits>
 #include <string>
 #include <utility>
+#include <vector>
+
+#include <c10/util/StringUtil.h>
 
 #include "optimizers/linalg/lstsq.h"
 
@@ -163,6 +166,17 @@ torch::Tensor AADL::extrapolate(const AndersonHistory& history, const torch::Ten
   return history.combine(u, newest, out);
 }
 
+namespace {
+
+// Whether the group's least-squares problem is finite. Diverged parameters would otherwise
+// reach the solve as "A or B contains NaN or Inf", a problem the caller never passed.
+bool solvable(const AndersonHistory& history) {
+  return torch::isfinite(history.gram()).all().item<bool>() &&
+         torch::isfinite(history.rhs()).all().item<bool>();
+}
+
+}  // namespace
+
 AADL::NextStep AADL::next_step() const noexcept {
   const int64_t call = call_counter_ + 1;
   return NextStep{store_counter_ + 1 >= options_.store_each_nth(),
@@ -201,6 +215,7 @@ torch::Tensor AADL::step(LossClosure closure) {
   // Group by group: a group's push and extrapolation read only its own parameters, and its
   // safeguard writes only those, so this order gives the same bits as all pushes first,
   // while holding one group's flattened vector at a time.
+  std::vector<size_t> diverged;  // groups whose history is not finite (see aadl.h)
   for (size_t g = 0; g < histories_.size(); ++g) {
     AndersonHistory& history = *histories_[g];
     const auto& params = inner_->param_groups()[g].params();
@@ -212,6 +227,10 @@ torch::Tensor AADL::step(LossClosure closure) {
       history.push(pushed);
     }
     if (!accelerates || history.size() < 3) continue;
+    if (!solvable(history)) {
+      diverged.push_back(g);
+      continue;
+    }
     if (!closure) {
       // The plain iterate is not needed again: the extrapolation overwrites it in place.
       unflatten(extrapolate(history, pushed, pushed), params);
@@ -246,6 +265,13 @@ torch::Tensor AADL::step(LossClosure closure) {
       ++rejected_;
     }
   }
+  TORCH_CHECK(diverged.empty(), "AADL: the history of parameter group(s) ",
+              c10::Join(", ", diverged),
+              " holds NaN or Inf (or values whose inner products overflow): the parameters "
+              "diverged. This step's inner update and store were made for every group; those "
+              "groups were not accelerated, and are not until that vector has left their "
+              "history (history_depth = ",
+              options_.history_depth(), " stores)");
   return loss;
 }
 

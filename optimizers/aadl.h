@@ -18,6 +18,20 @@
 //   step's passes read start loading on entry, before the inner step, or earlier through
 //   prefetch() (Note [Loading the history ahead of use] in anderson_history.h).
 //
+// A rejected candidate leaves the plain iterate (DESIGN.md), the parameters the inner step
+// just made, whose loss the safeguard measured. The published code reloads the newest
+// stored vector instead: the same iterate whenever this step stored (always with
+// store_each_nth 1, the golden files' case); with store_each_nth > 1, on a step that did
+// not store, it goes back to the iterate of the last store, dropping the inner steps taken
+// since, for a point whose loss it never evaluated. tests/python/reference_aadl.py follows
+// DESIGN.md here too.
+//
+// Diverged parameters (NaN or Inf in a group's history, or values whose inner products
+// overflow) make step() throw c10::Error naming the groups, after every group's inner
+// update and store were made and the others accelerated: those groups keep their plain
+// iterate, and the error repeats at each acceleration until the vector has left the
+// history. (The published code loads the NaN extrapolation and trains on.)
+//
 // acceleration_type anderson and anderson_normal_equation name the reference's two ways of
 // solving the same least-squares problem; here both use the same fp64 solve (equilibrated
 // Gram matrix, LAPACK gelsd minimum-norm), which matches the reference to ~1e-9.

@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <limits>
 #include <memory>
 #include <string>
 #include <utility>
@@ -328,6 +329,48 @@ TEST(AADL, AClosureThatThrowsInTheSafeguardLeavesThePlainIterate) {
     EXPECT_TRUE(torch::equal(run.p.detach(), run.q.detach())) << "step " << step;
   }
   FAIL() << "no step accelerated";
+}
+
+// Diverged parameters in one group: a c10::Error naming the group and saying what happened
+// (not the solver's "A or B contains NaN or Inf"), after every group stepped and stored and
+// the finite group was accelerated exactly as it is on its own.
+TEST(AADL, ADivergedGroupIsNamedAfterEveryGroupStepped) {
+  torch::manual_seed(5);
+  const torch::Tensor start0 = torch::randn({6}, torch::kFloat64);
+  const torch::Tensor start1 = torch::randn({4}, torch::kFloat64);
+  const auto options = AADLOptions().history_depth(3).wait_iterations(0).relaxation(0.5);
+  torch::Tensor p0 = start0.clone().requires_grad_(), p1 = start1.clone().requires_grad_();
+  torch::Tensor q1 = start1.clone().requires_grad_();
+  std::vector<torch::optim::OptimizerParamGroup> groups;
+  groups.emplace_back(std::vector<torch::Tensor>{p0});
+  groups.emplace_back(std::vector<torch::Tensor>{p1});
+  AADL both(std::make_shared<torch::optim::SGD>(groups, torch::optim::SGDOptions(0.1)),
+            options);
+  AADL alone(sgd(q1), options);
+  const auto step = [](AADL& opt, const std::vector<torch::Tensor>& params) {
+    opt.zero_grad();
+    torch::Tensor loss = torch::zeros({}, torch::kFloat64);
+    for (const auto& p : params) loss = loss + (p * p * p * p).sum() - p.sum();
+    loss.backward();
+    opt.step();
+  };
+  for (int i = 0; i < 3; ++i) {
+    step(both, {p0, p1});
+    step(alone, {q1});
+  }
+  ASSERT_TRUE(torch::equal(p1, q1));
+  {
+    torch::NoGradGuard no_grad;
+    p0[2] = std::numeric_limits<double>::quiet_NaN();
+  }
+  for (int i = 0; i < 2; ++i) {
+    expect_error_mentions([&] { step(both, {p0, p1}); }, "parameter group(s) 0 holds NaN");
+    step(alone, {q1});
+    EXPECT_TRUE(torch::equal(p1, q1)) << "step " << i;
+    EXPECT_EQ(both.history(0).size(), 3);
+    EXPECT_EQ(both.history(1).size(), 3);
+  }
+  expect_error_mentions([&] { step(both, {p0, p1}); }, "diverged");
 }
 
 TEST(AADL, HistoryPlacementDoesNotChangeAnyBit) {

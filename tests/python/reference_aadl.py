@@ -111,6 +111,8 @@ class ReferenceAADL:
                     history.append(x)
                     self.accepted += 1
                 else:
+                    # DESIGN.md: the plain iterate (where the published code reloads the
+                    # newest stored vector; optimizers/aadl.h says when they differ).
                     load(plain, params)
                     self.rejected += 1
         return loss
