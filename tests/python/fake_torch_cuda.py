@@ -2,7 +2,8 @@
 does inside torch on a machine without a GPU (test_install_flow.py, test_optim_hooks.py):
 `fake_cuda` records which allocator is registered and when a MemPool is made or entered
 (and, as PyTorch does, refuses to enter a MemPool on a device where it is entered
-already, by any thread); `install(**keys)` runs the package's install with torch.cuda
+already, by any thread; and refuses one made on another device, which PyTorch would
+serve without tidepool); `install(**keys)` runs the package's install with torch.cuda
 claiming a device."""
 
 from __future__ import annotations
@@ -29,8 +30,24 @@ def fake_cuda(monkeypatch):
         def allocator(self):
             return self.handle
 
+    current = threading.local()  # the thread's current device, as torch.cuda keeps it
+
+    def current_device():
+        return getattr(current, "device", 0)
+
+    @contextlib.contextmanager
+    def fake_device(device):
+        before = current_device()
+        current.device = device
+        try:
+            yield
+        finally:
+            current.device = before
+
     class FakeMemPool:
         def __init__(self, allocator):
+            # at::cuda::MemPool: the allocator serves the device current now, only there.
+            self.device = current_device()
             calls.append(("mempool", allocator))
 
     recording = set()  # (pool, device): entered, by whichever thread
@@ -39,7 +56,11 @@ def fake_cuda(monkeypatch):
     @contextlib.contextmanager
     def fake_use_mem_pool(pool, device=None):
         # c10's beginAllocateToPool: one recording of a pool per device at a time.
-        key = (id(pool), 0 if device is None else device)
+        key = (id(pool), current_device() if device is None else device)
+        if pool.device != key[1]:
+            # PyTorch would route to a pool of that device without tidepool's allocator.
+            raise RuntimeError(f"fake: a MemPool made on device {pool.device} entered on "
+                               f"device {key[1]}, where tidepool does not serve it")
         with lock:
             if key in recording:
                 raise RuntimeError("beginAllocateToPool: already recording to mempool_id")
@@ -57,7 +78,8 @@ def fake_cuda(monkeypatch):
                         lambda allocator: calls.append(("change_current_allocator", allocator)))
     monkeypatch.setattr(torch.cuda, "MemPool", FakeMemPool)
     monkeypatch.setattr(torch.cuda, "use_mem_pool", fake_use_mem_pool)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "current_device", current_device)
+    monkeypatch.setattr(torch.cuda, "device", fake_device)
     monkeypatch.setattr(_install, "STATE", _install._State())
     # Global mode through torch's CUDAPluggableAllocator class unless a test hands in a
     # libtidepool_torch_cuda (test_global_mode_prefers_libtidepool_torch_cuda): the real

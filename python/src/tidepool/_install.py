@@ -42,11 +42,11 @@ class _State:
         self.torch = None
         self.allocator = None  # the CUDAPluggableAllocator (pool mode; global-mode fallback)
         self.cuda_allocator = None  # global mode: what c10's CUDA allocator is
-        self.pool = None  # the first MemPool, pool mode only, created on first use
-        # Pool mode (Note [one MemPool per thread and device at a time]): every MemPool made,
-        # STATE.pool first, and device -> {thread ident: [index into pools, depth, the
-        # use_mem_pool context entered]}.
-        self.pools: list = []
+        # Pool mode (Note [one MemPool per thread and device at a time]): device -> every
+        # MemPool made for it (a MemPool serves with tidepool only on the device that was
+        # current when it was made: Note [a MemPool per device]), and device -> {thread
+        # ident: [index into that device's pools, depth, the use_mem_pool context entered]}.
+        self.pools: dict[int, list] = {}
         self.pool_leases: dict[int, dict[int, list]] = {}
         self.optimizer_hooks = None  # two step-hook handles and the load_state_dict Patches
         self.record_stream = None  # global mode: the handle of the record_stream wrapper
@@ -170,22 +170,33 @@ def pool_mode() -> bool:
     return STATE.active and STATE.config["mode"] == "pool"
 
 
-def pool():
-    """The first tidepool MemPool in pool mode (created on first use), else None. Route
-    allocations with pool_lease(), which may take another one."""
+def pool(device: int | None = None):
+    """The first tidepool MemPool of `device` (None: the current device) in pool mode
+    (created on first use), else None. Route allocations with pool_lease(), which may take
+    another one."""
     if not STATE.active or STATE.config["mode"] != "pool":
         return None
+    if device is None:
+        device = STATE.torch.cuda.current_device()
     with STATE.lock:
-        return _pool_locked(0)
+        return _pool_locked(device, 0)
 
 
-def _pool_locked(index: int):
-    """STATE.pools[index], made (with those before it) if it does not exist yet. Pre:
-    STATE.lock held, pool mode."""
-    while len(STATE.pools) <= index:
-        STATE.pools.append(STATE.torch.cuda.MemPool(STATE.allocator.allocator()))
-    STATE.pool = STATE.pools[0]
-    return STATE.pools[index]
+def _pool_locked(device: int, index: int):
+    """STATE.pools[device][index], made (with those before it) if it does not exist yet.
+    Pre: STATE.lock held, pool mode.
+
+    Note [a MemPool per device]: torch.cuda.MemPool(allocator) hands the allocator to
+    c10's caching allocator of the device current when it is made, and only there
+    (at::cuda::MemPool's constructor: createOrIncrefPool(current_device(), ...)); entering
+    it on another device with use_mem_pool makes a pool of that device's with no
+    allocator, served by cudaMalloc, not tidepool. So each device gets pools of its own,
+    made with that device current."""
+    pools = STATE.pools.setdefault(device, [])
+    while len(pools) <= index:
+        with STATE.torch.cuda.device(device):
+            pools.append(STATE.torch.cuda.MemPool(STATE.allocator.allocator()))
+    return pools[index]
 
 
 def exit_all(contexts: list) -> None:
@@ -239,8 +250,9 @@ class _PoolLease:
                 self._key = key
                 return self
             taken = {lease[0] for lease in by_thread.values()}
-            index = next(i for i in range(len(STATE.pools) + 1) if i not in taken)
-            mempool = _pool_locked(index)
+            made = len(STATE.pools.get(key, ()))
+            index = next(i for i in range(made + 1) if i not in taken)
+            mempool = _pool_locked(key, index)
             lease = by_thread[me] = [index, 1, None]
         try:
             context = torch.cuda.use_mem_pool(mempool, self.device)
