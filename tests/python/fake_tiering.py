@@ -106,8 +106,10 @@ class _PlacedByTag(TorchDispatchMode):
 
 
 def _parts(leaves) -> list:
+    """The strided tensors behind `leaves` (a sparse one's memory is not modelled)."""
     return [part for leaf in leaves if isinstance(leaf, torch.Tensor)
-            for part in _state_tensors._plain_parts(leaf, any_tensor=True)]
+            for part in _state_tensors._plain_parts(leaf, any_tensor=True)
+            if part.layout == torch.strided]
 
 
 class Placement:

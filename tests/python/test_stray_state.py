@@ -592,3 +592,46 @@ def test_the_published_aadls_history_on_the_device_is_pointed_out_once(
                                 r"tidepool\.optim\.accelerate"):
             steps("meta", 3)  # said at the second step's pre-hook, the history holding one
         steps("meta", 3)  # once per process
+
+
+def sparse_embedding_run(make_optimizer, steps: int):
+    """An nn.Embedding(sparse=True) trained `steps` steps: its weight, its optimizer."""
+    torch.manual_seed(3)
+    embedding = torch.nn.Embedding(40, 8, sparse=True)
+    optimizer = make_optimizer(embedding.parameters())
+    for step in range(steps):
+        optimizer.zero_grad()
+        embedding(torch.tensor([step % 40, (3 * step) % 40, 7])).pow(2).sum().backward()
+        optimizer.step()
+    return embedding.weight.detach().clone(), optimizer
+
+
+SPARSE_OPTIMIZERS = {
+    # The momentum buffer is grad.clone(): a sparse tensor in the state.
+    "sgd_momentum": lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9),
+    # Dense state made in the constructor (stray at the first step), beside a sparse grad.
+    "adagrad": lambda params: torch.optim.Adagrad(params, lr=0.1),
+}
+
+
+@pytest.mark.parametrize("budget", ["0", "1MiB"])  # 1 MiB: the steps prefetch by pointer
+@pytest.mark.parametrize("mode", ["global", "pool"])
+@pytest.mark.parametrize("name", sorted(SPARSE_OPTIMIZERS))
+def test_sparse_gradients_and_sparse_state_are_left_where_they_are(
+        fake_cuda, fake_tiering, untiered_state, mode, name, budget):
+    """A sparse tensor has no storage to name or move: the hooks leave it (and the step)
+    alone, where they tier the dense rest; state_dict and load_state_dict work."""
+    make = SPARSE_OPTIMIZERS[name]
+    plain_weight, _ = sparse_embedding_run(make, steps=4)
+    install(mode=mode, tier_min_bytes=str(MIN_BYTES), state_budget=budget)
+    weight, optimizer = sparse_embedding_run(make, steps=4)
+    assert torch.equal(weight, plain_weight)
+    state = next(iter(optimizer.state.values()))
+    if name == "sgd_momentum":
+        assert state["momentum_buffer"].is_sparse
+    else:
+        assert untiered_state.tiered(state["sum"])  # taken in at its first step
+        if budget != "0":  # and named by pointer before the later steps
+            assert any(move[0] == "prefetch" and move[2] for move in fake_tiering)
+    optimizer.load_state_dict(copy.deepcopy(optimizer.state_dict()))
+    optimizer.step()  # the gradient of the last step, again

@@ -289,7 +289,8 @@ def _kept_storages(optimizers: list) -> set:
         for group in optimizer.param_groups:
             for p in group["params"]:
                 for t in (p, p.grad):
-                    if isinstance(t, torch.Tensor):
+                    # A sparse gradient has no storage the state could share.
+                    if isinstance(t, torch.Tensor) and t.layout == torch.strided:
                         for part in _state_tensors._plain_parts(t, any_tensor=True):
                             if _on_cuda(part) and part.numel() > 0:
                                 kept.add(_storage_key(part))

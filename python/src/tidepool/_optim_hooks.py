@@ -18,8 +18,9 @@ State made in a step that ran under workspace (LBFGS's) is taken into tiering af
 step, before the eviction: Note [state made in workspace steps] in _stray_state.py. State
 that appears outside step() is taken in too: Optimizer.load_state_dict (resuming from a
 checkpoint) is wrapped, see Note [loaded state] in _loaded_state.py. Optimizers that keep
-their state themselves (tidepool.optim's Apollo) are left alone. The published AADL's
-history, which no hook sees, is pointed out once (_untiered_history.py).
+their state themselves (tidepool.optim's Apollo), and steps captured in a CUDA graph
+(Note [a step captured in a CUDA graph] in _captured_steps.py), are left alone. The
+published AADL's history, which no hook sees, is pointed out once (_untiered_history.py).
 
 This module installs the hooks and runs them; what they decide and move is in the
 modules named above, which import nothing from here.
@@ -30,8 +31,9 @@ from __future__ import annotations
 import functools
 import warnings
 
-from . import (_in_flight, _install, _loaded_state, _patches, _state_moves, _state_tensors,
-               _step_scopes, _step_tags, _stray_state, _tags, _tiering, _untiered_history)
+from . import (_captured_steps, _in_flight, _install, _loaded_state, _patches, _state_moves,
+               _state_tensors, _step_scopes, _step_tags, _stray_state, _tags, _tiering,
+               _untiered_history)
 
 
 def _guard_step(hooked_step):
@@ -164,9 +166,11 @@ def _owns_state(optimizer) -> bool:
 def _pre_step(optimizer, args, kwargs):
     if _owns_state(optimizer):
         return None
+    devices = _state_tensors._cuda_devices(optimizer)
+    if _captured_steps.captured(optimizer, devices):  # Note [a step captured in a CUDA graph]
+        return None
     _untiered_history.check(optimizer)
     _step_scopes._close_scopes_down_to(_scopes_to_keep())
-    devices = _state_tensors._cuda_devices(optimizer)
     own = _step_scopes._devices_not_held(devices)
     _stray_state.step_begins(optimizer, devices)
 
@@ -185,7 +189,8 @@ def _pre_step(optimizer, args, kwargs):
 
 
 def _post_step(optimizer, args, kwargs):
-    if _owns_state(optimizer):
+    if _owns_state(optimizer) or _captured_steps.captured(
+            optimizer, _state_tensors._cuda_devices(optimizer)):
         return
     scopes = _step_scopes._scopes()
     if scopes and scopes[-1].tag == _tags.OPTIMIZER_STATE:  # the tag the step ended under

@@ -94,14 +94,18 @@ def _flatten(value):
 
 
 def _plain_parts(value, any_tensor: bool = False) -> list:
-    """The plain tensors holding `value`'s data: itself, or a wrapper's (_flatten) inner
-    tensors, recursively. [] for anything else (nn.Parameter, other subclasses), unless
-    `any_tensor`: then a tensor of any other subclass is its own part (a user's
-    nn.Parameter handed to tidepool.evict). (Also reached by tidepool.evict(), where
-    tidepool may be installed in no torch: under the LD_PRELOAD shim.)"""
+    """The plain tensors holding `value`'s data: itself (if strided), or a wrapper's
+    (_flatten) inner tensors, recursively. [] for anything else (nn.Parameter, other
+    subclasses, sparse tensors), unless `any_tensor`: then a tensor of any other subclass
+    or layout is its own part (a user's nn.Parameter handed to tidepool.evict). (Also
+    reached by tidepool.evict(), where tidepool may be installed in no torch: under the
+    LD_PRELOAD shim.)"""
     torch = _install.STATE.torch or sys.modules["torch"]
     if type(value) is torch.Tensor:
-        return [value]
+        # A sparse (or other non-strided) tensor has no storage of its own to name or move
+        # (nn.Embedding(sparse=True): its gradient, and SGD's momentum buffer cloned from
+        # it): none of the state's, left where it is; tidepool.evict of one says so.
+        return [value] if any_tensor or value.layout == torch.strided else []
     flat = _flatten(value)
     if flat is None:
         return [value] if any_tensor and isinstance(value, torch.Tensor) else []
