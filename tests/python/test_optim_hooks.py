@@ -562,6 +562,24 @@ def test_a_hook_that_raises_closes_the_scope_too(fake_cuda, fake_tiering, where)
     assert fake_tiering == [("evict", 0, _tags.OPTIMIZER_STATE, 4242)]
 
 
+def test_state_prefetched_for_a_step_whose_scope_did_not_open_is_evicted(
+        fake_cuda, fake_tiering, monkeypatch):
+    install(mode="pool", state_budget="1GiB")
+    p = torch.nn.Parameter(torch.ones(2))
+    optimizer = torch.optim.SGD([p], lr=0.1, momentum=0.9)
+    p.grad = torch.ones(2)
+    optimizer.step()  # the state, evicted
+    monkeypatch.setattr(torch.cuda, "use_mem_pool", lambda pool, device=None: 1 / 0)
+    q = torch.nn.Parameter(torch.ones(3))  # the next step makes its state: it takes a pool
+    optimizer.add_param_group({"params": [q]})
+    q.grad = torch.ones(3)
+    fake_tiering.clear()
+    with pytest.raises(ZeroDivisionError):
+        optimizer.step()
+    assert fake_tiering == [prefetch_of(optimizer), EVICT]
+    assert _in_flight.in_flight() == {}
+
+
 @pytest.mark.parametrize("mode", ["global", "pool"])
 def test_loaded_state_is_taken_into_tiering_and_evicted(fake_cuda, fake_tiering, untiered_state,
                                                         mode):

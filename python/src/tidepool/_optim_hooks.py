@@ -174,13 +174,28 @@ def _pre_step(optimizer, args, kwargs):
     own = _step_scopes._devices_not_held(devices)
     _stray_state.step_begins(optimizer, devices)
 
+    prefetched = []
+
     def prefetch_and_open():  # counted in first: Note [steps in flight]
         if devices and _state_moves._tiering_or_warn() \
                 and _state_moves._state_budget_allows_prefetch() and not _being_stepped(optimizer):
             _state_moves._prefetch_state(optimizer, _closure_index(args, kwargs) is not None)
+            prefetched.append(optimizer)
         _step_scopes._open_scope(own, _step_tags._step_tag(optimizer), optimizer)
 
-    _step_scopes._begun(own, prefetch_and_open)
+    try:
+        _step_scopes._begun(own, prefetch_and_open)
+    except BaseException:
+        # The scope did not open (a pool lease refused), so the guard finds none to close
+        # and evicts nothing: the state prefetched for the step goes back here.
+        if prefetched and own:
+            try:
+                _state_moves._evict(own, prefetched)
+            except Exception as evict_error:  # noqa: BLE001  (the step's error is the one)
+                warnings.warn(f"tidepool: evicting the state prefetched for a step whose "
+                              f"scope did not open failed: {evict_error}",
+                              _install.TidepoolInactiveWarning)
+        raise
     scopes = _step_scopes._scopes()
     for scope in scopes[:-1]:  # the enclosing steps evict this one's state too
         if not any(o is optimizer for o in scope.optimizers):
