@@ -230,9 +230,15 @@ TieredStore::Handle TieredStore::create(std::size_t bytes, int tag, Tier initial
 
 TieredStore::Handle TieredStore::create_checked(std::size_t bytes, int tag, Tier initial) {
   const HostBlock host = host_.allocate(bytes);
+  std::unique_ptr<Entry> e;
+  try {
+    e = std::make_unique<Entry>();
+  } catch (...) {
+    host_.deallocate(host);
+    throw;
+  }
   std::memset(host.ptr, 0, bytes);
   std::unique_lock lock(mutex_);
-  auto e = std::make_unique<Entry>();
   e->bytes = bytes;
   e->tag = tag;
   e->host = host;
@@ -266,6 +272,11 @@ TieredStore::Handle TieredStore::create_checked(std::size_t bytes, int tag, Tier
     }
     resident_.reserve(entries_.size() + 1);  // Note [Resident handles]
     evictable_.reserve(entries_.size() + 1);  // Note [Eviction order]
+    e->id = next_handle_;
+    // Inside the try, and the slot made empty before `e` moves into it: an insert that
+    // throws (the node, or a rehash's buckets) leaves `e` here for the catch to give back
+    // what it holds (emplace(id, std::move(e)) may destroy it on the way out).
+    entries_.try_emplace(e->id).first->second = std::move(e);
   } catch (...) {
     if (!lock.owns_lock()) lock.lock();  // a failure while the other stores were asked
     if (buf.ptr != nullptr) give_back_failed_load_locked(buf, bytes);
@@ -274,10 +285,8 @@ TieredStore::Handle TieredStore::create_checked(std::size_t bytes, int tag, Tier
     host_.deallocate(host);
     throw;
   }
-  e->id = next_handle_++;
-  const Handle id = e->id;
-  Entry& added = *e;
-  entries_.emplace(id, std::move(e));
+  const Handle id = next_handle_++;
+  Entry& added = *entries_.at(id);
   if (added.dev != nullptr) note_resident_locked(added);
   return id;
 }
@@ -480,6 +489,24 @@ void* TieredStore::acquire_locked(Handle h, Stream stream, RoomFor why, bool loa
     if (skipped_load) drop_skipped_load_locked(e);
     detail::rethrow_as_tiering_error(detail::of_handle("acquire", h, e.bytes));
   }
+  // What can still throw (std::bad_alloc: the use-stream list, the policy's record of the
+  // acquire order) comes before anything that makes the acquire take effect, so that a
+  // throw leaves the handle unpinned, its counts and copies as they were.
+  try {
+    if (e.pins == 0) {
+      // With no other holder left, `stream` is now ordered after every earlier use, so
+      // later waits (evict, read, the next acquire) need only this stream.
+      std::vector<Stream> only{stream};
+      e.use_streams.swap(only);
+    } else if (std::find(e.use_streams.begin(), e.use_streams.end(), stream) ==
+               e.use_streams.end()) {
+      e.use_streams.push_back(stream);
+    }
+    policy_.on_acquire(h);
+  } catch (...) {
+    if (skipped_load) drop_skipped_load_locked(e);  // Note [A failed acquire to overwrite]
+    throw;
+  }
   // The acquire succeeds: its load is counted now, once (Entry::uncounted_load).
   if (e.uncounted_load == Entry::LoadBy::prefetch) {
     stats_.prefetch_hits++;
@@ -492,16 +519,9 @@ void* TieredStore::acquire_locked(Handle h, Stream stream, RoomFor why, bool loa
     e.dev_dirty = true;
     e.host_valid = false;
   }
-  // With no other holder left, `stream` is now ordered after every earlier use, so later
-  // waits (evict, read, the next acquire) need only this stream.
-  if (e.pins == 0) e.use_streams.clear();
   e.pins++;
   evictable_update_locked(e);
-  if (std::find(e.use_streams.begin(), e.use_streams.end(), stream) == e.use_streams.end()) {
-    e.use_streams.push_back(stream);
-  }
   stats_.acquires++;
-  policy_.on_acquire(h);
   try {
     prefetch_ahead_locked();
   } catch (const std::exception&) {
