@@ -24,6 +24,26 @@ def deviation(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got - want).abs() / (GOLDEN_FLOOR + want.abs())).max().item()
 
 
+def take_step(opt, loss, with_closure: bool) -> None:
+    """One step of `opt` on `loss()`: through a closure that zeroes the gradients and runs
+    backward only in grad mode (AADL's safeguard calls it again with grad mode off, for the
+    loss alone), or plainly: zero_grad, backward, step()."""
+    if with_closure:
+        def closure():
+            grad = torch.is_grad_enabled()
+            if grad:
+                opt.zero_grad()
+            value = loss()
+            if grad:
+                value.backward()
+            return value
+        opt.step(closure)
+    else:
+        opt.zero_grad()
+        loss().backward()
+        opt.step()
+
+
 class Golden:
     def __init__(self, path: str):
         with open(path) as f:
@@ -52,20 +72,7 @@ class Golden:
         and returns the largest deviation from the trajectory, loss and parameters."""
         worst = 0.0
         for ref in self.steps:
-            if self.closure:
-                def closure():
-                    grad = torch.is_grad_enabled()
-                    if grad:
-                        opt.zero_grad()
-                    loss = self.loss(params)
-                    if grad:
-                        loss.backward()
-                    return loss
-                opt.step(closure)
-            else:
-                opt.zero_grad()
-                self.loss(params).backward()
-                opt.step()
+            take_step(opt, lambda: self.loss(params), self.closure)
             with torch.no_grad():
                 got = [self.loss(params).reshape(1)] + [p.detach().reshape(-1) for p in params]
                 want = [torch.tensor([ref["loss"]], dtype=torch.float64)] + [

@@ -27,6 +27,7 @@ import torch
 
 import tidepool.optim as topt
 
+from golden_problems import take_step
 from optim_binding import skip_without_binding
 from random_sequences import scaled, seeds
 
@@ -115,20 +116,7 @@ def test_random_use_of_aadl_is_bitwise_the_same_in_every_placement_and_way_in(se
         use_b2 = rng.random() < 0.8
         with_closure = rng.random() < 0.4
         for c in copies:
-            if with_closure:
-                def closure(c=c):
-                    grad = torch.is_grad_enabled()
-                    if grad:
-                        c.stepper.zero_grad()
-                    value = loss_of(c.params, use_b2)
-                    if grad:
-                        value.backward()
-                    return value
-                c.stepper.step(closure)
-            else:
-                c.stepper.zero_grad()
-                loss_of(c.params, use_b2).backward()
-                c.stepper.step()
+            take_step(c.stepper, lambda c=c: loss_of(c.params, use_b2), with_closure)
         first = copies[0]
         for c in copies[1:]:
             where = f"{context}, step {step}: {c.way}/{c.where} against {first.way}/{first.where}"

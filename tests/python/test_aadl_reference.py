@@ -23,7 +23,7 @@ import random
 import pytest
 import torch
 
-from golden_problems import GOLDEN, GOLDEN_TOLERANCE, Golden, deviation
+from golden_problems import GOLDEN, GOLDEN_TOLERANCE, Golden, deviation, take_step
 from optim_binding import skip_without_binding
 from random_sequences import scaled, seeds
 from reference_aadl import ReferenceAADL
@@ -134,20 +134,7 @@ def test_random_use_of_aadl_follows_the_published_algorithm(seed):
             context += f", then {where} at step {step}"
         with_closure = rng.random() < 0.4
         for run in (mine, theirs):
-            if with_closure:
-                def closure(run=run):
-                    grad = torch.is_grad_enabled()
-                    if grad:
-                        run.opt.zero_grad()
-                    value = loss_of(run.params)
-                    if grad:
-                        value.backward()
-                    return value
-                run.opt.step(closure)
-            else:
-                run.opt.zero_grad()
-                loss_of(run.params).backward()
-                run.opt.step()
+            take_step(run.opt, lambda run=run: loss_of(run.params), with_closure)
         where_now = f"{context}, step {step}"
         for g in range(groups):
             assert mine.opt.history_size(g) == theirs.opt.history_size(g), where_now
