@@ -48,9 +48,10 @@ torch::Tensor StateBuffer::acquire() {
 
 void StateBuffer::release(bool dirty) {
   TORCH_CHECK(acquired_, "tidepool: StateBuffer::release without a matching acquire");
-  do_release(working_, dirty);
+  do_release(working_, dirty);  // throws: still acquired, nothing handed back
   working_ = torch::Tensor();
   acquired_ = false;
+  do_after_release();
 }
 
 torch::Tensor StateBuffer::read_host() const {

@@ -79,6 +79,10 @@ class TIDEPOOL_API StateBuffer {
   virtual void do_prefetch() {}
   virtual torch::Tensor do_acquire() = 0;
   virtual void do_release(torch::Tensor& working, bool dirty) = 0;
+  // Work that follows a release once the buffer is no longer acquired (a tiered buffer's
+  // write-back on release). If it throws, the release stands: the contents are where
+  // do_release left them, and the next acquire or read_host finds them there.
+  virtual void do_after_release() {}
   virtual torch::Tensor do_read_host() const = 0;
   // Default: acquire, copy on the compute device, release dirty (what a placement without
   // a cheaper route does: a host-staged buffer loads its old contents first).

@@ -257,6 +257,11 @@ class TieredBuffer final : public StateBuffer {
   void do_release(torch::Tensor& working, bool dirty) override {
     working = torch::Tensor();  // drop the view before the store may move the bytes
     store_->release(handle_, dirty);
+  }
+  // After the release: a write-back that fails (the copy to the host) leaves the store's
+  // device copy resident and dirty, the handle released, so the buffer is released too;
+  // the next acquire gets that copy, and a checkpoint reads it.
+  void do_after_release() override {
     // evict() only enqueues: the D2H stream waits on an event of the use stream, copies
     // back (dirty) and frees the buffer after that; nothing here waits for the device.
     if (write_back_on_release()) store_->evict(handle_);

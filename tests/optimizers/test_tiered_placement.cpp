@@ -13,6 +13,7 @@
 #include <functional>
 #include <memory>
 #include <stdexcept>
+#include <string>
 #include <vector>
 
 #include "allocator/backend.h"
@@ -331,6 +332,30 @@ TEST(StateLease, AFailedAcquireLeavesNothingAcquired) {
     EXPECT_FALSE(b->acquired());
     tidepool::testing::expect_error_mentions([&] { lease.release(false); }, "twice");
   }
+}
+
+// A write-back on release whose copy to the host fails: the release throws, and stands
+// (StateBuffer::do_after_release): the buffer is not left acquired, and its contents are
+// the store's device copy, which the next acquire and read_host find.
+TEST(StateBuffer, AWriteBackThatFailsStillReleasesTheBuffer) {
+  auto backend = tidepool::make_host_backend();
+  auto placement = writing_back_on_release(store_with_budget(*backend, 1 << 20));
+  auto buffer = placement->create_zeros({256}, torch::kFloat32);
+  buffer->acquire().fill_(1.0f);
+  backend->inject_fault(tidepool::FaultPoint::copy, 1);
+  try {
+    buffer->release(/*dirty=*/true);
+    ADD_FAILURE() << "the failed write-back was not reported";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("copy back to the host failed"), std::string::npos)
+        << e.what();
+  }
+  EXPECT_FALSE(buffer->acquired());
+  EXPECT_TRUE(torch::equal(buffer->read_host(), torch::ones({256})));
+  EXPECT_TRUE(torch::equal(buffer->acquire(), torch::ones({256})));
+  buffer->release(/*dirty=*/false);  // written back now
+  EXPECT_FALSE(placement->store().resident(1));
+  EXPECT_TRUE(torch::equal(buffer->read_host(), torch::ones({256})));
 }
 
 // StateBuffer::overwrite in every placement: the new contents, wherever the old ones were
