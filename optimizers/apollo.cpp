@@ -189,6 +189,26 @@ ApolloParamState& Apollo::state_for(const torch::Tensor& param) {
   return static_cast<ApolloParamState&>(*slot);
 }
 
+// Every stepping parameter's state is made before any parameter steps: a placement that
+// refuses one (a tiered store of another device than the parameter's) refuses the step
+// with nothing changed, as apollo.h promises, instead of after the parameters before it
+// took their step. What this call made is dropped again when it throws.
+void Apollo::make_state_before_stepping(const std::vector<std::vector<torch::Tensor>>& to_step) {
+  std::vector<void*> made;
+  try {
+    for (const auto& group : to_step) {
+      for (const auto& p : group) {
+        if (state_.count(p.unsafeGetTensorImpl()) != 0) continue;
+        made.push_back(p.unsafeGetTensorImpl());
+        state_for(p);
+      }
+    }
+  } catch (...) {
+    for (void* key : made) state_.erase(key);
+    throw;
+  }
+}
+
 // ---- the step ----------------------------------------------------------------------------
 
 namespace {
@@ -333,6 +353,7 @@ torch::Tensor Apollo::step(LossClosure closure) {
   // records that order in the first step and replays it as its prefetch schedule, loading
   // as far ahead as its budget allows while this loop computes (tiered_placement.h).
   const std::vector<std::vector<torch::Tensor>> to_step = parameters_to_step();
+  make_state_before_stepping(to_step);
   StepScope step_scope(*placement_);
   for (size_t g = 0; g < param_groups_.size(); ++g) {
     const auto& options = static_cast<const ApolloOptions&>(param_groups_[g].options());

@@ -149,6 +149,7 @@ class TIDEPOOL_API Apollo : public torch::optim::Optimizer {
   // The parameters each group steps, in order, once everything the step could refuse is
   // checked (see step()).
   std::vector<std::vector<torch::Tensor>> parameters_to_step() const;
+  void make_state_before_stepping(const std::vector<std::vector<torch::Tensor>>& to_step);
   void resolve_group_options();
 
   std::shared_ptr<StatePlacement> placement_;

@@ -90,7 +90,8 @@ class TieredBuffer final : public StateBuffer {
 #endif
     bytes_ = static_cast<std::size_t>(c10::multiply_integers(sizes)) *
              options.dtype().itemsize();
-    TORCH_CHECK(bytes_ > 0, "TieredPlacement: empty state tensors are not supported");
+    TORCH_CHECK(bytes_ > 0, "TieredPlacement: an empty state tensor has no handle (the "
+                "placement makes it resident)");
     // Counted first: whether this buffer is written back on release depends on it too.
     shared_->live_bytes += bytes_;
     try {
@@ -295,7 +296,11 @@ TieredPlacement::TieredPlacement(std::shared_ptr<TieredStore> store, Stream host
 
 TieredPlacement::~TieredPlacement() { store_->retire_schedule(schedule_key_); }
 
+// An empty state tensor (a parameter of shape {0}: the reference steps it, as a no-op) has
+// no bytes for the store to hold, which refuses 0-byte handles: it is a resident tensor,
+// as empty on the device as anywhere.
 std::unique_ptr<StateBuffer> TieredPlacement::create(const torch::Tensor& initial) {
+  if (initial.numel() == 0) return ResidentPlacement().create(initial);
   const bool on_device = copies_on_device(shared_->initial_copy.load(), initial);
   return std::make_unique<TieredBuffer>(initial.sizes(), initial.options(), &initial, on_device,
                                         store_, host_stream_, tag_, write_back_, shared_);
@@ -303,6 +308,7 @@ std::unique_ptr<StateBuffer> TieredPlacement::create(const torch::Tensor& initia
 
 std::unique_ptr<StateBuffer> TieredPlacement::create_zeros(at::IntArrayRef sizes,
                                                            const torch::TensorOptions& options) {
+  if (c10::multiply_integers(sizes) == 0) return ResidentPlacement().create_zeros(sizes, options);
   return std::make_unique<TieredBuffer>(sizes, options, nullptr, false, store_, host_stream_,
                                         tag_, write_back_, shared_);
 }

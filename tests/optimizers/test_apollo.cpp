@@ -1,13 +1,20 @@
 // Apollo's contract beyond the golden trajectories: option checks and defaults, sparse
 // gradients, half-precision and complex parameters, parameter groups, zero_grad,
-// step(closure), save/load errors.
+// step(closure), save/load errors, a step whose state cannot be made (refused whole), and
+// empty parameters in every placement.
 #include <gtest/gtest.h>
 
+#include <memory>
 #include <string>
+#include <vector>
 
+#include "allocator/backend.h"
 #include "archive_bytes.h"
 #include "expect_error.h"
 #include "optimizers/apollo.h"
+#include "optimizers/state_placement.h"
+#include "optimizers/tiered_placement.h"
+#include "store_with_budget.h"
 
 namespace {
 
@@ -280,6 +287,65 @@ TEST(Apollo, ARefusedStepChangesNoGroup) {
   expect_error_mentions([&] { opt.step(); }, "moved or converted");
   EXPECT_TRUE(torch::equal(a.detach(), a_before));
   EXPECT_TRUE(torch::equal(b.detach().to(torch::kFloat64), b_before));
+}
+
+// A placement that refuses to make state of `refused` elements (as a tiered store of
+// another device refuses a parameter's state), resident otherwise.
+class RefusingPlacement final : public tidepool::optim::StatePlacement {
+ public:
+  explicit RefusingPlacement(int64_t refused) : refused_(refused) {}
+  std::unique_ptr<tidepool::optim::StateBuffer> create(const torch::Tensor& initial) override {
+    TORCH_CHECK(initial.numel() != refused_, "refusing placement: no state of ", refused_,
+                " elements");
+    return resident_.create(initial);
+  }
+  std::string name() const override { return "refusing"; }
+
+ private:
+  int64_t refused_;
+  tidepool::optim::ResidentPlacement resident_;
+};
+
+// The state the step needs is made before any parameter steps: a placement that refuses
+// the second parameter's state refuses the step with the first unchanged and no state
+// left made, and once that parameter has no gradient the optimizer steps as a fresh one.
+TEST(Apollo, AStepWhoseStateCannotBeMadeChangesNothing) {
+  auto a = param(3), b = param(7), fresh = param(3);
+  Apollo opt({a, b}, ApolloOptions(0.1).warmup(0), std::make_shared<RefusingPlacement>(7));
+  Apollo reference({fresh}, ApolloOptions(0.1).warmup(0));
+  a.mutable_grad() = torch::ones_like(a);
+  b.mutable_grad() = torch::ones_like(b);
+  expect_error_mentions([&] { opt.step(); }, "no state of 7 elements");
+  EXPECT_TRUE(torch::equal(a.detach(), param(3).detach()));
+  EXPECT_TRUE(opt.state().empty());
+  b.mutable_grad() = torch::Tensor();
+  fresh.mutable_grad() = torch::ones_like(fresh);
+  opt.step();
+  reference.step();
+  EXPECT_TRUE(torch::equal(a.detach(), fresh.detach()));
+}
+
+// A parameter of shape {0} takes its (empty) step in every placement, as in the reference.
+TEST(Apollo, AnEmptyParameterStepsInEveryPlacement) {
+  auto backend = tidepool::make_host_backend();
+  const std::vector<std::shared_ptr<tidepool::optim::StatePlacement>> placements = {
+      std::make_shared<tidepool::optim::ResidentPlacement>(),
+      std::make_shared<tidepool::optim::HostStagedPlacement>(),
+      std::make_shared<tidepool::optim::TieredPlacement>(
+          tidepool::testing::store_with_budget(*backend, 1 << 20))};
+  std::vector<torch::Tensor> results;
+  for (const auto& placement : placements) {
+    auto a = param(4), empty = param(0), b = param(5);
+    Apollo opt({a, empty, b}, ApolloOptions(0.1).warmup(0), placement);
+    for (int step = 0; step < 3; ++step) {
+      for (auto* p : {&a, &empty, &b}) p->mutable_grad() = torch::sin(p->detach()) + 1.0;
+      opt.step();
+    }
+    EXPECT_EQ(opt.state().size(), 3u) << placement->name();
+    results.push_back(torch::cat({a.detach(), b.detach()}));
+  }
+  EXPECT_TRUE(torch::equal(results[0], results[1]));
+  EXPECT_TRUE(torch::equal(results[0], results[2]));
 }
 
 TEST(Apollo, NullPlacementIsRejected) {
