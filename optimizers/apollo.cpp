@@ -116,7 +116,13 @@ Apollo::Apollo(const std::vector<torch::optim::OptimizerParamGroup>& param_group
                               std::make_unique<ApolloOptions>(std::move(defaults))),
       placement_(std::move(placement)) {
   TORCH_CHECK(placement_ != nullptr, "Apollo: the state placement must not be null");
-  static_cast<const ApolloOptions&>(this->defaults()).validate();
+  auto& resolved_defaults = static_cast<ApolloOptions&>(this->defaults());
+  resolved_defaults.validate();
+  // Resolved here, as the reference fills its defaults dict in __init__: a group that
+  // add_param_group (not virtual in torch::optim::Optimizer, so not Apollo's to intercept)
+  // gives no options of its own copies them with the constructor's init_lr and base_lr.
+  resolved_defaults.resolve_defaults();
+  for (auto& group : param_groups_) static_cast<ApolloOptions&>(group.options()).validate();
   resolve_group_options();
 }
 
@@ -125,12 +131,14 @@ Apollo::Apollo(std::vector<torch::Tensor> params, ApolloOptions defaults,
     : Apollo({torch::optim::OptimizerParamGroup(std::move(params))}, std::move(defaults),
              std::move(placement)) {}
 
-// Validates every group's options and fills their lr-dependent defaults
-// (ApolloOptions::resolve_defaults).
+// Fills the lr-dependent defaults (ApolloOptions::resolve_defaults) of every group that
+// has them unset: at construction, and at the first step after add_param_group added a
+// group with options of its own, so that they are fixed from then on instead of following
+// the group's lr (the step checks the options themselves, as in training).
 void Apollo::resolve_group_options() {
   for (auto& group : param_groups_) {
     auto& options = static_cast<ApolloOptions&>(group.options());
-    options.validate();
+    if (options.init_lr() && options.base_lr() && options.weight_decay_type()) continue;
     options.resolve_defaults();
   }
 }
@@ -352,6 +360,7 @@ torch::Tensor Apollo::step(LossClosure closure) {
   // m, B, d), bracketed by the placement's step boundaries: a tiered placement's store
   // records that order in the first step and replays it as its prefetch schedule, loading
   // as far ahead as its budget allows while this loop computes (tiered_placement.h).
+  resolve_group_options();  // of groups added since the last step
   const std::vector<std::vector<torch::Tensor>> to_step = parameters_to_step();
   make_state_before_stepping(to_step);
   StepScope step_scope(*placement_);

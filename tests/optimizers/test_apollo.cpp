@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -287,6 +288,36 @@ TEST(Apollo, ARefusedStepChangesNoGroup) {
   expect_error_mentions([&] { opt.step(); }, "moved or converted");
   EXPECT_TRUE(torch::equal(a.detach(), a_before));
   EXPECT_TRUE(torch::equal(b.detach().to(torch::kFloat64), b_before));
+}
+
+// Groups added with add_param_group (not virtual in torch::optim::Optimizer) get the
+// warmup the reference gives them: without options, the constructor's init_lr and base_lr
+// (as a group given to the constructor); with options of their own, init_lr and base_lr
+// fixed from their lr at the first step after joining, not following later lr changes.
+TEST(Apollo, GroupsAddedLaterKeepTheirWarmupThroughLrChanges) {
+  auto a = param(3), b = param(4), c = param(2);
+  auto a2 = param(3), b2 = param(4);
+  const auto options = ApolloOptions(0.1).warmup(10);
+  Apollo added({a}, options);
+  added.add_param_group(torch::optim::OptimizerParamGroup({b}));
+  Apollo given({torch::optim::OptimizerParamGroup({a2}), torch::optim::OptimizerParamGroup({b2})},
+               options);
+  added.add_param_group(
+      torch::optim::OptimizerParamGroup({c}, std::make_unique<ApolloOptions>(
+                                                 ApolloOptions(0.05).warmup(10))));
+  for (int step = 0; step < 4; ++step) {
+    for (auto* p : {&a, &b, &c, &a2, &b2}) p->mutable_grad() = torch::cos(p->detach()) + 0.5;
+    added.step();
+    given.step();
+    for (auto* opt : {&added, &given}) {
+      for (auto& group : opt->param_groups()) group.options().set_lr(group.options().get_lr() / 2);
+    }
+  }
+  EXPECT_TRUE(torch::equal(a.detach(), a2.detach()));
+  EXPECT_TRUE(torch::equal(b.detach(), b2.detach()));
+  const auto& own = static_cast<const ApolloOptions&>(added.param_groups()[2].options());
+  EXPECT_EQ(own.base_lr(), std::optional<double>(0.05));
+  EXPECT_EQ(own.init_lr(), std::optional<double>(0.05 / 1000));
 }
 
 // A placement that refuses to make state of `refused` elements (as a tiered store of
