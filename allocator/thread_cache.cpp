@@ -66,6 +66,7 @@
 #include <vector>
 
 #include "allocator/caching_allocator_impl.h"
+#include "allocator/fork_guard.h"
 
 namespace tidepool {
 
@@ -124,10 +125,15 @@ struct ThreadCacheList {
   ThreadCacheList(const ThreadCacheList&) = delete;
   ThreadCacheList& operator=(const ThreadCacheList&) = delete;
 
-  // Thread exit: every cache goes back to its allocator, if that still exists.
+  // Thread exit: every cache goes back to its allocator, if that still exists. Not in a
+  // forked child (Note [Forked child] in fork_guard.h): its allocators serve nothing, and
+  // the locks this takes may have been held by a parent thread at the fork, which no
+  // thread in the child releases (exit() runs this for the exiting thread: a forked
+  // Python process that ends normally hung here).
   ~ThreadCacheList() {
     t_last = LastLookup{};
     t_exited = true;
+    if (in_forked_child()) return;
     for (auto& c : caches) {
       std::lock_guard life(lifecycle_mutex());
       CachingAllocator::Impl* a = nullptr;

@@ -3,7 +3,8 @@
 // a lock or waits for a stream (here: a stream the parent's gate holds, which no thread
 // in the child will ever run); its parent is untouched; a process forked before tidepool
 // was used starts afresh, unless another thread held the device registry's lock at the
-// fork. Tags work in any child, also one forked while another thread looked a name up
+// fork; a child that ends through exit() does not wait for the locks a parent thread held.
+// Tags work in any child, also one forked while another thread looked a name up
 // (Note [Tags across fork] in allocator/tags.cpp).
 // Runs on the host backend, whose stream threads, like CUDA, do not survive a fork.
 #include <gtest/gtest.h>
@@ -13,6 +14,7 @@
 #include <cerrno>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <thread>
 
@@ -133,6 +135,44 @@ TEST(ForkedChild, FreesNothingAndRefusesTheRestWithoutWaitingOrLocking) {
   tidepool_clear_error();
   tidepool_free(block, 4096, 0, nullptr);
   EXPECT_STREQ(tidepool_last_error(), "");
+  backend.destroy_stream(gated);
+}
+
+// A child that leaves through exit() (a forked Python process ending normally) runs its
+// thread's destructors, the thread cache list's among them: it must not wait for the locks
+// a parent thread held at the fork (here one releasing a stream the gate holds, inside the
+// allocator's lock and every thread cache's), which no thread in the child will release.
+TEST(ForkedChild, AChildThatExitsNormallyDoesNotWaitForTheParentsLocks) {
+  if (fork_test_backend_missing()) GTEST_SKIP() << "no CUDA device";
+  tidepool_set_backend(kForkTestBackend);  // refused once an earlier test made the allocator
+  void* small = tidepool_malloc(512, 0, nullptr);  // this thread's cache exists
+  ASSERT_NE(small, nullptr) << tidepool_last_error();
+  tidepool_free(small, 512, 0, nullptr);
+  tidepool::Backend& backend = tidepool::device_allocator(0).backend();
+  const tidepool::Stream gated = backend.create_stream();
+  StreamGate gate;
+  std::thread releasing;
+  {
+    StreamGate::OpenOnExit open_on_exit{gate};
+    backend.launch_host_func(gated, &StreamGate::wait, &gate);
+    void* on_gated = tidepool_malloc(1 << 20, 0, gated.handle);
+    ASSERT_NE(on_gated, nullptr) << tidepool_last_error();
+    tidepool_free(on_gated, 1 << 20, 0, gated.handle);
+    std::atomic<bool> started{false};
+    releasing = std::thread([&] {
+      started = true;
+      tidepool_release_stream(0, gated.handle);  // waits for the gate, holding the locks
+    });
+    while (!started) std::this_thread::yield();
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));  // inside the wait by now
+    std::fflush(nullptr);
+    const pid_t pid = fork();
+    ASSERT_GE(pid, 0) << std::strerror(errno);
+    if (pid == 0) std::exit(0);
+    EXPECT_EQ(wait_for_child(pid, std::chrono::seconds(20)), 0)
+        << "-1: the child hung in exit() (killed after 20 s)";
+  }
+  releasing.join();
   backend.destroy_stream(gated);
 }
 
