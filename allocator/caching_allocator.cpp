@@ -151,6 +151,14 @@ void CachingAllocator::Impl::insert_free(Block* b, bool is_new_free) {
 // pool; b keeps the front. Pre: b is in no pool, b->size - tail >= kMinBlockSize.
 Block* CachingAllocator::Impl::carve_tail(Block* b, std::size_t tail) {
   Block* t = new_block();
+  // Indexed before anything is linked or resized: an index that cannot grow (std::bad_alloc)
+  // leaves b as it was.
+  try {
+    blocks.emplace(b->ptr + (b->size - tail), t);
+  } catch (...) {
+    delete t;
+    throw;
+  }
   t->size = tail;
   b->size -= tail;
   t->ptr = b->ptr + b->size;
@@ -165,7 +173,6 @@ Block* CachingAllocator::Impl::carve_tail(Block* b, std::size_t tail) {
   else
     b->segment->last = t;
   b->next = t;
-  blocks.emplace(t->ptr, t);
   return t;
 }
 
@@ -243,11 +250,22 @@ Block* CachingAllocator::Impl::try_allocate(StreamPools& sp, std::size_t size, b
   pool.erase(b);
   b->state = BlockState::allocated;  // before splitting: the rest must not merge back
   if (at_end) {
-    Block* t = carve_tail(b, size);
+    Block* t = nullptr;
+    try {
+      t = carve_tail(b, size);  // throws only with b unchanged
+    } catch (...) {
+      insert_free(b, false);
+      throw;
+    }
     insert_free(b, false);
     b = t;
   } else {
-    split(b, size);
+    try {
+      split(b, size);
+    } catch (...) {
+      insert_free(b, false);  // whole again, unless the rest's free-list insert threw
+      throw;
+    }
   }
   bool backed = false;
   try {

@@ -63,6 +63,7 @@
 #include "allocator/thread_cache.h"
 
 #include <atomic>
+#include <new>
 #include <vector>
 
 #include "allocator/caching_allocator_impl.h"
@@ -181,6 +182,9 @@ ThreadCache* CachingAllocator::Impl::thread_cache() {
     std::lock_guard g(c->mutex);
     return c->allocator == nullptr;
   });
+  // Room first, so that a std::bad_alloc leaves the cache registered in neither list.
+  thread_caches.reserve(thread_caches.size() + 1);
+  list.caches.reserve(list.caches.size() + 1);
   auto cache = std::make_shared<ThreadCache>(id, this);
   thread_caches.push_back(cache);
   list.caches.push_back(cache);
@@ -231,7 +235,15 @@ void CachingAllocator::Impl::fold_locked_thread_caches() {
 void* CachingAllocator::Impl::finish_shared_allocation(Block* b, std::size_t bytes, int tag,
                                                        ThreadCache* tc) {
   const bool holdable = options.thread_cache_bytes != 0 && b->segment->small;
-  if (tc == nullptr && holdable) tc = thread_cache();
+  if (tc == nullptr && holdable) {
+    try {
+      tc = thread_cache();
+    } catch (const std::bad_alloc&) {
+      // No room for this thread's cache: b is already out of the pool, and the cache is
+      // only a fast path, so b is handed out through the shared one.
+      tc = nullptr;
+    }
+  }
   if (tc == nullptr) return finish_allocation(b, bytes, tag);
   const bool hold = holdable && tc->should_hold();
   // Nothing to hold and nothing to fold: the cache's lock is not needed (tc is the calling

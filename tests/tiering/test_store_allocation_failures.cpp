@@ -1,57 +1,21 @@
 // The tiered store when the C++ heap runs out part-way through an operation: this binary
-// replaces operator new with one that can be told to throw std::bad_alloc at the n-th
-// allocation of the calling thread, and each test sweeps n = 0, 1, 2, ... until the
-// operation goes through. After every failure the handle is usable as before (not left
-// pinned, its contents intact, not resident with a buffer that never received them) and
-// nothing is charged that nothing holds (a destroyed store's device bytes are all freed).
+// replaces operator new (tests/support/failing_operator_new.h), and each test sweeps the
+// allocation that fails, n = 0, 1, 2, ..., until the operation goes through. After every
+// failure the handle is usable as before (not left pinned, its contents intact, not
+// resident with a buffer that never received them) and nothing is charged that nothing
+// holds (a destroyed store's device bytes are all freed).
 #include <cstddef>
-#include <cstdlib>
-#include <new>
 #include <vector>
 
 #include "allocator/tags.h"
+#include "tests/support/failing_operator_new.h"
 #include "tests/tiering/tiering_test_util.h"
 #include "tiering/tiered_store.h"
-
-namespace {
-
-// -1: allocations succeed; n ≥ 0: the n-th allocation from now on this thread throws.
-thread_local long allocations_until_failure = -1;
-
-void* allocate(std::size_t bytes) {
-  if (allocations_until_failure >= 0 && allocations_until_failure-- == 0) {
-    throw std::bad_alloc();
-  }
-  if (void* p = std::malloc(bytes == 0 ? 1 : bytes)) return p;
-  throw std::bad_alloc();
-}
-
-// Runs `operation` with its n-th allocation failing; true when it went through.
-template <typename Operation>
-bool survives(long n, Operation&& operation) {
-  allocations_until_failure = n;
-  try {
-    operation();
-  } catch (...) {
-    allocations_until_failure = -1;
-    return false;
-  }
-  allocations_until_failure = -1;
-  return true;
-}
-
-}  // namespace
-
-void* operator new(std::size_t bytes) { return allocate(bytes); }
-void* operator new[](std::size_t bytes) { return allocate(bytes); }
-void operator delete(void* p) noexcept { std::free(p); }
-void operator delete[](void* p) noexcept { std::free(p); }
-void operator delete(void* p, std::size_t) noexcept { std::free(p); }
-void operator delete[](void* p, std::size_t) noexcept { std::free(p); }
 
 namespace tidepool {
 namespace {
 
+using test_support::survives;
 using tiering_test::first_difference;
 using tiering_test::random_bytes;
 
