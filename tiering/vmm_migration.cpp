@@ -430,6 +430,15 @@ void VmmPool::wait_for_users_locked(Range& r) {
     try {
       backend_.record_event(sync_event_, s);
     } catch (const BackendError& e) {
+      // Note [A use stream of another device]: the pool's event cannot be recorded on a
+      // stream of another device (a peer's kernels reading the range after record_stream
+      // named its stream), which is alive; waiting for the stream itself works there.
+      // Only a stream that cannot be waited for either is taken for lost.
+      try {
+        backend_.stream_synchronize(s);
+        continue;
+      } catch (const BackendError&) {
+      }
       synchronize_for_lost_stream_locked(s, e);
       return;
     }

@@ -398,6 +398,34 @@ TEST_F(VmmFailureTest, AStreamDestroyedUnreleasedIsWaitedForByADeviceSynchronize
   EXPECT_EQ(backend_.live_physicals(), 0u);
 }
 
+// Note [A use stream of another device] (vmm_migration.cpp): a live stream the pool's event
+// cannot be recorded on is waited for itself, and stays a user; no device synchronization.
+TEST_F(VmmFailureTest, ALiveUseStreamAnEventCannotBeRecordedOnIsWaitedForAndKept) {
+  VmmPool pool(backend_);
+  const auto [p, n, data] = allocate_filled(pool, backend_.granularity(), 33);
+  ASSERT_NE(p, nullptr);
+  const Stream other = new_user_stream(pool, p);
+  for (int round = 0; round < 2; ++round) {
+    SCOPED_TRACE(round == 0 ? "the record refused" : "a later migration");
+    tiering_test::StreamGate gate;
+    const tiering_test::StreamGate::OpenOnExit open_on_exit{gate};
+    inner_->launch_host_func(other, &tiering_test::StreamGate::wait, &gate);
+    if (round == 0) backend_.fail_calls_to("record_event", 1);
+    const auto to = round == 0 ? MemoryLocation::host : MemoryLocation::device;
+    auto migrated = std::async(std::launch::async, [&, to] { pool.migrate(p, to); });
+    // Not a timing bound: a migration that ends while the stream's work is held is the
+    // failure (in the later round: the stream was dropped as a user).
+    EXPECT_EQ(migrated.wait_for(std::chrono::milliseconds(200)), std::future_status::timeout);
+    gate.open();
+    EXPECT_NO_THROW(migrated.get());
+    EXPECT_EQ(pool.bytes_in(p, to), n);
+    EXPECT_EQ(difference(p, data), -1);
+  }
+  EXPECT_EQ(pool.stats().lost_stream_syncs, 0u);
+  pool.deallocate(p);
+  inner_->destroy_stream(other);
+}
+
 TEST_F(VmmFailureTest, ALostStreamWhoseDeviceSynchronizeFailsChangesNothing) {
   VmmPool pool(backend_);
   const auto [p, n, data] = allocate_filled(pool, backend_.granularity(), 32);
