@@ -149,9 +149,18 @@ std::size_t CachingAllocator::Impl::release_stream_locked(Stream s) {
   if (last_stream == &sp) last_stream = nullptr;
   streams.erase(it);
   if (!options.allow_release) return 0;
-  const std::size_t bytes = release_cached(SIZE_MAX, true, nullptr, released.get());
-  drop_empty_released_ranges();
-  return bytes;
+  // The stream is released from here on; what follows only gives cached memory back. A
+  // failure there (a kept physical handle that still cannot be released: Note
+  // [Unreleased handles] in segments.cpp) stays for a later empty_cache to retry and
+  // report: refusing now would tell the caller, about to destroy the stream, that it is
+  // still in use, and skip the tiering layer's release of it (c_api.cpp).
+  try {
+    const std::size_t bytes = release_cached(SIZE_MAX, true, nullptr, released.get());
+    drop_empty_released_ranges();
+    return bytes;
+  } catch (const BackendError&) {
+    return 0;
+  }
 }
 
 void CachingAllocator::record_stream(void* ptr, Stream stream) {

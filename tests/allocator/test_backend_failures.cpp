@@ -317,6 +317,26 @@ TEST(FailedRelease, AHandleStillUnreleasedIsReleasedWithTheAllocator) {
   EXPECT_EQ(handles->released.load(), 1) << "no physical memory leaked";
 }
 
+// release_stream gives cached memory back after the stream is released; a kept handle
+// that still cannot be released then stays kept for a later empty_cache, and the stream
+// release, done, is not reported as refused (the caller destroys the stream next).
+TEST(FailedRelease, AStreamIsReleasedWhenAKeptHandleStillCannotBe) {
+  FaultyAllocator fa;
+  CachingAllocator& a = *fa.allocator;
+  test::FaultBackend& be = *fa.faults;
+  void* p = a.allocate(4 * kMiB);
+  a.deallocate(p, 4 * kMiB);
+  be.fail(Op::release_physical);
+  EXPECT_THROW(a.empty_cache(), BackendError);  // a handle kept to release later
+  const Stream s = be.create_stream();
+  a.deallocate(a.allocate(kMiB, s), kMiB, s);
+  be.fail(Op::release_physical);  // the retry fails again
+  EXPECT_NO_THROW(a.release_stream(s));
+  a.empty_cache();  // the kept handle goes now
+  EXPECT_EQ(be.device_bytes_in_use(), 0u);
+  be.destroy_stream(s);
+}
+
 // A new run whose map fails goes back to the backend; when that release fails too, the
 // map's error is reported and the handle is kept for a retry.
 TEST(FailedRelease, ANewRunWhoseMapAndReleaseFailKeepsItsHandle) {
