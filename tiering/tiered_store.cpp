@@ -482,17 +482,9 @@ void* TieredStore::acquire_locked(Handle h, Stream stream, RoomFor why, bool loa
       if (used == stream) continue;
       order_after_use_locked(stream, used);
     }
-  } catch (...) {
-    // Nothing is pinned yet: the handle is as a failed load or wait left it (resident or
-    // not), never acquired — except a load skipped for an overwrite (Note [A failed
-    // acquire to overwrite]), whose buffer goes.
-    if (skipped_load) drop_skipped_load_locked(e);
-    detail::rethrow_as_tiering_error(detail::of_handle("acquire", h, e.bytes));
-  }
-  // What can still throw (std::bad_alloc: the use-stream list, the policy's record of the
-  // acquire order) comes before anything that makes the acquire take effect, so that a
-  // throw leaves the handle unpinned, its counts and copies as they were.
-  try {
+    // The bookkeeping that can still throw (std::bad_alloc: the use-stream list, the
+    // policy's record of the acquire order) comes before anything that makes the acquire
+    // take effect, so that a throw leaves the handle unpinned, its counts as they were.
     if (e.pins == 0) {
       // With no other holder left, `stream` is now ordered after every earlier use, so
       // later waits (evict, read, the next acquire) need only this stream.
@@ -504,8 +496,11 @@ void* TieredStore::acquire_locked(Handle h, Stream stream, RoomFor why, bool loa
     }
     policy_.on_acquire(h);
   } catch (...) {
-    if (skipped_load) drop_skipped_load_locked(e);  // Note [A failed acquire to overwrite]
-    throw;
+    // Nothing is pinned yet: the handle is as a failed load or wait left it (resident or
+    // not), never acquired — except a load skipped for an overwrite (Note [A failed
+    // acquire to overwrite]), whose buffer goes. (std::bad_alloc passes through as it is.)
+    if (skipped_load) drop_skipped_load_locked(e);
+    detail::rethrow_as_tiering_error(detail::of_handle("acquire", h, e.bytes));
   }
   // The acquire succeeds: its load is counted now, once (Entry::uncounted_load).
   if (e.uncounted_load == Entry::LoadBy::prefetch) {
