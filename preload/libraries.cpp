@@ -28,12 +28,24 @@
 // on libcudart.so.<major> is then satisfied by soname — one copy in the process):
 //   1. the next definition of cudaMalloc after the shim (dlsym(RTLD_NEXT)): the program's
 //      own runtime, of whatever version, when it is in the global scope;
-//   2. one of tidepool's major already loaded;
+//   2. one already loaded in any scope, of whatever version: a library that defines
+//      cudaMalloc and cudaRuntimeGetVersion itself (a program that dlopen()ed its runtime
+//      RTLD_LOCAL; a second runtime loaded beside it would own memory of its own);
 //   3. $TIDEPOOL_CUDART;
 //   4. PyPI's nvidia wheel beside the pip-installed package:
 //      <site-packages>/tidepool/lib/ → <site-packages>/nvidia/cu13/lib/libcudart.so.13;
-//   5. the running interpreter's site-packages (<prefix>/lib/python3.*/site-packages/...);
+//   5. the site-packages of the running interpreter, of $VIRTUAL_ENV and of $CONDA_PREFIX
+//      (<prefix>/lib/python3.*/site-packages/...);
 //   6. the loader's own search path (a CUDA toolkit in ld.so.conf).
+//
+// Note [a runtime found late]: when tidepool is set up before main (the variables name
+// it), a Python program has not loaded its runtime yet, and none of 3-6 may find one (a
+// virtual environment the shim does not know of, no toolkit in ld.so.conf). tidepool is
+// then off, but the program's CUDA must still work: a forwarded call that finds no
+// function looks again, with steps 1 and 2 alone, for a runtime loaded since, and forwards
+// to the first found from then on (published once through Shim::late_cudart; found with no
+// lock, so a fork cannot inherit one held). It is said once, with how to have tidepool
+// serve (TIDEPOOL_CUDART).
 // libtidepool: $TIDEPOOL_LIBRARY, then beside the shim, then the build tree's copy.
 //
 // tidepool.mode:pool has no meaning here (there are no regions without Python): the
@@ -41,6 +53,7 @@
 #include <cuda_runtime_api.h>
 #include <dlfcn.h>
 #include <glob.h>
+#include <link.h>
 #include <unistd.h>
 
 #include <cstdio>
@@ -117,16 +130,54 @@ void* next_cudart() {
   return dlopen(info.dli_fname, RTLD_NOW | RTLD_NOLOAD);  // already loaded: a handle only
 }
 
+// Every loaded library's path, in load order (the program itself, "", left out).
+std::vector<std::string> loaded_libraries() {
+  std::vector<std::string> paths;
+  dl_iterate_phdr(
+      [](dl_phdr_info* info, size_t, void* out) {
+        if (info->dlpi_name != nullptr && *info->dlpi_name != '\0') {
+          static_cast<std::vector<std::string>*>(out)->emplace_back(info->dlpi_name);
+        }
+        return 0;
+      },
+      &paths);
+  return paths;
+}
+
+// A CUDA runtime already loaded in any scope (step 2): the first library that defines
+// cudaMalloc itself (not through a dependency, not an interposer like this shim) and has
+// cudaRuntimeGetVersion. dlopen is called outside dl_iterate_phdr, which holds the
+// loader's lock.
+void* loaded_cudart() {
+  for (const std::string& path : loaded_libraries()) {
+    void* h = dlopen(path.c_str(), RTLD_NOW | RTLD_NOLOAD);
+    if (h == nullptr) continue;
+    void* malloc_fn = dlsym(h, "cudaMalloc");
+    Dl_info info{};
+    if (malloc_fn != nullptr && dlsym(h, "cudaRuntimeGetVersion") != nullptr &&
+        dladdr(malloc_fn, &info) != 0 && info.dli_fname != nullptr && path == info.dli_fname &&
+        malloc_fn != dlsym(RTLD_DEFAULT, "cudaMalloc")) {  // the shim's, or an interposer's
+      return h;
+    }
+    dlclose(h);
+  }
+  return nullptr;
+}
+
 void* open_cudart(std::string& tried) {
   if (void* h = next_cudart()) return h;
+  if (void* h = loaded_cudart()) return h;
   const std::string& soname = cudart_soname();
-  if (void* h = dlopen(soname.c_str(), RTLD_NOW | RTLD_GLOBAL | RTLD_NOLOAD)) return h;
   std::vector<std::string> candidates;
   if (const char* env = std::getenv("TIDEPOOL_CUDART")) candidates.emplace_back(env);
   const std::string here = directory_of_this_library();
   if (!here.empty()) candidates.push_back(here + "/../../" + nvidia_wheel_lib() + soname);
-  const std::string prefix = executable_prefix();
-  if (!prefix.empty()) {
+  std::vector<std::string> prefixes = {executable_prefix()};
+  for (const char* name : {"VIRTUAL_ENV", "CONDA_PREFIX"}) {
+    if (const char* env = std::getenv(name)) prefixes.emplace_back(env);
+  }
+  for (const std::string& prefix : prefixes) {
+    if (prefix.empty()) continue;
     for (const std::string& p :
          glob_paths(prefix + "/lib/python3*/site-packages/" + nvidia_wheel_lib() + soname)) {
       candidates.push_back(p);
@@ -216,27 +267,21 @@ bool environment_says_log_off() {
   return false;
 }
 
-// Resolves the forwarding target (Note [two once-flags]) and decides whether tidepool may
-// serve under it (Note [runtime version]). On failure it says why; the functions it could
-// not bind stay null and their forwarded calls answer cudaErrorInitializationError.
-void resolve_cudart() {
-  Shim& s = shim();
-  RealCudart& c = s.cuda;
-  void* cudart = open_or_say(open_cudart, "cannot find libcudart; tidepool is off. Tried:");
-  if (cudart == nullptr ||
-      !bind_required(cudart, "libcudart", symbol("cudaMalloc", c.malloc),
-                     symbol("cudaFree", c.free), symbol("cudaGetDevice", c.get_device),
-                     symbol("cudaSetDevice", c.set_device),
-                     symbol("cudaDeviceSynchronize", c.device_synchronize),
-                     symbol("cudaRuntimeGetVersion", c.runtime_get_version),
-                     symbol("cudaGetLastError", c.get_last_error),
-                     symbol("cudaPeekAtLastError", c.peek_at_last_error))) {
-    return;
-  }
-  // The stream-ordered calls exist from CUDA 11.2 (cudaStreamGetDevice from 12.8): a
-  // runtime of another major may lack them (the program then never calls them), one of
-  // tidepool's major has them all.
-  const std::string missing_stream_ordered = bind_all(
+// The runtime's functions every forwarded call may need; the names `cudart` lacks.
+std::string bind_basic(void* cudart, RealCudart& c) {
+  return bind_all(cudart, symbol("cudaMalloc", c.malloc), symbol("cudaFree", c.free),
+                  symbol("cudaGetDevice", c.get_device), symbol("cudaSetDevice", c.set_device),
+                  symbol("cudaDeviceSynchronize", c.device_synchronize),
+                  symbol("cudaRuntimeGetVersion", c.runtime_get_version),
+                  symbol("cudaGetLastError", c.get_last_error),
+                  symbol("cudaPeekAtLastError", c.peek_at_last_error));
+}
+
+// The stream-ordered calls exist from CUDA 11.2 (cudaStreamGetDevice from 12.8): a runtime
+// of another major may lack them (the program then never calls them), one of tidepool's
+// major has them all. The names `cudart` lacks.
+std::string bind_stream_ordered(void* cudart, RealCudart& c) {
+  return bind_all(
       cudart, symbol("cudaMallocAsync", c.malloc_async), symbol("cudaFreeAsync", c.free_async),
       symbol("cudaStreamGetDevice", c.stream_get_device),
       symbol("cudaStreamIsCapturing", c.stream_is_capturing),
@@ -246,12 +291,37 @@ void resolve_cudart() {
       symbol("cudaStreamWaitEvent", c.stream_wait_event),
       symbol("cudaEventDestroy", c.event_destroy), symbol("cudaEventQuery", c.event_query),
       symbol("cudaStreamSynchronize", c.stream_synchronize));
-  // Forwarded whatever the runtime (a null one answers cudaErrorInitializationError); their
-  // absence does not turn tidepool off (a program calls the _ptsz forms only when its
-  // runtime has them).
+}
+
+// Forwarded whatever the runtime (a null one answers cudaErrorInitializationError); their
+// absence does not turn tidepool off (a program calls the _ptsz forms only when its
+// runtime has them).
+void bind_optional(void* cudart, RealCudart& c) {
   bind_all(cudart, symbol("cudaStreamDestroy", c.stream_destroy),
            symbol("cudaMallocAsync_ptsz", c.malloc_async_ptsz),
            symbol("cudaFreeAsync_ptsz", c.free_async_ptsz));
+}
+
+// Resolves the forwarding target (Note [two once-flags]) and decides whether tidepool may
+// serve under it (Note [runtime version]). On failure it says why; the functions it could
+// not bind stay null and their forwarded calls answer cudaErrorInitializationError, or go
+// to a runtime loaded since when none was found (Note [a runtime found late]).
+void resolve_cudart() {
+  Shim& s = shim();
+  RealCudart& c = s.cuda;
+  void* cudart = open_or_say(open_cudart,
+                             "cannot find libcudart (TIDEPOOL_CUDART names it); tidepool is "
+                             "off, and the runtime the program loads gets every call. Tried:");
+  if (cudart == nullptr) {
+    s.cudart_missing = true;
+    return;
+  }
+  if (const std::string missing = bind_basic(cudart, c); !missing.empty()) {
+    say("libcudart lacks (tidepool is off):", missing);
+    return;
+  }
+  const std::string missing_stream_ordered = bind_stream_ordered(cudart, c);
+  bind_optional(cudart, c);
   int version = 0;
   if (const cudaError_t e = s.cuda.runtime_get_version(&version); e != cudaSuccess) {
     say("cudaRuntimeGetVersion failed; tidepool is off: error ", std::to_string(e));
@@ -370,6 +440,35 @@ class SetUpScope {
 };
 
 }  // namespace
+
+const RealCudart* cudart_found_late() {
+  Shim& s = shim();
+  if (!s.cudart_missing) return nullptr;
+  if (const RealCudart* found = s.late_cudart.load(std::memory_order_acquire)) return found;
+  void* cudart = next_cudart();
+  if (cudart == nullptr) cudart = loaded_cudart();
+  if (cudart == nullptr) return nullptr;
+  auto* found = new RealCudart;
+  bind_basic(cudart, *found);
+  bind_stream_ordered(cudart, *found);
+  bind_optional(cudart, *found);
+  const RealCudart* published = nullptr;
+  if (!s.late_cudart.compare_exchange_strong(published, found, std::memory_order_acq_rel)) {
+    delete found;  // another thread's is the one
+    dlclose(cudart);
+    return published;
+  }
+  if (!environment_says_log_off()) {
+    Dl_info info{};
+    const bool named = found->malloc != nullptr &&
+                       dladdr(reinterpret_cast<void*>(found->malloc), &info) != 0 &&
+                       info.dli_fname != nullptr;
+    say("", "the program loaded its CUDA runtime " + std::string(named ? info.dli_fname : "") +
+                " after tidepool was set up without one; tidepool is off, and every call goes "
+                "to that runtime unchanged (TIDEPOOL_CUDART=<that path> lets tidepool serve)");
+  }
+  return found;
+}
 
 void resolve_cudart_once() {
   Shim& s = shim();

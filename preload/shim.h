@@ -81,6 +81,10 @@ struct Shim {
   std::atomic<bool> serving{false};
   std::atomic<bool> said_release_failed{false};
   RealCudart cuda;
+  // Note [a runtime found late] (libraries.cpp): no runtime was found when `cuda` was
+  // resolved; `late_cudart` is the one found since, published once, never freed.
+  bool cudart_missing = false;
+  std::atomic<const RealCudart*> late_cudart{nullptr};
   TidepoolAbi tp;
   std::mutex mutex;  // guards `owned`
   std::unordered_map<void*, Allocation> owned;
@@ -116,6 +120,9 @@ void say(const char* what, const std::string& message);
 // Resolves the forwarding target once (Note [two once-flags] in libraries.cpp).
 void resolve_cudart_once();
 
+// Note [a runtime found late]: the runtime loaded after `cuda` found none, or null.
+const RealCudart* cudart_found_late();
+
 // Sets tidepool up once; whether it serves allocations (libraries.cpp).
 bool ready();
 
@@ -148,8 +155,12 @@ template <typename Fn, typename... Args>
 cudaError_t forward(Fn RealCudart::*fn, Args... args) {
   Shim& s = shim();
   resolve_cudart_once();
-  const Fn real = s.cuda.*fn;
-  if (real == nullptr) return cudaErrorInitializationError;
+  Fn real = s.cuda.*fn;
+  if (real == nullptr) {
+    const RealCudart* late = cudart_found_late();
+    if (late == nullptr || late->*fn == nullptr) return cudaErrorInitializationError;
+    real = late->*fn;
+  }
   InsideTidepool inside;
   return real(args...);
 }
