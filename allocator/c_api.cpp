@@ -125,7 +125,11 @@ char* tidepool::detail::malloc_c_string(const std::string& s) {
 extern "C" {
 
 void* tidepool_malloc(ssize_t size, int device, void* stream) {
-  if (size == 0) return nullptr;
+  if (size == 0) {
+    // Not a failure: an earlier call's error must not be read as this NULL's reason.
+    tidepool_clear_error();
+    return nullptr;
+  }
   if (size < 0) {
     set_error(("tidepool: tidepool_malloc called with negative size " + std::to_string(size) +
                " on device " + std::to_string(device))

@@ -14,7 +14,8 @@
  * the tiering C ABI (tiering/c_api_tiering.h) reports into the same slot.
  * Note [OOM across the C ABI]: tidepool_malloc returns NULL only for a real OOM (after
  * its whole OOM policy ran) and for invalid requests, with its message in
- * tidepool_last_error().
+ * tidepool_last_error(); and for a request of 0 bytes, which is not a failure: it clears
+ * the thread's last error.
  *
  * Note [OOM into PyTorch]: PyTorch's CUDAPluggableAllocator does not check the pointer
  * its malloc returns, so a NULL would become a tensor over address 0 (seen on the H200:

@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <cctype>
+#include <charconv>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -20,6 +21,7 @@
 #include <vector>
 
 #include "allocator/c_api.h"
+#include "allocator/json_text.h"
 #include "allocator/tier_routing.h"
 
 namespace tidepool {
@@ -176,8 +178,7 @@ std::string budget_json(const Budget& b) {
                     static_cast<unsigned long long>(b.bytes));
       return buf;
     case Budget::Kind::fraction:
-      std::snprintf(buf, sizeof buf, R"({"kind":"fraction","fraction":%.17g})", b.fraction);
-      return buf;
+      return R"({"kind":"fraction","fraction":)" + json_number(b.fraction) + "}";
   }
   return R"({"kind":"unset"})";
 }
@@ -217,7 +218,8 @@ Budget parse_size(std::string_view key, std::string_view value, bool allow_perce
             "1MiB; not a percentage";
   const std::string text(trim(value));
   // The number: digits with an optional fraction. strtod alone would accept "inf",
-  // "0x10" and leading signs, none of which is a size.
+  // "0x10" and leading signs, none of which is a size, and would read "1.5" as 1 in a
+  // locale with a decimal comma; from_chars reads the "C" form whatever the locale.
   std::size_t i = 0;
   while (i < text.size() && std::isdigit(static_cast<unsigned char>(text[i]))) ++i;
   const std::size_t int_digits = i;
@@ -226,7 +228,8 @@ Budget parse_size(std::string_view key, std::string_view value, bool allow_perce
     while (i < text.size() && std::isdigit(static_cast<unsigned char>(text[i]))) ++i;
   }
   if (int_digits == 0) bad_value("", key, value, allowed);
-  const double number = std::strtod(text.substr(0, i).c_str(), nullptr);
+  double number = 0.0;
+  std::from_chars(text.data(), text.data() + i, number);  // digits[.digits]: always reads
   const std::string_view unit = std::string_view(text).substr(i);
 
   if (unit == "%") {

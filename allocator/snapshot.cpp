@@ -7,6 +7,7 @@
 #include <cinttypes>
 #include <cstdio>
 #include <limits>
+#include <locale>
 #include <sstream>
 #include <utility>
 #include <vector>
@@ -244,6 +245,7 @@ std::string CachingAllocator::Impl::oom_message(std::size_t bytes, std::size_t r
 std::string CachingAllocator::Impl::snapshot_json() const {
   const AllocatorStats st = compute_stats();
   std::ostringstream os;
+  os.imbue(std::locale::classic());  // a global locale's digit grouping is not JSON
   os << "{\"version\":1,\"device\":" << device << ",\"backend\":";
   os << json_quoted(backend->name());
   os << ",\"expandable_segments\":" << (options.expandable_segments ? "true" : "false");
@@ -266,7 +268,7 @@ std::string CachingAllocator::Impl::snapshot_json() const {
      << ",\"reclaim_calls\":" << st.reclaim_calls << ",\"reclaimed_bytes\":" << st.reclaimed_bytes
      << ",\"cross_stream_reuses\":" << st.cross_stream_reuses
      << ",\"free_device_syncs\":" << st.free_device_syncs
-     << ",\"fragmentation\":" << st.fragmentation << "},\"tags\":[";
+     << ",\"fragmentation\":" << json_number(st.fragmentation) << "},\"tags\":[";
   bool first = true;
   for (int t = 0; t < tag_count() && t < kTagCount; ++t) {
     const TagStats& ts = st.tags[t];

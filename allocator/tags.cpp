@@ -9,11 +9,15 @@
 
 #include <array>
 #include <atomic>
+#include <cstdio>
 #include <cstring>
 #include <memory>
 #include <mutex>
 #include <stdexcept>
 #include <string>
+
+#include "allocator/config.h"
+#include "allocator/json_text.h"
 
 namespace tidepool {
 namespace {
@@ -120,6 +124,9 @@ const bool g_tag_fork_handlers = [] {
 
 int tag_id(std::string_view name) {
   if (name.empty()) throw std::invalid_argument("tidepool: tag name is empty");
+  // The snapshot and the stats carry the names as JSON, whose text is UTF-8.
+  if (!valid_utf8(name))
+    throw std::invalid_argument("tidepool: tag name is not valid UTF-8: " + json_quoted(name));
   if (name.size() > kMaxTagNameLength)
     throw std::invalid_argument("tidepool: tag name longer than 63 characters: '" +
                                 std::string(name.substr(0, 32)) + "...'");
@@ -186,6 +193,26 @@ void pop_tag() {
 }
 
 int current_tag() noexcept { return t_stack.top; }
+
+int tag_depth() noexcept { return t_stack.depth; }
+
+void end_tag_scope(int depth) noexcept {
+  const int found = t_stack.depth;
+  if (found != depth) {
+    static std::atomic<bool> said{false};
+    if (active_config().log != LogLevel::off && !said.exchange(true)) {
+      std::fprintf(stderr,
+                   "tidepool: a tag scope ended with the tag stack %d deep where its push left "
+                   "it %d deep (%s); the stack is set back to what it was before the scope. "
+                   "Said once.\n",
+                   found, depth,
+                   found > depth ? "pushes inside it were not popped"
+                                 : "its own tag was popped inside it");
+    }
+  }
+  // Each pop frees nothing but a deep stack's heap part, and cannot throw while depth > 0.
+  while (t_stack.depth >= depth && t_stack.depth > 0) pop_tag();
+}
 
 int tag_stacks_on_heap() noexcept { return g_stacks_on_heap.load(std::memory_order_relaxed); }
 

@@ -44,14 +44,29 @@ TIDEPOOL_API int current_tag() noexcept;
 // For tests.
 TIDEPOOL_API int tag_stacks_on_heap() noexcept;
 
-// RAII scope: allocations made by this thread inside the scope carry `tag`.
+// The depth of this thread's tag stack.
+TIDEPOOL_API int tag_depth() noexcept;
+
+// Ends the scope whose push left this thread's stack `depth` deep: pops back to depth - 1,
+// so that pushes left open inside the scope end with it. When its own tag was popped
+// already (an unbalanced tidepool_tag_pop inside it), pops nothing. Either mismatch is
+// said once per process on stderr (not under tidepool.log:off). Never throws: it runs in
+// a destructor.
+TIDEPOOL_API void end_tag_scope(int depth) noexcept;
+
+// RAII scope: allocations made by this thread inside the scope carry `tag`. The stack is
+// as it was before the scope when the scope ends, whatever was pushed or popped inside it
+// (end_tag_scope).
 class TIDEPOOL_API TagScope {
  public:
-  explicit TagScope(int tag) { push_tag(tag); }
-  explicit TagScope(std::string_view name) { push_tag(tag_id(name)); }
-  ~TagScope() { pop_tag(); }
+  explicit TagScope(int tag) : depth_((push_tag(tag), tag_depth())) {}
+  explicit TagScope(std::string_view name) : TagScope(tag_id(name)) {}
+  ~TagScope() { end_tag_scope(depth_); }
   TagScope(const TagScope&) = delete;
   TagScope& operator=(const TagScope&) = delete;
+
+ private:
+  int depth_;
 };
 
 }  // namespace tidepool

@@ -98,6 +98,7 @@ extern "C" {
 
 void* tidepool_vmm_malloc(size_t size, int device, int tag, void* stream) {
   return guarded("tidepool_vmm_malloc", static_cast<void*>(nullptr), [&]() -> void* {
+    check_tag(tag);  // a range under no tag could never be moved by tag
     void* p = tidepool::allocate_tierable_range(device, size, tag, as_stream(stream));
     if (p == nullptr) {
       tidepool::set_last_error("tidepool_vmm_malloc: device " + std::to_string(device) +

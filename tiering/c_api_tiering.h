@@ -46,7 +46,8 @@ extern "C" {
 
 /* ---- pointer-stable (VMM-backed) allocations ------------------------------------ */
 /* Device-backed range of at least `size` bytes under `tag`, migratable later without
- * changing its address. NULL on OOM or bad input (message set). Migration waits for
+ * changing its address. NULL on OOM or bad input (message set), a `tag` no tag has
+ * among it (tidepool_tag_id makes one). Migration waits for
  * the work on `stream` (as tidepool_vmm_record_stream). */
 TIDEPOOL_API void* tidepool_vmm_malloc(size_t size, int device, int tag, void* stream);
 TIDEPOOL_API int tidepool_vmm_free(void* ptr, int device);

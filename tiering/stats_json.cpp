@@ -1,8 +1,7 @@
 // JSON renderings of the tiering stats. A tiny writer is enough: the values are numbers,
-// booleans and one free-text reason, quoted by the allocator's json_quoted (json_text.h).
+// booleans and one free-text reason, written by the allocator's json_number and
+// json_quoted (json_text.h), which read the same in every locale.
 #include "tiering/stats_json.h"
-
-#include <cstdio>
 
 #include "allocator/json_text.h"
 #include "tiering/tiered_store.h"
@@ -15,11 +14,7 @@ namespace {
 // Appends `"key": value` pairs, comma-separated, inside braces.
 class JsonObject {
  public:
-  JsonObject& num(const char* key, double v) {
-    char buf[64];
-    std::snprintf(buf, sizeof buf, "%.6g", v);
-    return raw(key, buf);
-  }
+  JsonObject& num(const char* key, double v) { return raw(key, json_number(v)); }
   JsonObject& num(const char* key, unsigned long long v) { return raw(key, std::to_string(v)); }
   JsonObject& boolean(const char* key, bool v) { return raw(key, v ? "true" : "false"); }
   JsonObject& str(const char* key, const std::string& v) { return raw(key, json_quoted(v)); }

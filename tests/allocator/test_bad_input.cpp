@@ -92,6 +92,14 @@ class CBadInput : public ::testing::Test {
 TEST_F(CBadInput, ZeroSizeGivesNullWithoutAnError) {
   EXPECT_EQ(tidepool_malloc(0, 0, nullptr), nullptr);
   EXPECT_EQ(last(), "");
+  // Nor an earlier call's: a caller reads the reason for a NULL right after it.
+  ::testing::internal::CaptureStderr();
+  EXPECT_EQ(tidepool_malloc(ssize_t{1} << 45, 0, nullptr), nullptr);  // beyond the host's 8 GiB
+  ::testing::internal::GetCapturedStderr();
+  ASSERT_EQ(tidepool_last_error_is_out_of_memory(), 1) << last();
+  EXPECT_EQ(tidepool_malloc(0, 0, nullptr), nullptr);
+  EXPECT_EQ(tidepool_last_error_is_out_of_memory(), 0);
+  EXPECT_EQ(last(), "");
 }
 
 TEST_F(CBadInput, NegativeAndAbsurdSizesGiveNullAndAnError) {

@@ -1,4 +1,5 @@
-// Tags: names and ids, the thread-local stack, RAII scoping, limits.
+// Tags: names and ids, the thread-local stack, RAII scoping (also around unbalanced C
+// pushes and pops), limits.
 #include <gtest/gtest.h>
 
 #include <atomic>
@@ -6,6 +7,7 @@
 #include <thread>
 #include <vector>
 
+#include "allocator/c_api.h"
 #include "allocator/tags.h"
 
 namespace tidepool {
@@ -65,6 +67,46 @@ TEST(Tags, MisuseIsAClearError) {
   EXPECT_EQ(pushed, kMaxTagDepth);
   for (int i = 0; i < pushed; ++i) pop_tag();
   EXPECT_EQ(current_tag(), kTagUntagged);
+}
+
+TEST(Tags, ANameThatIsNotUtf8IsRefusedWithAClearError) {
+  const int before = tag_count();
+  try {
+    tag_id("caf\xe9");  // Latin-1
+    ADD_FAILURE() << "a Latin-1 name was accepted";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("not valid UTF-8"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(tag_count(), before);
+  EXPECT_GE(tag_id("caf\xc3\xa9"), 0);  // the same name in UTF-8
+  EXPECT_EQ(tidepool_tag_id("caf\xe9"), -1);
+}
+
+TEST(Tags, AScopeWhoseTagWasPoppedInsideItEndsWithoutAborting) {
+  ::testing::internal::CaptureStderr();
+  {
+    TagScope outer(kTagGradient);
+    {
+      TagScope scope(kTagParameter);
+      EXPECT_EQ(tidepool_tag_pop(), 0);  // unbalanced: takes the scope's own tag
+      EXPECT_EQ(current_tag(), kTagGradient);
+    }  // pops nothing: the outer scope's tag stays
+    EXPECT_EQ(current_tag(), kTagGradient);
+  }
+  EXPECT_EQ(current_tag(), kTagUntagged);
+  EXPECT_EQ(tag_depth(), 0);
+  const std::string said = ::testing::internal::GetCapturedStderr();
+  EXPECT_NE(said.find("its own tag was popped inside it"), std::string::npos) << said;
+}
+
+TEST(Tags, AScopeEndsThePushesLeftOpenInsideIt) {
+  {
+    TagScope scope(kTagParameter);
+    EXPECT_EQ(tidepool_tag_push(kTagWorkspace), 0);  // never popped
+    EXPECT_EQ(current_tag(), kTagWorkspace);
+  }
+  EXPECT_EQ(current_tag(), kTagUntagged);
+  EXPECT_EQ(tag_depth(), 0);
 }
 
 TEST(Tags, EveryLevelOfADeepStackComesBackInOrder) {

@@ -423,6 +423,13 @@ TEST_F(CApiTieringTest, ErrorsAreCodesWithAMessageInTheAllocatorsErrorSlot) {
   tidepool_clear_error();
   EXPECT_EQ(tidepool_vmm_malloc(0, kDevice, kTagOptimizerState, nullptr), nullptr);
   EXPECT_NE(std::strstr(tidepool_last_error(), "allocate(0)"), nullptr) << tidepool_last_error();
+  // A tag id no tag has: a range under it could never be evicted or prefetched by tag.
+  for (const int tag : {-3, static_cast<int>(TIDEPOOL_TAG_MAX)}) {
+    tidepool_clear_error();
+    EXPECT_EQ(tidepool_vmm_malloc(4096, kDevice, tag, nullptr), nullptr) << tag;
+    EXPECT_NE(std::strstr(tidepool_last_error(), "no tag has the id"), nullptr)
+        << tidepool_last_error();
+  }
   tidepool_tiering_stats_v1 s{};
   s.struct_size = 8;
   EXPECT_EQ(tidepool_get_tiering_stats_v1(kDevice, &s), -1);

@@ -1,8 +1,11 @@
-// JSON string quoting: the allocator snapshot and the tiering stats write free text (a
-// user-named tag, a fallback reason) through one escaper, so the same text comes out the
-// same, and valid, in both; and the escaper itself covers RFC 8259's string rules.
+// JSON text: the allocator snapshot and the tiering stats write free text (a user-named
+// tag, a fallback reason) through one escaper, so the same text comes out the same, and
+// valid, in both; the escaper itself covers RFC 8259's string rules and turns what is not
+// UTF-8 into U+FFFD; numbers read back exactly, in every locale.
 #include <gtest/gtest.h>
 
+#include <limits>
+#include <locale>
 #include <string>
 #include <utility>
 
@@ -57,6 +60,56 @@ TEST(JsonStrings, OtherBytesPassThroughUnchanged) {
   const std::string text = "caf\xc3\xa9 \xf0\x9f\x98\x80 \x7f/";
   EXPECT_EQ(json_quoted(text), "\"" + text + "\"");
   EXPECT_TRUE(JsonChecker::valid(json_quoted(text)));
+}
+
+TEST(JsonStrings, BytesThatAreNotUtf8BecomeReplacementCharacters) {
+  // A stray continuation byte, a lead byte cut short, an overlong '/', a UTF-16
+  // surrogate and a code point above U+10FFFF: each byte that starts no valid sequence
+  // becomes U+FFFD, and valid sequences around them pass unchanged.
+  EXPECT_EQ(json_quoted("a\x80" "b\xc3"), R"("a\ufffdb\ufffd")");
+  EXPECT_EQ(json_quoted("\xc0\xaf"), R"("\ufffd\ufffd")");
+  EXPECT_EQ(json_quoted("\xed\xa0\x80"), R"("\ufffd\ufffd\ufffd")");
+  EXPECT_EQ(json_quoted("\xf4\x90\x80\x80"), R"("\ufffd\ufffd\ufffd\ufffd")");
+  EXPECT_EQ(json_quoted("\xe2\x82\xac\xff\xe2\x82\xac"), "\"\xe2\x82\xac\\ufffd\xe2\x82\xac\"");
+  EXPECT_TRUE(valid_utf8("caf\xc3\xa9 \xf0\x9f\x98\x80 \xf4\x8f\xbf\xbf"));
+  EXPECT_FALSE(valid_utf8("\xf0\x8f\xbf\xbf"));  // overlong 4-byte form
+  EXPECT_FALSE(valid_utf8("\xe0\x9f\xbf"));      // overlong 3-byte form
+}
+
+TEST(JsonStrings, NumbersReadBackExactlyAndNonFiniteOnesAreNull) {
+  EXPECT_EQ(json_number(0.125), "0.125");
+  EXPECT_EQ(json_number(3.0), "3");
+  EXPECT_EQ(json_number(0.1), "0.1");
+  EXPECT_EQ(json_number(1e300), "1e+300");
+  EXPECT_EQ(std::stod(json_number(1.0 / 3.0)), 1.0 / 3.0);
+  EXPECT_EQ(json_number(std::numeric_limits<double>::quiet_NaN()), "null");
+  EXPECT_EQ(json_number(-std::numeric_limits<double>::infinity()), "null");
+}
+
+// A C++ global locale that groups digits by three with '.' and writes a decimal comma,
+// as de_DE does; made from a facet, so the C locale (printf's) is not touched.
+struct GermanPunctuation : std::numpunct<char> {
+  char do_decimal_point() const override { return ','; }
+  char do_thousands_sep() const override { return '.'; }
+  std::string do_grouping() const override { return "\3"; }
+};
+
+TEST(JsonStrings, TheSnapshotIsJsonWhateverTheGlobalLocale) {
+  CachingAllocator allocator(test_support::make_test_backend(BackendKind::host));
+  void* p = allocator.allocate(3 << 20);
+  const std::locale previous =
+      std::locale::global(std::locale(std::locale::classic(), new GermanPunctuation));
+  std::string snapshot;
+  try {
+    snapshot = allocator.snapshot_json();
+  } catch (...) {
+    std::locale::global(previous);
+    throw;
+  }
+  std::locale::global(previous);
+  allocator.deallocate(p, 3 << 20);
+  EXPECT_TRUE(JsonChecker::valid(snapshot)) << snapshot;
+  EXPECT_NE(snapshot.find(std::to_string(3 << 20)), std::string::npos) << snapshot;
 }
 
 }  // namespace
