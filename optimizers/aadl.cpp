@@ -216,54 +216,28 @@ torch::Tensor AADL::step(LossClosure closure) {
   // safeguard writes only those, so this order gives the same bits as all pushes first,
   // while holding one group's flattened vector at a time.
   std::vector<size_t> diverged;  // groups whose history is not finite (see aadl.h)
-  for (size_t g = 0; g < histories_.size(); ++g) {
-    AndersonHistory& history = *histories_[g];
-    const auto& params = inner_->param_groups()[g].params();
-    // The vector stored this step, still on the compute device: the passes below read it
-    // from here instead of loading it back (anderson_history.h, "Storage and streaming").
-    torch::Tensor pushed;
-    if (stores) {
-      pushed = flatten(params);
-      history.push(pushed);
-    }
-    if (!accelerates || history.size() < 3) continue;
-    if (!solvable(history)) {
-      diverged.push_back(g);
-      continue;
-    }
-    if (!closure) {
-      // The plain iterate is not needed again: the extrapolation overwrites it in place.
-      unflatten(extrapolate(history, pushed, pushed), params);
-      continue;
-    }
-    const torch::Tensor plain = pushed.defined() ? pushed : flatten(params);
-    const torch::Tensor accelerated = extrapolate(history, pushed, {});
-    // The pass replace_newest makes loads during the two closure calls (forward passes);
-    // after a rejection the next step's first pass reads them (Note [Loading the history
-    // ahead of use]).
-    history.prefetch(AndersonHistory::Pass::after_replace_newest);
-    double plain_loss = 0.0, accelerated_loss = 0.0;
+  // A group that throws part-way (a closure out of memory in its forward pass, a failed
+  // solve) leaves the groups after it without this step's store, and the counters have
+  // moved, so a retry would not make it: their histories would hold other steps than the
+  // rest for good. So they still store it before the error goes on (an error of their
+  // own then is not the one to report).
+  size_t group = 0;
+  const auto store_the_rest = [&] {
+    if (!stores) return;
     try {
-      plain_loss = loss_value(closure());
-      unflatten(accelerated, params);
-      accelerated_loss = loss_value(closure());
-    } catch (...) {
-      // A closure that throws (out of memory in its forward pass) leaves the plain
-      // iterate, not one the safeguard never checked.
-      try {
-        unflatten(plain, params);
-      } catch (...) {
-        // The closure's error is the one to report.
+      for (size_t g = group + 1; g < histories_.size(); ++g) {
+        histories_[g]->push(flatten(inner_->param_groups()[g].params()));
       }
-      throw;
+    } catch (...) {
     }
-    if (accelerated_loss < plain_loss) {
-      history.replace_newest(accelerated);
-      ++accepted_;
-    } else {
-      unflatten(plain, params);
-      ++rejected_;
+  };
+  try {
+    for (; group < histories_.size(); ++group) {
+      step_group(group, stores, accelerates, closure, diverged);
     }
+  } catch (...) {
+    store_the_rest();
+    throw;
   }
   TORCH_CHECK(diverged.empty(), "AADL: the history of parameter group(s) ",
               c10::Join(", ", diverged),
@@ -273,6 +247,57 @@ torch::Tensor AADL::step(LossClosure closure) {
               "history (history_depth = ",
               options_.history_depth(), " stores)");
   return loss;
+}
+
+void AADL::step_group(size_t g, bool stores, bool accelerates, const LossClosure& closure,
+                      std::vector<size_t>& diverged) {
+  AndersonHistory& history = *histories_[g];
+  const auto& params = inner_->param_groups()[g].params();
+  // The vector stored this step, still on the compute device: the passes below read it
+  // from here instead of loading it back (anderson_history.h, "Storage and streaming").
+  torch::Tensor pushed;
+  if (stores) {
+    pushed = flatten(params);
+    history.push(pushed);
+  }
+  if (!accelerates || history.size() < 3) return;
+  if (!solvable(history)) {
+    diverged.push_back(g);
+    return;
+  }
+  if (!closure) {
+    // The plain iterate is not needed again: the extrapolation overwrites it in place.
+    unflatten(extrapolate(history, pushed, pushed), params);
+    return;
+  }
+  const torch::Tensor plain = pushed.defined() ? pushed : flatten(params);
+  const torch::Tensor accelerated = extrapolate(history, pushed, {});
+  // The pass replace_newest makes loads during the two closure calls (forward passes);
+  // after a rejection the next step's first pass reads them (Note [Loading the history
+  // ahead of use]).
+  history.prefetch(AndersonHistory::Pass::after_replace_newest);
+  double plain_loss = 0.0, accelerated_loss = 0.0;
+  try {
+    plain_loss = loss_value(closure());
+    unflatten(accelerated, params);
+    accelerated_loss = loss_value(closure());
+  } catch (...) {
+    // A closure that throws (out of memory in its forward pass) leaves the plain
+    // iterate, not one the safeguard never checked.
+    try {
+      unflatten(plain, params);
+    } catch (...) {
+      // The closure's error is the one to report.
+    }
+    throw;
+  }
+  if (accelerated_loss < plain_loss) {
+    history.replace_newest(accelerated);
+    ++accepted_;
+  } else {
+    unflatten(plain, params);
+    ++rejected_;
+  }
 }
 
 // ---- save / load -------------------------------------------------------------------------

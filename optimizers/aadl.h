@@ -32,6 +32,11 @@
 // iterate, and the error repeats at each acceleration until the vector has left the
 // history. (The published code loads the NaN extrapolation and trains on.)
 //
+// A step that throws after the inner step (the safeguard's closure out of memory, a failed
+// solve) leaves the group that threw at its plain iterate and still makes this step's
+// store in the groups after it, so that every group's history holds the same steps; the
+// groups before it were accelerated as usual.
+//
 // acceleration_type anderson and anderson_normal_equation name the reference's two ways of
 // solving the same least-squares problem; here both use the same fp64 solve (equilibrated
 // Gram matrix, LAPACK gelsd minimum-norm), which matches the reference to ~1e-9.
@@ -124,6 +129,10 @@ class TIDEPOOL_API AADL : public torch::optim::Optimizer {
   // `newest` and `out` as in AndersonHistory::combine.
   torch::Tensor extrapolate(const AndersonHistory& history, const torch::Tensor& newest,
                             const torch::Tensor& out) const;
+  // Group g's part of step() after the inner step: its store, its extrapolation and the
+  // safeguard; a group whose history is not finite goes into `diverged` instead.
+  void step_group(size_t g, bool stores, bool accelerates, const LossClosure& closure,
+                  std::vector<size_t>& diverged);
 
   std::shared_ptr<torch::optim::Optimizer> inner_;
   AADLOptions options_;

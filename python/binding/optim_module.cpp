@@ -239,6 +239,8 @@ template <typename Check>
 auto refused_as_value_error(Check&& check) {
   try {
     return check();
+  } catch (const c10::OutOfMemoryError&) {
+    throw;  // a c10::Error too, but not a refusal: it stays torch.OutOfMemoryError
   } catch (const c10::Error& e) {
     throw py::value_error(e.what_without_backtrace());
   }

@@ -446,6 +446,40 @@ def test_aadl_closure_exception_propagates():
         opt.step(failing)
 
 
+def test_a_safeguard_closure_that_throws_leaves_every_group_with_this_steps_store():
+    # Group 0's safeguard closure throws (out of memory in a forward pass, say); group 1
+    # comes after it. Before, group 1 never stored this step's iterate, and a retry did not
+    # either (the counters had moved): its history lagged group 0's for good.
+    torch.manual_seed(3)
+    model = torch.nn.Linear(4, 3).double()
+    x, y = torch.randn(16, 4, dtype=torch.float64), torch.randn(16, 3, dtype=torch.float64)
+    inner = torch.optim.SGD([{"params": [model.weight]}, {"params": [model.bias]}], lr=0.1)
+    opt = topt.AADL(inner, history_depth=4)
+    fail = [False]
+
+    def closure():
+        loss = ((model(x) - y) ** 2).mean()
+        if torch.is_grad_enabled():
+            inner.zero_grad()
+            loss.backward()
+        elif fail[0]:
+            raise RuntimeError("out of memory in the forward pass")
+        return loss
+    for _ in range(3):
+        opt.step(closure)
+    assert [opt.history_size(0), opt.history_size(1)] == [3, 3]
+    fail[0] = True
+    with pytest.raises(RuntimeError, match="out of memory in the forward pass"):
+        opt.step(closure)
+    assert [opt.history_size(0), opt.history_size(1)] == [4, 4]
+    bias_after_failure = model.bias.detach().clone()
+    fail[0] = False
+    for _ in range(2):
+        opt.step(closure)
+    assert [opt.history_size(0), opt.history_size(1)] == [4, 4]
+    assert not torch.equal(model.bias.detach(), bias_after_failure)
+
+
 def test_a_closure_the_inner_optimizer_keeps_stays_alive_with_it_and_no_longer():
     """A Python inner optimizer may keep the callable its step was given; the user's closure
     behind it must live as long as that (not dangle once the caller drops it), and be freed
