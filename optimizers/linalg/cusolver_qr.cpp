@@ -97,7 +97,15 @@ class Workspace {
     }
   }
   ~Workspace() {
-    if (allocator_ != nullptr && ptr_ != nullptr) allocator_->deallocate(ptr_, bytes_, stream_);
+    if (allocator_ == nullptr || ptr_ == nullptr) return;
+    try {
+      allocator_->deallocate(ptr_, bytes_, stream_);
+    } catch (const std::exception&) {
+      // A destructor does not throw (implicitly noexcept: it would be std::terminate).
+      // deallocate throws BackendError after a sticky CUDA fault, leaving the block
+      // allocated; the fault reaches the caller anyway, from cuSOLVER or the next
+      // synchronisation, and that is the error worth reporting, not this lost block.
+    }
   }
   Workspace(const Workspace&) = delete;
   Workspace& operator=(const Workspace&) = delete;

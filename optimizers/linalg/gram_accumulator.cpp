@@ -156,6 +156,9 @@ at::Tensor GramAccumulator::gram(const std::vector<int64_t>& slots) const {
 
 LstsqResult GramAccumulator::solve(const std::vector<int64_t>& a_slots, int64_t b_slot,
                                    const LstsqOptions& requested) const {
+  // The same checks, in the same words, as lstsq: before the methods that delegate to it,
+  // so that every method names this caller.
+  detail::check_options(requested, "tidepool::linalg::GramAccumulator: solve");
   if (a_slots.empty()) fail("solve: no columns in a_slots");
   check_live(b_slot, "solve");
   for (const int64_t slot : a_slots) check_live(slot, "solve");
@@ -165,9 +168,6 @@ LstsqResult GramAccumulator::solve(const std::vector<int64_t>& a_slots, int64_t 
   const auto& b = columns_[static_cast<size_t>(b_slot)];
   if (requested.method == LstsqMethod::cholesky_qr || requested.method == LstsqMethod::svd) {
     return lstsq_columns(a_columns, b, requested);
-  }
-  if (!(requested.tikhonov >= 0.0) || !std::isfinite(requested.tikhonov)) {
-    fail("solve: options.tikhonov must be finite and >= 0");
   }
 
   std::vector<int64_t> slots = a_slots;

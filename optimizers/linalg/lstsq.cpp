@@ -59,17 +59,6 @@ struct Problem {
   at::Device device = at::kCPU;
 };
 
-void check_options(const LstsqOptions& options) {
-  if (!std::isfinite(options.rcond)) fail("options.rcond must be finite");
-  if (!(options.tikhonov >= 0.0) || !std::isfinite(options.tikhonov)) {
-    fail("options.tikhonov must be finite and >= 0, got " + std::to_string(options.tikhonov));
-  }
-  if (std::isnan(options.gram_condition_limit) || options.gram_condition_limit == 0.0) {
-    fail("options.gram_condition_limit must be > 0 (or negative for the default)");
-  }
-  if (options.svd_below_elements < 0) fail("options.svd_below_elements must be >= 0");
-}
-
 void check_dtype_and_device(const at::Tensor& t, const char* name, const Problem& problem) {
   if (t.scalar_type() != problem.dtype) {
     fail(std::string(name) + " has dtype " + std::string(c10::toString(t.scalar_type())) +
@@ -188,10 +177,6 @@ SmallSolution run_svd(const Problem& problem, const LstsqOptions& options, doubl
   }
   const double lambda =
       detail::tikhonov_lambda(options, norms.square().sum().item<double>(), problem.k);
-  if (!std::isfinite(lambda)) {
-    fail("tikhonov_relative: trace(AᵀA) overflows float64; rescale A or give an absolute "
-         "tikhonov");
-  }
   const auto R = detail::householder_r_factor(at::cat({A * scale.to(A.device()), B}, 1));
   return detail::solve_from_r_factor(R, problem.k, scale, rcond, lambda, problem.dtype);
 }
@@ -274,7 +259,7 @@ SmallSolution select_and_solve(const Problem& problem, const LstsqOptions& optio
 }
 
 LstsqResult solve(const Problem& problem, const LstsqOptions& requested) {
-  check_options(requested);
+  detail::check_options(requested, "tidepool::linalg::lstsq");
   const auto options = detail::resolve_defaults(requested, problem.dtype, problem.rows, problem.k);
   const double rcond = options.rcond;
   const SmallSolution small = select_and_solve(problem, options, rcond);

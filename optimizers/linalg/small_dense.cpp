@@ -6,7 +6,8 @@
 // (the smaller rotation angle, which makes the sweeps converge quadratically). Sweeps stop
 // when the off-diagonal mass is below eps64·‖A‖_F·0.1 — beyond that no eigenvalue can move
 // by more than fp64 rounding of ‖A‖ — or after kMaxSweeps (never reached in practice:
-// n ≤ 32 converges in ≲ 10).
+// n ≤ 32 converges in ≲ 10). Both masses are sums of squares, so A is first scaled by a
+// power of two near 1/max|a_ij| (exact, and undone exactly on the eigenvalues).
 #include "optimizers/linalg/small_dense.h"
 
 #include <algorithm>
@@ -29,6 +30,17 @@ double off_diagonal_squares(const std::vector<double>& a, int n) {
 }  // namespace
 
 std::vector<double> symmetric_eigenvalues(std::vector<double> a, int n) {
+  // Unscaled, the squares overflow for entries ≳ 1.3e154 (tolerance inf) and underflow for
+  // entries ≲ 1e-162 (off-diagonal mass 0): either way no sweep ran and the diagonal came
+  // back as the eigenvalues, i.e. a wrong κ (lstsq's unequilibrated Gram route took a
+  // κ = 1e7 problem for κ ≈ 7.5). A power of two scales without rounding.
+  double peak = 0.0;
+  for (const double v : a) peak = std::max(peak, std::abs(v));
+  int exponent = 0;
+  if (peak > 0.0 && std::isfinite(peak)) {  // inf or all-NaN: nothing to scale to
+    std::frexp(peak, &exponent);
+    for (double& v : a) v = std::ldexp(v, -exponent);
+  }
   double frobenius_squares = 0.0;
   for (const double v : a) frobenius_squares += v * v;
   const double tolerance =
@@ -65,7 +77,8 @@ std::vector<double> symmetric_eigenvalues(std::vector<double> a, int n) {
     }
   }
   std::vector<double> eigenvalues(static_cast<size_t>(n));
-  for (int i = 0; i < n; ++i) eigenvalues[static_cast<size_t>(i)] = a[i * n + i];
+  for (int i = 0; i < n; ++i)
+    eigenvalues[static_cast<size_t>(i)] = std::ldexp(a[i * n + i], exponent);
   std::sort(eigenvalues.begin(), eigenvalues.end());
   return eigenvalues;
 }

@@ -10,7 +10,8 @@
 namespace tidepool::linalg::detail::dense {
 
 // Eigenvalues of the symmetric n×n matrix `a`, ascending. Cyclic Jacobi: absolute error
-// ~eps64·‖a‖_F (the accuracy LAPACK's syevd gives), a few sweeps for n ≤ 32.
+// ~eps64·‖a‖_F (the accuracy LAPACK's syevd gives), a few sweeps for n ≤ 32, for any
+// finite `a` (scaled internally, so ‖a‖²_F may lie outside the fp64 range).
 std::vector<double> symmetric_eigenvalues(std::vector<double> a, int n);
 
 // Overwrites the lower triangle of the symmetric n×n `a` with L, a = L·Lᵀ (the strict upper

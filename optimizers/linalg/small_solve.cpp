@@ -77,6 +77,20 @@ double resolve_rcond(const LstsqOptions& options, at::ScalarType dtype, int64_t 
                   10.0 * std::sqrt(static_cast<double>(rows)) * kEps64);
 }
 
+void check_options(const LstsqOptions& options, const char* caller) {
+  const auto fail = [caller](const std::string& message) {
+    throw std::invalid_argument(std::string(caller) + ": " + message);
+  };
+  if (!std::isfinite(options.rcond)) fail("options.rcond must be finite");
+  if (!(options.tikhonov >= 0.0) || !std::isfinite(options.tikhonov)) {
+    fail("options.tikhonov must be finite and >= 0, got " + std::to_string(options.tikhonov));
+  }
+  if (std::isnan(options.gram_condition_limit) || options.gram_condition_limit == 0.0) {
+    fail("options.gram_condition_limit must be > 0 (or negative for the default)");
+  }
+  if (options.svd_below_elements < 0) fail("options.svd_below_elements must be >= 0");
+}
+
 LstsqOptions resolve_defaults(const LstsqOptions& options, at::ScalarType dtype, int64_t rows,
                               int64_t k) {
   LstsqOptions resolved = options;
@@ -88,8 +102,14 @@ LstsqOptions resolve_defaults(const LstsqOptions& options, at::ScalarType dtype,
 
 double tikhonov_lambda(const LstsqOptions& options, double gram_trace, int64_t k) {
   if (options.tikhonov == 0.0) return 0.0;
-  return options.tikhonov_relative ? options.tikhonov * gram_trace / static_cast<double>(k)
-                                   : options.tikhonov;
+  if (!options.tikhonov_relative) return options.tikhonov;  // finite: check_options
+  const double lambda = options.tikhonov * gram_trace / static_cast<double>(k);
+  if (!std::isfinite(lambda)) {
+    throw std::invalid_argument(
+        "tidepool::linalg::lstsq: tikhonov_relative: λ = tikhonov·trace(AᵀA)/k overflows "
+        "float64; rescale A or give an absolute tikhonov");
+  }
+  return lambda;
 }
 
 at::Tensor as_returned(at::Tensor x, at::ScalarType output_dtype) {

@@ -2,6 +2,8 @@
 // k×k Gram system (Cholesky or eigendecomposition) and the minimum-norm solve from the
 // R factor of [A·D | B]. Both CPU and CUDA inputs end here, which is why the two devices
 // agree: everything after the one pass over A is the same fp64 code on the same host.
+// Also the handling of LstsqOptions (checks, defaults, λ) that lstsq and GramAccumulator
+// share, so that both accept and refuse the same options with the same words.
 #pragma once
 
 #include <optional>
@@ -42,12 +44,20 @@ at::Tensor column_scales(const at::Tensor& gram_diagonal, bool equilibrate);
 // is what makes torch's gelsy cut a well-conditioned 2e7×5 fp32 problem to rank 1.
 double resolve_rcond(const LstsqOptions& options, at::ScalarType dtype, int64_t rows, int64_t k);
 
+// Throws std::invalid_argument, "<caller>: <what is wrong>", for options no method can
+// honour (non-finite rcond, negative or non-finite tikhonov, gram_condition_limit 0 or NaN,
+// negative svd_below_elements).
+void check_options(const LstsqOptions& options, const char* caller);
+
 // options with rcond and gram_condition_limit resolved for this dtype and size (the
 // defaults documented in lstsq.h).
 LstsqOptions resolve_defaults(const LstsqOptions& options, at::ScalarType dtype, int64_t rows,
                               int64_t k);
 
-// λ in absolute terms: options.tikhonov, times trace(AᵀA)/k when relative.
+// λ in absolute terms: options.tikhonov, times trace(AᵀA)/k when relative. Every method
+// gets its λ here, so all of them refuse alike (std::invalid_argument mentioning the
+// overflow) a relative λ beyond the fp64 range: trace(AᵀA) can overflow while every G_jj
+// is finite, and a λ of inf made some methods return x = 0 at rank 0.
 double tikhonov_lambda(const LstsqOptions& options, double gram_trace, int64_t k);
 
 // Rounds x (a fresh, contiguous fp64 CPU tensor, modified in place and returned) to the

@@ -193,6 +193,80 @@ TEST(GramAccumulator, BadInputIsRejectedAndLeavesStateUnchanged) {
   EXPECT_TRUE(at::equal(accumulator.gram({0}), before));
 }
 
+// Review finding: solve checked only options.tikhonov, so rcond = inf gave y = 0 at rank 0,
+// rcond = NaN was silently the default and gram_condition_limit = 0 always fell back to
+// gram_eigh. It must refuse what lstsq refuses, with lstsq's words.
+TEST(GramAccumulator, InvalidOptionsAreRejectedAsLstsqRejectsThem) {
+  at::manual_seed(33);
+  const auto a0 = at::randn({kRows}, at::kDouble);
+  const auto a1 = at::randn({kRows}, at::kDouble);
+  GramAccumulator accumulator(3);
+  accumulator.set_column(0, a0);
+  accumulator.set_column(1, a1);
+  accumulator.set_column(2, a0 + 2.0 * a1);
+  const std::string lstsq_prefix = "tidepool::linalg::lstsq: ";
+  LstsqOptions infinite_rcond;
+  infinite_rcond.rcond = std::numeric_limits<double>::infinity();
+  LstsqOptions nan_rcond;
+  nan_rcond.rcond = std::numeric_limits<double>::quiet_NaN();
+  LstsqOptions zero_limit;
+  zero_limit.gram_condition_limit = 0.0;
+  for (const auto& options : {infinite_rcond, nan_rcond, zero_limit}) {
+    std::string lstsq_message;
+    try {
+      lstsq_columns({a0, a1}, accumulator.column(2), options);
+    } catch (const std::invalid_argument& error) {
+      lstsq_message = error.what();
+    }
+    ASSERT_EQ(lstsq_message.rfind(lstsq_prefix, 0), 0u) << lstsq_message;
+    const std::string reason = lstsq_message.substr(lstsq_prefix.size());
+    for (const auto method : {LstsqMethod::automatic, LstsqMethod::gram_cholesky,
+                              LstsqMethod::gram_eigh}) {
+      LstsqOptions forced = options;
+      forced.method = method;
+      expect_invalid([&] { accumulator.solve({0, 1}, 2, forced); }, reason);
+    }
+  }
+}
+
+// Review finding: the Gram eigenvalues summed ‖G‖²_F unscaled, which overflows for entries
+// ≳ 1.3e154 and underflows for entries ≲ 1e-162, so no Jacobi sweep ran and G's diagonal
+// passed for its eigenvalues: unequilibrated, this κ = 1e7 history read as κ ≈ 7.5 and
+// was solved by Cholesky. The estimate must not depend on the columns' units.
+TEST(GramAccumulator, ConditionEstimateDoesNotDependOnUnits) {
+  const auto A = testing::matrix_with_condition(kRows, 3, 1e7, 34);
+  for (const double scale : {1e78, 1e-85}) {
+    GramAccumulator accumulator(4);
+    for (int64_t j = 0; j < 3; ++j) accumulator.set_column(j, A.select(1, j) * scale);
+    accumulator.set_column(3, A.mv(testing::values({1.0, 2.0, 3.0})) * scale);
+    LstsqOptions options;
+    options.equilibrate = false;
+    const auto result = accumulator.solve({0, 1, 2}, 3, options);
+    EXPECT_EQ(result.method, LstsqMethod::gram_eigh) << scale;
+    EXPECT_GT(result.condition, 1e6) << scale;
+    EXPECT_LT(result.condition, 1e8) << scale;
+  }
+}
+
+// Review finding: each column's ‖c‖² is finite but their sum is not, so a relative λ was
+// +inf; it must be refused as lstsq refuses it.
+TEST(GramAccumulator, RelativeTikhonovWhoseTraceOverflowsIsRefused) {
+  at::manual_seed(35);
+  auto A = at::randn({kRows, 2}, at::kDouble);
+  A = A / A.norm(2, {0}, /*keepdim=*/true) * 1.2e154;
+  GramAccumulator accumulator(3);
+  accumulator.set_column(0, A.select(1, 0));
+  accumulator.set_column(1, A.select(1, 1));
+  accumulator.set_column(2, 0.5 * A.select(1, 0));
+  for (const auto method :
+       {LstsqMethod::automatic, LstsqMethod::gram_cholesky, LstsqMethod::gram_eigh}) {
+    LstsqOptions options;
+    options.method = method;
+    options.tikhonov = 1e-6;
+    expect_invalid([&] { accumulator.solve({0, 1}, 2, options); }, "overflows");
+  }
+}
+
 // Note [Underflowing squares] (lstsq.cpp): a column of entries ~1e-160 is all but absent
 // from the Gram matrix (its squares are subnormal), which would give a wrong rank and
 // coefficient; automatic solves from the columns by the SVD, the forced Gram methods

@@ -1,0 +1,71 @@
+// CPU tests of lstsq on finite fp64 data at the edges of the fp64 range, where a square or
+// a sum of squares overflows or underflows although every Gram entry itself is finite:
+// the condition estimate and method choice must not depend on the data's units, and a
+// relative Tikhonov λ that overflows must be refused by every method alike.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <limits>
+
+#include "optimizers/linalg/lstsq.h"
+#include "tests/linalg/lstsq_test_problems.h"
+
+namespace tidepool::linalg {
+namespace {
+
+using testing::expect_invalid;
+using testing::matrix_with_condition;
+using testing::relative_error;
+
+constexpr LstsqMethod kAllMethods[] = {LstsqMethod::automatic, LstsqMethod::gram_cholesky,
+                                       LstsqMethod::cholesky_qr, LstsqMethod::svd,
+                                       LstsqMethod::gram_eigh};
+
+// Review finding: the Jacobi eigenvalue routine summed ‖G‖²_F unscaled, which overflows for
+// Gram entries ≳ 1.3e154 (tolerance inf: no sweep) and underflows for entries ≲ 1e-162
+// (off-diagonal mass 0: no sweep), so G's diagonal came back as its eigenvalues. Without
+// equilibration this κ = 1e7 problem then read as κ ≈ 7.5 and was solved by gram_cholesky
+// to 3e-3; unscaled it goes to cholesky_qr and is good to ~7e-11.
+TEST(LstsqExtremeScale, ConditionEstimateDoesNotDependOnUnits) {
+  constexpr double kCondition = 1e7;
+  const auto A = matrix_with_condition(10000, 3, kCondition, 48);
+  const auto x = testing::values({1.0, 2.0, 3.0});
+  for (const double scale : {1e78, 1e-85}) {
+    const auto scaled = A * scale;
+    LstsqOptions options;
+    options.equilibrate = false;
+    const auto result = lstsq(scaled, scaled.mv(x), options);
+    EXPECT_NE(result.method, LstsqMethod::gram_cholesky) << scale;
+    EXPECT_GT(result.condition, 1e6) << scale;
+    EXPECT_LT(result.condition, 1e8) << scale;
+    EXPECT_EQ(result.rank, 3) << scale;
+    // A QR route's accuracy, as in LstsqCondition.RecoversKnownSolutionToConditionTimesEps.
+    EXPECT_LT(relative_error(result.solution, x),
+              100.0 * std::numeric_limits<double>::epsilon() * kCondition)
+        << scale << " " << result.method_name;
+  }
+}
+
+// Review finding: each G_jj is finite (‖a_j‖ = 1.2e154) but trace(AᵀA) is not, so a
+// relative λ was +inf: svd refused, but forced cholesky_qr and gram_eigh silently returned
+// x = 0 at rank 0 and gram_cholesky called AᵀA "not positive definite".
+TEST(LstsqExtremeScale, RelativeTikhonovWhoseTraceOverflowsIsRefusedByEveryMethod) {
+  at::manual_seed(49);
+  auto A = at::randn({1000, 2}, at::kDouble);
+  A = A / A.norm(2, {0}, /*keepdim=*/true) * 1.2e154;
+  const auto b = 0.5 * A.select(1, 0) + 0.25 * A.select(1, 1);
+  for (const auto method : kAllMethods) {
+    LstsqOptions options;
+    options.method = method;
+    options.tikhonov = 1e-6;
+    options.tikhonov_relative = true;
+    SCOPED_TRACE(method_name(method));
+    expect_invalid([&] { lstsq(A, b, options); }, "overflows");
+    // An absolute λ needs no trace: the same problem is solvable.
+    options.tikhonov_relative = false;
+    EXPECT_NO_THROW(lstsq(A, b, options));
+  }
+}
+
+}  // namespace
+}  // namespace tidepool::linalg
