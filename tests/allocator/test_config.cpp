@@ -240,7 +240,7 @@ TEST(ConfigJson, DescribesEveryField) {
                                         "tidepool.pinned_budget:2KiB,tidepool.log:info")
                                .config),
             R"({"enabled":true,"mode":"pool",)"
-            R"("state_budget":{"kind":"fraction","fraction":0.10000000000000001},)"
+            R"("state_budget":{"kind":"fraction","fraction":0.1},)"
             R"("pinned_budget":{"kind":"bytes","bytes":2048},"log":"info","device_backend":"auto",)"
             R"("optimizer_hooks":true,"tier_min_bytes":1048576})");
   EXPECT_EQ(config_to_json(Config{}),
