@@ -316,14 +316,40 @@ CachingAllocator::~CachingAllocator() {
   impl_->destroy_everything();
 }
 
-void* CachingAllocator::allocate(std::size_t bytes, Stream stream) {
-  if (bytes == 0) return nullptr;
+namespace {
+
+void check_plausible(std::size_t bytes, int device) {
   if (bytes > kMaxRequest) {
     throw AllocatorUsageError("tidepool: allocation of " + std::to_string(bytes) +
-                              " bytes on device " + std::to_string(impl_->device) +
+                              " bytes on device " + std::to_string(device) +
                               " is not a plausible size (limit 2^50; a negative size cast "
                               "to unsigned?)");
   }
+}
+
+}  // namespace
+
+void* CachingAllocator::try_allocate(std::size_t bytes, Stream stream) {
+  if (bytes == 0) return nullptr;
+  check_plausible(bytes, impl_->device);
+  Impl& m = *impl_;
+  const std::size_t size = round_request(bytes);
+  const bool small = is_small(size);
+  const int tag = current_tag();
+  detail::ThreadCache* tc = m.find_thread_cache();
+  std::lock_guard lock(m.mutex);
+  if (!m.pending.empty()) m.process_pending(false);
+  StreamPools& sp = m.pools_for(stream);
+  const std::uint64_t acquired_before = m.stats.segments.allocated;
+  Block* b = m.try_allocate(sp, size, small);
+  if (b == nullptr) return nullptr;
+  ++(m.stats.segments.allocated == acquired_before ? m.stats.cache_hits : m.stats.cache_misses);
+  return m.finish_shared_allocation(b, bytes, tag, tc);
+}
+
+void* CachingAllocator::allocate(std::size_t bytes, Stream stream) {
+  if (bytes == 0) return nullptr;
+  check_plausible(bytes, impl_->device);
   Impl& m = *impl_;
   const std::size_t size = round_request(bytes);
   const bool small = is_small(size);

@@ -154,6 +154,11 @@ class TIDEPOOL_API CachingAllocator {
 
   // bytes == 0 returns nullptr. Tag: the calling thread's current_tag().
   void* allocate(std::size_t bytes, Stream stream = {});
+  // allocate without the OOM policy, for a request that is only a hint (a tiered store's
+  // prefetch): from the cache, or a new segment the device has room for; else nullptr,
+  // having released no cached memory, run no reclaim hook (which would evict other
+  // stores' state and wait for it), waited for nothing and counted no OOM.
+  void* try_allocate(std::size_t bytes, Stream stream = {});
   // ptr == nullptr is a no-op. `bytes` must be the size passed to allocate.
   void deallocate(void* ptr, std::size_t bytes, Stream stream = {});
   // Pre: ptr is live. Marks it as used by `stream` too (see Note [Stream contract]).

@@ -150,7 +150,8 @@ TieredStore::DeviceBuffer TieredStore::allocate_reserved_locked(std::size_t byte
   const Stream s = copies_.stream(Direction::host_to_device);
   void* p = nullptr;
   try {
-    p = device_.allocate(bytes, s);
+    p = !may_wait && device_.try_allocate ? device_.try_allocate(bytes, s)
+                                          : device_.allocate(bytes, s);
     // The device itself is out of memory (others use it too): give back what we hold.
     while (p == nullptr) {
       if (!may_wait) {

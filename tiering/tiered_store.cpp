@@ -111,6 +111,12 @@ DeviceMemorySource caching_allocator_source(CachingAllocator& allocator, int tag
       return nullptr;  // the store evicts its own released state and retries
     }
   };
+  // No reclaim hooks, no release of the allocator's cache, no OOM counted: those would make
+  // other stores evict (and wait) for a hint (CachingAllocator::try_allocate).
+  source.try_allocate = [&allocator, tag](std::size_t n, Stream s) -> void* {
+    TagScope scope(tag);
+    return allocator.try_allocate(n, s);
+  };
   source.deallocate = [&allocator](void* p, std::size_t n, Stream s) {
     allocator.deallocate(p, n, s);
   };

@@ -106,6 +106,10 @@ enum class Tier : std::uint8_t { device, host };
 // ever handed back twice.
 struct DeviceMemorySource {
   std::function<void*(std::size_t bytes, Stream stream)> allocate;
+  // For a prefetch, which must not make others give memory up (it is a hint, and must
+  // never cause the out-of-memory it is meant to avoid): memory that is free now, or
+  // nullptr. Unset: allocate.
+  std::function<void*(std::size_t bytes, Stream stream)> try_allocate;
   std::function<void(void* ptr, std::size_t bytes, Stream stream)> deallocate;
   std::function<void(Stream stream)> release_stream;
   bool stream_ordered = false;
