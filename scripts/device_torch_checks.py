@@ -63,6 +63,12 @@ before CUDA initialises:
      its ranges; a, overlapping b, moves nothing (Note [steps in flight in pool mode]), so
      b's ranges are on the device then and none of a's own; the last step to end evicts
      the tag. An error in either thread is printed, and releases the other.
+  15. preload_direct: under the LD_PRELOAD shim (TIDEPOOL_PRELOAD_LIBRARY), PyTorch's own
+     allocator served by tidepool; then libtidepool entered directly, as tidepool.optim
+     and the C ABI are: its empty_cache frees segments and its malloc makes one through
+     the runtime, never through the shim (Note [libtidepool's own calls under the shim] in
+     allocator/backends/cuda_backend.cpp; before, the free deadlocked on the allocator's
+     lock: the check then times out).
 Prints one line per check: name, PASS/FAIL, what was seen.
 """
 import concurrent.futures
@@ -76,6 +82,8 @@ LIB = os.environ.get("TIDEPOOL_LIBRARY", "")
 # allocator with cacheInfo and record_stream connected, what the package's global mode
 # uses when it has it. Empty: the checks use torch's CUDAPluggableAllocator class.
 TORCH_CUDA = os.environ.get("TIDEPOOL_TORCH_CUDA_LIBRARY", "")
+# libtidepool_preload.so, for the checks named preload_*; empty: they say SKIP.
+PRELOAD = os.environ.get("TIDEPOOL_PRELOAD_LIBRARY", "")
 PYSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python", "src")
 # The malloc/free pair the Python package hands to PyTorch lives in libtidepool itself:
 # it throws on OOM, since PyTorch does not check for NULL (Note [OOM into PyTorch]).
@@ -567,6 +575,8 @@ CHECKS = {
 
 def run(name, **variables):
     env = dict(os.environ, **variables)
+    if name.startswith("preload_") and PRELOAD:
+        env["LD_PRELOAD"] = PRELOAD
     try:
         proc = subprocess.run([sys.executable, "-c", "import os\n" + PRELUDE + CHECKS[name]],
                               capture_output=True, text=True, env=env,
@@ -579,6 +589,30 @@ def run(name, **variables):
     if proc.returncode != 0:
         err = f"[exit {proc.returncode}] {err}"
     return proc.returncode, proc.stdout.strip(), err
+
+
+PRELOAD_DIRECT_CHECK = textwrap.dedent(
+    """
+    import os
+    if not os.environ.get("LD_PRELOAD"):
+        print("SKIP no TIDEPOOL_PRELOAD_LIBRARY")
+    else:
+        x = torch.ones(1 << 20, device="cuda"); y = torch.ones(8 << 20, device="cuda")
+        total = (x.sum() + y.sum()).item()
+        del x, y
+        torch.cuda.synchronize()
+        lib.tidepool_malloc.restype = ctypes.c_void_p
+        lib.tidepool_malloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
+        lib.tidepool_free.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
+                                      ctypes.c_void_p]
+        lib.tidepool_empty_cache(0)              # cudaFree of tidepool's own segments
+        p = lib.tidepool_malloc(96 << 20, 0, None)  # cudaMalloc of a new one
+        lib.tidepool_free(p, 96 << 20, 0, None)
+        lib.tidepool_empty_cache(0)
+        print("DIRECT", p is not None, "SUM", total)
+    """
+)
+CHECKS["preload_direct"] = PRELOAD_DIRECT_CHECK
 
 
 def report(label, result, passed, width=300):
@@ -653,6 +687,9 @@ def main():
         return (len(fields) == 6 and fields[0::2] == ["ON_HOST", "CHECKED", "EQUAL"]
                 and int(fields[1]) >= 2 * (128 << 20) and fields[3] == "2" and fields[5] == "2")
     ok &= report("big_ckpt", results["big_checkpoint"], passed("big_checkpoint", big_checkpoint_ok))
+    ok &= report("preload", results["preload_direct"], passed("preload_direct", lambda out: (
+        out.startswith("SKIP") if not PRELOAD else
+        out == f"DIRECT True SUM {float(9 << 20)}")))
     def step_raises_ok(out):
         fields = out.split()
         return (len(fields) == 6

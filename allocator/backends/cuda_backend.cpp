@@ -18,6 +18,18 @@
 // libcuda.so.1, so it loads, and the host backend works, on a machine with the toolkit
 // but no driver (CI), and it always uses the driver the CUDA runtime itself uses.
 //
+// Note [libtidepool's own calls under the shim]
+// The LD_PRELOAD shim (preload/) interposes cudaMalloc, cudaFree, cudaStreamDestroy and
+// cudaGetLastError in the whole process, libtidepool included. The calls libtidepool makes
+// while the shim serves a program's call are marked by the shim's re-entrancy guard; but
+// libtidepool is also entered directly (its C ABI, tidepool.optim, a tiered store), and
+// then its cudaFree went into the shim, which asked libtidepool whether it holds that
+// pointer, under the allocator lock the same thread held: a deadlock. (Its cudaMalloc was
+// served by tidepool itself, under that lock; its cudaGetLastError took the program's held
+// error.) So this backend makes those calls in the runtime itself: the functions are looked
+// up in libcudart by handle, which interposition does not reach, and are the plain symbols
+// only where that lookup fails (no shim can be in the way of a runtime it cannot find).
+//
 // Streams are created non-blocking, so the null stream (the legacy default stream) does
 // not implicitly synchronise with them and behaves like any other stream, as the seam's
 // Note [Stream semantics] requires.
@@ -40,6 +52,7 @@
 // suite make each kind of spanning copy in a test of its own, to say which one failed.
 #include <cuda.h>
 #include <cuda_runtime_api.h>
+#include <dlfcn.h>
 
 #include <algorithm>
 #include <atomic>
@@ -47,6 +60,7 @@
 #include <cstdio>
 #include <mutex>
 #include <string>
+#include <type_traits>
 #include <unordered_set>
 #include <vector>
 
@@ -75,6 +89,39 @@ struct DriverApi {
 // above with the signature cuda.h declares.
 constexpr unsigned kDriverAbiVersion = 12000;
 
+// Note [libtidepool's own calls under the shim].
+struct OwnRuntimeCalls {
+  cudaError_t (*malloc)(void**, size_t) = &cudaMalloc;
+  cudaError_t (*free)(void*) = &cudaFree;
+  cudaError_t (*stream_destroy)(cudaStream_t) = &cudaStreamDestroy;
+  cudaError_t (*get_last_error)() = &cudaGetLastError;
+};
+
+const OwnRuntimeCalls& runtime() {
+  static const OwnRuntimeCalls calls = [] {
+    OwnRuntimeCalls c;
+    // cudaGetErrorString is not interposed: its address is in the runtime libtidepool uses.
+    Dl_info info{};
+    if (dladdr(reinterpret_cast<void*>(&cudaGetErrorString), &info) == 0 ||
+        info.dli_fname == nullptr) {
+      return c;
+    }
+    void* cudart = dlopen(info.dli_fname, RTLD_LAZY | RTLD_NOLOAD);  // kept: never closed
+    if (cudart == nullptr) return c;
+    const auto bind = [cudart](const char* name, auto& fn) {
+      if (void* f = dlsym(cudart, name)) {
+        fn = reinterpret_cast<std::remove_reference_t<decltype(fn)>>(f);
+      }
+    };
+    bind("cudaMalloc", c.malloc);
+    bind("cudaFree", c.free);
+    bind("cudaStreamDestroy", c.stream_destroy);
+    bind("cudaGetLastError", c.get_last_error);
+    return c;
+  }();
+  return calls;
+}
+
 const DriverApi& driver() {
   // A throw leaves the static uninitialised, so a later call tries again.
   static const DriverApi api = [] {
@@ -84,7 +131,7 @@ const DriverApi& driver() {
       const cudaError_t err = cudaGetDriverEntryPointByVersion(
           symbol, fn, kDriverAbiVersion, cudaEnableDefault, &status);
       if (err != cudaSuccess || status != cudaDriverEntryPointSuccess || *fn == nullptr) {
-        (void)cudaGetLastError();
+        (void)runtime().get_last_error();
         throw BackendError(std::string("tidepool cuda backend: cannot load the driver function ") +
                            symbol + " (" + cudaGetErrorString(err) +
                            "); is the NVIDIA driver too old or missing?");
@@ -119,7 +166,7 @@ std::string error_text(CUresult res) {
 
 void check(int device, cudaError_t err, const char* call) {
   if (err == cudaSuccess) return;
-  (void)cudaGetLastError();  // clear the non-sticky last error; we report it ourselves
+  (void)runtime().get_last_error();  // clear the non-sticky last error; we report it ourselves
   fail_call(device, call, error_text(err));
 }
 
@@ -237,9 +284,9 @@ class CudaBackend final : public Backend {
   void* do_device_alloc(std::size_t bytes) override {
     DeviceGuard guard(device());
     void* ptr = nullptr;
-    const cudaError_t err = cudaMalloc(&ptr, bytes);
+    const cudaError_t err = runtime().malloc(&ptr, bytes);
     if (err == cudaErrorMemoryAllocation) {
-      (void)cudaGetLastError();  // out of memory is an answer, not a sticky error
+      (void)runtime().get_last_error();  // out of memory is an answer, not a sticky error
       return nullptr;
     }
     check(err, "cudaMalloc");
@@ -247,7 +294,7 @@ class CudaBackend final : public Backend {
   }
   void do_device_free(void* ptr, std::size_t) override {
     DeviceGuard guard(device());
-    check(cudaFree(ptr), "cudaFree");
+    check(runtime().free(ptr), "cudaFree");
   }
   MemInfo do_mem_info() override {
     DeviceGuard guard(device());
@@ -266,7 +313,7 @@ class CudaBackend final : public Backend {
   void do_destroy_stream(Stream s) override {
     DeviceGuard guard(device());
     check(cudaStreamSynchronize(to_cuda(s)), "cudaStreamSynchronize");
-    check(cudaStreamDestroy(to_cuda(s)), "cudaStreamDestroy");
+    check(runtime().stream_destroy(to_cuda(s)), "cudaStreamDestroy");
   }
   void do_stream_synchronize(Stream s) override {
     DeviceGuard guard(device());
@@ -295,7 +342,7 @@ class CudaBackend final : public Backend {
     DeviceGuard guard(device());
     const cudaError_t err = cudaEventQuery(to_cuda(e));
     if (err == cudaErrorNotReady) {
-      (void)cudaGetLastError();  // "not ready" is an answer, not an error
+      (void)runtime().get_last_error();  // "not ready" is an answer, not an error
       return false;
     }
     check(err, "cudaEventQuery");
@@ -506,7 +553,7 @@ std::unique_ptr<Backend> make_cuda_backend(int device) {
 int cuda_device_count() {
   int count = 0;
   if (cudaGetDeviceCount(&count) != cudaSuccess) {
-    (void)cudaGetLastError();  // no driver or no GPU: that is a count of zero
+    (void)runtime().get_last_error();  // no driver or no GPU: that is a count of zero
     return 0;
   }
   return count;
