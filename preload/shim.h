@@ -80,6 +80,7 @@ struct Shim {
   // `ready`, readable without setting tidepool up (Note [destroyed streams]).
   std::atomic<bool> serving{false};
   std::atomic<bool> said_release_failed{false};
+  std::atomic<bool> said_capture_free{false};  // Note [frees during capture]
   RealCudart cuda;
   // Note [a runtime found late] (libraries.cpp): no runtime was found when `cuda` was
   // resolved; `late_cudart` is the one found since, published once, never freed.

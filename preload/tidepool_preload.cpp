@@ -14,8 +14,17 @@
 //     when a caller tags it, to pointer-stable ranges itself); the shim remembers each
 //     pointer with its size and device, because cudaFree gives neither. cudaFree of a
 //     remembered pointer synchronises the device first (cudaFree's own contract, which
-//     callers rely on) and → tidepool_free; any other pointer goes to the real cudaFree
+//     callers rely on) and → tidepool_free; when that synchronisation fails (another
+//     thread captures a graph in global mode, a failed context) it answers that error
+//     and the pointer stays the program's, as the runtime's failed cudaFree leaves it;
+//     any other pointer goes to the real cudaFree
 //     (Note [frees of memory tidepool holds] for the exception).
+//   - Note [frees during capture]: CUDA turns a cudaFreeAsync on a stream being captured
+//     into a free node of the graph, which only a graph allocation may be given; the
+//     runtime refuses any other pointer. tidepool would instead free the block at once,
+//     at capture time, and hand it out again while the graph's kernels, replayed later,
+//     still use it. So a remembered pointer freed on a capturing stream is refused with
+//     cudaErrorInvalidValue and stays the program's (said once on stderr).
 //     A cudaMalloc whose block a cudaFreeAsync freed in the legacy stream's order waits
 //     for that stream to pass the free first (Note [cudaMalloc after stream-ordered
 //     frees], legacy_frees.cpp).
@@ -100,8 +109,11 @@
 //     under the shim must see the code it sees without it. The shim answers those sizes
 //     itself, with the runtime's code and a message, before tidepool (and before the
 //     cast to tidepool_malloc's ssize_t, which would make sizes above 2^63 negative).
-//   - Note [re-entrancy]: libtidepool's cuda backend itself calls cudaMalloc/cudaFree,
-//     which resolve to this shim too. A thread-local flag marks "inside tidepool"; calls
+//   - Note [re-entrancy]: libtidepool itself calls cudaMalloc/cudaFree, which would
+//     resolve to this shim too: its cuda backend makes them in the runtime by handle
+//     (Note [libtidepool's own calls under the shim] in allocator/backends/cuda_backend.cpp),
+//     which covers libtidepool entered directly (its C ABI, tidepool.optim); for the
+//     rest, a thread-local flag marks "inside tidepool"; calls
 //     made then go straight to the real libcudart. Every scope that sets it restores the
 //     value it found, so a nested call (tidepool's cudaFree inside its own malloc) does
 //     not clear it for the rest of the outer call.
@@ -401,6 +413,24 @@ cudaError_t serve_free_async(void* dev_ptr, const Allocation& a, cudaStream_t me
   return serve_free(dev_ptr, a, stream_for_tidepool);
 }
 
+void say_once_capture_free() {
+  Shim& s = shim();
+  if (s.quiet || s.said_capture_free.exchange(true)) return;
+  say("cudaFreeAsync: ",
+      "a pointer from cudaMalloc/cudaMallocAsync outside the capture was freed on a stream "
+      "being captured into a CUDA graph; the runtime refuses that (a graph's free node takes "
+      "only the graph's own allocations): refused with cudaErrorInvalidValue, the memory "
+      "stays allocated (said once)");
+}
+
+// Note [frees during capture]: whether `meant` is being captured into a CUDA graph (an
+// error asking counts as no: the free then goes on as before and meets that error).
+bool capturing(cudaStream_t meant) {
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  return shim().cuda.stream_is_capturing(meant, &capture) == cudaSuccess &&
+         capture != cudaStreamCaptureStatusNone;
+}
+
 cudaError_t free_async(FreeAsync RealCudart::*real, void* dev_ptr, cudaStream_t stream,
                        cudaStream_t meant) {
   if (dev_ptr == nullptr || t_inside_tidepool || !ready()) return forward(real, dev_ptr, stream);
@@ -409,6 +439,11 @@ cudaError_t free_async(FreeAsync RealCudart::*real, void* dev_ptr, cudaStream_t 
   if (in_forked_child()) return owned ? cudaSuccess : forward(real, dev_ptr, stream);
   if (!owned && !tidepool_holds(dev_ptr)) return forward(real, dev_ptr, stream);
   ProgramLastError last_error;
+  if (owned && capturing(meant)) {
+    restore_owned(dev_ptr, a);
+    say_once_capture_free();
+    return last_error.answer(cudaErrorInvalidValue);
+  }
   return last_error.answer(owned ? serve_free_async(dev_ptr, a, meant) : cudaErrorInvalidValue);
 }
 
@@ -444,8 +479,14 @@ cudaError_t serve_cuda_free(void* dev_ptr, const Allocation& a) {
     synced = shim().cuda.device_synchronize();
     if (synced == cudaSuccess) legacy_frees_passed(a.device, mark);
   }
-  const cudaError_t freed = serve_free(dev_ptr, a, nullptr);
-  return synced != cudaSuccess ? synced : freed;
+  // Nothing was waited for (another thread captures a graph in global mode, or the
+  // context failed): the block stays the program's, as the runtime's cudaFree leaves its
+  // memory when it fails, and kernels that may still use it cannot meet a reuse.
+  if (synced != cudaSuccess) {
+    restore_owned(dev_ptr, a);
+    return synced;
+  }
+  return serve_free(dev_ptr, a, nullptr);
 }
 
 // What cudaStreamDestroy does before forwarding, when tidepool serves (Note [destroyed

@@ -13,6 +13,8 @@
  *   FAKE_CUDART_DEVICE   what cudaGetDevice answers (default 0);
  *   FAKE_CUDART_STREAM_DEVICE  what cudaStreamGetDevice answers, for any stream (default:
  *                        FAKE_CUDART_DEVICE's answer, the current device);
+ *   FAKE_CUDART_SYNC_ERROR  when set, what cudaDeviceSynchronize answers (e.g. 900,
+ *                        cudaErrorStreamCaptureUnsupported: another thread captures);
  *   FAKE_CUDART_CAPTURING  when set, cudaStreamIsCapturing says every stream is being
  *                        captured into a graph;
  *   FAKE_CUDART_SYNC_OPENS_GATE  when set, cudaStreamSynchronize opens the host-streams
@@ -202,7 +204,8 @@ int cudaSetDevice(int device) {
 
 int cudaDeviceSynchronize(void) {
   ++fake_cudart_synchronize_calls;
-  return 0;
+  const int error = env_int("FAKE_CUDART_SYNC_ERROR", 0);
+  return error != 0 ? answer(error) : 0;
 }
 
 /* Non-zero while a cudaRuntimeGetVersion that FAKE_CUDART_VERSION_DELAY_MS slows down runs. */

@@ -1,0 +1,60 @@
+"""Frees the LD_PRELOAD shim must not serve at once (preload/tidepool_preload.cpp), against
+the stand-in libcudart (fake_cudart.c): a cudaFreeAsync of the shim's memory on a stream
+being captured into a CUDA graph (Note [frees during capture]), and a cudaFree whose
+device synchronisation failed. In both, the runtime would leave the memory allocated; the
+shim gave it to tidepool, which handed it out again while kernels could still use it."""
+
+from __future__ import annotations
+
+from preload_fake import needs_fake, needs_preload, run_with_fake
+
+pytestmark = [needs_preload, needs_fake]
+
+
+def test_a_free_on_a_capturing_stream_is_refused_and_the_memory_stays(run_python):
+    out, stderr = run_with_fake(run_python, """
+import tidepool
+allocated = lambda: tidepool.stats(0)["allocated_bytes.all.current"]
+p, q, r = c_void_p(), c_void_p(), c_void_p()
+out["malloc_rc"] = process.cudaMalloc(byref(p), 1 << 20)
+os.environ["FAKE_CUDART_CAPTURING"] = "1"
+out["free_in_capture_rc"] = process.cudaFreeAsync(p, None)
+out["again_rc"] = process.cudaFreeAsync(p, None)
+out["last_error"] = process.cudaGetLastError()
+out["allocated_in_capture"] = allocated()
+out["runtime_free_asyncs"] = counter("fake_cudart_free_async_calls")
+del os.environ["FAKE_CUDART_CAPTURING"]
+process.cudaMalloc(byref(q), 1 << 20)
+out["handed_out_again"] = q.value == p.value
+out["free_after_capture_rc"] = process.cudaFreeAsync(p, None)
+out["free_q_rc"] = process.cudaFree(q)
+out["allocated_after"] = allocated()
+""", TIDEPOOL_BACKEND="host")
+    assert out == {"malloc_rc": 0, "free_in_capture_rc": 1, "again_rc": 1,  # InvalidValue
+                   "last_error": 1, "allocated_in_capture": 1 << 20,
+                   "runtime_free_asyncs": 0, "handed_out_again": False,
+                   "free_after_capture_rc": 0, "free_q_rc": 0, "allocated_after": 0}
+    said = [line for line in stderr.splitlines() if "being captured" in line]
+    assert len(said) == 1, stderr
+
+
+def test_a_cuda_free_whose_synchronisation_failed_leaves_the_memory_allocated(run_python):
+    out, _ = run_with_fake(run_python, """
+import tidepool
+allocated = lambda: tidepool.stats(0)["allocated_bytes.all.current"]
+p, q = c_void_p(), c_void_p()
+out["malloc_rc"] = process.cudaMalloc(byref(p), 1 << 20)
+os.environ["FAKE_CUDART_SYNC_ERROR"] = "900"   # cudaErrorStreamCaptureUnsupported
+out["free_rc"] = process.cudaFree(p)
+out["allocated_after_failed_free"] = allocated()
+del os.environ["FAKE_CUDART_SYNC_ERROR"]
+out["last_error"] = process.cudaGetLastError()
+process.cudaMalloc(byref(q), 1 << 20)
+out["handed_out_again"] = q.value == p.value
+out["free_again_rc"] = process.cudaFree(p)
+out["free_q_rc"] = process.cudaFree(q)
+out["allocated_after"] = allocated()
+""", TIDEPOOL_BACKEND="host")
+    assert out == {"malloc_rc": 0, "free_rc": 900, "allocated_after_failed_free": 1 << 20,
+                   "last_error": 900, "handed_out_again": False, "free_again_rc": 0,
+                   "free_q_rc": 0, "allocated_after": 0}
