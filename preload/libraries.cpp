@@ -253,8 +253,8 @@ void* open_or_say(void* (*open)(std::string& tried), const char* failure) {
 
 // The functions the shim defines, as the messages name them.
 constexpr const char* kInterposed =
-    "cudaMalloc/cudaFree, cudaMallocAsync/cudaFreeAsync (and their _ptsz forms) and "
-    "cudaStreamDestroy";
+    "cudaMalloc/cudaFree, cudaMallocAsync/cudaFreeAsync (and their _ptsz forms), "
+    "cudaStreamDestroy and cudaIpcGetMemHandle";
 
 // tidepool.log:off read from the variables themselves, for the one message given before
 // libtidepool (whose parser knows the keys) is loaded, or when it never is.
@@ -298,6 +298,7 @@ std::string bind_stream_ordered(void* cudart, RealCudart& c) {
 // runtime has them).
 void bind_optional(void* cudart, RealCudart& c) {
   bind_all(cudart, symbol("cudaStreamDestroy", c.stream_destroy),
+           symbol("cudaIpcGetMemHandle", c.ipc_get_mem_handle),
            symbol("cudaMallocAsync_ptsz", c.malloc_async_ptsz),
            symbol("cudaFreeAsync_ptsz", c.free_async_ptsz));
 }

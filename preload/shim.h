@@ -41,6 +41,7 @@ struct RealCudart {
   // Note [cudaMalloc after stream-ordered frees].
   cudaError_t (*event_query)(cudaEvent_t) = nullptr;
   cudaError_t (*stream_synchronize)(cudaStream_t) = nullptr;
+  cudaError_t (*ipc_get_mem_handle)(cudaIpcMemHandle_t*, void*) = nullptr;  // Note [IPC ...]
 };
 
 struct TidepoolAbi {
@@ -81,6 +82,7 @@ struct Shim {
   std::atomic<bool> serving{false};
   std::atomic<bool> said_release_failed{false};
   std::atomic<bool> said_capture_free{false};  // Note [frees during capture]
+  std::atomic<bool> said_ipc_refused{false};   // Note [IPC of tidepool's memory]
   RealCudart cuda;
   // Note [a runtime found late] (libraries.cpp): no runtime was found when `cuda` was
   // resolved; `late_cudart` is the one found since, published once, never freed.

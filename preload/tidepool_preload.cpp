@@ -3,7 +3,8 @@
 // change and no Python, and releases in tidepool each stream the program destroys.
 //
 // How it works:
-//   - It defines those four functions, cudaStreamDestroy, the _ptsz forms of the two
+//   - It defines those four functions, cudaStreamDestroy, cudaIpcGetMemHandle (Note [IPC of
+//     tidepool's memory]), the _ptsz forms of the two
 //     stream-ordered ones (Note [per-thread default stream programs]), and
 //     cudaGetLastError/cudaPeekAtLastError (Note [last error]). Preloaded, these
 //     definitions come first in the global symbol scope, so every dynamically linked
@@ -19,6 +20,13 @@
 //     and the pointer stays the program's, as the runtime's failed cudaFree leaves it;
 //     any other pointer goes to the real cudaFree
 //     (Note [frees of memory tidepool holds] for the exception).
+//   - Note [IPC of tidepool's memory]: cudaIpcGetMemHandle exports the whole allocation a
+//     pointer lies in, and cudaIpcOpenMemHandle maps that allocation's start; a program
+//     (PyTorch sharing a CUDA tensor) adds its own offset from the pointer it got. A block
+//     tidepool serves lies inside a larger segment (or in a VMM mapping the runtime cannot
+//     export), so the importer would read other bytes, silently. The shim refuses the
+//     export of any pointer in memory tidepool holds with cudaErrorInvalidValue, and says
+//     why once on stderr (not under tidepool.log:off); other pointers are forwarded.
 //   - Note [frees during capture]: CUDA turns a cudaFreeAsync on a stream being captured
 //     into a free node of the graph, which only a graph allocation may be given; the
 //     runtime refuses any other pointer. tidepool would instead free the block at once,
@@ -575,6 +583,25 @@ TIDEPOOL_PRELOAD_EXPORT cudaError_t cudaStreamDestroy(cudaStream_t stream) {
     release_before_destroy(stream);
   }
   return forward(&RealCudart::stream_destroy, stream);
+}
+
+// Note [IPC of tidepool's memory].
+TIDEPOOL_PRELOAD_EXPORT cudaError_t cudaIpcGetMemHandle(cudaIpcMemHandle_t* handle,
+                                                        void* dev_ptr) {
+  Shim& s = shim();
+  if (dev_ptr == nullptr || t_inside_tidepool || !s.serving.load(std::memory_order_acquire) ||
+      in_forked_child() || !tidepool_holds(dev_ptr)) {
+    return forward(&RealCudart::ipc_get_mem_handle, handle, dev_ptr);
+  }
+  ProgramLastError last_error;
+  if (!s.quiet && !s.said_ipc_refused.exchange(true)) {
+    say("cudaIpcGetMemHandle: ",
+        "CUDA IPC of memory tidepool serves is not supported: the runtime would export the "
+        "whole segment the block lies in, and the importer would map other bytes than the "
+        "block's; refused with cudaErrorInvalidValue (said once). Run the sharing process "
+        "without the shim, or allocate the shared tensors outside it");
+  }
+  return last_error.answer(cudaErrorInvalidValue);
 }
 
 // Note [last error].

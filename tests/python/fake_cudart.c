@@ -110,6 +110,15 @@ int cudaMalloc(void** ptr, size_t size) {
   return answer(*ptr ? 0 : 2); /* cudaErrorMemoryAllocation */
 }
 
+int fake_cudart_ipc_exports = 0;
+
+/* cudaIpcMemHandle_t is 64 opaque bytes; the fake writes the pointer into the first 8. */
+int cudaIpcGetMemHandle(void* handle, void* ptr) {
+  ++fake_cudart_ipc_exports;
+  memcpy(handle, &ptr, sizeof ptr);
+  return 0;
+}
+
 int cudaFree(void* ptr) {
   static int depth = 0; /* the nested cudaFree(NULL) comes back here: nest only once */
   ++fake_cudart_free_calls;

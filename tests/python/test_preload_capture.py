@@ -1,8 +1,10 @@
-"""Frees the LD_PRELOAD shim must not serve at once (preload/tidepool_preload.cpp), against
-the stand-in libcudart (fake_cudart.c): a cudaFreeAsync of the shim's memory on a stream
-being captured into a CUDA graph (Note [frees during capture]), and a cudaFree whose
-device synchronisation failed. In both, the runtime would leave the memory allocated; the
-shim gave it to tidepool, which handed it out again while kernels could still use it."""
+"""Calls the LD_PRELOAD shim must not serve as it serves the others
+(preload/tidepool_preload.cpp), against the stand-in libcudart (fake_cudart.c): a
+cudaFreeAsync of the shim's memory on a stream being captured into a CUDA graph (Note
+[frees during capture]), and a cudaFree whose device synchronisation failed, where the
+runtime would leave the memory allocated but the shim gave it to tidepool, which handed it
+out again while kernels could still use it; and cudaIpcGetMemHandle of tidepool's memory
+(Note [IPC of tidepool's memory]), which exported other bytes than the block's."""
 
 from __future__ import annotations
 
@@ -58,3 +60,26 @@ out["allocated_after"] = allocated()
     assert out == {"malloc_rc": 0, "free_rc": 900, "allocated_after_failed_free": 1 << 20,
                    "last_error": 900, "handed_out_again": False, "free_again_rc": 0,
                    "free_q_rc": 0, "allocated_after": 0}
+
+
+def test_an_ipc_export_of_tidepool_memory_is_refused_and_others_are_forwarded(run_python):
+    # Note [IPC of tidepool's memory]: the runtime would export the whole segment around the
+    # block, and the importer would map other bytes than the block's.
+    out, stderr = run_with_fake(run_python, """
+process.cudaIpcGetMemHandle.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+handle = ctypes.create_string_buffer(64)
+p, q = c_void_p(), c_void_p()
+out["malloc_rc"] = process.cudaMalloc(byref(p), 1 << 20)
+out["tidepool_export_rc"] = process.cudaIpcGetMemHandle(handle, p)
+out["interior_export_rc"] = process.cudaIpcGetMemHandle(handle, p.value + 4096)
+out["last_error"] = process.cudaGetLastError()
+fake.cudaMalloc(byref(q), ctypes.c_size_t(64))   # memory tidepool never saw
+out["foreign_export_rc"] = process.cudaIpcGetMemHandle(handle, q)
+out["runtime_exports"] = counter("fake_cudart_ipc_exports")
+out["free_rc"] = process.cudaFree(p)
+""", TIDEPOOL_BACKEND="host")
+    assert out == {"malloc_rc": 0, "tidepool_export_rc": 1, "interior_export_rc": 1,
+                   "last_error": 1, "foreign_export_rc": 0, "runtime_exports": 1,
+                   "free_rc": 0}
+    said = [line for line in stderr.splitlines() if "CUDA IPC of memory tidepool serves" in line]
+    assert len(said) == 1, stderr
