@@ -254,7 +254,7 @@ void* open_or_say(void* (*open)(std::string& tried), const char* failure) {
 // The functions the shim defines, as the messages name them.
 constexpr const char* kInterposed =
     "cudaMalloc/cudaFree, cudaMallocAsync/cudaFreeAsync (and their _ptsz forms), "
-    "cudaStreamDestroy and cudaIpcGetMemHandle";
+    "cudaStreamDestroy, cudaIpcGetMemHandle and cudaDeviceReset";
 
 // tidepool.log:off read from the variables themselves, for the one message given before
 // libtidepool (whose parser knows the keys) is loaded, or when it never is.
@@ -299,6 +299,7 @@ std::string bind_stream_ordered(void* cudart, RealCudart& c) {
 void bind_optional(void* cudart, RealCudart& c) {
   bind_all(cudart, symbol("cudaStreamDestroy", c.stream_destroy),
            symbol("cudaIpcGetMemHandle", c.ipc_get_mem_handle),
+           symbol("cudaDeviceReset", c.device_reset),
            symbol("cudaMallocAsync_ptsz", c.malloc_async_ptsz),
            symbol("cudaFreeAsync_ptsz", c.free_async_ptsz));
 }
@@ -370,7 +371,8 @@ void initialise() {
                      symbol("tidepool_config_active_json", t.config_active_json),
                      symbol("tidepool_release_stream", t.release_stream),
                      symbol("tidepool_holds_address", t.holds_address),
-                     symbol("tidepool_in_forked_child", t.in_forked_child))) {
+                     symbol("tidepool_in_forked_child", t.in_forked_child),
+                     symbol("tidepool_empty_cache", t.empty_cache))) {
     return;
   }
   char error[2048] = "";

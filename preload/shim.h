@@ -42,6 +42,7 @@ struct RealCudart {
   cudaError_t (*event_query)(cudaEvent_t) = nullptr;
   cudaError_t (*stream_synchronize)(cudaStream_t) = nullptr;
   cudaError_t (*ipc_get_mem_handle)(cudaIpcMemHandle_t*, void*) = nullptr;  // Note [IPC ...]
+  cudaError_t (*device_reset)() = nullptr;  // Note [cudaDeviceReset under the shim]
 };
 
 struct TidepoolAbi {
@@ -56,6 +57,7 @@ struct TidepoolAbi {
   int (*release_stream)(int, void*) = nullptr;
   int (*holds_address)(const void*) = nullptr;  // Note [frees of memory tidepool holds]
   int (*in_forked_child)() = nullptr;            // Note [Forked child under the shim]
+  int (*empty_cache)(int) = nullptr;             // Note [cudaDeviceReset under the shim]
 };
 
 struct Allocation {
@@ -83,6 +85,9 @@ struct Shim {
   std::atomic<bool> said_release_failed{false};
   std::atomic<bool> said_capture_free{false};  // Note [frees during capture]
   std::atomic<bool> said_ipc_refused{false};   // Note [IPC of tidepool's memory]
+  // Note [cudaDeviceReset under the shim]: devices tidepool no longer serves, by index
+  // (the allocator's 0..kMaxDevices-1; any other index is never served).
+  std::atomic<std::uint64_t> reset_devices{0};
   RealCudart cuda;
   // Note [a runtime found late] (libraries.cpp): no runtime was found when `cuda` was
   // resolved; `late_cudart` is the one found since, published once, never freed.

@@ -4,7 +4,8 @@
 //
 // How it works:
 //   - It defines those four functions, cudaStreamDestroy, cudaIpcGetMemHandle (Note [IPC of
-//     tidepool's memory]), the _ptsz forms of the two
+//     tidepool's memory]), cudaDeviceReset (Note [cudaDeviceReset under the shim]), the
+//     _ptsz forms of the two
 //     stream-ordered ones (Note [per-thread default stream programs]), and
 //     cudaGetLastError/cudaPeekAtLastError (Note [last error]). Preloaded, these
 //     definitions come first in the global symbol scope, so every dynamically linked
@@ -27,6 +28,16 @@
 //     export), so the importer would read other bytes, silently. The shim refuses the
 //     export of any pointer in memory tidepool holds with cudaErrorInvalidValue, and says
 //     why once on stderr (not under tidepool.log:off); other pointers are forwarded.
+//   - Note [cudaDeviceReset under the shim]: a reset destroys every allocation, stream and
+//     event of the current device's context. tidepool's cache, its events and the shim's
+//     ordering streams would outlive it: memory freed before the reset would be handed out
+//     again over the new context (an illegal address, or another allocation's bytes). So
+//     cudaDeviceReset first synchronises and gives tidepool's cache of that device back
+//     (tidepool_empty_cache, while the context still lives), forgets the shim's pointers
+//     on it, then forwards; from then on the device's allocations go to the runtime
+//     unchanged, and the shim says so on stderr. A pointer from before the reset is the
+//     runtime's to refuse, or, inside memory tidepool still holds (handed out and never
+//     freed), answered cudaErrorInvalidValue as before. Other devices are served as before.
 //   - Note [frees during capture]: CUDA turns a cudaFreeAsync on a stream being captured
 //     into a free node of the graph, which only a graph allocation may be given; the
 //     runtime refuses any other pointer. tidepool would instead free the block at once,
@@ -257,6 +268,12 @@ void restore_owned(void* ptr, const Allocation& a) {
   s.owned.emplace(ptr, a);
 }
 
+// Note [cudaDeviceReset under the shim]: whether tidepool no longer serves `device`.
+bool device_was_reset(int device) {
+  if (device < 0 || device >= 64) return false;
+  return (shim().reset_devices.load(std::memory_order_acquire) >> device & 1u) != 0;
+}
+
 // Makes `device` current for a scope, then the program's device again.
 class CurrentDevice {
  public:
@@ -394,6 +411,7 @@ cudaError_t serve_malloc_async(const char* call, MallocAsync RealCudart::*real, 
   if (capture != cudaStreamCaptureStatusNone) return forward(real, dev_ptr, size, stream);
   int device = 0;
   if (const cudaError_t e = s.cuda.stream_get_device(meant, &device); e != cudaSuccess) return e;
+  if (device_was_reset(device)) return forward(real, dev_ptr, size, stream);
   return serve_malloc(call, dev_ptr, size, device, allocation_stream(meant));
 }
 
@@ -459,6 +477,7 @@ cudaError_t free_async(FreeAsync RealCudart::*real, void* dev_ptr, cudaStream_t 
 cudaError_t serve_cuda_malloc(void** dev_ptr, size_t size) {
   int device = 0;
   if (const cudaError_t e = shim().cuda.get_device(&device); e != cudaSuccess) return e;
+  if (device_was_reset(device)) return forward(&RealCudart::malloc, dev_ptr, size);
   if (const cudaError_t e = serve_malloc("cudaMalloc", dev_ptr, size, device, nullptr);
       e != cudaSuccess) {
     return e;
@@ -583,6 +602,49 @@ TIDEPOOL_PRELOAD_EXPORT cudaError_t cudaStreamDestroy(cudaStream_t stream) {
     release_before_destroy(stream);
   }
   return forward(&RealCudart::stream_destroy, stream);
+}
+
+// Note [cudaDeviceReset under the shim].
+TIDEPOOL_PRELOAD_EXPORT cudaError_t cudaDeviceReset() {
+  Shim& s = shim();
+  int device = -1;
+  if (t_inside_tidepool || !s.serving.load(std::memory_order_acquire) || in_forked_child() ||
+      s.cuda.get_device(&device) != cudaSuccess || device < 0 || device >= 64 ||
+      device_was_reset(device)) {
+    return forward(&RealCudart::device_reset);
+  }
+  {
+    ProgramLastError last_error;
+    InsideTidepool inside;
+    (void)s.cuda.device_synchronize();  // the reset waits too; the cache is freed after it
+    s.tp.clear_error();
+    const bool emptied = s.tp.empty_cache(device) == 0;
+    s.reset_devices.fetch_or(std::uint64_t{1} << device, std::memory_order_acq_rel);
+    std::size_t dropped = 0;
+    {
+      std::lock_guard lock(s.mutex);
+      for (auto it = s.owned.begin(); it != s.owned.end();) {
+        if (it->second.device == device) {
+          dropped += it->second.size;
+          it = s.owned.erase(it);
+        } else {
+          ++it;
+        }
+      }
+    }
+    if (!s.quiet) {
+      say("cudaDeviceReset: ",
+          "tidepool no longer serves device " + std::to_string(device) +
+              " in this process: its allocations go to the runtime unchanged" +
+              (emptied ? std::string() : " (its cache could not be given back first: " +
+                                              std::string(s.tp.last_error()) + ")") +
+              (dropped == 0 ? std::string()
+                            : "; " + std::to_string(dropped) +
+                                  " bytes it had handed out and not freed are gone with the "
+                                  "reset, as the runtime's are"));
+    }
+  }
+  return forward(&RealCudart::device_reset);
 }
 
 // Note [IPC of tidepool's memory].

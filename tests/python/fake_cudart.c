@@ -110,6 +110,13 @@ int cudaMalloc(void** ptr, size_t size) {
   return answer(*ptr ? 0 : 2); /* cudaErrorMemoryAllocation */
 }
 
+int fake_cudart_resets = 0;
+
+int cudaDeviceReset(void) {
+  ++fake_cudart_resets;
+  return 0;
+}
+
 int fake_cudart_ipc_exports = 0;
 
 /* cudaIpcMemHandle_t is 64 opaque bytes; the fake writes the pointer into the first 8. */

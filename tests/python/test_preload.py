@@ -179,8 +179,8 @@ def test_another_cuda_major_is_forwarded_untouched(run_python, global_scope):
     assert stderr.count("tidepool preload:") == 1
     assert "is version 12.8, but tidepool was built for CUDA" in stderr
     assert ("tidepool is off: every cudaMalloc/cudaFree, cudaMallocAsync/cudaFreeAsync (and "
-            "their _ptsz forms), cudaStreamDestroy and cudaIpcGetMemHandle goes to that "
-            "runtime unchanged") in stderr
+            "their _ptsz forms), cudaStreamDestroy, cudaIpcGetMemHandle and "
+            "cudaDeviceReset goes to that runtime unchanged") in stderr
 
 
 @needs_fake

@@ -83,3 +83,35 @@ out["free_rc"] = process.cudaFree(p)
                    "free_rc": 0}
     said = [line for line in stderr.splitlines() if "CUDA IPC of memory tidepool serves" in line]
     assert len(said) == 1, stderr
+
+
+def test_after_a_device_reset_tidepool_no_longer_serves_that_device(run_python):
+    # Note [cudaDeviceReset under the shim]: memory tidepool cached before the reset would
+    # be handed out again over the new context.
+    out, stderr = run_with_fake(run_python, """
+import tidepool
+stats = lambda: tidepool.stats(0)
+process.cudaDeviceReset.argtypes = []
+p, q, r = c_void_p(), c_void_p(), c_void_p()
+process.cudaMalloc(byref(p), 64 << 20)    # a segment of its own
+process.cudaMalloc(byref(q), 2 << 20)     # live across the reset
+process.cudaFree(p)                       # cached by tidepool
+reserved_before = stats()["reserved_bytes.all.current"]
+out["reset_rc"] = process.cudaDeviceReset()
+out["runtime_resets"] = counter("fake_cudart_resets")
+out["cache_given_back"] = reserved_before - stats()["reserved_bytes.all.current"] >= 64 << 20
+out["malloc_rc"] = process.cudaMalloc(byref(r), 64 << 20)
+out["runtime_mallocs"] = counter("fake_cudart_malloc_calls")
+out["got_the_old_block"] = r.value == p.value
+out["free_rc"] = process.cudaFree(r)
+out["runtime_frees"] = counter("fake_cudart_free_calls")
+out["free_from_before_rc"] = process.cudaFree(q)
+out["reset_again_rc"] = process.cudaDeviceReset()
+""", TIDEPOOL_BACKEND="host")
+    assert out == {"reset_rc": 0, "runtime_resets": 1, "cache_given_back": True,
+                   "malloc_rc": 0, "runtime_mallocs": 1,
+                   "got_the_old_block": False, "free_rc": 0, "runtime_frees": 1,
+                   "free_from_before_rc": 1, "reset_again_rc": 0}
+    said = [line for line in stderr.splitlines() if "cudaDeviceReset" in line]
+    assert len(said) == 1, stderr
+    assert "no longer serves device 0" in said[0] and str(2 << 20) in said[0]
