@@ -1,5 +1,5 @@
 """What installation does inside torch, on a machine without a GPU: torch's CUDA entry
-points are replaced by recorders (fake_torch_cuda.py: is_available -> True), so the test
+points are replaced by recorders (fake_torch_cuda.py: device_count -> 1), so the test
 sees exactly which allocator is registered, when the MemPool is made, which of torch's
 functions are replaced, and what record_stream and the memory figures reach. The
 optimizer step hooks have their own file, test_optim_hooks.py."""
@@ -53,7 +53,7 @@ def test_a_refused_swap_is_an_error_with_tidepools_message(fake_cuda, monkeypatc
 def test_without_libtidepool_torch_cuda_global_mode_falls_back_and_says_why(fake_cuda):
     config = _config.claim("backend:tidepool").config
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(torch.cuda, "is_available", lambda: True)
+        patch.setattr(torch.cuda, "device_count", lambda: 1)
         with pytest.warns(_install.TidepoolFallbackWarning,
                           match="test: no libtidepool_torch_cuda.*cudnn.benchmark"):
             _install.install(torch, config)
@@ -68,7 +68,7 @@ def test_a_fallback_warning_made_an_error_comes_after_a_complete_install(fake_cu
     config = _config.claim("backend:tidepool").config
     with pytest.MonkeyPatch.context() as patch, warnings.catch_warnings():
         warnings.simplefilter("error", _install.TidepoolFallbackWarning)
-        patch.setattr(torch.cuda, "is_available", lambda: True)
+        patch.setattr(torch.cuda, "device_count", lambda: 1)
         with pytest.raises(_install.TidepoolFallbackWarning):
             _install.install(torch, config)
     assert _install.STATE.active
@@ -136,6 +136,22 @@ def test_without_an_install_torchs_cuda_gives_the_current_device_and_stream(monk
     assert tidepool._device("cuda") == 2
 
 
+def test_the_install_at_import_torch_does_not_initialise_the_cuda_driver(fake_cuda,
+                                                                        monkeypatch):
+    # torch.cuda.is_available() calls cudaGetDeviceCount (cuInit) unless told to use NVML;
+    # after cuInit a forked child cannot use CUDA, so a launcher that imports torch and
+    # forks its GPU workers broke as soon as tidepool was named. NVML answers here (no
+    # device, as on this machine) and the runtime's count must not be asked.
+    asked = []
+    monkeypatch.setattr(torch.cuda, "_device_count_nvml", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "_cached_device_count", None)
+    monkeypatch.setattr(torch._C, "_cuda_getDeviceCount", lambda: asked.append(1) or 0)
+    with pytest.warns(_install.TidepoolInactiveWarning, match="no CUDA device"):
+        _install.install(torch, _config.claim("backend:tidepool").config)
+    assert asked == []
+    assert tidepool.status().startswith("inactive: no CUDA device")
+
+
 def test_install_under_the_preload_shim_reports_the_shim(fake_cuda, monkeypatch):
     # LD_PRELOAD=libtidepool_preload.so claimed the environment and serves cudaMalloc; a
     # script that also calls tidepool.install() must not be told tidepool is not named.
@@ -150,7 +166,7 @@ def test_the_fallback_is_silent_with_log_off(fake_cuda):
         warnings.simplefilter("error", _install.TidepoolFallbackWarning)
         config = _config.claim("backend:tidepool,tidepool.log:off").config
         with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(torch.cuda, "is_available", lambda: True)
+            patch.setattr(torch.cuda, "device_count", lambda: 1)
             _install.install(torch, config)
     assert _install.STATE.cuda_allocator == "torch.cuda.memory.CUDAPluggableAllocator"
 
@@ -164,7 +180,7 @@ def test_the_real_libtidepool_torch_cuda_becomes_c10s_allocator(run_python):
     result = run_python(
         """
         import torch
-        torch.cuda.is_available = lambda: True
+        torch.cuda.device_count = lambda: 1
         from tidepool import _config, _install
         before = torch.cuda.memory.get_allocator_backend()
         original = torch.Tensor.record_stream
@@ -471,6 +487,36 @@ def test_record_stream_hands_tidepool_the_storage_and_the_stream(monkeypatch):
     _record_stream.record_in_tidepool(fake_tensor(0x1234, cuda=False), stream)  # not CUDA
     _record_stream.record_in_tidepool(fake_tensor(0), stream)  # empty storage
     assert calls == [(0x1234, 0x5000)]
+
+
+def test_record_stream_takes_generic_streams_and_wrapper_subclasses(monkeypatch):
+    # torch.Stream (device-generic code: torch.accelerator.current_stream()) has no
+    # cuda_stream, and a wrapper subclass (DTensor) no storage of its own: PyTorch's own
+    # record_stream takes both, so the wrapper around it must not then raise.
+    calls = []
+    monkeypatch.setattr(_lib, "function",
+                        lambda name, what: lambda ptr, stream: calls.append(
+                            (ptr.value, stream.value)) or 0)
+
+    class FakeCudaStream:  # torch.cuda.Stream needs a GPU to be made
+        def __init__(self, stream_id, device_index, device_type):
+            self.cuda_stream = 0x7000 + stream_id
+
+    monkeypatch.setattr(torch.cuda, "Stream", FakeCudaStream)
+    generic = torch.Stream(stream_id=3, device_index=0, device_type=1)
+    _record_stream.record_in_tidepool(fake_tensor(0x1234), generic)
+
+    class Wrapper:  # what DTensor's type has: __tensor_flatten__ naming its inner tensors
+        is_cuda = True
+
+        def __init__(self):
+            self.local, self.scale = fake_tensor(0x2000), fake_tensor(0x3000)
+
+        def __tensor_flatten__(self):
+            return ["local", "scale"], None
+
+    _record_stream.record_in_tidepool(Wrapper(), SimpleNamespace(cuda_stream=0x5000))
+    assert calls == [(0x1234, 0x7003), (0x2000, 0x5000), (0x3000, 0x5000)]
 
 
 def test_record_stream_of_memory_tidepool_did_not_hand_out_is_left_alone():

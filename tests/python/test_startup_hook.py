@@ -159,6 +159,24 @@ def test_autoload_can_be_turned_off(run_python):
     assert result.stdout.split() == ["backend:tidepool", "False"]
 
 
+def test_install_after_a_failed_one_reads_the_fixed_environment(run_python):
+    # A notebook: the first tidepool.install() meets a bad key, the user fixes the
+    # variable and calls it again. Before, the first error came back for good.
+    result = run_python("""
+        import os
+        import torch, tidepool
+        try:
+            tidepool.install()
+        except tidepool.ConfigError as e:
+            print("FIRST", "bogus" in str(e))
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "backend:tidepool,tidepool.log:off"
+        print("SECOND", tidepool.install())
+    """, hook_first=False,
+        PYTORCH_CUDA_ALLOC_CONF="backend:tidepool,tidepool.mode:bogus", TIDEPOOL_AUTOLOAD="0")
+    assert result.stdout.strip().splitlines() == [
+        "FIRST True", "SECOND inactive: no CUDA device is available"]
+
+
 def test_torch_imported_before_the_hook_is_installed_at_once(run_python):
     # As when another start-up hook imports torch first: the hook finds torch in
     # sys.modules and installs at once instead of waiting for an import.

@@ -94,8 +94,10 @@ def install(conf: str | None = None) -> str:
                 f"configuration; {conf!r} cannot change it in a running process")
         return status()
     applied = _config.apply(conf)
-    os.environ["TIDEPOOL_ALLOC_CONF"] = conf  # what child processes apply (the hook's way)
     _install.install(torch, applied)
+    # What child processes apply (the hook's way); only once installed here: a failed
+    # install must not make the children use tidepool.
+    os.environ["TIDEPOOL_ALLOC_CONF"] = conf
     return status()
 
 

@@ -81,7 +81,10 @@ def install(torch, config: dict) -> None:
             return  # installed already (e.g. tidepool.install() after the hook)
         STATE.torch = torch
         STATE.config = config
-        if not torch.cuda.is_available():
+        # device_count asks NVML first; is_available (without PYTORCH_NVML_BASED_CUDA_CHECK)
+        # calls cuInit, and a process that did cannot use CUDA in a forked child: at
+        # `import torch` that would break every launcher that forks its GPU workers.
+        if torch.cuda.device_count() == 0:
             _inactive("no CUDA device is available", config)
             return
         if config.get("device_backend") == "host":

@@ -19,15 +19,33 @@ import ctypes
 from . import _lib, _patches
 
 
+def _cuda_stream_handle(stream) -> int:
+    """The cudaStream_t of a torch.cuda.Stream, or of a device-generic torch.Stream (which
+    has no cuda_stream: torch.Stream(device="cuda"), torch.accelerator.current_stream())."""
+    if hasattr(stream, "cuda_stream"):
+        return stream.cuda_stream
+    import torch
+    return torch.cuda.Stream(stream_id=stream.stream_id, device_index=stream.device_index,
+                             device_type=stream.device_type).cuda_stream
+
+
 def record_in_tidepool(tensor, stream) -> None:
     """Makes tidepool hold `tensor`'s memory until `stream` passes this point."""
     if not tensor.is_cuda:
+        return
+    flatten = getattr(type(tensor), "__tensor_flatten__", None)
+    if flatten is not None:
+        # A wrapper subclass (DTensor and the like) has no storage of its own; its inner
+        # tensors hold the memory, and PyTorch's method reached them through dispatch.
+        names, _ = tensor.__tensor_flatten__()
+        for name in names:
+            record_in_tidepool(getattr(tensor, name), stream)
         return
     ptr = tensor.untyped_storage().data_ptr()
     if ptr == 0:  # empty storage: nothing was allocated
         return
     fn = _lib.function("tidepool_pytorch_record_stream", "record_stream for PyTorch")
-    _lib.check(fn(ctypes.c_void_p(ptr), ctypes.c_void_p(stream.cuda_stream)),
+    _lib.check(fn(ctypes.c_void_p(ptr), ctypes.c_void_p(_cuda_stream_handle(stream))),
                "record_stream")
 
 

@@ -52,6 +52,9 @@ def start() -> None:
         _install.STATE.status = "active: through the LD_PRELOAD shim (libtidepool_preload.so)"
         return
 
+    # A call after a failed one (tidepool.install() once the environment is fixed) starts
+    # afresh: the earlier error is not this configuration's.
+    _error = _config = None
     try:
         if config_module.install_from_env():
             _config = config_module.active_config()
