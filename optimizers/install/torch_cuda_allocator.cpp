@@ -18,6 +18,7 @@
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/cuda/CUDAPluggableAllocator.h>
+#include <torch/version.h>
 
 #include <cstddef>
 #include <cstdint>
@@ -362,6 +363,8 @@ void install_torch_cuda_allocator() {
 }
 
 }  // namespace tidepool::optim
+
+const char* tidepool_torch_cuda_built_for(void) { return TORCH_VERSION; }
 
 int tidepool_torch_install_cuda_allocator(void) {
   try {

@@ -94,4 +94,8 @@ extern "C" {
 // install_torch_cuda_allocator() for C callers: 0 when tidepool is c10's CUDA allocator
 // (now or from an earlier call), -1 with the reason in tidepool_last_error().
 TIDEPOOL_API int tidepool_torch_install_cuda_allocator(void);
+// The LibTorch version this library was built against ("2.11.0"): its allocator subclasses
+// c10's, whose layout and virtual methods change between releases, so the Python package
+// loads it only under that torch (Note [one torch for libtidepool_torch_cuda]).
+TIDEPOOL_API const char* tidepool_torch_cuda_built_for(void);
 }

@@ -173,6 +173,20 @@ def test_the_fallback_is_silent_with_log_off(fake_cuda):
 
 @pytest.mark.skipif(not os.environ.get("TIDEPOOL_TORCH_CUDA_LIBRARY"),
                     reason="no libtidepool_torch_cuda.so in this build (CUDA builds only)")
+def test_libtidepool_torch_cuda_is_used_only_under_the_torch_it_was_built_against(monkeypatch):
+    # Note [one torch for libtidepool_torch_cuda]: under another torch its symbols may all
+    # resolve while c10 calls the wrong virtual methods; the fallback is taken instead.
+    shim, why = _lib.load_torch_cuda()
+    assert shim is not None, why
+    built = torch.__version__.split("+")[0]
+    monkeypatch.setattr(torch, "__version__", "9.9.9+cu999")
+    shim, why = _lib.load_torch_cuda()
+    assert shim is None
+    assert f"was built against torch {built}, but this is torch 9.9.9" in why
+
+
+@pytest.mark.skipif(not os.environ.get("TIDEPOOL_TORCH_CUDA_LIBRARY"),
+                    reason="no libtidepool_torch_cuda.so in this build (CUDA builds only)")
 def test_the_real_libtidepool_torch_cuda_becomes_c10s_allocator(run_python):
     # In a fresh interpreter (the swap is for the life of the process), with torch told a
     # device is there: c10's CUDA allocator is no longer the native one, and the Python

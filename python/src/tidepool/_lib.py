@@ -109,6 +109,21 @@ def load_torch_cuda() -> tuple[ctypes.CDLL | None, str]:
         shim = ctypes.CDLL(path)
     except OSError as e:
         return None, f"cannot load {path} ({e}); rebuild the package against this torch"
+    # Note [one torch for libtidepool_torch_cuda]: its allocator subclasses c10's, whose
+    # layout and virtual methods change between releases; under another torch every symbol
+    # may still resolve while c10 calls the wrong methods. So it is used only under the
+    # torch it was built against.
+    import torch
+    built_for = getattr(shim, "tidepool_torch_cuda_built_for", None)
+    running = torch.__version__.split("+")[0]
+    if built_for is None:
+        return None, (f"{path} does not say which torch it was built against (an older "
+                      f"build); rebuild the package against this torch ({running})")
+    built_for.restype, built_for.argtypes = ctypes.c_char_p, []
+    built = built_for().decode()
+    if built != running:
+        return None, (f"{path} was built against torch {built}, but this is torch {running}; "
+                      "rebuild the package against this torch")
     fn = getattr(shim, "tidepool_torch_install_cuda_allocator", None)
     if fn is None:
         return None, f"{path} lacks tidepool_torch_install_cuda_allocator"
