@@ -531,6 +531,16 @@ MigrationResult VmmPool::migrate_locked(Range& r, MemoryLocation to,
   }
 }
 
+// Note [A device with no room for a prefetch]
+// A move to the device is a prefetch: the state is readable where it is, on the host. When
+// the device has no memory for a chunk (its budget had room, but the device is full of
+// other memory: activations, another process), the move stops there, keeps what it moved,
+// and counts the rest as left on the host, as a budget stop does (bytes_left,
+// budget_stops, bytes_left_on_host); the next range is still tried. Before, it threw: the
+// whole batch was undone, the tag's or pointers' later ranges were never tried, and the
+// Python pre-step hook raised out of optimizer.step(). It does not empty the caching
+// allocator's cache to make room: the step about to run needs that memory again.
+//
 // Note [Nothing to move, nothing to wait for]
 // A range already wholly where it is asked to go returns before waiting for its users:
 // the wait is there so that no copy reads or unmaps memory a kernel still uses, and
@@ -584,6 +594,12 @@ MigrationResult VmmPool::move_range_locked(Range& r, MemoryLocation to,
   std::size_t moved = 0;  // plan[0, moved) are swapped
   try {
     if (!plan.empty()) move_planned_locked(r, plan, to, moved, result, supply);  // vmm_moves.cpp
+    // Note [A device with no room for a prefetch]: what the device had no memory for stays
+    // on the host, as what the budget has no room for does.
+    for (std::size_t k = moved; to_device && k < plan.size(); ++k) {
+      give_device_room_locked(r.chunks[plan[k]].bytes);
+      result.bytes_left += r.chunks[plan[k]].bytes;
+    }
   } catch (...) {
     if (to_device) {
       for (std::size_t k = moved; k < plan.size(); ++k) {

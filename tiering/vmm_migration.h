@@ -300,6 +300,8 @@ class TIDEPOOL_API VmmPool {
   void synchronize_for_lost_stream_locked(Stream lost, const BackendError& record_error);
   // Note [Migration batches]: moves the chunks plan[i] of `r` (indices into r.chunks, in
   // order) to `to`; `moved` counts those swapped so far (they are swapped in plan order).
+  // Towards the device it stops, without an error, at the first chunk the device has no
+  // memory for (Note [A device with no room for a prefetch]): plan[moved, end) stay.
   void move_planned_locked(Range& r, const std::vector<std::size_t>& plan, MemoryLocation to,
                            std::size_t& moved, MigrationResult& result, BackingSupply* supply);
   // For a call moving `ranges` to the host: a supply creating the host backings their
@@ -316,8 +318,10 @@ class TIDEPOOL_API VmmPool {
   // Of chunk `sizes` about to move to the host, those the spares do not cover.
   std::vector<std::size_t> sizes_beyond_spares_locked(const std::vector<std::size_t>& sizes) const;
   // The chunks plan[begin, end) of `r`, one batch; `moved`
-  // counts the planned chunks swapped so far (they are swapped in plan order).
-  void move_batch_locked(Range& r, const std::vector<std::size_t>& plan, std::size_t begin,
+  // counts the planned chunks swapped so far (they are swapped in plan order). False when
+  // the device had no memory for one of them: the batch's chunks before it moved, and no
+  // later one is to be tried.
+  bool move_batch_locked(Range& r, const std::vector<std::size_t>& plan, std::size_t begin,
                          std::size_t end, MemoryLocation to, BackingSupply& supply,
                          std::size_t& moved, MigrationResult& result);
   // The chunk's new backing, copied and mapped at the scratch slot `slot`, in its place.

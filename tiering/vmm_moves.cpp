@@ -302,14 +302,15 @@ void VmmPool::move_planned_locked(Range& r, const std::vector<std::size_t>& plan
   } finish{*this, own.get()};
   for (std::size_t begin = 0; begin < plan.size(); begin += batch_chunks_) {
     const std::size_t end = std::min(plan.size(), begin + batch_chunks_);
-    move_batch_locked(r, plan, begin, end, to, *supply, moved, result);
+    if (!move_batch_locked(r, plan, begin, end, to, *supply, moved, result)) return;
   }
 }
 
-void VmmPool::move_batch_locked(Range& r, const std::vector<std::size_t>& plan,
+bool VmmPool::move_batch_locked(Range& r, const std::vector<std::size_t>& plan,
                                 std::size_t begin, std::size_t end, MemoryLocation to,
                                 BackingSupply& supply, std::size_t& moved,
                                 MigrationResult& result) {
+  bool device_had_room = true;
   std::vector<PhysicalHandle> fresh(end - begin);  // the batch's new backings, taken so far
   // Gives back the new backings of plan[from, end) and unmaps those still at the scratch
   // range (one that will not unmap stays listed for repair_locked: Note [Deferred
@@ -338,6 +339,12 @@ void VmmPool::move_batch_locked(Range& r, const std::vector<std::size_t>& plan,
         throw TieringError(std::string("vmm pool: migrate: creating ") + location_name(to) +
                            " memory failed: " + e.what());
       }
+      if (!h && to == MemoryLocation::device) {
+        // Note [A device with no room for a prefetch]: the batch ends before this chunk.
+        device_had_room = false;
+        end = k;
+        break;
+      }
       if (!h) {
         throw TieringError("vmm pool: migrate: out of " + std::string(location_name(to)) +
                            " memory for a " + std::to_string(c.bytes) +
@@ -363,6 +370,7 @@ void VmmPool::move_batch_locked(Range& r, const std::vector<std::size_t>& plan,
                                        "was): ") + e.what());
       }
     }
+    if (end == begin) return false;  // not even the batch's first chunk had room
     stats_.migration_batches++;
     try {
       timed_call(stats_, stats_.copy_wait_ms, [&] { backend_.stream_synchronize(stream_); });
@@ -405,6 +413,7 @@ void VmmPool::move_batch_locked(Range& r, const std::vector<std::size_t>& plan,
     if (to == MemoryLocation::host) give_device_room_locked(c.bytes);
     result.bytes_moved += c.bytes;
   }
+  return device_had_room;
 }
 
 // One chunk whose new backing holds its bytes at the scratch slot `slot`: swapped in at the
