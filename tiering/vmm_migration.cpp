@@ -425,8 +425,11 @@ void VmmPool::wait_for_users_locked(Range& r) {
   // The streams stay users: PyTorch keeps running kernels on a block's stream (and on
   // the streams record_stream named) for as long as the block lives, without telling
   // anyone again, so each later migrate and the deallocate must wait for them too. Only
-  // release_stream drops one.
-  for (const Stream s : r.use_streams) {
+  // release_stream drops one. A copy of the list: a lost stream is dropped from it. After
+  // a lost stream's device synchronization the rest are still waited for: it covers this
+  // pool's device alone, not a peer's stream later in the list.
+  const std::vector<Stream> users = r.use_streams;
+  for (const Stream s : users) {
     try {
       backend_.record_event(sync_event_, s);
     } catch (const BackendError& e) {
@@ -440,7 +443,7 @@ void VmmPool::wait_for_users_locked(Range& r) {
       } catch (const BackendError&) {
       }
       synchronize_for_lost_stream_locked(s, e);
-      return;
+      continue;
     }
     try {
       backend_.event_synchronize(sync_event_);

@@ -11,10 +11,12 @@
 #include <exception>
 #include <future>
 #include <memory>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "allocator/forwarding_backend.h"
 #include "allocator/tags.h"
 #include "tests/support/backend_errors.h"
 #include "tests/tiering/failing_backend.h"
@@ -424,6 +426,48 @@ TEST_F(VmmFailureTest, ALiveUseStreamAnEventCannotBeRecordedOnIsWaitedForAndKept
   EXPECT_EQ(pool.stats().lost_stream_syncs, 0u);
   pool.deallocate(p);
   inner_->destroy_stream(other);
+}
+
+// A lost stream's device synchronization covers the pool's device alone: a peer's stream
+// after it in the list (Note [A use stream of another device]) is still waited for.
+TEST_F(VmmFailureTest, APeersStreamAfterALostStreamIsStillWaitedFor) {
+  // Device 0's backend, on which streams of device 1 take no event of device 0, as on CUDA.
+  struct PeerAware : ForwardingBackend {
+    Backend& peer;
+    std::set<void*> peer_streams;
+    PeerAware(Backend& own, Backend& p) : ForwardingBackend(own), peer(p) {}
+    void do_record_event(Event e, Stream s) override {
+      if (peer_streams.contains(s.handle)) throw BackendError("an event of device 0 on device 1");
+      ForwardingBackend::do_record_event(e, s);
+    }
+    void do_stream_synchronize(Stream s) override {
+      if (peer_streams.contains(s.handle)) return peer.stream_synchronize(s);
+      ForwardingBackend::do_stream_synchronize(s);
+    }
+  };
+  const std::unique_ptr<Backend> device1 = make_host_backend(1);
+  PeerAware backend(*inner_, *device1);
+  VmmPool pool(backend);
+  void* p = pool.allocate(backend.granularity(), kTagOptimizerState);
+  ASSERT_NE(p, nullptr);
+  const Stream lost = inner_->create_stream();
+  const Stream peer = device1->create_stream();
+  backend.peer_streams.insert(peer.handle);
+  pool.record_use(p, lost);
+  pool.record_use(p, peer);
+  inner_->destroy_stream(lost);  // without release_stream: lost
+  tiering_test::StreamGate gate;
+  const tiering_test::StreamGate::OpenOnExit open_on_exit{gate};
+  device1->launch_host_func(peer, &tiering_test::StreamGate::wait, &gate);  // the peer's kernel
+  auto migrated = std::async(std::launch::async, [&] { pool.migrate(p, MemoryLocation::host); });
+  // Not a timing bound: a migration that ends while the peer's work is held is the failure.
+  EXPECT_EQ(migrated.wait_for(std::chrono::milliseconds(200)), std::future_status::timeout);
+  gate.open();
+  EXPECT_NO_THROW(migrated.get());
+  EXPECT_EQ(pool.stats().lost_stream_syncs, 1u);
+  pool.release_stream(peer);
+  pool.deallocate(p);
+  device1->destroy_stream(peer);
 }
 
 TEST_F(VmmFailureTest, ALostStreamWhoseDeviceSynchronizeFailsChangesNothing) {
