@@ -12,6 +12,7 @@
 #include <string>
 #include <unordered_set>
 
+#include "allocator/config.h"
 #include "allocator/device_registry.h"
 #include "allocator/reclaim.h"
 #include "allocator/tags.h"
@@ -27,6 +28,7 @@ struct DeviceTiering {
   Backend* backend = nullptr;  // borrowed
   std::unique_ptr<VmmPool> vmm;
   std::set<TieredStore*> stores;
+  std::optional<bool> host_backing;  // Note [No host backing], once probed
 };
 
 std::mutex& registry_mutex() {
@@ -207,6 +209,49 @@ std::size_t push_ranges_to_host(VmmPool& pool, std::size_t bytes_needed) {
 
 }  // namespace
 
+// Note [No host backing]
+// Pointer-stable state moves to the host by being backed with host-NUMA physical memory
+// (CU_MEM_LOCATION_TYPE_HOST_NUMA), which some devices, drivers and platforms (WSL, some
+// virtual machines) do not support: every eviction then failed, and with a state budget
+// the Python hooks raised out of each optimizer.step(). So before the first range of a
+// device, one granule of host backing is made and given back: where that fails, the
+// route makes no range on that device (the state stays in ordinary device memory, as
+// without tiering) and says so once on stderr, with the backend's reason. The tiering C
+// ABI's explicit tidepool_vmm_malloc still makes ranges (its evictions say why they fail).
+namespace {
+bool host_backing_works(int device) {
+  Backend* backend = nullptr;
+  {
+    RegistryHold hold("allocate_tierable_range");
+    DeviceTiering& d = registry()[device];
+    if (d.host_backing.has_value()) return *d.host_backing;
+    backend = &backend_locked(device, d);
+  }
+  std::string why;
+  try {
+    const PhysicalHandle h = backend->create_physical(backend->granularity(), MemoryLocation::host);
+    if (h) backend->release_physical(h, backend->granularity());
+    // An empty handle is a host out of memory now, not a missing capability: asked again.
+    if (!h) return true;
+  } catch (const BackendError& e) {
+    why = e.what();
+  }
+  RegistryHold hold("allocate_tierable_range");
+  DeviceTiering& d = registry()[device];
+  if (!d.host_backing.has_value()) {
+    d.host_backing = why.empty();
+    if (!why.empty() && active_config().log != LogLevel::off) {
+      std::fprintf(stderr,
+                   "tidepool: device %d cannot back pointer-stable ranges with host memory "
+                   "(%s); optimizer state there stays in ordinary device memory and is not "
+                   "moved to the host\n",
+                   device, why.c_str());
+    }
+  }
+  return *d.host_backing;
+}
+}  // namespace
+
 void* allocate_tierable_range(int device, std::size_t bytes, int tag, Stream stream) {
   VmmPool& pool = tiering_vmm_pool(device);
   // Note [New state where the budget puts it] (vmm_migration.cpp): with tidepool
@@ -258,7 +303,8 @@ namespace {
 // tidepool_malloc become tierable ranges.
 const TierRoute kTierRoute{
     kRoutedTags,
-    [](std::size_t bytes, int device, int tag, void* stream) {
+    [](std::size_t bytes, int device, int tag, void* stream) -> void* {
+      if (!host_backing_works(device)) return nullptr;  // Note [No host backing]
       return allocate_tierable_range(device, bytes, tag, Stream{stream});
     },
     [](const void* ptr, int device) { return is_tierable_range(device, ptr); },

@@ -12,6 +12,7 @@
 #include "allocator/caching_allocator.h"
 #include "allocator/config.h"
 #include "allocator/device_registry.h"
+#include "allocator/forwarding_backend.h"
 #include "allocator/tags.h"
 #include "allocator/tier_routing.h"
 #include "tests/tiering/tiering_test_util.h"
@@ -235,6 +236,53 @@ TEST(TierRouteRegistration, ADifferentRouteOrAnIncompleteOneIsRefused) {
   EXPECT_THROW(register_tier_route(&incomplete), std::invalid_argument);
   EXPECT_THROW(register_tier_route(nullptr), std::invalid_argument);
   EXPECT_EQ(tier_route(), installed);
+}
+
+// Note [No host backing] (tiering_registry.cpp): on a device whose backend cannot make
+// host-NUMA physical memory, optimizer state is not made pointer-stable (it could never
+// move to the host, and every eviction would fail); it stays ordinary memory, said once.
+constexpr int kNoHostBackingDevice = 6;
+
+class NoHostBackingTest : public tiering_test::HostBackendTest<kNoHostBackingDevice> {};
+
+TEST_F(NoHostBackingTest, OptimizerStateStaysOrdinaryMemoryAndThisIsSaidOnce) {
+  // The device's backend, refusing host physical memory as cuMemCreate does where
+  // CU_DEVICE_ATTRIBUTE_HOST_NUMA_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED is 0. Lives for the
+  // process: the registry borrows it.
+  struct NoHostPhysical final : ForwardingBackend {
+    using ForwardingBackend::ForwardingBackend;
+    PhysicalHandle do_create_physical(std::size_t bytes, MemoryLocation where) override {
+      if (where == MemoryLocation::host) throw BackendError("no host-NUMA physical memory here");
+      return ForwardingBackend::do_create_physical(bytes, where);
+    }
+  };
+  set_tiering_backend(kNoHostBackingDevice,
+                      new NoHostPhysical(device_allocator(kNoHostBackingDevice).backend()));
+  // With room in the state budget a range would be made on the device, and only its eviction
+  // would fail, at every step.
+  ConfigScope config("backend:tidepool,tidepool.state_budget:1GiB");
+  const auto malloc_state = [] {
+    EXPECT_EQ(tidepool_tag_push(kTagOptimizerState), 0);
+    void* p = tidepool_malloc(static_cast<ssize_t>(kDefaultTierMinBytes), kNoHostBackingDevice,
+                              nullptr);
+    EXPECT_EQ(tidepool_tag_pop(), 0);
+    return p;
+  };
+  ::testing::internal::CaptureStderr();
+  void* first = malloc_state();
+  void* second = malloc_state();
+  const std::string said = ::testing::internal::GetCapturedStderr();
+  ASSERT_TRUE(first && second) << tidepool_last_error();
+  EXPECT_EQ(tidepool_vmm_owns(first, kNoHostBackingDevice), 0);
+  EXPECT_EQ(tidepool_vmm_owns(second, kNoHostBackingDevice), 0);
+  const std::string line = "device 6 cannot back pointer-stable ranges with host memory";
+  ASSERT_NE(said.find(line), std::string::npos) << said;
+  EXPECT_EQ(said.find(line, said.find(line) + 1), std::string::npos) << "said twice: " << said;
+  EXPECT_NE(said.find("no host-NUMA physical memory here"), std::string::npos) << said;
+  EXPECT_EQ(tidepool_evict_tag(kNoHostBackingDevice, kTagOptimizerState), 0)
+      << tidepool_last_error();
+  tidepool_free(first, kDefaultTierMinBytes, kNoHostBackingDevice, nullptr);
+  tidepool_free(second, kDefaultTierMinBytes, kNoHostBackingDevice, nullptr);
 }
 
 }  // namespace
