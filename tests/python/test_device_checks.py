@@ -43,6 +43,7 @@ GOOD = {
     "two_threads": ("DEVICE_AT_B 23068672 DEVICE_DURING_B 23068672 RANGES_B 23068672 "
                     "RANGES_B_ONLY 20971520 STATE_B 16785408 AFTER 0 ERRORS 0"),
     "cudnn_benchmark": "VIA torch_cuda\nTRAINED",
+    "preload_direct": f"DIRECT True SUM {float(9 << 20)}",
 }
 
 BAD = {
@@ -69,6 +70,8 @@ BAD = {
     "two_threads": ("DEVICE_AT_B 23068672 DEVICE_DURING_B 0 RANGES_B 23068672 "
                     "RANGES_B_ONLY 20971520 STATE_B 16785408 AFTER 0 ERRORS 0"),
     "cudnn_benchmark": "EXC RuntimeError | does not yet support cacheInfo",
+    # libtidepool's direct malloc failed under the shim
+    "preload_direct": f"DIRECT False SUM {float(9 << 20)}",
 }
 
 
@@ -78,6 +81,7 @@ def checks(monkeypatch, tmp_path):
     library.write_bytes(b"")
     monkeypatch.setenv("TIDEPOOL_LIBRARY", str(library))
     monkeypatch.setenv("TIDEPOOL_TORCH_CUDA_LIBRARY", str(library))
+    monkeypatch.setenv("TIDEPOOL_PRELOAD_LIBRARY", str(library))
     spec = importlib.util.spec_from_file_location("device_torch_checks", SCRIPT)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
