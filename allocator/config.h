@@ -14,8 +14,8 @@
 //                                    tidepool.region() and optimizer steps (torch MemPool)
 //   tidepool.state_budget:SIZE       device memory optimizer state may keep between steps
 //                                    (default 0: all of it is evicted after each step)
-//   tidepool.pinned_budget:SIZE      pinned host memory tiering may use (default: no limit
-//                                    beyond what the host has)
+//   tidepool.pinned_budget:SIZE      pinned host memory tiering may use, one budget for
+//                                    the process (default: a quarter of physical memory)
 //   tidepool.log:off|warn|info|debug messages on stderr (default warn)
 //   tidepool.device_backend:auto|cuda|host
 //                                    the memory backend (default auto: cuda when a GPU is
@@ -82,7 +82,7 @@ struct Config {
   bool enabled = false;  // backend:tidepool or any tidepool.* key was named
   Mode mode = Mode::global;
   Budget state_budget{Budget::Kind::bytes, 0, 0.0};
-  Budget pinned_budget;  // unset: no limit of tidepool's own
+  Budget pinned_budget;  // unset: a quarter of physical memory (tiering/host_arena.h)
   LogLevel log = LogLevel::warn;
   DeviceBackendChoice device_backend = DeviceBackendChoice::automatic;
   bool optimizer_hooks = true;

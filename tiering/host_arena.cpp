@@ -1,6 +1,7 @@
 // HostArena: pinned slabs sub-allocated by mimalloc exclusive arenas, direct pinned
-// mappings for large requests, and the pageable fallback. See host_arena.h for the
-// design; the notes below explain the mimalloc details.
+// mappings for large requests, the process-wide pinned budget, and the pageable fallback.
+// See host_arena.h for the design; the notes below explain the budget and the mimalloc
+// details.
 //
 // Note [Slab alignment and the probe]
 // mimalloc 2.0.9 requires an arena to start on a 32 MiB boundary and to be at least
@@ -43,6 +44,40 @@
 // and so can any slab this arena has. So an allocation that no slab of the arena serves
 // adds slabs until one does: idle ones first, then fresh ones, which always serve; each
 // one added stays in the arena for the threads it can serve.
+//
+// Note [One pinned budget per process]
+// tidepool.pinned_budget bounds the pinned host memory tiering may use (allocator/config.h),
+// and every TieredStore owns a HostArena: were the budget each arena's, N tiered
+// optimizers (or N devices, with the default quarter of RAM) would pin N times it. So an
+// arena whose budget comes from the configuration or the default charges what it
+// registers (slabs, direct mappings) to one process-wide count, and refuses a charge that
+// would take that count past the budget as the arena resolved it when it was built (arenas
+// agree unless the configuration changes in between; a budget lowered below the count takes
+// nothing back, new charges wait until enough is given back). A charge is taken before the
+// memory is registered, and given back when it is unregistered (a block's direct mapping
+// freed, an empty slab released, the arena's idle slabs parked by its destructor) or when
+// registering it failed. Memory a destroyed arena leaves registered (slabs and direct
+// mappings with live blocks, a slab the backend would not unregister) stays charged: it
+// stays pinned. An arena given HostArenaOptions::pinned_budget_bytes keeps that budget to
+// itself and charges nothing to the count, as a tiered store given a device budget of its
+// own does (Note [Shared state budget] in device_budget_ledger.h). That ledger is not
+// reused here: it is kept per device, its seats ask each other to evict for room, and a
+// seat gives back its charge when destroyed; an arena that finds no pinned room falls back
+// to pageable memory instead, and its leaked registrations must stay charged. What is left
+// is one atomic count, which an arena updates under its own mutex and never waits for.
+//
+// Note [A budget smaller than a slab]
+// A request below direct_threshold_bytes is served from slabs, and a slab is registered
+// whole, so a budget (or what the other arenas left of the process's) smaller than one
+// slab would send every small block to pageable memory although the budget has room: the
+// usual trigger is respect_memlock_limit under an 8 MiB RLIMIT_MEMLOCK, against 64 MiB
+// slabs. A smaller slab is no way out: mimalloc 2.0.9 needs at least 32 MiB (Note [Slab
+// alignment and the probe]). So when the slab does not fit in the budget left, the block
+// becomes a direct pinned mapping, as in Note [When mimalloc has no arena left]: page
+// aligned (so 256-byte aligned), charged its pages, and outside every mimalloc arena.
+// Only a block that does not fit either falls back, and the reason then says how much is
+// registered and how much more the block needed. Counted in
+// HostArenaStats::direct_budget_below_slab.
 #include "tiering/host_arena.h"
 
 #include <dlfcn.h>
@@ -76,6 +111,24 @@ constexpr const char* kNoArenaLeft =
     "mi_manage_os_memory_ex refused a slab: mimalloc manages at most 64 arenas per process";
 
 std::size_t round_up(std::size_t n, std::size_t to) { return (n + to - 1) / to * to; }
+
+// Bytes registered now by the arenas that share the process's pinned budget, and left
+// registered by those destroyed (Note [One pinned budget per process]).
+std::atomic<std::size_t>& shared_pinned_bytes() {
+  static std::atomic<std::size_t> bytes{0};
+  return bytes;
+}
+
+// Why pinned memory failed, read once from the reason its failure path wrote; allocate()
+// (Note [A budget smaller than a slab]), the stats and the warning all go by it.
+enum class FallbackCause { register_failed, no_mimalloc, budget_spent, other };
+
+FallbackCause fallback_cause(const std::string& reason) {
+  if (reason.rfind("host_register", 0) == 0) return FallbackCause::register_failed;
+  if (reason.rfind("mimalloc", 0) == 0) return FallbackCause::no_mimalloc;
+  if (reason.find("budget") != std::string::npos) return FallbackCause::budget_spent;
+  return FallbackCause::other;
+}
 
 // The mi_* functions this file uses, from a libmimalloc loaded RTLD_LOCAL.
 struct MimallocApi {
@@ -234,13 +287,16 @@ HostArena::HostArena(Backend& backend, HostArenaOptions options)
   }
   // An explicit budget wins; else tidepool.pinned_budget (tier_routing.h); else a
   // quarter of RAM. A configured 0 means: no pinned memory, all of it pageable.
+  // All but the explicit one are the process's (Note [One pinned budget per process]).
   if (options_.pinned_budget_bytes != 0) {
     budget_ = options_.pinned_budget_bytes;
   } else if (auto configured = configured_pinned_budget_bytes(active_config())) {
     budget_ = *configured;
     stats_.budget_from_config = true;
+    stats_.budget_shared = true;
   } else {
     budget_ = host_memory_bytes() / 4;
+    stats_.budget_shared = true;
   }
   stats_.pinned_budget_requested_bytes = budget_;
   if (options_.respect_memlock_limit) {
@@ -256,7 +312,11 @@ HostArena::HostArena(Backend& backend, HostArenaOptions options)
 
 // Never throws (teardown.h). A slab that still has live blocks, or that the backend would
 // not unregister, can be handed to no other arena: it goes to the abandoned list, still
-// mapped and reachable (so it is a known leak, not a lost pointer).
+// mapped and reachable (so it is a known leak, not a lost pointer). Every direct mapping
+// left holds a live block (deallocate erases the others): it is leaked too, mapped and
+// registered, for a copy may still touch it (~TieredStore leaves blocks live when it cannot
+// synchronize the device). What stays registered stays charged (Note [One pinned budget
+// per process]); the slabs parked in the pool give their charge back.
 HostArena::~HostArena() {
   Teardown teardown("host arena");
   std::vector<Slab*> reusable;
@@ -269,16 +329,12 @@ HostArena::~HostArena() {
       abandoned.push_back(slab);
     }
   }
+  for (const Slab* slab : reusable) uncharge(slab->bytes);
   teardown.attempt("returning slabs to the pool", [&] {
     std::lock_guard pool_lock(pool_mutex());
     idle_slabs().insert(idle_slabs().end(), reusable.begin(), reusable.end());
     abandoned_slabs().insert(abandoned_slabs().end(), abandoned.begin(), abandoned.end());
   });
-  for (auto& [ptr, bytes] : direct_) {
-    // Unmapping releases the pages whether or not the backend forgot the registration.
-    teardown.attempt("unregistering a direct mapping", [&] { backend_.host_unregister(ptr); });
-    munmap(ptr, bytes);
-  }
 }
 
 // ---- allocation ---------------------------------------------------------------------------
@@ -302,9 +358,14 @@ HostBlock HostArena::allocate(std::size_t bytes) {
     while (p == nullptr) {
       Slab* slab = add_slab(options_.slab_bytes, &why_not);
       if (slab == nullptr) {
-        if (why_not == kNoArenaLeft) {
+        // Note [When mimalloc has no arena left], Note [A budget smaller than a slab]: the
+        // block may still be pinned on its own.
+        const bool no_arena = why_not == kNoArenaLeft;
+        if (no_arena || fallback_cause(why_not) == FallbackCause::budget_spent) {
           p = allocate_direct_pinned(bytes, &why_not);
-          if (p != nullptr) stats_.direct_after_no_arena++;
+          if (p != nullptr) {
+            (no_arena ? stats_.direct_after_no_arena : stats_.direct_budget_below_slab)++;
+          }
         }
         break;
       }
@@ -379,16 +440,50 @@ bool HostArena::register_range(void* ptr, std::size_t bytes, std::string* why_no
   }
 }
 
+// Under mutex_. The arena's registered bytes count the charge at once, so that an arena of
+// its own budget checks the next charge against them; a shared one checks the process's
+// count, which other arenas change meanwhile, hence the compare-and-swap.
+bool HostArena::charge(std::size_t bytes, std::string* why_not) {
+  const std::size_t own = stats_.pinned_registered_bytes;
+  if (!stats_.budget_shared) {
+    if (bytes > budget_ || own > budget_ - bytes) {
+      *why_not = "pinned budget of " + std::to_string(budget_) + " bytes spent: " +
+                 std::to_string(own) + " registered, " + std::to_string(bytes) + " more needed";
+      return false;
+    }
+  } else {
+    std::atomic<std::size_t>& total = shared_pinned_bytes();
+    std::size_t now = total.load();
+    do {
+      if (bytes > budget_ || now > budget_ - bytes) {
+        *why_not = "pinned budget of " + std::to_string(budget_) +
+                   " bytes (one for the process) spent: " + std::to_string(now) +
+                   " registered by all its arenas (" + std::to_string(own) + " by this one), " +
+                   std::to_string(bytes) + " more needed";
+        return false;
+      }
+    } while (!total.compare_exchange_weak(now, now + bytes));
+  }
+  stats_.pinned_registered_bytes += bytes;
+  return true;
+}
+
+// Under mutex_ (or in the destructor). Pre: `bytes` were charged and are no longer
+// registered.
+void HostArena::uncharge(std::size_t bytes) noexcept {
+  stats_.pinned_registered_bytes -= bytes;
+  if (stats_.budget_shared) shared_pinned_bytes().fetch_sub(bytes);
+}
+
+// Every way out after charge() without a slab gives the charge back.
 HostArena::Slab* HostArena::add_slab(std::size_t bytes, std::string* why_not) {
   const MimallocApi& mi = mimalloc(options_.mimalloc_library);
   if (!mi.error.empty()) {
     *why_not = mi.error;
     return nullptr;
   }
-  if (stats_.pinned_registered_bytes + bytes > budget_) {
-    *why_not = "pinned budget of " + std::to_string(budget_) + " bytes spent";
-    return nullptr;
-  }
+  slabs_.reserve(slabs_.size() + 1);  // before the charge: the push_back below cannot throw
+  if (!charge(bytes, why_not)) return nullptr;
   Slab* slab = nullptr;
   {
     std::lock_guard pool_lock(pool_mutex());
@@ -403,30 +498,39 @@ HostArena::Slab* HostArena::add_slab(std::size_t bytes, std::string* why_not) {
   if (slab != nullptr) {
     if (!register_range(slab->base, slab->bytes, why_not)) {
       std::lock_guard pool_lock(pool_mutex());
-      idle_slabs().push_back(slab);
+      idle_slabs().push_back(slab);  // cannot throw: it was there a moment ago
+      uncharge(bytes);
       return nullptr;
     }
   } else {
     if (mi.arenas_exhausted->load()) {
+      uncharge(bytes);
       *why_not = kNoArenaLeft;
       return nullptr;
     }
     void* base = map_aligned(bytes, kArenaAlign);
     if (base == nullptr) {
+      uncharge(bytes);
       *why_not = "mmap of a " + std::to_string(bytes >> 20) + " MiB slab failed: " +
                  std::strerror(errno);
       return nullptr;
     }
     if (!register_range(base, bytes, why_not)) {
       munmap(base, bytes);
+      uncharge(bytes);
       return nullptr;
     }
     mi_arena_id_t id = 0;
     // Fresh anonymous memory is zero; committed (Note [No decommit of pinned pages]).
     if (!mi.manage_os_memory_ex(base, bytes, /*is_committed=*/true, /*is_large=*/false,
                                 /*is_zero=*/true, /*numa_node=*/-1, /*exclusive=*/true, &id)) {
-      backend_.host_unregister(base);
+      try {
+        backend_.host_unregister(base);
+      } catch (const BackendError&) {
+        // Unmapping below releases the pages either way.
+      }
       munmap(base, bytes);
+      uncharge(bytes);
       mi.arenas_exhausted->store(true);
       *why_not = kNoArenaLeft;
       return nullptr;
@@ -434,44 +538,39 @@ HostArena::Slab* HostArena::add_slab(std::size_t bytes, std::string* why_not) {
     slab = new Slab{static_cast<char*>(base), bytes, id, &mi, 0, false};
   }
   slabs_.push_back(slab);
-  stats_.pinned_registered_bytes += bytes;
   stats_.slab_count++;
   return slab;
 }
 
+// Every way out after charge() without a mapping gives the charge back. The entry is made
+// before the registration: its node is the one allocation that may throw.
 void* HostArena::allocate_direct_pinned(std::size_t bytes, std::string* why_not) {
   const std::size_t mapped = round_up(bytes, kPageBytes);
-  if (stats_.pinned_registered_bytes + mapped > budget_) {
-    *why_not = "pinned budget of " + std::to_string(budget_) + " bytes spent";
-    return nullptr;
-  }
+  if (!charge(mapped, why_not)) return nullptr;
   void* p = mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   if (p == MAP_FAILED) {
+    uncharge(mapped);
     *why_not = std::string("mmap failed: ") + std::strerror(errno);
     return nullptr;
   }
-  if (!register_range(p, mapped, why_not)) {
+  try {
+    direct_.emplace(p, mapped);
+  } catch (...) {  // std::bad_alloc
     munmap(p, mapped);
+    uncharge(mapped);
+    throw;
+  }
+  if (!register_range(p, mapped, why_not)) {
+    direct_.erase(p);
+    munmap(p, mapped);
+    uncharge(mapped);
     return nullptr;
   }
-  direct_.emplace(p, mapped);
-  stats_.pinned_registered_bytes += mapped;
   stats_.direct_count++;
   return p;
 }
 
 namespace {
-// Why pinned memory failed, read once from the reason its failure path wrote; the stats
-// and the warning both go by it.
-enum class FallbackCause { register_failed, no_mimalloc, budget_spent, other };
-
-FallbackCause fallback_cause(const std::string& reason) {
-  if (reason.rfind("host_register", 0) == 0) return FallbackCause::register_failed;
-  if (reason.rfind("mimalloc", 0) == 0) return FallbackCause::no_mimalloc;
-  if (reason.find("budget") != std::string::npos) return FallbackCause::budget_spent;
-  return FallbackCause::other;
-}
-
 // The warning's text: cause, budget asked for, remedy, consequence.
 std::string pageable_fallback_warning(const HostArenaStats& s, std::size_t bytes,
                                       const std::string& reason, FallbackCause why) {
@@ -494,7 +593,9 @@ std::string pageable_fallback_warning(const HostArenaStats& s, std::size_t bytes
     cause = reason;
     remedy = "make libmimalloc.so.2 loadable (Debian/Ubuntu package libmimalloc2.0)";
   } else if (why == FallbackCause::budget_spent) {
-    cause = "the pinned host budget of " + format_bytes(s.pinned_budget_bytes) + " is spent";
+    cause = "the pinned host budget of " + format_bytes(s.pinned_budget_bytes) +
+            (s.budget_shared ? " (one for the process, shared by its tiered stores)" : "") +
+            " is spent";
     remedy = "raise tidepool.pinned_budget (or HostArenaOptions::pinned_budget_bytes)";
   } else {
     cause = "pinned host memory could not serve a request" +
@@ -558,7 +659,7 @@ void HostArena::deallocate(const HostBlock& block) {
       // Unmapping below releases the pages either way.
     }
     munmap(block.ptr, mapped);
-    stats_.pinned_registered_bytes -= mapped;
+    uncharge(mapped);
     stats_.direct_count--;
     stats_.pinned_in_use_bytes -= block.bytes;
     return;
@@ -595,7 +696,7 @@ std::size_t HostArena::release_empty_slabs() noexcept {
       continue;
     }
     it = slabs_.erase(it);
-    stats_.pinned_registered_bytes -= slab->bytes;
+    uncharge(slab->bytes);
     stats_.slab_count--;
     stats_.slabs_released++;
     released += slab->bytes;

@@ -9,6 +9,13 @@
 // least `direct_threshold_bytes` skip mimalloc and get a registered mapping of their own
 // (mimalloc would round them up to whole 32 MiB arena blocks).
 //
+// The pinned budget bounds what is registered (slabs and direct mappings). The configured
+// one (tidepool.pinned_budget, else a quarter of RAM) is one budget for the whole process,
+// shared by every arena built without a budget of its own: each tiered store owns an arena
+// (Note [One pinned budget per process] in host_arena.cpp). A small request whose slab
+// does not fit in the budget left, but which fits itself, gets a direct mapping too (Note
+// [A budget smaller than a slab] there).
+//
 // When the pinned budget is spent, or registration fails, allocations fall back to
 // pageable host memory. The fallback is never silent: every block says its tier, the
 // stats count fallback bytes and the reason, and the first fallback of an arena prints
@@ -34,7 +41,9 @@
 // zero it).
 //
 // Thread-safety: every method may be called from any thread concurrently; a block may be
-// freed by a thread other than the one that allocated it.
+// freed by a thread other than the one that allocated it. One mutex per arena guards its
+// slabs, mappings and stats; the process-wide pinned charge is an atomic that arenas update
+// under their own mutex, never under a common lock, and never waiting.
 #pragma once
 
 #include <cstddef>
@@ -66,9 +75,11 @@ struct HostArenaOptions {
   std::size_t slab_bytes = std::size_t{64} << 20;
   // Requests this large or larger get a registered mapping of their own.
   std::size_t direct_threshold_bytes = std::size_t{4} << 20;
-  // Pinned bytes this arena may register (slabs + direct mappings). 0 means: the
-  // configured tidepool.pinned_budget (allocator/tier_routing.h) when there is one,
-  // else a quarter of physical memory.
+  // Pinned bytes this arena may register (slabs + direct mappings), its own: no other
+  // arena's registrations count against it. 0 means: the configured
+  // tidepool.pinned_budget (allocator/tier_routing.h) when there is one, else a quarter of
+  // physical memory; that budget is the process's, shared with every other arena built
+  // with 0 (Note [One pinned budget per process] in host_arena.cpp).
   std::size_t pinned_budget_bytes = 0;
   // Cap the budget at RLIMIT_MEMLOCK when that limit is finite. Off by default: neither
   // backend pins through mlock (cudaHostRegister pins in the driver, which RLIMIT_MEMLOCK
@@ -102,12 +113,18 @@ struct HostArenaStats {
   std::size_t pinned_budget_requested_bytes = 0;  // before the RLIMIT_MEMLOCK cap
   bool budget_capped_by_memlock = false;
   bool budget_from_config = false;  // tidepool.pinned_budget set it (no explicit option)
+  // The budget is the process's, shared with the other arenas built without a budget of
+  // their own (from the configuration or the default); false for an explicit one.
+  bool budget_shared = false;
   std::size_t pinned_registered_bytes = 0;  // slabs + direct mappings now registered
   std::size_t slab_count = 0;
   std::size_t direct_count = 0;
   // Small blocks mapped directly because mimalloc had no arena left for another slab
   // (Note [When mimalloc has no arena left] in host_arena.cpp).
   std::uint64_t direct_after_no_arena = 0;
+  // Small blocks mapped directly because the budget left was less than a slab (Note [A
+  // budget smaller than a slab] in host_arena.cpp).
+  std::uint64_t direct_budget_below_slab = 0;
   std::size_t pinned_in_use_bytes = 0;
   std::size_t pinned_peak_bytes = 0;
   std::uint64_t pinned_allocs = 0;
@@ -131,8 +148,10 @@ class TIDEPOOL_API HostArena {
  public:
   // Validates the options (throws HostArenaError naming the bad one). Maps nothing yet.
   HostArena(Backend& backend, HostArenaOptions options = {});
-  // Pre: every block was deallocated (blocks still live are leaked, with their slab).
-  // Never throws: a backend failure is reported on stderr (teardown.h).
+  // Pre: every block was deallocated. Blocks still live are leaked, with their slab or
+  // direct mapping, which stay mapped, registered and charged to the budget (a copy may
+  // still touch them: ~TieredStore skips deallocate when the device cannot be
+  // synchronized). Never throws: a backend failure is reported on stderr (teardown.h).
   ~HostArena();
   HostArena(const HostArena&) = delete;
   HostArena& operator=(const HostArena&) = delete;
@@ -160,6 +179,10 @@ class TIDEPOOL_API HostArena {
   void* allocate_direct_pinned(std::size_t bytes, std::string* why_not);
   HostBlock allocate_pageable(std::size_t bytes, const std::string& reason);
   bool register_range(void* ptr, std::size_t bytes, std::string* why_not);
+  // Takes `bytes` of the budget before they are registered (false: why_not says the budget
+  // is spent), and gives them back once unregistered or when registering failed.
+  bool charge(std::size_t bytes, std::string* why_not);
+  void uncharge(std::size_t bytes) noexcept;
 
   Backend& backend_;
   HostArenaOptions options_;

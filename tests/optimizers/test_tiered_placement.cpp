@@ -299,7 +299,7 @@ TEST(TieredPlacement, PageableHostCopiesAreCounted) {
     auto buffer = pinned.create_zeros({elements}, four_mib);
     EXPECT_EQ(pinned.pageable_bytes(), 0u);
   }
-  TieredPlacement starved(store_with_pinned(4096));
+  TieredPlacement starved(store_with_pinned(1024));
   {
     auto buffer = starved.create_zeros({elements}, four_mib);
     auto copied = starved.create(torch::ones({100}, torch::kFloat32));
