@@ -44,6 +44,11 @@
 // reuse the cache (steps 2-4) -> free cached memory (pending events waited for, fully
 // free ranges released, streams that last used them synchronized) -> retry -> reclaim
 // hooks (no lock held: hooks free memory through this allocator) -> retry -> throw.
+// A request the cache cannot serve and that is larger than the device, or than the
+// process's share of it (the backend's device limit, a memory fraction), skips from the
+// reuse straight to the throw: new backing for it would have to be held all at once, and
+// the backend grants no more than the limit whatever is freed, so emptying the cache
+// (which waits for streams) or evicting tiered state would cost without making room.
 #include "allocator/caching_allocator.h"
 
 #include <algorithm>
@@ -286,12 +291,16 @@ Block* CachingAllocator::Impl::try_allocate(StreamPools& sp, std::size_t size, b
 Block* CachingAllocator::Impl::try_allocate_releasing(StreamPools& sp, std::size_t size,
                                                       bool small) {
   if (Block* b = try_allocate(sp, size, small)) return b;
-  if (!options.allow_release) return nullptr;
+  if (!options.allow_release || never_fits(size)) return nullptr;  // Note [OOM policy]
   drain_thread_caches();
   flush_all_quick();
   process_pending(true);
   release_cached();
   return try_allocate(sp, size, small);
+}
+
+bool CachingAllocator::Impl::never_fits(std::size_t size) const {
+  return (device_total != 0 && size > device_total) || size > backend->device_limit();
 }
 
 void* CachingAllocator::Impl::finish_allocation(Block* b, std::size_t bytes, int tag) {
@@ -380,15 +389,14 @@ void* CachingAllocator::allocate(std::size_t bytes, Stream stream) {
                                                        : m.stats.cache_misses);
       return m.finish_shared_allocation(b, bytes, tag, tc);
     }
-  }
-  // A request larger than the whole device can never be met: fail at once instead of
-  // asking the reclaim hooks to evict state that could not make room anyway.
-  if (m.device_total != 0 && size > m.device_total) {
-    std::lock_guard lock(m.mutex);
-    const auto cache_locks = m.lock_thread_caches();
-    m.fold_locked_thread_caches();
-    ++m.stats.oom_count;
-    throw OutOfMemoryError(m.oom_message(bytes, size, stream, 0, 0));
+    // A request that can never fit fails at once, the cache kept (try_allocate_releasing
+    // released nothing for it), no hook asked to evict state (Note [OOM policy]).
+    if (m.never_fits(size)) {
+      const auto cache_locks = m.lock_thread_caches();
+      m.fold_locked_thread_caches();
+      ++m.stats.oom_count;
+      throw OutOfMemoryError(m.oom_message(bytes, size, stream, 0, 0));
+    }
   }
   // Reclaim hooks run without the lock: they free memory through this allocator.
   const detail::ReclaimResult reclaimed = detail::run_reclaim_hooks(m.device, size);

@@ -88,6 +88,9 @@ struct __attribute__((visibility("hidden"))) CachingAllocator::Impl {
   Event take_event();
   Block* try_allocate(StreamPools& sp, std::size_t size, bool small);
   Block* try_allocate_releasing(StreamPools& sp, std::size_t size, bool small);
+  // Whether a block of `size` bytes can never be backed: it is larger than the device or
+  // than the process's share of it (Backend::set_device_limit).
+  bool never_fits(std::size_t size) const;
   Block* choose_fit(detail::BlockPool& pool, std::size_t size, bool& at_end) const;
   Block* carve_tail(Block* b, std::size_t tail);
   void split(Block* b, std::size_t size);
@@ -154,7 +157,19 @@ struct __attribute__((visibility("hidden"))) CachingAllocator::Impl {
   Block* grow(StreamPools& sp, std::size_t size, bool small);
   Segment* create_segment(StreamPools& sp, std::size_t bytes, bool small, bool expandable);
   // Maps any unbacked granule under `b` (expandable segments); false when out of memory.
+  // When it fails (false or a throw), the runs it created are given back (Note [Failed
+  // backing]).
   bool ensure_backed(Block* b);
+  // ensure_backed's work on granules [first, end) of b's segment; appends the head of
+  // every run it creates to `created` (room made before the first).
+  bool back_block(Block* b, std::size_t first, std::size_t end,
+                  std::vector<std::size_t>& created);
+  // Unmaps and releases the runs at `heads`, which nothing has used; failures leave a run
+  // mapped and cached or its handle in `unreleased`.
+  void give_back_runs(Segment* seg, const std::vector<std::size_t>& heads) noexcept;
+  // Unmaps the run at granule `head` of seg and releases its handle (Note [Unreleased
+  // handles]); reserved memory and segments drop by it. Returns its bytes.
+  std::size_t release_run(Segment* seg, std::size_t head);
   // A mapping run lying wholly in free blocks, which can be moved (Note [Moving free
   // runs]). `needs_sync`: it holds blocks the allocating stream freed that no completed
   // fence covers yet, so that stream must be synchronized before the run is unmapped.

@@ -70,6 +70,24 @@
 // retries those releases, as does the destructor. Each handle is listed once and leaves
 // the list only when its release succeeded, so it is neither leaked nor released twice.
 // Room in the list is reserved before the unmap, so listing it cannot fail.
+//
+// Note [Bookkeeping before backing]
+// Memory the backend hands over must be recorded without fail: a segment missing from
+// `segments`, a range missing from its stream's list or a run missing from mapped_runs
+// is memory (or address space) that no empty_cache, no move and no destructor ever gives
+// back, and whose bytes escape reserved memory and the memory-fraction accounting. So
+// whatever can throw std::bad_alloc (the Segment, its run tables, its node in `segments`,
+// room in the list, the run's entry in mapped_runs) is made before the backend call, and
+// what follows the call cannot fail; a block is indexed in `blocks` before it is linked.
+//
+// Note [Failed backing]
+// A block is backed slot by slot, and near the device's capacity or the process's limit a
+// later slot can be refused after earlier ones were created. The request fails and the
+// block goes back to its pool; the runs created for it would stay, backing free memory
+// for a request that is not there (a too-large request retried in a loop would pin its
+// size less one slot). So ensure_backed gives back the runs it created when it fails or
+// throws: reserved memory is as it was. Runs moved in stay (a move changes no reserved
+// byte), as do runs released for recycling (Note [Recycling free runs]).
 #include <algorithm>
 #include <set>
 
@@ -87,15 +105,13 @@ CachingAllocator::Impl::Segment* CachingAllocator::Impl::create_segment(StreamPo
                                                                          std::size_t bytes,
                                                                          bool small,
                                                                          bool expandable) {
-  void* base = expandable ? backend->reserve_address(bytes) : backend->device_alloc(bytes);
-  if (base == nullptr) return nullptr;
-  auto* seg = new Segment();
-  seg->base = static_cast<char*>(base);
+  // Everything that can throw comes before the backend call (Note [Bookkeeping before
+  // backing]).
+  auto seg = std::make_unique<Segment>();
   seg->size = bytes;
   seg->expandable = expandable;
   seg->small = small;
   seg->creator = &sp;
-  seg->used_end = seg->base;
   if (expandable) {
     const std::size_t granules = bytes / granule;
     // Small ranges hold at most a few MiB of small blocks: granule slots waste least.
@@ -103,21 +119,39 @@ CachingAllocator::Impl::Segment* CachingAllocator::Impl::create_segment(StreamPo
     seg->run_head.assign(granules, -1);
     seg->run_handle.assign(granules, PhysicalHandle{});
     seg->run_granules.assign(granules, 0);
-  } else {
+  }
+  // The map node, made in a scratch map: inserting a node handle allocates nothing.
+  decltype(segments) scratch;
+  auto node = scratch.extract(scratch.emplace(nullptr, seg.get()).first);
+  void* base = expandable ? backend->reserve_address(bytes) : backend->device_alloc(bytes);
+  if (base == nullptr) return nullptr;
+  seg->base = static_cast<char*>(base);
+  seg->used_end = seg->base;
+  node.key() = seg->base;
+  segments.insert(std::move(node));
+  if (!expandable) {
     seg->mapped_bytes = bytes;
     stats.reserved.add(bytes);
     stats.segments.add(1);
+    // Note [Segment events]; a range's address space is no event
+    segment_log.record(SegmentEvent::Kind::segment_allocated, base, bytes,
+                       segment_stream(seg.get()));
   }
-  segments.emplace(seg->base, seg);
-  if (!expandable)  // Note [Segment events]; a range's address space is no event
-    segment_log.record(SegmentEvent::Kind::segment_allocated, base, bytes, segment_stream(seg));
-  return seg;
+  return seg.release();
 }
 
 // Appends a free block of `bytes` at the segment's used end, owned by sp, into sp's pool.
+// A throw (std::bad_alloc) changes nothing: a last block missing from `blocks` or from
+// the pool would be extended and handed out by the next grow, then refused by deallocate.
 static Block* append_block(CachingAllocator::Impl& m, Segment* seg, StreamPools& sp,
                            std::size_t bytes) {
   Block* b = m.new_block();
+  try {
+    m.blocks.emplace(seg->used_end, b);  // indexed before it is linked
+  } catch (...) {
+    delete b;
+    throw;
+  }
   b->ptr = seg->used_end;
   b->size = bytes;
   b->segment = seg;
@@ -129,8 +163,21 @@ static Block* append_block(CachingAllocator::Impl& m, Segment* seg, StreamPools&
     seg->first = b;
   seg->last = b;
   seg->used_end += bytes;
-  m.blocks.emplace(b->ptr, b);
-  m.insert_free(b, false);
+  try {
+    // Nothing to merge with (grow extends a free last block of sp instead of appending),
+    // so only the pool's insert can throw, with b not in the pool.
+    m.insert_free(b, false);
+  } catch (...) {
+    seg->last = b->prev;
+    if (b->prev != nullptr)
+      b->prev->next = nullptr;
+    else
+      seg->first = nullptr;
+    seg->used_end -= bytes;
+    m.blocks.erase(b->ptr);
+    delete b;
+    throw;
+  }
   return b;
 }
 
@@ -139,6 +186,8 @@ Block* CachingAllocator::Impl::grow(StreamPools& sp, std::size_t size, bool smal
   if (!options.expandable_segments) {
     Segment* seg = create_segment(sp, plain_segment_size(size), small, false);
     if (seg == nullptr) return nullptr;
+    // Should the append throw, the segment stays, empty and cached: release_cached gives
+    // it back.
     append_block(*this, seg, sp, seg->size);
     return pool.best_fit(size);
   }
@@ -160,9 +209,13 @@ Block* CachingAllocator::Impl::grow(StreamPools& sp, std::size_t size, bool smal
   }
   // A new range for a request the device could never back would only pin address space.
   if (device_total != 0 && size > device_total) return nullptr;
+  // Room in the list first (Note [Bookkeeping before backing]): a range no list holds would
+  // never grow again, and keep its address space until the allocator is destroyed.
+  ranges.reserve(ranges.size() + 1);
   Segment* seg = create_segment(sp, std::max(range_bytes, round_up(size, granule)), small, true);
   if (seg == nullptr) return nullptr;
   ranges.push_back(seg);
+  // Should the append throw, the range stays, empty: the next grow appends to it.
   return append_block(*this, seg, sp, size);
 }
 
@@ -182,6 +235,23 @@ bool CachingAllocator::Impl::ensure_backed(Block* b) {
     if (unbacked != 0 && after > budget && release_cached(after - budget, false, b->owner) == 0)
       futile_recycle_at = stats.allocations.freed;
   }
+  // The runs this call creates, given back if it fails (Note [Failed backing]). Each holds
+  // at least one granule of b that was unmapped, so there are at most end - first; room
+  // is made before the first (no allocation when b is backed already).
+  std::vector<std::size_t> created;
+  try {
+    if (back_block(b, first, end, created)) return true;
+  } catch (...) {
+    give_back_runs(seg, created);
+    throw;
+  }
+  give_back_runs(seg, created);
+  return false;
+}
+
+bool CachingAllocator::Impl::back_block(Block* b, std::size_t first, std::size_t end,
+                                        std::vector<std::size_t>& created) {
+  Segment* seg = b->segment;
   // Note [Moving free runs]: moves start once new backing would take reserved memory
   // past (1 + move_slack) x the peak of allocated memory. Movable slots are looked for
   // once per call, and not at all while no block was freed since a search found none.
@@ -202,20 +272,26 @@ bool CachingAllocator::Impl::ensure_backed(Block* b) {
       needed = needed || (!mapped && g >= lo && g < hi);
     }
     if (!needed) continue;
-    if (empty) {
-      const std::size_t bytes = length * granule;
-      if (may_move && stats.reserved.current + bytes > move_above) {
-        if (!searched) {
-          searched = true;
-          bool unsettled = false;
-          movable = find_free_runs(*b->owner, unsettled);
-          if (movable.empty() && !unsettled) futile_move_at = stats.allocations.freed;
-        }
-        if (move_free_run(seg, head, length, movable, *b->owner)) continue;
+    if (created.capacity() == 0) created.reserve(end - first);
+    const std::size_t bytes = length * granule;
+    if (empty && may_move && stats.reserved.current + bytes > move_above) {
+      if (!searched) {
+        searched = true;
+        bool unsettled = false;
+        movable = find_free_runs(*b->owner, unsettled);
+        if (movable.empty() && !unsettled) futile_move_at = stats.allocations.freed;
       }
-      // A whole slot refused (memory taken by another user since mem_info) may still
-      // leave room for the granules b needs: try those before calling it out of memory.
-      if (whole_slot_affordable(bytes) && create_run(seg, head, length)) continue;
+      if (move_free_run(seg, head, length, movable, *b->owner)) continue;
+    }
+    // A block larger than the device or the process's share can be backed by moves alone:
+    // the backend refuses the new run that would take what it holds past the limit, so
+    // the runs made before it would be made for nothing (Note [OOM policy]).
+    if (never_fits(b->size)) return false;
+    // A whole slot refused (memory taken by another user since mem_info) may still leave
+    // room for the granules b needs: try those before calling it out of memory.
+    if (empty && whole_slot_affordable(bytes) && create_run(seg, head, length)) {
+      created.push_back(head);
+      continue;
     }
     // Near the device's capacity or limit (or in a slot already backed piecewise), back
     // only the granules b needs: a whole slot would pin memory no other request could use.
@@ -227,10 +303,26 @@ bool CachingAllocator::Impl::ensure_backed(Block* b) {
       std::size_t run_end = g;
       while (run_end < hi && seg->run_head[run_end] < 0) ++run_end;
       if (!create_run(seg, g, run_end - g)) return false;
+      created.push_back(g);
       g = run_end;
     }
   }
   return true;
+}
+
+void CachingAllocator::Impl::give_back_runs(Segment* seg,
+                                            const std::vector<std::size_t>& heads) noexcept {
+  // Nothing used these runs (the block they back was never handed out), so no stream
+  // needs waiting for.
+  for (const std::size_t head : heads) {
+    try {
+      release_run(seg, head);
+    } catch (...) {
+      // The unmap (or room to list its handle) failed: the run stays mapped, counted and
+      // free, cached memory that empty_cache retries. Or the release did: the handle is
+      // listed for a retry (Note [Unreleased handles]).
+    }
+  }
 }
 
 std::uint64_t CachingAllocator::Impl::reserved_budget(std::size_t size, double slack) const {
@@ -281,13 +373,19 @@ bool CachingAllocator::Impl::create_run(Segment* seg, std::size_t head, std::siz
 void CachingAllocator::Impl::map_run(Segment* seg, std::size_t head, std::size_t granules,
                                      PhysicalHandle h) {
   const std::size_t bytes = granules * granule;
-  backend->map(seg->base + head * granule, bytes, h);
+  // Listed before the map (Note [Bookkeeping before backing]).
+  seg->mapped_runs.insert(static_cast<std::uint32_t>(head));
+  try {
+    backend->map(seg->base + head * granule, bytes, h);
+  } catch (...) {
+    seg->mapped_runs.erase(static_cast<std::uint32_t>(head));
+    throw;
+  }
   ++mapping.map_calls;
   for (std::size_t i = head; i < head + granules; ++i)
     seg->run_head[i] = static_cast<std::int32_t>(head);
   seg->run_handle[head] = h;
   seg->run_granules[head] = static_cast<std::uint32_t>(granules);
-  seg->mapped_runs.insert(static_cast<std::uint32_t>(head));
   seg->mapped_bytes += bytes;
   segment_log.record(SegmentEvent::Kind::mapped, seg->base + head * granule, bytes,
                      segment_stream(seg));
@@ -514,16 +612,21 @@ std::size_t CachingAllocator::Impl::release_cached(std::size_t want, bool wait,
       delete seg;
       continue;
     }
-    const std::size_t bytes = seg->run_granules[r.head] * granule;
-    // A failed unmap changes nothing. Once unmapped, the run backs nothing of ours: it
-    // leaves the stats even if releasing its handle then fails (Note [Unreleased handles]).
-    const PhysicalHandle h = unmap_run(seg, r.head);
-    stats.reserved.sub(bytes);
-    stats.segments.sub(1);
-    released_bytes += bytes;
-    release_unmapped(h, bytes);
+    released_bytes += release_run(seg, r.head);
   }
   return released_bytes;
+}
+
+std::size_t CachingAllocator::Impl::release_run(Segment* seg, std::size_t head) {
+  const std::size_t bytes = seg->run_granules[head] * granule;
+  unreleased.reserve(unreleased.size() + 1);  // Note [Unreleased handles]
+  // A failed unmap changes nothing. Once unmapped, the run backs nothing of ours: it
+  // leaves the stats even if releasing its handle then fails (Note [Unreleased handles]).
+  const PhysicalHandle h = unmap_run(seg, head);
+  stats.reserved.sub(bytes);
+  stats.segments.sub(1);
+  release_unmapped(h, bytes);
+  return bytes;
 }
 
 void CachingAllocator::Impl::release_unmapped(PhysicalHandle h, std::size_t bytes) {

@@ -229,8 +229,14 @@ std::string CachingAllocator::Impl::oom_message(std::size_t bytes, std::size_t r
     any = true;
   }
   if (!any) os << " nothing allocated";
-  os << ". Cache emptied and " << reclaim_calls << " reclaim hook call(s) freed "
-     << format_bytes(reclaimed) << ". ";
+  // A request that can never fit failed before the cache was emptied or a hook asked
+  // (Note [OOM policy] in caching_allocator.cpp).
+  if (never_fits(rounded)) {
+    os << ". Nothing was freed for it: it cannot fit whatever is freed. ";
+  } else {
+    os << ". Cache emptied and " << reclaim_calls << " reclaim hook call(s) freed "
+       << format_bytes(reclaimed) << ". ";
+  }
   if (info.total_bytes != 0 && bytes > info.total_bytes)
     os << "The request is larger than the whole device: check the size computation.";
   else if (limit != std::numeric_limits<std::size_t>::max() && bytes > limit)

@@ -4,14 +4,21 @@
 // sweeps the allocation that fails, n = 0, 1, 2, ..., each on a fresh thread, until the
 // allocation goes through. After every failure nothing is handed out or lost: the stats
 // say nothing is allocated, every reserved byte is cached, and empty_cache gives all of it
-// back; after the success the block frees and the same holds.
+// back; after the success the block frees and the same holds. The same from a fresh
+// allocator, where the failure may hit making the first segment, range, block or mapping:
+// nothing the backend gave may be left unrecorded, and the allocator keeps working.
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <cstddef>
+#include <memory>
 #include <string>
 #include <thread>
+#include <tuple>
+#include <utility>
 
 #include "allocator/caching_allocator.h"
+#include "allocator/forwarding_backend.h"
 #include "tests/support/failing_operator_new.h"
 
 namespace tidepool {
@@ -59,6 +66,95 @@ TEST_P(AllocationFailures, AnAllocationThatRunsOutOfHeapLeavesNothingBehind) {
 
 INSTANTIATE_TEST_SUITE_P(Sizes, AllocationFailures,
                          ::testing::Values(std::size_t{4000}, std::size_t{3} << 20));
+
+// Counts the address ranges reserved through it and not released yet. The count outlives
+// the backend, so a test can check once the allocator is gone that it left none reserved.
+class ReservationCounter final : public ForwardingBackend {
+ public:
+  explicit ReservationCounter(std::unique_ptr<Backend> inner)
+      : ForwardingBackend(std::move(inner)) {}
+  std::shared_ptr<const std::atomic<int>> live() const { return live_; }
+
+ private:
+  void* do_reserve_address(std::size_t bytes) override {
+    void* va = ForwardingBackend::do_reserve_address(bytes);
+    live_->fetch_add(1);
+    return va;
+  }
+  void do_release_address(void* va, std::size_t bytes) override {
+    ForwardingBackend::do_release_address(va, bytes);
+    live_->fetch_sub(1);
+  }
+
+  std::shared_ptr<std::atomic<int>> live_ = std::make_shared<std::atomic<int>>(0);
+};
+
+// (request bytes, expandable segments)
+class FreshAllocationFailures
+    : public ::testing::TestWithParam<std::tuple<std::size_t, bool>> {};
+
+// The first allocation of a fresh allocator, failing at each of its heap allocations in
+// turn. After a failure, what the allocator reserves is exactly what the backend holds for
+// it (a segment or mapping the backend made but no table records would differ), the same
+// request is served, backed by memory reserved counts, and freed (a block half-linked
+// into a range would be handed out and then refused as a "free of no live allocation"),
+// and empty_cache gives every byte back.
+// Once the allocator is gone, no address range is left reserved.
+TEST_P(FreshAllocationFailures, AFirstAllocationThatRunsOutOfHeapLeavesNothingBehind) {
+  const auto [bytes, expandable] = GetParam();
+  long failures = 0;
+  for (long n = 0; n < kMaxAllocations; ++n) {
+    const std::string when = "allocation " + std::to_string(n);
+    HostBackendOptions host;
+    host.capacity_bytes = std::size_t{1} << 30;
+    auto counter = std::make_unique<ReservationCounter>(make_host_backend(0, host));
+    const std::shared_ptr<const std::atomic<int>> live_ranges = counter->live();
+    AllocatorOptions options;
+    options.expandable_segments = expandable;
+    bool done = false;
+    {
+      CachingAllocator a(std::move(counter), options);
+      Backend& backend = a.backend();
+      void* p = nullptr;
+      std::thread([&] { done = survives(n, [&] { p = a.allocate(bytes); }); }).join();
+      if (done) {
+        ASSERT_NE(p, nullptr);
+        a.deallocate(p, bytes);
+      } else {
+        ++failures;
+        EXPECT_EQ(a.stats().allocated.current, 0u) << when << " failed";
+        EXPECT_EQ(a.stats().reserved.current, backend.device_bytes_in_use())
+            << when << " failed: reserved memory is not what the backend holds for us";
+        a.empty_cache();
+        EXPECT_EQ(a.stats().reserved.current, 0u) << when << " failed";
+        EXPECT_EQ(backend.device_bytes_in_use(), 0u)
+            << when << " failed: device memory that empty_cache cannot give back";
+        void* again = a.allocate(bytes);
+        // Every byte under a live block is mapped memory that reserved counts.
+        EXPECT_GE(a.stats().reserved.current, bytes) << when << " failed";
+        EXPECT_EQ(a.stats().reserved.current, backend.device_bytes_in_use()) << when << " failed";
+        // One stream, one pool: one range, the failed allocation's if it made one.
+        EXPECT_LE(live_ranges->load(), 1) << when << " failed: a range no stream grows";
+        EXPECT_NO_THROW(a.deallocate(again, bytes)) << when << " failed";
+      }
+      a.empty_cache();
+      EXPECT_EQ(a.stats().reserved.current, 0u) << when << (done ? " went through" : "");
+      EXPECT_EQ(backend.device_bytes_in_use(), 0u) << when << (done ? " went through" : "");
+    }
+    EXPECT_EQ(live_ranges->load(), 0) << when << ": an address range outlived the allocator";
+    if (done) break;
+  }
+  EXPECT_GT(failures, 0) << "no allocation to fail: the sweep tested nothing";
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    SizesAndSegments, FreshAllocationFailures,
+    ::testing::Combine(::testing::Values(std::size_t{40} << 20, std::size_t{3} << 20),
+                       ::testing::Bool()),
+    [](const ::testing::TestParamInfo<std::tuple<std::size_t, bool>>& param) {
+      return std::to_string(std::get<0>(param.param) >> 20) + "MiB" +
+             (std::get<1>(param.param) ? "Expandable" : "Plain");
+    });
 
 }  // namespace
 }  // namespace tidepool

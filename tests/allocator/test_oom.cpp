@@ -192,6 +192,36 @@ TEST_P(Oom, AMemoryFractionLimitRunsThePolicyAndTheErrorNamesIt) {
   alloc_->deallocate(all, 48 * kMiB);
 }
 
+// A request that can never be met, larger than the whole device or than the process's
+// share of it (a memory fraction), fails at once: freeing cached memory (which waits for
+// the streams that used it) or asking the hooks to evict tiered state could not make room.
+TEST_P(Oom, ARequestThatCanNeverFitFailsWithoutEmptyingTheCacheOrReclaiming) {
+  AllocatorOptions o;
+  o.expandable_segments = GetParam();
+  CachingAllocator a(make_host_backend(0, {std::size_t{256} << 20}), o);
+  a.deallocate(a.allocate(16 * kMiB), 16 * kMiB);
+  const AllocatorStats before = a.stats();
+  ASSERT_GT(before.reserved.current, 0u);
+  int hook_calls = 0;
+  test::ScopedReclaimHook guard([&](int, std::size_t) {
+    ++hook_calls;
+    return std::size_t{0};
+  });
+  std::string m =
+      test_support::expect_error<OutOfMemoryError>([&] { a.allocate(1024 * kMiB); });
+  EXPECT_NE(m.find("larger than the whole device"), std::string::npos) << m;
+  a.backend().set_device_limit(64 * kMiB);
+  m = test_support::expect_error<OutOfMemoryError>([&] { a.allocate(128 * kMiB); });
+  EXPECT_NE(m.find("larger than this process's share"), std::string::npos) << m;
+  EXPECT_EQ(hook_calls, 0);
+  EXPECT_EQ(a.stats().reserved.current, before.reserved.current) << "the cache was emptied";
+  EXPECT_EQ(a.stats().segments.freed, before.segments.freed);
+  EXPECT_EQ(a.stats().oom_count, 2u);
+  void* p = a.allocate(48 * kMiB);  // within the share: served (from the cache and more)
+  EXPECT_NE(p, nullptr);
+  a.deallocate(p, 48 * kMiB);
+}
+
 TEST_P(Oom, AThrowingHookDoesNotBreakThePolicy) {
   test::ScopedReclaimHook guard(
       [](int, std::size_t) -> std::size_t { throw std::runtime_error("hook bug"); });
@@ -259,6 +289,27 @@ TEST(OomNearALimit, ARefusedWholeSlotFallsBackToTheGranulesNeeded) {
   EXPECT_NE(p, nullptr);
   EXPECT_EQ(a.stats().reserved.current, 4 * kMiB) << "two granules, not a slot";
   a.deallocate(p, 4 * kMiB);
+}
+
+// A request that backs part of its block and then runs out gives back what it backed
+// (Note [Failed backing]): reserved memory is as it was, not holding slots for a request
+// that failed.
+TEST(OomNearALimit, AFailedRequestLeavesNoPartialBacking) {
+  CachingAllocator a(make_host_backend(0, {std::size_t{1} << 30}));
+  a.backend().set_device_limit(96 * kMiB);
+  void* other = a.backend().device_alloc(8 * kMiB);  // another user of the share
+  a.deallocate(a.allocate(32 * kMiB), 32 * kMiB);    // one slot cached
+  const std::size_t cached = a.stats().reserved.current;
+  ASSERT_EQ(cached, 32 * kMiB);
+  // 90 MiB grows the cached block: a second slot (72 MiB in use), then 26 MiB of a third
+  // (98 > 96) fails.
+  EXPECT_EQ(a.try_allocate(90 * kMiB), nullptr);
+  EXPECT_EQ(a.stats().reserved.current, cached);
+  EXPECT_EQ(a.backend().device_bytes_in_use(), cached + 8 * kMiB);
+  a.backend().device_free(other, 8 * kMiB);
+  void* p = a.allocate(90 * kMiB);  // now it fits
+  EXPECT_NE(p, nullptr);
+  a.deallocate(p, 90 * kMiB);
 }
 
 std::string segment_kind(const ::testing::TestParamInfo<bool>& p) {
