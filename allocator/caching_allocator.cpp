@@ -338,28 +338,32 @@ void check_plausible(std::size_t bytes, int device) {
 
 }  // namespace
 
-void* CachingAllocator::try_allocate(std::size_t bytes, Stream stream) {
-  if (bytes == 0) return nullptr;
-  check_plausible(bytes, impl_->device);
-  Impl& m = *impl_;
-  const std::size_t size = round_request(bytes);
-  const bool small = is_small(size);
-  const int tag = current_tag();
-  detail::ThreadCache* tc = m.find_thread_cache();
-  std::lock_guard lock(m.mutex);
-  if (!m.pending.empty()) m.process_pending(false);
-  StreamPools& sp = m.pools_for(stream);
-  const std::uint64_t acquired_before = m.stats.segments.allocated;
-  Block* b = m.try_allocate(sp, size, small);
+void* CachingAllocator::Impl::allocate_locked(std::size_t bytes, std::size_t size, bool small,
+                                              int tag, detail::ThreadCache* tc, Stream stream,
+                                              bool releasing) {
+  if (!pending.empty()) process_pending(false);
+  StreamPools& sp = pools_for(stream);
+  if (small && options.quick_lists) {
+    if (Block* b = sp.quick.pop(size)) {
+      ++stats.cache_hits;
+      return finish_shared_allocation(b, bytes, tag, tc);
+    }
+  }
+  const std::uint64_t acquired_before = stats.segments.allocated;
+  Block* b = releasing ? try_allocate_releasing(sp, size, small) : try_allocate(sp, size, small);
   if (b == nullptr) return nullptr;
-  ++(m.stats.segments.allocated == acquired_before ? m.stats.cache_hits : m.stats.cache_misses);
-  return m.finish_shared_allocation(b, bytes, tag, tc);
+  ++(stats.segments.allocated == acquired_before ? stats.cache_hits : stats.cache_misses);
+  return finish_shared_allocation(b, bytes, tag, tc);
 }
 
-void* CachingAllocator::allocate(std::size_t bytes, Stream stream) {
+namespace {
+
+// allocate (may_free) and try_allocate: without may_free, nullptr as soon as neither the
+// caches nor a new segment serve, before the OOM policy would free anything (Note [OOM
+// policy]).
+void* allocate_on(CachingAllocator::Impl& m, std::size_t bytes, Stream stream, bool may_free) {
   if (bytes == 0) return nullptr;
-  check_plausible(bytes, impl_->device);
-  Impl& m = *impl_;
+  check_plausible(bytes, m.device);
   const std::size_t size = round_request(bytes);
   const bool small = is_small(size);
   const int tag = current_tag();
@@ -375,20 +379,8 @@ void* CachingAllocator::allocate(std::size_t bytes, Stream stream) {
   }
   {
     std::lock_guard lock(m.mutex);
-    if (!m.pending.empty()) m.process_pending(false);
-    StreamPools& sp = m.pools_for(stream);
-    if (small && m.options.quick_lists) {
-      if (Block* b = sp.quick.pop(size)) {
-        ++m.stats.cache_hits;
-        return m.finish_shared_allocation(b, bytes, tag, tc);
-      }
-    }
-    const std::uint64_t acquired_before = m.stats.segments.allocated;
-    if (Block* b = m.try_allocate_releasing(sp, size, small)) {
-      ++(m.stats.segments.allocated == acquired_before ? m.stats.cache_hits
-                                                       : m.stats.cache_misses);
-      return m.finish_shared_allocation(b, bytes, tag, tc);
-    }
+    if (void* p = m.allocate_locked(bytes, size, small, tag, tc, stream, may_free)) return p;
+    if (!may_free) return nullptr;
     // A request that can never fit fails at once, the cache kept (try_allocate_releasing
     // released nothing for it), no hook asked to evict state (Note [OOM policy]).
     if (m.never_fits(size)) {
@@ -415,6 +407,16 @@ void* CachingAllocator::allocate(std::size_t bytes, Stream stream) {
     message = m.oom_message(bytes, size, stream, reclaimed.calls, reclaimed.bytes);
   }
   throw OutOfMemoryError(std::move(message));
+}
+
+}  // namespace
+
+void* CachingAllocator::allocate(std::size_t bytes, Stream stream) {
+  return allocate_on(*impl_, bytes, stream, /*may_free=*/true);
+}
+
+void* CachingAllocator::try_allocate(std::size_t bytes, Stream stream) {
+  return allocate_on(*impl_, bytes, stream, /*may_free=*/false);
 }
 
 }  // namespace tidepool

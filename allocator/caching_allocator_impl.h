@@ -91,6 +91,11 @@ struct __attribute__((visibility("hidden"))) CachingAllocator::Impl {
   // Whether a block of `size` bytes can never be backed: it is larger than the device or
   // than the process's share of it (Backend::set_device_limit).
   bool never_fits(std::size_t size) const;
+  // Under `mutex`: `bytes` (rounded to `size`) from the stream's quick list, its cache or a
+  // new segment; when `releasing`, the cached memory is freed first if nothing fits
+  // (try_allocate_releasing). nullptr when none.
+  void* allocate_locked(std::size_t bytes, std::size_t size, bool small, int tag,
+                        detail::ThreadCache* tc, Stream stream, bool releasing);
   Block* choose_fit(detail::BlockPool& pool, std::size_t size, bool& at_end) const;
   Block* carve_tail(Block* b, std::size_t tail);
   void split(Block* b, std::size_t size);
