@@ -625,7 +625,7 @@ TEST(ExpandableRangeBytes, ALengthPastTheDeviceIsCutToTheDevice) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Backends, Moves, ::testing::Values("host", "cuda"),
+INSTANTIATE_TEST_SUITE_P(Backends, Moves, TIDEPOOL_ALLOCATOR_TEST_BACKENDS,
                          [](const ::testing::TestParamInfo<std::string>& p) { return p.param; });
 
 INSTANTIATE_TEST_SUITE_P(Backends, Battery, test::backends_and_segment_kinds(),

@@ -57,8 +57,14 @@ inline std::unique_ptr<Backend> make_backend(const std::string& kind,
 // the backend kind (as make_backend takes it) and whether segments are expandable.
 using BackendAndSegments = std::tuple<std::string, bool>;
 // Every such pair, and the name of one in test listings ("host_expandable", "cuda_plain").
+// The backends the parametrised suites run on: the host backend in the test_*.cpp
+// binaries (CI has no GPU), the cuda one in the gpu_test_*.cpp binaries that include
+// them (label gpu, which scripts/device-check builds and runs).
+#ifndef TIDEPOOL_ALLOCATOR_TEST_BACKENDS
+#define TIDEPOOL_ALLOCATOR_TEST_BACKENDS ::testing::Values(std::string("host"))
+#endif
 inline auto backends_and_segment_kinds() {
-  return ::testing::Combine(::testing::Values("host", "cuda"), ::testing::Bool());
+  return ::testing::Combine(TIDEPOOL_ALLOCATOR_TEST_BACKENDS, ::testing::Bool());
 }
 inline std::string backend_and_segments_name(
     const ::testing::TestParamInfo<BackendAndSegments>& info) {
