@@ -1,5 +1,5 @@
 // test_stream_release.cpp's parametrised suites (stream release) on the cuda backend (ctest label
-// gpu): its cuda instances ran on no machine before, as the CPU suites are not built on
-// the GPU machine. Skips itself where no GPU exists; the file's host-only suites run too.
+// gpu): its cuda instances ran on no machine before, as the CPU suites are not built on the GPU
+// machine. Skips itself where no GPU exists; the file's host-only suites run too.
 #define TIDEPOOL_ALLOCATOR_TEST_BACKENDS ::testing::Values(std::string("cuda"))
 #include "tests/allocator/test_stream_release.cpp"
