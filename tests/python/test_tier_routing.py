@@ -178,3 +178,24 @@ def test_a_tiering_failure_reaches_python_with_tidepools_message(run_python):
         "tidepool: prefetching tag 4 on device -1 failed: tidepool_prefetch_tag_within_budget: "
         + no_device,
         "tidepool: evicting tag 4 on device -1 failed: tidepool_evict_tag: " + no_device]
+
+
+def test_an_eviction_with_nothing_on_the_device_does_not_wait(run_python):
+    # The optimizer post-hook evicts the tag after every step; with state_budget:0 new
+    # state is made on the host and never prefetched, so there is nothing to move, and
+    # the wait for the step's stream (a host synchronisation) used to come every step.
+    out = json.loads(run_python(host_backend_script("""
+        waits = []
+        _tiering._synchronize = lambda device, stream: waits.append(stream)
+        with tidepool.region("optimizer_state"):
+            state = malloc(2 * MiB)   # within the budget: made on the device
+        out = {"device_first": tidepool.stats(0)["tiering.vmm_device_bytes"]}
+        _tiering.evict_tag(0, tidepool._tags.OPTIMIZER_STATE, 1234)
+        out["waits_when_on_device"] = list(waits)
+        out["device_after"] = tidepool.stats(0)["tiering.vmm_device_bytes"]
+        _tiering.evict_tag(0, tidepool._tags.OPTIMIZER_STATE, 1234)
+        out["waits"] = waits
+        print(json.dumps(out))
+        """, "tidepool.state_budget:4MiB")).stdout.strip().splitlines()[-1])
+    assert out == {"device_first": 2 << 20, "waits_when_on_device": [1234],
+                   "device_after": 0, "waits": [1234]}

@@ -89,7 +89,17 @@ def _pointer_array(ptrs: list[int]):
 
 
 def evict_tag(device: int, tag: int, stream: int | None = None) -> None:
-    """Evicts after everything enqueued so far on `stream`."""
+    """Evicts after everything enqueued so far on `stream`. When none of the tag's ranges
+    is on the device (state_budget:0, where new state is made on the host and never
+    prefetched) there is nothing to move and nothing to wait for: the wait, a host
+    synchronisation, would stop the CPU queueing the next iteration ahead of the GPU at
+    every step (once per parameter with an optimizer per parameter stepped in backward)."""
+    try:
+        on_device = bool(device_ranges_except(device, tag, []))
+    except RuntimeError:  # a bad device: the eviction below says so in its own words
+        on_device = True
+    if not on_device:
+        return
     _synchronize(device, stream)
     _check(_fn("tidepool_evict_tag")(device, tag), f"evicting tag {tag} on device {device}")
 
