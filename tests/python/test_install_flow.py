@@ -128,6 +128,8 @@ def test_without_an_install_torchs_cuda_gives_the_current_device_and_stream(monk
     calls = []
     monkeypatch.setattr(_tiering, "_fn",
                         lambda name: lambda *args: calls.append((name, *args[:3])) or 0)
+    # A range of the tag on the device: there is something to evict, so it waits first.
+    monkeypatch.setattr(_tiering, "device_ranges_except", lambda device, tag, ptrs: [0x1000])
     tidepool.evict()
     tidepool.prefetch()
     assert synchronized == [(1002, 2)]
