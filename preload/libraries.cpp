@@ -164,9 +164,21 @@ void* loaded_cudart() {
   return nullptr;
 }
 
-void* open_cudart(std::string& tried) {
+// Steps 1 and 2: a runtime the process has loaded already, or null.
+void* cudart_already_loaded() {
   if (void* h = next_cudart()) return h;
-  if (void* h = loaded_cudart()) return h;
+  return loaded_cudart();
+}
+
+// The path of the library that defines `fn`, or "" (for the messages naming a runtime).
+std::string library_of(void* fn) {
+  Dl_info info{};
+  if (fn == nullptr || dladdr(fn, &info) == 0 || info.dli_fname == nullptr) return {};
+  return info.dli_fname;
+}
+
+void* open_cudart(std::string& tried) {
+  if (void* h = cudart_already_loaded()) return h;
   const std::string& soname = cudart_soname();
   std::vector<std::string> candidates;
   if (const char* env = std::getenv("TIDEPOOL_CUDART")) candidates.emplace_back(env);
@@ -331,10 +343,7 @@ void resolve_cudart() {
   }
   if (version / 1000 != kCudaMajor) {
     if (!environment_says_log_off()) {
-      Dl_info info{};
-      const bool named = dladdr(reinterpret_cast<void*>(s.cuda.malloc), &info) != 0 &&
-                         info.dli_fname != nullptr;
-      say("", "the process's CUDA runtime " + std::string(named ? info.dli_fname : "") +
+      say("", "the process's CUDA runtime " + library_of(reinterpret_cast<void*>(s.cuda.malloc)) +
                   " is version " + std::to_string(version / 1000) + "." +
                   std::to_string(version % 1000 / 10) + ", but tidepool was built for CUDA " +
                   std::to_string(kCudaMajor) +
@@ -448,8 +457,7 @@ const RealCudart* cudart_found_late() {
   Shim& s = shim();
   if (!s.cudart_missing) return nullptr;
   if (const RealCudart* found = s.late_cudart.load(std::memory_order_acquire)) return found;
-  void* cudart = next_cudart();
-  if (cudart == nullptr) cudart = loaded_cudart();
+  void* cudart = cudart_already_loaded();
   if (cudart == nullptr) return nullptr;
   auto* found = new RealCudart;
   bind_basic(cudart, *found);
@@ -462,11 +470,8 @@ const RealCudart* cudart_found_late() {
     return published;
   }
   if (!environment_says_log_off()) {
-    Dl_info info{};
-    const bool named = found->malloc != nullptr &&
-                       dladdr(reinterpret_cast<void*>(found->malloc), &info) != 0 &&
-                       info.dli_fname != nullptr;
-    say("", "the program loaded its CUDA runtime " + std::string(named ? info.dli_fname : "") +
+    say("", "the program loaded its CUDA runtime " +
+                library_of(reinterpret_cast<void*>(found->malloc)) +
                 " after tidepool was set up without one; tidepool is off, and every call goes "
                 "to that runtime unchanged (TIDEPOOL_CUDART=<that path> lets tidepool serve)");
   }
