@@ -106,7 +106,10 @@ const std::vector<KeySpec>& key_specs() {
       {"tidepool.pinned_budget",
        "a size (e.g. 16GiB), a percentage of host RAM (e.g. 50%), or unlimited",
        [](Config& c, std::string_view v) {
-         c.pinned_budget = v == "unlimited" ? Budget{} : parse_budget("tidepool.pinned_budget", v);
+         // unlimited: as much as the machine has (100% of RAM), not the built-in quarter
+         // that an absent key gives: a user who writes it means "do not cap pinning".
+         c.pinned_budget = v == "unlimited" ? Budget{Budget::Kind::fraction, 0, 1.0}
+                                            : parse_budget("tidepool.pinned_budget", v);
        }},
       {"tidepool.log", "off, warn, info, debug",
        [](Config& c, std::string_view v) {

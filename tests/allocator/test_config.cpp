@@ -105,8 +105,9 @@ TEST(ConfigClaim, EveryKeyAndValue) {
   EXPECT_EQ(claim_config("tidepool.device_backend:cuda").config.device_backend,
             DeviceBackendChoice::cuda);
   EXPECT_EQ(claim_config("tidepool.log:info").config.log, LogLevel::info);
-  EXPECT_EQ(claim_config("tidepool.pinned_budget:unlimited").config.pinned_budget.kind,
-            Budget::Kind::unset);
+  const Budget unlimited = claim_config("tidepool.pinned_budget:unlimited").config.pinned_budget;
+  EXPECT_EQ(unlimited.kind, Budget::Kind::fraction);
+  EXPECT_EQ(unlimited.fraction, 1.0);
 }
 
 TEST(ConfigBudget, UnitsAndPercentages) {
@@ -495,7 +496,7 @@ TEST(TierRouting, NothingConfiguredMeansNoBudget) {
   EXPECT_EQ(configured_state_budget_bytes(defaults, *backend), std::size_t{0});
   EXPECT_EQ(configured_pinned_budget_bytes(defaults), std::nullopt);
   EXPECT_EQ(configured_pinned_budget_bytes(claim_config("tidepool.pinned_budget:unlimited").config),
-            std::nullopt);
+            host_memory_bytes());
 }
 
 }  // namespace

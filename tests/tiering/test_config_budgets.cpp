@@ -85,7 +85,7 @@ TEST_P(ConfigBudgetsTest, PinnedBudgetPercentageIsOfHostMemory) {
   EXPECT_EQ(arena.pinned_budget_bytes(), host_memory_bytes() / 10);
 }
 
-TEST_P(ConfigBudgetsTest, ExplicitPinnedBudgetWinsAndUnlimitedMeansTheBuiltInDefault) {
+TEST_P(ConfigBudgetsTest, ExplicitPinnedBudgetWinsAndUnlimitedMeansAllOfRam) {
   apply("tidepool.pinned_budget:64MiB");
   HostArena explicit_arena(backend(), tiering_test::test_host_options(std::size_t{96} << 20));
   EXPECT_EQ(explicit_arena.pinned_budget_bytes(), std::size_t{96} << 20);
@@ -95,8 +95,14 @@ TEST_P(ConfigBudgetsTest, ExplicitPinnedBudgetWinsAndUnlimitedMeansTheBuiltInDef
   HostArenaOptions o;
   o.respect_memlock_limit = false;
   HostArena arena(backend(), o);
-  EXPECT_EQ(arena.pinned_budget_bytes(), host_memory_bytes() / 4);
-  EXPECT_FALSE(arena.stats().budget_from_config);
+  EXPECT_EQ(arena.pinned_budget_bytes(), host_memory_bytes());
+  EXPECT_TRUE(arena.stats().budget_from_config);
+
+  // With no key the built-in quarter of RAM applies.
+  apply("backend:tidepool");
+  HostArena default_arena(backend(), o);
+  EXPECT_EQ(default_arena.pinned_budget_bytes(), host_memory_bytes() / 4);
+  EXPECT_FALSE(default_arena.stats().budget_from_config);
 }
 
 TEST_P(ConfigBudgetsTest, StoresHostArenaTakesThePinnedBudget) {
