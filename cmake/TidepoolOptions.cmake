@@ -41,8 +41,9 @@ message(STATUS "tidepool: CUDA backend ${TIDEPOOL_HAVE_CUDA}")
 
 # --- LibTorch -------------------------------------------------------------------
 # tidepool_find_torch(<found> REQUIRED|OPTIONAL): LibTorch from the torch that
-# ${Python3_EXECUTABLE} imports (torch.utils.cmake_prefix_path). Sets <found> to TRUE or
-# FALSE; REQUIRED makes a Python without torch a fatal error. A macro: find_package(Torch)
+# ${Python3_EXECUTABLE} imports (torch.utils.cmake_prefix_path), else one installed in the
+# system prefixes (Debian's libtorch-dev). Sets <found> to TRUE or FALSE; REQUIRED makes
+# finding neither a fatal error. A macro: find_package(Torch)
 # must set TORCH_LIBRARIES in the caller's scope.
 macro(tidepool_find_torch _found _mode)
   find_package(Python3 COMPONENTS Interpreter REQUIRED)
@@ -50,6 +51,7 @@ macro(tidepool_find_torch _found _mode)
     COMMAND "${Python3_EXECUTABLE}" -c "import torch; print(torch.utils.cmake_prefix_path)"
     OUTPUT_VARIABLE TIDEPOOL_TORCH_PREFIX OUTPUT_STRIP_TRAILING_WHITESPACE
     RESULT_VARIABLE _tidepool_torch_rc ERROR_QUIET)
+  set(${_found} FALSE)
   if(_tidepool_torch_rc EQUAL 0)
     list(APPEND CMAKE_PREFIX_PATH "${TIDEPOOL_TORCH_PREFIX}")
     # Without this, Torch's CMake runs a GPU-detection program, which fails on a machine
@@ -59,11 +61,20 @@ macro(tidepool_find_torch _found _mode)
     endif()
     find_package(Torch REQUIRED)
     set(${_found} TRUE)
-  elseif("${_mode}" STREQUAL "REQUIRED")
-    message(FATAL_ERROR "tidepool: ${Python3_EXECUTABLE} cannot import torch; run scripts/setup "
-                        "or pass -DTIDEPOOL_WITH_TORCH=OFF to build only allocator/ and tiering/")
   else()
-    set(${_found} FALSE)
+    # scripts/setup falls back to Debian's libtorch-dev when the PyPI wheel cannot be
+    # installed: its CMake files lie in the system prefixes, which a plain search covers.
+    find_package(Torch CONFIG QUIET)
+    if(Torch_FOUND)
+      message(STATUS "tidepool: ${Python3_EXECUTABLE} cannot import torch; using the "
+                     "LibTorch of the system prefixes (${Torch_DIR})")
+      set(${_found} TRUE)
+    endif()
+  endif()
+  if(NOT ${_found} AND "${_mode}" STREQUAL "REQUIRED")
+    message(FATAL_ERROR "tidepool: ${Python3_EXECUTABLE} cannot import torch and no LibTorch "
+                        "is installed in the system prefixes; run scripts/setup or pass "
+                        "-DTIDEPOOL_WITH_TORCH=OFF to build only allocator/ and tiering/")
   endif()
 endmacro()
 
