@@ -69,13 +69,16 @@ before CUDA initialises:
      the runtime, never through the shim (Note [libtidepool's own calls under the shim] in
      allocator/backends/cuda_backend.cpp; before, the free deadlocked on the allocator's
      lock: the check then times out).
-Prints one line per check: name, PASS/FAIL, what was seen.
+Prints one line per check: name, PASS/FAIL, what was seen. CHECK_TIMEOUT (default 150)
+is the seconds for all the checks together: each check gets what is left of it, so that
+a check that hangs fails alone and the verdicts still print before the caller's limit.
 """
 import concurrent.futures
 import os
 import subprocess
 import sys
 import textwrap
+import time
 
 LIB = os.environ.get("TIDEPOOL_LIBRARY", "")
 # libtidepool_torch_cuda.so (optimizers/install/torch_cuda_allocator.h): tidepool as c10's
@@ -573,18 +576,32 @@ CHECKS = {
 }
 
 
+# When the checks must be over (time.monotonic()); main() sets it from CHECK_TIMEOUT.
+DEADLINE = None
+# Of CHECK_TIMEOUT, kept back for the verdicts.
+VERDICT_SECONDS = 3
+
+
+def seconds_left():
+    if DEADLINE is None:
+        return float(os.environ.get("CHECK_TIMEOUT", "150"))
+    return DEADLINE - time.monotonic() - VERDICT_SECONDS
+
+
 def run(name, **variables):
     env = dict(os.environ, **variables)
     if name.startswith("preload_") and PRELOAD:
         env["LD_PRELOAD"] = PRELOAD
+    timeout = seconds_left()
+    if timeout < 1:
+        return 124, "", "[not run: no time left of CHECK_TIMEOUT]"
     try:
         proc = subprocess.run([sys.executable, "-c", "import os\n" + PRELUDE + CHECKS[name]],
-                              capture_output=True, text=True, env=env,
-                              timeout=int(os.environ.get("CHECK_TIMEOUT", "150")))
+                              capture_output=True, text=True, env=env, timeout=timeout)
     except subprocess.TimeoutExpired as e:
         tail = (e.stderr or b"")[-600:]
         tail = tail.decode(errors="replace") if isinstance(tail, bytes) else tail
-        return 124, "", f"[timed out after {e.timeout} s] {tail}"
+        return 124, "", f"[timed out after {e.timeout:.0f} s] {tail}"
     err = proc.stderr.strip()[-1200:]
     if proc.returncode != 0:
         err = f"[exit {proc.returncode}] {err}"
@@ -625,18 +642,28 @@ def report(label, result, passed, width=300):
 
 
 def main():
+    global DEADLINE
     if not LIB or not os.path.exists(LIB):
         print(f"TIDEPOOL_LIBRARY={LIB!r} does not exist")
         return 2
+    DEADLINE = time.monotonic() + float(os.environ.get("CHECK_TIMEOUT", "150"))
     # Each check is its own interpreter, and none measures time: they run side by side
     # (the device script's time on the GPU machine is short).
     with concurrent.futures.ThreadPoolExecutor(int(os.environ.get("CHECK_JOBS", "8"))) as pool:
         results = dict(zip(CHECKS, pool.map(run, CHECKS)))
-    passed = lambda name, test: results[name][0] == 0 and test(results[name][1])
+
+    def passed(name, test):
+        # Output of an unexpected shape fails its check, and only its check: an exception
+        # here would lose every verdict.
+        rc, out, _ = results[name]
+        try:
+            return rc == 0 and bool(test(out))
+        except (ValueError, IndexError, TypeError, KeyError):
+            return False
     ok = True
     ref_rc, ref_out, _ = results["native-reference"]
     g_rc, g_out, g_err = results["global"]
-    same = (g_rc == 0 and ref_rc == 0 and bool(g_out)
+    same = (g_rc == 0 and ref_rc == 0 and bool(g_out) and bool(ref_out)
             and g_out.splitlines()[0] == ref_out.splitlines()[0])
     ok &= same
     print(f"global   {'PASS' if same else 'FAIL'}  losses native={ref_out.splitlines()[:1]} "
@@ -730,7 +757,7 @@ def main():
                  passed("cudnn_benchmark", lambda out: "TRAINED" in out))
     # For the record, torch's CUDAPluggableAllocator class alone (the package's fallback):
     # expected to fail with "does not yet support cacheInfo" (pytorch#98481).
-    f_rc, f_out, f_err = run("cudnn_benchmark", CHECK_PLUGGABLE="1")
+    f_rc, f_out, f_err = run("cudnn_benchmark", CHECK_PLUGGABLE="1")  # within CHECK_TIMEOUT
     print(f"cudnn-pluggable-class (informational)  {f_out[:300]} "
           f"{f_err if f_rc or not f_out else ''}")
     return 0 if ok else 1

@@ -471,9 +471,8 @@ int main(int argc, char** argv) {
         if (i == 0) all_pass = all_pass && pass;
         // Only the default configuration is judged; the others are the comparison, and
         // a "FAIL" there would read as a failure of the run.
-        std::printf("  %-7s %-20s %s  ratio %.4f (target <= 1.03; PyTorch native 1.082 "
-                    "GPT-2, 1.111 ResNet-50), modeled time %.3fx the baseline (target <= 1.1;"
-                    " wall %.3fx)\n",
+        std::printf("  %-7s %-20s %s  ratio %.4f (target <= 1.03), modeled time %.3fx the "
+                    "baseline (target <= 1.1; wall %.3fx)\n",
                     i == 0 ? "verdict" : "compare", row.name.c_str(),
                     i == 0 ? (pass ? "PASS" : "FAIL") : (pass ? "within" : "outside"), ratio,
                     time_ratio, row.r.wall_ns / baseline.wall_ns);

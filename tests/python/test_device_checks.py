@@ -1,16 +1,25 @@
-"""scripts/device_torch_checks.py runs only on the GPU machine, where a mistake in its
-verdicts would cost a scarce device session. Here its main() runs with canned check
-outputs in place of the subprocesses: every line prints, a full set of good outputs
-passes, and each check's failure fails the run."""
+"""scripts/device_torch_checks.py and scripts/gpu_e2e_llama.py run only on the GPU
+machine, where a mistake in their verdicts would cost a scarce device session. Here their
+main()/driver() run with canned outputs in place of the subprocesses: every line prints,
+a full set of good outputs passes, and each check's failure fails the run. The e2e link
+probe runs on a fake of the few torch.cuda calls it makes, with copies that overlap only
+when they are on different streams; scripts/device-check runs on this machine, which has
+no GPU, and must stop at once."""
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
+import json
 import os
+import shutil
+import subprocess
+from contextlib import contextmanager
 
 import pytest
 
-SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "device_torch_checks.py")
+SCRIPTS = os.path.join(os.path.dirname(__file__), "..", "..", "scripts")
+SCRIPT = os.path.join(SCRIPTS, "device_torch_checks.py")
 
 N = float(8 << 20)  # the record_stream check's tensor: its sum
 
@@ -150,3 +159,274 @@ def test_a_crashed_check_fails_the_run(checks):
     checks.run = lambda name, **variables: ((1, "", "[exit 1] Segmentation fault")
                                             if name == "resume" else (0, GOOD[name], ""))
     assert checks.main() == 1
+
+
+def test_output_of_an_unexpected_shape_fails_its_check_alone(checks, capsys):
+    # int() of a field that is no number: before, the exception lost every verdict.
+    outputs = dict(GOOD, memory_api="PEAK n/a RESERVED 200 AFTER_EMPTY 0 SUMMARY True RESET True")
+    assert run_with(checks, outputs) == 1
+    printed = capsys.readouterr().out
+    assert "memory   FAIL" in printed
+    assert "resume   PASS" in printed and "cudnn    PASS" in printed
+
+
+def test_an_empty_reference_fails_global_without_an_exception(checks, capsys):
+    assert run_with(checks, dict(GOOD, **{"native-reference": ""})) == 1
+    assert "global   FAIL" in capsys.readouterr().out
+
+
+def test_each_check_gets_what_is_left_of_check_timeout(checks, monkeypatch):
+    seen = {}
+
+    def fake_run(cmd, timeout, **kwargs):
+        seen["timeout"] = timeout
+        return subprocess.CompletedProcess(cmd, 0, "out", "")
+    monkeypatch.setattr(checks.subprocess, "run", fake_run)
+    monkeypatch.setattr(checks, "DEADLINE", checks.time.monotonic() + 40)
+    assert checks.run("resume") == (0, "out", "")
+    assert 30 < seen["timeout"] <= 40 - checks.VERDICT_SECONDS
+    monkeypatch.setattr(checks, "DEADLINE", checks.time.monotonic() + 2)
+    rc, _, err = checks.run("resume")
+    assert rc == 124 and "not run" in err
+
+
+# ---- scripts/gpu_e2e_llama.py ----------------------------------------------------------
+
+E2E = os.path.join(SCRIPTS, "gpu_e2e_llama.py")
+GB = 10 ** 9
+LOSSES = [float.hex(x) for x in (10.770337104797363, 10.76805591583252)]
+STATE = 8_800_000_000
+LINK = {"probe_bytes": 256 << 20, "repeats": 5, "h2d_gbps": 55.0, "d2h_gbps": 50.0,
+        "both_ways_gbps": 100.0}
+
+
+def e2e_runs():
+    """One good run of each kind, with the 2026-12-04 H200 figures' shape."""
+    run = {"losses": LOSSES, "losses_readable": [10.77, 10.768], "params": STATE // 8,
+           "state_bytes": STATE}
+    return {
+        "plain": dict(run, mode="plain", steady_step_seconds=0.341, link=dict(LINK),
+                      peak_device_bytes={"first_step": 23 * GB, "steady": 27 * GB}),
+        "tidepool": dict(run, mode="tidepool", steady_step_seconds=0.517,
+                         peak_device_bytes={"first_step": 17 * GB, "steady": 17 * GB}),
+        "cap_plain": {"mode": "cap_plain", "oom": "CUDA out of memory", "losses": []},
+        "cap_tidepool": dict(run, mode="cap_tidepool"),
+        "preload": dict(run, mode="preload",
+                        tidepool_stats={"allocated_bytes.all.peak": 20 * GB}),
+    }
+
+
+@pytest.fixture
+def e2e(monkeypatch):
+    monkeypatch.setenv("TIDEPOOL_PRELOAD_LIBRARY", "/nonexistent/libtidepool_preload.so")
+    spec = importlib.util.spec_from_file_location("gpu_e2e_llama", E2E)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def drive(module, runs, tmp_path):
+    module.run_worker = lambda name, args, env, extra=(): json.loads(json.dumps(runs[name]))
+    args = argparse.Namespace(device="cuda", timeout=100.0, out=str(tmp_path / "e2e.json"),
+                              steps=2, layers=22, batch=4, seq=512, tiny=False)
+    rc = module.driver(args)
+    summary = json.loads((tmp_path / "e2e.json").read_text())
+    return rc, summary
+
+
+def test_e2e_good_runs_pass_with_the_floor_at_the_measured_rate(e2e, tmp_path, capsys):
+    rc, summary = drive(e2e, e2e_runs(), tmp_path)
+    assert rc == 0 and summary["result"] == "PASS"
+    t = summary["step_time"]
+    floor = 2 * STATE / (LINK["both_ways_gbps"] * GB)  # 0.176 s
+    assert t["link_floor_s"] == pytest.approx(floor)
+    assert t["overhead_s"] == pytest.approx(0.176)
+    assert t["overhead_over_floor"] == pytest.approx(0.176 / floor)
+    printed = capsys.readouterr().out
+    # The lines device-check shows (grep '^\[e2e|passed|result').
+    assert "[e2e] link, pinned, measured in this run (256 MiB, best of 5): H2D 55.0 GB/s, " \
+           "D2H 50.0 GB/s, both at once 100.0 GB/s" in printed
+    assert "2 x 8.80 GB at 100.0 GB/s) 0.176 s: 1.00x" in printed
+    assert "7 passed, 0 failed" in printed
+
+
+def test_e2e_floor_follows_the_link_rate_of_the_run(e2e, tmp_path):
+    runs = e2e_runs()
+    runs["plain"]["link"]["both_ways_gbps"] = 50.0
+    _, summary = drive(e2e, runs, tmp_path)
+    assert summary["step_time"]["link_floor_s"] == pytest.approx(2 * STATE / (50 * GB))
+    assert not hasattr(e2e, "LINK_GBPS_BOTH_WAYS")
+
+
+def test_e2e_without_a_link_figure_gives_no_floor(e2e, tmp_path, capsys):
+    runs = e2e_runs()
+    runs["plain"]["link"] = {"error": "RuntimeError: no pinned memory"}
+    rc, summary = drive(e2e, runs, tmp_path)
+    assert rc == 0  # the floor is reported, not checked
+    assert summary["step_time"]["link_floor_s"] is None
+    assert summary["step_time"]["overhead_over_floor"] is None
+    assert "[e2e] link: not measured (RuntimeError: no pinned memory)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("run, change, failing", [
+    # printed its results, then crashed (at exit, say)
+    ("tidepool", {"failed": "exit -11"}, "tidepool_run_completed"),
+    ("tidepool", {"losses": LOSSES[:1] + ["0x1p+0"]}, "same_losses_bitwise"),
+    ("tidepool", {"peak_device_bytes": {"first_step": 26 * GB, "steady": 17 * GB}},
+     "peak_lower_by_90pct_of_state"),
+    ("cap_plain", {"oom": None}, "cap_plain_runs_out_of_memory"),
+    ("cap_tidepool", {"oom": "CUDA out of memory"}, "cap_tidepool_trains"),
+    ("cap_tidepool", {"failed": "timed out after 60 s"}, "cap_tidepool_trains"),
+    ("preload", {"failed": "exit -6"}, "preload_same_losses"),
+    ("preload", {"tidepool_stats": {"allocated_bytes.all.peak": 0}},
+     "preload_served_by_tidepool"),
+])
+def test_e2e_each_failure_fails_the_run(e2e, tmp_path, run, change, failing):
+    runs = e2e_runs()
+    runs[run].update(change)
+    runs[run] = {k: v for k, v in runs[run].items() if v is not None}
+    rc, summary = drive(e2e, runs, tmp_path)
+    assert rc == 1
+    assert summary["result"].startswith("FAIL") and failing in summary["result"]
+
+
+def test_e2e_a_plain_run_that_cannot_run_says_so(e2e, tmp_path):
+    runs = e2e_runs()
+    runs["plain"] = {"mode": "plain", "cannot_run": "no CUDA device"}
+    rc, summary = drive(e2e, runs, tmp_path)
+    assert rc == e2e.EXIT_CANNOT_RUN
+    assert summary["result"] == "CANNOT RUN: the plain run: no CUDA device"
+
+
+def test_e2e_runs_share_the_driver_timeout(e2e, monkeypatch, capsys):
+    seen = []
+
+    def fake_run(cmd, timeout, **kwargs):
+        seen.append(timeout)
+        return subprocess.CompletedProcess(cmd, 0, 'warning\n{"mode": "plain"}\n{broken\n', "")
+    monkeypatch.setattr(e2e.subprocess, "run", fake_run)
+    args = argparse.Namespace(device="cuda", steps=2, layers=22, batch=4, seq=512, tiny=False,
+                              deadline=e2e.time.monotonic() + 60)
+    out = e2e.run_worker("plain", args, {})
+    assert out["mode"] == "plain" and "failed" not in out  # the last line that parses
+    assert 50 < seen[0] <= 60 - e2e.SUMMARY_SECONDS
+    args.deadline = e2e.time.monotonic() + 5
+    out = e2e.run_worker("tidepool", args, {})
+    assert out["failed"].startswith("not run") and len(seen) == 1
+
+
+class FakeCuda:
+    """The torch.cuda calls measure_link makes, on a model device: each stream runs its
+    work in order, a copy takes its bytes over the rate of its direction (its first one
+    ten times that), and streams run side by side unless one waits for another."""
+
+    RATE = {"h2d": 55e9, "d2h": 50e9}
+
+    def __init__(self):
+        self.main = self.Stream(self)
+        self.current = self.main
+        self.copies = {"h2d": 0, "d2h": 0}
+        fake = self
+
+        class Event:
+            def __init__(self, enable_timing=False):
+                assert enable_timing
+                self.t = None
+
+            def record(self, stream):
+                self.t = stream.t
+
+            def synchronize(self):
+                assert self.t is not None
+
+            def elapsed_time(self, end):
+                return (end.t - self.t) * 1e3
+
+        self.Event = Event
+        self.Stream = lambda: FakeCuda.Stream(fake)
+
+    class Stream:
+        def __init__(self, fake):
+            self.t = 0.0
+
+        def wait_stream(self, other):
+            self.t = max(self.t, other.t)
+
+    def current_stream(self):
+        return self.current
+
+    @contextmanager
+    def stream(self, s):
+        previous, self.current = self.current, s
+        yield
+        self.current = previous
+
+    def synchronize(self):
+        pass
+
+    def _sleep(self, cycles):
+        self.current.t += cycles * 1e-9
+
+    def copy(self, dst, src):
+        way = "h2d" if dst.on_device else "d2h"
+        assert dst.on_device != src.on_device and (dst.pinned or src.pinned)
+        self.copies[way] += 1
+        slow = 10 if self.copies[way] == 1 else 1
+        self.current.t += slow * dst.nbytes / self.RATE[way]
+
+
+class FakeTorch:
+    uint8 = "uint8"
+
+    def __init__(self):
+        self.cuda = FakeCuda()
+
+    def empty(self, nbytes, dtype, pin_memory=False, device=None):
+        cuda = self.cuda
+
+        class Tensor:
+            def __init__(self):
+                self.nbytes, self.pinned, self.on_device = nbytes, pin_memory, device == "cuda"
+
+            def copy_(self, src, non_blocking=False):
+                assert non_blocking  # a blocking copy would serialise the two streams
+                cuda.copy(self, src)
+
+        return Tensor()
+
+
+def test_e2e_link_probe_overlaps_the_directions_and_takes_the_best(e2e):
+    rates = e2e.measure_link(FakeTorch(), nbytes=256 << 20, repeats=3)
+    assert rates["h2d_gbps"] == pytest.approx(55.0)
+    assert rates["d2h_gbps"] == pytest.approx(50.0)
+    # Both at once: 2 x 256 MiB in the time of the slower direction. Copies made one after
+    # the other would read 26.2 GB/s.
+    assert rates["both_ways_gbps"] == pytest.approx(2 * 50.0)
+    assert rates["probe_bytes"] == 256 << 20 and rates["repeats"] == 3
+
+
+# ---- scripts/device-check --------------------------------------------------------------
+
+def gpu_visible():
+    try:
+        import torch
+        return torch.cuda.device_count() > 0
+    except ImportError:
+        return shutil.which("nvidia-smi") is not None
+
+
+@pytest.mark.skipif(gpu_visible(), reason="a GPU is visible: device-check would run for real")
+def test_device_check_stops_at_once_without_a_gpu(tmp_path):
+    # A copy of the script in a tree of its own: its logs go beside it, not into the repo.
+    (tmp_path / "scripts").mkdir()
+    script = tmp_path / "scripts" / "device-check"
+    shutil.copy(os.path.join(SCRIPTS, "device-check"), script)
+    out = tmp_path / "out"
+    proc = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, OUT=str(out)))
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "no CUDA device is visible" in proc.stdout
+    assert not (tmp_path / "build-device").exists()  # no build was started
+    listing = subprocess.run(["tar", "tzf", str(out / "device-check.tgz")], capture_output=True,
+                             text=True, check=True).stdout
+    assert "./phases.txt" in listing.split()
