@@ -58,7 +58,7 @@ void BM_MiMallocFree(benchmark::State& state) {
   static const auto mi_free =
       reinterpret_cast<MiFree>(library != nullptr ? dlsym(library, "mi_free") : nullptr);
   if (mi_malloc == nullptr || mi_free == nullptr) {
-    state.SkipWithError("libmimalloc.so.2 could not be loaded (install libmimalloc2)");
+    state.SkipWithError("libmimalloc.so.2 could not be loaded (install libmimalloc2.0)");
     return;
   }
   const auto bytes = static_cast<std::size_t>(state.range(0));
