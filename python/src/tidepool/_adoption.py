@@ -320,15 +320,18 @@ def stray_state(optimizers: list, exclusive: bool = False) -> StrayState:
 def adopt_stray_state(optimizers: list, own: list[int], stray: StrayState, why: str) -> int:
     """Note [adopted state]: replaces what each of stray's places (stray_state) holds by
     copies made under the optimizer_state tag (in pool mode, in the tidepool MemPool of
-    each device in `own`: devices no open scope holds), one at a time, so that the old
-    copy is freed as its last reference goes before the next is made. Returns the bytes
-    taken in, which stats() counts under `why` ("after_step" or "on_load"). The caller
-    evicts."""
+    each device a copy is made on, also one an enclosing scope holds: Note [only state
+    steps enter the pool] in _step_scopes.py), one at a time, so that the old copy is
+    freed as its last reference goes before the next is made; the scope holds `own`
+    (devices no open scope holds). Returns the bytes taken in, which stats() counts
+    under `why` ("after_step" or "on_load"). The caller evicts."""
     if not stray:
         return 0
     depth = len(_step_scopes._scopes())
+    pooled = sorted(set(own) | {key[0] for key in stray.copier.stray})
     _step_scopes._begun(own, lambda: _step_scopes._open_scope(own, _tags.OPTIMIZER_STATE,
-                                                              optimizers=list(optimizers)))
+                                                              optimizers=list(optimizers),
+                                                              pooled=pooled))
     try:
         with _install.STATE.torch.no_grad():  # copies of state, not steps of a graph
             for container, key in stray.places:

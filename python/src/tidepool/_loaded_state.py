@@ -7,7 +7,22 @@ device. The install wraps load_state_dict with this (register in _optim_hooks.py
 
 from __future__ import annotations
 
+import sys
+
 from . import _adoption, _state_moves, _state_tensors, _step_scopes
+
+
+def loaded_optimizers(optimizer) -> list:
+    """The optimizers whose state a load_state_dict of `optimizer` may have replaced: the
+    optimizer, and ZeroRedundancyOptimizer's local optimizer (Note [loaded state])."""
+    zero = sys.modules.get("torch.distributed.optim.zero_redundancy_optimizer")
+    zero = getattr(zero, "ZeroRedundancyOptimizer", None)
+    local = getattr(optimizer, "optim", None) if zero is not None \
+        and isinstance(optimizer, zero) else None
+    if local is None or local is optimizer or not hasattr(local, "state") \
+            or not hasattr(local, "param_groups"):
+        return [optimizer]
+    return [optimizer, local]
 
 
 def _adopt_loaded_state(optimizer) -> int:
@@ -20,14 +35,23 @@ def _adopt_loaded_state(optimizer) -> int:
     device, at least tidepool.tier_min_bytes, not already in a tiered range; LBFGS's
     history lists included) is copied into one under the optimizer_state tag, as a step
     would have made it (Note [adopted state] in _adoption.py), and the state is evicted
-    as after a step. Returns the bytes taken in."""
-    devices = _state_tensors._cuda_devices(optimizer)
+    as after a step. Returns the bytes taken in.
+
+    torch.distributed.optim.ZeroRedundancyOptimizer keeps two: its load_state_dict puts
+    this rank's state into its local optimizer (`optim`, whose steps use it) itself,
+    copied to the parameters' devices, before it calls Optimizer.load_state_dict, which
+    loads a second copy into its own `state` (which no step reads). Both are taken in
+    (loaded_optimizers): the local state is the one to tier, and the other, left
+    resident, would take as much device memory (the adoption keeps whatever the two
+    copies share shared)."""
+    optimizers = loaded_optimizers(optimizer)
+    devices = sorted({d for o in optimizers for d in _state_tensors._cuda_devices(o)})
     if not devices or not _state_moves._tiering_or_warn():
         return 0
-    stray = _adoption.stray_state([optimizer])
+    stray = _adoption.stray_state(optimizers)
     if not stray:
         return 0
     own = _step_scopes._devices_not_held(devices)
-    adopted = _adoption.adopt_stray_state([optimizer], own, stray, "on_load")
-    _state_moves._evict(own, [optimizer])
+    adopted = _adoption.adopt_stray_state(optimizers, own, stray, "on_load")
+    _state_moves._evict(own, optimizers)
     return adopted

@@ -51,6 +51,13 @@ def _guard_step(hooked_step):
     An optimizer class whose step() torch wrapped before tidepool was installed (an
     optimizer made before tidepool.install(), or while the hooks were off) gets the
     guard at the install (register: its step() is replaced, and put back on removal).
+    An LR scheduler made before the install wrapped its optimizer's step() on the
+    instance (torch's patch_track_step_called), around the function the class had then,
+    which calling optimizer.step() reaches past the class's guarded one; so the install
+    also points each such wrapper at the guarded function (_guard_scheduled_steps).
+    Without that a step that raised there would leave its scope open, and every guarded
+    step after it would keep that scope as an enclosing one (below), holding its
+    devices: their state would no longer be evicted.
 
     Scopes nest: each guarded step's pre-hook keeps the scopes below the depth at which
     its step began (an enclosing step's, guarded or not) and closes any above it (left
@@ -106,7 +113,14 @@ def _closure_outside_the_scope(optimizer, closure, index: int):
     so the closure allocates as the caller would outside the step; after it, the scope
     opens again under the tag decided now, with the gradients there. An optimizer that
     calls the closure several times (LBFGS) gets this around each call. Nothing moves:
-    the state stays where the pre-hook put it."""
+    the state stays where the pre-hook put it.
+
+    When the scope cannot open again (a pool lease refused, now that the tag is
+    optimizer_state), that error goes on through the step, whose guard then finds no
+    scope of the step to close, and so would evict nothing: the state prefetched for
+    the step, and any the step made before the closure, would stay on the device. So the
+    step is counted out and its state evicted here, as the guard would have
+    (_scope_not_reopened)."""
 
     @functools.wraps(closure)
     def closure_outside_the_scope(*args, **kwargs):
@@ -120,12 +134,26 @@ def _closure_outside_the_scope(optimizer, closure, index: int):
         finally:
             try:
                 _step_scopes._open_scope(scope.devices, _step_tags._step_tag(optimizer), optimizer,
-                                         scope.optimizers)
+                                         scope.optimizers, scope.pooled)
             except BaseException:
-                _in_flight.end(scope.devices)
+                _scope_not_reopened(scope)
                 raise
 
     return closure_outside_the_scope
+
+
+def _scope_not_reopened(scope) -> None:
+    """Note [closures]: the step whose scope did not open again after its closure is over
+    on its devices; its state is evicted there, as after a step that raised. A failed
+    eviction is said: the error that stopped the scope is the one to raise."""
+    _in_flight.end(scope.devices)
+    if scope.devices and _tiering.available():
+        try:
+            _state_moves._evict(scope.devices, scope.optimizers)
+        except Exception as evict_error:  # noqa: BLE001
+            warnings.warn(f"tidepool: evicting the state of a step whose scope did not open "
+                          f"again after its closure failed: {evict_error}",
+                          _install.TidepoolInactiveWarning)
 
 
 def _closure_index(args, kwargs) -> int | str | None:
@@ -181,7 +209,7 @@ def _pre_step(optimizer, args, kwargs):
                 and _state_moves._state_budget_allows_prefetch() and not _being_stepped(optimizer):
             _state_moves._prefetch_state(optimizer, _closure_index(args, kwargs) is not None)
             prefetched.append(optimizer)
-        _step_scopes._open_scope(own, _step_tags._step_tag(optimizer), optimizer)
+        _step_scopes._open_scope(own, _step_tags._step_tag(optimizer), optimizer, pooled=devices)
 
     try:
         _step_scopes._begun(own, prefetch_and_open)
@@ -231,6 +259,30 @@ def _subclasses(base) -> list:
     return found
 
 
+def _guard_scheduled_steps(guarded: dict, patches) -> None:
+    """Note [a step that raises]: points the LR schedulers' instance wrappers of
+    optimizer.step made before the install (functions marked _wrapped_by_lr_sched, whose
+    closure holds the step() the class had) at the guarded steps; `guarded`: id(torch's
+    hooked step) -> (that step, its guarded version). They are found among all of the
+    interpreter's objects: only an install that finds steps torch wrapped already
+    (tidepool.install() after optimizers were made) looks, once."""
+    import gc
+    import types
+
+    for obj in gc.get_objects():
+        if type(obj) is not types.FunctionType or not obj.__closure__ \
+                or not getattr(obj, "_wrapped_by_lr_sched", False):
+            continue
+        for cell in obj.__closure__:
+            try:
+                contents = cell.cell_contents
+            except ValueError:  # a variable not bound yet
+                continue
+            entry = guarded.get(id(contents))
+            if entry is not None and entry[0] is contents:
+                patches.replace_in_cell(cell, entry[1])
+
+
 def register(torch):
     """Registers the two global step hooks, wraps Optimizer.load_state_dict and torch's
     step patcher (Note [a step that raises]); returns what removes each (two hook
@@ -244,7 +296,8 @@ def register(torch):
 
     def load_state_dict(self, state_dict):
         result = original_load(self, state_dict)
-        _step_tags._forget_stateless(self)  # Note [step tags]: the loaded groups may make state now
+        for loaded in _loaded_state.loaded_optimizers(self):
+            _step_tags._forget_stateless(loaded)  # Note [step tags]: loaded groups may make state
         _loaded_state._adopt_loaded_state(self)
         return result
 
@@ -254,10 +307,15 @@ def register(torch):
     patches = _patches.Patches()
     patches.replace(optimizer_class, "load_state_dict", load_state_dict)
     patches.replace(optimizer_class, "profile_hook_step", staticmethod(profile_hook_step))
-    # The classes torch wrapped already get the guard now (Note [a step that raises]).
+    # The classes torch wrapped already get the guard now, and so do the LR schedulers'
+    # wrappers of their steps (Note [a step that raises]).
+    guarded = {}
     for cls in _subclasses(optimizer_class):
         step = vars(cls).get("step")
         if getattr(step, "hooked", False) and not getattr(step, "tidepool_guarded", False):
-            patches.replace(cls, "step", _guard_step(step))  # keeps torch's `hooked` mark
+            guarded[id(step)] = (step, _guard_step(step))
+            patches.replace(cls, "step", guarded[id(step)][1])  # keeps torch's `hooked` mark
+    if guarded:
+        _guard_scheduled_steps(guarded, patches)
     return (register_optimizer_step_pre_hook(_pre_step),
             register_optimizer_step_post_hook(_post_step), patches)

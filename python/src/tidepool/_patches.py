@@ -1,8 +1,10 @@
 """Replacing attributes of torch (functions, methods) so that they can be put back.
 
 Global mode replaces a few of torch's functions whose pluggable-allocator versions raise
-or do nothing (_record_stream.py, _torch_memory.py). Each replacement keeps the original
-as its __wrapped__ and in a Patches object, whose remove() restores every one of them.
+or do nothing (_record_stream.py, _torch_memory.py); the step hooks replace torch's step
+patcher, Optimizer.load_state_dict and steps torch wrapped before the install
+(_optim_hooks.py). Each replacement keeps the original as its __wrapped__ and in a
+Patches object, whose remove() restores every one of them.
 """
 
 from __future__ import annotations
@@ -25,6 +27,13 @@ class Patches:
         function.__doc__ = function.__doc__ or original.__doc__
         self._originals.append((owner, name, vars(owner).get(name, _INHERITED)))
         setattr(owner, name, fn)
+
+    def replace_in_cell(self, cell, value) -> None:
+        """cell.cell_contents = value, remembering what was there: a variable of closures
+        made before the install (an LR scheduler's wrapper of optimizer.step, Note [a step
+        that raises] in _optim_hooks.py), which no attribute reaches."""
+        self._originals.append((cell, "cell_contents", cell.cell_contents))
+        cell.cell_contents = value
 
     def remove(self) -> None:
         """Puts every original back (latest first); a second call does nothing."""

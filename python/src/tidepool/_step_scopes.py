@@ -27,6 +27,7 @@ class _Scope(NamedTuple):
     tag: int             # the tag it pushed
     stepping: int | None  # id() of the optimizer whose step opened it; None for a load
     optimizers: list     # its optimizer, then those stepped inside it (Note [steps in flight])
+    pooled: list[int]    # the devices it routes to tidepool's MemPools under optimizer_state
 
 
 def _scopes() -> list[_Scope]:
@@ -96,13 +97,14 @@ def _devices_not_held(devices: list[int]) -> list[int]:
     return [d for d in devices if d not in held]
 
 
-def _open_scope(own: list[int], tag: int, stepping=None, optimizers: list | None = None) -> None:
+def _open_scope(own: list[int], tag: int, stepping=None, optimizers: list | None = None,
+                pooled: list[int] | None = None) -> None:
     """Allocations of this thread go under `tag` (and, in pool mode, when `tag` is
-    optimizer_state, to the tidepool MemPool of each device in `own`, from
-    _devices_not_held: Note [only state steps enter the pool]) until _close_scope, which
-    counts the step out of `own`: the caller counted it in (_in_flight.begin), and counts
-    it out itself if this raises. `optimizers`: whose state the scope's step uses (by
-    default the one `stepping`).
+    optimizer_state, to the tidepool MemPool of each device in `pooled`, by default
+    `own`: Note [only state steps enter the pool]) until _close_scope, which counts the
+    step out of `own` (from _devices_not_held): the caller counted it in
+    (_in_flight.begin), and counts it out itself if this raises. `optimizers`: whose
+    state the scope's step uses (by default the one `stepping`).
 
     Note [only state steps enter the pool]: in pool mode a step whose allocations are
     only temporaries (a workspace step, Note [step tags] in _step_tags.py) allocates as
@@ -111,11 +113,24 @@ def _open_scope(own: list[int], tag: int, stepping=None, optimizers: list | None
     the state's segments, and the freed temporaries of the step that made the state
     (tagged optimizer_state, so made migratable), all of which the post-hook's eviction
     by tag moves to host memory with the state. Temporaries placed there would make
-    every later step read and write them over the link."""
+    every later step read and write them over the link.
+
+    A state step nested in another step (Lookahead stepping its inner optimizer for the
+    first time) holds no device the enclosing step holds (_devices_not_held), but its
+    state is made on them all the same: so its pools are those of every device of its
+    own (`pooled`: the step's devices), not only of those it holds. An enclosing state
+    step routes the device already, and the nested lease only counts (Note [one MemPool
+    per thread and device at a time] in _install.py); an enclosing workspace step
+    entered no pool, and without its own the nested step's state would be made in
+    PyTorch's memory, taken into tiering only by a copy after the enclosing step (Note
+    [state made in workspace steps] in _stray_state.py), and PyTorch's cache would keep
+    the device memory it was first made in."""
+    if pooled is None:
+        pooled = own
     contexts = []
     try:
         if _install.pool_mode() and tag == _tags.OPTIMIZER_STATE:
-            for d in own:  # Note [one MemPool per thread and device at a time] in _install.py
+            for d in pooled:  # Note [one MemPool per thread and device at a time] in _install.py
                 context = _install.pool_lease(d)
                 context.__enter__()
                 contexts.append(context)
@@ -126,7 +141,7 @@ def _open_scope(own: list[int], tag: int, stepping=None, optimizers: list | None
     if optimizers is None:
         optimizers = [] if stepping is None else [stepping]
     _scopes().append(_Scope(own, contexts, tag, None if stepping is None else id(stepping),
-                            optimizers))
+                            optimizers, pooled))
 
 
 def _begun(own: list[int], begin_scope) -> None:

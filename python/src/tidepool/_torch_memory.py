@@ -33,10 +33,10 @@ torch.cuda.memory and in torch.cuda:
 torch.accelerator's memory_stats, reset_peak_memory_stats, reset_accumulated_memory_stats
 and empty_cache (and the readers built on memory_stats) are pointed at these too.
 
-What the figures mean (one pool per stream, so "large_pool" repeats "all" and
-"small_pool" is zero; optimizer state in pointer-stable ranges is reported by
-tidepool.stats() instead, since it moves between device and host memory) is decided once,
-in libtidepool: Note [PyTorch's view of the stats] in allocator/c_api.h.
+What the figures mean ("large_pool" repeats "all" and "small_pool" is zero: the statistics
+are kept for all blocks, not per pool; optimizer state in pointer-stable ranges is reported
+by tidepool.stats() instead, since it moves between device and host memory) is decided
+once, in libtidepool: Note [PyTorch's view of the stats] in allocator/c_api.h.
 """
 
 from __future__ import annotations

@@ -22,7 +22,8 @@ Where the state lives (`state=` for Apollo, `history=` for AADL):
             each use (AADL's default; for CPU parameters it is the same as "device");
   "tiered"  in tidepool's tiered store: host memory, brought onto the device ahead of
             use under a device budget (`state_budget=`/`history_budget=` bytes; None:
-            tidepool.state_budget when configured, else the store's 1 GiB). It needs the
+            tidepool.state_budget when it is configured above 0, else a 1 GiB budget of
+            the store's own). It needs the
             backend tidepool's allocators use in this process to be the parameters' (cuda
             for CUDA parameters; host, i.e. no GPU, for CPU ones).
 
