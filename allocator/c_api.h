@@ -206,9 +206,9 @@ TIDEPOOL_API int tidepool_reset_peak_stats(int device);
  * that struct, field for field, filled from tidepool's stats of the device; the c10
  * allocator of libtidepool_torch_cuda.so and the Python package copy it without
  * interpreting it, so both show the same figures. What they mean here:
- *   - index TIDEPOOL_POOL_ALL is the whole caching allocator. tidepool keeps one pool per
- *     stream, not c10's split of blocks up to 1 MiB from larger ones, so LARGE repeats ALL
- *     and SMALL is zero.
+ *   - index TIDEPOOL_POOL_ALL is the whole caching allocator. tidepool does keep blocks
+ *     up to 1 MiB (kSmallMax, size_classes.h) in small pools of their own, per stream, but
+ *     its stats are not kept per pool, so LARGE repeats ALL and SMALL is zero.
  *   - active = allocated (tidepool holds blocks freed while other streams still use them
  *     back without counting them); inactive_split is zero (free blocks coalesce and go
  *     back with their range); oversize_*, num_sync_all_streams are zero; max_split_size is

@@ -170,7 +170,7 @@ MimallocApi load_mimalloc(const std::string& soname) {
   }
   if (!why.empty()) {
     api.error = "mimalloc is unavailable for the pinned slabs: cannot use " + soname + " (" +
-                why + "); install the libmimalloc2 package (mimalloc >= 2.0.9)";
+                why + "); install the libmimalloc2.0 package (mimalloc >= 2.0.9)";
   }
   return api;
 }

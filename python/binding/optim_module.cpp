@@ -62,7 +62,8 @@ int tiered_device(const torch::Tensor& first_param) {
 
 // `where`: "device" (resident), "host" (host-staged: pinned host memory on CUDA, staged
 // onto the device around each use) or "tiered" (tidepool's tiered store under
-// `budget` bytes of device memory; None: tidepool.state_budget, else the store's default).
+// `budget` bytes of device memory; None: tidepool.state_budget when it is above 0, else
+// the store's own default of 1 GiB).
 std::shared_ptr<StatePlacement> make_placement(const std::string& where,
                                                std::optional<int64_t> budget,
                                                const torch::Tensor& first_param, int tag,
