@@ -313,11 +313,22 @@ PhysicalHandle Backend::create_physical(std::size_t bytes, MemoryLocation where)
 void Backend::release_physical(PhysicalHandle h, std::size_t bytes) {
   if (!h) fail("release_physical", "null physical handle");
   require_granular("release_physical", bytes, granularity_);
-  do_release_physical(h, bytes);
+  // Forgotten before the release: once released, the driver may give the same handle value
+  // to another thread's create_physical (the VMM moves create backings on helper threads),
+  // whose record an erase after the release would remove.
   bool on_device = false;
   {
     std::lock_guard lock(limit_->handles_mutex);
     on_device = limit_->device_handles.erase(h.value) != 0;
+  }
+  try {
+    do_release_physical(h, bytes);
+  } catch (...) {  // still allocated: still counted
+    if (on_device) {
+      std::lock_guard lock(limit_->handles_mutex);
+      limit_->device_handles.insert(h.value);
+    }
+    throw;
   }
   if (on_device) unclaim_device_bytes(bytes);
 }

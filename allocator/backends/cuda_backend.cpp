@@ -77,7 +77,8 @@ constexpr std::size_t kMinGranularity = std::size_t{2} << 20;  // the seam promi
   X(cuDeviceGet) X(cuDeviceGetAttribute) X(cuGetErrorName) X(cuGetErrorString)           \
   X(cuMemGetAllocationGranularity) X(cuMemAddressReserve) X(cuMemAddressFree)             \
   X(cuMemCreate) X(cuMemRelease) X(cuMemMap) X(cuMemUnmap) X(cuMemSetAccess)              \
-  X(cuMemGetAllocationPropertiesFromHandle) X(cuMemGetAccess) X(cuDeviceCanAccessPeer)
+  X(cuMemGetAllocationPropertiesFromHandle) X(cuMemGetAccess) X(cuDeviceCanAccessPeer)       \
+  X(cuCtxGetCurrent)
 
 struct DriverApi {
 #define TIDEPOOL_DECLARE(name) decltype(&::name) name = nullptr;
@@ -181,15 +182,26 @@ enum class ApiLevel { runtime, driver };
 // primary context current by itself; event_query is on the allocator's hot path). Before
 // driver (cuMem*) calls cudaSetDevice is called even when the device is already current:
 // it also makes the primary context current on this thread, which the driver needs.
+// A thread with no context current (one that never chose a device: cudaGetDevice says 0,
+// e.g. the VMM moves' helper threads) is not "restored" to device 0: since CUDA 12
+// cudaSetDevice creates that device's primary context, hundreds of MB on a GPU the
+// process may never use (one rank per GPU without CUDA_VISIBLE_DEVICES). The thread keeps
+// `device` current instead, as PyTorch's MaybeSetDevice does.
 class DeviceGuard {
  public:
   explicit DeviceGuard(int device, ApiLevel level = ApiLevel::runtime) : device_(device) {
     check(device, cudaGetDevice(&previous_), "cudaGetDevice");
+    if (previous_ != device) {
+      CUcontext current = nullptr;
+      restore_ = driver().cuCtxGetCurrent(&current) == CUDA_SUCCESS && current != nullptr;
+    }
     if (previous_ != device || level == ApiLevel::driver)
       check(device, cudaSetDevice(device), "cudaSetDevice");
   }
   ~DeviceGuard() {
-    if (previous_ != device_) (void)cudaSetDevice(previous_);  // best effort in a destructor
+    // Best effort in a destructor; a failure must not stay behind as the program's last
+    // error.
+    if (restore_ && cudaSetDevice(previous_) != cudaSuccess) (void)runtime().get_last_error();
   }
   DeviceGuard(const DeviceGuard&) = delete;
   DeviceGuard& operator=(const DeviceGuard&) = delete;
@@ -197,6 +209,7 @@ class DeviceGuard {
  private:
   int device_;
   int previous_ = 0;
+  bool restore_ = false;
 };
 
 cudaStream_t to_cuda(Stream s) { return static_cast<cudaStream_t>(s.handle); }
@@ -439,10 +452,19 @@ class CudaBackend final : public Backend {
   }
   void do_release_physical(PhysicalHandle h, std::size_t) override {
     DeviceGuard guard(device(), ApiLevel::driver);
-    check(driver().cuMemRelease(static_cast<CUmemGenericAllocationHandle>(h.value)),
-          "cuMemRelease");
-    std::lock_guard lock(vm_mutex_);
-    host_handles_.erase(h.value);
+    // Forgotten before the release, as in Backend::release_physical: a helper thread's
+    // cuMemCreate may get the same handle value as soon as it is released.
+    bool host = false;
+    {
+      std::lock_guard lock(vm_mutex_);
+      host = host_handles_.erase(h.value) != 0;
+    }
+    const CUresult res = driver().cuMemRelease(static_cast<CUmemGenericAllocationHandle>(h.value));
+    if (res != CUDA_SUCCESS && host) {
+      std::lock_guard lock(vm_mutex_);
+      host_handles_.insert(h.value);
+    }
+    check(res, "cuMemRelease");
   }
   void do_map(void* va, std::size_t bytes, PhysicalHandle h) override {
     DeviceGuard guard(device(), ApiLevel::driver);
