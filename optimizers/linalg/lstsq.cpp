@@ -157,12 +157,25 @@ at::Tensor fp64_matrix(const std::vector<at::Tensor>& columns) {
   return at::stack(columns, 1).to(at::kDouble);
 }
 
+// [A | B] as one fp64 matrix on their device, each column converted straight into place:
+// the SVD path's one full-size copy (stacking A and B, converting, scaling and joining
+// them held up to four, 62 GiB for a 2²⁸×8 fp32 problem).
+at::Tensor fp64_augmented(const Problem& problem) {
+  const auto b_count = static_cast<int64_t>(problem.b_columns.size());
+  auto X = at::empty({problem.rows, problem.k + b_count},
+                     at::TensorOptions().dtype(at::kDouble).device(problem.device));
+  for (int64_t j = 0; j < problem.k; ++j) X.select(1, j).copy_(problem.a_columns[j]);
+  for (int64_t j = 0; j < b_count; ++j) X.select(1, problem.k + j).copy_(problem.b_columns[j]);
+  return X;
+}
+
 SmallSolution run_svd(const Problem& problem, const LstsqOptions& options, double rcond) {
-  auto A = fp64_matrix(problem.a_columns);
-  auto B = fp64_matrix(problem.b_columns);
-  if (!at::isfinite(A).all().item<bool>() || !at::isfinite(B).all().item<bool>()) {
-    fail("A or B contains NaN or Inf");
+  auto X = fp64_augmented(problem);
+  // Column by column: a whole-X isfinite would be one more temporary of N·(k+r) bytes.
+  for (int64_t j = 0; j < X.size(1); ++j) {
+    if (!at::isfinite(X.select(1, j)).all().item<bool>()) fail("A or B contains NaN or Inf");
   }
+  auto A = X.narrow(1, 0, problem.k);
   // Not A.square().sum(0): for finite |a| > ~1.3e154 that overflows to inf, the scale
   // becomes 0 and the SVD sees NaN (column_norms rescales; so does LAPACK's QR).
   const auto norms = detail::column_norms(A).cpu();
@@ -177,7 +190,8 @@ SmallSolution run_svd(const Problem& problem, const LstsqOptions& options, doubl
   }
   const double lambda =
       detail::tikhonov_lambda(options, norms.square().sum().item<double>(), problem.k);
-  const auto R = detail::householder_r_factor(at::cat({A * scale.to(A.device()), B}, 1));
+  A.mul_(scale.to(A.device()));  // in X: the equilibrated A beside B
+  const auto R = detail::householder_r_factor(X);
   return detail::solve_from_r_factor(R, problem.k, scale, rcond, lambda, problem.dtype);
 }
 

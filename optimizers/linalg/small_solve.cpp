@@ -33,6 +33,7 @@
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "optimizers/linalg/small_dense.h"
 
@@ -57,9 +58,19 @@ at::Tensor column_norms(const at::Tensor& M) {
   // Divide each column by its largest magnitude first: squaring |m| > ~1.3e154 overflows
   // and |m| < ~1.5e-154 underflows (torch's vector_norm does not rescale), and either would
   // make the column scale 0 or 1 and the equilibrated matrix NaN or unscaled.
-  const auto peak = M.abs().amax(0);
-  const auto safe_peak = at::where(peak > 0, peak, at::ones_like(peak));
-  return peak * (M / safe_peak.unsqueeze(0)).square().sum(0).sqrt();
+  // One column at a time, and |m|'s peak as max(max m, -min m): the temporaries are one
+  // column's, not M's (on the SVD path M is [A | B] in fp64 of a problem that may fill
+  // most of the device: whole-M temporaries doubled and tripled its footprint).
+  if (M.size(1) == 0) return at::zeros({0}, M.options());
+  std::vector<at::Tensor> norms;
+  norms.reserve(static_cast<size_t>(M.size(1)));
+  for (int64_t j = 0; j < M.size(1); ++j) {
+    const auto column = M.select(1, j);
+    const auto peak = at::maximum(column.max(), column.min().neg());
+    const auto safe_peak = at::where(peak > 0, peak, at::ones_like(peak));
+    norms.push_back(peak * (column / safe_peak).square_().sum().sqrt());
+  }
+  return at::stack(norms);
 }
 
 at::Tensor column_scales(const at::Tensor& gram_diagonal, bool equilibrate) {

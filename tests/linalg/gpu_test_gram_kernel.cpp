@@ -6,7 +6,7 @@
 // groups, 512- and 256-row tiles), row counts that are odd, smaller than one vector, and
 // large enough that each block walks several tiles. The reference is an fp64 matrix
 // product on the CPU; the kernel must match it to fp64 rounding and give bitwise the same
-// result when run again. (N·m beyond 2³¹ is covered in gpu_test_lstsq.cpp.)
+// result when run again. (N·m beyond 2³¹ is covered in gpu_test_lstsq_large.cpp.)
 #include <gtest/gtest.h>
 
 #include <cmath>

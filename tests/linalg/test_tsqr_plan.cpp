@@ -54,7 +54,7 @@ TEST(TsqrPlan, ChunksTileTheRowsWithinTheElementLimit) {
 }
 
 TEST(TsqrPlan, TheSvdPathBeyond2To31GetsEighteenFullChunksAndAShortOne) {
-  // gpu_test_lstsq.cpp's SvdPathBeyond2To31Elements: [A·D | b] is (2²⁸ + 4096)×9 fp64.
+  // gpu_test_lstsq_large.cpp's SvdPathBeyond2To31Elements: [A·D | b] is (2²⁸ + 4096)×9 fp64.
   const TsqrPlan plan = tsqr_plan((int64_t{1} << 28) + 4096, 9);
   EXPECT_EQ(plan.chunk_rows, 14'913'080);  // ⌊2²⁷ / 9⌋
   EXPECT_EQ(plan.chunks, 19);
