@@ -214,9 +214,9 @@ std::size_t push_ranges_to_host(VmmPool& pool, std::size_t bytes_needed) {
 // (CU_MEM_LOCATION_TYPE_HOST_NUMA), which some devices, drivers and platforms (WSL, some
 // virtual machines) do not support: every eviction then failed, and with a state budget
 // the Python hooks raised out of each optimizer.step(). So before the first range of a
-// device, one granule of host backing is made and given back: where that fails, the
-// route makes no range on that device (the state stays in ordinary device memory, as
-// without tiering) and says so once on stderr, with the backend's reason. The tiering C
+// device, one granule of host backing is made, mapped, unmapped and given back: where
+// that fails, the route makes no range on that device (the state stays in ordinary device
+// memory, as without tiering) and says so once on stderr, with the backend's reason. The tiering C
 // ABI's explicit tidepool_vmm_malloc still makes ranges (its evictions say why they fail).
 namespace {
 bool host_backing_works(int device) {
@@ -229,10 +229,35 @@ bool host_backing_works(int device) {
   }
   std::string why;
   try {
-    const PhysicalHandle h = backend->create_physical(backend->granularity(), MemoryLocation::host);
-    if (h) backend->release_physical(h, backend->granularity());
+    const std::size_t granule = backend->granularity();
+    const PhysicalHandle h = backend->create_physical(granule, MemoryLocation::host);
     // An empty handle is a host out of memory now, not a missing capability: asked again.
     if (!h) return true;
+    // Mapped too, as a range's eviction maps it: a platform may make host-NUMA memory
+    // and still refuse to map it for the device (or set its access).
+    void* va = nullptr;
+    bool mapped = false;
+    try {
+      va = backend->reserve_address(granule);
+      backend->map(va, granule, h);
+      mapped = true;
+      backend->unmap(va, granule);
+      mapped = false;
+      backend->release_address(va, granule);
+    } catch (const BackendError&) {
+      // Best effort: the probe's reason is the error to report. A range left mapped
+      // keeps its address (releasing a mapped range is not allowed).
+      try {
+        if (va != nullptr && !mapped) backend->release_address(va, granule);
+      } catch (const BackendError&) {
+      }
+      try {
+        backend->release_physical(h, granule);
+      } catch (const BackendError&) {
+      }
+      throw;
+    }
+    backend->release_physical(h, granule);
   } catch (const BackendError& e) {
     why = e.what();
   }

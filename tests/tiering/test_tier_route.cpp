@@ -2,9 +2,12 @@
 // or above tidepool.tier_min_bytes becomes a pointer-stable range of the device's VMM pool,
 // freed through tidepool_free, and tidepool_release_stream and
 // tidepool_pytorch_record_stream reach those ranges and the device's tiered stores.
+#include <atomic>
 #include <chrono>
 #include <cstring>
 #include <future>
+#include <mutex>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -283,6 +286,69 @@ TEST_F(NoHostBackingTest, OptimizerStateStaysOrdinaryMemoryAndThisIsSaidOnce) {
       << tidepool_last_error();
   tidepool_free(first, kDefaultTierMinBytes, kNoHostBackingDevice, nullptr);
   tidepool_free(second, kDefaultTierMinBytes, kNoHostBackingDevice, nullptr);
+}
+
+// The same where host physical memory is made but cannot be mapped for the device: the
+// probe maps what it made, as an eviction would.
+constexpr int kNoHostMappingDevice = 7;
+
+class NoHostMappingTest : public tiering_test::HostBackendTest<kNoHostMappingDevice> {};
+
+TEST_F(NoHostMappingTest, OptimizerStateStaysOrdinaryMemoryAndNothingOfTheProbeIsLeft) {
+  struct NoHostMapping final : ForwardingBackend {
+    using ForwardingBackend::ForwardingBackend;
+    PhysicalHandle do_create_physical(std::size_t bytes, MemoryLocation where) override {
+      const PhysicalHandle h = ForwardingBackend::do_create_physical(bytes, where);
+      if (h && where == MemoryLocation::host) {
+        std::lock_guard lock(mutex);
+        host.insert(h.value);
+        ++host_live;
+      }
+      return h;
+    }
+    void do_release_physical(PhysicalHandle h, std::size_t bytes) override {
+      ForwardingBackend::do_release_physical(h, bytes);
+      std::lock_guard lock(mutex);
+      if (host.erase(h.value) != 0) --host_live;
+    }
+    void do_map(void* va, std::size_t bytes, PhysicalHandle h) override {
+      {
+        std::lock_guard lock(mutex);
+        if (host.contains(h.value)) throw BackendError("host-NUMA memory cannot be mapped here");
+      }
+      ForwardingBackend::do_map(va, bytes, h);
+    }
+    void* do_reserve_address(std::size_t bytes) override {
+      ++reserved_live;
+      return ForwardingBackend::do_reserve_address(bytes);
+    }
+    void do_release_address(void* va, std::size_t bytes) override {
+      ForwardingBackend::do_release_address(va, bytes);
+      --reserved_live;
+    }
+    std::mutex mutex;
+    std::set<std::uint64_t> host;
+    int host_live = 0;
+    std::atomic<int> reserved_live{0};
+  };
+  auto* backend = new NoHostMapping(device_allocator(kNoHostMappingDevice).backend());
+  set_tiering_backend(kNoHostMappingDevice, backend);  // lives for the process
+  ConfigScope config("backend:tidepool,tidepool.state_budget:1GiB");
+  ::testing::internal::CaptureStderr();
+  EXPECT_EQ(tidepool_tag_push(kTagOptimizerState), 0);
+  void* p =
+      tidepool_malloc(static_cast<ssize_t>(kDefaultTierMinBytes), kNoHostMappingDevice, nullptr);
+  EXPECT_EQ(tidepool_tag_pop(), 0);
+  const std::string said = ::testing::internal::GetCapturedStderr();
+  ASSERT_NE(p, nullptr) << tidepool_last_error();
+  EXPECT_EQ(tidepool_vmm_owns(p, kNoHostMappingDevice), 0) << "a range whose evictions would fail";
+  EXPECT_NE(said.find("device 7 cannot back pointer-stable ranges with host memory"),
+            std::string::npos)
+      << said;
+  EXPECT_NE(said.find("cannot be mapped here"), std::string::npos) << said;
+  EXPECT_EQ(backend->host_live, 0) << "the probe's host memory was given back";
+  EXPECT_EQ(backend->reserved_live.load(), 0) << "the probe's address range was given back";
+  tidepool_free(p, kDefaultTierMinBytes, kNoHostMappingDevice, nullptr);
 }
 
 }  // namespace
