@@ -125,7 +125,9 @@ void BM_CudaMallocAsync_CachedPair(benchmark::State& state) {
     return;
   }
   const auto n = static_cast<std::size_t>(state.range(0));
-  cudaStream_t stream = nullptr;
+  // Several threads: each its own per-thread default stream, cudaMallocAsync's best case
+  // (on the one legacy stream they would all serialise on it).
+  cudaStream_t stream = state.threads() > 1 ? cudaStreamPerThread : nullptr;
   // Warm, as tidepool's pair is (pair_loop.h): the pool's first request maps memory.
   void* warm = nullptr;
   if (cudaMallocAsync(&warm, n, stream) == cudaSuccess) cudaFreeAsync(warm, stream);
