@@ -277,18 +277,33 @@ int tidepool_release_stream(int device, void* stream) {
   });
 }
 
+namespace {
+
+// Whether `ptr` lies in one of the backed ranges of `device`'s allocator; false for an
+// index with no allocator (none is created).
+bool device_holds(int device, const void* ptr) {
+  const tidepool::CachingAllocator* allocator = tidepool::existing_device_allocator(device);
+  if (allocator == nullptr) return false;
+  const auto address = reinterpret_cast<std::uintptr_t>(ptr);
+  for (const tidepool::MemoryRange& range : allocator->backed_ranges()) {
+    if (range.address <= address && address - range.address < range.size) return true;
+  }
+  return false;
+}
+
+}  // namespace
+
 int tidepool_holds_address(const void* ptr) {
   return guarded(-1, [&] {
-    const auto address = reinterpret_cast<std::uintptr_t>(ptr);
     for (int d = 0; d < tidepool::kMaxDevices; ++d) {
-      const tidepool::CachingAllocator* allocator = tidepool::existing_device_allocator(d);
-      if (allocator == nullptr) continue;
-      for (const tidepool::MemoryRange& range : allocator->backed_ranges()) {
-        if (range.address <= address && address - range.address < range.size) return 1;
-      }
+      if (device_holds(d, ptr)) return 1;
     }
     return 0;
   });
+}
+
+int tidepool_device_holds_address(int device, const void* ptr) {
+  return guarded(-1, [&] { return device_holds(device, ptr) ? 1 : 0; });
 }
 
 int tidepool_enable_peer_access(int device, int peer) {

@@ -113,6 +113,12 @@ TIDEPOOL_API int tidepool_release_stream(int device, void* stream);
  * give tidepool's segment back under it). Walks every device's ranges: not for a hot
  * path. */
 TIDEPOOL_API int tidepool_holds_address(const void* ptr);
+/* tidepool_holds_address for the caching allocator of `device` alone: 1, else 0 (also for
+ * an index tidepool has no allocator for, any index: none is created), or -1 on error.
+ * For a caller that no longer counts some devices' memory as tidepool's: the LD_PRELOAD
+ * shim, after a cudaDeviceReset, whose new context may hand the addresses of the
+ * device's old segments out again (Note [cudaDeviceReset under the shim]). */
+TIDEPOOL_API int tidepool_device_holds_address(int device, const void* ptr);
 /* Gives device `peer` read and write access to the memory tidepool maps through CUDA
  * virtual memory management for `device` (expandable segments, pointer-stable ranges of
  * optimizer state, device- or host-backed): every range mapped now and every range mapped

@@ -380,6 +380,7 @@ void initialise() {
                      symbol("tidepool_config_active_json", t.config_active_json),
                      symbol("tidepool_release_stream", t.release_stream),
                      symbol("tidepool_holds_address", t.holds_address),
+                     symbol("tidepool_device_holds_address", t.device_holds_address),
                      symbol("tidepool_in_forked_child", t.in_forked_child),
                      symbol("tidepool_empty_cache", t.empty_cache))) {
     return;

@@ -58,6 +58,9 @@ struct TidepoolAbi {
   int (*holds_address)(const void*) = nullptr;  // Note [frees of memory tidepool holds]
   int (*in_forked_child)() = nullptr;            // Note [Forked child under the shim]
   int (*empty_cache)(int) = nullptr;             // Note [cudaDeviceReset under the shim]
+  // tidepool_holds_address of one device: the shim asks it once some device was reset
+  // (Note [cudaDeviceReset under the shim]).
+  int (*device_holds_address)(int, const void*) = nullptr;
 };
 
 struct Allocation {

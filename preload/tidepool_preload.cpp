@@ -35,9 +35,17 @@
 //     cudaDeviceReset first synchronises and gives tidepool's cache of that device back
 //     (tidepool_empty_cache, while the context still lives), forgets the shim's pointers
 //     on it, then forwards; from then on the device's allocations go to the runtime
-//     unchanged, and the shim says so on stderr. A pointer from before the reset is the
-//     runtime's to refuse, or, inside memory tidepool still holds (handed out and never
-//     freed), answered cudaErrorInvalidValue as before. Other devices are served as before.
+//     unchanged, and the shim says so on stderr. tidepool's allocator of the device keeps
+//     the ranges of the segments it could not give back (blocks handed out, never freed),
+//     but the new context may hand those addresses out again, to the program's next
+//     cudaMalloc there: so that memory no longer counts as tidepool's (Note [frees of
+//     memory tidepool holds], Note [IPC of tidepool's memory]; the shim asks
+//     tidepool_device_holds_address of the other devices), or that allocation's cudaFree
+//     would be refused (a leak), and its export too. A free of a pointer from before the
+//     reset goes to the runtime, which refuses it, as without the shim.
+//     Nor is a stream of the device released in tidepool before cudaStreamDestroy (Note
+//     [destroyed streams]): the streams tidepool knew there died with the context, and a
+//     new one may have a dead one's handle. Other devices are served as before.
 //   - Note [frees during capture]: CUDA turns a cudaFreeAsync on a stream being captured
 //     into a free node of the graph, which only a graph allocation may be given; the
 //     runtime refuses any other pointer. tidepool would instead free the block at once,
@@ -106,8 +114,9 @@
 //     release (a handle already invalid) does not stop the destroy: the shim says so once
 //     on stderr (not under tidepool.log:off) and forwards anyway. Forwarded with no
 //     release: the NULL, legacy and per-thread handles (the runtime refuses them), calls
-//     made inside tidepool, and every call while tidepool is not set up (it holds nothing
-//     then; the destroy does not set it up) or does not serve (Note [runtime version]).
+//     made inside tidepool, every call while tidepool is not set up (it holds nothing
+//     then; the destroy does not set it up) or does not serve (Note [runtime version]),
+//     and a stream of a device that was reset (Note [cudaDeviceReset under the shim]).
 //   - Note [frees of memory tidepool holds]: a pointer the shim does not own may still lie
 //     in memory tidepool holds: freed twice, or an address inside a block. The runtime
 //     must not see it: at the start of a segment tidepool got from cudaMalloc it would
@@ -116,7 +125,8 @@
 //     answers a pointer it did not hand out (or no longer holds) with
 //     cudaErrorInvalidValue; the shim answers that itself, for cudaFree and
 //     cudaFreeAsync, after asking tidepool (tidepool_holds_address: slow, but only frees
-//     of pointers the shim does not own pay it).
+//     of pointers the shim does not own pay it). Memory of a device that was reset does
+//     not count (Note [cudaDeviceReset under the shim]).
 //   - Errors keep CUDA's meaning: cudaErrorMemoryAllocation for out-of-memory
 //     (tidepool_last_error_is_out_of_memory) and for a size above tidepool's limit
 //     (Note [sizes beyond any device]), cudaErrorInvalidValue for any other failure of
@@ -253,10 +263,17 @@ bool take_owned(void* ptr, Allocation& out) {
 }
 
 // Note [frees of memory tidepool holds]: whether a pointer the shim does not own lies in
-// tidepool's memory all the same.
+// tidepool's memory all the same. A reset device's memory does not count (Note
+// [cudaDeviceReset under the shim]): its new context may hand those addresses out again.
 bool tidepool_holds(void* ptr) {
+  Shim& s = shim();
+  const std::uint64_t reset = s.reset_devices.load(std::memory_order_acquire);
   InsideTidepool inside;
-  return shim().tp.holds_address(ptr) == 1;
+  if (reset == 0) return s.tp.holds_address(ptr) == 1;
+  for (int device = 0; device < 64; ++device) {
+    if ((reset >> device & 1u) == 0 && s.tp.device_holds_address(device, ptr) == 1) return true;
+  }
+  return false;
 }
 
 // Puts back what take_owned removed, when the free fails: the pointer is still the
@@ -524,6 +541,8 @@ void release_before_destroy(cudaStream_t stream) {
   int device = 0;
   if (const cudaError_t e = s.cuda.stream_get_device(stream, &device); e != cudaSuccess) {
     failure = "cudaStreamGetDevice failed (error " + std::to_string(e) + ")";
+  } else if (device_was_reset(device)) {
+    return;  // Note [cudaDeviceReset under the shim]: tidepool's streams there are dead
   } else {
     InsideTidepool inside;
     s.tp.clear_error();

@@ -28,7 +28,15 @@
  *                        while the shim forwards to it: cudaFree(NULL), then cudaMalloc and
  *                        cudaMallocAsync, all through the process's symbols (the shim's).
  *                        Whether the two allocations reached this library is in
- *                        fake_cudart_nested_forwarded and fake_cudart_nested_async_forwarded.
+ *                        fake_cudart_nested_forwarded and fake_cudart_nested_async_forwarded;
+ *   FAKE_CUDART_MALLOC_AT  when set (an address, as strtoull reads it with base 0), cudaMalloc
+ *                        hands out that address instead of memory of its own, as a new
+ *                        context after cudaDeviceReset may hand out addresses the old one
+ *                        used (nothing is behind it: only freed, never read or written).
+ *
+ * Memory: the fake remembers what its cudaMalloc and cudaMallocAsync (and _ptsz) handed out
+ * and not yet freed; as the runtime, a free of any other non-NULL pointer is answered
+ * cudaErrorInvalidValue (and does not reach free()).
  *
  * Streams: cudaStreamCreate hands out the same handle every time (FAKE_CUDART_STREAM_HANDLE,
  * default 0x5200), as CUDA may give a destroyed stream's handle to the next stream. When
@@ -103,11 +111,69 @@ static int env_int(const char* name, int fallback) {
   return value != NULL && *value != '\0' ? atoi(value) : fallback;
 }
 
+/* What the fake handed out and was not given back (see the top): a list, under a lock
+ * (the shim forwards from any thread). `backed`: from malloc(), so free() takes it back. */
+struct handed_out {
+  void* ptr;
+  int backed;
+  struct handed_out* next;
+};
+static struct handed_out* handed_out_list = NULL;
+static pthread_mutex_t handed_out_mutex = PTHREAD_MUTEX_INITIALIZER;
+
+/* Remembers `ptr` (when not NULL); 0, or 2 (cudaErrorMemoryAllocation) when it cannot. */
+static int hand_out(void* ptr, int backed) {
+  if (ptr == NULL) return 0;
+  struct handed_out* entry = malloc(sizeof *entry);
+  if (entry == NULL) {
+    if (backed) free(ptr);
+    return 2;
+  }
+  entry->ptr = ptr;
+  entry->backed = backed;
+  pthread_mutex_lock(&handed_out_mutex);
+  entry->next = handed_out_list;
+  handed_out_list = entry;
+  pthread_mutex_unlock(&handed_out_mutex);
+  return 0;
+}
+
+/* Takes back what the fake handed out at `ptr`: 0, or 1 (cudaErrorInvalidValue) for a
+ * pointer it did not hand out or already took back. NULL is 0, as the runtime's. */
+static int take_back(void* ptr) {
+  if (ptr == NULL) return 0;
+  pthread_mutex_lock(&handed_out_mutex);
+  struct handed_out** link = &handed_out_list;
+  while (*link != NULL && (*link)->ptr != ptr) link = &(*link)->next;
+  struct handed_out* entry = *link;
+  if (entry != NULL) *link = entry->next;
+  pthread_mutex_unlock(&handed_out_mutex);
+  if (entry == NULL) return 1;
+  if (entry->backed) free(ptr);
+  free(entry);
+  return 0;
+}
+
+/* Memory of `size` bytes, remembered: 0, or cudaErrorMemoryAllocation. */
+static int fake_allocate(void** ptr, size_t size) {
+  *ptr = malloc(size);
+  if (*ptr == NULL && size != 0) return 2; /* cudaErrorMemoryAllocation */
+  const int rc = hand_out(*ptr, 1);
+  if (rc != 0) *ptr = NULL;
+  return rc;
+}
+
 int cudaMalloc(void** ptr, size_t size) {
   ++fake_cudart_malloc_calls;
   if (ptr == NULL) return answer(1); /* cudaErrorInvalidValue */
-  *ptr = malloc(size);
-  return answer(*ptr ? 0 : 2); /* cudaErrorMemoryAllocation */
+  const char* at = getenv("FAKE_CUDART_MALLOC_AT");
+  if (at != NULL && *at != '\0') {
+    *ptr = (void*)(uintptr_t)strtoull(at, NULL, 0);
+    return answer(hand_out(*ptr, 0));
+  }
+  const int rc = fake_allocate(ptr, size);
+  if (rc == 0 && *ptr == NULL) return answer(2); /* malloc(0) gave NULL: as before */
+  return answer(rc);
 }
 
 int fake_cudart_resets = 0;
@@ -147,26 +213,23 @@ int cudaFree(void* ptr) {
     fake_cudart_nested_async_forwarded = fake_cudart_malloc_async_calls - before_async;
     --depth;
     /* Memory from this library goes back here; tidepool's (the bug) is left to exit. */
-    if (fake_cudart_nested_forwarded == 1) free(nested);
-    if (fake_cudart_nested_async_forwarded == 1) free(nested_async);
+    if (fake_cudart_nested_forwarded == 1) take_back(nested);
+    if (fake_cudart_nested_async_forwarded == 1) take_back(nested_async);
   }
-  free(ptr);
-  return 0;
+  return answer(take_back(ptr));
 }
 
 int cudaMallocAsync(void** ptr, size_t size, void* stream) {
   (void)stream;
   ++fake_cudart_malloc_async_calls;
   if (ptr == NULL) return answer(1); /* cudaErrorInvalidValue */
-  *ptr = malloc(size);
-  return answer(*ptr || size == 0 ? 0 : 2); /* cudaErrorMemoryAllocation */
+  return answer(fake_allocate(ptr, size));
 }
 
 int cudaFreeAsync(void* ptr, void* stream) {
   (void)stream;
   ++fake_cudart_free_async_calls;
-  free(ptr);
-  return 0;
+  return answer(take_back(ptr));
 }
 
 /* The per-thread default stream forms (nvcc --default-stream per-thread). */
@@ -174,15 +237,13 @@ int cudaMallocAsync_ptsz(void** ptr, size_t size, void* stream) {
   ++fake_cudart_malloc_async_ptsz_calls;
   fake_cudart_last_ptsz_stream = (intptr_t)stream;
   if (ptr == NULL) return answer(1); /* cudaErrorInvalidValue */
-  *ptr = malloc(size);
-  return answer(*ptr || size == 0 ? 0 : 2); /* cudaErrorMemoryAllocation */
+  return answer(fake_allocate(ptr, size));
 }
 
 int cudaFreeAsync_ptsz(void* ptr, void* stream) {
   ++fake_cudart_free_async_ptsz_calls;
   fake_cudart_last_ptsz_stream = (intptr_t)stream;
-  free(ptr);
-  return 0;
+  return answer(take_back(ptr));
 }
 
 /* The helper library's function `name`, or NULL when the test did not load it. */

@@ -115,3 +115,48 @@ out["reset_again_rc"] = process.cudaDeviceReset()
     said = [line for line in stderr.splitlines() if "cudaDeviceReset" in line]
     assert len(said) == 1, stderr
     assert "no longer serves device 0" in said[0] and str(2 << 20) in said[0]
+
+
+def test_after_a_device_reset_its_old_addresses_are_the_runtimes(run_python):
+    # Note [cudaDeviceReset under the shim]: tidepool keeps the ranges of the reset device's
+    # segments it could not give back (here q's), and the new context may hand those
+    # addresses out again (FAKE_CUDART_MALLOC_AT). Such an allocation is the runtime's: its
+    # free and export were refused as tidepool's memory (a leak). Another device's memory
+    # still counts. A stream of the reset device is not released in tidepool: the release
+    # waited for a stream that died with the context (the host backend does not know the
+    # fake's handle, so it failed, as on a GPU).
+    out, stderr = run_with_fake(run_python, """
+lib = ctypes.CDLL(os.environ["TIDEPOOL_LIBRARY"])
+lib.tidepool_holds_address.argtypes = [ctypes.c_void_p]
+process.cudaDeviceReset.argtypes = []
+process.cudaIpcGetMemHandle.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+handle = ctypes.create_string_buffer(64)
+q, r, a, other = c_void_p(), c_void_p(), c_void_p(), c_void_p()
+os.environ["FAKE_CUDART_DEVICE"] = "1"
+process.cudaMalloc(byref(other), 1 << 20)   # device 1's, not reset
+os.environ["FAKE_CUDART_DEVICE"] = "0"
+s = c_void_p()
+fake.cudaStreamCreate(byref(s))
+process.cudaMalloc(byref(q), 2 << 20)       # live across the reset: its segment stays
+process.cudaMallocAsync(byref(a), 4096, s)  # tidepool holds memory for s, live too
+out["reset_rc"] = process.cudaDeviceReset()
+out["tidepool_still_holds"] = lib.tidepool_holds_address(q)   # in its bookkeeping
+os.environ["FAKE_CUDART_MALLOC_AT"] = str(q.value + 4096)
+out["malloc_rc"] = process.cudaMalloc(byref(r), 4096)
+out["in_the_old_segment"] = r.value == q.value + 4096
+out["export_rc"] = process.cudaIpcGetMemHandle(handle, r)
+out["runtime_exports"] = counter("fake_cudart_ipc_exports")
+out["free_rc"] = process.cudaFree(r)
+out["runtime_frees"] = counter("fake_cudart_free_calls")
+out["other_device_interior_free_rc"] = process.cudaFree(c_void_p(other.value + 4096))
+out["other_device_export_rc"] = process.cudaIpcGetMemHandle(handle, other)
+out["runtime_frees_after"] = counter("fake_cudart_free_calls")
+out["destroy_rc"] = process.cudaStreamDestroy(s)
+out["runtime_destroys"] = counter("fake_cudart_stream_destroy_calls")
+""", TIDEPOOL_BACKEND="host")
+    assert out == {"reset_rc": 0, "tidepool_still_holds": 1, "malloc_rc": 0,
+                   "in_the_old_segment": True, "export_rc": 0, "runtime_exports": 1,
+                   "free_rc": 0, "runtime_frees": 1,
+                   "other_device_interior_free_rc": 1, "other_device_export_rc": 1,
+                   "runtime_frees_after": 1, "destroy_rc": 0, "runtime_destroys": 1}
+    assert "could not release" not in stderr, stderr
