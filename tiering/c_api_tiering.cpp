@@ -257,17 +257,30 @@ int tidepool_get_tiering_stats_v1(int device, tidepool_tiering_stats_v1* out) {
     tidepool_tiering_stats_v1 full{};
     full.version = 1;
     full.device = device;
+    // The stores built from the configuration share the device's one budget (Note [Shared
+    // state budget] in device_budget_ledger.h): it is counted once, not once per store.
+    // Each resolved it when it was built, so they differ only if the configuration
+    // changed in between; the largest is what their charges together may reach.
+    std::uint64_t shared_budget = 0;
+    // Note [Rates from timed bytes] in copy_engine.h: the rates are of the bytes timed.
+    std::uint64_t h2d_timed_bytes = 0, d2h_timed_bytes = 0;
     tidepool::for_each_tiered_store(device, [&](TieredStore& store) {
       const tidepool::TieredStoreStats s = store.stats();
       full.stores++;
       full.h2d_bytes += s.copy.h2d.bytes;
       full.d2h_bytes += s.copy.d2h.bytes;
+      h2d_timed_bytes += s.copy.h2d.timed_bytes;
+      d2h_timed_bytes += s.copy.d2h.timed_bytes;
       full.h2d_busy_ms += s.copy.h2d.busy_ms;
       full.d2h_busy_ms += s.copy.d2h.busy_ms;
       full.exposed_wait_ms += s.copy.exposed_wait_ms;
       full.hidden_ms += s.copy.hidden_ms();
       full.device_bytes += s.device_bytes;
-      full.device_budget_bytes += s.device_budget_bytes;
+      if (s.budget_shared) {
+        shared_budget = std::max<std::uint64_t>(shared_budget, s.device_budget_bytes);
+      } else {
+        full.device_budget_bytes += s.device_budget_bytes;
+      }
       full.acquires += s.acquires;
       full.prefetch_issued += s.prefetch_issued;
       full.prefetch_hits += s.prefetch_hits;
@@ -289,11 +302,15 @@ int tidepool_get_tiering_stats_v1(int device, tidepool_tiering_stats_v1* out) {
       full.peer_room_requests += s.peer_room_requests;
       full.loads_skipped += s.loads_skipped;
     });
+    full.device_budget_bytes += shared_budget;
     if (const auto ledger = tidepool::DeviceBudgetLedger::existing(device)) {
       full.shared_budget_charged_bytes = ledger->charged_bytes();
     }
-    if (full.h2d_busy_ms > 0) full.h2d_gb_per_s = double(full.h2d_bytes) / (full.h2d_busy_ms * 1e6);
-    if (full.d2h_busy_ms > 0) full.d2h_gb_per_s = double(full.d2h_bytes) / (full.d2h_busy_ms * 1e6);
+    const auto rate = [](std::uint64_t bytes, double ms) {
+      return ms > 0 ? double(bytes) / (ms * 1e6) : 0.0;
+    };
+    full.h2d_gb_per_s = rate(h2d_timed_bytes, full.h2d_busy_ms);
+    full.d2h_gb_per_s = rate(d2h_timed_bytes, full.d2h_busy_ms);
     const tidepool::VmmStats v = vmm_stats(device);
     full.vmm_ranges = v.ranges;
     full.vmm_device_bytes = v.device_backed_bytes;

@@ -126,13 +126,20 @@ typedef struct tidepool_tiering_stats_v1 {
   uint32_t version;     /* set by tidepool: 1 */
   int32_t device;
   uint32_t stores;      /* live tiered stores on the device */
-  /* copy engines of all stores */
+  /* copy engines of all stores. The bytes are counted when enqueued, the busy time when a
+   * batch of transfers is done and collected; the rates are of the bytes whose time is
+   * collected (Note [Rates from timed bytes] in tiering/copy_engine.h), so they err low,
+   * never high. */
   uint64_t h2d_bytes, d2h_bytes;
   double h2d_busy_ms, d2h_busy_ms;
   double h2d_gb_per_s, d2h_gb_per_s;
-  double exposed_wait_ms; /* host time callers were blocked on transfers */
-  double hidden_ms;       /* busy time not exposed */
-  /* residency */
+  /* Host time callers were blocked on transfers, and the busy time not so exposed. A copy
+   * a GPU stream waited for (an acquire that missed) is hidden: no device-side stall is
+   * measured (Note [Exposed and hidden copy time] in tiering/copy_engine.h). */
+  double exposed_wait_ms;
+  double hidden_ms;
+  /* residency. device_budget_bytes: each store's budget of its own, plus once the device's
+   * tidepool.state_budget that the stores built from the configuration share */
   uint64_t device_bytes, device_budget_bytes;
   uint64_t acquires, prefetch_issued, prefetch_hits, prefetch_late, misses, prefetch_skipped;
   uint64_t evictions, evictions_clean;

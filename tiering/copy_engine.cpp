@@ -46,9 +46,11 @@ CopyEngine::~CopyEngine() {
   if (h2d_idle && d2h_idle) {
     teardown.attempt("collecting timings", [&] { collect_timings_locked(/*wait=*/true); });
   }
-  for (const Timing& t : pending_timings_) {
-    free_events_.push_back(t.start);
-    free_events_.push_back(t.end);
+  for (const std::deque<Timing>& pending : pending_timings_) {
+    for (const Timing& t : pending) {
+      free_events_.push_back(t.start);
+      free_events_.push_back(t.end);
+    }
   }
   for (const OpenBatch& b : batches_) {
     if (b.open) free_events_.push_back(b.start);
@@ -68,15 +70,23 @@ Event CopyEngine::take_event_locked() {
 }
 
 // Ends the open timing batch of `direction`: its end event goes after everything enqueued
-// so far, and the pair waits in pending_timings_ until it completes.
+// so far, and the pair waits in pending_timings_ until it completes. An event taken goes
+// back to the pool when its record fails (else it is never destroyed); the batch stays
+// open, to be closed by a later call.
 void CopyEngine::close_batch_locked(Direction direction) {
   OpenBatch& batch = batches_[static_cast<int>(direction)];
   if (!batch.open) return;
+  std::deque<Timing>& pending = pending_timings_[static_cast<int>(direction)];
   const Event end = take_event_locked();
-  backend_.record_event(end, stream(direction));
-  pending_timings_.push_back(Timing{batch.start, end, direction});
+  try {
+    backend_.record_event(end, stream(direction));
+    pending.push_back(Timing{batch.start, end, batch.bytes});
+  } catch (...) {
+    free_events_.push_back(end);
+    throw;
+  }
   batch.open = false;
-  if (pending_timings_.size() > kMaxPendingTimings) collect_timings_locked(/*wait=*/true);
+  if (pending.size() > kMaxPendingTimings) collect_timings_locked(direction, /*wait=*/true);
 }
 
 void CopyEngine::transfer(void* dst, const void* src, std::size_t bytes, Direction direction,
@@ -89,8 +99,14 @@ void CopyEngine::transfer(void* dst, const void* src, std::size_t bytes, Directi
   if (options_.time_transfers) {
     std::lock_guard lock(mutex_);
     if (!batch.open) {
-      batch.start = take_event_locked();
-      backend_.record_event(batch.start, s);
+      const Event start = take_event_locked();
+      try {
+        backend_.record_event(start, s);
+      } catch (...) {
+        free_events_.push_back(start);
+        throw;
+      }
+      batch.start = start;
       batch.open = true;
       batch.bytes = 0;
     }
@@ -123,19 +139,28 @@ void CopyEngine::transfer(void* dst, const void* src, std::size_t bytes, Directi
 }
 
 void CopyEngine::collect_timings_locked(bool wait) {
-  while (!pending_timings_.empty()) {
-    Timing& t = pending_timings_.front();
+  collect_timings_locked(Direction::host_to_device, wait);
+  collect_timings_locked(Direction::device_to_host, wait);
+}
+
+// Note [Rates from timed bytes] in copy_engine.h: a batch's bytes enter the rate with its
+// time, and each direction is collected on its own.
+void CopyEngine::collect_timings_locked(Direction direction, bool wait) {
+  std::deque<Timing>& pending = pending_timings_[static_cast<int>(direction)];
+  DirectionStats& d = direction == Direction::host_to_device ? stats_.h2d : stats_.d2h;
+  while (!pending.empty()) {
+    Timing& t = pending.front();
     if (wait) {
       backend_.event_synchronize(t.end);
     } else if (!backend_.event_query(t.end)) {
-      break;  // streams run in order: later timings are not done either
+      break;  // the stream runs in order: its later timings are not done either
     }
     const float ms = backend_.event_elapsed_ms(t.start, t.end);
-    DirectionStats& d = t.direction == Direction::host_to_device ? stats_.h2d : stats_.d2h;
     d.busy_ms += std::max(0.0f, ms);
+    d.timed_bytes += t.bytes;
     free_events_.push_back(t.start);
     free_events_.push_back(t.end);
-    pending_timings_.pop_front();
+    pending.pop_front();
     wait = false;  // only the oldest is waited for; the rest as far as they are done
   }
 }

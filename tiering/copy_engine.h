@@ -14,8 +14,28 @@
 //
 // Telemetry: bytes and copies per direction, busy time per direction measured with
 // backend timing events (per batch of transfers, collected lazily once they complete), and the
-// exposed time: host wall time a caller spent blocked on a transfer (reported by the tiered store
-// through note_exposed_wait). Hidden time = busy time - exposed time.
+// exposed time: host wall time a caller spent blocked on a transfer (wait_exposed).
+//
+// Note [Exposed and hidden copy time]
+// "Exposed" is host-side waiting only: the time a host thread sat in wait_exposed (the
+// tiered store waiting for a write-back: an acquire under budget pressure, a reclaim).
+// Hidden time = busy time - exposed time, an upper bound on the copy time that overlapped
+// other work, not a measurement of it. A copy that a GPU stream waited for is counted as
+// hidden: an acquire that misses (or finds its prefetch still in flight) makes the
+// caller's stream wait for the load on the device (stream_wait_event) and returns at
+// once, so the compute stream may stall behind the copy while the host never blocks; no
+// device-side stall is measured or separated. Read a small exposed time as "the host
+// rarely waited", and the prefetch counters (misses, prefetch_late) for how often the
+// device may have.
+//
+// Note [Rates from timed bytes]
+// A transfer's bytes are counted (DirectionStats::bytes) when it is enqueued, but its time
+// only when its timing batch completes and is collected, which may be much later. The
+// rate is therefore computed from timed_bytes, the bytes of the batches whose time is in
+// busy_ms, never from bytes: bytes still in flight would inflate it. Each direction keeps
+// its own pending batches, collected in their stream's order, so a batch of one
+// direction held back (an H2D load waiting on an event) does not hold back the
+// collection of the other's.
 //
 // Thread-safety: all methods may be called concurrently.
 #pragma once
@@ -46,18 +66,23 @@ struct CopyEngineOptions {
 };
 
 struct DirectionStats {
-  std::uint64_t bytes = 0;
+  std::uint64_t bytes = 0;  // enqueued (the bytes moved, once the streams are idle)
   std::uint64_t transfers = 0;
   std::uint64_t chunks = 0;
+  // Note [Rates from timed bytes]: the bytes whose device time busy_ms holds.
+  std::uint64_t timed_bytes = 0;
   double busy_ms = 0;  // sum of completed transfers' device time
-  double gb_per_s() const { return busy_ms > 0 ? double(bytes) / (busy_ms * 1e6) : 0.0; }
+  double gb_per_s() const { return busy_ms > 0 ? double(timed_bytes) / (busy_ms * 1e6) : 0.0; }
 };
 
 struct CopyEngineStats {
   DirectionStats h2d;
   DirectionStats d2h;
-  double exposed_wait_ms = 0;  // host time callers spent blocked on transfers
+  // Host time callers spent blocked on transfers; a GPU stream's wait for a copy is not
+  // in it (Note [Exposed and hidden copy time]).
+  double exposed_wait_ms = 0;
   std::uint64_t exposed_waits = 0;
+  // Busy time not exposed on the host: it includes copies a GPU stream waited for.
   double hidden_ms() const {
     const double busy = h2d.busy_ms + d2h.busy_ms;
     return busy > exposed_wait_ms ? busy - exposed_wait_ms : 0.0;
@@ -96,7 +121,7 @@ class TIDEPOOL_API CopyEngine {
  private:
   struct Timing {
     Event start, end;
-    Direction direction;
+    std::size_t bytes;  // of the transfers the batch holds (Note [Rates from timed bytes])
   };
   struct OpenBatch {
     Event start;
@@ -104,6 +129,7 @@ class TIDEPOOL_API CopyEngine {
     bool open = false;
   };
   void collect_timings_locked(bool wait);
+  void collect_timings_locked(Direction direction, bool wait);
   void close_batch_locked(Direction direction);
   Event take_event_locked();
 
@@ -111,7 +137,7 @@ class TIDEPOOL_API CopyEngine {
   CopyEngineOptions options_;
   Stream h2d_, d2h_;
   std::mutex mutex_;
-  std::deque<Timing> pending_timings_;
+  std::deque<Timing> pending_timings_[2];  // by Direction, each in its stream's order
   OpenBatch batches_[2];  // by Direction
   std::vector<Event> free_events_;
   CopyEngineStats stats_;

@@ -39,6 +39,7 @@ std::string direction_json(const DirectionStats& d) {
       .num("bytes", ull(d.bytes))
       .num("transfers", ull(d.transfers))
       .num("chunks", ull(d.chunks))
+      .num("timed_bytes", ull(d.timed_bytes))
       .num("busy_ms", d.busy_ms)
       .num("gb_per_s", d.gb_per_s())
       .done();

@@ -72,7 +72,8 @@ std::size_t TieredStore::peer_shortfall_locked(std::size_t bytes) const {
 // first; for a prefetch (may_wait false) only handles needed later than the incoming one.
 // Once the pending frees would leave room when their write-backs finish, the load gets it
 // from them in stream order (room_from_pending_locked) instead of waiting on the host;
-// only an acquire whose room the pending frees cannot give that way waits, oldest first.
+// only an acquire whose room the pending frees cannot give that way waits, oldest first,
+// and only when their write-backs would leave room (Note [No room, no wait]).
 // What the other participants of a shared budget hold counts as held: this store's own
 // evictions and write-backs are all it can use here; the others are asked by the acquire
 // once this returns none (with_room_from_peers), a prefetch never asks them.
@@ -98,7 +99,15 @@ TieredStore::Room TieredStore::make_room_locked(std::size_t bytes, const Entry* 
         evict_locked(*victim);
         continue;
       }
-      if (pending_frees_.empty()) return {Room::Kind::none, 0};  // all acquired (or needed sooner)
+      // Note [No room, no wait]
+      // All acquired (or needed sooner, or left for the others first): even with every
+      // write-back of this store done, the load would not fit. A pending free of exactly
+      // its size may still be taken over (its charge passes to the load), but waiting for
+      // the write-backs frees no room the load could use: it would sync the host with the
+      // device for nothing (counted as a budget wait and exposed time) and, with a shared
+      // budget, drain them all before the other stores are asked.
+      const Room room = room_from_pending_locked(bytes);
+      return room.kind == Room::Kind::take_over ? room : Room{Room::Kind::none, 0};
     }
     const Room room = room_from_pending_locked(bytes);
     if (room.kind == Room::Kind::take_over) return room;

@@ -41,9 +41,11 @@
 // memory it reuses: Note [Loads over write-backs] in tiered_store.h). The host blocks
 // only in acquire() under pressure (no released handle left to evict and no room the
 // buffers on their way out can give in stream order: it waits for the oldest pending
-// free, counted in budget_waits and exposed time; or the device itself is out of
-// memory), after a failed copy, and in read()/write()/destroy()/synchronize(), which wait
-// by contract. prefetch() and evict() never wait (a prefetch without room is skipped).
+// free, counted in budget_waits and exposed time, and only when the pending frees would
+// leave room once written back, Note [No room, no wait] in store_budget.cpp; or the
+// device itself is out of memory), after a failed copy, and in read()/write()/destroy()/
+// synchronize(), which wait by contract. prefetch() and evict() never wait (a prefetch
+// without room is skipped).
 //
 // Note [Locking]
 // One mutex guards the store. Backend calls are made under it; they never call back
@@ -61,9 +63,7 @@
 #include <cstring>
 #include <iterator>
 
-#include "allocator/caching_allocator.h"
 #include "allocator/config.h"
-#include "allocator/tags.h"
 #include "allocator/tier_routing.h"
 #include "allocator/warn_once.h"
 #include "tiering/stats_json.h"
@@ -101,36 +101,12 @@ class InsideStore {
 };
 }  // namespace
 
-DeviceMemorySource caching_allocator_source(CachingAllocator& allocator, int tag) {
-  DeviceMemorySource source;
-  source.allocate = [&allocator, tag](std::size_t n, Stream s) -> void* {
-    TagScope scope(tag);
-    try {
-      return allocator.allocate(n, s);
-    } catch (const std::bad_alloc&) {
-      return nullptr;  // the store evicts its own released state and retries
-    }
-  };
-  // No reclaim hooks, no release of the allocator's cache, no OOM counted: those would make
-  // other stores evict (and wait) for a hint (CachingAllocator::try_allocate).
-  source.try_allocate = [&allocator, tag](std::size_t n, Stream s) -> void* {
-    TagScope scope(tag);
-    return allocator.try_allocate(n, s);
-  };
-  source.deallocate = [&allocator](void* p, std::size_t n, Stream s) {
-    allocator.deallocate(p, n, s);
-  };
-  source.release_stream = [&allocator](Stream s) { allocator.release_stream(s); };
-  source.stream_ordered = true;
-  return source;
-}
-
 // ---- construction -----------------------------------------------------------------------
 
 TieredStore::TieredStore(Backend& backend, TieredStoreOptions options, DeviceMemorySource device)
     : backend_(backend),
       options_(options),
-      device_(std::move(device)),
+      device_(whole_memory_source(backend, std::move(device))),  // memory_source.cpp
       host_(backend, options.host),
       copies_(backend, options.copy) {
   bool shared = false;  // the device's configured budget (Note [Shared state budget])
@@ -140,10 +116,6 @@ TieredStore::TieredStore(Backend& backend, TieredStoreOptions options, DeviceMem
     options_.device_budget_bytes = shared ? *configured : TieredStoreOptions::kDefaultDeviceBudget;
   }
   if (options_.device_budget_bytes == 0) throw TieringError("tiered store: device budget is 0");
-  if (!device_.allocate || !device_.deallocate) {
-    device_.allocate = [&b = backend_](std::size_t n, Stream) { return b.device_alloc(n); };
-    device_.deallocate = [&b = backend_](void* p, std::size_t n, Stream) { b.device_free(p, n); };
-  }
   stats_.device_budget_bytes = options_.device_budget_bytes;
   if (shared) {
     // Note [Shared state budget]: the other stores may ask for room from now on.
@@ -387,8 +359,17 @@ void TieredStore::evict_locked(Entry& e, bool discard) {
   } else {
     stats_.evictions_clean++;
   }
-  Event after = take_event_locked();
-  backend_.record_event(after, d2h);
+  // Every event a store takes goes back to its pool, also when the call fails (else it
+  // is never destroyed): the list's room first, so that only the record can fail after
+  // the event is taken. A failed record leaves the handle resident, as a failed copy does.
+  pending_frees_.reserve(pending_frees_.size() + 1);
+  const Event after = take_event_locked();
+  try {
+    backend_.record_event(after, d2h);
+  } catch (...) {
+    give_event_locked(after);
+    throw;
+  }
   pending_frees_.push_back(PendingFree{e.dev, e.bytes, after});
   note_not_resident_locked(e);
   e.dev = nullptr;
@@ -713,25 +694,37 @@ void TieredStore::read(Handle h, void* dst) {
 void TieredStore::read_locked(Entry& e, void* dst) {
   if (e.dev != nullptr && e.dev_dirty) {
     const Stream d2h = copies_.stream(Direction::device_to_host);
-    std::vector<Event> waits{e.dev_ready};
+    // Room first: a push_back that threw would lose the event it was given.
+    std::vector<Event> waits;
+    waits.reserve(1 + e.use_streams.size());
+    waits.push_back(e.dev_ready);
+    Event done{};
     try {
       for (Stream s : e.use_streams) waits.push_back(record_use_event_locked(s));
+      done = take_event_locked();  // after the use events: they go back if it fails
     } catch (...) {
       for (std::size_t i = 1; i < waits.size(); ++i) give_event_locked(waits[i]);
       throw;
     }
-    Event done = take_event_locked();
+    auto give_back = [&] {
+      for (std::size_t i = 1; i < waits.size(); ++i) give_event_locked(waits[i]);
+      give_event_locked(done);
+    };
     try {
       copies_.transfer(dst, e.dev, e.bytes, Direction::device_to_host, done, waits);
       backend_.event_synchronize(done);
     } catch (const BackendError& err) {
+      give_back();  // before the wait, which may fail too (waits enqueued may be re-recorded)
       backend_.stream_synchronize(d2h);
-      for (std::size_t i = 1; i < waits.size(); ++i) give_event_locked(waits[i]);
-      give_event_locked(done);
       throw TieringError(std::string("tiered store: copy from the device failed: ") + err.what());
+    } catch (...) {
+      // std::bad_alloc from the copy engine's books, which may come after the copy was
+      // enqueued: `dst` is the caller's again only once the D2H stream has passed it.
+      give_back();
+      backend_.stream_synchronize(d2h);
+      throw;
     }
-    for (std::size_t i = 1; i < waits.size(); ++i) give_event_locked(waits[i]);
-    give_event_locked(done);
+    give_back();
     return;
   }
   backend_.event_synchronize(e.host_ready);

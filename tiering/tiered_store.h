@@ -4,10 +4,11 @@
 // from the configuration is shared: Note [Shared state budget] in device_budget_ledger.h);
 // which handle an eviction takes in eviction_order.cpp; the buffers on their way out in
 // pending_frees.cpp; the wording of its errors in store_errors.cpp; its event pool in
-// store_events.cpp; the policy is in prefetch_policy.h; the copies in copy_engine.h.
+// store_events.cpp; its memory source in memory_source.cpp; the policy is in
+// prefetch_policy.h; the copies in copy_engine.h.
 //
 // Use:
-//   TieredStore store(backend, {.device_budget_bytes = 8 << 30});
+//   TieredStore store(backend, {.device_budget_bytes = std::size_t{8} << 30});
 //   Handle m = store.create(bytes, TIDEPOOL_TAG_OPTIMIZER_STATE);
 //   store.begin_step();
 //   float* p = static_cast<float*>(store.acquire(m, stream));  // valid on `stream`
@@ -87,10 +88,12 @@ enum class Tier : std::uint8_t { device, host };
 
 // Where device buffers come from. Default (empty functions): the backend directly. The
 // caching allocator plugs in here (allocate(bytes, stream) / deallocate(ptr, bytes,
-// stream)); allocate returns nullptr when out of memory. release_stream (optional): the
-// store's copy streams are about to be destroyed; called by the destructor for both,
-// after every buffer was freed (the caching allocator's release_stream: it must not keep
-// anything under a dead stream's handle).
+// stream)); allocate returns nullptr when out of memory. A source sets nothing or both
+// allocate and deallocate; the store's constructor refuses one in between with a
+// TieringError naming what is missing (Note [A whole memory source] in memory_source.cpp).
+// release_stream (optional): the store's copy streams are about to be destroyed; called
+// by the destructor for both, after every buffer was freed (the caching allocator's
+// release_stream: it must not keep anything under a dead stream's handle).
 // stream_ordered: deallocate(p, n, s) may be called while work on other streams that s
 // already waits for still uses p, and makes p reusable by work enqueued on s after the
 // call (Note [Stream contract] in caching_allocator.h). The store then hands buffers
@@ -297,6 +300,10 @@ class TIDEPOOL_API TieredStore {
 
  private:
   struct Entry;
+  // `source` as given when allocate and deallocate are both set, the backend's device
+  // memory when nothing is set; anything in between throws TieringError naming what is
+  // missing (Note [A whole memory source] in memory_source.cpp).
+  static DeviceMemorySource whole_memory_source(Backend& backend, DeviceMemorySource source);
   // A device buffer freed once the D2H stream passes `after` (still charged to the budget
   // until then).
   struct PendingFree {

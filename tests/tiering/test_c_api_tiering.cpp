@@ -696,6 +696,24 @@ TEST_F(CApiTieringTest, StatsCarryTheSharedStateBudget) {
   EXPECT_EQ(s.peer_room_requests, 1u);
 }
 
+// The device's state budget is one budget however many stores share it: two stores built
+// from the configuration report it once (not twice), and a store with a budget of its own
+// adds that budget.
+TEST_F(CApiTieringTest, TheSharedStateBudgetIsCountedOnceInTheStats) {
+  const ConfigScope config("backend:tidepool,tidepool.state_budget:8MiB");
+  const auto from_config =
+      tiering_test::test_store_options(TieredStoreOptions::kDeviceBudgetFromConfig);
+  TieredStore a(*backend_, from_config);
+  TieredStore b(*backend_, from_config);
+  TieredStore own(*backend_, tiering_test::test_store_options(3 * kMiB));
+  tidepool_tiering_stats_v1 s{};
+  s.struct_size = sizeof s;
+  ASSERT_EQ(tidepool_get_tiering_stats_v1(kDevice, &s), 0) << tidepool_last_error();
+  EXPECT_EQ(s.stores, 3u);
+  EXPECT_EQ(s.shared_budget_stores, 2u);
+  EXPECT_EQ(s.device_budget_bytes, 8 * kMiB + 3 * kMiB);
+}
+
 TEST_F(CApiTieringTest, AnOlderShorterTieringStatsStructGetsItsPrefix) {
   unsigned char buffer[sizeof(tidepool_tiering_stats_v1) + 8];
   std::memset(buffer, 0xAB, sizeof buffer);

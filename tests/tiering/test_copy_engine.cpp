@@ -1,6 +1,8 @@
 // CopyEngine: chunked transfers land intact in both directions, ordering by events,
-// per-direction telemetry, and a failing copy surfaces as an error.
+// per-direction telemetry (rates of the bytes timed only), and a failing copy surfaces as
+// an error.
 #include <cstring>
+#include <vector>
 
 #include "tests/tiering/tiering_test_util.h"
 #include "tiering/copy_engine.h"
@@ -100,6 +102,95 @@ TEST_P(CopyEngineTest, AFailingCopyThrowsAndRecordsNoCompletion) {
   backend().destroy_event(done);
   backend().device_free(dev, 4096);
 }
+
+// Note [Rates from timed bytes] (copy_engine.h): a transfer's bytes are counted when it is
+// enqueued, its time when its batch is done and collected; a direction's rate is of the
+// bytes whose time is collected. The transfers are held deterministically: each waits for
+// an event recorded on a stream that a StreamGate holds.
+class CopyEngineRateTest : public CopyEngineTest {
+ protected:
+  void SetUp() override {
+    CopyEngineTest::SetUp();
+    if (IsSkipped()) return;
+    if (!on_host()) GTEST_SKIP() << "the gate needs host-backend streams";
+    held_ = backend().create_stream();
+    opened_ = backend().create_event();
+    backend().launch_host_func(held_, &tiering_test::StreamGate::wait, &gate_);
+    backend().record_event(opened_, held_);  // done once the gate opens
+    dev_up_ = backend().device_alloc(kBytes);
+    dev_down_ = backend().device_alloc(kBytes);
+  }
+  void TearDown() override {
+    if (!held_.handle) return;
+    gate_.open();
+    backend().stream_synchronize(held_);
+    backend().destroy_event(opened_);
+    backend().destroy_stream(held_);
+    backend().device_free(dev_up_, kBytes);
+    backend().device_free(dev_down_, kBytes);
+  }
+  static constexpr std::size_t kBytes = std::size_t{8} << 20;
+  // The bytes a direction's rate is of: its rate times its busy time.
+  static double bytes_in_rate(const DirectionStats& d) { return d.gb_per_s() * d.busy_ms * 1e6; }
+
+  tiering_test::StreamGate gate_;
+  Stream held_;
+  Event opened_;  // a transfer that waits for it is held until the gate opens
+  void* dev_up_ = nullptr;
+  void* dev_down_ = nullptr;
+  std::vector<unsigned char> host_up_ = std::vector<unsigned char>(kBytes, 1);
+  std::vector<unsigned char> host_down_ = std::vector<unsigned char>(kBytes, 2);
+};
+
+// A copy-back held on its own stream is counted as moved but leaves the rate as it was:
+// its bytes enter the rate with its time, not before (they made it read twice as fast).
+TEST_P(CopyEngineRateTest, ATransferInFlightLeavesTheRateAsItWas) {
+  CopyEngine engine(backend());
+  const tiering_test::StreamGate::OpenOnExit open_on_exit{gate_};  // before the engine goes
+  engine.transfer(host_down_.data(), dev_down_, kBytes, Direction::device_to_host, {});
+  engine.synchronize();
+  const CopyEngineStats first = engine.stats();
+  ASSERT_GT(first.d2h.busy_ms, 0.0);
+  const Event after_gate[] = {opened_};
+  engine.transfer(host_down_.data(), dev_down_, kBytes, Direction::device_to_host, {}, after_gate);
+  const CopyEngineStats during = engine.stats();
+  EXPECT_EQ(during.d2h.bytes, 2 * kBytes);
+  EXPECT_DOUBLE_EQ(during.d2h.busy_ms, first.d2h.busy_ms);
+  EXPECT_DOUBLE_EQ(during.d2h.gb_per_s(), first.d2h.gb_per_s())
+      << "bytes still in flight were counted into the rate";
+  gate_.open();
+  engine.synchronize();
+  const CopyEngineStats last = engine.stats();
+  EXPECT_GT(last.d2h.busy_ms, first.d2h.busy_ms);
+  EXPECT_NEAR(bytes_in_rate(last.d2h), 2.0 * kBytes, 1.0);
+}
+
+// A load held on the H2D stream does not hold back the timing of the copy-backs done
+// after it on the D2H stream: their time is collected (the rate is of their bytes), and
+// the held load's bytes are in no rate.
+TEST_P(CopyEngineRateTest, AHeldLoadDoesNotHoldBackTheWriteBacksTiming) {
+  CopyEngine engine(backend());
+  const tiering_test::StreamGate::OpenOnExit open_on_exit{gate_};  // before the engine goes
+  engine.transfer(host_down_.data(), dev_down_, kBytes, Direction::device_to_host, {});
+  engine.synchronize();
+  const CopyEngineStats first = engine.stats();
+  const Event after_gate[] = {opened_};
+  engine.transfer(dev_up_, host_up_.data(), kBytes, Direction::host_to_device, {}, after_gate);
+  engine.transfer(host_down_.data(), dev_down_, kBytes, Direction::device_to_host, {});
+  backend().stream_synchronize(engine.stream(Direction::device_to_host));
+  const CopyEngineStats during = engine.stats();
+  EXPECT_GT(during.d2h.busy_ms, first.d2h.busy_ms)
+      << "the copy-back's time waited behind the held load's";
+  EXPECT_NEAR(bytes_in_rate(during.d2h), 2.0 * kBytes, 1.0);
+  EXPECT_EQ(during.h2d.bytes, kBytes);
+  EXPECT_DOUBLE_EQ(during.h2d.gb_per_s(), 0.0);
+  gate_.open();
+  engine.synchronize();
+  EXPECT_NEAR(bytes_in_rate(engine.stats().h2d), 1.0 * kBytes, 1.0);
+}
+
+INSTANTIATE_TEST_SUITE_P(Backends, CopyEngineRateTest, TIDEPOOL_TIERING_BACKENDS,
+                         tiering_test::backend_name);
 
 TEST_P(CopyEngineTest, ZeroChunkSizeIsRejected) {
   CopyEngineOptions o;

@@ -333,6 +333,122 @@ TEST_P(StoreErrorsTest, AFailedWaitOnAUseStreamLeaksNoEvent) {
   EXPECT_EQ(failing_->calls_to("create_event"), failing_->calls_to("destroy_event"));
 }
 
+// Note [A whole memory source] (tiering/memory_source.cpp): a source with allocate or deallocate
+// but not both, or with only the optional fields, is refused with an error naming what is
+// missing, before the store creates anything (no copy stream). Completed with the
+// backend's functions, a stream-ordered one had its buffers freed by device_free while
+// their write-backs still read them.
+TEST_P(StoreErrorsTest, APartlyFilledMemorySourceIsRefusedNamingWhatIsMissing) {
+  DeviceMemorySource no_deallocate = source_->source();
+  no_deallocate.deallocate = nullptr;
+  no_deallocate.stream_ordered = true;
+  DeviceMemorySource no_allocate = source_->source();
+  no_allocate.allocate = nullptr;
+  DeviceMemorySource only_optional;
+  only_optional.try_allocate = [](std::size_t, Stream) -> void* { return nullptr; };
+  only_optional.stream_ordered = true;
+  const struct {
+    DeviceMemorySource source;
+    std::string missing;
+  } cases[] = {{no_deallocate, "deallocate"},
+               {no_allocate, "allocate"},
+               {only_optional, "allocate and deallocate"}};
+  for (const auto& c : cases) {
+    SCOPED_TRACE("missing " + c.missing);
+    const long streams_before = failing_->calls_to("create_stream");
+    const std::string m = test_support::expect_error<TieringError>([&] {
+      TieredStore store(*failing_, tiering_test::test_store_options(4 * kBytes), c.source);
+    });
+    EXPECT_NE(m.find("memory source has no " + c.missing + ":"), std::string::npos) << m;
+    EXPECT_EQ(failing_->calls_to("create_stream"), streams_before) << "created before refused";
+  }
+  EXPECT_EQ(source_->live(), 0u);
+  // Nothing set is the backend's memory, and both set the caller's: both are taken.
+  EXPECT_NO_THROW(TieredStore(*failing_, tiering_test::test_store_options(kBytes)));
+  EXPECT_NO_THROW(
+      TieredStore(*failing_, tiering_test::test_store_options(kBytes), source_->source()));
+}
+
+// Events lost on the way out of a failed call (store_events.cpp: every event a store takes
+// goes back to its pool, also when the call fails). Each failure is injected into a fresh
+// store, whose pool holds few events, and every event created through the backend must
+// be destroyed with the store: calls to create_event less the failed ones equal the
+// calls to destroy_event.
+class EventLeaksTest : public StoreErrorsTest {
+ protected:
+  void expect_no_event_leaked() {
+    const long alive = failing_->calls_to("create_event") - failed_creations_ -
+                       failing_->calls_to("destroy_event");
+    EXPECT_EQ(alive, leaked_) << "an event created and never destroyed";
+    leaked_ = alive;  // each leak reported once, by the failure that made it
+  }
+  long failed_creations_ = 0;  // create_event calls that failed, creating nothing
+  long leaked_ = 0;
+};
+
+// Whichever event creation of a read fails (the use events, its completion `done`, the
+// copy engine's timing event), the events it took before go back to the pool. The
+// handle is used by several streams, so that the read records several use events and
+// takes `done` after them from an empty pool.
+TEST_P(EventLeaksTest, AFailedEventCreationInAReadLeaksNoEvent) {
+  constexpr int kUsers = 4;
+  std::vector<Stream> users;
+  for (int i = 0; i < kUsers; ++i) users.push_back(backend().create_stream());
+  long creations = -1;  // a read's event creations, from the run where none fails
+  for (long failing = -1; failing == -1 || failing < creations; ++failing) {
+    SCOPED_TRACE("failing creation " + std::to_string(failing));
+    TieredStore& store = make_store();
+    const auto h = create_dirty(15);  // its device copy is the latest: read copies from it
+    for (Stream s : users) store.acquire(h, s);
+    for (int i = 0; i < kUsers; ++i) store.release(h, /*dirty=*/false);
+    std::vector<unsigned char> out(kBytes);
+    if (failing < 0) {
+      const long before = failing_->calls_to("create_event");
+      store.read(h, out.data());
+      creations = failing_->calls_to("create_event") - before;
+    } else {
+      const long failed_before = failing_->failed_calls();  // only creations fail here
+      failing_->fail_calls_to("create_event", 1, static_cast<int>(failing));
+      expect_tiering_error([&] { store.read(h, out.data()); }, "read", "create_event");
+      failing_->fail_calls_to("create_event", 0);
+      failed_creations_ += failing_->failed_calls() - failed_before;
+    }
+    EXPECT_TRUE(holds(h, 15));
+    store.synchronize();
+    store_.reset();
+    expect_no_event_leaked();
+  }
+  EXPECT_GE(creations, kUsers) << "the read took its events from the pool: nothing was tested";
+  for (Stream s : users) backend().destroy_stream(s);
+}
+
+// Whichever record an eviction of a dirty handle makes fails (the use stream's event, the
+// copy engine's timing event, the copy-back's completion, the event its buffer is freed
+// after), the event it took goes back to the pool, and the handle keeps its device copy.
+TEST_P(EventLeaksTest, AFailedRecordInAnEvictionLeaksNoEvent) {
+  long records = -1;  // an eviction's records, from the run where none fails
+  for (long failing = -1; failing == -1 || failing < records; ++failing) {
+    SCOPED_TRACE("failing record " + std::to_string(failing));
+    TieredStore& store = make_store();
+    const auto h = create_dirty(16);
+    if (failing < 0) {
+      const long before = failing_->calls_to("record_event");
+      store.evict(h);
+      records = failing_->calls_to("record_event") - before;
+    } else {
+      failing_->fail_calls_to("record_event", 1, static_cast<int>(failing));
+      expect_tiering_error([&] { store.evict(h); }, "evict", "record_event");
+      failing_->fail_calls_to("record_event", 0);
+      EXPECT_TRUE(store.resident(h));
+    }
+    EXPECT_TRUE(holds(h, 16));
+    store.synchronize();
+    store_.reset();
+    expect_no_event_leaked();
+  }
+  EXPECT_GE(records, 4) << "fewer records than an eviction makes: nothing was tested";
+}
+
 // release makes no backend call; its errors are the store's own checks, TieringError.
 TEST_P(StoreErrorsTest, ReleaseErrorsAreTieringErrors) {
   TieredStore& store = make_store();
@@ -408,6 +524,8 @@ TEST_P(StoreErrorsTest, AFailedAcquireToOverwriteLeavesTheHandleOnTheHost) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Host, StoreErrorsTest, ::testing::Values(BackendKind::host),
+                         tiering_test::backend_name);
+INSTANTIATE_TEST_SUITE_P(Host, EventLeaksTest, ::testing::Values(BackendKind::host),
                          tiering_test::backend_name);
 
 }  // namespace
