@@ -100,14 +100,17 @@ std::shared_ptr<tidepool::TieredStore> make_store(std::size_t budget, int tag) {
       allocator.backend(), options, tidepool::caching_allocator_source(allocator, tag));
 }
 
+// Bytes moved each way, and for the rate while copying the bytes whose copy time is in
+// busy_ms (Note [Rates from timed bytes] in tiering/copy_engine.h).
 struct Traffic {
-  std::uint64_t h2d = 0, d2h = 0;
+  std::uint64_t h2d = 0, d2h = 0, timed = 0;
   double busy_ms = 0;
 };
 
 Traffic traffic(tidepool::TieredStore& store) {
   const auto s = store.stats();
-  return {s.copy.h2d.bytes, s.copy.d2h.bytes, s.copy.h2d.busy_ms + s.copy.d2h.busy_ms};
+  return {s.copy.h2d.bytes, s.copy.d2h.bytes, s.copy.h2d.timed_bytes + s.copy.d2h.timed_bytes,
+          s.copy.h2d.busy_ms + s.copy.d2h.busy_ms};
 }
 
 }  // namespace
@@ -180,6 +183,7 @@ int main(int argc, char** argv) {
       const Traffic after = traffic(store);
       const double moved = static_cast<double>((after.h2d - before.h2d) + (after.d2h - before.d2h));
       const double busy_ms = after.busy_ms - before.busy_ms;
+      const double timed = static_cast<double>(after.timed - before.timed);
       const auto [tag_now, tag_peak] = tag_mib(tag);
       std::printf("%-6s step %3d  loss %.6f  device MiB: parameter %.2f gradient %.2f %s %.2f "
                   "(peak %.2f, tiered peak this step %.2f of budget %.2f)  moved in %.2f out %.2f "
@@ -191,7 +195,7 @@ int main(int argc, char** argv) {
                   mib(static_cast<double>(store.device_budget_bytes())),
                   mib(static_cast<double>(after.h2d - before.h2d)),
                   mib(static_cast<double>(after.d2h - before.d2h)),
-                  busy_ms > 0 ? moved / (busy_ms * 1e6) : 0.0, moved / seconds / 1e9,
+                  busy_ms > 0 ? timed / (busy_ms * 1e6) : 0.0, moved / seconds / 1e9,
                   seconds * 1e3);
     }
     const auto s = store.stats();

@@ -130,7 +130,8 @@ inline void tiered_step_counters(benchmark::State& state, const TieredStoreStats
   state.counters["B/param"] = moved / steps / params;
   const auto rate = [](const DirectionStats& a, const DirectionStats& b) {
     const double ms = a.busy_ms - b.busy_ms;
-    return ms > 0 ? static_cast<double>(a.bytes - b.bytes) / (ms * 1e6) : 0.0;
+    // timed_bytes: the bytes whose time busy_ms holds (Note [Rates from timed bytes]).
+    return ms > 0 ? static_cast<double>(a.timed_bytes - b.timed_bytes) / (ms * 1e6) : 0.0;
   };
   state.counters["h2d_GB/s"] = rate(after.copy.h2d, before.copy.h2d);
   state.counters["d2h_GB/s"] = rate(after.copy.d2h, before.copy.d2h);
