@@ -92,6 +92,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <map>
+#include <memory>
 #include <unordered_map>
 
 #include "allocator/config.h"
@@ -216,6 +217,7 @@ struct HostArena::Slab {
   const MimallocApi* mi = nullptr;  // the library that manages this slab
   std::size_t live_blocks = 0;  // guarded by the owning HostArena's mutex
   bool ever_used = false;       // a probe may fail on a used slab only because it is full
+  Slab* next_in_pool = nullptr;  // in the idle or abandoned pool: guarded by pool_mutex()
   bool contains(const void* p) const {
     const char* c = static_cast<const char*>(p);
     return c >= base && c < base + bytes;
@@ -228,15 +230,35 @@ std::mutex& pool_mutex() {
   static std::mutex m;
   return m;
 }
-std::vector<HostArena::Slab*>& idle_slabs() {
-  static auto* v = new std::vector<HostArena::Slab*>();  // never destroyed: slabs outlive statics
-  return *v;
+// The process-wide pools of slabs no arena holds, linked through Slab::next_in_pool (under
+// pool_mutex()): giving slabs back allocates nothing. With vectors, an arena's destructor
+// (or release_empty_slabs) that could not grow one under memory pressure lost the slabs,
+// registered memory and mimalloc arenas included. Never destroyed: slabs outlive statics.
+HostArena::Slab*& idle_slabs() {
+  static HostArena::Slab* head = nullptr;
+  return head;
 }
 // Slabs no arena may reuse (live blocks leaked by their owner, or still registered with
 // a backend that failed to unregister them). Kept reachable; never destroyed.
-std::vector<HostArena::Slab*>& abandoned_slabs() {
-  static auto* v = new std::vector<HostArena::Slab*>();
-  return *v;
+HostArena::Slab*& abandoned_slabs() {
+  static HostArena::Slab* head = nullptr;
+  return head;
+}
+void push_slab(HostArena::Slab*& head, HostArena::Slab* slab) noexcept {
+  slab->next_in_pool = head;
+  head = slab;
+}
+// Unlinks and returns an idle slab of `bytes` managed by `mi`; nullptr if none.
+HostArena::Slab* take_idle_slab(std::size_t bytes, const MimallocApi* mi) noexcept {
+  for (HostArena::Slab** link = &idle_slabs(); *link != nullptr; link = &(*link)->next_in_pool) {
+    HostArena::Slab* slab = *link;
+    if (slab->bytes == bytes && slab->mi == mi) {
+      *link = slab->next_in_pool;
+      slab->next_in_pool = nullptr;
+      return slab;
+    }
+  }
+  return nullptr;
 }
 
 // This thread's heap for a slab's arena, created (and probed) on first use.
@@ -319,22 +341,30 @@ HostArena::HostArena(Backend& backend, HostArenaOptions options)
 // per process]); the slabs parked in the pool give their charge back.
 HostArena::~HostArena() {
   Teardown teardown("host arena");
-  std::vector<Slab*> reusable;
-  std::vector<Slab*> abandoned;
+  // Linked through the slabs themselves (this arena's alone until they reach a pool), so
+  // that nothing here allocates.
+  Slab* reusable = nullptr;
+  Slab* abandoned = nullptr;
   for (Slab* slab : slabs_) {
     if (slab->live_blocks == 0 &&
         teardown.attempt("unregistering a slab", [&] { backend_.host_unregister(slab->base); })) {
-      reusable.push_back(slab);
+      uncharge(slab->bytes);
+      push_slab(reusable, slab);
     } else {
-      abandoned.push_back(slab);
+      push_slab(abandoned, slab);
     }
   }
-  for (const Slab* slab : reusable) uncharge(slab->bytes);
-  teardown.attempt("returning slabs to the pool", [&] {
-    std::lock_guard pool_lock(pool_mutex());
-    idle_slabs().insert(idle_slabs().end(), reusable.begin(), reusable.end());
-    abandoned_slabs().insert(abandoned_slabs().end(), abandoned.begin(), abandoned.end());
-  });
+  std::lock_guard pool_lock(pool_mutex());
+  for (Slab* s = reusable; s != nullptr;) {
+    Slab* next = s->next_in_pool;
+    push_slab(idle_slabs(), s);
+    s = next;
+  }
+  for (Slab* s = abandoned; s != nullptr;) {
+    Slab* next = s->next_in_pool;
+    push_slab(abandoned_slabs(), s);
+    s = next;
+  }
 }
 
 // ---- allocation ---------------------------------------------------------------------------
@@ -482,23 +512,31 @@ HostArena::Slab* HostArena::add_slab(std::size_t bytes, std::string* why_not) {
     *why_not = mi.error;
     return nullptr;
   }
-  slabs_.reserve(slabs_.size() + 1);  // before the charge: the push_back below cannot throw
+  // Both before the charge, so that nothing after them allocates except the backend's
+  // registration (whose std::bad_alloc gives back what was taken): the push_back below
+  // cannot throw, and a fresh slab's record exists before mimalloc gets its memory as an
+  // arena, which it never gives back.
+  slabs_.reserve(slabs_.size() + 1);
+  auto record = std::make_unique<Slab>();
   if (!charge(bytes, why_not)) return nullptr;
   Slab* slab = nullptr;
   {
     std::lock_guard pool_lock(pool_mutex());
-    auto& idle = idle_slabs();
-    auto it = std::find_if(idle.begin(), idle.end(),
-                           [&](Slab* s) { return s->bytes == bytes && s->mi == &mi; });
-    if (it != idle.end()) {
-      slab = *it;
-      idle.erase(it);
-    }
+    slab = take_idle_slab(bytes, &mi);
   }
   if (slab != nullptr) {
-    if (!register_range(slab->base, slab->bytes, why_not)) {
+    bool registered = false;
+    try {
+      registered = register_range(slab->base, slab->bytes, why_not);
+    } catch (...) {  // std::bad_alloc: not registered; the slab goes back to the pool
       std::lock_guard pool_lock(pool_mutex());
-      idle_slabs().push_back(slab);  // cannot throw: it was there a moment ago
+      push_slab(idle_slabs(), slab);
+      uncharge(bytes);
+      throw;
+    }
+    if (!registered) {
+      std::lock_guard pool_lock(pool_mutex());
+      push_slab(idle_slabs(), slab);
       uncharge(bytes);
       return nullptr;
     }
@@ -515,7 +553,15 @@ HostArena::Slab* HostArena::add_slab(std::size_t bytes, std::string* why_not) {
                  std::strerror(errno);
       return nullptr;
     }
-    if (!register_range(base, bytes, why_not)) {
+    bool registered = false;
+    try {
+      registered = register_range(base, bytes, why_not);
+    } catch (...) {  // std::bad_alloc: not registered
+      munmap(base, bytes);
+      uncharge(bytes);
+      throw;
+    }
+    if (!registered) {
       munmap(base, bytes);
       uncharge(bytes);
       return nullptr;
@@ -535,7 +581,8 @@ HostArena::Slab* HostArena::add_slab(std::size_t bytes, std::string* why_not) {
       *why_not = kNoArenaLeft;
       return nullptr;
     }
-    slab = new Slab{static_cast<char*>(base), bytes, id, &mi, 0, false};
+    *record = Slab{static_cast<char*>(base), bytes, id, &mi, 0, false};
+    slab = record.release();
   }
   slabs_.push_back(slab);
   stats_.slab_count++;
@@ -684,13 +731,10 @@ std::size_t HostArena::release_empty_slabs() noexcept {
       continue;
     }
     try {
-      std::lock_guard pool_lock(pool_mutex());
-      // Room first: once unregistered, the slab must reach the pool, or a later add_slab
-      // would never find it.
-      idle_slabs().reserve(idle_slabs().size() + 1);
       backend_.host_unregister(slab->base);
-      idle_slabs().push_back(slab);
-    } catch (...) {  // std::bad_alloc, BackendError: the slab stays registered, and ours
+      std::lock_guard pool_lock(pool_mutex());
+      push_slab(idle_slabs(), slab);
+    } catch (...) {  // BackendError: the slab stays registered, and ours
       stats_.slab_release_failures++;
       ++it;
       continue;

@@ -231,8 +231,14 @@ void* HostBackend::do_device_alloc(std::size_t bytes) {
     return_capacity(bytes);
     return nullptr;
   }
-  std::lock_guard lock(memory_mutex_);
-  allocations_.emplace(ptr, bytes);
+  try {
+    std::lock_guard lock(memory_mutex_);
+    allocations_.emplace(ptr, bytes);
+  } catch (...) {  // std::bad_alloc: the memory and its capacity go back, not astray
+    std::free(ptr);
+    return_capacity(bytes);
+    throw;
+  }
   return ptr;
 }
 
