@@ -69,6 +69,9 @@ struct Allocation {
   cudaStream_t stream;  // the stream tidepool allocated it on
 };
 
+// The device indices Shim::reset_devices has a bit for.
+inline constexpr int kResetTrackedDevices = 64;
+
 struct Shim {
   std::once_flag cuda_once;  // resolves `cuda` (Note [two once-flags])
   bool serve = false;        // the runtime has tidepool's major (Note [runtime version])
@@ -88,8 +91,9 @@ struct Shim {
   std::atomic<bool> said_release_failed{false};
   std::atomic<bool> said_capture_free{false};  // Note [frees during capture]
   std::atomic<bool> said_ipc_refused{false};   // Note [IPC of tidepool's memory]
-  // Note [cudaDeviceReset under the shim]: devices tidepool no longer serves, by index
-  // (the allocator's 0..kMaxDevices-1; any other index is never served).
+  // Note [cudaDeviceReset under the shim]: devices tidepool no longer serves, one bit per
+  // index below kResetTrackedDevices (the allocator's 0..kMaxDevices-1 among them; any
+  // other index is never served).
   std::atomic<std::uint64_t> reset_devices{0};
   RealCudart cuda;
   // Note [a runtime found late] (libraries.cpp): no runtime was found when `cuda` was

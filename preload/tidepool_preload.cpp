@@ -262,16 +262,21 @@ bool take_owned(void* ptr, Allocation& out) {
   return true;
 }
 
+// Note [cudaDeviceReset under the shim]: whether tidepool no longer serves `device`.
+bool device_was_reset(int device) {
+  if (device < 0 || device >= kResetTrackedDevices) return false;
+  return (shim().reset_devices.load(std::memory_order_acquire) >> device & 1u) != 0;
+}
+
 // Note [frees of memory tidepool holds]: whether a pointer the shim does not own lies in
 // tidepool's memory all the same. A reset device's memory does not count (Note
 // [cudaDeviceReset under the shim]): its new context may hand those addresses out again.
 bool tidepool_holds(void* ptr) {
   Shim& s = shim();
-  const std::uint64_t reset = s.reset_devices.load(std::memory_order_acquire);
   InsideTidepool inside;
-  if (reset == 0) return s.tp.holds_address(ptr) == 1;
-  for (int device = 0; device < 64; ++device) {
-    if ((reset >> device & 1u) == 0 && s.tp.device_holds_address(device, ptr) == 1) return true;
+  if (s.reset_devices.load(std::memory_order_acquire) == 0) return s.tp.holds_address(ptr) == 1;
+  for (int device = 0; device < kResetTrackedDevices; ++device) {
+    if (!device_was_reset(device) && s.tp.device_holds_address(device, ptr) == 1) return true;
   }
   return false;
 }
@@ -283,12 +288,6 @@ void restore_owned(void* ptr, const Allocation& a) {
   Shim& s = shim();
   std::lock_guard lock(s.mutex);
   s.owned.emplace(ptr, a);
-}
-
-// Note [cudaDeviceReset under the shim]: whether tidepool no longer serves `device`.
-bool device_was_reset(int device) {
-  if (device < 0 || device >= 64) return false;
-  return (shim().reset_devices.load(std::memory_order_acquire) >> device & 1u) != 0;
 }
 
 // Makes `device` current for a scope, then the program's device again.
@@ -628,7 +627,8 @@ TIDEPOOL_PRELOAD_EXPORT cudaError_t cudaDeviceReset() {
   Shim& s = shim();
   int device = -1;
   if (t_inside_tidepool || !s.serving.load(std::memory_order_acquire) || in_forked_child() ||
-      s.cuda.get_device(&device) != cudaSuccess || device < 0 || device >= 64 ||
+      s.cuda.get_device(&device) != cudaSuccess || device < 0 ||
+      device >= kResetTrackedDevices ||
       device_was_reset(device)) {
     return forward(&RealCudart::device_reset);
   }
