@@ -69,17 +69,28 @@ Event CopyEngine::take_event_locked() {
   return e;
 }
 
+// An event of the pool recorded now on `s`; back in the pool if the record fails (else it
+// is never destroyed).
+Event CopyEngine::take_recorded_event_locked(Stream s) {
+  const Event ev = take_event_locked();
+  try {
+    backend_.record_event(ev, s);
+  } catch (...) {
+    free_events_.push_back(ev);
+    throw;
+  }
+  return ev;
+}
+
 // Ends the open timing batch of `direction`: its end event goes after everything enqueued
-// so far, and the pair waits in pending_timings_ until it completes. An event taken goes
-// back to the pool when its record fails (else it is never destroyed); the batch stays
-// open, to be closed by a later call.
+// so far, and the pair waits in pending_timings_ until it completes. When that fails, the
+// end event goes back to the pool and the batch stays open, to be closed by a later call.
 void CopyEngine::close_batch_locked(Direction direction) {
   OpenBatch& batch = batches_[static_cast<int>(direction)];
   if (!batch.open) return;
   std::deque<Timing>& pending = pending_timings_[static_cast<int>(direction)];
-  const Event end = take_event_locked();
+  const Event end = take_recorded_event_locked(stream(direction));
   try {
-    backend_.record_event(end, stream(direction));
     pending.push_back(Timing{batch.start, end, batch.bytes});
   } catch (...) {
     free_events_.push_back(end);
@@ -99,14 +110,7 @@ void CopyEngine::transfer(void* dst, const void* src, std::size_t bytes, Directi
   if (options_.time_transfers) {
     std::lock_guard lock(mutex_);
     if (!batch.open) {
-      const Event start = take_event_locked();
-      try {
-        backend_.record_event(start, s);
-      } catch (...) {
-        free_events_.push_back(start);
-        throw;
-      }
-      batch.start = start;
+      batch.start = take_recorded_event_locked(s);
       batch.open = true;
       batch.bytes = 0;
     }

@@ -132,6 +132,7 @@ class TIDEPOOL_API CopyEngine {
   void collect_timings_locked(Direction direction, bool wait);
   void close_batch_locked(Direction direction);
   Event take_event_locked();
+  Event take_recorded_event_locked(Stream s);
 
   Backend& backend_;
   CopyEngineOptions options_;

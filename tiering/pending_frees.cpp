@@ -152,14 +152,8 @@ void TieredStore::give_back_failed_load_locked(const DeviceBuffer& buf,
         // stream, so the next reap retries it.
       }
     }
-    const Event after = take_event_locked();
-    try {
-      if (buf.wait) backend_.stream_wait_event(h2d, buf.wait);
-      backend_.record_event(after, h2d);
-    } catch (...) {
-      give_event_locked(after);
-      throw;
-    }
+    if (buf.wait) backend_.stream_wait_event(h2d, buf.wait);
+    const Event after = take_recorded_event_locked(h2d);
     // The wait is enqueued: the write-back's event may be re-recorded (Note [Stream
     // semantics]).
     if (buf.wait) give_event_locked(buf.wait);

@@ -19,17 +19,25 @@ Event TieredStore::take_event_locked() {
 
 void TieredStore::give_event_locked(Event e) { free_events_.push_back(e); }
 
-Event TieredStore::record_use_event_locked(Stream s) {
-  Event ev = take_event_locked();
+Event TieredStore::take_recorded_event_locked(Stream s) {
+  const Event ev = take_event_locked();
   try {
     backend_.record_event(ev, s);
-  } catch (const BackendError& err) {
+  } catch (...) {
     give_event_locked(ev);
+    throw;
+  }
+  return ev;
+}
+
+Event TieredStore::record_use_event_locked(Stream s) {
+  try {
+    return take_recorded_event_locked(s);
+  } catch (const BackendError& err) {
     throw TieringError(std::string("tiered store: cannot wait for a stream that used this "
                                    "state (destroyed without TieredStore::release_stream, "
                                    "or tidepool_release_stream?): ") + err.what());
   }
-  return ev;
 }
 
 void TieredStore::order_after_use_locked(Stream waiter, Stream used) {

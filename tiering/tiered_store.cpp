@@ -359,17 +359,11 @@ void TieredStore::evict_locked(Entry& e, bool discard) {
   } else {
     stats_.evictions_clean++;
   }
-  // Every event a store takes goes back to its pool, also when the call fails (else it
-  // is never destroyed): the list's room first, so that only the record can fail after
-  // the event is taken. A failed record leaves the handle resident, as a failed copy does.
+  // The list's room first, so that the push_back cannot lose the event taken (every
+  // event goes back to the pool, store_events.cpp). A failed record leaves the handle
+  // resident, as a failed copy does.
   pending_frees_.reserve(pending_frees_.size() + 1);
-  const Event after = take_event_locked();
-  try {
-    backend_.record_event(after, d2h);
-  } catch (...) {
-    give_event_locked(after);
-    throw;
-  }
+  const Event after = take_recorded_event_locked(d2h);
   pending_frees_.push_back(PendingFree{e.dev, e.bytes, after});
   note_not_resident_locked(e);
   e.dev = nullptr;

@@ -446,7 +446,10 @@ class TIDEPOOL_API TieredStore {
   void prefetch_ahead_locked();
   Event take_event_locked();
   void give_event_locked(Event e);
-  // An event recorded now on `s`, a stream that used a handle (Note [Use streams]).
+  // An event of the pool recorded now on `s`; given back to the pool if the record fails.
+  Event take_recorded_event_locked(Stream s);
+  // The same on a stream that used a handle (Note [Use streams]), a failed record said as
+  // such (TieringError).
   Event record_use_event_locked(Stream s);
   // Note [Use streams]: drops `stream` from every handle's users (release_stream,
   // forget_stream).
