@@ -248,6 +248,14 @@ void push_slab(HostArena::Slab*& head, HostArena::Slab* slab) noexcept {
   slab->next_in_pool = head;
   head = slab;
 }
+// Pushes every slab of the list starting at `list` onto `head`'s.
+void push_slabs(HostArena::Slab*& head, HostArena::Slab* list) noexcept {
+  while (list != nullptr) {
+    HostArena::Slab* next = list->next_in_pool;
+    push_slab(head, list);
+    list = next;
+  }
+}
 // Unlinks and returns an idle slab of `bytes` managed by `mi`; nullptr if none.
 HostArena::Slab* take_idle_slab(std::size_t bytes, const MimallocApi* mi) noexcept {
   for (HostArena::Slab** link = &idle_slabs(); *link != nullptr; link = &(*link)->next_in_pool) {
@@ -355,16 +363,8 @@ HostArena::~HostArena() {
     }
   }
   std::lock_guard pool_lock(pool_mutex());
-  for (Slab* s = reusable; s != nullptr;) {
-    Slab* next = s->next_in_pool;
-    push_slab(idle_slabs(), s);
-    s = next;
-  }
-  for (Slab* s = abandoned; s != nullptr;) {
-    Slab* next = s->next_in_pool;
-    push_slab(abandoned_slabs(), s);
-    s = next;
-  }
+  push_slabs(idle_slabs(), reusable);
+  push_slabs(abandoned_slabs(), abandoned);
 }
 
 // ---- allocation ---------------------------------------------------------------------------
@@ -525,19 +525,21 @@ HostArena::Slab* HostArena::add_slab(std::size_t bytes, std::string* why_not) {
     slab = take_idle_slab(bytes, &mi);
   }
   if (slab != nullptr) {
+    // Not registered (false, or std::bad_alloc): the slab goes back to the pool.
+    const auto back_to_pool = [&] {
+      std::lock_guard pool_lock(pool_mutex());
+      push_slab(idle_slabs(), slab);
+      uncharge(bytes);
+    };
     bool registered = false;
     try {
       registered = register_range(slab->base, slab->bytes, why_not);
-    } catch (...) {  // std::bad_alloc: not registered; the slab goes back to the pool
-      std::lock_guard pool_lock(pool_mutex());
-      push_slab(idle_slabs(), slab);
-      uncharge(bytes);
+    } catch (...) {
+      back_to_pool();
       throw;
     }
     if (!registered) {
-      std::lock_guard pool_lock(pool_mutex());
-      push_slab(idle_slabs(), slab);
-      uncharge(bytes);
+      back_to_pool();
       return nullptr;
     }
   } else {
@@ -553,17 +555,20 @@ HostArena::Slab* HostArena::add_slab(std::size_t bytes, std::string* why_not) {
                  std::strerror(errno);
       return nullptr;
     }
+    // Not registered (false, or std::bad_alloc): the mapping goes.
+    const auto unmap = [&] {
+      munmap(base, bytes);
+      uncharge(bytes);
+    };
     bool registered = false;
     try {
       registered = register_range(base, bytes, why_not);
-    } catch (...) {  // std::bad_alloc: not registered
-      munmap(base, bytes);
-      uncharge(bytes);
+    } catch (...) {
+      unmap();
       throw;
     }
     if (!registered) {
-      munmap(base, bytes);
-      uncharge(bytes);
+      unmap();
       return nullptr;
     }
     mi_arena_id_t id = 0;
