@@ -171,10 +171,12 @@ at::Tensor fp64_augmented(const Problem& problem) {
 
 SmallSolution run_svd(const Problem& problem, const LstsqOptions& options, double rcond) {
   auto X = fp64_augmented(problem);
-  // Column by column: a whole-X isfinite would be one more temporary of N·(k+r) bytes.
-  for (int64_t j = 0; j < X.size(1); ++j) {
-    if (!at::isfinite(X.select(1, j)).all().item<bool>()) fail("A or B contains NaN or Inf");
-  }
+  // Column by column (a whole-X isfinite would be one more temporary of N·(k+r) bytes),
+  // with one wait for all of them.
+  std::vector<at::Tensor> finite;
+  finite.reserve(static_cast<size_t>(X.size(1)));
+  for (int64_t j = 0; j < X.size(1); ++j) finite.push_back(at::isfinite(X.select(1, j)).all());
+  if (!at::stack(finite).all().item<bool>()) fail("A or B contains NaN or Inf");
   auto A = X.narrow(1, 0, problem.k);
   // Not A.square().sum(0): for finite |a| > ~1.3e154 that overflows to inf, the scale
   // becomes 0 and the SVD sees NaN (column_norms rescales; so does LAPACK's QR).
