@@ -248,6 +248,14 @@ constexpr int kNoHostBackingDevice = 6;
 
 class NoHostBackingTest : public tiering_test::HostBackendTest<kNoHostBackingDevice> {};
 
+// An optimizer-state allocation of the smallest tierable size on `device`, through the C ABI.
+void* malloc_optimizer_state(int device) {
+  EXPECT_EQ(tidepool_tag_push(kTagOptimizerState), 0);
+  void* p = tidepool_malloc(static_cast<ssize_t>(kDefaultTierMinBytes), device, nullptr);
+  EXPECT_EQ(tidepool_tag_pop(), 0);
+  return p;
+}
+
 TEST_F(NoHostBackingTest, OptimizerStateStaysOrdinaryMemoryAndThisIsSaidOnce) {
   // The device's backend, refusing host physical memory as cuMemCreate does where
   // CU_DEVICE_ATTRIBUTE_HOST_NUMA_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED is 0. Lives for the
@@ -264,16 +272,9 @@ TEST_F(NoHostBackingTest, OptimizerStateStaysOrdinaryMemoryAndThisIsSaidOnce) {
   // With room in the state budget a range would be made on the device, and only its eviction
   // would fail, at every step.
   ConfigScope config("backend:tidepool,tidepool.state_budget:1GiB");
-  const auto malloc_state = [] {
-    EXPECT_EQ(tidepool_tag_push(kTagOptimizerState), 0);
-    void* p = tidepool_malloc(static_cast<ssize_t>(kDefaultTierMinBytes), kNoHostBackingDevice,
-                              nullptr);
-    EXPECT_EQ(tidepool_tag_pop(), 0);
-    return p;
-  };
   ::testing::internal::CaptureStderr();
-  void* first = malloc_state();
-  void* second = malloc_state();
+  void* first = malloc_optimizer_state(kNoHostBackingDevice);
+  void* second = malloc_optimizer_state(kNoHostBackingDevice);
   const std::string said = ::testing::internal::GetCapturedStderr();
   ASSERT_TRUE(first && second) << tidepool_last_error();
   EXPECT_EQ(tidepool_vmm_owns(first, kNoHostBackingDevice), 0);
@@ -302,14 +303,13 @@ TEST_F(NoHostMappingTest, OptimizerStateStaysOrdinaryMemoryAndNothingOfTheProbeI
       if (h && where == MemoryLocation::host) {
         std::lock_guard lock(mutex);
         host.insert(h.value);
-        ++host_live;
       }
       return h;
     }
     void do_release_physical(PhysicalHandle h, std::size_t bytes) override {
       ForwardingBackend::do_release_physical(h, bytes);
       std::lock_guard lock(mutex);
-      if (host.erase(h.value) != 0) --host_live;
+      host.erase(h.value);
     }
     void do_map(void* va, std::size_t bytes, PhysicalHandle h) override {
       {
@@ -327,18 +327,14 @@ TEST_F(NoHostMappingTest, OptimizerStateStaysOrdinaryMemoryAndNothingOfTheProbeI
       --reserved_live;
     }
     std::mutex mutex;
-    std::set<std::uint64_t> host;
-    int host_live = 0;
+    std::set<std::uint64_t> host;  // the host physical memory not released yet
     std::atomic<int> reserved_live{0};
   };
   auto* backend = new NoHostMapping(device_allocator(kNoHostMappingDevice).backend());
   set_tiering_backend(kNoHostMappingDevice, backend);  // lives for the process
   ConfigScope config("backend:tidepool,tidepool.state_budget:1GiB");
   ::testing::internal::CaptureStderr();
-  EXPECT_EQ(tidepool_tag_push(kTagOptimizerState), 0);
-  void* p =
-      tidepool_malloc(static_cast<ssize_t>(kDefaultTierMinBytes), kNoHostMappingDevice, nullptr);
-  EXPECT_EQ(tidepool_tag_pop(), 0);
+  void* p = malloc_optimizer_state(kNoHostMappingDevice);
   const std::string said = ::testing::internal::GetCapturedStderr();
   ASSERT_NE(p, nullptr) << tidepool_last_error();
   EXPECT_EQ(tidepool_vmm_owns(p, kNoHostMappingDevice), 0) << "a range whose evictions would fail";
@@ -346,7 +342,7 @@ TEST_F(NoHostMappingTest, OptimizerStateStaysOrdinaryMemoryAndNothingOfTheProbeI
             std::string::npos)
       << said;
   EXPECT_NE(said.find("cannot be mapped here"), std::string::npos) << said;
-  EXPECT_EQ(backend->host_live, 0) << "the probe's host memory was given back";
+  EXPECT_EQ(backend->host.size(), 0u) << "the probe's host memory was given back";
   EXPECT_EQ(backend->reserved_live.load(), 0) << "the probe's address range was given back";
   tidepool_free(p, kDefaultTierMinBytes, kNoHostMappingDevice, nullptr);
 }

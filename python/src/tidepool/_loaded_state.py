@@ -15,10 +15,11 @@ from . import _adoption, _state_moves, _state_tensors, _step_scopes
 def loaded_optimizers(optimizer) -> list:
     """The optimizers whose state a load_state_dict of `optimizer` may have replaced: the
     optimizer, and ZeroRedundancyOptimizer's local optimizer (Note [loaded state])."""
-    zero = sys.modules.get("torch.distributed.optim.zero_redundancy_optimizer")
-    zero = getattr(zero, "ZeroRedundancyOptimizer", None)
-    local = getattr(optimizer, "optim", None) if zero is not None \
-        and isinstance(optimizer, zero) else None
+    module = sys.modules.get("torch.distributed.optim.zero_redundancy_optimizer")
+    zero = getattr(module, "ZeroRedundancyOptimizer", None)
+    if zero is None or not isinstance(optimizer, zero):
+        return [optimizer]
+    local = getattr(optimizer, "optim", None)
     if local is None or local is optimizer or not hasattr(local, "state") \
             or not hasattr(local, "param_groups"):
         return [optimizer]
