@@ -38,7 +38,8 @@ class VmmPool::BackingSupply {
   BackingSupply& operator=(const BackingSupply&) = delete;
 
   // A backing of `bytes`. Null: its location is out of memory. A creation's error is
-  // rethrown to the take that gets it.
+  // rethrown to the take that gets it. A failed slot is taken only when no other of its
+  // size was made or can be (Note [A failed creation is taken last], vmm_moves.cpp).
   PhysicalHandle take(std::size_t bytes);
   // Stops creating, waits for the helpers, and passes each backing created and not taken
   // to `give_back(handle, bytes)`. Called once, before the destructor.

@@ -106,37 +106,55 @@ VmmPool::BackingSupply::BackingSupply(Backend& backend, MemoryLocation where,
 
 VmmPool::BackingSupply::~BackingSupply() { stop_and_join(); }
 
+// Note [A failed creation is taken last]
+// The helpers create the slots concurrently, so which of them a device with room for only
+// some gets is a race: the first slot of a size may fail while later ones hold memory.
+// A take that returned the first ready slot, failed or not, stopped a prefetch to a
+// nearly full device at a chunk there was memory for (moving nothing, at worst, with the
+// memory created for the rest given straight back). So a take prefers a created backing,
+// then one being created, then creating one itself, and returns a failure (null, or the
+// creation's error) only when none of those is left or its own creation failed: one more
+// attempt per take at most, not one per slot left, after the device is out of memory.
 PhysicalHandle VmmPool::BackingSupply::take(std::size_t bytes) {
   std::unique_lock lock(mutex_);
+  bool created_here = false;  // this take's own creation failed: give up, do not try more
   while (true) {
-    // The first slot of this size ready, else the first being created, else the first
-    // nobody claimed yet.
-    std::size_t ready = slots_.size(), creating = slots_.size(), pending = slots_.size();
-    for (std::size_t i = 0; i < slots_.size() && ready == slots_.size(); ++i) {
+    // The first slot of this size created, else the first being created, else the first
+    // nobody claimed yet, else the first whose creation failed.
+    const std::size_t none = slots_.size();
+    std::size_t ready = none, creating = none, pending = none, failed = none;
+    for (std::size_t i = 0; i < slots_.size() && ready == none; ++i) {
       const Slot& s = slots_[i];
       if (s.bytes != bytes) continue;
-      if (s.status == Status::ready) ready = i;
-      if (s.status == Status::creating && creating == slots_.size()) creating = i;
-      if (s.status == Status::pending && pending == slots_.size()) pending = i;
+      const bool made = s.status == Status::ready && s.handle && !s.error;
+      if (made) ready = i;
+      if (s.status == Status::ready && !made && failed == none) failed = i;
+      if (s.status == Status::creating && creating == none) creating = i;
+      if (s.status == Status::pending && pending == none) pending = i;
     }
-    if (ready < slots_.size()) {
-      Slot& s = slots_[ready];
-      s.status = Status::taken;
-      if (s.error) std::rethrow_exception(s.error);
-      return s.handle;
+    if (ready < none) {
+      slots_[ready].status = Status::taken;
+      return slots_[ready].handle;
     }
-    if (creating < slots_.size()) {
+    if (creating < none) {
       const Clock::time_point t0 = Clock::now();
       ready_.wait(lock, [&] { return slots_[creating].status != Status::creating; });
       wait_ms_ += ms_since(t0);
       continue;
     }
-    if (pending < slots_.size()) {
+    if (pending < none && !(created_here && failed < none)) {
       slots_[pending].status = Status::creating;
+      created_here = true;
       lock.unlock();
       create(pending);
       lock.lock();
       continue;
+    }
+    if (failed < none) {
+      Slot& s = slots_[failed];
+      s.status = Status::taken;
+      if (s.error) std::rethrow_exception(s.error);
+      return s.handle;  // null: out of memory
     }
     // None of this size planned (the range changed since): created now, outside the slots.
     lock.unlock();
