@@ -6,12 +6,15 @@
 #include <atomic>
 #include <chrono>
 #include <cstring>
+#include <functional>
+#include <memory>
 #include <set>
 #include <thread>
 #include <tuple>
 #include <vector>
 
 #include "allocator/caching_allocator.h"
+#include "allocator/forwarding_backend.h"
 #include "allocator/size_classes.h"
 #include "allocator/tags.h"
 #include "test_support.h"
@@ -405,9 +408,13 @@ TEST_P(Battery, RecyclingMovesBackingFromAHoleToTheGrowingEnd) {
 // These run with slots of two granules and moves whenever a free slot exists.
 class Moves : public ::testing::TestWithParam<std::string> {
  protected:
-  std::unique_ptr<CachingAllocator> make(bool moves = true) {
+  // `wrap`, when given, decorates the backend the allocator gets.
+  std::unique_ptr<CachingAllocator> make(
+      bool moves = true,
+      const std::function<std::unique_ptr<Backend>(std::unique_ptr<Backend>)>& wrap = {}) {
     auto backend = test::make_backend(GetParam());
     if (!backend) return nullptr;
+    if (wrap) backend = wrap(std::move(backend));
     slot_ = 2 * backend->granularity();
     AllocatorOptions o;
     o.map_slot_bytes = slot_;
@@ -482,24 +489,40 @@ TEST_P(Moves, AHolesSlotsBackGrowthWithoutNewPhysicalMemory) {
   }
 }
 
+// Lets a held stream go when the allocator synchronizes with a stream, so that the work
+// held is still queued when the allocator decides whether to wait for it (a timer letting
+// it go could fire first on a loaded machine, and the move then had nothing to wait for).
+class ReleasesOnSynchronize : public ForwardingBackend {
+ public:
+  ReleasesOnSynchronize(std::unique_ptr<Backend> inner, std::atomic<bool>& go)
+      : ForwardingBackend(std::move(inner)), go_(go) {}
+
+ protected:
+  void on_call(Call call) override {
+    if (call == Call::stream_synchronize) go_ = true;
+  }
+
+ private:
+  std::atomic<bool>& go_;
+};
+
 TEST_P(Moves, ASlotIsUnmappedOnlyAfterTheAllocatingStreamsWorkOnIt) {
-  TIDEPOOL_ALLOCATOR_OR_SKIP(a);
+  std::atomic<bool> go{false};
+  TIDEPOOL_ALLOCATOR_OR_SKIP(a, true, [&](std::unique_ptr<Backend> inner) {
+    return std::unique_ptr<Backend>(std::make_unique<ReleasesOnSynchronize>(std::move(inner), go));
+  });
   Backend& be = a->backend();
   const Stream s = be.create_stream();
   char* x = static_cast<char*>(a->allocate(slot_, s));
   char* keep = static_cast<char*>(a->allocate(slot_, s));
-  // Work still queued on s writes x after its free: the stream is held for 200 ms first.
-  std::atomic<bool> go{false};
+  // Work still queued on s writes x after its free: the stream is held until the
+  // allocator synchronizes with it (or, if it never does, until the allocation returns).
   hold_until(be, s, go);
-  std::thread releaser([&] {
-    std::this_thread::sleep_for(std::chrono::milliseconds(200));
-    go = true;
-  });
   be.memset_async(x, 0xAA, slot_, s);
   a->deallocate(x, slot_, s);
   // Grows by two slots: x's slot moves (after s has passed the memset), one is created.
   char* y = static_cast<char*>(a->allocate(2 * slot_, s));
-  releaser.join();
+  go = true;
   EXPECT_EQ(a->mapping_stats().runs_moved, 1u);
   EXPECT_EQ(a->mapping_stats().move_syncs, 1u);
   be.memset_async(y, 0x55, 2 * slot_, s);

@@ -3,6 +3,7 @@
 // Apollo through its fused host step and through LibTorch ops; save → load → continue and
 // the state placement do not change a single bit.
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <filesystem>
@@ -107,7 +108,9 @@ TEST_P(Golden, TieredPlacementIsBitwiseIdenticalToResident) {
 INSTANTIATE_TEST_SUITE_P(Files, Golden, ::testing::ValuesIn(golden_files()), test_name);
 
 TEST(GoldenLoader, MalformedFileThrowsNamingIt) {
-  const auto path = std::filesystem::temp_directory_path() / "tidepool_bad_golden.json";
+  // The process id keeps two build trees' runs (or another user's leftover) apart.
+  const auto path = std::filesystem::temp_directory_path() /
+                    ("tidepool_bad_golden." + std::to_string(::getpid()) + ".json");
   {
     std::FILE* f = std::fopen(path.string().c_str(), "w");
     ASSERT_NE(f, nullptr);

@@ -287,11 +287,15 @@ int cudaDeviceSynchronize(void) {
 
 /* Non-zero while a cudaRuntimeGetVersion that FAKE_CUDART_VERSION_DELAY_MS slows down runs. */
 atomic_int fake_cudart_version_query_running;
+/* How many such slowed-down queries have started: a test waiting for one to be under way
+ * polls this, which stays set, as a poll of the flag above may miss its whole window. */
+atomic_int fake_cudart_version_queries_started;
 
 int cudaRuntimeGetVersion(int* version) {
   const int delay_ms = env_int("FAKE_CUDART_VERSION_DELAY_MS", 0);
   if (delay_ms > 0) {
     atomic_store(&fake_cudart_version_query_running, 1);
+    atomic_fetch_add(&fake_cudart_version_queries_started, 1);
     const struct timespec pause = {delay_ms / 1000, (long)(delay_ms % 1000) * 1000000L};
     nanosleep(&pause, NULL);
     atomic_store(&fake_cudart_version_query_running, 0);

@@ -136,7 +136,7 @@ def first_malloc():
 worker = threading.Thread(target=first_malloc)
 worker.start()
 deadline = time.monotonic() + 30
-while not ctypes.c_int.in_dll(fake, "fake_cudart_version_query_running").value:
+while not ctypes.c_int.in_dll(fake, "fake_cudart_version_queries_started").value:
     assert time.monotonic() < deadline, "the set-up never started"
     time.sleep(0.001)
 pid = os.fork()

@@ -31,10 +31,12 @@ using tiering_test::random_bytes;
 using tiering_test::StreamGate;
 
 // Opens `gate` after `patience` unless finish() comes first; finish() says whether it did.
+// A correct store never waits for the gate, so the patience only bounds how long a wrong
+// one hangs: it is long, as a short one failed correct stores on a loaded machine (TSan).
 class GateWatchdog {
  public:
   explicit GateWatchdog(StreamGate& gate, std::chrono::milliseconds patience =
-                                              std::chrono::milliseconds(2000))
+                                              std::chrono::milliseconds(60000))
       : thread_([this, &gate, patience] {
           std::unique_lock lock(mutex_);
           if (!changed_.wait_for(lock, patience, [this] { return finished_; })) {
