@@ -565,9 +565,12 @@ void TieredStore::prefetch_tag(int tag, Stream stream) {
 }
 
 // Note [Reclaim never throws] in tiered_store.h.
-std::size_t TieredStore::reclaim(std::size_t bytes_needed) noexcept {
+std::size_t TieredStore::reclaim(std::size_t bytes_needed,
+                                 std::chrono::steady_clock::time_point wait_until) noexcept {
   if (InsideStore::holds(this)) return 0;  // Note [Locking]
-  std::unique_lock lock(mutex_, std::try_to_lock);
+  // Note [A busy registry in an OOM] in tiering_registry.cpp: a busy store is waited for,
+  // not for ever (its holder may be waiting for this thread).
+  std::unique_lock lock(mutex_, wait_until);
   if (!lock.owns_lock()) return 0;
   InsideStore inside(this);
   stats_.reclaim_calls++;

@@ -58,6 +58,7 @@
 // Thread-safety: every method may be called from any thread concurrently.
 #pragma once
 
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -239,14 +240,16 @@ class TIDEPOOL_API TieredStore {
   void prefetch_tag(int tag, Stream stream);
   // Evicts released handles (furthest next use first) until `bytes_needed` device bytes
   // are freed, and waits for them to be freed. Returns the bytes freed. Safe to call from
-  // an allocator's OOM path: returns 0 instead of blocking if the store is busy, and never
-  // throws. Note [Reclaim never throws]: it runs inside another allocation's OOM path,
-  // walked over every store of the device; a throw would end that walk before the other
-  // stores were asked and lose the count of what this one freed. A failure of any type
+  // an allocator's OOM path: a busy store is waited for until `wait_until` at most (the
+  // default: not at all), then gives 0 instead of blocking, and it never throws.
+  // Note [Reclaim never throws]: it runs inside another allocation's OOM path, walked
+  // over every store of the device; a throw would end that walk before the other stores
+  // were asked and lose the count of what this one freed. A failure of any type
   // (the wrapping into TieringError is the public entries', Note [One error type]) stops
   // it: it returns what it freed until then, the handle that failed keeps its device
   // copy, and the failure is counted (reclaim_failures) and said once on stderr.
-  std::size_t reclaim(std::size_t bytes_needed) noexcept;
+  std::size_t reclaim(std::size_t bytes_needed,
+                      std::chrono::steady_clock::time_point wait_until = {}) noexcept;
   // The host arena's empty pinned slabs are unregistered (Note [Empty slabs are unpinned]
   // in host_arena.h); returns their bytes. Never throws. The empty-cache hook calls it.
   std::size_t release_empty_host_slabs() noexcept { return host_.release_empty_slabs(); }
@@ -441,7 +444,7 @@ class TIDEPOOL_API TieredStore {
   // with `lock` let go and tries again; once asking has stopped giving room, the last
   // attempt gets RoomFor::acquire, which throws the no-room error. Returns what the
   // attempt that succeeded returned. Used by acquire() and create() on the device.
-  void* with_room_from_peers(std::unique_lock<std::mutex>& lock, std::size_t bytes,
+  void* with_room_from_peers(std::unique_lock<std::timed_mutex>& lock, std::size_t bytes,
                              const std::function<void*(RoomFor)>& attempt);
   void prefetch_ahead_locked();
   Event take_event_locked();
@@ -468,7 +471,7 @@ class TIDEPOOL_API TieredStore {
   PrefetchPolicy::LookAheadMark prefetch_mark_;
   std::uint64_t evictions_at_mark_ = 0;
 
-  mutable std::mutex mutex_;
+  mutable std::timed_mutex mutex_;  // timed: reclaim() waits for it a bounded time
   std::unordered_map<Handle, std::unique_ptr<Entry>> entries_;
   // Note [Resident handles]: the entries whose device copy is set, in no order. Its
   // capacity never falls below entries_.size() (create reserves it), so adding to it

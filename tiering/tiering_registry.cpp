@@ -1,6 +1,8 @@
 // The per-device tiering registry behind the C ABI. See tiering_registry.h.
 #include "tiering/tiering_registry.h"
 
+#include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <exception>
@@ -31,8 +33,9 @@ struct DeviceTiering {
   std::optional<bool> host_backing;  // Note [No host backing], once probed
 };
 
-std::mutex& registry_mutex() {
-  static std::mutex m;
+// Timed: the reclaim hook waits a bounded time for it (Note [A busy registry in an OOM]).
+std::timed_mutex& registry_mutex() {
+  static std::timed_mutex m;
   return m;
 }
 // Never destroyed: stores and pools may outlive static destruction order.
@@ -82,7 +85,8 @@ class RegistryHold {
     lock_.lock();
     t_holding_registry = true;
   }
-  explicit RegistryHold(std::try_to_lock_t) : lock_(registry_mutex(), std::try_to_lock) {
+  explicit RegistryHold(std::chrono::steady_clock::time_point until)
+      : lock_(registry_mutex(), until) {
     if (lock_.owns_lock()) t_holding_registry = true;
   }
   ~RegistryHold() {
@@ -93,7 +97,7 @@ class RegistryHold {
   bool owns() const { return lock_.owns_lock(); }
 
  private:
-  std::unique_lock<std::mutex> lock_;
+  std::unique_lock<std::timed_mutex> lock_;
 };
 
 // The device's VMM pool, or nullptr when it has none; the caller holds the registry. A
@@ -101,6 +105,38 @@ class RegistryHold {
 VmmPool* vmm_pool_locked(int device) {
   auto it = registry().find(device);
   return it == registry().end() ? nullptr : it->second.vmm.get();
+}
+
+// Note [A busy registry in an OOM]
+// The allocator's reclaim hook (reclaim_tiered_stores) runs in another allocation's OOM
+// path, possibly inside a store this thread holds, so it must not block on the registry
+// or a store for ever: a thread holding them may be waiting for something this one holds.
+// It used to try each lock once and give nothing when it was busy, so whether an
+// allocation got OutOfMemoryError depended on timing: another thread evicting by tag,
+// reading the tiering stats, releasing a stream, or in its own OOM held the registry, and
+// the state that could have made room stayed on the device. Now:
+//   - the device's VMM pool is found without the registry (pool_index, under a mutex of
+//     its own held only to read or add a pointer), and its ranges are pushed to the host
+//     whether the registry was free or not: a migration takes only the pool's lock;
+//   - the registry and each store are waited for until one deadline, kReclaimPatience
+//     after the hook starts: a holder that is only busy (a walk, a wait for copies)
+//     finishes within it, and one waiting for this thread costs it that long, not a hang.
+// reclaims_that_found_the_registry_busy() counts the waits, for the tests.
+constexpr std::chrono::milliseconds kReclaimPatience{500};
+std::atomic<std::uint64_t> g_registry_busy_in_reclaim{0};
+
+std::mutex& pool_index_mutex() {
+  static std::mutex m;
+  return m;
+}
+std::map<int, VmmPool*>& pool_index() {
+  static auto* index = new std::map<int, VmmPool*>();  // never destroyed, as registry()
+  return *index;
+}
+VmmPool* indexed_pool(int device) {
+  std::lock_guard lock(pool_index_mutex());
+  auto it = pool_index().find(device);
+  return it == pool_index().end() ? nullptr : it->second;
 }
 
 // The store after `current` in `stores` (the first one for nullptr), or nullptr. Found by
@@ -154,7 +190,11 @@ VmmPool& tiering_vmm_pool(int device) {
   detail::ensure_allocator_hooks();
   RegistryHold hold("tiering_vmm_pool");
   DeviceTiering& d = registry()[device];
-  if (!d.vmm) d.vmm = std::make_unique<VmmPool>(backend_locked(device, d));
+  if (!d.vmm) {
+    d.vmm = std::make_unique<VmmPool>(backend_locked(device, d));
+    std::lock_guard lock(pool_index_mutex());  // Note [A busy registry in an OOM]
+    pool_index()[device] = d.vmm.get();
+  }
   return *d.vmm;
 }
 
@@ -375,33 +415,45 @@ void for_each_tiered_store(int device, const std::function<void(TieredStore&)>& 
 
 namespace detail {
 
-// The allocator's reclaim hook: it only try_locks (tiering_registry.h), and on a thread
-// that holds the registry already it walks the stores under that hold (Note [Registry
-// re-entry]): a store's OOM inside a walk (a prefetch by tag) still gets the others'.
+// The allocator's reclaim hook: it waits a bounded time for the registry and the stores
+// (Note [A busy registry in an OOM]), and on a thread that holds the registry already it
+// walks the stores under that hold (Note [Registry re-entry]): a store's OOM inside a walk
+// (a prefetch by tag) still gets the others'.
 std::size_t reclaim_tiered_stores(int device, std::size_t bytes_needed) {
   std::size_t freed = 0;
-  VmmPool* pool = nullptr;
+  const auto deadline = std::chrono::steady_clock::now() + kReclaimPatience;
   {
     std::optional<RegistryHold> hold;
     if (!t_holding_registry) {
-      hold.emplace(std::try_to_lock);
-      if (!hold->owns()) return 0;
+      hold.emplace(std::chrono::steady_clock::now());  // a try first, to count a wait
+      if (!hold->owns()) {
+        g_registry_busy_in_reclaim.fetch_add(1, std::memory_order_relaxed);
+        hold.reset();
+        hold.emplace(deadline);
+      }
     }
-    auto it = registry().find(device);
-    if (it == registry().end()) return 0;
-    for (TieredStore* s = next_store(it->second.stores, nullptr);
-         s != nullptr && freed < bytes_needed; s = next_store(it->second.stores, s)) {
-      freed += s->reclaim(bytes_needed - freed);
+    if (!hold || hold->owns()) {
+      auto it = registry().find(device);
+      if (it != registry().end()) {
+        for (TieredStore* s = next_store(it->second.stores, nullptr);
+             s != nullptr && freed < bytes_needed; s = next_store(it->second.stores, s)) {
+          freed += s->reclaim(bytes_needed - freed, deadline);
+        }
+      }
     }
-    // The registry never destroys a pool it made (registry() lives for the process).
-    pool = it->second.vmm.get();
   }
+  // The registry never destroys a pool it made (registry() lives for the process).
+  VmmPool* pool = indexed_pool(device);
   // Note [State pushed out under pressure]: then the pointer-stable ranges, past the
   // registry's lock (a migration takes only the pool's).
   if (freed < bytes_needed && pool != nullptr) {
     freed += push_ranges_to_host(*pool, bytes_needed - freed);
   }
   return freed;
+}
+
+std::uint64_t reclaims_that_found_the_registry_busy() noexcept {
+  return g_registry_busy_in_reclaim.load(std::memory_order_relaxed);
 }
 
 // Note [empty_cache releases the spares]

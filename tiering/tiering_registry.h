@@ -31,6 +31,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <functional>
 #include <vector>
 
@@ -68,10 +69,14 @@ TIDEPOOL_API bool is_tierable_range(int device, const void* ptr);
 
 namespace detail {
 // What the allocator's reclaim hook runs: reclaim on every store of `device` until
-// `bytes_needed` are freed. Returns bytes freed (0 when another thread holds the
-// registry). On a thread that holds it already (a store's OOM inside a walk) it walks
-// the stores under that hold; a store this thread is inside gives nothing.
+// `bytes_needed` are freed, then the device's pointer-stable ranges pushed to the host.
+// Returns bytes freed. The registry and the stores are waited for a bounded time (the
+// ranges are moved even when the registry stays busy: Note [A busy registry in an OOM],
+// tiering_registry.cpp). On a thread that holds the registry already (a store's OOM inside
+// a walk) it walks the stores under that hold; a store this thread is inside gives nothing.
 std::size_t reclaim_tiered_stores(int device, std::size_t bytes_needed);
+// How many reclaims found the registry held by another thread and waited for it.
+TIDEPOOL_API std::uint64_t reclaims_that_found_the_registry_busy() noexcept;
 void register_tiered_store(int device, TieredStore* store);
 void unregister_tiered_store(int device, TieredStore* store);
 }  // namespace detail
