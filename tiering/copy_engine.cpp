@@ -100,20 +100,27 @@ void CopyEngine::close_batch_locked(Direction direction) {
   if (pending.size() > kMaxPendingTimings) collect_timings_locked(direction, /*wait=*/true);
 }
 
+// Note [A transfer's bytes and time in one batch]
+// With timing on, the lock is held from the batch's opening (or the transfer's joining an
+// open one) to its bytes being added: a stats() call on another thread in between closed
+// the batch with the time of this transfer's copies but not its bytes (the rate read
+// low, and the bytes, added to the closed batch, were never timed), or closed it and a
+// later transfer opened the next one, which then got these bytes without their time (the
+// rate read high). copy_async only enqueues, so the hold is short; without timing the
+// lock is taken for the counters alone.
 void CopyEngine::transfer(void* dst, const void* src, std::size_t bytes, Direction direction,
                           Event done, std::span<const Event> wait_for) {
   const Stream s = stream(direction);
+  std::unique_lock lock(mutex_, std::defer_lock);
+  if (options_.time_transfers) lock.lock();
   for (Event e : wait_for) {
     if (e) backend_.stream_wait_event(s, e);
   }
   OpenBatch& batch = batches_[static_cast<int>(direction)];
-  if (options_.time_transfers) {
-    std::lock_guard lock(mutex_);
-    if (!batch.open) {
-      batch.start = take_recorded_event_locked(s);
-      batch.open = true;
-      batch.bytes = 0;
-    }
+  if (options_.time_transfers && !batch.open) {
+    batch.start = take_recorded_event_locked(s);
+    batch.open = true;
+    batch.bytes = 0;
   }
   std::size_t chunks = 0;
   try {
@@ -124,14 +131,11 @@ void CopyEngine::transfer(void* dst, const void* src, std::size_t bytes, Directi
       chunks++;
     }
   } catch (...) {
-    if (options_.time_transfers) {
-      std::lock_guard lock(mutex_);
-      close_batch_locked(direction);
-    }
+    if (options_.time_transfers) close_batch_locked(direction);
     throw;
   }
   if (done) backend_.record_event(done, s);
-  std::lock_guard lock(mutex_);
+  if (!lock.owns_lock()) lock.lock();
   DirectionStats& d = direction == Direction::host_to_device ? stats_.h2d : stats_.d2h;
   d.bytes += bytes;
   d.transfers++;

@@ -1,9 +1,14 @@
 // CopyEngine: chunked transfers land intact in both directions, ordering by events,
 // per-direction telemetry (rates of the bytes timed only), and a failing copy surfaces as
 // an error.
+#include <atomic>
+#include <chrono>
 #include <cstring>
+#include <future>
+#include <thread>
 #include <vector>
 
+#include "allocator/forwarding_backend.h"
 #include "tests/tiering/tiering_test_util.h"
 #include "tiering/copy_engine.h"
 
@@ -191,6 +196,50 @@ TEST_P(CopyEngineRateTest, AHeldLoadDoesNotHoldBackTheWriteBacksTiming) {
 
 INSTANTIATE_TEST_SUITE_P(Backends, CopyEngineRateTest, TIDEPOOL_TIERING_BACKENDS,
                          tiering_test::backend_name);
+
+// Note [A transfer's bytes and time in one batch] (copy_engine.cpp): a stats() call on
+// another thread while a transfer is being enqueued does not split the transfer's bytes
+// from its time. The transfer is held inside its copy_async; stats() is called then.
+// Before, it closed the batch without the held copy's bytes, which were then never timed.
+class HoldsTheNextCopy : public ForwardingBackend {
+ public:
+  explicit HoldsTheNextCopy(Backend& inner) : ForwardingBackend(inner) {}
+  std::atomic<bool> hold{false};     // the next copy_async waits for `released`
+  std::atomic<bool> holding{false};  // a copy_async is waiting
+  std::atomic<bool> released{false};
+
+ protected:
+  void on_call(Call call) override {
+    if (call != Call::copy_async || !hold.exchange(false)) return;
+    holding = true;
+    while (!released) std::this_thread::yield();
+  }
+};
+
+TEST_P(CopyEngineTest, AStatsCallDuringATransferKeepsItsBytesWithItsTime) {
+  HoldsTheNextCopy holder(backend());
+  CopyEngineOptions o;
+  o.timing_batch_bytes = std::size_t{1} << 30;  // the batch stays open after the transfer
+  CopyEngine engine(holder, o);
+  const std::size_t n = 1 << 20;
+  const auto src = random_bytes(n, 9);
+  void* dev = backend().device_alloc(n);
+  holder.hold = true;
+  std::thread transfer([&] { engine.transfer(dev, src.data(), n, Direction::host_to_device, {}); });
+  while (!holder.holding) std::this_thread::yield();
+  auto during = std::async(std::launch::async, [&] { return engine.stats(); });
+  // Fixed, stats() waits for the transfer; broken, it returned at once and closed the batch
+  // (a slow machine only makes this test weaker, never wrong).
+  during.wait_for(std::chrono::milliseconds(100));
+  holder.released = true;
+  transfer.join();
+  during.get();
+  engine.synchronize();
+  const CopyEngineStats s = engine.stats();
+  EXPECT_EQ(s.h2d.bytes, n);
+  EXPECT_EQ(s.h2d.timed_bytes, n) << "the transfer's bytes were split from its time";
+  backend().device_free(dev, n);
+}
 
 TEST_P(CopyEngineTest, ZeroChunkSizeIsRejected) {
   CopyEngineOptions o;
