@@ -218,7 +218,7 @@ constexpr int kFruitlessPeerAsks = 3;
 // Note [Shared state budget], step 2. The attempt looks its handle up afresh each time
 // (acquire_locked): with the lock let go, another thread may have loaded it (a prefetch),
 // or destroyed it.
-void* TieredStore::with_room_from_peers(std::unique_lock<std::timed_mutex>& lock, std::size_t bytes,
+void* TieredStore::with_room_from_peers(std::unique_lock<std::mutex>& lock, std::size_t bytes,
                                         const std::function<void*(RoomFor)>& attempt) {
   int fruitless = 0;
   while (true) {

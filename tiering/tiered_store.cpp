@@ -66,6 +66,7 @@
 #include "allocator/config.h"
 #include "allocator/tier_routing.h"
 #include "allocator/warn_once.h"
+#include "tiering/lock_before.h"
 #include "tiering/stats_json.h"
 #include "tiering/store_entry.h"
 #include "tiering/store_errors.h"
@@ -570,8 +571,8 @@ std::size_t TieredStore::reclaim(std::size_t bytes_needed,
   if (InsideStore::holds(this)) return 0;  // Note [Locking]
   // Note [A busy registry in an OOM] in tiering_registry.cpp: a busy store is waited for,
   // not for ever (its holder may be waiting for this thread).
-  std::unique_lock lock(mutex_, wait_until);
-  if (!lock.owns_lock()) return 0;
+  std::unique_lock lock(mutex_, std::defer_lock);
+  if (!detail::lock_before(lock, wait_until)) return 0;
   InsideStore inside(this);
   stats_.reclaim_calls++;
   std::size_t evicted = 0;

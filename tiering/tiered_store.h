@@ -444,7 +444,7 @@ class TIDEPOOL_API TieredStore {
   // with `lock` let go and tries again; once asking has stopped giving room, the last
   // attempt gets RoomFor::acquire, which throws the no-room error. Returns what the
   // attempt that succeeded returned. Used by acquire() and create() on the device.
-  void* with_room_from_peers(std::unique_lock<std::timed_mutex>& lock, std::size_t bytes,
+  void* with_room_from_peers(std::unique_lock<std::mutex>& lock, std::size_t bytes,
                              const std::function<void*(RoomFor)>& attempt);
   void prefetch_ahead_locked();
   Event take_event_locked();
@@ -471,7 +471,7 @@ class TIDEPOOL_API TieredStore {
   PrefetchPolicy::LookAheadMark prefetch_mark_;
   std::uint64_t evictions_at_mark_ = 0;
 
-  mutable std::timed_mutex mutex_;  // timed: reclaim() waits for it a bounded time
+  mutable std::mutex mutex_;
   std::unordered_map<Handle, std::unique_ptr<Entry>> entries_;
   // Note [Resident handles]: the entries whose device copy is set, in no order. Its
   // capacity never falls below entries_.size() (create reserves it), so adding to it

@@ -19,6 +19,7 @@
 #include "allocator/reclaim.h"
 #include "allocator/tags.h"
 #include "allocator/tier_routing.h"
+#include "tiering/lock_before.h"
 #include "tiering/tiered_store.h"
 #include "tiering/vmm_migration.h"
 
@@ -33,9 +34,8 @@ struct DeviceTiering {
   std::optional<bool> host_backing;  // Note [No host backing], once probed
 };
 
-// Timed: the reclaim hook waits a bounded time for it (Note [A busy registry in an OOM]).
-std::timed_mutex& registry_mutex() {
-  static std::timed_mutex m;
+std::mutex& registry_mutex() {
+  static std::mutex m;
   return m;
 }
 // Never destroyed: stores and pools may outlive static destruction order.
@@ -85,9 +85,10 @@ class RegistryHold {
     lock_.lock();
     t_holding_registry = true;
   }
-  explicit RegistryHold(std::chrono::steady_clock::time_point until)
-      : lock_(registry_mutex(), until) {
-    if (lock_.owns_lock()) t_holding_registry = true;
+  // The reclaim path's form: locks before `deadline` or not at all (lock_before.h).
+  explicit RegistryHold(std::chrono::steady_clock::time_point deadline)
+      : lock_(registry_mutex(), std::defer_lock) {
+    if (detail::lock_before(lock_, deadline)) t_holding_registry = true;
   }
   ~RegistryHold() {
     if (lock_.owns_lock()) t_holding_registry = false;
@@ -97,7 +98,7 @@ class RegistryHold {
   bool owns() const { return lock_.owns_lock(); }
 
  private:
-  std::unique_lock<std::timed_mutex> lock_;
+  std::unique_lock<std::mutex> lock_;
 };
 
 // The device's VMM pool, or nullptr when it has none; the caller holds the registry. A
