@@ -39,9 +39,17 @@ std::unique_ptr<torch::optim::OptimizerOptions> mirror_defaults(
   return inner->defaults().clone();
 }
 
-// A group's parameters must flatten into one vector: one dtype, one device. Checked for
-// every group before a step changes anything.
+// A group's parameters must flatten into one vector: one dtype, one device, at least one
+// element (the history keeps no empty vector: a group of zero-element parameters failed
+// every step after its inner update). Checked for every group at construction and before
+// a step changes anything.
 void check_group(const std::vector<torch::Tensor>& params) {
+  TORCH_CHECK(!params.empty(), "AADL: a parameter group of the inner optimizer is empty");
+  int64_t elements = 0;
+  for (const auto& p : params) elements += p.numel();
+  TORCH_CHECK(elements > 0, "AADL: a parameter group of the inner optimizer has ",
+              params.size(), " parameter(s) with no elements at all; there is nothing to "
+              "accelerate (leave them out of the group, or put them in one with others)");
   for (const auto& p : params) {
     TORCH_CHECK(p.scalar_type() == params.front().scalar_type() &&
                     p.device() == params.front().device(),
@@ -116,7 +124,7 @@ AADL::AADL(std::shared_ptr<torch::optim::Optimizer> inner, AADLOptions options,
       options_(options) {
   options_.validate();
   for (const auto& group : inner_->param_groups()) {
-    TORCH_CHECK(!group.params().empty(), "AADL: a parameter group of the inner optimizer is empty");
+    check_group(group.params());
     std::shared_ptr<StatePlacement> placement = history_placement;
     if (!placement) {
       placement = group.params().front().is_cuda()
@@ -199,6 +207,11 @@ torch::Tensor AADL::step(LossClosure closure) {
   TORCH_CHECK(inner_->param_groups().size() == histories_.size(), "AADL: the inner optimizer has ",
               inner_->param_groups().size(), " parameter groups, it had ", histories_.size(),
               " when wrapped");
+  // add_param_group is not virtual: one called on the wrapper adds to its own groups (a
+  // copy of the inner optimizer's), which nothing steps.
+  TORCH_CHECK(param_groups_.size() == histories_.size(), "AADL: ", param_groups_.size(),
+              " parameter groups were given to the wrapper, which steps the inner "
+              "optimizer's ", histories_.size(), "; add groups to inner() before wrapping it");
   // What this step does, decided before anything runs (the counters only move once the
   // inner step succeeded).
   const auto [stores, accelerates] = next_step();

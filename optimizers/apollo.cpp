@@ -160,22 +160,35 @@ std::vector<std::vector<torch::Tensor>> Apollo::parameters_to_step() const {
     auto& params = stepping.emplace_back();
     for (const auto& p : group.params()) {
       if (!p.grad().defined()) continue;
-      TORCH_CHECK(!p.grad().is_sparse(), "Apollo does not support sparse gradients");
+      const torch::Tensor& grad = p.grad();
+      TORCH_CHECK(!grad.is_sparse(), "Apollo does not support sparse gradients");
       const auto dtype = p.scalar_type();
       TORCH_CHECK(dtype == torch::kFloat32 || dtype == torch::kFloat64 ||
                       dtype == torch::kBFloat16 || dtype == torch::kFloat16,
                   "Apollo: parameters must be float32, float64, bfloat16 or float16, got ",
                   dtype);
+      // Note [Checked before any parameter steps]: C++'s mutable_grad() checks nothing
+      // (Python's p.grad = t does), and the fused step reads the gradient by raw pointer
+      // for the parameter's element count: another device's memory, a shorter buffer or
+      // another type would be read as wrong memory, or refused half-way through a step.
+      TORCH_CHECK(grad.device() == p.device() && grad.scalar_type() == dtype &&
+                      grad.sizes() == p.sizes(),
+                  "Apollo: the gradient of a ", p.sizes(), " ", dtype, " parameter on ",
+                  p.device(), " is ", grad.sizes(), " ", grad.scalar_type(), " on ",
+                  grad.device(), "; it must match the parameter in shape, dtype and device");
       if (auto it = state_.find(p.unsafeGetTensorImpl()); it != state_.end()) {
-        // The fused kernels take raw pointers: state elsewhere than its parameter would be
-        // read as the wrong memory, not refused by a LibTorch op.
+        // The fused kernels take raw pointers: state elsewhere than its parameter, or of
+        // another size (a set_data keeps the tensor, and so its state), would be read and
+        // written as the wrong memory, not refused by a LibTorch op.
         const auto& state = static_cast<const ApolloParamState&>(*it->second);
         const torch::TensorOptions& held = state.exp_avg_grad->options();
-        TORCH_CHECK(held.device() == p.device() && held.dtype() == p.dtype(),
-                    "Apollo: the state of a ", p.sizes(), " parameter is ", held.dtype(),
-                    " on ", held.device(), ", the parameter ", p.dtype(), " on ", p.device(),
-                    " (moved or converted after the optimizer was created or loaded: move "
-                    "the model first, then create or load the optimizer)");
+        TORCH_CHECK(held.device() == p.device() && held.dtype() == p.dtype() &&
+                        state.exp_avg_grad->sizes() == p.sizes(),
+                    "Apollo: the state of a ", p.sizes(), " parameter is ",
+                    state.exp_avg_grad->sizes(), " ", held.dtype(), " on ", held.device(),
+                    ", the parameter ", p.sizes(), " ", p.dtype(), " on ", p.device(),
+                    " (moved, converted or resized after the optimizer was created or "
+                    "loaded: change the model first, then create or load the optimizer)");
       }
       params.push_back(p);
     }
@@ -301,13 +314,17 @@ void step_fused(torch::Tensor& p, const torch::Tensor& raw_grad, torch::Tensor& 
                 const ApolloOptions& o, const StepScalars& s) {
   const kernels::ApolloStepArgs args = fused_step_args(o, s);
   kernels::ApolloCarry carry;
+  // A new buffer of carried sums becomes the parameter's only once the step has filled
+  // it: one kept after a throw before that (a copy or a scratch buffer out of memory)
+  // would be taken for valid at the next step and its garbage read as the sums.
+  torch::Tensor fresh_carry;
   if (kernels::apollo_keeps_carry(args)) {
     carry.valid = carried.defined();
     if (!carry.valid) {
-      carried = torch::empty({kernels::apollo_carry_doubles(p.numel())},
-                             p.options().dtype(torch::kFloat64));
+      fresh_carry = torch::empty({kernels::apollo_carry_doubles(p.numel())},
+                                 p.options().dtype(torch::kFloat64));
     }
-    carry.partials = carried.data_ptr<double>();
+    carry.partials = (carry.valid ? carried : fresh_carry).data_ptr<double>();
   } else {
     carried = torch::Tensor();
   }
@@ -338,12 +355,13 @@ void step_fused(torch::Tensor& p, const torch::Tensor& raw_grad, torch::Tensor& 
                                   scratch.data_ptr<double>(), carry, stream);
     };
     const int rc = p.scalar_type() == torch::kFloat32 ? on_device(0.0f) : on_device(0.0);
-    if (rc != 0) carried = torch::Tensor();
+    if (rc != 0) carried = torch::Tensor();  // a failed launch may have written part of it
     TORCH_CHECK(rc == 0, "Apollo: fused CUDA step failed: ", kernels::apollo_error_string(rc));
 #else
     TORCH_CHECK(false, "Apollo: no fused step for ", p.device(), " in this build");
 #endif
   }
+  if (fresh_carry.defined()) carried = std::move(fresh_carry);
   if (!param.is_same(p)) p.copy_(param);
 }
 

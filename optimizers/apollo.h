@@ -114,9 +114,12 @@ class TIDEPOOL_API Apollo : public torch::optim::Optimizer {
 
   // One Apollo step for every parameter with a gradient. With a closure, it is called
   // with grad mode on and its loss returned. What a step can refuse (sparse gradients,
-  // an unsupported dtype, invalid options in any group, state on another device or of
-  // another dtype than its parameter, e.g. after the model was moved) is checked for every
-  // group before any parameter changes: a refused step changes nothing.
+  // an unsupported dtype, invalid options in any group, a gradient of another shape, dtype
+  // or device than its parameter, state on another device, of another dtype or of another
+  // shape than its parameter, e.g. after the model was moved or set_data resized it) is
+  // checked for every group before any parameter changes: a refused step changes nothing.
+  // A failure past those checks (out of memory part-way) leaves the parameters before the
+  // one that failed stepped and the rest not: restore a checkpoint rather than step again.
   torch::Tensor step(LossClosure closure = nullptr) override;
 
   void save(torch::serialize::OutputArchive& archive) const override;

@@ -45,6 +45,34 @@ TEST(AADLOptions, InvalidValuesAreRejectedWithTheirName) {
   expect_error_mentions([] { AADL(nullptr); }, "inner optimizer");
 }
 
+// A group whose parameters have no elements at all is refused when wrapped (it failed
+// every step, after the inner update, with a message of the history's); one that becomes
+// so later (set_data), and a group given to the wrapper's add_param_group (which nothing
+// steps), are refused at the step before anything changes.
+TEST(AADL, GroupsItCannotStepAreRefusedBeforeAnythingChanges) {
+  auto empty = torch::zeros({0}, torch::kFloat64).set_requires_grad(true);
+  expect_error_mentions([&] { AADL(sgd(empty)); }, "no elements");
+
+  auto p = torch::ones({3}, torch::kFloat64).set_requires_grad(true);
+  AADL opt(sgd(p));
+  p.mutable_grad() = torch::ones_like(p);
+  auto q = torch::ones({2}, torch::kFloat64).set_requires_grad(true);
+  opt.add_param_group(torch::optim::OptimizerParamGroup({q}));
+  expect_error_mentions([&] { opt.step(); }, "add groups to inner()");
+  EXPECT_TRUE(torch::equal(p.detach(), torch::ones({3}, torch::kFloat64)));
+
+  auto r = torch::ones({3}, torch::kFloat64).set_requires_grad(true);
+  AADL resized(std::make_shared<torch::optim::SGD>(  // momentum: a step leaves state
+      std::vector<torch::Tensor>{r}, torch::optim::SGDOptions(0.1).momentum(0.9)));
+  {
+    torch::NoGradGuard no_grad;
+    r.set_data(torch::zeros({0}, torch::kFloat64));
+  }
+  r.mutable_grad() = torch::zeros_like(r);
+  expect_error_mentions([&] { resized.step(); }, "no elements");
+  EXPECT_EQ(resized.inner().state().size(), 0u) << "the inner optimizer stepped";
+}
+
 // DR and b formed directly from the stacked history, as the reference does.
 void direct_matrices(const std::vector<torch::Tensor>& xs, torch::Tensor& G, torch::Tensor& c) {
   const torch::Tensor X = torch::stack(xs, 1);

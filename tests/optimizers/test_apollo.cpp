@@ -285,9 +285,42 @@ TEST(Apollo, ARefusedStepChangesNoGroup) {
     b.set_data(b.detach().to(torch::kFloat32));
   }
   b.mutable_grad() = torch::ones_like(b);
-  expect_error_mentions([&] { opt.step(); }, "moved or converted");
+  expect_error_mentions([&] { opt.step(); }, "moved, converted or resized");
   EXPECT_TRUE(torch::equal(a.detach(), a_before));
   EXPECT_TRUE(torch::equal(b.detach().to(torch::kFloat64), b_before));
+}
+
+// Note [Checked before any parameter steps] (optimizers/apollo.cpp): the fused step reads
+// state and gradient by raw pointer for the parameter's element count. A parameter that
+// set_data resized keeps its tensor, and so its old, smaller state: the step wrote past
+// it. C++'s mutable_grad() checks nothing: a shorter gradient was read past its end, one
+// of another dtype refused half-way through the step, after the parameters before it
+// had stepped. Each is now refused before any parameter changes.
+TEST(Apollo, AResizedParameterOrAMismatchedGradientIsRefusedBeforeAnythingSteps) {
+  auto a = param(3), b = param(10);
+  Apollo opt({a, b}, ApolloOptions(0.1).warmup(0));
+  a.mutable_grad() = torch::ones_like(a);
+  b.mutable_grad() = torch::ones_like(b);
+  opt.step();
+  const torch::Tensor a_before = a.detach().clone();
+  const auto expect_refused = [&](const std::string& word) {
+    a.mutable_grad() = torch::ones_like(a);
+    expect_error_mentions([&] { opt.step(); }, word);
+    EXPECT_TRUE(torch::equal(a.detach(), a_before)) << "the first parameter stepped";
+  };
+  b.mutable_grad() = torch::ones({4}, torch::kFloat64);  // shorter than b
+  expect_refused("gradient");
+  b.mutable_grad() = torch::ones({10}, torch::kFloat32);
+  expect_refused("gradient");
+  b.mutable_grad() = torch::ones({2, 5}, torch::kFloat64);  // as many elements, other shape
+  expect_refused("gradient");
+  {
+    torch::NoGradGuard no_grad;
+    b.set_data(torch::full({1 << 16}, 0.5, torch::kFloat64));
+  }
+  b.mutable_grad() = torch::ones_like(b);
+  expect_refused("resized");
+  EXPECT_TRUE(torch::equal(b.detach(), torch::full({1 << 16}, 0.5, torch::kFloat64)));
 }
 
 // Groups added with add_param_group (not virtual in torch::optim::Optimizer) get the
