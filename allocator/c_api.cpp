@@ -24,6 +24,8 @@
 #include <limits>
 #include <stdexcept>
 #include <string>
+#include <string_view>
+#include <type_traits>
 #include <utility>
 
 #include "allocator/c_api_guard.h"
@@ -36,12 +38,42 @@
 
 namespace {
 
-thread_local std::string t_last_error;
+// Note [A last-error slot that outlives thread exit]
+// The calling thread's message for tidepool_last_error(). It is a fixed buffer, trivially
+// destructible, not a std::string: a thread_local with a destructor is destroyed at thread
+// exit in reverse order of first use, so a user's thread_local constructed earlier (a
+// cache of tensors, a pool) is destroyed after it, and its destructor's tidepool_free
+// (which the thread caches expect: Note [Thread caches] in thread_cache.cpp) wrote its error into a freed
+// string. A message longer than the buffer keeps its start, marked as cut.
+class LastError {
+ public:
+  void assign(std::string_view message) noexcept {
+    constexpr std::string_view kCut = " [message cut]";
+    std::size_t n = message.size();
+    if (n >= kCapacity) n = kCapacity - 1 - kCut.size();
+    std::memcpy(text_, message.data(), n);
+    if (n < message.size()) {
+      std::memcpy(text_ + n, kCut.data(), kCut.size());
+      n += kCut.size();
+    }
+    text_[n] = '\0';
+  }
+  void clear() noexcept { text_[0] = '\0'; }
+  bool empty() const noexcept { return text_[0] == '\0'; }
+  const char* c_str() const noexcept { return text_; }
+
+ private:
+  static constexpr std::size_t kCapacity = 8192;
+  char text_[kCapacity] = {};
+};
+static_assert(std::is_trivially_destructible_v<LastError>);
+
+constinit thread_local LastError t_last_error;
 // Whether t_last_error is an out-of-memory (an OutOfMemoryError, after the OOM policy).
-thread_local bool t_last_error_is_oom = false;
+constinit thread_local bool t_last_error_is_oom = false;
 
 void set_error(const char* what, bool print) {
-  t_last_error = what;
+  t_last_error.assign(what);
   t_last_error_is_oom = false;
   if (print) std::fprintf(stderr, "%s\n", what);
 }
@@ -169,8 +201,8 @@ void* tidepool_pytorch_malloc(ssize_t size, int device, void* stream) {
   if (p == nullptr && size != 0) {  // Note [OOM into PyTorch]
     if (t_last_error_is_oom && size > 0)
       throw std::runtime_error(tidepool::pytorch_out_of_memory_message(
-          static_cast<std::size_t>(size), t_last_error));
-    if (!t_last_error.empty()) throw std::runtime_error(t_last_error);
+          static_cast<std::size_t>(size), t_last_error.c_str()));
+    if (!t_last_error.empty()) throw std::runtime_error(t_last_error.c_str());
     throw std::runtime_error("tidepool: allocation of " + std::to_string(size) +
                              " bytes failed on device " + std::to_string(device));
   }

@@ -404,6 +404,48 @@ TEST_F(CApi, PytorchMallocThrowsTidepoolsMessageWhereMallocReturnsNull) {
   EXPECT_EQ(stats().requested.current, before.requested.current);
 }
 
+// Note [A last-error slot that outlives thread exit] (allocator/c_api.cpp): a user's
+// thread_local made before the thread's first tidepool call is destroyed after
+// tidepool's own thread_locals, and its destructor's failing call must still leave its
+// message. The slot was a std::string, destroyed by then: the message was written into
+// freed memory (ASan: heap-use-after-free).
+struct FreesAtThreadExit {
+  void* block = nullptr;
+  std::string* seen = nullptr;
+  ~FreesAtThreadExit() {
+    if (block == nullptr) return;
+    tidepool_free(block, 1, 0, nullptr);  // the wrong size: refused, with a message
+    *seen = tidepool_last_error();
+    tidepool_free(block, 4096, 0, nullptr);
+  }
+};
+thread_local FreesAtThreadExit t_frees_at_exit;
+
+TEST_F(CApi, AnErrorInAThreadLocalsDestructorAtThreadExitLeavesItsMessage) {
+  std::string seen;
+  ::testing::internal::CaptureStderr();  // misuse is also said on stderr
+  std::thread([&] {
+    t_frees_at_exit.seen = &seen;  // its destructor is registered first: it runs last
+    t_frees_at_exit.block = tidepool_malloc(4096, 0, nullptr);
+    int on_stack = 0;
+    tidepool_free(&on_stack, sizeof on_stack, 0, nullptr);  // an error: the slot is in use
+  }).join();
+  ::testing::internal::GetCapturedStderr();
+  EXPECT_NE(seen.find("that allocation has 4096 bytes"), std::string::npos) << seen;
+}
+
+// A message longer than the slot keeps its start and says it was cut.
+TEST_F(CApi, AVeryLongErrorMessageIsCutAndSaysSo) {
+  const std::string name(20000, 'x');
+  tidepool::set_last_error("start " + name);
+  const std::string kept = tidepool_last_error();
+  EXPECT_EQ(kept.rfind("start xxx", 0), 0u) << kept.substr(0, 40);
+  EXPECT_LT(kept.size(), 8192u);
+  EXPECT_NE(kept.find("[message cut]"), std::string::npos);
+  tidepool_clear_error();
+  EXPECT_STREQ(tidepool_last_error(), "");
+}
+
 using tidepool::test::count_of;
 
 std::size_t thread_cached_blocks(int device = 0) {
