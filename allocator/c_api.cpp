@@ -12,6 +12,8 @@
 // go to the tiering layer's pointer-stable ranges, the rest to the caching allocator.
 #include "allocator/c_api.h"
 
+#include <pthread.h>
+
 #include <algorithm>
 #include <array>
 #include <atomic>
@@ -22,10 +24,11 @@
 #include <cstring>
 #include <exception>
 #include <limits>
+#include <memory>
+#include <new>
 #include <stdexcept>
 #include <string>
 #include <string_view>
-#include <type_traits>
 #include <utility>
 
 #include "allocator/c_api_guard.h"
@@ -39,41 +42,59 @@
 namespace {
 
 // Note [A last-error slot that outlives thread exit]
-// The calling thread's message for tidepool_last_error(). It is a fixed buffer, trivially
-// destructible, not a std::string: a thread_local with a destructor is destroyed at thread
-// exit in reverse order of first use, so a user's thread_local constructed earlier (a
-// cache of tensors, a pool) is destroyed after it, and its destructor's tidepool_free
-// (which the thread caches expect: Note [Thread caches] in thread_cache.cpp) wrote its error into a freed
-// string. A message longer than the buffer keeps its start, marked as cut.
-class LastError {
- public:
-  void assign(std::string_view message) noexcept {
-    constexpr std::string_view kCut = " [message cut]";
-    std::size_t n = message.size();
-    if (n >= kCapacity) n = kCapacity - 1 - kCut.size();
-    std::memcpy(text_, message.data(), n);
-    if (n < message.size()) {
-      std::memcpy(text_ + n, kCut.data(), kCut.size());
-      n += kCut.size();
-    }
-    text_[n] = '\0';
-  }
-  void clear() noexcept { text_[0] = '\0'; }
-  bool empty() const noexcept { return text_[0] == '\0'; }
-  const char* c_str() const noexcept { return text_; }
-
- private:
-  static constexpr std::size_t kCapacity = 8192;
-  char text_[kCapacity] = {};
-};
-static_assert(std::is_trivially_destructible_v<LastError>);
-
-constinit thread_local LastError t_last_error;
+// The calling thread's message for tidepool_last_error() lives on the heap, reached
+// through a trivially destructible thread_local pointer, and is freed by a pthread key's
+// destructor. A thread_local std::string is destroyed at thread exit in reverse order of
+// first use, so a user's thread_local constructed earlier (a cache of tensors, a pool) was
+// destroyed after it, and its destructor's tidepool_free (which the thread caches expect:
+// Note [Thread caches] in thread_cache.cpp) wrote its error into a freed string. glibc
+// runs every thread_local destructor before any pthread key destructor, so the message
+// outlives them all. (Not a fixed buffer in TLS: libtidepool.so is dlopen()ed, and part
+// of its TLS is initial-exec, so a large block no longer fits glibc's static TLS surplus.)
+// A call made from another key's destructor after this one ran makes a new message, which
+// glibc then frees in its next round of key destructors.
+constinit thread_local std::string* t_last_error = nullptr;
 // Whether t_last_error is an out-of-memory (an OutOfMemoryError, after the OOM policy).
 constinit thread_local bool t_last_error_is_oom = false;
 
+pthread_key_t last_error_key() {
+  static const pthread_key_t key = [] {
+    pthread_key_t k;
+    const int rc = pthread_key_create(&k, [](void* text) {
+      delete static_cast<std::string*>(text);
+      t_last_error = nullptr;
+    });
+    if (rc != 0) {
+      std::fprintf(stderr, "tidepool: pthread_key_create failed (%d)\n", rc);
+      std::abort();
+    }
+    return k;
+  }();
+  return key;
+}
+
+// Replaces the calling thread's message; one that cannot be stored (no heap for it) is
+// replaced by a fixed one saying so.
+void store_last_error(std::string_view message) noexcept {
+  try {
+    if (t_last_error == nullptr) {
+      auto text = std::make_unique<std::string>();
+      if (pthread_setspecific(last_error_key(), text.get()) != 0) throw std::bad_alloc();
+      t_last_error = text.release();
+    }
+    t_last_error->assign(message);
+  } catch (...) {
+    if (t_last_error != nullptr) t_last_error->clear();
+  }
+}
+
+const char* last_error_text() noexcept {
+  if (t_last_error != nullptr) return t_last_error->c_str();
+  return "";
+}
+
 void set_error(const char* what, bool print) {
-  t_last_error.assign(what);
+  store_last_error(what);
   t_last_error_is_oom = false;
   if (print) std::fprintf(stderr, "%s\n", what);
 }
@@ -117,7 +138,7 @@ int owning_device(const void* ptr) {
 }  // namespace
 
 void tidepool::set_last_error(std::string_view message) {
-  t_last_error.assign(message);
+  store_last_error(message);
   t_last_error_is_oom = false;
 }
 
@@ -201,8 +222,8 @@ void* tidepool_pytorch_malloc(ssize_t size, int device, void* stream) {
   if (p == nullptr && size != 0) {  // Note [OOM into PyTorch]
     if (t_last_error_is_oom && size > 0)
       throw std::runtime_error(tidepool::pytorch_out_of_memory_message(
-          static_cast<std::size_t>(size), t_last_error.c_str()));
-    if (!t_last_error.empty()) throw std::runtime_error(t_last_error.c_str());
+          static_cast<std::size_t>(size), last_error_text()));
+    if (*last_error_text() != '\0') throw std::runtime_error(last_error_text());
     throw std::runtime_error("tidepool: allocation of " + std::to_string(size) +
                              " bytes failed on device " + std::to_string(device));
   }
@@ -447,10 +468,10 @@ char* tidepool_snapshot_json(int device) {
 
 void tidepool_string_free(char* s) { std::free(s); }
 
-const char* tidepool_last_error(void) { return t_last_error.c_str(); }
+const char* tidepool_last_error(void) { return last_error_text(); }
 
 void tidepool_clear_error(void) {
-  t_last_error.clear();
+  if (t_last_error != nullptr) t_last_error->clear();
   t_last_error_is_oom = false;
 }
 

@@ -16,8 +16,10 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <limits>
 #include <mutex>
 #include <string>
+#include <system_error>
 #include <vector>
 
 #include "allocator/c_api.h"
@@ -232,7 +234,16 @@ Budget parse_size(std::string_view key, std::string_view value, bool allow_perce
   }
   if (int_digits == 0) bad_value("", key, value, allowed);
   double number = 0.0;
-  std::from_chars(text.data(), text.data() + i, number);  // digits[.digits]: always reads
+  // digits[.digits] always parses; only its size can fail, beyond a double's range, which
+  // leaves `number` at 0 (it was read as "0 bytes"): too large when a digit before the
+  // point is not 0, else a fraction too small for a double, which is no whole byte count.
+  if (std::from_chars(text.data(), text.data() + i, number).ec != std::errc{}) {
+    const std::string_view whole = std::string_view(text).substr(0, int_digits);
+    if (whole.find_first_not_of('0') != std::string_view::npos) {
+      throw ConfigError(std::string(key) + ": '" + std::string(value) + "' is too large");
+    }
+    number = std::numeric_limits<double>::denorm_min();
+  }
   const std::string_view unit = std::string_view(text).substr(i);
 
   if (unit == "%") {

@@ -171,6 +171,14 @@ TEST(ConfigTierMinBytes, BadValuesNameTheKeyAndSayWhatItTakes) {
             std::string::npos);
   EXPECT_NE(error_of([] { claim_config("tidepool.tier_min_bytes:99999999TiB"); }).find("too large"),
             std::string::npos);
+  // More digits than a double holds: out of range, not read as 0 bytes.
+  for (const std::string& digits : {std::string(400, '9'), "1" + std::string(400, '0') + "GiB",
+                                   "0." + std::string(400, '0') + "1"}) {
+    const std::string entry = "tidepool.tier_min_bytes:" + digits;
+    const std::string msg = error_of([&] { claim_config(entry); });
+    EXPECT_NE(msg.find(digits.size() > 400 && digits[0] == '0' ? "whole number" : "too large"),
+              std::string::npos) << msg.substr(0, 80);
+  }
   EXPECT_EQ(error_of([] { claim_config("tidepool.tier_min_bytes", "X"); }),
             "X: tidepool.tier_min_bytes needs a value (key:value); allowed: a byte count with an "
             "optional unit, e.g. 0, 1MiB, 262144");
