@@ -192,8 +192,12 @@ void* tidepool_malloc(ssize_t size, int device, void* stream) {
   }
   return guarded<void*>(nullptr, [&] {
     const auto bytes = static_cast<std::size_t>(size);
+    // First: a device that does not exist is the caller's error, said as such (the tier
+    // route took it for a failure of its own, and used up its one report); the route's
+    // ranges are on the device's allocator's backend anyway.
+    tidepool::CachingAllocator& allocator = tidepool::device_allocator(device);
     if (void* routed = tidepool::detail::route_allocate(bytes, device, stream)) return routed;
-    return tidepool::device_allocator(device).allocate(bytes, tidepool::Stream{stream});
+    return allocator.allocate(bytes, tidepool::Stream{stream});
   });
 }
 

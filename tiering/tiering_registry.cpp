@@ -327,10 +327,13 @@ void* allocate_tierable_range(int device, std::size_t bytes, int tag, Stream str
   void* p = budgeted ? pool.allocate_within_budget(bytes, tag)
                      : pool.allocate(bytes, tag, MemoryLocation::device);
   if (p == nullptr && !budgeted) {
-    // Note [State pushed out under pressure]: the cache first, then older state.
-    device_allocator(device).empty_cache();
+    // Note [State pushed out under pressure]: the cache first, then older state, unless
+    // the range could not fit the device even with nothing else on it.
+    CachingAllocator& allocator = device_allocator(device);
+    allocator.empty_cache();
     p = pool.allocate(bytes, tag, MemoryLocation::device);
-    if (p == nullptr && push_ranges_to_host(pool, bytes) > 0) {
+    if (p == nullptr && bytes <= allocator.backend().mem_info().total_bytes &&
+        push_ranges_to_host(pool, bytes) > 0) {
       p = pool.allocate(bytes, tag, MemoryLocation::device);
     }
     if (p == nullptr) return nullptr;
@@ -370,6 +373,9 @@ namespace {
 const TierRoute kTierRoute{
     kRoutedTags,
     [](std::size_t bytes, int device, int tag, void* stream) -> void* {
+      // Beyond any range: the caching allocator refuses it with its own message (a throw
+      // here would be taken for a failure of the route, and use up its one report).
+      if (bytes > VmmPool::kMaxRangeBytes) return nullptr;
       if (!host_backing_works(device)) return nullptr;  // Note [No host backing]
       return allocate_tierable_range(device, bytes, tag, Stream{stream});
     },

@@ -268,7 +268,7 @@ void* VmmPool::allocate_within_budget(std::size_t bytes, int tag) {
 // host has some.
 void* VmmPool::allocate_range(std::size_t bytes, int tag, Placement placement) {
   if (bytes == 0) throw TieringError("vmm pool: allocate(0)");
-  if (bytes > (std::size_t{1} << 46)) {
+  if (bytes > kMaxRangeBytes) {
     throw TieringError("vmm pool: absurd size " + std::to_string(bytes));
   }
   const std::size_t g = backend_.granularity();

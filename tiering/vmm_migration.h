@@ -176,6 +176,9 @@ class TIDEPOOL_API VmmPool {
  public:
   // Granules per chunk unless VmmPoolOptions::chunk_granules says otherwise.
   static constexpr std::size_t kChunkGranules = VmmPoolOptions::kDefaultChunkGranules;
+  // The largest range allocate takes (64 TiB, beyond any device and host); a larger
+  // request is refused as absurd (a negative size cast to unsigned, most likely).
+  static constexpr std::size_t kMaxRangeBytes = std::size_t{1} << 46;
 
   explicit VmmPool(Backend& backend, VmmPoolOptions options = {});
   // Frees every range still allocated. Never throws (teardown.h): a backend failure is

@@ -7,6 +7,7 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #include "allocator/c_api.h"
@@ -115,6 +116,22 @@ TEST_F(StatePressureTest, WhatCannotFitEvenWithAllStateOnTheHostIsStillAClearOom
   EXPECT_NE(std::string(tidepool_last_error()).find("out of memory"), std::string::npos)
       << tidepool_last_error();
   EXPECT_TRUE(holds(state_.front(), 0x11)) << "the state is intact wherever it is";
+}
+
+// New state larger than the device itself cannot be made room for: the state already
+// on the device stays there (it was all pushed to the host first, in vain).
+TEST_F(StatePressureTest, StateLargerThanTheDeviceMovesNoOtherStateOut) {
+  for (int i = 0; i < 4; ++i) {
+    ASSERT_NE(new_state(static_cast<unsigned char>(0x70 + i)), nullptr) << tidepool_last_error();
+  }
+  const std::size_t on_device_before = pool().stats().device_backed_bytes;
+  EXPECT_EQ(tidepool_tag_push(kTagOptimizerState), 0);
+  void* too_big = tidepool_malloc(static_cast<ssize_t>(2 * kCapacity), kSmallDevice, nullptr);
+  EXPECT_EQ(tidepool_tag_pop(), 0);
+  EXPECT_EQ(too_big, nullptr);
+  EXPECT_NE(std::string(tidepool_last_error()).find("out of memory"), std::string::npos)
+      << tidepool_last_error();
+  EXPECT_EQ(pool().stats().device_backed_bytes, on_device_before) << "state was pushed out";
 }
 
 // Note [New state where the budget puts it] (tiering/vmm_migration.cpp): with tidepool

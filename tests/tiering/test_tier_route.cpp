@@ -135,6 +135,32 @@ TEST_F(TierRouteTest, AFreedRangeFreedAgainIsAClearErrorAndChangesNothing) {
   tidepool_free(q, 2 * kMiB, kRouteDevice, nullptr);
 }
 
+// Optimizer state asked for on a device that does not exist, or of a size beyond any
+// range, is the caller's error, said as such: it never reaches the route, which took it
+// for a failure of its own, said "the tier route failed" and used up its one report of a
+// real failure (and left a registry entry for the device).
+TEST_F(TierRouteTest, BadDevicesAndAbsurdSizesAreTheCallersErrorsNotTheRoutes) {
+  for (const int device : {-1, 99}) {
+    EXPECT_EQ(tidepool_tag_push(kTagOptimizerState), 0);
+    ::testing::internal::CaptureStderr();
+    void* p = tidepool_malloc(static_cast<ssize_t>(2 * kMiB), device, nullptr);
+    const std::string printed = ::testing::internal::GetCapturedStderr();
+    EXPECT_EQ(tidepool_tag_pop(), 0);
+    EXPECT_EQ(p, nullptr);
+    EXPECT_NE(std::string(tidepool_last_error()).find("does not exist"), std::string::npos)
+        << tidepool_last_error();
+    EXPECT_EQ(printed.find("tier route failed"), std::string::npos) << printed;
+  }
+  ::testing::internal::CaptureStderr();
+  void* huge = malloc_state(std::size_t{1} << 47);
+  const std::string printed = ::testing::internal::GetCapturedStderr();
+  EXPECT_EQ(huge, nullptr);
+  EXPECT_EQ(printed.find("tier route failed"), std::string::npos) << printed;
+  void* q = malloc_state(2 * kMiB);  // the route lives on
+  EXPECT_TRUE(routed(q));
+  tidepool_free(q, 2 * kMiB, kRouteDevice, nullptr);
+}
+
 TEST_F(TierRouteTest, ARangeFromTheTieringCAbiCanBeFreedThroughTidepoolFree) {
   // The live-range shortcut of the free path must not hide a range it did not count.
   void* p = tidepool_vmm_malloc(2 * kMiB, kRouteDevice, kTagOptimizerState, nullptr);
