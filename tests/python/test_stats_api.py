@@ -64,7 +64,11 @@ def tag_names():
 
 names_before = tag_names()
 out["unknown_tag_ids"] = [outcome(lambda: tidepool.evict(999, device=0)),
-                          outcome(lambda: tidepool.prefetch(-1, device=0))]
+                          outcome(lambda: tidepool.prefetch(-1, device=0)),
+                          # a C int would wrap to 4 (optimizer_state), and 2**32 to device 0
+                          outcome(lambda: tidepool.evict(2**32 + 4, device=0)),
+                          outcome(lambda: tidepool.stats(2**32)),
+                          outcome(lambda: tidepool.evict("optimizer_state", device=2**32))]
 out["names_never_made"] = [outcome(lambda: tidepool.evict("never_made", device=0)),
                            outcome(lambda: tidepool.prefetch("never_made", device=0))]
 out["tag_table_unchanged"] = tag_names() == names_before
@@ -130,8 +134,12 @@ def test_errors_are_clear(report):
 
 def test_evict_and_prefetch_refuse_an_id_that_names_no_tag(report):
     # The C ABI takes any id and moves nothing: a wrong id would pass unnoticed.
-    assert report["unknown_tag_ids"] == [["ValueError", "tidepool: no tag has the id 999"],
-                                         ["ValueError", "tidepool: no tag has the id -1"]]
+    assert report["unknown_tag_ids"] == [
+        ["ValueError", "tidepool: no tag has the id 999"],
+        ["ValueError", "tidepool: no tag has the id -1"],
+        ["ValueError", f"tidepool: no tag has the id {2**32 + 4}"],
+        ["ValueError", f"tidepool: {2**32} is not a CUDA device index"],
+        ["ValueError", f"tidepool: {2**32} is not a CUDA device index"]]
 
 
 def test_evict_and_prefetch_of_a_name_never_used_move_nothing_and_create_no_tag(report):

@@ -105,6 +105,9 @@ def _device(device) -> int:
     """The CUDA device index of `device` (an int, "cuda:1", torch.device; None or a
     device without an index: the current device)."""
     if isinstance(device, int):
+        # ctypes passes a C int on modulo 2**32: 2**32 would read device 0.
+        if isinstance(device, bool) or not -2**31 <= device < 2**31:
+            raise ValueError(f"tidepool: {device!r} is not a CUDA device index")
         return device
     if device is not None:
         import torch

@@ -12,6 +12,8 @@ TAG_MAX = 64  # TIDEPOOL_TAG_MAX
 def tag_id(tag: str | int) -> int:
     """The id of a tag name ("optimizer_state", or any user name; created on first use)."""
     if isinstance(tag, int):
+        if not _fits_c_int(tag):  # ctypes would pass 2**32 + 4 on as 4
+            raise ValueError(f"tidepool: {tag} is not a tag id")
         return tag
     _check_name(tag)
     fn = _lib.function("tidepool_tag_id", "allocation tags")
@@ -37,7 +39,13 @@ def existing_tag_id(tag: str | int) -> int | None:
     return next((i for i in range(TAG_MAX) if tag_name(i) == tag), None)
 
 
+def _fits_c_int(value: int) -> bool:
+    return not isinstance(value, bool) and -2**31 <= value < 2**31
+
+
 def tag_name(tag: int) -> str | None:
+    if not _fits_c_int(tag):  # ctypes would pass 2**32 + 4 on as 4
+        return None
     fn = _lib.function("tidepool_tag_name", "allocation tags")
     name = fn(tag)
     return name.decode("utf-8") if name else None
