@@ -21,6 +21,8 @@
 // directly (direct_residual_norms rescales too).
 #include "optimizers/linalg/lstsq.h"
 
+#include <ATen/core/grad_mode.h>
+
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -59,7 +61,18 @@ struct Problem {
   at::Device device = at::kCPU;
 };
 
+// Sparse and other non-strided tensors have no data_ptr the Gram pass can read.
+void check_layout(const at::Tensor& t, const std::string& name) {
+  if (t.layout() != at::kStrided) {
+    std::ostringstream layout;
+    layout << t.layout();
+    fail(name + " is a " + layout.str() + " tensor; lstsq takes dense (strided) tensors: " +
+         "convert it with to_dense()");
+  }
+}
+
 void check_dtype_and_device(const at::Tensor& t, const char* name, const Problem& problem) {
+  check_layout(t, name);
   if (t.scalar_type() != problem.dtype) {
     fail(std::string(name) + " has dtype " + std::string(c10::toString(t.scalar_type())) +
          " but A has " + std::string(c10::toString(problem.dtype)) +
@@ -72,6 +85,7 @@ void check_dtype_and_device(const at::Tensor& t, const char* name, const Problem
 }
 
 void set_dtype_and_device(const at::Tensor& first, const char* name, Problem& problem) {
+  check_layout(first, name);
   if (first.scalar_type() != at::kFloat && first.scalar_type() != at::kDouble) {
     fail(std::string("unsupported dtype ") + std::string(c10::toString(first.scalar_type())) +
          " for " + name + "; lstsq takes float32 or float64");
@@ -190,24 +204,26 @@ SmallSolution run_svd(const Problem& problem, const LstsqOptions& options, doubl
     // zero and shows up as rank deficiency (as column_scales does).
     scale = at::where(norms > 0, 1.0 / norms.clamp_min(std::numeric_limits<double>::min()), scale);
   }
-  const double lambda =
-      detail::tikhonov_lambda(options, norms.square().sum().item<double>(), problem.k);
+  const double lambda_root = detail::tikhonov_root(options, norms, problem.k);
   A.mul_(scale.to(A.device()));  // in X: the equilibrated A beside B
   const auto R = detail::householder_r_factor(X);
-  return detail::solve_from_r_factor(R, problem.k, scale, rcond, lambda, problem.dtype);
+  return detail::solve_from_r_factor(R, problem.k, scale, rcond, lambda_root, problem.dtype);
 }
 
 std::optional<SmallSolution> run_cholesky_qr(const Problem& problem, const LstsqOptions& options,
                                              const at::Tensor& G, double rcond) {
   const auto diagonal = G.diagonal().narrow(0, 0, problem.k).clone();
   const auto scale = detail::column_scales(diagonal, options.equilibrate);
-  const double lambda = detail::tikhonov_lambda(options, diagonal.sum().item<double>(), problem.k);
+  // The Gram diagonal is finite and did not underflow (select_and_solve checked): its
+  // trace gives λ as the Gram path's.
+  const double lambda_root =
+      std::sqrt(detail::tikhonov_lambda(options, diagonal.sum().item<double>(), problem.k));
   const auto A = fp64_matrix(problem.a_columns) * scale.to(problem.device);
   const auto factors = detail::shifted_cholesky_qr3(A, fp64_matrix(problem.b_columns));
   if (!factors) return std::nullopt;
   auto solution =
       detail::solve_from_r_factor(at::cat({factors->R, factors->QtB}, 1), problem.k, scale,
-                                  rcond, lambda, problem.dtype);
+                                  rcond, lambda_root, problem.dtype);
   solution.method = LstsqMethod::cholesky_qr;
   // R and QᵀB describe only B's part in range(A); the residual needs one more pass (of the
   // x returned: solution.x is already rounded to the output dtype).
@@ -275,6 +291,10 @@ SmallSolution select_and_solve(const Problem& problem, const LstsqOptions& optio
 }
 
 LstsqResult solve(const Problem& problem, const LstsqOptions& requested) {
+  // No autograd: the Gram route reads raw memory, and the others' graphs were wrong where
+  // cuSOLVER wrote through data_ptr, and held several N×k fp64 copies for backward.
+  // Every route returns a solution that requires no grad, whatever A and B do.
+  const at::AutoGradMode no_grad(false);
   detail::check_options(requested, "tidepool::linalg::lstsq");
   const auto options = detail::resolve_defaults(requested, problem.dtype, problem.rows, problem.k);
   const double rcond = options.rcond;

@@ -102,12 +102,14 @@ struct LstsqResult {
 };
 
 // Solves min ‖A X − B‖ for A (N×k) and B (N or N×r): fp32 or fp64 (both the same), both on
-// the same device (CPU or CUDA). Throws std::invalid_argument for empty, mismatched,
-// non-finite, unsupported-dtype or mixed-device input (and for finite input whose squares
+// the same device (CPU or CUDA), dense (strided; any strides). Throws
+// std::invalid_argument for empty, mismatched, non-finite, unsupported-dtype, sparse or
+// mixed-device input, for options.rcond >= 1 (and for finite input whose squares
 // overflow fp64 where a method needs them: the Gram pass, a relative tikhonov). Squares
 // that underflow cannot be resolved by the Gram pass either: when a column of A is not zero
 // but ‖a_j‖² < N·DBL_MIN (fp64 entries ≲ 1e-154), automatic solves by the SVD and the
 // forced gram_cholesky, cholesky_qr and gram_eigh throw std::invalid_argument.
+// No autograd: the solution never requires grad, whatever A and B do, on every route.
 TIDEPOOL_API LstsqResult lstsq(const at::Tensor& A, const at::Tensor& B,
                                const LstsqOptions& options = {});
 

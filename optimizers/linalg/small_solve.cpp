@@ -93,6 +93,11 @@ void check_options(const LstsqOptions& options, const char* caller) {
     throw std::invalid_argument(std::string(caller) + ": " + message);
   };
   if (!std::isfinite(options.rcond)) fail("options.rcond must be finite");
+  // rcond·σ_max at or above σ_max drops every direction: x = 0 at rank 0 for any A.
+  if (options.rcond >= 1.0) {
+    fail("options.rcond must be below 1 (a negative value picks the default), got " +
+         std::to_string(options.rcond));
+  }
   if (!(options.tikhonov >= 0.0) || !std::isfinite(options.tikhonov)) {
     fail("options.tikhonov must be finite and >= 0, got " + std::to_string(options.tikhonov));
   }
@@ -121,6 +126,28 @@ double tikhonov_lambda(const LstsqOptions& options, double gram_trace, int64_t k
         "float64; rescale A or give an absolute tikhonov");
   }
   return lambda;
+}
+
+double tikhonov_root(const LstsqOptions& options, const at::Tensor& column_norms, int64_t k) {
+  if (options.tikhonov == 0.0) return 0.0;
+  if (!options.tikhonov_relative) return std::sqrt(options.tikhonov);
+  // √(trace/k) = ‖norms‖₂/√k, with the norms scaled by the largest first: their squares
+  // underflow to 0 for columns below ~1e-162, and λ with them, which dropped the
+  // regularisation of exactly the tiny problems the SVD path is taken for.
+  const auto norms = column_norms.to(at::kDouble).cpu();
+  const double peak = norms.max().item<double>();
+  if (!(peak > 0.0)) return 0.0;
+  const double spread = (norms / peak).square().sum().item<double>();
+  const double root =
+      std::sqrt(options.tikhonov / static_cast<double>(k)) * peak * std::sqrt(spread);
+  // A trace beyond fp64 is refused as tikhonov_lambda refuses it, so that every method
+  // takes or refuses the same problems (only its underflow is no reason to differ).
+  if (!std::isfinite(root) || !std::isfinite(peak * peak * spread)) {
+    throw std::invalid_argument(
+        "tidepool::linalg::lstsq: tikhonov_relative: λ = tikhonov·trace(AᵀA)/k overflows "
+        "float64; rescale A or give an absolute tikhonov");
+  }
+  return root;
 }
 
 at::Tensor as_returned(at::Tensor x, at::ScalarType output_dtype) {
@@ -274,7 +301,8 @@ std::optional<SmallSolution> solve_from_gram(const at::Tensor& G, int64_t k,
 }
 
 SmallSolution solve_from_r_factor(const at::Tensor& R, int64_t k, const at::Tensor& scale,
-                                  double rcond, double lambda, at::ScalarType output_dtype) {
+                                  double rcond, double lambda_root,
+                                  at::ScalarType output_dtype) {
   const int64_t r = R.size(1) - k;
   const auto RA = R.narrow(1, 0, k);
   const auto RB = R.narrow(1, k, r);
@@ -283,8 +311,8 @@ SmallSolution solve_from_r_factor(const at::Tensor& R, int64_t k, const at::Tens
   // rank and y; x = D·y.
   auto matrix = RA;
   auto rhs = RB;
-  if (lambda > 0.0) {
-    matrix = at::cat({RA, at::diag(std::sqrt(lambda) * scale)}, 0);
+  if (lambda_root > 0.0) {
+    matrix = at::cat({RA, at::diag(lambda_root * scale)}, 0);
     rhs = at::cat({RB, at::zeros({k, r}, R.options())}, 0);
   }
   auto [U, S, Vh] = at::linalg_svd(matrix, /*full_matrices=*/false);

@@ -59,6 +59,11 @@ LstsqOptions resolve_defaults(const LstsqOptions& options, at::ScalarType dtype,
 // overflow) a relative λ beyond the fp64 range: trace(AᵀA) can overflow while every G_jj
 // is finite, and a λ of inf made some methods return x = 0 at rank 0.
 double tikhonov_lambda(const LstsqOptions& options, double gram_trace, int64_t k);
+// √λ from A's column 2-norms (any dtype and device): what the R-factor paths stack under
+// R, computed without squaring the norms, so that a relative λ does not underflow to 0
+// for tiny columns (their squares do below ~1e-162). Refuses an overflow as
+// tikhonov_lambda does.
+double tikhonov_root(const LstsqOptions& options, const at::Tensor& column_norms, int64_t k);
 
 // Rounds x (a fresh, contiguous fp64 CPU tensor, modified in place and returned) to the
 // dtype the caller will receive (fp32 or fp64; fp64 leaves it alone): LstsqResult's
@@ -87,10 +92,11 @@ std::vector<double> gram_residual_norms(const at::Tensor& G, int64_t k, const at
 
 // Minimum-norm solution from R (p×(k+r) fp64 CPU, upper trapezoidal), the R factor of
 // [A·diag(scale) | B]: the minimum-‖y‖ solution of min ‖R_A y − R_B‖ via the SVD of R_A
-// (with √λ·diag(scale) stacked under it when λ > 0), singular values below rcond·σ_max
+// (with lambda_root·diag(scale) stacked under it when λ > 0; lambda_root = √λ), singular
+// values below rcond·σ_max
 // dropped, x = scale ⊙ y, rounded to output_dtype (as_returned).
 // Residual norms are exact, for the x returned: B − AX = Q(R_B − R_A·D⁻¹X) holds for any X.
 SmallSolution solve_from_r_factor(const at::Tensor& R, int64_t k, const at::Tensor& scale,
-                                  double rcond, double lambda, at::ScalarType output_dtype);
+                                  double rcond, double lambda_root, at::ScalarType output_dtype);
 
 }  // namespace tidepool::linalg::detail

@@ -67,5 +67,28 @@ TEST(LstsqExtremeScale, RelativeTikhonovWhoseTraceOverflowsIsRefusedByEveryMetho
   }
 }
 
+// Review finding: the SVD route took a relative λ from the sum of the squared column
+// norms, which is 0 for columns below ~1e-162: the regularisation was silently dropped
+// for exactly the tiny problems automatic sends there. Relative Tikhonov does not depend
+// on the units: A and b scaled alike give the same x, rank and condition.
+TEST(LstsqExtremeScale, RelativeTikhonovOfTinyColumnsIsNotDropped) {
+  at::manual_seed(50);
+  auto A = at::randn({50, 3}, at::kDouble);
+  A.select(1, 2).copy_(A.select(1, 0));  // rank 2: λ decides the answer
+  const auto b = at::randn({50}, at::kDouble);
+  for (const auto method : {LstsqMethod::automatic, LstsqMethod::svd}) {
+    LstsqOptions options;
+    options.method = method;
+    options.tikhonov = 1e-2;
+    const auto reference = lstsq(A, b, options);
+    const auto tiny = lstsq(A * 1e-170, b * 1e-170, options);
+    SCOPED_TRACE(method_name(method));
+    EXPECT_EQ(tiny.rank, reference.rank);
+    EXPECT_EQ(tiny.rank, 3) << "regularised, [A; √λ·D] has full rank";
+    EXPECT_LT(relative_error(tiny.solution, reference.solution), 1e-10);
+    EXPECT_NEAR(tiny.condition / reference.condition, 1.0, 1e-8);
+  }
+}
+
 }  // namespace
 }  // namespace tidepool::linalg

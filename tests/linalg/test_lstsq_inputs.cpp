@@ -1,0 +1,72 @@
+// CPU tests of what tidepool::linalg::lstsq takes and gives back beyond the shapes and
+// dtypes (test_lstsq.cpp): sparse input and an rcond that would drop every direction are
+// clear errors, and no route builds an autograd graph.
+#include <gtest/gtest.h>
+
+#include <string>
+#include <vector>
+
+#include "optimizers/linalg/lstsq.h"
+#include "tests/linalg/lstsq_test_problems.h"
+
+namespace tidepool::linalg {
+namespace {
+
+using testing::expect_invalid;
+
+const auto kF64 = at::TensorOptions().dtype(at::kDouble);
+
+constexpr LstsqMethod kAllMethods[] = {LstsqMethod::automatic, LstsqMethod::gram_cholesky,
+                                       LstsqMethod::cholesky_qr, LstsqMethod::svd,
+                                       LstsqMethod::gram_eigh};
+
+// A sparse tensor passed the checks and failed deep in the Gram pass or a copy with a
+// c10::Error that named neither the argument nor what to do.
+TEST(LstsqInputs, SparseTensorsAreRefusedNamingTheArgument) {
+  const auto A = at::randn({5000, 3}, kF64);
+  const auto b = at::randn({5000}, kF64);
+  expect_invalid([&] { lstsq(A.to_sparse(), b); }, "A is a Sparse tensor");
+  expect_invalid([&] { lstsq(A, b.to_sparse()); }, "B is a Sparse tensor");
+  expect_invalid([&] { lstsq_columns({A.select(1, 0), A.select(1, 1).to_sparse()}, b); },
+                 "column 1 is a Sparse tensor");
+  expect_invalid([&] { lstsq(A.to_sparse(), b); }, "to_dense()");
+}
+
+// rcond·σ_max at or above σ_max drops every direction: x = 0 at rank 0 (or, forced
+// gram_cholesky, a runtime_error about rank 0) for any A, an orthonormal one included.
+TEST(LstsqInputs, AnRcondOfOneOrMoreIsRefused) {
+  const auto A = at::randn({1000, 3}, kF64);
+  const auto b = at::randn({1000}, kF64);
+  for (const double rcond : {1.0, 2.0, 1e300}) {
+    for (const auto method : kAllMethods) {
+      LstsqOptions options;
+      options.rcond = rcond;
+      options.method = method;
+      expect_invalid([&] { lstsq(A, b, options); }, "rcond must be below 1");
+    }
+  }
+  LstsqOptions just_below;
+  just_below.rcond = 0.5;
+  EXPECT_NO_THROW(lstsq(A, b, just_below));
+}
+
+// The Gram route read raw memory (no grad), the SVD and CholeskyQR routes built graphs
+// with ATen ops (grad, wrong where cuSOLVER wrote through data_ptr, and holding several
+// fp64 N×k copies for backward): now no route records anything.
+TEST(LstsqInputs, NoRouteBuildsAnAutogradGraph) {
+  const auto A = at::randn({5000, 3}, kF64).requires_grad_();
+  const auto b = at::randn({5000}, kF64).requires_grad_();
+  for (const auto method : kAllMethods) {
+    LstsqOptions options;
+    options.method = method;
+    const auto result = lstsq(A, b, options);
+    EXPECT_FALSE(result.solution.requires_grad()) << method_name(method);
+    EXPECT_EQ(result.solution.grad_fn(), nullptr) << method_name(method);
+    const auto columns = lstsq_columns({A.select(1, 0), A.select(1, 1), A.select(1, 2)}, b,
+                                       options);
+    EXPECT_FALSE(columns.solution.requires_grad()) << method_name(method);
+  }
+}
+
+}  // namespace
+}  // namespace tidepool::linalg
