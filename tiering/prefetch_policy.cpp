@@ -112,6 +112,7 @@ bool PrefetchPolicy::predicted_absent(const Presence& p, unsigned ahead) {
 
 void PrefetchPolicy::set_all(Schedule& schedule, std::vector<HandleId> all) {
   schedule.all = std::move(all);
+  if (!schedule.all.empty()) schedule.steps_empty = false;
   schedule.repeats = repeats_of(schedule.all);
   const std::unordered_set<HandleId> kept(schedule.all.begin(), schedule.all.end());
   std::erase_if(schedule.presence, [&](const auto& entry) { return !kept.contains(entry.first); });
@@ -201,6 +202,8 @@ void PrefetchPolicy::end_step() {
     } else if (!schedule.all.empty()) {  // empty: reset mid-step, the next step records
       follow_step(schedule, step_acquires_);
     }
+  } else if (in_step_ && !step_overflowed_ && recording_) {
+    current().steps_empty = true;  // a complete step that acquired nothing
   }
   step_acquires_.clear();
   step_overflowed_ = false;
@@ -352,7 +355,10 @@ const std::vector<PrefetchPolicy::Stretch>& PrefetchPolicy::look_ahead() const {
   look_ahead_.assign({{&now.coming, position_, now.coming.order.size()}});
   for (ScheduleKey key : next_keys_) {
     const Schedule& schedule = schedules_.at(key);
-    if (schedule.all.empty()) break;  // not recorded yet: nothing known beyond
+    if (schedule.all.empty()) {
+      if (schedule.steps_empty) continue;  // its steps acquire nothing: on to the next
+      break;  // not recorded yet: nothing known beyond
+    }
     // The current key again (D D G: the second D) steps after the current step.
     const Shape& shape = key == current_key_ ? schedule.next() : schedule.coming;
     look_ahead_.push_back({&shape, 0, shape.order.size()});

@@ -310,6 +310,10 @@ class TIDEPOOL_API PrefetchPolicy {
     // without being adopted; empty when that step followed it. A second step like it
     // is adopted (Note [Adopting a step]).
     std::vector<HandleId> deviation;
+    // A step of this key ended, while nothing was recorded, without acquiring anything
+    // (an optimizer whose parameters have no gradients): the look-ahead goes past its
+    // empty steps to the keys after it, instead of stopping as at a key not recorded yet.
+    bool steps_empty = false;
     // The shape of the step after the coming one.
     const Shape& next() const { return after_differs ? after : coming; }
   };

@@ -131,6 +131,33 @@ TEST(PrefetchPolicy, EachKeyRecordsAndReplaysItsOwnScheduleAndLooksAheadToTheNex
   EXPECT_EQ(p.schedule_length(), 2u);  // key 2's, the current one
 }
 
+// Three optimizers on one store step in turn; the second has no gradients, so its steps
+// acquire nothing. The look-ahead from the first goes past the second's empty steps to
+// the third's: it stopped there, as at a key not recorded yet, so the third's state was
+// never prefetched and was the first to be evicted, every step. Once the second's steps
+// acquire something, they are recorded and replayed as any key's.
+TEST(PrefetchPolicy, AKeyWhoseStepsAcquireNothingDoesNotHideTheKeysAfterIt) {
+  PrefetchPolicy p;
+  for (int round = 0; round < 3; ++round) {
+    p.begin_step(1);
+    for (auto h : {1, 2}) p.on_acquire(h);
+    if (round > 0) {
+      EXPECT_EQ(p.upcoming(2), (Ids{7, 8})) << "round " << round;
+      EXPECT_LT(p.eviction_score(7), p.eviction_score(1)) << "round " << round;
+    }
+    p.end_step();
+    step(p, {}, 2);
+    step(p, {7, 8}, 3);
+  }
+  step(p, {1, 2}, 1);
+  step(p, {5}, 2);  // the second optimizer's parameters got gradients
+  step(p, {7, 8}, 3);
+  p.begin_step(1);
+  for (auto h : {1, 2}) p.on_acquire(h);
+  EXPECT_EQ(p.upcoming(3), (Ids{5, 7, 8}));
+  p.end_step();
+}
+
 TEST(PrefetchPolicy, OneKeyLooksAheadToItsOwnNextStep) {
   PrefetchPolicy p = recorded({1, 2, 3});
   p.begin_step();
