@@ -105,7 +105,11 @@ Block* CachingAllocator::Impl::new_block() {
 
 void CachingAllocator::Impl::recycle(Block* b) {
   *b = Block();
-  spare_blocks.push_back(b);
+  try {
+    spare_blocks.push_back(b);
+  } catch (...) {  // no heap to keep it for reuse: it is no one's any more
+    delete b;
+  }
 }
 
 Event CachingAllocator::Impl::take_event() {

@@ -101,13 +101,20 @@ void CachingAllocator::Impl::process_pending(bool wait) {
     }
     if (done) std::swap(pending[finished++], pending[i]);
   }
-  for (std::size_t i = 0; i < finished; ++i) {
-    Block* b = pending[i];
+  // Each finished block leaves `pending` before it goes back to its pool (the order of
+  // `pending` does not matter): a throw part-way (the C++ heap out in a pool's insert)
+  // leaves the blocks not handled yet pending, and none handled twice. Erasing them all
+  // after the loop left those already freed pending too, and the next call freed them
+  // again, while they might have been handed out meanwhile: one block, two users.
+  while (finished > 0) {
+    Block* b = pending[finished - 1];
     spare_events.insert(spare_events.end(), b->pending_events.begin(), b->pending_events.end());
     b->pending_events.clear();
+    pending[finished - 1] = pending.back();
+    pending.pop_back();
+    --finished;
     insert_free(b, true);
   }
-  pending.erase(pending.begin(), pending.begin() + static_cast<std::ptrdiff_t>(finished));
 }
 
 std::string CachingAllocator::Impl::describe_bad_free(const void* ptr, std::size_t bytes) const {

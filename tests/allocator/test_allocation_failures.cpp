@@ -11,11 +11,13 @@
 
 #include <atomic>
 #include <cstddef>
+#include <cstring>
 #include <memory>
 #include <string>
 #include <thread>
 #include <tuple>
 #include <utility>
+#include <vector>
 
 #include "allocator/caching_allocator.h"
 #include "allocator/forwarding_backend.h"
@@ -66,6 +68,50 @@ TEST_P(AllocationFailures, AnAllocationThatRunsOutOfHeapLeavesNothingBehind) {
 
 INSTANTIATE_TEST_SUITE_P(Sizes, AllocationFailures,
                          ::testing::Values(std::size_t{4000}, std::size_t{3} << 20));
+
+// Blocks freed with a recorded stream wait on events; the next allocation gives back
+// those whose events are done, failing at each of its heap allocations in turn. Whatever
+// failed, no block is handed out twice: four live blocks of the size never overlap, and
+// each keeps what is written to it. (A failure part-way through giving them back left
+// those already given back listed as waiting too, and the next call gave them back again
+// while one of them was in use.)
+TEST(PendingFreeFailures, ABlockGivenBackFromWaitingIsNeverHandedOutTwice) {
+  constexpr std::size_t kBytes = std::size_t{3} << 20;  // beyond the thread caches
+  long failures = 0;
+  for (long n = 0; n < kMaxAllocations; ++n) {
+    const std::string when = "allocation " + std::to_string(n);
+    HostBackendOptions host;
+    host.capacity_bytes = std::size_t{1} << 30;
+    CachingAllocator a(make_host_backend(0, host), AllocatorOptions{});
+    Backend& backend = a.backend();
+    const Stream side = backend.create_stream();
+    std::vector<void*> waiting;
+    for (int i = 0; i < 3; ++i) waiting.push_back(a.allocate(kBytes));
+    for (void* p : waiting) a.record_stream(p, side);
+    for (void* p : waiting) a.deallocate(p, kBytes);
+    backend.stream_synchronize(side);  // their events are done
+    void* p = nullptr;
+    bool done = false;
+    std::thread([&] { done = survives(n, [&] { p = a.allocate(kBytes); }); }).join();
+    std::vector<void*> live;
+    if (done) live.push_back(p);
+    while (live.size() < 4) live.push_back(a.allocate(kBytes));
+    for (std::size_t i = 0; i < live.size(); ++i) {
+      std::memset(live[i], static_cast<int>(i + 1), kBytes);
+    }
+    for (std::size_t i = 0; i < live.size(); ++i) {
+      const auto* bytes = static_cast<const unsigned char*>(live[i]);
+      EXPECT_TRUE(bytes[0] == i + 1 && bytes[kBytes - 1] == i + 1)
+          << when << ": block " << i << " shares memory with another live block";
+    }
+    for (void* q : live) a.deallocate(q, kBytes);
+    a.release_stream(side);
+    backend.destroy_stream(side);
+    if (done) break;
+    ++failures;
+  }
+  EXPECT_GT(failures, 0) << "no allocation to fail: the sweep tested nothing";
+}
 
 // Counts the address ranges reserved through it and not released yet. The count outlives
 // the backend, so a test can check once the allocator is gone that it left none reserved.
