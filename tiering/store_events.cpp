@@ -17,7 +17,16 @@ Event TieredStore::take_event_locked() {
   return ev;
 }
 
-void TieredStore::give_event_locked(Event e) { free_events_.push_back(e); }
+void TieredStore::give_event_locked(Event e) noexcept {
+  try {
+    free_events_.push_back(e);
+  } catch (...) {  // no heap to keep it: destroyed now (if even that fails, one event leaks)
+    try {
+      backend_.destroy_event(e);
+    } catch (...) {
+    }
+  }
+}
 
 Event TieredStore::take_recorded_event_locked(Stream s) {
   const Event ev = take_event_locked();

@@ -285,9 +285,16 @@ void TieredStore::destroy(Handle h) {
   } catch (...) {
     detail::rethrow_as_tiering_error(detail::of_handle("destroy", h, e.bytes));
   }
+  // The host block is freed: from here the entry goes whatever fails (kept, it was freed
+  // again at the store's teardown). A policy that cannot forget the handle for want of
+  // heap starts its schedules over rather than keep one naming a handle that is gone.
   give_event_locked(e.dev_ready);
   give_event_locked(e.host_ready);
-  policy_.forget(h);
+  try {
+    policy_.forget(h);
+  } catch (...) {
+    policy_.reset_schedule();
+  }
   entries_.erase(h);
 }
 

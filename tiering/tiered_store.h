@@ -448,7 +448,8 @@ class TIDEPOOL_API TieredStore {
                              const std::function<void*(RoomFor)>& attempt);
   void prefetch_ahead_locked();
   Event take_event_locked();
-  void give_event_locked(Event e);
+  // Back to the pool; destroyed instead when the pool cannot grow (never throws).
+  void give_event_locked(Event e) noexcept;
   // An event of the pool recorded now on `s`; given back to the pool if the record fails.
   Event take_recorded_event_locked(Stream s);
   // The same on a stream that used a handle (Note [Use streams]), a failed record said as

@@ -5,6 +5,7 @@
 // resident with a buffer that never received them) and nothing is charged that nothing
 // holds (a destroyed store's device bytes are all freed).
 #include <cstddef>
+#include <string>
 #include <vector>
 
 #include "allocator/tags.h"
@@ -95,6 +96,43 @@ TEST_P(StoreAllocationFailuresTest, ACreateThatRunsOutOfMemoryHoldsNothing) {
     }
     EXPECT_GT(failures, 0) << "no allocation to fail: the sweep tested nothing";
   }
+}
+
+// A destroy of a handle on the recorded schedule, failing at each of its allocations in
+// turn: it either changes nothing (the handle is whole and its destroy goes through
+// later) or the handle is gone; never a handle whose host block was freed but which
+// stayed (its block was freed again at the store's teardown: ASan double free).
+TEST_P(StoreAllocationFailuresTest, ADestroyThatRunsOutOfMemoryNeverLeavesAFreedHandle) {
+  long failures = 0;
+  for (long n = 0; n < kMaxAllocations; ++n) {
+    TieredStore store(backend(), options());
+    const auto kept = create_written(store, 3);
+    const auto h = create_written(store, 5);
+    for (int step = 0; step < 2; ++step) {  // a recorded, replayed schedule naming both
+      store.begin_step();
+      EXPECT_TRUE(acquires(store, kept, 3));
+      EXPECT_TRUE(acquires(store, h, 5));
+      store.end_step();
+    }
+    if (survives(n, [&] { store.destroy(h); })) break;
+    ++failures;
+    SCOPED_TRACE("allocation " + std::to_string(n) + " failed");
+    bool still_there = true;
+    try {
+      (void)store.resident(h);
+    } catch (const TieringError&) {
+      still_there = false;
+    }
+    if (still_there) {
+      EXPECT_TRUE(acquires(store, h, 5)) << "a handle kept by a failed destroy lost its data";
+      store.destroy(h);
+    }
+    EXPECT_TRUE(acquires(store, kept, 3));
+    store.begin_step();  // the schedule works on
+    EXPECT_TRUE(acquires(store, kept, 3));
+    store.end_step();
+  }
+  EXPECT_GT(failures, 0) << "no allocation to fail: the sweep tested nothing";
 }
 
 INSTANTIATE_TEST_SUITE_P(Host, StoreAllocationFailuresTest,
