@@ -178,6 +178,10 @@ void PrefetchPolicy::note_step(Schedule& schedule, const Acquired& acquired, boo
 // ---- steps ----------------------------------------------------------------------------------
 
 void PrefetchPolicy::begin_step(ScheduleKey key) {
+  // The key's schedule first, and what else allocates before current_key_ changes: a
+  // throw (out of heap) then leaves the previous key current, not one current() cannot
+  // find, which made every later acquire throw until the next begin_step.
+  const Schedule& schedule = schedules_[key];
   moved();
   if (steps_.size() == kStepsKept) steps_.erase(steps_.begin());
   steps_.push_back(key);
@@ -188,7 +192,7 @@ void PrefetchPolicy::begin_step(ScheduleKey key) {
   step_acquires_.clear();
   step_overflowed_ = false;
   in_step_ = true;
-  recording_ = schedules_[key].all.empty();
+  recording_ = schedule.all.empty();
 }
 
 void PrefetchPolicy::end_step() {

@@ -135,6 +135,29 @@ TEST_P(StoreAllocationFailuresTest, ADestroyThatRunsOutOfMemoryNeverLeavesAFreed
   EXPECT_GT(failures, 0) << "no allocation to fail: the sweep tested nothing";
 }
 
+// A step of a new schedule key begun while the heap runs out: whatever failed, the
+// handles are acquired as before (a key made current without its schedule made every
+// acquire throw until the next step began).
+TEST_P(StoreAllocationFailuresTest, ABeginStepThatRunsOutOfMemoryLeavesAcquiresWorking) {
+  long failures = 0;
+  for (long n = 0; n < kMaxAllocations; ++n) {
+    TieredStore store(backend(), options());
+    const auto h = create_written(store, 11);
+    store.begin_step(1);
+    EXPECT_TRUE(acquires(store, h, 11));
+    store.end_step();
+    if (survives(n, [&] { store.begin_step(2); })) {
+      store.end_step();
+      break;
+    }
+    ++failures;
+    SCOPED_TRACE("allocation " + std::to_string(n) + " failed");
+    EXPECT_NO_THROW(EXPECT_TRUE(acquires(store, h, 11)));
+    store.end_step();
+  }
+  EXPECT_GT(failures, 0) << "no allocation to fail: the sweep tested nothing";
+}
+
 INSTANTIATE_TEST_SUITE_P(Host, StoreAllocationFailuresTest,
                          ::testing::Values(BackendKind::host),
                          tiering_test::backend_name);
