@@ -73,8 +73,8 @@ pthread_key_t last_error_key() {
   return key;
 }
 
-// Replaces the calling thread's message; one that cannot be stored (no heap for it) is
-// replaced by a fixed one saying so.
+// Replaces the calling thread's message; one that cannot be stored (no heap for it)
+// leaves the message empty rather than the previous call's.
 void store_last_error(std::string_view message) noexcept {
   try {
     if (t_last_error == nullptr) {

@@ -117,7 +117,7 @@ VmmPool::BackingSupply::~BackingSupply() { stop_and_join(); }
 // attempt per take at most, not one per slot left, after the device is out of memory.
 PhysicalHandle VmmPool::BackingSupply::take(std::size_t bytes) {
   std::unique_lock lock(mutex_);
-  bool created_here = false;  // this take's own creation failed: give up, do not try more
+  bool created_here = false;  // this take created a slot itself: once one failed, no more
   while (true) {
     // The first slot of this size created, else the first being created, else the first
     // nobody claimed yet, else the first whose creation failed.
