@@ -116,15 +116,20 @@ LstsqOptions resolve_defaults(const LstsqOptions& options, at::ScalarType dtype,
   return resolved;
 }
 
+namespace {
+// What tikhonov_lambda and tikhonov_root both throw for a relative λ beyond fp64.
+[[noreturn]] void refuse_overflowing_relative_tikhonov() {
+  throw std::invalid_argument(
+      "tidepool::linalg::lstsq: tikhonov_relative: λ = tikhonov·trace(AᵀA)/k overflows "
+      "float64; rescale A or give an absolute tikhonov");
+}
+}  // namespace
+
 double tikhonov_lambda(const LstsqOptions& options, double gram_trace, int64_t k) {
   if (options.tikhonov == 0.0) return 0.0;
   if (!options.tikhonov_relative) return options.tikhonov;  // finite: check_options
   const double lambda = options.tikhonov * gram_trace / static_cast<double>(k);
-  if (!std::isfinite(lambda)) {
-    throw std::invalid_argument(
-        "tidepool::linalg::lstsq: tikhonov_relative: λ = tikhonov·trace(AᵀA)/k overflows "
-        "float64; rescale A or give an absolute tikhonov");
-  }
+  if (!std::isfinite(lambda)) refuse_overflowing_relative_tikhonov();
   return lambda;
 }
 
@@ -138,16 +143,11 @@ double tikhonov_root(const LstsqOptions& options, const at::Tensor& column_norms
   const double peak = norms.max().item<double>();
   if (!(peak > 0.0)) return 0.0;
   const double spread = (norms / peak).square().sum().item<double>();
-  const double root =
-      std::sqrt(options.tikhonov / static_cast<double>(k)) * peak * std::sqrt(spread);
   // A trace beyond fp64 is refused as tikhonov_lambda refuses it, so that every method
-  // takes or refuses the same problems (only its underflow is no reason to differ).
-  if (!std::isfinite(root) || !std::isfinite(peak * peak * spread)) {
-    throw std::invalid_argument(
-        "tidepool::linalg::lstsq: tikhonov_relative: λ = tikhonov·trace(AᵀA)/k overflows "
-        "float64; rescale A or give an absolute tikhonov");
-  }
-  return root;
+  // takes or refuses the same problems (only its underflow is no reason to differ). A
+  // finite trace keeps the root finite too (tikhonov is finite: check_options).
+  if (!std::isfinite(peak * peak * spread)) refuse_overflowing_relative_tikhonov();
+  return std::sqrt(options.tikhonov / static_cast<double>(k)) * peak * std::sqrt(spread);
 }
 
 at::Tensor as_returned(at::Tensor x, at::ScalarType output_dtype) {
