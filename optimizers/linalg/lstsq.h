@@ -48,7 +48,8 @@ struct LstsqOptions {
   LstsqMethod method = LstsqMethod::automatic;
   // Singular values below rcond·σ_max of the equilibrated A (with tikhonov, of the
   // regularised [A·D; √λ·D], see `tikhonov`) count as zero. Negative means the default
-  // max(k·eps(input dtype), 10·√N·eps64): the data's precision or fp64's rounding over N
+  // max(√k·eps(input dtype)/2, 10·√N·eps64): the data's precision (the 2-norm bound of
+  // its rounding; fp32 κ ≤ 1e6 keeps full rank for k ≤ 20) or fp64's rounding over N
   // rows — deliberately not eps·N, which is what ruins gelsy. The Gram methods
   // (gram_cholesky, gram_eigh) cannot resolve σ/σ_max that small and apply
   // max(rcond, √(10k·eps64)) (≈ 1e-7); LstsqResult::rcond says what was applied.

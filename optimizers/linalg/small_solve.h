@@ -37,10 +37,11 @@ at::Tensor column_norms(const at::Tensor& M);
 // is off, so a zero column stays zero and shows up as rank deficiency.
 at::Tensor column_scales(const at::Tensor& gram_diagonal, bool equilibrate);
 
-// The rcond used when options.rcond < 0: max(k·eps(dtype), 10·√N·eps64). The first term
-// is the precision of the data (fp32 input is exact in fp64, but means no more than
-// eps32); the second the rounding of an fp64 factorisation over N rows, below which an
-// exactly singular A cannot be told from a merely ill-conditioned one. Never eps·N, which
+// The rcond used when options.rcond < 0: max(√k·eps(dtype)/2, 10·√N·eps64). The first
+// term is the precision of the data (fp32 input is exact in fp64, but means no more than
+// its rounding, whose 2-norm is at most √k·eps32/2 of σ_max: 2.7e-7 at k = 20, so κ ≤ 1e6
+// keeps full rank); the second the rounding of an fp64 factorisation over N rows, below
+// which an exactly singular A cannot be told from a merely ill-conditioned one. Never eps·N, which
 // is what makes torch's gelsy cut a well-conditioned 2e7×5 fp32 problem to rank 1.
 double resolve_rcond(const LstsqOptions& options, at::ScalarType dtype, int64_t rows, int64_t k);
 

@@ -82,7 +82,7 @@ struct Problem {
   // The rcond lstsq.h documents for options.rcond < 0.
   double resolved_rcond() const {
     if (options.rcond >= 0.0) return options.rcond;
-    return std::max((fp64() ? kEps64 : kEps32) * static_cast<double>(k),
+    return std::max((fp64() ? kEps64 : kEps32) / 2.0 * std::sqrt(static_cast<double>(k)),
                     10.0 * std::sqrt(static_cast<double>(rows)) * kEps64);
   }
   double gram_condition_limit() const {
