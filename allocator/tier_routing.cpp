@@ -92,7 +92,7 @@ bool route_free(void* ptr, std::size_t size, int device, bool always_ask) {
   if (!should_ask(route, always_ask) || (!always_ask && size < tier_min_bytes()) ||
       !route->owns(ptr, device))
     return false;
-  route->deallocate(ptr, device);
+  route->deallocate(ptr, size, device);
   count_freed();
   return true;
 }

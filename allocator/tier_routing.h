@@ -59,7 +59,11 @@ struct TierRoute {
   void* (*allocate)(std::size_t bytes, int device, int tag, void* stream) = nullptr;
   // Whether `ptr` is the base of a live range of the route on `device`.
   bool (*owns)(const void* ptr, int device) = nullptr;
-  void (*deallocate)(void* ptr, int device) = nullptr;
+  // Frees a range `owns` said yes to. `bytes` is what the caller hands back: a size other
+  // than the one the range was asked for throws and frees nothing, as the caching
+  // allocator refuses a wrong size (a caller that mixed up two sizes has lost track of
+  // which memory is which).
+  void (*deallocate)(void* ptr, std::size_t bytes, int device) = nullptr;
   // Work on `stream` uses `ptr`: the range is not moved or released before it finishes.
   void (*record_stream)(void* ptr, int device, void* stream) = nullptr;
   // `stream` is about to be destroyed (tidepool_release_stream; the allocator has waited

@@ -11,8 +11,9 @@
 #include <mutex>
 #include <optional>
 #include <set>
+#include <sstream>
 #include <string>
-#include <unordered_set>
+#include <unordered_map>
 
 #include "allocator/config.h"
 #include "allocator/device_registry.h"
@@ -96,6 +97,12 @@ class RegistryHold {
   RegistryHold(const RegistryHold&) = delete;
   RegistryHold& operator=(const RegistryHold&) = delete;
   bool owns() const { return lock_.owns_lock(); }
+  // The reclaim path's wait after its first try: locks before `deadline` if this hold
+  // does not own the lock yet. Returns owns().
+  bool lock_before(std::chrono::steady_clock::time_point deadline) {
+    if (!lock_.owns_lock() && detail::lock_before(lock_, deadline)) t_holding_registry = true;
+    return lock_.owns_lock();
+  }
 
  private:
   std::unique_lock<std::mutex> lock_;
@@ -154,10 +161,11 @@ Backend& backend_locked(int device, DeviceTiering& d) {
   return *d.backend;
 }
 
-// The bases of allocate_tierable_range's ranges, per device (their tags and ages live in
-// the VmmPool). A mutex of its own: is_tierable_range is asked on frees, and must not
-// wait behind a store operation that holds the registry lock.
-using TierableRanges = std::unordered_set<const void*>;
+// The bases of allocate_tierable_range's ranges, per device, with the bytes each was asked
+// for (their tags and ages live in the VmmPool, which knows only whole granules). A mutex
+// of its own: is_tierable_range is asked on frees, and must not wait behind a store
+// operation that holds the registry lock.
+using TierableRanges = std::unordered_map<const void*, std::size_t>;
 
 std::mutex& ranges_mutex() {
   static std::mutex m;
@@ -343,7 +351,7 @@ void* allocate_tierable_range(int device, std::size_t bytes, int tag, Stream str
     // the allocating stream's work must finish before the range moves.
     pool.record_use(p, stream);
     std::lock_guard lock(ranges_mutex());
-    tierable()[device].insert(p);
+    tierable()[device].emplace(p, bytes);
   } catch (...) {
     pool.deallocate(p);
     throw;
@@ -351,11 +359,24 @@ void* allocate_tierable_range(int device, std::size_t bytes, int tag, Stream str
   return p;
 }
 
-void free_tierable_range(int device, void* ptr) {
+void free_tierable_range(int device, void* ptr, std::optional<std::size_t> bytes) {
   VmmPool& pool = tiering_vmm_pool(device);
   // Held across deallocate: the address may be handed out again as soon as it is
   // released, and its new record must not be erased by this free.
   std::lock_guard lock(ranges_mutex());
+  if (bytes.has_value()) {
+    const auto ranges = tierable().find(device);
+    const auto range = ranges == tierable().end() ? TierableRanges::const_iterator{}
+                                                  : ranges->second.find(ptr);
+    if (ranges != tierable().end() && range != ranges->second.end() &&
+        range->second != *bytes) {
+      std::ostringstream message;
+      message << "tidepool: free of " << *bytes << " bytes at " << ptr << " on device "
+              << device << ", but that range was allocated with " << range->second
+              << " bytes; the range was not freed";
+      throw TieringError(message.str());
+    }
+  }
   pool.deallocate(ptr);
   tierable()[device].erase(ptr);
 }
@@ -363,7 +384,7 @@ void free_tierable_range(int device, void* ptr) {
 bool is_tierable_range(int device, const void* ptr) {
   std::lock_guard lock(ranges_mutex());
   auto it = tierable().find(device);
-  return it != tierable().end() && it->second.count(ptr) != 0;
+  return it != tierable().end() && it->second.contains(ptr);
 }
 
 namespace {
@@ -380,7 +401,7 @@ const TierRoute kTierRoute{
       return allocate_tierable_range(device, bytes, tag, Stream{stream});
     },
     [](const void* ptr, int device) { return is_tierable_range(device, ptr); },
-    [](void* ptr, int device) { free_tierable_range(device, ptr); },
+    [](void* ptr, std::size_t bytes, int device) { free_tierable_range(device, ptr, bytes); },
     [](void* ptr, int device, void* stream) {
       tiering_vmm_pool(device).record_use(ptr, Stream{stream});
     },
@@ -435,8 +456,7 @@ std::size_t reclaim_tiered_stores(int device, std::size_t bytes_needed) {
       hold.emplace(std::chrono::steady_clock::now());  // a try first, to count a wait
       if (!hold->owns()) {
         g_registry_busy_in_reclaim.fetch_add(1, std::memory_order_relaxed);
-        hold.reset();
-        hold.emplace(deadline);
+        hold->lock_before(deadline);
       }
     }
     if (!hold || hold->owns()) {

@@ -33,6 +33,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <vector>
 
 #include "allocator/backend.h"
@@ -62,8 +63,10 @@ TIDEPOOL_API void for_each_tiered_store(int device, const std::function<void(Tie
 // memory for it; throws TieringError for bad input.
 TIDEPOOL_API void* allocate_tierable_range(int device, std::size_t bytes, int tag, Stream stream);
 // Releases a range of `device`'s VmmPool (after the streams that used it). Throws
-// TieringError for a pointer that is not the base of one.
-TIDEPOOL_API void free_tierable_range(int device, void* ptr);
+// TieringError for a pointer that is not the base of one, and, when `bytes` is given, for
+// a size other than the one the range was allocated with (then nothing is freed).
+TIDEPOOL_API void free_tierable_range(int device, void* ptr,
+                                      std::optional<std::size_t> bytes = std::nullopt);
 // Whether `ptr` is the base of a range made by allocate_tierable_range on `device`.
 TIDEPOOL_API bool is_tierable_range(int device, const void* ptr);
 

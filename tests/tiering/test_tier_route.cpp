@@ -135,6 +135,41 @@ TEST_F(TierRouteTest, AFreedRangeFreedAgainIsAClearErrorAndChangesNothing) {
   tidepool_free(q, 2 * kMiB, kRouteDevice, nullptr);
 }
 
+// Review finding: a routed range was freed whatever size the caller handed back, where the
+// caching allocator refuses a wrong size; a caller that mixed up two sizes has lost track of
+// which memory is which. Larger, and smaller than tier_min_bytes (which asks the caching
+// allocator first): refused, said, nothing freed, the data intact.
+TEST_F(TierRouteTest, AFreeWithAnotherSizeThanAllocatedIsRefusedAndFreesNothing) {
+  const std::size_t bytes = 3 * kMiB + 5;
+  auto* p = static_cast<unsigned char*>(malloc_state(bytes));
+  ASSERT_TRUE(routed(p));
+  std::memset(p, 0x5a, bytes);
+  for (const std::size_t wrong : {bytes + 1, 4 * kMiB, std::size_t{8}}) {
+    const tidepool_stats_v1 before = stats();
+    ::testing::internal::CaptureStderr();
+    tidepool_free(p, wrong, kRouteDevice, nullptr);
+    const std::string printed = ::testing::internal::GetCapturedStderr();
+    const std::string error = tidepool_last_error();
+    EXPECT_NE(error.find("free of " + std::to_string(wrong) + " bytes"), std::string::npos)
+        << error;
+    EXPECT_NE(error.find("allocated with " + std::to_string(bytes) + " bytes"),
+              std::string::npos)
+        << error;
+    EXPECT_NE(error.find("not freed"), std::string::npos) << error;
+    EXPECT_EQ(printed, error + "\n");
+    EXPECT_TRUE(routed(p)) << wrong;
+    EXPECT_EQ(stats().free_count, before.free_count);
+  }
+  EXPECT_EQ(p[0], 0x5a);
+  EXPECT_EQ(p[bytes - 1], 0x5a);
+  tidepool_free(p, bytes, kRouteDevice, nullptr);
+  EXPECT_FALSE(routed(p));
+  // The tiering C ABI's own free takes no size, and needs none.
+  void* q = tidepool_vmm_malloc(bytes, kRouteDevice, kTagOptimizerState, nullptr);
+  ASSERT_NE(q, nullptr) << tidepool_last_error();
+  EXPECT_EQ(tidepool_vmm_free(q, kRouteDevice), 0) << tidepool_last_error();
+}
+
 // Optimizer state asked for on a device that does not exist, or of a size beyond any
 // range, is the caller's error, said as such: it never reaches the route, which took it
 // for a failure of its own, said "the tier route failed" and used up its one report of a
