@@ -27,6 +27,24 @@ struct ThreadCache;
 
 enum class BlockState : std::uint8_t { allocated, free, quick, pending };
 
+struct Block;
+
+// The order of a BlockPool's free blocks: by size, then address, so best fit is one
+// lower_bound. Here, not in block_pool.h, because a Block carries a node of that set.
+struct BySizeThenAddress {
+  using is_transparent = void;
+  struct Key {
+    std::size_t size;
+    const char* ptr;
+  };
+  static Key key(const Block* b);
+  static bool less(Key a, Key b) { return a.size != b.size ? a.size < b.size : a.ptr < b.ptr; }
+  bool operator()(const Block* a, const Block* b) const { return less(key(a), key(b)); }
+  bool operator()(const Block* a, Key b) const { return less(key(a), b); }
+  bool operator()(Key a, const Block* b) const { return less(a, key(b)); }
+};
+using FreeBlockSet = std::set<Block*, BySizeThenAddress>;
+
 struct Block {
   char* ptr = nullptr;
   std::size_t size = 0;       // rounded, a multiple of kMinBlockSize
@@ -48,7 +66,12 @@ struct Block {
   // requested, tag, extra_streams, quick_next and in_thread_cache.
   ThreadCache* holder = nullptr;
   bool in_thread_cache = false;  // freed by its holder's thread, parked in its lists
+  // Note [Blocks carry their pool node] (block_pool.h): the node that holds the block in
+  // its pool's set, kept here while it is out of the pool; empty while it is in it.
+  FreeBlockSet::node_type pool_node;
 };
+
+inline BySizeThenAddress::Key BySizeThenAddress::key(const Block* b) { return {b->size, b->ptr}; }
 
 struct Segment {
   char* base = nullptr;

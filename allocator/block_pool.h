@@ -7,6 +7,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <set>
+#include <utility>
 #include <vector>
 
 #include "allocator/block.h"
@@ -14,25 +15,38 @@
 
 namespace tidepool::detail {
 
-struct BySizeThenAddress {
-  using is_transparent = void;
-  struct Key {
-    std::size_t size;
-    const char* ptr;
-  };
-  static Key key(const Block* b) { return {b->size, b->ptr}; }
-  static bool less(Key a, Key b) { return a.size != b.size ? a.size < b.size : a.ptr < b.ptr; }
-  bool operator()(const Block* a, const Block* b) const { return less(key(a), key(b)); }
-  bool operator()(const Block* a, Key b) const { return less(key(a), b); }
-  bool operator()(Key a, const Block* b) const { return less(a, key(b)); }
-};
-
+// Note [Blocks carry their pool node]
+// A std::set allocates a node on insert, so putting a block back into a pool could fail
+// for want of heap, and a free or the undoing of a failed allocation then lost the block
+// (free, counted as cached, in no pool: no allocation ever found it again). So a block
+// owns its node for life: erase moves the node out of the set into Block::pool_node,
+// insert moves it back, and neither allocates. A block is given its node where it is made
+// (make_node: carve_tail, or append_block's first insert, both of which may still fail
+// before changing anything); a block merged away takes its node to the spare blocks.
+// Every block handed out holds one, so no free and no failure path needs the heap here.
 class BlockPool {
  public:
-  using Set = std::set<Block*, BySizeThenAddress>;
+  using Set = FreeBlockSet;
 
-  void insert(Block* b) { free_.insert(b); }
-  void erase(Block* b) { free_.erase(b); }
+  // A node for `b`, outside any pool (may throw std::bad_alloc).
+  static Set::node_type make_node(Block* b) {
+    Set scratch;
+    scratch.insert(b);
+    return scratch.extract(scratch.begin());
+  }
+  // Into the pool through the block's own node (allocates only if it has none).
+  void insert(Block* b) {
+    if (b->pool_node.empty()) {
+      free_.insert(b);
+      return;
+    }
+    b->pool_node.value() = b;
+    free_.insert(std::move(b->pool_node));
+  }
+  // Out of the pool, the node kept by the block. A block not in the pool keeps its own.
+  void erase(Block* b) {
+    if (auto node = free_.extract(b); !node.empty()) b->pool_node = std::move(node);
+  }
   bool empty() const { return free_.empty(); }
   const Set& blocks() const { return free_; }
   // Smallest free block of at least `size` bytes (lowest address among equals), or null.

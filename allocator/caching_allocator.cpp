@@ -53,6 +53,7 @@
 
 #include <algorithm>
 #include <string>
+#include <utility>
 
 #include "allocator/caching_allocator_impl.h"
 #include "allocator/reclaim.h"
@@ -104,7 +105,11 @@ Block* CachingAllocator::Impl::new_block() {
 }
 
 void CachingAllocator::Impl::recycle(Block* b) {
+  // Its pool node stays with it for the next block made (Note [Blocks carry their pool
+  // node]).
+  auto node = std::move(b->pool_node);
   *b = Block();
+  b->pool_node = std::move(node);
   try {
     spare_blocks.push_back(b);
   } catch (...) {  // no heap to keep it for reuse: it is no one's any more
@@ -138,6 +143,9 @@ void CachingAllocator::Impl::merge_into(Block* front, Block* back) {
 void CachingAllocator::Impl::insert_free(Block* b, bool is_new_free) {
   StreamPools& owner = *b->owner;
   detail::BlockPool& pool = owner.pool(b->segment->small);
+  // The only allocation, before anything changes; none for a block that holds its node
+  // (Note [Blocks carry their pool node]), as every block handed out does.
+  if (b->pool_node.empty()) b->pool_node = detail::BlockPool::make_node(b);
   b->state = BlockState::free;
   if (is_new_free) b->free_seq = ++owner.free_seq;
   auto mergeable = [&](const Block* n) {
@@ -160,9 +168,10 @@ void CachingAllocator::Impl::insert_free(Block* b, bool is_new_free) {
 // pool; b keeps the front. Pre: b is in no pool, b->size - tail >= kMinBlockSize.
 Block* CachingAllocator::Impl::carve_tail(Block* b, std::size_t tail) {
   Block* t = new_block();
-  // Indexed before anything is linked or resized: an index that cannot grow (std::bad_alloc)
-  // leaves b as it was.
+  // Its pool node made and the block indexed before anything is linked or resized: a
+  // heap that cannot give either (std::bad_alloc) leaves b as it was.
   try {
+    if (t->pool_node.empty()) t->pool_node = detail::BlockPool::make_node(t);
     blocks.emplace(b->ptr + (b->size - tail), t);
   } catch (...) {
     delete t;
@@ -272,7 +281,7 @@ Block* CachingAllocator::Impl::try_allocate(StreamPools& sp, std::size_t size, b
     try {
       split(b, size);
     } catch (...) {
-      insert_free(b, false);  // whole again, unless the rest's free-list insert threw
+      insert_free(b, false);  // whole again: a carved rest merges back
       throw;
     }
   }

@@ -8,7 +8,9 @@
 // the device instead (Note [Free after a lost stream]), which can fail too. So a free
 // makes its backend calls first, then changes the block, its hold, its owner and the
 // stats: a failed free leaves the allocator as it was, the block allocated, and may be
-// retried.
+// retried. After the backend calls nothing needs the C++ heap either: the block goes back
+// into its pool through the node it carries (Note [Blocks carry their pool node] in
+// block_pool.h), so a free goes through with the heap exhausted.
 #include <algorithm>
 #include <cstdio>
 #include <sstream>

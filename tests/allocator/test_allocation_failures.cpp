@@ -27,6 +27,7 @@ namespace tidepool {
 namespace {
 
 using test_support::survives;
+using test_support::survives_exhaustion;
 
 constexpr long kMaxAllocations = 10000;  // no allocation here allocates nearly this often
 
@@ -39,21 +40,28 @@ void expect_nothing_held(CachingAllocator& a, const std::string& when) {
 }
 
 // A small allocation (thread cache on: the thread's first one makes its cache) and one
-// that splits a larger free block (the rest indexed as a block of its own).
-class AllocationFailures : public ::testing::TestWithParam<std::size_t> {};
+// that splits a larger free block (the rest indexed as a block of its own); the heap
+// failing once, or staying exhausted from then on (then putting the block back must not
+// need the heap: it lost the block, whose segment empty_cache could no longer give back).
+class AllocationFailures : public ::testing::TestWithParam<std::tuple<std::size_t, bool>> {};
 
 TEST_P(AllocationFailures, AnAllocationThatRunsOutOfHeapLeavesNothingBehind) {
-  const std::size_t bytes = GetParam();
+  const auto [bytes, exhausted] = GetParam();
   HostBackendOptions backend;
   backend.capacity_bytes = std::size_t{1} << 30;
   CachingAllocator a(make_host_backend(0, backend), AllocatorOptions{});
+  // Larger than the request, in the same (small or large) pool.
+  const std::size_t cached = bytes < (std::size_t{1} << 20) ? 64 << 10 : 8 << 20;
   long failures = 0;
   for (long n = 0; n < kMaxAllocations; ++n) {
     // A free block to split: what an earlier, larger allocation left cached.
-    a.deallocate(a.allocate(8 << 20), 8 << 20);
+    a.deallocate(a.allocate(cached), cached);
     void* p = nullptr;
     bool done = false;
-    std::thread([&] { done = survives(n, [&] { p = a.allocate(bytes); }); }).join();
+    std::thread([&] {
+      const auto allocate = [&] { p = a.allocate(bytes); };
+      done = exhausted ? survives_exhaustion(n, allocate) : survives(n, allocate);
+    }).join();
     if (done) {
       ASSERT_NE(p, nullptr);
       a.deallocate(p, bytes);
@@ -61,13 +69,60 @@ TEST_P(AllocationFailures, AnAllocationThatRunsOutOfHeapLeavesNothingBehind) {
       break;
     }
     ++failures;
-    expect_nothing_held(a, "after allocation " + std::to_string(n) + " failed");
+    const std::string when = "after allocation " + std::to_string(n) + " failed";
+    // The free block the failed allocation took is back in its free list: the same
+    // request is served from it (a block left in no list is only found by empty_cache).
+    const std::size_t reserved = a.stats().reserved.current;
+    void* again = a.allocate(bytes);
+    EXPECT_EQ(a.stats().reserved.current, reserved) << when << ": the cached block was lost";
+    a.deallocate(again, bytes);
+    expect_nothing_held(a, when);
   }
   EXPECT_GT(failures, 0) << "no allocation to fail: the sweep tested nothing";
 }
 
-INSTANTIATE_TEST_SUITE_P(Sizes, AllocationFailures,
-                         ::testing::Values(std::size_t{4000}, std::size_t{3} << 20));
+INSTANTIATE_TEST_SUITE_P(
+    SizesAndExhaustion, AllocationFailures,
+    ::testing::Combine(::testing::Values(std::size_t{4000}, std::size_t{3} << 20),
+                       ::testing::Bool()),
+    [](const ::testing::TestParamInfo<std::tuple<std::size_t, bool>>& param) {
+      return std::to_string(std::get<0>(param.param)) + "Bytes" +
+             (std::get<1>(param.param) ? "HeapStaysExhausted" : "OneFailure");
+    });
+
+// Note [Failed frees]: a free on the block's own stream needs no heap. With none left at
+// all, every free goes through — next to free neighbours (merged) and not (each block
+// between two allocated ones), small and large, quick lists on and off — and afterwards
+// nothing is held and empty_cache gives every byte back. (A free whose block merged with
+// nothing needed a free-list node from the heap: it threw, after the stats had counted
+// the block free, and the block was in no list.)
+TEST(FreeFailures, AFreeOnItsOwnStreamNeedsNoHeap) {
+  for (const bool quick_lists : {false, true}) {
+    for (const std::size_t bytes : {std::size_t{4096}, std::size_t{3} << 20}) {
+      const std::string when = std::to_string(bytes) + " bytes, quick lists " +
+                               (quick_lists ? "on" : "off");
+      HostBackendOptions host;
+      host.capacity_bytes = std::size_t{1} << 30;
+      AllocatorOptions options;
+      options.quick_lists = quick_lists;
+      options.thread_cache_bytes = 0;
+      CachingAllocator a(make_host_backend(0, host), options);
+      std::vector<void*> blocks;
+      for (int i = 0; i < 8; ++i) blocks.push_back(a.allocate(bytes));
+      // Every other block first (neighbours allocated: no merge), then the rest (both
+      // neighbours free: two merges).
+      for (const int parity : {0, 1}) {
+        std::thread([&] {
+          for (std::size_t i = parity; i < blocks.size(); i += 2) {
+            EXPECT_TRUE(survives_exhaustion(0, [&] { a.deallocate(blocks[i], bytes); }))
+                << when << ": the free of block " << i << " threw";
+          }
+        }).join();
+      }
+      expect_nothing_held(a, when);
+    }
+  }
+}
 
 // Blocks freed with a recorded stream wait on events; the next allocation gives back
 // those whose events are done, failing at each of its heap allocations in turn. Whatever

@@ -11,16 +11,22 @@
 #include <cstddef>
 #include <cstdlib>
 #include <new>
+#include <utility>
 
 namespace tidepool::test_support {
 
 // -1: allocations succeed; n ≥ 0: the n-th allocation from now on this thread throws.
 inline thread_local long allocations_until_failure = -1;
+// Whether every allocation after that one throws too (a heap that stays exhausted, as a
+// real one does until something is freed), or only that one.
+inline thread_local bool failures_persist = false;
 
 inline void* allocate_or_fail(std::size_t bytes) {
-  if (allocations_until_failure >= 0 && allocations_until_failure-- == 0) {
+  if (allocations_until_failure == 0) {
+    if (!failures_persist) allocations_until_failure = -1;
     throw std::bad_alloc();
   }
+  if (allocations_until_failure > 0) --allocations_until_failure;
   if (void* p = std::malloc(bytes == 0 ? 1 : bytes)) return p;
   throw std::bad_alloc();
 }
@@ -38,6 +44,16 @@ bool survives(long n, Operation&& operation) {
   }
   allocations_until_failure = -1;
   return true;
+}
+
+// survives() with every allocation from the n-th on failing: what the operation does on
+// its way out of a failure (putting things back) must not need the heap either.
+template <typename Operation>
+bool survives_exhaustion(long n, Operation&& operation) {
+  failures_persist = true;
+  const bool done = survives(n, std::forward<Operation>(operation));
+  failures_persist = false;
+  return done;
 }
 
 }  // namespace tidepool::test_support
