@@ -5,6 +5,7 @@
 #include <string>
 
 #include "allocator/caching_allocator.h"
+#include "allocator/errors.h"
 #include "allocator/tags.h"
 #include "tiering/tiered_store.h"
 
@@ -16,7 +17,10 @@ DeviceMemorySource caching_allocator_source(CachingAllocator& allocator, int tag
     TagScope scope(tag);
     try {
       return allocator.allocate(n, s);
-    } catch (const std::bad_alloc&) {
+    } catch (const OutOfMemoryError&) {
+      // Device memory, not the C++ heap: a plain std::bad_alloc from the allocator's
+      // bookkeeping passes through (tiered_store.h), instead of making the store evict all
+      // it has released and then report a full device.
       return nullptr;  // the store evicts its own released state and retries
     }
   };

@@ -38,6 +38,7 @@ void Teardown::record(const char* what, const char* message) noexcept {
 Teardown::~Teardown() {
   if (failures_ == 0) return;
   std::string named;
+  const char* listed = nullptr;  // what is printed: named, or a fixed text without it
   int unnamed = failures_;
   try {
     for (int i = 0; i < named_; ++i) {
@@ -50,15 +51,17 @@ Teardown::~Teardown() {
       named += std::string(named_ > 0 ? "; and " : "") + std::to_string(unnamed) +
                (named_ > 0 ? " more" : " unnamed") + " failed step" + (unnamed == 1 ? "" : "s");
     }
+    listed = named.c_str();
   } catch (...) {
-    named = "(out of memory for the errors)";
+    // A literal: assigning it to a std::string would need the heap that just ran out.
+    listed = "(out of memory for the errors)";
   }
   // stdio, not iostreams: this may run during static destruction, after std::cerr's
   // own teardown order is no longer guaranteed.
   std::fprintf(stderr,
                "tidepool: %s destroyed with %d failed release step%s (the backend reported "
                "errors; what could be released was): %s\n",
-               object_, failures_, failures_ == 1 ? "" : "s", named.c_str());
+               object_, failures_, failures_ == 1 ? "" : "s", listed);
 }
 
 std::uint64_t teardown_error_count() noexcept {

@@ -6,8 +6,10 @@
 // holds (a destroyed store's device bytes are all freed).
 #include <cstddef>
 #include <string>
+#include <thread>
 #include <vector>
 
+#include "allocator/caching_allocator.h"
 #include "allocator/tags.h"
 #include "tests/support/failing_operator_new.h"
 #include "tests/tiering/tiering_test_util.h"
@@ -154,6 +156,38 @@ TEST_P(StoreAllocationFailuresTest, ABeginStepThatRunsOutOfMemoryLeavesAcquiresW
     SCOPED_TRACE("allocation " + std::to_string(n) + " failed");
     EXPECT_NO_THROW(EXPECT_TRUE(acquires(store, h, 11)));
     store.end_step();
+  }
+  EXPECT_GT(failures, 0) << "no allocation to fail: the sweep tested nothing";
+}
+
+// Review finding: the caching allocator's source took any std::bad_alloc for a full device,
+// its own bookkeeping's too, so the store evicted all it had released (other handles'
+// state, moved for nothing) and retried. Only OutOfMemoryError means a full device: with
+// room on the device for both handles, an acquire whose heap fails at any point evicts
+// nothing.
+TEST(CachingAllocatorSourceFailures, TheHeapRunningOutIsNotAFullDevice) {
+  long failures = 0;
+  for (long n = 0; n < kMaxAllocations; ++n) {
+    CachingAllocator allocator(make_host_backend(0));
+    TieredStore store(allocator.backend(), tiering_test::test_store_options(8 * kBytes),
+                      caching_allocator_source(allocator));
+    const Stream stream = allocator.backend().create_stream();
+    const auto other = store.create(kBytes, kTagOptimizerState, Tier::device);
+    const auto h = store.create(kBytes, kTagOptimizerState, Tier::host);
+    store.synchronize();
+    bool done = false;
+    std::thread([&] {
+      done = survives(n, [&] { store.acquire(h, stream); });
+    }).join();
+    EXPECT_TRUE(store.resident(other)) << "allocation " << n << (done ? " (went through)" : "");
+    EXPECT_EQ(store.stats().evictions, 0u) << "allocation " << n;
+    if (done) store.release(h, /*dirty=*/false);
+    store.synchronize();
+    store.destroy(h);
+    store.destroy(other);
+    allocator.backend().destroy_stream(stream);
+    if (done) break;
+    ++failures;
   }
   EXPECT_GT(failures, 0) << "no allocation to fail: the sweep tested nothing";
 }
