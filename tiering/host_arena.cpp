@@ -93,7 +93,9 @@
 #include <cstring>
 #include <map>
 #include <memory>
+#include <string>
 #include <unordered_map>
+#include <utility>
 
 #include "allocator/config.h"
 #include "allocator/stats.h"
@@ -612,10 +614,20 @@ void* HostArena::allocate_direct_pinned(std::size_t bytes, std::string* why_not)
     uncharge(mapped);
     throw;
   }
-  if (!register_range(p, mapped, why_not)) {
+  const auto unmap = [&] {
     direct_.erase(p);
     munmap(p, mapped);
     uncharge(mapped);
+  };
+  bool registered = false;
+  try {
+    registered = register_range(p, mapped, why_not);
+  } catch (...) {  // std::bad_alloc: in the backend's bookkeeping, or for why_not's text
+    unmap();
+    throw;
+  }
+  if (!registered) {
+    unmap();
     return nullptr;
   }
   stats_.direct_count++;
@@ -669,6 +681,15 @@ HostBlock HostArena::allocate_pageable(std::size_t bytes, const std::string& rea
     throw HostArenaError("host arena: out of host memory: " + std::to_string(bytes) +
                          " pageable bytes after pinned failed (" + reason + ")");
   }
+  // The one copy the bookkeeping makes, before anything is counted: a heap that cannot
+  // give it leaves p freed and the stats as they were.
+  std::string last_reason;
+  try {
+    last_reason = reason;
+  } catch (...) {
+    std::free(p);
+    throw;
+  }
   stats_.pageable_in_use_bytes += bytes;
   stats_.pageable_peak_bytes = std::max(stats_.pageable_peak_bytes, stats_.pageable_in_use_bytes);
   stats_.pageable_allocs++;
@@ -682,11 +703,17 @@ HostBlock HostArena::allocate_pageable(std::size_t bytes, const std::string& rea
   } else {
     stats_.fallback_other++;
   }
-  stats_.last_fallback_reason = reason;
+  stats_.last_fallback_reason = std::move(last_reason);
   // One line, once per arena: a silent fallback costs a training run its overlap (every
   // copy of that state blocks the host) and nothing else would tell the user why.
   if (options_.warn_on_pageable_fallback && warn_once_due(stats_.fallback_warned)) {
-    std::fprintf(stderr, "%s\n", pageable_fallback_warning(stats_, bytes, reason, why).c_str());
+    try {
+      std::fprintf(stderr, "%s\n", pageable_fallback_warning(stats_, bytes, reason, why).c_str());
+    } catch (...) {  // no heap for the text: the block is handed out all the same, said so
+      std::fputs("tidepool: tiered state from here on lives in pageable memory (out of memory "
+                 "for the details; HostArenaStats::last_fallback_reason says why)\n",
+                 stderr);
+    }
   }
   return HostBlock{p, bytes, HostTier::pageable};
 }
