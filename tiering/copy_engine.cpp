@@ -164,6 +164,10 @@ void CopyEngine::collect_timings_locked(Direction direction, bool wait) {
       break;  // the stream runs in order: its later timings are not done either
     }
     const float ms = backend_.event_elapsed_ms(t.start, t.end);
+    // Room for both events first: a push_back that threw after the stats had counted the
+    // batch (or between the two pushes) counted it twice, or left its start event both
+    // spare and pending, to be handed to two batches and destroyed twice.
+    free_events_.reserve(free_events_.size() + 2);
     d.busy_ms += std::max(0.0f, ms);
     d.timed_bytes += t.bytes;
     free_events_.push_back(t.start);
