@@ -699,4 +699,16 @@ TIDEPOOL_PRELOAD_EXPORT cudaError_t cudaPeekAtLastError() {
   return t_held_last_error;
 }
 
+// For tidepool's Python start-up hook (python/src/tidepool/_startup.py), which stands aside
+// only for a shim that serves: 1 when the shim is set up and serves the allocations (it
+// claimed the tidepool keys), 0 when it is set up and off (it forwards every call and said
+// why on stderr: no runtime found, another CUDA major, no libtidepool; the keys are still
+// in the variables), -1 when it is not set up yet (nothing named tidepool at start-up; it
+// sets up at the first cudaMalloc). Sets nothing up.
+TIDEPOOL_PRELOAD_EXPORT int tidepool_preload_state() {
+  Shim& s = shim();
+  if (!s.set_up.load(std::memory_order_acquire)) return -1;
+  return s.ready ? 1 : 0;
+}
+
 }  // extern "C"

@@ -158,7 +158,7 @@ def test_install_under_the_preload_shim_reports_the_shim(fake_cuda, monkeypatch)
     # LD_PRELOAD=libtidepool_preload.so claimed the environment and serves cudaMalloc; a
     # script that also calls tidepool.install() must not be told tidepool is not named.
     from tidepool import _startup
-    monkeypatch.setattr(_startup, "preload_shim_loaded", lambda: True)
+    monkeypatch.setattr(_startup, "preload_shim_in_charge", lambda: True)
     assert tidepool.install() == "active: through the LD_PRELOAD shim (libtidepool_preload.so)"
     assert not [c for c in fake_cuda if c[0] in ("pluggable", "change_current_allocator")]
 
@@ -306,7 +306,12 @@ def test_region_routes_every_device_it_names_to_the_pool(fake_cuda):
         assert fake_cuda[-1] == ("enter_pool", 2)
     with tidepool.region("optimizer_state", device=torch.device("cuda")):  # the current one
         assert fake_cuda[-1] == ("enter_pool", None)
-    for bad in (-1, "cuda:0", torch.device("cpu"), [], [0, None], True):
+    # Strings as torch takes them (review finding: "cuda:1" was refused, against the README).
+    with tidepool.region("optimizer_state", device="cuda:1"):
+        assert fake_cuda[-1] == ("enter_pool", 1)
+    with tidepool.region("optimizer_state", device="cuda"):
+        assert fake_cuda[-1] == ("enter_pool", None)
+    for bad in (-1, "cpu", "cuda:x", "", torch.device("cpu"), [], [0, None], True):
         before = list(fake_cuda)
         with pytest.raises(ValueError, match="tidepool.region: device"):
             with tidepool.region("optimizer_state", device=bad):
@@ -320,6 +325,17 @@ def test_host_backend_cannot_back_cuda_tensors(fake_cuda):
         install(device_backend="host")
     assert fake_cuda == []
     assert tidepool.status().startswith("inactive: tidepool.device_backend:host")
+
+
+def test_tidepool_backend_host_in_the_environment_cannot_back_cuda_tensors(fake_cuda,
+                                                                         monkeypatch):
+    # Review finding: with device_backend auto, libtidepool follows TIDEPOOL_BACKEND, and
+    # host memory went to PyTorch as CUDA memory (a variable left exported from the tests).
+    monkeypatch.setenv("TIDEPOOL_BACKEND", "host")
+    with pytest.warns(_install.TidepoolInactiveWarning, match="TIDEPOOL_BACKEND=host"):
+        install()
+    assert fake_cuda == []
+    assert tidepool.status().startswith("inactive: TIDEPOOL_BACKEND=host")
 
 
 def test_optimizer_hooks_off_registers_none(fake_cuda):

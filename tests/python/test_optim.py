@@ -185,6 +185,24 @@ def test_tiered_state_reports_its_store():
         "resident"  # "host" for CPU parameters
 
 
+def test_evict_by_tag_reaches_tiered_state_when_no_range_is_on_the_device():
+    # Review finding: tidepool.evict skipped its C call when none of the tag's pointer-stable
+    # ranges was on the device, but the device's tiered stores hold state of the tag too
+    # (here all of it): their handles stayed on the device.
+    import tidepool
+    params, tensors, loss = regression_problem()
+    opt = topt.Apollo(params, lr=0.05, state="tiered", state_budget=64 << 20)
+    train(opt, loss, 3)
+    before = tidepool.stats(0)
+    assert before["tiering.device_bytes"] > 0
+    tidepool.evict("optimizer_state", device=0)
+    after = tidepool.stats(0)
+    # Every handle (the buffers go once their copies back are done, in stream order).
+    assert after["tiering.evictions"] - before["tiering.evictions"] == len(opt.state_dict()[
+        "state"]) * 3
+    train(opt, loss, 1)  # and the state comes back for the next step
+
+
 @pytest.mark.parametrize("where", ["device", "tiered"])
 def test_apollo_save_load_continue_equals_an_uninterrupted_run(where):
     params, tensors, loss = regression_problem(groups=2)

@@ -192,6 +192,21 @@ def test_another_cuda_major_is_quiet_under_log_off(run_python):
 
 
 @needs_fake
+def test_a_shim_that_turned_itself_off_leaves_the_keys_to_the_python_hook(run_python):
+    # Review finding: the hook stood aside whenever the shim was mapped, also when the shim
+    # was off (here: a runtime of another major) and had claimed nothing, so the tidepool
+    # keys reached PyTorch, which rejects them, and status() said tidepool was active.
+    result = run_python(SHOW_ENV, preload=PRELOAD, FAKE_CUDART_PATH=FAKE_CUDART,
+                        TIDEPOOL_CUDART=FAKE_CUDART, FAKE_CUDART_VERSION="12080",
+                        PYTORCH_CUDA_ALLOC_CONF="backend:tidepool,expandable_segments:True,"
+                                                "tidepool.state_budget:2GiB")
+    lines = result.stdout.strip().splitlines()
+    assert lines[0].split() == ["'expandable_segments:True'", "True"]  # claimed; hook waits
+    assert "LD_PRELOAD" not in lines[1]
+    assert "is version 12.8, but tidepool was built for CUDA" in result.stderr
+
+
+@needs_fake
 def test_the_programs_own_runtime_is_the_forwarding_target(run_python):
     # The runtime already in the global scope (found with dlsym(RTLD_NEXT)) is the one the
     # shim forwards to, with no TIDEPOOL_CUDART to point at it; of tidepool's major, tidepool

@@ -177,6 +177,49 @@ def test_install_after_a_failed_one_reads_the_fixed_environment(run_python):
         "FIRST True", "SECOND inactive: no CUDA device is available"]
 
 
+def test_install_after_a_bad_key_at_start_up_reads_the_fixed_environment(run_python):
+    # Review finding: with the hook on, the error it found at start-up stayed in its import
+    # finder, and tidepool.install() (which imports torch) raised it again after the
+    # variable was fixed, with or without keys of its own.
+    for call in ("tidepool.install()", "tidepool.install('backend:tidepool,tidepool.log:off')"):
+        fixed = "backend:tidepool,tidepool.log:off" if call.endswith("()") else ""
+        result = run_python(f"""
+            import os
+            import tidepool
+            try:
+                import torch
+            except tidepool.ConfigError as e:
+                print("FIRST", "mdoe" in str(e))
+            os.environ["PYTORCH_CUDA_ALLOC_CONF"] = {fixed!r}
+            print("SECOND", {call})
+        """, PYTORCH_CUDA_ALLOC_CONF="backend:tidepool,tidepool.mdoe:pool")
+        assert result.stdout.strip().splitlines() == [
+            "FIRST True", "SECOND inactive: no CUDA device is available"], call
+
+
+def test_explicit_install_next_to_another_pytorch_backend_is_refused(run_python):
+    # Review finding: the hook refuses tidepool next to PyTorch's backend:X, but
+    # tidepool.install(conf) did not check, and its child processes (which inherit conf)
+    # then failed the check at start-up. Pool mode on backend:native is no conflict.
+    result = run_python("""
+        import torch, tidepool
+        try:
+            tidepool.install("backend:tidepool,tidepool.log:off")
+        except tidepool.ConfigError as e:
+            print(e)
+        print(tidepool.status())
+    """, PYTORCH_CUDA_ALLOC_CONF="backend:cudaMallocAsync")
+    assert result.stdout.strip().splitlines()[0] == (
+        "tidepool.install(): 'backend:tidepool,tidepool.log:off' turns tidepool on, which "
+        "conflicts with 'backend:cudaMallocAsync' in PYTORCH_CUDA_ALLOC_CONF; name one backend")
+    assert not result.stdout.strip().splitlines()[1].startswith("active")
+    result = run_python("""
+        import torch, tidepool
+        print(tidepool.install("backend:tidepool,tidepool.mode:pool,tidepool.log:off"))
+    """, PYTORCH_ALLOC_CONF="backend:native")
+    assert result.stdout.strip() == "inactive: no CUDA device is available"
+
+
 def test_torch_imported_before_the_hook_is_installed_at_once(run_python):
     # As when another start-up hook imports torch first: the hook finds torch in
     # sys.modules and installs at once instead of waiting for an import.

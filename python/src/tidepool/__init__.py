@@ -65,14 +65,19 @@ def install(conf: str | None = None) -> str:
     """
     import os
 
+    from . import _config, _install, _startup
+    if _startup.error_pending():
+        # The hook's error from start-up stays in its import finder, which raises it at
+        # `import torch` below; the environment may have been fixed since: read it again
+        # (a ConfigError still there is raised at the import, as the hook raises it).
+        _startup.start()
     import torch
 
-    from . import _config, _install, _startup
     if conf is None:
         if _install.STATE.torch is not None:
             return status()
         _startup.start()  # installs at once: torch is imported
-        if _startup.preload_shim_loaded():
+        if _startup.preload_shim_in_charge():
             return status()  # the shim serves tidepool; start() stood aside, as the hook does
         if _install.STATE.torch is None:
             raise _config.ConfigError(
@@ -82,6 +87,21 @@ def install(conf: str | None = None) -> str:
     claimed = _config.claim(conf)
     if not claimed.enabled:
         raise _config.ConfigError(f"tidepool.install(): {conf!r} names no tidepool key")
+    if _install.STATE.torch is None and _startup.preload_shim_in_charge():
+        # The shim serves tidepool with the configuration it claimed at start-up; a second
+        # allocator installed here on top of it would serve PyTorch instead.
+        if claimed.config != _config.active_config():
+            raise _config.ConfigError(
+                f"tidepool.install(): the LD_PRELOAD shim serves tidepool with the "
+                f"configuration it claimed at start-up; {conf!r} cannot change it")
+        return status()
+    other = _other_backend_in_environment()
+    if other is not None and not (claimed.config["mode"] == "pool" and other[1] == "native"):
+        # The check the hook makes (Note [one backend] in allocator/config.cpp), which the
+        # child processes, given conf in TIDEPOOL_ALLOC_CONF, would make and fail.
+        raise _config.ConfigError(
+            f"tidepool.install(): {conf!r} turns tidepool on, which conflicts with "
+            f"'backend:{other[1]}' in {other[0]}; name one backend")
     if claimed.remaining:
         # PyTorch read its own keys from the environment already (torch is imported).
         raise _config.ConfigError(
@@ -99,6 +119,19 @@ def install(conf: str | None = None) -> str:
     # install must not make the children use tidepool.
     os.environ["TIDEPOOL_ALLOC_CONF"] = conf
     return status()
+
+
+def _other_backend_in_environment() -> tuple[str, str] | None:
+    """(variable, X) for the first backend:X other than tidepool in PYTORCH_ALLOC_CONF or
+    PYTORCH_CUDA_ALLOC_CONF (PyTorch reads its backend from either); None without one."""
+    import os
+
+    for variable in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):
+        for entry in os.environ.get(variable, "").split(","):
+            key, _, value = entry.partition(":")
+            if key.strip() == "backend" and value.strip() not in ("", "tidepool"):
+                return variable, value.strip()
+    return None
 
 
 def _device(device) -> int:
@@ -155,6 +188,13 @@ def _region_devices(device) -> list:
     items = list(device) if isinstance(device, (list, tuple, set, frozenset, range)) else [device]
     devices = []
     for item in items:
+        if isinstance(item, str):  # "cuda:1", "cuda": what torch takes (python/README.md)
+            import torch
+            try:
+                item = torch.device(item)
+            except RuntimeError:
+                raise ValueError(f"tidepool.region: device {item!r} is not a device torch "
+                                 "knows") from None
         if getattr(item, "type", "cuda") != "cuda":
             index = -1
         else:
@@ -163,7 +203,8 @@ def _region_devices(device) -> list:
             pass  # torch.device("cuda"): the current device
         elif isinstance(index, bool) or not isinstance(index, int) or index < 0:
             raise ValueError(f"tidepool.region: device must be a CUDA device index (an int >= 0), "
-                             f"a torch.device('cuda', i), or a list of them; got {item!r}")
+                             f"a torch.device('cuda', i), 'cuda:i', or a list of them; got "
+                             f"{item!r}")
         if index not in devices:
             devices.append(index)
     if not devices:
@@ -178,7 +219,7 @@ def region(tag: str | int = "user", device=None):
     evict/prefetch). In pool mode they are also served from a tidepool MemPool (one that
     no other thread uses on the device meanwhile: Note [one MemPool per thread and device
     at a time] in _install.py): on the current device, or on each device `device` names
-    (an index, a torch.device, or a list of them, for a process that allocates on several
+    (an index, a torch.device, "cuda:i", or a list of them, for a process that allocates on several
     GPUs inside the block). In global mode every device's allocations are tidepool's
     anyway, and `device` only has to be valid."""
     from . import _install, _tags

@@ -23,6 +23,7 @@ tidepool.log:off) and `import torch` carries on as usual.
 
 from __future__ import annotations
 
+import os
 import threading
 import warnings
 
@@ -90,6 +91,13 @@ def install(torch, config: dict) -> None:
         if config.get("device_backend") == "host":
             _inactive("tidepool.device_backend:host serves host memory, which cannot back "
                       "CUDA tensors", config)
+            return
+        # With device_backend auto, libtidepool takes the variable's word for it (the
+        # README's TIDEPOOL_BACKEND): host memory handed to PyTorch as CUDA memory.
+        if config.get("device_backend", "auto") == "auto" and \
+                os.environ.get("TIDEPOOL_BACKEND") == "host":
+            _inactive("TIDEPOOL_BACKEND=host serves host memory, which cannot back CUDA "
+                      "tensors (unset it, or set it to cuda or auto)", config)
             return
         try:
             path, malloc_name, free_name = entry_points()

@@ -11,7 +11,8 @@ Order of events in a process started with PYTORCH_CUDA_ALLOC_CONF=backend:tidepo
      _install.install(torch): the pluggable allocator or the MemPool, and the global
      optimizer step hooks. CUDA is not initialised by `import torch`, so this is in time.
 Under LD_PRELOAD=libtidepool_preload.so the shim has done step 2 and serves cudaMalloc;
-the hook then stands aside.
+the hook then stands aside, unless the shim turned itself off (no CUDA runtime of its
+major, no libtidepool: it said why), leaving the keys for the hook to claim.
 A configuration error found in step 2 is raised at step 4 as tidepool.ConfigError, from
 `import torch`, so a training script stops at once with the message; other Python
 programs that never import torch (pip, tools) are left alone.
@@ -31,13 +32,26 @@ _config: dict | None = None
 _finder: "_TorchImportFinder | None" = None
 
 
-def preload_shim_loaded() -> bool:
-    """True when libtidepool_preload.so is mapped into this process (LD_PRELOAD)."""
+def preload_shim_in_charge() -> bool:
+    """True when libtidepool_preload.so is mapped into this process (LD_PRELOAD) and has not
+    turned itself off: it claimed the keys and serves cudaMalloc, or it sets up at the first
+    cudaMalloc. A shim that is off left the keys in the variables, where PyTorch would
+    reject them: the hook claims them then."""
     try:
         with open("/proc/self/maps") as maps:
-            return any("libtidepool_preload" in line for line in maps)
+            if not any("libtidepool_preload" in line for line in maps):
+                return False
     except OSError:
         return False
+    import ctypes
+
+    try:
+        state = ctypes.CDLL(None).tidepool_preload_state
+    except (OSError, AttributeError):
+        return True  # mapped but not in the global scope: not the LD_PRELOAD shim's set-up
+    state.restype = ctypes.c_int
+    state.argtypes = []
+    return state() != 0
 
 
 def start() -> None:
@@ -46,7 +60,7 @@ def start() -> None:
     from . import _config as config_module
     from ._lib import LibraryError
 
-    if preload_shim_loaded():
+    if preload_shim_in_charge():
         # The shim already claimed the keys and serves cudaMalloc; PyTorch's allocator
         # stays in place on top of it, as the user asked by preloading.
         _install.STATE.status = "active: through the LD_PRELOAD shim (libtidepool_preload.so)"
@@ -62,12 +76,22 @@ def start() -> None:
         _error = e
         _install.STATE.status = f"failed: {e}"
     if _config is None and _error is None:
-        return  # the variable mentioned "tidepool" but named no tidepool key
+        # The variable mentioned "tidepool" but named no tidepool key (or, on a call
+        # after a failed one, the environment names tidepool no more): nothing to
+        # install at `import torch`.
+        _remove_finder()
+        return
     if "torch" in sys.modules:
         on_torch_imported(sys.modules["torch"])
     elif _finder is None:
         _finder = _TorchImportFinder()
         sys.meta_path.insert(0, _finder)
+
+
+def error_pending() -> bool:
+    """Whether the configuration read at start-up was in error (the finder raises it at
+    every `import torch` until start() reads a fixed environment)."""
+    return _error is not None
 
 
 def on_torch_imported(torch) -> None:

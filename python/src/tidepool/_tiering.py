@@ -84,6 +84,23 @@ def _synchronize(device: int, stream: int | None) -> None:
         torch.cuda.ExternalStream(stream, device=device).synchronize()
 
 
+def _raw_stats(device: int) -> TieringStatsV1 | None:
+    """The device's tiering stats struct; None with a library built without tiering."""
+    if _lib.optional("tidepool_get_tiering_stats_v1") is None:
+        return None
+    raw = TieringStatsV1()
+    raw.struct_size = ctypes.sizeof(TieringStatsV1)
+    _check(_fn("tidepool_get_tiering_stats_v1")(device, ctypes.byref(raw)),
+           f"reading tiering stats of device {device}")
+    return raw
+
+
+def _stores_on(device: int) -> int:
+    """The live tiered stores of the device."""
+    raw = _raw_stats(device)
+    return 0 if raw is None else raw.stores
+
+
 def _pointer_array(ptrs: list[int]):
     return (ctypes.c_void_p * len(ptrs))(*ptrs)
 
@@ -91,11 +108,13 @@ def _pointer_array(ptrs: list[int]):
 def evict_tag(device: int, tag: int, stream: int | None = None) -> None:
     """Evicts after everything enqueued so far on `stream`. When none of the tag's ranges
     is on the device (state_budget:0, where new state is made on the host and never
-    prefetched) there is nothing to move and nothing to wait for: the wait, a host
-    synchronisation, would stop the CPU queueing the next iteration ahead of the GPU at
-    every step (once per parameter with an optimizer per parameter stepped in backward)."""
+    prefetched) and the device has no tiered store (whose handles the ranges' list does
+    not name: tidepool.optim's tiered state), there is nothing to move and nothing to wait
+    for: the wait, a host synchronisation, would stop the CPU queueing the next iteration
+    ahead of the GPU at every step (once per parameter with an optimizer per parameter
+    stepped in backward)."""
     try:
-        on_device = bool(device_ranges_except(device, tag, []))
+        on_device = bool(device_ranges_except(device, tag, [])) or _stores_on(device) > 0
     except RuntimeError:  # a bad device: the eviction below says so in its own words
         on_device = True
     if not on_device:
@@ -171,12 +190,9 @@ def owns(device: int, ptr: int) -> bool:
 
 def transfer_stats(device: int) -> dict:
     """'transfer.*' and 'tiering.*' keys for tidepool.stats(); {} without tiering."""
-    if _lib.optional("tidepool_get_tiering_stats_v1") is None:
+    raw = _raw_stats(device)
+    if raw is None:
         return {}
-    raw = TieringStatsV1()
-    raw.struct_size = ctypes.sizeof(TieringStatsV1)
-    _check(_fn("tidepool_get_tiering_stats_v1")(device, ctypes.byref(raw)),
-           f"reading tiering stats of device {device}")
     out = {}
     for name, _ in TieringStatsV1._fields_[4:]:
         prefix = "transfer" if name.startswith(("h2d", "d2h", "exposed", "hidden")) else "tiering"
