@@ -142,7 +142,16 @@ void CopyEngine::transfer(void* dst, const void* src, std::size_t bytes, Directi
   d.chunks += chunks;
   if (options_.time_transfers) {
     batch.bytes += bytes;
-    if (batch.bytes >= options_.timing_batch_bytes) close_batch_locked(direction);
+    // The copy is enqueued and `done` recorded: the transfer has happened, and must not be
+    // reported failed because its timing could not be closed now (a caller would drop a
+    // device copy that is there). A batch that does not close stays open, with these
+    // bytes, and the next transfer or stats() closes it.
+    if (batch.bytes >= options_.timing_batch_bytes) {
+      try {
+        close_batch_locked(direction);
+      } catch (...) {
+      }
+    }
   }
 }
 

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "allocator/forwarding_backend.h"
+#include "tests/tiering/failing_backend.h"
 #include "tests/tiering/tiering_test_util.h"
 #include "tiering/copy_engine.h"
 
@@ -239,6 +240,39 @@ TEST_P(CopyEngineTest, AStatsCallDuringATransferKeepsItsBytesWithItsTime) {
   EXPECT_EQ(s.h2d.bytes, n);
   EXPECT_EQ(s.h2d.timed_bytes, n) << "the transfer's bytes were split from its time";
   backend().device_free(dev, n);
+}
+
+// Review finding: a timing batch that could not be closed after the copy was enqueued and
+// `done` recorded made transfer() throw, against its contract (a throw means `done` is not
+// recorded): a caller took the copy for failed. The batch stays open and closes later.
+TEST_P(CopyEngineTest, ATimingThatCannotCloseDoesNotFailTheTransfer) {
+  tiering_test::FailingBackend failing(backend());
+  CopyEngineOptions o;
+  o.timing_batch_bytes = 1;  // every transfer closes its batch
+  const std::size_t n = 64 << 10;
+  const auto src = random_bytes(n, 9);
+  void* dev = backend().device_alloc(2 * n);
+  Event done = backend().create_event();
+  {
+    CopyEngine engine(failing, o);
+    // Records: the batch's start, `done`, then the batch's end, which fails.
+    failing.fail_calls_to("record_event", 1, 2);
+    ASSERT_NO_THROW(engine.transfer(dev, src.data(), n, Direction::host_to_device, done));
+    EXPECT_EQ(failing.failed_calls(), 1);
+    backend().event_synchronize(done);
+    std::vector<unsigned char> back(n, 0);
+    backend().copy_async(back.data(), dev, n, CopyKind::device_to_host, Stream{});
+    backend().stream_synchronize(Stream{});
+    EXPECT_EQ(first_difference(src.data(), back.data(), n), -1);
+    // The open batch is closed by the next transfer, with both transfers' bytes.
+    engine.transfer(static_cast<char*>(dev) + n, src.data(), n, Direction::host_to_device, {});
+    engine.synchronize();
+    const CopyEngineStats s = engine.stats();
+    EXPECT_EQ(s.h2d.bytes, 2 * n);
+    EXPECT_EQ(s.h2d.timed_bytes, 2 * n);
+  }
+  backend().destroy_event(done);
+  backend().device_free(dev, 2 * n);
 }
 
 TEST_P(CopyEngineTest, ZeroChunkSizeIsRejected) {
