@@ -58,6 +58,30 @@ std::uint64_t prefetch_ranges_within_budget(tidepool::VmmPool* pool, int tag) {
   return pool->migrate_tag(tag, tidepool::MemoryLocation::device).bytes_left;
 }
 
+// Note [A call by tag that fails part-way]
+// The tag's pointer-stable ranges and its tiered-store handles are separate state. A range
+// whose move fails (the host out of memory, a chunk that would not map) ends the pool's
+// walk there: the ranges before it moved, it and those after it did not, each whole on one
+// side (VmmPool::migrate_tag). The stores' handles are moved all the same, and the error
+// then says so: the range's own message ("data stays where it was") is about that range,
+// and read alone it said nothing had moved, while the earlier ranges and every handle had.
+template <typename MoveRanges, typename MoveStores>
+void moving_ranges_then_stores(MoveRanges&& move_ranges, MoveStores&& move_stores) {
+  std::string ranges_failure;
+  try {
+    move_ranges();
+  } catch (const std::exception& e) {
+    ranges_failure = e.what();
+  }
+  move_stores();
+  if (!ranges_failure.empty()) {
+    throw tidepool::TieringError(
+        ranges_failure +
+        " (the tag's ranges before that one were moved, it and those after it were not; "
+        "the tag's tiered-store handles were moved)");
+  }
+}
+
 // The device's VmmPool for the calls that read or move what exists (ownership, stats,
 // evict and prefetch by tag): nullptr while no range was made there, so that asking
 // about a device the process never used creates nothing on it (on CUDA, a context of
@@ -149,9 +173,14 @@ int tidepool_range_ids(int device, const void* const* ptrs, size_t n, uint64_t* 
 int tidepool_evict_tag(int device, int tag) {
   return guarded("tidepool_evict_tag", -1, [&] {
     check_tag(tag);
-    if (tidepool::VmmPool* pool = existing_vmm_pool(device))
-      pool->migrate_tag(tag, MemoryLocation::host);
-    tidepool::for_each_tiered_store(device, [&](TieredStore& s) { s.evict_tag(tag); });
+    tidepool::VmmPool* pool = existing_vmm_pool(device);
+    moving_ranges_then_stores(
+        [&] {
+          if (pool != nullptr) pool->migrate_tag(tag, MemoryLocation::host);
+        },
+        [&] {
+          tidepool::for_each_tiered_store(device, [&](TieredStore& s) { s.evict_tag(tag); });
+        });
     return 0;
   });
 }
@@ -161,9 +190,14 @@ int tidepool_prefetch_tag_within_budget(int device, int tag, void* stream,
   return guarded("tidepool_prefetch_tag_within_budget", -1, [&] {
     if (bytes_left_on_host != nullptr) *bytes_left_on_host = 0;
     check_tag(tag);
-    const std::uint64_t left = prefetch_ranges_within_budget(existing_vmm_pool(device), tag);
-    tidepool::for_each_tiered_store(
-        device, [&](TieredStore& s) { s.prefetch_tag(tag, as_stream(stream)); });
+    tidepool::VmmPool* pool = existing_vmm_pool(device);
+    std::uint64_t left = 0;
+    moving_ranges_then_stores([&] { left = prefetch_ranges_within_budget(pool, tag); },
+                              [&] {
+                                tidepool::for_each_tiered_store(device, [&](TieredStore& s) {
+                                  s.prefetch_tag(tag, as_stream(stream));
+                                });
+                              });
     if (bytes_left_on_host != nullptr) *bytes_left_on_host = left;
     return 0;
   });

@@ -139,6 +139,41 @@ TEST_F(CApiTieringTest, TagOperationsReachTheStoresAndStatsAddThemUp) {
   std::free(json);
 }
 
+// Note [A call by tag that fails part-way] (c_api_tiering.cpp): on a device of its own,
+// whose backend cannot make host backings, the range's eviction fails; the tiered store's
+// handle of the tag is evicted all the same, and the error says what moved. Review
+// finding: the first range failure ended the call, the stores were never reached, and the
+// message ("data stays where it was") read as if nothing had moved.
+TEST(TieringCApi, AnEvictionByTagWhoseRangeFailsStillEvictsTheStoresAndSaysSo) {
+  constexpr int device = kDevice + 4;
+  static Backend* backend = make_host_backend(device).release();  // the registry borrows it
+  set_tiering_backend(device, backend);
+  auto* range = static_cast<unsigned char*>(
+      tidepool_vmm_malloc(100000, device, kTagOptimizerState, nullptr));
+  ASSERT_NE(range, nullptr) << tidepool_last_error();
+  std::memset(range, 0x3c, 100000);
+  TieredStore store(*backend, tiering_test::test_store_options(1 << 20));
+  const auto h = store.create(4096, kTagOptimizerState, Tier::device);
+  store.synchronize();
+  // Every creation from here on fails (the device and its backend are this test's alone).
+  constexpr int kFailures = 1000;
+  backend->inject_fault(FaultPoint::create_physical, kFailures);
+  EXPECT_EQ(tidepool_evict_tag(device, kTagOptimizerState), -1);
+  const std::string error = tidepool_last_error();
+  EXPECT_NE(error.find("the tag's tiered-store handles were moved"), std::string::npos) << error;
+  EXPECT_FALSE(store.resident(h));
+  EXPECT_EQ(range[0], 0x3c);  // whole, on the device
+  EXPECT_EQ(range[99999], 0x3c);
+  // Prefetch alike: the handle comes back though the (device-backed) range has nothing
+  // to do.
+  EXPECT_EQ(tidepool_prefetch_tag(device, kTagOptimizerState, nullptr), 0)
+      << tidepool_last_error();
+  EXPECT_TRUE(store.resident(h));
+  store.synchronize();
+  store.destroy(h);
+  EXPECT_EQ(tidepool_vmm_free(range, device), 0) << tidepool_last_error();
+}
+
 // The schedule counters reach the C struct: a handle created after the first step makes
 // step 2 deviate (one off-schedule acquire), and is merged into the schedule (one
 // adoption, Note [Adopting a step]).
