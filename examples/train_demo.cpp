@@ -24,6 +24,7 @@
 #include <torch/cuda.h>
 #include <torch/torch.h>
 
+#include "allocator/backend.h"
 #include "allocator/c_api.h"
 #include "allocator/device_registry.h"
 #include "optimizers/aadl.h"
@@ -117,10 +118,29 @@ Traffic traffic(tidepool::TieredStore& store) {
 
 int main(int argc, char** argv) {
   const Args args = parse_args(argc, argv);
-  const bool cuda = args.device.empty() ? torch::cuda::is_available() : args.device == "cuda";
+  bool cuda = args.device.empty() ? torch::cuda::is_available() : args.device == "cuda";
   if (cuda && !torch::cuda::is_available()) {
     std::fprintf(stderr, "--device cuda requested but no CUDA device is available\n");
     return 2;
+  }
+  // LibTorch seeing a GPU does not mean tidepool can use it: a tidepool built where nvcc
+  // was missing has no cuda backend (scripts/setup goes on without one), and the first
+  // tiered store would throw out of main. Asked before anything is built on a backend.
+  std::string no_cuda_backend;
+  if (cuda) {
+    try {
+      (void)tidepool::make_cuda_backend(0);
+    } catch (const tidepool::BackendError& e) {
+      no_cuda_backend = e.what();
+    }
+  }
+  if (!no_cuda_backend.empty()) {
+    if (!args.device.empty()) {
+      std::fprintf(stderr, "--device cuda requested, but tidepool cannot use the GPU: %s\n",
+                   no_cuda_backend.c_str());
+      return 2;
+    }
+    cuda = false;
   }
   // The tiered store's backend must match where LibTorch computes (tiered_placement.h).
   if (tidepool_set_backend(cuda ? "cuda" : "host") != 0) {
@@ -133,8 +153,14 @@ int main(int argc, char** argv) {
   // LibTorch's OpenMP workers spin-wait between ops: on a small machine they starve the
   // copies (a 24x slower run measured on 2 cores). One compute thread; the model is small.
   if (!cuda) torch::set_num_threads(1);
-  std::printf("tidepool_train_demo: running on %s (%s)\n", cuda ? "the GPU" : "the host",
-              cuda ? "cuda backend" : "host backend; no GPU found or requested");
+  std::printf("tidepool_train_demo: running on %s (%s%s)\n", cuda ? "the GPU" : "the host",
+              cuda ? "cuda backend" : "host backend; ",
+              cuda ? ""
+              : no_cuda_backend.empty()
+                  ? "no GPU found or requested"
+                  : ("a GPU is present but tidepool cannot use it: " + no_cuda_backend +
+                     "; rebuild tidepool with the CUDA toolkit (nvcc) for the GPU")
+                        .c_str());
 
   torch::manual_seed(0);
   const int64_t in = 32, out = 8, batch = 512, hidden_layers = 4;

@@ -212,8 +212,11 @@ CHECKS = {
             t = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
         lib.tidepool_tag_pop()
         snap = snapshot()
-        print("REGION", json.dumps([x for x in json.dumps(snap).split(",")
-                                    if "device_check_region" in x][:3]))
+        # The tag's live bytes while t is alive: the snapshot lists every tag made, at zero
+        # bytes too, so its name alone would show nothing.
+        tags = snap.get("tags") or snap.get("stats", {}).get("tags", [])
+        region = [t for t in tags if t["name"] == "device_check_region"]
+        print("REGION_BYTES", region[0]["bytes"]["current"] if region else -1)
         print("SNAPSHOT", json.dumps(snap)[:600])
         """
     ),
@@ -626,7 +629,11 @@ PRELOAD_DIRECT_CHECK = textwrap.dedent(
         p = lib.tidepool_malloc(96 << 20, 0, None)  # cudaMalloc of a new one
         lib.tidepool_free(p, 96 << 20, 0, None)
         lib.tidepool_empty_cache(0)
-        print("DIRECT", p is not None, "SUM", total)
+        # Serving, not merely named: ld.so ignores a preload it cannot open, and a shim that
+        # turned itself off forwards every call (preload/tidepool_preload.cpp).
+        state = ctypes.CDLL(None).tidepool_preload_state
+        state.restype = ctypes.c_int
+        print("DIRECT", p is not None, "SUM", total, "SHIM", state())
     """
 )
 CHECKS["preload_direct"] = PRELOAD_DIRECT_CHECK
@@ -669,8 +676,8 @@ def main():
     print(f"global   {'PASS' if same else 'FAIL'}  losses native={ref_out.splitlines()[:1]} "
           f"tidepool={g_out.splitlines()[:1]} {g_err if g_rc or not g_out else ''}")
     print("         " + "\n         ".join(g_out.splitlines()[1:]))
-    ok &= report("pool", results["pool"],
-                 passed("pool", lambda out: "device_check_region" in out), 700)
+    ok &= report("pool", results["pool"], passed("pool", lambda out: int(
+        out.split("REGION_BYTES ")[1].split()[0]) >= 64 << 20), 700)
     # libtidepool_torch_cuda raises torch.OutOfMemoryError, as PyTorch's own allocator does.
     ok &= report("oom", results["oom"], passed("oom", lambda out: out.startswith(
         "EXC OutOfMemoryError" if TORCH_CUDA else "EXC ") and "ALIVE" in out), 900)
@@ -716,7 +723,7 @@ def main():
     ok &= report("big_ckpt", results["big_checkpoint"], passed("big_checkpoint", big_checkpoint_ok))
     ok &= report("preload", results["preload_direct"], passed("preload_direct", lambda out: (
         out.startswith("SKIP") if not PRELOAD else
-        out == f"DIRECT True SUM {float(9 << 20)}")))
+        out == f"DIRECT True SUM {float(9 << 20)} SHIM 1")))
     def step_raises_ok(out):
         fields = out.split()
         return (len(fields) == 6

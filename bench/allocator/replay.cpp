@@ -16,7 +16,9 @@
 //     and move_free_runs off), so nothing that was backed ever moves or goes back.
 // It prints peak reserved, peak live (from the trace), their ratio, the allocator's own
 // time per operation, the backend calls it made, and a modeled time, then a verdict
-// against the targets: ratio <= 1.03, modeled time <= 1.1x the baseline's.
+// against the targets: ratio <= 1.03, time <= 1.1x the baseline's — the wall time on the
+// cuda backend (real driver calls, measured in the run), the modeled time on the host
+// backend.
 //
 // Cost model. The backend is wrapped in a counting layer (CountingBackend below), so the
 // calls are counted at the seam, not from the allocator's own bookkeeping, and the time
@@ -48,6 +50,7 @@
 #include <fstream>
 #include <map>
 #include <sstream>
+#include <stdexcept>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -78,6 +81,7 @@ Trace load_trace(const std::string& path) {
   std::unordered_map<std::string, std::uint32_t> ids;
   std::unordered_map<std::string, std::uint32_t> streams;
   std::vector<std::size_t> live_size;
+  std::vector<bool> freed;  // per slot
   std::size_t live = 0;
   std::string line;
   std::size_t line_no = 0;
@@ -93,7 +97,18 @@ Trace load_trace(const std::string& path) {
     o.alloc = op == "a";
     if (!o.alloc && op != "f")
       throw std::runtime_error(path + ":" + std::to_string(line_no) + ": op must be a or f");
-    o.size = std::stoull(size);
+    // A whole number of bytes: stoull reads "-5" as 2^64 - 5 and stops at "12x".
+    const auto bad_size = [&] {
+      return std::runtime_error(path + ":" + std::to_string(line_no) + ": size '" + size +
+                                "' is not a number of bytes");
+    };
+    if (size.empty() || size.find_first_not_of("0123456789") != std::string::npos)
+      throw bad_size();
+    try {
+      o.size = std::stoull(size);
+    } catch (const std::out_of_range&) {
+      throw bad_size();
+    }
     auto [sit, snew] = streams.emplace(stream, static_cast<std::uint32_t>(streams.size()));
     o.stream = sit->second;
     if (o.alloc) {
@@ -103,6 +118,7 @@ Trace load_trace(const std::string& path) {
                                  " allocated twice");
       o.slot = it->second;
       live_size.push_back(o.size);
+      freed.push_back(false);
       live += o.size;
       t.peak_live = std::max(t.peak_live, live);
     } else {
@@ -111,6 +127,12 @@ Trace load_trace(const std::string& path) {
         throw std::runtime_error(path + ":" + std::to_string(line_no) +
                                  ": free of unknown id " + id);
       o.slot = it->second;
+      // Freed twice would take its bytes off `live` again: it wraps, and the ratio of
+      // peak reserved to a peak live of ~2^64 passed any trace.
+      if (freed[o.slot])
+        throw std::runtime_error(path + ":" + std::to_string(line_no) + ": id " + id +
+                                 " freed twice");
+      freed[o.slot] = true;
       live -= live_size[o.slot];
     }
     t.ops.push_back(o);
@@ -466,16 +488,25 @@ int main(int argc, char** argv) {
         const Row& row = rows[i];
         const double ratio =
             static_cast<double>(row.r.peak_reserved) / static_cast<double>(t.peak_live);
-        const double time_ratio = row.r.modeled_ms(200, s) / baseline.modeled_ms(200, s);
+        // On the cuda backend the wall time holds the real driver calls, measured in this
+        // run: that is the cost to judge. The model's 200 us per segment call stands in
+        // for them only on the host backend, whose memfd/mmap calls a GPU never makes (on
+        // the H200 the model's figure was 12x the measured cuMemCreate, and passed a
+        // trace whose wall time was 1.23x the baseline).
+        const bool measured = s.backend == "cuda";
+        const double time_ratio = measured ? row.r.wall_ns / baseline.wall_ns
+                                           : row.r.modeled_ms(200, s) / baseline.modeled_ms(200, s);
         const bool pass = ratio <= 1.03 && time_ratio <= 1.1;
         if (i == 0) all_pass = all_pass && pass;
         // Only the default configuration is judged; the others are the comparison, and
         // a "FAIL" there would read as a failure of the run.
-        std::printf("  %-7s %-20s %s  ratio %.4f (target <= 1.03), modeled time %.3fx the "
-                    "baseline (target <= 1.1; wall %.3fx)\n",
+        std::printf("  %-7s %-20s %s  ratio %.4f (target <= 1.03), %s time %.3fx the "
+                    "baseline (target <= 1.1; %s %.3fx)\n",
                     i == 0 ? "verdict" : "compare", row.name.c_str(),
                     i == 0 ? (pass ? "PASS" : "FAIL") : (pass ? "within" : "outside"), ratio,
-                    time_ratio, row.r.wall_ns / baseline.wall_ns);
+                    measured ? "wall" : "modeled", time_ratio, measured ? "modeled" : "wall",
+                    measured ? row.r.modeled_ms(200, s) / baseline.modeled_ms(200, s)
+                             : row.r.wall_ns / baseline.wall_ns);
       }
     } catch (const std::exception& e) {
       std::fprintf(stderr, "tidepool_replay: %s: %s\n", path.c_str(), e.what());

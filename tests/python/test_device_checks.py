@@ -28,7 +28,7 @@ N = float(8 << 20)  # the record_stream check's tensor: its sum
 GOOD = {
     "native-reference": "[1.0, 0.5]",
     "global": "[1.0, 0.5]\nstats ok",
-    "pool": "device_check_region 64MiB",
+    "pool": f"REGION_BYTES {64 << 20}\nSNAPSHOT {{}}",
     "oom": "EXC OutOfMemoryError | too big\nLAST_ERROR tidepool: out of memory\nALIVE 2.0",
     "record_stream": f"REUSED False SIDE_BUSY True SUM {N} EXPECTED {N}",
     "memory_api": "PEAK 100 RESERVED 200 AFTER_EMPTY 0 SUMMARY True RESET True",
@@ -54,12 +54,13 @@ GOOD = {
     "two_threads": ("DEVICE_AT_B 23068672 DEVICE_DURING_B 23068672 RANGES_B 23068672 "
                     "RANGES_B_ONLY 20971520 STATE_B 16785408 AFTER 0 ERRORS 0"),
     "cudnn_benchmark": "VIA torch_cuda\nTRAINED",
-    "preload_direct": f"DIRECT True SUM {float(9 << 20)}",
+    "preload_direct": f"DIRECT True SUM {float(9 << 20)} SHIM 1",
 }
 
 BAD = {
     "global": "[1.0, 0.7]",
-    "pool": "no region",
+    # the tag made but nothing allocated under it (its name alone is in every snapshot)
+    "pool": "REGION_BYTES 0\nSNAPSHOT {}",
     "oom": "NO EXCEPTION\nALIVE 2.0",
     "record_stream": f"REUSED True SIDE_BUSY True SUM {N} EXPECTED {N}",
     "memory_api": "PEAK 100 RESERVED 200 AFTER_EMPTY 300 SUMMARY True RESET True",
@@ -81,8 +82,9 @@ BAD = {
     "two_threads": ("DEVICE_AT_B 23068672 DEVICE_DURING_B 0 RANGES_B 23068672 "
                     "RANGES_B_ONLY 20971520 STATE_B 16785408 AFTER 0 ERRORS 0"),
     "cudnn_benchmark": "EXC RuntimeError | does not yet support cacheInfo",
-    # libtidepool's direct malloc failed under the shim
-    "preload_direct": f"DIRECT False SUM {float(9 << 20)}",
+    # the shim preloaded but off (it forwards every call): PyTorch's allocations are not
+    # tidepool's
+    "preload_direct": f"DIRECT True SUM {float(9 << 20)} SHIM 0",
 }
 
 
