@@ -125,8 +125,11 @@ void* tidepool_vmm_malloc(size_t size, int device, int tag, void* stream) {
     check_tag(tag);  // a range under no tag could never be moved by tag
     void* p = tidepool::allocate_tierable_range(device, size, tag, as_stream(stream));
     if (p == nullptr) {
-      tidepool::set_last_error("tidepool_vmm_malloc: device " + std::to_string(device) +
-                               " is out of memory for " + std::to_string(size) + " bytes");
+      // With a state budget a range the device cannot hold goes to host memory: then the
+      // host is out of memory too.
+      tidepool::set_last_error("tidepool_vmm_malloc: no memory for " + std::to_string(size) +
+                               " bytes on device " + std::to_string(device) +
+                               " (under tidepool.state_budget, none in host memory either)");
     }
     return p;
   });
@@ -142,7 +145,7 @@ int tidepool_vmm_free(void* ptr, int device) {
 
 int tidepool_vmm_record_stream(void* ptr, int device, void* stream) {
   return guarded("tidepool_vmm_record_stream", -1, [&] {
-    tidepool::tiering_vmm_pool(device).record_use(ptr, as_stream(stream));
+    tidepool::record_tierable_range_use(device, ptr, as_stream(stream));
     return 0;
   });
 }

@@ -64,7 +64,9 @@ TIDEPOOL_API int tidepool_evict_tag(int device, int tag);
 /* `stream`: Note [prefetch stream] above. */
 TIDEPOOL_API int tidepool_prefetch_tag(int device, int tag, void* stream);
 /* tidepool_prefetch_tag, also writing to *bytes_left_on_host (when not NULL) how many
- * bytes of the tag's ranges stayed host-backed because of tidepool.state_budget. */
+ * bytes of the tag's ranges stayed host-backed because of tidepool.state_budget (or for
+ * want of device memory). A range move that fails part-way: Note [A call by tag that fails
+ * part-way] in c_api_tiering.cpp. */
 TIDEPOOL_API int tidepool_prefetch_tag_within_budget(int device, int tag, void* stream,
                                                      uint64_t* bytes_left_on_host);
 /* Evict or prefetch the range holding `ptr`. A pointer no range of `device` holds is an
@@ -152,8 +154,10 @@ typedef struct tidepool_tiering_stats_v1 {
   double vmm_migration_ms;
   /* Appended (a caller with an older, shorter struct_size gets the prefix it knows).
    * The device budget of the VMM ranges (tidepool.state_budget; UINT64_MAX: none, or a
-   * percentage of a device tidepool has not used yet), how
-   * many prefetches it cut short, and the bytes those left in host memory. */
+   * percentage of a device tidepool has not used yet), how many prefetches stopped
+   * short, and the bytes those left in host memory: at the budget, or where the device
+   * itself had no memory for a chunk (Note [A device with no room for a prefetch] in
+   * tiering/vmm_migration.cpp). */
   uint64_t vmm_device_budget_bytes, vmm_budget_stops, vmm_bytes_left_on_host;
   /* Appended: the stores' prefetch schedules (tiering/prefetch_policy.h). Acquires that
    * did not come where the replayed schedule expected them, and how many steps changed

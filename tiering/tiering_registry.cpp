@@ -359,26 +359,62 @@ void* allocate_tierable_range(int device, std::size_t bytes, int tag, Stream str
   return p;
 }
 
+namespace {
+// The pool a free or a record of use of `ptr` on `device` goes to: never made for the
+// question (a wrong device would otherwise get a pool, a stream and, on CUDA, a context).
+VmmPool& existing_pool_holding(int device, const void* ptr) {
+  check_device(device);
+  VmmPool* pool = existing_tiering_vmm_pool(device);
+  if (pool == nullptr) {
+    std::ostringstream message;
+    message << "tidepool: " << ptr << " is not a pointer-stable range of device " << device
+            << " (no range was made there)";
+    throw TieringError(message.str());
+  }
+  return *pool;
+}
+}  // namespace
+
+// Note [A free's record goes first]
+// The record is taken out before the pool's deallocate, which waits for the streams that
+// used the range, and the ranges' mutex is not held across that wait: it is every
+// device's, and is_tierable_range, asked on every large tidepool_free and
+// record_stream, would wait behind one free's kernels. Taken out first, the record cannot
+// erase the one of a range that gets the address as soon as deallocate releases it. A
+// deallocate that fails (the range stays) puts the record back.
 void free_tierable_range(int device, void* ptr, std::optional<std::size_t> bytes) {
-  VmmPool& pool = tiering_vmm_pool(device);
-  // Held across deallocate: the address may be handed out again as soon as it is
-  // released, and its new record must not be erased by this free.
-  std::lock_guard lock(ranges_mutex());
-  if (bytes.has_value()) {
+  VmmPool& pool = existing_pool_holding(device, ptr);
+  std::optional<std::size_t> recorded;
+  {
+    std::lock_guard lock(ranges_mutex());
     const auto ranges = tierable().find(device);
-    const auto range = ranges == tierable().end() ? TierableRanges::const_iterator{}
-                                                  : ranges->second.find(ptr);
-    if (ranges != tierable().end() && range != ranges->second.end() &&
-        range->second != *bytes) {
-      std::ostringstream message;
-      message << "tidepool: free of " << *bytes << " bytes at " << ptr << " on device "
-              << device << ", but that range was allocated with " << range->second
-              << " bytes; the range was not freed";
-      throw TieringError(message.str());
+    if (ranges != tierable().end()) {
+      if (const auto range = ranges->second.find(ptr); range != ranges->second.end()) {
+        if (bytes.has_value() && range->second != *bytes) {
+          std::ostringstream message;
+          message << "tidepool: free of " << *bytes << " bytes at " << ptr << " on device "
+                  << device << ", but that range was allocated with " << range->second
+                  << " bytes; the range was not freed";
+          throw TieringError(message.str());
+        }
+        recorded = range->second;
+        ranges->second.erase(range);
+      }
     }
   }
-  pool.deallocate(ptr);
-  tierable()[device].erase(ptr);
+  try {
+    pool.deallocate(ptr);
+  } catch (...) {
+    if (recorded.has_value()) {
+      std::lock_guard lock(ranges_mutex());
+      tierable()[device].emplace(ptr, *recorded);
+    }
+    throw;
+  }
+}
+
+void record_tierable_range_use(int device, void* ptr, Stream stream) {
+  existing_pool_holding(device, ptr).record_use(ptr, stream);
 }
 
 bool is_tierable_range(int device, const void* ptr) {
@@ -403,7 +439,7 @@ const TierRoute kTierRoute{
     [](const void* ptr, int device) { return is_tierable_range(device, ptr); },
     [](void* ptr, std::size_t bytes, int device) { free_tierable_range(device, ptr, bytes); },
     [](void* ptr, int device, void* stream) {
-      tiering_vmm_pool(device).record_use(ptr, Stream{stream});
+      record_tierable_range_use(device, ptr, Stream{stream});
     },
     [](int device, void* stream) {
       // The allocator waited for the stream only if it held something for it (Note

@@ -64,9 +64,13 @@ TIDEPOOL_API void for_each_tiered_store(int device, const std::function<void(Tie
 TIDEPOOL_API void* allocate_tierable_range(int device, std::size_t bytes, int tag, Stream stream);
 // Releases a range of `device`'s VmmPool (after the streams that used it). Throws
 // TieringError for a pointer that is not the base of one, and, when `bytes` is given, for
-// a size other than the one the range was allocated with (then nothing is freed).
+// a size other than the one the range was allocated with (then nothing is freed). A
+// device where no range was made is not set up for the question (no pool, no context).
 TIDEPOOL_API void free_tierable_range(int device, void* ptr,
                                       std::optional<std::size_t> bytes = std::nullopt);
+// Work on `stream` uses the range holding `ptr` (VmmPool::record_use); TieringError, and
+// nothing set up, on a device where no range was made.
+TIDEPOOL_API void record_tierable_range_use(int device, void* ptr, Stream stream);
 // Whether `ptr` is the base of a range made by allocate_tierable_range on `device`.
 TIDEPOOL_API bool is_tierable_range(int device, const void* ptr);
 

@@ -312,6 +312,46 @@ class Watchdog {
   std::thread thread_;
 };
 
+// Note [A free's record goes first] (tiering_registry.cpp): a free waiting for the streams
+// that used its range does not hold the ranges' mutex, which every device's large
+// tidepool_free and record_stream take to ask whether a pointer is a range. Review finding:
+// it was held across that wait, so those calls, on any device, waited behind one free's
+// kernels. (The device's own pool stays locked while it waits.)
+TEST_F(CApiTieringTest, AFreeWaitingForItsStreamsHoldsUpNoOtherRange) {
+  void* waiting = tidepool_vmm_malloc(100000, kDevice, kTagOptimizerState, nullptr);
+  void* other = tidepool_vmm_malloc(100000, kDevice, kTagOptimizerState, nullptr);
+  ASSERT_NE(waiting, nullptr) << tidepool_last_error();
+  ASSERT_NE(other, nullptr) << tidepool_last_error();
+  const Stream user = backend_->create_stream();
+  std::promise<void> release;
+  std::shared_future<void> released = release.get_future().share();
+  // The user stream runs until the test lets it go: the free waits for it.
+  auto* gate = new std::shared_future<void>(released);
+  backend_->launch_host_func(
+      user,
+      [](void* arg) {
+        auto* f = static_cast<std::shared_future<void>*>(arg);
+        f->wait();
+        delete f;
+      },
+      gate);
+  ASSERT_EQ(tidepool_vmm_record_stream(waiting, kDevice, user.handle), 0)
+      << tidepool_last_error();
+  std::thread freeing([&] { EXPECT_EQ(tidepool_vmm_free(waiting, kDevice), 0); });
+  {
+    Watchdog watchdog("a free waiting for its stream held up another range's calls");
+    while (is_tierable_range(kDevice, waiting)) std::this_thread::yield();  // it is freeing
+    EXPECT_TRUE(is_tierable_range(kDevice, other));
+    int x = 0;
+    EXPECT_FALSE(is_tierable_range(kDevice + 5, &x));
+  }
+  release.set_value();
+  freeing.join();
+  EXPECT_EQ(tidepool_vmm_free(other, kDevice), 0) << tidepool_last_error();
+  EXPECT_EQ(tidepool_vmm_owns(waiting, kDevice), 0);
+  backend_->destroy_stream(user);
+}
+
 TEST(TieringReclaimHook, ReenteringTheRegistryFromInsideAReclaimIsRefusedCleanly) {
   // The reclaim hook holds the registry while it calls the stores, and a store calls out
   // (here: its memory source's deallocate) into code that comes back to the registry on
@@ -392,6 +432,13 @@ TEST(TieringCApi, AskingAboutAnUnusedDeviceCreatesNothingThere) {
   ASSERT_NE(json, nullptr) << tidepool_last_error();
   EXPECT_NE(std::string(json).find("\"vmm\":{"), std::string::npos) << json;
   std::free(json);
+  // A free or a record of use naming the wrong device is refused without setting it up
+  // (review finding: each made the device's pool, streams and, on CUDA, a context first).
+  EXPECT_EQ(tidepool_vmm_free(&x, kUnusedDevice), -1);
+  EXPECT_NE(std::string(tidepool_last_error()).find("is not a pointer-stable range of device 11"),
+            std::string::npos)
+      << tidepool_last_error();
+  EXPECT_EQ(tidepool_vmm_record_stream(&x, kUnusedDevice, nullptr), -1);
   EXPECT_EQ(existing_tiering_vmm_pool(kUnusedDevice), nullptr);
   EXPECT_EQ(existing_device_allocator(kUnusedDevice), nullptr);
   // An id naming no tag is an error, not "nothing there".
