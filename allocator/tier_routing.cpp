@@ -19,7 +19,6 @@ namespace {
 // static initializer registers its route, whatever order initializers run in.
 constinit std::atomic<const TierRoute*> g_route{nullptr};
 constinit std::atomic<std::size_t> g_tier_min_bytes{kDefaultTierMinBytes};
-constinit std::atomic<std::size_t> g_live_routed{0};
 constinit std::atomic<bool> g_failure_reported{false};
 
 void report_route_failure_once(const char* what) {
@@ -30,16 +29,8 @@ void report_route_failure_once(const char* what) {
                what);
 }
 
-void count_freed() noexcept {
-  // Saturating: a range allocated through the tiering C ABI directly but freed through
-  // tidepool_free is not counted on the way in.
-  std::size_t n = g_live_routed.load(std::memory_order_relaxed);
-  while (n > 0 && !g_live_routed.compare_exchange_weak(n, n - 1, std::memory_order_relaxed)) {
-  }
-}
-
 bool should_ask(const TierRoute* route, bool always_ask) noexcept {
-  return route != nullptr && (always_ask || g_live_routed.load(std::memory_order_relaxed) > 0);
+  return route != nullptr && (always_ask || route->live_ranges() > 0);
 }
 
 }  // namespace
@@ -49,9 +40,9 @@ bool should_ask(const TierRoute* route, bool always_ask) noexcept {
 void register_tier_route(const TierRoute* route) {
   if (route == nullptr || route->allocate == nullptr || route->owns == nullptr ||
       route->deallocate == nullptr || route->record_stream == nullptr ||
-      route->release_stream == nullptr) {
+      route->release_stream == nullptr || route->live_ranges == nullptr) {
     throw std::invalid_argument(
-        "tidepool: register_tier_route needs a route with all five callbacks");
+        "tidepool: register_tier_route needs a route with all six callbacks");
   }
   const TierRoute* expected = nullptr;
   if (!g_route.compare_exchange_strong(expected, route) && expected != route) {
@@ -76,9 +67,7 @@ void* route_allocate(std::size_t bytes, int device, void* stream) {
   static_assert(kTagCount <= 64, "TierRoute::tags is a 64-bit mask");
   if (tag < 0 || tag >= kTagCount || (route->tags >> tag & 1u) == 0) return nullptr;
   try {
-    void* p = route->allocate(bytes, device, tag, stream);
-    if (p != nullptr) g_live_routed.fetch_add(1, std::memory_order_relaxed);
-    return p;
+    return route->allocate(bytes, device, tag, stream);
   } catch (const std::exception& e) {
     report_route_failure_once(e.what());
   } catch (...) {
@@ -93,7 +82,6 @@ bool route_free(void* ptr, std::size_t size, int device, bool always_ask) {
       !route->owns(ptr, device))
     return false;
   route->deallocate(ptr, size, device);
-  count_freed();
   return true;
 }
 
@@ -105,12 +93,11 @@ bool route_record_stream(void* ptr, int device, void* stream, bool always_ask) {
 }
 
 void route_release_stream(int device, void* stream) {
-  // Not behind the live-range shortcut: ranges made by the tiering C ABI directly are not
-  // counted there, and release is rare.
+  // Not behind the live-range shortcut: the stores' handles may name the stream too, and
+  // release is rare.
   if (const TierRoute* route = tier_route()) route->release_stream(device, stream);
 }
 
-std::size_t routed_live_ranges() noexcept { return g_live_routed.load(std::memory_order_relaxed); }
 
 }  // namespace detail
 

@@ -28,7 +28,9 @@
 //   fresh range) or fails, the caching allocator serves the request: such a block is not
 //   migratable, which costs device memory later, not correctness.
 //   The free side asks the route whether it owns the pointer only while the route has
-//   live ranges (a counter here) and the size handed back is at least tier_min_bytes(),
+//   live ranges (TierRoute::live_ranges, counted by the tiering layer whichever way a range
+//   was made or freed: a count kept here missed the ranges freed through the tiering C
+//   ABI, and stayed up for good) and the size handed back is at least tier_min_bytes(),
 //   so frees of small blocks, and all frees before any optimizer state exists, cost
 //   nothing extra. A pointer the caching allocator rejects is offered to the route as
 //   well, so both shortcuts are optimisations, never a source of truth (a range routed
@@ -72,6 +74,10 @@ struct TierRoute {
   // move waits on a dead handle. Throws for a stream that is already destroyed when it
   // waits, changing nothing.
   void (*release_stream)(int device, void* stream) = nullptr;
+  // The route's live ranges on every device, however made and however freed (through
+  // tidepool_malloc or the tiering C ABI): while there are none, frees and record_streams
+  // do not ask `owns`. Cheap and lock-free: it is read on every large free.
+  std::size_t (*live_ranges)() noexcept = nullptr;
 };
 
 // Installs `route` (static storage; not copied). Registering the same route again is a
@@ -95,10 +101,8 @@ namespace detail {
 void* route_allocate(std::size_t bytes, int device, void* stream);
 bool route_free(void* ptr, std::size_t size, int device, bool always_ask);
 bool route_record_stream(void* ptr, int device, void* stream, bool always_ask);
-// route->release_stream when a route is registered (every range, not only counted ones).
+// route->release_stream when a route is registered.
 void route_release_stream(int device, void* stream);
-// Live ranges handed out through route_allocate and not yet freed.
-std::size_t routed_live_ranges() noexcept;
 }  // namespace detail
 
 // ---- budgets ---------------------------------------------------------------------------

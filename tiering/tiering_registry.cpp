@@ -175,6 +175,9 @@ std::map<int, TierableRanges>& tierable() {
   static auto* r = new std::map<int, TierableRanges>();  // never destroyed, as registry()
   return *r;
 }
+// The records in tierable(), every device's: TierRoute::live_ranges, read lock-free on
+// every large free. Changed under ranges_mutex() with the records.
+constinit std::atomic<std::size_t> g_tierable_ranges{0};
 
 }  // namespace
 
@@ -352,6 +355,7 @@ void* allocate_tierable_range(int device, std::size_t bytes, int tag, Stream str
     pool.record_use(p, stream);
     std::lock_guard lock(ranges_mutex());
     tierable()[device].emplace(p, bytes);
+    g_tierable_ranges.fetch_add(1, std::memory_order_relaxed);
   } catch (...) {
     pool.deallocate(p);
     throw;
@@ -399,6 +403,7 @@ void free_tierable_range(int device, void* ptr, std::optional<std::size_t> bytes
         }
         recorded = range->second;
         ranges->second.erase(range);
+        g_tierable_ranges.fetch_sub(1, std::memory_order_relaxed);
       }
     }
   }
@@ -408,6 +413,7 @@ void free_tierable_range(int device, void* ptr, std::optional<std::size_t> bytes
     if (recorded.has_value()) {
       std::lock_guard lock(ranges_mutex());
       tierable()[device].emplace(ptr, *recorded);
+      g_tierable_ranges.fetch_add(1, std::memory_order_relaxed);
     }
     throw;
   }
@@ -460,6 +466,7 @@ const TierRoute kTierRoute{
         }
       });
     },
+    []() noexcept { return g_tierable_ranges.load(std::memory_order_relaxed); },
 };
 
 // Runs while libtidepool.so is loaded, before anyone can allocate (see the Note).

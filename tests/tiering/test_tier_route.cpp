@@ -170,6 +170,25 @@ TEST_F(TierRouteTest, AFreeWithAnotherSizeThanAllocatedIsRefusedAndFreesNothing)
   EXPECT_EQ(tidepool_vmm_free(q, kRouteDevice), 0) << tidepool_last_error();
 }
 
+// TierRoute::live_ranges counts every range however made and freed. Review finding: the
+// count was kept by the allocator's route calls only, so a routed range freed through
+// tidepool_vmm_free stayed counted for good (every large free then asked the route), and
+// a range of the tiering C ABI freed through tidepool_free was never counted.
+TEST_F(TierRouteTest, TheLiveRangeCountFollowsEveryWayARangeIsMadeAndFreed) {
+  const std::size_t before = tier_route()->live_ranges();
+  void* routed_range = malloc_state(2 * kMiB);
+  ASSERT_TRUE(routed(routed_range));
+  EXPECT_EQ(tier_route()->live_ranges(), before + 1);
+  EXPECT_EQ(tidepool_vmm_free(routed_range, kRouteDevice), 0) << tidepool_last_error();
+  EXPECT_EQ(tier_route()->live_ranges(), before);
+  void* direct = tidepool_vmm_malloc(2 * kMiB, kRouteDevice, kTagOptimizerState, nullptr);
+  ASSERT_NE(direct, nullptr) << tidepool_last_error();
+  EXPECT_EQ(tier_route()->live_ranges(), before + 1);
+  tidepool_free(direct, 2 * kMiB, kRouteDevice, nullptr);
+  EXPECT_FALSE(routed(direct)) << tidepool_last_error();
+  EXPECT_EQ(tier_route()->live_ranges(), before);
+}
+
 // Optimizer state asked for on a device that does not exist, or of a size beyond any
 // range, is the caller's error, said as such: it never reaches the route, which took it
 // for a failure of its own, said "the tier route failed" and used up its one report of a
@@ -297,6 +316,9 @@ TEST(TierRouteRegistration, ADifferentRouteOrAnIncompleteOneIsRefused) {
   EXPECT_THROW(register_tier_route(&incomplete), std::invalid_argument);
   incomplete = *installed;
   incomplete.release_stream = nullptr;
+  EXPECT_THROW(register_tier_route(&incomplete), std::invalid_argument);
+  incomplete = *installed;
+  incomplete.live_ranges = nullptr;
   EXPECT_THROW(register_tier_route(&incomplete), std::invalid_argument);
   EXPECT_THROW(register_tier_route(nullptr), std::invalid_argument);
   EXPECT_EQ(tier_route(), installed);
