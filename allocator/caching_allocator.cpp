@@ -52,6 +52,7 @@
 #include "allocator/caching_allocator.h"
 
 #include <algorithm>
+#include <new>
 #include <string>
 #include <utility>
 
@@ -114,6 +115,31 @@ void CachingAllocator::Impl::recycle(Block* b) {
     spare_blocks.push_back(b);
   } catch (...) {  // no heap to keep it for reuse: it is no one's any more
     delete b;
+  }
+}
+
+void CachingAllocator::Impl::give_back_events(const std::vector<Event>& events) noexcept {
+  try {
+    spare_events.insert(spare_events.end(), events.begin(), events.end());
+    return;
+  } catch (const std::bad_alloc&) {
+  }
+  for (Event e : events) {
+    try {
+      backend->destroy_event(e);
+    } catch (...) {
+    }
+  }
+}
+
+void CachingAllocator::Impl::give_back_event(Event e) noexcept {
+  try {
+    spare_events.push_back(e);
+  } catch (const std::bad_alloc&) {
+    try {
+      backend->destroy_event(e);
+    } catch (...) {
+    }
   }
 }
 

@@ -39,11 +39,11 @@ std::vector<Event> CachingAllocator::Impl::record_free_events(const Block& b, St
     if (foreign) record(freeing);
   } catch (const BackendError& e) {
     // Recorded or not, the events are valid and unused: spares, as if never taken.
-    spare_events.insert(spare_events.end(), events.begin(), events.end());
+    give_back_events(events);
     synchronize_instead_of_events(b, e);
     return {};
   } catch (...) {
-    spare_events.insert(spare_events.end(), events.begin(), events.end());
+    give_back_events(events);
     throw;
   }
   return events;
@@ -110,7 +110,7 @@ void CachingAllocator::Impl::process_pending(bool wait) {
   // again, while they might have been handed out meanwhile: one block, two users.
   while (finished > 0) {
     Block* b = pending[finished - 1];
-    spare_events.insert(spare_events.end(), b->pending_events.begin(), b->pending_events.end());
+    give_back_events(b->pending_events);
     b->pending_events.clear();
     pending[finished - 1] = pending.back();
     pending.pop_back();

@@ -705,7 +705,7 @@ void CachingAllocator::Impl::destroy_everything() {
   }
   unreleased.clear();
   for (auto& [ptr, b] : blocks) {
-    for (Event e : b->pending_events) spare_events.push_back(e);
+    give_back_events(b->pending_events);
     delete b;
   }
   blocks.clear();

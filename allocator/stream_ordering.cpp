@@ -109,7 +109,7 @@ void CachingAllocator::Impl::retire_pools(StreamPools& sp) {
   sp.small_ranges.clear();
   sp.large_ranges.clear();
   if (sp.fence) {
-    spare_events.push_back(sp.fence);  // the stream was synchronized: the fence is done
+    give_back_event(sp.fence);  // the stream was synchronized: the fence is done
     sp.fence = Event{};
   }
   sp.fence_in_flight = false;

@@ -15,6 +15,8 @@
 #include <array>
 #include <cstdint>
 #include <memory>
+#include <new>
+#include <utility>
 #include <atomic>
 #include <thread>
 
@@ -332,9 +334,19 @@ struct ThreadCache {
   StreamSlot* claim_slot(Stream s) {
     for (StreamSlot& slot : slots) {
       if (slot.used && slot.blocks != 0) continue;
-      if (!slot.heads) {
-        slot.heads = std::make_unique<std::array<Block*, kSmallClasses>>();
-        slot.counts = std::make_unique<std::array<std::uint8_t, kSmallClasses>>();
+      if (!slot.heads || !slot.counts) {
+        // Both made before either is kept (a heap that ran out between the two left heads
+        // without counts, dereferenced at the slot's next claim), and no heap means no
+        // slot: the caller frees through the shared path, which needs none (Note [Failed
+        // frees] in frees.cpp).
+        try {
+          auto heads = std::make_unique<std::array<Block*, kSmallClasses>>();
+          auto counts = std::make_unique<std::array<std::uint8_t, kSmallClasses>>();
+          slot.heads = std::move(heads);
+          slot.counts = std::move(counts);
+        } catch (const std::bad_alloc&) {
+          return nullptr;
+        }
       }
       slot.heads->fill(nullptr);
       slot.counts->fill(0);
