@@ -192,3 +192,37 @@ def test_a_scope_that_cannot_open_again_after_the_closure_evicts_the_state(
     assert fake_tiering == [prefetch, EVICT]
     assert _tags.current() == outside
     assert _step_scopes._scopes() == [] and _in_flight.in_flight() == {}
+
+
+def test_a_scope_that_fails_to_close_before_the_closure_still_counts_the_step_out(
+        fake_cuda, fake_tiering, monkeypatch):
+    # Review finding: the scope was taken off before its closing raised, so neither the
+    # closure wrapper nor the guard counted the step out: in flight on its device for
+    # good, which stopped every later eviction there.
+    install(mode="pool", state_budget="1GiB")
+    p = torch.nn.Parameter(torch.ones(2))
+    optimizer = torch.optim.SGD([p], lr=0.1, momentum=0.9)
+    p.grad = torch.ones(2)
+    optimizer.step()  # the state, evicted
+
+    real_exit_all = _install.exit_all
+    failed = []
+
+    def failing_exit(contexts):
+        real_exit_all(contexts)  # exited, then said to have failed: once
+        if not failed:
+            failed.append(True)
+            raise RuntimeError("the MemPool would not exit")
+
+    def closure():
+        return 0.0
+
+    monkeypatch.setattr(_install, "exit_all", failing_exit)
+    outside = _tags.current()
+    prefetch = prefetch_of(optimizer)
+    fake_tiering.clear()
+    with pytest.raises(RuntimeError, match="would not exit"):
+        optimizer.step(closure)
+    assert fake_tiering == [prefetch, EVICT]
+    assert _tags.current() == outside
+    assert _step_scopes._scopes() == [] and _in_flight.in_flight() == {}

@@ -128,7 +128,15 @@ def _closure_outside_the_scope(optimizer, closure, index: int):
         if len(scopes) != index + 1:  # not the step's own scope on top: run it as it is
             return closure(*args, **kwargs)
         # the step stays in flight (Note [steps in flight])
-        scope = _step_scopes._close_scope(step_over=False)
+        scope = scopes[-1]
+        try:
+            _step_scopes._close_scope(step_over=False)
+        except BaseException:
+            # Closed all the same (closing goes on through errors), but the step is no
+            # longer anyone's to count out: the guard finds no scope of it. Counted out,
+            # and its state evicted, here, as when the scope does not open again.
+            _scope_not_reopened(scope)
+            raise
         try:
             return closure(*args, **kwargs)
         finally:
