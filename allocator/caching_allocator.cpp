@@ -118,24 +118,13 @@ void CachingAllocator::Impl::recycle(Block* b) {
   }
 }
 
-void CachingAllocator::Impl::give_back_events(const std::vector<Event>& events) noexcept {
+void CachingAllocator::Impl::give_back_events(std::span<const Event> events) noexcept {
   try {
     spare_events.insert(spare_events.end(), events.begin(), events.end());
     return;
   } catch (const std::bad_alloc&) {
   }
   for (Event e : events) {
-    try {
-      backend->destroy_event(e);
-    } catch (...) {
-    }
-  }
-}
-
-void CachingAllocator::Impl::give_back_event(Event e) noexcept {
-  try {
-    spare_events.push_back(e);
-  } catch (const std::bad_alloc&) {
     try {
       backend->destroy_event(e);
     } catch (...) {

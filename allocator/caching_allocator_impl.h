@@ -13,6 +13,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <span>
 #include <string>
 #include <unordered_map>
 #include <utility>
@@ -89,8 +90,7 @@ struct __attribute__((visibility("hidden"))) CachingAllocator::Impl {
   // Events done with, back to the spares; with no heap to keep them there, destroyed
   // instead (a backend error then leaves them to the driver's teardown). Never throws:
   // frees, stream releases and the destructor give events back after changing state.
-  void give_back_events(const std::vector<Event>& events) noexcept;
-  void give_back_event(Event e) noexcept;
+  void give_back_events(std::span<const Event> events) noexcept;
   Block* try_allocate(StreamPools& sp, std::size_t size, bool small);
   Block* try_allocate_releasing(StreamPools& sp, std::size_t size, bool small);
   // Whether a block of `size` bytes can never be backed: it is larger than the device or

@@ -109,7 +109,7 @@ void CachingAllocator::Impl::retire_pools(StreamPools& sp) {
   sp.small_ranges.clear();
   sp.large_ranges.clear();
   if (sp.fence) {
-    give_back_event(sp.fence);  // the stream was synchronized: the fence is done
+    give_back_events({&sp.fence, 1});  // the stream was synchronized: the fence is done
     sp.fence = Event{};
   }
   sp.fence_in_flight = false;

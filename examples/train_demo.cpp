@@ -153,14 +153,16 @@ int main(int argc, char** argv) {
   // LibTorch's OpenMP workers spin-wait between ops: on a small machine they starve the
   // copies (a 24x slower run measured on 2 cores). One compute thread; the model is small.
   if (!cuda) torch::set_num_threads(1);
-  std::printf("tidepool_train_demo: running on %s (%s%s)\n", cuda ? "the GPU" : "the host",
-              cuda ? "cuda backend" : "host backend; ",
-              cuda ? ""
-              : no_cuda_backend.empty()
-                  ? "no GPU found or requested"
-                  : ("a GPU is present but tidepool cannot use it: " + no_cuda_backend +
-                     "; rebuild tidepool with the CUDA toolkit (nvcc) for the GPU")
-                        .c_str());
+  std::string backend = "cuda backend";
+  if (!cuda) {
+    backend = no_cuda_backend.empty()
+                  ? "host backend; no GPU found or requested"
+                  : "host backend; a GPU is present but tidepool cannot use it: " +
+                        no_cuda_backend +
+                        "; rebuild tidepool with the CUDA toolkit (nvcc) for the GPU";
+  }
+  std::printf("tidepool_train_demo: running on %s (%s)\n", cuda ? "the GPU" : "the host",
+              backend.c_str());
 
   torch::manual_seed(0);
   const int64_t in = 32, out = 8, batch = 512, hidden_layers = 4;

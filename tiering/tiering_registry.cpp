@@ -89,7 +89,7 @@ class RegistryHold {
   // The reclaim path's form: locks before `deadline` or not at all (lock_before.h).
   explicit RegistryHold(std::chrono::steady_clock::time_point deadline)
       : lock_(registry_mutex(), std::defer_lock) {
-    if (detail::lock_before(lock_, deadline)) t_holding_registry = true;
+    lock_before(deadline);
   }
   ~RegistryHold() {
     if (lock_.owns_lock()) t_holding_registry = false;
@@ -97,8 +97,8 @@ class RegistryHold {
   RegistryHold(const RegistryHold&) = delete;
   RegistryHold& operator=(const RegistryHold&) = delete;
   bool owns() const { return lock_.owns_lock(); }
-  // The reclaim path's wait after its first try: locks before `deadline` if this hold
-  // does not own the lock yet. Returns owns().
+  // Locks before `deadline` if this hold does not own the lock yet (the reclaim path's
+  // form, and its wait after a first try). Returns owns().
   bool lock_before(std::chrono::steady_clock::time_point deadline) {
     if (!lock_.owns_lock() && detail::lock_before(lock_, deadline)) t_holding_registry = true;
     return lock_.owns_lock();

@@ -562,13 +562,20 @@ def test_a_hook_that_raises_closes_the_scope_too(fake_cuda, fake_tiering, where)
     assert fake_tiering == [("evict", 0, _tags.OPTIMIZER_STATE, 4242)]
 
 
-def test_state_prefetched_for_a_step_whose_scope_did_not_open_is_evicted(
-        fake_cuda, fake_tiering, monkeypatch):
+def pool_mode_sgd_with_state():
+    """tidepool installed in pool mode with a state budget, and an SGD whose first step
+    made its state (evicted after the step); returns (its parameter, the optimizer)."""
     install(mode="pool", state_budget="1GiB")
     p = torch.nn.Parameter(torch.ones(2))
     optimizer = torch.optim.SGD([p], lr=0.1, momentum=0.9)
     p.grad = torch.ones(2)
     optimizer.step()  # the state, evicted
+    return p, optimizer
+
+
+def test_state_prefetched_for_a_step_whose_scope_did_not_open_is_evicted(
+        fake_cuda, fake_tiering, monkeypatch):
+    p, optimizer = pool_mode_sgd_with_state()
     monkeypatch.setattr(torch.cuda, "use_mem_pool", lambda pool, device=None: 1 / 0)
     q = torch.nn.Parameter(torch.ones(3))  # the next step makes its state: it takes a pool
     optimizer.add_param_group({"params": [q]})

@@ -18,7 +18,7 @@ from tidepool import _in_flight, _install, _step_scopes, _tags
 
 from fake_tiering import EVICT, fake_tiering, prefetch_of, untiered_state  # noqa: F401
 from fake_torch_cuda import fake_cuda, install  # noqa: F401  (a fixture, and the install)
-from test_optim_hooks import fake_process_group  # noqa: F401  (a fixture)
+from test_optim_hooks import fake_process_group, pool_mode_sgd_with_state  # noqa: F401  (a fixture)
 
 
 def raising_closure():
@@ -169,11 +169,7 @@ def test_a_state_step_inside_a_workspace_step_allocates_in_tidepools_pool(fake_c
 def test_a_scope_that_cannot_open_again_after_the_closure_evicts_the_state(
         fake_cuda, fake_tiering, monkeypatch):
     # Note [closures]: the guard finds no scope of the step to close then.
-    install(mode="pool", state_budget="1GiB")
-    p = torch.nn.Parameter(torch.ones(2))
-    optimizer = torch.optim.SGD([p], lr=0.1, momentum=0.9)
-    p.grad = torch.ones(2)
-    optimizer.step()  # the state, evicted
+    p, optimizer = pool_mode_sgd_with_state()
     q = torch.nn.Parameter(torch.ones(3))
     optimizer.add_param_group({"params": [q]})
     optimizer.zero_grad()  # no gradient before the closure: a workspace scope, no pool
@@ -199,11 +195,7 @@ def test_a_scope_that_fails_to_close_before_the_closure_still_counts_the_step_ou
     # Review finding: the scope was taken off before its closing raised, so neither the
     # closure wrapper nor the guard counted the step out: in flight on its device for
     # good, which stopped every later eviction there.
-    install(mode="pool", state_budget="1GiB")
-    p = torch.nn.Parameter(torch.ones(2))
-    optimizer = torch.optim.SGD([p], lr=0.1, momentum=0.9)
-    p.grad = torch.ones(2)
-    optimizer.step()  # the state, evicted
+    p, optimizer = pool_mode_sgd_with_state()
 
     real_exit_all = _install.exit_all
     failed = []
