@@ -233,7 +233,8 @@ torch::Tensor AADL::step(LossClosure closure) {
   // solve) leaves the groups after it without this step's store, and the counters have
   // moved, so a retry would not make it: their histories would hold other steps than the
   // rest for good. So they still store it before the error goes on (an error of their
-  // own then is not the one to report).
+  // own then is not the one to report). A group whose own store is what failed goes
+  // without this step's vector: there was no room for it.
   size_t group = 0;
   const auto store_the_rest = [&] {
     if (!stores) return;
@@ -305,7 +306,18 @@ void AADL::step_group(size_t g, bool stores, bool accelerates, const LossClosure
     throw;
   }
   if (accelerated_loss < plain_loss) {
-    history.replace_newest(accelerated);
+    try {
+      history.replace_newest(accelerated);
+    } catch (...) {
+      // The history still ends at the plain iterate (Note [A failed push]): so must the
+      // parameters, or the next step would start from a point the history never held.
+      try {
+        unflatten(plain, params);
+      } catch (...) {
+        // The store's error is the one to report.
+      }
+      throw;
+    }
     ++accepted_;
   } else {
     unflatten(plain, params);

@@ -33,9 +33,10 @@
 // history. (The published code loads the NaN extrapolation and trains on.)
 //
 // A step that throws after the inner step (the safeguard's closure out of memory, a failed
-// solve) leaves the group that threw at its plain iterate and still makes this step's
-// store in the groups after it, so that every group's history holds the same steps; the
-// groups before it were accelerated as usual.
+// solve, a failed store of the accepted iterate) leaves the group that threw at its plain
+// iterate and still makes this step's store in the groups after it, so that every group's
+// history holds the same steps (all but the group whose own store failed, which has no
+// room for it); the groups before it were accelerated as usual.
 //
 // acceleration_type anderson and anderson_normal_equation name the reference's two ways of
 // solving the same least-squares problem; here both use the same fp64 solve (equilibrated

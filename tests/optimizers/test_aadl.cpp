@@ -359,6 +359,45 @@ TEST(AADL, AClosureThatThrowsInTheSafeguardLeavesThePlainIterate) {
   FAIL() << "no step accelerated";
 }
 
+// The safeguard accepts the accelerated iterate, and then storing it in place of the newest
+// vector fails (a tiered chunk that cannot load): the history keeps the plain iterate
+// (Note [A failed push]), and so must the parameters, or the two disagree on where the
+// step left them.
+TEST(AADL, AFailedStoreOfTheAcceptedIterateLeavesThePlainIterate) {
+  auto placement = std::make_shared<FlakyPlacement>();
+  torch::manual_seed(5);
+  auto p = torch::randn({40}, torch::kFloat64).set_requires_grad(true);
+  AADL opt(sgd(p), AADLOptions().relaxation(1.0).history_depth(4), placement);
+  for (int step = 0; step < 6; ++step) {
+    const bool accelerates = opt.history(0).size() >= 2;
+    auto evaluations = std::make_shared<int>(0);
+    const AADL::LossClosure closure = [&, evaluations] {
+      if (torch::GradMode::is_enabled()) {
+        p.mutable_grad() = torch::sin(p.detach() * (step + 1));
+        return torch::zeros({}, torch::kFloat64);
+      }
+      // The accelerated iterate (the second evaluation) looks better: it is accepted.
+      if (++*evaluations == 2) {
+        placement->failing = true;
+        return torch::zeros({}, torch::kFloat64);
+      }
+      return torch::ones({}, torch::kFloat64);
+    };
+    if (!accelerates) {
+      opt.step(closure);
+      continue;
+    }
+    const int64_t stored = opt.history(0).size();
+    expect_error_mentions([&] { opt.step(closure); }, "flaky placement: cannot load");
+    placement->failing = false;
+    EXPECT_EQ(opt.accepted(), 0);
+    EXPECT_EQ(opt.history(0).size(), std::min<int64_t>(stored + 1, 4));
+    EXPECT_TRUE(torch::equal(p.detach(), opt.history(0).newest()));
+    return;
+  }
+  FAIL() << "no step accelerated";
+}
+
 // Diverged parameters in one group: a c10::Error naming the group and saying what happened
 // (not the solver's "A or B contains NaN or Inf"), after every group stepped and stored and
 // the finite group was accelerated exactly as it is on its own.
