@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <exception>
 #include <limits>
 #include <utility>
 
@@ -134,11 +135,23 @@ Apollo::Apollo(std::vector<torch::Tensor> params, ApolloOptions defaults,
 // Fills the lr-dependent defaults (ApolloOptions::resolve_defaults) of every group that
 // has them unset: at construction, and at the first step after add_param_group added a
 // group with options of its own, so that they are fixed from then on instead of following
-// the group's lr (the step checks the options themselves, as in training).
+// the group's lr. Every group's options are checked first (as in training): a group
+// added with an invalid lr is refused with its lr named, and nothing is fixed from it
+// (an init_lr fixed from a negative lr would be refused at every step after the lr was
+// corrected, as an invalid init_lr the user never set). A group added with lr 0 (frozen)
+// keeps them unset, and steps with 0 meanwhile: fixed from 0, its warmup would ramp
+// from 0 to 0, and the group not move for `warmup` steps once given an lr.
 void Apollo::resolve_group_options() {
+  for (const auto& group : param_groups_) {
+    static_cast<const ApolloOptions&>(group.options()).validate(ApolloOptions::Check::training);
+  }
   for (auto& group : param_groups_) {
     auto& options = static_cast<ApolloOptions&>(group.options());
     if (options.init_lr() && options.base_lr() && options.weight_decay_type()) continue;
+    if (options.lr() == 0.0 && !options.base_lr()) {
+      options.weight_decay_type(decay_type(options));
+      continue;
+    }
     options.resolve_defaults();
   }
 }
@@ -270,23 +283,30 @@ void step_with_ops(torch::Tensor& p, const torch::Tensor& raw_grad, torch::Tenso
   } else {
     eps = eps / kApolloConstantRebound;
   }
-  m.add_(delta_grad, s.alpha);
+  // Every allocation comes before the first write to the state or the parameter (two
+  // more temporaries of the parameter's size than computing in place): a step out of
+  // memory part-way leaves m, B, d and θ as they were, whichever placement keeps them,
+  // not m updated and B not. The same operations in the same order as the reference.
+  const torch::Tensor m_new = m.add(delta_grad, s.alpha);
   const torch::Tensor denom = torch::linalg_vector_norm(d, 4).add(eps);
-  d.div_(denom);
-  const torch::Tensor v_sq = d.mul(d);
+  const torch::Tensor d_scaled = d.div(denom);
+  const torch::Tensor v_sq = d_scaled.mul(d_scaled);
   const torch::Tensor delta =
-      delta_grad.div_(denom).mul_(d).sum().mul(-s.alpha) - B.mul(v_sq).sum();
-  B.addcmul_(v_sq, delta);
-  const torch::Tensor D = belief ? torch::maximum(B.abs(), rebound).add_(eps / s.alpha)
-                                 : B.abs().clamp_(kApolloConstantRebound);
-  d.copy_(m.div(D));
+      delta_grad.div_(denom).mul_(d_scaled).sum().mul(-s.alpha) - B.mul(v_sq).sum();
+  const torch::Tensor B_new = B.addcmul(v_sq, delta);
+  const torch::Tensor D = belief ? torch::maximum(B_new.abs(), rebound).add_(eps / s.alpha)
+                                 : B_new.abs().clamp_(kApolloConstantRebound);
+  const torch::Tensor d_new = m_new.div(D);
   if (o.weight_decay() != 0.0 && decay != ApolloWeightDecay::L2) {
     const double wd = decay == ApolloWeightDecay::stable
                           ? o.weight_decay() / D.mean().item<double>()
                           : o.weight_decay();
-    d.add_(p, wd);
+    d_new.add_(p, wd);
   }
-  p.add_(d, -s.lr);
+  m.copy_(m_new);
+  B.copy_(B_new);
+  d.copy_(d_new);
+  p.add_(d_new, -s.lr);
 }
 
 kernels::ApolloStepArgs fused_step_args(const ApolloOptions& o, const StepScalars& s) {
@@ -419,11 +439,21 @@ torch::Tensor Apollo::step(LossClosure closure) {
       }
       state.step += 1;
       // Ends the use: with a tiered placement that writes back on release, the copy back
-      // is only enqueued (after the step's kernels, on the store's D2H stream).
+      // is only enqueued (after the step's kernels, on the store's D2H stream). All three
+      // were written: each is released dirty even when an earlier release throws (a
+      // write-back that failed), since a lease left to its destructor is released clean,
+      // and a clean release lets a placement drop the updated copy for the old one: B and
+      // d would go back a step while m, θ and the step count went on.
       m = B = d = torch::Tensor();
-      m_lease.release(/*dirty=*/true);
-      B_lease.release(/*dirty=*/true);
-      d_lease.release(/*dirty=*/true);
+      std::exception_ptr first_error;
+      for (StateLease* lease : {&m_lease, &B_lease, &d_lease}) {
+        try {
+          lease->release(/*dirty=*/true);
+        } catch (...) {
+          if (!first_error) first_error = std::current_exception();
+        }
+      }
+      if (first_error) std::rethrow_exception(first_error);
     }
   }
   return loss;

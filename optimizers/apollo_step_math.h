@@ -80,13 +80,12 @@ TIDEPOOL_HOST_DEVICE inline std::int64_t apollo_carry_doubles(std::int64_t n) {
   return static_cast<std::int64_t>(kApolloCarried) * apollo_blocks(n);
 }
 
-// fmax's result (a NaN operand loses), without the libm call GCC makes for fmax on the host.
+// The larger of a and b, NaN when either is: ‖δ‖∞ as torch's norm(inf) gives it, which the
+// reference's σ is. (fmax lets a NaN operand lose: a NaN gradient element then vanished
+// from σ, and the fused step trained on where the reference and the ops path give NaN.)
 TIDEPOOL_HOST_DEVICE inline double apollo_max(double a, double b) {
-#if defined(__CUDA_ARCH__)
-  return fmax(a, b);
-#else
-  return (b > a || a != a) ? b : a;
-#endif
+  if (a != a) return a;
+  return (b > a || b != b) ? b : a;
 }
 
 TIDEPOOL_HOST_DEVICE inline double apollo_combine(int slot, double a, double b) {
@@ -274,9 +273,12 @@ TIDEPOOL_HOST_DEVICE inline ApolloUpdated<T> apollo_update_values(const ApolloUp
   const T d = e.d / k.s;
   const T b = e.b + k.delta_b * (d * d);
   const T abs_b = b < T(0) ? -b : b;
-  const T denom = a.belief ? (abs_b > k.sigma ? abs_b : k.sigma) + k.floor_add
-                           : (abs_b > T(kApolloConstantRebound) ? abs_b
-                                                                : T(kApolloConstantRebound));
+  // torch.maximum and clamp, as the reference takes D: a NaN B (or σ) gives a NaN D.
+  const bool b_nan = abs_b != abs_b;
+  const T denom = a.belief ? ((abs_b > k.sigma || b_nan) ? abs_b : k.sigma) + k.floor_add
+                           : ((abs_b > T(kApolloConstantRebound) || b_nan)
+                                  ? abs_b
+                                  : T(kApolloConstantRebound));
   T direction = m / denom;
   T param = e.param;
   if (a.decay != ApolloDecayMode::stable) {

@@ -36,7 +36,18 @@ StateBuffer::StateBuffer(at::IntArrayRef sizes, torch::TensorOptions options)
     : sizes_(sizes.vec()), options_(std::move(options)) {}
 
 void StateBuffer::prefetch() {
-  if (!acquired_) do_prefetch();
+  if (acquired_) return;
+  // A hint: one that fails (a host-staged buffer's staging tensors out of device memory
+  // while the buffer before it is still staged, a tiered load whose copy failed) leaves
+  // the buffer as it was, and the acquire that follows loads it itself, or reports
+  // whatever stops it. Thrown on, it would stop an optimizer step between parameters.
+  try {
+    do_prefetch();
+  } catch (const std::exception& e) {
+    TORCH_WARN_ONCE("tidepool: a prefetch of optimizer state failed, so the state is loaded "
+                    "when used instead (said once): ",
+                    e.what());
+  }
 }
 
 torch::Tensor StateBuffer::acquire() {

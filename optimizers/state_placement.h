@@ -4,6 +4,8 @@
 //
 // Protocol for one StateBuffer (written once, here):
 //   prefetch()        a hint: start making the contents available on the compute device.
+//                     It does not throw: a prefetch that fails is said once (a warning)
+//                     and leaves the buffer as it was, for acquire() to load.
 //   acquire()         returns a tensor on the compute device holding the contents; it stays
 //                     valid until release(). At most one acquire is outstanding per buffer.
 //   release(dirty)    ends the use; with dirty = true the tensor's contents are the new

@@ -4,11 +4,13 @@
 // more than one element are both covered:
 //   - it follows the LibTorch-ops path, every rebound × decay in fp64, five steps;
 //   - the carried sums (Note [carried sums]) change no bit against sums recomputed from
-//     the state every step.
+//     the state every step;
+//   - a NaN gradient element gives NaN where the ops path does.
 #pragma once
 
 #include <gtest/gtest.h>
 
+#include <limits>
 #include <vector>
 
 #include <torch/torch.h>
@@ -102,6 +104,39 @@ inline void expect_carried_sums_change_no_bit(torch::Device device) {
           }
         }
       }
+    }
+  }
+}
+
+// A NaN in one gradient element: the reference's Σg·d, and so Δ, B, D and every parameter
+// element, become NaN, and the ops path follows it. The fused step must too, not train
+// on with D at its floor (a NaN B taken as below the rebound, a NaN |δ| dropped from σ).
+inline void expect_a_nan_gradient_as_the_ops_path(torch::Device device) {
+  for (const char* rebound : {"constant", "belief"}) {
+    torch::manual_seed(4);
+    TwinParams twins(device, torch::kFloat64);
+    auto options = optim::ApolloOptions(0.01).warmup(0);
+    options.rebound(rebound);
+    optim::Apollo fused(twins.a, options);
+    optim::Apollo ops(twins.b, options);
+    ops.set_fused_kernels(false);
+    for (int step = 0; step < 3; ++step) {
+      for (auto* params : {&twins.a, &twins.b}) {
+        for (auto& p : *params) {
+          torch::Tensor g = torch::sin(p.detach() * (step + 1));
+          if (step == 1) g.view(-1)[0] = std::numeric_limits<double>::quiet_NaN();
+          p.mutable_grad() = g;
+        }
+      }
+      fused.step();
+      ops.step();
+    }
+    for (size_t i = 0; i < twins.a.size(); ++i) {
+      EXPECT_TRUE(torch::isnan(twins.b[i].detach()).all().item<bool>())
+          << rebound << " tensor " << i << ": the ops path no longer gives NaN";
+      const torch::Tensor fused_nan = torch::isnan(twins.a[i].detach());
+      EXPECT_TRUE(torch::equal(fused_nan, torch::isnan(twins.b[i].detach())))
+          << rebound << " tensor " << i << " on " << device;
     }
   }
 }

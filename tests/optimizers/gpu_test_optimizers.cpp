@@ -102,6 +102,11 @@ TEST(ApolloFusedKernels, CarriedSumsChangeNoBit) {
   tidepool::testing::expect_carried_sums_change_no_bit(torch::kCUDA);
 }
 
+TEST(ApolloFusedKernels, ANanGradientGivesNanAsTheOpsPath) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
+  tidepool::testing::expect_a_nan_gradient_as_the_ops_path(torch::kCUDA);
+}
+
 // A non-default LibTorch stream for the scope, so that a placement ordering its copies on
 // a fixed stream instead of the current one would race the optimizer's kernels.
 struct SideStream {

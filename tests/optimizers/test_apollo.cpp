@@ -1,9 +1,11 @@
 // Apollo's contract beyond the golden trajectories: option checks and defaults, sparse
 // gradients, half-precision and complex parameters, parameter groups, zero_grad,
-// step(closure), save/load errors, a step whose state cannot be made (refused whole), and
-// empty parameters in every placement.
+// step(closure), save/load errors, a step whose state cannot be made (refused whole), a
+// write-back or a prefetch that fails, groups added with an invalid or zero lr, and empty
+// parameters in every placement.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <memory>
 #include <optional>
 #include <string>
@@ -410,6 +412,138 @@ TEST(Apollo, AnEmptyParameterStepsInEveryPlacement) {
   }
   EXPECT_TRUE(torch::equal(results[0], results[1]));
   EXPECT_TRUE(torch::equal(results[0], results[2]));
+}
+
+// A placement that hands out a copy of each buffer's contents and takes it back only on a
+// dirty release (a clean one drops it, as a tiered buffer evicted clean drops its device
+// copy), whose write-back after the release fails for buffers listed in `failing_after`
+// (the copy to the host failed, the device copy kept), and whose prefetches fail while
+// `prefetch_fails`. Buffers are numbered in creation order: m, B, d of each parameter.
+class WriteBackPlacement final : public tidepool::optim::StatePlacement {
+ public:
+  std::vector<int> failing_after;
+  bool prefetch_fails = false;
+  int prefetches_failed = 0;
+  std::unique_ptr<tidepool::optim::StateBuffer> create(const torch::Tensor& initial) override {
+    return std::make_unique<Buffer>(initial, *this, created_++);
+  }
+  std::string name() const override { return "write-back"; }
+
+ private:
+  class Buffer final : public tidepool::optim::StateBuffer {
+   public:
+    Buffer(const torch::Tensor& initial, WriteBackPlacement& owner, int number)
+        : StateBuffer(initial.sizes(), initial.options()), owner_(owner), number_(number),
+          stored_(initial.clone()) {}
+
+   private:
+    void do_prefetch() override {
+      if (owner_.prefetch_fails) {
+        owner_.prefetches_failed++;
+        TORCH_CHECK(false, "write-back placement: out of memory staging buffer ", number_);
+      }
+    }
+    torch::Tensor do_acquire() override { return stored_.clone(); }
+    void do_release(torch::Tensor& working, bool dirty) override {
+      if (dirty) stored_ = working.clone();
+    }
+    void do_after_release() override {
+      const auto& failing = owner_.failing_after;
+      TORCH_CHECK(std::find(failing.begin(), failing.end(), number_) == failing.end(),
+                  "write-back placement: copy back of buffer ", number_, " failed");
+    }
+    torch::Tensor do_read_host() const override { return stored_.clone(); }
+    WriteBackPlacement& owner_;
+    int number_;
+    torch::Tensor stored_;
+  };
+  int created_ = 0;
+};
+
+// Every parameter's saved state and value, for comparing two optimizers' whole state.
+torch::Tensor everything(const Apollo& opt, const std::vector<torch::Tensor>& params) {
+  std::vector<torch::Tensor> parts;
+  for (const auto& saved : opt.saved_state()) {
+    parts.insert(parts.end(), {saved->exp_avg_grad, saved->approx_hessian, saved->update,
+                               torch::full({1}, static_cast<double>(saved->step))});
+  }
+  for (const auto& p : params) parts.push_back(p.detach());
+  return torch::cat(parts);
+}
+
+// The step wrote m, B and d; m's write-back fails after its release. B and d are still
+// released dirty: released clean (the leases' unwinding), a placement may drop their new
+// contents, and B and d would go back a step while m, θ and the step count went on.
+TEST(Apollo, AFailedWriteBackKeepsTheRestOfTheStepsState) {
+  auto placement = std::make_shared<WriteBackPlacement>();
+  auto a = param(5), b = param(5);
+  Apollo opt({a}, ApolloOptions(0.1).warmup(0), placement);
+  Apollo reference({b}, ApolloOptions(0.1).warmup(0));
+  for (int step = 0; step < 3; ++step) {
+    a.mutable_grad() = torch::cos(a.detach() * (step + 1));
+    b.mutable_grad() = torch::cos(b.detach() * (step + 1));
+    placement->failing_after = step == 1 ? std::vector<int>{0} : std::vector<int>{};
+    if (step == 1) {
+      expect_error_mentions([&] { opt.step(); }, "copy back of buffer 0 failed");
+    } else {
+      opt.step();
+    }
+    reference.step();
+    EXPECT_TRUE(torch::equal(everything(opt, {a}), everything(reference, {b}))) << "step " << step;
+  }
+}
+
+// A prefetch is a hint: one that fails (staging out of device memory) is said once and
+// the step goes on, loading the state when it is used, to the same result.
+TEST(Apollo, AFailedPrefetchDoesNotStopTheStep) {
+  auto placement = std::make_shared<WriteBackPlacement>();
+  placement->prefetch_fails = true;
+  auto a = param(5), b = param(3), a2 = param(5), b2 = param(3);
+  Apollo opt({a, b}, ApolloOptions(0.1).warmup(0), placement);
+  Apollo reference({a2, b2}, ApolloOptions(0.1).warmup(0));
+  for (int step = 0; step < 2; ++step) {
+    for (auto* p : {&a, &b, &a2, &b2}) p->mutable_grad() = torch::sin(p->detach()) + 0.5;
+    opt.step();
+    reference.step();
+  }
+  EXPECT_GT(placement->prefetches_failed, 0);
+  EXPECT_TRUE(torch::equal(everything(opt, {a, b}), everything(reference, {a2, b2})));
+}
+
+// A group added with an invalid lr is refused, and nothing is fixed from that lr: once
+// corrected, the group's warmup ramps from the corrected lr (init_lr fixed from -0.1 was
+// refused at every later step, as an invalid init_lr never set). A group added frozen
+// (lr 0) fixes its warmup from the lr it is later given, not from 0 (a ramp from 0 to 0:
+// it would not move for `warmup` steps).
+TEST(Apollo, AGroupAddedWithAnInvalidOrZeroLrTakesItsWarmupFromTheLrItIsGiven) {
+  auto a = param(3), bad = param(2), frozen = param(4);
+  Apollo opt({a}, ApolloOptions(0.1).warmup(10));
+  opt.add_param_group(torch::optim::OptimizerParamGroup(
+      {bad}, std::make_unique<ApolloOptions>(ApolloOptions(-0.1).warmup(10))));
+  opt.add_param_group(torch::optim::OptimizerParamGroup(
+      {frozen}, std::make_unique<ApolloOptions>(ApolloOptions(0.0).warmup(10))));
+  const auto grads = [&] {
+    for (auto* p : {&a, &bad, &frozen}) p->mutable_grad() = torch::cos(p->detach()) + 0.5;
+  };
+  grads();
+  expect_error_mentions([&] { opt.step(); }, "invalid learning rate -0.1");
+  opt.param_groups()[1].options().set_lr(0.2);
+  const torch::Tensor frozen_before = frozen.detach().clone();
+  for (int step = 0; step < 2; ++step) {
+    grads();
+    opt.step();
+  }
+  EXPECT_TRUE(torch::equal(frozen.detach(), frozen_before)) << "a group at lr 0 moved";
+  const auto& corrected = static_cast<const ApolloOptions&>(opt.param_groups()[1].options());
+  EXPECT_EQ(corrected.base_lr(), std::optional<double>(0.2));
+  EXPECT_EQ(corrected.init_lr(), std::optional<double>(0.2 / 1000));
+  opt.param_groups()[2].options().set_lr(0.05);
+  grads();
+  opt.step();
+  const auto& unfrozen = static_cast<const ApolloOptions&>(opt.param_groups()[2].options());
+  EXPECT_EQ(unfrozen.base_lr(), std::optional<double>(0.05));
+  EXPECT_EQ(unfrozen.init_lr(), std::optional<double>(0.05 / 1000));
+  EXPECT_FALSE(torch::equal(frozen.detach(), frozen_before)) << "the unfrozen group did not move";
 }
 
 TEST(Apollo, NullPlacementIsRejected) {

@@ -32,6 +32,10 @@ TEST(ApolloFusedHost, CarriedSumsChangeNoBit) {
   tidepool::testing::expect_carried_sums_change_no_bit(torch::kCPU);
 }
 
+TEST(ApolloFusedHost, ANanGradientGivesNanAsTheOpsPath) {
+  tidepool::testing::expect_a_nan_gradient_as_the_ops_path(torch::kCPU);
+}
+
 // One parameter's state and gradient on the host, as apollo_step_host takes them; fp64,
 // where a wrong last bit of a sum shows in the result (fp32 rounds most of them away).
 struct HostStep {
