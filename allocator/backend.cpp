@@ -358,21 +358,24 @@ void Backend::unmap(void* va, std::size_t bytes) {
   require_granular_va("unmap", va, granularity_);
   require_granular("unmap", bytes, granularity_);
   const auto start = reinterpret_cast<std::uintptr_t>(va);
+  // The records move between the maps as nodes (extract, insert of the node): no heap, so
+  // an unmap, which callers make to give memory back when the heap has run out, needs none.
   std::map<std::uintptr_t, std::size_t> forgotten;
   {
     std::lock_guard lock(peers_->mutex);
     auto& mapped = peers_->mapped;
-    auto first = mapped.lower_bound(start);
-    auto last = first;
-    while (last != mapped.end() && last->first < start + bytes) ++last;
-    forgotten.insert(std::make_move_iterator(first), std::make_move_iterator(last));
-    mapped.erase(first, last);
+    auto it = mapped.lower_bound(start);
+    while (it != mapped.end() && it->first < start + bytes) {
+      auto next = std::next(it);
+      forgotten.insert(mapped.extract(it));
+      it = next;
+    }
   }
   try {
     do_unmap(va, bytes);
   } catch (...) {
     std::lock_guard lock(peers_->mutex);
-    peers_->mapped.insert(forgotten.begin(), forgotten.end());
+    while (!forgotten.empty()) peers_->mapped.insert(forgotten.extract(forgotten.begin()));
     throw;
   }
 }

@@ -287,6 +287,9 @@ void* VmmPool::allocate_range(std::size_t bytes, int tag, Placement placement) {
   Range r;
   r.bytes = total;
   r.tag = tag;
+  // Room for every chunk before any is made: a chunk mapped and then lost to a failed
+  // push_back would stay mapped, charged and counted for good.
+  r.chunks.reserve((total + chunk_bytes_ - 1) / chunk_bytes_);
   r.sequence = next_sequence_++;
   try {
     r.base = static_cast<char*>(backend_.reserve_address(total));
@@ -356,9 +359,19 @@ void* VmmPool::allocate_range(std::size_t bytes, int tag, Placement placement) {
     unwind();
     throw TieringError(std::string("vmm pool: allocate of ") + std::to_string(bytes) +
                        " bytes failed: " + e.what());
+  } catch (...) {  // std::bad_alloc in a backend call: the range goes back all the same
+    unwind();
+    throw;
   }
   char* base = r.base;
-  ranges_.emplace(base, std::move(r));
+  try {
+    ranges_.emplace(base, std::move(r));
+  } catch (...) {
+    // The map's node could not be made (std::bad_alloc), so `r` was not moved from: given
+    // back, it leaves no mapping, backing, charge or count behind.
+    unwind();
+    throw;
+  }
   return base;
 }
 

@@ -465,7 +465,13 @@ PhysicalHandle HostBackend::do_create_physical(std::size_t bytes, MemoryLocation
   }
   std::lock_guard lock(vm_mutex_);
   const std::uint64_t handle = next_physical_++;
-  physicals_.emplace(handle, PhysicalMemory{fd, bytes, where});
+  try {
+    physicals_.emplace(handle, PhysicalMemory{fd, bytes, where});
+  } catch (...) {  // std::bad_alloc: no record, so nothing could ever release it
+    ::close(fd);
+    if (on_device) return_capacity(bytes);
+    throw;
+  }
   return PhysicalHandle{handle};
 }
 
@@ -516,7 +522,14 @@ void HostBackend::do_map(void* va, std::size_t bytes, PhysicalHandle h) {
   void* got = ::mmap(va, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED,
                      phys->second.fd, 0);
   if (got == MAP_FAILED) fail("map", "mmap failed: " + errno_text(errno));
-  mappings_.emplace(start, Mapping{bytes, h.value});
+  try {
+    mappings_.emplace(start, Mapping{bytes, h.value});
+  } catch (...) {
+    // std::bad_alloc: a mapping with no record could never be unmapped, and would keep
+    // the handle's pages: back to the reservation's inaccessible pages, as unmap leaves it.
+    ::mmap(va, bytes, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE, -1, 0);
+    throw;
+  }
 }
 
 void HostBackend::do_unmap(void* va, std::size_t bytes) {

@@ -1,0 +1,100 @@
+// VmmPool::allocate when the C++ heap runs out part-way through making a range of several
+// chunks: the range goes back whole, and giving it back needs no heap (the backend seam's
+// unmap moves its records as nodes; the host backend gives back a backing or a mapping it
+// could not record). This binary replaces operator new
+// (tests/support/failing_operator_new.h) and sweeps the allocation that fails, once or from
+// then on, until the allocation goes through. After each failure nothing is mapped, backed,
+// counted or charged to the pool's device budget: a later range gets the whole budget.
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <cstddef>
+#include <string>
+
+#include "allocator/forwarding_backend.h"
+#include "allocator/tags.h"
+#include "tests/support/failing_operator_new.h"
+#include "tiering/vmm_migration.h"
+
+namespace tidepool {
+namespace {
+
+constexpr long kMaxAllocations = 10000;
+
+// Counts the physical backings made and not released, without the heap (the failing
+// backend of the other tests records every call in maps, so its own bookkeeping would be
+// what fails once the heap is exhausted).
+class CountingBackend final : public ForwardingBackend {
+ public:
+  using ForwardingBackend::ForwardingBackend;
+  long live_physicals() const { return live_.load(); }
+
+ private:
+  PhysicalHandle do_create_physical(std::size_t b, MemoryLocation w) override {
+    const PhysicalHandle h = ForwardingBackend::do_create_physical(b, w);
+    if (h) live_++;
+    return h;
+  }
+  void do_release_physical(PhysicalHandle h, std::size_t b) override {
+    ForwardingBackend::do_release_physical(h, b);
+    live_--;
+  }
+  std::atomic<long> live_{0};
+};
+
+void expect_nothing_held(VmmPool& pool, const CountingBackend& backend, const std::string& when) {
+  const VmmStats s = pool.stats();
+  EXPECT_EQ(s.ranges, 0u) << when;
+  EXPECT_EQ(s.device_backed_bytes, 0u) << when << ": device backing kept or counted";
+  EXPECT_EQ(s.host_backed_bytes, 0u) << when << ": host backing kept or counted";
+  EXPECT_EQ(backend.live_physicals(), 0) << when << ": a backing leaked";
+}
+
+// Review finding: only a BackendError undid a half-made range. A std::bad_alloc recording a
+// chunk already mapped, or making the pool's map node for the finished range, left every
+// chunk mapped, its backing unreleased, the counts up and the budget charged, for good.
+TEST(VmmAllocationFailures, ARangeThatRunsOutOfHeapLeavesNothingBehind) {
+  auto inner = make_host_backend(0);
+  const std::size_t g = inner->granularity();
+  for (const bool within_budget : {false, true}) {
+    for (const bool exhausted : {false, true}) {
+      const std::string label = std::string(within_budget ? "within budget" : "on the device") +
+                                (exhausted ? ", heap stays exhausted" : ", one failure");
+      long failures = 0;
+      for (long n = 0; n < kMaxAllocations; ++n) {
+        const std::string when = label + ", allocation " + std::to_string(n);
+        CountingBackend backend(*inner);
+        // Chunks of two granules; a budget of four: a range of six granules has three
+        // chunks, two of them on the device within the budget.
+        VmmPool pool(backend, VmmPoolOptions{.device_budget_bytes = 4 * g,
+                                             .spare_host_bytes = 0,
+                                             .creation_threads = 0,
+                                             .chunk_granules = 2});
+        void* ptr = nullptr;
+        const auto allocate = [&] {
+          ptr = within_budget ? pool.allocate_within_budget(6 * g, kTagOptimizerState)
+                              : pool.allocate(6 * g, kTagOptimizerState);
+        };
+        const bool done = exhausted ? test_support::survives_exhaustion(n, allocate)
+                                    : test_support::survives(n, allocate);
+        if (done) {
+          ASSERT_NE(ptr, nullptr) << when;
+          EXPECT_EQ(pool.stats().device_backed_bytes, within_budget ? 4 * g : 6 * g) << when;
+          pool.deallocate(ptr);
+          expect_nothing_held(pool, backend, when + " (went through)");
+          break;
+        }
+        ++failures;
+        expect_nothing_held(pool, backend, when);
+        // The budget is whole again: a range of its size is all on the device.
+        void* again = pool.allocate_within_budget(4 * g, kTagOptimizerState);
+        EXPECT_EQ(pool.stats().device_backed_bytes, 4 * g) << when << ": budget still charged";
+        pool.deallocate(again);
+      }
+      EXPECT_GT(failures, 2) << label << ": the sweep reached no chunk";
+    }
+  }
+}
+
+}  // namespace
+}  // namespace tidepool
