@@ -407,6 +407,12 @@ void* allocate_on(CachingAllocator::Impl& m, std::size_t bytes, Stream stream, b
   }
   {
     std::lock_guard lock(m.mutex);
+    // try_allocate waits for nothing (a tiered store's prefetch calls it holding its lock).
+    m.waits_forbidden = !may_free;
+    struct ResetOnExit {
+      bool& flag;
+      ~ResetOnExit() { flag = false; }
+    } const reset{m.waits_forbidden};
     if (void* p = m.allocate_locked(bytes, size, small, tag, tc, stream, may_free)) return p;
     if (!may_free) return nullptr;
     // A request that can never fit fails at once, the cache kept (try_allocate_releasing

@@ -66,6 +66,9 @@ struct __attribute__((visibility("hidden"))) CachingAllocator::Impl {
   std::uint64_t futile_recycle_at = UINT64_MAX;
   // allocations.freed at the last search for movable free runs that found none.
   std::uint64_t futile_move_at = UINT64_MAX;
+  // Set (under `mutex`) while a try_allocate runs, which waits for nothing: no move that
+  // would synchronize with the allocating stream, no recycling (whose releases may).
+  bool waits_forbidden = false;
   // Note [Unreleased handles] (segments.cpp): physical memory unmapped from every range
   // whose release failed, with its bytes; released by the next release_cached or at the
   // end. Backs nothing, so counted in no stat.

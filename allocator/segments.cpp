@@ -225,7 +225,7 @@ bool CachingAllocator::Impl::ensure_backed(Block* b) {
   const std::size_t offset = static_cast<std::size_t>(b->ptr - seg->base);
   const std::size_t first = offset / granule;
   const std::size_t end = (offset + b->size + granule - 1) / granule;
-  if (options.recycle_slack >= 0 && options.allow_release &&
+  if (options.recycle_slack >= 0 && options.allow_release && !waits_forbidden &&
       futile_recycle_at != stats.allocations.freed &&
       stats.reserved.current - stats.allocated.current >= granule) {
     // Note [Recycling free runs]
@@ -492,11 +492,13 @@ bool CachingAllocator::Impl::move_free_run(Segment* seg, std::size_t head,
   // A physical handle maps whole (Backend::map has no offset), so only a whole slot of
   // the same length fits. Among those, one that needs no stream synchronization, and
   // among those the one found last: scans go in address order, so that is the free slot
-  // highest in its range, the least likely to be reused soon.
+  // highest in its range, the least likely to be reused soon. A try_allocate takes none
+  // that needs the synchronization.
   std::size_t pick = movable.size();
   for (std::size_t i = movable.size(); i-- > 0;) {
     const FreeRun& r = movable[i];
     if (r.granules != granules || !r.whole_slot) continue;
+    if (waits_forbidden && r.needs_sync && allocating.free_seq > allocating.safe_seq) continue;
     if (pick == movable.size()) pick = i;
     if (!r.needs_sync) {
       pick = i;

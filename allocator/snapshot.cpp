@@ -92,10 +92,12 @@ const char* state_name(BlockState s) {
 std::size_t CachingAllocator::Impl::largest_free_backed() const {
   std::size_t largest = 0;
   for (const auto& [base, seg] : segments) {
-    // Adjacent non-allocated blocks form one free range (quick and pending blocks
-    // included: their memory is cached, just not yet merged).
+    // Adjacent non-allocated blocks of one stream form one free range (quick and pending
+    // blocks included: their memory is cached, just not yet merged). Blocks of different
+    // streams never merge, and a steal takes one block: such neighbours are two ranges.
     const char* run_lo = nullptr;
     const char* run_hi = nullptr;
+    const StreamPools* run_owner = nullptr;
     for (const Block* b = seg->first; b != nullptr; b = b->next) {
       // A block parked in a thread cache is allocated to the shared state but cached
       // memory all the same (its holder's mutex is held by the caller).
@@ -103,6 +105,8 @@ std::size_t CachingAllocator::Impl::largest_free_backed() const {
         run_lo = run_hi = nullptr;
         continue;
       }
+      if (b->owner != run_owner) run_lo = run_hi = nullptr;
+      run_owner = b->owner;
       for_each_backed(b, granule, [&](const char* lo, const char* hi) {
         if (run_hi != lo) run_lo = lo;
         run_hi = hi;

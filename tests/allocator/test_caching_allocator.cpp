@@ -534,6 +534,38 @@ TEST_P(Moves, ASlotIsUnmappedOnlyAfterTheAllocatingStreamsWorkOnIt) {
   be.destroy_stream(s);
 }
 
+// try_allocate waits for nothing (a tiered store's prefetch calls it under its own lock):
+// a slot of the allocating stream that could move only after a synchronize with that
+// stream is passed over, and new memory backs the block instead.
+TEST_P(Moves, TryAllocateMovesNoSlotThatWouldWaitForTheStream) {
+  std::atomic<bool> go{false};
+  TIDEPOOL_ALLOCATOR_OR_SKIP(a, true, [&](std::unique_ptr<Backend> inner) {
+    return std::unique_ptr<Backend>(std::make_unique<ReleasesOnSynchronize>(std::move(inner), go));
+  });
+  Backend& be = a->backend();
+  const Stream s = be.create_stream();
+  char* x = static_cast<char*>(a->allocate(slot_, s));
+  char* keep = static_cast<char*>(a->allocate(slot_, s));
+  hold_until(be, s, go);
+  be.memset_async(x, 0xAA, slot_, s);
+  a->deallocate(x, slot_, s);
+  const std::uint64_t acquired = a->stats().segments.allocated;
+  char* y = static_cast<char*>(a->try_allocate(2 * slot_, s));
+  const bool waited = go.exchange(true);
+  EXPECT_FALSE(waited) << "try_allocate synchronized with the stream";
+  ASSERT_NE(y, nullptr);
+  EXPECT_EQ(a->mapping_stats().runs_moved, 0u);
+  EXPECT_EQ(a->mapping_stats().move_syncs, 0u);
+  EXPECT_EQ(a->stats().segments.allocated, acquired + 2);
+  be.memset_async(y, 0x55, 2 * slot_, s);
+  be.stream_synchronize(s);
+  Battery::check(be, y, 2 * slot_, 0x55);
+  expect_mapping_accounts(*a);
+  a->deallocate(y, 2 * slot_, s);
+  a->deallocate(keep, slot_, s);
+  be.destroy_stream(s);
+}
+
 TEST_P(Moves, AnotherStreamsSlotMovesOnlyOnceItsFenceHasPassed) {
   TIDEPOOL_ALLOCATOR_OR_SKIP(a);
   Backend& be = a->backend();

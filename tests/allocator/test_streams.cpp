@@ -1,6 +1,7 @@
 // Stream ordering rules (Note [Stream contract] in caching_allocator.h), on the host
 // backend whose streams really run asynchronously: a stream is held busy by a host
-// function that waits for the test's signal, so "work still pending" is real.
+// function that waits for the test's signal, so "work still pending" is real. And the
+// largest free block, which counts free blocks of different streams apart.
 #include <gtest/gtest.h>
 
 #include <atomic>
@@ -102,6 +103,27 @@ TEST_F(Streams, EmptyCacheKeepsBlocksWaitingForEvents) {
   alloc_.deallocate(q, 512, a_);
   alloc_.empty_cache();
   EXPECT_LT(alloc_.stats().reserved.current, kSize);
+}
+
+// Free neighbours of two streams never merge, and a steal takes one block: the largest
+// free block (what PyTorch sizes cuDNN workspaces by) and fragmentation count them apart.
+TEST(LargestFreeBlock, FreeNeighboursOfTwoStreamsAreTwoBlocks) {
+  AllocatorOptions o;
+  o.expandable_segments = false;
+  CachingAllocator alloc(make_host_backend(0), o);
+  Backend& be = alloc.backend();
+  const Stream a = be.create_stream(), b = be.create_stream();
+  char* x = static_cast<char*>(alloc.allocate(kSize, a));
+  char* y = static_cast<char*>(alloc.allocate(2 * kSize, b));  // B steals the rest of A's
+  ASSERT_EQ(y, x + kSize) << "the layout this test needs: one segment, split between A and B";
+  ASSERT_EQ(alloc.stats().segments.current, 1u);
+  alloc.deallocate(x, kSize, a);
+  alloc.deallocate(y, 2 * kSize, b);  // merges with B's rest of the segment
+  const AllocatorStats s = alloc.stats();
+  EXPECT_EQ(alloc.largest_free_block(), s.reserved.current - kSize);
+  EXPECT_GT(s.fragmentation, 0.0);
+  be.destroy_stream(a);
+  be.destroy_stream(b);
 }
 
 TEST_F(Streams, RecordStreamOnAnUnknownPointerIsAClearError) {
