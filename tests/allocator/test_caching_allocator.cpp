@@ -438,6 +438,8 @@ class Moves : public ::testing::TestWithParam<std::string> {
         },
         &go);
   }
+  // Defined with the test it serves, below.
+  void grow_while_a_freed_slot_is_in_use(bool try_only);
   std::size_t slot_ = 0;
 };
 
@@ -506,64 +508,48 @@ class ReleasesOnSynchronize : public ForwardingBackend {
   std::atomic<bool>& go_;
 };
 
-TEST_P(Moves, ASlotIsUnmappedOnlyAfterTheAllocatingStreamsWorkOnIt) {
+// Stream s frees slot x while work it queued before the free still writes x (the stream is
+// held until the allocator synchronizes with it or, if it never does, until the request
+// returns); then a request on s grows its range by two slots. allocate moves x's slot
+// (after s has passed that work) and creates one. try_allocate waits for nothing (a tiered
+// store's prefetch calls it under its own lock): it passes x's slot over and creates two.
+void Moves::grow_while_a_freed_slot_is_in_use(bool try_only) {
   std::atomic<bool> go{false};
-  TIDEPOOL_ALLOCATOR_OR_SKIP(a, true, [&](std::unique_ptr<Backend> inner) {
+  auto a = make(true, [&](std::unique_ptr<Backend> inner) {
     return std::unique_ptr<Backend>(std::make_unique<ReleasesOnSynchronize>(std::move(inner), go));
   });
+  if (!a) GTEST_SKIP() << "no CUDA device on this machine";
   Backend& be = a->backend();
+  const std::size_t slot = slot_;
   const Stream s = be.create_stream();
-  char* x = static_cast<char*>(a->allocate(slot_, s));
-  char* keep = static_cast<char*>(a->allocate(slot_, s));
-  // Work still queued on s writes x after its free: the stream is held until the
-  // allocator synchronizes with it (or, if it never does, until the allocation returns).
+  char* x = static_cast<char*>(a->allocate(slot, s));
+  char* keep = static_cast<char*>(a->allocate(slot, s));
   hold_until(be, s, go);
-  be.memset_async(x, 0xAA, slot_, s);
-  a->deallocate(x, slot_, s);
-  // Grows by two slots: x's slot moves (after s has passed the memset), one is created.
-  char* y = static_cast<char*>(a->allocate(2 * slot_, s));
-  go = true;
-  EXPECT_EQ(a->mapping_stats().runs_moved, 1u);
-  EXPECT_EQ(a->mapping_stats().move_syncs, 1u);
-  be.memset_async(y, 0x55, 2 * slot_, s);
+  be.memset_async(x, 0xAA, slot, s);
+  a->deallocate(x, slot, s);
+  const std::uint64_t acquired = a->stats().segments.allocated;
+  char* y = static_cast<char*>(try_only ? a->try_allocate(2 * slot, s) : a->allocate(2 * slot, s));
+  const bool synchronized = go.exchange(true);
+  ASSERT_NE(y, nullptr);
+  EXPECT_EQ(synchronized, !try_only);
+  EXPECT_EQ(a->mapping_stats().runs_moved, try_only ? 0u : 1u);
+  EXPECT_EQ(a->mapping_stats().move_syncs, try_only ? 0u : 1u);
+  EXPECT_EQ(a->stats().segments.allocated, acquired + (try_only ? 2 : 1));
+  be.memset_async(y, 0x55, 2 * slot, s);
   be.stream_synchronize(s);
-  Battery::check(be, y, 2 * slot_, 0x55);
+  Battery::check(be, y, 2 * slot, 0x55);
   expect_mapping_accounts(*a);
-  a->deallocate(y, 2 * slot_, s);
-  a->deallocate(keep, slot_, s);
+  a->deallocate(y, 2 * slot, s);
+  a->deallocate(keep, slot, s);
   be.destroy_stream(s);
 }
 
-// try_allocate waits for nothing (a tiered store's prefetch calls it under its own lock):
-// a slot of the allocating stream that could move only after a synchronize with that
-// stream is passed over, and new memory backs the block instead.
+TEST_P(Moves, ASlotIsUnmappedOnlyAfterTheAllocatingStreamsWorkOnIt) {
+  grow_while_a_freed_slot_is_in_use(/*try_only=*/false);
+}
+
 TEST_P(Moves, TryAllocateMovesNoSlotThatWouldWaitForTheStream) {
-  std::atomic<bool> go{false};
-  TIDEPOOL_ALLOCATOR_OR_SKIP(a, true, [&](std::unique_ptr<Backend> inner) {
-    return std::unique_ptr<Backend>(std::make_unique<ReleasesOnSynchronize>(std::move(inner), go));
-  });
-  Backend& be = a->backend();
-  const Stream s = be.create_stream();
-  char* x = static_cast<char*>(a->allocate(slot_, s));
-  char* keep = static_cast<char*>(a->allocate(slot_, s));
-  hold_until(be, s, go);
-  be.memset_async(x, 0xAA, slot_, s);
-  a->deallocate(x, slot_, s);
-  const std::uint64_t acquired = a->stats().segments.allocated;
-  char* y = static_cast<char*>(a->try_allocate(2 * slot_, s));
-  const bool waited = go.exchange(true);
-  EXPECT_FALSE(waited) << "try_allocate synchronized with the stream";
-  ASSERT_NE(y, nullptr);
-  EXPECT_EQ(a->mapping_stats().runs_moved, 0u);
-  EXPECT_EQ(a->mapping_stats().move_syncs, 0u);
-  EXPECT_EQ(a->stats().segments.allocated, acquired + 2);
-  be.memset_async(y, 0x55, 2 * slot_, s);
-  be.stream_synchronize(s);
-  Battery::check(be, y, 2 * slot_, 0x55);
-  expect_mapping_accounts(*a);
-  a->deallocate(y, 2 * slot_, s);
-  a->deallocate(keep, slot_, s);
-  be.destroy_stream(s);
+  grow_while_a_freed_slot_is_in_use(/*try_only=*/true);
 }
 
 TEST_P(Moves, AnotherStreamsSlotMovesOnlyOnceItsFenceHasPassed) {
