@@ -1,10 +1,14 @@
 // Registries of reclaim hooks and empty-cache hooks (see reclaim.h). A list is copied
 // before its hooks run so a hook may register or unregister hooks, and no lock is held
-// while hooks run.
+// while hooks run; an unregister waits for the calls of its hook in flight (Note
+// [Unregistering a running hook]).
 #include "allocator/reclaim.h"
 
+#include <algorithm>
+#include <condition_variable>
 #include <cstdio>
 #include <exception>
+#include <memory>
 #include <mutex>
 #include <stdexcept>
 #include <string>
@@ -14,10 +18,25 @@
 namespace tidepool {
 namespace {
 
+// Note [Unregistering a running hook]
+// The runners call a copy of the list, with no lock held. So an unregister that only
+// erased the entry would let a run that copied the list before it still call the hook
+// after the unregister returned: after its owner had destroyed what it captured (a
+// scoped hook's [&] lambda), a use after free. Each hook is therefore a slot that a run
+// enters before the call and leaves after it: unregister marks the slot removed (no run
+// enters it from then on) and waits until no other thread is inside. A hook that
+// unregisters itself, from inside its own call, does not wait for that call. A caller of
+// unregister must hold no lock the hook takes: the wait would not end.
 template <class Hook>
 class HookList {
  public:
-  using Entry = std::pair<int, Hook>;
+  struct Slot {
+    int id;
+    Hook hook;
+    int running = 0;       // threads inside the call, under mutex_
+    bool removed = false;  // under mutex_
+  };
+  using Snapshot = std::vector<std::shared_ptr<Slot>>;
 
   // `what` names the list in messages ("reclaim hook").
   explicit HookList(const char* what) : what_(what) {}
@@ -29,39 +48,66 @@ class HookList {
     }
     std::lock_guard lock(mutex_);
     const int id = next_id_++;
-    hooks_.emplace_back(id, std::move(hook));
+    auto slot = std::make_shared<Slot>(Slot{id, std::move(hook)});
+    hooks_.push_back(std::move(slot));
     return id;
   }
   void remove(int id) {
-    std::lock_guard lock(mutex_);
-    std::erase_if(hooks_, [id](const Entry& entry) { return entry.first == id; });
+    std::unique_lock lock(mutex_);
+    auto it = std::find_if(hooks_.begin(), hooks_.end(),
+                           [id](const std::shared_ptr<Slot>& slot) { return slot->id == id; });
+    if (it == hooks_.end()) return;
+    const std::shared_ptr<Slot> slot = *it;
+    hooks_.erase(it);
+    slot->removed = true;
+    // Note [Unregistering a running hook]: the call this thread is inside, if any, is not
+    // waited for.
+    const int own = t_running_slot_ == slot.get() ? 1 : 0;
+    left_.wait(lock, [&] { return slot->running <= own; });
   }
-  std::vector<Entry> snapshot() {
+  Snapshot snapshot() {
     std::lock_guard lock(mutex_);
     return hooks_;
   }
 
-  // Runs call(hook) for each hook of `snapshot`; a hook that throws is reported on stderr
-  // (`during`: what the allocator was doing) and the next one runs.
+  // Runs call(hook) for each hook of `snapshot` still registered; a hook that throws is
+  // reported on stderr (`during`: what the allocator was doing) and the next one runs.
   template <class Call>
-  void run_each(std::vector<Entry>& snapshot, const char* during, Call&& call) const {
-    for (auto& [id, hook] : snapshot) {
+  void run_each(const Snapshot& snapshot, const char* during, Call&& call) {
+    for (const std::shared_ptr<Slot>& slot : snapshot) {
+      {
+        std::lock_guard lock(mutex_);
+        if (slot->removed) continue;
+        slot->running++;
+      }
+      const Slot* outer = std::exchange(t_running_slot_, slot.get());
       try {
-        call(hook);
+        call(slot->hook);
       } catch (const std::exception& e) {
-        std::fprintf(stderr, "tidepool: %s %d threw during %s: %s\n", what_, id, during,
+        std::fprintf(stderr, "tidepool: %s %d threw during %s: %s\n", what_, slot->id, during,
                      e.what());
       } catch (...) {
-        std::fprintf(stderr, "tidepool: %s %d threw a non-standard exception\n", what_, id);
+        std::fprintf(stderr, "tidepool: %s %d threw a non-standard exception\n", what_,
+                     slot->id);
       }
+      t_running_slot_ = outer;
+      {
+        std::lock_guard lock(mutex_);
+        slot->running--;
+      }
+      left_.notify_all();
     }
   }
 
  private:
   const char* what_;
   std::mutex mutex_;
+  std::condition_variable left_;  // a run left a slot
   int next_id_ = 1;
-  std::vector<Entry> hooks_;
+  Snapshot hooks_;
+  // The slot of this list whose call this thread is inside (one at most: a nested run
+  // calls no hook, Note [Nested reclaim]).
+  static inline thread_local const Slot* t_running_slot_ = nullptr;
 };
 
 // Never destroyed: hooks may be registered, unregistered and run during static destruction.
@@ -115,7 +161,7 @@ ReclaimResult run_reclaim_hooks(int device, std::size_t bytes_needed) {
   if (t_running_reclaim_hooks) return {};  // Note [Nested reclaim]
   const RunningHooks running(t_running_reclaim_hooks);
   HookList<ReclaimHook>& list = reclaim_hooks();
-  std::vector<HookList<ReclaimHook>::Entry> snapshot = list.snapshot();
+  const HookList<ReclaimHook>::Snapshot snapshot = list.snapshot();
   ReclaimResult result;
   list.run_each(snapshot, "OOM handling", [&](ReclaimHook& hook) {
     ++result.calls;
@@ -143,7 +189,7 @@ std::size_t run_empty_cache_hooks(int device) {
   if (t_running_empty_cache_hooks) return 0;  // Note [Empty-cache hooks]
   const RunningHooks running(t_running_empty_cache_hooks);
   HookList<EmptyCacheHook>& list = empty_cache_hooks();
-  std::vector<HookList<EmptyCacheHook>::Entry> snapshot = list.snapshot();
+  const HookList<EmptyCacheHook>::Snapshot snapshot = list.snapshot();
   std::size_t calls = 0;
   list.run_each(snapshot, "empty_cache", [&](EmptyCacheHook& hook) {
     ++calls;

@@ -27,7 +27,9 @@ using ReclaimHook = std::function<std::size_t(int device, std::size_t bytes_need
 
 // Returns an id for unregister_reclaim_hook. Throws std::invalid_argument for an empty hook.
 TIDEPOOL_API int register_reclaim_hook(ReclaimHook hook);
-// Unknown ids are ignored. A call in flight on another thread may still finish.
+// Unknown ids are ignored. Returns once no other thread is inside a call of the hook, and
+// none starts one after (a hook may unregister itself); so the caller must hold no lock
+// the hook takes (Note [Unregistering a running hook] in reclaim.cpp).
 TIDEPOOL_API void unregister_reclaim_hook(int id);
 
 // Gives back what the hook's layer caches for `device`. tidepool_empty_cache_all calls it
@@ -38,7 +40,7 @@ using EmptyCacheHook = std::function<void(int device)>;
 // Returns an id for unregister_empty_cache_hook. Throws std::invalid_argument for an
 // empty hook.
 TIDEPOOL_API int register_empty_cache_hook(EmptyCacheHook hook);
-// Unknown ids are ignored. A call in flight on another thread may still finish.
+// Unknown ids are ignored. Waits as unregister_reclaim_hook does.
 TIDEPOOL_API void unregister_empty_cache_hook(int id);
 
 namespace detail {

@@ -2,16 +2,20 @@
 // C ABI's tidepool_empty_cache runs them with the device, before and without the
 // allocator's lock, so that what a hook frees through the allocator goes back in the same
 // call; a hook that throws is reported and the rest of empty_cache goes on; unregistered
-// hooks are not called; tidepool_empty_cache_all asks for every device index and creates
+// hooks are not called, not even by a run under way, and an unregister waits for a call
+// in flight; tidepool_empty_cache_all asks for every device index and creates
 // no allocator; a hook's own empty_cache does not call the hooks again; and
 // CachingAllocator::empty_cache (which the tiering layer uses to make device room) runs
 // none. Runs on the host backend.
 #include <gtest/gtest.h>
 
+#include <atomic>
+#include <chrono>
 #include <cstddef>
 #include <functional>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -94,6 +98,66 @@ TEST_F(EmptyCacheHooks, UnregisteredHooksAreNotCalled) {
   EXPECT_EQ(tidepool_empty_cache(kDevice), 0) << tidepool_last_error();
   EXPECT_EQ(calls, 1);
   EXPECT_THROW(register_empty_cache_hook(EmptyCacheHook{}), std::invalid_argument);
+}
+
+// Note [Unregistering a running hook] (reclaim.cpp): a run calls a copy of the list. A hook
+// unregistered while a run is inside an earlier hook is not called after the unregister
+// returned (its owner may have destroyed what it captures); an unregister waits for a call
+// of its hook in flight on another thread; and a hook may unregister itself.
+TEST_F(EmptyCacheHooks, AnUnregisteredHookIsNotCalledByARunAlreadyUnderWay) {
+  constexpr int kDevice = 4;
+  std::atomic<bool> inside{false}, go{false};
+  const int first = register_empty_cache_hook([&](int) {
+    inside = true;
+    while (!go) std::this_thread::yield();
+  });
+  std::atomic<int> second_calls{0};
+  const int second = register_empty_cache_hook([&](int) { ++second_calls; });
+  std::thread run([&] { EXPECT_EQ(tidepool_empty_cache(kDevice), 0); });
+  while (!inside) std::this_thread::yield();
+  unregister_empty_cache_hook(second);  // the run copied the list with it
+  go = true;
+  run.join();
+  EXPECT_EQ(second_calls, 0) << "called after its unregister returned";
+  unregister_empty_cache_hook(first);
+}
+
+TEST_F(EmptyCacheHooks, UnregisterWaitsForACallInFlight) {
+  constexpr int kDevice = 5;
+  std::atomic<bool> inside{false}, go{false}, call_over{false};
+  const int id = register_empty_cache_hook([&](int) {
+    inside = true;
+    while (!go) std::this_thread::yield();
+    call_over = true;
+  });
+  std::thread run([&] { EXPECT_EQ(tidepool_empty_cache(kDevice), 0); });
+  while (!inside) std::this_thread::yield();
+  std::atomic<bool> unregistered{false};
+  bool over_when_unregistered = false;
+  std::thread unregister([&] {
+    unregister_empty_cache_hook(id);
+    over_when_unregistered = call_over;
+    unregistered = true;
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  EXPECT_FALSE(unregistered) << "returned while the hook was still running";
+  go = true;
+  unregister.join();
+  run.join();
+  EXPECT_TRUE(over_when_unregistered);
+}
+
+TEST_F(EmptyCacheHooks, AHookMayUnregisterItself) {
+  constexpr int kDevice = 6;
+  int calls = 0;
+  int id = 0;
+  id = register_empty_cache_hook([&](int) {
+    ++calls;
+    unregister_empty_cache_hook(id);  // does not wait for this call
+  });
+  EXPECT_EQ(tidepool_empty_cache(kDevice), 0) << tidepool_last_error();
+  EXPECT_EQ(tidepool_empty_cache(kDevice), 0) << tidepool_last_error();
+  EXPECT_EQ(calls, 1);
 }
 
 TEST_F(EmptyCacheHooks, EmptyCacheAllAsksForEveryDeviceAndCreatesNoAllocator) {
