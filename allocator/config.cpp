@@ -18,11 +18,13 @@
 #include <functional>
 #include <limits>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <system_error>
 #include <vector>
 
 #include "allocator/c_api.h"
+#include "allocator/device_registry.h"
 #include "allocator/json_text.h"
 #include "allocator/tier_routing.h"
 
@@ -402,10 +404,17 @@ void apply_config(const Config& config) {
   if (config.device_backend != DeviceBackendChoice::automatic) {
     const char* name = backend_choice_name(config.device_backend);
     // Re-applying the backend in use is a no-op (an inherited configuration applied by
-    // both the LD_PRELOAD shim and the Python hook, say), not an error.
-    const char* in_use = tidepool_backend_name(0);
-    const bool already = in_use != nullptr && std::strcmp(in_use, name) == 0;
-    if (!already && tidepool_set_backend(name) != 0) {
+    // both the LD_PRELOAD shim and the Python hook, say), not an error. Asked without
+    // resolving "auto": that would initialise CUDA for a host configuration (and read a
+    // TIDEPOOL_BACKEND the configuration overrides, leaving its error behind).
+    if (const std::optional<BackendKind> in_use = backend_in_use()) {
+      const char* used = *in_use == BackendKind::cuda ? "cuda" : "host";
+      if (std::strcmp(used, name) != 0) {
+        throw ConfigError(std::string("tidepool.device_backend:") + name +
+                          " cannot be applied: tidepool's allocators already use the " + used +
+                          " backend (apply the configuration before the first allocation)");
+      }
+    } else if (tidepool_set_backend(name) != 0) {
       throw ConfigError(std::string("tidepool.device_backend:") + name +
                         " cannot be applied: " + tidepool_last_error() +
                         " (apply the configuration before the first allocation)");

@@ -182,4 +182,13 @@ BackendKind selected_backend() {
   return resolve(r);
 }
 
+std::optional<BackendKind> backend_in_use() {
+  Registry& r = registry();
+  std::lock_guard lock(r.mutex);
+  for (auto& a : r.allocators) {
+    if (a.load() != nullptr) return r.chosen;  // resolved when the first was made
+  }
+  return std::nullopt;
+}
+
 }  // namespace tidepool

@@ -11,6 +11,7 @@
 // backend they made (make_host_backend), independent of this registry.
 #pragma once
 
+#include <optional>
 #include <string_view>
 
 #include "allocator/caching_allocator.h"
@@ -45,5 +46,8 @@ TIDEPOOL_API void observe_segment_events(bool on);
 TIDEPOOL_API void set_backend(std::string_view name);
 // The backend kind device allocators use (resolving "auto").
 TIDEPOOL_API BackendKind selected_backend();
+// The backend kind of the device allocators made so far; nullopt while there are none (the
+// choice is still open), found without resolving "auto", so without asking CUDA anything.
+TIDEPOOL_API std::optional<BackendKind> backend_in_use();
 
 }  // namespace tidepool

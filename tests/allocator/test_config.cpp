@@ -456,6 +456,21 @@ TEST_F(ConfigEnv, ActiveJsonThroughTheCAbi) {
   EXPECT_EQ(active_config().state_budget.bytes, 3145728u);  // unchanged by the failed apply
 }
 
+// A configuration that names the backend is applied without resolving the one the
+// environment would choose: that read TIDEPOOL_BACKEND, which the configuration
+// overrides, and left its error (and asked CUDA for its devices, for a host one).
+TEST(ConfigApply, ANamedBackendIsAppliedWithoutReadingTheOneItOverrides) {
+  ::setenv("TIDEPOOL_BACKEND", "bogus", 1);
+  ::testing::internal::CaptureStderr();
+  apply_config(claim_config("tidepool.device_backend:host").config);
+  const std::string said = ::testing::internal::GetCapturedStderr();
+  ::unsetenv("TIDEPOOL_BACKEND");
+  EXPECT_EQ(std::string(tidepool_last_error()).find("bogus"), std::string::npos)
+      << tidepool_last_error();
+  EXPECT_EQ(said.find("bogus"), std::string::npos) << said;
+  EXPECT_STREQ(tidepool_backend_name(0), "host");
+}
+
 // Runs in its own process under ctest (one test per invocation); run directly, it must
 // come after the other tests' applies, which select no backend and allocate nothing.
 TEST(ConfigApply, DeviceBackendIsSelectedBeforeTheFirstAllocationOnly) {
