@@ -24,8 +24,29 @@ if(NOT TIDEPOOL_CUDA STREQUAL "OFF")
   check_language(CUDA)
   if(CMAKE_CUDA_COMPILER)
     if(NOT DEFINED CMAKE_CUDA_ARCHITECTURES)
-      # H200 / H100. Override with -DCMAKE_CUDA_ARCHITECTURES=... for other cards.
-      set(CMAKE_CUDA_ARCHITECTURES 90)
+      # The GPUs of this machine when it has any (nvidia-smi), so that the fused kernels have
+      # an image for the card the build will run on; without one (a CI machine, a wheel
+      # built for others), every architecture nvcc 13 builds for from Turing on, with PTX
+      # of the newest for later cards. -DCMAKE_CUDA_ARCHITECTURES=... overrides both.
+      set(_tidepool_archs "")
+      find_program(_tidepool_nvidia_smi nvidia-smi)
+      if(_tidepool_nvidia_smi)
+        execute_process(COMMAND ${_tidepool_nvidia_smi} --query-gpu=compute_cap
+                                --format=csv,noheader
+                        OUTPUT_VARIABLE _tidepool_caps RESULT_VARIABLE _tidepool_smi_rc
+                        ERROR_QUIET)
+        if(_tidepool_smi_rc EQUAL 0)
+          string(REPLACE "." "" _tidepool_caps "${_tidepool_caps}")
+          string(REGEX MATCHALL "[0-9]+" _tidepool_archs "${_tidepool_caps}")
+          list(REMOVE_DUPLICATES _tidepool_archs)
+        endif()
+      endif()
+      if(_tidepool_archs)
+        set(CMAKE_CUDA_ARCHITECTURES "${_tidepool_archs}")
+      else()
+        set(CMAKE_CUDA_ARCHITECTURES "75-real;80-real;86-real;89-real;90-real;100-real;120")
+      endif()
+      message(STATUS "tidepool: CUDA architectures ${CMAKE_CUDA_ARCHITECTURES}")
     endif()
     enable_language(CUDA)
     # CMake 3.25 does not know nvcc 13's C++20 flag; the kernels need only C++17.
