@@ -302,14 +302,16 @@ std::uint64_t parse_byte_count(std::string_view key, std::string_view value) {
 // backend:native is what pool mode is: PyTorch's own allocator with tidepool's pool.
 // Under the LD_PRELOAD shim (Installer::preload_shim) there is no conflict: PyTorch's
 // allocator, whichever it is, calls cudaMalloc or cudaMallocAsync, and the shim serves
-// those from tidepool. backend:tidepool next to another backend:X is contradictory for
-// every installer.
+// those from tidepool; only backend:tidepool next to another backend:X contradicts itself
+// there. One rule, whether the two are in one string or in the two variables.
 namespace {
 
-bool conflicts_with_tidepool(const Config& config, std::string_view other_backend,
-                             Installer installer) {
-  return installer == Installer::pytorch && config.enabled && !other_backend.empty() &&
-         !(config.mode == Mode::pool && other_backend == "native");
+bool conflicts_with_tidepool(const Config& config, bool names_tidepool_backend,
+                             std::string_view other_backend, Installer installer) {
+  if (other_backend.empty() || !config.enabled) return false;
+  const bool pool_on_native = config.mode == Mode::pool && other_backend == "native";
+  if (installer == Installer::pytorch) return !pool_on_native;
+  return names_tidepool_backend;
 }
 
 }  // namespace
@@ -372,8 +374,8 @@ ClaimResult claim_config(std::string_view conf, std::string_view source, Install
     result.config.enabled = true;
     taken.push_back(trimmed);
   }
-  if ((tidepool_backend && !result.other_backend.empty()) ||
-      conflicts_with_tidepool(result.config, result.other_backend, installer)) {
+  result.names_tidepool_backend = tidepool_backend;
+  if (conflicts_with_tidepool(result.config, tidepool_backend, result.other_backend, installer)) {
     throw ConfigError(std::string(source) + ": " +
                       std::string(tidepool_backend ? "backend:tidepool" : taken.front()) +
                       " conflicts with 'backend:" + result.other_backend + "'; name one backend");
@@ -457,9 +459,10 @@ Config install_from_env(Installer installer) {
       other = {variable, std::move(r)};
     }
   }
-  const auto check_one_backend = [&](const Config& config, const std::string& source) {
+  const auto check_one_backend = [&](const ClaimResult& claimed, const std::string& source) {
     if (other.variable != nullptr &&
-        conflicts_with_tidepool(config, other.result.other_backend, installer)) {
+        conflicts_with_tidepool(claimed.config, claimed.names_tidepool_backend,
+                                other.result.other_backend, installer)) {
       throw ConfigError(source + " turns tidepool on, which conflicts with 'backend:" +
                         other.result.other_backend + "' in " + other.variable +
                         "; name one backend");
@@ -478,14 +481,14 @@ Config install_from_env(Installer installer) {
       throw ConfigError(std::string(kInheritedVariable) + " holds tidepool keys only; '" +
                         r.remaining + "' belongs in PYTORCH_ALLOC_CONF");
     }
-    check_one_backend(r.config, std::string(kInheritedVariable) +
+    check_one_backend(r, std::string(kInheritedVariable) +
                                     " (inherited from a parent process, or set by hand; unset "
                                     "it to run without tidepool)");
     apply_config(r.config);
     return r.config;
   }
   const Claimed& claimed = named.front();
-  check_one_backend(claimed.result.config, claimed.variable);
+  check_one_backend(claimed.result, claimed.variable);
   apply_config(claimed.result.config);
   if (claimed.result.remaining.empty()) {
     ::unsetenv(claimed.variable);

@@ -95,6 +95,7 @@ struct ClaimResult {
   std::string remaining;  // the entries left for PyTorch, verbatim, comma-joined, in order
   std::string claimed;    // tidepool's entries, trimmed, comma-joined, in order
   std::string other_backend;  // X of a backend:X entry naming another allocator; or ""
+  bool names_tidepool_backend = false;  // a backend:tidepool entry was given
 };
 
 // A configuration string tidepool cannot accept. what() names the variable (when known),

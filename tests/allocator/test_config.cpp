@@ -407,10 +407,14 @@ TEST_F(ConfigEnv, AnotherBackendInTheOtherVariableIsAConflictAndNothingChanges) 
             "in PYTORCH_CUDA_ALLOC_CONF; name one backend");
   EXPECT_EQ(env("PYTORCH_ALLOC_CONF"), "backend:tidepool,expandable_segments:True");
   EXPECT_EQ(env("TIDEPOOL_ALLOC_CONF"), std::nullopt);
-  // Pool mode on PyTorch's native allocator is pool mode.
+  // Pool mode on PyTorch's native allocator is pool mode, in the other variable or in the
+  // same string (one rule for both).
   ::setenv("PYTORCH_ALLOC_CONF", "backend:tidepool,tidepool.mode:pool", 1);
   ::setenv("PYTORCH_CUDA_ALLOC_CONF", "backend:native", 1);
   EXPECT_EQ(install_from_env().mode, Mode::pool);
+  const ClaimResult one = claim_config("backend:tidepool,tidepool.mode:pool,backend:native");
+  EXPECT_EQ(one.config.mode, Mode::pool);
+  EXPECT_EQ(one.remaining, "backend:native");
 }
 
 TEST_F(ConfigEnv, UnderTheShimAnotherBackendIsNoConflict) {
@@ -428,6 +432,15 @@ TEST_F(ConfigEnv, UnderTheShimAnotherBackendIsNoConflict) {
   EXPECT_EQ(env("PYTORCH_CUDA_ALLOC_CONF"), "backend:cudaMallocAsync");
   EXPECT_EQ(env("PYTORCH_ALLOC_CONF"), std::nullopt);
   EXPECT_EQ(env("TIDEPOOL_ALLOC_CONF"), "tidepool.log:off");
+  // backend:tidepool against another backend is a conflict across the two variables too, as
+  // in one string (it was accepted).
+  ::unsetenv("TIDEPOOL_ALLOC_CONF");
+  ::setenv("PYTORCH_CUDA_ALLOC_CONF", "backend:tidepool", 1);
+  ::setenv("PYTORCH_ALLOC_CONF", "backend:cudaMallocAsync", 1);
+  EXPECT_EQ(error_of([] { install_from_env(Installer::preload_shim); }),
+            "PYTORCH_CUDA_ALLOC_CONF turns tidepool on, which conflicts with "
+            "'backend:cudaMallocAsync' in PYTORCH_ALLOC_CONF; name one backend");
+  EXPECT_EQ(env("PYTORCH_CUDA_ALLOC_CONF"), "backend:tidepool");
 }
 
 TEST_F(ConfigEnv, AnInheritedConfigurationConflictsWithAnotherBackendNamedByTheChild) {
