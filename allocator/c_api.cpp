@@ -72,6 +72,10 @@ pthread_key_t last_error_key() {
   }();
   return key;
 }
+// Made when the library is loaded, not by the process's first error, which a fork in
+// another thread could interrupt: the child would then wait for good, at its first error,
+// on the one-time initialization's guard (as deeper_key in tags.cpp).
+[[maybe_unused]] const pthread_key_t g_last_error_key_at_load = last_error_key();
 
 // Replaces the calling thread's message; one that cannot be stored (no heap for it)
 // leaves the message empty rather than the previous call's.
@@ -183,14 +187,12 @@ void* tidepool_malloc(ssize_t size, int device, void* stream) {
     tidepool_clear_error();
     return nullptr;
   }
-  if (size < 0) {
-    set_error(("tidepool: tidepool_malloc called with negative size " + std::to_string(size) +
-               " on device " + std::to_string(device))
-                  .c_str(),
-              true);
-    return nullptr;
-  }
-  return guarded<void*>(nullptr, [&] {
+  return guarded<void*>(nullptr, [&]() -> void* {
+    if (size < 0) {
+      throw tidepool::AllocatorUsageError("tidepool: tidepool_malloc called with negative size " +
+                                          std::to_string(size) + " on device " +
+                                          std::to_string(device));
+    }
     const auto bytes = static_cast<std::size_t>(size);
     // First: a device that does not exist is the caller's error, said as such (the tier
     // route took it for a failure of its own, and used up its one report); the route's
@@ -292,14 +294,12 @@ int tidepool_cache_info(int device, size_t* largest_block) {
 }
 
 int tidepool_set_memory_fraction(double fraction, int device) {
-  if (!(fraction >= 0.0 && fraction <= 1.0)) {  // NaN fails both
-    set_error(("tidepool: memory fraction " + std::to_string(fraction) + " for device " +
-               std::to_string(device) + " is outside [0, 1]")
-                  .c_str(),
-              true);
-    return -1;
-  }
   return guarded(-1, [&] {
+    if (!(fraction >= 0.0 && fraction <= 1.0)) {  // NaN fails both
+      throw tidepool::AllocatorUsageError("tidepool: memory fraction " + std::to_string(fraction) +
+                                          " for device " + std::to_string(device) +
+                                          " is outside [0, 1]");
+    }
     tidepool::Backend& backend = tidepool::device_allocator(device).backend();
     const double total = static_cast<double>(backend.mem_info().total_bytes);
     backend.set_device_limit(fraction == 1.0 ? std::numeric_limits<std::size_t>::max()
@@ -420,12 +420,17 @@ int tidepool_get_stats_v1(int device, tidepool_stats_v1* out) {
   return guarded(-1, [&] {
     tidepool::detail::check_versioned_struct(out, offsetof(tidepool_stats_v1, device),
                                              "tidepool_stats_v1");
-    tidepool::CachingAllocator& a = tidepool::device_allocator(device);
-    const tidepool::AllocatorStats s = a.stats();
+    // A device tidepool has not allocated on has no figures, and reading them creates no
+    // allocator there (on CUDA, no context), as tidepool_get_pytorch_stats_v1.
+    const tidepool::CachingAllocator* a = tidepool::existing_device_allocator(device);
+    if (a == nullptr) tidepool::check_device(device);
+    const tidepool::AllocatorStats s = a != nullptr ? a->stats() : tidepool::AllocatorStats{};
+    const tidepool::BackendKind kind =
+        a != nullptr ? a->backend().kind() : tidepool::selected_backend();
     tidepool_stats_v1 full{};
     full.version = 1;
     full.device = device;
-    full.backend = a.backend().kind() == tidepool::BackendKind::cuda ? 1 : 0;
+    full.backend = kind == tidepool::BackendKind::cuda ? 1 : 0;
     full.allocated = tidepool::detail::to_c_stat(s.allocated);
     full.reserved = tidepool::detail::to_c_stat(s.reserved);
     full.cached_bytes = s.cached_bytes;

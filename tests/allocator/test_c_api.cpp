@@ -83,6 +83,24 @@ TEST_F(CApi, AnOlderShorterStatsStructGetsItsPrefix) {
   for (std::size_t i = short_size; i < sizeof buffer; ++i) ASSERT_EQ(buffer[i], 0xAB) << i;
 }
 
+// Reading a device's stats creates no allocator there (on CUDA it made a context on a GPU
+// tidepool never used, and marked forked children): its figures are zeros.
+TEST_F(CApi, StatsOfAnUnusedDeviceAreZerosAndCreateNothing) {
+  constexpr int kDevice = 15;  // no other test in this binary uses it
+  ASSERT_EQ(tidepool::existing_device_allocator(kDevice), nullptr);
+  tidepool_stats_v1 s{};
+  s.struct_size = sizeof s;
+  ASSERT_EQ(tidepool_get_stats_v1(kDevice, &s), 0) << tidepool_last_error();
+  EXPECT_EQ(tidepool::existing_device_allocator(kDevice), nullptr) << "reading created one";
+  EXPECT_EQ(s.device, kDevice);
+  EXPECT_EQ(s.backend, 0);  // host
+  EXPECT_EQ(s.reserved.current, 0u);
+  EXPECT_EQ(s.alloc_count, 0u);
+  EXPECT_EQ(tidepool_get_stats_v1(9999, &s), -1);
+  EXPECT_NE(std::string(tidepool_last_error()).find("does not exist"), std::string::npos)
+      << tidepool_last_error();
+}
+
 // Note [PyTorch's view of the stats]: c10's DeviceStats filled from tidepool's stats, its
 // running totals counted from the last accumulated reset, tidepool's own totals untouched.
 TEST_F(CApi, PyTorchStatsAreTidepoolsInC10sLayout) {
