@@ -87,7 +87,7 @@ void ApolloOptions::validate(Check when) const {
   // reference (which checks no group) lets it. In training only its sign: a schedule may
   // take lr below init_lr.
   const double init = init_lr().value_or(lr() / 1000.0);
-  if (when == Check::construction) {
+  if (when != Check::training) {
     const double highest = std::max(lr(), base_lr().value_or(lr()));
     TORCH_CHECK(finite(init) && init >= 0.0 && init <= highest, "Apollo: invalid init_lr ", init,
                 " (must be in [0, lr = ", highest, "])");
@@ -123,7 +123,9 @@ Apollo::Apollo(const std::vector<torch::optim::OptimizerParamGroup>& param_group
   // add_param_group (not virtual in torch::optim::Optimizer, so not Apollo's to intercept)
   // gives no options of its own copies them with the constructor's init_lr and base_lr.
   resolved_defaults.resolve_defaults();
-  for (auto& group : param_groups_) static_cast<ApolloOptions&>(group.options()).validate();
+  for (auto& group : param_groups_) {
+    static_cast<ApolloOptions&>(group.options()).validate(ApolloOptions::Check::group);
+  }
   resolve_group_options();
 }
 

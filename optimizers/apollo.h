@@ -69,12 +69,14 @@ struct TIDEPOOL_API ApolloOptions
   void set_lr(const double lr) override { this->lr(lr); }
 
   // When the options are checked: an optimizer is made with lr > 0, as the reference
-  // checks in its constructor; steps and checkpoints also take lr = 0 (a schedule that
-  // decays to 0, a group frozen with set_lr(0)), which the reference never refuses there.
-  enum class Check { construction, training };
-  // Throws c10::Error naming the first invalid option (lr ≤ 0, or < 0 in training, eps
-  // < 0, beta outside [0, 1), warmup < 0, init_lr outside [0, max(lr, base_lr)] when
-  // made, or < 0 in training, base_lr < 0, weight_decay < 0, non-finite values).
+  // checks in its constructor; its groups (given to the constructor or added) may have lr
+  // 0, frozen from the start, as the reference checks no group; steps and checkpoints also
+  // take lr = 0 (a schedule that decays to 0, a group frozen with set_lr(0)).
+  enum class Check { construction, group, training };
+  // Throws c10::Error naming the first invalid option (lr ≤ 0 when made, < 0 for a group
+  // or in training, eps < 0, beta outside [0, 1), warmup < 0, init_lr outside [0, max(lr,
+  // base_lr)] when made or for a group, or < 0 in training, base_lr < 0, weight_decay < 0,
+  // non-finite values).
   void validate(Check when = Check::construction) const;
   // Fills the reference's defaults that depend on other options where unset: init_lr =
   // lr / 1000, base_lr = lr, weight_decay_type by rebound. An optimizer does this once,

@@ -262,11 +262,14 @@ ApolloOptions apollo_options(const py::dict& d) {
   });
 }
 
-// A group's options as a group joining an optimizer needs them: checked as a constructor
-// checks them (a refusal is a ValueError) and with the lr-dependent defaults filled in.
-ApolloOptions joining_apollo_options(const py::dict& d) {
+// Options as a constructor's defaults or a group joining an optimizer need them: checked
+// (a refusal is a ValueError; a group's lr may be 0, frozen from the start, which the
+// reference, checking only its constructor's lr, takes), with the lr-dependent defaults
+// filled in.
+ApolloOptions joining_apollo_options(const py::dict& d,
+                                     ApolloOptions::Check check = ApolloOptions::Check::group) {
   ApolloOptions o = apollo_options(d);
-  refused_as_value_error([&] { o.validate(); });
+  refused_as_value_error([&] { o.validate(check); });
   return o.resolve_defaults();
 }
 
@@ -429,7 +432,7 @@ PYBIND11_MODULE(_optim, m) {
   // filled in (ApolloOptions::resolve_defaults): tidepool.optim.Apollo's defaults, which
   // its groups inherit, as the reference's do.
   m.def("resolved_apollo_options", [](const py::dict& options) {
-    return apollo_options_dict(joining_apollo_options(options));
+    return apollo_options_dict(joining_apollo_options(options, ApolloOptions::Check::construction));
   });
 
   py::class_<Apollo>(m, "Apollo")

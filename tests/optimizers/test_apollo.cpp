@@ -546,6 +546,27 @@ TEST(Apollo, AGroupAddedWithAnInvalidOrZeroLrTakesItsWarmupFromTheLrItIsGiven) {
   EXPECT_FALSE(torch::equal(frozen.detach(), frozen_before)) << "the unfrozen group did not move";
 }
 
+// The reference checks its constructor's lr only: a group given to the constructor at lr 0
+// (frozen from the start) is taken, and stays put; one below 0 is refused.
+TEST(Apollo, AGroupGivenToTheConstructorAtLrZeroIsTaken) {
+  auto a = param(3), frozen = param(2);
+  Apollo opt({torch::optim::OptimizerParamGroup({a}),
+              torch::optim::OptimizerParamGroup(
+                  {frozen}, std::make_unique<ApolloOptions>(ApolloOptions(0.0).warmup(0)))},
+             ApolloOptions(0.1).warmup(0));
+  for (auto* p : {&a, &frozen}) p->mutable_grad() = torch::ones_like(*p);
+  opt.step();
+  EXPECT_TRUE(torch::equal(frozen.detach(), param(2).detach()));
+  EXPECT_FALSE(torch::equal(a.detach(), param(3).detach()));
+  expect_error_mentions(
+      [] {
+        Apollo({torch::optim::OptimizerParamGroup(
+                   {param(2)}, std::make_unique<ApolloOptions>(ApolloOptions(-0.1)))},
+               ApolloOptions(0.1));
+      },
+      "invalid learning rate -0.1");
+}
+
 TEST(Apollo, NullPlacementIsRejected) {
   expect_error_mentions([] { Apollo({param(2)}, ApolloOptions(0.1), nullptr); }, "placement");
 }

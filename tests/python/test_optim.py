@@ -352,6 +352,26 @@ def test_a_group_whose_init_lr_lies_above_the_inherited_ramp_is_taken_as_the_ref
         opt.add_param_group({"params": [tensors[1]], "lr": 0.05, "init_lr": 0.06})
 
 
+def test_a_group_frozen_at_lr_0_is_taken_as_the_reference_takes_it():
+    """A group given lr 0, in the constructor's list or added later: the reference checks
+    only the constructor's lr, and steps the group with the ramp it inherits during the
+    warmup (the group's own lr counts after it). It was refused as an invalid lr."""
+    def run(make):
+        params, tensors, loss = regression_problem(torch.float64)
+        W, b = tensors
+        opt = make([{"params": [W]}, {"params": [b], "lr": 0.0}], lr=0.01, warmup=2)
+        train(opt, loss, 4)
+        extra = torch.linspace(-1, 1, 3, dtype=torch.float64).requires_grad_()
+        opt.add_param_group({"params": [extra], "lr": 0.0})
+        train(opt, lambda: loss() + (extra ** 2).sum(), 3)
+        return snapshot(tensors + [extra])
+    mine, theirs = run(topt.Apollo), run(ReferenceApollo)
+    for a, b in zip(mine, theirs):
+        assert torch.allclose(a, b, rtol=1e-12, atol=0)
+    with pytest.raises(ValueError, match="learning rate"):
+        topt.Apollo([{"params": [torch.zeros(2, requires_grad=True)], "lr": -0.1}], lr=0.01)
+
+
 def test_a_refused_group_is_not_added():
     params, tensors, loss = regression_problem()
     W, b = tensors
