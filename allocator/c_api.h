@@ -31,9 +31,10 @@
  * stream still reads is handed out again on the allocating stream as soon as PyTorch
  * frees it: a silent data race in any multi-stream program. tidepool_pytorch_record_stream
  * has the shape of that function (pointer and stream, no device); the LibTorch install
- * sets it as the record-stream function, and the Python package, which cannot, wraps
- * torch.Tensor.record_stream to call it (global mode; in pool mode PyTorch's own
- * allocator keeps the blocks and honours record_stream itself).
+ * sets it as the record-stream function, and so does the Python package when it installs
+ * libtidepool_torch_cuda.so (global mode); without that library it wraps
+ * torch.Tensor.record_stream to call it (in pool mode PyTorch's own allocator keeps the
+ * blocks and honours record_stream itself).
  *
  * Thread-safety: every function may be called from any thread.
  */
@@ -271,8 +272,9 @@ TIDEPOOL_API int tidepool_last_error_is_out_of_memory(void);
 
 /* ---- forked children ------------------------------------------------------------- */
 /* 1 when this process was forked after tidepool made a device allocator (in it, or in an
- * ancestor it was forked from), else 0. In such a child frees do nothing and every other
- * entry point fails (Note [Forked child] in allocator/fork_guard.h). For a caller that
+ * ancestor it was forked from), else 0. In such a child frees do nothing, the tag calls
+ * work as before, and every other entry point fails (Note [Forked child] in
+ * allocator/fork_guard.h). For a caller that
  * must choose before it calls in: the LD_PRELOAD shim then leaves CUDA's calls to the
  * runtime. Answers in the child too, without a lock. */
 TIDEPOOL_API int tidepool_in_forked_child(void);

@@ -181,7 +181,8 @@ class TIDEPOOL_API CachingAllocator {
   // Live blocks allocated on it stay valid (free them on a live stream). Afterwards the
   // allocator never refers to the stream again. Returns bytes given back to the backend.
   // Throws BackendError when the stream cannot be synchronized (e.g. already destroyed);
-  // nothing has changed then. A stream the allocator never saw costs one synchronize.
+  // nothing has changed then. A stream the allocator never saw is released at once,
+  // without waiting (Note [Releasing a stream tidepool never saw], stream_ordering.cpp).
   // Throws AllocatorUsageError for the default (null) stream, which is never destroyed.
   std::size_t release_stream(Stream stream);
   // The check release_stream makes before anything else, for callers that may not have an

@@ -14,8 +14,10 @@
 //                                    tidepool.region() and optimizer steps (torch MemPool)
 //   tidepool.state_budget:SIZE       device memory optimizer state may keep between steps
 //                                    (default 0: all of it is evicted after each step)
-//   tidepool.pinned_budget:SIZE      pinned host memory tiering may use, one budget for
-//                                    the process (default: a quarter of physical memory)
+//   tidepool.pinned_budget:SIZE|unlimited
+//                                    pinned host memory the tiered stores may use, one
+//                                    budget for the process (default: a quarter of
+//                                    physical memory; unlimited: all of it)
 //   tidepool.log:off|warn|info|debug messages on stderr (default warn)
 //   tidepool.device_backend:auto|cuda|host
 //                                    the memory backend (default auto: cuda when a GPU is

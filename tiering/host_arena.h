@@ -92,8 +92,10 @@ struct HostArenaOptions {
   // Serve from pageable memory when pinned memory is unavailable (else throw).
   bool allow_pageable_fallback = true;
   // Print one "tidepool: ..." line on stderr at this arena's first pageable fallback
-  // (see above). The configuration key tidepool.log:off (allocator/config.h; e.g.
-  // TIDEPOOL_ALLOC_CONF=tidepool.log:off) silences it too. Stats count it either way.
+  // (see above). The configuration key tidepool.log:off (allocator/config.h) silences it
+  // too, once applied (tidepool::install_from_env, or the Python package at import: a
+  // C++ program that calls neither applies no configuration, whatever the environment
+  // says). Stats count it either way.
   bool warn_on_pageable_fallback = true;
   // The mimalloc the slabs use, dlopen()ed RTLD_LOCAL on the first slab. When it cannot
   // be loaded, slab-sized requests fall back (or throw) with a reason naming it.
