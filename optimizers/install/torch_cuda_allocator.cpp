@@ -269,14 +269,21 @@ class TorchCudaAllocator final : public Pluggable {
   }
 
   // NCCL's buffer registration (TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK) attaches a
-  // trace tracker; the plain class throws, which fails ProcessGroupNCCL's constructor.
-  // Registration is an optimisation NCCL runs without, and tidepool remaps its ranges,
-  // which registered buffers could not follow: the tracker is not called.
+  // trace tracker, then registers every segment of snapshot() with each new communicator
+  // and counts on the tracker's SEGMENT_FREE to deregister one. tidepool unmaps, moves and
+  // releases the memory of its ranges (SEGMENT_UNMAP, which NCCL's hook ignores: PyTorch
+  // turns the hook off for its own expandable segments for that reason), so NCCL would keep
+  // registrations of pages no longer there, and memory mapped at those addresses later
+  // would fall inside them. Accepting the tracker and not calling it was that; refused
+  // here, with what to do, before ProcessGroupNCCL registers anything.
   void attachAllocatorTraceTracker(
       c10::cuda::CUDACachingAllocator::AllocatorTraceTracker /*tracker*/) override {
-    TORCH_WARN_ONCE("tidepool: allocator trace trackers (NCCL buffer registration, "
-                    "TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK) are not supported in "
-                    "tidepool's global mode; NCCL runs without registered buffers");
+    TORCH_CHECK(false,
+                "tidepool: allocator trace trackers (NCCL buffer registration, "
+                "TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK=1) are not supported in "
+                "tidepool's global mode: NCCL would keep registrations of memory tidepool "
+                "remaps and releases. Unset TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK "
+                "(NCCL runs without registered buffers)");
   }
 
   // A copy between devices: tidepool's memory is mapped through CUDA virtual memory for its

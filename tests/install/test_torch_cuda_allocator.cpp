@@ -3,7 +3,8 @@
 // (here over the host backend), both on the allocator object and through c10's own entry
 // points once it is installed; installing twice is harmless; Tensor::record_stream's path
 // through c10 holds the memory until the named stream passes it; the installed allocator
-// outlives the process's static destructors. The same paths with CUDA memory and streams
+// outlives the process's static destructors; a trace tracker (NCCL buffer registration) is
+// refused. The same paths with CUDA memory and streams
 // are in gpu_test_torch_install.cpp.
 #include <gtest/gtest.h>
 
@@ -85,6 +86,25 @@ TEST_F(TorchCudaAllocatorTest, CacheInfoAnswersWhatTidepoolAnswers) {
         << e.what();
   }
   ::testing::internal::GetCapturedStderr();
+}
+
+// NCCL's buffer registration (TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK) would
+// register tidepool's ranges and never hear of their unmapping: refused, saying what to do
+// (the tracker was taken and never called).
+TEST_F(TorchCudaAllocatorTest, ATraceTrackerIsRefusedWithWhatToDo) {
+  const auto allocator = make_torch_cuda_allocator();
+  bool called = false;
+  try {
+    allocator->attachAllocatorTraceTracker(
+        [&](const c10::cuda::CUDACachingAllocator::TraceEntry&) { called = true; });
+    ADD_FAILURE() << "the tracker was accepted";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("Unset TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK"),
+              std::string::npos)
+        << e.what();
+  }
+  cache_a_block();
+  EXPECT_FALSE(called);
 }
 
 TEST_F(TorchCudaAllocatorTest, ResetPeakStatsAndEmptyCacheReachTidepool) {
