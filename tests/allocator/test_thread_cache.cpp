@@ -415,35 +415,58 @@ TEST(ThreadCache, ThreadsPairingOnTwoStreamsKeepBlocksAndStatsExact) {
   const int ops = test::scaled(20000);
   std::atomic<std::uint64_t> allocs{0};
   std::atomic<int> corrupted{0};
+  // Each allocation carries a stamp no other has, checked when it is freed: a block handed
+  // to two holders at once (the bug a thread cache could make) shows as a stamp written
+  // over. Every thread keeps up to 16 blocks live, so holders overlap for many operations.
+  std::atomic<std::uint64_t> next_stamp{1};
+  struct Live {
+    std::uint64_t* p;
+    std::size_t n;
+    std::uint64_t stamp;
+  };
   std::mutex handoff_mutex;
-  std::vector<std::pair<std::uint64_t*, std::size_t>> handoff;  // freed by another thread
+  std::vector<Live> handoff;  // freed by another thread
   auto worker = [&](int id) {
     std::mt19937 rng(static_cast<std::mt19937::result_type>(
         test_support::seeded(static_cast<unsigned>(id) + 17u)));
     TagScope scope(id % 2 == 0 ? kTagParameter : kTagGradient);
     const Stream s = streams[id % 2];
+    std::vector<Live> live;
+    const auto free_one = [&](std::size_t k) {
+      const Live l = live[k];
+      live.erase(live.begin() + static_cast<std::ptrdiff_t>(k));
+      if (l.p[0] != l.stamp) corrupted.fetch_add(1);
+      a->deallocate(l.p, l.n, s);
+    };
     for (int i = 0; i < ops; ++i) {
       std::size_t n = 8 * (1 + rng() % 1024);
       auto* p = static_cast<std::uint64_t*>(a->allocate(n, s));
-      p[0] = reinterpret_cast<std::uintptr_t>(p) ^ static_cast<std::uint64_t>(id);
+      const std::uint64_t stamp = next_stamp.fetch_add(1);
+      p[0] = stamp;
       allocs.fetch_add(1, std::memory_order_relaxed);
+      live.push_back({p, n, stamp});
       if (i % 64 == 0) a->record_stream(p, streams[(id + 1) % 2]);
       if (i % 97 == 0) {
         std::lock_guard l(handoff_mutex);
-        handoff.emplace_back(p, n);
-        if (handoff.size() < 8) continue;
-        std::tie(p, n) = handoff.front();
-        handoff.erase(handoff.begin());
+        handoff.push_back(live.back());
+        live.pop_back();
+        if (handoff.size() >= 8) {
+          live.push_back(handoff.front());
+          handoff.erase(handoff.begin());
+        }
       }
-      if ((p[0] ^ reinterpret_cast<std::uintptr_t>(p)) >= kThreads) corrupted.fetch_add(1);
-      a->deallocate(p, n, s);
+      if (live.size() > 16) free_one(rng() % live.size());
       if (i % 5000 == 0) a->stats();
     }
+    while (!live.empty()) free_one(live.size() - 1);
   };
   std::vector<std::thread> threads;
   for (int t = 0; t < kThreads; ++t) threads.emplace_back(worker, t);
   for (auto& t : threads) t.join();
-  for (auto [p, n] : handoff) a->deallocate(p, n, streams[0]);
+  for (const Live& l : handoff) {
+    if (l.p[0] != l.stamp) corrupted.fetch_add(1);
+    a->deallocate(l.p, l.n, streams[0]);
+  }
   EXPECT_EQ(corrupted.load(), 0);
   be.stream_synchronize(streams[0]);
   be.stream_synchronize(streams[1]);

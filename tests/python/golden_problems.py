@@ -20,8 +20,11 @@ GOLDEN_FLOOR = 1e-3
 
 
 def deviation(got: torch.Tensor, want: torch.Tensor) -> float:
-    """The largest |got - want| / (GOLDEN_FLOOR + |want|): the golden README's measure."""
-    return ((got - want).abs() / (GOLDEN_FLOOR + want.abs())).max().item()
+    """The largest |got - want| / (GOLDEN_FLOOR + |want|): the golden README's measure.
+    A NaN anywhere is an infinite deviation (max(worst, nan) would keep worst: Python's
+    max drops a NaN that comes second)."""
+    d = ((got - want).abs() / (GOLDEN_FLOOR + want.abs())).max().item()
+    return float("inf") if d != d else d
 
 
 def take_step(opt, loss, with_closure: bool) -> None:

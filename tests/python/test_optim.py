@@ -87,6 +87,14 @@ def assert_bitwise(a, b):
 
 # ---- golden trajectories ------------------------------------------------------------------------
 
+def test_a_nan_is_an_infinite_golden_deviation():
+    """The golden measure must fail a run gone NaN (max(0.0, nan) is 0.0 in Python)."""
+    want = torch.tensor([1.0, 2.0], dtype=torch.float64)
+    nan = torch.tensor([1.0, float("nan")], dtype=torch.float64)
+    assert max(0.0, deviation(nan, want)) == float("inf")
+    assert deviation(want, want) == 0.0
+
+
 def test_the_golden_files_are_there():
     assert len(GOLDEN) >= 6, f"no golden trajectories under {SHARED}/golden"
 
