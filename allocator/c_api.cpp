@@ -323,10 +323,9 @@ int tidepool_release_stream(int device, void* stream) {
     // tidepool never allocated on has nothing cached for any stream: its allocator (on
     // CUDA, a context on that device) is not created just to find that out.
     const tidepool::Stream s{stream};
-    if (tidepool::CachingAllocator* allocator = tidepool::existing_device_allocator(device)) {
+    if (tidepool::CachingAllocator* allocator = tidepool::checked_existing_allocator(device)) {
       allocator->release_stream(s);
     } else {
-      tidepool::check_device(device);
       tidepool::CachingAllocator::require_releasable(device, s);
     }
     tidepool::detail::route_release_stream(device, stream);
@@ -422,8 +421,7 @@ int tidepool_get_stats_v1(int device, tidepool_stats_v1* out) {
                                              "tidepool_stats_v1");
     // A device tidepool has not allocated on has no figures, and reading them creates no
     // allocator there (on CUDA, no context), as tidepool_get_pytorch_stats_v1.
-    const tidepool::CachingAllocator* a = tidepool::existing_device_allocator(device);
-    if (a == nullptr) tidepool::check_device(device);
+    const tidepool::CachingAllocator* a = tidepool::checked_existing_allocator(device);
     const tidepool::AllocatorStats s = a != nullptr ? a->stats() : tidepool::AllocatorStats{};
     const tidepool::BackendKind kind =
         a != nullptr ? a->backend().kind() : tidepool::selected_backend();
@@ -461,10 +459,8 @@ int tidepool_get_stats_v1(int device, tidepool_stats_v1* out) {
 int tidepool_reset_peak_stats(int device) {
   return guarded(-1, [&] {
     // A device tidepool never allocated on has no peaks: nothing is created there.
-    if (tidepool::CachingAllocator* a = tidepool::existing_device_allocator(device))
+    if (tidepool::CachingAllocator* a = tidepool::checked_existing_allocator(device))
       a->reset_peak_stats();
-    else
-      tidepool::check_device(device);
     return 0;
   });
 }

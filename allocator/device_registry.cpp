@@ -119,6 +119,12 @@ void check_device(int device) {
   checked_kind_locked(r, device);
 }
 
+CachingAllocator* checked_existing_allocator(int device) {
+  CachingAllocator* a = existing_device_allocator(device);
+  if (a == nullptr) check_device(device);
+  return a;
+}
+
 CachingAllocator& device_allocator(int device) {
   refuse_in_forked_child();  // Note [Forked child]: before any lock
   if (CachingAllocator* a = existing_device_allocator(device)) return *a;

@@ -27,6 +27,10 @@ TIDEPOOL_API CachingAllocator* existing_device_allocator(int device) noexcept;
 // Throws what device_allocator(device) throws for a device that does not exist, without
 // creating an allocator (on CUDA, a context on that device).
 TIDEPOOL_API void check_device(int device);
+// The device's allocator if it exists; else nullptr, once check_device(device) found the
+// device exists. For calls that need nothing from a device tidepool never allocated on
+// (stats, resets, a stream's release). Never creates one.
+TIDEPOOL_API CachingAllocator* checked_existing_allocator(int device);
 // Device `peer` gets read/write access to the memory tidepool maps for `device` (its
 // expandable segments and pointer-stable ranges; Backend::enable_peer_access), now and
 // from now on. A device with no allocator yet gets no backend (on CUDA, no context) for

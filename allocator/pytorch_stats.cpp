@@ -29,8 +29,7 @@ using tidepool::detail::to_c_stat;
 // The device's figures with the totals since start. A device tidepool has not allocated
 // on yet has none, and reading them creates no allocator there (on CUDA, no context).
 tidepool_pytorch_stats_v1 view_since_start(int device) {
-  const tidepool::CachingAllocator* allocator = tidepool::existing_device_allocator(device);
-  if (allocator == nullptr) tidepool::check_device(device);
+  const tidepool::CachingAllocator* allocator = tidepool::checked_existing_allocator(device);
   const tidepool::AllocatorStats s = allocator ? allocator->stats() : tidepool::AllocatorStats{};
   tidepool_pytorch_stats_v1 v{};
   v.version = 1;

@@ -494,11 +494,16 @@ bool CachingAllocator::Impl::move_free_run(Segment* seg, std::size_t head,
   // among those the one found last: scans go in address order, so that is the free slot
   // highest in its range, the least likely to be reused soon. A try_allocate takes none
   // that needs the synchronization.
+  // Whether moving `r` must first wait for work the allocating stream queued before its
+  // frees, which may still use the run's memory through the old addresses.
+  const auto must_wait = [&](const FreeRun& r) {
+    return r.needs_sync && allocating.free_seq > allocating.safe_seq;
+  };
   std::size_t pick = movable.size();
   for (std::size_t i = movable.size(); i-- > 0;) {
     const FreeRun& r = movable[i];
     if (r.granules != granules || !r.whole_slot) continue;
-    if (waits_forbidden && r.needs_sync && allocating.free_seq > allocating.safe_seq) continue;
+    if (waits_forbidden && must_wait(r)) continue;
     if (pick == movable.size()) pick = i;
     if (!r.needs_sync) {
       pick = i;
@@ -508,9 +513,7 @@ bool CachingAllocator::Impl::move_free_run(Segment* seg, std::size_t head,
   if (pick == movable.size()) return false;
   const FreeRun run = movable[pick];
   movable.erase(movable.begin() + static_cast<std::ptrdiff_t>(pick));
-  // Work the allocating stream queued before its frees may still use the run's memory
-  // through the old addresses: unmapping must wait for it.
-  if (run.needs_sync && allocating.free_seq > allocating.safe_seq) {
+  if (must_wait(run)) {
     backend->stream_synchronize(allocating.stream);
     allocating.safe_seq = allocating.free_seq;
     ++mapping.move_syncs;

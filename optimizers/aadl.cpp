@@ -290,6 +290,14 @@ void AADL::step_group(size_t g, bool stores, bool accelerates, const LossClosure
   // after a rejection the next step's first pass reads them (Note [Loading the history
   // ahead of use]).
   history.prefetch(AndersonHistory::Pass::after_replace_newest);
+  // On an error below, the parameters go back to the plain iterate; the error that got
+  // there is the one to report, not one of putting them back.
+  const auto back_to_plain = [&]() noexcept {
+    try {
+      unflatten(plain, params);
+    } catch (...) {
+    }
+  };
   double plain_loss = 0.0, accelerated_loss = 0.0;
   try {
     plain_loss = loss_value(closure());
@@ -298,11 +306,7 @@ void AADL::step_group(size_t g, bool stores, bool accelerates, const LossClosure
   } catch (...) {
     // A closure that throws (out of memory in its forward pass) leaves the plain
     // iterate, not one the safeguard never checked.
-    try {
-      unflatten(plain, params);
-    } catch (...) {
-      // The closure's error is the one to report.
-    }
+    back_to_plain();
     throw;
   }
   if (accelerated_loss < plain_loss) {
@@ -311,11 +315,7 @@ void AADL::step_group(size_t g, bool stores, bool accelerates, const LossClosure
     } catch (...) {
       // The history still ends at the plain iterate (Note [A failed push]): so must the
       // parameters, or the next step would start from a point the history never held.
-      try {
-        unflatten(plain, params);
-      } catch (...) {
-        // The store's error is the one to report.
-      }
+      back_to_plain();
       throw;
     }
     ++accepted_;

@@ -137,16 +137,14 @@ Apollo::Apollo(std::vector<torch::Tensor> params, ApolloOptions defaults,
 // Fills the lr-dependent defaults (ApolloOptions::resolve_defaults) of every group that
 // has them unset: at construction, and at the first step after add_param_group added a
 // group with options of its own, so that they are fixed from then on instead of following
-// the group's lr. Every group's options are checked first (as in training): a group
-// added with an invalid lr is refused with its lr named, and nothing is fixed from it
-// (an init_lr fixed from a negative lr would be refused at every step after the lr was
-// corrected, as an invalid init_lr the user never set). A group added with lr 0 (frozen)
-// keeps them unset, and steps with 0 meanwhile: fixed from 0, its warmup would ramp
-// from 0 to 0, and the group not move for `warmup` steps once given an lr.
+// the group's lr. Called once every group's options were checked (the constructor's check,
+// or parameters_to_step's in a step): a group added with an invalid lr is refused with its
+// lr named, and nothing is fixed from it (an init_lr fixed from a negative lr would be
+// refused at every step after the lr was corrected, as an invalid init_lr the user never
+// set). A group added with lr 0 (frozen) keeps them unset, and steps with 0 meanwhile:
+// fixed from 0, its warmup would ramp from 0 to 0, and the group not move for `warmup`
+// steps once given an lr.
 void Apollo::resolve_group_options() {
-  for (const auto& group : param_groups_) {
-    static_cast<const ApolloOptions&>(group.options()).validate(ApolloOptions::Check::training);
-  }
   for (auto& group : param_groups_) {
     auto& options = static_cast<ApolloOptions&>(group.options());
     if (options.init_lr() && options.base_lr() && options.weight_decay_type()) continue;
@@ -400,8 +398,8 @@ torch::Tensor Apollo::step(LossClosure closure) {
   // m, B, d), bracketed by the placement's step boundaries: a tiered placement's store
   // records that order in the first step and replays it as its prefetch schedule, loading
   // as far ahead as its budget allows while this loop computes (tiered_placement.h).
-  resolve_group_options();  // of groups added since the last step
   const std::vector<std::vector<torch::Tensor>> to_step = parameters_to_step();
+  resolve_group_options();  // of groups added since the last step, once checked
   make_state_before_stepping(to_step);
   StepScope step_scope(*placement_);
   for (size_t g = 0; g < param_groups_.size(); ++g) {
