@@ -15,9 +15,10 @@
 //   tidepool.state_budget:SIZE       device memory optimizer state may keep between steps
 //                                    (default 0: all of it is evicted after each step)
 //   tidepool.pinned_budget:SIZE|unlimited
-//                                    pinned host memory the tiered stores may use, one
-//                                    budget for the process (default: a quarter of
-//                                    physical memory; unlimited: all of it)
+//                                    pinned host memory tiering may hold (the tiered
+//                                    stores' and the pointer-stable ranges' host
+//                                    backings), one budget for the process (default: a
+//                                    quarter of physical memory; unlimited: all of it)
 //   tidepool.log:off|warn|info|debug messages on stderr (default warn)
 //   tidepool.device_backend:auto|cuda|host
 //                                    the memory backend (default auto: cuda when a GPU is
@@ -84,7 +85,7 @@ struct Config {
   bool enabled = false;  // backend:tidepool or any tidepool.* key was named
   Mode mode = Mode::global;
   Budget state_budget{Budget::Kind::bytes, 0, 0.0};
-  Budget pinned_budget;  // unset: a quarter of physical memory (tiering/host_arena.h)
+  Budget pinned_budget;  // unset: a quarter of physical memory (tiering/pinned_budget.h)
   LogLevel log = LogLevel::warn;
   DeviceBackendChoice device_backend = DeviceBackendChoice::automatic;
   bool optimizer_hooks = true;

@@ -174,7 +174,7 @@ ReclaimResult run_reclaim_hooks(int device, std::size_t bytes_needed) {
 // torch.cuda.empty_cache() means "give back everything tidepool only caches", and not all
 // of that is the allocator's: the tiering layer keeps the host backings of state moved
 // back to the device for the next move to the host (Note [Spare host backings] in
-// tiering/vmm_moves.cpp), pinned host memory up to the size of that state. The allocator
+// tiering/vmm_backings.cpp), pinned host memory up to the size of that state. The allocator
 // cannot call the tiering layer, so the tiering layer registers an empty-cache hook, as
 // it registers its reclaim hook.
 // The C ABI runs the hooks, not CachingAllocator::empty_cache: the tiering layer itself

@@ -121,7 +121,8 @@ TIDEPOOL_API std::optional<std::size_t> configured_state_budget_bytes(const Conf
                                                                       Backend* backend);
 
 // tidepool.pinned_budget in bytes of host RAM. nullopt when tidepool is not enabled by
-// `config` or the key is absent (the host arena then takes a quarter of RAM);
+// `config` or the key is absent (the process's pinned budget is then a quarter of RAM:
+// tiering/pinned_budget.h);
 // "unlimited" is all of the host's RAM.
 TIDEPOOL_API std::optional<std::size_t> configured_pinned_budget_bytes(const Config& config);
 

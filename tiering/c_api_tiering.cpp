@@ -34,6 +34,7 @@
 #include "allocator/tags.h"
 #include "allocator/tier_routing.h"
 #include "tiering/device_budget_ledger.h"
+#include "tiering/pinned_budget.h"
 #include "tiering/stats_json.h"
 #include "tiering/tiered_store.h"
 #include "tiering/tiering_registry.h"
@@ -360,6 +361,11 @@ int tidepool_get_tiering_stats_v1(int device, tidepool_tiering_stats_v1* out) {
     full.vmm_budget_stops = v.budget_stops;
     full.vmm_bytes_left_on_host = v.bytes_left_on_host;
     full.vmm_spare_host_bytes = v.spare_host_bytes;
+    full.pinned_budget_bytes = tidepool::process_pinned_budget().bytes;
+    full.process_pinned_bytes = tidepool::process_pinned_bytes();
+    full.vmm_pinned_bytes = v.pinned_bytes;
+    full.vmm_pinned_budget_stops = v.pinned_budget_stops;
+    full.vmm_bytes_left_on_device = v.bytes_left_on_device;
     tidepool::detail::copy_versioned_struct(out, full);
     return 0;
   });

@@ -182,6 +182,15 @@ typedef struct tidepool_tiering_stats_v1 {
    * the host (spare host backings, freed by moves to the device), which
    * tidepool_empty_cache gives back. */
   uint64_t vmm_spare_host_bytes;
+  /* Appended: pinned host memory (Note [One pinned budget per process] in
+   * tiering/pinned_budget.cpp). The process's pinned budget (tidepool.pinned_budget, else
+   * a quarter of RAM) and what all of tidepool's host arenas and pointer-stable ranges,
+   * on every device, have pinned against it now; the pinned host memory this device's
+   * ranges hold (host backings mapped, spare, or waiting for a release), the moves to the
+   * host the budget cut short, and the bytes those left in device memory (Note [Pinned
+   * host backings] in tiering/vmm_moves.cpp). */
+  uint64_t pinned_budget_bytes, process_pinned_bytes;
+  uint64_t vmm_pinned_bytes, vmm_pinned_budget_stops, vmm_bytes_left_on_device;
 } tidepool_tiering_stats_v1;
 
 /* The size of tidepool_tiering_stats_v1 as first released; struct_size may not be less. */

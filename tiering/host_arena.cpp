@@ -45,26 +45,17 @@
 // adds slabs until one does: idle ones first, then fresh ones, which always serve; each
 // one added stays in the arena for the threads it can serve.
 //
-// Note [One pinned budget per process]
-// tidepool.pinned_budget bounds the pinned host memory tiering may use (allocator/config.h),
-// and every TieredStore owns a HostArena: were the budget each arena's, N tiered
-// optimizers (or N devices, with the default quarter of RAM) would pin N times it. So an
-// arena whose budget comes from the configuration or the default charges what it
-// registers (slabs, direct mappings) to one process-wide count, and refuses a charge that
-// would take that count past the budget as the arena resolved it when it was built (arenas
-// agree unless the configuration changes in between; a budget lowered below the count takes
-// nothing back, new charges wait until enough is given back). A charge is taken before the
-// memory is registered, and given back when it is unregistered (a block's direct mapping
-// freed, an empty slab released, the arena's idle slabs parked by its destructor) or when
-// registering it failed. Memory a destroyed arena leaves registered (slabs and direct
-// mappings with live blocks, a slab the backend would not unregister) stays charged: it
-// stays pinned. An arena given HostArenaOptions::pinned_budget_bytes keeps that budget to
-// itself and charges nothing to the count, as a tiered store given a device budget of its
-// own does (Note [Shared state budget] in device_budget_ledger.h). That ledger is not
-// reused here: it is kept per device, its seats ask each other to evict for room, and a
-// seat gives back its charge when destroyed; an arena that finds no pinned room falls back
-// to pageable memory instead, and its leaked registrations must stay charged. What is left
-// is one atomic count, which an arena updates under its own mutex and never waits for.
+// Note [What an arena charges]
+// An arena built without a budget of its own charges the process's pinned count (Note [One
+// pinned budget per process] in pinned_budget.cpp) with what it registers: slabs and
+// direct mappings, each charged before it is registered, given back when unregistered (a
+// block's direct mapping freed, an empty slab released, the arena's idle slabs parked by
+// its destructor) or when registering it failed. It checks the budget as it resolved it
+// when it was built (arenas agree unless the configuration changes in between). What a
+// destroyed arena leaves registered (slabs and direct mappings with live blocks, a slab the
+// backend would not unregister) stays charged. An arena given
+// HostArenaOptions::pinned_budget_bytes checks its own registered bytes against that budget
+// instead and charges nothing to the process's count. Both happen under the arena's mutex.
 //
 // Note [A budget smaller than a slab]
 // A request below direct_threshold_bytes is served from slabs, and a slab is registered
@@ -99,8 +90,8 @@
 
 #include "allocator/config.h"
 #include "allocator/stats.h"
-#include "allocator/tier_routing.h"
 #include "allocator/warn_once.h"
+#include "tiering/pinned_budget.h"
 #include "tiering/teardown.h"
 
 namespace tidepool {
@@ -114,13 +105,6 @@ constexpr const char* kNoArenaLeft =
     "mi_manage_os_memory_ex refused a slab: mimalloc manages at most 64 arenas per process";
 
 std::size_t round_up(std::size_t n, std::size_t to) { return (n + to - 1) / to * to; }
-
-// Bytes registered now by the arenas that share the process's pinned budget, and left
-// registered by those destroyed (Note [One pinned budget per process]).
-std::atomic<std::size_t>& shared_pinned_bytes() {
-  static std::atomic<std::size_t> bytes{0};
-  return bytes;
-}
 
 // Why pinned memory failed, read once from the reason its failure path wrote; allocate()
 // (Note [A budget smaller than a slab]), the stats and the warning all go by it.
@@ -317,17 +301,15 @@ HostArena::HostArena(Backend& backend, HostArenaOptions options)
       options_.direct_threshold_bytes > options_.slab_bytes / 2) {
     throw HostArenaError("host arena: direct_threshold_bytes must be in (0, slab_bytes/2]");
   }
-  // An explicit budget wins; else tidepool.pinned_budget (tier_routing.h); else a
-  // quarter of RAM. A configured 0 means: no pinned memory, all of it pageable.
-  // All but the explicit one are the process's (Note [One pinned budget per process]).
+  // An explicit budget wins; else tidepool.pinned_budget; else a quarter of RAM. A
+  // configured 0 means: no pinned memory, all of it pageable. All but the explicit one
+  // are the process's (Note [What an arena charges]).
   if (options_.pinned_budget_bytes != 0) {
     budget_ = options_.pinned_budget_bytes;
-  } else if (auto configured = configured_pinned_budget_bytes(active_config())) {
-    budget_ = *configured;
-    stats_.budget_from_config = true;
-    stats_.budget_shared = true;
   } else {
-    budget_ = host_memory_bytes() / 4;
+    const ProcessPinnedBudget process = process_pinned_budget();
+    budget_ = process.bytes;
+    stats_.budget_from_config = process.from_config;
     stats_.budget_shared = true;
   }
   stats_.pinned_budget_requested_bytes = budget_;
@@ -347,8 +329,8 @@ HostArena::HostArena(Backend& backend, HostArenaOptions options)
 // mapped and reachable (so it is a known leak, not a lost pointer). Every direct mapping
 // left holds a live block (deallocate erases the others): it is leaked too, mapped and
 // registered, for a copy may still touch it (~TieredStore leaves blocks live when it cannot
-// synchronize the device). What stays registered stays charged (Note [One pinned budget
-// per process]); the slabs parked in the pool give their charge back.
+// synchronize the device). What stays registered stays charged (Note [What an arena
+// charges]); the slabs parked in the pool give their charge back.
 HostArena::~HostArena() {
   Teardown teardown("host arena");
   // Linked through the slabs themselves (this arena's alone until they reach a pool), so
@@ -484,17 +466,14 @@ bool HostArena::charge(std::size_t bytes, std::string* why_not) {
       return false;
     }
   } else {
-    std::atomic<std::size_t>& total = shared_pinned_bytes();
-    std::size_t now = total.load();
-    do {
-      if (bytes > budget_ || now > budget_ - bytes) {
-        *why_not = "pinned budget of " + std::to_string(budget_) +
-                   " bytes (one for the process) spent: " + std::to_string(now) +
-                   " registered by all its arenas (" + std::to_string(own) + " by this one), " +
-                   std::to_string(bytes) + " more needed";
-        return false;
-      }
-    } while (!total.compare_exchange_weak(now, now + bytes));
+    std::size_t now = 0;
+    if (!charge_process_pinned(bytes, budget_, &now)) {
+      *why_not = "pinned budget of " + std::to_string(budget_) +
+                 " bytes (one for the process) spent: " + std::to_string(now) +
+                 " pinned by all its arenas and pointer-stable ranges (" + std::to_string(own) +
+                 " by this arena), " + std::to_string(bytes) + " more needed";
+      return false;
+    }
   }
   stats_.pinned_registered_bytes += bytes;
   return true;
@@ -504,7 +483,7 @@ bool HostArena::charge(std::size_t bytes, std::string* why_not) {
 // registered.
 void HostArena::uncharge(std::size_t bytes) noexcept {
   stats_.pinned_registered_bytes -= bytes;
-  if (stats_.budget_shared) shared_pinned_bytes().fetch_sub(bytes);
+  if (stats_.budget_shared) uncharge_process_pinned(bytes);
 }
 
 // Every way out after charge() without a slab gives the charge back.

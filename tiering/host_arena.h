@@ -11,10 +11,11 @@
 //
 // The pinned budget bounds what is registered (slabs and direct mappings). The configured
 // one (tidepool.pinned_budget, else a quarter of RAM) is one budget for the whole process,
-// shared by every arena built without a budget of its own: each tiered store owns an arena
-// (Note [One pinned budget per process] in host_arena.cpp). A small request whose slab
-// does not fit in the budget left, but which fits itself, gets a direct mapping too (Note
-// [A budget smaller than a slab] there).
+// shared by every arena built without a budget of its own (each tiered store owns an arena)
+// and by the host backings of the pointer-stable ranges (Note [One pinned budget per
+// process] in pinned_budget.cpp). A small request whose slab does not fit in the budget
+// left, but which fits itself, gets a direct mapping too (Note [A budget smaller than a
+// slab] in host_arena.cpp).
 //
 // When the pinned budget is spent, or registration fails, allocations fall back to
 // pageable host memory. The fallback is never silent: every block says its tier, the
@@ -79,7 +80,7 @@ struct HostArenaOptions {
   // arena's registrations count against it. 0 means: the configured
   // tidepool.pinned_budget (allocator/tier_routing.h) when there is one, else a quarter of
   // physical memory; that budget is the process's, shared with every other arena built
-  // with 0 (Note [One pinned budget per process] in host_arena.cpp).
+  // with 0 (Note [One pinned budget per process] in pinned_budget.cpp).
   std::size_t pinned_budget_bytes = 0;
   // Cap the budget at RLIMIT_MEMLOCK when that limit is finite. Off by default: neither
   // backend pins through mlock (cudaHostRegister pins in the driver, which RLIMIT_MEMLOCK

@@ -155,6 +155,12 @@ std::string to_json(const VmmStats& s) {
       .num("release_ms", s.release_ms)
       .num("spare_host_backings", ull(s.spare_host_backings))
       .num("spare_host_bytes", ull(s.spare_host_bytes))
+      .boolean("pinned_budget_shared", s.pinned_budget_shared)
+      .num("pinned_budget_bytes", ull(s.pinned_budget_bytes))
+      .num("pinned_bytes", ull(s.pinned_bytes))
+      .num("pinned_budget_stops", ull(s.pinned_budget_stops))
+      .num("bytes_left_on_device", ull(s.bytes_left_on_device))
+      .num("pinned_budget_refusals", ull(s.pinned_budget_refusals))
       .done();
 }
 

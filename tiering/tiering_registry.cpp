@@ -532,7 +532,7 @@ std::uint64_t reclaims_that_found_the_registry_busy() noexcept {
 // pinned host memory tiering keeps only as a cache, which a user who empties the cache
 // expects back:
 //   - the device's VMM pool gives back its spare host backings, as large as the state
-//     moved back to the device (Note [Spare host backings] in vmm_moves.cpp); the next
+//     moved back to the device (Note [Spare host backings] in vmm_backings.cpp); the next
 //     move to the host creates its backings anew;
 //   - each tiered store of the device unregisters its empty host slabs (Note [Empty slabs
 //     are unpinned] in host_arena.h).

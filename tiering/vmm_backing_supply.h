@@ -8,8 +8,9 @@
 // one itself when none of its size is planned or claimed yet. So the moves take them in
 // about the order created, and a move whose plan changed (a range freed or moved by
 // another thread between the planning and its move) still gets what it needs. The
-// helpers call only Backend::create_physical and stop at the first failure (out of memory
-// or an error); finish() joins them and hands back what no move took.
+// helpers call only VmmPool::create_backing (Backend::create_physical, a host backing
+// charged to the pinned budget first) and stop at the first failure (out of memory, the
+// pinned budget spent, or an error); finish() joins them and hands back what no move took.
 #pragma once
 
 #include <condition_variable>
@@ -31,16 +32,17 @@ class VmmPool::BackingSupply {
   // Backings of `sizes` bytes in `where`, created in that order by min(threads, count)
   // helper threads when that is two or more; else each is created by the take() that
   // wants it (the calls and their order are then those of a move without a supply).
-  BackingSupply(Backend& backend, MemoryLocation where, const std::vector<std::size_t>& sizes,
+  BackingSupply(VmmPool& pool, MemoryLocation where, const std::vector<std::size_t>& sizes,
                 unsigned threads);
   ~BackingSupply();  // stops and joins the helpers; pre: finish() was called
   BackingSupply(const BackingSupply&) = delete;
   BackingSupply& operator=(const BackingSupply&) = delete;
 
-  // A backing of `bytes`. Null: its location is out of memory. A creation's error is
-  // rethrown to the take that gets it. A failed slot is taken only when no other of its
+  // A backing of `bytes`. Null: its location is out of memory, or the pinned budget had
+  // no room (NewBacking::pinned_budget_spent). A creation's error is rethrown to the take
+  // that gets it. A failed slot is taken only when no other of its
   // size was made or can be (Note [A failed creation is taken last], vmm_moves.cpp).
-  PhysicalHandle take(std::size_t bytes);
+  NewBacking take(std::size_t bytes);
   // Stops creating, waits for the helpers, and passes each backing created and not taken
   // to `give_back(handle, bytes)`. Called once, before the destructor.
   void finish(const std::function<void(PhysicalHandle, std::size_t)>& give_back);
@@ -56,7 +58,7 @@ class VmmPool::BackingSupply {
   struct Slot {
     std::size_t bytes;
     Status status;
-    PhysicalHandle handle;
+    NewBacking backing;
     std::exception_ptr error;
   };
 
@@ -65,7 +67,7 @@ class VmmPool::BackingSupply {
   void create(std::size_t i);
   void stop_and_join();
 
-  Backend& backend_;
+  VmmPool& pool_;
   const MemoryLocation where_;
   mutable std::mutex mutex_;
   std::condition_variable ready_;

@@ -90,13 +90,13 @@ VmmPool::~VmmPool() {
   ranges_.clear();
   for (const DeferredRelease& d : deferred_releases_) {
     teardown.attempt("releasing a backing whose release failed before",
-                     [&] { backend_.release_physical(d.physical, d.bytes); });
+                     [&] { release_backing(d.physical, d.bytes, d.where); });
   }
   deferred_releases_.clear();
   // Spares are mapped nowhere and no copy uses them (Note [Spare host backings]).
   for (const auto& [bytes, physical] : spares_) {
     teardown.attempt("releasing a spare host backing",
-                     [&] { backend_.release_physical(physical, bytes); });
+                     [&] { release_backing(physical, bytes, MemoryLocation::host); });
   }
   spares_.clear();
   spare_bytes_ = 0;
@@ -167,82 +167,15 @@ bool VmmPool::release_range_locked(Range& r, Teardown* teardown) {
     if (c.where == MemoryLocation::device) give_device_room_locked(c.bytes);
     if (teardown != nullptr) {
       teardown->attempt("releasing a chunk's backing",
-                        [&] { backend_.release_physical(c.physical, c.bytes); });
+                        [&] { release_backing(c.physical, c.bytes, c.where); });
     } else {
-      release_or_defer_locked(c.physical, c.bytes);
+      release_or_defer_locked(c.physical, c.bytes, c.where);
     }
   }
   if (!all_unmapped) return false;
   step("releasing a range's address space", [&] { backend_.release_address(r.base, r.bytes); });
   stats_.ranges--;
   return true;
-}
-
-// Note [Deferred releases]
-// A backing the pool no longer uses (the old one once a migration has mapped the new one
-// in its place, the new one after a failed step, a freed range's) is released at once.
-// When the backend fails that release, the handle is not dropped: it goes on
-// deferred_releases_, and every later call that changes the pool (allocate, deallocate,
-// migrate, migrate_tag) retries it first, as the destructor does a last time. A failed
-// release is not the caller's failure (the move or the free it asked for is done, and
-// every chunk's record names the backing mapped at its address), so it throws nothing;
-// the stats count what is waiting. A release that threw is taken not to have happened,
-// so each handle is released exactly once.
-// The same repair (repair_locked) unmaps the scratch range when that unmap failed (the
-// next migration maps there), and maps a chunk's backing again when a failed migration
-// could map neither the new nor the old backing at the chunk's address: the chunk keeps
-// the old backing, which holds its data, so the bytes are back at the same address after
-// the next call; until then a migrate of that range throws.
-void VmmPool::release_or_defer_locked(PhysicalHandle physical, std::size_t bytes) {
-  try {
-    backend_.release_physical(physical, bytes);
-  } catch (const BackendError&) {
-    deferred_releases_.push_back(DeferredRelease{physical, bytes});
-  }
-}
-
-// What fails again stays for the next call (Note [Deferred releases]).
-void VmmPool::repair_locked() {
-  if (!scratch_mapped_.empty()) {
-    try {
-      // A copy into it may still run when the synchronize after it failed.
-      backend_.stream_synchronize(stream_);
-      unmap_scratch_locked();
-    } catch (const BackendError&) {
-    }
-  }
-  if (unmapped_chunks_ > 0) {
-    for (auto& [base, r] : ranges_) {
-      for (Chunk& c : r.chunks) {
-        if (c.mapped) continue;
-        try {
-          backend_.map(r.base + c.offset, c.bytes, c.physical);
-          c.mapped = true;
-          unmapped_chunks_--;
-        } catch (const BackendError&) {
-        }
-      }
-    }
-  }
-  std::erase_if(deferred_releases_, [&](const DeferredRelease& d) {
-    try {
-      backend_.release_physical(d.physical, d.bytes);
-      return true;
-    } catch (const BackendError&) {
-      return false;
-    }
-  });
-}
-
-void VmmPool::unmap_scratch_locked() {
-  while (!scratch_mapped_.empty()) unmap_scratch_slot_locked(scratch_mapped_.back().offset);
-}
-
-void VmmPool::unmap_scratch_slot_locked(std::size_t offset) {
-  auto it = std::ranges::find(scratch_mapped_, offset, &ScratchSlot::offset);
-  if (it == scratch_mapped_.end()) return;
-  backend_.unmap(static_cast<char*>(scratch_) + offset, it->bytes);
-  scratch_mapped_.erase(it);
 }
 
 void* VmmPool::allocate(std::size_t bytes, int tag, MemoryLocation where) {
@@ -265,7 +198,9 @@ void* VmmPool::allocate_within_budget(std::size_t bytes, int tag) {
 // others, and 23.3 GB for the plain run's). Room is taken, not asked for: like a
 // migration it never makes a store evict. A device chunk the device has no memory for
 // goes to the host as well: new state never fails for want of device memory while the
-// host has some.
+// host has some. Nor for want of host memory while the device has some: a host chunk the
+// host has no memory for, or the pinned budget no room for (Note [Pinned host backings]
+// in vmm_moves.cpp), goes to the device, past the state budget.
 void* VmmPool::allocate_range(std::size_t bytes, int tag, Placement placement) {
   if (bytes == 0) throw TieringError("vmm pool: allocate(0)");
   if (bytes > kMaxRangeBytes) {
@@ -308,11 +243,22 @@ void* VmmPool::allocate_range(std::size_t bytes, int tag, Placement placement) {
       ranges_.emplace(base, std::move(r));
     }
   };
-  // A chunk's backing in `where`; null when `where` is out of memory.
-  auto create_backing = [&](std::size_t n, MemoryLocation where) {
-    PhysicalHandle h = where == MemoryLocation::host ? take_spare_locked(n) : PhysicalHandle{};
-    if (!h) h = backend_.create_physical(n, where);
-    return h;
+  // A chunk's backing in `where`, a spare if there is one; null when `where` has no
+  // memory for it (or, on the host, the pinned budget no room). A device chunk's room,
+  // taken by the caller, is given back when none is made.
+  auto create_in = [&](std::size_t n, MemoryLocation where) {
+    NewBacking b{where == MemoryLocation::host ? take_spare_locked(n) : PhysicalHandle{}};
+    try {
+      if (!b.handle) b = create_backing(n, where);
+    } catch (...) {
+      if (where == MemoryLocation::device) give_device_room_locked(n);
+      throw;
+    }
+    if (!b.handle && where == MemoryLocation::device) give_device_room_locked(n);
+    if (b.pinned_budget_spent && placement == Placement::within_budget) {
+      warn_pinned_budget_spent_locked(n);  // the chunk goes to the device instead
+    }
+    return b;
   };
   try {
     for (std::size_t off = 0; off < total; off += chunk_bytes_) {
@@ -325,21 +271,16 @@ void* VmmPool::allocate_range(std::size_t bytes, int tag, Placement placement) {
       if (placement != Placement::host && take_device_room_locked(n, budget)) {
         where = MemoryLocation::device;
       }
-      PhysicalHandle h;
-      try {
-        h = create_backing(n, where);
-      } catch (...) {
-        if (where == MemoryLocation::device) give_device_room_locked(n);
-        throw;
+      NewBacking b = create_in(n, where);
+      if (!b.handle && placement == Placement::within_budget) {
+        // Note [New state where the budget puts it]: the device is full, or the host has
+        // no room (the pinned budget spent): the other one. On the device that is past
+        // the state budget, charged all the same.
+        where = where == MemoryLocation::device ? MemoryLocation::host : MemoryLocation::device;
+        if (where == MemoryLocation::device) take_device_room_locked(n, std::nullopt);
+        b = create_in(n, where);
       }
-      if (!h && where == MemoryLocation::device) {
-        give_device_room_locked(n);
-        // Note [New state where the budget puts it]: the device is full.
-        if (placement == Placement::within_budget) {
-          where = MemoryLocation::host;
-          h = create_backing(n, where);
-        }
-      }
+      const PhysicalHandle h = b.handle;
       if (!h) {
         unwind();
         return nullptr;
@@ -348,7 +289,7 @@ void* VmmPool::allocate_range(std::size_t bytes, int tag, Placement placement) {
         backend_.map(r.base + off, n, h);
       } catch (...) {
         if (where == MemoryLocation::device) give_device_room_locked(n);
-        release_or_defer_locked(h, n);
+        release_or_defer_locked(h, n, where);
         throw;
       }
       r.chunks.push_back(Chunk{off, n, h, where});
@@ -611,9 +552,10 @@ MigrationResult VmmPool::move_range_locked(Range& r, MemoryLocation to,
   try {
     if (!plan.empty()) move_planned_locked(r, plan, to, moved, result, supply);  // vmm_moves.cpp
     // Note [A device with no room for a prefetch]: what the device had no memory for stays
-    // on the host, as what the budget has no room for does.
-    for (std::size_t k = moved; to_device && k < plan.size(); ++k) {
-      give_device_room_locked(r.chunks[plan[k]].bytes);
+    // on the host, as what the budget has no room for does; towards the host, what the
+    // pinned budget had no room for stays on the device (Note [Pinned host backings]).
+    for (std::size_t k = moved; k < plan.size(); ++k) {
+      if (to_device) give_device_room_locked(r.chunks[plan[k]].bytes);
       result.bytes_left += r.chunks[plan[k]].bytes;
     }
   } catch (...) {
@@ -626,8 +568,8 @@ MigrationResult VmmPool::move_range_locked(Range& r, MemoryLocation to,
     throw;
   }
   if (result.bytes_left > 0) {
-    stats_.budget_stops++;
-    stats_.bytes_left_on_host += result.bytes_left;
+    (to_device ? stats_.budget_stops : stats_.pinned_budget_stops)++;
+    (to_device ? stats_.bytes_left_on_host : stats_.bytes_left_on_device) += result.bytes_left;
   }
   add_time();
   return result;
@@ -793,6 +735,7 @@ std::size_t VmmPool::bytes_in(const void* ptr, MemoryLocation where) const {
 
 VmmStats VmmPool::stats() const {
   const std::optional<std::size_t> budget = device_budget_bytes();
+  const std::size_t pinned_budget = pinned_budget_now();
   std::lock_guard lock(mutex_);
   VmmStats s = stats_;
   s.deferred_releases = deferred_releases_.size();
@@ -803,6 +746,10 @@ VmmStats VmmPool::stats() const {
   s.budget_peer_bytes = shared_ ? shared_->others_bytes() : 0;
   s.spare_host_backings = spares_.size();
   s.spare_host_bytes = spare_bytes_;
+  s.pinned_budget_shared = options_.pinned_budget_bytes == VmmPoolOptions::kProcessPinnedBudget;
+  s.pinned_budget_bytes = pinned_budget;
+  s.pinned_bytes = pinned_charged_.load();
+  s.pinned_budget_refusals = pinned_refusals_.load(std::memory_order_relaxed);
   return s;
 }
 

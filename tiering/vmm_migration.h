@@ -11,12 +11,12 @@
 //      map it at a scratch range, copy the chunk there, batch_chunks chunks per wait;
 //   3. unmap the chunk at the original address and map the new backing in its place;
 //   4. keep the old backing as a spare (host backings, up to a limit) or release it.
-// (Note [Migration batches] and Note [Spare host backings] in vmm_moves.cpp.)
+// (Note [Migration batches] and Note [Spare host backings] in vmm_backings.cpp.)
 // The virtual address never changes. A failure at any step (no memory in `to`, a copy
 // or map that fails) undoes that step for the chunks not yet swapped and throws
 // TieringError; chunks swapped before the failure stay moved, and every byte stays
 // readable at the same address. A backing whose release fails is kept and released at a
-// later call (Note [Deferred releases] in vmm_migration.cpp): no physical memory is lost
+// later call (Note [Deferred releases] in vmm_backings.cpp): no physical memory is lost
 // or released twice.
 //
 // Note [VMM device budget]
@@ -43,7 +43,11 @@
 //
 // On the cuda backend `to == host` is CU_MEM_LOCATION_TYPE_HOST_NUMA memory the GPU
 // reaches over the link; on the host backend memfd_create + mmap(MAP_FIXED), so this
-// logic runs in CI.
+// logic runs in CI. Host backings are pinned memory, so they are charged to the pinned
+// budget, by default the process's (tidepool.pinned_budget, else a quarter of RAM), which
+// the tiered stores' host arenas share: a move to the host stops where the budget has no
+// room, the rest of the range staying on the device (Note [Pinned host backings] in
+// vmm_backings.cpp).
 //
 // A stream record_use names stays a user of the range until release_stream: every later
 // migrate and the deallocate wait for the work queued on it then (PyTorch's contract: a
@@ -55,6 +59,7 @@
 // they call only Backend::create_physical and have ended when it returns.
 #pragma once
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -84,7 +89,7 @@ struct VmmStats {
   double migration_ms = 0;  // wall time inside migrate(), waits for users excluded
   // Migrations of a range that threw: a migrate() call, or the range of a migrate_tag()
   // it stopped at, counted once whether the pool declined it (a chunk not mapped back
-  // yet: Note [Deferred releases] in vmm_migration.cpp), the streams that used the range
+  // yet: Note [Deferred releases] in vmm_backings.cpp), the streams that used the range
   // could not be waited for, or a step failed after other chunks had moved. Not counted:
   // bad input (a pointer the pool does not own) and a move the device budget cut short
   // (budget_stops), neither of which is the pool's failure.
@@ -102,7 +107,7 @@ struct VmmStats {
   // gave back for them (Note [VMM device budget]).
   std::uint64_t budget_room_requests = 0;
   std::uint64_t budget_room_given_bytes = 0;
-  // Note [Deferred releases] in vmm_migration.cpp: backings no longer in use whose release
+  // Note [Deferred releases] in vmm_backings.cpp: backings no longer in use whose release
   // failed, retried at every later call.
   std::uint64_t deferred_releases = 0;
   std::uint64_t deferred_release_bytes = 0;
@@ -122,10 +127,22 @@ struct VmmStats {
   double copy_wait_ms = 0;    // migrations waiting for their batches' copies
   double remap_ms = 0;        // map and unmap calls (scratch range and the ranges)
   double release_ms = 0;      // releasing old backings not kept as spares
-  // Note [Spare host backings] in vmm_moves.cpp: host backings kept for the next move to
+  // Note [Spare host backings] in vmm_backings.cpp: host backings kept for the next move to
   // the host.
   std::uint64_t spare_host_backings = 0;
   std::uint64_t spare_host_bytes = 0;
+  // Note [Pinned host backings] in vmm_backings.cpp: the pinned budget the host backings are
+  // charged to (the process's unless VmmPoolOptions::pinned_budget_bytes gave the pool one
+  // of its own), the bytes the pool has charged to it now (host backings mapped, spare,
+  // created ahead of a move, or waiting for a deferred release), the moves to the host it
+  // cut short and the bytes those left on the device, and the host backings it refused
+  // (those moves' and allocations').
+  bool pinned_budget_shared = false;
+  std::uint64_t pinned_budget_bytes = 0;
+  std::uint64_t pinned_bytes = 0;
+  std::uint64_t pinned_budget_stops = 0;
+  std::uint64_t bytes_left_on_device = 0;
+  std::uint64_t pinned_budget_refusals = 0;
 };
 
 struct VmmPoolOptions {
@@ -137,7 +154,7 @@ struct VmmPoolOptions {
   static constexpr std::size_t kDeviceBudgetFromConfig = static_cast<std::size_t>(-1);
   static constexpr std::size_t kNoDeviceBudget = static_cast<std::size_t>(-2);
   std::size_t device_budget_bytes = kDeviceBudgetFromConfig;
-  // Note [Spare host backings] in vmm_moves.cpp: the most bytes of host backing kept for
+  // Note [Spare host backings] in vmm_backings.cpp: the most bytes of host backing kept for
   // the next migration to the host (never more than the pool's device-backed bytes, the
   // most such a migration can use). kSpareHostUpToDevice: that bound only; 0: none kept.
   static constexpr std::size_t kSpareHostUpToDevice = static_cast<std::size_t>(-1);
@@ -153,14 +170,21 @@ struct VmmPoolOptions {
   // counts. Tests make it small, so that a range of several chunks is a few MiB.
   static constexpr std::size_t kDefaultChunkGranules = 32;  // 64 MiB at 2 MiB granularity
   std::size_t chunk_granules = kDefaultChunkGranules;
+  // Note [Pinned host backings] in vmm_backings.cpp: the most bytes of host backing the pool
+  // may hold. kProcessPinnedBudget: the process's pinned budget (tidepool.pinned_budget,
+  // else a quarter of RAM), read at each charge and shared with the host arenas and the
+  // other pools that use it; any other value is the budget in bytes, the pool's alone.
+  static constexpr std::size_t kProcessPinnedBudget = static_cast<std::size_t>(-1);
+  std::size_t pinned_budget_bytes = kProcessPinnedBudget;
 };
 
 // What a migration did.
 struct MigrationResult {
   std::size_t ranges = 0;       // ranges visited
   std::size_t bytes_moved = 0;  // backing moved to the target
-  // Bytes that stayed where they were because the device budget would have been exceeded
-  // (migrations to the device only).
+  // Bytes that stayed where they were: towards the device, those the device budget (or the
+  // device's memory) had no room for; towards the host, those the pinned budget had no
+  // room for (Note [Pinned host backings] in vmm_backings.cpp).
   std::size_t bytes_left = 0;
 
   // Adds up the results of several ranges (migrate_tag, migrate_ranges_holding).
@@ -190,14 +214,16 @@ class TIDEPOOL_API VmmPool {
   VmmPool& operator=(const VmmPool&) = delete;
 
   // A range of at least `bytes` (rounded up to whole granules) backed in `where`.
-  // Returns nullptr when `where` is out of memory; throws TieringError for bad input
+  // Returns nullptr when `where` is out of memory (the host is when the pinned budget has
+  // no room for the range); throws TieringError for bad input
   // (bytes == 0) and BackendError-caused failures (as TieringError).
   void* allocate(std::size_t bytes, int tag, MemoryLocation where = MemoryLocation::device);
   // A range of at least `bytes` placed chunk by chunk as a prefetch would place it: on the
   // device while the device budget has free room for the chunk, and on the host past it
-  // or when the device has no memory for it; all on the device when there is no budget
-  // (Note [New state where the budget puts it] in vmm_migration.cpp). Returns nullptr
-  // only when the host is out of memory too; throws as allocate().
+  // or when the device has no memory for it; all on the device when there is no budget;
+  // a chunk the host has no room for (the pinned budget spent) on the device past the
+  // budget (Note [New state where the budget puts it] in vmm_migration.cpp). Returns
+  // nullptr only when neither has memory for a chunk; throws as allocate().
   void* allocate_within_budget(std::size_t bytes, int tag);
   // Waits for the streams recorded as users (record_use), then unmaps and releases the
   // range. Pre: ptr came from allocate(). Throws TieringError for a pointer the pool does
@@ -217,11 +243,12 @@ class TIDEPOOL_API VmmPool {
   // range names returns false at once, with no backend call (Note [Releasing a stream no
   // range used] in vmm_migration.cpp).
   bool release_stream(Stream stream);
-  // Moves the range holding `ptr` to `to`, keeping its address: all of it to the host;
-  // to the device as much as the device budget allows (Note [VMM device budget]).
+  // Moves the range holding `ptr` to `to`, keeping its address: to the host as much as
+  // the pinned budget allows (Note [Pinned host backings] in vmm_backings.cpp); to the device
+  // as much as the device budget allows (Note [VMM device budget]).
   // Throws TieringError (unknown pointer, a failed step; data stays readable at the same
   // address, or again from the next call when a failed remap could map neither backing
-  // there: Note [Deferred releases] in vmm_migration.cpp).
+  // there: Note [Deferred releases] in vmm_backings.cpp).
   MigrationResult migrate(const void* ptr, MemoryLocation to);
   // migrate() for every range with `tag`, in allocation order, oldest first: towards the
   // device as much as fits the budget, so a budget-limited prefetch brings back the
@@ -260,7 +287,7 @@ class TIDEPOOL_API VmmPool {
 
   VmmStats stats() const;
   Backend& backend() const { return backend_; }
-  // Releases the spare host backings now (Note [Spare host backings] in vmm_moves.cpp):
+  // Releases the spare host backings now (Note [Spare host backings] in vmm_backings.cpp):
   // the next migration to the host creates what it needs. Never throws: a release that
   // fails is deferred (Note [Deferred releases]). tidepool_empty_cache calls it for the
   // tiering registry's pool (Note [empty_cache releases the spares] there).
@@ -279,6 +306,13 @@ class TIDEPOOL_API VmmPool {
   struct DeferredRelease {
     PhysicalHandle physical;
     std::size_t bytes;
+    MemoryLocation where;  // a host backing stays charged until it is released
+  };
+  // A new physical backing, null when its location had no memory for it or, for a host
+  // backing, the pinned budget had no room (pinned_budget_spent).
+  struct NewBacking {
+    PhysicalHandle handle;
+    bool pinned_budget_spent = false;
   };
   // A backing mapped at the scratch range, at `offset` (Note [Migration batches]).
   struct ScratchSlot {
@@ -303,8 +337,9 @@ class TIDEPOOL_API VmmPool {
   void synchronize_for_lost_stream_locked(Stream lost, const BackendError& record_error);
   // Note [Migration batches]: moves the chunks plan[i] of `r` (indices into r.chunks, in
   // order) to `to`; `moved` counts those swapped so far (they are swapped in plan order).
-  // Towards the device it stops, without an error, at the first chunk the device has no
-  // memory for (Note [A device with no room for a prefetch]): plan[moved, end) stay.
+  // It stops, without an error, at the first chunk the device has no memory for (Note [A
+  // device with no room for a prefetch]) or, towards the host, the pinned budget has no
+  // room for (Note [Pinned host backings]): plan[moved, end) stay.
   void move_planned_locked(Range& r, const std::vector<std::size_t>& plan, MemoryLocation to,
                            std::size_t& moved, MigrationResult& result, BackingSupply* supply);
   // For a call moving `ranges` to the host: a supply creating the host backings their
@@ -322,8 +357,8 @@ class TIDEPOOL_API VmmPool {
   std::vector<std::size_t> sizes_beyond_spares_locked(const std::vector<std::size_t>& sizes) const;
   // The chunks plan[begin, end) of `r`, one batch; `moved`
   // counts the planned chunks swapped so far (they are swapped in plan order). False when
-  // the device had no memory for one of them: the batch's chunks before it moved, and no
-  // later one is to be tried.
+  // the device had no memory for one of them, or the pinned budget no room: the batch's
+  // chunks before it moved, and no later one is to be tried.
   bool move_batch_locked(Range& r, const std::vector<std::size_t>& plan, std::size_t begin,
                          std::size_t end, MemoryLocation to, BackingSupply& supply,
                          std::size_t& moved, MigrationResult& result);
@@ -333,6 +368,17 @@ class TIDEPOOL_API VmmPool {
   // Where allocate_range puts a range's chunks.
   enum class Placement { device, host, within_budget };
   void* allocate_range(std::size_t bytes, int tag, Placement placement);
+  // Note [Pinned host backings]: every backing the pool creates and releases goes through
+  // these two, which charge host ones to the pinned budget first and give the charge back
+  // once released. create_backing may run without the lock (BackingSupply's helpers);
+  // release_backing throws the backend's error, the charge then kept.
+  NewBacking create_backing(std::size_t bytes, MemoryLocation where);
+  void release_backing(PhysicalHandle physical, std::size_t bytes, MemoryLocation where);
+  bool charge_pinned(std::size_t bytes);
+  void uncharge_pinned(std::size_t bytes) noexcept;
+  std::size_t pinned_budget_now() const;
+  // Said once per pool: a move to the host, or new state, found the pinned budget spent.
+  void warn_pinned_budget_spent_locked(std::size_t bytes);
   // Note [Spare host backings].
   PhysicalHandle take_spare_locked(std::size_t bytes);
   void keep_or_release_locked(PhysicalHandle old, std::size_t bytes, MemoryLocation where);
@@ -367,7 +413,8 @@ class TIDEPOOL_API VmmPool {
   // kept: Note [Ranges kept at teardown]).
   bool release_range_locked(Range& r, Teardown* teardown = nullptr);
   // Note [Deferred releases].
-  void release_or_defer_locked(PhysicalHandle physical, std::size_t bytes);
+  void release_or_defer_locked(PhysicalHandle physical, std::size_t bytes,
+                               MemoryLocation where);
   void repair_locked();
   // Unmaps every backing mapped at the scratch range (throws at the first that fails; the
   // rest stay listed for repair_locked), or the one at `offset`.
@@ -397,6 +444,12 @@ class TIDEPOOL_API VmmPool {
   // The pool's seat in the device's ledger with a budget from the configuration (Note
   // [Shared state budget]), else null. It charges stats_.device_backed_bytes.
   std::unique_ptr<DeviceBudgetLedger::Seat> shared_;
+  // Note [Pinned host backings]: what the pool's host backings have charged now, and the
+  // host backings the budget refused. Atomic: BackingSupply's helpers create without the
+  // lock.
+  std::atomic<std::size_t> pinned_charged_{0};
+  std::atomic<std::uint64_t> pinned_refusals_{0};
+  bool warned_pinned_budget_ = false;
 };
 
 // Ranges that VmmPool destructors in this process kept mapped (leaked) instead of

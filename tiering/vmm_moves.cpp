@@ -1,7 +1,8 @@
-// VmmPool's moves: how the chunks of a range get their new backing, are copied and are
-// swapped in at the same address, and the spare host backings kept between moves. The
-// rest of the pool (ranges, users, budget, teardown) is vmm_migration.cpp; what a caller
-// is promised is in vmm_migration.h.
+// VmmPool's moves: how the chunks of a range get their new backing (created ahead by a
+// BackingSupply), are copied and are swapped in at the same address. The backings
+// themselves (their pinned charge, the spares, the deferred releases) are
+// vmm_backings.cpp; the rest of the pool (ranges, users, budget, teardown)
+// vmm_migration.cpp; what a caller is promised is in vmm_migration.h.
 //
 // Note [Migration batches]
 // The H200 run of 2026-12-04 moved a 1 GiB range to the host at 3.5 GB/s and back at
@@ -31,20 +32,6 @@
 // backings given back); one during the swaps leaves the chunks swapped before it moved and
 // undoes the failing chunk's step as before. Chunks of earlier batches stay moved. Every
 // byte stays readable at its address throughout.
-//
-// Note [Spare host backings]
-// The host backing a move to the device frees is kept, unmapped, for the next move to the
-// host, which then takes it instead of creating (and pinning) new host memory: a training
-// loop that brings state in before each step and sends it out after creates host memory
-// once. Kept only while the pool's spare bytes stay within both VmmPoolOptions::
-// spare_host_bytes and the pool's device-backed bytes (the most a move to the host could
-// take); a deallocate or a move to the host that lowers the device-backed bytes releases
-// the spares beyond that (trim_spares_locked). Exact sizes only: chunks are whole
-// chunk_granules chunks but a range's last one. An allocation on the host takes spares
-// too. A spare is mapped nowhere and no copy uses it, so the destructor and
-// release_spare_host_backings release them whatever else failed. The host memory they
-// hold is what the state they would take takes on the host anyway; torch.cuda.empty_cache()
-// gives it back (Note [empty_cache releases the spares] in tiering_registry.cpp).
 #include <algorithm>
 #include <chrono>
 #include <exception>
@@ -89,12 +76,12 @@ void timed_call(VmmStats& stats, double& ms, Fn&& fn) {
 
 // ---- backings created ahead (vmm_backing_supply.h) ---------------------------------------------
 
-VmmPool::BackingSupply::BackingSupply(Backend& backend, MemoryLocation where,
+VmmPool::BackingSupply::BackingSupply(VmmPool& pool, MemoryLocation where,
                                       const std::vector<std::size_t>& sizes, unsigned threads)
-    : backend_(backend), where_(where) {
+    : pool_(pool), where_(where) {
   slots_.reserve(sizes.size());
   for (const std::size_t bytes : sizes) {
-    slots_.push_back(Slot{bytes, Status::pending, PhysicalHandle{}, nullptr});
+    slots_.push_back(Slot{bytes, Status::pending, NewBacking{}, nullptr});
   }
   const std::size_t helpers = std::min<std::size_t>(threads, slots_.size());
   if (helpers < 2) return;
@@ -115,7 +102,7 @@ VmmPool::BackingSupply::~BackingSupply() { stop_and_join(); }
 // then one being created, then creating one itself, and returns a failure (null, or the
 // creation's error) only when none of those is left or its own creation failed: one more
 // attempt per take at most, not one per slot left, after the device is out of memory.
-PhysicalHandle VmmPool::BackingSupply::take(std::size_t bytes) {
+VmmPool::NewBacking VmmPool::BackingSupply::take(std::size_t bytes) {
   std::unique_lock lock(mutex_);
   bool created_here = false;  // this take created a slot itself: once one failed, no more
   while (true) {
@@ -126,7 +113,7 @@ PhysicalHandle VmmPool::BackingSupply::take(std::size_t bytes) {
     for (std::size_t i = 0; i < slots_.size() && ready == none; ++i) {
       const Slot& s = slots_[i];
       if (s.bytes != bytes) continue;
-      const bool made = s.status == Status::ready && s.handle && !s.error;
+      const bool made = s.status == Status::ready && s.backing.handle && !s.error;
       if (made) ready = i;
       if (s.status == Status::ready && !made && failed == none) failed = i;
       if (s.status == Status::creating && creating == none) creating = i;
@@ -134,7 +121,7 @@ PhysicalHandle VmmPool::BackingSupply::take(std::size_t bytes) {
     }
     if (ready < none) {
       slots_[ready].status = Status::taken;
-      return slots_[ready].handle;
+      return slots_[ready].backing;
     }
     if (creating < none) {
       const Clock::time_point t0 = Clock::now();
@@ -154,14 +141,14 @@ PhysicalHandle VmmPool::BackingSupply::take(std::size_t bytes) {
       Slot& s = slots_[failed];
       s.status = Status::taken;
       if (s.error) std::rethrow_exception(s.error);
-      return s.handle;  // null: out of memory
+      return s.backing;  // null: out of memory, or the pinned budget spent
     }
     // None of this size planned (the range changed since): created now, outside the slots.
     lock.unlock();
     const Clock::time_point t0 = Clock::now();
-    PhysicalHandle h;
+    NewBacking b;
     try {
-      h = backend_.create_physical(bytes, where_);
+      b = pool_.create_backing(bytes, where_);
     } catch (...) {
       lock.lock();
       create_calls_++;
@@ -169,10 +156,10 @@ PhysicalHandle VmmPool::BackingSupply::take(std::size_t bytes) {
       throw;
     }
     lock.lock();
-    create_calls_++;
+    if (!b.pinned_budget_spent) create_calls_++;
     create_ms_ += ms_since(t0);
-    if (h) created_++;
-    return h;
+    if (b.handle) created_++;
+    return b;
   }
 }
 
@@ -180,9 +167,9 @@ void VmmPool::BackingSupply::finish(
     const std::function<void(PhysicalHandle, std::size_t)>& give_back) {
   stop_and_join();
   for (Slot& s : slots_) {
-    if (s.status == Status::ready && s.handle) {
+    if (s.status == Status::ready && s.backing.handle) {
       s.status = Status::taken;
-      give_back(s.handle, s.bytes);
+      give_back(s.backing.handle, s.bytes);
     }
   }
 }
@@ -219,25 +206,25 @@ void VmmPool::BackingSupply::run() {
 
 void VmmPool::BackingSupply::create(std::size_t i) {
   const Clock::time_point t0 = Clock::now();
-  PhysicalHandle h;
+  NewBacking b;
   std::exception_ptr error;
   try {
-    h = backend_.create_physical(slots_[i].bytes, where_);  // bytes never change
+    b = pool_.create_backing(slots_[i].bytes, where_);  // bytes never change
   } catch (...) {
     error = std::current_exception();
   }
   const double ms = ms_since(t0);
   std::lock_guard lock(mutex_);
   Slot& s = slots_[i];
-  s.handle = h;
+  s.backing = b;
   s.error = error;
   s.status = Status::ready;
-  create_calls_++;
+  if (!b.pinned_budget_spent) create_calls_++;
   create_ms_ += ms;
-  if (h) {
+  if (b.handle) {
     created_++;
   } else {
-    stop_ = true;  // out of memory or an error: the helpers create nothing more
+    stop_ = true;  // out of memory, the budget spent or an error: the helpers stop
   }
   ready_.notify_all();
 }
@@ -281,7 +268,7 @@ std::unique_ptr<VmmPool::BackingSupply> VmmPool::host_supply_locked(
   }
   sizes = sizes_beyond_spares_locked(sizes);
   if (sizes.size() < 2) return nullptr;  // each move makes its own, on its thread
-  return std::make_unique<BackingSupply>(backend_, MemoryLocation::host, sizes,
+  return std::make_unique<BackingSupply>(*this, MemoryLocation::host, sizes,
                                          options_.creation_threads);
 }
 
@@ -297,6 +284,21 @@ void VmmPool::finish_supply_locked(BackingSupply& supply) {
   trim_spares_locked();
 }
 
+// Note [Spare host backings] in vmm_backings.cpp.
+void VmmPool::keep_or_release_locked(PhysicalHandle old, std::size_t bytes,
+                                     MemoryLocation where) {
+  if (where == MemoryLocation::host && spare_bytes_ + bytes <= spare_limit_locked()) {
+    try {
+      spares_.emplace(bytes, old);
+      spare_bytes_ += bytes;
+      return;
+    } catch (const std::bad_alloc&) {  // not kept: released below
+    }
+  }
+  // release_or_defer_locked throws nothing for a failed release: it is deferred.
+  timed_call(stats_, stats_.release_ms, [&] { release_or_defer_locked(old, bytes, where); });
+}
+
 void VmmPool::move_planned_locked(Range& r, const std::vector<std::size_t>& plan,
                                   MemoryLocation to, std::size_t& moved,
                                   MigrationResult& result, BackingSupply* supply) {
@@ -306,7 +308,7 @@ void VmmPool::move_planned_locked(Range& r, const std::vector<std::size_t>& plan
     sizes.reserve(plan.size());
     for (const std::size_t i : plan) sizes.push_back(r.chunks[i].bytes);
     if (to == MemoryLocation::host) sizes = sizes_beyond_spares_locked(sizes);
-    own = std::make_unique<BackingSupply>(backend_, to, sizes, options_.creation_threads);
+    own = std::make_unique<BackingSupply>(*this, to, sizes, options_.creation_threads);
     supply = own.get();
   }
   // Whatever happens, what the supply made for this move alone goes back (Note [Spare
@@ -328,7 +330,7 @@ bool VmmPool::move_batch_locked(Range& r, const std::vector<std::size_t>& plan,
                                 std::size_t begin, std::size_t end, MemoryLocation to,
                                 BackingSupply& supply, std::size_t& moved,
                                 MigrationResult& result) {
-  bool device_had_room = true;
+  bool had_room = true;
   std::vector<PhysicalHandle> fresh(end - begin);  // the batch's new backings, taken so far
   // Gives back the new backings of plan[from, end) and unmaps those still at the scratch
   // range (one that will not unmap stays listed for repair_locked: Note [Deferred
@@ -339,7 +341,9 @@ bool VmmPool::move_batch_locked(Range& r, const std::vector<std::size_t>& plan,
         unmap_scratch_slot_locked((k - begin) * chunk_bytes_);
       } catch (const BackendError&) {
       }
-      if (fresh[k - begin]) release_or_defer_locked(fresh[k - begin], r.chunks[plan[k]].bytes);
+      if (fresh[k - begin]) {
+        release_or_defer_locked(fresh[k - begin], r.chunks[plan[k]].bytes, to);
+      }
       fresh[k - begin] = PhysicalHandle{};
     }
   };
@@ -351,15 +355,22 @@ bool VmmPool::move_batch_locked(Range& r, const std::vector<std::size_t>& plan,
       PhysicalHandle h = to == MemoryLocation::host ? take_spare_locked(c.bytes)
                                                     : PhysicalHandle{};
       if (h) stats_.spare_host_reuses++;
+      bool pinned_budget_spent = false;
       try {
-        if (!h) h = supply.take(c.bytes);
+        if (!h) {
+          const NewBacking b = supply.take(c.bytes);
+          h = b.handle;
+          pinned_budget_spent = b.pinned_budget_spent;
+        }
       } catch (const BackendError& e) {
         throw TieringError(std::string("vmm pool: migrate: creating ") + location_name(to) +
                            " memory failed: " + e.what());
       }
-      if (!h && to == MemoryLocation::device) {
-        // Note [A device with no room for a prefetch]: the batch ends before this chunk.
-        device_had_room = false;
+      if (!h && (to == MemoryLocation::device || pinned_budget_spent)) {
+        // Note [A device with no room for a prefetch], Note [Pinned host backings]: the
+        // batch ends before this chunk.
+        if (pinned_budget_spent) warn_pinned_budget_spent_locked(c.bytes);
+        had_room = false;
         end = k;
         break;
       }
@@ -410,7 +421,9 @@ bool VmmPool::move_batch_locked(Range& r, const std::vector<std::size_t>& plan,
       // synchronizes and unmaps it at the next call. Its backings are released now (a
       // mapping keeps its memory until it is unmapped).
       for (std::size_t k = begin; k < end; ++k) {
-        if (fresh[k - begin]) release_or_defer_locked(fresh[k - begin], r.chunks[plan[k]].bytes);
+        if (fresh[k - begin]) {
+          release_or_defer_locked(fresh[k - begin], r.chunks[plan[k]].bytes, to);
+        }
       }
     }
     throw;
@@ -431,19 +444,19 @@ bool VmmPool::move_batch_locked(Range& r, const std::vector<std::size_t>& plan,
     if (to == MemoryLocation::host) give_device_room_locked(c.bytes);
     result.bytes_moved += c.bytes;
   }
-  return device_had_room;
+  return had_room;
 }
 
 // One chunk whose new backing holds its bytes at the scratch slot `slot`: swapped in at the
 // chunk's address. Every failure leaves the old backing mapped at the address (or, when even
 // that map fails, kept for repair_locked) and gives `fresh` back; releases that fail are
-// deferred (Note [Deferred releases] in vmm_migration.cpp).
+// deferred (Note [Deferred releases] in vmm_backings.cpp).
 void VmmPool::swap_chunk_locked(Range& r, Chunk& c, PhysicalHandle fresh, std::size_t slot,
                                 MemoryLocation to) {
   char* va = r.base + c.offset;
   // Gives `fresh` back and throws: the data stays in the old backing, mapped at `va`.
   auto abandon = [&](const char* what, const BackendError& e) {
-    release_or_defer_locked(fresh, c.bytes);
+    release_or_defer_locked(fresh, c.bytes, to);
     throw TieringError(std::string("vmm pool: migrate: ") + what +
                        " failed (data stays where it was): " + e.what());
   };
@@ -466,7 +479,7 @@ void VmmPool::swap_chunk_locked(Range& r, Chunk& c, PhysicalHandle fresh, std::s
       c.mapped = false;
       unmapped_chunks_++;
     }
-    release_or_defer_locked(fresh, c.bytes);
+    release_or_defer_locked(fresh, c.bytes, to);
     throw TieringError(std::string("vmm pool: migrate: remapping the original address failed (") +
                        (c.mapped ? "old backing restored"
                                  : "old backing kept, mapped there again at the next call") +
@@ -488,54 +501,6 @@ void VmmPool::swap_chunk_locked(Range& r, Chunk& c, PhysicalHandle fresh, std::s
   c.physical = fresh;
   c.where = to;
   keep_or_release_locked(old, c.bytes, from);
-}
-
-// ---- spare host backings (Note [Spare host backings]) ------------------------------------------
-
-PhysicalHandle VmmPool::take_spare_locked(std::size_t bytes) {
-  auto it = spares_.find(bytes);
-  if (it == spares_.end()) return PhysicalHandle{};
-  const PhysicalHandle h = it->second;
-  spares_.erase(it);
-  spare_bytes_ -= bytes;
-  return h;
-}
-
-std::size_t VmmPool::spare_limit_locked() const {
-  return std::min(options_.spare_host_bytes,
-                  static_cast<std::size_t>(stats_.device_backed_bytes));
-}
-
-void VmmPool::keep_or_release_locked(PhysicalHandle old, std::size_t bytes,
-                                     MemoryLocation where) {
-  if (where == MemoryLocation::host && spare_bytes_ + bytes <= spare_limit_locked()) {
-    try {
-      spares_.emplace(bytes, old);
-      spare_bytes_ += bytes;
-      return;
-    } catch (const std::bad_alloc&) {  // not kept: released below
-    }
-  }
-  // release_or_defer_locked throws nothing for a failed release: it is deferred.
-  timed_call(stats_, stats_.release_ms, [&] { release_or_defer_locked(old, bytes); });
-}
-
-void VmmPool::trim_spares_locked() {
-  const std::size_t limit = spare_limit_locked();
-  while (spare_bytes_ > limit && !spares_.empty()) {
-    auto largest = std::prev(spares_.end());
-    const auto [bytes, h] = *largest;
-    spares_.erase(largest);
-    spare_bytes_ -= bytes;
-    release_or_defer_locked(h, bytes);
-  }
-}
-
-void VmmPool::release_spare_host_backings() {
-  std::lock_guard lock(mutex_);
-  for (const auto& [bytes, h] : spares_) release_or_defer_locked(h, bytes);
-  spares_.clear();
-  spare_bytes_ = 0;
 }
 
 }  // namespace tidepool

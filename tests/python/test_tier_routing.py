@@ -199,3 +199,32 @@ def test_an_eviction_with_nothing_on_the_device_does_not_wait(run_python):
         """, "tidepool.state_budget:4MiB")).stdout.strip().splitlines()[-1])
     assert out == {"device_first": 2 << 20, "waits_when_on_device": [1234],
                    "device_after": 0, "waits": [1234]}
+
+
+def test_an_eviction_pins_no_more_than_the_pinned_budget(run_python):
+    # Note [Pinned host backings] (tiering/vmm_backings.cpp): the host backings of the
+    # ranges are pinned memory, charged to tidepool.pinned_budget with the tiered stores'.
+    # 6 MiB holds one of two 4 MiB ranges: the eviction moves the first, keeps the second
+    # on the device (every byte in place), says so once, and the stats show it.
+    result = run_python(host_backend_script("""
+        with tidepool.region("optimizer_state"):
+            first = malloc(4 * MiB)
+            second = malloc(4 * MiB)
+        ctypes.memset(first, 0x11, 4 * MiB)
+        ctypes.memset(second, 0x22, 4 * MiB)
+        tidepool.evict("optimizer_state", device=0)
+        s = tidepool.stats(0)
+        out = {k: s["tiering." + k] for k in (
+            "vmm_device_bytes", "vmm_host_bytes", "vmm_pinned_bytes", "vmm_pinned_budget_stops",
+            "vmm_bytes_left_on_device", "pinned_budget_bytes", "process_pinned_bytes")}
+        out["intact"] = (ctypes.string_at(first, 4 * MiB) == b"\\x11" * (4 * MiB)
+                         and ctypes.string_at(second, 4 * MiB) == b"\\x22" * (4 * MiB))
+        print(json.dumps(out))
+        """, "tidepool.state_budget:1GiB,tidepool.pinned_budget:6MiB"))
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    MiB = 1 << 20
+    assert out == {"vmm_device_bytes": 4 * MiB, "vmm_host_bytes": 4 * MiB,
+                   "vmm_pinned_bytes": 4 * MiB, "vmm_pinned_budget_stops": 1,
+                   "vmm_bytes_left_on_device": 4 * MiB, "pinned_budget_bytes": 6 * MiB,
+                   "process_pinned_bytes": 4 * MiB, "intact": True}
+    assert result.stderr.count("pinned host budget") == 1, result.stderr

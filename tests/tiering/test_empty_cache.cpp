@@ -1,7 +1,7 @@
 // Note [empty_cache releases the spares] (tiering/tiering_registry.cpp): the C ABI's
 // empty_cache, which torch.cuda.empty_cache() reaches, makes the tiering registry's VMM
 // pool give back its spare host backings (Note [Spare host backings] in
-// tiering/vmm_moves.cpp), also when called from inside a walk of the registry's stores,
+// tiering/vmm_backings.cpp), also when called from inside a walk of the registry's stores,
 // and the stores unpin their empty host slabs (Note [Empty slabs are unpinned]);
 // the ranges keep their addresses and bytes, and the next move to the host creates new
 // backings. Runs on the host backend, whose VMM is real (memfd + mmap).

@@ -1,6 +1,6 @@
 // tidepool.pinned_budget (or, without it, the default quarter of RAM) bounds the pinned host
 // memory of the whole process, not of each HostArena (Note [One pinned budget per process]
-// in tiering/host_arena.cpp): every tiered store owns an arena, and with one per optimizer
+// in tiering/pinned_budget.cpp): every tiered store owns an arena, and with one per optimizer
 // a budget per arena let the process pin a multiple of it. The arenas whose budget comes
 // from the configuration share it; what one gives back (a freed slab, a failed
 // registration, the arena itself) another can pin; an arena given a budget of its own keeps

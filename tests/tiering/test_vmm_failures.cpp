@@ -1,6 +1,6 @@
 // VmmPool when backend calls fail in the middle of a migration, an allocation or a free:
 // every physical handle is released exactly once, at once or, when its release fails, at
-// a later call (Note [Deferred releases] in vmm_migration.cpp); the pool stays usable;
+// a later call (Note [Deferred releases] in vmm_backings.cpp); the pool stays usable;
 // and the data stays intact at the same address. Host backend only: the failures are
 // chosen calls of a wrapper around it (failing_backend.h), which also counts the live
 // physical handles, so a leaked handle or one released twice shows.

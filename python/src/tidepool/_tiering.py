@@ -35,7 +35,10 @@ class TieringStatsV1(ctypes.Structure):
         + [(n, ctypes.c_uint64) for n in (
             "shared_budget_stores", "shared_budget_charged_bytes", "peer_evictions",
             "peer_evicted_bytes", "peer_room_requests")]
-        + [("loads_skipped", ctypes.c_uint64), ("vmm_spare_host_bytes", ctypes.c_uint64)])
+        + [("loads_skipped", ctypes.c_uint64), ("vmm_spare_host_bytes", ctypes.c_uint64)]
+        + [(n, ctypes.c_uint64) for n in (
+            "pinned_budget_bytes", "process_pinned_bytes", "vmm_pinned_bytes",
+            "vmm_pinned_budget_stops", "vmm_bytes_left_on_device")])
 
 
 _SIGNATURES = {

@@ -1,0 +1,224 @@
+// VmmPool's physical backings: every backing the pool creates and releases, host ones
+// charged to the pinned budget (Note [Pinned host backings]); the spare host backings kept
+// between moves (Note [Spare host backings]); and the releases and repairs a failed
+// backend call leaves for later (Note [Deferred releases]). How a move uses them is
+// vmm_moves.cpp; ranges, users, budgets and teardown are vmm_migration.cpp.
+//
+// Note [Spare host backings]
+// The host backing a move to the device frees is kept, unmapped, for the next move to the
+// host, which then takes it instead of creating (and pinning) new host memory: a training
+// loop that brings state in before each step and sends it out after creates host memory
+// once. Kept only while the pool's spare bytes stay within both VmmPoolOptions::
+// spare_host_bytes and the pool's device-backed bytes (the most a move to the host could
+// take); a deallocate or a move to the host that lowers the device-backed bytes releases
+// the spares beyond that (trim_spares_locked). Exact sizes only: chunks are whole
+// chunk_granules chunks but a range's last one. An allocation on the host takes spares
+// too. A spare is mapped nowhere and no copy uses it, so the destructor and
+// release_spare_host_backings release them whatever else failed. The host memory they
+// hold is what the state they would take takes on the host anyway; torch.cuda.empty_cache()
+// gives it back (Note [empty_cache releases the spares] in tiering_registry.cpp).
+//
+// Note [Pinned host backings]
+// A host backing is pinned memory (host-NUMA memory on the cuda backend), so every one the
+// pool creates is charged to the pinned budget before it is created (create_backing),
+// and the charge is given back when the backing is released (release_backing): mapped at
+// a range, kept as a spare, created ahead of a move, or waiting for a deferred release,
+// it stays charged. The budget is the process's by default, shared with the tiered
+// stores' host arenas (Note [One pinned budget per process] in pinned_budget.cpp), so that
+// tidepool.pinned_budget bounds all that tidepool pins; before, the ranges the Python
+// hooks evict after each step pinned without bound, and the budget bounded the stores
+// alone. A host backing the budget has no room for is not created: a move to the host
+// stops at that chunk without an error, the rest of the range staying on the device
+// (every byte still readable at its address; host-NUMA memory has no pageable kind to
+// fall back to), counted in MigrationResult::bytes_left and VmmStats::pinned_budget_stops
+// and bytes_left_on_device, and said once on stderr; the next range is still tried, so a
+// smaller chunk may still fit. New state falls back to the device instead (Note [New
+// state where the budget puts it] in vmm_migration.cpp). Spares count: they are pinned;
+// torch.cuda.empty_cache() releases them.
+#include <algorithm>
+#include <cstdio>
+#include <iterator>
+#include <string>
+
+#include "allocator/stats.h"
+#include "allocator/warn_once.h"
+#include "tiering/pinned_budget.h"
+#include "tiering/vmm_migration.h"
+
+namespace tidepool {
+
+// ---- pinned host backings (Note [Pinned host backings]) ----------------------------------------
+
+VmmPool::NewBacking VmmPool::create_backing(std::size_t bytes, MemoryLocation where) {
+  if (where == MemoryLocation::device) return NewBacking{backend_.create_physical(bytes, where)};
+  if (!charge_pinned(bytes)) {
+    pinned_refusals_.fetch_add(1, std::memory_order_relaxed);
+    return NewBacking{PhysicalHandle{}, true};
+  }
+  PhysicalHandle h;
+  try {
+    h = backend_.create_physical(bytes, where);
+  } catch (...) {
+    uncharge_pinned(bytes);
+    throw;
+  }
+  if (!h) uncharge_pinned(bytes);
+  return NewBacking{h};
+}
+
+void VmmPool::release_backing(PhysicalHandle physical, std::size_t bytes, MemoryLocation where) {
+  backend_.release_physical(physical, bytes);
+  if (where == MemoryLocation::host) uncharge_pinned(bytes);
+}
+
+// A budget of the pool's own is checked against its own count (a compare-and-swap, as the
+// helpers charge concurrently); the process's against the process's count, and then
+// counted in the pool's too, for its stats and for giving back.
+bool VmmPool::charge_pinned(std::size_t bytes) {
+  if (options_.pinned_budget_bytes == VmmPoolOptions::kProcessPinnedBudget) {
+    if (!charge_process_pinned(bytes, process_pinned_budget().bytes)) return false;
+    pinned_charged_.fetch_add(bytes);
+    return true;
+  }
+  const std::size_t budget = options_.pinned_budget_bytes;
+  std::size_t now = pinned_charged_.load();
+  do {
+    if (bytes > budget || now > budget - bytes) return false;
+  } while (!pinned_charged_.compare_exchange_weak(now, now + bytes));
+  return true;
+}
+
+void VmmPool::uncharge_pinned(std::size_t bytes) noexcept {
+  pinned_charged_.fetch_sub(bytes);
+  if (options_.pinned_budget_bytes == VmmPoolOptions::kProcessPinnedBudget) {
+    uncharge_process_pinned(bytes);
+  }
+}
+
+std::size_t VmmPool::pinned_budget_now() const {
+  return options_.pinned_budget_bytes == VmmPoolOptions::kProcessPinnedBudget
+             ? process_pinned_budget().bytes
+             : options_.pinned_budget_bytes;
+}
+
+void VmmPool::warn_pinned_budget_spent_locked(std::size_t bytes) {
+  if (!warn_once_due(warned_pinned_budget_)) return;
+  const bool shared = options_.pinned_budget_bytes == VmmPoolOptions::kProcessPinnedBudget;
+  const std::string budget = format_bytes(pinned_budget_now());
+  const std::string pinned = format_bytes(shared ? process_pinned_bytes() : pinned_charged_.load());
+  std::fprintf(stderr,
+               "tidepool: vmm pool: the pinned host budget (%s, %s; %s pinned by %s now) has no "
+               "room for a %s chunk of pointer-stable state, which is kept in device memory "
+               "instead. Raise tidepool.pinned_budget, or release pinned memory "
+               "(torch.cuda.empty_cache() gives back the spare host backings). Said once; the "
+               "tiering stats' vmm_pinned_budget_stops and vmm_bytes_left_on_device count "
+               "them.\n",
+               budget.c_str(), shared ? "the process's" : "the pool's own", pinned.c_str(),
+               shared ? "the process" : "the pool", format_bytes(bytes).c_str());
+}
+
+// ---- spare host backings (Note [Spare host backings]) ------------------------------------------
+
+PhysicalHandle VmmPool::take_spare_locked(std::size_t bytes) {
+  auto it = spares_.find(bytes);
+  if (it == spares_.end()) return PhysicalHandle{};
+  const PhysicalHandle h = it->second;
+  spares_.erase(it);
+  spare_bytes_ -= bytes;
+  return h;
+}
+
+std::size_t VmmPool::spare_limit_locked() const {
+  return std::min(options_.spare_host_bytes,
+                  static_cast<std::size_t>(stats_.device_backed_bytes));
+}
+
+void VmmPool::trim_spares_locked() {
+  const std::size_t limit = spare_limit_locked();
+  while (spare_bytes_ > limit && !spares_.empty()) {
+    auto largest = std::prev(spares_.end());
+    const auto [bytes, h] = *largest;
+    spares_.erase(largest);
+    spare_bytes_ -= bytes;
+    release_or_defer_locked(h, bytes, MemoryLocation::host);
+  }
+}
+
+void VmmPool::release_spare_host_backings() {
+  std::lock_guard lock(mutex_);
+  for (const auto& [bytes, h] : spares_) release_or_defer_locked(h, bytes, MemoryLocation::host);
+  spares_.clear();
+  spare_bytes_ = 0;
+}
+
+// ---- deferred releases and repairs (Note [Deferred releases]) ------------------------------
+
+// Note [Deferred releases]
+// A backing the pool no longer uses (the old one once a migration has mapped the new one
+// in its place, the new one after a failed step, a freed range's) is released at once.
+// When the backend fails that release, the handle is not dropped: it goes on
+// deferred_releases_, and every later call that changes the pool (allocate, deallocate,
+// migrate, migrate_tag) retries it first, as the destructor does a last time. A failed
+// release is not the caller's failure (the move or the free it asked for is done, and
+// every chunk's record names the backing mapped at its address), so it throws nothing;
+// the stats count what is waiting. A release that threw is taken not to have happened,
+// so each handle is released exactly once.
+// The same repair (repair_locked) unmaps the scratch range when that unmap failed (the
+// next migration maps there), and maps a chunk's backing again when a failed migration
+// could map neither the new nor the old backing at the chunk's address: the chunk keeps
+// the old backing, which holds its data, so the bytes are back at the same address after
+// the next call; until then a migrate of that range throws.
+void VmmPool::release_or_defer_locked(PhysicalHandle physical, std::size_t bytes,
+                                      MemoryLocation where) {
+  try {
+    release_backing(physical, bytes, where);
+  } catch (const BackendError&) {
+    deferred_releases_.push_back(DeferredRelease{physical, bytes, where});
+  }
+}
+
+// What fails again stays for the next call (Note [Deferred releases]).
+void VmmPool::repair_locked() {
+  if (!scratch_mapped_.empty()) {
+    try {
+      // A copy into it may still run when the synchronize after it failed.
+      backend_.stream_synchronize(stream_);
+      unmap_scratch_locked();
+    } catch (const BackendError&) {
+    }
+  }
+  if (unmapped_chunks_ > 0) {
+    for (auto& [base, r] : ranges_) {
+      for (Chunk& c : r.chunks) {
+        if (c.mapped) continue;
+        try {
+          backend_.map(r.base + c.offset, c.bytes, c.physical);
+          c.mapped = true;
+          unmapped_chunks_--;
+        } catch (const BackendError&) {
+        }
+      }
+    }
+  }
+  std::erase_if(deferred_releases_, [&](const DeferredRelease& d) {
+    try {
+      release_backing(d.physical, d.bytes, d.where);
+      return true;
+    } catch (const BackendError&) {
+      return false;
+    }
+  });
+}
+
+void VmmPool::unmap_scratch_locked() {
+  while (!scratch_mapped_.empty()) unmap_scratch_slot_locked(scratch_mapped_.back().offset);
+}
+
+void VmmPool::unmap_scratch_slot_locked(std::size_t offset) {
+  auto it = std::ranges::find(scratch_mapped_, offset, &ScratchSlot::offset);
+  if (it == scratch_mapped_.end()) return;
+  backend_.unmap(static_cast<char*>(scratch_) + offset, it->bytes);
+  scratch_mapped_.erase(it);
+}
+
+}  // namespace tidepool
