@@ -400,7 +400,14 @@ void load_aadl(AADL& aadl, const py::bytes& data) {
   py::gil_scoped_release released;
   torch::serialize::InputArchive archive;
   refused_as_value_error([&] {
-    archive.load_from(bytes.data(), bytes.size());
+    // PyTorch's reader names neither AADL nor the state_dict's key.
+    try {
+      archive.load_from(bytes.data(), bytes.size());
+    } catch (const c10::Error& e) {
+      throw py::value_error(std::string("tidepool.optim.AADL: the state_dict's 'aadl' is not "
+                                        "a saved AADL history (nothing was loaded): ") +
+                            e.what_without_backtrace());
+    }
     aadl.load(archive);
   });
 }

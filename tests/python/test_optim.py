@@ -740,10 +740,10 @@ def test_aadl_refuses_a_bad_state_dict_and_changes_nothing():
     other = make(other_params)
     train(other, other_loss, 2)  # a valid inner state, with a truncated history beside it
     truncated = {"inner": other.state_dict()["inner"], "aadl": good["aadl"][:40]}
-    for forged, error in [({"inner": good["inner"]}, ValueError),
-                          ({"inner": good["inner"], "aadl": "text"}, ValueError),
-                          (truncated, ValueError)]:
-        with pytest.raises(error):
+    for forged, match in [({"inner": good["inner"]}, "not an AADL state_dict"),
+                          ({"inner": good["inner"], "aadl": "text"}, "'aadl' is not bytes"),
+                          (truncated, "AADL: the state_dict's 'aadl' is not a saved AADL")]:
+        with pytest.raises(ValueError, match=match):
             opt.load_state_dict(forged)
     train(opt, loss, 4)
     train(twin, twin_loss, 4)
