@@ -127,10 +127,11 @@ void* tidepool_vmm_malloc(size_t size, int device, int tag, void* stream) {
     void* p = tidepool::allocate_tierable_range(device, size, tag, as_stream(stream));
     if (p == nullptr) {
       // With a state budget a range the device cannot hold goes to host memory: then the
-      // host is out of memory too.
+      // host had no room either (its memory, or tidepool.pinned_budget).
       tidepool::set_last_error("tidepool_vmm_malloc: no memory for " + std::to_string(size) +
                                " bytes on device " + std::to_string(device) +
-                               " (under tidepool.state_budget, none in host memory either)");
+                               " (under tidepool.state_budget, nor room in host memory or "
+                               "in tidepool.pinned_budget)");
     }
     return p;
   });

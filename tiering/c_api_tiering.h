@@ -59,7 +59,11 @@ TIDEPOOL_API int tidepool_vmm_owns(const void* ptr, int device);
 /* ---- evict / prefetch -------------------------------------------------------------- */
 /* The calls by tag, tidepool_vmm_owns and the stats below create nothing on a device
  * where no VMM range or tiered store exists yet (no CUDA context just for asking). A tag
- * id that names no tag (tidepool_tag_id makes them) is an error. */
+ * id that names no tag (tidepool_tag_id makes them) is an error. An eviction moves the
+ * ranges to host memory as far as tidepool.pinned_budget has room: what it has none for
+ * stays in device memory, which is no error (said once on stderr, and counted in the stats'
+ * vmm_pinned_budget_stops and vmm_bytes_left_on_device); so for tidepool_evict_ptr and
+ * tidepool_evict_ptrs. */
 TIDEPOOL_API int tidepool_evict_tag(int device, int tag);
 /* `stream`: Note [prefetch stream] above. */
 TIDEPOOL_API int tidepool_prefetch_tag(int device, int tag, void* stream);
@@ -188,7 +192,7 @@ typedef struct tidepool_tiering_stats_v1 {
    * on every device, have pinned against it now; the pinned host memory this device's
    * ranges hold (host backings mapped, spare, or waiting for a release), the moves to the
    * host the budget cut short, and the bytes those left in device memory (Note [Pinned
-   * host backings] in tiering/vmm_moves.cpp). */
+   * host backings] in tiering/vmm_backings.cpp). */
   uint64_t pinned_budget_bytes, process_pinned_bytes;
   uint64_t vmm_pinned_bytes, vmm_pinned_budget_stops, vmm_bytes_left_on_device;
 } tidepool_tiering_stats_v1;

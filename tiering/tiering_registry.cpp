@@ -244,7 +244,12 @@ std::size_t push_ranges_to_host(VmmPool& pool, std::size_t bytes_needed) {
     for (void* base : pool.device_backed_ranges(tag, {})) {
       if (moved >= bytes_needed) break;
       try {
-        moved += pool.migrate(base, MemoryLocation::host).bytes_moved;
+        const MigrationResult r = pool.migrate(base, MemoryLocation::host);
+        moved += r.bytes_moved;
+        // The pinned budget had no room for a chunk (Note [Pinned host backings] in
+        // vmm_backings.cpp): the ranges after it would each wait for their streams only to
+        // be refused too.
+        if (r.bytes_left > 0) return moved;
       } catch (const std::exception& e) {
         // Freed meanwhile, or a step that failed (counted in failed_migrations, and the
         // range stays readable where it is): the next range may still move.
@@ -337,15 +342,22 @@ void* allocate_tierable_range(int device, std::size_t bytes, int tag, Stream str
   const bool budgeted = pool.device_budget_bytes().has_value();
   void* p = budgeted ? pool.allocate_within_budget(bytes, tag)
                      : pool.allocate(bytes, tag, MemoryLocation::device);
-  if (p == nullptr && !budgeted) {
+  if (p == nullptr) {
     // Note [State pushed out under pressure]: the cache first, then older state, unless
-    // the range could not fit the device even with nothing else on it.
+    // the range could not fit the device even with nothing else on it. Within a budget
+    // a chunk had room neither on the device nor on the host (its memory, or the pinned
+    // budget: Note [Pinned host backings] in vmm_backings.cpp): the cache alone may give
+    // the device room, as older state has no host room to go to.
     CachingAllocator& allocator = device_allocator(device);
     allocator.empty_cache();
-    p = pool.allocate(bytes, tag, MemoryLocation::device);
-    if (p == nullptr && bytes <= allocator.backend().mem_info().total_bytes &&
-        push_ranges_to_host(pool, bytes) > 0) {
+    if (budgeted) {
+      p = pool.allocate_within_budget(bytes, tag);
+    } else {
       p = pool.allocate(bytes, tag, MemoryLocation::device);
+      if (p == nullptr && bytes <= allocator.backend().mem_info().total_bytes &&
+          push_ranges_to_host(pool, bytes) > 0) {
+        p = pool.allocate(bytes, tag, MemoryLocation::device);
+      }
     }
     if (p == nullptr) return nullptr;
   }

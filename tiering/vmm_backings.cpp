@@ -71,6 +71,25 @@ void VmmPool::release_backing(PhysicalHandle physical, std::size_t bytes, Memory
   if (where == MemoryLocation::host) uncharge_pinned(bytes);
 }
 
+// A refusal is tried once more under the lock: a helper's refusal may be stale (another
+// arena or pool gave pinned memory back since), and the pool's own spares may hold the
+// room, charged but of other sizes than this chunk (it would have taken one of its size).
+// Those go first, largest first, until what they give back covers the chunk: a pool
+// evicting ranges of a new shape is not stopped by the spares of the old ones.
+VmmPool::NewBacking VmmPool::retry_refused_host_backing_locked(std::size_t bytes) {
+  std::size_t released = 0;
+  while (released < bytes && !spares_.empty()) {
+    auto largest = std::prev(spares_.end());
+    const auto [spare_bytes, h] = *largest;
+    spares_.erase(largest);
+    spare_bytes_ -= spare_bytes;
+    release_or_defer_locked(h, spare_bytes, MemoryLocation::host);
+    released += spare_bytes;
+  }
+  pinned_refusals_.fetch_sub(1, std::memory_order_relaxed);  // the same chunk's refusal
+  return create_backing(bytes, MemoryLocation::host);
+}
+
 // A budget of the pool's own is checked against its own count (a compare-and-swap, as the
 // helpers charge concurrently); the process's against the process's count, and then
 // counted in the pool's too, for its stats and for giving back.

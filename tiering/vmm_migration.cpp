@@ -154,10 +154,12 @@ bool VmmPool::release_range_locked(Range& r, Teardown* teardown) {
   while (!r.chunks.empty()) {
     const Chunk c = r.chunks.back();
     // Only in a teardown does a failed unmap get here: the handle is released all the
-    // same (Note [Ranges kept at teardown]).
+    // same (Note [Ranges kept at teardown]), its memory staying pinned under the mapping
+    // until the process ends, so a host one stays charged (Note [One pinned budget per
+    // process] in pinned_budget.cpp).
+    bool unmapped = true;
     if (c.mapped) {
-      const bool unmapped =
-          step("unmapping a chunk", [&] { backend_.unmap(r.base + c.offset, c.bytes); });
+      unmapped = step("unmapping a chunk", [&] { backend_.unmap(r.base + c.offset, c.bytes); });
       all_unmapped = all_unmapped && unmapped;
     }
     r.chunks.pop_back();
@@ -166,8 +168,13 @@ bool VmmPool::release_range_locked(Range& r, Teardown* teardown) {
         c.bytes;
     if (c.where == MemoryLocation::device) give_device_room_locked(c.bytes);
     if (teardown != nullptr) {
-      teardown->attempt("releasing a chunk's backing",
-                        [&] { release_backing(c.physical, c.bytes, c.where); });
+      teardown->attempt("releasing a chunk's backing", [&] {
+        if (unmapped) {
+          release_backing(c.physical, c.bytes, c.where);
+        } else {
+          backend_.release_physical(c.physical, c.bytes);
+        }
+      });
     } else {
       release_or_defer_locked(c.physical, c.bytes, c.where);
     }
@@ -200,7 +207,7 @@ void* VmmPool::allocate_within_budget(std::size_t bytes, int tag) {
 // goes to the host as well: new state never fails for want of device memory while the
 // host has some. Nor for want of host memory while the device has some: a host chunk the
 // host has no memory for, or the pinned budget no room for (Note [Pinned host backings]
-// in vmm_moves.cpp), goes to the device, past the state budget.
+// in vmm_backings.cpp), goes to the device, past the state budget.
 void* VmmPool::allocate_range(std::size_t bytes, int tag, Placement placement) {
   if (bytes == 0) throw TieringError("vmm pool: allocate(0)");
   if (bytes > kMaxRangeBytes) {
@@ -250,14 +257,12 @@ void* VmmPool::allocate_range(std::size_t bytes, int tag, Placement placement) {
     NewBacking b{where == MemoryLocation::host ? take_spare_locked(n) : PhysicalHandle{}};
     try {
       if (!b.handle) b = create_backing(n, where);
+      if (b.pinned_budget_spent) b = retry_refused_host_backing_locked(n);
     } catch (...) {
       if (where == MemoryLocation::device) give_device_room_locked(n);
       throw;
     }
     if (!b.handle && where == MemoryLocation::device) give_device_room_locked(n);
-    if (b.pinned_budget_spent && placement == Placement::within_budget) {
-      warn_pinned_budget_spent_locked(n);  // the chunk goes to the device instead
-    }
     return b;
   };
   try {
@@ -276,9 +281,11 @@ void* VmmPool::allocate_range(std::size_t bytes, int tag, Placement placement) {
         // Note [New state where the budget puts it]: the device is full, or the host has
         // no room (the pinned budget spent): the other one. On the device that is past
         // the state budget, charged all the same.
+        const bool pinned_budget_spent = b.pinned_budget_spent;
         where = where == MemoryLocation::device ? MemoryLocation::host : MemoryLocation::device;
         if (where == MemoryLocation::device) take_device_room_locked(n, std::nullopt);
         b = create_in(n, where);
+        if (pinned_budget_spent && b.handle) warn_pinned_budget_spent_locked(n);
       }
       const PhysicalHandle h = b.handle;
       if (!h) {

@@ -91,8 +91,9 @@ struct VmmStats {
   // it stopped at, counted once whether the pool declined it (a chunk not mapped back
   // yet: Note [Deferred releases] in vmm_backings.cpp), the streams that used the range
   // could not be waited for, or a step failed after other chunks had moved. Not counted:
-  // bad input (a pointer the pool does not own) and a move the device budget cut short
-  // (budget_stops), neither of which is the pool's failure.
+  // bad input (a pointer the pool does not own) and a move the device budget or the
+  // pinned budget cut short (budget_stops, pinned_budget_stops), none of which is the
+  // pool's failure.
   std::uint64_t failed_migrations = 0;
   // Note [VMM device budget]
   bool has_device_budget = false;
@@ -375,6 +376,9 @@ class TIDEPOOL_API VmmPool {
   NewBacking create_backing(std::size_t bytes, MemoryLocation where);
   void release_backing(PhysicalHandle physical, std::size_t bytes, MemoryLocation where);
   bool charge_pinned(std::size_t bytes);
+  // After create_backing (or a supply) refused a host backing for the budget: releases
+  // spares (of other sizes) for room and tries once more.
+  NewBacking retry_refused_host_backing_locked(std::size_t bytes);
   void uncharge_pinned(std::size_t bytes) noexcept;
   std::size_t pinned_budget_now() const;
   // Said once per pool: a move to the host, or new state, found the pinned budget spent.

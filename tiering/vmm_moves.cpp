@@ -358,7 +358,8 @@ bool VmmPool::move_batch_locked(Range& r, const std::vector<std::size_t>& plan,
       bool pinned_budget_spent = false;
       try {
         if (!h) {
-          const NewBacking b = supply.take(c.bytes);
+          NewBacking b = supply.take(c.bytes);
+          if (b.pinned_budget_spent) b = retry_refused_host_backing_locked(c.bytes);
           h = b.handle;
           pinned_budget_spent = b.pinned_budget_spent;
         }

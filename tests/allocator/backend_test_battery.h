@@ -526,6 +526,7 @@ TEST_P(BackendBattery, ConcurrentMappingFromManyThreads) {
   const auto iterations = test_support::scaled(5);
   const std::size_t g = backend().granularity();
   std::atomic<int> failures{0};
+  std::atomic<int> wrong_bytes{0};
   std::vector<std::thread> threads;
   for (int t = 0; t < kThreads; ++t) {
     threads.emplace_back([&, t] {
@@ -540,11 +541,20 @@ TEST_P(BackendBattery, ConcurrentMappingFromManyThreads) {
           continue;
         }
         b.map(va, g, phys);
-        b.memset_async(va, t + 1, 4096, s);
+        // A fill of this thread and iteration, read back through the mapping: a map that
+        // landed on another thread's backing, or none, shows as other bytes.
+        const int fill = (t * 61 + i) % 255 + 1;
+        b.memset_async(va, fill, 4096, s);
         Event e = b.create_event();
         b.record_event(e, s);
         b.event_synchronize(e);
         b.destroy_event(e);
+        std::vector<unsigned char> back(4096);
+        b.copy_async(back.data(), va, back.size(), CopyKind::device_to_host, s);
+        b.stream_synchronize(s);
+        if (std::any_of(back.begin(), back.end(), [&](unsigned char c) { return c != fill; })) {
+          wrong_bytes.fetch_add(1);
+        }
         b.unmap(va, g);
         b.release_physical(phys, g);
         b.release_address(va, g);
@@ -554,6 +564,7 @@ TEST_P(BackendBattery, ConcurrentMappingFromManyThreads) {
   }
   for (auto& thread : threads) thread.join();
   EXPECT_EQ(failures.load(), 0);
+  EXPECT_EQ(wrong_bytes.load(), 0) << "a mapping read back other bytes than were written";
 }
 
 }  // namespace tidepool::testing

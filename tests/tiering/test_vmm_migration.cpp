@@ -68,10 +68,20 @@ TEST_P(VmmMigrationTest, MigrationWaitsForTheStreamsThatUsedTheRange) {
   const std::size_t n = backend().granularity();
   void* p = pool.allocate(n, kTagOptimizerState);
   const auto data = random_bytes(n, 12);
-  // Enqueued, not waited for: migrate() must wait for stream_ before copying.
+  // The write is held behind a gate on stream_: migrate() must wait for it, not copy the
+  // range while the stream that uses it still has work queued.
+  tiering_test::StreamGate gate;
+  const tiering_test::StreamGate::OpenOnExit open_on_exit{gate};
+  backend().launch_host_func(stream_, &tiering_test::StreamGate::wait, &gate);
   backend().copy_async(p, data.data(), n, CopyKind::host_to_device, stream_);
   pool.record_use(p, stream_);
-  pool.migrate(p, MemoryLocation::host);
+  auto done = std::async(std::launch::async, [&] { pool.migrate(p, MemoryLocation::host); });
+  // Not a timing bound: a migration that ends while the stream is held is the failure.
+  EXPECT_EQ(done.wait_for(std::chrono::milliseconds(200)), std::future_status::timeout)
+      << "migrate did not wait for the stream that used the range";
+  gate.open();
+  done.get();
+  EXPECT_EQ(pool.bytes_in(p, MemoryLocation::host), n);
   EXPECT_EQ(difference(p, data), -1);
   pool.deallocate(p);
 }

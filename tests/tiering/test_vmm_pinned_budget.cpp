@@ -15,11 +15,16 @@
 #include <tuple>
 #include <vector>
 
+#include "allocator/c_api.h"
+#include "allocator/device_registry.h"
+#include "allocator/tags.h"
 #include "tests/support/test_backend.h"
 #include "tests/tiering/failing_backend.h"
 #include "tests/tiering/tiering_test_util.h"
 #include "tiering/host_arena.h"
+#include "tiering/c_api_tiering.h"
 #include "tiering/pinned_budget.h"
+#include "tiering/tiering_registry.h"
 #include "tiering/vmm_migration.h"
 
 namespace tidepool {
@@ -253,6 +258,35 @@ TEST_P(VmmPinnedBudgetTest, ADeferredReleaseKeepsItsChargeUntilItIsReleased) {
   EXPECT_EQ(failing.live_physicals(), 0u);
 }
 
+// A pool's spares (pinned, charged) of other sizes than the chunk to move are given back
+// for it: a pool whose ranges change shape is not stopped at its budget by the spares the
+// old ones left. Chunks of 4 granules, a budget of 4: A's 3-granule spare makes way for B.
+TEST_P(VmmPinnedBudgetTest, SparesOfOtherSizesMakeRoomForAMoveToTheHost) {
+  const std::size_t g = granule();
+  VmmPoolOptions o = options(4 * g);
+  o.chunk_granules = 4;
+  VmmPool pool(backend(), o);
+  void* a = device_state(pool, 3, 41);
+  void* b = device_state(pool, 4, 42);
+  ASSERT_NE(a, nullptr);
+  ASSERT_NE(b, nullptr);
+  EXPECT_EQ(pool.migrate(a, MemoryLocation::host).bytes_moved, 3 * g);
+  EXPECT_EQ(pool.migrate(a, MemoryLocation::device).bytes_moved, 3 * g);
+  ASSERT_EQ(pool.stats().spare_host_bytes, 3 * g);
+
+  const MigrationResult r = pool.migrate(b, MemoryLocation::host);
+  EXPECT_EQ(r.bytes_moved, 4 * g);
+  EXPECT_EQ(r.bytes_left, 0u);
+  EXPECT_TRUE(holds_expected(b));
+  const VmmStats s = pool.stats();
+  EXPECT_EQ(s.spare_host_bytes, 0u);
+  EXPECT_EQ(s.pinned_bytes, 4 * g);
+  EXPECT_EQ(s.pinned_budget_stops, 0u);
+  EXPECT_EQ(s.pinned_budget_refusals, 0u) << "a refusal the spares made room for is none";
+  pool.deallocate(a);
+  pool.deallocate(b);
+}
+
 std::string param_name(
     const ::testing::TestParamInfo<std::tuple<BackendKind, unsigned>>& info) {
   return std::string(std::get<0>(info.param) == BackendKind::cuda ? "cuda" : "host") + "_" +
@@ -262,6 +296,28 @@ std::string param_name(
 INSTANTIATE_TEST_SUITE_P(BackendsAndCreationThreads, VmmPinnedBudgetTest,
                          ::testing::Combine(TIDEPOOL_TIERING_BACKENDS, ::testing::Values(0u, 4u)),
                          param_name);
+
+// New state through the C ABI (what the tier route of tidepool_malloc makes) that neither
+// the host (the pinned budget spent) nor the device (too small) has room for: a null with
+// a message that names both, not the error of a cleanup that took the null for a range.
+TEST(VmmPinnedBudgetCApi, NewStateWithNoRoomAnywhereIsANullThatSaysWhy) {
+  if (cuda_device_count() > 0) GTEST_SKIP() << "device 13 is a host-backend device index";
+  constexpr int kDevice = 13;
+  HostBackendOptions small;
+  small.capacity_bytes = 16 * kMiB;
+  static Backend* backend = make_host_backend(kDevice, small).release();  // the registry's
+  set_tiering_backend(kDevice, backend);
+  const ConfigScope config("tidepool.state_budget:0,tidepool.pinned_budget:4MiB");
+  void* p = tidepool_vmm_malloc(32 * kMiB, kDevice, kTagOptimizerState, nullptr);
+  EXPECT_EQ(p, nullptr);
+  const std::string error = tidepool_last_error();
+  EXPECT_NE(error.find("tidepool.pinned_budget"), std::string::npos) << error;
+  EXPECT_EQ(error.find("does not own"), std::string::npos) << error;
+  // Room on the device once the request fits it: the range is made there.
+  void* q = tidepool_vmm_malloc(8 * kMiB, kDevice, kTagOptimizerState, nullptr);
+  ASSERT_NE(q, nullptr) << tidepool_last_error();
+  EXPECT_EQ(tidepool_vmm_free(q, kDevice), 0) << tidepool_last_error();
+}
 
 }  // namespace
 }  // namespace tidepool
