@@ -115,6 +115,8 @@ void CachingAllocator::Impl::process_pending(bool wait) {
     pending[finished - 1] = pending.back();
     pending.pop_back();
     --finished;
+    segment_log.record(SegmentEvent::Kind::block_freed, b->ptr, b->requested,
+                       b->owner->stream.handle);  // Note [Segment events]
     insert_free(b, true);
   }
 }
@@ -175,6 +177,10 @@ void CachingAllocator::deallocate(void* ptr, std::size_t bytes, Stream stream) {
       if (tc->parking() && b->owner != m.released.get() && stream == b->owner->stream &&
           b->extra_streams.empty() && tc->push(b, stream, m.options.thread_cache_bytes)) {
         tc->note_free(b);
+        // The cache's lock is held: nobody takes the block out of it before this event is
+        // queued, so no ALLOC of it comes first (Note [Segment events]).
+        m.segment_log.record(SegmentEvent::Kind::block_freed, b->ptr, b->requested,
+                             stream.handle);
         return;
       }
     }
@@ -228,6 +234,9 @@ void CachingAllocator::deallocate(void* ptr, std::size_t bytes, Stream stream) {
     m.pending.push_back(b);  // capacity reserved above
     return;
   }
+  // Note [Segment events]: under the lock, before the block can be handed out again.
+  m.segment_log.record(SegmentEvent::Kind::block_freed, b->ptr, b->requested,
+                       b->owner->stream.handle);
   if (b->segment->small && m.options.quick_lists) {
     b->state = BlockState::quick;
     if (b->owner->quick.push(b)) return;

@@ -18,6 +18,13 @@
 // by its own ALLOC entry, after them; a free's FREE_COMPLETED is appended before the
 // memory goes back, so a release it enables comes later. Lock order is history, then
 // allocator or log; allocator, then log; never the reverse.
+// A block's free is an event too (block_freed): c10 traces FREE_COMPLETED when a block is
+// free at last, which for a block other streams still use (record_stream, or freed on a
+// stream other than its own) is when their work has passed it, not at the free. So the
+// allocator queues it where the block becomes free: at the free (the thread cache's fast
+// path included), or when the events it waited for have completed; the history turns it
+// into the FREE_COMPLETED of the free it requested, in the log's order, so that a later
+// ALLOC of the same block comes after it.
 // Unobserved, an event costs one relaxed load. Observing starts empty; turning it off
 // drops what is queued. Events name the thread that caused them, so that an observer
 // that gathers a stack can give it to the events its own call caused, and to no others.
@@ -46,6 +53,8 @@ struct SegmentEvent {
     segment_freed,      // a plain segment given back with Backend::device_free
     mapped,             // physical memory mapped at [address, address + size)
     unmapped,           // and unmapped there (released, or moved elsewhere)
+    block_freed,        // an allocated block free again: [address, address + size) is the
+                        // block and its requested size (Note [Segment events])
   };
   Kind kind = Kind::segment_allocated;
   std::uintptr_t address = 0;

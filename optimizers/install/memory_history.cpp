@@ -6,10 +6,12 @@
 // c10's allocator. What this does with it follows c10's own CUDACachingAllocator, so the
 // memory visualizer reads tidepool's snapshot as it reads PyTorch's:
 //   - While enabled, every malloc and free of the caching allocator's memory appends to
-//     the device's ring of at most max_entries trace entries: ALLOC, and FREE_REQUESTED
-//     with FREE_COMPLETED (tidepool frees at once in PyTorch's view: a block other
-//     streams still use is held back inside tidepool, out of PyTorch's sight); SNAPSHOT
-//     at each snapshot; OOM (addr = the device's free bytes) when a request fails.
+//     the device's ring of at most max_entries trace entries: ALLOC; FREE_REQUESTED at the
+//     free, and FREE_COMPLETED when the block is free at last: at once, or, for a block
+//     other streams still use (record_stream), once their work has passed it, as c10
+//     does (the allocator queues that moment: Note [Segment events] in
+//     allocator/segment_events.h); SNAPSHOT at each snapshot; OOM (addr = the device's
+//     free bytes) when a request fails.
 //   - Backing changes become SEGMENT_ALLOC / SEGMENT_FREE (a plain segment) and
 //     SEGMENT_MAP / SEGMENT_UNMAP (a run of an expandable range mapped, or unmapped when
 //     released or moved), with address, size, stream and device as c10 sets them. The
@@ -67,6 +69,7 @@ TraceEntry::Action trace_action(SegmentEvent::Kind kind) {
     case SegmentEvent::Kind::segment_freed: return TraceEntry::SEGMENT_FREE;
     case SegmentEvent::Kind::mapped: return TraceEntry::SEGMENT_MAP;
     case SegmentEvent::Kind::unmapped: return TraceEntry::SEGMENT_UNMAP;
+    case SegmentEvent::Kind::block_freed: return TraceEntry::FREE_COMPLETED;
   }
   return TraceEntry::SEGMENT_MAP;  // unreachable: every kind is listed
 }
@@ -95,6 +98,7 @@ void MemoryHistory::record(bool enabled, CreateContextFn context_recorder, std::
   skipped_ = std::move(skipped);
   max_entries_ = std::max<std::size_t>(1, max_entries);
   if (!enabled || clear_history) traces_.clear();
+  if (!enabled) freeing_.clear();  // a history turned on again traces no older free
   // Oldest first again, so that a ring that grows appends after its newest entry, and
   // one that shrinks keeps its newest.
   for (auto& [device, ring] : traces_) {
@@ -148,9 +152,20 @@ void MemoryHistory::drain_segment_events(int device,
   if (allocator == nullptr) return;
   const bool with_stack = stack != nullptr && when_.load() == RecordContext::ALL;
   const std::thread::id self = std::this_thread::get_id();
-  for (const SegmentEvent& e : allocator->segment_events().take())
+  for (const SegmentEvent& e : allocator->segment_events().take()) {
+    if (e.kind == SegmentEvent::Kind::block_freed) {
+      // The FREE_COMPLETED of a traced FREE_REQUESTED, with its stack; a free the history
+      // did not see requested (tidepool's C ABI, or before recording began) has none.
+      auto it = freeing_.find({device, e.address});
+      if (it == freeing_.end()) continue;
+      append(TraceEntry::FREE_COMPLETED, device, e.address, e.size, e.stream,
+             std::move(it->second));
+      freeing_.erase(it);
+      continue;
+    }
     append(trace_action(e.kind), device, e.address, e.size, e.stream,
            with_stack && e.thread == self ? stack : nullptr);
+  }
 }
 
 void MemoryHistory::drain_all_segment_events(const std::shared_ptr<c10::GatheredContext>& stack) {
@@ -192,9 +207,15 @@ void MemoryHistory::on_free(void* ptr, std::size_t size, int device, void* strea
     if (context == nullptr) context = std::move(allocated_under);
     drain_segment_events(device, nullptr);  // earlier changes: not this free's doing
     append(TraceEntry::FREE_REQUESTED, device, address, size, stream, context);
-    append(TraceEntry::FREE_COMPLETED, device, address, size, stream, std::move(context));
+    freeing_[{device, address}] = std::move(context);  // its FREE_COMPLETED: on_freed's
   }
   watching_frees_.store(recording_.load() || !allocated_under_.empty());
+}
+
+void MemoryHistory::on_freed(int device) {
+  if (!recording_.load(std::memory_order_relaxed)) return;
+  std::lock_guard lock(mutex_);
+  if (recording_.load()) drain_segment_events(device, nullptr);
 }
 
 void MemoryHistory::on_out_of_memory(int device, std::size_t size) {

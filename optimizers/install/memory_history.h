@@ -28,6 +28,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <map>
+#include <utility>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -51,10 +52,13 @@ class MemoryHistory {
   MemoryHistory& operator=(const MemoryHistory&) = delete;
   bool enabled() const { return recording_.load(std::memory_order_relaxed); }
 
-  // Around tidepool's malloc and free (call on_free before the memory is given back).
+  // Around tidepool's malloc and free: on_free before the memory is given back (its
+  // FREE_REQUESTED), on_freed after (the FREE_COMPLETED of the blocks free by then: this
+  // one, unless other streams still use it, and those whose streams have passed them).
   // Cheap while nothing is recorded and no block has a recorded stack.
   void on_alloc(void* ptr, std::size_t size, int device, void* stream);
   void on_free(void* ptr, std::size_t size, int device, void* stream);
+  void on_freed(int device);
   // A request of `size` bytes on `device` failed for want of memory: an OOM entry and
   // the attached observers.
   void on_out_of_memory(int device, std::size_t size);
@@ -95,6 +99,9 @@ class MemoryHistory {
   std::vector<bool> skipped_;  // by TraceEntry::Action
   std::map<int, Ring> traces_;
   std::map<std::uintptr_t, std::shared_ptr<c10::GatheredContext>> allocated_under_;
+  // Blocks whose FREE_REQUESTED is traced and FREE_COMPLETED not yet, by device and
+  // address, with the stack the latter carries (Note [memory history]).
+  std::map<std::pair<int, std::uintptr_t>, std::shared_ptr<c10::GatheredContext>> freeing_;
   std::vector<OutOfMemoryObserver> oom_observers_;
 };
 

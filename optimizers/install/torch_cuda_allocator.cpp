@@ -107,6 +107,10 @@ void torch_free(MemoryHistory& history, void* ptr, size_t bytes, int device,
   } catch (...) {
   }
   tidepool_pytorch_free(ptr, bytes, device, stream);
+  try {
+    history.on_freed(device);
+  } catch (...) {
+  }
   if (reported == 0) return;
   try {
     report_usage(ptr, -static_cast<std::int64_t>(reported), device);

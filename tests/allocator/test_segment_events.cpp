@@ -1,8 +1,8 @@
 // Segment events (Note [Segment events], allocator/segment_events.h): an observer of the
-// caching allocator's backing sees plain segments allocated and freed and expandable
-// runs mapped and unmapped, in the order they happened, with address, size, stream and
-// the causing thread; nothing while unobserved; and the device registry turns the log on
-// for allocators created later. Host backend.
+// caching allocator's backing sees plain segments allocated and freed, expandable runs
+// mapped and unmapped, and blocks free again, in the order they happened, with address,
+// size, stream and the causing thread; nothing while unobserved; and the device registry
+// turns the log on for allocators created later. Host backend.
 #include <gtest/gtest.h>
 
 #include <atomic>
@@ -13,6 +13,7 @@
 
 #include "allocator/device_registry.h"
 #include "tests/allocator/test_support.h"
+#include "tests/support/stream_gate.h"
 
 namespace tidepool {
 namespace {
@@ -50,7 +51,18 @@ TEST(SegmentEvents, PlainSegmentsAllocatedThenFreedWithTheirStream) {
 
   a->deallocate(p, 2 * kMiB, s);
   a->deallocate(q, 3 * kMiB, s);
-  EXPECT_TRUE(a->segment_events().take().empty()) << "a free keeps the segment cached";
+  // Each block free again (a history's FREE_COMPLETED), and no segment event: a free keeps
+  // the segment cached.
+  const auto blocks = a->segment_events().take();
+  ASSERT_EQ(blocks.size(), 2u);
+  for (std::size_t i = 0; i < 2; ++i) {
+    EXPECT_EQ(blocks[i].kind, Kind::block_freed);
+    EXPECT_EQ(blocks[i].stream, s.handle);
+  }
+  EXPECT_EQ(blocks[0].address, reinterpret_cast<std::uintptr_t>(p));
+  EXPECT_EQ(blocks[0].size, 2 * kMiB) << "the size asked for";
+  EXPECT_EQ(blocks[1].address, reinterpret_cast<std::uintptr_t>(q));
+  EXPECT_EQ(blocks[1].size, 3 * kMiB);
   a->empty_cache();
   const auto freed = a->segment_events().take();
   ASSERT_EQ(freed.size(), 1u);
@@ -89,8 +101,11 @@ TEST(SegmentEvents, ExpandableRunsMappedThenUnmapped) {
 
   a->deallocate(p, kBig);
   a->empty_cache();
-  const auto unmapped = a->segment_events().take();
-  ASSERT_EQ(unmapped.size(), mapped.size());
+  auto unmapped = a->segment_events().take();
+  ASSERT_EQ(unmapped.size(), mapped.size() + 1);
+  EXPECT_EQ(unmapped.front().kind, Kind::block_freed) << "the block is free before its unmap";
+  EXPECT_EQ(unmapped.front().address, reinterpret_cast<std::uintptr_t>(p));
+  unmapped.erase(unmapped.begin());
   for (const SegmentEvent& e : unmapped) {
     EXPECT_EQ(e.kind, Kind::unmapped);
     ASSERT_EQ(runs.count(e.address), 1u);
@@ -98,6 +113,40 @@ TEST(SegmentEvents, ExpandableRunsMappedThenUnmapped) {
     runs.erase(e.address);
   }
   EXPECT_EQ(a->stats().reserved.current, 0u);
+}
+
+// A block another stream still uses (record_stream) is free only once that stream has
+// passed it: its block_freed comes when the allocator gives it back to its pool, before
+// the release of the segment that frees, not at the free. The stream is held by a gate.
+TEST(SegmentEvents, ABlockAnotherStreamUsesIsFreeWhenThatStreamHasPassedIt) {
+  auto a = host_allocator(false);
+  const Stream s = a->backend().create_stream();
+  const Stream side = a->backend().create_stream();
+  test_support::StreamGate gate;
+  const test_support::StreamGate::OpenOnExit open_on_exit{gate};
+  a->backend().launch_host_func(side, &test_support::StreamGate::wait, &gate);
+  a->segment_events().set_observed(true);
+  void* p = a->allocate(2 * kMiB, s);
+  a->record_stream(p, side);
+  ASSERT_EQ(a->segment_events().take().size(), 1u);  // the segment
+  a->deallocate(p, 2 * kMiB, s);
+  EXPECT_TRUE(a->segment_events().take().empty()) << "free before the side stream passed it";
+  a->empty_cache();  // looks at the held block: still held
+  EXPECT_TRUE(a->segment_events().take().empty());
+
+  gate.open();
+  a->backend().stream_synchronize(side);
+  a->empty_cache();
+  const auto events = a->segment_events().take();
+  ASSERT_EQ(events.size(), 2u);
+  EXPECT_EQ(events[0].kind, Kind::block_freed);
+  EXPECT_EQ(events[0].address, reinterpret_cast<std::uintptr_t>(p));
+  EXPECT_EQ(events[0].size, 2 * kMiB);
+  EXPECT_EQ(events[1].kind, Kind::segment_freed) << "the release the free enabled comes after";
+  a->release_stream(side);
+  a->release_stream(s);
+  a->backend().destroy_stream(side);
+  a->backend().destroy_stream(s);
 }
 
 TEST(SegmentEvents, NothingWhileUnobservedAndStoppingDropsTheQueue) {

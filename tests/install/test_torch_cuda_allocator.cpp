@@ -377,6 +377,68 @@ TEST_F(TorchCudaAllocatorTest, TheHistoryTracesSegmentsAroundTheirAllocations) {
   allocator->recordHistory(false, nullptr, 1, RecordContext::NEVER, true, {});
 }
 
+// A block freed while another stream still uses it (record_stream) is free, in c10's
+// history, only once that stream has passed it: FREE_REQUESTED at the free, FREE_COMPLETED
+// when tidepool gives it back to its pool (Note [memory history]). The stream is held by a
+// gate, so the test needs no timing.
+TEST_F(TorchCudaAllocatorTest, AFreeAnotherStreamHoldsCompletesWhenTheStreamHasPassedIt) {
+  const auto allocator =
+      std::dynamic_pointer_cast<torch::cuda::CUDAPluggableAllocator::CUDAPluggableAllocator>(
+          make_torch_cuda_allocator());
+  Backend& backend = device_allocator(0).backend();
+  const Stream side = backend.create_stream();
+  test_support::StreamGate gate;
+  const test_support::StreamGate::OpenOnExit open_on_exit{gate};
+  backend.launch_host_func(side, &test_support::StreamGate::wait, &gate);
+  const c10::cuda::CUDAStream side_in_c10 =
+      c10::cuda::getStreamFromExternal(static_cast<cudaStream_t>(side.handle), 0);
+  allocator->recordHistory(true, numbered_context, 100, RecordContext::ALL, true, {});
+  constexpr std::size_t kBytes = std::size_t{6} << 20;
+  void* p = allocator->malloc(kBytes, 0, nullptr);
+  ASSERT_NE(p, nullptr);
+  const auto address = reinterpret_cast<std::uintptr_t>(p);
+  allocator->recordStream(c10::DataPtr(p, c10::Device(c10::kCUDA, 0)), side_in_c10);
+  allocator->raw_delete(p);
+  const int freed_under = g_contexts_gathered;
+  // The frees of `p` traced so far, by action.
+  auto count = [&](Action action) {
+    int n = 0;
+    for (const auto& e : traces(*allocator)) n += e.action_ == action && e.addr_ == address;
+    return n;
+  };
+  EXPECT_EQ(count(Action::FREE_REQUESTED), 1);
+  EXPECT_EQ(count(Action::FREE_COMPLETED), 0) << "the side stream has not passed the block";
+  allocator->emptyCache();  // looks at the held blocks: still held
+  EXPECT_EQ(count(Action::FREE_COMPLETED), 0);
+
+  gate.open();
+  backend.stream_synchronize(side);
+  allocator->emptyCache();  // the held block goes back to its pool
+  const auto entries = traces(*allocator);
+  std::size_t requested = entries.size(), completed = entries.size();
+  for (std::size_t i = 0; i < entries.size(); ++i) {
+    if (entries[i].addr_ != address) continue;
+    if (entries[i].action_ == Action::FREE_REQUESTED) requested = i;
+    if (entries[i].action_ == Action::FREE_COMPLETED) completed = i;
+  }
+  ASSERT_LT(completed, entries.size()) << "no FREE_COMPLETED once the stream passed the block";
+  EXPECT_LT(requested, completed);
+  EXPECT_EQ(entries[completed].size_, kBytes);
+  EXPECT_EQ(number_of(entries[completed].context_), freed_under) << "ALL: the free's stack";
+  // Only one, and a plain free still completes at once.
+  EXPECT_EQ(count(Action::FREE_COMPLETED), 1);
+  void* q = allocator->malloc(4096, 0, nullptr);
+  allocator->raw_delete(q);
+  const auto q_address = reinterpret_cast<std::uintptr_t>(q);
+  int q_completed = 0;
+  for (const auto& e : traces(*allocator))
+    q_completed += e.action_ == Action::FREE_COMPLETED && e.addr_ == q_address;
+  EXPECT_EQ(q_completed, 1);
+  allocator->recordHistory(false, nullptr, 1, RecordContext::NEVER, true, {});
+  EXPECT_EQ(tidepool_release_stream(0, side.handle), 0) << tidepool_last_error();
+  backend.destroy_stream(side);
+}
+
 TEST_F(TorchCudaAllocatorTest, OutOfMemoryCallsTheObserversAndIsRecorded) {
   const auto allocator =
       std::dynamic_pointer_cast<torch::cuda::CUDAPluggableAllocator::CUDAPluggableAllocator>(
