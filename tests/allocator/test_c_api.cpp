@@ -631,6 +631,8 @@ TEST_F(CApi, FlushThreadCachesEmptiesEveryThreadsCache) {
   const tidepool_stats_v1 before = stats();
 
   EXPECT_EQ(tidepool_flush_thread_caches(), 0) << tidepool_last_error();
+  // Before the other thread ends: its exit would flush its cache itself.
+  EXPECT_EQ(thread_cached_blocks(), 0u) << "a live thread's parked block stayed cached";
   flushed.set_value();
   other.join();
   EXPECT_EQ(thread_cached_blocks(), 0u);

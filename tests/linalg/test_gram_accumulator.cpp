@@ -30,9 +30,13 @@ TEST(GramAccumulator, RingBufferUpdatesEqualFromScratchAndLstsqColumns) {
     at::manual_seed(21);
     // A drifting iterate, as an optimizer's history looks: each column = previous + step.
     auto current = at::randn({kRows}, dtype);
+    // The test's own copy of each slot's column: the reference must not come from the
+    // accumulator under test (a wrong slot would match itself).
+    std::vector<at::Tensor> stored(kCapacity);
     for (int64_t step = 0; step < 13; ++step) {
       current = current + 0.1 * at::randn({kRows}, dtype);
       const int64_t slot = step % kCapacity;
+      stored[static_cast<std::size_t>(slot)] = current.clone();
       accumulator.set_column(slot, current.clone());
       ASSERT_EQ(accumulator.live_columns(), std::min<int64_t>(step + 1, kCapacity));
       if (step < 2) continue;
@@ -42,7 +46,10 @@ TEST(GramAccumulator, RingBufferUpdatesEqualFromScratchAndLstsqColumns) {
       const int64_t live = accumulator.live_columns();
       for (int64_t i = live; i > 0; --i) order.push_back((step + 1 - i) % kCapacity);
       std::vector<at::Tensor> columns;
-      for (const int64_t s : order) columns.push_back(accumulator.column(s));
+      for (const int64_t s : order) {
+        columns.push_back(stored[static_cast<std::size_t>(s)]);
+        ASSERT_TRUE(at::equal(accumulator.column(s), columns.back())) << "slot " << s;
+      }
 
       EXPECT_LT(relative_error(accumulator.gram(order), fresh_gram(columns)), 1e-13);
       const std::vector<int64_t> a_slots(order.begin(), order.end() - 1);

@@ -204,9 +204,15 @@ TEST(AADL, ExtrapolationMatchesTheReferenceFormula) {
   const double beta = 0.7;
   AADL opt(sgd(p), AADLOptions().relaxation(beta).history_depth(5).wait_iterations(4));
   std::vector<torch::Tensor> xs;
+  // SGD's plain iterates (lr 0.1), computed here: the formula's inputs are checked, not
+  // taken from the history under test.
+  torch::Tensor plain = p.detach().clone();
   for (int step = 0; step < 5; ++step) {
     p.mutable_grad() = A.matmul(p.detach()) - 1.0;
     opt.step();
+    plain = plain - 0.1 * (A.matmul(plain) - 1.0);
+    ASSERT_TRUE(torch::allclose(opt.history(0).newest(), plain, 1e-13, 1e-14))
+        << "step " << step << ": the newest history vector is not the plain iterate";
     xs.push_back(opt.history(0).newest());
   }
   // Step 5 was the first accelerated one: p holds the extrapolation of xs.

@@ -256,6 +256,10 @@ struct BadArchive {
   // Bytes flipped anywhere, tensor data too: a load may succeed with NaN or huge values,
   // and a step then refuse them (AADL's solve refuses NaN) like after a diverged step.
   bool garbled = false;
+  // Can never fit: truncated, another optimizer's, a history deeper than this one's, an
+  // inner optimizer's of another parameter count. (A mismatched problem's archive may
+  // load: an AADL history of another dtype is converted.)
+  bool must_refuse = false;
 };
 
 // A valid archive of `problem` (its own, after some steps), damaged at random.
@@ -265,6 +269,7 @@ BadArchive damaged(const Problem& problem, Rng& rng) {
   if (rng.percent(40)) {
     bad.bytes.resize(static_cast<size_t>(rng.pick(bad.bytes.size())));
     bad.how = "its own, truncated to " + std::to_string(bad.bytes.size()) + " B";
+    bad.must_refuse = true;
     return bad;
   }
   const int64_t flips = 1 + rng.pick(4);
@@ -295,6 +300,7 @@ BadArchive with_inner_of_another(const AADLProblem& problem, Rng& rng) {
   BadArchive bad;
   const AADLProblem other = mismatched(problem, rng, bad.how, /*kind=*/0);
   bad.how = "its own, with the inner optimizer's of " + bad.how;
+  bad.must_refuse = true;
   std::istringstream own_bytes(
       archive_after_steps<AADLRun>(problem, 1 + static_cast<int>(rng.pick(3))));
   torch::serialize::InputArchive own;
@@ -318,7 +324,8 @@ BadArchive bad_archive(const ApolloProblem& problem, Rng& rng) {
   if (kind == 2) {
     AADLProblem other;
     randomize(rng, other);
-    return {archive_after_steps<AADLRun>(other, static_cast<int>(rng.pick(4))), "AADL's"};
+    return {archive_after_steps<AADLRun>(other, static_cast<int>(rng.pick(4))), "AADL's",
+            false, true};
   }
   return mismatched_archive<ApolloRun>(problem, rng);
 }
@@ -330,7 +337,8 @@ BadArchive bad_archive(const AADLProblem& problem, Rng& rng) {
   if (kind == 2) {
     ApolloProblem other;
     randomize(rng, other);
-    return {archive_after_steps<ApolloRun>(other, static_cast<int>(rng.pick(4))), "Apollo's"};
+    return {archive_after_steps<ApolloRun>(other, static_cast<int>(rng.pick(4))), "Apollo's",
+            false, true};
   }
   if (kind == 3) {
     // More vectors than this optimizer's history holds.
@@ -338,7 +346,7 @@ BadArchive bad_archive(const AADLProblem& problem, Rng& rng) {
     deeper.options.history_depth(problem.options.history_depth() + 2).store_each_nth(1);
     deeper.steps = static_cast<int>(deeper.options.history_depth());
     deeper.has_grad.assign(size_t(deeper.steps), std::vector<bool>(deeper.parameters(), true));
-    return {archive_after_steps<AADLRun>(deeper, deeper.steps), "a deeper history"};
+    return {archive_after_steps<AADLRun>(deeper, deeper.steps), "a deeper history", false, true};
   }
   return mismatched_archive<AADLRun>(problem, rng);
 }
@@ -394,6 +402,7 @@ void bad_loads(std::uint64_t fixed) {
     }
     if (loaded) {
       ++accepted;
+      EXPECT_FALSE(bad.must_refuse) << "loaded an archive it must refuse";
       try {
         target.step(problem, stepped);
       } catch (const std::exception& e) {

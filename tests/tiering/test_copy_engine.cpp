@@ -77,22 +77,6 @@ TEST_P(CopyEngineTest, DirectionsUseTheirOwnStreams) {
   EXPECT_FALSE(engine.stream(Direction::host_to_device) == Stream{});
 }
 
-TEST_P(CopyEngineTest, ExposedWaitIsMeasured) {
-  CopyEngine engine(backend());
-  const std::size_t n = 16 << 20;
-  std::vector<unsigned char> host(n, 3);
-  void* dev = backend().device_alloc(n);
-  Event done = backend().create_event();
-  engine.transfer(dev, host.data(), n, Direction::host_to_device, done);
-  engine.wait_exposed(done);
-  EXPECT_TRUE(backend().event_query(done));
-  const CopyEngineStats s = engine.stats();
-  EXPECT_LE(s.exposed_waits, 1u);
-  EXPECT_GE(s.exposed_wait_ms, 0.0);
-  backend().destroy_event(done);
-  backend().device_free(dev, n);
-}
-
 TEST_P(CopyEngineTest, AFailingCopyThrowsAndRecordsNoCompletion) {
   if (!on_host()) GTEST_SKIP() << "fault injection is a host-backend feature";
   CopyEngine engine(backend());
@@ -193,6 +177,42 @@ TEST_P(CopyEngineRateTest, AHeldLoadDoesNotHoldBackTheWriteBacksTiming) {
   gate_.open();
   engine.synchronize();
   EXPECT_NEAR(bytes_in_rate(engine.stats().h2d), 1.0 * kBytes, 1.0);
+}
+
+// Opens the gate as a caller blocks on an event: the wait measured is one that blocked.
+class OpensTheGateOnAWait : public ForwardingBackend {
+ public:
+  OpensTheGateOnAWait(Backend& inner, tiering_test::StreamGate& gate)
+      : ForwardingBackend(inner), gate_(gate) {}
+
+ protected:
+  void on_call(Call call) override {
+    if (call == Call::event_synchronize) gate_.open();
+  }
+
+ private:
+  tiering_test::StreamGate& gate_;
+};
+
+// A wait for a transfer still held behind the gate is counted, with its time; a wait for
+// one already complete, or for no event, is not. The gate opens only once the engine
+// waits, so the wait truly blocked, with no timing in the test.
+TEST_P(CopyEngineRateTest, ExposedWaitIsMeasured) {
+  OpensTheGateOnAWait opener(backend(), gate_);
+  CopyEngine engine(opener);
+  const tiering_test::StreamGate::OpenOnExit open_on_exit{gate_};  // before the engine goes
+  const Event done = backend().create_event();
+  const Event after_gate[] = {opened_};
+  engine.transfer(dev_up_, host_up_.data(), kBytes, Direction::host_to_device, done, after_gate);
+  EXPECT_FALSE(backend().event_query(done)) << "the gate did not hold the transfer";
+  engine.wait_exposed(done);
+  EXPECT_TRUE(backend().event_query(done));
+  EXPECT_EQ(engine.stats().exposed_waits, 1u);
+  EXPECT_GT(engine.stats().exposed_wait_ms, 0.0);
+  engine.wait_exposed(done);     // complete already: nothing counted
+  engine.wait_exposed(Event{});  // no event: nothing counted
+  EXPECT_EQ(engine.stats().exposed_waits, 1u);
+  backend().destroy_event(done);
 }
 
 INSTANTIATE_TEST_SUITE_P(Backends, CopyEngineRateTest, TIDEPOOL_TIERING_BACKENDS,

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <barrier>
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
@@ -524,6 +525,10 @@ TEST_P(HostArenaTest, ReleasingEmptySlabsWhileOtherThreadsAllocateKeepsEveryBloc
   HostArena arena(backend(), options);
   constexpr int kThreads = 4;
   std::atomic<int> running{kThreads};
+  // Every 50 rounds the threads meet holding nothing, and the last to arrive releases the
+  // empty slabs: the later rounds then allocate from slabs registered again, whatever the
+  // timing of the releases racing them below (8 meetings: at least 8 releases).
+  std::barrier meet(kThreads, [&]() noexcept { arena.release_empty_slabs(); });
   std::vector<std::thread> threads;
   for (int t = 0; t < kThreads; ++t) {
     threads.emplace_back([&, t] {
@@ -547,6 +552,7 @@ TEST_P(HostArenaTest, ReleasingEmptySlabsWhileOtherThreadsAllocateKeepsEveryBloc
           EXPECT_EQ(b.tier, HostTier::pinned);
           arena.deallocate(b);
         }
+        if (round % 50 == 49) meet.arrive_and_wait();
       }
       running.fetch_sub(1);
     });
@@ -563,6 +569,7 @@ TEST_P(HostArenaTest, ReleasingEmptySlabsWhileOtherThreadsAllocateKeepsEveryBloc
   EXPECT_EQ(s.slab_count, 0u);
   EXPECT_EQ(s.pinned_registered_bytes, 0u);  // no direct mapping is left either
   EXPECT_EQ(s.slab_release_failures, 0u);
+  EXPECT_GE(s.slabs_released, 8u) << "slabs were not released while the threads ran";
   EXPECT_GT(calls, 0u);
 }
 

@@ -8,6 +8,7 @@
 #include <gtest/gtest.h>
 
 #include <cstddef>
+#include <latch>
 #include <memory>
 #include <string>
 #include <thread>
@@ -70,8 +71,12 @@ TEST_P(SharedPinnedBudgetTest, ArenasChargingAtOnceNeverTogetherPassTheBudget) {
     arenas.push_back(std::make_unique<HostArena>(backend(), configured_budget_options()));
   std::vector<HostBlock> blocks(kThreads);
   std::vector<std::thread> threads;
+  std::latch start(kThreads);  // all charge together, not one by one as they are started
   for (std::size_t t = 0; t < kThreads; ++t)
-    threads.emplace_back([&, t] { blocks[t] = arenas[t]->allocate(4096); });
+    threads.emplace_back([&, t] {
+      start.arrive_and_wait();
+      blocks[t] = arenas[t]->allocate(4096);
+    });
   for (std::thread& th : threads) th.join();
   std::size_t pinned = 0;
   std::size_t registered = 0;

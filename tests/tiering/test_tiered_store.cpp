@@ -409,6 +409,17 @@ TEST_P(TieredStoreTest, PrefetchNeverExceedsTheBudgetOrEvictsSoonerUses) {
   EXPECT_EQ(store.stats().prefetch_skipped, 1u);
   store.release(a, false);
   store.release(b, false);
+  // a and b were used, c never: a prefetch of c (a hint) may not give them up for it.
+  store.prefetch(c, stream_);
+  EXPECT_FALSE(store.resident(c));
+  EXPECT_TRUE(store.resident(a));
+  EXPECT_TRUE(store.resident(b));
+  EXPECT_EQ(store.stats().prefetch_skipped, 2u);
+  EXPECT_EQ(store.stats().evictions, 0u);
+  store.evict(a);  // room now: the same prefetch goes through
+  store.prefetch(c, stream_);
+  EXPECT_TRUE(store.resident(c));
+  EXPECT_TRUE(store.resident(b));
   EXPECT_LE(store.device_bytes(), store.device_budget_bytes());
 }
 
