@@ -115,9 +115,14 @@ void CachingAllocator::Impl::process_pending(bool wait) {
     pending[finished - 1] = pending.back();
     pending.pop_back();
     --finished;
-    segment_log.record(SegmentEvent::Kind::block_freed, b->ptr, b->requested,
-                       b->owner->stream.handle);  // Note [Segment events]
+    // Note [Segment events]: once it is back in its pool (insert_free may merge it away,
+    // so what the event names is read first; a throw there leaves no event), still
+    // under the lock, before it can be handed out again.
+    const char* const ptr = b->ptr;
+    const std::size_t requested = b->requested;
+    void* const stream = b->owner->stream.handle;
     insert_free(b, true);
+    segment_log.record(SegmentEvent::Kind::block_freed, ptr, requested, stream);
   }
 }
 
@@ -234,14 +239,20 @@ void CachingAllocator::deallocate(void* ptr, std::size_t bytes, Stream stream) {
     m.pending.push_back(b);  // capacity reserved above
     return;
   }
-  // Note [Segment events]: under the lock, before the block can be handed out again.
-  m.segment_log.record(SegmentEvent::Kind::block_freed, b->ptr, b->requested,
-                       b->owner->stream.handle);
+  // Note [Segment events]: once the block is back in its pool, still under the lock,
+  // before it can be handed out again (read first: insert_free may merge it away).
+  const char* const freed = b->ptr;
+  const std::size_t requested = b->requested;
+  void* const freed_on = b->owner->stream.handle;
   if (b->segment->small && m.options.quick_lists) {
     b->state = BlockState::quick;
-    if (b->owner->quick.push(b)) return;
+    if (b->owner->quick.push(b)) {
+      m.segment_log.record(SegmentEvent::Kind::block_freed, freed, requested, freed_on);
+      return;
+    }
   }
   m.insert_free(b, true);
+  m.segment_log.record(SegmentEvent::Kind::block_freed, freed, requested, freed_on);
 }
 
 std::size_t CachingAllocator::empty_cache() {

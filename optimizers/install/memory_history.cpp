@@ -158,9 +158,10 @@ void MemoryHistory::drain_segment_events(int device,
       // did not see requested (tidepool's C ABI, or before recording began) has none.
       auto it = freeing_.find({device, e.address});
       if (it == freeing_.end()) continue;
-      append(TraceEntry::FREE_COMPLETED, device, e.address, e.size, e.stream,
-             std::move(it->second));
+      FreeRequested requested = std::move(it->second);
       freeing_.erase(it);
+      append(TraceEntry::FREE_COMPLETED, device, e.address, e.size, requested.stream,
+             std::move(requested.context));
       continue;
     }
     append(trace_action(e.kind), device, e.address, e.size, e.stream,
@@ -188,6 +189,9 @@ void MemoryHistory::on_alloc(void* ptr, std::size_t size, int device, void* stre
     watching_frees_.store(true);
   }
   drain_segment_events(device, context);  // the growth this allocation needed comes first
+  // Every free of this address that completed is drained by now: an entry left is a free
+  // that failed, and must not give a later free's event its stack.
+  freeing_.erase({device, address});
   append(TraceEntry::ALLOC, device, address, size, stream, std::move(context));
 }
 
@@ -207,7 +211,7 @@ void MemoryHistory::on_free(void* ptr, std::size_t size, int device, void* strea
     if (context == nullptr) context = std::move(allocated_under);
     drain_segment_events(device, nullptr);  // earlier changes: not this free's doing
     append(TraceEntry::FREE_REQUESTED, device, address, size, stream, context);
-    freeing_[{device, address}] = std::move(context);  // its FREE_COMPLETED: on_freed's
+    freeing_[{device, address}] = {std::move(context), stream};  // FREE_COMPLETED: on_freed
   }
   watching_frees_.store(recording_.load() || !allocated_under_.empty());
 }

@@ -100,8 +100,14 @@ class MemoryHistory {
   std::map<int, Ring> traces_;
   std::map<std::uintptr_t, std::shared_ptr<c10::GatheredContext>> allocated_under_;
   // Blocks whose FREE_REQUESTED is traced and FREE_COMPLETED not yet, by device and
-  // address, with the stack the latter carries (Note [memory history]).
-  std::map<std::pair<int, std::uintptr_t>, std::shared_ptr<c10::GatheredContext>> freeing_;
+  // address, with the stack and stream the latter carries (Note [memory history]): the
+  // free's stream, which a block held for other streams may have lost by then (its
+  // stream released). An ALLOC of the address drops an entry a failed free left.
+  struct FreeRequested {
+    std::shared_ptr<c10::GatheredContext> context;
+    void* stream = nullptr;
+  };
+  std::map<std::pair<int, std::uintptr_t>, FreeRequested> freeing_;
   std::vector<OutOfMemoryObserver> oom_observers_;
 };
 
