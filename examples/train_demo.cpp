@@ -31,6 +31,7 @@
 #include "optimizers/anderson_history.h"
 #include "optimizers/apollo.h"
 #include "optimizers/tiered_placement.h"
+#include "tiering/pinned_budget.h"
 #include "tiering/tiered_store.h"
 
 namespace {
@@ -238,6 +239,14 @@ int main(int argc, char** argv) {
                 static_cast<unsigned long long>(s.evictions),
                 mib(static_cast<double>(s.device_peak_bytes)),
                 mib(static_cast<double>(s.device_budget_bytes)));
+    // Where the state lives off the device: pinned (copied at the link's rate, overlapped)
+    // or pageable (the fallback when the pinned budget is spent; slower, synchronous).
+    std::printf("%s: host memory: %.2f MiB pinned, %.2f MiB pageable; the process pins "
+                "%.2f MiB of its %.2f MiB pinned budget (tidepool.pinned_budget)\n",
+                label, mib(static_cast<double>(s.host.pinned_in_use_bytes)),
+                mib(static_cast<double>(s.host.pageable_in_use_bytes)),
+                mib(static_cast<double>(tidepool::process_pinned_bytes())),
+                mib(static_cast<double>(tidepool::process_pinned_budget().bytes)));
   };
 
   // Both stores live until the end of main: the caching allocator keeps the blocks a
