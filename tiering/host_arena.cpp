@@ -50,12 +50,12 @@
 // pinned budget per process] in pinned_budget.cpp) with what it registers: slabs and
 // direct mappings, each charged before it is registered, given back when unregistered (a
 // block's direct mapping freed, an empty slab released, the arena's idle slabs parked by
-// its destructor) or when registering it failed. It checks the budget as it resolved it
-// when it was built (arenas agree unless the configuration changes in between). What a
-// destroyed arena leaves registered (slabs and direct mappings with live blocks, a slab the
-// backend would not unregister) stays charged. An arena given
-// HostArenaOptions::pinned_budget_bytes checks its own registered bytes against that budget
-// instead and charges nothing to the process's count. Both happen under the arena's mutex.
+// its destructor) or when registering it failed. It checks the budget as it resolves it at
+// each allocation (resolve_budget_locked), as the pools do at each charge. What a destroyed
+// arena leaves registered (slabs and direct mappings with live blocks, a slab the backend
+// would not unregister) stays charged. An arena given HostArenaOptions::pinned_budget_bytes
+// checks its own registered bytes against that budget instead and charges nothing to the
+// process's count. Both happen under the arena's mutex.
 //
 // Note [A budget smaller than a slab]
 // A request below direct_threshold_bytes is served from slabs, and a slab is registered
@@ -301,9 +301,20 @@ HostArena::HostArena(Backend& backend, HostArenaOptions options)
       options_.direct_threshold_bytes > options_.slab_bytes / 2) {
     throw HostArenaError("host arena: direct_threshold_bytes must be in (0, slab_bytes/2]");
   }
-  // An explicit budget wins; else tidepool.pinned_budget; else a quarter of RAM. A
-  // configured 0 means: no pinned memory, all of it pageable. All but the explicit one
-  // are the process's (Note [What an arena charges]).
+  resolve_budget_locked();  // nobody else can see the arena yet
+}
+
+std::size_t HostArena::pinned_budget_bytes() const {
+  std::lock_guard lock(mutex_);
+  return budget_;
+}
+
+// An explicit budget wins; else tidepool.pinned_budget; else a quarter of RAM. A
+// configured 0 means: no pinned memory, all of it pageable. All but the explicit one are
+// the process's (Note [What an arena charges]), and read again at each allocation, as a
+// VmmPool reads it at each charge: a configuration applied after the arena was built
+// (install_from_env after the stores exist) holds for it too.
+void HostArena::resolve_budget_locked() {
   if (options_.pinned_budget_bytes != 0) {
     budget_ = options_.pinned_budget_bytes;
   } else {
@@ -313,6 +324,7 @@ HostArena::HostArena(Backend& backend, HostArenaOptions options)
     stats_.budget_shared = true;
   }
   stats_.pinned_budget_requested_bytes = budget_;
+  stats_.budget_capped_by_memlock = false;
   if (options_.respect_memlock_limit) {
     rlimit limit{};
     if (getrlimit(RLIMIT_MEMLOCK, &limit) == 0 && limit.rlim_cur != RLIM_INFINITY &&
@@ -359,6 +371,7 @@ HostBlock HostArena::allocate(std::size_t bytes) {
     throw HostArenaError("host arena: absurd size " + std::to_string(bytes));
   }
   std::lock_guard lock(mutex_);
+  if (stats_.budget_shared) resolve_budget_locked();
   std::string why_not;
   void* p = nullptr;
   std::size_t charged = 0;
@@ -637,7 +650,8 @@ std::string pageable_fallback_warning(const HostArenaStats& s, std::size_t bytes
     remedy = "make libmimalloc.so.2 loadable (Debian/Ubuntu package libmimalloc2.0)";
   } else if (why == FallbackCause::budget_spent) {
     cause = "the pinned host budget of " + format_bytes(s.pinned_budget_bytes) +
-            (s.budget_shared ? " (one for the process, shared by its tiered stores)" : "") +
+            (s.budget_shared ? " (one for the process, shared by its tiered stores and "
+                                 "pointer-stable ranges)" : "") +
             " is spent";
     remedy = "raise tidepool.pinned_budget (or HostArenaOptions::pinned_budget_bytes)";
   } else {

@@ -170,7 +170,8 @@ class TIDEPOOL_API HostArena {
   std::size_t release_empty_slabs() noexcept;
 
   HostArenaStats stats() const;
-  std::size_t pinned_budget_bytes() const { return budget_; }
+  // The budget as the last allocation resolved it (Note [What an arena charges]).
+  std::size_t pinned_budget_bytes() const;
   Backend& backend() const { return backend_; }
 
   struct Slab;  // defined in host_arena.cpp
@@ -185,6 +186,8 @@ class TIDEPOOL_API HostArena {
   // Takes `bytes` of the budget before they are registered (false: why_not says the budget
   // is spent), and gives them back once unregistered or when registering failed.
   bool charge(std::size_t bytes, std::string* why_not);
+  // Sets budget_ (and the stats that describe it) from the options and the configuration.
+  void resolve_budget_locked();
   void uncharge(std::size_t bytes) noexcept;
 
   Backend& backend_;

@@ -21,9 +21,8 @@ struct ProcessPinnedBudget {
   bool from_config = false;  // tidepool.pinned_budget set it (else a quarter of RAM)
 };
 // Resolved from the active configuration at each call: it may be applied after the
-// arenas and pools that charge it exist. A VmmPool resolves it at each charge; a HostArena
-// once, when it is built (Note [What an arena charges] in host_arena.cpp), so an arena
-// built before the configuration is applied keeps checking the budget it found then.
+// arenas and pools that charge it exist. A VmmPool resolves it at each charge, a
+// HostArena at each allocation (Note [What an arena charges] in host_arena.cpp).
 TIDEPOOL_API ProcessPinnedBudget process_pinned_budget();
 
 // Adds `bytes` to the process's count when the count stays within `budget` with them and

@@ -138,6 +138,22 @@ TEST_P(SharedPinnedBudgetTest, AnExplicitBudgetIsTheArenasOwn) {
   shared.deallocate(b);
 }
 
+// The budget is read at each allocation: an arena built before the configuration is
+// applied (a C++ program that builds its stores, then calls install_from_env) keeps to
+// the configured budget from then on, as the pointer-stable ranges do.
+TEST_P(SharedPinnedBudgetTest, AConfigurationAppliedAfterTheArenaIsBuiltHoldsForIt) {
+  HostArena arena(backend(), configured_budget_options());  // the default: a quarter of RAM
+  EXPECT_FALSE(arena.stats().budget_from_config);
+  const ConfigScope config("tidepool.pinned_budget:0");  // nothing pinned
+  const HostBlock b = arena.allocate(4096);
+  EXPECT_EQ(b.tier, HostTier::pageable) << "the arena kept the budget it was built with";
+  EXPECT_EQ(arena.pinned_budget_bytes(), 0u);
+  const HostArenaStats s = arena.stats();
+  EXPECT_TRUE(s.budget_from_config);
+  EXPECT_EQ(s.fallback_budget, 1u);
+  arena.deallocate(b);
+}
+
 INSTANTIATE_TEST_SUITE_P(Backends, SharedPinnedBudgetTest, TIDEPOOL_TIERING_BACKENDS,
                          tiering_test::backend_name);
 
