@@ -377,6 +377,32 @@ TEST_F(TorchCudaAllocatorTest, TheHistoryTracesSegmentsAroundTheirAllocations) {
   allocator->recordHistory(false, nullptr, 1, RecordContext::NEVER, true, {});
 }
 
+// A stream of device 0's backend held behind a gate until pass(), named to c10 by its
+// handle (as torch.cuda.ExternalStream names one, so no CUDA call is needed): what
+// record_stream names, with no timing in the tests. Released and destroyed at the end.
+struct HeldSideStream {
+  Backend& backend = device_allocator(0).backend();
+  const Stream stream = backend.create_stream();
+  test_support::StreamGate gate;
+  const test_support::StreamGate::OpenOnExit open_on_exit{gate};
+  const c10::cuda::CUDAStream in_c10 =
+      c10::cuda::getStreamFromExternal(static_cast<cudaStream_t>(stream.handle), 0);
+
+  HeldSideStream() { backend.launch_host_func(stream, &test_support::StreamGate::wait, &gate); }
+  ~HeldSideStream() {
+    pass();
+    EXPECT_EQ(tidepool_release_stream(0, stream.handle), 0) << tidepool_last_error();
+    backend.destroy_stream(stream);
+  }
+  HeldSideStream(const HeldSideStream&) = delete;
+  HeldSideStream& operator=(const HeldSideStream&) = delete;
+  // Lets the stream run, and waits until it has.
+  void pass() {
+    gate.open();
+    backend.stream_synchronize(stream);
+  }
+};
+
 // A block freed while another stream still uses it (record_stream) is free, in c10's
 // history, only once that stream has passed it: FREE_REQUESTED at the free, FREE_COMPLETED
 // when tidepool gives it back to its pool (Note [memory history]). The stream is held by a
@@ -385,19 +411,13 @@ TEST_F(TorchCudaAllocatorTest, AFreeAnotherStreamHoldsCompletesWhenTheStreamHasP
   const auto allocator =
       std::dynamic_pointer_cast<torch::cuda::CUDAPluggableAllocator::CUDAPluggableAllocator>(
           make_torch_cuda_allocator());
-  Backend& backend = device_allocator(0).backend();
-  const Stream side = backend.create_stream();
-  test_support::StreamGate gate;
-  const test_support::StreamGate::OpenOnExit open_on_exit{gate};
-  backend.launch_host_func(side, &test_support::StreamGate::wait, &gate);
-  const c10::cuda::CUDAStream side_in_c10 =
-      c10::cuda::getStreamFromExternal(static_cast<cudaStream_t>(side.handle), 0);
+  HeldSideStream side;
   allocator->recordHistory(true, numbered_context, 100, RecordContext::ALL, true, {});
   constexpr std::size_t kBytes = std::size_t{6} << 20;
   void* p = allocator->malloc(kBytes, 0, nullptr);
   ASSERT_NE(p, nullptr);
   const auto address = reinterpret_cast<std::uintptr_t>(p);
-  allocator->recordStream(c10::DataPtr(p, c10::Device(c10::kCUDA, 0)), side_in_c10);
+  allocator->recordStream(c10::DataPtr(p, c10::Device(c10::kCUDA, 0)), side.in_c10);
   allocator->raw_delete(p);
   const int freed_under = g_contexts_gathered;
   // The frees of `p` traced so far, by action.
@@ -411,8 +431,7 @@ TEST_F(TorchCudaAllocatorTest, AFreeAnotherStreamHoldsCompletesWhenTheStreamHasP
   allocator->emptyCache();  // looks at the held blocks: still held
   EXPECT_EQ(count(Action::FREE_COMPLETED), 0);
 
-  gate.open();
-  backend.stream_synchronize(side);
+  side.pass();
   allocator->emptyCache();  // the held block goes back to its pool
   const auto entries = traces(*allocator);
   std::size_t requested = entries.size(), completed = entries.size();
@@ -435,8 +454,6 @@ TEST_F(TorchCudaAllocatorTest, AFreeAnotherStreamHoldsCompletesWhenTheStreamHasP
     q_completed += e.action_ == Action::FREE_COMPLETED && e.addr_ == q_address;
   EXPECT_EQ(q_completed, 1);
   allocator->recordHistory(false, nullptr, 1, RecordContext::NEVER, true, {});
-  EXPECT_EQ(tidepool_release_stream(0, side.handle), 0) << tidepool_last_error();
-  backend.destroy_stream(side);
 }
 
 TEST_F(TorchCudaAllocatorTest, OutOfMemoryCallsTheObserversAndIsRecorded) {
@@ -646,33 +663,22 @@ Pluggable& installed_allocator() {
 // allocator the plain class drops the call and the second request gets the same block.
 TEST_F(TorchCudaAllocatorTest, RecordStreamThroughC10HoldsTheMemoryUntilTheStreamPassesIt) {
   Pluggable& allocator = installed_allocator();
-  Backend& backend = device_allocator(0).backend();
-  const Stream side = backend.create_stream();
-  test_support::StreamGate gate;
-  const test_support::StreamGate::OpenOnExit open_on_exit{gate};
-  backend.launch_host_func(side, &test_support::StreamGate::wait, &gate);
-  // c10's handle of a stream it did not create: the handle itself (as for torch.cuda.
-  // ExternalStream), so no CUDA call is needed to name it.
-  const c10::cuda::CUDAStream side_in_c10 =
-      c10::cuda::getStreamFromExternal(static_cast<cudaStream_t>(side.handle), 0);
-  ASSERT_EQ(side_in_c10.stream(), static_cast<cudaStream_t>(side.handle));
+  HeldSideStream side;
+  ASSERT_EQ(side.in_c10.stream(), static_cast<cudaStream_t>(side.stream.handle));
 
   constexpr std::size_t kBytes = std::size_t{32} << 20;
   void* p = allocator.malloc(kBytes, 0, nullptr);  // on the default stream, as a tensor
   ASSERT_NE(p, nullptr);
   c10::cuda::CUDACachingAllocator::recordStream(c10::DataPtr(p, c10::Device(c10::kCUDA, 0)),
-                                                side_in_c10);
+                                                side.in_c10);
   allocator.raw_delete(p);  // the tensor's deleter: freed on its allocating stream
   void* q = allocator.malloc(kBytes, 0, nullptr);
   EXPECT_NE(q, p) << "handed out again while the recorded stream had not passed the call";
-  gate.open();
-  backend.stream_synchronize(side);
+  side.pass();
   allocator.raw_delete(q);
   void* r = allocator.malloc(kBytes, 0, nullptr);
   EXPECT_TRUE(r == p || r == q) << "the held block is free again once the stream passed";
   allocator.raw_delete(r);
-  EXPECT_EQ(tidepool_release_stream(0, side.handle), 0) << tidepool_last_error();
-  backend.destroy_stream(side);
 }
 
 // Note [the installed allocator is never destroyed] (torch_cuda_allocator.cpp): a stand-in
