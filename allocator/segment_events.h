@@ -68,8 +68,9 @@ class TIDEPOOL_API SegmentEventLog {
   bool observed() const noexcept { return observed_.load(std::memory_order_relaxed); }
   // Starts (empty) or stops (dropping what is queued) the log.
   void set_observed(bool on);
-  // Queues the event if the log is observed; the caller holds the allocator's lock, so
-  // events are queued in the order the allocator made the changes.
+  // Queues the event if the log is observed; the caller holds the allocator's lock (or,
+  // for a block the thread cache's fast path frees, that cache's lock, which draining the
+  // cache needs too), so events are queued in the order the allocator made the changes.
   void record(SegmentEvent::Kind kind, const void* address, std::size_t size,
               void* stream) noexcept {
     if (observed()) push(kind, address, size, stream);

@@ -126,12 +126,17 @@ void* tidepool_vmm_malloc(size_t size, int device, int tag, void* stream) {
     check_tag(tag);  // a range under no tag could never be moved by tag
     void* p = tidepool::allocate_tierable_range(device, size, tag, as_stream(stream));
     if (p == nullptr) {
-      // With a state budget a range the device cannot hold goes to host memory: then the
-      // host had no room either (its memory, or tidepool.pinned_budget).
-      tidepool::set_last_error("tidepool_vmm_malloc: no memory for " + std::to_string(size) +
-                               " bytes on device " + std::to_string(device) +
-                               " (under tidepool.state_budget, nor room in host memory or "
-                               "in tidepool.pinned_budget)");
+      // Without a state budget the device was full even after older ranges moved to the
+      // host; with one, a range the device cannot hold goes to host memory, which had no
+      // room either (its memory, or tidepool.pinned_budget).
+      const tidepool::VmmPool* pool = tidepool::existing_tiering_vmm_pool(device);
+      const bool budgeted = pool != nullptr && pool->device_budget_bytes().has_value();
+      tidepool::set_last_error(
+          "tidepool_vmm_malloc: no memory for " + std::to_string(size) + " bytes on device " +
+          std::to_string(device) +
+          (budgeted ? " (under tidepool.state_budget), nor room in host memory or in "
+                      "tidepool.pinned_budget"
+                    : " (out of device memory, after moving older state to the host)"));
     }
     return p;
   });

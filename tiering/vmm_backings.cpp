@@ -51,10 +51,7 @@ namespace tidepool {
 
 VmmPool::NewBacking VmmPool::create_backing(std::size_t bytes, MemoryLocation where) {
   if (where == MemoryLocation::device) return NewBacking{backend_.create_physical(bytes, where)};
-  if (!charge_pinned(bytes)) {
-    pinned_refusals_.fetch_add(1, std::memory_order_relaxed);
-    return NewBacking{PhysicalHandle{}, true};
-  }
+  if (!charge_pinned(bytes)) return NewBacking{PhysicalHandle{}, true};
   PhysicalHandle h;
   try {
     h = backend_.create_physical(bytes, where);
@@ -74,20 +71,31 @@ void VmmPool::release_backing(PhysicalHandle physical, std::size_t bytes, Memory
 // A refusal is tried once more under the lock: a helper's refusal may be stale (another
 // arena or pool gave pinned memory back since), and the pool's own spares may hold the
 // room, charged but of other sizes than this chunk (it would have taken one of its size).
-// Those go first, largest first, until what they give back covers the chunk: a pool
-// evicting ranges of a new shape is not stopped by the spares of the old ones.
+// Those go first, largest first, until what they give back covers the chunk, and only when
+// that is enough with the budget's room: a pool evicting ranges of a new shape is not
+// stopped by the spares of the old ones, nor does it give up spares for nothing. A refusal
+// counts (pinned_budget_refusals) when this retry is refused too: the chunk then stays.
 VmmPool::NewBacking VmmPool::retry_refused_host_backing_locked(std::size_t bytes) {
-  std::size_t released = 0;
-  while (released < bytes && !spares_.empty()) {
-    auto largest = std::prev(spares_.end());
-    const auto [spare_bytes, h] = *largest;
-    spares_.erase(largest);
-    spare_bytes_ -= spare_bytes;
-    release_or_defer_locked(h, spare_bytes, MemoryLocation::host);
-    released += spare_bytes;
+  const std::size_t budget = pinned_budget_now();
+  const std::size_t charged = options_.pinned_budget_bytes == VmmPoolOptions::kProcessPinnedBudget
+                                  ? process_pinned_bytes()
+                                  : pinned_charged_.load();
+  const std::size_t room = charged < budget ? budget - charged : 0;
+  if (room < bytes && room + spare_bytes_ >= bytes) {
+    std::size_t released = 0;
+    while (room + released < bytes && !spares_.empty()) {
+      auto largest = std::prev(spares_.end());
+      const auto [spare_bytes, h] = *largest;
+      spares_.erase(largest);
+      spare_bytes_ -= spare_bytes;
+      const std::size_t deferred = deferred_releases_.size();
+      release_or_defer_locked(h, spare_bytes, MemoryLocation::host);
+      if (deferred_releases_.size() == deferred) released += spare_bytes;  // still charged
+    }
   }
-  pinned_refusals_.fetch_sub(1, std::memory_order_relaxed);  // the same chunk's refusal
-  return create_backing(bytes, MemoryLocation::host);
+  NewBacking b = create_backing(bytes, MemoryLocation::host);
+  if (b.pinned_budget_spent) pinned_refusals_.fetch_add(1, std::memory_order_relaxed);
+  return b;
 }
 
 // A budget of the pool's own is checked against its own count (a compare-and-swap, as the

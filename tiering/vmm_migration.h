@@ -56,7 +56,9 @@
 //
 // Thread-safety: every method may be called from any thread concurrently. A migration may
 // create new backings on helper threads of its own (VmmPoolOptions::creation_threads);
-// they call only Backend::create_physical and have ended when it returns.
+// they call only create_backing (Backend::create_physical, a host backing charged to the
+// pinned budget first: an atomic count, and the configuration's lock to read the budget)
+// and have ended when it returns.
 #pragma once
 
 #include <atomic>
@@ -136,8 +138,8 @@ struct VmmStats {
   // charged to (the process's unless VmmPoolOptions::pinned_budget_bytes gave the pool one
   // of its own), the bytes the pool has charged to it now (host backings mapped, spare,
   // created ahead of a move, or waiting for a deferred release), the moves to the host it
-  // cut short and the bytes those left on the device, and the host backings it refused
-  // (those moves' and allocations').
+  // cut short and the bytes those left on the device, and the chunks it found no pinned
+  // room for (those moves' and allocations', once retried).
   bool pinned_budget_shared = false;
   std::uint64_t pinned_budget_bytes = 0;
   std::uint64_t pinned_bytes = 0;
@@ -377,7 +379,8 @@ class TIDEPOOL_API VmmPool {
   void release_backing(PhysicalHandle physical, std::size_t bytes, MemoryLocation where);
   bool charge_pinned(std::size_t bytes);
   // After create_backing (or a supply) refused a host backing for the budget: releases
-  // spares (of other sizes) for room and tries once more.
+  // spares (of other sizes) for room when they make enough, tries once more, and counts
+  // the refusal (pinned_budget_refusals) if that is refused too.
   NewBacking retry_refused_host_backing_locked(std::size_t bytes);
   void uncharge_pinned(std::size_t bytes) noexcept;
   std::size_t pinned_budget_now() const;

@@ -363,7 +363,7 @@ bool VmmPool::move_batch_locked(Range& r, const std::vector<std::size_t>& plan,
           h = b.handle;
           pinned_budget_spent = b.pinned_budget_spent;
         }
-      } catch (const BackendError& e) {
+      } catch (const std::exception& e) {  // the backend's, or the heap's in a retry
         throw TieringError(std::string("vmm pool: migrate: creating ") + location_name(to) +
                            " memory failed: " + e.what());
       }

@@ -1,4 +1,4 @@
-// Note [Pinned host backings] (tiering/vmm_moves.cpp): the host backings of pointer-stable
+// Note [Pinned host backings] (tiering/vmm_backings.cpp): the host backings of pointer-stable
 // ranges are pinned memory, so they are charged to the pinned budget, by default the
 // process's (tidepool.pinned_budget, else a quarter of RAM), which the tiered stores' host
 // arenas share. Before, the ranges the Python hooks evict after each step pinned without
@@ -166,6 +166,7 @@ TEST_P(VmmPinnedBudgetTest, AnEvictionByTagMovesWhatTheBudgetHoldsAndLeavesTheRe
 TEST_P(VmmPinnedBudgetTest, TheProcessBudgetIsSharedWithTheHostArenas) {
   const std::size_t g = granule();
   const std::size_t before = process_pinned_bytes();
+  ASSERT_EQ(before, 0u) << "the test needs a process with nothing pinned yet";
   const ConfigScope config("tidepool.pinned_budget:64MiB");
   HostArenaOptions arena_options;
   arena_options.warn_on_pageable_fallback = false;
@@ -285,6 +286,38 @@ TEST_P(VmmPinnedBudgetTest, SparesOfOtherSizesMakeRoomForAMoveToTheHost) {
   EXPECT_EQ(s.pinned_budget_refusals, 0u) << "a refusal the spares made room for is none";
   pool.deallocate(a);
   pool.deallocate(b);
+}
+
+// ... but only when they make enough room: spares that could not cover the chunk with
+// the budget's room are kept for the moves they fit. Budget 4 granules: a 1-granule spare
+// and a 2-granule range on the host leave 1 of room; a 4-granule chunk cannot be had.
+TEST_P(VmmPinnedBudgetTest, SparesAreKeptWhenTheyCannotMakeRoomEnough) {
+  const std::size_t g = granule();
+  VmmPoolOptions o = options(4 * g);
+  o.chunk_granules = 4;
+  VmmPool pool(backend(), o);
+  void* a = device_state(pool, 1, 51);
+  void* c = pool.allocate(2 * g, kStateTag, MemoryLocation::host);
+  void* b = device_state(pool, 4, 52);
+  ASSERT_NE(a, nullptr);
+  ASSERT_NE(b, nullptr);
+  ASSERT_NE(c, nullptr);
+  pool.migrate(a, MemoryLocation::host);
+  pool.migrate(a, MemoryLocation::device);
+  ASSERT_EQ(pool.stats().spare_host_bytes, g);
+
+  const MigrationResult r = pool.migrate(b, MemoryLocation::host);
+  EXPECT_EQ(r.bytes_moved, 0u);
+  EXPECT_EQ(r.bytes_left, 4 * g);
+  const VmmStats s = pool.stats();
+  EXPECT_EQ(s.spare_host_bytes, g) << "a spare given up for a chunk it could not make room for";
+  EXPECT_EQ(s.pinned_bytes, 3 * g);
+  EXPECT_EQ(s.pinned_budget_refusals, 1u);
+  EXPECT_EQ(pool.migrate(a, MemoryLocation::host).bytes_moved, g) << "the spare serves a";
+  EXPECT_TRUE(holds_expected(b));
+  pool.deallocate(a);
+  pool.deallocate(b);
+  pool.deallocate(c);
 }
 
 std::string param_name(
