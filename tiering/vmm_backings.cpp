@@ -77,21 +77,11 @@ void VmmPool::release_backing(PhysicalHandle physical, std::size_t bytes, Memory
 // counts (pinned_budget_refusals) when this retry is refused too: the chunk then stays.
 VmmPool::NewBacking VmmPool::retry_refused_host_backing_locked(std::size_t bytes) {
   const std::size_t budget = pinned_budget_now();
-  const std::size_t charged = options_.pinned_budget_bytes == VmmPoolOptions::kProcessPinnedBudget
-                                  ? process_pinned_bytes()
-                                  : pinned_charged_.load();
+  const std::size_t charged = pinned_bytes_against_budget();
   const std::size_t room = charged < budget ? budget - charged : 0;
   if (room < bytes && room + spare_bytes_ >= bytes) {
     std::size_t released = 0;
-    while (room + released < bytes && !spares_.empty()) {
-      auto largest = std::prev(spares_.end());
-      const auto [spare_bytes, h] = *largest;
-      spares_.erase(largest);
-      spare_bytes_ -= spare_bytes;
-      const std::size_t deferred = deferred_releases_.size();
-      release_or_defer_locked(h, spare_bytes, MemoryLocation::host);
-      if (deferred_releases_.size() == deferred) released += spare_bytes;  // still charged
-    }
+    while (room + released < bytes && !spares_.empty()) released += release_largest_spare_locked();
   }
   NewBacking b = create_backing(bytes, MemoryLocation::host);
   if (b.pinned_budget_spent) pinned_refusals_.fetch_add(1, std::memory_order_relaxed);
@@ -102,7 +92,7 @@ VmmPool::NewBacking VmmPool::retry_refused_host_backing_locked(std::size_t bytes
 // helpers charge concurrently); the process's against the process's count, and then
 // counted in the pool's too, for its stats and for giving back.
 bool VmmPool::charge_pinned(std::size_t bytes) {
-  if (options_.pinned_budget_bytes == VmmPoolOptions::kProcessPinnedBudget) {
+  if (pinned_budget_shared()) {
     if (!charge_process_pinned(bytes, process_pinned_budget().bytes)) return false;
     pinned_charged_.fetch_add(bytes);
     return true;
@@ -117,22 +107,26 @@ bool VmmPool::charge_pinned(std::size_t bytes) {
 
 void VmmPool::uncharge_pinned(std::size_t bytes) noexcept {
   pinned_charged_.fetch_sub(bytes);
-  if (options_.pinned_budget_bytes == VmmPoolOptions::kProcessPinnedBudget) {
-    uncharge_process_pinned(bytes);
-  }
+  if (pinned_budget_shared()) uncharge_process_pinned(bytes);
+}
+
+bool VmmPool::pinned_budget_shared() const {
+  return options_.pinned_budget_bytes == VmmPoolOptions::kProcessPinnedBudget;
 }
 
 std::size_t VmmPool::pinned_budget_now() const {
-  return options_.pinned_budget_bytes == VmmPoolOptions::kProcessPinnedBudget
-             ? process_pinned_budget().bytes
-             : options_.pinned_budget_bytes;
+  return pinned_budget_shared() ? process_pinned_budget().bytes : options_.pinned_budget_bytes;
+}
+
+std::size_t VmmPool::pinned_bytes_against_budget() const {
+  return pinned_budget_shared() ? process_pinned_bytes() : pinned_charged_.load();
 }
 
 void VmmPool::warn_pinned_budget_spent_locked(std::size_t bytes) {
   if (!warn_once_due(warned_pinned_budget_)) return;
-  const bool shared = options_.pinned_budget_bytes == VmmPoolOptions::kProcessPinnedBudget;
+  const bool shared = pinned_budget_shared();
   const std::string budget = format_bytes(pinned_budget_now());
-  const std::string pinned = format_bytes(shared ? process_pinned_bytes() : pinned_charged_.load());
+  const std::string pinned = format_bytes(pinned_bytes_against_budget());
   std::fprintf(stderr,
                "tidepool: vmm pool: the pinned host budget (%s, %s; %s pinned by %s now) has no "
                "room for a %s chunk of pointer-stable state, which is kept in device memory "
@@ -160,15 +154,19 @@ std::size_t VmmPool::spare_limit_locked() const {
                   static_cast<std::size_t>(stats_.device_backed_bytes));
 }
 
+std::size_t VmmPool::release_largest_spare_locked() {
+  auto largest = std::prev(spares_.end());
+  const auto [bytes, h] = *largest;
+  spares_.erase(largest);
+  spare_bytes_ -= bytes;
+  const std::size_t deferred = deferred_releases_.size();
+  release_or_defer_locked(h, bytes, MemoryLocation::host);
+  return deferred_releases_.size() == deferred ? bytes : 0;  // a deferred one stays charged
+}
+
 void VmmPool::trim_spares_locked() {
   const std::size_t limit = spare_limit_locked();
-  while (spare_bytes_ > limit && !spares_.empty()) {
-    auto largest = std::prev(spares_.end());
-    const auto [bytes, h] = *largest;
-    spares_.erase(largest);
-    spare_bytes_ -= bytes;
-    release_or_defer_locked(h, bytes, MemoryLocation::host);
-  }
+  while (spare_bytes_ > limit && !spares_.empty()) release_largest_spare_locked();
 }
 
 void VmmPool::release_spare_host_backings() {

@@ -753,7 +753,7 @@ VmmStats VmmPool::stats() const {
   s.budget_peer_bytes = shared_ ? shared_->others_bytes() : 0;
   s.spare_host_backings = spares_.size();
   s.spare_host_bytes = spare_bytes_;
-  s.pinned_budget_shared = options_.pinned_budget_bytes == VmmPoolOptions::kProcessPinnedBudget;
+  s.pinned_budget_shared = pinned_budget_shared();
   s.pinned_budget_bytes = pinned_budget;
   s.pinned_bytes = pinned_charged_.load();
   s.pinned_budget_refusals = pinned_refusals_.load(std::memory_order_relaxed);

@@ -383,6 +383,10 @@ class TIDEPOOL_API VmmPool {
   // the refusal (pinned_budget_refusals) if that is refused too.
   NewBacking retry_refused_host_backing_locked(std::size_t bytes);
   void uncharge_pinned(std::size_t bytes) noexcept;
+  // The budget is the process's (not one of the pool's own), and the bytes charged
+  // against it now: the process's count, or the pool's.
+  bool pinned_budget_shared() const;
+  std::size_t pinned_bytes_against_budget() const;
   std::size_t pinned_budget_now() const;
   // Said once per pool: a move to the host, or new state, found the pinned budget spent.
   void warn_pinned_budget_spent_locked(std::size_t bytes);
@@ -391,6 +395,9 @@ class TIDEPOOL_API VmmPool {
   void keep_or_release_locked(PhysicalHandle old, std::size_t bytes, MemoryLocation where);
   std::size_t spare_limit_locked() const;
   void trim_spares_locked();
+  // Pre: a spare is kept. Releases the largest; returns its bytes, or 0 when its release
+  // was deferred (it stays charged until then).
+  std::size_t release_largest_spare_locked();
   // The budget a migration towards `to` observes: the device budget, none towards the host.
   // Called without the lock.
   std::optional<std::size_t> budget_towards(MemoryLocation to) const;

@@ -71,6 +71,16 @@ class VmmPinnedBudgetTest
     backend_->stream_synchronize(stream_);
     return p;
   }
+  // A range of `granules` moved to the host and back: its host backing is kept as a
+  // spare, pinned and charged.
+  void* leave_a_spare(VmmPool& pool, std::size_t granules, std::uint64_t seed) {
+    void* p = device_state(pool, granules, seed);
+    if (p == nullptr) return nullptr;
+    EXPECT_EQ(pool.migrate(p, MemoryLocation::host).bytes_moved, granules * granule());
+    EXPECT_EQ(pool.migrate(p, MemoryLocation::device).bytes_moved, granules * granule());
+    EXPECT_EQ(pool.stats().spare_host_bytes, granules * granule());
+    return p;
+  }
   // The range at `p` holds expected_ (read through the device pointer, wherever it is).
   bool holds_expected(const void* p) {
     std::vector<unsigned char> now(expected_.size());
@@ -267,12 +277,10 @@ TEST_P(VmmPinnedBudgetTest, SparesOfOtherSizesMakeRoomForAMoveToTheHost) {
   VmmPoolOptions o = options(4 * g);
   o.chunk_granules = 4;
   VmmPool pool(backend(), o);
-  void* a = device_state(pool, 3, 41);
+  void* a = leave_a_spare(pool, 3, 41);
   void* b = device_state(pool, 4, 42);
   ASSERT_NE(a, nullptr);
   ASSERT_NE(b, nullptr);
-  EXPECT_EQ(pool.migrate(a, MemoryLocation::host).bytes_moved, 3 * g);
-  EXPECT_EQ(pool.migrate(a, MemoryLocation::device).bytes_moved, 3 * g);
   ASSERT_EQ(pool.stats().spare_host_bytes, 3 * g);
 
   const MigrationResult r = pool.migrate(b, MemoryLocation::host);
@@ -296,14 +304,12 @@ TEST_P(VmmPinnedBudgetTest, SparesAreKeptWhenTheyCannotMakeRoomEnough) {
   VmmPoolOptions o = options(4 * g);
   o.chunk_granules = 4;
   VmmPool pool(backend(), o);
-  void* a = device_state(pool, 1, 51);
+  void* a = leave_a_spare(pool, 1, 51);
   void* c = pool.allocate(2 * g, kStateTag, MemoryLocation::host);
   void* b = device_state(pool, 4, 52);
   ASSERT_NE(a, nullptr);
   ASSERT_NE(b, nullptr);
   ASSERT_NE(c, nullptr);
-  pool.migrate(a, MemoryLocation::host);
-  pool.migrate(a, MemoryLocation::device);
   ASSERT_EQ(pool.stats().spare_host_bytes, g);
 
   const MigrationResult r = pool.migrate(b, MemoryLocation::host);
