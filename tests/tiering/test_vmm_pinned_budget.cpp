@@ -52,10 +52,12 @@ class VmmPinnedBudgetTest
   Backend& backend() { return *backend_; }
   std::size_t granule() { return backend_->granularity(); }
 
-  VmmPoolOptions options(std::size_t pinned_budget = VmmPoolOptions::kProcessPinnedBudget) {
+  // Chunks of one granule unless said: a 4-granule range is 4 chunks.
+  VmmPoolOptions options(std::size_t pinned_budget = VmmPoolOptions::kProcessPinnedBudget,
+                         std::size_t chunk_granules = 1) {
     VmmPoolOptions o;
     o.device_budget_bytes = VmmPoolOptions::kNoDeviceBudget;
-    o.chunk_granules = 1;  // one granule per chunk: a 4-granule range is 4 chunks
+    o.chunk_granules = chunk_granules;
     o.creation_threads = std::get<1>(GetParam());
     o.pinned_budget_bytes = pinned_budget;
     return o;
@@ -274,9 +276,7 @@ TEST_P(VmmPinnedBudgetTest, ADeferredReleaseKeepsItsChargeUntilItIsReleased) {
 // old ones left. Chunks of 4 granules, a budget of 4: A's 3-granule spare makes way for B.
 TEST_P(VmmPinnedBudgetTest, SparesOfOtherSizesMakeRoomForAMoveToTheHost) {
   const std::size_t g = granule();
-  VmmPoolOptions o = options(4 * g);
-  o.chunk_granules = 4;
-  VmmPool pool(backend(), o);
+  VmmPool pool(backend(), options(4 * g, 4));
   void* a = leave_a_spare(pool, 3, 41);
   void* b = device_state(pool, 4, 42);
   ASSERT_NE(a, nullptr);
@@ -301,9 +301,7 @@ TEST_P(VmmPinnedBudgetTest, SparesOfOtherSizesMakeRoomForAMoveToTheHost) {
 // and a 2-granule range on the host leave 1 of room; a 4-granule chunk cannot be had.
 TEST_P(VmmPinnedBudgetTest, SparesAreKeptWhenTheyCannotMakeRoomEnough) {
   const std::size_t g = granule();
-  VmmPoolOptions o = options(4 * g);
-  o.chunk_granules = 4;
-  VmmPool pool(backend(), o);
+  VmmPool pool(backend(), options(4 * g, 4));
   void* a = leave_a_spare(pool, 1, 51);
   void* c = pool.allocate(2 * g, kStateTag, MemoryLocation::host);
   void* b = device_state(pool, 4, 52);
