@@ -314,6 +314,38 @@ bool conflicts_with_tidepool(const Config& config, bool names_tidepool_backend,
   return names_tidepool_backend;
 }
 
+// Note [expandable segments]: PyTorch's expandable_segments:True cannot stand next to
+// tidepool in two cases, both refused at start-up rather than found later. Pool mode puts
+// optimizer state in a torch.cuda.MemPool of PyTorch's own allocator, which refuses to
+// allocate in a MemPool while expandable segments are on ("torch.cuda.MemPool doesn't
+// currently support expandable_segments"): the run would fail at its first optimizer step.
+// Under the LD_PRELOAD shim, PyTorch maps expandable segments with the driver's
+// cuMemCreate and cuMemMap, which the shim does not interpose: tidepool would serve none
+// of PyTorch's memory, silently. Global mode replaces PyTorch's allocator, which then never
+// reads the key: no conflict. PyTorch reads the key from either variable.
+bool is_expandable_segments_on(std::string_view key, std::string_view value) {
+  if (key != "expandable_segments" || value.size() != 4) return false;
+  return std::equal(value.begin(), value.end(), "true", [](char a, char b) {
+    return std::tolower(static_cast<unsigned char>(a)) == b;
+  });
+}
+
+// Why `config` cannot run next to expandable_segments:True; "" when it can.
+std::string expandable_segments_conflict(const Config& config, Installer installer) {
+  if (!config.enabled) return "";
+  if (installer == Installer::preload_shim) {
+    return "PyTorch then maps its memory with the driver's cuMemCreate, which the "
+           "LD_PRELOAD shim does not see, so tidepool would serve none of it; drop "
+           "expandable_segments:True";
+  }
+  if (config.mode == Mode::pool) {
+    return "pool mode puts optimizer state in a torch.cuda.MemPool, and PyTorch does not "
+           "support MemPools with expandable segments; drop expandable_segments:True or use "
+           "tidepool.mode:global";
+  }
+  return "";
+}
+
 }  // namespace
 
 ClaimResult claim_config(std::string_view conf, std::string_view source, Installer installer) {
@@ -348,6 +380,7 @@ ClaimResult claim_config(std::string_view conf, std::string_view source, Install
     if (!is_tidepool_key) {
       // PyTorch's: verbatim. Blank entries are dropped, as the string is rewritten.
       if (!trimmed.empty()) kept.push_back(entry);
+      if (is_expandable_segments_on(key, value)) result.expandable_segments = true;
       continue;
     }
     const auto spec = std::find_if(key_specs().begin(), key_specs().end(),
@@ -379,6 +412,13 @@ ClaimResult claim_config(std::string_view conf, std::string_view source, Install
     throw ConfigError(std::string(source) + ": " +
                       std::string(tidepool_backend ? "backend:tidepool" : taken.front()) +
                       " conflicts with 'backend:" + result.other_backend + "'; name one backend");
+  }
+  if (result.expandable_segments) {
+    const std::string why = expandable_segments_conflict(result.config, installer);
+    if (!why.empty()) {
+      throw ConfigError(std::string(source) + ": tidepool conflicts with " +
+                        "'expandable_segments:True': " + why);
+    }
   }
   result.remaining = join(kept);
   result.claimed = join(taken);
@@ -449,10 +489,12 @@ Config install_from_env(Installer installer) {
   };
   std::vector<Claimed> named;
   Claimed other{nullptr, {}};  // a variable naming only another backend (Note [one backend])
+  const char* expandable = nullptr;  // a variable with expandable_segments:True
   for (const char* variable : kVariables) {
     const char* value = std::getenv(variable);
     if (value == nullptr) continue;
     ClaimResult r = claim_config(value, variable, installer);
+    if (r.expandable_segments && expandable == nullptr) expandable = variable;
     if (r.config.enabled) {
       named.push_back({variable, std::move(r)});
     } else if (!r.other_backend.empty()) {
@@ -466,6 +508,14 @@ Config install_from_env(Installer installer) {
       throw ConfigError(source + " turns tidepool on, which conflicts with 'backend:" +
                         other.result.other_backend + "' in " + other.variable +
                         "; name one backend");
+    }
+    // Note [expandable segments], across the two variables (one string: claim_config).
+    if (expandable != nullptr) {
+      const std::string why = expandable_segments_conflict(claimed.config, installer);
+      if (!why.empty()) {
+        throw ConfigError(source + " turns tidepool on, which conflicts with "
+                          "'expandable_segments:True' in " + expandable + ": " + why);
+      }
     }
   };
   if (named.size() > 1) {

@@ -99,6 +99,9 @@ struct ClaimResult {
   std::string claimed;    // tidepool's entries, trimmed, comma-joined, in order
   std::string other_backend;  // X of a backend:X entry naming another allocator; or ""
   bool names_tidepool_backend = false;  // a backend:tidepool entry was given
+  // PyTorch's expandable_segments:True is among the entries left for it (Note [expandable
+  // segments] in config.cpp).
+  bool expandable_segments = false;
 };
 
 // A configuration string tidepool cannot accept. what() names the variable (when known),
@@ -147,7 +150,8 @@ TIDEPOOL_API Config active_config();
 // configuration (enabled == false when nothing names tidepool; nothing is changed then).
 // Throws ConfigError on a bad configuration, when both PyTorch variables name
 // tidepool keys, or, for Installer::pytorch, when tidepool is turned on next to
-// PyTorch's backend:X for another allocator (Note [one backend] in config.cpp). Applying
+// PyTorch's backend:X for another allocator (Note [one backend] in config.cpp), or next to
+// an expandable_segments:True it cannot work with (Note [expandable segments]). Applying
 // the same configuration again is harmless.
 TIDEPOOL_API Config install_from_env(Installer installer = Installer::pytorch);
 

@@ -469,8 +469,10 @@ void write_options(torch::serialize::OutputArchive& archive, const ApolloOptions
   archive.write("eps", c10::IValue(o.eps()));
   archive.write("rebound", c10::IValue(std::string(to_string(o.rebound()))));
   archive.write("warmup", c10::IValue(o.warmup()));
-  archive.write("init_lr", c10::IValue(o.init_lr().value_or(o.lr() / 1000.0)));
-  archive.write("base_lr", c10::IValue(o.base_lr().value_or(o.lr())));
+  // Unset until the group's first step with an lr (Apollo::resolve_group_options): written
+  // only once fixed, so that a loaded group fixes them as the saved one would have.
+  if (o.init_lr()) archive.write("init_lr", c10::IValue(*o.init_lr()));
+  if (o.base_lr()) archive.write("base_lr", c10::IValue(*o.base_lr()));
   archive.write("weight_decay", c10::IValue(o.weight_decay()));
   archive.write("weight_decay_type",
                 c10::IValue(std::string(to_string(decay_type(o)))));
@@ -488,8 +490,9 @@ void read_options(torch::serialize::InputArchive& archive, ApolloOptions& o) {
   o.eps(read_value(archive, "eps").toDouble());
   o.rebound(read_value(archive, "rebound").toStringRef());
   o.warmup(read_value(archive, "warmup").toInt());
-  o.init_lr(read_value(archive, "init_lr").toDouble());
-  o.base_lr(read_value(archive, "base_lr").toDouble());
+  c10::IValue value;
+  if (archive.try_read("init_lr", value)) o.init_lr(value.toDouble());
+  if (archive.try_read("base_lr", value)) o.base_lr(value.toDouble());
   o.weight_decay(read_value(archive, "weight_decay").toDouble());
   o.weight_decay_type(read_value(archive, "weight_decay_type").toStringRef());
 }
@@ -526,7 +529,9 @@ void Apollo::restore_state(std::vector<ApolloOptions> options,
       TORCH_CHECK(false, "Apollo: the options of parameter group ", g, ": ",
                   e.what_without_backtrace());
     }
-    options[g].resolve_defaults();
+    // Defaults left unset stay unset: the next step fixes them by the rule the constructor
+    // and add_param_group follow (resolve_group_options), from the lr the group has then,
+    // as the optimizer that was saved would have.
   }
   size_t param_count = 0;
   for (const auto& group : param_groups_) param_count += group.params().size();

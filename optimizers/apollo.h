@@ -136,7 +136,10 @@ class TIDEPOOL_API Apollo : public torch::optim::Optimizer {
   // checked first (options valid for training, step >= 0, each tensor of its parameter's
   // shape): a refusal throws c10::Error naming the parameter and the key, and changes
   // nothing. The tensors are copied into this optimizer's placement, converted to their
-  // parameter's dtype and device. load() reads an archive into this.
+  // parameter's dtype and device. Options whose lr-dependent defaults are unset (init_lr,
+  // base_lr: a group at lr 0, or one added and not stepped yet) keep them unset; the next
+  // step fixes them from the group's lr then, as in the optimizer saved. load() reads an
+  // archive into this.
   void restore_state(std::vector<ApolloOptions> options,
                      const std::vector<std::optional<ApolloSavedParam>>& state);
 

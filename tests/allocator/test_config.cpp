@@ -354,7 +354,7 @@ TEST_F(ConfigEnv, PyTorchVariablesWinOverAnInheritedConfiguration) {
 }
 
 TEST_F(ConfigEnv, TidepoolAllocConfTakesTidepoolKeysOnly) {
-  ::setenv("TIDEPOOL_ALLOC_CONF", "tidepool.mode:pool,expandable_segments:True", 1);
+  ::setenv("TIDEPOOL_ALLOC_CONF", "tidepool.log:off,expandable_segments:True", 1);
   EXPECT_EQ(error_of([] { install_from_env(); }),
             "TIDEPOOL_ALLOC_CONF holds tidepool keys only; 'expandable_segments:True' belongs in "
             "PYTORCH_ALLOC_CONF");
@@ -415,6 +415,53 @@ TEST_F(ConfigEnv, AnotherBackendInTheOtherVariableIsAConflictAndNothingChanges) 
   const ClaimResult one = claim_config("backend:tidepool,tidepool.mode:pool,backend:native");
   EXPECT_EQ(one.config.mode, Mode::pool);
   EXPECT_EQ(one.remaining, "backend:native");
+}
+
+// Note [expandable segments]: pool mode would fail at its first optimizer step (PyTorch's
+// MemPool refuses expandable segments), and the shim would serve nothing (PyTorch maps
+// them with cuMemCreate); global mode replaces PyTorch's allocator, which ignores the key.
+TEST_F(ConfigEnv, ExpandableSegmentsConflictWithPoolModeAndTheShim) {
+  const std::string pool_why =
+      "pool mode puts optimizer state in a torch.cuda.MemPool, and PyTorch does not support "
+      "MemPools with expandable segments; drop expandable_segments:True or use "
+      "tidepool.mode:global";
+  EXPECT_EQ(error_of([] {
+              claim_config("backend:tidepool,tidepool.mode:pool,expandable_segments:True", "X");
+            }),
+            "X: tidepool conflicts with 'expandable_segments:True': " + pool_why);
+  EXPECT_NE(error_of([] { claim_config(" expandable_segments : true ,tidepool.mode:pool"); })
+                .find("expandable"),
+            std::string::npos);
+  EXPECT_EQ(error_of([] {
+              claim_config("tidepool.log:off,expandable_segments:True", "X",
+                           Installer::preload_shim);
+            }),
+            "X: tidepool conflicts with 'expandable_segments:True': PyTorch then maps its memory "
+            "with the driver's cuMemCreate, which the LD_PRELOAD shim does not see, so tidepool "
+            "would serve none of it; drop expandable_segments:True");
+  // No conflict: global mode, expandable segments off, or tidepool not named at all.
+  EXPECT_EQ(claim_config("backend:tidepool,expandable_segments:True").remaining,
+            "expandable_segments:True");
+  EXPECT_EQ(claim_config("tidepool.mode:pool,expandable_segments:False").config.mode, Mode::pool);
+  EXPECT_FALSE(claim_config("expandable_segments:True", "X", Installer::preload_shim)
+                   .config.enabled);
+
+  // Across the two variables, and nothing changes when refused.
+  ::setenv("PYTORCH_ALLOC_CONF", "expandable_segments:True", 1);
+  ::setenv("PYTORCH_CUDA_ALLOC_CONF", "backend:tidepool,tidepool.mode:pool", 1);
+  EXPECT_EQ(error_of([] { install_from_env(); }),
+            "PYTORCH_CUDA_ALLOC_CONF turns tidepool on, which conflicts with "
+            "'expandable_segments:True' in PYTORCH_ALLOC_CONF: " + pool_why);
+  EXPECT_EQ(env("PYTORCH_CUDA_ALLOC_CONF"), "backend:tidepool,tidepool.mode:pool");
+  EXPECT_EQ(env("TIDEPOOL_ALLOC_CONF"), std::nullopt);
+  // An inherited configuration is held to the same rule.
+  ::unsetenv("PYTORCH_CUDA_ALLOC_CONF");
+  ::setenv("TIDEPOOL_ALLOC_CONF", "tidepool.mode:pool", 1);
+  EXPECT_NE(error_of([] { install_from_env(); }).find("'expandable_segments:True' in "
+                                                     "PYTORCH_ALLOC_CONF"),
+            std::string::npos);
+  ::setenv("TIDEPOOL_ALLOC_CONF", "tidepool.mode:global", 1);
+  EXPECT_EQ(install_from_env().mode, Mode::global);
 }
 
 TEST_F(ConfigEnv, UnderTheShimAnotherBackendIsNoConflict) {

@@ -266,6 +266,46 @@ TEST(Apollo, ALearningRateOfZeroAfterConstructionStepsAndCheckpoints) {
   expect_error_mentions([&] { opt.step(); }, "learning rate");
 }
 
+// Review finding: a group added with lr 0 keeps init_lr and base_lr unset until it is
+// given an lr (resolve_group_options), and one added with an lr has them fixed at its first
+// step; save wrote both as concrete values (0 for the frozen group) and load fixed every
+// group's defaults, so after a checkpoint the frozen group's warmup ramped from 0 to 0 (it
+// did not move), and the other ramped to the lr it had when saved.
+TEST(Apollo, DefaultsAGroupHasNotFixedYetSurviveACheckpoint) {
+  for (const auto& [added_lr, steps_before] : {std::pair{0.0, 2}, std::pair{0.1, 0}}) {
+    SCOPED_TRACE("added with lr " + std::to_string(added_lr));
+    const auto make = [added_lr](const torch::Tensor& a, const torch::Tensor& f) {
+      auto opt = std::make_unique<Apollo>(
+          std::vector<torch::optim::OptimizerParamGroup>{torch::optim::OptimizerParamGroup({a})},
+          ApolloOptions(0.1).warmup(10));
+      opt->add_param_group(torch::optim::OptimizerParamGroup(
+          {f}, std::make_unique<ApolloOptions>(ApolloOptions(added_lr).warmup(10))));
+      return opt;
+    };
+    auto a = param(3), f = param(2);
+    auto opt = make(a, f);
+    const auto step = [](Apollo& o, const torch::Tensor& x, const torch::Tensor& y) {
+      x.mutable_grad() = torch::ones_like(x);
+      y.mutable_grad() = torch::ones_like(y);
+      o.step();
+    };
+    for (int i = 0; i < steps_before; ++i) step(*opt, a, f);
+    auto a2 = a.detach().clone().requires_grad_(), f2 = f.detach().clone().requires_grad_();
+    auto twin = make(a2, f2);
+    load_archive_bytes(*twin, archive_bytes(*opt));
+    for (Apollo* o : {opt.get(), twin.get()}) o->param_groups()[1].options().set_lr(0.05);
+    const torch::Tensor f_before = f.detach().clone();
+    step(*opt, a, f);
+    step(*twin, a2, f2);
+    EXPECT_FALSE(torch::equal(f.detach(), f_before));  // the group moves once given an lr
+    EXPECT_TRUE(torch::equal(f.detach(), f2.detach()));
+    EXPECT_TRUE(torch::equal(a.detach(), a2.detach()));
+    const auto& resumed = static_cast<const ApolloOptions&>(twin->param_groups()[1].options());
+    EXPECT_EQ(resumed.base_lr(), std::optional<double>(0.05));
+    EXPECT_EQ(resumed.init_lr(), std::optional<double>(0.05 / 1000.0));
+  }
+}
+
 TEST(Apollo, ARefusedStepChangesNoGroup) {
   // Everything a step refuses is found before the first parameter moves: here the second
   // group's options, changed through param_groups(), and a parameter converted to another

@@ -106,6 +106,10 @@ def test_unknown_key_names_the_key_and_lists_the_known_ones():
     ("tidepool.mode:pool,backend:cudaMallocAsync",
      "tidepool.mode:pool conflicts with 'backend:cudaMallocAsync'; name one backend"),
     ("a:[1,2,backend:tidepool", "unbalanced '['"),
+    # Note [expandable segments]: PyTorch's MemPool, which pool mode uses, refuses them
+    ("backend:tidepool,tidepool.mode:pool,expandable_segments:True",
+     "tidepool conflicts with 'expandable_segments:True': pool mode puts optimizer state in a "
+     "torch.cuda.MemPool"),
 ])
 def test_bad_values_name_key_value_and_what_is_allowed(conf, message):
     with pytest.raises(ConfigError) as e:

@@ -151,6 +151,24 @@ def test_a_child_asking_pytorch_for_another_backend_is_not_quietly_given_tidepoo
             "backend") in result.stderr.strip().splitlines()[-1]
 
 
+def test_pool_mode_next_to_expandable_segments_is_refused_at_start_up(run_python):
+    # Review finding: accepted, pool mode failed at the first optimizer step, where
+    # PyTorch's allocator refuses to allocate in a MemPool with expandable segments on
+    # (Note [expandable segments] in allocator/config.cpp). Split across the two variables.
+    result = run_python("import torch", check=False, PYTORCH_ALLOC_CONF="expandable_segments:True",
+                        PYTORCH_CUDA_ALLOC_CONF="backend:tidepool,tidepool.mode:pool")
+    assert result.returncode == 1
+    assert ("PYTORCH_CUDA_ALLOC_CONF turns tidepool on, which conflicts with "
+            "'expandable_segments:True' in PYTORCH_ALLOC_CONF: pool mode puts optimizer state in "
+            "a torch.cuda.MemPool") in result.stderr.strip().splitlines()[-1]
+    # Global mode replaces PyTorch's allocator, which then ignores the key.
+    result = run_python("""
+        import os, torch
+        print(os.environ["PYTORCH_ALLOC_CONF"])
+    """, PYTORCH_ALLOC_CONF="expandable_segments:True,backend:tidepool,tidepool.log:off")
+    assert result.stdout.strip() == "expandable_segments:True"
+
+
 def test_autoload_can_be_turned_off(run_python):
     result = run_python("""
         import os, sys
@@ -218,6 +236,25 @@ def test_explicit_install_next_to_another_pytorch_backend_is_refused(run_python)
         print(tidepool.install("backend:tidepool,tidepool.mode:pool,tidepool.log:off"))
     """, PYTORCH_ALLOC_CONF="backend:native")
     assert result.stdout.strip() == "inactive: no CUDA device is available"
+
+
+def test_explicit_install_of_pool_mode_next_to_expandable_segments_is_refused(run_python):
+    result = run_python("""
+        import torch, tidepool
+        try:
+            tidepool.install("backend:tidepool,tidepool.mode:pool,tidepool.log:off")
+        except tidepool.ConfigError as e:
+            print(e)
+        print(tidepool.install("backend:tidepool,tidepool.log:off"))
+    """, PYTORCH_CUDA_ALLOC_CONF="expandable_segments:true")
+    first, second = result.stdout.strip().splitlines()
+    assert first == (
+        "tidepool.install(): 'backend:tidepool,tidepool.mode:pool,tidepool.log:off' turns "
+        "tidepool on, which conflicts with 'expandable_segments:True' in "
+        "PYTORCH_CUDA_ALLOC_CONF: pool mode puts optimizer state in a torch.cuda.MemPool, and "
+        "PyTorch does not support MemPools with expandable segments; drop "
+        "expandable_segments:True or use tidepool.mode:global")
+    assert second == "inactive: no CUDA device is available"
 
 
 def test_torch_imported_before_the_hook_is_installed_at_once(run_python):

@@ -102,6 +102,14 @@ def install(conf: str | None = None) -> str:
         raise _config.ConfigError(
             f"tidepool.install(): {conf!r} turns tidepool on, which conflicts with "
             f"'backend:{other[1]}' in {other[0]}; name one backend")
+    expandable = _expandable_segments_in_environment()
+    if expandable is not None and claimed.config["mode"] == "pool":
+        # Note [expandable segments] in allocator/config.cpp, as the hook checks it.
+        raise _config.ConfigError(
+            f"tidepool.install(): {conf!r} turns tidepool on, which conflicts with "
+            f"'expandable_segments:True' in {expandable}: pool mode puts optimizer state in a "
+            "torch.cuda.MemPool, and PyTorch does not support MemPools with expandable "
+            "segments; drop expandable_segments:True or use tidepool.mode:global")
     if claimed.remaining:
         # PyTorch read its own keys from the environment already (torch is imported).
         raise _config.ConfigError(
@@ -131,6 +139,19 @@ def _other_backend_in_environment() -> tuple[str, str] | None:
             key, _, value = entry.partition(":")
             if key.strip() == "backend" and value.strip() not in ("", "tidepool"):
                 return variable, value.strip()
+    return None
+
+
+def _expandable_segments_in_environment() -> str | None:
+    """The first of PYTORCH_ALLOC_CONF and PYTORCH_CUDA_ALLOC_CONF that turns PyTorch's
+    expandable_segments on (PyTorch reads it from either); None if neither does."""
+    import os
+
+    for variable in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):
+        for entry in os.environ.get(variable, "").split(","):
+            key, _, value = entry.partition(":")
+            if key.strip() == "expandable_segments" and value.strip().lower() == "true":
+                return variable
     return None
 
 
