@@ -85,7 +85,6 @@
 #include <map>
 #include <memory>
 #include <string>
-#include <unordered_map>
 #include <utility>
 
 #include "allocator/config.h"
@@ -258,8 +257,13 @@ HostArena::Slab* take_idle_slab(std::size_t bytes, const MimallocApi* mi) noexce
 // This thread's heap for a slab's arena, created (and probed) on first use.
 // Returns nullptr after throwing is impossible; throws HostArenaError on a failed probe.
 mi_heap_t* thread_heap(const HostArena::Slab& slab) {
-  thread_local std::unordered_map<mi_arena_id_t, mi_heap_t*> heaps;
-  auto it = heaps.find(slab.arena_id);
+  // Keyed by the mimalloc library too: arena ids are numbered by each loaded copy of it
+  // (HostArenaOptions::mimalloc_library), so two libraries' first arenas share an id, and
+  // one library's heap handed to the other would corrupt both.
+  using HeapKey = std::pair<const MimallocApi*, mi_arena_id_t>;
+  thread_local std::map<HeapKey, mi_heap_t*> heaps;
+  const HeapKey key{slab.mi, slab.arena_id};
+  auto it = heaps.find(key);
   if (it != heaps.end()) return it->second;
   const MimallocApi& mi = *slab.mi;
   mi_heap_t* heap = mi.heap_new_in_arena(slab.arena_id);
@@ -283,7 +287,7 @@ mi_heap_t* thread_heap(const HostArena::Slab& slab) {
     throw HostArenaError("host arena: mimalloc allocated outside the exclusive arena");
   }
   if (probe != nullptr) mi.free(probe);
-  heaps.emplace(slab.arena_id, heap);
+  heaps.emplace(key, heap);
   return heap;
 }
 

@@ -216,10 +216,11 @@ class TIDEPOOL_API PrefetchPolicy {
   // same place less the in-order acquires since. Anything else that changes the
   // look-ahead (a step begun or ended, an acquire off the shape, a handle forgotten, a
   // schedule adopted or retired) starts the next walk at the front, and so does, in the
-  // store, any eviction since the mark (a handle it passed may be gone). What a mark
-  // skips is exactly what the walk would find loaded, so prefetching does what it did;
-  // a walk that stops (back-pressure) marks the handle it stopped at, which the next one
-  // tries first, as before.
+  // store, any device copy dropped since the mark (an eviction, or the discard of a
+  // destroy or a write: a handle it passed may be gone). What a mark skips is exactly
+  // what the walk would find loaded, so prefetching does what it did; a walk that stops
+  // (back-pressure) marks the handle it stopped at, which the next one tries first, as
+  // before.
   struct LookAheadMark {
     std::uint64_t version = ~std::uint64_t{0};  // none: nothing is covered
     std::uint64_t advances = 0;

@@ -356,7 +356,8 @@ void TieredStore::evict_locked(Entry& e, bool discard) {
   // The D2H stream must pass every use of the buffer and its own load.
   for (Stream s : e.use_streams) order_after_use_locked(d2h, s);
   backend_.stream_wait_event(d2h, e.dev_ready);
-  if (e.dev_dirty && !discard) {
+  const bool copy_back = e.dev_dirty && !discard;
+  if (copy_back) {
     try {
       copies_.transfer(e.host.ptr, e.dev, e.bytes, Direction::device_to_host, e.host_ready);
     } catch (const BackendError& err) {
@@ -364,8 +365,6 @@ void TieredStore::evict_locked(Entry& e, bool discard) {
       throw TieringError(std::string("tiered store: copy back to the host failed (the device "
                                      "copy is kept): ") + err.what());
     }
-  } else {
-    stats_.evictions_clean++;
   }
   // The list's room first, so that the push_back cannot lose the event taken (every
   // event goes back to the pool, store_events.cpp). A failed record leaves the handle
@@ -379,16 +378,19 @@ void TieredStore::evict_locked(Entry& e, bool discard) {
   e.host_valid = true;
   e.uncounted_load = Entry::LoadBy::none;
   e.use_streams.clear();
-  stats_.evictions++;
+  device_copies_dropped_++;
+  if (!discard) {  // counted once enqueued: a failed eviction left the handle resident
+    stats_.evictions++;
+    if (!copy_back) stats_.evictions_clean++;
+  }
 }
 
 void TieredStore::prefetch_ahead_locked() {
   if (!policy_.replaying()) return;
   // Note [Prefetch frontier]: the acquires the last walk passed, and that are still
   // ahead, have their handles on the device unless something was evicted since.
-  const std::uint64_t evictions = stats_.evictions;
-  const std::size_t from =
-      evictions == evictions_at_mark_ ? policy_.still_covered(prefetch_mark_) : 0;
+  const std::uint64_t drops = device_copies_dropped_;
+  const std::size_t from = drops == drops_at_mark_ ? policy_.still_covered(prefetch_mark_) : 0;
   prefetch_mark_ = {};  // a walk that throws leaves no mark
   const std::size_t covered =
       policy_.visit_upcoming(from, options_.prefetch_lookahead, [&](PrefetchPolicy::HandleId id) {
@@ -402,7 +404,7 @@ void TieredStore::prefetch_ahead_locked() {
         return true;
       });
   prefetch_mark_ = policy_.mark(covered);
-  evictions_at_mark_ = evictions;
+  drops_at_mark_ = drops;
 }
 
 // ---- the public operations -------------------------------------------------------------------

@@ -159,8 +159,10 @@ struct TieredStoreStats {
   std::uint64_t misses = 0;          // acquire had to start the copy itself
   std::uint64_t loads_skipped = 0;   // acquire_to_overwrite found it on the host: no copy
   std::uint64_t prefetch_skipped = 0;  // back-pressure: no room without harming sooner uses
+  // Device copies dropped to make room or on request; a destroy or a write, which throws
+  // the device copy's contents away, is not an eviction.
   std::uint64_t evictions = 0;
-  std::uint64_t evictions_clean = 0;  // dropped without a copy back
+  std::uint64_t evictions_clean = 0;  // of those, dropped without a copy back
   std::uint64_t reclaim_calls = 0;
   std::uint64_t reclaimed_bytes = 0;
   std::uint64_t reclaim_failures = 0;  // reclaims an eviction or a wait failed in
@@ -467,10 +469,13 @@ class TIDEPOOL_API TieredStore {
   CopyEngine copies_;
   PrefetchPolicy policy_;
   // Note [Prefetch frontier] in prefetch_policy.h: where the last prefetch walk got to,
-  // and stats_.evictions (every device copy evict_locked dropped) when it started (one
-  // since: a walk from the front). Under mutex_.
+  // and device_copies_dropped_ when it started (one since: a walk from the front). Under
+  // mutex_.
   PrefetchPolicy::LookAheadMark prefetch_mark_;
-  std::uint64_t evictions_at_mark_ = 0;
+  std::uint64_t drops_at_mark_ = 0;
+  // Every device copy evict_locked dropped: evictions, and the discards of destroy and
+  // write (which stats_.evictions does not count). Under mutex_.
+  std::uint64_t device_copies_dropped_ = 0;
 
   mutable std::mutex mutex_;
   std::unordered_map<Handle, std::unique_ptr<Entry>> entries_;

@@ -11,6 +11,7 @@
 #include <cmath>
 #include <limits>
 #include <optional>
+#include <sstream>
 #include <stdexcept>
 #include <string>
 
@@ -66,6 +67,18 @@ void GramAccumulator::set_column(int64_t slot, const at::Tensor& column) {
   check_slot(slot, "set_column");
   if (!column.defined() || column.dim() != 1 || column.size(0) == 0) {
     fail("set_column: the column must be a non-empty 1-D tensor");
+  }
+  // Refused here, before the dot products: a sparse column has no strided data to read,
+  // and a meta one no data at all (either threw c10::Error from deep inside).
+  if (column.layout() != at::kStrided) {
+    std::ostringstream layout;
+    layout << column.layout();
+    fail("set_column: the column is a " + layout.str() +
+         " tensor; columns must be dense (strided): convert it with to_dense()");
+  }
+  if (!column.is_cpu() && !column.is_cuda()) {
+    fail("set_column: the column is on " + column.device().str() +
+         "; columns must be on the CPU or a CUDA device");
   }
   if (column.scalar_type() != at::kFloat && column.scalar_type() != at::kDouble) {
     fail("set_column: unsupported dtype " + std::string(c10::toString(column.scalar_type())) +

@@ -188,6 +188,12 @@ TEST(GramAccumulator, BadInputIsRejectedAndLeavesStateUnchanged) {
   expect_invalid([&] { accumulator.set_column(1, at::randn({10, 10}, at::kDouble)); }, "1-D");
   expect_invalid([&] { accumulator.set_column(1, at::ones({100}, at::kInt)); },
                  "unsupported dtype");
+  // Review finding: these threw c10::Error from inside the dot products.
+  expect_invalid([&] { accumulator.set_column(1, at::randn({100}, at::kDouble).to_sparse()); },
+                 "Sparse tensor");
+  const auto meta = at::empty({100}, at::TensorOptions(at::kDouble).device(at::kMeta));
+  expect_invalid([&] { accumulator.set_column(1, meta); },
+                 "columns must be on the CPU or a CUDA device");
   auto with_nan = at::randn({100}, at::kDouble);
   with_nan[5] = std::numeric_limits<double>::quiet_NaN();
   expect_invalid([&] { accumulator.set_column(1, with_nan); }, "NaN or Inf");

@@ -449,6 +449,38 @@ TEST_P(EventLeaksTest, AFailedRecordInAnEvictionLeaksNoEvent) {
   EXPECT_GE(records, 4) << "fewer records than an eviction makes: nothing was tested";
 }
 
+// Review finding: a clean eviction was counted before the record that can still fail, so
+// a failed evict (the handle stays resident) counted one; and a destroy or a write, which
+// throw the device copy's contents away, counted as (clean) evictions.
+TEST_P(StoreErrorsTest, OnlyAnEvictionThatHappenedCountsAsOne) {
+  TieredStore& store = make_store();
+  const auto probe = create_written(30);
+  ASSERT_TRUE(acquires(probe, 30));
+  const long before = failing_->calls_to("record_event");
+  store.evict(probe);
+  const long records = failing_->calls_to("record_event") - before;
+  ASSERT_GE(records, 1);
+  ASSERT_EQ(store.stats().evictions, 1u);
+  ASSERT_EQ(store.stats().evictions_clean, 1u);
+
+  const auto clean = create_written(31);
+  ASSERT_TRUE(acquires(clean, 31));
+  failing_->fail_calls_to("record_event", 1, static_cast<int>(records - 1));  // the last
+  expect_tiering_error([&] { store.evict(clean); }, "evict", "record_event");
+  failing_->fail_calls_to("record_event", 0);
+  EXPECT_TRUE(store.resident(clean));
+  EXPECT_EQ(store.stats().evictions, 1u);
+  EXPECT_EQ(store.stats().evictions_clean, 1u);
+
+  const auto dirty = create_dirty(32);
+  store.write(clean, random_bytes(kBytes, 33).data());  // resident: its device copy dropped
+  store.destroy(dirty);
+  EXPECT_EQ(store.stats().evictions, 1u);
+  EXPECT_EQ(store.stats().evictions_clean, 1u);
+  EXPECT_TRUE(holds(clean, 33));
+  EXPECT_TRUE(acquires(clean, 33));
+}
+
 // release makes no backend call; its errors are the store's own checks, TieringError.
 TEST_P(StoreErrorsTest, ReleaseErrorsAreTieringErrors) {
   TieredStore& store = make_store();
