@@ -299,9 +299,10 @@ def test_region_routes_every_device_it_names_to_the_pool(fake_cuda):
                                                                    ("enter_pool", 0)]
     assert fake_cuda[-2:] == [("exit_pool", 0), ("exit_pool", 1)]
     # Note [a MemPool per device]: each device's pool was made with that device current.
-    assert {d: [p.device for p in pools] for d, pools in _install.STATE.pools.items()} == {
-        1: [1], 0: [0]}
-    assert _install.pool(1) is _install.STATE.pools[1][0]
+    state = _tags.OPTIMIZER_STATE  # Note [a MemPool per tag]: pools keyed by (device, tag)
+    assert {key: [p.device for p in pools] for key, pools in _install.STATE.pools.items()} == {
+        (1, state): [1], (0, state): [0]}
+    assert _install.pool(1) is _install.STATE.pools[(1, state)][0]
     with tidepool.region("optimizer_state", device=2):
         assert fake_cuda[-1] == ("enter_pool", 2)
     with tidepool.region("optimizer_state", device=torch.device("cuda")):  # the current one

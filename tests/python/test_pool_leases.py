@@ -194,3 +194,37 @@ def test_a_failure_while_a_step_opens_its_scope_leaves_nothing_taken(
     assert fake_tiering[-2:] == [("evict", 0, EVICT[2], EVICT[3]), ("evict", 1, EVICT[2], EVICT[3])]
     a.step()  # and the failed step's optimizer steps again
     assert _install.STATE.pool_leases == {}
+
+
+def test_optimizer_state_and_a_region_get_pools_of_their_own(fake_cuda, fake_tiering,
+                                                              monkeypatch):
+    # Review finding (Note [a MemPool per tag] in _install.py): a region and the state
+    # steps shared one MemPool, whose freed blocks PyTorch hands to the pool's next
+    # allocations whatever their tag: state could land in a region's freed blocks (never
+    # evicted) and a region's tensors in freed state blocks (moved to the host each step).
+    install(mode="pool", state_budget="1GiB")
+    entered = []
+    fake_use_mem_pool = torch.cuda.use_mem_pool
+
+    def recording(pool, device=None):
+        entered.append(pool)
+        return fake_use_mem_pool(pool, device)
+
+    monkeypatch.setattr(torch.cuda, "use_mem_pool", recording)
+    with tidepool.region("kv_cache") as kv:
+        pass
+    p = torch.nn.Parameter(torch.ones(4))
+    optimizer = torch.optim.SGD([p], lr=0.1, momentum=0.9)
+    p.grad = torch.ones(4)
+    optimizer.step()  # makes state: enters a pool
+    with tidepool.region("kv_cache"):
+        pass
+    with tidepool.region("optimizer_state"):  # the state's own pool, by name
+        pass
+    assert len(entered) == 4
+    region_pool, state_pool = entered[0], entered[1]
+    assert region_pool is not state_pool
+    assert entered[2] is region_pool and entered[3] is state_pool
+    assert _install.pool(0) is state_pool
+    assert _install.pool(0, kv) is region_pool
+    assert pools_made(fake_cuda) == 2

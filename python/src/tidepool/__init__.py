@@ -237,9 +237,10 @@ def _region_devices(device) -> list:
 @contextlib.contextmanager
 def region(tag: str | int = "user", device=None):
     """Allocations made by this thread inside the block carry `tag` (for stats and for
-    evict/prefetch). In pool mode they are also served from a tidepool MemPool (one that
-    no other thread uses on the device meanwhile: Note [one MemPool per thread and device
-    at a time] in _install.py): on the current device, or on each device `device` names
+    evict/prefetch). In pool mode they are also served from a tidepool MemPool of the
+    tag's own (Note [a MemPool per tag] in _install.py), one that no other thread uses on
+    the device meanwhile (Note [one MemPool per thread and device at a time]): on the
+    current device, or on each device `device` names
     (an index, a torch.device, "cuda:i", or a list of them, for a process that allocates on several
     GPUs inside the block). In global mode every device's allocations are tidepool's
     anyway, and `device` only has to be valid."""
@@ -249,7 +250,7 @@ def region(tag: str | int = "user", device=None):
     with contextlib.ExitStack() as stack:
         if _install.pool_mode():
             for d in devices:
-                stack.enter_context(_install.pool_lease(d))
+                stack.enter_context(_install.pool_lease(d, tag_id))
         _tags.push(tag_id)
         try:
             yield tag_id

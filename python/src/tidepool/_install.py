@@ -27,7 +27,7 @@ import os
 import threading
 import warnings
 
-from . import _lib
+from . import _lib, _tags
 
 
 class TidepoolInactiveWarning(RuntimeWarning):
@@ -43,11 +43,12 @@ class _State:
         self.torch = None
         self.allocator = None  # the CUDAPluggableAllocator (pool mode; global-mode fallback)
         self.cuda_allocator = None  # global mode: what c10's CUDA allocator is
-        # Pool mode (Note [one MemPool per thread and device at a time]): device -> every
-        # MemPool made for it (a MemPool serves with tidepool only on the device that was
-        # current when it was made: Note [a MemPool per device]), and device -> {thread
-        # ident: [index into that device's pools, depth, the use_mem_pool context entered]}.
-        self.pools: dict[int, list] = {}
+        # Pool mode (Note [one MemPool per thread and device at a time]): (device, tag) ->
+        # every MemPool made for allocations under that tag there (a MemPool serves with
+        # tidepool only on the device that was current when it was made: Note [a MemPool
+        # per device]; Note [a MemPool per tag]), and device -> {thread ident: [(tag, index
+        # into that pool list), depth, the use_mem_pool context entered]}.
+        self.pools: dict[tuple[int, int], list] = {}
         self.pool_leases: dict[int, dict[int, list]] = {}
         self.optimizer_hooks = None  # two step-hook handles and the load_state_dict Patches
         self.record_stream = None  # global mode: the handle of the record_stream wrapper
@@ -181,21 +182,31 @@ def pool_mode() -> bool:
     return STATE.active and STATE.config["mode"] == "pool"
 
 
-def pool(device: int | None = None):
-    """The first tidepool MemPool of `device` (None: the current device) in pool mode
-    (created on first use), else None. Route allocations with pool_lease(), which may take
-    another one."""
+def pool(device: int | None = None, tag: int | None = None):
+    """The first tidepool MemPool of `device` (None: the current device) for allocations
+    under `tag` (None: optimizer_state) in pool mode (created on first use), else None.
+    Route allocations with pool_lease(), which may take another one."""
     if not STATE.active or STATE.config["mode"] != "pool":
         return None
     if device is None:
         device = STATE.torch.cuda.current_device()
     with STATE.lock:
-        return _pool_locked(device, 0)
+        return _pool_locked(device, _tags.OPTIMIZER_STATE if tag is None else tag, 0)
 
 
-def _pool_locked(device: int, index: int):
-    """STATE.pools[device][index], made (with those before it) if it does not exist yet.
-    Pre: STATE.lock held, pool mode.
+def _pool_locked(device: int, tag: int, index: int):
+    """STATE.pools[(device, tag)][index], made (with those before it) if it does not exist
+    yet. Pre: STATE.lock held, pool mode.
+
+    Note [a MemPool per tag]: PyTorch's caching allocator keeps a MemPool's freed blocks
+    and hands them to the pool's next allocations, whatever tag tidepool had when it made
+    their segment. With one pool for every scope, optimizer state made after a region's
+    blocks were freed (with tidepool.region("kv_cache"): ...) could land in them: not in a
+    pointer-stable range, so never evicted; and a region's tensors could land in freed
+    state blocks, moved to the host after every step. So allocations under each tag get
+    pools of their own. A scope inside another on the same thread keeps the outer one's
+    pool (Note [one MemPool per thread and device at a time]): PyTorch routes a thread
+    to the first pool it entered.
 
     Note [a MemPool per device]: torch.cuda.MemPool(allocator) hands the allocator to
     c10's caching allocator of the device current when it is made, and only there
@@ -203,7 +214,7 @@ def _pool_locked(device: int, index: int):
     it on another device with use_mem_pool makes a pool of that device's with no
     allocator, served by cudaMalloc, not tidepool. So each device gets pools of its own,
     made with that device current."""
-    pools = STATE.pools.setdefault(device, [])
+    pools = STATE.pools.setdefault((device, tag), [])
     while len(pools) <= index:
         with STATE.torch.cuda.device(device):
             pools.append(STATE.torch.cuda.MemPool(STATE.allocator.allocator()))
@@ -223,10 +234,11 @@ def exit_all(contexts: list) -> None:
         raise error
 
 
-def pool_lease(device: int | None) -> "_PoolLease":
+def pool_lease(device: int | None, tag: int) -> "_PoolLease":
     """A context manager routing this thread's allocations on `device` to a tidepool
-    MemPool (Note [one MemPool per thread and device at a time], _PoolLease)."""
-    return _PoolLease(device)
+    MemPool for allocations under `tag` (Note [one MemPool per thread and device at a
+    time], _PoolLease; Note [a MemPool per tag])."""
+    return _PoolLease(device, tag)
 
 
 class _PoolLease:
@@ -237,16 +249,18 @@ class _PoolLease:
     two threads in tidepool scopes on one device at once (two models stepped in two
     threads, a tidepool.region() in each) cannot share tidepool's pool. Inside this
     context the calling thread's allocations on `device` (an index; None: the current
-    device) go to a tidepool MemPool that no other thread routes that device's
-    allocations to: the first such pool, or a new one when all are taken. A thread that
+    device) go to a tidepool MemPool of the tag's (Note [a MemPool per tag]) that no other
+    thread routes that device's allocations to: the first such pool, or a new one when all
+    are taken. A thread that
     already routes `device` to a pool (a region inside an optimizer step) keeps it and
     enters nothing. The pools live as long as the process, like the first one: their
     blocks may outlive any scope; so a process gets as many pools as it has threads in
     scopes on one device at once, and each caches the segments its blocks came from.
     An exception on the way in leaves nothing taken."""
 
-    def __init__(self, device: int | None):
+    def __init__(self, device: int | None, tag: int):
         self.device = device
+        self.tag = tag
         self._key = None
 
     def __enter__(self):
@@ -260,11 +274,11 @@ class _PoolLease:
                 lease[1] += 1
                 self._key = key
                 return self
-            taken = {lease[0] for lease in by_thread.values()}
-            made = len(STATE.pools.get(key, ()))
+            taken = {lease[0][1] for lease in by_thread.values() if lease[0][0] == self.tag}
+            made = len(STATE.pools.get((key, self.tag), ()))
             index = next(i for i in range(made + 1) if i not in taken)
-            mempool = _pool_locked(key, index)
-            lease = by_thread[me] = [index, 1, None]
+            mempool = _pool_locked(key, self.tag, index)
+            lease = by_thread[me] = [(self.tag, index), 1, None]
         try:
             context = torch.cuda.use_mem_pool(mempool, self.device)
             context.__enter__()

@@ -131,7 +131,7 @@ def _open_scope(own: list[int], tag: int, stepping=None, optimizers: list | None
     try:
         if _install.pool_mode() and tag == _tags.OPTIMIZER_STATE:
             for d in pooled:  # Note [one MemPool per thread and device at a time] in _install.py
-                context = _install.pool_lease(d)
+                context = _install.pool_lease(d, tag)
                 context.__enter__()
                 contexts.append(context)
         _tags.push(tag)
