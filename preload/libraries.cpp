@@ -407,9 +407,8 @@ void initialise() {
   s.serving.store(true, std::memory_order_release);
 }
 
-bool environment_names_tidepool() {
-  const char* inherited = std::getenv("TIDEPOOL_ALLOC_CONF");
-  if (inherited != nullptr && *inherited != '\0') return true;
+// Whether PyTorch's variables name tidepool (tidepool keys PyTorch would reject).
+bool pytorch_variables_name_tidepool() {
   for (const char* name : {"PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"}) {
     const char* value = std::getenv(name);
     if (value != nullptr && std::strstr(value, "tidepool") != nullptr) return true;
@@ -417,13 +416,18 @@ bool environment_names_tidepool() {
   return false;
 }
 
-// Before main when the variables name tidepool: PyTorch must find them rewritten.
+// Before main when PyTorch's variables name tidepool: PyTorch must find them rewritten.
 // Otherwise nothing is loaded until the first allocation (or free of a non-NULL pointer),
 // so the many processes that inherit LD_PRELOAD and never touch CUDA (shells, compilers)
-// pay nothing.
+// pay nothing. That includes every child of a process the shim serves: they inherit the
+// claimed keys in TIDEPOOL_ALLOC_CONF only (Note [inherited configuration] in
+// allocator/config.cpp), which need no rewriting, and the set-up at a child's first
+// allocation applies them. (Set up here for them too, each shell and compiler a
+// torch.compile run starts loaded libcudart and libtidepool, and said so under
+// tidepool.log:info.)
 __attribute__((constructor)) void preload_start() {
   register_fork_handlers();  // Note [Forked child under the shim]: before any set-up
-  if (environment_names_tidepool()) ready();
+  if (pytorch_variables_name_tidepool()) ready();
 }
 
 // Note [Forked child under the shim]: set while this thread holds Shim::setup_mutex, so

@@ -711,4 +711,14 @@ TIDEPOOL_PRELOAD_EXPORT int tidepool_preload_state() {
   return s.ready ? 1 : 0;
 }
 
+// For the same hook and tidepool.install() when PyTorch's variables name tidepool only
+// after the process started (set at run time, before CUDA starts): the shim sets up now,
+// claiming the keys before PyTorch reads them (it would reject them), not at the first
+// cudaMalloc. What the first cudaMalloc would do: a configuration it cannot apply ends the
+// process, as there (the hook checks the keys first). Returns tidepool_preload_state().
+TIDEPOOL_PRELOAD_EXPORT int tidepool_preload_set_up() {
+  (void)ready();
+  return tidepool_preload_state();
+}
+
 }  // extern "C"

@@ -5,12 +5,14 @@ otherwise. Routing, forwarding and error codes are checked against a stand-in li
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
 
-from preload_fake import (DESTROY_PRELUDE, FAKE_CUDART, HOST_STREAMS, PRELOAD, STREAMS_PRELUDE,
-                          needs_fake, needs_host_streams, needs_preload, run_with_fake)
+from preload_fake import (DESTROY_PRELUDE, FAKE_CUDART, HOST_STREAMS, PRELOAD, PRELUDE,
+                          STREAMS_PRELUDE, needs_fake, needs_host_streams, needs_preload,
+                          run_with_fake)
 
 pytestmark = needs_preload
 
@@ -25,12 +27,12 @@ print(tidepool.status())
 
 def test_keys_are_claimed_before_the_program_starts(run_python):
     result = run_python(SHOW_ENV, preload=PRELOAD,
-                        PYTORCH_CUDA_ALLOC_CONF="backend:tidepool,expandable_segments:True,"
+                        PYTORCH_CUDA_ALLOC_CONF="backend:tidepool,max_split_size_mb:64,"
                                                 "tidepool.log:info")
     # Rewritten before Python started; the Python hook stands aside (no import finder):
     # PyTorch keeps its allocator, whose cudaMalloc calls the shim serves.
     lines = result.stdout.strip().splitlines()
-    assert lines[0].split() == ["'expandable_segments:True'", "False"]
+    assert lines[0].split() == ["'max_split_size_mb:64'", "False"]
     assert lines[1] == "active: through the LD_PRELOAD shim (libtidepool_preload.so)"
     assert result.stderr.startswith('tidepool preload: active: {"enabled":true,"mode":"global",')
 
@@ -55,6 +57,88 @@ def test_another_pytorch_backend_next_to_tidepool_keys_is_fine_under_the_shim(ru
     assert lines[0].split() == [f"'backend:{backend}'", "False"]
     assert lines[1] == "active: through the LD_PRELOAD shim (libtidepool_preload.so)"
     assert result.stderr.startswith('tidepool preload: active: {"enabled":true,"mode":"global",')
+
+
+def test_expandable_segments_under_the_shim_stop_the_program(run_python):
+    # Note [expandable segments] in allocator/config.cpp: PyTorch maps them with
+    # cuMemCreate, which the shim does not see; tidepool would serve nothing, silently.
+    result = run_python("print('should not run')", check=False, preload=PRELOAD,
+                        PYTORCH_ALLOC_CONF="expandable_segments:True",
+                        PYTORCH_CUDA_ALLOC_CONF="tidepool.log:info")
+    assert result.returncode == 2
+    assert result.stdout == ""
+    assert ("conflicts with 'expandable_segments:True' in PYTORCH_ALLOC_CONF: PyTorch then "
+            "maps its memory with the driver's cuMemCreate") in result.stderr
+
+
+CHILD_MAPS = """
+import subprocess, sys
+child = subprocess.run([sys.executable, "-c", "import os; "
+    "maps = open('/proc/self/maps').read(); "
+    "print('libtidepool.so' in maps, 'libtidepool_preload' in maps, "
+    "os.environ.get('TIDEPOOL_ALLOC_CONF'))"], capture_output=True, text=True)
+print(child.stdout.strip())
+print("CHILD STDERR", repr(child.stderr))
+"""
+
+
+def test_a_child_that_never_allocates_loads_nothing(run_python):
+    # Review finding: every child that inherits LD_PRELOAD (a shell, the compilers a
+    # torch.compile run starts) set the shim up before main, loading libcudart and
+    # libtidepool and, under tidepool.log:info, saying so, because the inherited
+    # TIDEPOOL_ALLOC_CONF named tidepool. Only PyTorch's variables need claiming before main.
+    result = run_python(CHILD_MAPS, preload=PRELOAD,
+                        PYTORCH_CUDA_ALLOC_CONF="backend:tidepool,tidepool.log:info")
+    lines = result.stdout.strip().splitlines()
+    assert lines[0].split() == ["False", "True", "backend:tidepool,tidepool.log:info"]
+    assert lines[1] == "CHILD STDERR ''"
+    assert result.stderr.count("tidepool preload: active:") == 1  # the parent's
+
+
+CHILD_ALLOCATES = """
+import subprocess, sys
+code = PRELUDE + (
+    "r = c_void_p()\\n"
+    "out['malloc'] = process.cudaMalloc(byref(r), 1 << 20)\\n"
+    "import tidepool\\n"
+    "out['budget'] = tidepool.config()['state_budget']\\n"
+    "out['served'] = tidepool.snapshot(0)['segments'] != []\\n"
+    "print(json.dumps(out))\\n")
+child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+print(child.stdout.strip().splitlines()[-1] if child.stdout.strip() else child.stderr)
+"""
+
+
+@needs_fake
+def test_a_child_that_allocates_applies_the_inherited_configuration(run_python):
+    # The other half: set up at its first cudaMalloc, the child serves it with the parent's
+    # keys (here its state budget).
+    code = "PRELUDE = " + repr(PRELUDE) + "\n" + CHILD_ALLOCATES
+    result = run_python(code, preload=PRELOAD, FAKE_CUDART_PATH=FAKE_CUDART,
+                        TIDEPOOL_CUDART=FAKE_CUDART,
+                        PYTORCH_CUDA_ALLOC_CONF="tidepool.state_budget:3GiB,tidepool.log:off")
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    assert out == {"malloc": 0, "budget": {"kind": "bytes", "bytes": 3 << 30}, "served": True}
+
+
+@needs_fake
+def test_keys_set_at_run_time_are_claimed_by_the_shim_before_pytorch_reads_them(run_python):
+    # Review finding: with nothing named at start-up the shim waits for the first
+    # cudaMalloc, and tidepool.install() took that for "the shim serves tidepool": the keys
+    # set since stayed in the variable, where PyTorch rejects them.
+    result = run_python("""
+        import os, json, ctypes
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = (
+            "backend:tidepool,tidepool.log:off,max_split_size_mb:64")
+        import torch, tidepool
+        state = ctypes.CDLL(None).tidepool_preload_state
+        before = state()
+        print(json.dumps([before, tidepool.install(), state(),
+                          os.environ.get("PYTORCH_CUDA_ALLOC_CONF"), tidepool.config()["log"]]))
+    """, preload=PRELOAD, FAKE_CUDART_PATH=FAKE_CUDART, TIDEPOOL_CUDART=FAKE_CUDART)
+    assert json.loads(result.stdout.strip().splitlines()[-1]) == [
+        -1, "active: through the LD_PRELOAD shim (libtidepool_preload.so)", 1,
+        "max_split_size_mb:64", "off"]
 
 
 def test_without_tidepool_keys_the_environment_is_untouched(run_python):
@@ -198,10 +282,10 @@ def test_a_shim_that_turned_itself_off_leaves_the_keys_to_the_python_hook(run_py
     # keys reached PyTorch, which rejects them, and status() said tidepool was active.
     result = run_python(SHOW_ENV, preload=PRELOAD, FAKE_CUDART_PATH=FAKE_CUDART,
                         TIDEPOOL_CUDART=FAKE_CUDART, FAKE_CUDART_VERSION="12080",
-                        PYTORCH_CUDA_ALLOC_CONF="backend:tidepool,expandable_segments:True,"
+                        PYTORCH_CUDA_ALLOC_CONF="backend:tidepool,max_split_size_mb:64,"
                                                 "tidepool.state_budget:2GiB")
     lines = result.stdout.strip().splitlines()
-    assert lines[0].split() == ["'expandable_segments:True'", "True"]  # claimed; hook waits
+    assert lines[0].split() == ["'max_split_size_mb:64'", "True"]  # claimed; hook waits
     assert "LD_PRELOAD" not in lines[1]
     assert "is version 12.8, but tidepool was built for CUDA" in result.stderr
 

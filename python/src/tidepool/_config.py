@@ -78,12 +78,19 @@ def install_from_env() -> bool:
     if status < 0:
         raise ConfigError(error.value.decode("utf-8", "replace"))
     if status == 1:
-        libc_getenv = ctypes.CDLL(None).getenv
-        libc_getenv.restype, libc_getenv.argtypes = ctypes.c_char_p, [ctypes.c_char_p]
-        for name in VARIABLES + ("TIDEPOOL_ALLOC_CONF",):
-            value = libc_getenv(name.encode())
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value.decode("utf-8")
+        sync_environ()
     return status == 1
+
+
+def sync_environ() -> None:
+    """Brings os.environ (a copy taken at start-up) in line with the C environment's
+    PyTorch variables and TIDEPOOL_ALLOC_CONF, after libtidepool or the LD_PRELOAD shim
+    rewrote them (what PyTorch reads, and what os.environ hands to child processes)."""
+    libc_getenv = ctypes.CDLL(None).getenv
+    libc_getenv.restype, libc_getenv.argtypes = ctypes.c_char_p, [ctypes.c_char_p]
+    for name in VARIABLES + ("TIDEPOOL_ALLOC_CONF",):
+        value = libc_getenv(name.encode())
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value.decode("utf-8")

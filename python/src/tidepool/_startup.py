@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import importlib.abc
 import importlib.util
+import os
 import sys
 import threading
 
@@ -36,7 +37,11 @@ def preload_shim_in_charge() -> bool:
     """True when libtidepool_preload.so is mapped into this process (LD_PRELOAD) and has not
     turned itself off: it claimed the keys and serves cudaMalloc, or it sets up at the first
     cudaMalloc. A shim that is off left the keys in the variables, where PyTorch would
-    reject them: the hook claims them then."""
+    reject them: the hook claims them then. A shim not set up yet while PyTorch's
+    variables name tidepool (set at run time: at start-up the shim would have claimed
+    them) sets up now, so that the keys are claimed before PyTorch reads them; the keys
+    are checked first, so that a bad one is a ConfigError here, not the shim ending the
+    process at its set-up."""
     try:
         with open("/proc/self/maps") as maps:
             if not any("libtidepool_preload" in line for line in maps):
@@ -46,12 +51,24 @@ def preload_shim_in_charge() -> bool:
     import ctypes
 
     try:
-        state = ctypes.CDLL(None).tidepool_preload_state
+        shim = ctypes.CDLL(None)
+        state = shim.tidepool_preload_state
     except (OSError, AttributeError):
         return True  # mapped but not in the global scope: not the LD_PRELOAD shim's set-up
     state.restype = ctypes.c_int
     state.argtypes = []
-    return state() != 0
+    current = state()
+    named = [os.environ.get(v, "") for v in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")]
+    if current == -1 and any("tidepool" in value for value in named):
+        from . import _config
+        for value in named:
+            _config.claim(value)  # raises ConfigError naming the bad key
+        set_up = shim.tidepool_preload_set_up
+        set_up.restype = ctypes.c_int
+        set_up.argtypes = []
+        current = set_up()
+        _config.sync_environ()
+    return current != 0
 
 
 def start() -> None:
