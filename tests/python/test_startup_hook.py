@@ -215,22 +215,30 @@ def test_install_after_a_bad_key_at_start_up_reads_the_fixed_environment(run_pyt
             "FIRST True", "SECOND inactive: no CUDA device is available"], call
 
 
+def refused_install(run_python, conf: str, then: str, **variables) -> list[str]:
+    """[the ConfigError tidepool.install(conf) raised, what `then` gives afterwards]."""
+    result = run_python(f"""
+        import torch, tidepool
+        try:
+            tidepool.install({conf!r})
+        except tidepool.ConfigError as e:
+            print(e)
+        print({then})
+    """, **variables)
+    return result.stdout.strip().splitlines()
+
+
 def test_explicit_install_next_to_another_pytorch_backend_is_refused(run_python):
     # Review finding: the hook refuses tidepool next to PyTorch's backend:X, but
     # tidepool.install(conf) did not check, and its child processes (which inherit conf)
     # then failed the check at start-up. Pool mode on backend:native is no conflict.
-    result = run_python("""
-        import torch, tidepool
-        try:
-            tidepool.install("backend:tidepool,tidepool.log:off")
-        except tidepool.ConfigError as e:
-            print(e)
-        print(tidepool.status())
-    """, PYTORCH_CUDA_ALLOC_CONF="backend:cudaMallocAsync")
-    assert result.stdout.strip().splitlines()[0] == (
+    refused, after = refused_install(run_python, "backend:tidepool,tidepool.log:off",
+                                     "tidepool.status()",
+                                     PYTORCH_CUDA_ALLOC_CONF="backend:cudaMallocAsync")
+    assert refused == (
         "tidepool.install(): 'backend:tidepool,tidepool.log:off' turns tidepool on, which "
         "conflicts with 'backend:cudaMallocAsync' in PYTORCH_CUDA_ALLOC_CONF; name one backend")
-    assert not result.stdout.strip().splitlines()[1].startswith("active")
+    assert not after.startswith("active")
     result = run_python("""
         import torch, tidepool
         print(tidepool.install("backend:tidepool,tidepool.mode:pool,tidepool.log:off"))
@@ -239,15 +247,10 @@ def test_explicit_install_next_to_another_pytorch_backend_is_refused(run_python)
 
 
 def test_explicit_install_of_pool_mode_next_to_expandable_segments_is_refused(run_python):
-    result = run_python("""
-        import torch, tidepool
-        try:
-            tidepool.install("backend:tidepool,tidepool.mode:pool,tidepool.log:off")
-        except tidepool.ConfigError as e:
-            print(e)
-        print(tidepool.install("backend:tidepool,tidepool.log:off"))
-    """, PYTORCH_CUDA_ALLOC_CONF="expandable_segments:true")
-    first, second = result.stdout.strip().splitlines()
+    first, second = refused_install(
+        run_python, "backend:tidepool,tidepool.mode:pool,tidepool.log:off",
+        'tidepool.install("backend:tidepool,tidepool.log:off")',
+        PYTORCH_CUDA_ALLOC_CONF="expandable_segments:true")
     assert first == (
         "tidepool.install(): 'backend:tidepool,tidepool.mode:pool,tidepool.log:off' turns "
         "tidepool on, which conflicts with 'expandable_segments:True' in "
