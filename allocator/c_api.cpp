@@ -209,7 +209,15 @@ void tidepool_free(void* ptr, size_t size, int device, void* stream) {
   guarded<int>(-1, [&] {
     if (tidepool::detail::route_free(ptr, size, device, /*always_ask=*/false)) return 0;
     try {
-      tidepool::device_allocator(device).deallocate(ptr, size, tidepool::Stream{stream});
+      // Only a device tidepool allocated on can own the pointer: a wrong device is not
+      // given an allocator (on CUDA, a context) for the question.
+      tidepool::CachingAllocator* allocator = tidepool::checked_existing_allocator(device);
+      if (allocator == nullptr) {
+        throw tidepool::AllocatorUsageError(
+            "tidepool: free of a pointer tidepool never handed out on device " +
+            std::to_string(device) + " (it never allocated there); nothing was freed");
+      }
+      allocator->deallocate(ptr, size, tidepool::Stream{stream});
     } catch (const tidepool::AllocatorUsageError&) {
       if (tidepool::detail::route_free(ptr, size, device, /*always_ask=*/true)) return 0;
       const int owner = owning_device(ptr);
@@ -244,7 +252,13 @@ int tidepool_record_stream(void* ptr, int device, void* stream) {
   return guarded(-1, [&] {
     if (tidepool::detail::route_record_stream(ptr, device, stream, /*always_ask=*/false)) return 0;
     try {
-      tidepool::device_allocator(device).record_stream(ptr, tidepool::Stream{stream});
+      tidepool::CachingAllocator* allocator = tidepool::checked_existing_allocator(device);
+      if (allocator == nullptr) {
+        throw tidepool::AllocatorUsageError(
+            "tidepool: record_stream: the pointer is not a live allocation of device " +
+            std::to_string(device) + " (tidepool never allocated there)");
+      }
+      allocator->record_stream(ptr, tidepool::Stream{stream});
     } catch (const tidepool::AllocatorUsageError&) {
       if (!tidepool::detail::route_record_stream(ptr, device, stream, /*always_ask=*/true)) throw;
     }

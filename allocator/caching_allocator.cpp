@@ -24,7 +24,8 @@
 //  5. record_stream / a free on a foreign stream records events; the block waits in
 //     `pending` until they complete (process_pending, at the next allocation).
 //  6. Out of memory (Note [OOM policy]): wait for pending blocks, give every fully free
-//     backed range back, retry; then run the reclaim hooks with the lock released;
+//     backed range back, retry; wait for the streams whose free blocks would serve it,
+//     retry; then run the reclaim hooks with the lock released;
 //     retry; then throw OutOfMemoryError with the per-tag breakdown.
 //  7. Every block is in `blocks` by address, so a free is checked (unknown pointer,
 //     double free, wrong size) before anything changes; so are its backend calls (Note
@@ -42,7 +43,9 @@
 //
 // Note [OOM policy]
 // reuse the cache (steps 2-4) -> free cached memory (pending events waited for, fully
-// free ranges released, streams that last used them synchronized) -> retry -> reclaim
+// free ranges released, streams that last used them synchronized) -> retry -> wait for
+// the streams whose free blocks would serve it (Note [Waiting for a stream before giving
+// up]) -> retry -> reclaim
 // hooks (no lock held: hooks free memory through this allocator) -> retry -> throw.
 // A request the cache cannot serve and that is larger than the device, or than the
 // process's share of it (the backend's device limit, a memory fraction), skips from the
@@ -315,7 +318,8 @@ Block* CachingAllocator::Impl::try_allocate(StreamPools& sp, std::size_t size, b
 }
 
 // try_allocate, and when that fails: wait for pending blocks, give every fully free
-// backed range back and try once more (steps 1-2 of Note [OOM policy]).
+// backed range back and try once more; then wait for the streams whose free blocks
+// would serve the request and try again (steps 1-2 of Note [OOM policy]).
 Block* CachingAllocator::Impl::try_allocate_releasing(StreamPools& sp, std::size_t size,
                                                       bool small) {
   if (Block* b = try_allocate(sp, size, small)) return b;
@@ -324,7 +328,34 @@ Block* CachingAllocator::Impl::try_allocate_releasing(StreamPools& sp, std::size
   flush_all_quick();
   process_pending(true);
   release_cached();
+  if (Block* b = try_allocate(sp, size, small)) return b;
+  if (!settle_streams_with_room(sp, size, small)) return nullptr;
   return try_allocate(sp, size, small);
+}
+
+// Note [Waiting for a stream before giving up]: a free block of another stream that would
+// serve the request, freed after the last fence that stream was seen past (its work
+// before the free may still be queued), is neither stolen (steal needs the fence) nor
+// released (its segment or slot still holds live blocks). Without waiting for that stream
+// the request failed with OutOfMemoryError while the memory it needed was free, only
+// not yet known to be done with; c10 synchronizes before giving up too. Only the streams
+// with such a block are waited for; a stream that cannot be waited for (destroyed without
+// release_stream) is passed over: its blocks wait for release_stream, as before.
+bool CachingAllocator::Impl::settle_streams_with_room(StreamPools& sp, std::size_t size,
+                                                      bool small) {
+  bool settled = false;
+  for (auto& other : streams) {
+    if (other.get() == &sp || other->free_seq <= other->safe_seq) continue;
+    if (other->pool(small).best_fit(size) == nullptr) continue;
+    try {
+      backend->stream_synchronize(other->stream);
+    } catch (const BackendError&) {
+      continue;
+    }
+    other->safe_seq = other->free_seq;
+    settled = true;
+  }
+  return settled;
 }
 
 bool CachingAllocator::Impl::never_fits(std::size_t size) const {

@@ -115,6 +115,10 @@ struct __attribute__((visibility("hidden"))) CachingAllocator::Impl {
 
   // --- stream_ordering.cpp ------------------------------------------------------------
   Block* steal(StreamPools& sp, std::size_t size, bool small);
+  // Waits for the other streams with a free block that would serve `size` but was freed
+  // after their last fence passed (Note [Waiting for a stream before giving up]); true if
+  // it waited for any.
+  bool settle_streams_with_room(StreamPools& sp, std::size_t size, bool small);
   void refresh_fence(StreamPools& sp);
   // release_stream's work (Note [Released streams]); lock and every cache mutex held.
   std::size_t release_stream_locked(Stream s);

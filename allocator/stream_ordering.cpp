@@ -51,7 +51,9 @@ using detail::StreamPools;
 
 void CachingAllocator::Impl::refresh_fence(StreamPools& sp) {
   if (sp.fence_in_flight && backend->event_query(sp.fence)) {
-    sp.safe_seq = sp.fence_seq;
+    // Never backwards: a synchronize since the fence was recorded (a slot move, an OOM's
+    // wait) may have proven later frees safe already.
+    sp.safe_seq = std::max(sp.safe_seq, sp.fence_seq);
     sp.fence_in_flight = false;
   }
   if (!sp.fence_in_flight && sp.free_seq > sp.safe_seq) {

@@ -8,6 +8,7 @@
 
 #include "allocator/c_api.h"
 #include "allocator/caching_allocator.h"
+#include "allocator/device_registry.h"
 #include "test_support.h"
 
 namespace tidepool {
@@ -152,6 +153,26 @@ TEST_F(CBadInput, FreeWithTheWrongDeviceNamesTheRightOne) {
   tidepool_clear_error();
   tidepool_free(p, 8192, 0, nullptr);
   tidepool_free(other, 8192, 1, nullptr);
+  EXPECT_EQ(last(), "");
+}
+
+// Review finding: a free (or record_stream) naming a device tidepool never allocated on
+// made an allocator there to answer (on CUDA, a context of hundreds of MiB).
+TEST_F(CBadInput, AFreeOnADeviceNeverUsedMakesNoAllocatorThere) {
+  constexpr int kUnused = tidepool::kMaxDevices - 1;  // no test allocates there
+  ASSERT_EQ(tidepool::existing_device_allocator(kUnused), nullptr);
+  void* p = tidepool_malloc(8192, 0, nullptr);
+  ASSERT_NE(p, nullptr);
+  ::testing::internal::CaptureStderr();
+  tidepool_free(p, 8192, kUnused, nullptr);
+  ::testing::internal::GetCapturedStderr();
+  EXPECT_NE(last().find("allocated on device 0"), std::string::npos) << last();
+  tidepool_clear_error();
+  EXPECT_EQ(tidepool_record_stream(p, kUnused, nullptr), -1);
+  EXPECT_NE(last().find("never allocated"), std::string::npos) << last();
+  EXPECT_EQ(tidepool::existing_device_allocator(kUnused), nullptr);
+  tidepool_clear_error();
+  tidepool_free(p, 8192, 0, nullptr);
   EXPECT_EQ(last(), "");
 }
 

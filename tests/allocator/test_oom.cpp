@@ -5,11 +5,14 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "allocator/caching_allocator.h"
+#include "allocator/forwarding_backend.h"
 #include "allocator/reclaim.h"
 #include "allocator/tags.h"
 #include "test_support.h"
@@ -314,6 +317,74 @@ TEST(OomNearALimit, AFailedRequestLeavesNoPartialBacking) {
 
 std::string segment_kind(const ::testing::TestParamInfo<bool>& p) {
   return p.param ? "expandable" : "plain";
+}
+
+// Lets a held stream go when the allocator synchronizes with any stream.
+class ReleasesOnSynchronize : public ForwardingBackend {
+ public:
+  ReleasesOnSynchronize(std::unique_ptr<Backend> inner, std::atomic<bool>& go)
+      : ForwardingBackend(std::move(inner)), go_(go) {}
+
+ protected:
+  void on_call(Call call) override {
+    if (call == Call::stream_synchronize) go_ = true;
+  }
+
+ private:
+  std::atomic<bool>& go_;
+};
+
+// Review finding (Note [Waiting for a stream before giving up]): stream A frees a block
+// while its work on it is still queued, on a full device; a request on stream B that the
+// block would serve could neither steal it (A's fence had not passed) nor release it (its
+// 20 MiB segment holds A's other 8 MiB block), and failed with OutOfMemoryError. (An
+// expandable range gives the free run back and maps it again: served either way.)
+TEST_P(Oom, AFreeBlockOfABusyStreamIsWaitedForBeforeGivingUp) {
+  std::atomic<bool> go{false};
+  HostBackendOptions b;
+  b.capacity_bytes = 40 * kMiB;
+  AllocatorOptions o;
+  o.expandable_segments = GetParam();
+  CachingAllocator alloc(
+      std::make_unique<ReleasesOnSynchronize>(make_host_backend(0, b), go), o);
+  int hook_calls = 0;
+  test::ScopedReclaimHook guard([&](int, std::size_t) {
+    ++hook_calls;
+    return std::size_t{0};
+  });
+  Backend& be = alloc.backend();
+  const Stream a = be.create_stream();
+  const Stream other = be.create_stream();
+  std::vector<void*> blocks;
+  while (void* p = alloc.try_allocate(8 * kMiB, a)) blocks.push_back(p);
+  ASSERT_GE(blocks.size(), 2u);  // 4 plain (two per 20 MiB segment), 5 expandable
+  be.launch_host_func(
+      a, [](void* flag) {
+        while (!static_cast<std::atomic<bool>*>(flag)->load()) std::this_thread::yield();
+      },
+      &go);
+  void* freed = blocks.back();
+  blocks.pop_back();
+  be.memset_async(freed, 0xAA, 8 * kMiB, a);  // A's work on the block, still queued
+  alloc.deallocate(freed, 8 * kMiB, a);
+  void* p = nullptr;
+  try {
+    p = alloc.allocate(8 * kMiB, other);
+  } catch (const OutOfMemoryError& e) {
+    ADD_FAILURE() << e.what();
+  }
+  const bool waited = go.exchange(true);  // A goes on whatever happened
+  EXPECT_TRUE(waited || p == nullptr) << "the memory was handed out without waiting for A";
+  if (!GetParam()) {
+    EXPECT_EQ(p, freed);
+  }
+  EXPECT_EQ(hook_calls, 0);
+  if (p != nullptr) alloc.deallocate(p, 8 * kMiB, other);
+  for (void* q : blocks) alloc.deallocate(q, 8 * kMiB, a);
+  be.stream_synchronize(a);
+  be.stream_synchronize(other);
+  be.destroy_stream(a);
+  be.destroy_stream(other);
 }
 
 INSTANTIATE_TEST_SUITE_P(Segments, Oom, ::testing::Bool(), segment_kind);
