@@ -62,8 +62,9 @@ std::uint64_t prefetch_ranges_within_budget(tidepool::VmmPool* pool, int tag) {
 // Note [A call by tag that fails part-way]
 // The tag's pointer-stable ranges and its tiered-store handles are separate state. A range
 // whose move fails (the host out of memory, a chunk that would not map) ends the pool's
-// walk there: the ranges before it moved, it and those after it did not, each whole on one
-// side (VmmPool::migrate_tag). The stores' handles are moved all the same, and the error
+// walk there: the ranges before it moved, those after it did not, and of it the chunks of
+// the batches that had completed stay moved (VmmPool::migrate: each chunk is whole on one
+// side, at its address). The stores' handles are moved all the same, and the error
 // then says so: the range's own message ("data stays where it was") is about that range,
 // and read alone it said nothing had moved, while the earlier ranges and every handle had.
 template <typename MoveRanges, typename MoveStores>
@@ -78,8 +79,9 @@ void moving_ranges_then_stores(MoveRanges&& move_ranges, MoveStores&& move_store
   if (!ranges_failure.empty()) {
     throw tidepool::TieringError(
         ranges_failure +
-        " (the tag's ranges before that one were moved, it and those after it were not; "
-        "the tag's tiered-store handles were moved)");
+        " (the tag's ranges before that one were moved, those after it were not, and of it "
+        "what had moved before the failure stays moved; the tag's tiered-store handles were "
+        "moved)");
   }
 }
 

@@ -514,7 +514,9 @@ MigrationResult VmmPool::migrate_locked(Range& r, MemoryLocation to,
 // optimizers on a device most of the tag's ranges (the other optimizers' state) were
 // evicted after their own steps; waiting on each one's streams (an event recorded and
 // synchronized per stream, per range) would be thousands of backend calls a step for
-// nothing. A range partly in place still waits once, before its first chunk moves.
+// nothing. A range partly in place still waits once, before its first chunk moves; one
+// whose chunks the device budget has no room for waits not at all (a prefetch under a
+// full budget moves nothing).
 MigrationResult VmmPool::move_range_locked(Range& r, MemoryLocation to,
                                            std::optional<std::size_t> budget,
                                            BackingSupply* supply) {
@@ -530,8 +532,7 @@ MigrationResult VmmPool::move_range_locked(Range& r, MemoryLocation to,
   if (std::ranges::all_of(r.chunks, [&](const Chunk& c) { return c.where == to; })) {
     return result;
   }
-  wait_for_users_locked(r);
-  const auto t0 = std::chrono::steady_clock::now();
+  auto t0 = std::chrono::steady_clock::now();  // from the end of the wait, when there is one
   auto add_time = [&] {
     stats_.migration_ms +=
         std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
@@ -557,7 +558,13 @@ MigrationResult VmmPool::move_range_locked(Range& r, MemoryLocation to,
   }
   std::size_t moved = 0;  // plan[0, moved) are swapped
   try {
-    if (!plan.empty()) move_planned_locked(r, plan, to, moved, result, supply);  // vmm_moves.cpp
+    // Note [Nothing to move, nothing to wait for], for a range the budget has no room for
+    // at all: its users are waited for only when a chunk will move.
+    if (!plan.empty()) {
+      wait_for_users_locked(r);
+      t0 = std::chrono::steady_clock::now();
+      move_planned_locked(r, plan, to, moved, result, supply);  // vmm_moves.cpp
+    }
     // Note [A device with no room for a prefetch]: what the device had no memory for stays
     // on the host, as what the budget has no room for does; towards the host, what the
     // pinned budget had no room for stays on the device (Note [Pinned host backings]).
@@ -611,6 +618,10 @@ MigrationResult VmmPool::migrate_tag(int tag, MemoryLocation to) {
     MigrationResult total;
     for (const auto& [sequence, base] : order) {
       std::lock_guard lock(mutex_);
+      // Note [Repairs between ranges]: the lock was let go since the last range; another
+      // thread's failed migration may have left a scratch mapping or an unmapped chunk
+      // behind, which this range's move would otherwise trip over.
+      repair_locked();
       auto it = ranges_.find(base);
       if (it == ranges_.end() || it->second.sequence != sequence) continue;  // freed meanwhile
       total += migrate_locked(it->second, to, budget, supply.get());
@@ -623,30 +634,36 @@ MigrationResult VmmPool::migrate_ranges_holding(std::span<const void* const> ptr
                                                 MemoryLocation to) {
   const std::optional<std::size_t> budget = budget_towards(to);
   std::unique_ptr<BackingSupply> supply;
+  // The range each pointer named when the call began, by sequence (0: none). The lock is
+  // let go between ranges, as in migrate_tag; a range freed meanwhile, whose address a new
+  // range may have taken (another tag's, another optimizer's, whose kernels may be
+  // running), is not the one the caller named: it is skipped, not moved.
+  std::vector<std::uint64_t> named(ptrs.size(), 0);
   {
     std::lock_guard lock(mutex_);
     repair_locked();
-    if (to == MemoryLocation::host) {
-      std::vector<const Range*> planned;
-      std::unordered_set<std::uint64_t> seen;
-      for (const void* ptr : ptrs) {
-        const Range* r = ptr != nullptr ? find_locked(ptr) : nullptr;
-        if (r != nullptr && seen.insert(r->sequence).second) planned.push_back(r);
-      }
-      supply = host_supply_locked(planned);
+    std::vector<const Range*> planned;
+    std::unordered_set<std::uint64_t> seen;
+    for (std::size_t i = 0; i < ptrs.size(); ++i) {
+      const Range* r = ptrs[i] != nullptr ? find_locked(ptrs[i]) : nullptr;
+      if (r == nullptr) continue;
+      named[i] = r->sequence;
+      if (seen.insert(r->sequence).second) planned.push_back(r);
     }
+    if (to == MemoryLocation::host) supply = host_supply_locked(planned);
   }
-  // Ranges already visited, by sequence (unique, where a base address may be taken again
-  // by a range allocated after one was freed). The lock is let go between ranges, as in
-  // migrate_tag.
+  // Ranges already visited, by sequence (views and interior pointers name one again).
   std::unordered_set<std::uint64_t> visited;
   return with_supply(supply, [&] {
     MigrationResult total;
-    for (const void* ptr : ptrs) {
-      if (ptr == nullptr) continue;
+    for (std::size_t i = 0; i < ptrs.size(); ++i) {
+      if (named[i] == 0) continue;
       std::lock_guard lock(mutex_);
-      Range* r = find_locked(ptr);
-      if (r == nullptr || !visited.insert(r->sequence).second) continue;
+      repair_locked();  // Note [Repairs between ranges]
+      Range* r = find_locked(ptrs[i]);
+      if (r == nullptr || r->sequence != named[i] || !visited.insert(r->sequence).second) {
+        continue;
+      }
       total += migrate_locked(*r, to, budget, supply.get());
     }
     return total;

@@ -263,8 +263,9 @@ class TIDEPOOL_API VmmPool {
   // once (views and interior pointers of one range name it again), towards the device as
   // much as fits the budget, so a budget-limited prefetch of one optimizer's state brings
   // back what its step uses first. A pointer no range holds (nullptr, ordinary device
-  // memory) is skipped. Ranges freed meanwhile are not visited. The C ABI's prefetch and
-  // evict by pointers use it.
+  // memory) is skipped. Ranges freed meanwhile are not visited, nor one allocated meanwhile
+  // at a named address (each pointer names the range that held it when the call began).
+  // The C ABI's prefetch and evict by pointers use it.
   MigrationResult migrate_ranges_holding(std::span<const void* const> ptrs, MemoryLocation to);
   // The base addresses of the ranges with `tag` that have device-backed chunks and hold
   // none of `except`, in allocation order, oldest first: what is on the device beyond

@@ -195,6 +195,29 @@ TEST_P(VmmMigrationTest, AMigrationWithNothingToMoveDoesNotWaitForTheUsers) {
   pool.deallocate(p);
 }
 
+// Review finding: a move to the device that the budget has no room for at all waited for
+// the range's users first, then moved nothing (a prefetch under a full budget).
+TEST_P(VmmMigrationTest, APrefetchTheBudgetHasNoRoomForDoesNotWaitForTheUsers) {
+  const std::size_t g = backend().granularity();
+  VmmPool pool(backend(), VmmPoolOptions{.device_budget_bytes = 0});
+  void* p = pool.allocate(2 * g, kTagOptimizerState, MemoryLocation::host);
+  ASSERT_NE(p, nullptr);
+  pool.record_use(p, stream_);
+  tiering_test::StreamGate gate;
+  const tiering_test::StreamGate::OpenOnExit open_on_exit{gate};
+  backend().launch_host_func(stream_, &tiering_test::StreamGate::wait, &gate);
+  auto no_room =
+      std::async(std::launch::async, [&] { return pool.migrate(p, MemoryLocation::device); });
+  ASSERT_EQ(no_room.wait_for(std::chrono::seconds(30)), std::future_status::ready)
+      << "a prefetch that moves nothing waited for the stream";
+  const MigrationResult r = no_room.get();
+  EXPECT_EQ(r.bytes_moved, 0u);
+  EXPECT_EQ(r.bytes_left, 2 * g);
+  EXPECT_EQ(pool.bytes_in(p, MemoryLocation::host), 2 * g);
+  gate.open();
+  pool.deallocate(p);
+}
+
 // ---- the device budget for state (Note [VMM device budget]) --------------------------------
 
 // One optimizer's state named by pointer (tidepool_prefetch_ptrs): the ranges holding the
