@@ -16,6 +16,7 @@
 // draws other ones.
 #include <algorithm>
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <random>
 #include <set>
@@ -24,6 +25,7 @@
 #include "allocator/config.h"
 #include "allocator/tags.h"
 #include "tests/tiering/tiering_test_util.h"
+#include "tiering/device_budget_ledger.h"
 #include "tiering/vmm_migration.h"
 
 namespace tidepool {
@@ -107,6 +109,11 @@ void VmmRandomTest::run(VmmPool& pool, std::size_t budget, std::uint64_t fixed_s
     return out;
   };
   auto device_bytes = [&] { return pool.stats().device_backed_bytes; };
+  // With the configured budget the pool's device bytes are charged to the device's shared
+  // ledger, of which it is the only participant here: the two must agree after every
+  // operation (drift there would show only as another store refused room).
+  const std::shared_ptr<DeviceBudgetLedger> ledger =
+      pool.stats().budget_shared ? DeviceBudgetLedger::existing(b.device()) : nullptr;
 
   for (int i = 0; i < 4; ++i) allocate();
   const long ops = test_support::scaled(kBaseOps);
@@ -195,6 +202,9 @@ void VmmRandomTest::run(VmmPool& pool, std::size_t budget, std::uint64_t fixed_s
       device_total += on_device;
     }
     ASSERT_EQ(device_total, device_bytes()) << "op " << op;
+    if (ledger) {
+      ASSERT_EQ(ledger->charged_bytes(), device_total) << "op " << op;
+    }
   }
   for (const ShadowRange& r : ranges) {
     ASSERT_NO_FATAL_FAILURE(check_bytes(r, "at the end"));
@@ -217,6 +227,7 @@ TEST_P(VmmRandomTest, UnderTheConfiguredStateBudgetToo) {
   apply_config(claim_config("tidepool.state_budget:" + std::to_string(budget)).config);
   VmmPool pool(backend());
   ASSERT_EQ(pool.device_budget_bytes(), std::optional<std::size_t>(budget));
+  ASSERT_TRUE(pool.stats().budget_shared);  // run() checks the ledger after every operation
   run(pool, budget, 20261207);
 }
 
