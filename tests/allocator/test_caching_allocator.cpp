@@ -491,22 +491,7 @@ TEST_P(Moves, AHolesSlotsBackGrowthWithoutNewPhysicalMemory) {
   }
 }
 
-// Lets a held stream go when the allocator synchronizes with a stream, so that the work
-// held is still queued when the allocator decides whether to wait for it (a timer letting
-// it go could fire first on a loaded machine, and the move then had nothing to wait for).
-class ReleasesOnSynchronize : public ForwardingBackend {
- public:
-  ReleasesOnSynchronize(std::unique_ptr<Backend> inner, std::atomic<bool>& go)
-      : ForwardingBackend(std::move(inner)), go_(go) {}
-
- protected:
-  void on_call(Call call) override {
-    if (call == Call::stream_synchronize) go_ = true;
-  }
-
- private:
-  std::atomic<bool>& go_;
-};
+using test::ReleasesOnSynchronize;
 
 // Stream s frees slot x while work it queued before the free still writes x (the stream is
 // held until the allocator synchronizes with it or, if it never does, until the request

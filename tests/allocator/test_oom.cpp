@@ -12,7 +12,6 @@
 #include <vector>
 
 #include "allocator/caching_allocator.h"
-#include "allocator/forwarding_backend.h"
 #include "allocator/reclaim.h"
 #include "allocator/tags.h"
 #include "test_support.h"
@@ -319,21 +318,6 @@ std::string segment_kind(const ::testing::TestParamInfo<bool>& p) {
   return p.param ? "expandable" : "plain";
 }
 
-// Lets a held stream go when the allocator synchronizes with any stream.
-class ReleasesOnSynchronize : public ForwardingBackend {
- public:
-  ReleasesOnSynchronize(std::unique_ptr<Backend> inner, std::atomic<bool>& go)
-      : ForwardingBackend(std::move(inner)), go_(go) {}
-
- protected:
-  void on_call(Call call) override {
-    if (call == Call::stream_synchronize) go_ = true;
-  }
-
- private:
-  std::atomic<bool>& go_;
-};
-
 // Review finding (Note [Waiting for a stream before giving up]): stream A frees a block
 // while its work on it is still queued, on a full device; a request on stream B that the
 // block would serve could neither steal it (A's fence had not passed) nor release it (its
@@ -346,7 +330,7 @@ TEST_P(Oom, AFreeBlockOfABusyStreamIsWaitedForBeforeGivingUp) {
   AllocatorOptions o;
   o.expandable_segments = GetParam();
   CachingAllocator alloc(
-      std::make_unique<ReleasesOnSynchronize>(make_host_backend(0, b), go), o);
+      std::make_unique<test::ReleasesOnSynchronize>(make_host_backend(0, b), go), o);
   int hook_calls = 0;
   test::ScopedReclaimHook guard([&](int, std::size_t) {
     ++hook_calls;

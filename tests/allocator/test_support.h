@@ -18,6 +18,7 @@
 
 #include "allocator/backend.h"
 #include "allocator/caching_allocator.h"
+#include "allocator/forwarding_backend.h"
 #include "allocator/reclaim.h"
 #include "tests/support/test_backend.h"
 #include "tests/support/test_scale.h"
@@ -77,6 +78,23 @@ inline std::string backend_and_segments_name(
     GTEST_SKIP() << "no CUDA device on this machine";              \
   }                                                                \
   static_assert(true)
+
+// Lets a held stream go when the allocator synchronizes with any stream, so that the work
+// held is still queued when the allocator decides whether to wait for it (a timer letting
+// it go could fire first on a loaded machine, and there was then nothing to wait for).
+class ReleasesOnSynchronize : public ForwardingBackend {
+ public:
+  ReleasesOnSynchronize(std::unique_ptr<Backend> inner, std::atomic<bool>& go)
+      : ForwardingBackend(std::move(inner)), go_(go) {}
+
+ protected:
+  void on_call(Call call) override {
+    if (call == Call::stream_synchronize) go_ = true;
+  }
+
+ private:
+  std::atomic<bool>& go_;
+};
 
 // Holds a stream busy: everything enqueued on it after construction waits until release()
 // (a host function that spins on a flag), so "work still pending on the stream" is real.
