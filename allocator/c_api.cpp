@@ -139,6 +139,21 @@ int owning_device(const void* ptr) {
   return -1;
 }
 
+// The allocator of `device` for a call about a pointer on it (free, record_stream): only a
+// device tidepool allocated on can own one, so a device it never used is not given an
+// allocator (on CUDA, a context) for the question; the call fails as for any pointer the
+// allocator does not hold, with `call` and the device named.
+tidepool::CachingAllocator& allocator_holding_pointers_of(int device, const char* call) {
+  tidepool::CachingAllocator* allocator = tidepool::checked_existing_allocator(device);
+  if (allocator == nullptr) {
+    throw tidepool::AllocatorUsageError(std::string("tidepool: ") + call +
+                                        ": the pointer is not a live allocation of device " +
+                                        std::to_string(device) +
+                                        " (tidepool never allocated there); nothing changed");
+  }
+  return *allocator;
+}
+
 }  // namespace
 
 void tidepool::set_last_error(std::string_view message) {
@@ -209,15 +224,8 @@ void tidepool_free(void* ptr, size_t size, int device, void* stream) {
   guarded<int>(-1, [&] {
     if (tidepool::detail::route_free(ptr, size, device, /*always_ask=*/false)) return 0;
     try {
-      // Only a device tidepool allocated on can own the pointer: a wrong device is not
-      // given an allocator (on CUDA, a context) for the question.
-      tidepool::CachingAllocator* allocator = tidepool::checked_existing_allocator(device);
-      if (allocator == nullptr) {
-        throw tidepool::AllocatorUsageError(
-            "tidepool: free of a pointer tidepool never handed out on device " +
-            std::to_string(device) + " (it never allocated there); nothing was freed");
-      }
-      allocator->deallocate(ptr, size, tidepool::Stream{stream});
+      allocator_holding_pointers_of(device, "free").deallocate(ptr, size,
+                                                               tidepool::Stream{stream});
     } catch (const tidepool::AllocatorUsageError&) {
       if (tidepool::detail::route_free(ptr, size, device, /*always_ask=*/true)) return 0;
       const int owner = owning_device(ptr);
@@ -252,13 +260,8 @@ int tidepool_record_stream(void* ptr, int device, void* stream) {
   return guarded(-1, [&] {
     if (tidepool::detail::route_record_stream(ptr, device, stream, /*always_ask=*/false)) return 0;
     try {
-      tidepool::CachingAllocator* allocator = tidepool::checked_existing_allocator(device);
-      if (allocator == nullptr) {
-        throw tidepool::AllocatorUsageError(
-            "tidepool: record_stream: the pointer is not a live allocation of device " +
-            std::to_string(device) + " (tidepool never allocated there)");
-      }
-      allocator->record_stream(ptr, tidepool::Stream{stream});
+      allocator_holding_pointers_of(device, "record_stream")
+          .record_stream(ptr, tidepool::Stream{stream});
     } catch (const tidepool::AllocatorUsageError&) {
       if (!tidepool::detail::route_record_stream(ptr, device, stream, /*always_ask=*/true)) throw;
     }

@@ -642,13 +642,13 @@ MigrationResult VmmPool::migrate_ranges_holding(std::span<const void* const> ptr
   {
     std::lock_guard lock(mutex_);
     repair_locked();
-    std::vector<const Range*> planned;
+    std::vector<const Range*> planned;  // for the host supply
     std::unordered_set<std::uint64_t> seen;
     for (std::size_t i = 0; i < ptrs.size(); ++i) {
       const Range* r = ptrs[i] != nullptr ? find_locked(ptrs[i]) : nullptr;
       if (r == nullptr) continue;
       named[i] = r->sequence;
-      if (seen.insert(r->sequence).second) planned.push_back(r);
+      if (to == MemoryLocation::host && seen.insert(r->sequence).second) planned.push_back(r);
     }
     if (to == MemoryLocation::host) supply = host_supply_locked(planned);
   }

@@ -11,7 +11,6 @@
 #include <cmath>
 #include <limits>
 #include <optional>
-#include <sstream>
 #include <stdexcept>
 #include <string>
 
@@ -71,9 +70,7 @@ void GramAccumulator::set_column(int64_t slot, const at::Tensor& column) {
   // Refused here, before the dot products: a sparse column has no strided data to read,
   // and a meta one no data at all (either threw c10::Error from deep inside).
   if (column.layout() != at::kStrided) {
-    std::ostringstream layout;
-    layout << column.layout();
-    fail("set_column: the column is a " + layout.str() +
+    fail("set_column: the column is a " + detail::layout_name(column) +
          " tensor; columns must be dense (strided): convert it with to_dense()");
   }
   if (!column.is_cpu() && !column.is_cuda()) {

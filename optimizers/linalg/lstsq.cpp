@@ -64,10 +64,8 @@ struct Problem {
 // Sparse and other non-strided tensors have no data_ptr the Gram pass can read.
 void check_layout(const at::Tensor& t, const std::string& name) {
   if (t.layout() != at::kStrided) {
-    std::ostringstream layout;
-    layout << t.layout();
-    fail(name + " is a " + layout.str() + " tensor; lstsq takes dense (strided) tensors: " +
-         "convert it with to_dense()");
+    fail(name + " is a " + detail::layout_name(t) +
+         " tensor; lstsq takes dense (strided) tensors: convert it with to_dense()");
   }
 }
 

@@ -81,6 +81,12 @@ at::Tensor column_scales(const at::Tensor& gram_diagonal, bool equilibrate) {
                       scale);
 }
 
+std::string layout_name(const at::Tensor& t) {
+  std::ostringstream name;
+  name << t.layout();
+  return name.str();
+}
+
 double resolve_rcond(const LstsqOptions& options, at::ScalarType dtype, int64_t rows, int64_t k) {
   if (options.rcond >= 0.0) return options.rcond;
   // Rounding each entry to the input dtype is a perturbation E with |E_ij| ≤ u·|A_ij|, so

@@ -7,6 +7,7 @@
 #pragma once
 
 #include <optional>
+#include <string>
 #include <vector>
 
 #include <ATen/ATen.h>
@@ -44,6 +45,10 @@ at::Tensor column_scales(const at::Tensor& gram_diagonal, bool equilibrate);
 // which an exactly singular A cannot be told from a merely ill-conditioned one. Never eps·N, which
 // is what makes torch's gelsy cut a well-conditioned 2e7×5 fp32 problem to rank 1.
 double resolve_rcond(const LstsqOptions& options, at::ScalarType dtype, int64_t rows, int64_t k);
+
+// The name of t's layout ("Sparse", ...), for the refusal of a non-strided tensor, which
+// lstsq and GramAccumulator both make: it has no data the Gram pass can read.
+std::string layout_name(const at::Tensor& t);
 
 // Throws std::invalid_argument, "<caller>: <what is wrong>", for options no method can
 // honour (non-finite rcond, negative or non-finite tikhonov, gram_condition_limit 0 or NaN,

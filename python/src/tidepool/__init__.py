@@ -129,30 +129,30 @@ def install(conf: str | None = None) -> str:
     return status()
 
 
-def _other_backend_in_environment() -> tuple[str, str] | None:
-    """(variable, X) for the first backend:X other than tidepool in PYTORCH_ALLOC_CONF or
-    PYTORCH_CUDA_ALLOC_CONF (PyTorch reads its backend from either); None without one."""
+def _pytorch_entries():
+    """(variable, key, value), stripped, of every entry of PYTORCH_ALLOC_CONF and then
+    PYTORCH_CUDA_ALLOC_CONF (PyTorch reads its keys from either)."""
     import os
 
-    for variable in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):
+    from . import _config
+    for variable in _config.VARIABLES:
         for entry in os.environ.get(variable, "").split(","):
             key, _, value = entry.partition(":")
-            if key.strip() == "backend" and value.strip() not in ("", "tidepool"):
-                return variable, value.strip()
-    return None
+            yield variable, key.strip(), value.strip()
+
+
+def _other_backend_in_environment() -> tuple[str, str] | None:
+    """(variable, X) for the first backend:X other than tidepool in PYTORCH_ALLOC_CONF or
+    PYTORCH_CUDA_ALLOC_CONF; None without one."""
+    return next(((variable, value) for variable, key, value in _pytorch_entries()
+                 if key == "backend" and value not in ("", "tidepool")), None)
 
 
 def _expandable_segments_in_environment() -> str | None:
     """The first of PYTORCH_ALLOC_CONF and PYTORCH_CUDA_ALLOC_CONF that turns PyTorch's
-    expandable_segments on (PyTorch reads it from either); None if neither does."""
-    import os
-
-    for variable in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):
-        for entry in os.environ.get(variable, "").split(","):
-            key, _, value = entry.partition(":")
-            if key.strip() == "expandable_segments" and value.strip().lower() == "true":
-                return variable
-    return None
+    expandable_segments on; None if neither does."""
+    return next((variable for variable, key, value in _pytorch_entries()
+                 if key == "expandable_segments" and value.lower() == "true"), None)
 
 
 def _device(device) -> int:

@@ -251,11 +251,11 @@ class _PoolLease:
     context the calling thread's allocations on `device` (an index; None: the current
     device) go to a tidepool MemPool of the tag's (Note [a MemPool per tag]) that no other
     thread routes that device's allocations to: the first such pool, or a new one when all
-    are taken. A thread that
-    already routes `device` to a pool (a region inside an optimizer step) keeps it and
-    enters nothing. The pools live as long as the process, like the first one: their
-    blocks may outlive any scope; so a process gets as many pools as it has threads in
-    scopes on one device at once, and each caches the segments its blocks came from.
+    are taken. A thread that already routes `device` to a pool (a region inside an
+    optimizer step) keeps it and enters nothing. The pools live as long as the process,
+    like the first one: their blocks may outlive any scope; so a process gets as many
+    pools as it has threads in scopes on one device at once, and each caches the segments
+    its blocks came from.
     An exception on the way in leaves nothing taken."""
 
     def __init__(self, device: int | None, tag: int):

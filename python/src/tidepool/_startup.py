@@ -58,9 +58,11 @@ def preload_shim_in_charge() -> bool:
     state.restype = ctypes.c_int
     state.argtypes = []
     current = state()
-    named = [os.environ.get(v, "") for v in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")]
-    if current == -1 and any("tidepool" in value for value in named):
-        from . import _config
+    if current != -1:
+        return current != 0
+    from . import _config
+    named = [os.environ.get(variable, "") for variable in _config.VARIABLES]
+    if any("tidepool" in value for value in named):
         for value in named:
             _config.claim(value)  # raises ConfigError naming the bad key
         set_up = shim.tidepool_preload_set_up
