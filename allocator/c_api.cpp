@@ -468,6 +468,12 @@ int tidepool_get_stats_v1(int device, tidepool_stats_v1* out) {
     full.cross_stream_reuses = s.cross_stream_reuses;
     full.allocations = tidepool::detail::to_c_stat(s.allocations);
     full.segments = tidepool::detail::to_c_stat(s.segments);
+    full.largest_free_block = s.largest_free_block;
+    for (int t = 0; t < TIDEPOOL_TAG_MAX; ++t) {
+      full.tag_cache[t].cached_bytes = s.tags[t].cached_bytes;
+      full.tag_cache[t].largest_free_block = s.tags[t].largest_free_block;
+      full.tag_cache[t].fragmentation = s.tags[t].fragmentation;
+    }
     tidepool::detail::copy_versioned_struct(out, full);
     return 0;
   });

@@ -174,6 +174,16 @@ typedef struct tidepool_tag_stats_v1 {
   uint64_t total_count;   /* allocations ever made */
 } tidepool_tag_stats_v1;
 
+/* Cached memory by tag (Note [Cached memory by tag], allocator/snapshot.cpp): each free
+ * block is kept under the tag of its last use (memory new from the backend: of the request
+ * it was taken for; merged blocks: of the larger part), so the tags' cached_bytes add up
+ * to tidepool_stats_v1.cached_bytes. */
+typedef struct tidepool_tag_cache_v1 {
+  uint64_t cached_bytes;       /* free backed bytes kept under this tag */
+  uint64_t largest_free_block; /* largest free contiguous range among them */
+  double fragmentation;        /* 1 - largest_free_block / cached_bytes (0 when none) */
+} tidepool_tag_cache_v1;
+
 typedef struct tidepool_stats_v1 {
   uint32_t struct_size; /* set by the caller to sizeof(tidepool_stats_v1) */
   uint32_t version;     /* set by tidepool: 1 */
@@ -199,6 +209,8 @@ typedef struct tidepool_stats_v1 {
    * segments_released). */
   tidepool_stat_v1 allocations;
   tidepool_stat_v1 segments;
+  uint64_t largest_free_block; /* largest free contiguous backed range, any tag */
+  tidepool_tag_cache_v1 tag_cache[TIDEPOOL_TAG_MAX]; /* by tag id, as tags[] */
 } tidepool_stats_v1;
 
 /* Fills `out` (out->struct_size must be set; Note [Versioned structs]: a caller built

@@ -145,6 +145,7 @@ Event CachingAllocator::Impl::take_event() {
 // ============================================================================ free lists
 
 void CachingAllocator::Impl::merge_into(Block* front, Block* back) {
+  if (back->size > front->size) front->tag = back->tag;  // Note [Cached memory by tag]
   front->size += back->size;
   front->next = back->next;
   if (back->next != nullptr)
@@ -201,6 +202,7 @@ Block* CachingAllocator::Impl::carve_tail(Block* b, std::size_t tail) {
   t->segment = b->segment;
   t->owner = b->owner;
   t->free_seq = b->free_seq;
+  t->tag = b->tag;
   t->state = BlockState::allocated;
   t->prev = b;
   t->next = b->next;
@@ -267,7 +269,8 @@ Block* CachingAllocator::Impl::choose_fit(detail::BlockPool& pool, std::size_t s
   return fallback;
 }
 
-Block* CachingAllocator::Impl::try_allocate(StreamPools& sp, std::size_t size, bool small) {
+Block* CachingAllocator::Impl::try_allocate(StreamPools& sp, std::size_t size, bool small,
+                                           int tag) {
   detail::BlockPool& pool = sp.pool(small);
   bool at_end = false;
   Block* b = choose_fit(pool, size, at_end);
@@ -281,7 +284,8 @@ Block* CachingAllocator::Impl::try_allocate(StreamPools& sp, std::size_t size, b
     b = choose_fit(pool, size, at_end);
     if (b == nullptr) b = steal(sp, size, small);
   }
-  if (b == nullptr) b = grow(sp, size, small);
+  if (b == nullptr && (b = grow(sp, size, small)) != nullptr)
+    b->tag = static_cast<std::uint8_t>(tag);  // the rest of new memory is the request's
   if (b == nullptr) return nullptr;
   pool.erase(b);
   b->state = BlockState::allocated;  // before splitting: the rest must not merge back
@@ -303,6 +307,9 @@ Block* CachingAllocator::Impl::try_allocate(StreamPools& sp, std::size_t size, b
       throw;
     }
   }
+  // Backed memory past the last block is the request's if backed for it now.
+  Segment* const seg = b->segment;
+  const bool tail_was_backed = backed_past_used_end(seg);
   bool backed = false;
   try {
     backed = ensure_backed(b);
@@ -314,6 +321,8 @@ Block* CachingAllocator::Impl::try_allocate(StreamPools& sp, std::size_t size, b
     insert_free(b, false);
     return nullptr;
   }
+  if (!tail_was_backed && backed_past_used_end(seg))
+    seg->tail_tag = static_cast<std::uint8_t>(tag);
   return b;
 }
 
@@ -321,16 +330,16 @@ Block* CachingAllocator::Impl::try_allocate(StreamPools& sp, std::size_t size, b
 // backed range back and try once more; then wait for the streams whose free blocks
 // would serve the request and try again (steps 1-2 of Note [OOM policy]).
 Block* CachingAllocator::Impl::try_allocate_releasing(StreamPools& sp, std::size_t size,
-                                                      bool small) {
-  if (Block* b = try_allocate(sp, size, small)) return b;
+                                                      bool small, int tag) {
+  if (Block* b = try_allocate(sp, size, small, tag)) return b;
   if (!options.allow_release || never_fits(size)) return nullptr;  // Note [OOM policy]
   drain_thread_caches();
   flush_all_quick();
   process_pending(true);
   release_cached();
-  if (Block* b = try_allocate(sp, size, small)) return b;
+  if (Block* b = try_allocate(sp, size, small, tag)) return b;
   if (!settle_streams_with_room(sp, size, small)) return nullptr;
-  return try_allocate(sp, size, small);
+  return try_allocate(sp, size, small, tag);
 }
 
 // Note [Waiting for a stream before giving up]: a free block of another stream that would
@@ -409,7 +418,8 @@ void* CachingAllocator::Impl::allocate_locked(std::size_t bytes, std::size_t siz
     }
   }
   const std::uint64_t acquired_before = stats.segments.allocated;
-  Block* b = releasing ? try_allocate_releasing(sp, size, small) : try_allocate(sp, size, small);
+  Block* b = releasing ? try_allocate_releasing(sp, size, small, tag)
+                       : try_allocate(sp, size, small, tag);
   if (b == nullptr) return nullptr;
   ++(stats.segments.allocated == acquired_before ? stats.cache_hits : stats.cache_misses);
   return finish_shared_allocation(b, bytes, tag, tc);
@@ -462,7 +472,7 @@ void* allocate_on(CachingAllocator::Impl& m, std::size_t bytes, Stream stream, b
     std::lock_guard lock(m.mutex);
     m.stats.reclaim_calls += reclaimed.calls;
     m.stats.reclaimed_bytes += reclaimed.bytes;
-    if (Block* b = m.try_allocate_releasing(m.pools_for(stream), size, small)) {
+    if (Block* b = m.try_allocate_releasing(m.pools_for(stream), size, small, tag)) {
       ++m.stats.cache_misses;
       return m.finish_shared_allocation(b, bytes, tag, tc);
     }

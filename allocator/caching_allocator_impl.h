@@ -9,6 +9,7 @@
 #pragma once
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -27,7 +28,14 @@ namespace tidepool {
 namespace detail {
 struct ThreadCache;
 class SpinLock;
-}
+
+// Cached memory counted by walking the segments (Note [Cached memory by tag]).
+struct CacheCensus {
+  std::size_t largest = 0;  // largest free contiguous backed range, any tag
+  std::array<std::uint64_t, kTagCount> cached{};   // bytes, by the tag they are kept under
+  std::array<std::uint64_t, kTagCount> largest_by_tag{};
+};
+}  // namespace detail
 
 // Hidden although CachingAllocator is exported: nothing outside libtidepool.so uses it, and
 // a member of an exported class would be called through the PLT even from inside the
@@ -94,8 +102,10 @@ struct __attribute__((visibility("hidden"))) CachingAllocator::Impl {
   // instead (a backend error then leaves them to the driver's teardown). Never throws:
   // frees, stream releases and the destructor give events back after changing state.
   void give_back_events(std::span<const Event> events) noexcept;
-  Block* try_allocate(StreamPools& sp, std::size_t size, bool small);
-  Block* try_allocate_releasing(StreamPools& sp, std::size_t size, bool small);
+  // `tag`: the request's, given to memory new from the backend (Note [Cached memory by
+  // tag], snapshot.cpp).
+  Block* try_allocate(StreamPools& sp, std::size_t size, bool small, int tag);
+  Block* try_allocate_releasing(StreamPools& sp, std::size_t size, bool small, int tag);
   // Whether a block of `size` bytes can never be backed: it is larger than the device or
   // than the process's share of it (Backend::set_device_limit).
   bool never_fits(std::size_t size) const;
@@ -177,6 +187,13 @@ struct __attribute__((visibility("hidden"))) CachingAllocator::Impl {
   // When it fails (false or a throw), the runs it created are given back (Note [Failed
   // backing]).
   bool ensure_backed(Block* b);
+  // Whether an expandable range has backed memory past its last block (the granule at
+  // used_end is mapped); false for plain segments, which have none.
+  bool backed_past_used_end(const Segment* seg) const {
+    if (!seg->expandable) return false;
+    const auto g = static_cast<std::size_t>(seg->used_end - seg->base) / granule;
+    return g < seg->run_head.size() && seg->run_head[g] >= 0;
+  }
   // ensure_backed's work on granules [first, end) of b's segment; appends the head of
   // every run it creates to `created` (room made before the first).
   bool back_block(Block* b, std::size_t first, std::size_t end,
@@ -253,7 +270,9 @@ struct __attribute__((visibility("hidden"))) CachingAllocator::Impl {
   // --- snapshot.cpp ---------------------------------------------------------------------
   // All three read held blocks: the lock and every thread cache's mutex must be held.
   AllocatorStats compute_stats() const;
-  std::size_t largest_free_backed() const;
+  // Cached memory, per tag and in total (Note [Cached memory by tag]).
+  detail::CacheCensus cache_census() const;
+  std::size_t largest_free_backed() const { return cache_census().largest; }
   std::string oom_message(std::size_t bytes, std::size_t rounded, Stream s,
                           std::size_t reclaim_calls, std::size_t reclaimed) const;
   std::string snapshot_json() const;

@@ -89,45 +89,82 @@ const char* state_name(BlockState s) {
 
 }  // namespace
 
-std::size_t CachingAllocator::Impl::largest_free_backed() const {
-  std::size_t largest = 0;
+// Note [Cached memory by tag]
+// Cached memory belongs to no allocation, yet when reserved is well above allocated the
+// question is whose memory the cache holds. Each free block keeps a tag as an allocated
+// block does, by these rules:
+//   - a freed block keeps the tag of the allocation it held (its last use);
+//   - the rest of a split keeps the tag of the block it was cut from;
+//   - memory new from the backend (a segment, or a range's growth) takes the tag of the
+//     request it was taken for, so the part of it that request leaves free is its;
+//   - blocks that merge take the larger part's tag (ties: the lower address's);
+//   - the backed part of an expandable range past its last block (the rest of the last
+//     mapping slot) is the tag of the request it was backed for (Segment::tail_tag).
+// So every cached byte is under exactly one tag, and the tags' cached figures add up to
+// cached_bytes; the per-tag figure is an attribution (a merge hands the smaller part to
+// the larger's tag), not a history of every byte. A tag's largest free block is its
+// largest run of adjacent free blocks of one stream and that tag; its fragmentation is
+// 1 - largest / cached, as the total's. Counted by walking the segments when stats are
+// read, as the largest free range already was: nothing on the allocation path.
+detail::CacheCensus CachingAllocator::Impl::cache_census() const {
+  detail::CacheCensus census;
+  // A free range: adjacent cached memory, contiguously backed; `tag` matters for by-tag.
+  struct Run {
+    const char* lo = nullptr;
+    const char* hi = nullptr;
+    const StreamPools* owner = nullptr;
+    int tag = -1;
+    void reset() { *this = Run{}; }
+  };
+  auto extend = [](Run& run, const char* lo, const char* hi) {
+    if (run.hi != lo) run.lo = lo;
+    run.hi = hi;
+    return static_cast<std::size_t>(run.hi - run.lo);
+  };
   for (const auto& [base, seg] : segments) {
     // Adjacent non-allocated blocks of one stream form one free range (quick and pending
     // blocks included: their memory is cached, just not yet merged). Blocks of different
     // streams never merge, and a steal takes one block: such neighbours are two ranges.
-    const char* run_lo = nullptr;
-    const char* run_hi = nullptr;
-    const StreamPools* run_owner = nullptr;
+    Run any;
+    Run same_tag;
     for (const Block* b = seg->first; b != nullptr; b = b->next) {
       // A block parked in a thread cache is allocated to the shared state but cached
       // memory all the same (its holder's mutex is held by the caller).
       if (b->state == BlockState::allocated && !(b->holder != nullptr && b->in_thread_cache)) {
-        run_lo = run_hi = nullptr;
+        any.reset();
+        same_tag.reset();
         continue;
       }
-      if (b->owner != run_owner) run_lo = run_hi = nullptr;
-      run_owner = b->owner;
+      if (b->owner != any.owner) any.reset();
+      any.owner = b->owner;
+      if (b->owner != same_tag.owner || b->tag != same_tag.tag) same_tag.reset();
+      same_tag.owner = b->owner;
+      same_tag.tag = b->tag;
       for_each_backed(b, granule, [&](const char* lo, const char* hi) {
-        if (run_hi != lo) run_lo = lo;
-        run_hi = hi;
-        largest = std::max<std::size_t>(largest, static_cast<std::size_t>(run_hi - run_lo));
+        census.cached[b->tag] += static_cast<std::uint64_t>(hi - lo);
+        census.largest = std::max(census.largest, extend(any, lo, hi));
+        census.largest_by_tag[b->tag] =
+            std::max<std::uint64_t>(census.largest_by_tag[b->tag], extend(same_tag, lo, hi));
       });
     }
     // An expandable range is backed slot by slot, but blocks tile it only up to used_end:
     // the backed rest of the last slot holds no block yet is free memory, contiguous with
     // a free last block.
     if (!seg->expandable) continue;
+    const int tail_tag = seg->tail_tag;
+    if (same_tag.tag != tail_tag) same_tag.reset();
     for (std::size_t g = static_cast<std::size_t>(seg->used_end - seg->base) / granule;
          g < seg->run_head.size() && seg->run_head[g] >= 0; ++g) {
       const char* lo = std::max<const char*>(seg->base + g * granule, seg->used_end);
       const char* hi = seg->base + (g + 1) * granule;
       if (lo == hi) continue;
-      if (run_hi != lo) run_lo = lo;
-      run_hi = hi;
-      largest = std::max<std::size_t>(largest, static_cast<std::size_t>(run_hi - run_lo));
+      census.cached[tail_tag] += static_cast<std::uint64_t>(hi - lo);
+      census.largest = std::max(census.largest, extend(any, lo, hi));
+      census.largest_by_tag[tail_tag] =
+          std::max<std::uint64_t>(census.largest_by_tag[tail_tag], extend(same_tag, lo, hi));
     }
   }
-  return largest;
+  return census;
 }
 
 // Pre: the allocator's and every thread cache's mutex held (a parked block's
@@ -188,15 +225,28 @@ std::vector<MemoryRange> CachingAllocator::Impl::backed_ranges() const {
   return out;
 }
 
+namespace {
+
+// 1 - largest / cached: how much of the cached memory one request cannot have.
+double fragmentation_of(std::uint64_t cached, std::uint64_t largest) {
+  if (cached == 0) return 0.0;
+  return 1.0 - static_cast<double>(std::min(largest, cached)) / static_cast<double>(cached);
+}
+
+}  // namespace
+
 AllocatorStats CachingAllocator::Impl::compute_stats() const {
   AllocatorStats s = stats;
+  const detail::CacheCensus census = cache_census();
   s.cached_bytes = s.reserved.current - s.allocated.current;
-  s.fragmentation =
-      s.cached_bytes == 0
-          ? 0.0
-          : 1.0 - static_cast<double>(std::min<std::size_t>(largest_free_backed(),
-                                                            s.cached_bytes)) /
-                      static_cast<double>(s.cached_bytes);
+  s.largest_free_block = census.largest;
+  s.fragmentation = fragmentation_of(s.cached_bytes, census.largest);
+  for (int t = 0; t < kTagCount; ++t) {
+    TagStats& ts = s.tags[t];
+    ts.cached_bytes = census.cached[t];
+    ts.largest_free_block = census.largest_by_tag[t];
+    ts.fragmentation = fragmentation_of(ts.cached_bytes, ts.largest_free_block);
+  }
   return s;
 }
 
@@ -222,14 +272,15 @@ std::string CachingAllocator::Impl::oom_message(std::size_t bytes, std::size_t r
   os << ". tidepool holds " << format_bytes(st.reserved.current) << " reserved, "
      << format_bytes(st.allocated.current) << " allocated, " << format_bytes(st.cached_bytes)
      << " cached (largest free block "
-     << format_bytes(largest_free_backed()) << "). By tag:";
+     << format_bytes(st.largest_free_block) << "). By tag:";
   bool any = false;
   for (int t = 0; t < kTagCount; ++t) {
     const TagStats& ts = st.tags[t];
-    if (ts.count == 0) continue;
+    if (ts.count == 0 && ts.cached_bytes == 0) continue;
     const char* name = tag_name(t);
     os << (any ? ", " : " ") << (name ? name : "?") << " " << format_bytes(ts.bytes.current)
        << " in " << ts.count << (ts.count == 1 ? " allocation" : " allocations");
+    if (ts.cached_bytes != 0) os << " (" << format_bytes(ts.cached_bytes) << " cached)";
     any = true;
   }
   if (!any) os << " nothing allocated";
@@ -278,6 +329,7 @@ std::string CachingAllocator::Impl::snapshot_json() const {
      << ",\"reclaim_calls\":" << st.reclaim_calls << ",\"reclaimed_bytes\":" << st.reclaimed_bytes
      << ",\"cross_stream_reuses\":" << st.cross_stream_reuses
      << ",\"free_device_syncs\":" << st.free_device_syncs
+     << ",\"largest_free_block\":" << st.largest_free_block
      << ",\"fragmentation\":" << json_number(st.fragmentation) << "},\"tags\":[";
   bool first = true;
   for (int t = 0; t < tag_count() && t < kTagCount; ++t) {
@@ -288,7 +340,10 @@ std::string CachingAllocator::Impl::snapshot_json() const {
     os << json_quoted(tag_name(t) ? tag_name(t) : "");
     os << ',';
     json_stat(os, "bytes", ts.bytes);
-    os << ",\"count\":" << ts.count << ",\"total_count\":" << ts.total_count << '}';
+    os << ",\"count\":" << ts.count << ",\"total_count\":" << ts.total_count
+       << ",\"cached_bytes\":" << ts.cached_bytes
+       << ",\"largest_free_block\":" << ts.largest_free_block
+       << ",\"fragmentation\":" << json_number(ts.fragmentation) << '}';
   }
   // A released stream's pool has no stream (Note [Released streams]): named "released".
   auto json_stream = [this](std::ostream& out, const detail::StreamPools* sp) {
@@ -318,10 +373,12 @@ std::string CachingAllocator::Impl::snapshot_json() const {
       os << ",\"size\":" << b->size << ",\"state\":\""
          << (thread_cached ? "thread_cached" : state_name(b->state)) << "\",\"stream\":";
       json_stream(os, b->owner);
-      if (b->state == BlockState::allocated && !thread_cached) {
-        os << ",\"requested\":" << b->requested << ",\"tag\":";
-        os << json_quoted(tag_name(b->tag) ? tag_name(b->tag) : "");
-      }
+      // A free block's tag is the one its memory is cached under (Note [Cached memory by
+      // tag]): "last_tag", not "tag", which names a live allocation's.
+      const bool live = b->state == BlockState::allocated && !thread_cached;
+      if (live) os << ",\"requested\":" << b->requested;
+      os << (live ? ",\"tag\":" : ",\"last_tag\":");
+      os << json_quoted(tag_name(b->tag) ? tag_name(b->tag) : "");
       os << '}';
     }
     os << "]}";

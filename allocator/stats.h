@@ -35,6 +35,11 @@ struct TagStats {
   Stat bytes;                    // live bytes (rounded block sizes) under this tag
   std::uint64_t count = 0;       // live allocations
   std::uint64_t total_count = 0; // allocations ever made
+  // Cached memory kept under this tag (Note [Cached memory by tag], snapshot.cpp): free
+  // backed bytes whose last use was this tag's; the tags' figures add up to cached_bytes.
+  std::uint64_t cached_bytes = 0;
+  std::uint64_t largest_free_block = 0;  // largest free contiguous range among them
+  double fragmentation = 0;  // 1 - largest_free_block / cached_bytes; 0 when none cached
 };
 
 struct AllocatorStats {
@@ -56,7 +61,9 @@ struct AllocatorStats {
   // Frees that synchronized the device because recording an event on a stream that used
   // the block failed (a record_stream stream destroyed without release_stream).
   std::uint64_t free_device_syncs = 0;
-  // 1 - (largest free contiguous backed range / cached bytes); 0 when nothing is cached.
+  // Largest free contiguous backed range (what one request could get without new memory).
+  std::uint64_t largest_free_block = 0;
+  // 1 - (largest_free_block / cached bytes); 0 when nothing is cached.
   double fragmentation = 0;
   std::array<TagStats, kTagCount> tags{};
 };

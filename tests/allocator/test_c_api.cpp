@@ -209,6 +209,14 @@ TEST_F(CApi, TagsScopeAllocationsPerThread) {
   EXPECT_EQ(s.tags[tag].count, 0u);
   EXPECT_EQ(s.tags[tag].total_count, 1u);
   EXPECT_EQ(s.tags[tag].bytes.peak, 10240u);
+  // The freed block (and the rest of the small segment it was cut from) stays cached under
+  // the tag (Note [Cached memory by tag]).
+  EXPECT_GE(s.tag_cache[tag].cached_bytes, 10240u);
+  EXPECT_GE(s.tag_cache[tag].largest_free_block, 10240u);
+  EXPECT_LE(s.tag_cache[tag].largest_free_block, s.largest_free_block);
+  std::uint64_t cached_under_tags = 0;
+  for (const tidepool_tag_cache_v1& c : s.tag_cache) cached_under_tags += c.cached_bytes;
+  EXPECT_EQ(cached_under_tags, s.cached_bytes);
 }
 
 TEST_F(CApi, SnapshotIsValidJsonWithSegmentsBlocksAndEscapedTagNames) {

@@ -1,12 +1,15 @@
 // Randomized differential test: a long random sequence of allocations, frees, tag scopes
 // and empty_cache calls runs against the allocator and a reference model of what must
 // hold: live blocks never overlap, the bytes written into each block are intact when it
-// is freed, and the allocator's stats equal the model's after every step. Bad frees are
+// is freed, and the allocator's stats equal the model's after every step (the cached
+// memory kept under the tags adds up to the cached total). Bad frees are
 // mixed in (a freed block again, a pointer inside a live block, a live block with another
 // size, a pointer never handed out): each must be refused, changing nothing the model
 // and the later steps can see.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <iterator>
 #include <map>
 #include <random>
 #include <tuple>
@@ -182,6 +185,23 @@ void run_differential(std::unique_ptr<Backend> backend, const AllocatorOptions& 
       ASSERT_EQ(s.tags[t].bytes.current, m.tag_bytes[t]) << "tag " << t << " step " << step;
       ASSERT_EQ(s.tags[t].count, m.tag_count[t]) << "tag " << t << " step " << step;
     }
+    // Note [Cached memory by tag]: every cached byte is kept under exactly one tag, one
+    // this sequence used; a tag's largest free block is among its cached bytes.
+    std::uint64_t cached_under_tags = 0;
+    for (int t = 0; t < kTagCount; ++t) {
+      const TagStats& ts = s.tags[t];
+      cached_under_tags += ts.cached_bytes;
+      if (std::find(std::begin(tags), std::end(tags), t) == std::end(tags)) {
+        ASSERT_EQ(ts.cached_bytes, 0u) << "tag " << t << " was never used, step " << step;
+      }
+      ASSERT_LE(ts.largest_free_block, ts.cached_bytes) << "tag " << t << " step " << step;
+      ASSERT_LE(ts.largest_free_block, s.largest_free_block) << "tag " << t << " step " << step;
+      ASSERT_GE(ts.fragmentation, 0.0);
+      ASSERT_LT(ts.fragmentation, 1.0);
+      ASSERT_EQ(ts.fragmentation == 0.0, ts.cached_bytes == ts.largest_free_block);
+    }
+    ASSERT_EQ(cached_under_tags, s.cached_bytes) << "step " << step;
+    ASSERT_LE(s.largest_free_block, s.cached_bytes) << "step " << step;
   }
   for (auto& [p, b] : m.live) alloc.deallocate(p, b.size, b.stream);
   EXPECT_EQ(alloc.stats().allocated.current, 0u);

@@ -118,6 +118,24 @@ TEST_P(Oom, NothingToReclaimGivesAClearErrorAndTheAllocatorLivesOn) {
   alloc_->deallocate(now, 40 * kMiB);
 }
 
+// Cached memory the OOM policy could not give back (the rest of a segment a live block
+// keeps) is named with the tag it is kept under (Note [Cached memory by tag]).
+TEST_P(Oom, TheMessageSaysWhichTagsKeepTheCacheThatCouldNotBeFreed) {
+  void* p = nullptr;
+  {
+    TagScope scope(kTagActivation);
+    p = alloc_->allocate(4096);  // a small segment (or slot) of its own, kept by p
+  }
+  const std::uint64_t cached = alloc_->stats().tags[kTagActivation].cached_bytes;
+  ASSERT_GT(cached, 0u);
+  const std::string m =
+      test_support::expect_error<OutOfMemoryError>([&] { alloc_->allocate(63 * kMiB); });
+  EXPECT_NE(m.find("activation 4.00 KiB in 1 allocation (" + format_bytes(cached) + " cached)"),
+            std::string::npos)
+      << m;
+  alloc_->deallocate(p, 4096);
+}
+
 // A hook that allocates from the allocator it reclaims for (a hook that needs scratch
 // memory to move state out) and hits OOM again must not run the hooks once more from
 // inside itself: each nested OOM would recurse until the stack runs out. The nested

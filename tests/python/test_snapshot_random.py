@@ -8,7 +8,8 @@ snapshot must describe memory exactly:
     size the request was rounded to, its requested bytes and its tag;
   - its stats, and tidepool.stats(), agree with the blocks: allocated and requested
     bytes, allocation count, reserved bytes (the segments' backed bytes), per-tag bytes
-    and counts.
+    and counts, and the tags' cached bytes add up to the cached total, every free block
+    kept under a tag the sequence used.
 TIDEPOOL_TEST_SEED draws other sequences; TIDEPOOL_TEST_SCALE makes them longer."""
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ lib.tidepool_malloc.restype = ctypes.c_void_p
 lib.tidepool_malloc.argtypes = [ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p]
 lib.tidepool_free.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
 tags = ["", "activation", "snapshot random \\"quoted\\""]
+used_tags = {t or "untagged" for t in tags}
 live = {}  # address -> (requested bytes, tag name)
 problems = []
 
@@ -48,6 +50,8 @@ def check(op, what):
             at += b["size"]
             if b["state"] == "allocated":
                 allocated[int(b["address"], 16)] = (b["size"], b["requested"], b["tag"])
+            elif b["last_tag"] not in used_tags:
+                problems.append((op, what, "a free block kept under", b["last_tag"]))
         # The blocks tile the part of the segment in use (all of it, but for an
         # expandable segment's reserved address range).
         if at != base + seg["used"] or seg["used"] > seg["size"] or seg["backed"] > seg["size"]:
@@ -72,6 +76,10 @@ def check(op, what):
         problems.append((op, what, "stats() allocated", flat["allocated_bytes.all.current"], sizes))
     if flat["reserved_bytes.all.current"] != expected["reserved"]:
         problems.append((op, what, "stats() reserved", flat["reserved_bytes.all.current"]))
+    # Note [Cached memory by tag]: every cached byte is under one tag.
+    if sum(tag["cached_bytes"] for tag in snap["tags"]) != st["cached_bytes"]:
+        problems.append((op, what, "cached by tag", [t["cached_bytes"] for t in snap["tags"]],
+                         st["cached_bytes"]))
     for tag in snap["tags"]:
         mine = [s for s, _, t in allocated.values() if t == tag["name"]]
         if (tag["bytes"]["current"], tag["count"]) != (sum(mine), len(mine)):

@@ -40,6 +40,9 @@ for p, n in ((a, 3 * MiB), (b, MiB), (c, MiB)):
 after = tidepool.stats(0)
 out["after"] = {k: after[k] for k in ("allocated_bytes.all.current", "allocated_bytes.all.peak",
                                       "tag.kv_cache.current", "tag.kv_cache.freed")}
+out["cached"] = {k: v for k, v in after.items()
+                 if k in ("cached_bytes", "largest_free_block", "fragmentation")
+                 or k.endswith((".cached_bytes", ".largest_free_block", ".fragmentation"))}
 try:
     tidepool.stats(99)
 except RuntimeError as e:
@@ -154,3 +157,17 @@ def test_a_stream_that_is_not_one_is_refused_before_anything_moves(report):
         "TypeError", "tidepool: stream must be a torch.cuda.Stream, a stream handle (int) or "
         "None, not 'x'"]
     assert report["nothing_prefetched"]
+
+
+def test_cached_memory_is_broken_down_by_tag(report):
+    # Note [Cached memory by tag]: every cached byte is under one tag; kv_cache's freed
+    # 3 MiB block (and more) is kept under kv_cache.
+    cached = report["cached"]
+    tags = {key.split(".")[1] for key in cached if key.startswith("tag.")}
+    assert {"kv_cache", "optimizer_state"} <= tags
+    assert sum(cached[f"tag.{t}.cached_bytes"] for t in tags) == cached["cached_bytes"] > 0
+    assert cached["tag.kv_cache.cached_bytes"] >= 3 << 20
+    for t in tags:
+        assert cached[f"tag.{t}.largest_free_block"] <= cached[f"tag.{t}.cached_bytes"]
+        assert cached[f"tag.{t}.largest_free_block"] <= cached["largest_free_block"]
+        assert 0.0 <= cached[f"tag.{t}.fragmentation"] < 1.0

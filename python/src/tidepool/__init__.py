@@ -261,7 +261,9 @@ def region(tag: str | int = "user", device=None):
 def stats(device=None) -> dict:
     """Allocator statistics, keyed like torch.cuda.memory_stats() ("allocated_bytes.all.
     current", "reserved_bytes.all.peak", ...), plus "tag.<name>.current|peak|allocated|
-    freed|count|total_count" for every tag used and transfer figures when tiering is built."""
+    freed|count|total_count" and the tag's cached memory "tag.<name>.cached_bytes|
+    largest_free_block|fragmentation" for every tag used, and transfer figures when
+    tiering is built."""
     from ._stats import stats as read
     return read(_device(device))
 

@@ -21,6 +21,11 @@ class TagStats(ctypes.Structure):
     _fields_ = [("bytes", Stat), ("count", ctypes.c_uint64), ("total_count", ctypes.c_uint64)]
 
 
+class TagCache(ctypes.Structure):
+    _fields_ = [("cached_bytes", ctypes.c_uint64), ("largest_free_block", ctypes.c_uint64),
+                ("fragmentation", ctypes.c_double)]
+
+
 class StatsV1(ctypes.Structure):
     """Mirror of tidepool_stats_v1; field for field, in order."""
     _fields_ = [
@@ -38,6 +43,8 @@ class StatsV1(ctypes.Structure):
         # appended after the first release of v1 (a shorter struct_size gets the prefix)
         ("requested", Stat), ("cross_stream_reuses", ctypes.c_uint64),
         ("allocations", Stat), ("segments", Stat),  # counts, with their peaks
+        ("largest_free_block", ctypes.c_uint64),
+        ("tag_cache", TagCache * TAG_MAX),  # cached memory by tag
     ]
 
 
@@ -72,6 +79,7 @@ def stats(device: int = 0) -> dict:
     out["num_cache_hits"] = raw.cache_hits
     out["num_cache_misses"] = raw.cache_misses
     out["reclaimed_bytes"] = raw.reclaimed_bytes
+    out["largest_free_block"] = raw.largest_free_block
     out["fragmentation"] = raw.fragmentation
     from . import _tags
 
@@ -83,6 +91,12 @@ def stats(device: int = 0) -> dict:
         _stat_keys(out, f"tag.{name}", t.bytes)
         out[f"tag.{name}.count"] = t.count
         out[f"tag.{name}.total_count"] = t.total_count
+        # Free memory kept under the tag (Note [Cached memory by tag] in
+        # allocator/snapshot.cpp): the tags' figures add up to cached_bytes.
+        cache = raw.tag_cache[tag]
+        out[f"tag.{name}.cached_bytes"] = cache.cached_bytes
+        out[f"tag.{name}.largest_free_block"] = cache.largest_free_block
+        out[f"tag.{name}.fragmentation"] = cache.fragmentation
     from . import _adoption, _tiering
 
     out.update(_tiering.transfer_stats(device))
