@@ -490,7 +490,13 @@ int tidepool_reset_peak_stats(int device) {
 
 char* tidepool_snapshot_json(int device) {
   return guarded<char*>(nullptr, [&] {
-    return tidepool::detail::malloc_c_string(tidepool::device_allocator(device).snapshot_json());
+    // A device tidepool has not allocated on gets an empty snapshot, and no allocator is
+    // created for it (on CUDA, no context), as tidepool_get_stats_v1.
+    const tidepool::CachingAllocator* a = tidepool::checked_existing_allocator(device);
+    return tidepool::detail::malloc_c_string(
+        a != nullptr ? a->snapshot_json()
+                     : tidepool::snapshot_json_of_unused_device(device,
+                                                                tidepool::selected_backend()));
   });
 }
 

@@ -174,10 +174,10 @@ typedef struct tidepool_tag_stats_v1 {
   uint64_t total_count;   /* allocations ever made */
 } tidepool_tag_stats_v1;
 
-/* Cached memory by tag (Note [Cached memory by tag], allocator/snapshot.cpp): each free
- * block is kept under the tag of its last use (memory new from the backend: of the request
- * it was taken for; merged blocks: of the larger part), so the tags' cached_bytes add up
- * to tidepool_stats_v1.cached_bytes. */
+/* Cached memory by tag (Note [Cached memory by tag], allocator/snapshot.cpp has the exact
+ * rules): each free block is kept under the tag of its last use (what a request leaves
+ * free of the memory taken for it: the request's; merged blocks: the larger part's), so
+ * the tags' cached_bytes add up to tidepool_stats_v1.cached_bytes. */
 typedef struct tidepool_tag_cache_v1 {
   uint64_t cached_bytes;       /* free backed bytes kept under this tag */
   uint64_t largest_free_block; /* largest free contiguous range among them */
@@ -269,7 +269,8 @@ TIDEPOOL_API int tidepool_get_pytorch_stats_v1(int device, tidepool_pytorch_stat
 TIDEPOOL_API int tidepool_pytorch_reset_accumulated_stats(int device);
 
 /* JSON snapshot of segments, blocks and stats. Returns a malloc'd string the caller
- * frees with tidepool_string_free, or NULL on error. */
+ * frees with tidepool_string_free, or NULL on error. A device tidepool has not allocated
+ * on gets an empty snapshot, and nothing is created there (on CUDA, no context). */
 TIDEPOOL_API char* tidepool_snapshot_json(int device);
 TIDEPOOL_API void tidepool_string_free(char* s);
 

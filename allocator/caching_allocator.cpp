@@ -284,8 +284,7 @@ Block* CachingAllocator::Impl::try_allocate(StreamPools& sp, std::size_t size, b
     b = choose_fit(pool, size, at_end);
     if (b == nullptr) b = steal(sp, size, small);
   }
-  if (b == nullptr && (b = grow(sp, size, small)) != nullptr)
-    b->tag = static_cast<std::uint8_t>(tag);  // the rest of new memory is the request's
+  if (b == nullptr) b = grow(sp, size, small, tag);
   if (b == nullptr) return nullptr;
   pool.erase(b);
   b->state = BlockState::allocated;  // before splitting: the rest must not merge back

@@ -229,4 +229,9 @@ class TIDEPOOL_API CachingAllocator {
   std::unique_ptr<Impl> impl_;
 };
 
+// snapshot_json() of an allocator that does not exist yet, for a device tidepool has not
+// allocated on: its backend and options as the allocator would have them, zero stats, no
+// segments. Reading a snapshot creates no allocator (on CUDA, no context on the device).
+std::string snapshot_json_of_unused_device(int device, BackendKind kind);
+
 }  // namespace tidepool

@@ -181,7 +181,7 @@ struct __attribute__((visibility("hidden"))) CachingAllocator::Impl {
   // --- segments.cpp ---------------------------------------------------------------------
   // A free block of at least `size` bytes in sp's pool, from new backend memory (plain) or
   // the tail of sp's expandable range; null when the backend is out of memory.
-  Block* grow(StreamPools& sp, std::size_t size, bool small);
+  Block* grow(StreamPools& sp, std::size_t size, bool small, int tag);
   Segment* create_segment(StreamPools& sp, std::size_t bytes, bool small, bool expandable);
   // Maps any unbacked granule under `b` (expandable segments); false when out of memory.
   // When it fails (false or a throw), the runs it created are given back (Note [Failed

@@ -140,11 +140,12 @@ CachingAllocator::Impl::Segment* CachingAllocator::Impl::create_segment(StreamPo
   return seg.release();
 }
 
-// Appends a free block of `bytes` at the segment's used end, owned by sp, into sp's pool.
+// Appends a free block of `bytes` at the segment's used end, owned by sp, into sp's pool,
+// under `tag` (Note [Cached memory by tag]).
 // A throw (std::bad_alloc) changes nothing: a last block missing from `blocks` or from
 // the pool would be extended and handed out by the next grow, then refused by deallocate.
 static Block* append_block(CachingAllocator::Impl& m, Segment* seg, StreamPools& sp,
-                           std::size_t bytes) {
+                           std::size_t bytes, int tag) {
   Block* b = m.new_block();
   try {
     m.blocks.emplace(seg->used_end, b);  // indexed before it is linked
@@ -154,6 +155,7 @@ static Block* append_block(CachingAllocator::Impl& m, Segment* seg, StreamPools&
   }
   b->ptr = seg->used_end;
   b->size = bytes;
+  b->tag = static_cast<std::uint8_t>(tag);
   b->segment = seg;
   b->owner = &sp;
   b->prev = seg->last;
@@ -181,14 +183,21 @@ static Block* append_block(CachingAllocator::Impl& m, Segment* seg, StreamPools&
   return b;
 }
 
-Block* CachingAllocator::Impl::grow(StreamPools& sp, std::size_t size, bool small) {
+// Note [Cached memory by tag]: a new plain segment is the request's (`tag`). On a range,
+// grow only tiles address space, which the request's block backs once it is handed out
+// (try_allocate moves tail_tag then); until then what grow tiled keeps the tag its backed
+// memory had, so that a request that cannot be backed takes no tag's memory: an appended
+// block takes the tag of the backed memory past the last block, when there is some, and
+// an extended last block keeps its own.
+Block* CachingAllocator::Impl::grow(StreamPools& sp, std::size_t size, bool small, int tag) {
   detail::BlockPool& pool = sp.pool(small);
   if (!options.expandable_segments) {
     Segment* seg = create_segment(sp, plain_segment_size(size), small, false);
     if (seg == nullptr) return nullptr;
-    // Should the append throw, the segment stays, empty and cached: release_cached gives
-    // it back.
-    append_block(*this, seg, sp, seg->size);
+    // Should the append throw, the segment stays, empty and cached under the request's
+    // tag (its memory lies past used_end): release_cached gives it back.
+    seg->tail_tag = static_cast<std::uint8_t>(tag);
+    append_block(*this, seg, sp, seg->size, tag);
     return pool.best_fit(size);
   }
   std::vector<Segment*>& ranges = small ? sp.small_ranges : sp.large_ranges;
@@ -199,7 +208,9 @@ Block* CachingAllocator::Impl::grow(StreamPools& sp, std::size_t size, bool smal
         last != nullptr && last->state == BlockState::free && last->owner == &sp;
     const std::size_t need = extend_last ? size - std::min(size, last->size) : size;
     if (seg->used_end + need <= seg->base + seg->size) {
-      if (!extend_last) return append_block(*this, seg, sp, need);
+      if (!extend_last)
+        return append_block(*this, seg, sp, need,
+                            backed_past_used_end(seg) ? int{seg->tail_tag} : tag);
       pool.erase(last);
       last->size += need;
       seg->used_end += need;
@@ -216,7 +227,7 @@ Block* CachingAllocator::Impl::grow(StreamPools& sp, std::size_t size, bool smal
   if (seg == nullptr) return nullptr;
   ranges.push_back(seg);
   // Should the append throw, the range stays, empty: the next grow appends to it.
-  return append_block(*this, seg, sp, size);
+  return append_block(*this, seg, sp, size, tag);
 }
 
 bool CachingAllocator::Impl::ensure_backed(Block* b) {

@@ -95,11 +95,17 @@ const char* state_name(BlockState s) {
 // block does, by these rules:
 //   - a freed block keeps the tag of the allocation it held (its last use);
 //   - the rest of a split keeps the tag of the block it was cut from;
-//   - memory new from the backend (a segment, or a range's growth) takes the tag of the
-//     request it was taken for, so the part of it that request leaves free is its;
-//   - blocks that merge take the larger part's tag (ties: the lower address's);
+//   - a new plain segment is the tag of the request it was taken for, so the part of it
+//     that request leaves free is its;
 //   - the backed part of an expandable range past its last block (the rest of the last
-//     mapping slot) is the tag of the request it was backed for (Segment::tail_tag).
+//     mapping slot) is the tag of the request it was backed for (Segment::tail_tag);
+//   - blocks that merge take the larger part's tag (ties: the lower address's);
+//   - a range backs whole mapping slots, so backing a block may back part of a free
+//     neighbour too (the rest of a split, a slot given back earlier): that memory is
+//     under the neighbour's tag, as its other bytes are. One tag per block; tags are not
+//     kept per byte.
+// A request that fails leaves every tag's memory where it was: grow tiles a range's
+// address space under the tag its backed memory already had (segments.cpp).
 // So every cached byte is under exactly one tag, and the tags' cached figures add up to
 // cached_bytes; the per-tag figure is an attribution (a merge hands the smaller part to
 // the larger's tag), not a history of every byte. A tag's largest free block is its
@@ -147,10 +153,16 @@ detail::CacheCensus CachingAllocator::Impl::cache_census() const {
             std::max<std::uint64_t>(census.largest_by_tag[b->tag], extend(same_tag, lo, hi));
       });
     }
+    // A plain segment is tiled whole, but for one whose block could not be made (no heap
+    // for it, segments.cpp's grow): cached, and no request can have it until it goes back.
+    if (!seg->expandable) {
+      census.cached[seg->tail_tag] +=
+          static_cast<std::uint64_t>(seg->base + seg->size - seg->used_end);
+      continue;
+    }
     // An expandable range is backed slot by slot, but blocks tile it only up to used_end:
     // the backed rest of the last slot holds no block yet is free memory, contiguous with
     // a free last block.
-    if (!seg->expandable) continue;
     const int tail_tag = seg->tail_tag;
     if (same_tag.tag != tail_tag) same_tag.reset();
     for (std::size_t g = static_cast<std::size_t>(seg->used_end - seg->base) / granule;
@@ -303,13 +315,16 @@ std::string CachingAllocator::Impl::oom_message(std::size_t bytes, std::size_t r
   return os.str();
 }
 
-std::string CachingAllocator::Impl::snapshot_json() const {
-  const AllocatorStats st = compute_stats();
-  std::ostringstream os;
+namespace {
+
+// The snapshot up to its segments: device, backend, options, stats and tags, ending in
+// `],` (the "tags" array closed).
+void write_snapshot_head(std::ostream& os, int device, const char* backend, bool expandable,
+                         const AllocatorStats& st) {
   os.imbue(std::locale::classic());  // a global locale's digit grouping is not JSON
   os << "{\"version\":1,\"device\":" << device << ",\"backend\":";
-  os << json_quoted(backend->name());
-  os << ",\"expandable_segments\":" << (options.expandable_segments ? "true" : "false");
+  os << json_quoted(backend);
+  os << ",\"expandable_segments\":" << (expandable ? "true" : "false");
   os << ",\"stats\":{";
   json_stat(os, "allocated", st.allocated);
   os << ',';
@@ -345,6 +360,23 @@ std::string CachingAllocator::Impl::snapshot_json() const {
        << ",\"largest_free_block\":" << ts.largest_free_block
        << ",\"fragmentation\":" << json_number(ts.fragmentation) << '}';
   }
+  os << "],";
+}
+
+}  // namespace
+
+std::string snapshot_json_of_unused_device(int device, BackendKind kind) {
+  std::ostringstream os;
+  write_snapshot_head(os, device, kind == BackendKind::cuda ? "cuda" : "host",
+                      AllocatorOptions{}.expandable_segments, AllocatorStats{});
+  os << "\"segments\":[]}";
+  return os.str();
+}
+
+std::string CachingAllocator::Impl::snapshot_json() const {
+  std::ostringstream os;
+  write_snapshot_head(os, device, backend->name(), options.expandable_segments,
+                      compute_stats());
   // A released stream's pool has no stream (Note [Released streams]): named "released".
   auto json_stream = [this](std::ostream& out, const detail::StreamPools* sp) {
     if (sp == released.get())
@@ -352,8 +384,8 @@ std::string CachingAllocator::Impl::snapshot_json() const {
     else
       json_pointer(out, sp->stream.handle);
   };
-  os << "],\"segments\":[";
-  first = true;
+  os << "\"segments\":[";
+  bool first = true;
   for (const auto& [base, seg] : segments) {
     if (!first) os << ',';
     first = false;

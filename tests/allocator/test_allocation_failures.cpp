@@ -3,8 +3,8 @@
 // split off): this binary replaces operator new (tests/support/failing_operator_new.h) and
 // sweeps the allocation that fails, n = 0, 1, 2, ..., each on a fresh thread, until the
 // allocation goes through. After every failure nothing is handed out or lost: the stats
-// say nothing is allocated, every reserved byte is cached, and empty_cache gives all of it
-// back; after the success the block frees and the same holds. The same from a fresh
+// say nothing is allocated, every reserved byte is cached (under a tag), and empty_cache
+// gives all of it back; after the success the block frees and the same holds. The same from a fresh
 // allocator, where the failure may hit making the first segment, range, block or mapping:
 // nothing the backend gave may be left unrecorded, and the allocator keeps working.
 #include <gtest/gtest.h>
@@ -20,6 +20,7 @@
 
 #include "allocator/caching_allocator.h"
 #include "allocator/forwarding_backend.h"
+#include "allocator/tags.h"
 #include "tests/support/failing_operator_new.h"
 
 namespace tidepool {
@@ -34,6 +35,11 @@ void expect_nothing_held(CachingAllocator& a, const std::string& when) {
   const AllocatorStats s = a.stats();
   EXPECT_EQ(s.allocated.current, 0u) << when;
   EXPECT_EQ(s.cached_bytes, s.reserved.current) << when;
+  // Note [Cached memory by tag]: each cached byte is under a tag, a segment whose block
+  // could not be made too.
+  std::uint64_t under_tags = 0;
+  for (const TagStats& t : s.tags) under_tags += t.cached_bytes;
+  EXPECT_EQ(under_tags, s.cached_bytes) << when << ": cached memory under no tag";
   a.empty_cache();
   EXPECT_EQ(a.stats().reserved.current, 0u) << when << ": bytes no block holds stay reserved";
 }
@@ -213,6 +219,10 @@ TEST_P(FreshAllocationFailures, AFirstAllocationThatRunsOutOfHeapLeavesNothingBe
       } else {
         ++failures;
         EXPECT_EQ(a.stats().allocated.current, 0u) << when << " failed";
+        // Note [Cached memory by tag]: a segment whose block could not be made is cached
+        // memory, under the request's tag like the rest of a new segment.
+        const AllocatorStats s = a.stats();
+        EXPECT_EQ(s.tags[kTagUntagged].cached_bytes, s.cached_bytes) << when << " failed";
         EXPECT_EQ(a.stats().reserved.current, backend.device_bytes_in_use())
             << when << " failed: reserved memory is not what the backend holds for us";
         a.empty_cache();

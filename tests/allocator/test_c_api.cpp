@@ -83,8 +83,8 @@ TEST_F(CApi, AnOlderShorterStatsStructGetsItsPrefix) {
   for (std::size_t i = short_size; i < sizeof buffer; ++i) ASSERT_EQ(buffer[i], 0xAB) << i;
 }
 
-// Reading a device's stats creates no allocator there (on CUDA it made a context on a GPU
-// tidepool never used, and marked forked children): its figures are zeros.
+// Reading a device's stats or snapshot creates no allocator there (on CUDA it made a
+// context on a GPU tidepool never used, and marked forked children): its figures are zeros.
 TEST_F(CApi, StatsOfAnUnusedDeviceAreZerosAndCreateNothing) {
   constexpr int kDevice = 15;  // no other test in this binary uses it
   ASSERT_EQ(tidepool::existing_device_allocator(kDevice), nullptr);
@@ -97,6 +97,17 @@ TEST_F(CApi, StatsOfAnUnusedDeviceAreZerosAndCreateNothing) {
   EXPECT_EQ(s.reserved.current, 0u);
   EXPECT_EQ(s.alloc_count, 0u);
   EXPECT_EQ(tidepool_get_stats_v1(9999, &s), -1);
+  EXPECT_NE(std::string(tidepool_last_error()).find("does not exist"), std::string::npos)
+      << tidepool_last_error();
+  // Nor does its snapshot: the one a new allocator there would give.
+  char* json = tidepool_snapshot_json(kDevice);
+  ASSERT_NE(json, nullptr) << tidepool_last_error();
+  const std::string text = json;
+  tidepool_string_free(json);
+  EXPECT_EQ(tidepool::existing_device_allocator(kDevice), nullptr) << "a snapshot created one";
+  EXPECT_EQ(text, tidepool::CachingAllocator(tidepool::make_host_backend(kDevice)).snapshot_json());
+  EXPECT_NE(text.find("\"segments\":[]}"), std::string::npos) << text;
+  EXPECT_EQ(tidepool_snapshot_json(9999), nullptr);
   EXPECT_NE(std::string(tidepool_last_error()).find("does not exist"), std::string::npos)
       << tidepool_last_error();
 }

@@ -168,6 +168,39 @@ TEST_P(CachedByTag, FragmentationOfATagCountsItsHoles) {
   alloc_->deallocate(b, 16 * kMiB);
 }
 
+// A request that cannot be backed takes no tag's memory: the address space it tiled
+// before failing goes back free under the tag its backed memory had, whether appended
+// past a live last block or extending a free one.
+TEST_P(CachedByTag, ARequestThatCannotBeBackedTakesNoTagsMemory) {
+  if (std::get<0>(GetParam()) != "host" || !std::get<1>(GetParam()))
+    GTEST_SKIP() << "needs a host backend's capacity and ranges";
+  // 128 MiB of device: ranges of four 32 MiB slots.
+  CachingAllocator alloc(test::make_backend("host", 128 * kMiB));
+  const Stream other = alloc.backend().create_stream();
+  void* keep = nullptr;
+  {
+    TagScope scope(kTagParameter);
+    keep = alloc.allocate(16 * kMiB);  // slot 0; its backed rest is parameter's
+  }
+  void* hog = alloc.allocate(96 * kMiB, other);  // the other 96 MiB of the device
+  const std::uint64_t parameter_cached = alloc.stats().tags[kTagParameter].cached_bytes;
+  ASSERT_EQ(parameter_cached, 16 * kMiB) << alloc.snapshot_json();
+  for (const std::size_t n : {40 * kMiB, 48 * kMiB}) {  // appended, then extending
+    {
+      TagScope scope(kTagActivation);
+      EXPECT_EQ(alloc.try_allocate(n), nullptr) << "no memory left to back it";
+    }
+    const AllocatorStats s = alloc.stats();
+    EXPECT_EQ(s.tags[kTagParameter].cached_bytes, parameter_cached) << n;
+    EXPECT_EQ(s.tags[kTagActivation].cached_bytes, 0u) << n;
+  }
+  alloc.deallocate(keep, 16 * kMiB);
+  alloc.deallocate(hog, 96 * kMiB, other);
+  alloc.backend().device_synchronize();
+  alloc.empty_cache();
+  alloc.backend().destroy_stream(other);
+}
+
 // The snapshot says the same: each tag's cached figures, and each free block's last tag.
 TEST_P(CachedByTag, TheSnapshotShowsCachedMemoryByTag) {
   void* p = allocate_under(kTagActivation, 16 * kMiB);
