@@ -23,11 +23,8 @@ constexpr std::size_t kMiB = std::size_t{1} << 20;
 class CachedByTag : public ::testing::TestWithParam<Param> {
  protected:
   void SetUp() override {
-    auto backend = test::make_backend(std::get<0>(GetParam()));
-    if (!backend) GTEST_SKIP() << "no CUDA device on this machine";
-    AllocatorOptions o;
-    o.expandable_segments = std::get<1>(GetParam());
-    alloc_ = std::make_unique<CachingAllocator>(std::move(backend), o);
+    alloc_ = test::make_allocator(GetParam());
+    if (!alloc_) GTEST_SKIP() << "no CUDA device on this machine";
   }
   void TearDown() override {
     if (!alloc_) return;

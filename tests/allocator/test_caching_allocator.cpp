@@ -42,11 +42,8 @@ class Battery : public ::testing::TestWithParam<Param> {
 
  protected:
   void SetUp() override {
-    auto backend = test::make_backend(std::get<0>(GetParam()));
-    if (!backend) GTEST_SKIP() << "no CUDA device on this machine";
-    AllocatorOptions o;
-    o.expandable_segments = std::get<1>(GetParam());
-    alloc_ = std::make_unique<CachingAllocator>(std::move(backend), o);
+    alloc_ = test::make_allocator(GetParam());
+    if (!alloc_) GTEST_SKIP() << "no CUDA device on this machine";
   }
   Backend& backend() { return alloc_->backend(); }
 

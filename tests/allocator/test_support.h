@@ -72,6 +72,16 @@ inline std::string backend_and_segments_name(
   return std::get<0>(info.param) + (std::get<1>(info.param) ? "_expandable" : "_plain");
 }
 
+// An allocator over a fresh backend of the parameter's kind, with its kind of segments and
+// `o` otherwise; nullptr where that backend does not exist (cuda without a GPU).
+inline std::unique_ptr<CachingAllocator> make_allocator(const BackendAndSegments& param,
+                                                        AllocatorOptions o = {}) {
+  auto backend = make_backend(std::get<0>(param));
+  if (!backend) return nullptr;
+  o.expandable_segments = std::get<1>(param);
+  return std::make_unique<CachingAllocator>(std::move(backend), o);
+}
+
 #define TIDEPOOL_BACKEND_OR_SKIP(var, kind, ...)                   \
   auto var = ::tidepool::test::make_backend(kind, ##__VA_ARGS__);  \
   if (!var) {                                                      \
