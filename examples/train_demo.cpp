@@ -89,6 +89,30 @@ std::pair<double, double> tag_mib(int tag) {
   return {mib(static_cast<double>(s.current)), mib(static_cast<double>(s.peak))};
 }
 
+// What tidepool's caching allocator holds on device 0 at the end: reserved, live and cached
+// memory, and whose the cache is (the tags it is kept under, Note [Cached memory by tag]).
+void print_allocator_report() {
+  tidepool_stats_v1 s{};
+  s.struct_size = sizeof(s);
+  if (tidepool_get_stats_v1(0, &s) != 0) return;
+  std::printf("\nallocator (device 0, %s backend): reserved %.2f MiB (peak %.2f), allocated "
+              "%.2f MiB (peak %.2f), cached %.2f MiB (largest free block %.2f MiB, "
+              "fragmentation %.2f); cached by tag:",
+              s.backend == 1 ? "cuda" : "host", mib(static_cast<double>(s.reserved.current)),
+              mib(static_cast<double>(s.reserved.peak)),
+              mib(static_cast<double>(s.allocated.current)),
+              mib(static_cast<double>(s.allocated.peak)), mib(static_cast<double>(s.cached_bytes)),
+              mib(static_cast<double>(s.largest_free_block)), s.fragmentation);
+  bool any = false;
+  for (int t = 0; t < TIDEPOOL_TAG_MAX; ++t) {
+    if (s.tag_cache[t].cached_bytes == 0) continue;
+    std::printf("%s %s %.2f MiB", any ? "," : "", tidepool_tag_name(t),
+                mib(static_cast<double>(s.tag_cache[t].cached_bytes)));
+    any = true;
+  }
+  std::printf("%s\n", any ? "" : " nothing cached");
+}
+
 void synchronize(const torch::Device& device) {
   if (device.is_cuda()) torch::cuda::synchronize(device.index());
 }
@@ -298,5 +322,6 @@ int main(int argc, char** argv) {
     std::printf("aadl: %lld accelerated iterates kept, %lld rejected by the safeguard\n",
                 static_cast<long long>(aadl.accepted()), static_cast<long long>(aadl.rejected()));
   }
+  print_allocator_report();
   return 0;
 }
