@@ -479,7 +479,7 @@ Config active_config() {
 // key (those win when they do). Users may set it directly as well.
 constexpr const char* kInheritedVariable = "TIDEPOOL_ALLOC_CONF";
 
-Config install_from_env(Installer installer) {
+EnvPlan plan_from_env(Installer installer) {
   // PYTORCH_ALLOC_CONF is PyTorch's current name, PYTORCH_CUDA_ALLOC_CONF the older
   // one; both are honoured, but tidepool keys in both would leave it ambiguous which wins.
   static constexpr const char* kVariables[] = {"PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"};
@@ -522,10 +522,11 @@ Config install_from_env(Installer installer) {
     throw ConfigError(std::string("tidepool keys are set in both ") + named[0].variable + " and " +
                       named[1].variable + "; put them in one of the two");
   }
+  EnvPlan plan;
   if (named.empty()) {
     // Note [inherited configuration]: a parent that claimed the keys left them here.
     const char* inherited = std::getenv(kInheritedVariable);
-    if (inherited == nullptr || *inherited == '\0') return Config{};
+    if (inherited == nullptr || *inherited == '\0') return plan;
     const ClaimResult r = claim_config(inherited, kInheritedVariable, installer);
     if (!r.remaining.empty()) {
       throw ConfigError(std::string(kInheritedVariable) + " holds tidepool keys only; '" +
@@ -534,19 +535,30 @@ Config install_from_env(Installer installer) {
     check_one_backend(r, std::string(kInheritedVariable) +
                                     " (inherited from a parent process, or set by hand; unset "
                                     "it to run without tidepool)");
-    apply_config(r.config);
-    return r.config;
+    plan.config = r.config;
+    return plan;
   }
   const Claimed& claimed = named.front();
   check_one_backend(claimed.result, claimed.variable);
-  apply_config(claimed.result.config);
-  if (claimed.result.remaining.empty()) {
-    ::unsetenv(claimed.variable);
+  plan.config = claimed.result.config;
+  plan.variable = claimed.variable;
+  plan.remaining = claimed.result.remaining;
+  plan.claimed = claimed.result.claimed;
+  return plan;
+}
+
+Config install_from_env(Installer installer) {
+  const EnvPlan plan = plan_from_env(installer);
+  if (!plan.config.enabled) return plan.config;
+  apply_config(plan.config);
+  if (plan.variable == nullptr) return plan.config;  // inherited: nothing to rewrite
+  if (plan.remaining.empty()) {
+    ::unsetenv(plan.variable);
   } else {
-    ::setenv(claimed.variable, claimed.result.remaining.c_str(), 1);
+    ::setenv(plan.variable, plan.remaining.c_str(), 1);
   }
-  ::setenv(kInheritedVariable, claimed.result.claimed.c_str(), 1);
-  return claimed.result.config;
+  ::setenv(kInheritedVariable, plan.claimed.c_str(), 1);
+  return plan.config;
 }
 
 }  // namespace tidepool
@@ -632,6 +644,22 @@ int tidepool_install_from_env(char* error, size_t error_size) {
 
 int tidepool_install_from_env_for_preload(char* error, size_t error_size) {
   return install_from_env_for(tidepool::Installer::preload_shim, error, error_size);
+}
+
+int tidepool_config_plan_for_preload(char* config_json, size_t config_json_size, char* error,
+                                     size_t error_size) {
+  try {
+    const tidepool::EnvPlan plan = tidepool::plan_from_env(tidepool::Installer::preload_shim);
+    if (!write_c_string(tidepool::config_to_json(plan.config), config_json, config_json_size)) {
+      write_c_string("tidepool_config_plan_for_preload: output buffer too small", error,
+                     error_size);
+      return -2;
+    }
+    write_c_string("", error, error_size);
+    return plan.config.enabled ? 1 : 0;
+  } catch (const std::exception& e) {
+    return report(e, error, error_size);
+  }
 }
 
 }  // extern "C"

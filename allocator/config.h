@@ -155,6 +155,19 @@ TIDEPOOL_API Config active_config();
 // the same configuration again is harmless.
 TIDEPOOL_API Config install_from_env(Installer installer = Installer::pytorch);
 
+// What install_from_env would do, with every check it makes, changing nothing: the
+// configuration (enabled == false when nothing names tidepool), and the PyTorch variable
+// it would rewrite to `remaining` (nullptr when the configuration is the inherited
+// TIDEPOOL_ALLOC_CONF's, or none), keeping `claimed` in TIDEPOOL_ALLOC_CONF. Throws
+// ConfigError as install_from_env does.
+struct EnvPlan {
+  Config config;
+  const char* variable = nullptr;
+  std::string remaining;
+  std::string claimed;
+};
+TIDEPOOL_API EnvPlan plan_from_env(Installer installer = Installer::pytorch);
+
 }  // namespace tidepool
 
 extern "C" {
@@ -182,6 +195,13 @@ TIDEPOOL_API int tidepool_install_from_env(char* error, size_t error_size);
 /* The same for the LD_PRELOAD shim (Installer::preload_shim): PyTorch's backend:X for
  * another allocator is no conflict there. */
 TIDEPOOL_API int tidepool_install_from_env_for_preload(char* error, size_t error_size);
+/* What the LD_PRELOAD shim's set-up would claim from the environment, checked with its
+ * rules, changing nothing (tidepool::plan_from_env): writes the configuration as JSON to
+ * config_json and returns 1 when the environment names tidepool, 0 when it does not, -1
+ * on a configuration error (the message the shim would stop the process with), -2 when
+ * config_json_size is too small. For the Python package, which raises it instead. */
+TIDEPOOL_API int tidepool_config_plan_for_preload(char* config_json, size_t config_json_size,
+                                                  char* error, size_t error_size);
 
 #ifdef __cplusplus
 }

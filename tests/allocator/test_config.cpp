@@ -337,6 +337,34 @@ TEST_F(ConfigEnv, InstallRewritesTheVariableAndAppliesTheConfig) {
   EXPECT_EQ(active_config(), c);
 }
 
+// The shim's rules, checked by the Python package before the shim sets up (which would end
+// the process on an error): the same result as install_from_env, with nothing changed.
+TEST_F(ConfigEnv, APlanChangesNothingAndSaysWhatInstallWouldDo) {
+  ::setenv("PYTORCH_CUDA_ALLOC_CONF", "tidepool.log:info,backend:cudaMallocAsync", 1);
+  const Config before = active_config();
+  const EnvPlan plan = plan_from_env(Installer::preload_shim);
+  EXPECT_TRUE(plan.config.enabled);
+  EXPECT_EQ(plan.config.log, LogLevel::info);
+  EXPECT_STREQ(plan.variable, "PYTORCH_CUDA_ALLOC_CONF");
+  EXPECT_EQ(plan.remaining, "backend:cudaMallocAsync");
+  EXPECT_EQ(plan.claimed, "tidepool.log:info");
+  EXPECT_EQ(env("PYTORCH_CUDA_ALLOC_CONF"), "tidepool.log:info,backend:cudaMallocAsync");
+  EXPECT_EQ(env("TIDEPOOL_ALLOC_CONF"), std::nullopt);
+  EXPECT_EQ(active_config(), before);
+  // The hook's rules refuse what the shim's accept (Note [one backend]).
+  EXPECT_THROW(plan_from_env(Installer::pytorch), ConfigError);
+  char json[4096];
+  char error[512];
+  EXPECT_EQ(tidepool_config_plan_for_preload(json, sizeof json, error, sizeof error), 1) << error;
+  EXPECT_NE(std::string(json).find("\"log\":\"info\""), std::string::npos) << json;
+  EXPECT_EQ(tidepool_config_plan_for_preload(json, 8, error, sizeof error), -2);
+  ::setenv("PYTORCH_CUDA_ALLOC_CONF", "tidepool.log:loud", 1);
+  EXPECT_EQ(tidepool_config_plan_for_preload(json, sizeof json, error, sizeof error), -1);
+  EXPECT_NE(std::string(error).find("tidepool.log"), std::string::npos) << error;
+  ::unsetenv("PYTORCH_CUDA_ALLOC_CONF");
+  EXPECT_EQ(tidepool_config_plan_for_preload(json, sizeof json, error, sizeof error), 0) << error;
+}
+
 TEST_F(ConfigEnv, ChildrenInheritTheClaimedKeys) {
   ::setenv("PYTORCH_CUDA_ALLOC_CONF", "tidepool.mode:pool, tidepool.state_budget:1GiB,a:1", 1);
   const Config parent = install_from_env();

@@ -141,6 +141,84 @@ def test_keys_set_at_run_time_are_claimed_by_the_shim_before_pytorch_reads_them(
         "max_split_size_mb:64", "off"]
 
 
+INSTALL_UNDER_A_WAITING_SHIM = """
+import os, json, ctypes
+import torch, tidepool
+state = ctypes.CDLL(None).tidepool_preload_state
+out = {"before": state()}
+for conf in CONFS:
+    try:
+        out[conf] = tidepool.install(conf)
+    except tidepool.ConfigError as e:
+        out[conf] = "ConfigError: " + str(e)
+out.update(after=state(), inherited=os.environ.get("TIDEPOOL_ALLOC_CONF"),
+           budget=tidepool.config()["state_budget"])
+print(json.dumps(out))
+"""
+ACTIVE = "active: through the LD_PRELOAD shim (libtidepool_preload.so)"
+
+
+@needs_fake
+def test_install_with_keys_sets_a_waiting_shim_up_with_them(run_python):
+    # Review finding: with nothing named at start-up, tidepool.install(conf) compared conf
+    # with a configuration the shim had not claimed yet, and refused every conf.
+    confs = ["tidepool.log:off,tidepool.state_budget:3GiB", "tidepool.log:off"]
+    result = run_python(f"CONFS = {confs!r}\n" + INSTALL_UNDER_A_WAITING_SHIM, preload=PRELOAD,
+                        FAKE_CUDART_PATH=FAKE_CUDART, TIDEPOOL_CUDART=FAKE_CUDART)
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    assert out["before"] == -1 and out["after"] == 1
+    assert out[confs[0]] == ACTIVE
+    assert out[confs[1]].startswith("ConfigError: tidepool.install(): the LD_PRELOAD shim "
+                                    "serves tidepool with the configuration it claimed")
+    assert out["inherited"] == confs[0]  # what child processes apply
+    assert out["budget"] == {"kind": "bytes", "bytes": 3 << 30}
+
+
+@needs_fake
+def test_install_under_a_waiting_shim_keeps_to_the_inherited_configuration(run_python):
+    confs = ["tidepool.log:off,tidepool.state_budget:3GiB",
+             "tidepool.log:off,tidepool.state_budget:1GiB"]
+    result = run_python(f"CONFS = {confs!r}\n" + INSTALL_UNDER_A_WAITING_SHIM, preload=PRELOAD,
+                        FAKE_CUDART_PATH=FAKE_CUDART, TIDEPOOL_CUDART=FAKE_CUDART,
+                        TIDEPOOL_ALLOC_CONF=confs[1])
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    assert out[confs[0]].startswith("ConfigError: tidepool.install(): the LD_PRELOAD shim "
+                                    "serves tidepool with the configuration the environment")
+    assert out[confs[1]] == ACTIVE
+    assert out["before"] == -1 and out["after"] == 1
+    assert out["inherited"] == confs[1]
+    assert out["budget"] == {"kind": "bytes", "bytes": 1 << 30}
+
+
+RUN_TIME_KEYS = """
+import os, json, ctypes
+os.environ["PYTORCH_CUDA_ALLOC_CONF"] = CONF
+import torch, tidepool
+try:
+    out = tidepool.install()
+except tidepool.ConfigError as e:
+    out = "ConfigError: " + str(e)
+print(json.dumps([out, ctypes.CDLL(None).tidepool_preload_state()]))
+"""
+
+
+@needs_fake
+@pytest.mark.parametrize("conf,expected", [
+    # The shim's rules, not the hook's: an error the shim would end the process with is a
+    # ConfigError, and what the shim accepts is accepted.
+    ("backend:tidepool,expandable_segments:True",
+     "ConfigError: PYTORCH_CUDA_ALLOC_CONF: tidepool conflicts with "
+     "'expandable_segments:True': PyTorch then maps its memory with the driver's cuMemCreate"),
+    ("tidepool.log:off,backend:cudaMallocAsync", ACTIVE),
+], ids=["refused-by-the-shim", "accepted-by-the-shim"])
+def test_keys_set_at_run_time_are_checked_by_the_shims_rules(run_python, conf, expected):
+    result = run_python(f"CONF = {conf!r}\n" + RUN_TIME_KEYS, preload=PRELOAD,
+                        FAKE_CUDART_PATH=FAKE_CUDART, TIDEPOOL_CUDART=FAKE_CUDART)
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    assert out[0].startswith(expected), out
+    assert out[1] == (1 if out[0] == ACTIVE else -1)
+
+
 def test_without_tidepool_keys_the_environment_is_untouched(run_python):
     result = run_python(SHOW_ENV, preload=PRELOAD, PYTORCH_CUDA_ALLOC_CONF="max_split_size_mb:64")
     assert result.stdout.strip().splitlines()[0].split() == ["'max_split_size_mb:64'", "False"]

@@ -87,14 +87,26 @@ def install(conf: str | None = None) -> str:
     claimed = _config.claim(conf)
     if not claimed.enabled:
         raise _config.ConfigError(f"tidepool.install(): {conf!r} names no tidepool key")
+    if claimed.remaining:
+        # PyTorch read its own keys from the environment already (torch is imported).
+        raise _config.ConfigError(
+            f"tidepool.install(): {claimed.remaining!r} in {conf!r} are PyTorch's keys, which "
+            "it reads from PYTORCH_CUDA_ALLOC_CONF itself; pass only tidepool's keys here")
     if _install.STATE.torch is None and _startup.preload_shim_in_charge():
-        # The shim serves tidepool with the configuration it claimed at start-up; a second
-        # allocator installed here on top of it would serve PyTorch instead.
-        if claimed.config != _config.active_config():
-            raise _config.ConfigError(
-                f"tidepool.install(): the LD_PRELOAD shim serves tidepool with the "
-                f"configuration it claimed at start-up; {conf!r} cannot change it")
-        return status()
+        # The shim serves tidepool (a second allocator installed here on top of it would
+        # serve PyTorch instead): with the configuration it claimed, or, while it waits
+        # for the first cudaMalloc, with conf from now on.
+        if not _startup.preload_shim_waiting():
+            if claimed.config != _config.active_config():
+                raise _config.ConfigError(
+                    f"tidepool.install(): the LD_PRELOAD shim serves tidepool with the "
+                    f"configuration it claimed at start-up; {conf!r} cannot change it")
+            return status()
+        if _startup.set_up_preload_shim_with(conf, claimed.config):
+            _install.STATE.status = (
+                "active: through the LD_PRELOAD shim (libtidepool_preload.so)")
+            return status()
+        # The shim turned itself off (it said why): the hook installs tidepool instead.
     other = _other_backend_in_environment()
     if other is not None and not (claimed.config["mode"] == "pool" and other[1] == "native"):
         # The check the hook makes (Note [one backend] in allocator/config.cpp), which the
@@ -110,11 +122,6 @@ def install(conf: str | None = None) -> str:
             f"'expandable_segments:True' in {expandable}: pool mode puts optimizer state in a "
             "torch.cuda.MemPool, and PyTorch does not support MemPools with expandable "
             "segments; drop expandable_segments:True or use tidepool.mode:global")
-    if claimed.remaining:
-        # PyTorch read its own keys from the environment already (torch is imported).
-        raise _config.ConfigError(
-            f"tidepool.install(): {claimed.remaining!r} in {conf!r} are PyTorch's keys, which "
-            "it reads from PYTORCH_CUDA_ALLOC_CONF itself; pass only tidepool's keys here")
     if _install.STATE.torch is not None:
         if claimed.config != _install.STATE.config:
             raise _config.ConfigError(

@@ -82,6 +82,21 @@ def install_from_env() -> bool:
     return status == 1
 
 
+def plan_for_preload() -> tuple[bool, dict]:
+    """What the LD_PRELOAD shim's set-up would claim from the environment, checked with
+    the shim's rules across both PyTorch variables and TIDEPOOL_ALLOC_CONF, changing
+    nothing: (names tidepool, configuration). Raises ConfigError with the message the shim
+    would end the process with."""
+    lib = _lib.load()
+    config_json = ctypes.create_string_buffer(_JSON_SIZE)
+    error = ctypes.create_string_buffer(_ERROR_SIZE)
+    status = lib.tidepool_config_plan_for_preload(config_json, len(config_json), error,
+                                                  len(error))
+    if status < 0:
+        raise ConfigError(error.value.decode("utf-8", "replace"))
+    return status == 1, json.loads(config_json.value.decode("utf-8"))
+
+
 def sync_environ() -> None:
     """Brings os.environ (a copy taken at start-up) in line with the C environment's
     PyTorch variables and TIDEPOOL_ALLOC_CONF, after libtidepool or the LD_PRELOAD shim

@@ -161,6 +161,8 @@ _REQUIRED = {
     "tidepool_config_apply": (ctypes.c_int, [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t]),
     "tidepool_config_active_json": (ctypes.c_size_t, [ctypes.c_char_p, ctypes.c_size_t]),
     "tidepool_install_from_env": (ctypes.c_int, [ctypes.c_char_p, ctypes.c_size_t]),
+    "tidepool_config_plan_for_preload": (ctypes.c_int, [ctypes.c_char_p, ctypes.c_size_t,
+                                                        ctypes.c_char_p, ctypes.c_size_t]),
 }
 # Functions of the allocator's C ABI; looked up lazily so that a partial build still
 # claims configuration and reports what is missing when it is used.

@@ -61,16 +61,77 @@ def preload_shim_in_charge() -> bool:
     if current != -1:
         return current != 0
     from . import _config
-    named = [os.environ.get(variable, "") for variable in _config.VARIABLES]
-    if any("tidepool" in value for value in named):
-        for value in named:
-            _config.claim(value)  # raises ConfigError naming the bad key
-        set_up = shim.tidepool_preload_set_up
-        set_up.restype = ctypes.c_int
-        set_up.argtypes = []
-        current = set_up()
-        _config.sync_environ()
+    if any("tidepool" in os.environ.get(variable, "") for variable in _config.VARIABLES):
+        _config.plan_for_preload()  # raises ConfigError naming the bad key, by the shim's rules
+        current = _set_up_shim(shim)
     return current != 0
+
+
+def _set_up_shim(shim) -> int:
+    """Sets the LD_PRELOAD shim up now (tidepool_preload_set_up) and brings os.environ in
+    line with the variables it rewrote; returns its state (1 serves, 0 off)."""
+    import ctypes
+
+    from . import _config
+    set_up = shim.tidepool_preload_set_up
+    set_up.restype = ctypes.c_int
+    set_up.argtypes = []
+    current = set_up()
+    _config.sync_environ()
+    return current
+
+
+def preload_shim_waiting() -> bool:
+    """True under an LD_PRELOAD shim that is not set up yet: nothing named tidepool at
+    start-up, and no cudaMalloc since (it sets up at the first)."""
+    import ctypes
+
+    try:
+        state = ctypes.CDLL(None).tidepool_preload_state
+    except (OSError, AttributeError):
+        return False
+    state.restype = ctypes.c_int
+    state.argtypes = []
+    return state() == -1
+
+
+def set_up_preload_shim_with(conf: str, config: dict) -> bool:
+    """For tidepool.install(conf) under a shim still waiting (preload_shim_waiting): the
+    shim sets up now and serves with `conf` (its parsed `config`), put in
+    TIDEPOOL_ALLOC_CONF as a child process would inherit it, unless the environment gives
+    the shim a configuration already, which must then be conf's (ConfigError otherwise;
+    also for a conf the shim's rules refuse, which would end the process at its set-up).
+    True when the shim serves; False when it turned itself off (it said why): the hook
+    installs tidepool then, and TIDEPOOL_ALLOC_CONF is as it was."""
+    import ctypes
+
+    from . import _config
+    named, planned = _config.plan_for_preload()
+    if named and planned != config:
+        raise _config.ConfigError(
+            f"tidepool.install(): the LD_PRELOAD shim serves tidepool with the configuration "
+            f"the environment gives it (PYTORCH_ALLOC_CONF, PYTORCH_CUDA_ALLOC_CONF or "
+            f"TIDEPOOL_ALLOC_CONF); {conf!r} differs from it")
+    inherited = os.environ.get("TIDEPOOL_ALLOC_CONF")
+    if not named:
+        os.environ["TIDEPOOL_ALLOC_CONF"] = conf
+        try:
+            _config.plan_for_preload()
+        except _config.ConfigError:
+            _restore_inherited(inherited)
+            raise
+    if _set_up_shim(ctypes.CDLL(None)) == 1:
+        return True
+    if not named:
+        _restore_inherited(inherited)
+    return False
+
+
+def _restore_inherited(value: str | None) -> None:
+    if value is None:
+        os.environ.pop("TIDEPOOL_ALLOC_CONF", None)
+    else:
+        os.environ["TIDEPOOL_ALLOC_CONF"] = value
 
 
 def start() -> None:
