@@ -50,6 +50,11 @@ void check_group(const std::vector<torch::Tensor>& params) {
   TORCH_CHECK(elements > 0, "AADL: a parameter group of the inner optimizer has ",
               params.size(), " parameter(s) with no elements at all; there is nothing to "
               "accelerate (leave them out of the group, or put them in one with others)");
+  // The extrapolation is real (fp64 Gram matrices of real parts): a complex parameter
+  // would lose its imaginary part on every accelerated step.
+  TORCH_CHECK(c10::isFloatingType(params.front().scalar_type()),
+              "AADL: parameters must be real floating point; a group has ",
+              params.front().scalar_type(), " parameters");
   for (const auto& p : params) {
     TORCH_CHECK(p.scalar_type() == params.front().scalar_type() &&
                     p.device() == params.front().device(),
@@ -215,7 +220,23 @@ torch::Tensor AADL::step(LossClosure closure) {
   // What this step does, decided before anything runs (the counters only move once the
   // inner step succeeded).
   const auto [stores, accelerates] = next_step();
-  for (const auto& group : inner_->param_groups()) check_group(group.params());
+  for (size_t g = 0; g < histories_.size(); ++g) {
+    const std::vector<torch::Tensor>& params = inner_->param_groups()[g].params();
+    check_group(params);
+    // Parameters moved to another dtype or device, or resized, since their history was
+    // stored: refused before the inner step changes them (the push after it would fail,
+    // every step).
+    const AndersonHistory& history = *histories_[g];
+    int64_t numel = 0;
+    for (const auto& p : params) numel += p.numel();
+    TORCH_CHECK(history.accepts(numel, params.front().scalar_type(), params.front().device()),
+                "AADL: the parameters of group ", g, " are now ", numel, " elements of ",
+                params.front().scalar_type(), " on ", params.front().device(),
+                "; their history holds ", history.describe_vectors(),
+                ". Parameters changed after wrapping (model.to(...), a resize) need a new AADL "
+                "(or save this one and load it into an AADL over the changed parameters: "
+                "loading recasts the history to their dtype and device)");
+  }
   // Note [Loading the history ahead of use] (anderson_history.h): the first pass this step
   // makes over each history starts loading now, while the inner optimizer steps (and,
   // with a closure, runs the forward and backward pass).
@@ -414,7 +435,9 @@ std::unique_ptr<AndersonHistory> read_history(torch::serialize::InputArchive& ar
   TORCH_CHECK(count <= current.depth(), "AADL::load: ", reader.path("count"), " is ", count,
               " in the archive: more history vectors than history_depth ", current.depth());
   const torch::TensorOptions compute = params.front().options().requires_grad(false);
-  const int64_t numel = flatten(params).numel();
+  check_group(params);
+  int64_t numel = 0;  // counted, not flattened: a whole group's copy only to count it
+  for (const auto& p : params) numel += p.numel();
   std::vector<torch::Tensor> vectors;
   bool recast = false;  // some vector is of another dtype than the parameters
   for (int64_t i = 0; i < count; ++i) {

@@ -44,6 +44,12 @@
 //
 // AADL's own param_groups() mirror the inner optimizer's parameters so that zero_grad() and
 // parameters() work; change learning rates on inner().
+//
+// Each group's parameters must be real floating point, of one dtype on one device, with at
+// least one element (refused when wrapped). Once a group's history holds vectors, its
+// parameters must keep their dtype, device and sizes: a step over parameters moved or
+// resized since (model.to(...)) is refused before the inner optimizer runs; save this AADL
+// and load it into a new one over the changed parameters (loading recasts the history).
 #pragma once
 
 #include <cstdint>

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <optional>
+#include <sstream>
 #include <utility>
 
 namespace tidepool::optim {
@@ -200,17 +201,29 @@ void AndersonHistory::keep_spare(Column column) noexcept {
   if (placement_->reuse_dropped_buffers()) spare_ = std::move(column);
 }
 
+bool AndersonHistory::accepts(int64_t length, c10::ScalarType dtype,
+                              const c10::Device& device) const {
+  if (columns_.empty()) return true;
+  const StateBuffer& first = *columns_.front().front();
+  return length == length_ && dtype == first.options().dtype() &&
+         device == first.options().device();
+}
+
+std::string AndersonHistory::describe_vectors() const {
+  if (columns_.empty()) return "nothing";
+  const StateBuffer& first = *columns_.front().front();
+  std::ostringstream os;
+  os << length_ << " elements of " << c10::typeMetaToScalarType(first.options().dtype()) << " on "
+     << first.options().device();
+  return os.str();
+}
+
 void AndersonHistory::append(const torch::Tensor& x) {
   TORCH_CHECK(x.dim() == 1 && x.numel() > 0, "AndersonHistory: vectors must be 1-D and not "
               "empty, got ", x.sizes());
-  if (!columns_.empty()) {
-    const StateBuffer& first = *columns_.front().front();
-    TORCH_CHECK(x.numel() == length_ && x.scalar_type() == first.options().dtype() &&
-                    x.device() == first.options().device(),
-                "AndersonHistory: vector of length ", x.numel(), " (", x.scalar_type(), ", ",
-                x.device(), ") does not match the stored ones (length ", length_, ", ",
-                first.options().dtype(), ", ", first.options().device(), ")");
-  }
+  TORCH_CHECK(accepts(x.numel(), x.scalar_type(), x.device()), "AndersonHistory: vector of ",
+              x.numel(), " elements of ", x.scalar_type(), " on ", x.device(),
+              " does not match the stored ones (", describe_vectors(), ")");
   Column column = store(x);
   length_ = x.numel();
   columns_.push_back(std::move(column));

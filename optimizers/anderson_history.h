@@ -102,6 +102,7 @@
 #include <cstdint>
 #include <deque>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include <torch/torch.h>
@@ -177,6 +178,11 @@ class TIDEPOOL_API AndersonHistory {
 
   // The length of the stored vectors (0 while empty and never pushed).
   int64_t length() const noexcept { return length_; }
+  // Whether a vector of `length` elements of `dtype` on `device` can be pushed: true while
+  // the history is empty, else when it matches the stored vectors.
+  bool accepts(int64_t length, c10::ScalarType dtype, const c10::Device& device) const;
+  // "N elements of DTYPE on DEVICE" of the stored vectors; "nothing" while empty.
+  std::string describe_vectors() const;
   const StatePlacement& placement() const noexcept { return *placement_; }
 
   // One stored vector: its chunks in order.

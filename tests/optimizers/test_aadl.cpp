@@ -73,6 +73,43 @@ TEST(AADL, GroupsItCannotStepAreRefusedBeforeAnythingChanges) {
   EXPECT_EQ(resized.inner().state().size(), 0u) << "the inner optimizer stepped";
 }
 
+// Review finding: a complex parameter lost its imaginary part on every accelerated step
+// (the extrapolation is real), and its checkpoint could not be loaded back.
+TEST(AADL, ComplexParametersAreRefusedWhenWrapped) {
+  auto z = torch::ones({3}, torch::kComplexDouble).set_requires_grad(true);
+  expect_error_mentions([&] { AADL(sgd(z)); }, "real floating point");
+}
+
+// Review finding: parameters moved to another dtype (or device), or resized, after their
+// history was stored passed the group check, and every step then failed after the inner
+// update, in the history's push. Refused before anything changes, naming both sides.
+TEST(AADL, ParametersChangedAfterTheirHistoryWasStoredAreRefusedBeforeTheInnerStep) {
+  auto p = torch::ones({4}, torch::kFloat64).set_requires_grad(true);
+  AADL opt(std::make_shared<torch::optim::SGD>(  // momentum: a step leaves state
+      std::vector<torch::Tensor>{p}, torch::optim::SGDOptions(0.1).momentum(0.9)));
+  const auto loss = [&] {
+    opt.zero_grad();
+    torch::Tensor l = (p * p).sum();
+    l.backward();
+    return l;
+  };
+  for (int i = 0; i < 2; ++i) opt.step(loss);
+  {
+    torch::NoGradGuard no_grad;
+    p.set_data(p.detach().to(torch::kFloat32));
+  }
+  const torch::Tensor before = p.detach().clone();
+  expect_error_mentions([&] { opt.step(loss); }, "4 elements of Double");
+  expect_error_mentions([&] { opt.step(loss); }, "need a new AADL");
+  EXPECT_TRUE(torch::equal(p.detach(), before)) << "the inner optimizer stepped";
+  {
+    torch::NoGradGuard no_grad;
+    p.set_data(torch::ones({5}, torch::kFloat64));
+  }
+  expect_error_mentions([&] { opt.step(loss); }, "now 5 elements of Double");
+  EXPECT_TRUE(torch::equal(p.detach(), torch::ones({5}, torch::kFloat64)));
+}
+
 // DR and b formed directly from the stacked history, as the reference does.
 void direct_matrices(const std::vector<torch::Tensor>& xs, torch::Tensor& G, torch::Tensor& c) {
   const torch::Tensor X = torch::stack(xs, 1);
@@ -106,7 +143,7 @@ TEST(AndersonHistory, IncrementalGramMatchesDirectThroughEvictionAndReplacement)
   history.replace_newest(replacement);
   kept.back() = replacement;
   check();
-  expect_error_mentions([&] { history.push(torch::zeros({5}, torch::kFloat64)); }, "length");
+  expect_error_mentions([&] { history.push(torch::zeros({5}, torch::kFloat64)); }, "does not match the stored ones");
 }
 
 // What a pass brings to the compute device: the Gram column pass after a push reads the
