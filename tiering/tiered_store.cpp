@@ -358,12 +358,18 @@ void TieredStore::evict_locked(Entry& e, bool discard) {
   backend_.stream_wait_event(d2h, e.dev_ready);
   const bool copy_back = e.dev_dirty && !discard;
   if (copy_back) {
+    // A copy back that fails part-way may have enqueued chunks that host_ready does not
+    // cover: they are waited for, whatever the failure (a std::bad_alloc too), before the
+    // host block can be freed or reused (a destroy waits on host_ready alone).
     try {
       copies_.transfer(e.host.ptr, e.dev, e.bytes, Direction::device_to_host, e.host_ready);
     } catch (const BackendError& err) {
       backend_.stream_synchronize(d2h);
       throw TieringError(std::string("tiered store: copy back to the host failed (the device "
                                      "copy is kept): ") + err.what());
+    } catch (...) {
+      backend_.stream_synchronize(d2h);
+      throw;
     }
   }
   // The list's room first, so that the push_back cannot lose the event taken (every

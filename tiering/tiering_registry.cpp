@@ -241,18 +241,22 @@ std::size_t push_ranges_to_host(VmmPool& pool, std::size_t bytes_needed) {
   std::size_t moved = 0;
   for (int tag = 0; tag < kTagCount && moved < bytes_needed; ++tag) {
     if ((kRoutedTags >> tag & 1u) == 0) continue;
-    for (void* base : pool.device_backed_ranges(tag, {})) {
+    // The lock is let go between ranges (each move waits for streams): a range freed
+    // meanwhile, whose address a new range (another tag's) may have taken, is skipped.
+    std::vector<std::uint64_t> ids;
+    const std::vector<void*> bases = pool.device_backed_ranges(tag, {}, &ids);
+    for (std::size_t i = 0; i < bases.size(); ++i) {
       if (moved >= bytes_needed) break;
       try {
-        const MigrationResult r = pool.migrate(base, MemoryLocation::host);
+        const MigrationResult r = pool.migrate(bases[i], MemoryLocation::host, ids[i]);
         moved += r.bytes_moved;
         // The pinned budget had no room for a chunk (Note [Pinned host backings] in
         // vmm_backings.cpp): the ranges after it would each wait for their streams only to
         // be refused too.
         if (r.bytes_left > 0) return moved;
       } catch (const std::exception& e) {
-        // Freed meanwhile, or a step that failed (counted in failed_migrations, and the
-        // range stays readable where it is): the next range may still move.
+        // A step that failed (counted in failed_migrations, and the range stays readable
+        // where it is): the next range may still move.
         static std::once_flag said;
         std::call_once(said, [&] {
           std::fprintf(stderr, "tidepool: moving optimizer state to the host to make room "

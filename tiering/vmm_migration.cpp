@@ -475,11 +475,12 @@ void VmmPool::give_device_room_locked(std::size_t bytes) noexcept {
   if (shared_) shared_->uncharge(bytes);
 }
 
-MigrationResult VmmPool::migrate(const void* ptr, MemoryLocation to) {
+MigrationResult VmmPool::migrate(const void* ptr, MemoryLocation to, std::uint64_t range_id) {
   const std::optional<std::size_t> budget = budget_towards(to);
   std::lock_guard lock(mutex_);
   repair_locked();
   Range* r = find_locked(ptr);
+  if (range_id != 0 && (r == nullptr || r->sequence != range_id)) return {};  // freed since
   if (r == nullptr) throw TieringError("vmm pool: migrate of a pointer it does not own");
   return migrate_locked(*r, to, budget);
 }
@@ -688,8 +689,8 @@ MigrationResult VmmPool::with_supply(std::unique_ptr<BackingSupply>& supply,
   return total;
 }
 
-std::vector<void*> VmmPool::device_backed_ranges(int tag,
-                                                 std::span<const void* const> except) const {
+std::vector<void*> VmmPool::device_backed_ranges(int tag, std::span<const void* const> except,
+                                                 std::vector<std::uint64_t>* ids) const {
   std::lock_guard lock(mutex_);
   std::unordered_set<const char*> excluded;
   for (const void* ptr : except) {
@@ -708,6 +709,10 @@ std::vector<void*> VmmPool::device_backed_ranges(int tag,
   std::vector<void*> bases;
   bases.reserve(found.size());
   for (const Range* r : found) bases.push_back(r->base);
+  if (ids != nullptr) {
+    ids->clear();
+    for (const Range* r : found) ids->push_back(r->sequence);
+  }
   return bases;
 }
 

@@ -252,7 +252,10 @@ class TIDEPOOL_API VmmPool {
   // Throws TieringError (unknown pointer, a failed step; data stays readable at the same
   // address, or again from the next call when a failed remap could map neither backing
   // there: Note [Deferred releases] in vmm_backings.cpp).
-  MigrationResult migrate(const void* ptr, MemoryLocation to);
+  // With `range_id` (range_id(ptr) when the caller listed it; 0: any): a range freed since
+  // (its address maybe taken by a new range, whose owner places it) is not moved, and an
+  // empty result comes back, no error.
+  MigrationResult migrate(const void* ptr, MemoryLocation to, std::uint64_t range_id = 0);
   // migrate() for every range with `tag`, in allocation order, oldest first: towards the
   // device as much as fits the budget, so a budget-limited prefetch brings back the
   // state allocated first (for an optimizer, its first parameters, which its step uses
@@ -271,7 +274,9 @@ class TIDEPOOL_API VmmPool {
   // none of `except`, in allocation order, oldest first: what is on the device beyond
   // the ranges the caller names (the Python hooks learn from it, after a step, the state
   // an optimizer keeps outside optimizer.state: Note [state outside optimizer.state]).
-  std::vector<void*> device_backed_ranges(int tag, std::span<const void* const> except) const;
+  // With `ids`, their range_id()s (as many, under the same lock), for migrate.
+  std::vector<void*> device_backed_ranges(int tag, std::span<const void* const> except,
+                                          std::vector<std::uint64_t>* ids = nullptr) const;
   // The device budget in force now (nullopt: none). Note [VMM device budget].
   std::optional<std::size_t> device_budget_bytes() const;
 

@@ -143,7 +143,8 @@ TEST(AndersonHistory, IncrementalGramMatchesDirectThroughEvictionAndReplacement)
   history.replace_newest(replacement);
   kept.back() = replacement;
   check();
-  expect_error_mentions([&] { history.push(torch::zeros({5}, torch::kFloat64)); }, "does not match the stored ones");
+  expect_error_mentions([&] { history.push(torch::zeros({5}, torch::kFloat64)); },
+                        "does not match the stored ones");
 }
 
 // What a pass brings to the compute device: the Gram column pass after a push reads the

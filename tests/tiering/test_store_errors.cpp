@@ -8,8 +8,11 @@
 //
 // Host backend only: the failures are injected at the seam (tests/tiering/
 // failing_backend.h, Backend::inject_fault) and in a test memory source.
+#include <atomic>
+#include <chrono>
 #include <exception>
 #include <functional>
+#include <future>
 #include <memory>
 #include <mutex>
 #include <new>
@@ -18,6 +21,7 @@
 #include <vector>
 
 #include "allocator/errors.h"
+#include "allocator/forwarding_backend.h"
 #include "allocator/tags.h"
 #include "tests/support/backend_errors.h"
 #include "tests/tiering/failing_backend.h"
@@ -482,6 +486,49 @@ TEST_P(StoreErrorsTest, OnlyAnEvictionThatHappenedCountsAsOne) {
 }
 
 // release makes no backend call; its errors are the store's own checks, TieringError.
+// Throws std::bad_alloc from the copy_async that copies_until_throw counts down to.
+class ThrowsInACopy : public ForwardingBackend {
+ public:
+  explicit ThrowsInACopy(Backend& inner) : ForwardingBackend(inner) {}
+  std::atomic<int> copies_until_throw{0};  // 0: never
+
+ protected:
+  void on_call(Call call) override {
+    if (call == Call::copy_async && copies_until_throw.fetch_sub(1) == 1) throw std::bad_alloc();
+  }
+};
+
+// Review finding: a copy back that failed part-way with anything but a BackendError (a
+// std::bad_alloc) left the chunks it had enqueued in flight, uncovered by host_ready: a
+// destroy then freed the host block they were still writing into. The eviction now waits
+// for them before the error goes on, and the handle keeps its device copy.
+TEST_P(StoreErrorsTest, ACopyBackThatThrowsPartWayWaitsForTheChunksItEnqueued) {
+  ThrowsInACopy thrower(backend());
+  TieredStore store(thrower, tiering_test::small_chunk_store_options(8 * kBytes));
+  const auto h = store.create(kBytes, kTagOptimizerState);
+  store.write(h, random_bytes(kBytes, 3).data());
+  const auto newer = random_bytes(kBytes, 4);
+  void* dev = store.acquire(h, stream_);
+  backend().copy_async(dev, newer.data(), kBytes, CopyKind::host_to_device, stream_);
+  store.release(h, /*dirty=*/true);
+  // The copy back's chunks wait behind the user stream, held until the gate opens.
+  tiering_test::StreamGate gate;
+  const tiering_test::StreamGate::OpenOnExit open_on_exit{gate};
+  backend().launch_host_func(stream_, &tiering_test::StreamGate::wait, &gate);
+  thrower.copies_until_throw = 2;  // the first 64 KiB chunk is enqueued, the second throws
+  auto evict = std::async(std::launch::async, [&] { store.evict(h); });
+  // Not a timing bound: an eviction that ends while its first chunk is held is the failure.
+  EXPECT_EQ(evict.wait_for(std::chrono::milliseconds(200)), std::future_status::timeout)
+      << "the failed copy back did not wait for the chunk it had enqueued";
+  gate.open();
+  EXPECT_THROW(evict.get(), std::bad_alloc);
+  EXPECT_TRUE(store.resident(h)) << "the device copy is the latest: kept";
+  std::vector<unsigned char> back(kBytes);
+  store.read(h, back.data());
+  EXPECT_EQ(first_difference(back.data(), newer.data(), kBytes), -1);
+  store.destroy(h);
+}
+
 TEST_P(StoreErrorsTest, ReleaseErrorsAreTieringErrors) {
   TieredStore& store = make_store();
   const auto h = create_written(9);

@@ -137,6 +137,28 @@ TEST_P(VmmMigrationTest, TagMigrationMovesOnlyThatTag) {
   pool.deallocate(b);
 }
 
+// The out-of-memory push lists ranges, then moves them one by one with the lock let go
+// between (each move waits for streams): a range freed meanwhile, whose address a new
+// range of another tag may have taken, must not be moved as if it were the listed one.
+TEST_P(VmmMigrationTest, AMoveOfAListedRangeSkipsARangeThatTookItsAddress) {
+  VmmPool pool(backend());
+  std::vector<std::uint64_t> ids;
+  void* a = pool.allocate(1000, kTagOptimizerState);
+  const std::vector<void*> listed = pool.device_backed_ranges(kTagOptimizerState, {}, &ids);
+  ASSERT_EQ(listed, std::vector<void*>{a});
+  ASSERT_EQ(ids, std::vector<std::uint64_t>{pool.range_id(a)});
+  pool.deallocate(a);
+  EXPECT_EQ(pool.migrate(a, MemoryLocation::host, ids[0]).ranges, 0u) << "freed: no error";
+  // A new range, maybe at the same address: not the listed one, so not moved.
+  void* b = pool.allocate(1000, TIDEPOOL_TAG_WORKSPACE);
+  EXPECT_EQ(pool.migrate(b, MemoryLocation::host, ids[0]).ranges, 0u);
+  EXPECT_EQ(pool.bytes_in(b, MemoryLocation::device), backend().granularity());
+  // With its own id it moves.
+  EXPECT_EQ(pool.migrate(b, MemoryLocation::host, pool.range_id(b)).ranges, 1u);
+  EXPECT_EQ(pool.bytes_in(b, MemoryLocation::host), backend().granularity());
+  pool.deallocate(b);
+}
+
 TEST_P(VmmMigrationTest, BadInputIsAClearError) {
   VmmPool pool(backend());
   EXPECT_THROW(pool.allocate(0, kTagOptimizerState), TieringError);
