@@ -287,9 +287,9 @@ def test_region_tags_and_in_pool_mode_routes_to_the_pool(fake_cuda):
     with tidepool.region("activations_of_block_3") as tag:
         assert _tags.current() == tag
         assert _tags.tag_name(tag) == "activations_of_block_3"
-        assert fake_cuda[-1] == ("enter_pool", None)
+        assert fake_cuda[-1] == ("enter_pool", 0)  # the current device, by its index
     assert _tags.current() == outside
-    assert fake_cuda[-1] == ("exit_pool", None)
+    assert fake_cuda[-1] == ("exit_pool", 0)
 
 
 def test_region_routes_every_device_it_names_to_the_pool(fake_cuda):
@@ -306,12 +306,12 @@ def test_region_routes_every_device_it_names_to_the_pool(fake_cuda):
     with tidepool.region("optimizer_state", device=2):
         assert fake_cuda[-1] == ("enter_pool", 2)
     with tidepool.region("optimizer_state", device=torch.device("cuda")):  # the current one
-        assert fake_cuda[-1] == ("enter_pool", None)
+        assert fake_cuda[-1] == ("enter_pool", 0)
     # Strings as torch takes them (review finding: "cuda:1" was refused, against the README).
     with tidepool.region("optimizer_state", device="cuda:1"):
         assert fake_cuda[-1] == ("enter_pool", 1)
     with tidepool.region("optimizer_state", device="cuda"):
-        assert fake_cuda[-1] == ("enter_pool", None)
+        assert fake_cuda[-1] == ("enter_pool", 0)
     for bad in (-1, "cpu", "cuda:x", "", torch.device("cpu"), [], [0, None], True):
         before = list(fake_cuda)
         with pytest.raises(ValueError, match="tidepool.region: device"):

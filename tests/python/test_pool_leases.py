@@ -3,11 +3,12 @@ _install.py): PyTorch refuses a MemPool that is already recording on the device,
 thread (the H200 run of 2026-12-04 stopped two models stepped in two threads with
 "beginAllocateToPool: already recording to mempool_id"; fake_torch_cuda.py's
 use_mem_pool refuses as PyTorch does). Each thread in a tidepool scope on a device gets a
-pool no other thread is using there, a scope inside another on the same thread keeps the
-pool it has, and a failure while a scope opens leaves no pool taken and no step counted
-in flight, so no other thread waits for it. A step moves state by pointer only while
-it is alone on the device (Note [steps in flight in pool mode] in _in_flight.py). Threads
-are paced by events: the same interleaving on every run."""
+pool no other thread is using there, a scope inside another of the same tag on the same
+thread keeps the pool it has (one of another tag routes to its tag's pool and the outer
+one's routes again after it), and a failure while a scope opens leaves no pool taken and
+no step counted in flight, so no other thread waits for it. A step moves state by
+pointer only while it is alone on the device (Note [steps in flight in pool mode] in
+_in_flight.py). Threads are paced by events: the same interleaving on every run."""
 
 from __future__ import annotations
 
@@ -150,22 +151,77 @@ def test_regions_of_two_threads_at_once(fake_cuda):
     assert _install.STATE.pool_leases == {}
 
 
-def test_a_region_inside_a_step_keeps_the_step_s_pool(fake_cuda, fake_tiering):
-    # Entering the pool the thread records to already would be refused by PyTorch.
+def test_a_region_inside_a_step_routes_to_its_own_pool_and_the_step_s_resumes(
+        fake_cuda, fake_tiering):
+    # Note [a MemPool per tag]: the step's pool is left while the region lasts (entering a
+    # pool the thread records to already would be refused by PyTorch; keeping it would put
+    # the region's tensors in the state's pool), and entered again after.
     install(mode="pool")
     seen = []
 
     def inside():
         with tidepool.region("scratch", device=0) as tag:
             seen.append(tag)
-        with tidepool.region("scratch"):  # the current device: the same one
-            pass
+            with tidepool.region("scratch"):  # the current device: the same one, kept
+                pass
 
     a = PacedSGD([model(2)], inside, lr=0.1, momentum=0.9)
     a.step()
-    assert seen and pools_made(fake_cuda) == 1
-    assert pool_events(fake_cuda) == [("enter_pool", 0), ("exit_pool", 0)]
+    assert seen and pools_made(fake_cuda) == 2
+    assert pool_events(fake_cuda) == [("enter_pool", 0), ("exit_pool", 0), ("enter_pool", 0),
+                                      ("exit_pool", 0), ("enter_pool", 0), ("exit_pool", 0)]
     assert _install.STATE.pool_leases == {}
+
+
+def test_a_step_inside_a_region_puts_its_state_in_the_state_pool(fake_cuda, fake_tiering,
+                                                                   monkeypatch):
+    # Review finding: with the training loop inside tidepool.region("train"), the step's
+    # lease only counted, so its state was made in the region's pool (never evicted) and
+    # the region's later tensors could land in state segments.
+    install(mode="pool", state_budget="1GiB")
+    entered = []
+    fake_use_mem_pool = torch.cuda.use_mem_pool
+
+    def recording(pool, device=None):
+        entered.append(pool)
+        return fake_use_mem_pool(pool, device)
+
+    monkeypatch.setattr(torch.cuda, "use_mem_pool", recording)
+    p = torch.nn.Parameter(torch.ones(4))
+    optimizer = torch.optim.SGD([p], lr=0.1, momentum=0.9)
+    p.grad = torch.ones(4)
+    with tidepool.region("train") as train:
+        optimizer.step()  # makes state
+        # The region's pool routes again after the step.
+        assert _install.STATE.pool_leases[0][threading.get_ident()][-1].tag == train
+    region_pool, state_pool = _install.pool(0, train), _install.pool(0)
+    assert region_pool is not state_pool
+    assert entered == [region_pool, state_pool, region_pool]
+    assert _install.STATE.pool_leases == {}
+
+
+def test_a_scope_of_another_tag_that_cannot_enter_its_pool_leaves_the_outer_one_routing(
+        fake_cuda, monkeypatch):
+    install(mode="pool")
+    real_use = torch.cuda.use_mem_pool
+    failures = []
+
+    def use_mem_pool(pool, device=None):
+        if failures:
+            raise failures.pop()
+        return real_use(pool, device)
+
+    monkeypatch.setattr(torch.cuda, "use_mem_pool", use_mem_pool)
+    with tidepool.region("outer") as outer:
+        failures.append(RuntimeError("entering the inner pool failed"))
+        with pytest.raises(RuntimeError, match="inner pool"):
+            with tidepool.region("inner"):
+                pass
+        stack = _install.STATE.pool_leases[0][threading.get_ident()]
+        assert [lease.tag for lease in stack] == [outer]
+        assert stack[-1].context is not None  # entered again
+    assert _install.STATE.pool_leases == {}
+    assert pool_events(fake_cuda)[-2:] == [("enter_pool", 0), ("exit_pool", 0)]
 
 
 def test_a_failure_while_a_step_opens_its_scope_leaves_nothing_taken(
@@ -228,3 +284,15 @@ def test_optimizer_state_and_a_region_get_pools_of_their_own(fake_cuda, fake_tie
     assert _install.pool(0) is state_pool
     assert _install.pool(0, kv) is region_pool
     assert pools_made(fake_cuda) == 2
+
+
+def test_a_region_of_an_id_that_names_no_tag_makes_no_pool(fake_cuda):
+    # Review finding: the id went on to the lease, which made a MemPool for it (kept for
+    # the process's life) before the tag push refused the id.
+    install(mode="pool")
+    with pytest.raises(ValueError, match="no tag has the id 40"):
+        with tidepool.region(40):
+            pass
+    assert pools_made(fake_cuda) == 0 and _install.STATE.pools == {}
+    assert _install.STATE.pool_leases == {}
+

@@ -46,8 +46,8 @@ class _State:
         # Pool mode (Note [one MemPool per thread and device at a time]): (device, tag) ->
         # every MemPool made for allocations under that tag there (a MemPool serves with
         # tidepool only on the device that was current when it was made: Note [a MemPool
-        # per device]; Note [a MemPool per tag]), and device -> {thread ident: [(tag, index
-        # into that pool list), depth, the use_mem_pool context entered]}.
+        # per device]; Note [a MemPool per tag]), and device -> {thread ident: its stack of
+        # _Lease, innermost last}.
         self.pools: dict[tuple[int, int], list] = {}
         self.pool_leases: dict[int, dict[int, list]] = {}
         self.optimizer_hooks = None  # two step-hook handles and the load_state_dict Patches
@@ -204,9 +204,10 @@ def _pool_locked(device: int, tag: int, index: int):
     blocks were freed (with tidepool.region("kv_cache"): ...) could land in them: not in a
     pointer-stable range, so never evicted; and a region's tensors could land in freed
     state blocks, moved to the host after every step. So allocations under each tag get
-    pools of their own. A scope inside another on the same thread keeps the outer one's
-    pool (Note [one MemPool per thread and device at a time]): PyTorch routes a thread
-    to the first pool it entered.
+    pools of their own. A scope inside another of another tag on the same thread routes
+    to its own tag's pool while it lasts (Note [one MemPool per thread and device at a
+    time], _PoolLease): PyTorch routes a thread to the first pool it entered, so the
+    outer one is left meanwhile.
 
     Note [a MemPool per device]: torch.cuda.MemPool(allocator) hands the allocator to
     c10's caching allocator of the device current when it is made, and only there
@@ -241,6 +242,26 @@ def pool_lease(device: int | None, tag: int) -> "_PoolLease":
     return _PoolLease(device, tag)
 
 
+class _Lease:
+    """One pool a thread routes a device's allocations to: its tag, its index in the tag's
+    pool list, the MemPool, how many scopes of the thread hold it, and the use_mem_pool
+    context while it is entered (None while a scope of another tag inside it has it left:
+    Note [a MemPool per tag])."""
+
+    __slots__ = ("tag", "index", "pool", "depth", "context")
+
+    def __init__(self, tag: int, index: int, pool):
+        self.tag, self.index, self.pool = tag, index, pool
+        self.depth = 1
+        self.context = None
+
+
+def _enter_pool(pool, device: int):
+    context = STATE.torch.cuda.use_mem_pool(pool, device)
+    context.__enter__()
+    return context
+
+
 class _PoolLease:
     """Note [one MemPool per thread and device at a time]: PyTorch lets a MemPool record
     one allocating thread per device at a time (torch.cuda.use_mem_pool in a second
@@ -250,13 +271,19 @@ class _PoolLease:
     threads, a tidepool.region() in each) cannot share tidepool's pool. Inside this
     context the calling thread's allocations on `device` (an index; None: the current
     device) go to a tidepool MemPool of the tag's (Note [a MemPool per tag]) that no other
-    thread routes that device's allocations to: the first such pool, or a new one when all
-    are taken. A thread that already routes `device` to a pool (a region inside an
-    optimizer step) keeps it and enters nothing. The pools live as long as the process,
-    like the first one: their blocks may outlive any scope; so a process gets as many
-    pools as it has threads in scopes on one device at once, and each caches the segments
-    its blocks came from.
-    An exception on the way in leaves nothing taken."""
+    thread routes that device's allocations to, or holds for later: the first such pool,
+    or a new one when all are taken. A scope inside another of the same tag on the same
+    thread keeps its pool and enters nothing. One of another tag (an optimizer step inside
+    a tidepool.region() around the training loop, a region inside a step) leaves the outer
+    pool for its own tag's while it lasts and enters the outer one again when it ends:
+    PyTorch routes a thread to the first pool it entered, so keeping the outer one
+    entered would put the step's state in the region's pool (never evicted) and the
+    region's later tensors in the spare room of state segments. Each thread keeps a stack
+    of its leases per device; the pools live as long as the process, like the first one:
+    their blocks may outlive any scope; so a process gets as many pools per tag as it has
+    threads in scopes of that tag on one device at once, and each caches the segments its
+    blocks came from.
+    An exception on the way in leaves nothing taken and the outer pool entered again."""
 
     def __init__(self, device: int | None, tag: int):
         self.device = device
@@ -264,28 +291,36 @@ class _PoolLease:
         self._key = None
 
     def __enter__(self):
-        torch = STATE.torch
-        key = self.device if self.device is not None else torch.cuda.current_device()
+        key = self.device if self.device is not None else STATE.torch.cuda.current_device()
         me = threading.get_ident()
         with STATE.lock:
             by_thread = STATE.pool_leases.setdefault(key, {})
-            lease = by_thread.get(me)
-            if lease is not None:  # this thread routes the device to a pool already
-                lease[1] += 1
+            stack = by_thread.setdefault(me, [])
+            if stack and stack[-1].tag == self.tag:  # routed to this tag's pool already
+                stack[-1].depth += 1
                 self._key = key
                 return self
-            taken = {lease[0][1] for lease in by_thread.values() if lease[0][0] == self.tag}
+            taken = {lease.index for thread, leases in by_thread.items() if thread != me
+                     for lease in leases if lease.tag == self.tag}
             made = len(STATE.pools.get((key, self.tag), ()))
             index = next(i for i in range(made + 1) if i not in taken)
-            mempool = _pool_locked(key, self.tag, index)
-            lease = by_thread[me] = [(self.tag, index), 1, None]
+            lease = _Lease(self.tag, index, _pool_locked(key, self.tag, index))
+            stack.append(lease)
+        outer = stack[-2] if len(stack) > 1 else None
         try:
-            context = torch.cuda.use_mem_pool(mempool, self.device)
-            context.__enter__()
+            if outer is not None and outer.context is not None:
+                context, outer.context = outer.context, None
+                context.__exit__(None, None, None)
+            lease.context = _enter_pool(lease.pool, key)
         except BaseException:
-            self._release(key, me)
+            with STATE.lock:
+                stack.pop()
+            try:
+                if outer is not None and outer.context is None:
+                    outer.context = _enter_pool(outer.pool, key)
+            finally:
+                self._release(key, me)
             raise
-        lease[2] = context
         self._key = key
         return self
 
@@ -293,20 +328,31 @@ class _PoolLease:
         key, self._key = self._key, None
         me = threading.get_ident()
         with STATE.lock:
-            lease = STATE.pool_leases[key][me]
-            lease[1] -= 1
-            if lease[1] > 0:  # another lease of this thread on the device still routes
+            stack = STATE.pool_leases[key][me]
+            lease = stack[-1]
+            lease.depth -= 1
+            if lease.depth > 0:  # another scope of this thread's still routes to it
                 return False
+            stack.pop()
+            outer = stack[-1] if stack else None
         try:
-            lease[2].__exit__(None, None, None)
+            if lease.context is not None:
+                lease.context.__exit__(None, None, None)
         finally:
-            self._release(key, me)
+            try:
+                if outer is not None:  # the enclosing scope's pool routes again
+                    outer.context = _enter_pool(outer.pool, key)
+            finally:
+                self._release(key, me)
         return False
 
     @staticmethod
     def _release(key: int, me: int) -> None:
+        """Forgets the thread's stack of leases on `key` once it is empty."""
         with STATE.lock:
             by_thread = STATE.pool_leases.get(key, {})
-            by_thread.pop(me, None)
+            if not by_thread.get(me):
+                by_thread.pop(me, None)
             if not by_thread:
                 STATE.pool_leases.pop(key, None)
+

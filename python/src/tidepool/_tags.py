@@ -10,10 +10,14 @@ TAG_MAX = 64  # TIDEPOOL_TAG_MAX
 
 
 def tag_id(tag: str | int) -> int:
-    """The id of a tag name ("optimizer_state", or any user name; created on first use)."""
+    """The id of a tag name ("optimizer_state", or any user name; created on first use),
+    or an id, which must name a tag (region() would otherwise make a MemPool for it before
+    the push refused it)."""
     if isinstance(tag, int):
         if not _fits_c_int(tag):  # ctypes would pass 2**32 + 4 on as 4
             raise ValueError(f"tidepool: {tag} is not a tag id")
+        if tag_name(tag) is None:
+            raise ValueError(f"tidepool: no tag has the id {tag}")
         return tag
     _check_name(tag)
     fn = _lib.function("tidepool_tag_id", "allocation tags")
