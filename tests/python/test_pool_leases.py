@@ -35,6 +35,26 @@ def pool_events(fake_cuda) -> list:
     return [c for c in fake_cuda if c[0] in ("enter_pool", "exit_pool")]
 
 
+def pools_entered(monkeypatch) -> list:
+    """The MemPools torch.cuda.use_mem_pool is entered with from now on, in order."""
+    entered = []
+    fake_use_mem_pool = torch.cuda.use_mem_pool
+
+    def recording(pool, device=None):
+        entered.append(pool)
+        return fake_use_mem_pool(pool, device)
+
+    monkeypatch.setattr(torch.cuda, "use_mem_pool", recording)
+    return entered
+
+
+def sgd_with_a_gradient() -> torch.optim.SGD:
+    """An SGD with momentum over one parameter with a gradient: its step makes state."""
+    p = torch.nn.Parameter(torch.ones(4))
+    p.grad = torch.ones(4)
+    return torch.optim.SGD([p], lr=0.1, momentum=0.9)
+
+
 def test_steps_of_two_threads_at_once_route_to_pools_of_their_own(fake_cuda, fake_tiering):
     # As the device check's two_threads: b's step is under way when a's begins and ends.
     install(mode="pool", state_budget="1GiB")
@@ -179,17 +199,8 @@ def test_a_step_inside_a_region_puts_its_state_in_the_state_pool(fake_cuda, fake
     # lease only counted, so its state was made in the region's pool (never evicted) and
     # the region's later tensors could land in state segments.
     install(mode="pool", state_budget="1GiB")
-    entered = []
-    fake_use_mem_pool = torch.cuda.use_mem_pool
-
-    def recording(pool, device=None):
-        entered.append(pool)
-        return fake_use_mem_pool(pool, device)
-
-    monkeypatch.setattr(torch.cuda, "use_mem_pool", recording)
-    p = torch.nn.Parameter(torch.ones(4))
-    optimizer = torch.optim.SGD([p], lr=0.1, momentum=0.9)
-    p.grad = torch.ones(4)
+    entered = pools_entered(monkeypatch)
+    optimizer = sgd_with_a_gradient()
     with tidepool.region("train") as train:
         optimizer.step()  # makes state
         # The region's pool routes again after the step.
@@ -259,19 +270,10 @@ def test_optimizer_state_and_a_region_get_pools_of_their_own(fake_cuda, fake_tie
     # allocations whatever their tag: state could land in a region's freed blocks (never
     # evicted) and a region's tensors in freed state blocks (moved to the host each step).
     install(mode="pool", state_budget="1GiB")
-    entered = []
-    fake_use_mem_pool = torch.cuda.use_mem_pool
-
-    def recording(pool, device=None):
-        entered.append(pool)
-        return fake_use_mem_pool(pool, device)
-
-    monkeypatch.setattr(torch.cuda, "use_mem_pool", recording)
+    entered = pools_entered(monkeypatch)
     with tidepool.region("kv_cache") as kv:
         pass
-    p = torch.nn.Parameter(torch.ones(4))
-    optimizer = torch.optim.SGD([p], lr=0.1, momentum=0.9)
-    p.grad = torch.ones(4)
+    optimizer = sgd_with_a_gradient()
     optimizer.step()  # makes state: enters a pool
     with tidepool.region("kv_cache"):
         pass
