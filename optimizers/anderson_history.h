@@ -75,9 +75,10 @@
 // (it never waits and never exceeds the budget), so loading ahead holds at most one chunk
 // per vector, within the two a pass holds anyway (HostStagedPlacement, which has no
 // budget, stages that one chunk per vector during the forward/backward: kStoreChunk
-// elements at most). A step that throws leaves the loaded chunks unacquired: the store
-// evicts them when it needs the room, or frees them with their vector; nothing stays
-// acquired.
+// elements at most). A step that throws leaves the loaded chunks unacquired, nothing
+// acquired: the tiered store evicts them when it needs the room, or frees them with their
+// vector; HostStagedPlacement, which has no eviction, keeps its staged chunk per vector
+// (kStoreChunk elements each) until the next pass over it or until the vector goes.
 //
 // Note [Reusing dropped columns]
 // push drops the oldest vector once the history is full, replace_newest drops the newest,
