@@ -298,3 +298,22 @@ def test_a_region_of_an_id_that_names_no_tag_makes_no_pool(fake_cuda):
     assert pools_made(fake_cuda) == 0 and _install.STATE.pools == {}
     assert _install.STATE.pool_leases == {}
 
+
+
+def test_scopes_closed_out_of_order_end_their_own_leases(fake_cuda):
+    # Review finding: a scope's exit took the innermost lease for its own, so a region
+    # closed before one opened inside it (a generator holding it across a step) left the
+    # inner scope's pool and entered its own again, for the inner scope's allocations.
+    install(mode="pool")
+    first, second = tidepool.region("first"), tidepool.region("second")
+    first.__enter__()
+    second_tag = second.__enter__()
+    with pytest.warns(RuntimeWarning, match="closed out of order"):
+        first.__exit__(None, None, None)
+    stack = _install.STATE.pool_leases[0][threading.get_ident()]
+    assert [lease.tag for lease in stack] == [second_tag]
+    assert stack[0].context is not None  # the second region's pool still routes
+    assert pool_events(fake_cuda)[-1] == ("enter_pool", 0)
+    second.__exit__(None, None, None)
+    assert _install.STATE.pool_leases == {}
+    assert pool_events(fake_cuda)[-1] == ("exit_pool", 0)

@@ -219,6 +219,45 @@ def test_keys_set_at_run_time_are_checked_by_the_shims_rules(run_python, conf, e
     assert out[1] == (1 if out[0] == ACTIVE else -1)
 
 
+@needs_fake
+def test_an_inherited_configuration_the_waiting_shim_would_refuse_is_a_config_error(run_python):
+    # Review finding: with only TIDEPOOL_ALLOC_CONF set the shim waits for the first
+    # cudaMalloc, and a key it refuses then ended the process (status 2) there; the hook
+    # now checks it by the shim's rules, and `import torch` raises it, as the hook's own.
+    result = run_python("""
+        import json, ctypes
+        try:
+            import torch
+            out = "imported"
+        except Exception as e:
+            out = type(e).__name__ + ": " + str(e)
+        import tidepool
+        print(json.dumps([out, ctypes.CDLL(None).tidepool_preload_state(), tidepool.status()]))
+    """, preload=PRELOAD, FAKE_CUDART_PATH=FAKE_CUDART, TIDEPOOL_CUDART=FAKE_CUDART,
+                        TIDEPOOL_ALLOC_CONF="tidepool.log:loud")
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    assert out[0].startswith("ConfigError: TIDEPOOL_ALLOC_CONF: tidepool.log: 'loud'"), out
+    assert out[1] == -1  # not set up: nothing ended the process
+    assert out[2].startswith("failed: TIDEPOOL_ALLOC_CONF: tidepool.log")
+
+
+@needs_fake
+def test_install_with_keys_the_shim_refuses_leaves_the_inherited_variable_unset(run_python):
+    result = run_python("""
+        import os, json
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+        import torch, tidepool
+        try:
+            out = tidepool.install("tidepool.log:off")
+        except tidepool.ConfigError as e:
+            out = "ConfigError: " + str(e)
+        print(json.dumps([out, os.environ.get("TIDEPOOL_ALLOC_CONF")]))
+    """, preload=PRELOAD, FAKE_CUDART_PATH=FAKE_CUDART, TIDEPOOL_CUDART=FAKE_CUDART)
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    assert "conflicts with 'expandable_segments:True'" in out[0]
+    assert out[1] is None  # children would otherwise apply what was refused
+
+
 def test_without_tidepool_keys_the_environment_is_untouched(run_python):
     result = run_python(SHOW_ENV, preload=PRELOAD, PYTORCH_CUDA_ALLOC_CONF="max_split_size_mb:64")
     assert result.stdout.strip().splitlines()[0].split() == ["'max_split_size_mb:64'", "False"]

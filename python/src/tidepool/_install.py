@@ -255,11 +255,20 @@ class _Lease:
         self.depth = 1
         self.context = None
 
+    def enter(self, device: int) -> None:
+        # Kept before it is entered: an interrupt once it is would otherwise leave the
+        # pool recording with no context to end it.
+        self.context = STATE.torch.cuda.use_mem_pool(self.pool, device)
+        try:
+            self.context.__enter__()
+        except BaseException:
+            self.context = None  # not entered: nothing to end
+            raise
 
-def _enter_pool(pool, device: int):
-    context = STATE.torch.cuda.use_mem_pool(pool, device)
-    context.__enter__()
-    return context
+    def leave(self) -> None:
+        context, self.context = self.context, None
+        if context is not None:
+            context.__exit__(None, None, None)
 
 
 class _PoolLease:
@@ -282,69 +291,79 @@ class _PoolLease:
     of its leases per device; the pools live as long as the process, like the first one:
     their blocks may outlive any scope; so a process gets as many pools per tag as it has
     threads in scopes of that tag on one device at once, and each caches the segments its
-    blocks came from.
+    blocks came from. Scopes closed out of order (a region held by a generator across a
+    step, or by asyncio tasks across an await: python/README.md) are said once, and each
+    still ends its own lease only.
     An exception on the way in leaves nothing taken and the outer pool entered again."""
 
     def __init__(self, device: int | None, tag: int):
         self.device = device
         self.tag = tag
         self._key = None
+        self._lease = None
 
     def __enter__(self):
         key = self.device if self.device is not None else STATE.torch.cuda.current_device()
         me = threading.get_ident()
-        with STATE.lock:
-            by_thread = STATE.pool_leases.setdefault(key, {})
-            stack = by_thread.setdefault(me, [])
-            if stack and stack[-1].tag == self.tag:  # routed to this tag's pool already
-                stack[-1].depth += 1
-                self._key = key
-                return self
-            taken = {lease.index for thread, leases in by_thread.items() if thread != me
-                     for lease in leases if lease.tag == self.tag}
-            made = len(STATE.pools.get((key, self.tag), ()))
-            index = next(i for i in range(made + 1) if i not in taken)
-            lease = _Lease(self.tag, index, _pool_locked(key, self.tag, index))
-            stack.append(lease)
-        outer = stack[-2] if len(stack) > 1 else None
+        lease = outer = None
         try:
-            if outer is not None and outer.context is not None:
-                context, outer.context = outer.context, None
-                context.__exit__(None, None, None)
-            lease.context = _enter_pool(lease.pool, key)
-        except BaseException:
             with STATE.lock:
-                stack.pop()
-            try:
-                if outer is not None and outer.context is None:
-                    outer.context = _enter_pool(outer.pool, key)
-            finally:
+                by_thread = STATE.pool_leases.setdefault(key, {})
+                stack = by_thread.setdefault(me, [])
+                if stack and stack[-1].tag == self.tag:  # routed to this tag's pool already
+                    stack[-1].depth += 1
+                    self._key, self._lease = key, stack[-1]
+                    return self
+                taken = {held.index for thread, leases in by_thread.items() if thread != me
+                         for held in leases if held.tag == self.tag}
+                made = len(STATE.pools.get((key, self.tag), ()))
+                index = next(i for i in range(made + 1) if i not in taken)
+                lease = _Lease(self.tag, index, _pool_locked(key, self.tag, index))
+                stack.append(lease)
+                outer = stack[-2] if len(stack) > 1 else None
+            if outer is not None:
+                outer.leave()
+            lease.enter(key)
+        except BaseException:
+            if lease is not None:
+                self._close(key, me, lease, resume=outer)
+            else:
                 self._release(key, me)
             raise
-        self._key = key
+        self._key, self._lease = key, lease
         return self
 
     def __exit__(self, *exc):
         key, self._key = self._key, None
+        lease, self._lease = self._lease, None
         me = threading.get_ident()
         with STATE.lock:
             stack = STATE.pool_leases[key][me]
-            lease = stack[-1]
             lease.depth -= 1
             if lease.depth > 0:  # another scope of this thread's still routes to it
                 return False
-            stack.pop()
-            outer = stack[-1] if stack else None
+            innermost = stack[-1] is lease
+            outer = stack[-2] if innermost and len(stack) > 1 else None
+        if not innermost:
+            _say_out_of_order()
+        self._close(key, me, lease, resume=outer)
+        return False
+
+    def _close(self, key: int, me: int, lease: _Lease, resume: _Lease | None) -> None:
+        """Takes `lease` off the thread's stack and ends it; then `resume` (the lease below
+        it, when it was the innermost) routes again."""
+        with STATE.lock:
+            stack = STATE.pool_leases.get(key, {}).get(me, [])
+            if lease in stack:
+                stack.remove(lease)
         try:
-            if lease.context is not None:
-                lease.context.__exit__(None, None, None)
+            lease.leave()
         finally:
             try:
-                if outer is not None:  # the enclosing scope's pool routes again
-                    outer.context = _enter_pool(outer.pool, key)
+                if resume is not None and resume.context is None:
+                    resume.enter(key)
             finally:
                 self._release(key, me)
-        return False
 
     @staticmethod
     def _release(key: int, me: int) -> None:
@@ -356,3 +375,18 @@ class _PoolLease:
             if not by_thread:
                 STATE.pool_leases.pop(key, None)
 
+
+_said_out_of_order = threading.Event()
+
+
+def _say_out_of_order() -> None:
+    if _said_out_of_order.is_set():
+        return
+    _said_out_of_order.set()
+    import warnings
+
+    warnings.warn(
+        "tidepool: scopes on one thread closed out of order (a tidepool.region() held by a "
+        "generator across an optimizer step, or by asyncio tasks across an await); each "
+        "ended its own MemPool lease, but the allocations in between may have gone to "
+        "another tag's pool (said once)", RuntimeWarning, stacklevel=3)

@@ -113,18 +113,25 @@ def set_up_preload_shim_with(conf: str, config: dict) -> bool:
             f"the environment gives it (PYTORCH_ALLOC_CONF, PYTORCH_CUDA_ALLOC_CONF or "
             f"TIDEPOOL_ALLOC_CONF); {conf!r} differs from it")
     inherited = os.environ.get("TIDEPOOL_ALLOC_CONF")
-    if not named:
-        os.environ["TIDEPOOL_ALLOC_CONF"] = conf
-        try:
-            _config.plan_for_preload()
-        except _config.ConfigError:
+    state = None
+    try:
+        if not named:
+            os.environ["TIDEPOOL_ALLOC_CONF"] = conf
+            _config.plan_for_preload()  # conf by the shim's rules, next to PyTorch's variables
+        state = _set_up_shim(ctypes.CDLL(None))
+        # A cudaMalloc on another thread may have set the shim up in between, with what
+        # the environment held then.
+        if state == 1 and _config.active_config() != config:
+            state = None
+            raise _config.ConfigError(
+                f"tidepool.install(): the LD_PRELOAD shim set itself up meanwhile (a CUDA "
+                f"allocation on another thread) with {_config.active_config()}; {conf!r} "
+                "cannot change it")
+    finally:
+        # Whatever went wrong (an interrupt too), conf stays only with a shim serving it.
+        if state != 1 and not named:
             _restore_inherited(inherited)
-            raise
-    if _set_up_shim(ctypes.CDLL(None)) == 1:
-        return True
-    if not named:
-        _restore_inherited(inherited)
-    return False
+    return state == 1
 
 
 def _restore_inherited(value: str | None) -> None:
@@ -140,16 +147,22 @@ def start() -> None:
     from . import _config as config_module
     from ._lib import LibraryError
 
-    if preload_shim_in_charge():
-        # The shim already claimed the keys and serves cudaMalloc; PyTorch's allocator
-        # stays in place on top of it, as the user asked by preloading.
-        _install.STATE.status = "active: through the LD_PRELOAD shim (libtidepool_preload.so)"
-        return
-
     # A call after a failed one (tidepool.install() once the environment is fixed) starts
     # afresh: the earlier error is not this configuration's.
     _error = _config = None
     try:
+        if preload_shim_in_charge():
+            # A shim still waiting sets up at the first cudaMalloc and ends the process on
+            # a configuration it cannot apply (an inherited TIDEPOOL_ALLOC_CONF with a bad
+            # key, or next to expandable_segments:True): checked now by its rules, so that
+            # it is a ConfigError at `import torch`, as the hook's own errors are.
+            if preload_shim_waiting():
+                config_module.plan_for_preload()
+            # The shim claimed the keys (or will) and serves cudaMalloc; PyTorch's
+            # allocator stays in place on top of it, as the user asked by preloading.
+            _install.STATE.status = (
+                "active: through the LD_PRELOAD shim (libtidepool_preload.so)")
+            return
         if config_module.install_from_env():
             _config = config_module.active_config()
     except (config_module.ConfigError, LibraryError) as e:
