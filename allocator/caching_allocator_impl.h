@@ -132,6 +132,8 @@ struct __attribute__((visibility("hidden"))) CachingAllocator::Impl {
   void refresh_fence(StreamPools& sp);
   // release_stream's work (Note [Released streams]); lock and every cache mutex held.
   std::size_t release_stream_locked(Stream s);
+  // Whether the allocator keeps anything under s's handle (release_stream_locked).
+  bool keeps_something_of(Stream s) const;
   // Moves every block of sp (free, pending or live) to `released`; sp then holds nothing.
   void retire_pools(StreamPools& sp);
 

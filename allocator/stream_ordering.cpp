@@ -117,21 +117,27 @@ void CachingAllocator::Impl::retire_pools(StreamPools& sp) {
   sp.fence_in_flight = false;
 }
 
+bool CachingAllocator::Impl::keeps_something_of(Stream s) const {
+  // Its pools (free, pending and live blocks, fence, quick lists), a thread-cache slot, or
+  // a use record_stream named.
+  return std::any_of(streams.begin(), streams.end(),
+                     [&](const std::unique_ptr<StreamPools>& p) { return p->stream == s; }) ||
+         std::any_of(thread_caches.begin(), thread_caches.end(),
+                     [&](const auto& c) { return c->has_slot(s); }) ||
+         std::any_of(blocks.begin(), blocks.end(), [&](const auto& entry) {
+           return std::ranges::find(entry.second->extra_streams, s) !=
+                  entry.second->extra_streams.end();
+         });
+}
+
 std::size_t CachingAllocator::Impl::release_stream_locked(Stream s) {
-  // Whether the allocator keeps anything under s's handle: its pools (free, pending and
-  // live blocks, fence, quick lists), a thread-cache slot, or a use record_stream named.
-  const auto is_s = [&](const std::unique_ptr<StreamPools>& p) { return p->stream == s; };
-  const bool named = std::any_of(streams.begin(), streams.end(), is_s) ||
-                     std::any_of(thread_caches.begin(), thread_caches.end(),
-                                 [&](const auto& c) { return c->has_slot(s); }) ||
-                     std::any_of(blocks.begin(), blocks.end(), [&](const auto& entry) {
-                       return std::ranges::find(entry.second->extra_streams, s) !=
-                              entry.second->extra_streams.end();
-                     });
-  if (!named) return 0;  // Note [Releasing a stream tidepool never saw]
+  if (!keeps_something_of(s)) return 0;  // Note [Releasing a stream tidepool never saw]
   // Work queued on s may still use its blocks: wait first (a stream destroyed already
-  // fails here, before anything changed).
+  // fails here, before anything changed). release_stream waited once already, without
+  // the lock (Note [Waiting for a released stream without the lock]): this wait only
+  // covers work queued since, and returns at once on an idle stream.
   backend->stream_synchronize(s);
+  const auto is_s = [&](const std::unique_ptr<StreamPools>& p) { return p->stream == s; };
   // Blocks parked for s in thread caches and quick lists back into s's pools.
   for (auto& c : thread_caches) {
     c->fold_into(stats);
@@ -200,9 +206,22 @@ void CachingAllocator::require_releasable(int device, Stream stream) {
   }
 }
 
+// Note [Waiting for a released stream without the lock]
+// A stream being released may have seconds of work queued (a training step's kernels).
+// Waiting for it under the allocator's lock stalled every allocation and free on the
+// device, of every thread and stream, for that long. So release_stream waits first with
+// no lock held (the caller is about to destroy the stream and queues nothing more on it),
+// then retires it under the lock, after a second wait that only covers work queued in
+// between (none, by the contract; cheap on an idle stream).
 std::size_t CachingAllocator::release_stream(Stream stream) {
   Impl& m = *impl_;
   require_releasable(m.device, stream);
+  {
+    std::lock_guard lock(m.mutex);
+    const auto cache_locks = m.lock_thread_caches();
+    if (!m.keeps_something_of(stream)) return 0;  // Note [Releasing a stream tidepool never saw]
+  }
+  m.backend->stream_synchronize(stream);
   std::lock_guard lock(m.mutex);
   const auto cache_locks = m.lock_thread_caches();
   return m.release_stream_locked(stream);

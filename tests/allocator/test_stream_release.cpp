@@ -6,6 +6,8 @@
 // later use of it throws.
 #include <gtest/gtest.h>
 
+#include <chrono>
+#include <future>
 #include <thread>
 #include <tuple>
 #include <utility>
@@ -13,6 +15,7 @@
 
 #include "allocator/caching_allocator.h"
 #include "test_support.h"
+#include "tests/support/stream_gate.h"
 
 namespace tidepool {
 namespace {
@@ -218,6 +221,33 @@ TEST_P(StreamRelease, AStreamTheAllocatorNeverSawIsReleasedWithoutWaiting) {
   alloc_->record_stream(p, s);
   EXPECT_THROW(alloc_->release_stream(s), BackendError) << "s is named now: it is waited for";
   alloc_->deallocate(p, 4096, a_);
+}
+
+// Note [Waiting for a released stream without the lock]: while a release waits for its
+// stream's queued work, the other streams' allocations and frees go on.
+TEST_P(StreamRelease, OtherStreamsAllocateWhileAReleaseWaitsForItsStream) {
+  if (std::get<0>(GetParam()) != "host") GTEST_SKIP() << "a host function holds the stream";
+  traffic(a_, b_, 1);
+  test_support::StreamGate gate;
+  const test_support::StreamGate::OpenOnExit open_on_exit{gate};
+  backend().launch_host_func(a_, &test_support::StreamGate::wait, &gate);
+  auto release = std::async(std::launch::async, [&] { return alloc_->release_stream(a_); });
+  // The release is waiting for a_ (it cannot have finished: the gate is closed).
+  EXPECT_EQ(release.wait_for(std::chrono::milliseconds(50)), std::future_status::timeout);
+  auto others = std::async(std::launch::async, [&] {
+    for (int i = 0; i < 4; ++i) {
+      void* p = alloc_->allocate(std::size_t{1} << 20, b_);
+      alloc_->deallocate(p, std::size_t{1} << 20, b_);
+    }
+  });
+  // Not a timing bound: with the lock held across the wait, these never ran before the
+  // gate opened, however long the test waited.
+  EXPECT_EQ(others.wait_for(std::chrono::seconds(20)), std::future_status::ready)
+      << "allocations on another stream waited for the released stream's work";
+  gate.open();
+  others.get();
+  release.get();
+  traffic(b_, b_, 1);  // the released stream's memory serves others
 }
 
 TEST_P(StreamRelease, ThreadsCreateUseReleaseAndDestroyStreams) {
