@@ -81,6 +81,10 @@ namespace {
 // them again gives up instead of locking it twice, while other stores still give room.
 thread_local const TieredStore* t_inside_stores[2] = {};
 thread_local std::size_t t_inside_depth = 0;
+// Note [One wait for a busy registry per store operation] (tiering_registry.cpp): set when
+// an OOM hook on this thread waited for the registry in vain during the outermost store
+// operation, cleared when that operation ends.
+thread_local bool t_registry_wait_failed = false;
 
 class InsideStore {
  public:
@@ -88,7 +92,9 @@ class InsideStore {
     if (t_inside_depth < std::size(t_inside_stores)) t_inside_stores[t_inside_depth] = store;
     ++t_inside_depth;
   }
-  ~InsideStore() { --t_inside_depth; }
+  ~InsideStore() {
+    if (--t_inside_depth == 0) t_registry_wait_failed = false;
+  }
   InsideStore(const InsideStore&) = delete;
   InsideStore& operator=(const InsideStore&) = delete;
 
@@ -101,6 +107,13 @@ class InsideStore {
   }
 };
 }  // namespace
+
+namespace detail {
+bool registry_wait_failed_in_store_operation() noexcept { return t_registry_wait_failed; }
+void note_registry_wait_failed() noexcept {
+  if (t_inside_depth > 0) t_registry_wait_failed = true;
+}
+}  // namespace detail
 
 // ---- construction -----------------------------------------------------------------------
 

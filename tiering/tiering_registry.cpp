@@ -130,8 +130,19 @@ VmmPool* vmm_pool_locked(int device) {
 //     after the hook starts: a holder that is only busy (a walk, a wait for copies)
 //     finishes within it, and one waiting for this thread costs it that long, not a hang.
 // reclaims_that_found_the_registry_busy() counts the waits, for the tests.
+//
+// Note [One wait for a busy registry per store operation]
+// A store that runs out of device memory while it makes room (allocate_reserved_locked)
+// evicts a victim and asks the allocator again, one victim at a time, each ask through the
+// full OOM path. With the registry held all along (a thread reading the tiering stats or
+// evicting by tag, waiting for this store's lock), every ask waited kReclaimPatience: k
+// victims, k × 500 ms, and the other thread waited as long. So within one outermost store
+// operation the hook waits for the registry once; after a wait in vain the later OOMs of
+// the same operation only try it (the pointer-stable ranges are still pushed). Another
+// operation, or an OOM outside any store, waits again.
 constexpr std::chrono::milliseconds kReclaimPatience{500};
 std::atomic<std::uint64_t> g_registry_busy_in_reclaim{0};
+std::atomic<std::uint64_t> g_registry_waits_in_reclaim{0};
 
 std::mutex& pool_index_mutex() {
   static std::mutex m;
@@ -515,7 +526,11 @@ std::size_t reclaim_tiered_stores(int device, std::size_t bytes_needed) {
       hold.emplace(std::chrono::steady_clock::now());  // a try first, to count a wait
       if (!hold->owns()) {
         g_registry_busy_in_reclaim.fetch_add(1, std::memory_order_relaxed);
-        hold->lock_before(deadline);
+        if (!registry_wait_failed_in_store_operation()) {
+          g_registry_waits_in_reclaim.fetch_add(1, std::memory_order_relaxed);
+          hold->lock_before(deadline);
+          if (!hold->owns()) note_registry_wait_failed();
+        }
       }
     }
     if (!hold || hold->owns()) {
@@ -536,6 +551,10 @@ std::size_t reclaim_tiered_stores(int device, std::size_t bytes_needed) {
     freed += push_ranges_to_host(*pool, bytes_needed - freed);
   }
   return freed;
+}
+
+std::uint64_t reclaims_that_waited_for_the_registry() noexcept {
+  return g_registry_waits_in_reclaim.load(std::memory_order_relaxed);
 }
 
 std::uint64_t reclaims_that_found_the_registry_busy() noexcept {

@@ -82,8 +82,14 @@ namespace detail {
 // tiering_registry.cpp). On a thread that holds the registry already (a store's OOM inside
 // a walk) it walks the stores under that hold; a store this thread is inside gives nothing.
 std::size_t reclaim_tiered_stores(int device, std::size_t bytes_needed);
-// How many reclaims found the registry held by another thread and waited for it.
+// How many reclaims found the registry held by another thread, and how many of them
+// waited for it (Note [One wait for a busy registry per store operation]).
 TIDEPOOL_API std::uint64_t reclaims_that_found_the_registry_busy() noexcept;
+TIDEPOOL_API std::uint64_t reclaims_that_waited_for_the_registry() noexcept;
+// Whether an OOM hook on this thread already waited for the registry in vain during the
+// store operation it is in (false outside one), and noting that it did (tiered_store.cpp).
+bool registry_wait_failed_in_store_operation() noexcept;
+void note_registry_wait_failed() noexcept;
 void register_tiered_store(int device, TieredStore* store);
 void unregister_tiered_store(int device, TieredStore* store);
 }  // namespace detail

@@ -146,5 +146,47 @@ TEST(BusyRegistryStores, AnOomWaitsForTheRegistryAndEvictsTheStoresState) {
   if (big != nullptr) allocator.deallocate(big, 5 * kMiB);
 }
 
+// Note [One wait for a busy registry per store operation]: a store that makes room on a
+// full device one victim at a time asks the allocator after each eviction, each ask
+// through the OOM path. With the registry held all along, every ask waited 500 ms for it;
+// now the operation waits once, and its later OOMs only try.
+TEST(BusyRegistryStores, AStoreOperationWaitsForTheRegistryOnceWhateverItsOoms) {
+  constexpr int kStoresDevice = 11;
+  HostBackendOptions eight_mib;
+  eight_mib.capacity_bytes = 8 * kMiB;
+  CachingAllocator allocator(make_host_backend(kStoresDevice, eight_mib));
+  TieredStore store(allocator.backend(), tiering_test::test_store_options(8 * kMiB),
+                    caching_allocator_source(allocator));
+  // The device full, the store's two 2 MiB buffers apart: [v1][x1][v2][x2].
+  const auto v1 = store.create(2 * kMiB, kTagOptimizerState, Tier::device);
+  void* x1 = allocator.allocate(2 * kMiB);
+  const auto v2 = store.create(2 * kMiB, kTagOptimizerState, Tier::device);
+  void* x2 = allocator.allocate(2 * kMiB);
+  store.synchronize();
+  const auto wanted = store.create(4 * kMiB, kTagOptimizerState);  // on the host
+  const std::uint64_t busy_before = detail::reclaims_that_found_the_registry_busy();
+  const std::uint64_t waits_before = detail::reclaims_that_waited_for_the_registry();
+  std::atomic<bool> done{false};
+  std::string error;
+  {
+    RegistryHolder holder(kStoresDevice, [&] { return done.load(); });
+    ASSERT_TRUE(holder.holding());
+    try {
+      store.acquire(wanted, {});  // room only once both victims are gone
+      store.release(wanted, /*dirty=*/false);
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+    done = true;
+  }
+  EXPECT_EQ(error, "");
+  EXPECT_FALSE(store.resident(v1) || store.resident(v2));
+  EXPECT_GE(detail::reclaims_that_found_the_registry_busy() - busy_before, 2u)
+      << "the test needs an operation with several OOMs";
+  EXPECT_EQ(detail::reclaims_that_waited_for_the_registry() - waits_before, 1u);
+  allocator.deallocate(x1, 2 * kMiB);
+  allocator.deallocate(x2, 2 * kMiB);
+}
+
 }  // namespace
 }  // namespace tidepool
