@@ -216,12 +216,20 @@ void CachingAllocator::require_releasable(int device, Stream stream) {
 std::size_t CachingAllocator::release_stream(Stream stream) {
   Impl& m = *impl_;
   require_releasable(m.device, stream);
-  {
+  const auto keeps_something = [&m, stream] {
     std::lock_guard lock(m.mutex);
     const auto cache_locks = m.lock_thread_caches();
-    if (!m.keeps_something_of(stream)) return 0;  // Note [Releasing a stream tidepool never saw]
+    return m.keeps_something_of(stream);
+  };
+  if (!keeps_something()) return 0;  // Note [Releasing a stream tidepool never saw]
+  try {
+    m.backend->stream_synchronize(stream);
+  } catch (const BackendError&) {
+    // Released meanwhile by another thread, and destroyed by its caller: nothing of it is
+    // kept any more, as a release that had waited for the lock would have found.
+    if (!keeps_something()) return 0;
+    throw;
   }
-  m.backend->stream_synchronize(stream);
   std::lock_guard lock(m.mutex);
   const auto cache_locks = m.lock_thread_caches();
   return m.release_stream_locked(stream);

@@ -20,6 +20,7 @@
 
 #include "tiering/store_entry.h"
 #include "tiering/tiered_store.h"
+#include "tiering/tiering_registry.h"
 
 namespace tidepool {
 
@@ -161,6 +162,7 @@ TieredStore::DeviceBuffer TieredStore::allocate_reserved_locked(std::size_t byte
   try {
     p = !may_wait && device_.try_allocate ? device_.try_allocate(bytes, s)
                                           : device_.allocate(bytes, s);
+    bool last_ask = false;
     // The device itself is out of memory (others use it too): give back what we hold.
     while (p == nullptr) {
       if (!may_wait) {
@@ -170,6 +172,16 @@ TieredStore::DeviceBuffer TieredStore::allocate_reserved_locked(std::size_t byte
       // The same victim the budget would give up: the furthest next use.
       Entry* victim = eviction_victim_locked(std::nullopt);
       if (victim != nullptr) evict_locked(*victim);
+      if (victim == nullptr && pending_frees_.empty() && !last_ask &&
+          detail::registry_wait_failed_in_store_operation()) {
+        // Nothing of this store's left to give, and an OOM hook skipped waiting for a busy
+        // registry: the last ask may wait for it again (Note [One wait for a busy registry
+        // per store operation]), for the other stores' room, before the request fails.
+        last_ask = true;
+        detail::allow_another_registry_wait();
+        p = device_.allocate(bytes, s);
+        continue;
+      }
       if (victim == nullptr && pending_frees_.empty()) {
         throw TieringError("tiered store: the device is out of memory for " +
                            std::to_string(bytes) + " bytes of tiered state (the store holds " +

@@ -113,6 +113,7 @@ bool registry_wait_failed_in_store_operation() noexcept { return t_registry_wait
 void note_registry_wait_failed() noexcept {
   if (t_inside_depth > 0) t_registry_wait_failed = true;
 }
+void allow_another_registry_wait() noexcept { t_registry_wait_failed = false; }
 }  // namespace detail
 
 // ---- construction -----------------------------------------------------------------------

@@ -129,7 +129,8 @@ VmmPool* vmm_pool_locked(int device) {
 //   - the registry and each store are waited for until one deadline, kReclaimPatience
 //     after the hook starts: a holder that is only busy (a walk, a wait for copies)
 //     finishes within it, and one waiting for this thread costs it that long, not a hang.
-// reclaims_that_found_the_registry_busy() counts the waits, for the tests.
+// reclaims_that_found_the_registry_busy() counts the reclaims that found it busy, and
+// reclaims_that_waited_for_the_registry() those of them that waited, for the tests.
 //
 // Note [One wait for a busy registry per store operation]
 // A store that runs out of device memory while it makes room (allocate_reserved_locked)
@@ -137,9 +138,13 @@ VmmPool* vmm_pool_locked(int device) {
 // full OOM path. With the registry held all along (a thread reading the tiering stats or
 // evicting by tag, waiting for this store's lock), every ask waited kReclaimPatience: k
 // victims, k × 500 ms, and the other thread waited as long. So within one outermost store
-// operation the hook waits for the registry once; after a wait in vain the later OOMs of
-// the same operation only try it (the pointer-stable ranges are still pushed). Another
-// operation, or an OOM outside any store, waits again.
+// operation (InsideStore's scope: each attempt of an acquire that asks the stores sharing
+// its budget is one) the hook waits for the registry once; after a wait in vain the later
+// OOMs of the same operation only try it (the pointer-stable ranges are still pushed),
+// except the store's last ask, when it has nothing left to evict, which may wait again: a
+// holder that was only busy (not waiting for this thread) may have finished, and the
+// other stores' room is what the request needs then. Another operation, or an OOM
+// outside any store, waits again.
 constexpr std::chrono::milliseconds kReclaimPatience{500};
 std::atomic<std::uint64_t> g_registry_busy_in_reclaim{0};
 std::atomic<std::uint64_t> g_registry_waits_in_reclaim{0};

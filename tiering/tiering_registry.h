@@ -90,6 +90,8 @@ TIDEPOOL_API std::uint64_t reclaims_that_waited_for_the_registry() noexcept;
 // store operation it is in (false outside one), and noting that it did (tiered_store.cpp).
 bool registry_wait_failed_in_store_operation() noexcept;
 void note_registry_wait_failed() noexcept;
+// For a store's last ask before it fails: the next OOM hook may wait again.
+void allow_another_registry_wait() noexcept;
 void register_tiered_store(int device, TieredStore* store);
 void unregister_tiered_store(int device, TieredStore* store);
 }  // namespace detail

@@ -7,13 +7,16 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <functional>
 #include <future>
+#include <memory>
 #include <thread>
 #include <tuple>
 #include <utility>
 #include <vector>
 
 #include "allocator/caching_allocator.h"
+#include "allocator/forwarding_backend.h"
 #include "test_support.h"
 #include "tests/support/stream_gate.h"
 
@@ -248,6 +251,41 @@ TEST_P(StreamRelease, OtherStreamsAllocateWhileAReleaseWaitsForItsStream) {
   others.get();
   release.get();
   traffic(b_, b_, 1);  // the released stream's memory serves others
+}
+
+// Runs `during` once, at the first stream_synchronize, before it reaches the backend.
+class ActsInItsFirstSynchronize : public ForwardingBackend {
+ public:
+  explicit ActsInItsFirstSynchronize(std::unique_ptr<Backend> inner)
+      : ForwardingBackend(std::move(inner)) {}
+  std::function<void()> during;
+
+ protected:
+  void on_call(Call call) override {
+    if (call != Call::stream_synchronize || !during) return;
+    auto act = std::move(during);
+    during = nullptr;
+    act();
+  }
+};
+
+// Review finding: release_stream waits for the stream without the lock, so another
+// thread may release it and its caller destroy it meanwhile; the wait then fails on the
+// dead handle. As a release that waited for the lock would have found nothing kept, it
+// returns 0.
+TEST(StreamReleaseRace, AStreamReleasedAndDestroyedDuringTheWaitIsReleasedWithNothingToDo) {
+  auto forwarding = std::make_unique<ActsInItsFirstSynchronize>(make_host_backend(0));
+  ActsInItsFirstSynchronize& backend = *forwarding;
+  CachingAllocator alloc(std::move(forwarding));
+  const Stream s = backend.create_stream();
+  void* p = alloc.allocate(4096, s);
+  alloc.deallocate(p, 4096, s);
+  backend.during = [&] {  // the other thread's release, and its caller's destroy
+    alloc.release_stream(s);
+    backend.destroy_stream(s);
+  };
+  EXPECT_EQ(alloc.release_stream(s), 0u);
+  EXPECT_EQ(backend.during, nullptr) << "the test did not run the other release";
 }
 
 TEST_P(StreamRelease, ThreadsCreateUseReleaseAndDestroyStreams) {

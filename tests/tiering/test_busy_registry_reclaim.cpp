@@ -63,6 +63,36 @@ class RegistryHolder {
   std::thread thread_;
 };
 
+// An allocator over an 8 MiB host-backend device of its own, and tiered stores over it.
+class EightMiBDevice {
+ public:
+  explicit EightMiBDevice(int device) : allocator(make_host_backend(device, eight_mib())) {}
+  std::unique_ptr<TieredStore> store(std::size_t budget) {
+    return std::make_unique<TieredStore>(allocator.backend(),
+                                         tiering_test::test_store_options(budget),
+                                         caching_allocator_source(allocator));
+  }
+  CachingAllocator allocator;
+
+ private:
+  static HostBackendOptions eight_mib() {
+    HostBackendOptions o;
+    o.capacity_bytes = 8 * kMiB;
+    return o;
+  }
+};
+
+// Acquires and releases `h`; what it threw, or "".
+std::string acquire_and_release(TieredStore& store, TieredStore::Handle h) {
+  try {
+    store.acquire(h, {});
+    store.release(h, /*dirty=*/false);
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "";
+}
+
 // Pointer-stable state fills a 64 MiB host-backend device; an untagged block then needs
 // room, while another thread holds the registry throughout.
 constexpr int kRangesDevice = 9;
@@ -115,11 +145,10 @@ TEST_F(BusyRegistryRanges, StateIsPushedToTheHostWhileAnotherThreadHoldsTheRegis
 // allocation's reclaim hook has found it busy.
 TEST(BusyRegistryStores, AnOomWaitsForTheRegistryAndEvictsTheStoresState) {
   constexpr int kStoresDevice = 10;
-  HostBackendOptions eight_mib;
-  eight_mib.capacity_bytes = 8 * kMiB;
-  CachingAllocator allocator(make_host_backend(kStoresDevice, eight_mib));
-  TieredStore store(allocator.backend(), tiering_test::test_store_options(6 * kMiB),
-                    caching_allocator_source(allocator));
+  EightMiBDevice device(kStoresDevice);
+  CachingAllocator& allocator = device.allocator;
+  const std::unique_ptr<TieredStore> owned = device.store(6 * kMiB);
+  TieredStore& store = *owned;
   const auto a = store.create(3 * kMiB, kTagOptimizerState, Tier::device);
   const auto b = store.create(3 * kMiB, kTagOptimizerState, Tier::device);
   store.synchronize();
@@ -151,12 +180,10 @@ TEST(BusyRegistryStores, AnOomWaitsForTheRegistryAndEvictsTheStoresState) {
 // through the OOM path. With the registry held all along, every ask waited 500 ms for it;
 // now the operation waits once, and its later OOMs only try.
 TEST(BusyRegistryStores, AStoreOperationWaitsForTheRegistryOnceWhateverItsOoms) {
-  constexpr int kStoresDevice = 11;
-  HostBackendOptions eight_mib;
-  eight_mib.capacity_bytes = 8 * kMiB;
-  CachingAllocator allocator(make_host_backend(kStoresDevice, eight_mib));
-  TieredStore store(allocator.backend(), tiering_test::test_store_options(8 * kMiB),
-                    caching_allocator_source(allocator));
+  EightMiBDevice device(11);
+  CachingAllocator& allocator = device.allocator;
+  const std::unique_ptr<TieredStore> owned = device.store(8 * kMiB);
+  TieredStore& store = *owned;
   // The device full, the store's two 2 MiB buffers apart: [v1][x1][v2][x2].
   const auto v1 = store.create(2 * kMiB, kTagOptimizerState, Tier::device);
   void* x1 = allocator.allocate(2 * kMiB);
@@ -169,14 +196,9 @@ TEST(BusyRegistryStores, AStoreOperationWaitsForTheRegistryOnceWhateverItsOoms) 
   std::atomic<bool> done{false};
   std::string error;
   {
-    RegistryHolder holder(kStoresDevice, [&] { return done.load(); });
+    RegistryHolder holder(11, [&] { return done.load(); });
     ASSERT_TRUE(holder.holding());
-    try {
-      store.acquire(wanted, {});  // room only once both victims are gone
-      store.release(wanted, /*dirty=*/false);
-    } catch (const std::exception& e) {
-      error = e.what();
-    }
+    error = acquire_and_release(store, wanted);  // room only once both victims are gone
     done = true;
   }
   EXPECT_EQ(error, "");
@@ -186,6 +208,43 @@ TEST(BusyRegistryStores, AStoreOperationWaitsForTheRegistryOnceWhateverItsOoms) 
   EXPECT_EQ(detail::reclaims_that_waited_for_the_registry() - waits_before, 1u);
   allocator.deallocate(x1, 2 * kMiB);
   allocator.deallocate(x2, 2 * kMiB);
+}
+
+// The last ask of a store with nothing left to evict waits for the registry again: the
+// holder here is only busy (it waits for nothing of this thread's) and lets go once that
+// ask has found it busy; the other store's released state then makes the room.
+TEST(BusyRegistryStores, AStoresLastAskWaitsAgainForTheOtherStoresRoom) {
+  EightMiBDevice device(12);
+  CachingAllocator& allocator = device.allocator;
+  const std::unique_ptr<TieredStore> asking_store = device.store(8 * kMiB);
+  const std::unique_ptr<TieredStore> other_store = device.store(8 * kMiB);
+  TieredStore& asking = *asking_store;
+  TieredStore& other = *other_store;
+  // The device full: [asking's 2 MiB][other's 2 + 2 MiB][2 MiB held].
+  const auto own = asking.create(2 * kMiB, kTagOptimizerState, Tier::device);
+  const auto u1 = other.create(2 * kMiB, kTagOptimizerState, Tier::device);
+  const auto u2 = other.create(2 * kMiB, kTagOptimizerState, Tier::device);
+  void* held = allocator.allocate(2 * kMiB);
+  asking.synchronize();
+  other.synchronize();
+  const auto wanted = asking.create(4 * kMiB, kTagOptimizerState);  // on the host
+  const std::uint64_t busy_before = detail::reclaims_that_found_the_registry_busy();
+  std::atomic<bool> done{false};
+  std::string error;
+  {
+    // Let go once a third OOM found the registry busy: the first waited in vain, the
+    // second (after the own victim) only tried, the third is the last ask.
+    RegistryHolder holder(12, [&] {
+      return done || detail::reclaims_that_found_the_registry_busy() - busy_before >= 3;
+    });
+    ASSERT_TRUE(holder.holding());
+    error = acquire_and_release(asking, wanted);
+    done = true;
+  }
+  EXPECT_EQ(error, "");
+  EXPECT_FALSE(asking.resident(own));
+  EXPECT_FALSE(other.resident(u1) && other.resident(u2)) << "the other store gave room";
+  allocator.deallocate(held, 2 * kMiB);
 }
 
 }  // namespace
