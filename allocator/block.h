@@ -82,8 +82,9 @@ struct Segment {
   Block* first = nullptr;
   Block* last = nullptr;
   char* used_end = nullptr;      // end of the tiled part ([base, used_end) has blocks)
-  // Expandable only: the tag of the request the backed memory past used_end was backed
-  // for (Note [Cached memory by tag], snapshot.cpp).
+  // The tag of the request the backed memory past used_end was backed for (Note [Cached
+  // memory by tag], snapshot.cpp): on a range, the rest of its last mapping slot; on a
+  // plain segment, the whole of one whose block could not be made.
   std::uint8_t tail_tag = 0;
   std::size_t mapped_bytes = 0;  // expandable: bytes backed now; plain: size
   // Expandable only: granules per mapping slot. The range is backed slot by slot, each

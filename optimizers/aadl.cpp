@@ -42,8 +42,8 @@ std::unique_ptr<torch::optim::OptimizerOptions> mirror_defaults(
 // A group's parameters must flatten into one vector: one dtype, one device, at least one
 // element (the history keeps no empty vector: a group of zero-element parameters failed
 // every step after its inner update). Checked for every group at construction and before
-// a step changes anything.
-void check_group(const std::vector<torch::Tensor>& params) {
+// a step changes anything. Returns the group's element count (the flattened length).
+int64_t check_group(const std::vector<torch::Tensor>& params) {
   TORCH_CHECK(!params.empty(), "AADL: a parameter group of the inner optimizer is empty");
   int64_t elements = 0;
   for (const auto& p : params) elements += p.numel();
@@ -62,6 +62,7 @@ void check_group(const std::vector<torch::Tensor>& params) {
                 p.scalar_type(), " on ", p.device(), " and ", params.front().scalar_type(),
                 " on ", params.front().device(), ")");
   }
+  return elements;
 }
 
 // The group's parameters as one vector (the reference's parameters_to_vector).
@@ -222,13 +223,11 @@ torch::Tensor AADL::step(LossClosure closure) {
   const auto [stores, accelerates] = next_step();
   for (size_t g = 0; g < histories_.size(); ++g) {
     const std::vector<torch::Tensor>& params = inner_->param_groups()[g].params();
-    check_group(params);
+    const int64_t numel = check_group(params);
     // Parameters moved to another dtype or device, or resized, since their history was
     // stored: refused before the inner step changes them (the push after it would fail,
     // every step).
     const AndersonHistory& history = *histories_[g];
-    int64_t numel = 0;
-    for (const auto& p : params) numel += p.numel();
     TORCH_CHECK(history.accepts(numel, params.front().scalar_type(), params.front().device()),
                 "AADL: the parameters of group ", g, " are now ", numel, " elements of ",
                 params.front().scalar_type(), " on ", params.front().device(),
@@ -435,9 +434,7 @@ std::unique_ptr<AndersonHistory> read_history(torch::serialize::InputArchive& ar
   TORCH_CHECK(count <= current.depth(), "AADL::load: ", reader.path("count"), " is ", count,
               " in the archive: more history vectors than history_depth ", current.depth());
   const torch::TensorOptions compute = params.front().options().requires_grad(false);
-  check_group(params);
-  int64_t numel = 0;  // counted, not flattened: a whole group's copy only to count it
-  for (const auto& p : params) numel += p.numel();
+  const int64_t numel = check_group(params);  // counted: no flattened copy to count it
   std::vector<torch::Tensor> vectors;
   bool recast = false;  // some vector is of another dtype than the parameters
   for (int64_t i = 0; i < count; ++i) {

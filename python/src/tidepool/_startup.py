@@ -48,35 +48,38 @@ def preload_shim_in_charge() -> bool:
                 return False
     except OSError:
         return False
-    import ctypes
-
-    try:
-        shim = ctypes.CDLL(None)
-        state = shim.tidepool_preload_state
-    except (OSError, AttributeError):
+    current = _shim_call("tidepool_preload_state")
+    if current is None:
         return True  # mapped but not in the global scope: not the LD_PRELOAD shim's set-up
-    state.restype = ctypes.c_int
-    state.argtypes = []
-    current = state()
     if current != -1:
         return current != 0
     from . import _config
     if any("tidepool" in os.environ.get(variable, "") for variable in _config.VARIABLES):
         _config.plan_for_preload()  # raises ConfigError naming the bad key, by the shim's rules
-        current = _set_up_shim(shim)
+        current = _set_up_shim()
     return current != 0
 
 
-def _set_up_shim(shim) -> int:
-    """Sets the LD_PRELOAD shim up now (tidepool_preload_set_up) and brings os.environ in
-    line with the variables it rewrote; returns its state (1 serves, 0 off)."""
+def _shim_call(name: str) -> int | None:
+    """The LD_PRELOAD shim's `name()` (tidepool_preload_state, tidepool_preload_set_up:
+    1 serves, 0 off, -1 not set up yet), or None when no shim's symbols are in the
+    process's global scope."""
     import ctypes
 
+    try:
+        fn = getattr(ctypes.CDLL(None), name)
+    except (OSError, AttributeError):
+        return None
+    fn.restype = ctypes.c_int
+    fn.argtypes = []
+    return fn()
+
+
+def _set_up_shim() -> int | None:
+    """Sets the LD_PRELOAD shim up now (tidepool_preload_set_up) and brings os.environ in
+    line with the variables it rewrote; returns its state (1 serves, 0 off)."""
     from . import _config
-    set_up = shim.tidepool_preload_set_up
-    set_up.restype = ctypes.c_int
-    set_up.argtypes = []
-    current = set_up()
+    current = _shim_call("tidepool_preload_set_up")
     _config.sync_environ()
     return current
 
@@ -84,15 +87,7 @@ def _set_up_shim(shim) -> int:
 def preload_shim_waiting() -> bool:
     """True under an LD_PRELOAD shim that is not set up yet: nothing named tidepool at
     start-up, and no cudaMalloc since (it sets up at the first)."""
-    import ctypes
-
-    try:
-        state = ctypes.CDLL(None).tidepool_preload_state
-    except (OSError, AttributeError):
-        return False
-    state.restype = ctypes.c_int
-    state.argtypes = []
-    return state() == -1
+    return _shim_call("tidepool_preload_state") == -1
 
 
 def set_up_preload_shim_with(conf: str, config: dict) -> bool:
@@ -103,8 +98,6 @@ def set_up_preload_shim_with(conf: str, config: dict) -> bool:
     also for a conf the shim's rules refuse, which would end the process at its set-up).
     True when the shim serves; False when it turned itself off (it said why): the hook
     installs tidepool then, and TIDEPOOL_ALLOC_CONF is as it was."""
-    import ctypes
-
     from . import _config
     named, planned = _config.plan_for_preload()
     if named and planned != config:
@@ -118,7 +111,7 @@ def set_up_preload_shim_with(conf: str, config: dict) -> bool:
         if not named:
             os.environ["TIDEPOOL_ALLOC_CONF"] = conf
             _config.plan_for_preload()  # conf by the shim's rules, next to PyTorch's variables
-        state = _set_up_shim(ctypes.CDLL(None))
+        state = _set_up_shim()
         # A cudaMalloc on another thread may have set the shim up in between, with what
         # the environment held then.
         if state == 1 and _config.active_config() != config:
