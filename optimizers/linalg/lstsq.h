@@ -65,8 +65,10 @@ struct LstsqOptions {
   // condition estimate are all those of AD, so for a rank-deficient or truncated problem
   // the solution returned is the one with minimum ‖y‖ = ‖D⁻¹x‖ (minimum norm in
   // unit-column variables, as LAPACK-style equilibrated solvers do), not minimum ‖x‖.
-  // false: D = I, and the solution is the true minimum-‖x‖ one. With full rank and nothing
-  // truncated the solution is unique and the two agree (up to rounding).
+  // false: D = I, and the solution is the true minimum-‖x‖ one (for exactly dependent
+  // columns of different norms, [a, 2a], the two differ: x ∝ (2, 1) with, (1, 2) without;
+  // Note [Minimum norm with equilibration] in small_solve.cpp says why). With full rank and
+  // nothing truncated the solution is unique and the two agree (up to rounding).
   bool equilibrate = true;
   // automatic leaves gram_cholesky when κ(AᵀA) (equilibrated) exceeds this. The Gram
   // route's error is ~κ(AᵀA)·eps64, so negative means the default 1e7 for fp32 input (error

@@ -25,6 +25,14 @@
 // column, and for full rank it threw away the accuracy equilibration buys. With
 // equilibration off D = I and this is the true minimum-‖x‖ solution. With full rank and
 // no truncation both agree: the solution is unique.
+// Not taken (tried 2026-12-07): returning the minimum ‖x‖ among the truncated problem's
+// solutions D(y + V⊥z), V⊥ the dropped directions. Where a dropped σ is small but not zero
+// (truncated at rcond, not exactly dependent), D stretches V⊥ by the ratio of the column
+// norms: with norms 1 and 1e-6 (units_problem in test_lstsq.cpp) the "minimum ‖x‖" moved
+// far along the dropped direction, to coefficients of ±1.8e5 for a problem whose
+// solution is (0.5, 1e6, 0.5), with a residual worse by σ_dropped·‖z‖. For columns that
+// are exactly dependent but differently scaled ([a, 2a]) this means lstsq gives x ∝ (2, 1)
+// where gelsd gives (1, 2), both exact solutions; equilibrate = false gives gelsd's.
 #include "optimizers/linalg/small_solve.h"
 
 #include <algorithm>

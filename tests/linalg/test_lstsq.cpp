@@ -203,6 +203,42 @@ TEST(Lstsq, DuplicatedColumnGivesMinimumNormAndRank) {
   EXPECT_NEAR(result.solution[0].item<double>(), result.solution[3].item<double>(), 1e-10);
 }
 
+// Exactly dependent columns of different norms, [a, 2a]: both answers solve the problem
+// exactly; which one is smallest depends on the variables (lstsq.h, LstsqOptions::
+// equilibrate). Without equilibration the minimum ‖x‖ (gelsd's, the pseudo-inverse's); with
+// it the minimum ‖D⁻¹x‖, which puts equal weight on the unit-norm columns.
+TEST(Lstsq, ScaledDuplicateColumnsSplitTheCoefficientByTheVariablesMinimised) {
+  at::manual_seed(12);
+  const auto base = at::randn({3000, 2}, kF64);
+  const auto A = at::cat({base, 2.0 * base.narrow(1, 0, 1)}, 1);  // column 2 = 2·column 0
+  const auto b = base.mv(testing::values({1.0, -2.0})) + 0.01 * at::randn({3000}, kF64);
+  for (const auto method : {LstsqMethod::automatic, LstsqMethod::svd, LstsqMethod::gram_eigh}) {
+    LstsqOptions options;
+    options.method = method;
+    options.equilibrate = false;
+    const auto plain = lstsq(A, b, options);
+    EXPECT_EQ(plain.rank, 2) << method_name(method);
+    EXPECT_LT(relative_error(plain.solution, min_norm_reference(A, b)), 1e-9)
+        << method_name(method);
+    EXPECT_NEAR(plain.solution[2].item<double>(), 2.0 * plain.solution[0].item<double>(), 1e-9)
+        << method_name(method);
+    options.equilibrate = true;
+    const auto equilibrated = lstsq(A, b, options);
+    EXPECT_EQ(equilibrated.rank, 2) << method_name(method);
+    EXPECT_NEAR(equilibrated.solution[0].item<double>(),
+                2.0 * equilibrated.solution[2].item<double>(), 1e-9)
+        << method_name(method);
+    // Both solve it: the same coefficient of a in total, the same residual.
+    EXPECT_NEAR(plain.solution[0].item<double>() + 2.0 * plain.solution[2].item<double>(),
+                equilibrated.solution[0].item<double>() +
+                    2.0 * equilibrated.solution[2].item<double>(),
+                1e-9)
+        << method_name(method);
+    EXPECT_NEAR(plain.residual_norm, equilibrated.residual_norm, 1e-9 * plain.residual_norm)
+        << method_name(method);
+  }
+}
+
 TEST(Lstsq, ZeroColumnGetsZeroCoefficientAndLowersRank) {
   for (const auto method : {LstsqMethod::automatic, LstsqMethod::svd, LstsqMethod::gram_eigh}) {
     at::manual_seed(9);

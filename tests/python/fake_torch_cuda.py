@@ -102,5 +102,5 @@ def install(**overrides) -> None:
     with pytest.MonkeyPatch.context() as patch, warnings.catch_warnings():
         # What the fallback warns about has its own test.
         warnings.simplefilter("ignore", _install.TidepoolFallbackWarning)
-        patch.setattr(torch.cuda, "device_count", lambda: 1)
+        patch.setattr(torch.cuda, "device_count", lambda: 4)
         _install.install(torch, _config.claim(conf).config)

@@ -1,5 +1,5 @@
 """What installation does inside torch, on a machine without a GPU: torch's CUDA entry
-points are replaced by recorders (fake_torch_cuda.py: device_count -> 1), so the test
+points are replaced by recorders (fake_torch_cuda.py: device_count -> 4), so the test
 sees exactly which allocator is registered, when the MemPool is made, which of torch's
 functions are replaced, and what record_stream and the memory figures reach. The
 optimizer step hooks have their own file, test_optim_hooks.py."""
@@ -319,6 +319,24 @@ def test_region_routes_every_device_it_names_to_the_pool(fake_cuda):
                 pass
         assert fake_cuda == before  # nothing entered, no tag left pushed
         assert _tags.current() != _tags.OPTIMIZER_STATE
+
+
+@pytest.mark.parametrize("mode", ["global", "pool"])
+def test_region_refuses_a_device_the_process_does_not_have(fake_cuda, mode):
+    # Review finding: in global mode region(device=7) on a machine with fewer GPUs was
+    # taken silently (nothing looked at the index); in pool mode torch's own error came
+    # from deep inside use_mem_pool. The fake machine has four devices.
+    install(mode=mode)
+    before = list(fake_cuda)
+    for bad in (4, [0, 7], "cuda:4", torch.device("cuda", 5)):
+        with pytest.raises(ValueError, match=r"device \d does not exist: this process sees "
+                                             r"4 CUDA devices \(0\.\.3\)"):
+            with tidepool.region("optimizer_state", device=bad):
+                pass
+        assert fake_cuda == before  # nothing entered, no tag left pushed
+        assert _tags.current() != _tags.OPTIMIZER_STATE
+    with tidepool.region("optimizer_state", device=3):
+        assert _tags.current() == _tags.OPTIMIZER_STATE
 
 
 def test_host_backend_cannot_back_cuda_tensors(fake_cuda):

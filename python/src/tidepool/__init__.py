@@ -238,6 +238,15 @@ def _region_devices(device) -> list:
     if not devices:
         raise ValueError("tidepool.region: device is an empty list; name at least one device, "
                          "or leave it out for the current one")
+    # Checked here, not left to use_mem_pool: in global mode nothing else would look at
+    # the index, and a region on a device that does not exist did nothing, silently.
+    from . import _install
+    count = _install.device_count()
+    for index in devices:
+        if count is not None and index is not None and index >= count:
+            raise ValueError(f"tidepool.region: device {index} does not exist: this process "
+                             f"sees {count} CUDA device{'s' if count != 1 else ''} "
+                             f"(0..{count - 1})")
     return devices
 
 
@@ -250,7 +259,7 @@ def region(tag: str | int = "user", device=None):
     current device, or on each device `device` names
     (an index, a torch.device, "cuda:i", or a list of them, for a process that allocates on several
     GPUs inside the block). In global mode every device's allocations are tidepool's
-    anyway, and `device` only has to be valid."""
+    anyway, and `device` only has to exist (a ValueError otherwise, in either mode)."""
     from . import _install, _tags
     tag_id = _tags.tag_id(tag)
     devices = _region_devices(device)

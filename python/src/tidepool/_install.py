@@ -41,6 +41,7 @@ class _State:
         self.active = False
         self.config: dict | None = None
         self.torch = None
+        self.device_count = 0  # CUDA devices torch saw at install (what region() checks)
         self.allocator = None  # the CUDAPluggableAllocator (pool mode; global-mode fallback)
         self.cuda_allocator = None  # global mode: what c10's CUDA allocator is
         # Pool mode (Note [one MemPool per thread and device at a time]): (device, tag) ->
@@ -86,7 +87,8 @@ def install(torch, config: dict) -> None:
         # device_count asks NVML first; is_available (without PYTORCH_NVML_BASED_CUDA_CHECK)
         # calls cuInit, and a process that did cannot use CUDA in a forked child: at
         # `import torch` that would break every launcher that forks its GPU workers.
-        if torch.cuda.device_count() == 0:
+        STATE.device_count = torch.cuda.device_count()
+        if STATE.device_count == 0:
             _inactive("no CUDA device is available", config)
             return
         if config.get("device_backend") == "host":
@@ -175,6 +177,12 @@ def _install_global(torch, config: dict, path: str, malloc_name: str, free_name:
         from . import _torch_memory
 
         STATE.torch_memory = _torch_memory.register(torch)
+
+
+def device_count() -> int | None:
+    """The CUDA devices of this process when tidepool is installed in torch, else None
+    (unknown: asking torch could initialise CUDA)."""
+    return STATE.device_count if STATE.active else None
 
 
 def pool_mode() -> bool:
