@@ -266,7 +266,8 @@ void* open_or_say(void* (*open)(std::string& tried), const char* failure) {
 // The functions the shim defines, as the messages name them.
 constexpr const char* kInterposed =
     "cudaMalloc/cudaFree, cudaMallocAsync/cudaFreeAsync (and their _ptsz forms), "
-    "cudaStreamDestroy, cudaIpcGetMemHandle and cudaDeviceReset";
+    "cudaStreamDestroy, cudaIpcGetMemHandle, cudaDeviceReset, the other allocations "
+    "(cudaMallocPitch, ...) and the memory-pool calls the shim watches";
 
 // tidepool.log:off read from the variables themselves, for the one message given before
 // libtidepool (whose parser knows the keys) is loaded, or when it never is.
@@ -313,7 +314,16 @@ void bind_optional(void* cudart, RealCudart& c) {
            symbol("cudaIpcGetMemHandle", c.ipc_get_mem_handle),
            symbol("cudaDeviceReset", c.device_reset),
            symbol("cudaMallocAsync_ptsz", c.malloc_async_ptsz),
-           symbol("cudaFreeAsync_ptsz", c.free_async_ptsz));
+           symbol("cudaFreeAsync_ptsz", c.free_async_ptsz),
+           // Note [calls the shim watches] (watched_calls.cpp).
+           symbol("cudaMallocPitch", c.malloc_pitch), symbol("cudaMalloc3D", c.malloc_3d),
+           symbol("cudaMallocManaged", c.malloc_managed),
+           symbol("cudaMallocArray", c.malloc_array),
+           symbol("cudaMalloc3DArray", c.malloc_3d_array),
+           symbol("cudaMallocFromPoolAsync", c.malloc_from_pool_async),
+           symbol("cudaDeviceSetMemPool", c.device_set_mem_pool),
+           symbol("cudaDeviceGetDefaultMemPool", c.device_get_default_mem_pool),
+           symbol("cudaMemPoolSetAccess", c.mem_pool_set_access));
 }
 
 // Resolves the forwarding target (Note [two once-flags]) and decides whether tidepool may
@@ -428,6 +438,54 @@ bool pytorch_variables_name_tidepool() {
 __attribute__((constructor)) void preload_start() {
   register_fork_handlers();  // Note [Forked child under the shim]: before any set-up
   if (pytorch_variables_name_tidepool()) ready();
+}
+
+// Note [a program the shim cannot see]
+// LD_PRELOAD interposes only calls that the loader binds through the global scope. A
+// program linked with the static CUDA runtime (nvcc's and CMake's default) has its
+// cudaMalloc inside the executable, and one that dlopen()s its runtime RTLD_LOCAL and
+// calls it through dlsym of that handle binds past the shim: no call of theirs reaches
+// it, and tidepool serves nothing, without a word (under tidepool.log:info the set-up
+// even said "active"). So at exit, when no CUDA call ever reached the shim (the runtime
+// was never resolved: every interposed function resolves it first) but the process used
+// CUDA (libcuda is loaded), the shim says which of the two it was and what to change
+// (not under tidepool.log:off). A process with a runtime in the global scope that made
+// no call of the shim's (it used CUDA without allocating) is not one of them; nor is one
+// that never loaded libcuda (the shells and compilers that inherit LD_PRELOAD).
+bool libcuda_loaded() {
+  for (const std::string& path : loaded_libraries()) {
+    const size_t slash = path.rfind('/');
+    if (path.compare(slash == std::string::npos ? 0 : slash + 1, 10, "libcuda.so") == 0) {
+      return true;
+    }
+  }
+  return false;
+}
+
+__attribute__((destructor)) void preload_exit() {
+  const Shim& s = shim();
+  if (s.cuda_resolved.load(std::memory_order_acquire) || environment_says_log_off() ||
+      !libcuda_loaded()) {
+    return;
+  }
+  if (void* global = next_cudart()) {  // in the global scope: the calls would have come
+    dlclose(global);
+    return;
+  }
+  if (void* local = loaded_cudart()) {
+    const std::string path = library_of(dlsym(local, "cudaMalloc"));
+    dlclose(local);
+    say("", "no CUDA call reached the shim, and tidepool served none of this process's "
+            "allocations: its CUDA runtime " + path + " was loaded outside the global scope "
+            "(dlopen with RTLD_LOCAL), and calls made through dlsym of that handle cannot be "
+            "interposed. Load the runtime with RTLD_GLOBAL, or link the program against it");
+    return;
+  }
+  say("", "no CUDA call reached the shim, and tidepool served none of this process's "
+          "allocations: it used CUDA (libcuda is loaded) without a shared CUDA runtime. A "
+          "program linked with the static runtime (nvcc's default, -cudart static; CMake's "
+          "CUDA_RUNTIME_LIBRARY Static), or one that uses the driver API alone, cannot be "
+          "interposed: link it with -cudart shared (CMake: CUDA_RUNTIME_LIBRARY Shared)");
 }
 
 // Note [Forked child under the shim]: set while this thread holds Shim::setup_mutex, so

@@ -12,6 +12,10 @@
 #include <sys/types.h>
 #include <unordered_map>
 
+// The functions the shim defines for the program (the library is built with hidden
+// visibility).
+#define TIDEPOOL_PRELOAD_EXPORT __attribute__((visibility("default")))
+
 namespace tidepool_preload {
 
 struct RealCudart {
@@ -43,6 +47,20 @@ struct RealCudart {
   cudaError_t (*stream_synchronize)(cudaStream_t) = nullptr;
   cudaError_t (*ipc_get_mem_handle)(cudaIpcMemHandle_t*, void*) = nullptr;  // Note [IPC ...]
   cudaError_t (*device_reset)() = nullptr;  // Note [cudaDeviceReset under the shim]
+  // Note [calls the shim watches] (watched_calls.cpp): the other allocations, retried once
+  // after tidepool's cache is given back, and the calls that make a device's stream-ordered
+  // allocations the program's own pool's.
+  cudaError_t (*malloc_pitch)(void**, size_t*, size_t, size_t) = nullptr;
+  cudaError_t (*malloc_3d)(cudaPitchedPtr*, cudaExtent) = nullptr;
+  cudaError_t (*malloc_managed)(void**, size_t, unsigned) = nullptr;
+  cudaError_t (*malloc_array)(cudaArray_t*, const cudaChannelFormatDesc*, size_t, size_t,
+                              unsigned) = nullptr;
+  cudaError_t (*malloc_3d_array)(cudaArray_t*, const cudaChannelFormatDesc*, cudaExtent,
+                                 unsigned) = nullptr;
+  cudaError_t (*malloc_from_pool_async)(void**, size_t, cudaMemPool_t, cudaStream_t) = nullptr;
+  cudaError_t (*device_set_mem_pool)(int, cudaMemPool_t) = nullptr;
+  cudaError_t (*device_get_default_mem_pool)(cudaMemPool_t*, int) = nullptr;
+  cudaError_t (*mem_pool_set_access)(cudaMemPool_t, const cudaMemAccessDesc*, size_t) = nullptr;
 };
 
 struct TidepoolAbi {
@@ -95,6 +113,13 @@ struct Shim {
   // index below kResetTrackedDevices (the allocator's 0..kMaxDevices-1 among them; any
   // other index is never served).
   std::atomic<std::uint64_t> reset_devices{0};
+  // Note [calls the shim watches]: devices whose current memory pool the program set to
+  // one of its own (cudaDeviceSetMemPool), and devices whose default pool it gave other
+  // devices access to (cudaMemPoolSetAccess), one bit per index below kMaxDevices: their
+  // cudaMallocAsync goes to the runtime.
+  std::atomic<std::uint64_t> own_pool_devices{0};
+  std::atomic<std::uint64_t> shared_pool_devices{0};
+  std::atomic<bool> said_program_pool{false};
   RealCudart cuda;
   // Note [a runtime found late] (libraries.cpp): no runtime was found when `cuda` was
   // resolved; `late_cudart` is the one found since, published once, never freed.
@@ -128,6 +153,39 @@ class InsideTidepool {
  private:
   bool previous_;
 };
+
+// Note [last error] (tidepool_preload.cpp): the program's last error while the runtime
+// does not hold it.
+extern constinit thread_local cudaError_t t_held_last_error;
+
+// Note [last error]: for a call the shim serves, from before its first runtime call to
+// the end; answer() passes the call's result through. Only once the runtime is resolved.
+class ProgramLastError {
+ public:
+  ProgramLastError();
+  ~ProgramLastError();
+  ProgramLastError(const ProgramLastError&) = delete;
+  ProgramLastError& operator=(const ProgramLastError&) = delete;
+  cudaError_t answer(cudaError_t e) {
+    answer_ = e;
+    return e;
+  }
+
+ private:
+  cudaError_t pending_;
+  cudaError_t answer_ = cudaSuccess;
+};
+
+// Note [cudaDeviceReset under the shim]: whether tidepool no longer serves `device`.
+bool device_was_reset(int device);
+
+// Whether tidepool serves stream-ordered allocations on `device`: one it can serve at all
+// (below kMaxDevices), not reset, and not given a pool of the program's own (Note [calls
+// the shim watches]).
+bool serves_device(int device);
+
+// Note [calls the shim watches]: whether the program gave `device` a pool of its own.
+bool uses_program_pool(int device);
 
 // Says "tidepool preload: <what><message>" on stderr.
 void say(const char* what, const std::string& message);
@@ -178,6 +236,35 @@ cudaError_t forward(Fn RealCudart::*fn, Args... args) {
   }
   InsideTidepool inside;
   return real(args...);
+}
+
+// Note [calls the shim watches] (watched_calls.cpp): after an allocation the runtime
+// failed for memory, gives back tidepool's cache on `device`; whether a retry may find
+// more room (tidepool serves the device and emptied its cache).
+bool give_cache_back(int device);
+
+// A forwarded allocation for `device`, retried once after give_cache_back when the runtime
+// answers cudaErrorMemoryAllocation. For callers that hold a ProgramLastError (or whose
+// call must leave the last error as the runtime's own would, see forward_allocation).
+template <typename Fn, typename... Args>
+cudaError_t forward_retrying(int device, Fn RealCudart::*fn, Args... args) {
+  cudaError_t e = forward(fn, args...);
+  if (e == cudaErrorMemoryAllocation && give_cache_back(device)) e = forward(fn, args...);
+  return e;
+}
+
+// An allocation the shim forwards on the current device: retried as forward_retrying says
+// while tidepool serves, with the program's last error kept as one call would leave it.
+template <typename Fn, typename... Args>
+cudaError_t forward_allocation(Fn RealCudart::*fn, Args... args) {
+  Shim& s = shim();
+  if (t_inside_tidepool || !s.serving.load(std::memory_order_acquire) || in_forked_child()) {
+    return forward(fn, args...);
+  }
+  ProgramLastError last_error;
+  int device = -1;
+  if (s.cuda.get_device(&device) != cudaSuccess) device = -1;  // no retry: forward as is
+  return last_error.answer(forward_retrying(device, fn, args...));
 }
 
 }  // namespace tidepool_preload

@@ -5,9 +5,10 @@
 // How it works:
 //   - It defines those four functions, cudaStreamDestroy, cudaIpcGetMemHandle (Note [IPC of
 //     tidepool's memory]), cudaDeviceReset (Note [cudaDeviceReset under the shim]), the
-//     _ptsz forms of the two
-//     stream-ordered ones (Note [per-thread default stream programs]), and
-//     cudaGetLastError/cudaPeekAtLastError (Note [last error]). Preloaded, these
+//     _ptsz forms of the two stream-ordered ones (Note [per-thread default stream
+//     programs]), cudaGetLastError/cudaPeekAtLastError (Note [last error]), and
+//     (watched_calls.cpp, Note [calls the shim watches]) the runtime's other allocations
+//     and memory-pool calls, which it forwards but watches. Preloaded, these
 //     definitions come first in the global symbol scope, so every dynamically linked
 //     caller (PyPI torch links libcudart dynamically) reaches them instead of libcudart's.
 //   - Set-up (libraries.cpp): Note [two once-flags], Note [runtime version], where the real
@@ -178,44 +179,45 @@
 #include <sys/types.h>
 #include <utility>
 
+#include "allocator/backend.h"
 #include "allocator/size_classes.h"
 #include "preload/shim.h"
-
-#define TIDEPOOL_PRELOAD_EXPORT __attribute__((visibility("default")))
 
 namespace tidepool_preload {
 
 constinit thread_local bool t_inside_tidepool = false;
-
-namespace {
-
-// Note [last error]: the program's last error while the runtime does not hold it.
 constinit thread_local cudaError_t t_held_last_error = cudaSuccess;
 
-// Note [last error]: for a call the shim serves, from before its first runtime call to
-// the end; answer() passes the call's result through.
-class ProgramLastError {
- public:
-  ProgramLastError() : pending_(shim().cuda.get_last_error()) {}
-  ~ProgramLastError() {
-    (void)shim().cuda.get_last_error();  // the shim's and tidepool's own calls' errors
-    if (answer_ != cudaSuccess) {
-      t_held_last_error = answer_;
-    } else if (pending_ != cudaSuccess) {
-      t_held_last_error = pending_;
-    }
-  }
-  ProgramLastError(const ProgramLastError&) = delete;
-  ProgramLastError& operator=(const ProgramLastError&) = delete;
-  cudaError_t answer(cudaError_t e) {
-    answer_ = e;
-    return e;
-  }
+ProgramLastError::ProgramLastError() : pending_(shim().cuda.get_last_error()) {}
 
- private:
-  cudaError_t pending_;
-  cudaError_t answer_ = cudaSuccess;
-};
+ProgramLastError::~ProgramLastError() {
+  (void)shim().cuda.get_last_error();  // the shim's and tidepool's own calls' errors
+  if (answer_ != cudaSuccess) {
+    t_held_last_error = answer_;
+  } else if (pending_ != cudaSuccess) {
+    t_held_last_error = pending_;
+  }
+}
+
+bool device_was_reset(int device) {
+  if (device < 0 || device >= kResetTrackedDevices) return false;
+  return (shim().reset_devices.load(std::memory_order_acquire) >> device & 1u) != 0;
+}
+
+bool uses_program_pool(int device) {
+  if (device < 0 || device >= tidepool::kMaxDevices) return false;
+  const Shim& s = shim();
+  const std::uint64_t pools = s.own_pool_devices.load(std::memory_order_acquire) |
+                              s.shared_pool_devices.load(std::memory_order_acquire);
+  return (pools >> device & 1u) != 0;
+}
+
+bool serves_device(int device) {
+  if (device < 0 || device >= tidepool::kMaxDevices || device_was_reset(device)) return false;
+  return !uses_program_pool(device);
+}
+
+namespace {
 
 // Serves an allocation through tidepool on `device` and `stream` (cudaMalloc: the NULL
 // stream). `call` names the CUDA function in messages.
@@ -260,12 +262,6 @@ bool take_owned(void* ptr, Allocation& out) {
   out = it->second;
   s.owned.erase(it);
   return true;
-}
-
-// Note [cudaDeviceReset under the shim]: whether tidepool no longer serves `device`.
-bool device_was_reset(int device) {
-  if (device < 0 || device >= kResetTrackedDevices) return false;
-  return (shim().reset_devices.load(std::memory_order_acquire) >> device & 1u) != 0;
 }
 
 // Note [frees of memory tidepool holds]: whether a pointer the shim does not own lies in
@@ -427,7 +423,15 @@ cudaError_t serve_malloc_async(const char* call, MallocAsync RealCudart::*real, 
   if (capture != cudaStreamCaptureStatusNone) return forward(real, dev_ptr, size, stream);
   int device = 0;
   if (const cudaError_t e = s.cuda.stream_get_device(meant, &device); e != cudaSuccess) return e;
-  if (device_was_reset(device)) return forward(real, dev_ptr, size, stream);
+  if (!serves_device(device)) {
+    if (uses_program_pool(device) && !s.quiet && !s.said_program_pool.exchange(true)) {
+      say(call, ": the program gave device " + std::to_string(device) +
+                    " a memory pool of its own (cudaDeviceSetMemPool, or access to its default "
+                    "pool with cudaMemPoolSetAccess): its stream-ordered allocations go to the "
+                    "runtime, from that pool; cudaMalloc stays tidepool's (said once)");
+    }
+    return forward_retrying(device, real, dev_ptr, size, stream);
+  }
   return serve_malloc(call, dev_ptr, size, device, allocation_stream(meant));
 }
 
@@ -493,7 +497,11 @@ cudaError_t free_async(FreeAsync RealCudart::*real, void* dev_ptr, cudaStream_t 
 cudaError_t serve_cuda_malloc(void** dev_ptr, size_t size) {
   int device = 0;
   if (const cudaError_t e = shim().cuda.get_device(&device); e != cudaSuccess) return e;
-  if (device_was_reset(device)) return forward(&RealCudart::malloc, dev_ptr, size);
+  // A device tidepool cannot serve (an index at or above its kMaxDevices) goes to the
+  // runtime, as a reset one does; its pool is no reason to (cudaMalloc never uses it).
+  if (device_was_reset(device) || device >= tidepool::kMaxDevices) {
+    return forward(&RealCudart::malloc, dev_ptr, size);
+  }
   if (const cudaError_t e = serve_malloc("cudaMalloc", dev_ptr, size, device, nullptr);
       e != cudaSuccess) {
     return e;

@@ -29,6 +29,9 @@
  *                        cudaMallocAsync, all through the process's symbols (the shim's).
  *                        Whether the two allocations reached this library is in
  *                        fake_cudart_nested_forwarded and fake_cudart_nested_async_forwarded;
+ *   FAKE_CUDART_OTHER_OOM  N: the first N of the other allocations (cudaMallocPitch,
+ *                        cudaMallocManaged, cudaMallocFromPoolAsync) answer
+ *                        cudaErrorMemoryAllocation (default 0);
  *   FAKE_CUDART_MALLOC_AT  when set (an address, as strtoull reads it with base 0), cudaMalloc
  *                        hands out that address instead of memory of its own, as a new
  *                        context after cudaDeviceReset may hand out addresses the old one
@@ -244,6 +247,65 @@ int cudaFreeAsync_ptsz(void* ptr, void* stream) {
   ++fake_cudart_free_async_ptsz_calls;
   fake_cudart_last_ptsz_stream = (intptr_t)stream;
   return answer(take_back(ptr));
+}
+
+/* The other allocations and the memory-pool calls the shim watches (Note [calls the shim
+ * watches] in preload/watched_calls.cpp), each counted in fake_cudart_other_malloc_calls.
+ * FAKE_CUDART_OTHER_OOM=N: the first N of them (whichever) answer
+ * cudaErrorMemoryAllocation, as a device whose memory is in tidepool's cache would. */
+int fake_cudart_other_malloc_calls = 0;
+static atomic_int other_calls_seen = 0;
+
+static int other_allocation(void** ptr, size_t size) {
+  ++fake_cudart_other_malloc_calls;
+  if (ptr == NULL) return answer(1); /* cudaErrorInvalidValue */
+  if (atomic_fetch_add(&other_calls_seen, 1) < env_int("FAKE_CUDART_OTHER_OOM", 0)) {
+    return answer(2); /* cudaErrorMemoryAllocation */
+  }
+  return answer(fake_allocate(ptr, size));
+}
+
+int cudaMallocPitch(void** ptr, size_t* pitch, size_t width, size_t height) {
+  if (pitch != NULL) *pitch = width;
+  return other_allocation(ptr, width * height);
+}
+
+int cudaMallocManaged(void** ptr, size_t size, unsigned flags) {
+  (void)flags;
+  return other_allocation(ptr, size);
+}
+
+int cudaMallocFromPoolAsync(void** ptr, size_t size, void* pool, void* stream) {
+  (void)pool;
+  (void)stream;
+  return other_allocation(ptr, size);
+}
+
+/* Devices 0-3 (as cudaSetDevice), whose default pools are the handles 0x7000 + device. The
+ * fake's cudaMallocAsync allocates as before whatever the current pool is: a test sees
+ * which calls reached it. */
+int fake_cudart_set_mem_pool_calls = 0;
+int fake_cudart_pool_access_calls = 0;
+
+int cudaDeviceGetDefaultMemPool(void** pool, int device) {
+  if (pool == NULL) return answer(1);
+  if (device < 0 || device > 3) return answer(101); /* cudaErrorInvalidDevice */
+  *pool = (void*)(uintptr_t)(0x7000 + device);
+  return 0;
+}
+
+int cudaDeviceSetMemPool(int device, void* pool) {
+  (void)pool;
+  ++fake_cudart_set_mem_pool_calls;
+  return device < 0 || device > 3 ? answer(101) : 0;
+}
+
+int cudaMemPoolSetAccess(void* pool, const void* map, size_t count) {
+  (void)pool;
+  (void)map;
+  (void)count;
+  ++fake_cudart_pool_access_calls;
+  return 0;
 }
 
 /* The helper library's function `name`, or NULL when the test did not load it. */

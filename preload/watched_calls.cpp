@@ -1,0 +1,162 @@
+// Runtime calls the LD_PRELOAD shim forwards but watches (libtidepool_preload.so): the
+// allocations tidepool does not serve, retried after tidepool gives its cache back, and
+// the memory-pool calls after which a device's stream-ordered allocations are the
+// program's own pool's.
+//
+// Note [calls the shim watches]
+// Two things a program may do beside cudaMalloc and cudaMallocAsync that tidepool serving
+// those would otherwise get wrong:
+//   - Other allocations. cudaMallocPitch, cudaMalloc3D, cudaMallocManaged, cudaMallocArray,
+//     cudaMalloc3DArray and cudaMallocFromPoolAsync go to the runtime unchanged, but the
+//     memory the program freed through cudaFree stays in tidepool's cache (a free in
+//     tidepool caches; its own allocations give the cache back when they run out, the
+//     runtime's cannot). Without the shim that memory would have been the driver's again,
+//     so such an allocation could fail under the shim where it succeeds without it. When
+//     the runtime answers cudaErrorMemoryAllocation the shim gives back tidepool's cache
+//     on the device (tidepool_empty_cache) and asks once more; the program sees the
+//     second answer, and its last error as that one call would have left it. The same
+//     goes for a cudaMallocAsync the shim forwards (below). Allocations the shim never
+//     sees (the driver API's cuMemAlloc and cuMemCreate, another process) cannot be
+//     helped so: a program calls tidepool_empty_cache itself for them (libtidepool is
+//     loaded into the global scope, so dlsym(RTLD_DEFAULT, "tidepool_empty_cache") finds
+//     it), as PyTorch's users call torch.cuda.empty_cache().
+//   - A pool of the program's own. cudaMallocAsync allocates from the device's current
+//     memory pool, whose properties the program may rely on: a pool it made and made
+//     current (cudaDeviceSetMemPool: its export handle types, its release threshold), or
+//     the default pool after cudaMemPoolSetAccess gave other devices access to it (their
+//     kernels then read the memory without peer access of their own). tidepool's memory
+//     has none of that. So once the program sets a device's current pool to one that is
+//     not the default, or sets access on the default pool, the shim stops serving that
+//     device's cudaMallocAsync (and _ptsz) and forwards it (said once, at the first one
+//     forwarded); setting the default pool back as current makes tidepool serve again
+//     unless access was set on it. Noted before tidepool is set up too (a program may set
+//     its pools before its first allocation). cudaMalloc does not use pools and stays
+//     tidepool's. Frees need nothing: a pointer the shim did not hand out is the
+//     runtime's.
+#include <cuda_runtime_api.h>
+
+#include <atomic>
+#include <cstdint>
+
+#include "allocator/backend.h"
+#include "preload/shim.h"
+
+namespace tidepool_preload {
+
+bool give_cache_back(int device) {
+  Shim& s = shim();
+  if (device < 0 || device >= tidepool::kMaxDevices || device_was_reset(device)) return false;
+  InsideTidepool inside;
+  s.tp.clear_error();
+  return s.tp.empty_cache(device) == 0;
+}
+
+namespace {
+
+// The device (one tidepool may serve) whose default memory pool `pool` is, or -1. Asks
+// device after device until the runtime says there is no such device.
+int device_of_default_pool(cudaMemPool_t pool) {
+  Shim& s = shim();
+  if (s.cuda.device_get_default_mem_pool == nullptr) return -1;
+  for (int device = 0; device < tidepool::kMaxDevices; ++device) {
+    cudaMemPool_t default_pool = nullptr;
+    if (s.cuda.device_get_default_mem_pool(&default_pool, device) != cudaSuccess) break;
+    if (default_pool == pool) return device;
+  }
+  return -1;
+}
+
+// Sets or clears `device`'s bit in `devices`.
+void set_device_bit(std::atomic<std::uint64_t>& devices, int device, bool on) {
+  if (device < 0 || device >= tidepool::kMaxDevices) return;  // never served anyway
+  const std::uint64_t bit = std::uint64_t{1} << device;
+  if (on) {
+    devices.fetch_or(bit, std::memory_order_acq_rel);
+  } else {
+    devices.fetch_and(~bit, std::memory_order_acq_rel);
+  }
+}
+
+// Whether the pool calls below are the program's own (tidepool's are not watched) and the
+// runtime the shim forwards to is the one resolved at set-up (the questions they ask it
+// go there). Noted whether or not tidepool is set up yet: it may be at the next cudaMalloc.
+bool watching() {
+  return !t_inside_tidepool && !in_forked_child() && shim().cuda.get_last_error != nullptr;
+}
+
+}  // namespace
+
+}  // namespace tidepool_preload
+
+using namespace tidepool_preload;
+
+extern "C" {
+
+TIDEPOOL_PRELOAD_EXPORT cudaError_t cudaMallocPitch(void** dev_ptr, size_t* pitch, size_t width,
+                                                    size_t height) {
+  return forward_allocation(&RealCudart::malloc_pitch, dev_ptr, pitch, width, height);
+}
+
+TIDEPOOL_PRELOAD_EXPORT cudaError_t cudaMalloc3D(cudaPitchedPtr* pitched, cudaExtent extent) {
+  return forward_allocation(&RealCudart::malloc_3d, pitched, extent);
+}
+
+TIDEPOOL_PRELOAD_EXPORT cudaError_t cudaMallocManaged(void** dev_ptr, size_t size,
+                                                      unsigned flags) {
+  return forward_allocation(&RealCudart::malloc_managed, dev_ptr, size, flags);
+}
+
+TIDEPOOL_PRELOAD_EXPORT cudaError_t cudaMallocArray(cudaArray_t* array,
+                                                    const cudaChannelFormatDesc* desc,
+                                                    size_t width, size_t height,
+                                                    unsigned flags) {
+  return forward_allocation(&RealCudart::malloc_array, array, desc, width, height, flags);
+}
+
+TIDEPOOL_PRELOAD_EXPORT cudaError_t cudaMalloc3DArray(cudaArray_t* array,
+                                                      const cudaChannelFormatDesc* desc,
+                                                      cudaExtent extent, unsigned flags) {
+  return forward_allocation(&RealCudart::malloc_3d_array, array, desc, extent, flags);
+}
+
+// From a pool the program names: always the runtime's. The retry gives back the cache of
+// the current device (the pool's may be another; its room is the device's memory all
+// the same when they are one).
+TIDEPOOL_PRELOAD_EXPORT cudaError_t cudaMallocFromPoolAsync(void** dev_ptr, size_t size,
+                                                            cudaMemPool_t pool,
+                                                            cudaStream_t stream) {
+  return forward_allocation(&RealCudart::malloc_from_pool_async, dev_ptr, size, pool, stream);
+}
+
+TIDEPOOL_PRELOAD_EXPORT cudaError_t cudaDeviceSetMemPool(int device, cudaMemPool_t pool) {
+  const cudaError_t e = forward(&RealCudart::device_set_mem_pool, device, pool);
+  if (e == cudaSuccess && watching()) {
+    // A pool that cannot be told from the default (no function to ask) counts as the
+    // program's: forwarding its allocations is right either way. Note [last error]: the
+    // question leaves the program's last error as the call alone would.
+    Shim& s = shim();
+    ProgramLastError last_error;
+    cudaMemPool_t default_pool = nullptr;
+    const bool is_default =
+        s.cuda.device_get_default_mem_pool != nullptr &&
+        s.cuda.device_get_default_mem_pool(&default_pool, device) == cudaSuccess &&
+        default_pool == pool;
+    set_device_bit(s.own_pool_devices, device, !is_default);
+  }
+  return e;
+}
+
+TIDEPOOL_PRELOAD_EXPORT cudaError_t cudaMemPoolSetAccess(cudaMemPool_t pool,
+                                                         const cudaMemAccessDesc* map,
+                                                         size_t count) {
+  const cudaError_t e = forward(&RealCudart::mem_pool_set_access, pool, map, count);
+  if (e == cudaSuccess && watching()) {
+    ProgramLastError last_error;  // the questions' "no such device" is not the program's
+    if (const int device = device_of_default_pool(pool); device >= 0) {
+      set_device_bit(shim().shared_pool_devices, device, true);
+    }
+  }
+  return e;
+}
+
+}  // extern "C"

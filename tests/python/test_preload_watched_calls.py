@@ -1,0 +1,221 @@
+"""The LD_PRELOAD shim's calls it forwards but watches (Note [calls the shim watches] in
+preload/watched_calls.cpp), the devices it leaves to the runtime, and what it says at exit
+when no CUDA call could reach it (Note [a program the shim cannot see] in
+preload/libraries.cpp), against the stand-in libcudart (fake_cudart.c) and, for the exit
+check, a stand-in libcuda (fake_libcuda.c)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+
+from preload_fake import FAKE_CUDART, PRELOAD, needs_fake, needs_preload, run_with_fake
+
+pytestmark = [needs_preload, needs_fake]
+
+FAKE_LIBCUDA = os.environ.get("TIDEPOOL_TEST_FAKE_LIBCUDA", "")
+
+OTHER_ALLOCATIONS = """
+import tidepool
+process.cudaMallocPitch.argtypes = [c_void_p, c_void_p, ctypes.c_size_t, ctypes.c_size_t]
+reserved = lambda: tidepool.stats(0)["reserved_bytes.all.current"]
+p = c_void_p()
+process.cudaMalloc(byref(p), 8 << 20)
+process.cudaFree(p)                            # tidepool keeps it cached
+out["cached"] = reserved() >= 8 << 20
+if os.environ.get("PENDING"):                  # a program error not read yet
+    out["pending_rc"] = process.cudaFree(c_void_p(0x1234))
+q, pitch = c_void_p(), ctypes.c_size_t()
+out["rc"] = process.cudaMallocPitch(byref(q), byref(pitch), 1024, 64)
+out["calls"] = counter("fake_cudart_other_malloc_calls")
+out["cache_given_back"] = reserved() == 0
+out["last_error"] = process.cudaGetLastError()
+out["then"] = process.cudaGetLastError()
+if out["rc"] == 0:
+    out["free_rc"] = process.cudaFree(q)       # the runtime's memory goes back to it
+    out["frees"] = counter("fake_cudart_free_calls")
+"""
+
+
+@pytest.mark.parametrize("ooms, expected", [
+    # Review finding: memory freed through cudaFree stayed in tidepool's cache, so the
+    # runtime's own allocations failed under the shim where they succeed without it.
+    (1, {"rc": 0, "calls": 2, "cache_given_back": True, "last_error": 0, "then": 0,
+         "free_rc": 0, "frees": 1}),
+    # Still out of memory after the cache came back: the runtime's answer, and the last
+    # error the failed call leaves.
+    (2, {"rc": 2, "calls": 2, "cache_given_back": True, "last_error": 2, "then": 0}),
+    # Enough memory: one call, and the cache stays.
+    (0, {"rc": 0, "calls": 1, "cache_given_back": False, "last_error": 0, "then": 0,
+         "free_rc": 0, "frees": 1}),
+], ids=["retried", "still-out-of-memory", "not-needed"])
+def test_other_allocations_get_tidepools_cache_back_when_the_runtime_runs_out(
+        run_python, ooms, expected):
+    out, _ = run_with_fake(run_python, OTHER_ALLOCATIONS, TIDEPOOL_BACKEND="host",
+                           FAKE_CUDART_OTHER_OOM=str(ooms))
+    assert out == {"cached": True, **expected}
+
+
+def test_a_retried_allocation_keeps_the_programs_pending_error(run_python):
+    # Note [last error]: the first answer's cudaErrorMemoryAllocation is the shim's, not
+    # the program's; the error the program had not read yet is still there after.
+    out, _ = run_with_fake(run_python, OTHER_ALLOCATIONS, TIDEPOOL_BACKEND="host",
+                           FAKE_CUDART_OTHER_OOM="1", PENDING="1")
+    assert out["pending_rc"] == 1 and out["rc"] == 0 and out["calls"] == 2
+    assert (out["last_error"], out["then"]) == (1, 0)
+
+
+def test_managed_and_pool_allocations_are_retried_too(run_python):
+    out, _ = run_with_fake(run_python, """
+process.cudaMallocManaged.argtypes = [c_void_p, ctypes.c_size_t, ctypes.c_uint]
+process.cudaMallocFromPoolAsync.argtypes = [c_void_p, ctypes.c_size_t, c_void_p, c_void_p]
+p = c_void_p()
+process.cudaMalloc(byref(p), 4 << 20)
+process.cudaFree(p)
+m, f = c_void_p(), c_void_p()
+out["managed"] = process.cudaMallocManaged(byref(m), 4096, 1)
+process.cudaMalloc(byref(p), 4 << 20)
+process.cudaFree(p)
+out["from_pool"] = process.cudaMallocFromPoolAsync(byref(f), 4096, c_void_p(0x7000), None)
+out["calls"] = counter("fake_cudart_other_malloc_calls")
+""", TIDEPOOL_BACKEND="host", FAKE_CUDART_OTHER_OOM="1")
+    # The first answer of each fails once (the knob counts across them: only the first).
+    assert out == {"managed": 0, "from_pool": 0, "calls": 3}
+
+
+def test_before_tidepool_is_set_up_another_allocation_is_forwarded_once(run_python):
+    # Lazy set-up (nothing names tidepool, no cudaMalloc yet): there is no cache to give.
+    out, _ = run_with_fake(run_python, """
+process.cudaMallocPitch.argtypes = [c_void_p, c_void_p, ctypes.c_size_t, ctypes.c_size_t]
+q, pitch = c_void_p(), ctypes.c_size_t()
+out["rc"] = process.cudaMallocPitch(byref(q), byref(pitch), 1024, 64)
+out["calls"] = counter("fake_cudart_other_malloc_calls")
+out["last_error"] = process.cudaGetLastError()
+""", TIDEPOOL_BACKEND="host", FAKE_CUDART_OTHER_OOM="1")
+    assert out == {"rc": 2, "calls": 1, "last_error": 2}
+
+
+PROGRAM_POOLS = """
+process.cudaDeviceSetMemPool.argtypes = [ctypes.c_int, c_void_p]
+process.cudaMemPoolSetAccess.argtypes = [c_void_p, c_void_p, ctypes.c_size_t]
+def stream_ordered(device):
+    os.environ["FAKE_CUDART_STREAM_DEVICE"] = str(device)
+    before = counter("fake_cudart_malloc_async_calls")
+    p = c_void_p()
+    rc = process.cudaMallocAsync(byref(p), 1 << 20, None)
+    forwarded = counter("fake_cudart_malloc_async_calls") - before
+    frees = counter("fake_cudart_free_async_calls")
+    free_rc = process.cudaFreeAsync(p, None)
+    # The runtime's pointer goes back to the runtime, tidepool's to tidepool.
+    assert free_rc == 0 and counter("fake_cudart_free_async_calls") - frees == forwarded
+    return "runtime" if (rc, forwarded) == (0, 1) else "tidepool" if rc == 0 else rc
+if os.environ.get("EARLY"):                     # before tidepool is set up
+    out["set_early"] = process.cudaDeviceSetMemPool(0, c_void_p(0x9999))
+q = c_void_p()
+process.cudaMalloc(byref(q), 1 << 20)           # tidepool is set up (lazily)
+out["start"] = stream_ordered(0)
+out["set_own"] = process.cudaDeviceSetMemPool(0, c_void_p(0x9999))
+out["own_pool"] = stream_ordered(0)
+out["other_device"] = stream_ordered(1)
+before = counter("fake_cudart_malloc_calls")
+r = c_void_p()
+process.cudaMalloc(byref(r), 1 << 20)
+out["cudaMalloc_stays_tidepools"] = counter("fake_cudart_malloc_calls") == before
+process.cudaFree(r)
+out["set_default"] = process.cudaDeviceSetMemPool(0, c_void_p(0x7000))
+out["default_again"] = stream_ordered(0)
+out["access"] = process.cudaMemPoolSetAccess(c_void_p(0x7001), None, 0)
+out["shared_default_pool"] = stream_ordered(1)
+process.cudaDeviceSetMemPool(1, c_void_p(0x7001))
+out["still_shared"] = stream_ordered(1)
+out["device_0"] = stream_ordered(0)
+out["last_error"] = process.cudaGetLastError()
+"""
+
+
+def test_a_device_given_a_pool_of_the_programs_own_allocates_from_it(run_python):
+    # Review finding: cudaMallocAsync was served by tidepool whatever the device's current
+    # pool, so a pool the program made current, or access it gave other devices to the
+    # default pool, did not apply to the memory it got.
+    out, stderr = run_with_fake(run_python, PROGRAM_POOLS, TIDEPOOL_BACKEND="host")
+    assert out == {
+        "start": "tidepool", "set_own": 0, "own_pool": "runtime", "other_device": "tidepool",
+        "cudaMalloc_stays_tidepools": True, "set_default": 0, "default_again": "tidepool",
+        "access": 0, "shared_default_pool": "runtime", "still_shared": "runtime",
+        "device_0": "tidepool", "last_error": 0}
+    assert stderr.count("a memory pool of its own") == 1, stderr
+
+
+def test_a_pool_set_before_tidepool_is_set_up_counts(run_python):
+    out, _ = run_with_fake(run_python, PROGRAM_POOLS, TIDEPOOL_BACKEND="host", EARLY="1")
+    assert out["set_early"] == 0
+    assert out["start"] == "runtime"
+
+
+def test_a_device_tidepool_cannot_serve_goes_to_the_runtime(run_python):
+    # Review finding: devices at and above tidepool's kMaxDevices (16) got
+    # cudaErrorInvalidValue for every allocation instead of the runtime's memory.
+    out, _ = run_with_fake(run_python, """
+p, q = c_void_p(), c_void_p()
+out["malloc"] = process.cudaMalloc(byref(p), 1 << 20)
+out["malloc_calls"] = counter("fake_cudart_malloc_calls")
+out["free"] = process.cudaFree(p)
+out["free_calls"] = counter("fake_cudart_free_calls")
+os.environ["FAKE_CUDART_STREAM_DEVICE"] = "17"
+out["async"] = process.cudaMallocAsync(byref(q), 1 << 20, None)
+out["async_calls"] = counter("fake_cudart_malloc_async_calls")
+out["free_async"] = process.cudaFreeAsync(q, None)
+out["last_error"] = process.cudaGetLastError()
+""", TIDEPOOL_BACKEND="host", FAKE_CUDART_DEVICE="16")
+    assert out == {"malloc": 0, "malloc_calls": 1, "free": 0, "free_calls": 1, "async": 0,
+                   "async_calls": 1, "free_async": 0, "last_error": 0}
+
+
+# Note [a program the shim cannot see]: programs run with the shim preloaded and no
+# variables; LIBCUDA, when set, is loaded (a process that used CUDA); RUNTIME, when set, is
+# the fake runtime loaded in that mode ("local": RTLD_LOCAL, called through its handle;
+# "global"); CALL makes one call of the shim's.
+EXIT_PROGRAM = """
+import ctypes, os
+if os.environ.get("LIBCUDA"):
+    ctypes.CDLL(os.environ["LIBCUDA"])
+mode = os.environ.get("RUNTIME")
+if mode:
+    runtime = ctypes.CDLL(os.environ["FAKE_CUDART_PATH"],
+                          mode=ctypes.RTLD_GLOBAL if mode == "global" else ctypes.RTLD_LOCAL)
+    p = ctypes.c_void_p()
+    runtime.cudaMalloc(ctypes.byref(p), 4096)   # through the handle: the shim sees nothing
+if os.environ.get("CALL"):
+    ctypes.CDLL(None).cudaFree(None)
+print("done")
+"""
+
+
+@pytest.mark.parametrize("variables, said", [
+    ({"LIBCUDA": "copy"}, "without a shared CUDA runtime"),
+    ({"LIBCUDA": "copy", "RUNTIME": "local"}, "outside the global scope"),
+    ({"LIBCUDA": "copy", "RUNTIME": "global"}, None),
+    ({"LIBCUDA": "copy", "CALL": "1", "TIDEPOOL_CUDART": FAKE_CUDART}, None),
+    ({"LIBCUDA": "copy", "TIDEPOOL_ALLOC_CONF": "tidepool.log:off"}, None),
+    ({}, None),
+], ids=["static-runtime", "handle-bound-runtime", "global-runtime", "a-call-came", "log-off",
+        "no-cuda"])
+def test_the_shim_says_at_exit_when_no_cuda_call_could_reach_it(run_python, tmp_path,
+                                                                 variables, said):
+    if not os.path.isfile(FAKE_LIBCUDA):
+        pytest.skip("fake libcuda not built")
+    env = {"FAKE_CUDART_PATH": FAKE_CUDART, **variables}
+    if "LIBCUDA" in env:
+        env["LIBCUDA"] = str(tmp_path / "libcuda.so.1")
+        shutil.copy(FAKE_LIBCUDA, env["LIBCUDA"])
+    result = run_python(EXIT_PROGRAM, preload=PRELOAD, **env)
+    assert result.stdout.strip() == "done"
+    if said is None:
+        assert "tidepool preload" not in result.stderr, result.stderr
+    else:
+        assert result.stderr.count("tidepool preload") == 1, result.stderr
+        assert said in result.stderr and "tidepool served none" in result.stderr
+        if env.get("RUNTIME") == "local":
+            assert FAKE_CUDART in result.stderr
