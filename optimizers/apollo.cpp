@@ -7,6 +7,8 @@
 #include <cmath>
 #include <exception>
 #include <limits>
+#include <string>
+#include <unordered_set>
 #include <utility>
 
 #include "optimizers/apollo_fused_host.h"
@@ -82,9 +84,9 @@ void ApolloOptions::validate(Check when) const {
               " (must be in [0, 1))");
   TORCH_CHECK(warmup() >= 0, "Apollo: invalid warmup ", warmup(), " (must be >= 0)");
   // init_lr when made: at most lr, as the reference's constructor checks it, or the lr the
-  // warmup ramps to (base_lr), whichever is larger. A group inherits base_lr and init_lr
-  // from the constructor's lr, so its own lr may lie below both or between them, as the
-  // reference (which checks no group) lets it. In training only its sign: a schedule may
+  // warmup ramps to (base_lr), whichever is larger. A group given no options inherits
+  // base_lr and init_lr from the constructor's lr, so its own lr may lie below both or
+  // between them, as the reference (which checks no group) lets it. In training only its sign: a schedule may
   // take lr below init_lr.
   const double init = init_lr().value_or(lr() / 1000.0);
   if (when != Check::training) {
@@ -126,6 +128,7 @@ Apollo::Apollo(const std::vector<torch::optim::OptimizerParamGroup>& param_group
   for (auto& group : param_groups_) {
     static_cast<ApolloOptions&>(group.options()).validate(ApolloOptions::Check::group);
   }
+  check_each_parameter_once();
   resolve_group_options();
 }
 
@@ -165,6 +168,7 @@ bool Apollo::has_fused_kernels() noexcept {
 }
 
 std::vector<std::vector<torch::Tensor>> Apollo::parameters_to_step() const {
+  check_each_parameter_once();
   std::vector<std::vector<torch::Tensor>> stepping;
   stepping.reserve(param_groups_.size());
   for (const auto& group : param_groups_) {
@@ -174,7 +178,11 @@ std::vector<std::vector<torch::Tensor>> Apollo::parameters_to_step() const {
     for (const auto& p : group.params()) {
       if (!p.grad().defined()) continue;
       const torch::Tensor& grad = p.grad();
-      TORCH_CHECK(!grad.is_sparse(), "Apollo does not support sparse gradients");
+      // Every sparse layout, not only COO (is_sparse() is false for CSR, CSC, BSR, BSC):
+      // the fused step reads the gradient as dense memory.
+      TORCH_CHECK(grad.layout() == torch::kStrided,
+                  "Apollo does not support sparse gradients (a ", grad.layout(),
+                  " gradient of a ", p.sizes(), " parameter)");
       const auto dtype = p.scalar_type();
       TORCH_CHECK(dtype == torch::kFloat32 || dtype == torch::kFloat64 ||
                       dtype == torch::kBFloat16 || dtype == torch::kFloat16,
@@ -203,10 +211,29 @@ std::vector<std::vector<torch::Tensor>> Apollo::parameters_to_step() const {
                     " (moved, converted or resized after the optimizer was created or "
                     "loaded: change the model first, then create or load the optimizer)");
       }
+      // Note [State held at once]: m, B and d are acquired together.
+      placement_->check_held_at_once(
+          3 * static_cast<std::size_t>(p.numel()) * p.element_size(),
+          "Apollo's step of a " + c10::str(p.sizes()) + " " + c10::toString(dtype) +
+              " parameter (its m, B and d)");
       params.push_back(p);
     }
   }
   return stepping;
+}
+
+// A parameter listed twice (in one group, or in two) would take two updates per step
+// with one state, where the reference's Python optimizer refuses it; torch::optim's
+// add_param_group checks only against state already made, none at construction.
+void Apollo::check_each_parameter_once() const {
+  std::unordered_set<const c10::TensorImpl*> seen;
+  for (const auto& group : param_groups_) {
+    for (const auto& p : group.params()) {
+      TORCH_CHECK(seen.insert(p.unsafeGetTensorImpl()).second,
+                  "Apollo: a ", p.sizes(), " parameter appears more than once in the "
+                  "parameter groups; give each parameter once");
+    }
+  }
 }
 
 ApolloParamState& Apollo::state_for(const torch::Tensor& param) {
@@ -382,7 +409,16 @@ void step_fused(torch::Tensor& p, const torch::Tensor& raw_grad, torch::Tensor& 
 #endif
   }
   if (fresh_carry.defined()) carried = std::move(fresh_carry);
-  if (!param.is_same(p)) p.copy_(param);
+  // The parameter changed in place, as p.add_ on the ops path changes it: autograd must
+  // see a new version, or a graph that saved the old value (a second backward through
+  // retain_graph, a GAN whose D steps before G's backward through D) would silently use
+  // the new one instead of refusing (review finding: the raw-pointer write left the
+  // version as it was). The copy of a non-contiguous parameter counts as one already.
+  if (param.is_same(p)) {
+    p.unsafeGetTensorImpl()->bump_version();
+  } else {
+    p.copy_(param);
+  }
 }
 
 }  // namespace

@@ -56,7 +56,9 @@ struct TIDEPOOL_API ApolloOptions
   // Unset: L2 for rebound constant, decoupled for belief (resolved like init_lr).
   TORCH_ARG(std::optional<ApolloWeightDecay>, weight_decay_type);
   // The lr the warmup ramps to (the reference's base_lr): unset means lr when the group
-  // joins the optimizer; it does not follow later lr changes, as in the reference.
+  // joins the optimizer; it does not follow later lr changes, as in the reference. A group
+  // with options of its own ramps to its own lr (the reference's setdefault would give it
+  // the constructor's base_lr and init_lr, whatever its lr).
   TORCH_ARG(std::optional<double>, base_lr);
 
  public:
@@ -115,13 +117,17 @@ class TIDEPOOL_API Apollo : public torch::optim::Optimizer {
          std::shared_ptr<StatePlacement> placement = default_placement());
 
   // One Apollo step for every parameter with a gradient. With a closure, it is called
-  // with grad mode on and its loss returned. What a step can refuse (sparse gradients,
-  // an unsupported dtype, invalid options in any group, a gradient of another shape, dtype
-  // or device than its parameter, state on another device, of another dtype or of another
-  // shape than its parameter, e.g. after the model was moved or set_data resized it) is
+  // with grad mode on and its loss returned. What a step can refuse (sparse gradients of
+  // any layout, an unsupported dtype, invalid options in any group, a parameter given
+  // twice (also refused at construction), a gradient of another shape, dtype or device
+  // than its parameter, state on another device, of another dtype or of another shape
+  // than its parameter, e.g. after the model was moved or set_data resized it, a
+  // parameter whose m, B and d together exceed a tiered placement's device budget) is
   // checked for every group before any parameter changes: a refused step changes nothing.
   // A failure past those checks (out of memory part-way) leaves the parameters before the
-  // one that failed stepped and the rest not: restore a checkpoint rather than step again.
+  // one that failed stepped, the rest not, and the one that failed stepped or not
+  // depending on where it failed: restore a checkpoint rather than step again.
+  // The parameters change in place, with a new autograd version (as Tensor::add_ gives).
   torch::Tensor step(LossClosure closure = nullptr) override;
 
   void save(torch::serialize::OutputArchive& archive) const override;
@@ -157,6 +163,7 @@ class TIDEPOOL_API Apollo : public torch::optim::Optimizer {
   // The parameters each group steps, in order, once everything the step could refuse is
   // checked (see step()).
   std::vector<std::vector<torch::Tensor>> parameters_to_step() const;
+  void check_each_parameter_once() const;
   void make_state_before_stepping(const std::vector<std::vector<torch::Tensor>>& to_step);
   void resolve_group_options();
 

@@ -41,6 +41,7 @@
 #pragma once
 
 #include <atomic>
+#include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -154,6 +155,16 @@ class TIDEPOOL_API StatePlacement {
   // get new buffers from caches (LibTorch's device and pinned-host allocators) that hand
   // the block just freed back for the next one anyway.
   virtual bool reuse_dropped_buffers() const { return false; }
+  // Note [State held at once]: an optimizer that acquires several buffers together (Apollo:
+  // a parameter's m, B and d) asks, before its step changes anything, whether `bytes` of
+  // them can be held at once; a placement that cannot (a tiered store whose device budget
+  // is smaller) throws c10::Error naming `what` and the room it would need, instead of
+  // refusing the last acquire with the parameters before it already stepped, at every
+  // step. Default: no limit.
+  virtual void check_held_at_once(std::size_t bytes, const std::string& what) const {
+    (void)bytes;
+    (void)what;
+  }
   // Step boundaries (see the top of this file). Default: nothing to learn.
   virtual void begin_step() {}
   virtual void end_step() {}

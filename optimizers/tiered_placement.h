@@ -120,6 +120,8 @@ class TIDEPOOL_API TieredPlacement final : public StatePlacement {
   std::string name() const override { return "tiered"; }
   // Creating a handle allocates and zeroes a host block, destroying it frees the block.
   bool reuse_dropped_buffers() const override { return true; }
+  // More than the store's device budget cannot be acquired at once.
+  void check_held_at_once(std::size_t bytes, const std::string& what) const override;
   void set_initial_copy(InitialCopy mode) noexcept { shared_->initial_copy = mode; }
   InitialCopy initial_copy() const noexcept { return shared_->initial_copy.load(); }
   // The store's recorded schedule (see the top of this file).

@@ -105,6 +105,56 @@ TEST(Apollo, SparseGradientIsRejected) {
   EXPECT_TRUE(torch::equal(before, p.detach()));
 }
 
+// Review finding: only COO gradients were refused; a CSR one reached the fused step after
+// the parameters before it had stepped, and its error did not say "sparse".
+TEST(Apollo, SparseGradientsOfEveryLayoutAreRefusedBeforeAnythingSteps) {
+  auto a = param(4);
+  auto b = torch::full({2, 3}, 0.5, torch::kFloat64).set_requires_grad(true);
+  Apollo opt({a, b}, ApolloOptions(0.1));
+  a.mutable_grad() = torch::ones_like(a);
+  for (const auto layout : {torch::kSparseCsr, torch::kSparseCsc}) {
+    b.mutable_grad() = layout == torch::kSparseCsr ? torch::ones_like(b).to_sparse_csr()
+                                                   : torch::ones_like(b).to_sparse_csc();
+    expect_error_mentions([&] { opt.step(); }, "sparse gradients");
+    EXPECT_TRUE(torch::equal(a.detach(), param(4).detach()));
+    EXPECT_TRUE(opt.state().empty());
+  }
+}
+
+// Review finding: torch::optim checks duplicates only against state already made, so
+// Apollo({a, a}) took two updates of a per step with one state.
+TEST(Apollo, AParameterGivenTwiceIsRefused) {
+  auto a = param(4), b = param(4);
+  expect_error_mentions([&] { Apollo({a, b, a}, ApolloOptions(0.1)); }, "more than once");
+  Apollo opt({a}, ApolloOptions(0.1));
+  opt.add_param_group(torch::optim::OptimizerParamGroup({b, a}));  // not Apollo's to check
+  a.mutable_grad() = torch::ones_like(a);
+  expect_error_mentions([&] { opt.step(); }, "more than once");
+  EXPECT_TRUE(torch::equal(a.detach(), param(4).detach()));
+}
+
+// Review finding: the fused step wrote the parameter through its data pointer without a
+// new autograd version, so a graph that saved the old value used the new one silently
+// (here: a second backward through retain_graph after the step). Both paths, both
+// dtypes, contiguous and not.
+TEST(Apollo, AStepGivesTheParameterANewAutogradVersion) {
+  for (const bool fused : {true, false}) {
+    for (const bool contiguous : {true, false}) {
+      auto w = torch::full({3, 2}, 0.5, torch::kFloat32);
+      if (!contiguous) w = w.t();
+      w.set_requires_grad(true);
+      Apollo opt({w}, ApolloOptions(0.1).warmup(0));
+      opt.set_fused_kernels(fused);
+      const auto loss = (w * w).sum();  // saves w for its own gradient
+      loss.backward({}, /*retain_graph=*/true);
+      const auto version = w._version();
+      opt.step();
+      EXPECT_GT(w._version(), version) << "fused " << fused << " contiguous " << contiguous;
+      expect_error_mentions([&] { loss.backward(); }, "modified by an inplace operation");
+    }
+  }
+}
+
 TEST(Apollo, ParametersWithoutGradientsAreLeftAlone) {
   auto a = param(4);
   auto b = param(4);
@@ -368,10 +418,11 @@ TEST(Apollo, AResizedParameterOrAMismatchedGradientIsRefusedBeforeAnythingSteps)
   EXPECT_TRUE(torch::equal(b.detach(), torch::full({1 << 16}, 0.5, torch::kFloat64)));
 }
 
-// Groups added with add_param_group (not virtual in torch::optim::Optimizer) get the
-// warmup the reference gives them: without options, the constructor's init_lr and base_lr
-// (as a group given to the constructor); with options of their own, init_lr and base_lr
-// fixed from their lr at the first step after joining, not following later lr changes.
+// Groups added with add_param_group (not virtual in torch::optim::Optimizer): without
+// options, the constructor's init_lr and base_lr (as a group given to the constructor, and
+// as the reference's setdefault gives them); with options of their own, init_lr and
+// base_lr fixed from their own lr at the first step after joining, not following later lr
+// changes (the reference would give them the constructor's: apollo.h, base_lr).
 TEST(Apollo, GroupsAddedLaterKeepTheirWarmupThroughLrChanges) {
   auto a = param(3), b = param(4), c = param(2);
   auto a2 = param(3), b2 = param(4);

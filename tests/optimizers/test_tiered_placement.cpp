@@ -215,6 +215,27 @@ TEST(TieredApollo, WriteBackOnDemandKeepsStateUntilTheRoomIsNeeded) {
   EXPECT_GT(store->stats().evictions, 0u);
 }
 
+// Review finding: a parameter whose m, B and d together exceed the store's budget failed
+// at its third acquire, after every parameter before it had stepped, at every step.
+TEST(TieredApollo, AParameterWhoseStateCannotBeHeldAtOnceIsRefusedBeforeAnythingSteps) {
+  auto backend = tidepool::make_host_backend();
+  auto store = store_with_budget(*backend, 2 * 1024);  // two 1 KiB buffers, not three
+  auto placement = std::make_shared<TieredPlacement>(store);
+  auto small = torch::full({16}, 0.5, torch::kFloat32).set_requires_grad(true);
+  auto large = torch::full({kElements}, 0.5, torch::kFloat32).set_requires_grad(true);
+  tidepool::optim::Apollo apollo({small, large}, tidepool::optim::ApolloOptions(0.01),
+                                 placement);
+  small.mutable_grad() = torch::ones_like(small);
+  large.mutable_grad() = torch::ones_like(large);
+  tidepool::testing::expect_error_mentions([&] { apollo.step(); }, "at least 3072 bytes");
+  EXPECT_TRUE(torch::equal(small.detach(), torch::full({16}, 0.5, torch::kFloat32)));
+  EXPECT_TRUE(apollo.state().empty());
+  // Without the large parameter's gradient the step goes ahead.
+  large.mutable_grad() = torch::Tensor();
+  apollo.step();
+  EXPECT_FALSE(torch::equal(small.detach(), torch::full({16}, 0.5, torch::kFloat32)));
+}
+
 TEST(TieredPlacement, NullStoreIsRejected) {
   tidepool::testing::expect_error_mentions([] { TieredPlacement placement(nullptr); }, "null");
 }
