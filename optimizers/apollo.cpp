@@ -438,24 +438,36 @@ torch::Tensor Apollo::step(LossClosure closure) {
   resolve_group_options();  // of groups added since the last step, once checked
   make_state_before_stepping(to_step);
   StepScope step_scope(*placement_);
+  // The parameter stepping after group g's i-th, across groups, or null for the last.
+  const auto next_stepping = [&to_step](size_t g, size_t i) -> const torch::Tensor* {
+    if (i + 1 < to_step[g].size()) return &to_step[g][i + 1];
+    for (size_t h = g + 1; h < to_step.size(); ++h) {
+      if (!to_step[h].empty()) return &to_step[h].front();
+    }
+    return nullptr;
+  };
   for (size_t g = 0; g < param_groups_.size(); ++g) {
     const auto& options = static_cast<const ApolloOptions&>(param_groups_[g].options());
-    // Parameters that take a step, in order; the next one's state is prefetched while the
-    // current one is computed (a hint, also for placements without a schedule and for
-    // the first step, before one is recorded).
+    // Parameters that take a step, in order; the next one's state (the next group's first
+    // parameter's after a group's last) is prefetched while the current one is computed
+    // (a hint, also for placements without a schedule and for the first step, before one
+    // is recorded). Asked after the current one is acquired, so that a placement short of
+    // device memory gives it to the parameter about to step (review finding: a
+    // host-staged step whose memory held a few buffers failed at its first parameter,
+    // whose acquire came after the prefetch of the second).
     const std::vector<torch::Tensor>& stepping = to_step[g];
     for (size_t i = 0; i < stepping.size(); ++i) {
       torch::Tensor p = stepping[i];
       ApolloParamState& state = state_for(p);
-      if (i + 1 < stepping.size()) {
-        ApolloParamState& next = state_for(stepping[i + 1]);
+      StateLease m_lease(*state.exp_avg_grad);
+      StateLease B_lease(*state.approx_hessian);
+      StateLease d_lease(*state.update);
+      if (const torch::Tensor* following = next_stepping(g, i)) {
+        ApolloParamState& next = state_for(*following);
         next.exp_avg_grad->prefetch();
         next.approx_hessian->prefetch();
         next.update->prefetch();
       }
-      StateLease m_lease(*state.exp_avg_grad);
-      StateLease B_lease(*state.approx_hessian);
-      StateLease d_lease(*state.update);
       torch::Tensor m = m_lease.tensor();
       torch::Tensor B = B_lease.tensor();
       torch::Tensor d = d_lease.tensor();

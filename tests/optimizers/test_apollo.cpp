@@ -518,6 +518,7 @@ class WriteBackPlacement final : public tidepool::optim::StatePlacement {
   std::vector<int> failing_after;
   bool prefetch_fails = false;
   int prefetches_failed = 0;
+  std::vector<std::string> events;  // "prefetch N" and "acquire N", N the buffer's number
   std::unique_ptr<tidepool::optim::StateBuffer> create(const torch::Tensor& initial) override {
     return std::make_unique<Buffer>(initial, *this, created_++);
   }
@@ -532,12 +533,16 @@ class WriteBackPlacement final : public tidepool::optim::StatePlacement {
 
    private:
     void do_prefetch() override {
+      owner_.events.push_back("prefetch " + std::to_string(number_));
       if (owner_.prefetch_fails) {
         owner_.prefetches_failed++;
         TORCH_CHECK(false, "write-back placement: out of memory staging buffer ", number_);
       }
     }
-    torch::Tensor do_acquire() override { return stored_.clone(); }
+    torch::Tensor do_acquire() override {
+      owner_.events.push_back("acquire " + std::to_string(number_));
+      return stored_.clone();
+    }
     void do_release(torch::Tensor& working, bool dirty) override {
       if (dirty) stored_ = working.clone();
     }
@@ -602,6 +607,24 @@ TEST(Apollo, AFailedPrefetchDoesNotStopTheStep) {
   }
   EXPECT_GT(placement->prefetches_failed, 0);
   EXPECT_TRUE(torch::equal(everything(opt, {a, b}), everything(reference, {a2, b2})));
+}
+
+// The parameter about to step is acquired before the next one is prefetched (review
+// finding: with the prefetch first, a host-staged placement short of device memory gave
+// it to the prefetch and failed the acquire of the step's first parameter), and the
+// prefetch reaches into the next group.
+TEST(Apollo, TheCurrentParameterIsAcquiredBeforeTheNextIsPrefetched) {
+  auto placement = std::make_shared<WriteBackPlacement>();
+  auto a = param(5), b = param(3);
+  Apollo opt({torch::optim::OptimizerParamGroup({a}), torch::optim::OptimizerParamGroup({b})},
+             ApolloOptions(0.1).warmup(0), placement);
+  a.mutable_grad() = torch::ones_like(a);
+  b.mutable_grad() = torch::ones_like(b);
+  opt.step();
+  const std::vector<std::string> expected = {"acquire 0",  "acquire 1",  "acquire 2",
+                                             "prefetch 3", "prefetch 4", "prefetch 5",
+                                             "acquire 3",  "acquire 4",  "acquire 5"};
+  EXPECT_EQ(placement->events, expected);
 }
 
 // A group added with an invalid lr is refused, and nothing is fixed from that lr: once

@@ -236,6 +236,24 @@ TEST(TieredApollo, AParameterWhoseStateCannotBeHeldAtOnceIsRefusedBeforeAnything
   EXPECT_FALSE(torch::equal(small.detach(), torch::full({16}, 0.5, torch::kFloat32)));
 }
 
+// The next group's first parameter is loaded while the group before it finishes: in the
+// first step, before the store has a schedule, only Apollo's own prefetch loads ahead (it
+// stopped at each group's end).
+TEST(TieredApollo, TheFirstStepLoadsTheNextGroupsFirstParameterAhead) {
+  auto backend = tidepool::make_host_backend();
+  auto store = store_with_budget(*backend, 64 * 1024);
+  auto placement = std::make_shared<TieredPlacement>(store);
+  auto a = torch::full({kElements}, 0.5, torch::kFloat32).set_requires_grad(true);
+  auto b = torch::full({kElements}, 0.5, torch::kFloat32).set_requires_grad(true);
+  tidepool::optim::Apollo apollo({torch::optim::OptimizerParamGroup({a}),
+                                  torch::optim::OptimizerParamGroup({b})},
+                                 tidepool::optim::ApolloOptions(0.01), placement);
+  a.mutable_grad() = torch::ones_like(a);
+  b.mutable_grad() = torch::ones_like(b);
+  apollo.step();
+  EXPECT_EQ(store->stats().prefetch_hits, 3u) << "b's m, B and d, loaded while a stepped";
+}
+
 TEST(TieredPlacement, NullStoreIsRejected) {
   tidepool::testing::expect_error_mentions([] { TieredPlacement placement(nullptr); }, "null");
 }
