@@ -301,10 +301,29 @@ def test_aadl_save_load_continue_equals_an_uninterrupted_run(where):
     torch.save(first.state_dict(), buffer)
     buffer.seek(0)
     resumed = make(params)
-    resumed.load_state_dict(torch.load(buffer))
+    resumed.load_state_dict(torch.load(buffer, weights_only=True))
     assert resumed.history_size() == first.history_size() == 4
     train(resumed, loss, 5)
     assert_bitwise(expected, snapshot(tensors))
+
+
+def test_aadl_saves_its_history_as_a_tensor_and_loads_the_bytes_of_earlier_versions():
+    # Review finding: the history was one bytes object, which torch.save's pickle protocol
+    # 2 writes as a latin-1 string (about 1.5x its size) and refuses beyond 4 GiB.
+    def make(params):
+        return topt.AADL(torch.optim.SGD(params, lr=0.1), history_depth=3)
+    params, tensors, loss = regression_problem()
+    first = make(params)
+    train(first, loss, 4)
+    saved = first.state_dict()["aadl"]
+    assert isinstance(saved, torch.Tensor) and saved.dtype == torch.uint8 and saved.dim() == 1
+    buffer = io.BytesIO()
+    torch.save(first.state_dict(), buffer)
+    assert buffer.tell() < 1.2 * saved.numel() + 64 * 1024  # not 1.5x: a record of its own
+    for form in (saved, bytes(saved.numpy()), bytearray(saved.numpy())):
+        resumed = make([p.detach().clone().requires_grad_() for p in params])
+        resumed.load_state_dict({"inner": first.state_dict()["inner"], "aadl": form})
+        assert resumed.history_size() == first.history_size() == 3
 
 
 # ---- options, schedulers, groups, closures ------------------------------------------------------
@@ -323,6 +342,48 @@ def test_an_lr_scheduler_reaches_the_step():
     opt.param_groups[0]["lr"] = 0.05
     train(opt, loss, 1)
     assert not torch.equal(before[0], tensors[0])
+
+
+def test_options_changed_to_bad_ones_are_a_value_error_at_the_step():
+    # Review finding: the README promised a ValueError; the C++ step's check was a
+    # RuntimeError.
+    params, tensors, loss = regression_problem()
+    opt = topt.Apollo(params, lr=0.05)
+    train(opt, loss, 1)
+    before = snapshot(tensors)
+    opt.param_groups[0]["lr"] = -1.0
+    with pytest.raises(ValueError, match="invalid learning rate -1"):
+        train(opt, loss, 1)
+    assert_bitwise(before, snapshot(tensors))
+
+
+def test_replaced_or_removed_params_make_the_step_raise():
+    # Review finding: a group's "params" replaced (HF Accelerate's parameter switch) was
+    # never stepped, without a word: the C++ optimizer kept the tensors it was given.
+    params, tensors, loss = regression_problem()
+    opt = topt.Apollo(params, lr=0.05)
+    train(opt, loss, 1)
+    given = opt.param_groups[0]["params"]
+    opt.param_groups[0]["params"] = [torch.nn.Parameter(p.detach().clone()) for p in given]
+    with pytest.raises(RuntimeError, match="no longer name the parameters"):
+        opt.step()
+    opt.param_groups[0]["params"] = list(given)  # the same tensors in a new list: fine
+    train(opt, loss, 1)
+    opt.add_param_group({"params": [torch.nn.Parameter(torch.ones(3))]})
+    opt.param_groups.pop()
+    with pytest.raises(RuntimeError, match="a group removed"):
+        opt.step()
+
+
+def test_a_parameter_twice_in_an_added_group_is_refused_and_the_optimizer_goes_on():
+    params, tensors, loss = regression_problem()
+    W, b = tensors
+    opt = topt.Apollo([W], lr=0.05)
+    extra = torch.nn.Parameter(torch.ones(3))
+    with pytest.raises(ValueError, match="more than once"), pytest.warns(UserWarning):
+        opt.add_param_group({"params": [extra, extra]})  # torch itself only warns
+    assert len(opt.param_groups) == 1
+    train(opt, loss, 1)
 
 
 def test_a_group_added_later_is_stepped_with_the_constructors_defaults():
@@ -741,7 +802,9 @@ def test_aadl_refuses_a_bad_state_dict_and_changes_nothing():
     train(other, other_loss, 2)  # a valid inner state, with a truncated history beside it
     truncated = {"inner": other.state_dict()["inner"], "aadl": good["aadl"][:40]}
     for forged, match in [({"inner": good["inner"]}, "not an AADL state_dict"),
-                          ({"inner": good["inner"], "aadl": "text"}, "'aadl' is not bytes"),
+                          ({"inner": good["inner"], "aadl": "text"}, "'aadl' is not a saved"),
+                          ({"inner": good["inner"], "aadl": good["aadl"].float()},
+                           "'aadl' is not a saved"),
                           (truncated, "AADL: the state_dict's 'aadl' is not a saved AADL")]:
         with pytest.raises(ValueError, match=match):
             opt.load_state_dict(forged)

@@ -150,6 +150,9 @@ class Apollo(torch.optim.Optimizer):
         groups = [(list(g["params"]), _options_of(g)) for g in self.param_groups]
         self._apollo = _module().Apollo(groups, state, state_budget)
         self._apollo.fused = bool(fused)
+        # The parameters the C++ optimizer steps, group by group (step() checks that
+        # param_groups still names them).
+        self._stepped = [list(params) for params, _ in groups]
         self._state_placement = state
         for index, group in enumerate(self.param_groups):
             group.update(self._apollo.options(index))  # init_lr, base_lr, ... as resolved
@@ -186,10 +189,16 @@ class Apollo(torch.optim.Optimizer):
         group = self.param_groups[-1]
         try:
             _check_plain_parameters(group["params"], "Apollo")
+            # torch.optim only warns about a parameter twice in one group; the C++ step
+            # would refuse every step from then on (the group cannot be taken out).
+            if len({id(p) for p in group["params"]}) != len(group["params"]):
+                raise ValueError("tidepool.optim.Apollo: a parameter appears more than once "
+                                 "in the group; give each parameter once")
             apollo.add_param_group(list(group["params"]), _options_of(group))
         except BaseException:
             self.param_groups.pop()
             raise
+        self._stepped.append(list(group["params"]))
         group.update(apollo.options(len(self.param_groups) - 1))
 
     def step(self, closure=None):
@@ -197,8 +206,22 @@ class Apollo(torch.optim.Optimizer):
         (grad mode on) and returns its loss. A step it refuses (sparse gradients, a dtype
         other than float32, float64, bfloat16 or float16, invalid options) raises and
         changes nothing."""
+        self._check_parameters()
         self._send_options()
         return self._apollo.step(closure)
+
+    def _check_parameters(self) -> None:
+        """Review finding: a group's "params" replaced (HF Accelerate's parameter switch
+        does it) or a group removed left the C++ optimizer stepping the tensors it was
+        given, and the new ones never, without a word."""
+        if len(self.param_groups) == len(self._stepped) and all(
+                len(g["params"]) == len(given) and all(a is b for a, b in zip(g["params"], given))
+                for g, given in zip(self.param_groups, self._stepped)):
+            return
+        raise RuntimeError("tidepool.optim.Apollo: param_groups no longer name the parameters "
+                           "the optimizer was given (a group's 'params' replaced, or a group "
+                           "removed); it steps those it was given: make a new optimizer, and "
+                           "load this one's state_dict() into it")
 
     def _send_options(self) -> None:
         for index, group in enumerate(self.param_groups):
@@ -428,8 +451,8 @@ class AADL:
         return self._aadl.step(closure)
 
     def state_dict(self) -> dict:
-        """{'inner': the inner optimizer's state_dict(), 'aadl': the history and counters
-        (bytes)}."""
+        """{'inner': the inner optimizer's state_dict(), 'aadl': the history and counters,
+        as a 1-D uint8 tensor (torch.save keeps it as its own record, whatever its size)}."""
         return {"inner": self._inner.state_dict(), "aadl": self._aadl.save()}
 
     def load_state_dict(self, state_dict) -> None:
@@ -438,12 +461,18 @@ class AADL:
         if not isinstance(state_dict, dict) or set(state_dict) != {"inner", "aadl"}:
             raise ValueError("tidepool.optim.AADL: not an AADL state_dict (a dict with "
                              "'inner' and 'aadl')")
-        if not isinstance(state_dict["aadl"], (bytes, bytearray)):
-            raise ValueError("tidepool.optim.AADL: the state_dict's 'aadl' is not bytes")
+        saved = state_dict["aadl"]
+        if isinstance(saved, torch.Tensor) and saved.dtype == torch.uint8 and saved.dim() == 1:
+            saved = saved.detach().cpu().contiguous()  # map_location may have moved it
+        elif isinstance(saved, (bytes, bytearray)):  # as versions before 2026-12-07 saved it
+            saved = bytes(saved)
+        else:
+            raise ValueError("tidepool.optim.AADL: the state_dict's 'aadl' is not a saved AADL "
+                             "history (a 1-D uint8 tensor, or bytes)")
         previous = self._inner.state_dict()
         self._inner.load_state_dict(state_dict["inner"])
         try:
-            self._aadl.load(bytes(state_dict["aadl"]))
+            self._aadl.load(saved)
         except BaseException:
             self._inner.load_state_dict(previous)
             raise
