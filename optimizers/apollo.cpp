@@ -86,8 +86,8 @@ void ApolloOptions::validate(Check when) const {
   // init_lr when made: at most lr, as the reference's constructor checks it, or the lr the
   // warmup ramps to (base_lr), whichever is larger. A group given no options inherits
   // base_lr and init_lr from the constructor's lr, so its own lr may lie below both or
-  // between them, as the reference (which checks no group) lets it. In training only its sign: a schedule may
-  // take lr below init_lr.
+  // between them, as the reference (which checks no group) lets it. In training only its
+  // sign: a schedule may take lr below init_lr.
   const double init = init_lr().value_or(lr() / 1000.0);
   if (when != Check::training) {
     const double highest = std::max(lr(), base_lr().value_or(lr()));
