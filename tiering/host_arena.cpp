@@ -172,6 +172,15 @@ const MimallocApi& mimalloc(const std::string& soname) {
   return it->second;  // std::map: references stay valid as entries are added
 }
 
+// Note [Pinned memory is not forked]: a child gets none of the arena's mappings. Pinned
+// pages are ones the GPU may be copying to or from: on kernels that copy pinned anonymous
+// pages into the child at fork (5.9 on), every fork of the training process (a DataLoader
+// starting its workers, each epoch unless they persist) would copy all the tiered state's
+// host memory, tens of GiB; on older pinning the parent's next write to such a page would
+// move it away from the memory the GPU uses. No child may use tidepool's memory anyway
+// (Note [Forked child] in allocator/fork_guard.h). A failure only costs the fork's copy.
+void exclude_from_fork(void* p, std::size_t bytes) { (void)madvise(p, bytes, MADV_DONTFORK); }
+
 // Maps `bytes` of fresh anonymous memory starting on an `align` boundary, or nullptr.
 void* map_aligned(std::size_t bytes, std::size_t align) {
   const std::size_t reserve = bytes + align;
@@ -183,6 +192,7 @@ void* map_aligned(std::size_t bytes, std::size_t align) {
   const std::uintptr_t end = start + reserve;
   if (end > aligned + bytes)
     munmap(reinterpret_cast<void*>(aligned + bytes), end - aligned - bytes);
+  exclude_from_fork(reinterpret_cast<void*>(aligned), bytes);
   return reinterpret_cast<void*>(aligned);
 }
 
@@ -546,6 +556,12 @@ HostArena::Slab* HostArena::add_slab(std::size_t bytes, std::string* why_not) {
       *why_not = kNoArenaLeft;
       return nullptr;
     }
+    try {  // the one allocation a failed hand-over to mimalloc below may need
+      unreleased_direct_.reserve(unreleased_direct_.size() + 1);
+    } catch (...) {  // std::bad_alloc
+      uncharge(bytes);
+      throw;
+    }
     void* base = map_aligned(bytes, kArenaAlign);
     if (base == nullptr) {
       uncharge(bytes);
@@ -573,13 +589,13 @@ HostArena::Slab* HostArena::add_slab(std::size_t bytes, std::string* why_not) {
     // Fresh anonymous memory is zero; committed (Note [No decommit of pinned pages]).
     if (!mi.manage_os_memory_ex(base, bytes, /*is_committed=*/true, /*is_large=*/false,
                                 /*is_zero=*/true, /*numa_node=*/-1, /*exclusive=*/true, &id)) {
-      try {
-        backend_.host_unregister(base);
-      } catch (const BackendError&) {
-        // Unmapping below releases the pages either way.
+      // Note [A registration that would not go]: kept, and tried again later, if the
+      // backend would not unregister it.
+      if (!release_direct_locked(base, bytes)) {
+        unreleased_direct_.emplace_back(base, bytes);  // reserved before it was mapped
+        stats_.direct_release_failures++;
+        stats_.direct_held_after_failure_bytes += bytes;
       }
-      munmap(base, bytes);
-      uncharge(bytes);
       mi.arenas_exhausted->store(true);
       *why_not = kNoArenaLeft;
       return nullptr;
@@ -603,6 +619,7 @@ void* HostArena::allocate_direct_pinned(std::size_t bytes, std::string* why_not)
     *why_not = std::string("mmap failed: ") + std::strerror(errno);
     return nullptr;
   }
+  exclude_from_fork(p, mapped);
   try {
     direct_.emplace(p, mapped);
   } catch (...) {  // std::bad_alloc
@@ -728,16 +745,16 @@ void HostArena::deallocate(const HostBlock& block) {
   }
   if (auto it = direct_.find(block.ptr); it != direct_.end()) {
     const std::size_t mapped = it->second;
+    // The one allocation first: a throw here leaves the block as it was, the caller's.
+    unreleased_direct_.reserve(unreleased_direct_.size() + 1);
     direct_.erase(it);
-    try {
-      backend_.host_unregister(block.ptr);
-    } catch (const BackendError&) {
-      // Unmapping below releases the pages either way.
-    }
-    munmap(block.ptr, mapped);
-    uncharge(mapped);
     stats_.direct_count--;
     stats_.pinned_in_use_bytes -= block.bytes;
+    if (!release_direct_locked(block.ptr, mapped)) {
+      unreleased_direct_.emplace_back(block.ptr, mapped);
+      stats_.direct_release_failures++;
+      stats_.direct_held_after_failure_bytes += mapped;
+    }
     return;
   }
   auto slab = std::find_if(slabs_.begin(), slabs_.end(),
@@ -750,9 +767,37 @@ void HostArena::deallocate(const HostBlock& block) {
   stats_.pinned_in_use_bytes -= block.bytes;
 }
 
+// Note [A registration that would not go]
+// A mapping unmapped while the backend still has it registered is no longer ours, but the
+// driver's registration of its addresses stays: the next mapping there cannot be
+// registered (it would fall back to pageable memory), and the pages stay pinned though
+// the budget counts them free. So a direct mapping the backend would not unregister is
+// kept as a slab is (mapped, registered, charged), in unreleased_direct_, and
+// release_empty_slabs tries again; one still there when the arena goes is leaked,
+// charged, as its live direct mappings are (Note [What an arena charges]).
+bool HostArena::release_direct_locked(void* p, std::size_t mapped) noexcept {
+  try {
+    backend_.host_unregister(p);
+  } catch (...) {  // BackendError
+    return false;
+  }
+  munmap(p, mapped);
+  uncharge(mapped);
+  return true;
+}
+
 std::size_t HostArena::release_empty_slabs() noexcept {
   std::lock_guard lock(mutex_);
   std::size_t released = 0;
+  for (auto it = unreleased_direct_.begin(); it != unreleased_direct_.end();) {
+    if (!release_direct_locked(it->first, it->second)) {
+      ++it;
+      continue;
+    }
+    stats_.direct_held_after_failure_bytes -= it->second;
+    released += it->second;
+    it = unreleased_direct_.erase(it);
+  }
   for (auto it = slabs_.begin(); it != slabs_.end();) {
     Slab* slab = *it;
     if (slab->live_blocks != 0) {

@@ -54,6 +54,7 @@
 #include <stdexcept>
 #include <string>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "allocator/backend.h"
@@ -143,6 +144,11 @@ struct HostArenaStats {
   // (they stay registered, in this arena).
   std::uint64_t slabs_released = 0;
   std::uint64_t slab_release_failures = 0;
+  // Direct mappings the backend would not unregister when their block was freed: kept
+  // mapped, registered and charged (a mapping unmapped while registered left the driver's
+  // registration of its addresses behind), given back by a later release_empty_slabs.
+  std::uint64_t direct_release_failures = 0;
+  std::size_t direct_held_after_failure_bytes = 0;
   std::string last_fallback_reason;
   bool fallback_warned = false;  // the stderr warning was printed (once per arena)
 };
@@ -167,6 +173,8 @@ class TIDEPOOL_API HostArena {
 
   // Note [Empty slabs are unpinned]. Returns the bytes unregistered. Never throws: a slab
   // the backend would not unregister is kept as it was and counted (slab_release_failures).
+  // Also tries again the freed direct mappings the backend would not unregister then
+  // (Note [A registration that would not go] in host_arena.cpp).
   std::size_t release_empty_slabs() noexcept;
 
   HostArenaStats stats() const;
@@ -181,6 +189,9 @@ class TIDEPOOL_API HostArena {
   void* allocate_in_slab(Slab& slab, std::size_t bytes);     // nullptr: this one is full
   Slab* add_slab(std::size_t bytes, std::string* why_not);    // nullptr: why_not says
   void* allocate_direct_pinned(std::size_t bytes, std::string* why_not);
+  // Unregisters, unmaps and uncharges a freed direct mapping; false (nothing changed) when
+  // the backend would not unregister it (Note [A registration that would not go]).
+  bool release_direct_locked(void* p, std::size_t mapped) noexcept;
   HostBlock allocate_pageable(std::size_t bytes, const std::string& reason);
   bool register_range(void* ptr, std::size_t bytes, std::string* why_not);
   // Takes `bytes` of the budget before they are registered (false: why_not says the budget
@@ -196,6 +207,8 @@ class TIDEPOOL_API HostArena {
   mutable std::mutex mutex_;
   std::vector<Slab*> slabs_;  // owned by the process-wide slab pool
   std::unordered_map<void*, std::size_t> direct_;  // direct mappings: ptr -> mapped bytes
+  // Note [A registration that would not go]: freed direct mappings still registered.
+  std::vector<std::pair<void*, std::size_t>> unreleased_direct_;
   HostArenaStats stats_;
 };
 

@@ -72,6 +72,8 @@ std::string to_json(const HostArenaStats& s) {
       .num("register_failures", ull(s.register_failures))
       .num("slabs_released", ull(s.slabs_released))
       .num("slab_release_failures", ull(s.slab_release_failures))
+      .num("direct_release_failures", ull(s.direct_release_failures))
+      .num("direct_held_after_failure_bytes", ull(s.direct_held_after_failure_bytes))
       .str("last_fallback_reason", s.last_fallback_reason)
       .boolean("fallback_warned", s.fallback_warned)
       .done();

@@ -3,6 +3,7 @@
 #include <dlfcn.h>
 #include <sys/mman.h>
 #include <sys/resource.h>
+#include <sys/wait.h>
 
 #include <unistd.h>
 
@@ -11,6 +12,7 @@
 #include <barrier>
 #include <cerrno>
 #include <cstdio>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
@@ -595,6 +597,68 @@ TEST_P(HostArenaTest, ASlabTheBackendWouldNotUnregisterIsKeptAndCounted) {
   std::memset(block.ptr, 0x3c, block.bytes);
   arena.deallocate(block);
   EXPECT_EQ(arena.release_empty_slabs(), registered);  // the backend works again
+}
+
+// Note [A registration that would not go] (review finding): a direct mapping whose
+// unregistration failed was unmapped and uncharged all the same, leaving the backend's
+// registration of its addresses behind and the budget counting pinned pages as free.
+TEST_P(HostArenaTest, ADirectMappingTheBackendWouldNotUnregisterIsKeptAndReleasedLater) {
+  if (!on_host()) GTEST_SKIP() << "the failing backend wraps the host backend";
+  tiering_test::FailingBackend failing(backend());
+  HostArena arena(failing, test_host_options());
+  HostBlock large = arena.allocate(std::size_t{8} << 20);  // above the direct threshold
+  ASSERT_EQ(large.tier, HostTier::pinned);
+  ASSERT_EQ(arena.stats().direct_count, 1u);
+  const std::size_t registered = arena.stats().pinned_registered_bytes;
+  auto* bytes = static_cast<volatile unsigned char*>(large.ptr);
+  failing.fail_calls_to("host_unregister", 1);
+  arena.deallocate(large);
+  HostArenaStats s = arena.stats();
+  EXPECT_EQ(s.direct_release_failures, 1u);
+  EXPECT_EQ(s.direct_held_after_failure_bytes, std::size_t{8} << 20);
+  EXPECT_EQ(s.direct_count, 0u);
+  EXPECT_EQ(s.pinned_in_use_bytes, 0u);
+  EXPECT_EQ(s.pinned_registered_bytes, registered) << "still registered: still charged";
+  bytes[0] = 1;  // still mapped
+  EXPECT_GE(arena.release_empty_slabs(), std::size_t{8} << 20);  // the backend works again
+  s = arena.stats();
+  EXPECT_EQ(s.direct_held_after_failure_bytes, 0u);
+  EXPECT_EQ(s.pinned_registered_bytes, registered - (std::size_t{8} << 20));
+  EXPECT_EQ(arena.release_empty_slabs(), 0u);  // given back once
+}
+
+// Note [Pinned memory is not forked] (review finding): a fork copied, or detached from
+// the GPU, every pinned page of the tiered state.
+TEST_P(HostArenaTest, AForkedChildGetsNoneOfThePinnedMemory) {
+  HostArena arena(backend(), test_host_options());
+  HostBlock large = arena.allocate(std::size_t{8} << 20);  // a direct mapping
+  HostBlock small = arena.allocate(4096);                  // in a slab
+  ASSERT_EQ(large.tier, HostTier::pinned);
+  ASSERT_EQ(small.tier, HostTier::pinned);
+  std::memset(large.ptr, 7, large.bytes);
+  std::memset(small.ptr, 7, small.bytes);
+  const pid_t child = fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    // msync fails with ENOMEM on an address that is not mapped; only async-signal-safe
+    // calls here.
+    const long page = sysconf(_SC_PAGESIZE);
+    const auto page_of = [page](void* p) {
+      return reinterpret_cast<void*>(reinterpret_cast<std::uintptr_t>(p) /
+                                     static_cast<std::uintptr_t>(page) *
+                                     static_cast<std::uintptr_t>(page));
+    };
+    const bool large_mapped = msync(page_of(large.ptr), 1, MS_ASYNC) == 0;
+    const bool small_mapped = msync(page_of(small.ptr), 1, MS_ASYNC) == 0;
+    _exit((large_mapped ? 1 : 0) | (small_mapped ? 2 : 0));
+  }
+  int status = 0;
+  ASSERT_EQ(waitpid(child, &status, 0), child);
+  ASSERT_TRUE(WIFEXITED(status));
+  EXPECT_EQ(WEXITSTATUS(status), 0) << "1: the direct mapping was in the child, 2: the slab";
+  EXPECT_EQ(static_cast<unsigned char*>(large.ptr)[large.bytes - 1], 7);  // the parent's
+  arena.deallocate(large);
+  arena.deallocate(small);
 }
 
 // Note [mimalloc is loaded RTLD_LOCAL] in host_arena.cpp: without mimalloc the slabs are
