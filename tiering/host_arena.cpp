@@ -665,7 +665,12 @@ std::string pageable_fallback_warning(const HostArenaStats& s, std::size_t bytes
     const bool finite = getrlimit(RLIMIT_MEMLOCK, &limit) == 0 && limit.rlim_cur != RLIM_INFINITY;
     cause = "pinning host memory failed (" + reason + "; pinned budget requested: " + requested +
             (finite ? ", RLIMIT_MEMLOCK: " + format_bytes(limit.rlim_cur) : std::string()) + ")";
-    remedy = finite ? kRaise : "free host memory or lower tidepool.pinned_budget";
+    // Review finding: a finite limit alone sent users to raise it, where the header says
+    // cudaHostRegister is not bound by it: the likelier causes come first.
+    remedy = std::string("free host memory or lower tidepool.pinned_budget") +
+             (finite ? "; if this backend counts pinned pages against RLIMIT_MEMLOCK, " +
+                           std::string(kRaise)
+                     : "");
   } else if (why == FallbackCause::no_mimalloc) {
     cause = reason;
     remedy = "make libmimalloc.so.2 loadable (Debian/Ubuntu package libmimalloc2.0)";
