@@ -531,6 +531,27 @@ def test_accelerate_works_with_an_lr_scheduler_made_before_or_after(scheduler_fi
         assert_bitwise(run(False), run(True))
 
 
+def test_a_wrapper_installed_after_accelerate_wraps_the_accelerated_step():
+    # Review finding: a wrapper that does not name what it wraps (no __wrapped__, as HF
+    # Accelerate's patch_optimizer_step) made the inner step call the wrapper again, which
+    # called the accelerated step, without end.
+    params, tensors, loss = regression_problem()
+    twin_params, twin_tensors, twin_loss = regression_problem()
+    inner = torch.optim.SGD(params, lr=0.1)
+    topt.accelerate(inner, relaxation=0.5, history_depth=4)
+    twin = topt.AADL(torch.optim.SGD(twin_params, lr=0.1), relaxation=0.5, history_depth=4)
+    accelerated, calls = inner.step, []
+
+    def wrapper(*args, **kwargs):
+        calls.append(1)
+        return accelerated(*args, **kwargs)
+    inner.step = wrapper
+    train(inner, loss, 6)
+    train(twin, twin_loss, 6)
+    assert len(calls) == 6
+    assert_bitwise(snapshot(twin_tensors), snapshot(tensors))
+
+
 def test_an_accelerated_optimizer_is_collected_with_its_history():
     import gc
     params, tensors, loss = regression_problem()

@@ -376,7 +376,8 @@ class AADL:
                              reg_acc=reg_acc)
         self._inner = optimizer
         self._params = [list(g["params"]) for g in optimizer.param_groups]
-        self._aadl = _module().AADL(self._params, _InnerStep(optimizer), self._options,
+        self._inner_step = _InnerStep(optimizer)
+        self._aadl = _module().AADL(self._params, self._inner_step, self._options,
                                     history, history_budget)
         self._history_placement = history
 
@@ -510,6 +511,8 @@ def accelerate(optimizer, acceleration_type="anderson", relaxation=0.1, wait_ite
     # A method of the optimizer, as a scheduler made later expects to find (it rebinds
     # the function to the optimizer).
     optimizer.step = types.MethodType(accelerated_step, optimizer)
+    # Weakly, as the optimizer itself (see _InnerStep): the step holds the AADL.
+    aadl._inner_step.accelerated = weakref.ref(accelerated_step)
     return aadl
 
 
@@ -536,6 +539,8 @@ class _InnerStep:
 
     def __init__(self, optimizer):
         self._optimizer = weakref.ref(optimizer)
+        # A weak reference to accelerate()'s step, when this AADL is the one it made.
+        self.accelerated = None
 
     def __call__(self, closure=None):
         optimizer = self._optimizer()
@@ -543,6 +548,13 @@ class _InnerStep:
             raise RuntimeError("tidepool.optim.AADL: the inner optimizer no longer exists")
         step = vars(optimizer).get("step")
         accelerated = _accelerated(step)
+        if accelerated is None and self.accelerated is not None and self.accelerated():
+            # Review finding: a wrapper installed after accelerate() that does not name
+            # what it wraps (__wrapped__; HF Accelerate's patch_optimizer_step) calls the
+            # accelerated step, which called this, which called the wrapper again, without
+            # end. The inner step of an accelerated optimizer is the one accelerate()
+            # replaced, whatever wraps the accelerated step since.
+            accelerated = self.accelerated()
         if accelerated is not None:
             step = accelerated._tidepool_replaced
         if step is None:
