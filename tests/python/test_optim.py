@@ -552,6 +552,34 @@ def test_a_wrapper_installed_after_accelerate_wraps_the_accelerated_step():
     assert_bitwise(snapshot(twin_tensors), snapshot(tensors))
 
 
+def test_an_accelerated_fused_optimizer_skips_the_steps_grad_scaler_finds_overflowing():
+    # Review finding: GradScaler steps an optimizer that unscales itself (fused Adam) also
+    # on overflow, with found_inf set; the inner step skipped, but AADL stored the same
+    # iterate again and extrapolated.
+    params, tensors, loss = regression_problem()
+    inner = torch.optim.Adam(params, lr=0.01, fused=True)
+    aadl = topt.accelerate(inner, relaxation=0.5, history_depth=4)
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+    for _ in range(3):
+        inner.zero_grad()
+        scaler.scale(loss()).backward()
+        scaler.step(inner)
+        scaler.update()
+    before, stored = snapshot(tensors), aadl.history_size()
+    inner.zero_grad()
+    scaler.scale(loss()).backward()
+    tensors[0].grad[0, 0] = float("inf")
+    scaler.step(inner)
+    scaler.update()
+    assert_bitwise(before, snapshot(tensors))
+    assert aadl.history_size() == stored
+    assert scaler.get_scale() == 2.0  # the overflow was seen
+    inner.zero_grad()
+    scaler.scale(loss()).backward()
+    scaler.step(inner)  # and the next step is accelerated again
+    assert aadl.history_size() == min(stored + 1, 4)
+
+
 def test_an_accelerated_optimizer_is_collected_with_its_history():
     import gc
     params, tensors, loss = regression_problem()

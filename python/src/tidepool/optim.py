@@ -499,6 +499,13 @@ def accelerate(optimizer, acceleration_type="anderson", relaxation=0.1, wait_ite
                 history_budget=history_budget)
 
     def accelerated_step(self, closure=None):
+        # GradScaler steps an optimizer that unscales in its own step (fused Adam/AdamW:
+        # _step_supports_amp_scaling) even when the gradients overflowed, with found_inf
+        # set for it to skip the update. AADL must skip too: it would store the unchanged
+        # iterate as a new one and extrapolate (review finding); the inner step skips.
+        found_inf = getattr(self, "found_inf", None)
+        if isinstance(found_inf, torch.Tensor) and bool(found_inf.item()):
+            return aadl._inner_step(closure)
         return aadl.step(closure)
     accelerated_step._tidepool_accelerated = True
     # The instance-level step this replaces, which _InnerStep then calls: an LR scheduler
