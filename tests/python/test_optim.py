@@ -580,6 +580,42 @@ def test_an_accelerated_fused_optimizer_skips_the_steps_grad_scaler_finds_overfl
     assert aadl.history_size() == min(stored + 1, 4)
 
 
+@pytest.mark.parametrize("which", ["apollo", "aadl"])
+def test_a_state_dict_asked_for_during_a_step_waits_for_it(which):
+    # Note [one call at a time] (review finding): a background thread checkpointing
+    # during a step raced the C++ state the step held (their calls let go of the GIL).
+    # Asked while the step runs its closure, the state_dict must be the step's result.
+    import threading
+    import time
+    params, tensors, loss = regression_problem()
+    opt = (topt.Apollo(params, lr=0.05) if which == "apollo"
+           else topt.AADL(torch.optim.SGD(params, lr=0.1), history_depth=3))
+    train(opt, loss, 2)
+    taken, started = [], threading.Event()
+    thread = threading.Thread(target=lambda: (started.wait(), taken.append(opt.state_dict())))
+    thread.start()
+
+    def closure():  # AADL's safeguard calls it again, without grad
+        value = loss()
+        if torch.is_grad_enabled():
+            opt.zero_grad()
+            value.backward()
+        if not started.is_set():
+            started.set()
+            time.sleep(0.3)  # the checkpoint thread asks now
+        return value
+    opt.step(closure)
+    thread.join()
+    after = opt.state_dict()
+    if which == "apollo":
+        assert [s["step"] for s in taken[0]["state"].values()] == [3, 3]
+        for key in ("exp_avg_grad", "approx_hessian", "update"):
+            assert all(torch.equal(taken[0]["state"][i][key], after["state"][i][key])
+                       for i in after["state"])
+    else:
+        assert torch.equal(taken[0]["aadl"], after["aadl"])
+
+
 def test_an_accelerated_optimizer_is_collected_with_its_history():
     import gc
     params, tensors, loss = regression_problem()

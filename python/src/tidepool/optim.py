@@ -46,6 +46,7 @@ plain torch.optim one, whose state the hooks tier as usual.
 from __future__ import annotations
 
 import importlib.util
+import functools
 import itertools
 import threading
 import types
@@ -120,6 +121,19 @@ def _check_plain_parameters(params, who: str) -> None:
                 f"(PYTORCH_CUDA_ALLOC_CONF=backend:tidepool), which tiers its state.")
 
 
+def _one_call_at_a_time(method):
+    """Note [one call at a time]: the C++ optimizers are not thread-safe, and their step,
+    state_dict and load_state_dict let go of the GIL (a background thread checkpointing
+    during a step read state the step held, or raced the first step's state table, review
+    finding); these calls of one optimizer wait for each other (torch's own optimizers
+    would at worst give a torn state_dict). Reentrant: a closure may call them."""
+    @functools.wraps(method)
+    def one_at_a_time(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+    return one_at_a_time
+
+
 class Apollo(torch.optim.Optimizer):
     """Apollo (Ma 2020), as the published reference (XuezheMax/apollo, optim/apollo.py)
     takes it, with its state where `state` says (see the module's docstring).
@@ -142,6 +156,8 @@ class Apollo(torch.optim.Optimizer):
                  init_lr=None, weight_decay=0.0, weight_decay_type=None, *, state="device",
                  state_budget=None, fused=True):
         _check_placement(state, state_budget, "state")
+        # Note [one call at a time]: step, state_dict, load_state_dict and add_param_group.
+        self._lock = threading.RLock()
         defaults = _module().resolved_apollo_options(dict(
             lr=lr, beta=beta, eps=eps, rebound=rebound, warmup=warmup, init_lr=init_lr,
             base_lr=None, weight_decay=weight_decay, weight_decay_type=weight_decay_type))
@@ -181,6 +197,7 @@ class Apollo(torch.optim.Optimizer):
         device_peak_bytes, prefetch_hits, misses, evictions, ...)."""
         return self._apollo.placement_stats()
 
+    @_one_call_at_a_time
     def add_param_group(self, param_group):
         super().add_param_group(param_group)
         apollo = getattr(self, "_apollo", None)
@@ -201,6 +218,7 @@ class Apollo(torch.optim.Optimizer):
         self._stepped.append(list(group["params"]))
         group.update(apollo.options(len(self.param_groups) - 1))
 
+    @_one_call_at_a_time
     def step(self, closure=None):
         """One Apollo step for every parameter with a gradient; with a closure, calls it
         (grad mode on) and returns its loss. A step it refuses (sparse gradients, a dtype
@@ -227,6 +245,7 @@ class Apollo(torch.optim.Optimizer):
         for index, group in enumerate(self.param_groups):
             self._apollo.set_options(index, _options_of(group))
 
+    @_one_call_at_a_time
     def state_dict(self) -> dict:
         """{'state': {index: {'step', 'exp_avg_grad', 'approx_hessian', 'update'}},
         'param_groups': [...]} as torch.optim and the reference make it (parameters
@@ -254,6 +273,7 @@ class Apollo(torch.optim.Optimizer):
                 state_dict = result
         return state_dict
 
+    @_one_call_at_a_time
     def load_state_dict(self, state_dict) -> None:
         """Loads a state_dict of this class or of the published Apollo: everything is
         checked and copied into this optimizer's placement before anything changes, so a
@@ -374,6 +394,7 @@ class AADL:
                              wait_iterations=wait_iterations, history_depth=history_depth,
                              store_each_nth=store_each_nth, frequency=frequency,
                              reg_acc=reg_acc)
+        self._lock = threading.RLock()  # Note [one call at a time]
         self._inner = optimizer
         self._params = [list(g["params"]) for g in optimizer.param_groups]
         self._inner_step = _InnerStep(optimizer)
@@ -435,11 +456,13 @@ class AADL:
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._inner.zero_grad(set_to_none=set_to_none)
 
+    @_one_call_at_a_time
     def prefetch(self) -> None:
         """Starts loading the history the next step reads first. step() does this itself
         on entry; call it before the forward pass when that runs outside step(closure)."""
         self._aadl.prefetch()
 
+    @_one_call_at_a_time
     def step(self, closure=None):
         """Steps the inner optimizer, then accelerates; returns the inner step's loss."""
         current = self._inner.param_groups
@@ -451,11 +474,13 @@ class AADL:
                                "since this AADL was made; make a new one around it")
         return self._aadl.step(closure)
 
+    @_one_call_at_a_time
     def state_dict(self) -> dict:
         """{'inner': the inner optimizer's state_dict(), 'aadl': the history and counters,
         as a 1-D uint8 tensor (torch.save keeps it as its own record, whatever its size)}."""
         return {"inner": self._inner.state_dict(), "aadl": self._aadl.save()}
 
+    @_one_call_at_a_time
     def load_state_dict(self, state_dict) -> None:
         """Loads what state_dict() returned; if either part is refused, both the inner
         optimizer and the history stay as they were."""
