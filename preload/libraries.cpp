@@ -321,6 +321,7 @@ void bind_optional(void* cudart, RealCudart& c) {
            symbol("cudaMallocArray", c.malloc_array),
            symbol("cudaMalloc3DArray", c.malloc_3d_array),
            symbol("cudaMallocFromPoolAsync", c.malloc_from_pool_async),
+           symbol("cudaMallocFromPoolAsync_ptsz", c.malloc_from_pool_async_ptsz),
            symbol("cudaDeviceSetMemPool", c.device_set_mem_pool),
            symbol("cudaDeviceGetDefaultMemPool", c.device_get_default_mem_pool),
            symbol("cudaMemPoolSetAccess", c.mem_pool_set_access));
@@ -441,17 +442,20 @@ __attribute__((constructor)) void preload_start() {
 }
 
 // Note [a program the shim cannot see]
-// LD_PRELOAD interposes only calls that the loader binds through the global scope. A
-// program linked with the static CUDA runtime (nvcc's and CMake's default) has its
-// cudaMalloc inside the executable, and one that dlopen()s its runtime RTLD_LOCAL and
-// calls it through dlsym of that handle binds past the shim: no call of theirs reaches
-// it, and tidepool serves nothing, without a word (under tidepool.log:info the set-up
-// even said "active"). So at exit, when no CUDA call ever reached the shim (the runtime
-// was never resolved: every interposed function resolves it first) but the process used
-// CUDA (libcuda is loaded), the shim says which of the two it was and what to change
-// (not under tidepool.log:off). A process with a runtime in the global scope that made
-// no call of the shim's (it used CUDA without allocating) is not one of them; nor is one
-// that never loaded libcuda (the shells and compilers that inherit LD_PRELOAD).
+// LD_PRELOAD interposes only calls that the loader binds, and a program linked with the
+// static CUDA runtime (nvcc's and CMake's default) has its cudaMalloc inside the
+// executable: no call of its reaches the shim, and tidepool serves nothing, without a word
+// (under tidepool.log:info the set-up even said "active"). So at exit, when no CUDA call
+// ever reached the shim (the runtime was never resolved: every interposed function
+// resolves it first), the process used CUDA (libcuda is loaded) and no shared runtime is
+// loaded at all, the shim says so and what to change (not under tidepool.log:off). A
+// process with a shared runtime loaded, in any scope, is left alone: its calls through
+// the loader do reach the shim (the preloaded library comes first in every lookup), so
+// making none means it allocated without the runtime (the driver API, another
+// allocator), or called the runtime through dlsym of its handle, which the shim cannot
+// tell apart (review finding: telling all of them to load the runtime RTLD_GLOBAL was
+// wrong for most). Nor is one that never loaded libcuda (the shells and compilers that
+// inherit LD_PRELOAD).
 bool libcuda_loaded() {
   for (const std::string& path : loaded_libraries()) {
     const size_t slash = path.rfind('/');
@@ -468,17 +472,8 @@ __attribute__((destructor)) void preload_exit() {
       !libcuda_loaded()) {
     return;
   }
-  if (void* global = next_cudart()) {  // in the global scope: the calls would have come
-    dlclose(global);
-    return;
-  }
-  if (void* local = loaded_cudart()) {
-    const std::string path = library_of(dlsym(local, "cudaMalloc"));
-    dlclose(local);
-    say("", "no CUDA call reached the shim, and tidepool served none of this process's "
-            "allocations: its CUDA runtime " + path + " was loaded outside the global scope "
-            "(dlopen with RTLD_LOCAL), and calls made through dlsym of that handle cannot be "
-            "interposed. Load the runtime with RTLD_GLOBAL, or link the program against it");
+  if (void* runtime = cudart_already_loaded()) {
+    dlclose(runtime);
     return;
   }
   say("", "no CUDA call reached the shim, and tidepool served none of this process's "

@@ -58,6 +58,8 @@ struct RealCudart {
   cudaError_t (*malloc_3d_array)(cudaArray_t*, const cudaChannelFormatDesc*, cudaExtent,
                                  unsigned) = nullptr;
   cudaError_t (*malloc_from_pool_async)(void**, size_t, cudaMemPool_t, cudaStream_t) = nullptr;
+  cudaError_t (*malloc_from_pool_async_ptsz)(void**, size_t, cudaMemPool_t,
+                                             cudaStream_t) = nullptr;
   cudaError_t (*device_set_mem_pool)(int, cudaMemPool_t) = nullptr;
   cudaError_t (*device_get_default_mem_pool)(cudaMemPool_t*, int) = nullptr;
   cudaError_t (*mem_pool_set_access)(cudaMemPool_t, const cudaMemAccessDesc*, size_t) = nullptr;
@@ -119,6 +121,9 @@ struct Shim {
   // cudaMallocAsync goes to the runtime.
   std::atomic<std::uint64_t> own_pool_devices{0};
   std::atomic<std::uint64_t> shared_pool_devices{0};
+  // Devices tidepool served an allocation on (bit per index below kMaxDevices): only their
+  // caches can be given back (give_cache_back makes no allocator for another).
+  std::atomic<std::uint64_t> served_devices{0};
   std::atomic<bool> said_program_pool{false};
   RealCudart cuda;
   // Note [a runtime found late] (libraries.cpp): no runtime was found when `cuda` was

@@ -68,9 +68,9 @@
 //     is told). Also forwarded unchanged:
 //     cudaMallocAsync of 0 bytes (the runtime's answer), on a stream being captured
 //     into a graph (the graph owns such an allocation, and its cudaFreeAsync is a free
-//     node: tidepool must not hand the memory out at capture time), and
-//     cudaMallocFromPoolAsync, which the shim does not define (its memory is the
-//     caller's pool's).
+//     node: tidepool must not hand the memory out at capture time), on a device the
+//     program gave a pool of its own, and cudaMallocFromPoolAsync (its memory is the
+//     caller's pool's: the shim only retries it, Note [calls the shim watches]).
 //   - Note [streams tidepool is given]: tidepool keys its pools by stream handle, and
 //     orders a free on another stream by recording an event on that stream with an event
 //     of the block's device. Three kinds of handle do not fit: cudaStreamLegacy (0x1) is
@@ -99,9 +99,10 @@
 //     behave as the plain ones with stream 0 read as cudaStreamPerThread (which the
 //     shim's own calls name explicitly: the shim is not built per-thread, so its 0 is the
 //     legacy stream); what the shim forwards goes to the real _ptsz function, with the
-//     program's own stream argument. Of the other functions the shim defines, none has
-//     a _ptsz form in libcudart (cudaMalloc, cudaFree and cudaStreamDestroy take no
-//     default stream).
+//     program's own stream argument. Of the other functions the shim defines,
+//     cudaMallocFromPoolAsync has a _ptsz form too, which it retries as the plain one
+//     (watched_calls.cpp); the rest have none in libcudart (cudaMalloc, cudaFree and
+//     cudaStreamDestroy take no default stream).
 //   - Note [destroyed streams]: tidepool keys pools, fences and thread-cache lists by
 //     stream handle, and CUDA may give a destroyed stream's handle to the next stream
 //     created: tidepool would then treat memory freed on the dead stream as the new
@@ -248,6 +249,9 @@ cudaError_t serve_malloc(const char* call, void** dev_ptr, size_t size, int devi
   {
     std::lock_guard lock(s.mutex);
     s.owned[ptr] = Allocation{size, device, stream};
+  }
+  if (device >= 0 && device < tidepool::kMaxDevices) {
+    s.served_devices.fetch_or(std::uint64_t{1} << device, std::memory_order_relaxed);
   }
   *dev_ptr = ptr;
   return cudaSuccess;
@@ -548,8 +552,10 @@ void release_before_destroy(cudaStream_t stream) {
   int device = 0;
   if (const cudaError_t e = s.cuda.stream_get_device(stream, &device); e != cudaSuccess) {
     failure = "cudaStreamGetDevice failed (error " + std::to_string(e) + ")";
-  } else if (device_was_reset(device)) {
-    return;  // Note [cudaDeviceReset under the shim]: tidepool's streams there are dead
+  } else if (device_was_reset(device) || device >= tidepool::kMaxDevices) {
+    // Note [cudaDeviceReset under the shim]: tidepool's streams there are dead; a device
+    // beyond tidepool's it never served.
+    return;
   } else {
     InsideTidepool inside;
     s.tp.clear_error();
@@ -636,7 +642,7 @@ TIDEPOOL_PRELOAD_EXPORT cudaError_t cudaDeviceReset() {
   int device = -1;
   if (t_inside_tidepool || !s.serving.load(std::memory_order_acquire) || in_forked_child() ||
       s.cuda.get_device(&device) != cudaSuccess || device < 0 ||
-      device >= kResetTrackedDevices ||
+      device >= tidepool::kMaxDevices ||  // one tidepool never served: nothing to say
       device_was_reset(device)) {
     return forward(&RealCudart::device_reset);
   }

@@ -46,6 +46,8 @@ namespace tidepool_preload {
 bool give_cache_back(int device) {
   Shim& s = shim();
   if (device < 0 || device >= tidepool::kMaxDevices || device_was_reset(device)) return false;
+  // A device tidepool never served has no cache, and asking would make its allocator.
+  if ((s.served_devices.load(std::memory_order_relaxed) >> device & 1u) == 0) return false;
   InsideTidepool inside;
   s.tp.clear_error();
   return s.tp.empty_cache(device) == 0;
@@ -126,6 +128,14 @@ TIDEPOOL_PRELOAD_EXPORT cudaError_t cudaMallocFromPoolAsync(void** dev_ptr, size
                                                             cudaMemPool_t pool,
                                                             cudaStream_t stream) {
   return forward_allocation(&RealCudart::malloc_from_pool_async, dev_ptr, size, pool, stream);
+}
+
+// A program built per-thread (Note [per-thread default stream programs]) calls this form.
+TIDEPOOL_PRELOAD_EXPORT cudaError_t cudaMallocFromPoolAsync_ptsz(void** dev_ptr, size_t size,
+                                                                 cudaMemPool_t pool,
+                                                                 cudaStream_t stream) {
+  return forward_allocation(&RealCudart::malloc_from_pool_async_ptsz, dev_ptr, size, pool,
+                            stream);
 }
 
 TIDEPOOL_PRELOAD_EXPORT cudaError_t cudaDeviceSetMemPool(int device, cudaMemPool_t pool) {

@@ -281,6 +281,12 @@ int cudaMallocFromPoolAsync(void** ptr, size_t size, void* pool, void* stream) {
   return other_allocation(ptr, size);
 }
 
+int cudaMallocFromPoolAsync_ptsz(void** ptr, size_t size, void* pool, void* stream) {
+  (void)pool;
+  (void)stream;
+  return other_allocation(ptr, size);
+}
+
 /* Devices 0-3 (as cudaSetDevice), whose default pools are the handles 0x7000 + device. The
  * fake's cudaMallocAsync allocates as before whatever the current pool is: a test sees
  * which calls reached it. */
