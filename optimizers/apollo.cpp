@@ -7,6 +7,7 @@
 #include <cmath>
 #include <exception>
 #include <limits>
+#include <optional>
 #include <string>
 #include <unordered_set>
 #include <utility>
@@ -169,6 +170,8 @@ bool Apollo::has_fused_kernels() noexcept {
 
 std::vector<std::vector<torch::Tensor>> Apollo::parameters_to_step() const {
   check_each_parameter_once();
+  // Note [State held at once]: asked once per step; the message only for a refusal.
+  const std::optional<std::size_t> held_limit = placement_->held_at_once_limit();
   std::vector<std::vector<torch::Tensor>> stepping;
   stepping.reserve(param_groups_.size());
   for (const auto& group : param_groups_) {
@@ -212,10 +215,12 @@ std::vector<std::vector<torch::Tensor>> Apollo::parameters_to_step() const {
                     "loaded: change the model first, then create or load the optimizer)");
       }
       // Note [State held at once]: m, B and d are acquired together.
-      placement_->check_held_at_once(
-          3 * static_cast<std::size_t>(p.numel()) * p.element_size(),
-          "Apollo's step of a " + c10::str(p.sizes()) + " " + c10::toString(dtype) +
-              " parameter (its m, B and d)");
+      const std::size_t held = 3 * static_cast<std::size_t>(p.numel()) * p.element_size();
+      TORCH_CHECK(!held_limit || held <= *held_limit, "Apollo: the step of a ", p.sizes(), " ",
+                  dtype, " parameter holds its m, B and d at once, ", held,
+                  " bytes, more than the state placement's device budget of ", *held_limit,
+                  " bytes; give the tiered store a budget of at least ", held,
+                  " bytes (TieredStoreOptions::device_budget_bytes, or tidepool.state_budget)");
       params.push_back(p);
     }
   }

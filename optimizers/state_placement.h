@@ -44,6 +44,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -156,15 +157,11 @@ class TIDEPOOL_API StatePlacement {
   // the block just freed back for the next one anyway.
   virtual bool reuse_dropped_buffers() const { return false; }
   // Note [State held at once]: an optimizer that acquires several buffers together (Apollo:
-  // a parameter's m, B and d) asks, before its step changes anything, whether `bytes` of
-  // them can be held at once; a placement that cannot (a tiered store whose device budget
-  // is smaller) throws c10::Error naming `what` and the room it would need, instead of
-  // refusing the last acquire with the parameters before it already stepped, at every
-  // step. Default: no limit.
-  virtual void check_held_at_once(std::size_t bytes, const std::string& what) const {
-    (void)bytes;
-    (void)what;
-  }
+  // a parameter's m, B and d) checks, before its step changes anything, that they fit in
+  // what this returns: the most bytes of state that can be held at once (a tiered store's
+  // device budget), or nullopt for no limit (the default). A step over it would refuse
+  // its last acquire with the parameters before it already stepped, at every step.
+  virtual std::optional<std::size_t> held_at_once_limit() const { return std::nullopt; }
   // Step boundaries (see the top of this file). Default: nothing to learn.
   virtual void begin_step() {}
   virtual void end_step() {}

@@ -296,13 +296,6 @@ TieredPlacement::TieredPlacement(std::shared_ptr<TieredStore> store, Stream host
 
 TieredPlacement::~TieredPlacement() { store_->retire_schedule(schedule_key_); }
 
-void TieredPlacement::check_held_at_once(std::size_t bytes, const std::string& what) const {
-  const std::size_t budget = store_->device_budget_bytes();
-  TORCH_CHECK(bytes <= budget, "TieredPlacement: ", what, " holds ", bytes,
-              " bytes of state on the device at once, more than the tiered store's device "
-              "budget of ", budget, " bytes; give the store a budget of at least ", bytes,
-              " bytes (TieredStoreOptions::device_budget_bytes, or tidepool.state_budget)");
-}
 
 // An empty state tensor (a parameter of shape {0}: the reference steps it, as a no-op) has
 // no bytes for the store to hold, which refuses 0-byte handles: it is a resident tensor,

@@ -68,6 +68,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include <torch/torch.h>
@@ -121,7 +122,9 @@ class TIDEPOOL_API TieredPlacement final : public StatePlacement {
   // Creating a handle allocates and zeroes a host block, destroying it frees the block.
   bool reuse_dropped_buffers() const override { return true; }
   // More than the store's device budget cannot be acquired at once.
-  void check_held_at_once(std::size_t bytes, const std::string& what) const override;
+  std::optional<std::size_t> held_at_once_limit() const override {
+    return store_->device_budget_bytes();
+  }
   void set_initial_copy(InitialCopy mode) noexcept { shared_->initial_copy = mode; }
   InitialCopy initial_copy() const noexcept { return shared_->initial_copy.load(); }
   // The store's recorded schedule (see the top of this file).

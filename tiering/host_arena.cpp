@@ -372,6 +372,14 @@ HostArena::~HostArena() {
       push_slab(abandoned, slab);
     }
   }
+  // Note [A registration that would not go]: a last try; one that still fails stays
+  // mapped, registered and charged.
+  for (const auto& [p, mapped] : unreleased_direct_) {
+    if (teardown.attempt("unregistering a freed mapping", [&] { backend_.host_unregister(p); })) {
+      munmap(p, mapped);
+      uncharge(mapped);
+    }
+  }
   std::lock_guard pool_lock(pool_mutex());
   push_slabs(idle_slabs(), reusable);
   push_slabs(abandoned_slabs(), abandoned);

@@ -144,9 +144,10 @@ struct HostArenaStats {
   // (they stay registered, in this arena).
   std::uint64_t slabs_released = 0;
   std::uint64_t slab_release_failures = 0;
-  // Direct mappings the backend would not unregister when their block was freed: kept
-  // mapped, registered and charged (a mapping unmapped while registered left the driver's
-  // registration of its addresses behind), given back by a later release_empty_slabs.
+  // Mappings the backend would not unregister when they were let go (a freed block's direct
+  // mapping, or a slab mimalloc would not take): kept mapped, registered and charged (a
+  // mapping unmapped while registered left the driver's registration of its addresses
+  // behind), given back by a later release_empty_slabs or the arena's destructor.
   std::uint64_t direct_release_failures = 0;
   std::size_t direct_held_after_failure_bytes = 0;
   std::string last_fallback_reason;

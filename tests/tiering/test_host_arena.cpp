@@ -27,6 +27,7 @@
 #include "tests/tiering/failing_backend.h"
 #include "tests/tiering/tiering_test_util.h"
 #include "tiering/host_arena.h"
+#include "tiering/pinned_budget.h"
 
 namespace tidepool {
 namespace {
@@ -629,6 +630,24 @@ TEST_P(HostArenaTest, ADirectMappingTheBackendWouldNotUnregisterIsKeptAndRelease
   EXPECT_EQ(s.direct_held_after_failure_bytes, 0u);
   EXPECT_EQ(s.pinned_registered_bytes, registered - (std::size_t{8} << 20));
   EXPECT_EQ(arena.release_empty_slabs(), 0u);  // given back once
+}
+
+// ...and the arena's destructor tries once more, so the budget the process shares gets
+// the mapping's charge back (review finding: only release_empty_slabs tried).
+TEST_P(HostArenaTest, ADirectMappingKeptAfterAFailedUnregistrationIsReleasedWithTheArena) {
+  if (!on_host()) GTEST_SKIP() << "the failing backend wraps the host backend";
+  tiering_test::FailingBackend failing(backend());
+  const std::size_t before = tidepool::process_pinned_bytes();
+  {
+    HostArena arena(failing, HostArenaOptions{});  // charges the process's count
+    HostBlock large = arena.allocate(std::size_t{8} << 20);
+    ASSERT_EQ(large.tier, HostTier::pinned);
+    failing.fail_calls_to("host_unregister", 1);
+    arena.deallocate(large);
+    ASSERT_EQ(arena.stats().direct_release_failures, 1u);
+    EXPECT_GE(tidepool::process_pinned_bytes(), before + (std::size_t{8} << 20));
+  }
+  EXPECT_EQ(tidepool::process_pinned_bytes(), before);
 }
 
 // Note [Pinned memory is not forked] (review finding): a fork copied, or detached from

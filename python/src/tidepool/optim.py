@@ -465,6 +465,10 @@ class AADL:
     @_one_call_at_a_time
     def step(self, closure=None):
         """Steps the inner optimizer, then accelerates; returns the inner step's loss."""
+        self._check_parameters()
+        return self._aadl.step(closure)
+
+    def _check_parameters(self) -> None:
         current = self._inner.param_groups
         if len(current) != len(self._params) or any(
                 len(g["params"]) != len(params) or
@@ -472,7 +476,13 @@ class AADL:
                 for g, params in zip(current, self._params)):
             raise RuntimeError("tidepool.optim.AADL: the inner optimizer's parameters changed "
                                "since this AADL was made; make a new one around it")
-        return self._aadl.step(closure)
+
+    @_one_call_at_a_time
+    def _plain_step(self, closure=None):
+        """The inner optimizer's step alone, with the checks step() makes (accelerate()'s
+        step on a step GradScaler found overflowing)."""
+        self._check_parameters()
+        return self._inner_step(closure)
 
     @_one_call_at_a_time
     def state_dict(self) -> dict:
@@ -530,7 +540,7 @@ def accelerate(optimizer, acceleration_type="anderson", relaxation=0.1, wait_ite
         # iterate as a new one and extrapolate (review finding); the inner step skips.
         found_inf = getattr(self, "found_inf", None)
         if isinstance(found_inf, torch.Tensor) and bool(found_inf.item()):
-            return aadl._inner_step(closure)
+            return aadl._plain_step(closure)
         return aadl.step(closure)
     accelerated_step._tidepool_accelerated = True
     # The instance-level step this replaces, which _InnerStep then calls: an LR scheduler
