@@ -12,6 +12,8 @@
 #include <sys/types.h>
 #include <unordered_map>
 
+#include "allocator/backend.h"
+
 // The functions the shim defines for the program (the library is built with hidden
 // visibility).
 #define TIDEPOOL_PRELOAD_EXPORT __attribute__((visibility("default")))
@@ -89,7 +91,7 @@ struct Allocation {
   cudaStream_t stream;  // the stream tidepool allocated it on
 };
 
-// The device indices Shim::reset_devices has a bit for.
+// The device indices the Shim's device sets (reset_devices, ...) have a bit for.
 inline constexpr int kResetTrackedDevices = 64;
 
 struct Shim {
@@ -181,12 +183,33 @@ class ProgramLastError {
   cudaError_t answer_ = cudaSuccess;
 };
 
+// Whether `device` is in `devices` (one of the Shim's sets of devices).
+inline bool has_device(const std::atomic<std::uint64_t>& devices, int device) {
+  return device >= 0 && device < kResetTrackedDevices &&
+         (devices.load(std::memory_order_acquire) >> device & 1u) != 0;
+}
+
+// Puts `device` in `devices` (or, with `in` false, takes it out). Only tidepool's indices
+// (below kMaxDevices) are kept: no other is ever served, so none needs a bit.
+inline void set_device(std::atomic<std::uint64_t>& devices, int device, bool in = true) {
+  if (device < 0 || device >= tidepool::kMaxDevices) return;
+  const std::uint64_t bit = std::uint64_t{1} << device;
+  if (in) {
+    devices.fetch_or(bit, std::memory_order_acq_rel);
+  } else {
+    devices.fetch_and(~bit, std::memory_order_acq_rel);
+  }
+}
+
 // Note [cudaDeviceReset under the shim]: whether tidepool no longer serves `device`.
 bool device_was_reset(int device);
 
-// Whether tidepool serves stream-ordered allocations on `device`: one it can serve at all
-// (below kMaxDevices), not reset, and not given a pool of the program's own (Note [calls
-// the shim watches]).
+// Whether tidepool may serve `device` at all: one of its indices (below kMaxDevices), not
+// reset. Any other device's calls go to the runtime.
+bool tidepool_device(int device);
+
+// Whether tidepool serves stream-ordered allocations on `device`: a tidepool_device not
+// given a pool of the program's own (Note [calls the shim watches]).
 bool serves_device(int device);
 
 // Note [calls the shim watches]: whether the program gave `device` a pool of its own.

@@ -200,23 +200,18 @@ ProgramLastError::~ProgramLastError() {
   }
 }
 
-bool device_was_reset(int device) {
-  if (device < 0 || device >= kResetTrackedDevices) return false;
-  return (shim().reset_devices.load(std::memory_order_acquire) >> device & 1u) != 0;
+bool device_was_reset(int device) { return has_device(shim().reset_devices, device); }
+
+bool tidepool_device(int device) {
+  return device >= 0 && device < tidepool::kMaxDevices && !device_was_reset(device);
 }
 
 bool uses_program_pool(int device) {
-  if (device < 0 || device >= tidepool::kMaxDevices) return false;
   const Shim& s = shim();
-  const std::uint64_t pools = s.own_pool_devices.load(std::memory_order_acquire) |
-                              s.shared_pool_devices.load(std::memory_order_acquire);
-  return (pools >> device & 1u) != 0;
+  return has_device(s.own_pool_devices, device) || has_device(s.shared_pool_devices, device);
 }
 
-bool serves_device(int device) {
-  if (device < 0 || device >= tidepool::kMaxDevices || device_was_reset(device)) return false;
-  return !uses_program_pool(device);
-}
+bool serves_device(int device) { return tidepool_device(device) && !uses_program_pool(device); }
 
 namespace {
 
@@ -250,9 +245,7 @@ cudaError_t serve_malloc(const char* call, void** dev_ptr, size_t size, int devi
     std::lock_guard lock(s.mutex);
     s.owned[ptr] = Allocation{size, device, stream};
   }
-  if (device >= 0 && device < tidepool::kMaxDevices) {
-    s.served_devices.fetch_or(std::uint64_t{1} << device, std::memory_order_relaxed);
-  }
+  set_device(s.served_devices, device);
   *dev_ptr = ptr;
   return cudaSuccess;
 }
@@ -501,11 +494,9 @@ cudaError_t free_async(FreeAsync RealCudart::*real, void* dev_ptr, cudaStream_t 
 cudaError_t serve_cuda_malloc(void** dev_ptr, size_t size) {
   int device = 0;
   if (const cudaError_t e = shim().cuda.get_device(&device); e != cudaSuccess) return e;
-  // A device tidepool cannot serve (an index at or above its kMaxDevices) goes to the
-  // runtime, as a reset one does; its pool is no reason to (cudaMalloc never uses it).
-  if (device_was_reset(device) || device >= tidepool::kMaxDevices) {
-    return forward(&RealCudart::malloc, dev_ptr, size);
-  }
+  // A device tidepool cannot serve (reset, or an index at or above its kMaxDevices) goes
+  // to the runtime; its pool is no reason to (cudaMalloc never uses it).
+  if (!tidepool_device(device)) return forward(&RealCudart::malloc, dev_ptr, size);
   if (const cudaError_t e = serve_malloc("cudaMalloc", dev_ptr, size, device, nullptr);
       e != cudaSuccess) {
     return e;
@@ -552,7 +543,7 @@ void release_before_destroy(cudaStream_t stream) {
   int device = 0;
   if (const cudaError_t e = s.cuda.stream_get_device(stream, &device); e != cudaSuccess) {
     failure = "cudaStreamGetDevice failed (error " + std::to_string(e) + ")";
-  } else if (device_was_reset(device) || device >= tidepool::kMaxDevices) {
+  } else if (!tidepool_device(device)) {
     // Note [cudaDeviceReset under the shim]: tidepool's streams there are dead; a device
     // beyond tidepool's it never served.
     return;
@@ -641,9 +632,8 @@ TIDEPOOL_PRELOAD_EXPORT cudaError_t cudaDeviceReset() {
   Shim& s = shim();
   int device = -1;
   if (t_inside_tidepool || !s.serving.load(std::memory_order_acquire) || in_forked_child() ||
-      s.cuda.get_device(&device) != cudaSuccess || device < 0 ||
-      device >= tidepool::kMaxDevices ||  // one tidepool never served: nothing to say
-      device_was_reset(device)) {
+      s.cuda.get_device(&device) != cudaSuccess ||
+      !tidepool_device(device)) {  // reset already, or never served: nothing to say
     return forward(&RealCudart::device_reset);
   }
   {
@@ -652,7 +642,7 @@ TIDEPOOL_PRELOAD_EXPORT cudaError_t cudaDeviceReset() {
     (void)s.cuda.device_synchronize();  // the reset waits too; the cache is freed after it
     s.tp.clear_error();
     const bool emptied = s.tp.empty_cache(device) == 0;
-    s.reset_devices.fetch_or(std::uint64_t{1} << device, std::memory_order_acq_rel);
+    set_device(s.reset_devices, device);
     std::size_t dropped = 0;
     {
       std::lock_guard lock(s.mutex);

@@ -45,9 +45,8 @@ namespace tidepool_preload {
 
 bool give_cache_back(int device) {
   Shim& s = shim();
-  if (device < 0 || device >= tidepool::kMaxDevices || device_was_reset(device)) return false;
   // A device tidepool never served has no cache, and asking would make its allocator.
-  if ((s.served_devices.load(std::memory_order_relaxed) >> device & 1u) == 0) return false;
+  if (!tidepool_device(device) || !has_device(s.served_devices, device)) return false;
   InsideTidepool inside;
   s.tp.clear_error();
   return s.tp.empty_cache(device) == 0;
@@ -66,17 +65,6 @@ int device_of_default_pool(cudaMemPool_t pool) {
     if (default_pool == pool) return device;
   }
   return -1;
-}
-
-// Sets or clears `device`'s bit in `devices`.
-void set_device_bit(std::atomic<std::uint64_t>& devices, int device, bool on) {
-  if (device < 0 || device >= tidepool::kMaxDevices) return;  // never served anyway
-  const std::uint64_t bit = std::uint64_t{1} << device;
-  if (on) {
-    devices.fetch_or(bit, std::memory_order_acq_rel);
-  } else {
-    devices.fetch_and(~bit, std::memory_order_acq_rel);
-  }
 }
 
 // Whether the pool calls below are the program's own (tidepool's are not watched) and the
@@ -151,7 +139,7 @@ TIDEPOOL_PRELOAD_EXPORT cudaError_t cudaDeviceSetMemPool(int device, cudaMemPool
         s.cuda.device_get_default_mem_pool != nullptr &&
         s.cuda.device_get_default_mem_pool(&default_pool, device) == cudaSuccess &&
         default_pool == pool;
-    set_device_bit(s.own_pool_devices, device, !is_default);
+    set_device(s.own_pool_devices, device, !is_default);
   }
   return e;
 }
@@ -163,7 +151,7 @@ TIDEPOOL_PRELOAD_EXPORT cudaError_t cudaMemPoolSetAccess(cudaMemPool_t pool,
   if (e == cudaSuccess && watching()) {
     ProgramLastError last_error;  // the questions' "no such device" is not the program's
     if (const int device = device_of_default_pool(pool); device >= 0) {
-      set_device_bit(shim().shared_pool_devices, device, true);
+      set_device(shim().shared_pool_devices, device);
     }
   }
   return e;
