@@ -591,13 +591,7 @@ HostArena::Slab* HostArena::add_slab(std::size_t bytes, std::string* why_not) {
     // Fresh anonymous memory is zero; committed (Note [No decommit of pinned pages]).
     if (!mi.manage_os_memory_ex(base, bytes, /*is_committed=*/true, /*is_large=*/false,
                                 /*is_zero=*/true, /*numa_node=*/-1, /*exclusive=*/true, &id)) {
-      // Note [A registration that would not go]: kept, and tried again later, if the
-      // backend would not unregister it.
-      if (!release_direct_locked(base, bytes)) {
-        unreleased_direct_.emplace_back(base, bytes);  // reserved before it was mapped
-        stats_.direct_release_failures++;
-        stats_.direct_held_after_failure_bytes += bytes;
-      }
+      release_or_keep_locked(base, bytes);  // room reserved before it was mapped
       mi.arenas_exhausted->store(true);
       *why_not = kNoArenaLeft;
       return nullptr;
@@ -667,11 +661,7 @@ void HostArena::deallocate(const HostBlock& block) {
     direct_.erase(it);
     stats_.direct_count--;
     stats_.pinned_in_use_bytes -= block.bytes;
-    if (!release_direct_locked(block.ptr, mapped)) {
-      unreleased_direct_.emplace_back(block.ptr, mapped);
-      stats_.direct_release_failures++;
-      stats_.direct_held_after_failure_bytes += mapped;
-    }
+    release_or_keep_locked(block.ptr, mapped);
     return;
   }
   auto slab = std::find_if(slabs_.begin(), slabs_.end(),
@@ -701,6 +691,13 @@ bool HostArena::release_direct_locked(void* p, std::size_t mapped) noexcept {
   munmap(p, mapped);
   uncharge(mapped);
   return true;
+}
+
+void HostArena::release_or_keep_locked(void* p, std::size_t mapped) noexcept {
+  if (release_direct_locked(p, mapped)) return;
+  unreleased_direct_.emplace_back(p, mapped);  // the caller reserved the room
+  stats_.direct_release_failures++;
+  stats_.direct_held_after_failure_bytes += mapped;
 }
 
 std::size_t HostArena::release_empty_slabs() noexcept {

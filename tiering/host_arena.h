@@ -193,6 +193,9 @@ class TIDEPOOL_API HostArena {
   // Unregisters, unmaps and uncharges a freed direct mapping; false (nothing changed) when
   // the backend would not unregister it (Note [A registration that would not go]).
   bool release_direct_locked(void* p, std::size_t mapped) noexcept;
+  // release_direct_locked, or, when the backend would not unregister it, keeps the mapping
+  // in unreleased_direct_ (pre: room reserved there) and counts it.
+  void release_or_keep_locked(void* p, std::size_t mapped) noexcept;
   HostBlock allocate_pageable(std::size_t bytes, const std::string& reason);
   bool register_range(void* ptr, std::size_t bytes, std::string* why_not);
   // Takes `bytes` of the budget before they are registered (false: why_not says the budget
