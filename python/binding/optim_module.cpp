@@ -408,22 +408,12 @@ torch::Tensor save_aadl(const AADL& aadl) {
   return saved;
 }
 
-// `data`: what save_aadl returned (contiguous uint8 CPU: optim.py checks and converts), or
-// the bytes earlier versions saved.
-void load_aadl(AADL& aadl, const py::object& data) {
-  std::string copied;
-  torch::Tensor tensor;
-  const char* first = nullptr;
-  std::size_t size = 0;
-  if (py::isinstance<py::bytes>(data)) {
-    copied = data.cast<std::string>();
-    first = copied.data();
-    size = copied.size();
-  } else {
-    tensor = data.cast<torch::Tensor>().contiguous();
-    first = static_cast<const char*>(tensor.data_ptr());
-    size = static_cast<std::size_t>(tensor.numel());
-  }
+// `saved`: what save_aadl returned, as a contiguous 1-D uint8 CPU tensor (optim.py checks
+// and converts, the bytes earlier versions saved among them).
+void load_aadl(AADL& aadl, const torch::Tensor& saved) {
+  const torch::Tensor bytes = saved.contiguous();
+  const char* first = static_cast<const char*>(bytes.data_ptr());
+  const auto size = static_cast<std::size_t>(bytes.numel());
   py::gil_scoped_release released;
   torch::serialize::InputArchive archive;
   refused_as_value_error([&] {

@@ -134,6 +134,15 @@ def _one_call_at_a_time(method):
     return one_at_a_time
 
 
+def _name_the_same_parameters(param_groups, given) -> bool:
+    """Whether `param_groups` still name, group by group and in order, the very tensors of
+    `given` (lists of the tensors the C++ optimizer was handed), which it steps whatever
+    param_groups say."""
+    return len(param_groups) == len(given) and all(
+        len(g["params"]) == len(tensors) and all(a is b for a, b in zip(g["params"], tensors))
+        for g, tensors in zip(param_groups, given))
+
+
 class Apollo(torch.optim.Optimizer):
     """Apollo (Ma 2020), as the published reference (XuezheMax/apollo, optim/apollo.py)
     takes it, with its state where `state` says (see the module's docstring).
@@ -232,9 +241,7 @@ class Apollo(torch.optim.Optimizer):
         """Review finding: a group's "params" replaced (HF Accelerate's parameter switch
         does it) or a group removed left the C++ optimizer stepping the tensors it was
         given, and the new ones never, without a word."""
-        if len(self.param_groups) == len(self._stepped) and all(
-                len(g["params"]) == len(given) and all(a is b for a, b in zip(g["params"], given))
-                for g, given in zip(self.param_groups, self._stepped)):
+        if _name_the_same_parameters(self.param_groups, self._stepped):
             return
         raise RuntimeError("tidepool.optim.Apollo: param_groups no longer name the parameters "
                            "the optimizer was given (a group's 'params' replaced, or a group "
@@ -469,11 +476,7 @@ class AADL:
         return self._aadl.step(closure)
 
     def _check_parameters(self) -> None:
-        current = self._inner.param_groups
-        if len(current) != len(self._params) or any(
-                len(g["params"]) != len(params) or
-                any(a is not b for a, b in zip(g["params"], params))
-                for g, params in zip(current, self._params)):
+        if not _name_the_same_parameters(self._inner.param_groups, self._params):
             raise RuntimeError("tidepool.optim.AADL: the inner optimizer's parameters changed "
                                "since this AADL was made; make a new one around it")
 
@@ -501,7 +504,8 @@ class AADL:
         if isinstance(saved, torch.Tensor) and saved.dtype == torch.uint8 and saved.dim() == 1:
             saved = saved.detach().cpu().contiguous()  # map_location may have moved it
         elif isinstance(saved, (bytes, bytearray)):  # as versions before 2026-12-07 saved it
-            saved = bytes(saved)
+            saved = (torch.frombuffer(bytearray(saved), dtype=torch.uint8) if saved
+                     else torch.empty(0, dtype=torch.uint8))  # frombuffer refuses nothing
         else:
             raise ValueError("tidepool.optim.AADL: the state_dict's 'aadl' is not a saved AADL "
                              "history (a 1-D uint8 tensor, or bytes)")
@@ -590,13 +594,13 @@ class _InnerStep:
             raise RuntimeError("tidepool.optim.AADL: the inner optimizer no longer exists")
         step = vars(optimizer).get("step")
         accelerated = _accelerated(step)
-        if accelerated is None and self.accelerated is not None and self.accelerated():
+        if accelerated is None and self.accelerated is not None:
             # Review finding: a wrapper installed after accelerate() that does not name
             # what it wraps (__wrapped__; HF Accelerate's patch_optimizer_step) calls the
             # accelerated step, which called this, which called the wrapper again, without
             # end. The inner step of an accelerated optimizer is the one accelerate()
             # replaced, whatever wraps the accelerated step since.
-            accelerated = self.accelerated()
+            accelerated = self.accelerated()  # None once that step is gone
         if accelerated is not None:
             step = accelerated._tidepool_replaced
         if step is None:
