@@ -8,6 +8,7 @@
 #include <exception>
 #include <limits>
 #include <optional>
+#include <stdexcept>
 #include <string>
 #include <unordered_set>
 #include <utility>
@@ -552,6 +553,15 @@ void read_options(torch::serialize::InputArchive& archive, ApolloOptions& o) {
 
 }  // namespace
 
+namespace {
+
+ApolloSavedParam saved_copy(const ApolloParamState& state) {
+  return ApolloSavedParam{state.step, state.exp_avg_grad->read_host(),
+                          state.approx_hessian->read_host(), state.update->read_host()};
+}
+
+}  // namespace
+
 std::vector<std::optional<ApolloSavedParam>> Apollo::saved_state() const {
   std::vector<std::optional<ApolloSavedParam>> saved;
   for (const auto& group : param_groups_) {
@@ -559,15 +569,36 @@ std::vector<std::optional<ApolloSavedParam>> Apollo::saved_state() const {
       auto it = state_.find(p.unsafeGetTensorImpl());
       if (it == state_.end()) {
         saved.emplace_back();
-        continue;
+      } else {
+        saved.push_back(saved_copy(static_cast<const ApolloParamState&>(*it->second)));
       }
-      const auto& state = static_cast<const ApolloParamState&>(*it->second);
-      saved.push_back(ApolloSavedParam{state.step, state.exp_avg_grad->read_host(),
-                                       state.approx_hessian->read_host(),
-                                       state.update->read_host()});
     }
   }
   return saved;
+}
+
+std::optional<ApolloSavedParam> Apollo::saved_state(size_t index) const {
+  size_t first = 0;
+  for (const auto& group : param_groups_) {
+    if (index - first < group.params().size()) {
+      auto it = state_.find(group.params()[index - first].unsafeGetTensorImpl());
+      if (it == state_.end()) return std::nullopt;
+      return saved_copy(static_cast<const ApolloParamState&>(*it->second));
+    }
+    first += group.params().size();
+  }
+  throw std::out_of_range("Apollo: no parameter " + std::to_string(index) + "; it has " +
+                          std::to_string(first));
+}
+
+std::vector<bool> Apollo::parameters_with_state() const {
+  std::vector<bool> with_state;
+  for (const auto& group : param_groups_) {
+    for (const auto& p : group.params()) {
+      with_state.push_back(state_.count(p.unsafeGetTensorImpl()) != 0);
+    }
+  }
+  return with_state;
 }
 
 void Apollo::restore_state(std::vector<ApolloOptions> options,

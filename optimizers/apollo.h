@@ -137,6 +137,11 @@ class TIDEPOOL_API Apollo : public torch::optim::Optimizer {
   // host copies, nullopt for a parameter with no state yet. save() writes this; the Python
   // binding (tidepool.optim) makes its state_dict of it.
   std::vector<std::optional<ApolloSavedParam>> saved_state() const;
+  // One parameter's state (numbered as saved_state() numbers them), nullopt when it has
+  // none yet; throws std::out_of_range past the last parameter.
+  std::optional<ApolloSavedParam> saved_state(size_t index) const;
+  // Which parameters have state, numbered as saved_state() numbers them; reads no state.
+  std::vector<bool> parameters_with_state() const;
   // Replaces every group's options (one per group) and every parameter's state (one per
   // parameter, numbered as saved_state() numbers them; nullopt: no state). Everything is
   // checked first (options valid for training, step >= 0, each tensor of its parameter's

@@ -326,6 +326,11 @@ std::unique_ptr<Apollo> make_apollo(const ParamGroups& groups, const std::string
   return std::make_unique<Apollo>(cpp_groups, defaults, placement);
 }
 
+py::object saved_param_tuple(const std::optional<ApolloSavedParam>& s) {
+  if (!s) return py::none();
+  return py::make_tuple(s->step, s->exp_avg_grad, s->approx_hessian, s->update);
+}
+
 py::list saved_apollo_state(const Apollo& apollo) {
   std::vector<std::optional<ApolloSavedParam>> saved;
   {
@@ -333,14 +338,17 @@ py::list saved_apollo_state(const Apollo& apollo) {
     saved = apollo.saved_state();
   }
   py::list result;
-  for (const auto& s : saved) {
-    if (s) {
-      result.append(py::make_tuple(s->step, s->exp_avg_grad, s->approx_hessian, s->update));
-    } else {
-      result.append(py::none());
-    }
-  }
+  for (const auto& s : saved) result.append(saved_param_tuple(s));
   return result;
+}
+
+py::object saved_apollo_param_state(const Apollo& apollo, size_t index) {
+  std::optional<ApolloSavedParam> saved;
+  {
+    py::gil_scoped_release released;
+    saved = apollo.saved_state(index);
+  }
+  return saved_param_tuple(saved);
 }
 
 void restore_apollo_state(Apollo& apollo, const std::vector<py::dict>& options,
@@ -483,6 +491,8 @@ PYBIND11_MODULE(_optim, m) {
                  params, std::make_unique<ApolloOptions>(joining_apollo_options(options))));
            })
       .def("saved_state", &saved_apollo_state)
+      .def("saved_param_state", &saved_apollo_param_state, py::arg("index"))
+      .def("parameters_with_state", &Apollo::parameters_with_state)
       .def("restore_state", &restore_apollo_state)
       .def_property("fused", &Apollo::fused_kernels, &Apollo::set_fused_kernels)
       .def("placement_stats", [](const Apollo& a) { return placement_stats(a.placement()); });

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <memory>
 #include <optional>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -164,6 +165,28 @@ TEST(Apollo, ParametersWithoutGradientsAreLeftAlone) {
   EXPECT_FALSE(torch::equal(a.detach(), torch::full({4}, 0.5, torch::kFloat64)));
   EXPECT_TRUE(torch::equal(b.detach(), torch::full({4}, 0.5, torch::kFloat64)));
   EXPECT_EQ(opt.state().size(), 1u);
+}
+
+TEST(Apollo, OneParametersStateIsReadByItsNumberAcrossGroups) {
+  auto a = param(4);
+  auto b = param(2);
+  auto c = param(3);
+  Apollo opt({torch::optim::OptimizerParamGroup({a}), torch::optim::OptimizerParamGroup({b, c})},
+             ApolloOptions(0.1).warmup(0));
+  EXPECT_EQ(opt.parameters_with_state(), (std::vector<bool>{false, false, false}));
+  c.mutable_grad() = torch::ones_like(c);
+  opt.step();
+  EXPECT_EQ(opt.parameters_with_state(), (std::vector<bool>{false, false, true}));
+  EXPECT_FALSE(opt.saved_state(0).has_value());
+  EXPECT_FALSE(opt.saved_state(1).has_value());
+  const auto all = opt.saved_state();
+  const auto one = opt.saved_state(2);
+  ASSERT_TRUE(one.has_value() && all[2].has_value());
+  EXPECT_EQ(one->step, 1);
+  EXPECT_TRUE(torch::equal(one->exp_avg_grad, all[2]->exp_avg_grad));
+  EXPECT_TRUE(torch::equal(one->approx_hessian, all[2]->approx_hessian));
+  EXPECT_TRUE(torch::equal(one->update, all[2]->update));
+  EXPECT_THROW((void)opt.saved_state(3), std::out_of_range);
 }
 
 TEST(Apollo, ClosureIsCalledWithGradAndItsLossReturned) {

@@ -204,7 +204,10 @@ def test_apollo_save_load_continue_equals_an_uninterrupted_run(where):
 def test_apollo_state_dict_has_the_reference_layout():
     params, tensors, loss = regression_problem(groups=2)
     opt = topt.Apollo(params, lr=0.05)
-    assert opt.state_dict()["state"] == {}
+    fresh = opt.state_dict()["state"]  # the state the first step starts from
+    assert sorted(fresh) == [0, 1] and all(entry["step"] == 0 for entry in fresh.values())
+    assert all(not entry[key].any() for entry in fresh.values()
+               for key in ("exp_avg_grad", "approx_hessian", "update"))
     train(opt, loss, 2)
     sd = opt.state_dict()
     assert sorted(sd["state"]) == [0, 1]

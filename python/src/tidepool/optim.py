@@ -30,8 +30,9 @@ Where the state lives (`state=` for Apollo, `history=` for AADL):
 Apollo is a torch.optim.Optimizer: param groups, LR schedulers (their changes to a
 group's options reach the next step), zero_grad, step(closure), state_dict() in the
 reference's format (per parameter: step, exp_avg_grad, approx_hessian, update), so
-checkpoints of the published Apollo load here and the other way round. Its state is not
-in `self.state`: it lives in the C++ optimizer, and state_dict() copies it out.
+checkpoints of the published Apollo load here and the other way round. Its state lives in
+the C++ optimizer: `self.state` shows it read-only, as torch.optim keys it (Note [Apollo's
+state as torch.optim shows it] in _apollo_state.py), and state_dict() copies it out.
 
 AADL wraps any torch.optim optimizer (it steps it, then accelerates) and takes the
 options of the reference's AADL.accelerate(optimizer, ...). Its state_dict() holds the
@@ -39,7 +40,7 @@ inner optimizer's state_dict and its own history. accelerate(optimizer, ...) doe
 the reference's does: the optimizer's own step() is accelerated from then on.
 
 The drop-in's step hooks (PYTORCH_CUDA_ALLOC_CONF=backend:tidepool) leave these optimizers
-alone, since their state is not in `optimizer.state`; an AADL's inner optimizer is a
+alone, since they keep their state themselves; an AADL's inner optimizer is a
 plain torch.optim one, whose state the hooks tier as usual.
 """
 
@@ -54,14 +55,14 @@ import weakref
 
 import torch
 
-from . import _lib
+from . import _apollo_state, _lib
 
 __all__ = ["Apollo", "AADL", "accelerate"]
 
 _PLACEMENTS = ("device", "host", "tiered")
 _APOLLO_OPTIONS = ("lr", "beta", "eps", "rebound", "warmup", "init_lr", "base_lr",
                    "weight_decay", "weight_decay_type")
-_APOLLO_STATE = ("exp_avg_grad", "approx_hessian", "update")
+_APOLLO_STATE = _apollo_state.STATE_KEYS
 
 _binding = None
 _binding_lock = threading.Lock()
@@ -158,7 +159,7 @@ class Apollo(torch.optim.Optimizer):
     always take that path, in their own dtype, as the reference computes.
     """
 
-    # The drop-in's step hooks leave this optimizer alone: its state is not in self.state.
+    # The drop-in's step hooks leave this optimizer alone: its state lives in C++.
     _tidepool_owns_state = True
 
     def __init__(self, params, lr, beta=0.9, eps=1e-4, rebound="constant", warmup=500,
@@ -185,6 +186,22 @@ class Apollo(torch.optim.Optimizer):
     def __getstate__(self):
         raise TypeError("tidepool.optim.Apollo cannot be pickled (its state lives in C++); "
                         "save its state_dict() instead")
+
+    @property
+    def state(self) -> _apollo_state.ApolloState:
+        """{parameter: {'step', 'exp_avg_grad', 'approx_hessian', 'update'}} as torch.optim
+        keys it, read-only, host copies read when asked; a parameter that requires grad
+        and has not stepped shows step 0 and zeros (Note [Apollo's state as torch.optim
+        shows it])."""
+        return self._state_view
+
+    @state.setter
+    def state(self, value) -> None:
+        if "_state_view" not in self.__dict__ and not value:  # torch.optim's __init__
+            self._state_view = _apollo_state.ApolloState(self)
+            return
+        raise TypeError("tidepool.optim.Apollo: state cannot be replaced (it lives in the C++ "
+                        "optimizer); load_state_dict() replaces what it holds")
 
     @property
     def placement(self) -> str:
@@ -256,17 +273,17 @@ class Apollo(torch.optim.Optimizer):
     def state_dict(self) -> dict:
         """{'state': {index: {'step', 'exp_avg_grad', 'approx_hessian', 'update'}},
         'param_groups': [...]} as torch.optim and the reference make it (parameters
-        numbered across groups in order); the tensors are host copies. The state_dict
-        hooks torch.optim.Optimizer offers (register_state_dict_pre_hook, ...) run as
-        there."""
+        numbered across groups in order); the tensors are host copies. It holds what
+        `state` shows: a parameter that requires grad and has not stepped has step 0 and
+        zeros. The state_dict hooks torch.optim.Optimizer offers
+        (register_state_dict_pre_hook, ...) run as there."""
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
         state = {}
-        for index, saved in enumerate(self._apollo.saved_state()):
-            if saved is not None:
-                step, m, B, d = saved
-                state[index] = {"step": step, "exp_avg_grad": m, "approx_hessian": B,
-                                "update": d}
+        params = itertools.chain.from_iterable(self._stepped)
+        for index, (p, saved) in enumerate(zip(params, self._apollo.saved_state())):
+            if _apollo_state.shown(p, saved is not None):
+                state[index] = _apollo_state.param_state(p, saved)
         packed, start = [], 0
         for group in self.param_groups:
             entry = {k: v for k, v in group.items() if k != "params"}
