@@ -66,9 +66,10 @@ class ApolloState(collections.abc.Mapping):
         apollo = getattr(optimizer, "_apollo", None)
         if apollo is None:  # torch.optim.Optimizer.__init__, before the C++ optimizer
             return []
-        params = [p for group in optimizer._stepped for p in group]
-        return [(i, p) for i, (p, has) in enumerate(zip(params, apollo.parameters_with_state()))
-                if shown(p, has)]
+        with optimizer._lock:  # a step in another thread adds to the C++ state
+            params = [p for group in optimizer._stepped for p in group]
+            with_state = apollo.parameters_with_state()
+        return [(i, p) for i, (p, has) in enumerate(zip(params, with_state)) if shown(p, has)]
 
     def __len__(self) -> int:
         return len(self._shown())
