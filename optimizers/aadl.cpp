@@ -56,6 +56,9 @@ int64_t check_group(const std::vector<torch::Tensor>& params) {
               "AADL: parameters must be real floating point; a group has ",
               params.front().scalar_type(), " parameters");
   for (const auto& p : params) {
+    // The history holds each group as one flat vector (reshape, cat, copy back in place).
+    TORCH_CHECK(p.layout() == torch::kStrided, "AADL: parameters must be dense (strided); a "
+                "group has a ", p.layout(), " parameter");
     TORCH_CHECK(p.scalar_type() == params.front().scalar_type() &&
                     p.device() == params.front().device(),
                 "AADL: all parameters of a group must share dtype and device (got ",
@@ -209,10 +212,14 @@ void AADL::prefetch(NextStep next) const {
   }
 }
 
-torch::Tensor AADL::step(LossClosure closure) {
-  TORCH_CHECK(inner_->param_groups().size() == histories_.size(), "AADL: the inner optimizer has ",
+void AADL::check_inner_groups(const char* who) const {
+  TORCH_CHECK(inner_->param_groups().size() == histories_.size(), who, ": the inner optimizer has ",
               inner_->param_groups().size(), " parameter groups, it had ", histories_.size(),
               " when wrapped");
+}
+
+torch::Tensor AADL::step(LossClosure closure) {
+  check_inner_groups("AADL");
   // add_param_group is not virtual: one called on the wrapper adds to its own groups (a
   // copy of the inner optimizer's), which nothing steps.
   TORCH_CHECK(param_groups_.size() == histories_.size(), "AADL: ", param_groups_.size(),
@@ -511,6 +518,7 @@ void load_replacing_state(torch::optim::Optimizer& inner,
 }  // namespace
 
 void AADL::save(torch::serialize::OutputArchive& archive) const {
+  check_inner_groups("AADL::save");
   archive.write("aadl_format", c10::IValue(kArchiveFormat));
   archive.write("call_counter", c10::IValue(call_counter_));
   archive.write("store_counter", c10::IValue(store_counter_));
@@ -547,6 +555,7 @@ void AADL::save(torch::serialize::OutputArchive& archive) const {
 // fail. A failed load leaves this optimizer as it was, at the cost of holding the old and
 // the new history at once while it runs (in the placement: host memory when tiered).
 void AADL::load(torch::serialize::InputArchive& archive) {
+  check_inner_groups("AADL::load");
   const ArchiveReader reader{archive, ""};
   const int64_t format = reader.integer("aadl_format");
   TORCH_CHECK(format == kArchiveFormat, "AADL::load: aadl_format is ", format,

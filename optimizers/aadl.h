@@ -131,6 +131,9 @@ class TIDEPOOL_API AADL : public torch::optim::Optimizer {
     bool accelerates = false;  // groups with ≥ 3 vectors extrapolate
   };
   NextStep next_step() const noexcept;
+  // The inner optimizer still has the groups it had when wrapped, one per history (its
+  // param_groups() is mutable): step, save and load index them by the histories.
+  void check_inner_groups(const char* who) const;
   void prefetch(NextStep next) const;
   // Solves the group's least-squares problem and returns the extrapolated vector;
   // `newest` and `out` as in AndersonHistory::combine.

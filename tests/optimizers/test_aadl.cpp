@@ -80,6 +80,30 @@ TEST(AADL, ComplexParametersAreRefusedWhenWrapped) {
   expect_error_mentions([&] { AADL(sgd(z)); }, "real floating point");
 }
 
+// Review finding: a sparse parameter passed the group check and every step failed after
+// the inner update, in the flattening into the history.
+TEST(AADL, SparseParametersAreRefusedWhenWrapped) {
+  auto sparse = torch::eye(3, torch::kFloat64).to_sparse().set_requires_grad(true);
+  expect_error_mentions([&] { AADL(sgd(sparse)); }, "dense");
+}
+
+// Review finding: save and load indexed the inner optimizer's groups by the histories'
+// count, past the end once a group was taken out of the inner optimizer (its
+// param_groups() is mutable).
+TEST(AADL, SaveAndLoadRefuseAnInnerOptimizerThatLostAGroup) {
+  auto p = torch::ones({3}, torch::kFloat64).set_requires_grad(true);
+  auto q = torch::ones({2}, torch::kFloat64).set_requires_grad(true);
+  auto inner = std::make_shared<torch::optim::SGD>(
+      std::vector<torch::optim::OptimizerParamGroup>{torch::optim::OptimizerParamGroup({p}),
+                                                     torch::optim::OptimizerParamGroup({q})},
+      torch::optim::SGDOptions(0.1));
+  AADL opt(inner);
+  const std::string bytes = archive_bytes(opt);
+  inner->param_groups().pop_back();
+  expect_error_mentions([&] { (void)archive_bytes(opt); }, "it had 2 when wrapped");
+  expect_error_mentions([&] { load_archive_bytes(opt, bytes); }, "it had 2 when wrapped");
+}
+
 // Review finding: parameters moved to another dtype (or device), or resized, after their
 // history was stored passed the group check, and every step then failed after the inner
 // update, in the history's push. Refused before anything changes, naming both sides.
