@@ -43,7 +43,8 @@
 //
 // Note [OOM policy]
 // reuse the cache (steps 2-4) -> free cached memory (pending events waited for, fully
-// free ranges released, streams that last used them synchronized) -> retry -> wait for
+// free ranges released unless options.allow_release is false, streams that last used
+// them synchronized) -> retry -> wait for
 // the streams whose free blocks would serve it (Note [Waiting for a stream before giving
 // up]) -> retry -> reclaim
 // hooks (no lock held: hooks free memory through this allocator) -> retry -> throw.
@@ -331,11 +332,13 @@ Block* CachingAllocator::Impl::try_allocate(StreamPools& sp, std::size_t size, b
 Block* CachingAllocator::Impl::try_allocate_releasing(StreamPools& sp, std::size_t size,
                                                       bool small, int tag) {
   if (Block* b = try_allocate(sp, size, small, tag)) return b;
-  if (!options.allow_release || never_fits(size)) return nullptr;  // Note [OOM policy]
+  if (never_fits(size)) return nullptr;  // Note [OOM policy]
   drain_thread_caches();
   flush_all_quick();
   process_pending(true);
-  release_cached();
+  // Without release (the replay's baseline) the waits above and below still make free
+  // memory usable; only giving it back is left out (review finding: all were skipped).
+  if (options.allow_release) release_cached();
   if (Block* b = try_allocate(sp, size, small, tag)) return b;
   if (!settle_streams_with_room(sp, size, small)) return nullptr;
   return try_allocate(sp, size, small, tag);
@@ -471,8 +474,11 @@ void* allocate_on(CachingAllocator::Impl& m, std::size_t bytes, Stream stream, b
     std::lock_guard lock(m.mutex);
     m.stats.reclaim_calls += reclaimed.calls;
     m.stats.reclaimed_bytes += reclaimed.bytes;
+    const std::uint64_t acquired_before = m.stats.segments.allocated;
     if (Block* b = m.try_allocate_releasing(m.pools_for(stream), size, small, tag)) {
-      ++m.stats.cache_misses;
+      // Served from what the hooks freed into the cache is a hit (review finding).
+      ++(m.stats.segments.allocated == acquired_before ? m.stats.cache_hits
+                                                       : m.stats.cache_misses);
       return m.finish_shared_allocation(b, bytes, tag, tc);
     }
     const auto cache_locks = m.lock_thread_caches();

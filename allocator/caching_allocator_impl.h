@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <array>
 #include <cstdint>
+#include <exception>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -81,6 +82,10 @@ struct __attribute__((visibility("hidden"))) CachingAllocator::Impl {
   // whose release failed, with its bytes; released by the next release_cached or at the
   // end. Backs nothing, so counted in no stat.
   std::vector<std::pair<PhysicalHandle, std::size_t>> unreleased;
+  // The first error of the last release_cached that could not give something back (a
+  // handle kept in `unreleased`, a segment the backend would not free); null when all
+  // went. empty_cache reports it; the OOM policy goes on to its retry.
+  std::exception_ptr release_error;
   // Whether a free already said it synchronized the device (Note [Free after a lost
   // stream]): once per allocator.
   bool warned_free_sync = false;
@@ -246,7 +251,8 @@ struct __attribute__((visibility("hidden"))) CachingAllocator::Impl {
   // Bytes that backing [lo, hi) of an expandable segment would add: its unmapped slots.
   std::size_t unbacked_bytes(const Segment* seg, const char* lo, const char* hi) const;
   // Gives fully free backed memory back (plain segments, mapping runs), stopping once at
-  // least `want` bytes are found. `wait`: synchronize the streams that last used it;
+  // least `want` bytes are found. A release the backend refuses does not stop the others
+  // (its error goes to release_error; Note [Unreleased handles]). `wait`: synchronize the streams that last used it;
   // otherwise take only memory whose frees a completed fence covers, or that `waitable`
   // (the allocating stream, then synchronized) freed. Lock held.
   // `only_owner`: release only memory whose blocks all belong to that pool (release_stream
@@ -257,8 +263,9 @@ struct __attribute__((visibility("hidden"))) CachingAllocator::Impl {
   // release_physical of an unmapped handle; on failure the handle goes to `unreleased`
   // (room reserved by the caller) and the error is rethrown.
   void release_unmapped(PhysicalHandle h, std::size_t bytes);
-  // Releases every handle in `unreleased`; a failure throws and keeps it listed.
-  void retry_unreleased();
+  // Tries to release every handle in `unreleased`; one that fails stays listed, and the
+  // first failure goes to release_error.
+  void retry_unreleased() noexcept;
   // Gives back the address space of expandable ranges of released streams that hold
   // nothing any more (no backing, every block free in `released`). Returns ranges dropped.
   std::size_t drop_empty_released_ranges();

@@ -264,6 +264,8 @@ std::size_t CachingAllocator::empty_cache() {
   m.process_pending(false);
   const std::size_t bytes = m.release_cached();
   m.drop_empty_released_ranges();
+  // What would not go stays held for the next release to retry; the caller learns of it.
+  if (m.release_error) std::rethrow_exception(m.release_error);
   return bytes;
 }
 

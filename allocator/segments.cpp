@@ -69,7 +69,11 @@
 // it, and every release_cached (empty_cache, the OOM policy, release_stream) first
 // retries those releases, as does the destructor. Each handle is listed once and leaves
 // the list only when its release succeeded, so it is neither leaked nor released twice.
-// Room in the list is reserved before the unmap, so listing it cannot fail.
+// Room in the list is reserved before the unmap, so listing it cannot fail. A handle that
+// still will not go stops nothing else (review finding: its retry threw at the top of
+// every release_cached, so one bad handle ended all giving back, the OOM policy's
+// included): release_cached releases what it can and keeps the first error in
+// release_error, which empty_cache reports and an OOM message counts.
 //
 // Note [Bookkeeping before backing]
 // Memory the backend hands over must be recorded without fail: a segment missing from
@@ -556,6 +560,7 @@ bool CachingAllocator::Impl::move_free_run(Segment* seg, std::size_t head,
 std::size_t CachingAllocator::Impl::release_cached(std::size_t want, bool wait,
                                                    StreamPools* waitable,
                                                    const StreamPools* only_owner) {
+  release_error = nullptr;
   retry_unreleased();
   if (!options.allow_release) return 0;
   // Without waiting, only memory whose streams are known to be past the frees qualifies:
@@ -609,26 +614,31 @@ std::size_t CachingAllocator::Impl::release_cached(std::size_t want, bool wait,
   std::size_t released_bytes = 0;
   for (const Releasable& r : found) {
     Segment* seg = r.segment;
-    if (!seg->expandable) {
+    try {
+      if (seg->expandable) {
+        released_bytes += release_run(seg, r.head);
+        continue;
+      }
       // The backend first: if it fails, the segment and its free blocks stay as they were.
       backend->device_free(seg->base, seg->size);
-      for (Block* b = seg->first; b != nullptr;) {
-        Block* next = b->next;
-        b->owner->pool(seg->small).erase(b);
-        blocks.erase(b->ptr);
-        recycle(b);
-        b = next;
-      }
-      segments.erase(seg->base);
-      segment_log.record(SegmentEvent::Kind::segment_freed, seg->base, seg->size,
-                         segment_stream(seg));
-      stats.reserved.sub(seg->size);
-      stats.segments.sub(1);
-      released_bytes += seg->size;
-      delete seg;
+    } catch (...) {
+      if (!release_error) release_error = std::current_exception();
       continue;
     }
-    released_bytes += release_run(seg, r.head);
+    for (Block* b = seg->first; b != nullptr;) {
+      Block* next = b->next;
+      b->owner->pool(seg->small).erase(b);
+      blocks.erase(b->ptr);
+      recycle(b);
+      b = next;
+    }
+    segments.erase(seg->base);
+    segment_log.record(SegmentEvent::Kind::segment_freed, seg->base, seg->size,
+                       segment_stream(seg));
+    stats.reserved.sub(seg->size);
+    stats.segments.sub(1);
+    released_bytes += seg->size;
+    delete seg;
   }
   return released_bytes;
 }
@@ -654,12 +664,16 @@ void CachingAllocator::Impl::release_unmapped(PhysicalHandle h, std::size_t byte
   }
 }
 
-void CachingAllocator::Impl::retry_unreleased() {
-  while (!unreleased.empty()) {
-    const auto [h, bytes] = unreleased.back();
-    backend->release_physical(h, bytes);  // a throw keeps it listed
-    unreleased.pop_back();
-  }
+void CachingAllocator::Impl::retry_unreleased() noexcept {
+  std::erase_if(unreleased, [&](const std::pair<PhysicalHandle, std::size_t>& handle) {
+    try {
+      backend->release_physical(handle.first, handle.second);
+      return true;
+    } catch (...) {
+      if (!release_error) release_error = std::current_exception();
+      return false;
+    }
+  });
 }
 
 std::size_t CachingAllocator::Impl::drop_empty_released_ranges() {

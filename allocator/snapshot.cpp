@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cinttypes>
 #include <cstdio>
+#include <exception>
 #include <limits>
 #include <locale>
 #include <sstream>
@@ -262,6 +263,20 @@ AllocatorStats CachingAllocator::Impl::compute_stats() const {
   return s;
 }
 
+namespace {
+
+std::string error_text(const std::exception_ptr& error) {
+  try {
+    std::rethrow_exception(error);
+  } catch (const std::exception& e) {
+    return e.what();
+  } catch (...) {
+    return "unknown error";
+  }
+}
+
+}  // namespace
+
 std::string CachingAllocator::Impl::oom_message(std::size_t bytes, std::size_t rounded, Stream s,
                                                 std::size_t reclaim_calls,
                                                 std::size_t reclaimed) const {
@@ -303,6 +318,15 @@ std::string CachingAllocator::Impl::oom_message(std::size_t bytes, std::size_t r
   } else {
     os << ". Cache emptied and " << reclaim_calls << " reclaim hook call(s) freed "
        << format_bytes(reclaimed) << ". ";
+  }
+  if (!unreleased.empty()) {  // Note [Unreleased handles] (segments.cpp)
+    std::size_t held = 0;
+    for (const auto& handle : unreleased) held += handle.second;
+    os << "The backend would not take back " << format_bytes(held) << " in "
+       << unreleased.size() << " physical allocation(s) unmapped from tidepool's ranges"
+       << " (retried at each release)";
+    if (release_error) os << ": " << error_text(release_error);
+    os << ". ";
   }
   if (info.total_bytes != 0 && bytes > info.total_bytes)
     os << "The request is larger than the whole device: check the size computation.";

@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "allocator/caching_allocator.h"
 #include "allocator/tags.h"
@@ -315,6 +316,54 @@ TEST(FailedRelease, AHandleStillUnreleasedIsReleasedWithTheAllocator) {
     EXPECT_EQ(handles->released.load(), 0);
   }
   EXPECT_EQ(handles->released.load(), 1) << "no physical memory leaked";
+}
+
+// Review finding: a kept handle whose release failed again threw at the top of every
+// release, so nothing else cached went back, however much there was.
+TEST(FailedRelease, AKeptHandleThatStillCannotGoStopsNoOtherRelease) {
+  FaultyAllocator fa;
+  CachingAllocator& a = *fa.allocator;
+  test::FaultBackend& be = *fa.faults;
+  void* p = a.allocate(4 * kMiB);
+  a.deallocate(p, 4 * kMiB);
+  be.fail(Op::release_physical);
+  EXPECT_THROW(a.empty_cache(), BackendError);  // a handle kept to release later
+  const std::size_t slot = be.device_bytes_in_use();
+  void* q = a.allocate(4 * kMiB);  // backed anew
+  a.deallocate(q, 4 * kMiB);
+  ASSERT_EQ(be.device_bytes_in_use(), 2 * slot);
+  be.fail(Op::release_physical);  // the kept handle's retry fails again
+  EXPECT_THROW(a.empty_cache(), BackendError) << "the failure is reported";
+  EXPECT_EQ(a.stats().reserved.current, 0u);
+  EXPECT_EQ(be.device_bytes_in_use(), slot) << "the new run went back all the same";
+  // An OOM message counts what the backend holds, with the last error.
+  const std::string message = test_support::expect_error<OutOfMemoryError>(
+      [&] { (void)a.allocate(2000 * kMiB); });
+  EXPECT_NE(message.find("would not take back 32.00 MiB in 1 physical allocation"),
+            std::string::npos) << message;
+  EXPECT_NE(message.find("release_physical"), std::string::npos) << message;
+  EXPECT_EQ(a.empty_cache(), 0u);  // and the kept one now
+  EXPECT_EQ(be.device_bytes_in_use(), 0u);
+}
+
+// The OOM policy goes on past a release the backend refuses: what else is cached goes
+// back, and the retry is served from it (it failed with the backend's error before).
+TEST(FailedRelease, TheOomPolicyReleasesTheRestWhenOneReleaseFails) {
+  FaultyAllocator fa(plain_segments());
+  CachingAllocator& a = *fa.allocator;
+  test::FaultBackend& be = *fa.faults;
+  std::vector<void*> cached;
+  for (int i = 0; i < 4; ++i) cached.push_back(a.allocate(200 * kMiB));
+  for (void* p : cached) a.deallocate(p, 200 * kMiB);
+  be.fail(Op::device_free);  // one of the four segments stays
+  void* big = nullptr;
+  EXPECT_NO_THROW(big = a.allocate(500 * kMiB));
+  EXPECT_NE(big, nullptr);
+  EXPECT_EQ(a.stats().reserved.current, 700 * kMiB);
+  EXPECT_EQ(backed_bytes(a), 700 * kMiB);
+  a.deallocate(big, 500 * kMiB);
+  EXPECT_EQ(a.empty_cache(), 700 * kMiB);
+  EXPECT_EQ(be.device_bytes_in_use(), 0u);
 }
 
 // release_stream gives cached memory back after the stream is released; a kept handle

@@ -86,6 +86,33 @@ TEST_P(Oom, ReclaimHookFreesMemoryAndTheRetrySucceeds) {
   alloc_->deallocate(p, 24 * kMiB);
 }
 
+// Review finding: the retry after the hooks counted a cache miss even when it was served
+// from the block a hook had just freed into the cache.
+TEST_P(Oom, ARetryServedFromWhatAHookFreedIsACacheHit) {
+  std::vector<void*> cold;
+  {
+    TagScope scope(kTagOptimizerState);
+    for (int i = 0; i < 2; ++i) cold.push_back(alloc_->allocate(24 * kMiB));
+  }
+  void* rest = alloc_->allocate(16 * kMiB);  // the device is full
+  test::ScopedReclaimHook guard([&](int, std::size_t) {
+    alloc_->deallocate(cold.back(), 24 * kMiB);
+    cold.pop_back();
+    return 24 * kMiB;
+  });
+  const AllocatorStats before = alloc_->stats();
+  void* p = alloc_->allocate(24 * kMiB);
+  ASSERT_NE(p, nullptr);
+  const AllocatorStats s = alloc_->stats();
+  EXPECT_EQ(s.reclaim_calls - before.reclaim_calls, 1u);
+  EXPECT_EQ(s.segments.allocated, before.segments.allocated) << "served from the cache";
+  EXPECT_EQ(s.cache_hits - before.cache_hits, 1u);
+  EXPECT_EQ(s.cache_misses, before.cache_misses);
+  alloc_->deallocate(p, 24 * kMiB);
+  alloc_->deallocate(rest, 16 * kMiB);
+  for (void* q : cold) alloc_->deallocate(q, 24 * kMiB);
+}
+
 TEST_P(Oom, NothingToReclaimGivesAClearErrorAndTheAllocatorLivesOn) {
   const int tag = tag_id("kv_cache");
   std::vector<void*> held;
@@ -341,12 +368,13 @@ std::string segment_kind(const ::testing::TestParamInfo<bool>& p) {
 // block would serve could neither steal it (A's fence had not passed) nor release it (its
 // 20 MiB segment holds A's other 8 MiB block), and failed with OutOfMemoryError. (An
 // expandable range gives the free run back and maps it again: served either way.)
-TEST_P(Oom, AFreeBlockOfABusyStreamIsWaitedForBeforeGivingUp) {
+void busy_streams_block_is_waited_for(bool expandable, bool allow_release) {
   std::atomic<bool> go{false};
   HostBackendOptions b;
   b.capacity_bytes = 40 * kMiB;
   AllocatorOptions o;
-  o.expandable_segments = GetParam();
+  o.expandable_segments = expandable;
+  o.allow_release = allow_release;
   CachingAllocator alloc(
       std::make_unique<test::ReleasesOnSynchronize>(make_host_backend(0, b), go), o);
   int hook_calls = 0;
@@ -377,7 +405,7 @@ TEST_P(Oom, AFreeBlockOfABusyStreamIsWaitedForBeforeGivingUp) {
   }
   const bool waited = go.exchange(true);  // A goes on whatever happened
   EXPECT_TRUE(waited || p == nullptr) << "the memory was handed out without waiting for A";
-  if (!GetParam()) {
+  if (!expandable) {
     EXPECT_EQ(p, freed);
   }
   EXPECT_EQ(hook_calls, 0);
@@ -387,6 +415,18 @@ TEST_P(Oom, AFreeBlockOfABusyStreamIsWaitedForBeforeGivingUp) {
   be.stream_synchronize(other);
   be.destroy_stream(a);
   be.destroy_stream(other);
+}
+
+TEST_P(Oom, AFreeBlockOfABusyStreamIsWaitedForBeforeGivingUp) {
+  busy_streams_block_is_waited_for(GetParam(), /*allow_release=*/true);
+}
+
+// Review finding: without release (the trace replay's baseline) the policy skipped the
+// waits too, not only the giving back, and the request failed with the block free. (In
+// an expandable range the block is not another stream's to take: only giving its run
+// back and mapping it again would serve, which this option rules out.)
+TEST(OomWithoutRelease, AFreeBlockOfABusyStreamIsWaitedForBeforeGivingUp) {
+  busy_streams_block_is_waited_for(/*expandable=*/false, /*allow_release=*/false);
 }
 
 INSTANTIATE_TEST_SUITE_P(Segments, Oom, ::testing::Bool(), segment_kind);
