@@ -83,9 +83,15 @@ TieredStore::Room TieredStore::make_room_locked(std::size_t bytes, const Entry* 
   const std::size_t budget = options_.device_budget_bytes;
   const std::size_t incoming_score =
       incoming != nullptr && !may_wait ? policy_.eviction_score(incoming->id) : 0;
+  // Review finding: a load that cannot fit beside the acquired handles evicted every
+  // released one first (a copy back each), and with a shared budget had the other stores
+  // evict theirs, all for nothing. (No pending free can be taken over either: its bytes
+  // are charged beside the acquired ones.)
+  const bool hopeless = never_fits_beside_acquired_locked(bytes);
   while (true) {
     reap_frees_locked(/*wait_all=*/false);
     if (reserve_locked(bytes)) return {Room::Kind::fresh, 0};
+    if (hopeless) return {Room::Kind::none, 0};
     // Nothing is reserved here (a reservation is taken only as this returns).
     if (held_once_written_back_locked() + bytes > budget) {
       Entry* victim = eviction_victim_locked(
@@ -199,11 +205,22 @@ TieredStore::DeviceBuffer TieredStore::allocate_reserved_locked(std::size_t byte
   return DeviceBuffer{p, {}};
 }
 
-void TieredStore::throw_no_room_locked(std::size_t bytes) {
+std::size_t TieredStore::acquired_bytes_locked() const noexcept {
   std::size_t acquired = 0;
   for (const Entry* e : resident_) {
     if (e->pins > 0) acquired += e->bytes;
   }
+  return acquired;
+}
+
+bool TieredStore::never_fits_beside_acquired_locked(std::size_t bytes) const noexcept {
+  const std::size_t budget = options_.device_budget_bytes;
+  const std::size_t acquired = acquired_bytes_locked();
+  return acquired > budget || bytes > budget - acquired;
+}
+
+void TieredStore::throw_no_room_locked(std::size_t bytes) {
+  const std::size_t acquired = acquired_bytes_locked();
   std::string what = "tiered store: no room for " + std::to_string(bytes) +
                      " bytes in the device budget of " +
                      std::to_string(options_.device_budget_bytes) + " bytes: " +
@@ -237,6 +254,8 @@ void* TieredStore::with_room_from_peers(std::unique_lock<std::mutex>& lock, std:
     const RoomFor why =
         fruitless < kFruitlessPeerAsks ? RoomFor::acquire_may_ask_peers : RoomFor::acquire;
     if (void* p = attempt(why)) return p;
+    // What the others give back cannot make room beside this store's acquired handles.
+    if (never_fits_beside_acquired_locked(bytes)) throw_no_room_locked(bytes);
     // At least a byte: a shortfall of 0 means another store took room as this one asked.
     const std::size_t shortfall = std::max<std::size_t>(peer_shortfall_locked(bytes), 1);
     stats_.peer_room_requests++;

@@ -413,6 +413,11 @@ class TIDEPOOL_API TieredStore {
   // reservation back when that fails.
   DeviceBuffer allocate_reserved_locked(std::size_t bytes, bool may_wait);
   [[noreturn]] void throw_no_room_locked(std::size_t bytes);
+  // Bytes of this store's acquired handles: they stay on the device whatever is evicted.
+  std::size_t acquired_bytes_locked() const noexcept;
+  // Whether `bytes` more cannot fit beside the acquired handles: then no eviction,
+  // write-back or other store can make room for them.
+  bool never_fits_beside_acquired_locked(std::size_t bytes) const noexcept;
 
   // ---- the budget's books (store_budget.cpp; Note [Shared state budget]) ----
   // The store's charge is device_bytes_ + reserved_: in its own budget, or in the

@@ -189,6 +189,40 @@ TEST_P(NoRoomNoWaitTest, WithASharedBudgetTheOtherStoresAreAskedWithoutWaitingFi
   EXPECT_EQ(first_difference(contents(*peer, v).data(), data_v.data(), 2 * kMiB), -1);
 }
 
+// Review finding: an acquire that could not fit beside the acquired handles evicted every
+// released handle first (a copy back each), and with a shared budget had the other stores
+// evict theirs, before it failed all the same. It fails at once, and they stay.
+TEST_P(NoRoomNoWaitTest, AnAcquireThatCannotFitBesideTheAcquiredEvictsNothing) {
+  apply_config(claim_config("tidepool.state_budget:" + std::to_string(6 * kMiB)).config);
+  auto store = make_store(TieredStoreOptions::kDeviceBudgetFromConfig);
+  auto peer = make_store(TieredStoreOptions::kDeviceBudgetFromConfig);
+  const auto held = store->create(4 * kMiB, kTagOptimizerState);
+  const auto released = store->create(kMiB, kTagOptimizerState);
+  const auto theirs = peer->create(kMiB, kTagOptimizerState);
+  write_on_device(*store, released, random_bytes(kMiB, 43), other_);
+  write_on_device(*peer, theirs, random_bytes(kMiB, 44), other_);
+  store->acquire(held, other_);
+  const auto w = store->create(3 * kMiB, kTagOptimizerState);  // 4 + 3 > 6, whatever goes
+
+  std::string error;
+  try {
+    store->acquire(w, other_);
+  } catch (const TieringError& e) {
+    error = e.what();
+  }
+  EXPECT_NE(error.find("no room for " + std::to_string(3 * kMiB) + " bytes"), std::string::npos)
+      << "not the budget's error: '" << error << "'";
+  EXPECT_EQ(store->stats().evictions, 0u) << "evicted a handle for a load that cannot fit";
+  EXPECT_EQ(store->stats().peer_room_requests, 0u);
+  EXPECT_EQ(peer->stats().evictions + peer->stats().peer_evictions, 0u);
+  EXPECT_EQ(store->device_bytes() + peer->device_bytes(), 6 * kMiB);
+
+  store->release(held, /*dirty=*/false);  // and with it released, the load fits
+  EXPECT_NE(store->acquire(w, other_), nullptr);
+  store->release(w, /*dirty=*/false);
+  backend().stream_synchronize(other_);
+}
+
 INSTANTIATE_TEST_SUITE_P(Host, NoRoomNoWaitTest, ::testing::Values(BackendKind::host),
                          tiering_test::backend_name);
 
