@@ -575,16 +575,26 @@ void TieredStore::evict_tag(int tag) {
   }
 }
 
-void TieredStore::prefetch_tag(int tag, Stream stream) {
+void TieredStore::prefetch_tag(int tag, Stream /*stream: loads go on the copy engine's*/) {
   std::lock_guard lock(mutex_);
   InsideStore inside(this);
+  // Soonest next use first (then oldest handle): a prefetch evicts only handles needed
+  // later than itself, so this order fills the budget with the ones needed first. In the
+  // map's order (review finding) the ones needed last could load first, each then evicted
+  // by one needed sooner, a copy for nothing, or stop the loop before those were reached.
+  std::vector<std::pair<std::size_t, Entry*>> wanted;
   for (auto& [id, e] : entries_) {
-    if (e->tag != tag || e->dev != nullptr) continue;
+    if (e->tag == tag && e->dev == nullptr) wanted.emplace_back(policy_.eviction_score(id), e.get());
+  }
+  std::sort(wanted.begin(), wanted.end(), [](const auto& a, const auto& b) {
+    return a.first != b.first ? a.first < b.first : a.second->id < b.second->id;
+  });
+  for (const auto& [score, e] : wanted) {
     bool issued = false;
     try {
       issued = load_locked(*e, RoomFor::prefetch);
     } catch (...) {
-      detail::rethrow_as_tiering_error(detail::of_handle("prefetch_tag", id, e->bytes));
+      detail::rethrow_as_tiering_error(detail::of_handle("prefetch_tag", e->id, e->bytes));
     }
     if (!issued) {
       stats_.prefetch_skipped++;

@@ -235,8 +235,8 @@ class TIDEPOOL_API TieredStore {
   // Throws TieringError; a failed copy-back keeps the device copy.
   void evict(Handle h);
 
-  // evict / prefetch of every handle tagged `tag` (prefetch_tag stops at the first
-  // without room). Throw TieringError naming the handle that failed; those before it
+  // evict / prefetch of every handle tagged `tag` (prefetch_tag loads the soonest needed
+  // first and stops at the first without room). Throw TieringError naming the handle that failed; those before it
   // were moved.
   void evict_tag(int tag);
   void prefetch_tag(int tag, Stream stream);

@@ -447,6 +447,27 @@ TEST_P(TieredStoreTest, TagOperationsOnlyTouchThatTag) {
   EXPECT_TRUE(store.resident(a));
 }
 
+// Review finding: prefetch_tag loaded in the handle map's order, so with room for some of
+// the tag's handles it could load the ones needed last, each then evicted by one needed
+// sooner. The most recently used (what the policy has without a recorded step) go first.
+TEST_P(TieredStoreTest, PrefetchTagLoadsTheHandlesNeededFirst) {
+  TieredStore store(backend(), options(200 << 10));
+  std::array<TieredStore::Handle, 4> h{};
+  for (auto& x : h) x = store.create(100 << 10, kTagOptimizerState);
+  for (const std::size_t i : {1, 3, 0, 2}) {  // h[2] used last, then h[0]
+    store.acquire(h[i], stream_);
+    store.release(h[i], false);
+  }
+  store.evict_tag(kTagOptimizerState);
+  store.prefetch_tag(kTagOptimizerState, stream_);
+  EXPECT_TRUE(store.resident(h[2]));
+  EXPECT_TRUE(store.resident(h[0]));
+  EXPECT_FALSE(store.resident(h[1]));
+  EXPECT_FALSE(store.resident(h[3]));
+  EXPECT_EQ(store.stats().evictions, 4u) << "a prefetched handle was evicted again";
+  backend().stream_synchronize(stream_);
+}
+
 TEST_P(TieredStoreTest, StatsJsonHasTheTelemetry) {
   TieredStore store(backend(), options(1 << 20));
   auto h = store.create(1000, kTagOptimizerState);
