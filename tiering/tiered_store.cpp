@@ -327,7 +327,6 @@ bool TieredStore::load_locked(Entry& e, RoomFor why, bool load) {
       const Stream h2d = copies_.stream(Direction::host_to_device);
       if (buf.wait) backend_.stream_wait_event(h2d, buf.wait);
       backend_.record_event(e.dev_ready, h2d);
-      stats_.loads_skipped++;
     }
   } catch (const BackendError& err) {
     give_back_failed_load_locked(buf, e.bytes);  // never throws: this error is the one
@@ -520,6 +519,9 @@ void* TieredStore::acquire_locked(Handle h, Stream stream, RoomFor why, bool loa
   } else if (e.uncounted_load == Entry::LoadBy::acquire) {
     stats_.misses++;
   }
+  // Here too (review finding: counted where skipped, a failed acquire counted it, and its
+  // retry again).
+  if (skipped_load) stats_.loads_skipped++;
   e.uncounted_load = Entry::LoadBy::none;
   if (!load) {  // Note [Acquiring to overwrite]
     e.dev_dirty = true;

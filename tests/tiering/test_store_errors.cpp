@@ -596,6 +596,7 @@ TEST_P(StoreErrorsTest, AFailedAcquireToOverwriteLeavesTheHandleOnTheHost) {
     failing_->fail_calls_to("stream_wait_event", 0);
     EXPECT_FALSE(store.resident(h));
     EXPECT_EQ(store.stats().acquires, before.acquires);
+    EXPECT_EQ(store.stats().loads_skipped, before.loads_skipped) << "a failed acquire counted";
     EXPECT_TRUE(holds(h, 30 + static_cast<std::uint64_t>(failing_wait)));
     EXPECT_TRUE(acquires(h, 30 + static_cast<std::uint64_t>(failing_wait)));
     store.destroy(h);
