@@ -252,9 +252,9 @@ struct __attribute__((visibility("hidden"))) CachingAllocator::Impl {
   std::size_t unbacked_bytes(const Segment* seg, const char* lo, const char* hi) const;
   // Gives fully free backed memory back (plain segments, mapping runs), stopping once at
   // least `want` bytes are found. A release the backend refuses does not stop the others
-  // (its error goes to release_error; Note [Unreleased handles]). `wait`: synchronize the streams that last used it;
-  // otherwise take only memory whose frees a completed fence covers, or that `waitable`
-  // (the allocating stream, then synchronized) freed. Lock held.
+  // (its error goes to release_error; Note [Unreleased handles]). `wait`: synchronize the
+  // streams that last used it; otherwise take only memory whose frees a completed fence
+  // covers, or that `waitable` (the allocating stream, then synchronized) freed. Lock held.
   // `only_owner`: release only memory whose blocks all belong to that pool (release_stream
   // passes `released`).
   std::size_t release_cached(std::size_t want = SIZE_MAX, bool wait = true,

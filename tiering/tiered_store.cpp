@@ -586,7 +586,8 @@ void TieredStore::prefetch_tag(int tag, Stream /*stream: loads go on the copy en
   // by one needed sooner, a copy for nothing, or stop the loop before those were reached.
   std::vector<std::pair<std::size_t, Entry*>> wanted;
   for (auto& [id, e] : entries_) {
-    if (e->tag == tag && e->dev == nullptr) wanted.emplace_back(policy_.eviction_score(id), e.get());
+    if (e->tag != tag || e->dev != nullptr) continue;
+    wanted.emplace_back(policy_.eviction_score(id), e.get());
   }
   std::sort(wanted.begin(), wanted.end(), [](const auto& a, const auto& b) {
     return a.first != b.first ? a.first < b.first : a.second->id < b.second->id;

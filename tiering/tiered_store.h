@@ -236,8 +236,8 @@ class TIDEPOOL_API TieredStore {
   void evict(Handle h);
 
   // evict / prefetch of every handle tagged `tag` (prefetch_tag loads the soonest needed
-  // first and stops at the first without room). Throw TieringError naming the handle that failed; those before it
-  // were moved.
+  // first and stops at the first without room). Throw TieringError naming the handle that
+  // failed; those before it were moved.
   void evict_tag(int tag);
   void prefetch_tag(int tag, Stream stream);
   // Evicts released handles (furthest next use first) until `bytes_needed` device bytes

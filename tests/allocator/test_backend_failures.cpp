@@ -302,16 +302,22 @@ TEST(FailedRelease, AFailedUnmapKeepsTheRunAndAFailedHandleReleaseIsRetried) {
   EXPECT_EQ(handles->released.load(), handles->created.load()) << "each released once";
 }
 
+// One slot's physical handle whose release failed, kept by `a` to release later (Note
+// [Unreleased handles]).
+void keep_a_handle(CachingAllocator& a, test::FaultBackend& be) {
+  void* p = a.allocate(4 * kMiB);
+  a.deallocate(p, 4 * kMiB);
+  be.fail(Op::release_physical);
+  EXPECT_THROW(a.empty_cache(), BackendError);
+}
+
 TEST(FailedRelease, AHandleStillUnreleasedIsReleasedWithTheAllocator) {
   std::shared_ptr<const test::FaultBackend::PhysicalCounts> handles;
   {
     FaultyAllocator fa;
     test::FaultBackend& be = *fa.faults;
     handles = be.physical_counts();
-    void* p = fa.allocator->allocate(4 * kMiB);
-    fa.allocator->deallocate(p, 4 * kMiB);
-    be.fail(Op::release_physical);
-    EXPECT_THROW(fa.allocator->empty_cache(), BackendError);
+    keep_a_handle(*fa.allocator, be);
     ASSERT_EQ(handles->created.load(), 1);
     EXPECT_EQ(handles->released.load(), 0);
   }
@@ -324,10 +330,7 @@ TEST(FailedRelease, AKeptHandleThatStillCannotGoStopsNoOtherRelease) {
   FaultyAllocator fa;
   CachingAllocator& a = *fa.allocator;
   test::FaultBackend& be = *fa.faults;
-  void* p = a.allocate(4 * kMiB);
-  a.deallocate(p, 4 * kMiB);
-  be.fail(Op::release_physical);
-  EXPECT_THROW(a.empty_cache(), BackendError);  // a handle kept to release later
+  keep_a_handle(a, be);
   const std::size_t slot = be.device_bytes_in_use();
   void* q = a.allocate(4 * kMiB);  // backed anew
   a.deallocate(q, 4 * kMiB);
@@ -373,10 +376,7 @@ TEST(FailedRelease, AStreamIsReleasedWhenAKeptHandleStillCannotBe) {
   FaultyAllocator fa;
   CachingAllocator& a = *fa.allocator;
   test::FaultBackend& be = *fa.faults;
-  void* p = a.allocate(4 * kMiB);
-  a.deallocate(p, 4 * kMiB);
-  be.fail(Op::release_physical);
-  EXPECT_THROW(a.empty_cache(), BackendError);  // a handle kept to release later
+  keep_a_handle(a, be);
   const Stream s = be.create_stream();
   a.deallocate(a.allocate(kMiB, s), kMiB, s);
   be.fail(Op::release_physical);  // the retry fails again
