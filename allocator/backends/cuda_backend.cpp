@@ -50,6 +50,11 @@
 // mapping (the allocator's memory, device-backed chunks) cost one relaxed atomic load.
 // tests/allocator/gpu_test_backend.cpp (CudaSpanningCopy) and the VmmSpanningCopyTest
 // suite make each kind of spanning copy in a test of its own, to say which one failed.
+// Those pieces go as cudaMemcpyDefault, the kind the driver infers from the pointers
+// (every address is unified on the 64-bit platforms CUDA 13 supports): the caller's kind
+// says device for both sides of a pointer-stable range's chunk copy, and host-NUMA memory
+// is host memory to the driver, and a kind that contradicts the pointers is undefined
+// behaviour (review finding; whether it is what failed on 2026-12-04 is not known).
 #include <cuda.h>
 #include <cuda_runtime_api.h>
 #include <dlfcn.h>
@@ -393,7 +398,7 @@ class CudaBackend final : public Backend {
     std::size_t from = 0;
     for (const std::size_t to : ends) {
       check(cudaMemcpyAsync(static_cast<char*>(dst) + from, static_cast<const char*>(src) + from,
-                            to - from, to_cuda(kind), to_cuda(s)),
+                            to - from, cudaMemcpyDefault, to_cuda(s)),
             "cudaMemcpyAsync");
       from = to;
     }
