@@ -32,9 +32,20 @@ VmmPool::VmmPool(Backend& backend, VmmPoolOptions options)
   batch_chunks_ = std::max<std::size_t>(1, options_.batch_chunks);
   scratch_bytes_ = chunk_bytes_ * batch_chunks_;
   scratch_mapped_.reserve(batch_chunks_);  // its push_backs never throw
+  // No destructor runs for a constructor that throws: what was made before the failure
+  // goes back here (review finding: a failed event or reservation leaked the stream).
   stream_ = backend_.create_stream();
-  sync_event_ = backend_.create_event();
-  scratch_ = backend_.reserve_address(scratch_bytes_);
+  try {
+    sync_event_ = backend_.create_event();
+    scratch_ = backend_.reserve_address(scratch_bytes_);
+  } catch (...) {
+    try {
+      if (sync_event_.handle != nullptr) backend_.destroy_event(sync_event_);
+      backend_.destroy_stream(stream_);
+    } catch (...) {  // the first failure is the one to report
+    }
+    throw;
+  }
 }
 
 // Note [Ranges kept at teardown]

@@ -95,6 +95,23 @@ class VmmFailureTest : public ::testing::Test {
 // are at the same address (at once, or after the next call when neither backing could be
 // mapped there), the next migration completes, and exactly the range's one backing is
 // alive: none leaked, none released twice.
+// Review finding: a pool whose event or scratch reservation failed as it was made leaked
+// the stream (and event) it had made already: no destructor runs for a failed constructor.
+TEST_F(VmmFailureTest, APoolThatCannotBeMadeLeavesNoStreamOrEventBehind) {
+  for (const char* op : {"create_event", "reserve_address"}) {
+    SCOPED_TRACE(op);
+    const long streams = backend_.calls_to("destroy_stream") - backend_.calls_to("create_stream");
+    const long events = backend_.calls_to("destroy_event") - backend_.calls_to("create_event");
+    backend_.fail_calls_to(op, 1);
+    EXPECT_THROW(VmmPool pool(backend_), BackendError);
+    EXPECT_EQ(backend_.calls_to("destroy_stream") - backend_.calls_to("create_stream"), streams);
+    // A failed create_event made none: counted as made, it is not destroyed.
+    const long failed_event = std::string(op) == "create_event" ? 1 : 0;
+    EXPECT_EQ(backend_.calls_to("destroy_event") - backend_.calls_to("create_event"),
+              events - failed_event);
+  }
+}
+
 TEST_F(VmmFailureTest, EveryFailedCallOfAMigrationLeavesTheDataAndNoHandleBehind) {
   const std::size_t n = 2 * backend_.granularity();  // one chunk
   const auto data = random_bytes(n, 41);
