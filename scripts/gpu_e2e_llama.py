@@ -20,7 +20,7 @@ Checks, each in a fresh process (the allocator is chosen at process start):
 Prints one line per run as it ends ("[e2e ...]"), the measured link rates and the step
 time against its floor, then one JSON summary (also written to --out) with "result", and
 exits 1 if any check fails, 2 when it cannot run (no CUDA, no transformers, tidepool not
-installed). --timeout bounds the whole run: each run gets what is left of it.
+installed), 3 when every check that ran passed and some had no time left to run. --timeout bounds the whole run: each run gets what is left of it.
 
 Usage: python scripts/gpu_e2e_llama.py [--steps 6] [--layers 22] [--out results.json]
        python scripts/gpu_e2e_llama.py --worker plain --tiny --device cpu   (self-test)
@@ -55,6 +55,7 @@ import threading
 import time
 
 EXIT_CANNOT_RUN = 2
+EXIT_NOT_RUN = 3  # every check that ran passed; some had no time left to run
 # The link probe: big enough that a copy takes milliseconds (launch costs vanish), small
 # enough that pinning it takes a fraction of a second.
 LINK_PROBE_BYTES = 256 << 20
@@ -391,8 +392,14 @@ def driver(args) -> int:
     summary: dict = {"checks": {}, "runs": {}}
     checks = summary["checks"]
 
-    def check(name, ok, detail):
-        checks[name] = {"ok": bool(ok), "detail": detail}
+    def check(name, ok, detail, runs=()):
+        # A check whose run had no time left (run_worker: "not run: ...") is not run, not
+        # failed: time ran out, which says nothing of the product.
+        skipped = [r["failed"] for r in runs if str(r.get("failed", "")).startswith("not run")]
+        if skipped:
+            checks[name] = {"ok": None, "detail": skipped[0]}
+        else:
+            checks[name] = {"ok": bool(ok), "detail": detail}
 
     def finish(code: int) -> int:
         text = json.dumps(summary, indent=1)
@@ -401,8 +408,10 @@ def driver(args) -> int:
             with open(args.out, "w") as f:
                 f.write(text)
         if checks:
-            failed = sum(not c["ok"] for c in checks.values())
-            print(f"{len(checks) - failed} passed, {failed} failed")
+            failed = sum(c["ok"] is False for c in checks.values())
+            not_run = sum(c["ok"] is None for c in checks.values())
+            print(f"{len(checks) - failed - not_run} passed, {failed} failed"
+                  + (f", {not_run} not run (no time left)" if not_run else ""))
         return code
 
     plain = run_worker("plain", args, {})
@@ -449,11 +458,12 @@ def driver(args) -> int:
                             cap_args)
         summary["runs"].update(cap_plain=cap_plain, cap_tidepool=cap_tp)
         check("cap_plain_runs_out_of_memory", "oom" in cap_plain,
-              cap_plain.get("oom") or cap_plain.get("failed"))
+              cap_plain.get("oom") or cap_plain.get("failed"), (cap_plain,))
         check("cap_tidepool_trains",
               "oom" not in cap_tp and "failed" not in cap_tp
               and cap_tp.get("losses") == plain["losses"],
-              cap_tp.get("oom") or cap_tp.get("failed") or cap_tp.get("losses_readable"))
+              cap_tp.get("oom") or cap_tp.get("failed") or cap_tp.get("losses_readable"),
+              (cap_tp,))
 
     preload = find_preload()
     if preload is None:
@@ -465,12 +475,19 @@ def driver(args) -> int:
         summary["runs"]["preload"] = pre
         served = (pre.get("tidepool_stats") or {}).get("allocated_bytes.all.peak", 0)
         check("preload_same_losses", "failed" not in pre and pre.get("losses") == plain["losses"],
-              pre.get("failed") or pre.get("losses_readable"))
-        check("preload_served_by_tidepool", served > 0, {"tidepool_allocated_peak": served})
+              pre.get("failed") or pre.get("losses_readable"), (pre,))
+        check("preload_served_by_tidepool", served > 0, {"tidepool_allocated_peak": served},
+              (pre,))
 
-    failed = [name for name, c in checks.items() if not c["ok"]]
-    summary["result"] = "PASS" if not failed else f"FAIL: {', '.join(failed)}"
-    return finish(0 if not failed else 1)
+    failed = [name for name, c in checks.items() if c["ok"] is False]
+    not_run = [name for name, c in checks.items() if c["ok"] is None]
+    if failed:
+        summary["result"] = f"FAIL: {', '.join(failed)}"
+    elif not_run:
+        summary["result"] = f"NOT RUN (no time left): {', '.join(not_run)}"
+    else:
+        summary["result"] = "PASS"
+    return finish(1 if failed else EXIT_NOT_RUN if not_run else 0)
 
 
 def main() -> int:

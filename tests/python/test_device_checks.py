@@ -4,7 +4,9 @@ main()/driver() run with canned outputs in place of the subprocesses: every line
 a full set of good outputs passes, and each check's failure fails the run. The e2e link
 probe runs on a fake of the few torch.cuda calls it makes, with copies that overlap only
 when they are on different streams; scripts/device-check runs on this machine, which has
-no GPU, and must stop at once."""
+no GPU, and must stop at once; it parses, each benchmark it runs is built and its filter
+selects benchmarks, and its summary table (scripts/device_summary.py) shows the counters
+the targets judge, also for a benchmark cut short."""
 
 from __future__ import annotations
 
@@ -302,6 +304,22 @@ def test_e2e_each_failure_fails_the_run(e2e, tmp_path, run, change, failing):
     assert summary["result"].startswith("FAIL") and failing in summary["result"]
 
 
+def test_e2e_runs_left_without_time_are_not_run_not_failed(e2e, tmp_path, capsys):
+    runs = e2e_runs()
+    for name in ("cap_tidepool", "preload"):
+        runs[name] = {"mode": name, "failed": "not run: 3 s of --timeout left"}
+    rc, summary = drive(e2e, runs, tmp_path)
+    assert rc == e2e.EXIT_NOT_RUN
+    assert summary["result"] == ("NOT RUN (no time left): cap_tidepool_trains, "
+                                 "preload_same_losses, preload_served_by_tidepool")
+    assert summary["checks"]["cap_tidepool_trains"]["ok"] is None
+    assert "4 passed, 0 failed, 3 not run (no time left)" in capsys.readouterr().out
+    runs["cap_plain"]["oom"] = None  # and a real failure beside them is a failure
+    runs["cap_plain"] = {k: v for k, v in runs["cap_plain"].items() if v is not None}
+    rc, summary = drive(e2e, runs, tmp_path)
+    assert rc == 1 and summary["result"] == "FAIL: cap_plain_runs_out_of_memory"
+
+
 def test_e2e_a_plain_run_that_cannot_run_says_so(e2e, tmp_path):
     runs = e2e_runs()
     runs["plain"] = {"mode": "plain", "cannot_run": "no CUDA device"}
@@ -443,3 +461,89 @@ def test_device_check_stops_at_once_without_a_gpu(tmp_path):
     listing = subprocess.run(["tar", "tzf", str(out / "device-check.tgz")], capture_output=True,
                              text=True, check=True).stdout
     assert "./phases.txt" in listing.split()
+
+
+# ---- scripts/device-check's own plumbing ------------------------------------------------
+
+DEVICE_CHECK = os.path.join(SCRIPTS, "device-check")
+
+
+def test_device_check_parses():
+    """bash reads a script as it runs: a syntax error past the GPU gate would show only on
+    the GPU machine, whose time is short."""
+    subprocess.run(["bash", "-n", DEVICE_CHECK], check=True)
+
+
+def build_folder():
+    library = os.environ.get("TIDEPOOL_LIBRARY", "")
+    return os.path.dirname(os.path.dirname(library)) if library else None
+
+
+def test_each_benchmark_device_check_runs_selects_benchmarks():
+    """Every benchmark line of device-check names a binary the build makes and arguments
+    it takes, and its filter still selects benchmarks (the GPU ones are listed on a build
+    without a GPU too): a renamed benchmark would otherwise be missed on the GPU alone."""
+    build = build_folder()
+    if build is None:
+        pytest.skip("TIDEPOOL_LIBRARY is not set: no build to list the benchmarks of")
+    lines = subprocess.run(["bash", DEVICE_CHECK, "--list-benchmarks"], capture_output=True,
+                           text=True, check=True).stdout.splitlines()
+    assert [line.split()[0] for line in lines] == [
+        "alloc", "alloc_c10", "optim", "lstsq", "aadl", "tiering"]
+    for line in lines:
+        name, cap, least, binary, *args = line.split()
+        assert int(least) < int(cap), line
+        path = os.path.join(build, binary)
+        if not os.path.exists(path):
+            pytest.skip(f"{binary} is not built here (TIDEPOOL_BUILD_BENCH off?)")
+        listed = subprocess.run([path, "--benchmark_list_tests", *args], capture_output=True,
+                                text=True, timeout=60)
+        assert listed.returncode == 0, (line, listed.stderr)
+        assert listed.stdout.split(), f"{name}: {args} selects no benchmark"
+
+
+def load_summary():
+    spec = importlib.util.spec_from_file_location(
+        "device_summary", os.path.join(SCRIPTS, "device_summary.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_summary_shows_the_counters_targets_judge_first(tmp_path):
+    rows = [
+        {"name": "BM_Gpu_Apollo_Fused_Tiered/268435456", "run_type": "iteration",
+         "real_time": 61.5, "time_unit": "ms", "B/param": 24.0, "acquire_wait_ms": 3.0,
+         "budget_waits": 0.0, "d2h_GB/s": 50.1, "floor_ratio": 1.19, "iterations": 3},
+        {"name": "store/bidir/manual_time_mean", "run_type": "aggregate",
+         "aggregate_name": "mean", "real_time": 9.0, "time_unit": "ms", "GBps": 80.0},
+        {"name": "store/bidir/manual_time_median", "run_type": "aggregate",
+         "aggregate_name": "median", "real_time": 8.0, "time_unit": "ms", "GBps": 81.0,
+         "allocator_maps": 0.0, "ratio_vs_memcpy": 0.91, "repetitions": 3},
+        {"name": "store/bidir/manual_time", "run_type": "iteration", "repetitions": 3,
+         "real_time": 8.1, "time_unit": "ms"},
+        {"name": "BM_Gpu_AADL_Tiered/268435456", "run_type": "iteration",
+         "error_occurred": True, "error_message": "no CUDA device"},
+    ]
+    (tmp_path / "optim.json").write_text(json.dumps({"benchmarks": rows}))
+    (tmp_path / "e2e.json").write_text(json.dumps({"result": "PASS"}))  # not a benchmark's
+    lines = load_summary().summary(tmp_path)
+    assert len(lines) == 3
+    assert "floor_ratio=1.19 d2h_GB/s=50.1" in lines[0]
+    assert "_mean" not in "\n".join(lines)
+    assert "ratio_vs_memcpy=0.91 GBps=81" in lines[1]
+    assert "SKIPPED: no CUDA device" in lines[2]
+
+
+def test_the_summary_reads_a_benchmark_cut_short_from_its_console_log(tmp_path):
+    (tmp_path / "tiering.json").write_text('{"context": {}, "benchmarks": [{"name": "memc')
+    (tmp_path / "tiering.txt").write_text(
+        "Running bench\n"
+        "-------------------------------------------------------------------\n"
+        "memcpy/h2d/manual_time   20.9 ms   0.007 ms   3 GBps=12.86 tensors=31\n"
+        "store/prefetch_h2d/manual_time   35.2 ms   0.306 ms   1 GBps=7.62 "
+        "ratio_vs_memcpy=0.598\n")
+    lines = load_summary().summary(tmp_path)
+    assert len(lines) == 2
+    assert lines[1].startswith("tiering   store/prefetch_h2d/manual_time")
+    assert "ratio_vs_memcpy=0.598" in lines[1] and "cut short" in lines[1]
