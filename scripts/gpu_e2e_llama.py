@@ -20,7 +20,8 @@ Checks, each in a fresh process (the allocator is chosen at process start):
 Prints one line per run as it ends ("[e2e ...]"), the measured link rates and the step
 time against its floor, then one JSON summary (also written to --out) with "result", and
 exits 1 if any check fails, 2 when it cannot run (no CUDA, no transformers, tidepool not
-installed), 3 when every check that ran passed and some had no time left to run. --timeout bounds the whole run: each run gets what is left of it.
+installed), 3 when every check that ran passed and some had no time left to run.
+--timeout bounds the whole run: each run gets what is left of it.
 
 Usage: python scripts/gpu_e2e_llama.py [--steps 6] [--layers 22] [--out results.json]
        python scripts/gpu_e2e_llama.py --worker plain --tiny --device cpu   (self-test)
