@@ -21,7 +21,7 @@ import weakref
 import pytest
 import torch
 
-from tidepool import (_in_flight, _install, _state_tensors, _step_tags, _tags,
+from tidepool import (_adoption, _in_flight, _install, _state_tensors, _step_tags, _tags,
                       _tiering)
 
 from fake_tiering import EVICT, fake_tiering, prefetch_of, untiered_state  # noqa: F401  (fixtures)
@@ -635,11 +635,65 @@ def test_loaded_state_is_taken_into_tiering_and_evicted(fake_cuda, fake_tiering,
     # A tensor subclass without the flatten protocol is not one storage to copy: left as
     # it is (DTensor has the protocol: test_loaded_dtensor_state_...).
     assert _state_tensors._plain_parts(torch.nn.Parameter(torch.ones(64))) == []
-    # Loading state that is already tiered (the same tensors) takes nothing in, moves nothing.
+    # Loading state that is already tiered (the same tensors) copies nothing; the eviction
+    # comes all the same (what a load makes in tiering may be on the device).
     fake_tiering.clear()
     optimizer.load_state_dict(optimizer.state_dict())
     assert len(untiered_state.adopted_under) == 2
-    assert fake_tiering == []
+    assert fake_tiering == [("evict", 0, _tags.OPTIMIZER_STATE, 4242)]
+
+
+@pytest.mark.parametrize("mode", ["global", "pool"])
+def test_state_the_load_makes_on_the_device_is_made_in_tiering(fake_cuda, fake_tiering,
+                                                                untiered_state, mode):
+    """Review finding: torch's load copies each state tensor to its parameter's device
+    (here: a float64 checkpoint made float32), and made outside any scope, all of the
+    state was ordinary device memory at once before the adoption copied it: a run whose
+    state fits only off the device ran out of memory resuming. Made under the tag, it is
+    in tiering from the start: nothing is copied after."""
+    install(mode=mode, tier_min_bytes="64")
+    p = torch.nn.Parameter(torch.linspace(-1, 1, 32).reshape(8, 4))
+    optimizer = torch.optim.AdamW([p], lr=1e-2)
+    p.grad = torch.ones(8, 4)
+    optimizer.step()
+    checkpoint = copy.deepcopy(optimizer.state_dict())
+    for key in ("exp_avg", "exp_avg_sq"):
+        checkpoint["state"][0][key] = checkpoint["state"][0][key].double()
+    resumed = torch.optim.AdamW([p], lr=1e-2)
+    untiered_state.adopted_under.clear()
+    fake_tiering.clear()
+    outside = _tags.current()
+    resumed.load_state_dict(checkpoint)
+    state = resumed.state[p]
+    assert state["exp_avg"].dtype == torch.float32
+    assert all(_tiering.owns(0, state[k].data_ptr()) for k in ("exp_avg", "exp_avg_sq"))
+    assert untiered_state.adopted_under == [], "copied after the load: made outside tiering"
+    assert torch.equal(state["exp_avg_sq"], optimizer.state[p]["exp_avg_sq"])
+    assert fake_tiering == [("evict", 0, _tags.OPTIMIZER_STATE, 4242)]
+    assert _tags.current() == outside and _in_flight.in_flight() == {}
+
+
+def test_a_loaded_state_that_cannot_be_copied_is_said_and_still_evicted(
+        fake_cuda, fake_tiering, untiered_state, monkeypatch):
+    """Review finding: a copy that failed made load_state_dict raise after torch's load
+    had succeeded, and skipped the eviction. Said, as after a step, and evicted."""
+    install(tier_min_bytes="64")
+    p = torch.nn.Parameter(torch.zeros(32))
+    optimizer = torch.optim.AdamW([p], lr=1e-2)
+    p.grad = torch.ones(32)
+    optimizer.step()
+    checkpoint = copy.deepcopy(optimizer.state_dict())
+
+    def out_of_memory(value):
+        raise torch.OutOfMemoryError("no room for the copy")
+    monkeypatch.setattr(_adoption, "_adopt_tensor", out_of_memory)
+    fake_tiering.clear()
+    with pytest.warns(_install.TidepoolInactiveWarning, match="loaded optimizer state could "
+                      "not be copied into tiering.*no room for the copy"):
+        optimizer.load_state_dict(checkpoint)
+    assert torch.equal(optimizer.state[p]["exp_avg"], checkpoint["state"][0]["exp_avg"])
+    assert fake_tiering == [("evict", 0, _tags.OPTIMIZER_STATE, 4242)]
+    assert _in_flight.in_flight() == {}
 
 
 @pytest.fixture

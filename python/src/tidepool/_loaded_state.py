@@ -1,15 +1,18 @@
 """Takes in the optimizer state that Optimizer.load_state_dict creates outside step()
-(Note [loaded state]): state on a CUDA device that no step scope tagged is copied into
-pointer-stable optimizer_state ranges (Note [adopted state] in _adoption.py) and evicted
-as after a step, so that resuming from a checkpoint does not leave it resident on the
-device. The install wraps load_state_dict with this (register in _optim_hooks.py).
+(Note [loaded state]): torch's load runs under the optimizer_state tag, so the copies it
+makes on the parameters' devices are made in tiering; state it left elsewhere on a CUDA
+device is copied into pointer-stable optimizer_state ranges (Note [adopted state] in
+_adoption.py); and the state is evicted as after a step, so that resuming from a
+checkpoint does not leave it resident on the device. The install wraps load_state_dict
+with this (register in _optim_hooks.py).
 """
 
 from __future__ import annotations
 
 import sys
 
-from . import _adoption, _state_moves, _state_tensors, _step_scopes
+from . import (_adoption, _state_moves, _state_tensors, _step_scopes, _step_tags,
+               _stray_state, _tags)
 
 
 def loaded_optimizers(optimizer) -> list:
@@ -26,17 +29,22 @@ def loaded_optimizers(optimizer) -> list:
     return [optimizer, local]
 
 
-def _adopt_loaded_state(optimizer) -> int:
+def load(optimizer, torch_load):
     """Note [loaded state]: optimizer.load_state_dict (resuming from a checkpoint) creates
-    the state outside step(), so no step scope tags it: state tensors moved to the device
-    by the load (map_location="cpu"), or loaded onto it directly (map_location="cuda"),
-    would be ordinary device memory, resident for the rest of the run: a model that only
-    fits with its state off the device would run out of memory on resuming. So after the
-    load every state tensor that tidepool would have made pointer-stable (on a CUDA
-    device, at least tidepool.tier_min_bytes, not already in a tiered range; LBFGS's
-    history lists included) is copied into one under the optimizer_state tag, as a step
-    would have made it (Note [adopted state] in _adoption.py), and the state is evicted
-    as after a step. Returns the bytes taken in.
+    the state outside step(), so no step scope tags it. torch's load (`torch_load`, which
+    returns its result) copies each state tensor to its parameter's device (from a
+    checkpoint loaded with map_location="cpu"): run under the optimizer_state tag, as a
+    step that makes state is, those copies are made in tiering (pointer-stable ranges; in
+    pool mode, in tidepool's MemPool), not as ordinary device memory holding the whole
+    state at once (review finding: a run whose state fits only off the device ran out of
+    memory resuming from its own checkpoint). Every state tensor left elsewhere on a CUDA
+    device (loaded onto it directly, map_location="cuda", which the load keeps as it is)
+    that tidepool would have made pointer-stable (at least tidepool.tier_min_bytes, not
+    in a tiered range; LBFGS's history lists included) is then copied into one under the
+    optimizer_state tag (Note [adopted state] in _adoption.py), and the state is evicted
+    as after a step. A copy that fails (its memory ran out) is said, not raised, as after
+    a step: the load is done, and each place the copies did not reach keeps the tensor
+    the load put there. Returns what torch's load returned.
 
     torch.distributed.optim.ZeroRedundancyOptimizer keeps two: its load_state_dict puts
     this rank's state into its local optimizer (`optim`, whose steps use it) itself,
@@ -48,11 +56,31 @@ def _adopt_loaded_state(optimizer) -> int:
     optimizers = loaded_optimizers(optimizer)
     devices = sorted({d for o in optimizers for d in _state_tensors._cuda_devices(o)})
     if not devices or not _state_moves._tiering_or_warn():
-        return 0
-    stray = _adoption.stray_state(optimizers)
-    if not stray:
-        return 0
+        result = torch_load()
+        _forget_stateless(optimizers)
+        return result
     own = _step_scopes._devices_not_held(devices)
-    adopted = _adoption.adopt_stray_state(optimizers, own, stray, "on_load")
-    _state_moves._evict(own, optimizers)
-    return adopted
+    depth = len(_step_scopes._scopes())
+    _step_scopes._begun(own, lambda: _step_scopes._open_scope(
+        own, _tags.OPTIMIZER_STATE, optimizers=list(optimizers), pooled=devices))
+    try:
+        result = torch_load()
+    finally:
+        _step_scopes._close_scopes_down_to(depth)
+    _forget_stateless(optimizers)
+    try:
+        stray = _adoption.stray_state(optimizers)
+        if stray:
+            _adoption.adopt_stray_state(optimizers, own, stray, "on_load")
+    except Exception as error:  # noqa: BLE001  (the load is done; said, as after a step)
+        _stray_state._warn_once("failed", optimizer,
+                                f"loaded optimizer state could not be copied into tiering, "
+                                f"and what was not copied stays in device memory: {error}")
+    finally:
+        _state_moves._evict(own, optimizers)
+    return result
+
+
+def _forget_stateless(optimizers) -> None:
+    for loaded in optimizers:
+        _step_tags._forget_stateless(loaded)  # Note [step tags]: loaded groups may make state

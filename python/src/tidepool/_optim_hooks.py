@@ -303,11 +303,7 @@ def register(torch):
     original_patcher = optimizer_class.profile_hook_step
 
     def load_state_dict(self, state_dict):
-        result = original_load(self, state_dict)
-        for loaded in _loaded_state.loaded_optimizers(self):
-            _step_tags._forget_stateless(loaded)  # Note [step tags]: loaded groups may make state
-        _loaded_state._adopt_loaded_state(self)
-        return result
+        return _loaded_state.load(self, lambda: original_load(self, state_dict))
 
     def profile_hook_step(func):
         return _guard_step(original_patcher(func))
