@@ -314,6 +314,30 @@ def test_a_closure_runs_outside_the_step_and_its_gradients_decide_the_tag(
     assert torch.equal(p.detach(), q.detach())
 
 
+class ModelStepped(torch.optim.SGD):
+    """A custom optimizer whose step takes the model (an nn.Module: callable) first."""
+
+    def step(self, model=None):
+        self.seen = model
+        return super().step()
+
+
+def test_a_callable_first_argument_of_a_step_without_a_closure_is_left_alone(
+        fake_cuda, fake_tiering):
+    """Review finding: any callable first argument was wrapped as step()'s closure, so a
+    step(self, model) got a function in place of its nn.Module."""
+    install(state_budget="1GiB")
+    model = torch.nn.Linear(3, 1)
+    optimizer = ModelStepped(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.ones(1, 3)).sum().backward()
+    optimizer.step(model)
+    assert optimizer.seen is model
+    closure_optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    seen_tags = []
+    closure_optimizer.step(lambda: seen_tags.append(_tags.current()))
+    assert seen_tags == [_tags.current()]  # a closure is still run outside the scope
+
+
 def test_a_closure_called_several_times_runs_outside_the_step_each_time(fake_cuda, fake_tiering):
     install(mode="pool", state_budget="1GiB")
     p = torch.nn.Parameter(torch.tensor([3.0, -2.0]))

@@ -29,7 +29,9 @@ modules named above, which import nothing from here.
 from __future__ import annotations
 
 import functools
+import inspect
 import warnings
+import weakref
 
 from . import (_captured_steps, _in_flight, _install, _loaded_state, _patches, _state_moves,
                _state_tensors, _step_scopes, _step_tags, _stray_state, _tags, _tiering,
@@ -167,11 +169,34 @@ def _scope_not_reopened(scope) -> None:
 def _closure_index(args, kwargs) -> int | str | None:
     """Where step()'s closure is: 1 (args[1]: torch hands the hooks step()'s arguments
     with the optimizer first), "closure" (a keyword), or None when there is none."""
-    if len(args) > 1 and callable(args[1]):
+    if len(args) > 1 and callable(args[1]) and _closure_comes_first(type(args[0])):
         return 1
     if callable(kwargs.get("closure")):
         return "closure"
     return None
+
+
+# Optimizer class -> whether its step's first argument is the closure (_closure_comes_first).
+_closure_first: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _closure_comes_first(optimizer_class) -> bool:
+    """Whether the first argument of the class's step() (after self) is its closure, as
+    in torch.optim's step(self, closure=None); a step whose signature cannot be read is
+    taken to be one. Review finding: a custom step(self, model) was handed a wrapper for
+    its callable nn.Module, as if it were the closure."""
+    try:
+        return _closure_first[optimizer_class]
+    except KeyError:
+        pass
+    try:  # through functools.wraps: torch's hooked step, the guard
+        params = list(inspect.signature(optimizer_class.step).parameters.values())
+    except (AttributeError, TypeError, ValueError):
+        params = []
+    first = params[1] if len(params) > 1 else None
+    closure = first is None or first.name == "closure" or first.kind is first.VAR_POSITIONAL
+    _closure_first[optimizer_class] = closure
+    return closure
 
 
 def _with_closure_wrapped(optimizer, args, kwargs, index: int):
