@@ -167,7 +167,10 @@ void CachingAllocator::Impl::insert_free(Block* b, bool is_new_free) {
   // (Note [Blocks carry their pool node]), as every block handed out does.
   if (b->pool_node.empty()) b->pool_node = detail::BlockPool::make_node(b);
   b->state = BlockState::free;
-  if (is_new_free) b->free_seq = ++owner.free_seq;
+  if (is_new_free) {
+    b->free_seq = ++owner.free_seq;
+    ++free_epoch;
+  }
   auto mergeable = [&](const Block* n) {
     return n != nullptr && n->state == BlockState::free && n->owner == b->owner;
   };

@@ -70,10 +70,16 @@ struct __attribute__((visibility("hidden"))) CachingAllocator::Impl {
   std::vector<Block*> spare_blocks;    // recycled Block objects
   std::vector<Event> spare_events;
   AllocatorStats stats;
-  // allocations.freed at the last recycling scan that found nothing to release: until another
-  // free happens, scanning again is pointless.
+  // Blocks that became free in a pool (insert_free of a new free): a pending block whose
+  // events completed, a quick list or thread cache flushed, a plain free. Not
+  // allocations.freed, which counts the deallocate calls: a block freed then may reach its
+  // pool only later (review finding: the markers below then kept moves and recycling off
+  // while memory they could use was free, and reserved memory grew).
+  std::uint64_t free_epoch = 0;
+  // free_epoch at the last recycling scan that found nothing to release: until another
+  // block becomes free, scanning again is pointless.
   std::uint64_t futile_recycle_at = UINT64_MAX;
-  // allocations.freed at the last search for movable free runs that found none.
+  // free_epoch at the last search for movable free runs that found none.
   std::uint64_t futile_move_at = UINT64_MAX;
   // Set (under `mutex`) while a try_allocate runs, which waits for nothing: no move that
   // would synchronize with the allocating stream, no recycling (whose releases may).

@@ -241,14 +241,14 @@ bool CachingAllocator::Impl::ensure_backed(Block* b) {
   const std::size_t first = offset / granule;
   const std::size_t end = (offset + b->size + granule - 1) / granule;
   if (options.recycle_slack >= 0 && options.allow_release && !waits_forbidden &&
-      futile_recycle_at != stats.allocations.freed &&
+      futile_recycle_at != free_epoch &&
       stats.reserved.current - stats.allocated.current >= granule) {
     // Note [Recycling free runs]
     const std::size_t unbacked = unbacked_bytes(seg, b->ptr, b->ptr + b->size);
     const std::uint64_t budget = reserved_budget(b->size, options.recycle_slack);
     const std::uint64_t after = stats.reserved.current + unbacked;
     if (unbacked != 0 && after > budget && release_cached(after - budget, false, b->owner) == 0)
-      futile_recycle_at = stats.allocations.freed;
+      futile_recycle_at = free_epoch;
   }
   // The runs this call creates, given back if it fails (Note [Failed backing]). Each holds
   // at least one granule of b that was unmapped, so there are at most end - first; room
@@ -270,7 +270,7 @@ bool CachingAllocator::Impl::back_block(Block* b, std::size_t first, std::size_t
   // Note [Moving free runs]: moves start once new backing would take reserved memory
   // past (1 + move_slack) x the peak of allocated memory. Movable slots are looked for
   // once per call, and not at all while no block was freed since a search found none.
-  const bool may_move = options.move_free_runs && futile_move_at != stats.allocations.freed;
+  const bool may_move = options.move_free_runs && futile_move_at != free_epoch;
   const std::uint64_t move_above = reserved_budget(b->size, options.move_slack);
   bool searched = false;
   std::vector<FreeRun> movable;
@@ -294,7 +294,7 @@ bool CachingAllocator::Impl::back_block(Block* b, std::size_t first, std::size_t
         searched = true;
         bool unsettled = false;
         movable = find_free_runs(*b->owner, unsettled);
-        if (movable.empty() && !unsettled) futile_move_at = stats.allocations.freed;
+        if (movable.empty() && !unsettled) futile_move_at = free_epoch;
       }
       if (move_free_run(seg, head, length, movable, *b->owner)) continue;
     }

@@ -564,6 +564,38 @@ TEST_P(Moves, AnotherStreamsSlotMovesOnlyOnceItsFenceHasPassed) {
   be.destroy_stream(other);
 }
 
+// Review finding: the marker that keeps moves off after a search found nothing counted
+// deallocate calls, and a block freed before the search (pending on record_stream's
+// event) that reached its pool only after it left moves off: new memory was created
+// while its slot could have moved.
+TEST_P(Moves, ABlockThatReachesItsPoolAfterAFutileSearchCanMove) {
+  TIDEPOOL_ALLOCATOR_OR_SKIP(a);
+  Backend& be = a->backend();
+  const Stream other = be.create_stream();
+  const Stream side = be.create_stream();
+  std::atomic<bool> go{false};
+  char* x = static_cast<char*>(a->allocate(slot_, other));
+  a->record_stream(x, side);
+  hold_until(be, side, go);
+  a->deallocate(x, slot_, other);  // pending until `side` passes
+  const std::uint64_t acquired = a->stats().segments.allocated;
+  void* y = a->allocate(slot_);  // searches, finds nothing free: new memory
+  EXPECT_EQ(a->mapping_stats().runs_moved, 0u);
+  EXPECT_EQ(a->stats().segments.allocated, acquired + 1);
+  go = true;
+  be.stream_synchronize(side);
+  be.stream_synchronize(other);
+  void* z = a->allocate(2 * slot_);  // x's slot is free now: it moves
+  EXPECT_EQ(a->mapping_stats().runs_moved, 1u);
+  EXPECT_EQ(a->stats().segments.allocated, acquired + 2);
+  Battery::fill_and_check(be, z, 2 * slot_, 5);
+  expect_mapping_accounts(*a);
+  a->deallocate(z, 2 * slot_);
+  a->deallocate(y, slot_);
+  be.destroy_stream(side);
+  be.destroy_stream(other);
+}
+
 TEST_P(Moves, AFailedMapPutsTheSlotBackOrReleasesIt) {
   if (GetParam() != "host") GTEST_SKIP() << "fault injection exists on the host backend only";
   TIDEPOOL_ALLOCATOR_OR_SKIP(a);
