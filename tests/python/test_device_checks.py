@@ -547,3 +547,16 @@ def test_the_summary_reads_a_benchmark_cut_short_from_its_console_log(tmp_path):
     assert len(lines) == 2
     assert lines[1].startswith("tiering   store/prefetch_h2d/manual_time")
     assert "ratio_vs_memcpy=0.598" in lines[1] and "cut short" in lines[1]
+
+
+def test_device_check_refuses_a_misspelt_phase(tmp_path):
+    """A phase it does not know would be skipped without a word, on the GPU."""
+    (tmp_path / "scripts").mkdir()
+    script = tmp_path / "scripts" / "device-check"
+    shutil.copy(DEVICE_CHECK, script)
+    proc = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=60,
+                          env=dict(os.environ, OUT=str(tmp_path / "out"),
+                                   DEVICE_PHASES="build e2e tset"))
+    assert proc.returncode == 2
+    assert "unknown phase 'tset'" in proc.stdout
+    assert not (tmp_path / "build-device").exists()
