@@ -295,8 +295,8 @@ std::uint64_t parse_byte_count(std::string_view key, std::string_view value) {
 
 // Note [one backend]: any tidepool key turns tidepool on (global mode by default), so
 // tidepool keys next to PyTorch's backend:X for another allocator X are a conflict,
-// whether in one variable or in the other (PyTorch reads the backend from either), or
-// inherited in TIDEPOOL_ALLOC_CONF: global mode would quietly replace the allocator
+// whether in one variable or in the one PyTorch reads (Note [the variable PyTorch
+// reads]), or inherited in TIDEPOOL_ALLOC_CONF: global mode would quietly replace the allocator
 // asked for, and pool mode cannot route to its MemPool on cudaMallocAsync (PyTorch
 // refuses that), which would only show at the first optimizer step. Pool mode on
 // backend:native is what pool mode is: PyTorch's own allocator with tidepool's pool.
@@ -322,7 +322,8 @@ bool conflicts_with_tidepool(const Config& config, bool names_tidepool_backend,
 // Under the LD_PRELOAD shim, PyTorch maps expandable segments with the driver's
 // cuMemCreate and cuMemMap, which the shim does not interpose: tidepool would serve none
 // of PyTorch's memory, silently. Global mode replaces PyTorch's allocator, which then never
-// reads the key: no conflict. PyTorch reads the key from either variable.
+// reads the key: no conflict. The key counts in the variable PyTorch reads (Note [the
+// variable PyTorch reads]).
 bool is_expandable_segments_on(std::string_view key, std::string_view value) {
   if (key != "expandable_segments" || value.size() != 4) return false;
   return std::equal(value.begin(), value.end(), "true", [](char a, char b) {
@@ -479,10 +480,30 @@ Config active_config() {
 // key (those win when they do). Users may set it directly as well.
 constexpr const char* kInheritedVariable = "TIDEPOOL_ALLOC_CONF";
 
+// Note [the variable PyTorch reads]: PYTORCH_ALLOC_CONF is PyTorch's current name,
+// PYTORCH_CUDA_ALLOC_CONF the older one, and PyTorch 2.11 reads one of them: the older
+// whenever it is set, even empty, and the current one only when it is not (checked with
+// torch.cuda.get_allocator_backend()). tidepool's keys are honoured in either (in both
+// would leave it ambiguous which wins). What PyTorch's allocator will do is decided by
+// the one it reads, so the checks against it (another backend, expandable segments) look
+// at that one alone; and a claim that empties PYTORCH_CUDA_ALLOC_CONF leaves it set,
+// empty, when PYTORCH_ALLOC_CONF is set, which PyTorch would otherwise start reading
+// (review finding: unset, it made PyTorch take up keys it had been ignoring, and a
+// backend there was refused as a conflict with tidepool).
+namespace {
+
+constexpr const char* kOlderVariable = "PYTORCH_CUDA_ALLOC_CONF";
+constexpr const char* kCurrentVariable = "PYTORCH_ALLOC_CONF";
+
+std::string_view variable_pytorch_reads() {
+  return std::getenv(kOlderVariable) != nullptr ? kOlderVariable : kCurrentVariable;
+}
+
+}  // namespace
+
 EnvPlan plan_from_env(Installer installer) {
-  // PYTORCH_ALLOC_CONF is PyTorch's current name, PYTORCH_CUDA_ALLOC_CONF the older
-  // one; both are honoured, but tidepool keys in both would leave it ambiguous which wins.
-  static constexpr const char* kVariables[] = {"PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"};
+  static constexpr const char* kVariables[] = {kCurrentVariable, kOlderVariable};
+  const std::string_view pytorch_reads = variable_pytorch_reads();
   struct Claimed {
     const char* variable;
     ClaimResult result;
@@ -494,10 +515,11 @@ EnvPlan plan_from_env(Installer installer) {
     const char* value = std::getenv(variable);
     if (value == nullptr) continue;
     ClaimResult r = claim_config(value, variable, installer);
-    if (r.expandable_segments && expandable == nullptr) expandable = variable;
+    const bool read = variable == pytorch_reads;  // Note [the variable PyTorch reads]
+    if (read && r.expandable_segments) expandable = variable;
     if (r.config.enabled) {
       named.push_back({variable, std::move(r)});
-    } else if (!r.other_backend.empty()) {
+    } else if (read && !r.other_backend.empty()) {
       other = {variable, std::move(r)};
     }
   }
@@ -552,7 +574,11 @@ Config install_from_env(Installer installer) {
   if (!plan.config.enabled) return plan.config;
   apply_config(plan.config);
   if (plan.variable == nullptr) return plan.config;  // inherited: nothing to rewrite
-  if (plan.remaining.empty()) {
+  // Note [the variable PyTorch reads]: emptied, the older name stays set (empty) while
+  // the current one is set, so that PyTorch goes on reading the one it read.
+  const bool keep_empty =
+      std::string_view(plan.variable) == kOlderVariable && std::getenv(kCurrentVariable) != nullptr;
+  if (plan.remaining.empty() && !keep_empty) {
     ::unsetenv(plan.variable);
   } else {
     ::setenv(plan.variable, plan.remaining.c_str(), 1);

@@ -399,6 +399,38 @@ TEST_F(ConfigEnv, InstallUnsetsAVariableLeftEmpty) {
   EXPECT_EQ(env("PYTORCH_ALLOC_CONF"), std::nullopt);
 }
 
+// Note [the variable PyTorch reads]: PyTorch reads PYTORCH_CUDA_ALLOC_CONF whenever it is
+// set, and PYTORCH_ALLOC_CONF only when it is not. Review finding: emptied and unset, the
+// older name let PyTorch take up the current one's keys, which it had been ignoring.
+TEST_F(ConfigEnv, TheOlderVariableEmptiedStaysSetWhilePyTorchWouldReadTheOther) {
+  ::setenv("PYTORCH_CUDA_ALLOC_CONF", "backend:tidepool", 1);
+  ::setenv("PYTORCH_ALLOC_CONF", "garbage_collection_threshold:0.6", 1);
+  EXPECT_TRUE(install_from_env().enabled);
+  EXPECT_EQ(env("PYTORCH_CUDA_ALLOC_CONF"), "");
+  EXPECT_EQ(env("PYTORCH_ALLOC_CONF"), "garbage_collection_threshold:0.6");
+  // Without the other one set, emptied is unset, as before.
+  ::setenv("PYTORCH_CUDA_ALLOC_CONF", "backend:tidepool", 1);
+  ::unsetenv("PYTORCH_ALLOC_CONF");
+  EXPECT_TRUE(install_from_env().enabled);
+  EXPECT_EQ(env("PYTORCH_CUDA_ALLOC_CONF"), std::nullopt);
+}
+
+// What PyTorch ignores conflicts with nothing: a backend or expandable segments in
+// PYTORCH_ALLOC_CONF while PYTORCH_CUDA_ALLOC_CONF is set (review finding: refused).
+TEST_F(ConfigEnv, KeysInTheVariablePyTorchIgnoresConflictWithNothing) {
+  ::setenv("PYTORCH_CUDA_ALLOC_CONF", "backend:tidepool,tidepool.mode:pool", 1);
+  ::setenv("PYTORCH_ALLOC_CONF", "backend:cudaMallocAsync,expandable_segments:True", 1);
+  EXPECT_EQ(install_from_env().mode, Mode::pool);
+  EXPECT_EQ(env("PYTORCH_CUDA_ALLOC_CONF"), "");
+  EXPECT_EQ(env("PYTORCH_ALLOC_CONF"), "backend:cudaMallocAsync,expandable_segments:True");
+  // The one it reads does conflict: tidepool's keys in the ignored one, a backend in it.
+  ::setenv("PYTORCH_ALLOC_CONF", "backend:tidepool,tidepool.mode:pool", 1);
+  ::setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True", 1);
+  EXPECT_NE(error_of([] { install_from_env(); }).find("conflicts with 'expandable_segments:True'"
+                                                      " in PYTORCH_CUDA_ALLOC_CONF"),
+            std::string::npos);
+}
+
 TEST_F(ConfigEnv, InstallDoesNothingWhenTidepoolIsNotNamed) {
   ::setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True", 1);
   EXPECT_FALSE(install_from_env().enabled);
@@ -474,19 +506,20 @@ TEST_F(ConfigEnv, ExpandableSegmentsConflictWithPoolModeAndTheShim) {
   EXPECT_FALSE(claim_config("expandable_segments:True", "X", Installer::preload_shim)
                    .config.enabled);
 
-  // Across the two variables, and nothing changes when refused.
-  ::setenv("PYTORCH_ALLOC_CONF", "expandable_segments:True", 1);
-  ::setenv("PYTORCH_CUDA_ALLOC_CONF", "backend:tidepool,tidepool.mode:pool", 1);
+  // Across the two variables (the key in the one PyTorch reads: Note [the variable
+  // PyTorch reads]), and nothing changes when refused.
+  ::setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True", 1);
+  ::setenv("PYTORCH_ALLOC_CONF", "backend:tidepool,tidepool.mode:pool", 1);
   EXPECT_EQ(error_of([] { install_from_env(); }),
-            "PYTORCH_CUDA_ALLOC_CONF turns tidepool on, which conflicts with "
-            "'expandable_segments:True' in PYTORCH_ALLOC_CONF: " + pool_why);
-  EXPECT_EQ(env("PYTORCH_CUDA_ALLOC_CONF"), "backend:tidepool,tidepool.mode:pool");
+            "PYTORCH_ALLOC_CONF turns tidepool on, which conflicts with "
+            "'expandable_segments:True' in PYTORCH_CUDA_ALLOC_CONF: " + pool_why);
+  EXPECT_EQ(env("PYTORCH_ALLOC_CONF"), "backend:tidepool,tidepool.mode:pool");
   EXPECT_EQ(env("TIDEPOOL_ALLOC_CONF"), std::nullopt);
   // An inherited configuration is held to the same rule.
-  ::unsetenv("PYTORCH_CUDA_ALLOC_CONF");
+  ::unsetenv("PYTORCH_ALLOC_CONF");
   ::setenv("TIDEPOOL_ALLOC_CONF", "tidepool.mode:pool", 1);
   EXPECT_NE(error_of([] { install_from_env(); }).find("'expandable_segments:True' in "
-                                                     "PYTORCH_ALLOC_CONF"),
+                                                     "PYTORCH_CUDA_ALLOC_CONF"),
             std::string::npos);
   ::setenv("TIDEPOOL_ALLOC_CONF", "tidepool.mode:global", 1);
   EXPECT_EQ(install_from_env().mode, Mode::global);
@@ -508,14 +541,14 @@ TEST_F(ConfigEnv, UnderTheShimAnotherBackendIsNoConflict) {
   EXPECT_EQ(env("PYTORCH_ALLOC_CONF"), std::nullopt);
   EXPECT_EQ(env("TIDEPOOL_ALLOC_CONF"), "tidepool.log:off");
   // backend:tidepool against another backend is a conflict across the two variables too, as
-  // in one string (it was accepted).
+  // in one string (it was accepted), the backend in the one PyTorch reads.
   ::unsetenv("TIDEPOOL_ALLOC_CONF");
-  ::setenv("PYTORCH_CUDA_ALLOC_CONF", "backend:tidepool", 1);
-  ::setenv("PYTORCH_ALLOC_CONF", "backend:cudaMallocAsync", 1);
+  ::setenv("PYTORCH_ALLOC_CONF", "backend:tidepool", 1);
+  ::setenv("PYTORCH_CUDA_ALLOC_CONF", "backend:cudaMallocAsync", 1);
   EXPECT_EQ(error_of([] { install_from_env(Installer::preload_shim); }),
-            "PYTORCH_CUDA_ALLOC_CONF turns tidepool on, which conflicts with "
-            "'backend:cudaMallocAsync' in PYTORCH_ALLOC_CONF; name one backend");
-  EXPECT_EQ(env("PYTORCH_CUDA_ALLOC_CONF"), "backend:tidepool");
+            "PYTORCH_ALLOC_CONF turns tidepool on, which conflicts with "
+            "'backend:cudaMallocAsync' in PYTORCH_CUDA_ALLOC_CONF; name one backend");
+  EXPECT_EQ(env("PYTORCH_ALLOC_CONF"), "backend:tidepool");
 }
 
 TEST_F(ConfigEnv, AnInheritedConfigurationConflictsWithAnotherBackendNamedByTheChild) {

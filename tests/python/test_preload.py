@@ -62,12 +62,13 @@ def test_another_pytorch_backend_next_to_tidepool_keys_is_fine_under_the_shim(ru
 def test_expandable_segments_under_the_shim_stop_the_program(run_python):
     # Note [expandable segments] in allocator/config.cpp: PyTorch maps them with
     # cuMemCreate, which the shim does not see; tidepool would serve nothing, silently.
+    # (The key in the variable PyTorch reads: Note [the variable PyTorch reads].)
     result = run_python("print('should not run')", check=False, preload=PRELOAD,
-                        PYTORCH_ALLOC_CONF="expandable_segments:True",
-                        PYTORCH_CUDA_ALLOC_CONF="tidepool.log:info")
+                        PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True",
+                        PYTORCH_ALLOC_CONF="tidepool.log:info")
     assert result.returncode == 2
     assert result.stdout == ""
-    assert ("conflicts with 'expandable_segments:True' in PYTORCH_ALLOC_CONF: PyTorch then "
+    assert ("conflicts with 'expandable_segments:True' in PYTORCH_CUDA_ALLOC_CONF: PyTorch then "
             "maps its memory with the driver's cuMemCreate") in result.stderr
 
 

@@ -154,13 +154,23 @@ def test_a_child_asking_pytorch_for_another_backend_is_not_quietly_given_tidepoo
 def test_pool_mode_next_to_expandable_segments_is_refused_at_start_up(run_python):
     # Review finding: accepted, pool mode failed at the first optimizer step, where
     # PyTorch's allocator refuses to allocate in a MemPool with expandable segments on
-    # (Note [expandable segments] in allocator/config.cpp). Split across the two variables.
-    result = run_python("import torch", check=False, PYTORCH_ALLOC_CONF="expandable_segments:True",
-                        PYTORCH_CUDA_ALLOC_CONF="backend:tidepool,tidepool.mode:pool")
+    # (Note [expandable segments] in allocator/config.cpp). Split across the two variables,
+    # the key in the one PyTorch reads (Note [the variable PyTorch reads]).
+    result = run_python("import torch", check=False,
+                        PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True",
+                        PYTORCH_ALLOC_CONF="backend:tidepool,tidepool.mode:pool")
     assert result.returncode == 1
-    assert ("PYTORCH_CUDA_ALLOC_CONF turns tidepool on, which conflicts with "
-            "'expandable_segments:True' in PYTORCH_ALLOC_CONF: pool mode puts optimizer state in "
-            "a torch.cuda.MemPool") in result.stderr.strip().splitlines()[-1]
+    assert ("PYTORCH_ALLOC_CONF turns tidepool on, which conflicts with "
+            "'expandable_segments:True' in PYTORCH_CUDA_ALLOC_CONF: pool mode puts optimizer "
+            "state in a torch.cuda.MemPool") in result.stderr.strip().splitlines()[-1]
+    # In the one PyTorch ignores (PYTORCH_CUDA_ALLOC_CONF is set), it conflicts with nothing,
+    # and PyTorch goes on ignoring it: the emptied variable stays set.
+    result = run_python("""
+        import os, torch
+        print(repr(os.environ["PYTORCH_CUDA_ALLOC_CONF"]), os.environ["PYTORCH_ALLOC_CONF"])
+    """, PYTORCH_ALLOC_CONF="expandable_segments:True",
+                        PYTORCH_CUDA_ALLOC_CONF="backend:tidepool,tidepool.mode:pool")
+    assert result.stdout.strip() == "'' expandable_segments:True"
     # Global mode replaces PyTorch's allocator, which then ignores the key.
     result = run_python("""
         import os, torch

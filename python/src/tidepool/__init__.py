@@ -137,27 +137,27 @@ def install(conf: str | None = None) -> str:
 
 
 def _pytorch_entries():
-    """(variable, key, value), stripped, of every entry of PYTORCH_ALLOC_CONF and then
-    PYTORCH_CUDA_ALLOC_CONF (PyTorch reads its keys from either)."""
+    """(variable, key, value), stripped, of every entry of the variable PyTorch reads its
+    allocator's keys from (Note [the variable PyTorch reads] in allocator/config.cpp)."""
     import os
 
     from . import _config
-    for variable in _config.VARIABLES:
-        for entry in os.environ.get(variable, "").split(","):
-            key, _, value = entry.partition(":")
-            yield variable, key.strip(), value.strip()
+    variable = _config.variable_pytorch_reads()
+    for entry in os.environ.get(variable, "").split(","):
+        key, _, value = entry.partition(":")
+        yield variable, key.strip(), value.strip()
 
 
 def _other_backend_in_environment() -> tuple[str, str] | None:
-    """(variable, X) for the first backend:X other than tidepool in PYTORCH_ALLOC_CONF or
-    PYTORCH_CUDA_ALLOC_CONF; None without one."""
+    """(variable, X) for the first backend:X other than tidepool in the variable PyTorch
+    reads; None without one."""
     return next(((variable, value) for variable, key, value in _pytorch_entries()
                  if key == "backend" and value not in ("", "tidepool")), None)
 
 
 def _expandable_segments_in_environment() -> str | None:
-    """The first of PYTORCH_ALLOC_CONF and PYTORCH_CUDA_ALLOC_CONF that turns PyTorch's
-    expandable_segments on; None if neither does."""
+    """The variable PyTorch reads when it turns PyTorch's expandable_segments on; None if
+    it does not."""
     return next((variable for variable, key, value in _pytorch_entries()
                  if key == "expandable_segments" and value.lower() == "true"), None)
 

@@ -16,6 +16,13 @@ from typing import NamedTuple
 from . import _lib
 
 VARIABLES = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
+
+
+def variable_pytorch_reads() -> str:
+    """PYTORCH_CUDA_ALLOC_CONF when it is set at all (even empty), else PYTORCH_ALLOC_CONF:
+    the one PyTorch 2.11 reads (Note [the variable PyTorch reads] in allocator/config.cpp)."""
+    return "PYTORCH_CUDA_ALLOC_CONF" if "PYTORCH_CUDA_ALLOC_CONF" in os.environ \
+        else "PYTORCH_ALLOC_CONF"
 _ERROR_SIZE = 2048
 _JSON_SIZE = 4096
 
