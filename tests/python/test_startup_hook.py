@@ -88,6 +88,35 @@ def test_nothing_happens_when_tidepool_is_not_named(run_python):
     assert "tidepool" not in result.stderr
 
 
+def test_keys_the_script_sets_before_importing_torch_are_claimed(run_python):
+    """Note [named after start-up] in _autoload.py: os.environ[...] set in the script,
+    after the hook ran, then `import torch`: claimed as if set before start-up (review
+    finding: left for PyTorch to refuse, and status() said no tidepool key was named)."""
+    result = run_python("""
+        import os, sys
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = (
+            "expandable_segments:True,backend:tidepool,tidepool.state_budget:1GiB,tidepool.log:off")
+        import torch, tidepool
+        print(os.environ.get("PYTORCH_CUDA_ALLOC_CONF"))
+        print(os.environ.get("TIDEPOOL_ALLOC_CONF"))
+        print(tidepool.config()["state_budget"]["bytes"] == 1 << 30)
+        print(any("tidepool" in type(f).__module__ for f in sys.meta_path))
+        print(tidepool.status())
+    """)
+    assert result.stdout.strip().splitlines() == [
+        "expandable_segments:True", "backend:tidepool,tidepool.state_budget:1GiB,tidepool.log:off",
+        "True", "False", "inactive: no CUDA device is available"]
+    # A bad key set that way is the same ConfigError at `import torch`.
+    result = run_python("""
+        import os
+        os.environ["PYTORCH_ALLOC_CONF"] = "backend:tidepool,tidepool.mdoe:pool"
+        import torch
+    """, check=False)
+    assert result.returncode == 1
+    assert "tidepool._config.ConfigError: PYTORCH_ALLOC_CONF: unknown key 'tidepool.mdoe'" \
+        in result.stderr
+
+
 def test_the_hook_is_cheap_when_not_named(run_python):
     result = run_python("""
         import sys

@@ -3,10 +3,13 @@
 It must cost next to nothing when tidepool is not asked for: one look at two
 environment variables, no ctypes, no torch. Only when PYTORCH_CUDA_ALLOC_CONF or
 PYTORCH_ALLOC_CONF mentions tidepool, or TIDEPOOL_ALLOC_CONF is set, does it load the library
-and claim the keys (tidepool._startup). TIDEPOOL_AUTOLOAD=0 turns the hook off.
+and claim the keys (tidepool._startup). Otherwise it waits for `import torch` and looks
+again then (Note [named after start-up]). TIDEPOOL_AUTOLOAD=0 (or false, off, no) turns
+the hook off.
 """
 
 import os as _os
+import sys as _sys
 
 
 def _named() -> bool:
@@ -16,7 +19,34 @@ def _named() -> bool:
         for name in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"))
 
 
-if _os.environ.get("TIDEPOOL_AUTOLOAD", "1") != "0" and _named():
-    from . import _startup
+class _NamedAtTorchImport:
+    """Note [named after start-up]: a script may set PYTORCH_CUDA_ALLOC_CONF itself before
+    it imports torch (os.environ[...] = "backend:tidepool", a common idiom), after this
+    hook ran. So when the variables named no tidepool key at start-up, this finder waits
+    at the front of sys.meta_path for the first `import torch` and looks at them again
+    then: named now, the hook starts as it would have at start-up, and the import goes
+    through its finder (review finding: the keys went unclaimed, PyTorch was left to
+    refuse them, and status() said no tidepool key was named). It finds nothing itself,
+    costs one comparison per import until then, and leaves at that import."""
 
-    _startup.start()
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != "torch":
+            return None
+        if self in _sys.meta_path:
+            _sys.meta_path.remove(self)
+        if not _named():
+            return None
+        from . import _startup
+
+        _startup.start()
+        finder = _startup._finder
+        return None if finder is None else finder.find_spec(fullname, path, target)
+
+
+if _os.environ.get("TIDEPOOL_AUTOLOAD", "1").strip().lower() not in ("0", "false", "off", "no"):
+    if _named():
+        from . import _startup
+
+        _startup.start()
+    elif "torch" not in _sys.modules:
+        _sys.meta_path.insert(0, _NamedAtTorchImport())
