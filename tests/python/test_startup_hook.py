@@ -315,6 +315,21 @@ def test_torch_imported_before_the_hook_is_installed_at_once(run_python):
         "None", "False", "inactive: no CUDA device is available"]
 
 
+def test_a_bad_key_with_torch_imported_before_the_hook_stops_the_program(run_python):
+    """Review finding: with torch imported by an earlier start-up hook, the error came out
+    of the .pth, which site prints and goes on from, the keys claimed and tidepool not
+    installed. It stops the program, as it would at `import torch`."""
+    result = run_python("""
+        import torch
+        site.addsitedir(SITE_DIR)
+        print("went on")
+    """, hook_first=False, check=False,
+        PYTORCH_CUDA_ALLOC_CONF="backend:tidepool,tidepool.log:loud")
+    assert result.returncode == 1
+    assert "went on" not in result.stdout
+    assert "tidepool: ConfigError: PYTORCH_CUDA_ALLOC_CONF: tidepool.log: 'loud'" in result.stderr
+
+
 def test_explicit_install_without_the_hook(run_python):
     result = run_python("""
         import torch, tidepool

@@ -47,6 +47,14 @@ if _os.environ.get("TIDEPOOL_AUTOLOAD", "1").strip().lower() not in ("0", "false
     if _named():
         from . import _startup
 
-        _startup.start()
+        try:
+            _startup.start()
+        except Exception as _e:  # noqa: BLE001
+            # Only when torch was imported already (by a .pth read before this one):
+            # start() installs at once, and its error cannot wait for `import torch`.
+            # Raised here, site would print it and go on, the keys claimed and tidepool
+            # not installed (review finding); stopped, as `import torch` would stop it.
+            print(f"tidepool: {type(_e).__name__}: {_e}", file=_sys.stderr)
+            raise SystemExit(1) from None
     elif "torch" not in _sys.modules:
         _sys.meta_path.insert(0, _NamedAtTorchImport())
