@@ -61,6 +61,32 @@ endif()
 message(STATUS "tidepool: CUDA backend ${TIDEPOOL_HAVE_CUDA}")
 
 # --- LibTorch -------------------------------------------------------------------
+# Torch's CMake ignores CMAKE_CUDA_ARCHITECTURES (it sets it OFF, with a warning) and
+# compiles every CUDA file of the project for TORCH_CUDA_ARCH_LIST instead: left at one
+# architecture, the fused kernels had an image for that one card alone ("no kernel image
+# is available" on any other; review finding). So the list chosen above is handed to it in
+# its own form ("75-real" -> "7.5", a plain "120" -> "12.0+PTX"), unless the caller set
+# TORCH_CUDA_ARCH_LIST (in the environment, or on the command line). Without CUDA, one
+# architecture keeps Torch's CMake from running its GPU-detection program.
+function(tidepool_torch_arch_list _out)
+  set(_list "")
+  if(TIDEPOOL_HAVE_CUDA)
+    foreach(_arch IN LISTS CMAKE_CUDA_ARCHITECTURES)
+      if(_arch MATCHES "^([0-9]+)([0-9])(-real|-virtual)?$")
+        set(_torch_arch "${CMAKE_MATCH_1}.${CMAKE_MATCH_2}")
+        if(NOT CMAKE_MATCH_3 STREQUAL "-real")
+          string(APPEND _torch_arch "+PTX")  # Torch has no PTX-only form
+        endif()
+        list(APPEND _list "${_torch_arch}")
+      endif()
+    endforeach()
+  endif()
+  if(NOT _list)
+    set(_list "9.0")
+  endif()
+  set(${_out} "${_list}" PARENT_SCOPE)
+endfunction()
+
 # tidepool_find_torch(<found> REQUIRED|OPTIONAL): LibTorch from the torch that
 # ${Python3_EXECUTABLE} imports (torch.utils.cmake_prefix_path), else one installed in the
 # system prefixes (Debian's libtorch-dev). Sets <found> to TRUE or FALSE; REQUIRED makes
@@ -75,10 +101,19 @@ macro(tidepool_find_torch _found _mode)
   set(${_found} FALSE)
   if(_tidepool_torch_rc EQUAL 0)
     list(APPEND CMAKE_PREFIX_PATH "${TIDEPOOL_TORCH_PREFIX}")
-    # Without this, Torch's CMake runs a GPU-detection program, which fails on a machine
-    # with nvcc but no GPU.
-    if(NOT DEFINED ENV{TORCH_CUDA_ARCH_LIST} AND NOT TORCH_CUDA_ARCH_LIST)
-      set(TORCH_CUDA_ARCH_LIST "9.0" CACHE STRING "CUDA archs for Torch's CMake")
+    # The architectures chosen above, in Torch's form (tidepool_torch_arch_list), unless
+    # the caller gave its own: in the environment, or on the command line (a cache entry
+    # this file did not write; one it wrote is written again, as the choice may change).
+    get_property(_tidepool_arch_help CACHE TORCH_CUDA_ARCH_LIST PROPERTY HELPSTRING)
+    set(_tidepool_arch_ours "tidepool: CMAKE_CUDA_ARCHITECTURES in Torch's form")
+    if(NOT DEFINED ENV{TORCH_CUDA_ARCH_LIST} AND
+       (NOT DEFINED CACHE{TORCH_CUDA_ARCH_LIST} OR
+        _tidepool_arch_help STREQUAL _tidepool_arch_ours OR
+        _tidepool_arch_help STREQUAL "CUDA archs for Torch's CMake"))
+      tidepool_torch_arch_list(_tidepool_torch_archs)
+      set(TORCH_CUDA_ARCH_LIST "${_tidepool_torch_archs}" CACHE STRING "${_tidepool_arch_ours}"
+          FORCE)
+      message(STATUS "tidepool: TORCH_CUDA_ARCH_LIST ${TORCH_CUDA_ARCH_LIST}")
     endif()
     find_package(Torch REQUIRED)
     set(${_found} TRUE)
