@@ -1,7 +1,10 @@
 # Compiler warnings, sanitizers, CUDA detection and LibTorch discovery, in one place.
 
 add_compile_options(
-  "$<$<COMPILE_LANGUAGE:CXX>:-Wall;-Wextra;-Wshadow;-Wnon-virtual-dtor;-Wno-unused-parameter>")
+  "$<$<COMPILE_LANGUAGE:CXX>:-Wall;-Wextra;-Wshadow;-Wnon-virtual-dtor;-Wno-unused-parameter>"
+  # The test fakes (C) and the kernels' host code (CUDA) too (review finding: unwarned).
+  "$<$<COMPILE_LANGUAGE:C>:-Wall;-Wextra;-Wshadow;-Wno-unused-parameter>"
+  "$<$<COMPILE_LANGUAGE:CUDA>:-Xcompiler=-Wall,-Wextra,-Wshadow,-Wno-unused-parameter>")
 
 # Our shared libraries never re-export what they link from static archives. Some
 # toolchains (the H200 image's) link libstdc++ and librt statically here; exported, those
