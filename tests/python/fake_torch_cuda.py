@@ -18,6 +18,9 @@ import torch
 from tidepool import _config, _install, _lib
 
 
+REAL_DEVICE_COUNT = torch.cuda.device_count
+
+
 @pytest.fixture
 def fake_cuda(monkeypatch):
     calls = []
@@ -79,6 +82,9 @@ def fake_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "MemPool", FakeMemPool)
     monkeypatch.setattr(torch.cuda, "use_mem_pool", fake_use_mem_pool)
     monkeypatch.setattr(torch.cuda, "current_device", current_device)
+    # The fake machine's four devices, as tidepool asks torch (_install.device_count);
+    # REAL_DEVICE_COUNT for a test of torch's own answer.
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
     monkeypatch.setattr(torch.cuda, "device", fake_device)
     monkeypatch.setattr(_install, "STATE", _install._State())
     # Global mode through torch's CUDAPluggableAllocator class unless a test hands in a

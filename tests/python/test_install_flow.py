@@ -17,6 +17,7 @@ import torch
 from tidepool import _config, _install, _lib, _record_stream, _stats, _tags
 import tidepool
 
+import fake_torch_cuda
 from fake_torch_cuda import fake_cuda, install  # noqa: F401  (a fixture, and the install)
 
 
@@ -145,6 +146,7 @@ def test_the_install_at_import_torch_does_not_initialise_the_cuda_driver(fake_cu
     # forks its GPU workers broke as soon as tidepool was named. NVML answers here (no
     # device, as on this machine) and the runtime's count must not be asked.
     asked = []
+    monkeypatch.setattr(torch.cuda, "device_count", fake_torch_cuda.REAL_DEVICE_COUNT)
     monkeypatch.setattr(torch.cuda, "_device_count_nvml", lambda: 0)
     monkeypatch.setattr(torch.cuda, "_cached_device_count", None)
     monkeypatch.setattr(torch._C, "_cuda_getDeviceCount", lambda: asked.append(1) or 0)
@@ -337,6 +339,17 @@ def test_region_refuses_a_device_the_process_does_not_have(fake_cuda, mode):
         assert _tags.current() != _tags.OPTIMIZER_STATE
     with tidepool.region("optimizer_state", device=3):
         assert _tags.current() == _tags.OPTIMIZER_STATE
+
+
+def test_region_checks_the_devices_torch_sees_now(fake_cuda, monkeypatch):
+    """CUDA_VISIBLE_DEVICES may change after `import torch` (a launcher narrowing it per
+    rank): the count taken at the install let a device that no longer exists pass."""
+    install()
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ValueError, match=r"device 3 does not exist: this process sees 1 CUDA "
+                                         r"device"):
+        with tidepool.region("optimizer_state", device=3):
+            pass
 
 
 def test_host_backend_cannot_back_cuda_tensors(fake_cuda):

@@ -126,7 +126,9 @@ def test_a_child_that_allocates_applies_the_inherited_configuration(run_python):
 def test_keys_set_at_run_time_are_claimed_by_the_shim_before_pytorch_reads_them(run_python):
     # Review finding: with nothing named at start-up the shim waits for the first
     # cudaMalloc, and tidepool.install() took that for "the shim serves tidepool": the keys
-    # set since stayed in the variable, where PyTorch rejects them.
+    # set since stayed in the variable, where PyTorch rejects them. They are claimed, and
+    # the shim set up with them, at `import torch` now (Note [named after start-up] in
+    # _autoload.py), before PyTorch reads them; install() then finds it done.
     result = run_python("""
         import os, json, ctypes
         os.environ["PYTORCH_CUDA_ALLOC_CONF"] = (
@@ -138,7 +140,7 @@ def test_keys_set_at_run_time_are_claimed_by_the_shim_before_pytorch_reads_them(
                           os.environ.get("PYTORCH_CUDA_ALLOC_CONF"), tidepool.config()["log"]]))
     """, preload=PRELOAD, FAKE_CUDART_PATH=FAKE_CUDART, TIDEPOOL_CUDART=FAKE_CUDART)
     assert json.loads(result.stdout.strip().splitlines()[-1]) == [
-        -1, "active: through the LD_PRELOAD shim (libtidepool_preload.so)", 1,
+        1, "active: through the LD_PRELOAD shim (libtidepool_preload.so)", 1,
         "max_split_size_mb:64", "off"]
 
 
@@ -194,11 +196,12 @@ def test_install_under_a_waiting_shim_keeps_to_the_inherited_configuration(run_p
 RUN_TIME_KEYS = """
 import os, json, ctypes
 os.environ["PYTORCH_CUDA_ALLOC_CONF"] = CONF
-import torch, tidepool
 try:
+    import torch  # claims them (Note [named after start-up] in _autoload.py)
+    import tidepool
     out = tidepool.install()
-except tidepool.ConfigError as e:
-    out = "ConfigError: " + str(e)
+except Exception as e:  # tidepool.ConfigError, at `import torch`
+    out = type(e).__name__ + ": " + str(e)
 print(json.dumps([out, ctypes.CDLL(None).tidepool_preload_state()]))
 """
 

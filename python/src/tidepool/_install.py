@@ -181,8 +181,11 @@ def _install_global(torch, config: dict, path: str, malloc_name: str, free_name:
 
 def device_count() -> int | None:
     """The CUDA devices of this process when tidepool is installed in torch, else None
-    (unknown: asking torch could initialise CUDA)."""
-    return STATE.device_count if STATE.active else None
+    (unknown: asking torch could initialise CUDA). Asked of torch each time (NVML before
+    CUDA starts, cached after): CUDA_VISIBLE_DEVICES may change after `import torch` until
+    CUDA starts (a launcher setting it per rank), and the count taken at the install then
+    let a device that no longer exists pass (review finding)."""
+    return STATE.torch.cuda.device_count() if STATE.active else None
 
 
 def pool_mode() -> bool:
