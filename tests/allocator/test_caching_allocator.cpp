@@ -437,6 +437,15 @@ class Moves : public ::testing::TestWithParam<std::string> {
   }
   // Defined with the test it serves, below.
   void grow_while_a_freed_slot_is_in_use(bool try_only);
+  // z, two slots, was backed by one slot moved and one created (segments acquired before
+  // it: `acquired`, and one more for the slot of an earlier block); its bytes hold.
+  void expect_one_slot_moved_into(CachingAllocator& a, void* z, std::uint64_t acquired,
+                                  int seed) {
+    EXPECT_EQ(a.mapping_stats().runs_moved, 1u);
+    EXPECT_EQ(a.stats().segments.allocated, acquired + 2);
+    Battery::fill_and_check(a.backend(), z, 2 * slot_, seed);
+    expect_mapping_accounts(a);
+  }
   std::size_t slot_ = 0;
 };
 
@@ -554,11 +563,8 @@ TEST_P(Moves, AnotherStreamsSlotMovesOnlyOnceItsFenceHasPassed) {
   // from the other stream's range into this one's, without waiting. (Two slots: one
   // would simply reuse x's block in place, Note [Cross-stream reuse].)
   void* z = a->allocate(2 * slot_);
-  EXPECT_EQ(a->mapping_stats().runs_moved, 1u);
+  expect_one_slot_moved_into(*a, z, acquired, 4);
   EXPECT_EQ(a->mapping_stats().move_syncs, 0u);
-  EXPECT_EQ(a->stats().segments.allocated, acquired + 2);
-  Battery::fill_and_check(be, z, 2 * slot_, 4);
-  expect_mapping_accounts(*a);
   a->deallocate(z, 2 * slot_);
   a->deallocate(y, slot_);
   be.destroy_stream(other);
@@ -586,10 +592,7 @@ TEST_P(Moves, ABlockThatReachesItsPoolAfterAFutileSearchCanMove) {
   be.stream_synchronize(side);
   be.stream_synchronize(other);
   void* z = a->allocate(2 * slot_);  // x's slot is free now: it moves
-  EXPECT_EQ(a->mapping_stats().runs_moved, 1u);
-  EXPECT_EQ(a->stats().segments.allocated, acquired + 2);
-  Battery::fill_and_check(be, z, 2 * slot_, 5);
-  expect_mapping_accounts(*a);
+  expect_one_slot_moved_into(*a, z, acquired, 5);
   a->deallocate(z, 2 * slot_);
   a->deallocate(y, slot_);
   be.destroy_stream(side);
