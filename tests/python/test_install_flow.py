@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import ctypes
 import os
+import threading
+import time
 import warnings
 from types import SimpleNamespace
 
@@ -154,6 +156,35 @@ def test_the_install_at_import_torch_does_not_initialise_the_cuda_driver(fake_cu
         _install.install(torch, _config.claim("backend:tidepool").config)
     assert asked == []
     assert tidepool.status().startswith("inactive: no CUDA device")
+
+
+def test_install_takes_one_call_at_a_time(fake_cuda, monkeypatch):
+    """Review finding: two threads installing two configurations both got through (one's
+    mode in Python, the other's budgets in libtidepool). The second waits for the first
+    and is refused: tidepool is installed, with another configuration."""
+    real_apply = _config.apply
+    entered = threading.Event()
+
+    def slow_apply(conf):
+        entered.set()
+        time.sleep(0.2)  # the other thread's call comes in meanwhile
+        return real_apply(conf)
+    monkeypatch.setattr(_config, "apply", slow_apply)
+    outcomes = {}
+
+    def run(name, conf):
+        try:
+            outcomes[name] = tidepool.install(conf)
+        except _config.ConfigError as e:
+            outcomes[name] = e
+    first = threading.Thread(target=run, args=("first", "backend:tidepool,tidepool.log:off"))
+    first.start()
+    entered.wait()
+    run("second", "backend:tidepool,tidepool.log:off,tidepool.state_budget:1GiB")
+    first.join()
+    assert isinstance(outcomes["first"], str)
+    assert isinstance(outcomes["second"], _config.ConfigError)
+    assert "with another configuration" in str(outcomes["second"])
 
 
 def test_install_under_the_preload_shim_reports_the_shim(fake_cuda, monkeypatch):

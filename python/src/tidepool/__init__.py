@@ -14,6 +14,7 @@ nothing heavy at module level (no ctypes, no torch): everything loads on first u
 
 from __future__ import annotations
 
+import _thread
 import contextlib
 import sys
 
@@ -53,6 +54,11 @@ def config() -> dict:
     return active_config()
 
 
+# tidepool.install(): one call at a time. _thread, not threading: the start-up hook
+# imports this package in every Python process, and must cost next to nothing.
+_INSTALL_LOCK = _thread.RLock()
+
+
 def install(conf: str | None = None) -> str:
     """Installs tidepool now, for programs that cannot use the start-up hook.
 
@@ -62,7 +68,14 @@ def install(conf: str | None = None) -> str:
     LD_PRELOAD shim, which claimed it and serves tidepool, nothing more). torch must not
     have used CUDA yet. Once tidepool is installed its configuration stays: calling again
     with the same keys changes nothing, with others is a ConfigError. Returns status().
+    One call at a time (review finding: two threads with two configurations both got
+    through, one mode installed in Python and the other's budgets in libtidepool).
     """
+    with _INSTALL_LOCK:
+        return _install_now(conf)
+
+
+def _install_now(conf: str | None) -> str:
     import os
 
     from . import _config, _install, _startup
