@@ -131,9 +131,23 @@ def load_torch_cuda() -> tuple[ctypes.CDLL | None, str]:
     return shim, ""
 
 
+def _site_folders() -> list:
+    """sys.path, then the site folders not on it yet: at start-up the .pth files of one
+    folder run before the later folders join sys.path (the user's, with pip install
+    --user; a venv's base with --system-site-packages), and the nvidia wheel may be in
+    one of those (review finding: libtidepool then failed on its missing runtime)."""
+    import site
+    folders = list(sys.path)
+    try:
+        later = site.getsitepackages() + [site.getusersitepackages()]
+    except AttributeError:  # a virtualenv's older site module lacks them
+        later = []
+    return folders + [f for f in later if f not in folders]
+
+
 def preload_wheel_cudart() -> str | None:
     """Loads libcudart from PyPI's nvidia wheel, if present and not loaded yet."""
-    for entry in sys.path:
+    for entry in _site_folders():
         path = os.path.join(entry or ".", "nvidia", "cu13", "lib", _CUDART_SONAME)
         if os.path.isfile(path):
             try:
