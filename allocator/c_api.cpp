@@ -283,11 +283,14 @@ int tidepool_pytorch_record_stream(void* ptr, void* stream) {
 
 int tidepool_empty_cache(int device) {
   return guarded(-1, [&] {
-    tidepool::CachingAllocator& allocator = tidepool::device_allocator(device);
+    // A device whose allocator was never made has no cache of it to empty; made here, it
+    // would only cost that device a context (review finding). The index is checked all
+    // the same, and the layers above may hold caches there (tidepool_empty_cache_all).
+    tidepool::checked_existing_allocator(device);
     // The higher layers' caches first, with no allocator lock held (Note [Empty-cache
     // hooks] in reclaim.cpp): what they free through the allocator goes back below.
     tidepool::detail::run_empty_cache_hooks(device);
-    allocator.empty_cache();
+    if (auto* allocator = tidepool::existing_device_allocator(device)) allocator->empty_cache();
     return 0;
   });
 }

@@ -386,6 +386,20 @@ TEST_F(CApi, EmptyCacheAllEmptiesEveryDeviceAndCreatesNone) {
   EXPECT_EQ(tidepool::existing_device_allocator(11), nullptr);
 }
 
+// Review finding: emptying the cache of a device tidepool never used made its allocator
+// (on CUDA a context), which held no cache to empty.
+TEST_F(CApi, EmptyCacheOfADeviceWithoutAnAllocatorCreatesNone) {
+  constexpr int kUnused = tidepool::kMaxDevices - 2;  // no test in this binary allocates there
+  ASSERT_EQ(tidepool::existing_device_allocator(kUnused), nullptr);
+  EXPECT_EQ(tidepool_empty_cache(kUnused), 0) << tidepool_last_error();
+  EXPECT_EQ(tidepool::existing_device_allocator(kUnused), nullptr);
+  ::testing::internal::CaptureStderr();
+  EXPECT_EQ(tidepool_empty_cache(tidepool::kMaxDevices), -1);  // still checked
+  ::testing::internal::GetCapturedStderr();
+  EXPECT_NE(std::string(tidepool_last_error()).find("does not exist"), std::string::npos)
+      << tidepool_last_error();
+}
+
 TEST_F(CApi, OutOfMemoryIsNullWithTheMessageInTheLastError) {
   const std::uint64_t ooms = stats().oom_count;
   ::testing::internal::CaptureStderr();
