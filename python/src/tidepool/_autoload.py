@@ -26,15 +26,18 @@ class _NamedAtTorchImport:
     at the front of sys.meta_path for the first `import torch` and looks at them again
     then: named now, the hook starts as it would have at start-up, and the import goes
     through its finder (review finding: the keys went unclaimed, PyTorch was left to
-    refuse them, and status() said no tidepool key was named). It finds nothing itself,
-    costs one comparison per import until then, and leaves at that import."""
+    refuse them, and status() said no tidepool key was named). It finds nothing itself
+    and costs one comparison per import. It stays while torch is only looked for
+    (importlib.util.find_spec("torch"), as transformers asks) or imported with nothing
+    named, and leaves when it hands over, or when it finds torch imported already."""
 
     def find_spec(self, fullname, path=None, target=None):
         if fullname != "torch":
             return None
-        if self in _sys.meta_path:
-            _sys.meta_path.remove(self)
-        if not _named():
+        if "torch" in _sys.modules or _named():
+            if self in _sys.meta_path:
+                _sys.meta_path.remove(self)
+        if "torch" in _sys.modules or not _named():
             return None
         from . import _startup
 
