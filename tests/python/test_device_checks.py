@@ -129,6 +129,27 @@ def test_good_outputs_pass(checks, capsys):
         assert f"\n{label}" in "\n" + printed, label
 
 
+def test_the_record_stream_check_runs_alone_after_the_others(checks):
+    """It times a side stream against host work, which seven other processes beside it
+    on the card could make it lose (it failed so on 2026-12-04)."""
+    import threading
+    running, seen = set(), []
+    lock = threading.Lock()
+
+    def run(name, **variables):
+        with lock:
+            seen.append((name, sorted(running)))
+            running.add(name)
+        time.sleep(0.01)
+        with lock:
+            running.discard(name)
+        return 0, GOOD[name], ""
+    checks.run = run
+    assert checks.main() == 0
+    assert seen[-1] == ("record_stream", [])
+    assert [name for name, _ in seen].count("record_stream") == 1
+
+
 @pytest.mark.parametrize("check", sorted(BAD))
 def test_each_failing_check_fails_the_run(checks, capsys, check):
     assert run_with(checks, dict(GOOD, **{check: BAD[check]})) == 1
