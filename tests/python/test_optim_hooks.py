@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import warnings
 import weakref
 
 import pytest
@@ -419,6 +420,27 @@ def test_an_evict_that_fails_after_a_raising_step_does_not_hide_the_steps_error(
             pytest.raises(RuntimeError, match="boom"):
         optimizer.step(raising_closure)
     assert _tags.current() == outside
+
+
+def test_where_warnings_are_errors_the_steps_own_error_still_comes_out(
+        fake_cuda, fake_tiering, monkeypatch, capfd):
+    """Review finding: under `-W error` the warning about the failed eviction took the
+    step's error's place, and a loop catching that error (an OutOfMemoryError to retry)
+    no longer caught it. The warning goes to stderr then."""
+    install()
+
+    def failing_evict(device, tag, stream):
+        raise RuntimeError("tidepool: the copy engine is gone")
+
+    monkeypatch.setattr(_tiering, "evict_tag", failing_evict)
+    p = torch.nn.Parameter(torch.ones(2))
+    optimizer = torch.optim.SGD([p], lr=0.1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(RuntimeError, match="boom"):
+            optimizer.step(raising_closure)
+    assert "TidepoolInactiveWarning: tidepool: closing the scope of a step that raised" \
+        in capfd.readouterr().err
 
 
 def test_a_step_wrapped_before_the_install_is_guarded_from_the_install_on(fake_cuda,

@@ -24,6 +24,7 @@ tidepool.log:off) and `import torch` carries on as usual.
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import warnings
 
@@ -65,6 +66,17 @@ def _inactive(reason: str, config: dict) -> None:
     if config.get("log") != "off":
         warnings.warn(f"tidepool: {reason}; tidepool is inactive and PyTorch uses its own "
                       "allocator", TidepoolInactiveWarning, stacklevel=3)
+
+
+def warn_beside_error(message: str) -> None:
+    """Says `message` (a TidepoolInactiveWarning) while another error is on its way out
+    of a step. Where warnings are errors (`-W error`), the warning must not take that
+    error's place (review finding: a loop that catches torch.cuda.OutOfMemoryError to
+    retry got the warning instead): it is printed on stderr then."""
+    try:
+        warnings.warn(message, TidepoolInactiveWarning, stacklevel=3)
+    except Warning:
+        print(f"TidepoolInactiveWarning: {message}", file=sys.stderr)
 
 
 def entry_points() -> tuple[str, str, str]:

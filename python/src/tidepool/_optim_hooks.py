@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import warnings
 import weakref
 
 from . import (_captured_steps, _in_flight, _install, _loaded_state, _patches, _state_moves,
@@ -85,9 +84,8 @@ def _guard_step(hooked_step):
                 except Exception as evict_error:  # noqa: BLE001
                     errors.append(evict_error)
             for error in errors:
-                warnings.warn(f"tidepool: closing the scope of a step that raised, or evicting "
-                              f"its optimizer state, failed: {error}",
-                              _install.TidepoolInactiveWarning)
+                _install.warn_beside_error(f"tidepool: closing the scope of a step that raised, "
+                                           f"or evicting its optimizer state, failed: {error}")
             raise
         finally:
             steps.pop()
@@ -161,9 +159,8 @@ def _scope_not_reopened(scope) -> None:
         try:
             _state_moves._evict(scope.devices, scope.optimizers)
         except Exception as evict_error:  # noqa: BLE001
-            warnings.warn(f"tidepool: evicting the state of a step whose scope did not open "
-                          f"again after its closure failed: {evict_error}",
-                          _install.TidepoolInactiveWarning)
+            _install.warn_beside_error(f"tidepool: evicting the state of a step whose scope did "
+                                       f"not open again after its closure failed: {evict_error}")
 
 
 def _closure_index(args, kwargs) -> int | str | None:
@@ -253,9 +250,8 @@ def _pre_step(optimizer, args, kwargs):
             try:
                 _state_moves._evict(own, prefetched)
             except Exception as evict_error:  # noqa: BLE001  (the step's error is the one)
-                warnings.warn(f"tidepool: evicting the state prefetched for a step whose "
-                              f"scope did not open failed: {evict_error}",
-                              _install.TidepoolInactiveWarning)
+                _install.warn_beside_error(f"tidepool: evicting the state prefetched for a step "
+                                           f"whose scope did not open failed: {evict_error}")
         raise
     scopes = _step_scopes._scopes()
     for scope in scopes[:-1]:  # the enclosing steps evict this one's state too
