@@ -486,6 +486,7 @@ def test_device_check_stops_at_once_without_a_gpu(tmp_path):
     listing = subprocess.run(["tar", "tzf", str(out / "device-check.tgz")], capture_output=True,
                              text=True, check=True).stdout
     assert "./phases.txt" in listing.split()
+    assert os.listdir(out) == ["device-check.tgz"]  # no part file of a pack left behind
 
 
 # ---- scripts/device-check's own plumbing ------------------------------------------------
