@@ -21,6 +21,9 @@ if(TIDEPOOL_SANITIZE)
 endif()
 
 # --- CUDA -----------------------------------------------------------------------
+# Without a GPU to ask: every architecture nvcc 13 builds for from Turing on, with PTX of
+# the newest for later cards.
+set(TIDEPOOL_DEFAULT_CUDA_ARCHITECTURES "75-real;80-real;86-real;89-real;90-real;100-real;120")
 set(TIDEPOOL_HAVE_CUDA OFF)
 if(NOT TIDEPOOL_CUDA STREQUAL "OFF")
   include(CheckLanguage)
@@ -47,7 +50,7 @@ if(NOT TIDEPOOL_CUDA STREQUAL "OFF")
       if(_tidepool_archs)
         set(CMAKE_CUDA_ARCHITECTURES "${_tidepool_archs}")
       else()
-        set(CMAKE_CUDA_ARCHITECTURES "75-real;80-real;86-real;89-real;90-real;100-real;120")
+        set(CMAKE_CUDA_ARCHITECTURES "${TIDEPOOL_DEFAULT_CUDA_ARCHITECTURES}")
       endif()
       message(STATUS "tidepool: CUDA architectures ${CMAKE_CUDA_ARCHITECTURES}")
     endif()
@@ -68,19 +71,32 @@ message(STATUS "tidepool: CUDA backend ${TIDEPOOL_HAVE_CUDA}")
 # compiles every CUDA file of the project for TORCH_CUDA_ARCH_LIST instead: left at one
 # architecture, the fused kernels had an image for that one card alone ("no kernel image
 # is available" on any other; review finding). So the list chosen above is handed to it in
-# its own form ("75-real" -> "7.5", a plain "120" -> "12.0+PTX"), unless the caller set
-# TORCH_CUDA_ARCH_LIST (in the environment, or on the command line). Without CUDA, one
-# architecture keeps Torch's CMake from running its GPU-detection program.
+# its own form ("75-real" -> "7.5", a plain "120" -> "12.0+PTX", "90a" -> "9.0a",
+# "native" -> "Auto": Torch's own detection; "all" and "all-major" -> the list this file
+# picks without a GPU, as Torch's "All" names cards nvcc 13 no longer builds for), unless
+# the caller set TORCH_CUDA_ARCH_LIST (in the environment, or on the command line). A
+# value it cannot hand over stops the configure. Without CUDA, one architecture keeps
+# Torch's CMake from running its GPU-detection program.
 function(tidepool_torch_arch_list _out)
   set(_list "")
+  set(_archs "${CMAKE_CUDA_ARCHITECTURES}")
+  if(_archs STREQUAL "all" OR _archs STREQUAL "all-major")
+    set(_archs "${TIDEPOOL_DEFAULT_CUDA_ARCHITECTURES}")
+  endif()
   if(TIDEPOOL_HAVE_CUDA)
-    foreach(_arch IN LISTS CMAKE_CUDA_ARCHITECTURES)
-      if(_arch MATCHES "^([0-9]+)([0-9])(-real|-virtual)?$")
-        set(_torch_arch "${CMAKE_MATCH_1}.${CMAKE_MATCH_2}")
-        if(NOT CMAKE_MATCH_3 STREQUAL "-real")
+    foreach(_arch IN LISTS _archs)
+      if(_arch STREQUAL "native")
+        list(APPEND _list "Auto")
+      elseif(_arch MATCHES "^([0-9]+)([0-9])([af]?)(-real|-virtual)?$")
+        set(_torch_arch "${CMAKE_MATCH_1}.${CMAKE_MATCH_2}${CMAKE_MATCH_3}")
+        if(NOT CMAKE_MATCH_4 STREQUAL "-real")
           string(APPEND _torch_arch "+PTX")  # Torch has no PTX-only form
         endif()
         list(APPEND _list "${_torch_arch}")
+      else()
+        message(FATAL_ERROR "tidepool: cannot hand CUDA architecture '${_arch}' (of "
+                            "CMAKE_CUDA_ARCHITECTURES) to Torch's CMake; give "
+                            "TORCH_CUDA_ARCH_LIST instead (e.g. \"8.0;9.0+PTX\")")
       endif()
     endforeach()
   endif()
@@ -109,10 +125,18 @@ macro(tidepool_find_torch _found _mode)
     # this file did not write; one it wrote is written again, as the choice may change).
     get_property(_tidepool_arch_help CACHE TORCH_CUDA_ARCH_LIST PROPERTY HELPSTRING)
     set(_tidepool_arch_ours "tidepool: CMAKE_CUDA_ARCHITECTURES in Torch's form")
+    set(_tidepool_arch_cached_ours FALSE)
+    if(_tidepool_arch_help STREQUAL _tidepool_arch_ours OR
+       _tidepool_arch_help STREQUAL "CUDA archs for Torch's CMake")
+      set(_tidepool_arch_cached_ours TRUE)
+    endif()
+    if(DEFINED ENV{TORCH_CUDA_ARCH_LIST} AND _tidepool_arch_cached_ours)
+      # Torch reads the environment only while the variable is undefined: a list this
+      # file cached at an earlier configure would hide the one given now.
+      unset(TORCH_CUDA_ARCH_LIST CACHE)
+    endif()
     if(NOT DEFINED ENV{TORCH_CUDA_ARCH_LIST} AND
-       (NOT DEFINED CACHE{TORCH_CUDA_ARCH_LIST} OR
-        _tidepool_arch_help STREQUAL _tidepool_arch_ours OR
-        _tidepool_arch_help STREQUAL "CUDA archs for Torch's CMake"))
+       (NOT DEFINED CACHE{TORCH_CUDA_ARCH_LIST} OR _tidepool_arch_cached_ours))
       tidepool_torch_arch_list(_tidepool_torch_archs)
       set(TORCH_CUDA_ARCH_LIST "${_tidepool_torch_archs}" CACHE STRING "${_tidepool_arch_ours}"
           FORCE)

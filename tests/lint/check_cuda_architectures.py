@@ -17,12 +17,12 @@ import sys
 
 
 def expected_sms(torch_arch_list: str) -> set[str]:
-    """sm_XY of each X.Y (with or without +PTX) in a TORCH_CUDA_ARCH_LIST."""
+    """sm_XY[a|f] of each X.Y[a|f] (with or without +PTX) in a TORCH_CUDA_ARCH_LIST."""
     sms = set()
     for entry in re.split(r"[;\s]+", torch_arch_list.strip()):
-        m = re.fullmatch(r"(\d+)\.(\d)[af]?(\+PTX)?", entry)
+        m = re.fullmatch(r"(\d+)\.(\d)([af]?)(\+PTX)?", entry)
         if m:
-            sms.add(f"sm_{m.group(1)}{m.group(2)}")
+            sms.add(f"sm_{m.group(1)}{m.group(2)}{m.group(3)}")
     return sms
 
 
