@@ -486,10 +486,12 @@ constexpr const char* kInheritedVariable = "TIDEPOOL_ALLOC_CONF";
 // torch.cuda.get_allocator_backend()). tidepool's keys are honoured in either (in both
 // would leave it ambiguous which wins). What PyTorch's allocator will do is decided by
 // the one it reads, so the checks against it (another backend, expandable segments) look
-// at that one alone; and a claim that empties PYTORCH_CUDA_ALLOC_CONF leaves it set,
-// empty, when PYTORCH_ALLOC_CONF is set, which PyTorch would otherwise start reading
-// (review finding: unset, it made PyTorch take up keys it had been ignoring, and a
-// backend there was refused as a conflict with tidepool).
+// at that one alone (the order is 2.11's: releases around 2.9 read PYTORCH_ALLOC_CONF
+// first for some keys; torch is pinned to 2.11 here); and a claim that empties
+// PYTORCH_CUDA_ALLOC_CONF leaves it set, empty, when PYTORCH_ALLOC_CONF is set, which
+// PyTorch would otherwise start reading (review finding: unset, it made PyTorch take up
+// keys it had been ignoring, and a backend there was refused as a conflict with
+// tidepool).
 namespace {
 
 constexpr const char* kOlderVariable = "PYTORCH_CUDA_ALLOC_CONF";

@@ -37,6 +37,9 @@ def test_the_runtime_is_found_in_a_site_folder_not_yet_on_sys_path(tmp_path):
         sys.path[:] = [p for p in sys.path if "site-packages" not in p]
         site.getsitepackages = lambda: []
         site.getusersitepackages = lambda: {str(tmp_path / "user-site")!r}
+        site.ENABLE_USER_SITE = True
+        print(_lib.preload_wheel_cudart())
+        site.ENABLE_USER_SITE = False  # python -s: the user's folder is not to be used
         print(_lib.preload_wheel_cudart())
     """)
     env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(_lib.__file__)),
@@ -44,4 +47,4 @@ def test_the_runtime_is_found_in_a_site_folder_not_yet_on_sys_path(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          env=env, timeout=60)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == str(lib / _lib._CUDART_SONAME)
+    assert out.stdout.split() == [str(lib / _lib._CUDART_SONAME), "None"]

@@ -53,11 +53,14 @@ if _os.environ.get("TIDEPOOL_AUTOLOAD", "1").strip().lower() not in ("0", "false
         try:
             _startup.start()
         except Exception as _e:  # noqa: BLE001
-            # Only when torch was imported already (by a .pth read before this one):
-            # start() installs at once, and its error cannot wait for `import torch`.
-            # Raised here, site would print it and go on, the keys claimed and tidepool
-            # not installed (review finding); stopped, as `import torch` would stop it.
-            print(f"tidepool: {type(_e).__name__}: {_e}", file=_sys.stderr)
-            raise SystemExit(1) from None
+            if "torch" not in _sys.modules:
+                raise  # site says it and goes on, as for any .pth; `import torch` will fail
+            # torch was imported already (by a .pth read before this one): start()
+            # installed at once, and its error cannot wait for `import torch`. Raised
+            # here, site would print it and go on, the keys claimed and tidepool not
+            # installed (review finding); stopped, as `import torch` would stop it. Not by
+            # SystemExit, which site turns into a fatal error of the interpreter's start.
+            print(f"tidepool: {type(_e).__name__}: {_e}", file=_sys.stderr, flush=True)
+            _os._exit(1)
     elif "torch" not in _sys.modules:
         _sys.meta_path.insert(0, _NamedAtTorchImport())

@@ -42,7 +42,7 @@ class _State:
         self.active = False
         self.config: dict | None = None
         self.torch = None
-        self.device_count = 0  # CUDA devices torch saw at install (what region() checks)
+        self.device_count = 0  # CUDA devices torch saw at install (device_count() asks anew)
         self.allocator = None  # the CUDAPluggableAllocator (pool mode; global-mode fallback)
         self.cuda_allocator = None  # global mode: what c10's CUDA allocator is
         # Pool mode (Note [one MemPool per thread and device at a time]): (device, tag) ->

@@ -139,7 +139,9 @@ def _site_folders() -> list:
     import site
     folders = list(sys.path)
     try:
-        later = site.getsitepackages() + [site.getusersitepackages()]
+        later = site.getsitepackages()
+        if site.ENABLE_USER_SITE:  # not with python -s, PYTHONNOUSERSITE, an isolated venv
+            later = later + [site.getusersitepackages()]
     except AttributeError:  # a virtualenv's older site module lacks them
         later = []
     return folders + [f for f in later if f not in folders]
