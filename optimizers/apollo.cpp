@@ -553,26 +553,18 @@ void read_options(torch::serialize::InputArchive& archive, ApolloOptions& o) {
 
 }  // namespace
 
-namespace {
-
-ApolloSavedParam saved_copy(const ApolloParamState& state) {
+std::optional<ApolloSavedParam> Apollo::saved_state_of(const torch::Tensor& param) const {
+  auto it = state_.find(param.unsafeGetTensorImpl());
+  if (it == state_.end()) return std::nullopt;
+  const auto& state = static_cast<const ApolloParamState&>(*it->second);
   return ApolloSavedParam{state.step, state.exp_avg_grad->read_host(),
                           state.approx_hessian->read_host(), state.update->read_host()};
 }
 
-}  // namespace
-
 std::vector<std::optional<ApolloSavedParam>> Apollo::saved_state() const {
   std::vector<std::optional<ApolloSavedParam>> saved;
   for (const auto& group : param_groups_) {
-    for (const auto& p : group.params()) {
-      auto it = state_.find(p.unsafeGetTensorImpl());
-      if (it == state_.end()) {
-        saved.emplace_back();
-      } else {
-        saved.push_back(saved_copy(static_cast<const ApolloParamState&>(*it->second)));
-      }
-    }
+    for (const auto& p : group.params()) saved.push_back(saved_state_of(p));
   }
   return saved;
 }
@@ -580,11 +572,7 @@ std::vector<std::optional<ApolloSavedParam>> Apollo::saved_state() const {
 std::optional<ApolloSavedParam> Apollo::saved_state(size_t index) const {
   size_t first = 0;
   for (const auto& group : param_groups_) {
-    if (index - first < group.params().size()) {
-      auto it = state_.find(group.params()[index - first].unsafeGetTensorImpl());
-      if (it == state_.end()) return std::nullopt;
-      return saved_copy(static_cast<const ApolloParamState&>(*it->second));
-    }
+    if (index - first < group.params().size()) return saved_state_of(group.params()[index - first]);
     first += group.params().size();
   }
   throw std::out_of_range("Apollo: no parameter " + std::to_string(index) + "; it has " +

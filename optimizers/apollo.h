@@ -164,6 +164,8 @@ class TIDEPOOL_API Apollo : public torch::optim::Optimizer {
   static bool has_fused_kernels() noexcept;
 
  private:
+  // `param`'s state as host copies (saved_state), nullopt when it has none.
+  std::optional<ApolloSavedParam> saved_state_of(const torch::Tensor& param) const;
   ApolloParamState& state_for(const torch::Tensor& param);
   // The parameters each group steps, in order, once everything the step could refuse is
   // checked (see step()).

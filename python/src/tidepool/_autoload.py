@@ -34,16 +34,21 @@ class _NamedAtTorchImport:
     def find_spec(self, fullname, path=None, target=None):
         if fullname != "torch":
             return None
-        if "torch" in _sys.modules or _named():
-            if self in _sys.meta_path:
-                _sys.meta_path.remove(self)
-        if "torch" in _sys.modules or not _named():
+        if "torch" in _sys.modules:
+            self._leave()
             return None
+        if not _named():
+            return None
+        self._leave()
         from . import _startup
 
         _startup.start()
         finder = _startup._finder
         return None if finder is None else finder.find_spec(fullname, path, target)
+
+    def _leave(self) -> None:
+        if self in _sys.meta_path:
+            _sys.meta_path.remove(self)
 
 
 if _os.environ.get("TIDEPOOL_AUTOLOAD", "1").strip().lower() not in ("0", "false", "off", "no"):

@@ -42,7 +42,6 @@ class _State:
         self.active = False
         self.config: dict | None = None
         self.torch = None
-        self.device_count = 0  # CUDA devices torch saw at install (device_count() asks anew)
         self.allocator = None  # the CUDAPluggableAllocator (pool mode; global-mode fallback)
         self.cuda_allocator = None  # global mode: what c10's CUDA allocator is
         # Pool mode (Note [one MemPool per thread and device at a time]): (device, tag) ->
@@ -99,8 +98,7 @@ def install(torch, config: dict) -> None:
         # device_count asks NVML first; is_available (without PYTORCH_NVML_BASED_CUDA_CHECK)
         # calls cuInit, and a process that did cannot use CUDA in a forked child: at
         # `import torch` that would break every launcher that forks its GPU workers.
-        STATE.device_count = torch.cuda.device_count()
-        if STATE.device_count == 0:
+        if torch.cuda.device_count() == 0:
             _inactive("no CUDA device is available", config)
             return
         if config.get("device_backend") == "host":
