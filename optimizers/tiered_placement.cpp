@@ -145,6 +145,19 @@ class TieredBuffer final : public StateBuffer {
     }
   }
 
+  // A load may move the host copy out of pageable memory (Note [Pageable blocks are
+  // promoted] in tiering/host_promotion.cpp): pageable_bytes() follows it.
+  void note_host_tier() noexcept {
+    if (!pageable_) return;
+    try {
+      if (store_->host_tier(handle_) == HostTier::pageable) return;
+    } catch (...) {
+      return;  // only a query, as in the constructor
+    }
+    pageable_ = false;
+    shared_->pageable_bytes -= bytes_;
+  }
+
   bool write_back_on_release() const {
     switch (write_back_) {
       case WriteBack::on_release: return true;
@@ -224,6 +237,7 @@ class TieredBuffer final : public StateBuffer {
         // No room on the device now: through host memory below.
       }
       if (ptr != nullptr) {
+        note_host_tier();
         fill_acquired(handle_, ptr, stream, contents);
         shared_->overwritten_on_device++;
         return;
@@ -236,11 +250,13 @@ class TieredBuffer final : public StateBuffer {
   void do_prefetch() override {
     store_->prefetch(handle_, use_stream());
     note_device_bytes();
+    note_host_tier();
   }
   torch::Tensor do_acquire() override {
     const auto start = std::chrono::steady_clock::now();
     const Stream stream = use_stream();
     void* ptr = store_->acquire(handle_, stream);
+    note_host_tier();
     try {
       note_device_bytes();
       // CPU compute runs on this thread: wait for the stage-in before touching the bytes.

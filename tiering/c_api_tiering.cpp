@@ -347,6 +347,8 @@ int tidepool_get_tiering_stats_v1(int device, tidepool_tiering_stats_v1* out) {
       full.peer_evicted_bytes += s.peer_evicted_bytes;
       full.peer_room_requests += s.peer_room_requests;
       full.loads_skipped += s.loads_skipped;
+      full.host_promotions += s.host_promotions;
+      full.host_promoted_bytes += s.host_promoted_bytes;
     });
     full.device_budget_bytes += shared_budget;
     if (const auto ledger = tidepool::DeviceBudgetLedger::existing(device)) {

@@ -195,6 +195,10 @@ typedef struct tidepool_tiering_stats_v1 {
    * host backings] in tiering/vmm_backings.cpp). */
   uint64_t pinned_budget_bytes, process_pinned_bytes;
   uint64_t vmm_pinned_bytes, vmm_pinned_budget_stops, vmm_bytes_left_on_device;
+  /* Appended: the stores' host blocks moved from the pageable fallback into pinned memory
+   * once it had room for them, and their bytes (Note [Pageable blocks are promoted] in
+   * tiering/host_promotion.cpp). */
+  uint64_t host_promotions, host_promoted_bytes;
 } tidepool_tiering_stats_v1;
 
 /* The size of tidepool_tiering_stats_v1 as first released; struct_size may not be less. */

@@ -381,31 +381,57 @@ HostArena::~HostArena() {
 
 // ---- allocation ---------------------------------------------------------------------------
 
-HostBlock HostArena::allocate(std::size_t bytes) {
+void HostArena::check_request(std::size_t bytes) {
   if (bytes == 0) throw HostArenaError("host arena: allocate(0)");
   if (bytes > (std::size_t{1} << 46)) {
     throw HostArenaError("host arena: absurd size " + std::to_string(bytes));
   }
+}
+
+HostBlock HostArena::allocate(std::size_t bytes) {
+  check_request(bytes);
   std::lock_guard lock(mutex_);
-  if (stats_.budget_shared) resolve_budget_locked();
   std::string why_not;
+  if (void* p = allocate_pinned_locked(bytes, &why_not)) {
+    return HostBlock{p, bytes, HostTier::pinned};
+  }
+  if (!options_.allow_pageable_fallback) {
+    throw HostArenaError("host arena: cannot provide " + std::to_string(bytes) +
+                         " pinned bytes (" + why_not + ") and the pageable fallback is off");
+  }
+  return allocate_pageable(bytes, why_not);
+}
+
+HostBlock HostArena::try_allocate_pinned(std::size_t bytes) {
+  check_request(bytes);
+  std::lock_guard lock(mutex_);
+  std::string why_not;
+  void* p = allocate_pinned_locked(bytes, &why_not);
+  return p != nullptr ? HostBlock{p, bytes, HostTier::pinned} : HostBlock{};
+}
+
+std::uint64_t HostArena::pinned_room_epoch() const noexcept {
+  // Both counts only grow, so their sum changes whenever either does.
+  return pinned_frees_.load(std::memory_order_relaxed) + process_pinned_uncharges();
+}
+
+void* HostArena::allocate_pinned_locked(std::size_t bytes, std::string* why_not) {
+  if (stats_.budget_shared) resolve_budget_locked();
   void* p = nullptr;
-  std::size_t charged = 0;
   if (bytes >= options_.direct_threshold_bytes) {
-    p = allocate_direct_pinned(bytes, &why_not);
-    charged = bytes;
+    p = allocate_direct_pinned(bytes, why_not);
   } else {
     p = allocate_in_slabs(bytes);
     // Note [A slab may not serve this thread]: slabs are added until one serves, or none
     // can be had (each added slab is registered, so the budget bounds this).
     while (p == nullptr) {
-      Slab* slab = add_slab(options_.slab_bytes, &why_not);
+      Slab* slab = add_slab(options_.slab_bytes, why_not);
       if (slab == nullptr) {
         // Note [When mimalloc has no arena left], Note [A budget smaller than a slab]: the
         // block may still be pinned on its own.
-        const bool no_arena = why_not == kNoArenaLeft;
-        if (no_arena || fallback_cause(why_not) == FallbackCause::budget_spent) {
-          p = allocate_direct_pinned(bytes, &why_not);
+        const bool no_arena = *why_not == kNoArenaLeft;
+        if (no_arena || fallback_cause(*why_not) == FallbackCause::budget_spent) {
+          p = allocate_direct_pinned(bytes, why_not);
           if (p != nullptr) {
             (no_arena ? stats_.direct_after_no_arena : stats_.direct_budget_below_slab)++;
           }
@@ -414,19 +440,12 @@ HostBlock HostArena::allocate(std::size_t bytes) {
       }
       p = allocate_in_slab(*slab, bytes);
     }
-    charged = bytes;
   }
-  if (p != nullptr) {
-    stats_.pinned_in_use_bytes += charged;
-    stats_.pinned_peak_bytes = std::max(stats_.pinned_peak_bytes, stats_.pinned_in_use_bytes);
-    stats_.pinned_allocs++;
-    return HostBlock{p, bytes, HostTier::pinned};
-  }
-  if (!options_.allow_pageable_fallback) {
-    throw HostArenaError("host arena: cannot provide " + std::to_string(bytes) +
-                         " pinned bytes (" + why_not + ") and the pageable fallback is off");
-  }
-  return allocate_pageable(bytes, why_not);
+  if (p == nullptr) return nullptr;
+  stats_.pinned_in_use_bytes += bytes;
+  stats_.pinned_peak_bytes = std::max(stats_.pinned_peak_bytes, stats_.pinned_in_use_bytes);
+  stats_.pinned_allocs++;
+  return p;
 }
 
 void* HostArena::allocate_in_slabs(std::size_t bytes) {
@@ -512,6 +531,7 @@ bool HostArena::charge(std::size_t bytes, std::string* why_not) {
 // registered.
 void HostArena::uncharge(std::size_t bytes) noexcept {
   stats_.pinned_registered_bytes -= bytes;
+  pinned_frees_.fetch_add(1, std::memory_order_relaxed);
   if (stats_.budget_shared) uncharge_process_pinned(bytes);
 }
 
@@ -662,6 +682,7 @@ void HostArena::deallocate(const HostBlock& block) {
     stats_.direct_count--;
     stats_.pinned_in_use_bytes -= block.bytes;
     release_or_keep_locked(block.ptr, mapped);
+    pinned_frees_.fetch_add(1, std::memory_order_relaxed);
     return;
   }
   auto slab = std::find_if(slabs_.begin(), slabs_.end(),
@@ -672,6 +693,7 @@ void HostArena::deallocate(const HostBlock& block) {
   (*slab)->mi->free(block.ptr);
   (*slab)->live_blocks--;
   stats_.pinned_in_use_bytes -= block.bytes;
+  pinned_frees_.fetch_add(1, std::memory_order_relaxed);
 }
 
 // Note [A registration that would not go]

@@ -47,6 +47,7 @@
 // under their own mutex, never under a common lock, and never waiting.
 #pragma once
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -169,8 +170,18 @@ class TIDEPOOL_API HostArena {
   // Pre: bytes > 0. Post: a 256-byte aligned block of at least `bytes`, pinned when the
   // budget and the backend allow, else pageable (if allowed). Throws HostArenaError.
   HostBlock allocate(std::size_t bytes);
-  // Pre: `block` came from allocate() of this arena and is freed once.
+  // A pinned block of `bytes`, or an empty block when the budget or the backend cannot
+  // pin one now: never the pageable fallback, so nothing is counted or said as one. The
+  // tiered store moves a pageable block into pinned memory with it (Note [Pageable blocks
+  // are promoted] in tiered_store.cpp). Throws HostArenaError for a bad size only.
+  HostBlock try_allocate_pinned(std::size_t bytes);
+  // Pre: `block` came from allocate() or try_allocate_pinned() of this arena and is freed
+  // once.
   void deallocate(const HostBlock& block);
+  // Changes each time pinned room may have been made: a pinned block of this arena freed,
+  // or pinned bytes given back to its budget or to the process's. A try_allocate_pinned
+  // that failed is worth asking again only once this changed.
+  std::uint64_t pinned_room_epoch() const noexcept;
 
   // Note [Empty slabs are unpinned]. Returns the bytes unregistered. Never throws: a slab
   // the backend would not unregister is kept as it was and counted (slab_release_failures).
@@ -186,6 +197,10 @@ class TIDEPOOL_API HostArena {
   struct Slab;  // defined in host_arena.cpp
 
  private:
+  // Size checks shared by allocate and try_allocate_pinned (HostArenaError).
+  static void check_request(std::size_t bytes);
+  // Pinned memory for `bytes` and its stats, or nullptr with why_not set.
+  void* allocate_pinned_locked(std::size_t bytes, std::string* why_not);
   void* allocate_in_slabs(std::size_t bytes);                 // nullptr: slabs are full
   void* allocate_in_slab(Slab& slab, std::size_t bytes);     // nullptr: this one is full
   Slab* add_slab(std::size_t bytes, std::string* why_not);    // nullptr: why_not says
@@ -214,6 +229,8 @@ class TIDEPOOL_API HostArena {
   // Note [A registration that would not go]: freed direct mappings still registered.
   std::vector<std::pair<void*, std::size_t>> unreleased_direct_;
   HostArenaStats stats_;
+  // Pinned blocks freed and bytes uncharged by this arena (pinned_room_epoch).
+  std::atomic<std::uint64_t> pinned_frees_{0};
 };
 
 }  // namespace tidepool

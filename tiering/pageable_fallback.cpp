@@ -61,8 +61,8 @@ std::string pageable_fallback_warning(const HostArenaStats& s, std::size_t bytes
     remedy = "raise tidepool.pinned_budget or free host memory";
   }
   return "tidepool: " + cause + "; tiered state from here on (this block: " + format_bytes(bytes) +
-         ") lives in pageable memory, so its copies run at pageable speed and are not "
-         "asynchronous. To fix: " + remedy +
+         ") lives in pageable memory until pinned memory has room for it, so its copies run "
+         "at pageable speed and are not asynchronous. To fix: " + remedy +
          ". To silence: tidepool.log:off or HostArenaOptions::warn_on_pageable_fallback = false.";
 }
 }  // namespace
@@ -104,8 +104,8 @@ HostBlock HostArena::allocate_pageable(std::size_t bytes, const std::string& rea
     try {
       std::fprintf(stderr, "%s\n", pageable_fallback_warning(stats_, bytes, reason, why).c_str());
     } catch (...) {  // no heap for the text: the block is handed out all the same, said so
-      std::fputs("tidepool: tiered state from here on lives in pageable memory (out of memory "
-                 "for the details; HostArenaStats::last_fallback_reason says why)\n",
+      std::fputs("tidepool: tiered state from here on lives in pageable memory for now (out of "
+                 "memory for the details; HostArenaStats::last_fallback_reason says why)\n",
                  stderr);
     }
   }

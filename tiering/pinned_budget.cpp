@@ -29,6 +29,7 @@
 #include "tiering/pinned_budget.h"
 
 #include <atomic>
+#include <cstdint>
 
 #include "allocator/config.h"
 #include "allocator/tier_routing.h"
@@ -39,6 +40,10 @@ namespace {
 std::atomic<std::size_t>& process_count() {
   static std::atomic<std::size_t> bytes{0};
   return bytes;
+}
+std::atomic<std::uint64_t>& process_uncharges() {
+  static std::atomic<std::uint64_t> count{0};
+  return count;
 }
 }  // namespace
 
@@ -61,7 +66,14 @@ bool charge_process_pinned(std::size_t bytes, std::size_t budget, std::size_t* c
   return true;
 }
 
-void uncharge_process_pinned(std::size_t bytes) noexcept { process_count().fetch_sub(bytes); }
+void uncharge_process_pinned(std::size_t bytes) noexcept {
+  process_count().fetch_sub(bytes);
+  process_uncharges().fetch_add(1, std::memory_order_relaxed);
+}
+
+std::uint64_t process_pinned_uncharges() noexcept {
+  return process_uncharges().load(std::memory_order_relaxed);
+}
 
 std::size_t process_pinned_bytes() noexcept { return process_count().load(); }
 

@@ -10,6 +10,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 
 #include "allocator/export.h"
 
@@ -36,5 +37,8 @@ TIDEPOOL_API void uncharge_process_pinned(std::size_t bytes) noexcept;
 // Pinned bytes charged now by the process's arenas and pools, and left charged by those
 // destroyed with memory still pinned.
 TIDEPOOL_API std::size_t process_pinned_bytes() noexcept;
+// How many times pinned bytes were given back to the process's count: room a refused
+// charge may now find (HostArena::pinned_room_epoch).
+TIDEPOOL_API std::uint64_t process_pinned_uncharges() noexcept;
 
 }  // namespace tidepool

@@ -103,6 +103,8 @@ std::string to_json(const TieredStoreStats& s) {
       .num("prefetch_late", ull(s.prefetch_late))
       .num("misses", ull(s.misses))
       .num("loads_skipped", ull(s.loads_skipped))
+      .num("host_promotions", ull(s.host_promotions))
+      .num("host_promoted_bytes", ull(s.host_promoted_bytes))
       .num("prefetch_skipped", ull(s.prefetch_skipped))
       .num("evictions", ull(s.evictions))
       .num("evictions_clean", ull(s.evictions_clean))

@@ -318,6 +318,7 @@ bool TieredStore::load_locked(Entry& e, RoomFor why, bool load) {
   const bool for_prefetch = why == RoomFor::prefetch;
   const DeviceBuffer buf = device_allocate_locked(e.bytes, &e, why);
   if (buf.ptr == nullptr) return false;
+  promote_host_block_locked(e);  // Note [Pageable blocks are promoted]
   const Event waits[] = {e.host_ready, buf.wait};
   try {
     if (load) {

@@ -4,7 +4,8 @@
 // from the configuration is shared: Note [Shared state budget] in device_budget_ledger.h);
 // which handle an eviction takes in eviction_order.cpp; the buffers on their way out in
 // pending_frees.cpp; the wording of its errors in store_errors.cpp; its event pool in
-// store_events.cpp; its memory source in memory_source.cpp; the policy is in
+// store_events.cpp; its memory source in memory_source.cpp; how a handle's host block
+// leaves the pageable fallback in host_promotion.cpp; the policy is in
 // prefetch_policy.h; the copies in copy_engine.h.
 //
 // Use:
@@ -158,6 +159,10 @@ struct TieredStoreStats {
   std::uint64_t prefetch_late = 0;   // ... but the copy had not finished yet
   std::uint64_t misses = 0;          // acquire had to start the copy itself
   std::uint64_t loads_skipped = 0;   // acquire_to_overwrite found it on the host: no copy
+  // Host blocks moved from the pageable fallback into pinned memory once it had room,
+  // and their bytes (Note [Pageable blocks are promoted] in host_promotion.cpp).
+  std::uint64_t host_promotions = 0;
+  std::uint64_t host_promoted_bytes = 0;
   std::uint64_t prefetch_skipped = 0;  // back-pressure: no room without harming sooner uses
   // Device copies dropped to make room or on request; a destroy or a write, which throws
   // the device copy's contents away, is not an eviction.
@@ -354,6 +359,9 @@ class TIDEPOOL_API TieredStore {
   // False: no room (a prefetch: skipped; RoomFor::acquire_may_ask_peers: ask the peers).
   // load: copy the host contents in (false: Note [Acquiring to overwrite]).
   bool load_locked(Entry& e, RoomFor why, bool load = true);
+  // Note [Pageable blocks are promoted] (host_promotion.cpp). Pre: e is on the host, about
+  // to be loaded. Never throws.
+  void promote_host_block_locked(Entry& e) noexcept;
   // acquire() (acquire_to_overwrite() when !load) under the lock; nullptr: no room but
   // the other stores may give it (RoomFor::acquire_may_ask_peers), to be asked with the
   // lock let go.
@@ -481,6 +489,9 @@ class TIDEPOOL_API TieredStore {
   // Every device copy evict_locked dropped: evictions, and the discards of destroy and
   // write (which stats_.evictions does not count). Under mutex_.
   std::uint64_t device_copies_dropped_ = 0;
+  // Note [Pageable blocks are promoted]: the arena's pinned_room_epoch when a promotion
+  // was last refused (none yet: nullopt). Under mutex_.
+  std::optional<std::uint64_t> promotion_refused_at_;
 
   mutable std::mutex mutex_;
   std::unordered_map<Handle, std::unique_ptr<Entry>> entries_;

@@ -38,7 +38,8 @@ class TieringStatsV1(ctypes.Structure):
         + [("loads_skipped", ctypes.c_uint64), ("vmm_spare_host_bytes", ctypes.c_uint64)]
         + [(n, ctypes.c_uint64) for n in (
             "pinned_budget_bytes", "process_pinned_bytes", "vmm_pinned_bytes",
-            "vmm_pinned_budget_stops", "vmm_bytes_left_on_device")])
+            "vmm_pinned_budget_stops", "vmm_bytes_left_on_device")]
+        + [(n, ctypes.c_uint64) for n in ("host_promotions", "host_promoted_bytes")])
 
 
 _SIGNATURES = {
