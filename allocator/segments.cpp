@@ -603,12 +603,43 @@ std::size_t CachingAllocator::Impl::release_cached(std::size_t want, bool wait,
   if (found.empty()) return 0;
   // Work queued before the frees may still touch the memory: wait for those streams
   // (when not waiting, every block found is already covered by a completed fence).
+  // Note [A stream that cannot be waited for]
+  // A stream the backend will not synchronize (destroyed behind record_stream's back, a
+  // driver error) keeps only the memory its blocks are in: the rest goes back as usual,
+  // and the first such error is kept in release_error, as a refused release is (Note
+  // [Unreleased handles]). Throwing instead stopped every release at that one stream, the
+  // OOM policy's included.
+  std::set<void*> unsynced;
+  const auto synchronize = [&](Stream s) {
+    try {
+      backend->stream_synchronize(s);
+      return true;
+    } catch (...) {
+      if (!release_error) release_error = std::current_exception();
+      unsynced.insert(s.handle);
+      return false;
+    }
+  };
   if (wait) {
-    for (void* s : streams_to_sync) backend->stream_synchronize(Stream{s});
+    for (void* s : streams_to_sync) synchronize(Stream{s});
   } else if (waitable != nullptr && streams_to_sync.count(waitable->stream.handle) != 0 &&
              waitable->free_seq > waitable->safe_seq) {
-    backend->stream_synchronize(waitable->stream);
-    waitable->safe_seq = waitable->free_seq;
+    if (synchronize(waitable->stream)) waitable->safe_seq = waitable->free_seq;
+  }
+  if (!unsynced.empty()) {
+    std::erase_if(found, [&](const Releasable& r) {
+      const char* lo = r.segment->base + (r.segment->expandable ? r.head * granule : 0);
+      const char* hi = r.segment->expandable
+                           ? lo + r.segment->run_granules[r.head] * granule
+                           : r.segment->base + r.segment->size;
+      for (const Block* b = r.segment->first; b != nullptr && b->ptr < hi; b = b->next) {
+        if (b->ptr + b->size > lo && b->owner != released.get() &&
+            unsynced.count(b->owner->stream.handle) != 0) {
+          return true;
+        }
+      }
+      return false;
+    });
   }
   unreleased.reserve(unreleased.size() + found.size());  // Note [Unreleased handles]
   std::size_t released_bytes = 0;

@@ -31,6 +31,7 @@ class FaultBackend final : public ForwardingBackend {
     event_query,
     event_synchronize,
     device_synchronize,
+    stream_synchronize,
     unmap,
     release_physical,
     count_  // number of operations, not one
@@ -76,6 +77,7 @@ class FaultBackend final : public ForwardingBackend {
       case Call::event_query: return Op::event_query;
       case Call::event_synchronize: return Op::event_synchronize;
       case Call::device_synchronize: return Op::device_synchronize;
+      case Call::stream_synchronize: return Op::stream_synchronize;
       case Call::unmap: return Op::unmap;
       case Call::release_physical: return Op::release_physical;
       default: return std::nullopt;
@@ -104,6 +106,10 @@ class FaultBackend final : public ForwardingBackend {
   void do_device_synchronize() override {
     ForwardingBackend::do_device_synchronize();
     succeeded(Op::device_synchronize);
+  }
+  void do_stream_synchronize(Stream s) override {
+    ForwardingBackend::do_stream_synchronize(s);
+    succeeded(Op::stream_synchronize);
   }
   Event do_create_event() override {
     const Event e = ForwardingBackend::do_create_event();

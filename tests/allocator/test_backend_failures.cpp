@@ -302,6 +302,35 @@ TEST(FailedRelease, AFailedUnmapKeepsTheRunAndAFailedHandleReleaseIsRetried) {
   EXPECT_EQ(handles->released.load(), handles->created.load()) << "each released once";
 }
 
+// Note [A stream that cannot be waited for] (segments.cpp): review finding: the first
+// stream whose synchronize failed ended the whole release, so memory the other streams
+// had freed stayed cached (an OOM policy then failed with plenty given back).
+TEST(FailedRelease, AStreamThatCannotBeSynchronizedKeepsOnlyItsOwnMemory) {
+  FaultyAllocator fa;  // expandable segments: each stream's memory in runs of its own
+  CachingAllocator& a = *fa.allocator;
+  test::FaultBackend& be = *fa.faults;
+  const Stream first = be.create_stream();
+  const Stream second = be.create_stream();
+  void* p = a.allocate(4 * kMiB, first);
+  void* q = a.allocate(4 * kMiB, second);
+  a.deallocate(p, 4 * kMiB, first);
+  a.deallocate(q, 4 * kMiB, second);
+  const std::size_t both = a.stats().reserved.current;
+  ASSERT_EQ(both, 64 * kMiB);
+  be.fail(Op::stream_synchronize);  // whichever stream is waited for first
+  const std::string m = test_support::expect_error<BackendError>([&] { a.empty_cache(); });
+  EXPECT_NE(m.find("stream_synchronize"), std::string::npos) << m;
+  EXPECT_EQ(a.stats().reserved.current, both / 2) << "the other stream's memory went back";
+  EXPECT_EQ(backed_bytes(a), both / 2);
+  EXPECT_EQ(be.device_bytes_in_use(), both / 2);
+  EXPECT_EQ(a.empty_cache(), both / 2) << "and the rest once the stream can be waited for";
+  EXPECT_EQ(be.device_bytes_in_use(), 0u);
+  a.release_stream(first);
+  a.release_stream(second);
+  be.destroy_stream(first);
+  be.destroy_stream(second);
+}
+
 // One slot's physical handle whose release failed, kept by `a` to release later (Note
 // [Unreleased handles]).
 void keep_a_handle(CachingAllocator& a, test::FaultBackend& be) {
