@@ -63,6 +63,33 @@ def test_state_shows_each_parameters_state_read_only():
     assert opt.state[tensors[0]]["step"] == 2  # nothing changed
 
 
+def test_items_and_values_read_the_parameter_list_once():
+    params = [torch.randn(3, requires_grad=True) for _ in range(20)]
+    opt = topt.Apollo(params, lr=0.05)
+
+    class Counting:  # the C++ optimizer, counting the walks of its parameter list
+        def __init__(self, inner):
+            self.inner, self.walks = inner, 0
+
+        def parameters_with_state(self):
+            self.walks += 1
+            return self.inner.parameters_with_state()
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+    counting = Counting(opt._apollo)
+    opt._apollo = counting
+    try:
+        assert [p for p, _ in opt.state.items()] == params
+        assert counting.walks == 1, "items() walked the parameters once per key"
+        assert sum(1 for _ in opt.state.values()) == 20
+        assert counting.walks == 2, "values() walked the parameters once per key"
+        assert all(entry["step"] == 0 for entry in opt.state.values())
+    finally:
+        opt._apollo = counting.inner
+
+
 def test_dcp_get_optimizer_state_dict_takes_no_step_after_zero_grad():
     """Review finding: with `state` always empty, DCP stepped Apollo (zero gradients, lr
     0) at every call after zero_grad: the step count and m, B, d moved each time."""

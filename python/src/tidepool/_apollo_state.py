@@ -50,6 +50,16 @@ def shown(param: torch.Tensor, has_state: bool) -> bool:
     return has_state or param.requires_grad
 
 
+class _Items(collections.abc.ItemsView):
+    def __iter__(self):
+        return self._mapping._items()
+
+
+class _Values(collections.abc.ValuesView):
+    def __iter__(self):
+        return (entry for _, entry in self._mapping._items())
+
+
 class ApolloState(collections.abc.Mapping):
     """Apollo.state: {parameter: {'step', 'exp_avg_grad', 'approx_hessian', 'update'}},
     keyed by the parameter tensors themselves (by identity, as torch.optim's dict is)."""
@@ -80,14 +90,29 @@ class ApolloState(collections.abc.Mapping):
     def __contains__(self, param) -> bool:
         return any(p is param for _, p in self._shown())
 
+    def _entry(self, index: int, param) -> types.MappingProxyType:
+        optimizer = self._optimizer()
+        with optimizer._lock:
+            saved = optimizer._apollo.saved_param_state(index)
+        return types.MappingProxyType(param_state(param, saved))
+
     def __getitem__(self, param) -> types.MappingProxyType:
         for index, p in self._shown():
             if p is param:
-                optimizer = self._optimizer()
-                with optimizer._lock:
-                    saved = optimizer._apollo.saved_param_state(index)
-                return types.MappingProxyType(param_state(p, saved))
+                return self._entry(index, p)
         raise KeyError("tidepool.optim.Apollo: not a parameter of this optimizer with state")
+
+    # items() and values() walk the parameters once: Mapping's own look each key up
+    # again, and each lookup walks the parameter list, so iterating them was quadratic.
+    def items(self) -> _Items:
+        return _Items(self)
+
+    def values(self) -> _Values:
+        return _Values(self)
+
+    def _items(self):
+        for index, p in self._shown():
+            yield p, self._entry(index, p)
 
     def __setitem__(self, param, value) -> None:
         raise TypeError(_READ_ONLY)
