@@ -419,6 +419,26 @@ struct ArchiveReader {
 // is no archive of AADL's and is refused, not cast (an fp32 "Gram matrix" cast up would
 // pass for the fp64 accumulator it is not). Vectors that are not floating point are
 // refused too: integer "iterates" are no archive of AADL's either.
+// Note [What a loaded Gram matrix must be]
+// The archive's G is taken as it is (recomputing it costs a pass per vector), so it is
+// checked for what every G AADL saves has, whatever the parameters did: symmetric to the
+// bit (each row is also written as its column, anderson_history.cpp) and a diagonal of
+// squared norms, never negative. A diverged run's NaN or Inf are kept (save wrote them;
+// the step then skips the acceleration, as before the save). What fails is an archive
+// damaged or made by hand, which would otherwise steer every accelerated step.
+void check_saved_gram(const ArchiveReader& reader, const torch::Tensor& gram) {
+  const torch::Tensor transposed = gram.t();
+  const bool symmetric =
+      ((gram == transposed) | (torch::isnan(gram) & torch::isnan(transposed))).all().item<bool>();
+  TORCH_CHECK(symmetric, "AADL::load: ", reader.path("gram"),
+              " in the archive is not symmetric, so it is not the Gram matrix AADL saved (a "
+              "damaged archive?)");
+  const bool diagonal_ok = (gram.diagonal() < 0).logical_not().all().item<bool>();
+  TORCH_CHECK(diagonal_ok, "AADL::load: ", reader.path("gram"),
+              " in the archive has a negative diagonal entry, so it is not the Gram matrix "
+              "AADL saved (a damaged archive?)");
+}
+
 std::unique_ptr<AndersonHistory> read_history(torch::serialize::InputArchive& archive, size_t g,
                                               const AndersonHistory& current,
                                               const std::vector<torch::Tensor>& params) {
@@ -470,6 +490,7 @@ std::unique_ptr<AndersonHistory> read_history(torch::serialize::InputArchive& ar
               "AADL::load: ", reader.path("rhs"), " is a ", rhs.sizes(), " ", rhs.scalar_type(),
               " tensor in the archive; it must be a [", k, "] Double tensor (for ", count,
               " history vectors)");
+  check_saved_gram(reader, gram);
   if (!recast) return current.restored(vectors, gram, rhs, compute);
   auto history = current.restored({}, gram.new_zeros({0, 0}), rhs.new_zeros({0}), compute);
   for (const auto& v : vectors) history->push(v.to(compute));

@@ -68,6 +68,14 @@ struct BadValue {
   std::string message;  // what the refusal must say
 };
 
+// `gram` with its [0, 1] entry's lowest mantissa bit flipped (the [1, 0] entry kept).
+torch::Tensor off_diagonal_changed(const torch::Tensor& gram) {
+  torch::Tensor changed = gram.clone();
+  auto bits = changed.view(torch::kLong);
+  bits[0][1] = bits[0][1].item<int64_t>() ^ 1;
+  return changed;
+}
+
 TEST(AADLLoad, AnArchiveWithOneBadValueIsRefusedNamingItAndChangesNothing) {
   const AADLProblem problem = fixed_problem(torch::kFloat64);
   AADLRun source(problem, PlacementChoice{});
@@ -104,6 +112,11 @@ TEST(AADLLoad, AnArchiveWithOneBadValueIsRefusedNamingItAndChangesNothing) {
        "AADL::load: history_1/gram is a [3, 3] Double tensor"},
       {"history_0/rhs", saved0.rhs().to(torch::kFloat32),
        "AADL::load: history_0/rhs is a [2] Float tensor"},
+      // Note [What a loaded Gram matrix must be]: one entry changed, one bit flipped.
+      {"history_1/gram", off_diagonal_changed(saved1.gram()),
+       "AADL::load: history_1/gram in the archive is not symmetric"},
+      {"history_0/gram", -saved0.gram(),
+       "AADL::load: history_0/gram in the archive has a negative diagonal entry"},
   };
   for (const BadValue& bad : cases) {
     SCOPED_TRACE(bad.path + " replaced: expecting \"" + bad.message + "\"");
@@ -136,6 +149,23 @@ TEST(AADLLoad, AnArchiveForgedWithItsOwnValueResumesAsTheOriginal) {
   load_archive_bytes(*resumed.aadl, forged);
   ASSERT_NO_FATAL_FAILURE(expect_same_state(resumed, source));
   ASSERT_NO_FATAL_FAILURE(expect_steps_alike(resumed, source, problem, kSourceSteps, " differs"));
+}
+
+// A diverged run saves a Gram matrix of NaN and Inf; it loads as saved (Note [What a loaded
+// Gram matrix must be]): the step skips the acceleration then, as it did before the save.
+TEST(AADLLoad, ADivergedGramMatrixLoadsAsSaved) {
+  const AADLProblem problem = fixed_problem(torch::kFloat64);
+  AADLRun source(problem, PlacementChoice{});
+  for (int s = 0; s < kSourceSteps; ++s) source.step(problem, s);
+  torch::Tensor diverged = source.aadl->history(1).gram().clone();
+  diverged.fill_(std::numeric_limits<double>::quiet_NaN());
+  diverged[1][1] = std::numeric_limits<double>::infinity();
+  const std::string forged = with_value(archive_bytes(*source.aadl), "history_1/gram", diverged);
+  AADLRun resumed(problem, PlacementChoice{}, copies(source.params), /*inner_lr=*/0.3);
+  load_archive_bytes(*resumed.aadl, forged);
+  const torch::Tensor loaded = resumed.aadl->history(1).gram();
+  EXPECT_TRUE(torch::isnan(loaded[0][1]).item<bool>());
+  EXPECT_TRUE(torch::isinf(loaded[1][1]).item<bool>());
 }
 
 // (saved with, loaded into): fp64 → fp32 rounds the history, fp32 → fp64 is exact.
