@@ -236,8 +236,8 @@ class TieredBuffer final : public StateBuffer {
       } catch (const TieringError&) {
         // No room on the device now: through host memory below.
       }
+      note_host_tier();  // whether the acquire went through or not
       if (ptr != nullptr) {
-        note_host_tier();
         fill_acquired(handle_, ptr, stream, contents);
         shared_->overwritten_on_device++;
         return;
@@ -268,6 +268,7 @@ class TieredBuffer final : public StateBuffer {
     } catch (...) {
       // StateBuffer::acquire failed, so no release() will come: the store's hold ends here.
       store_->release(handle_, /*dirty=*/false);
+      note_host_tier();
       throw;
     }
   }
@@ -282,6 +283,7 @@ class TieredBuffer final : public StateBuffer {
     // evict() only enqueues: the D2H stream waits on an event of the use stream, copies
     // back (dirty) and frees the buffer after that; nothing here waits for the device.
     if (write_back_on_release()) store_->evict(handle_);
+    note_host_tier();  // a load ahead of the store's may have moved it
   }
   torch::Tensor do_read_host() const override {
     torch::Tensor out = torch::empty(sizes(), options().device(torch::kCPU));

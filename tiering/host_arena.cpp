@@ -402,12 +402,14 @@ HostBlock HostArena::allocate(std::size_t bytes) {
   return allocate_pageable(bytes, why_not);
 }
 
-HostBlock HostArena::try_allocate_pinned(std::size_t bytes) {
+HostArena::PinnedAttempt HostArena::try_allocate_pinned(std::size_t bytes) {
   check_request(bytes);
   std::lock_guard lock(mutex_);
   std::string why_not;
-  void* p = allocate_pinned_locked(bytes, &why_not);
-  return p != nullptr ? HostBlock{p, bytes, HostTier::pinned} : HostBlock{};
+  if (void* p = allocate_pinned_locked(bytes, &why_not)) {
+    return PinnedAttempt{HostBlock{p, bytes, HostTier::pinned}, false};
+  }
+  return PinnedAttempt{HostBlock{}, fallback_cause(why_not) == FallbackCause::budget_spent};
 }
 
 std::uint64_t HostArena::pinned_room_epoch() const noexcept {

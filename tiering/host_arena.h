@@ -173,8 +173,14 @@ class TIDEPOOL_API HostArena {
   // A pinned block of `bytes`, or an empty block when the budget or the backend cannot
   // pin one now: never the pageable fallback, so nothing is counted or said as one. The
   // tiered store moves a pageable block into pinned memory with it (Note [Pageable blocks
-  // are promoted] in tiered_store.cpp). Throws HostArenaError for a bad size only.
-  HostBlock try_allocate_pinned(std::size_t bytes);
+  // are promoted] in host_promotion.cpp). A refusal says whether the budget was what
+  // stopped it (then asking again costs no system call until it has room). Throws
+  // HostArenaError (a bad size; mimalloc misbehaving) or std::bad_alloc, as allocate does.
+  struct PinnedAttempt {
+    HostBlock block;
+    bool budget_spent = false;  // no block: the pinned budget had no room for it
+  };
+  PinnedAttempt try_allocate_pinned(std::size_t bytes);
   // Pre: `block` came from allocate() or try_allocate_pinned() of this arena and is freed
   // once.
   void deallocate(const HostBlock& block);

@@ -490,7 +490,7 @@ class TIDEPOOL_API TieredStore {
   // write (which stats_.evictions does not count). Under mutex_.
   std::uint64_t device_copies_dropped_ = 0;
   // Note [Pageable blocks are promoted]: the arena's pinned_room_epoch when a promotion
-  // was last refused (none yet: nullopt). Under mutex_.
+  // was last refused for another reason than the budget (none yet: nullopt). Under mutex_.
   std::optional<std::uint64_t> promotion_refused_at_;
 
   mutable std::mutex mutex_;

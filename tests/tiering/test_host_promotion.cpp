@@ -70,6 +70,30 @@ TEST_P(HostPromotionTest, APageableBlockIsPinnedAtTheFirstLoadAfterRoomWasMade) 
   EXPECT_NE(store.stats_json().find("\"host_promotions\":1"), std::string::npos);
 }
 
+// A block the budget has no room for does not keep a smaller one that fits from moving
+// (review finding: one refusal held every promotion of the store until more room came).
+TEST_P(HostPromotionTest, ABlockTooLargeForTheRoomDoesNotHoldBackOneThatFits) {
+  TieredStore store(backend(), options());
+  const auto first = store.create(8 * kMiB, kTagOptimizerState);
+  const auto second = store.create(8 * kMiB, kTagOptimizerState);
+  const auto large = store.create(10 * kMiB, kTagOptimizerState);
+  const auto small = store.create(6 * kMiB, kTagOptimizerState);
+  ASSERT_EQ(store.host_tier(second), HostTier::pinned);
+  ASSERT_EQ(store.host_tier(large), HostTier::pageable);
+  ASSERT_EQ(store.host_tier(small), HostTier::pageable);
+  const auto data = random_bytes(6 * kMiB, 35);
+  store.write(small, data.data());
+  store.destroy(first);  // room for 8 MiB
+  loaded(store, large);
+  EXPECT_EQ(store.host_tier(large), HostTier::pageable);
+  EXPECT_EQ(first_difference(loaded(store, small).data(), data.data(), data.size()), -1);
+  EXPECT_EQ(store.host_tier(small), HostTier::pinned);
+  store.destroy(second);  // now the large one fits too, asked again at its next load
+  loaded(store, large);
+  EXPECT_EQ(store.host_tier(large), HostTier::pinned);
+  EXPECT_EQ(store.stats().host_promotions, 2u);
+}
+
 TEST_P(HostPromotionTest, WhatADirtyEvictionWroteIsWhatMovesToPinnedMemory) {
   TieredStore store(backend(), options());
   const auto first = store.create(12 * kMiB, kTagOptimizerState);
