@@ -19,6 +19,14 @@ import sys
 FIELDS = {"real_time", "cpu_time", "iterations", "repetitions", "repetition_index", "threads",
           "family_index", "per_family_instance_index"}
 SHOWN = 5
+# Shown whenever a row has them, beyond the first SHOWN: they say whether the row is a
+# fair measurement at all (state in pageable memory, a pinned budget capped by the
+# locked-memory limit, prefetches refused, more bytes moved than the state).
+VALIDITY = ("pageable_MiB", "memlock_capped", "pageable_blocks", "prefetch_skipped", "skipped",
+            "B/param")
+# Google Benchmark's aggregate rows other than the median (a run's repetitions show as
+# their median alone).
+AGGREGATES = ("_mean", "_stddev", "_cv")
 
 
 def rank(name: str) -> int:
@@ -36,7 +44,9 @@ def counters_text(row: dict) -> str:
     counters = [(k, v) for k, v in row.items()
                 if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in FIELDS]
     counters.sort(key=lambda kv: rank(kv[0]))
-    return " ".join(f"{k}={v:.4g}" for k, v in counters[:SHOWN])
+    shown = counters[:SHOWN]
+    shown += [(k, v) for k, v in counters[SHOWN:] if k in VALIDITY]
+    return " ".join(f"{k}={v:.4g}" for k, v in shown)
 
 
 def json_lines(stem: str, rows: list) -> list:
@@ -65,6 +75,8 @@ def console_lines(stem: str, text: str) -> list:
         m = CONSOLE_ROW.match(line.strip())
         if m:
             name, time, unit, rest = m.groups()
+            if name.endswith(AGGREGATES):
+                continue
             lines.append(f"{stem:9s} {name[:60]:60s} {float(time):11.4g} {unit} "
                          f"{' '.join(rest.split())[:80]} (from the console: cut short)")
     return lines
@@ -82,7 +94,8 @@ def summary(folder: pathlib.Path) -> list:
             continue
         if isinstance(data, dict) and "benchmarks" in data:
             lines += json_lines(path.stem, data["benchmarks"])
-    return [line[:170] for line in lines]
+    # Long enough for the counters chosen above; the device tool returns 12,000 characters.
+    return [line[:260] for line in lines]
 
 
 if __name__ == "__main__":

@@ -238,7 +238,9 @@ def worker(args) -> dict:
             loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            losses.append(loss.item())  # synchronises
+            losses.append(loss.item())
+            if cuda:  # the whole device: tidepool's moves run on streams of their own
+                torch.cuda.synchronize()
             step_seconds.append(time.perf_counter() - start)
     except torch.OutOfMemoryError as e:
         result["oom"] = first_line(e)

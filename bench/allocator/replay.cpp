@@ -341,7 +341,9 @@ Result replay_once(const Trace& t, const Settings& s, const tidepool::AllocatorO
 
 // Replays every configuration `repeat` times, interleaved so that load from other
 // processes spreads evenly over them. Deterministic figures from the first run; the
-// fastest allocator time of all runs.
+// fastest allocator time and, apart from it, the fastest wall time of all runs (the wall
+// time is what the cuda verdict judges: taken from the run with the least allocator time,
+// it was one noisy run's, chosen by another figure).
 std::vector<Result> replay_all(const Trace& t, const Settings& s,
                                const std::vector<tidepool::AllocatorOptions>& configs) {
   std::vector<Result> best;
@@ -349,10 +351,8 @@ std::vector<Result> replay_all(const Trace& t, const Settings& s,
   for (int i = 1; i < s.repeat; ++i) {
     for (std::size_t c = 0; c < configs.size(); ++c) {
       const Result r = replay_once(t, s, configs[c]);
-      if (r.allocator_ns < best[c].allocator_ns) {
-        best[c].allocator_ns = r.allocator_ns;
-        best[c].wall_ns = r.wall_ns;
-      }
+      best[c].allocator_ns = std::min(best[c].allocator_ns, r.allocator_ns);
+      best[c].wall_ns = std::min(best[c].wall_ns, r.wall_ns);
     }
   }
   return best;

@@ -172,8 +172,9 @@ constexpr double kUpdateFloorBytesPerParam = 36.0;
 constexpr double kLinkFloorBytesPerParam = 24.0;
 
 // steps_per_sync: steps run back to back before the device is waited for (Note [Isolated
-// and steady steps] in bench/tiering/store_steps.h). The counters are per step; the Time
-// column is per iteration, of steps_per_sync steps.
+// and steady steps] in bench/tiering/store_steps.h). The counters and the Time column are
+// per step: a row of several steps per sync is registered with UseManualTime, and each
+// iteration's time is set to its wall time over its steps.
 void run_tidepool(benchmark::State& state, torch::Device device, Where where, bool fused,
                   Shape shape = Shape::mixed, int steps_per_sync = 1) {
   Problem problem(state.range(0), device, shape);
@@ -203,6 +204,11 @@ void run_tidepool(benchmark::State& state, torch::Device device, Where where, bo
   tidepool::optim::Apollo apollo(problem.params,
                                  tidepool::optim::ApolloOptions(1e-3).warmup(0), placement);
   apollo.set_fused_kernels(fused);
+  // The link first: measure_link empties PyTorch's caches, which after the first step
+  // would give back the staging buffers a host-staged step then allocates again.
+  const bool over_link = device.is_cuda() && where != Where::resident;
+  const double link_both =
+      over_link ? tidepool::bench_optim::measure_link(device.index()).both : 0.0;
   // The first step: see the top of this file.
   const auto first_start = std::chrono::steady_clock::now();
   apollo.step();
@@ -218,20 +224,20 @@ void run_tidepool(benchmark::State& state, torch::Device device, Where where, bo
     tiered->reset_peak_device_bytes();
   }
   const double acquire_wait_before = tiered ? tiered->acquire_wait_seconds() : 0.0;
-  const bool over_link = device.is_cuda() && where != Where::resident;
-  const double link_both =
-      over_link ? tidepool::bench_optim::measure_link(device.index()).both : 0.0;
   double elapsed_s = 0.0;
   for (auto _ : state) {
     const auto start = std::chrono::steady_clock::now();
     for (int k = 0; k < steps_per_sync; ++k) apollo.step();
     sync(device);
-    elapsed_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    const double seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    elapsed_s += seconds;
+    state.SetIterationTime(seconds / steps_per_sync);  // read only by UseManualTime rows
   }
   const auto steps = static_cast<double>(state.iterations()) * steps_per_sync;
-  state.counters["params/s"] = benchmark::Counter(
-      static_cast<double>(state.range(0)) * steps_per_sync,
-      benchmark::Counter::kIsIterationInvariantRate);
+  // Per step: steps_per_sync > 1 only in UseManualTime rows, whose time is per step.
+  state.counters["params/s"] = benchmark::Counter(static_cast<double>(state.range(0)),
+                                                  benchmark::Counter::kIsIterationInvariantRate);
   state.counters["first_step_ms"] = first_step_s * 1e3;
   state.counters["steps_per_sync"] = steps_per_sync;
   if (device.is_cuda() && where == Where::resident && fused) {
@@ -357,26 +363,32 @@ void BM_Gpu_PinnedBidirectional(benchmark::State& s) {
 }
 
 constexpr int64_t kGpuParams = int64_t{1} << 28;
-BENCHMARK(BM_Gpu_Reference)->Arg(kGpuParams)->Unit(benchmark::kMillisecond)->Iterations(5);
-BENCHMARK(BM_Gpu_SeedsPageableTo)->Arg(kGpuParams)->Unit(benchmark::kMillisecond)->Iterations(2);
-BENCHMARK(BM_Gpu_PinnedNoOverlap)->Arg(kGpuParams)->Unit(benchmark::kMillisecond)->Iterations(3);
+// Real time: the rate counters (params/s, GB/s) are divided by it, not by the CPU time of
+// a thread that sleeps in its device synchronizations.
+BENCHMARK(BM_Gpu_Reference)
+    ->Arg(kGpuParams)->Unit(benchmark::kMillisecond)->Iterations(5)->UseRealTime();
+// One iteration: about 3 s each, of the 60 s device-check gives this binary.
+BENCHMARK(BM_Gpu_SeedsPageableTo)
+    ->Arg(kGpuParams)->Unit(benchmark::kMillisecond)->Iterations(1)->UseRealTime();
+BENCHMARK(BM_Gpu_PinnedNoOverlap)
+    ->Arg(kGpuParams)->Unit(benchmark::kMillisecond)->Iterations(3)->UseRealTime();
 BENCHMARK(BM_Gpu_Apollo_Fused_Resident)
-    ->Arg(kGpuParams)->Unit(benchmark::kMillisecond)->Iterations(5);
+    ->Arg(kGpuParams)->Unit(benchmark::kMillisecond)->Iterations(5)->UseRealTime();
 BENCHMARK(BM_Gpu_Apollo_Ops_Resident)
-    ->Arg(kGpuParams)->Unit(benchmark::kMillisecond)->Iterations(5);
+    ->Arg(kGpuParams)->Unit(benchmark::kMillisecond)->Iterations(5)->UseRealTime();
 BENCHMARK(BM_Gpu_Apollo_Fused_HostStaged)
-    ->Arg(kGpuParams)->Unit(benchmark::kMillisecond)->Iterations(3);
+    ->Arg(kGpuParams)->Unit(benchmark::kMillisecond)->Iterations(3)->UseRealTime();
 BENCHMARK(BM_Gpu_Apollo_Fused_Tiered)
-    ->Arg(kGpuParams)->Unit(benchmark::kMillisecond)->Iterations(4);
+    ->Arg(kGpuParams)->Unit(benchmark::kMillisecond)->Iterations(4)->UseRealTime();
 BENCHMARK(BM_Gpu_Apollo_Fused_Tiered_Layers)
-    ->Arg(kGpuParams)->Unit(benchmark::kMillisecond)->Iterations(4);
+    ->Arg(kGpuParams)->Unit(benchmark::kMillisecond)->Iterations(4)->UseRealTime();
 BENCHMARK(BM_Gpu_PinnedBidirectional)
-    ->Arg(int64_t{1} << 30)->Unit(benchmark::kMillisecond)->Iterations(5);
+    ->Arg(int64_t{1} << 30)->Unit(benchmark::kMillisecond)->Iterations(5)->UseRealTime();
 // Last: device-check's time cap for this binary cuts the run from the end.
 BENCHMARK(BM_Gpu_Apollo_Fused_Tiered_Steady)
-    ->Arg(kGpuParams)->Unit(benchmark::kMillisecond)->Iterations(2);
+    ->Arg(kGpuParams)->Unit(benchmark::kMillisecond)->Iterations(2)->UseManualTime();
 BENCHMARK(BM_Gpu_Apollo_Fused_Tiered_Layers_Steady)
-    ->Arg(kGpuParams)->Unit(benchmark::kMillisecond)->Iterations(2);
+    ->Arg(kGpuParams)->Unit(benchmark::kMillisecond)->Iterations(2)->UseManualTime();
 
 }  // namespace
 

@@ -20,8 +20,10 @@
 // per wait, as bench_apollo_step times the GPU step, and, as .../steady, kSteadySteps
 // steps per wait, as a training loop runs them (write-backs of one step beside the first
 // loads of the next).
-// Counters: floor_ratio, the step's time over its busier direction's bytes at the
-// modelled rate (1 at best; the target for a tiered step is 1.15); link_busy_share,
+// Counters: floor_ratio, the step's time over the time the state's bytes take one way at
+// the modelled rate (each direction moves them at once: 1 at best; the target for a
+// tiered step is 1.15; the floor is the state's bytes, not the bytes moved, so that copies
+// beyond them count against the step instead of raising its floor); link_busy_share,
 // both directions' modelled busy time over twice the step's (1: both busy all along);
 // B_per_state_byte, bytes moved per byte of state (2: everything in and out once); and
 // the store's budget_waits and exposed_ms per step.
@@ -126,7 +128,7 @@ void bm_step(benchmark::State& state, const StepShape& shape, int steps_per_sync
     const double h2d = double(after.copy.h2d.bytes - before.copy.h2d.bytes) / steps;
     const double d2h = double(after.copy.d2h.bytes - before.copy.d2h.bytes) / steps;
     const double step_s = seconds / steps;
-    state.counters["floor_ratio"] = step_s / (std::max(h2d, d2h) / kLinkRate);
+    state.counters["floor_ratio"] = step_s / (double(total) / kLinkRate);
     state.counters["link_busy_share"] = (h2d + d2h) / kLinkRate / (2 * step_s);
     state.counters["B_per_state_byte"] = (h2d + d2h) / double(total);
     state.counters["budget_waits"] = double(after.budget_waits - before.budget_waits) / steps;

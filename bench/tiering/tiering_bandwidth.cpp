@@ -327,8 +327,16 @@ void bm_store(benchmark::State& state, Bench& bench, Mode mode) {
   const std::vector<Op> todo = bench.ops(mode);
   double issue_seconds = 0;
   CallCounts calls;  // of the timed parts only
+  // Bytes the store's copy engine moved in the timed parts: a skipped prefetch moves
+  // nothing, and the rate must not count it as moved.
+  std::uint64_t moved = 0;
+  const auto copied = [&] {
+    const TieredStoreStats s = store.stats();
+    return s.copy.h2d.bytes + s.copy.d2h.bytes;
+  };
   auto pass = [&] {
     stage_store(bench, store, mode, compute);
+    const std::uint64_t copied_before = copied();
     const CallCounts calls_before = bench.calls();
     const Clock::time_point t0 = Clock::now();
     for (const Op& op : todo) {
@@ -344,11 +352,13 @@ void bm_store(benchmark::State& state, Bench& bench, Mode mode) {
     const double s = seconds_since(t0);
     const CallCounts pass_calls = bench.calls() - calls_before;
     for (std::size_t i = 0; i < calls.n.size(); ++i) calls.n[i] += pass_calls.n[i];
+    moved += copied() - copied_before;
     return s;
   };
   pass();  // first touch of the allocator's buffers
   issue_seconds = 0;
   calls = CallCounts{};
+  moved = 0;
   const TieredStoreStats before = store.stats();
   const std::uint64_t segments_before = bench.allocator().stats().segments.allocated;
   const MappingStats maps_before = bench.allocator().mapping_stats();
@@ -369,6 +379,18 @@ void bm_store(benchmark::State& state, Bench& bench, Mode mode) {
   // A fair comparison needs every prefetch issued and every host block pinned.
   state.counters["prefetch_skipped"] = double(after.prefetch_skipped - before.prefetch_skipped);
   state.counters["pageable_blocks"] = double(after.host.pageable_allocs);
+  const std::uint64_t expected =
+      bench.total_bytes() * static_cast<std::uint64_t>(state.iterations());
+  if (moved != expected) {
+    // Less work than the baseline's: its rate would be no comparison (a skipped prefetch
+    // copies nothing).
+    const std::string why = "the store moved " + std::to_string(moved) + " of the " +
+                            std::to_string(expected) + " bytes the baseline copies " +
+                            "(prefetches skipped: " +
+                            std::to_string(after.prefetch_skipped - before.prefetch_skipped) +
+                            ")";
+    state.SkipWithError(why.c_str());  // copied by Google Benchmark
+  }
   // Device memory the allocator had to get from the backend after the warm-up pass
   // (cudaMalloc in the loop): 0 when the store's buffers are reused from its cache.
   state.counters["backend_allocs"] = double(segments_after - segments_before);

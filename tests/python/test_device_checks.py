@@ -561,6 +561,35 @@ def test_the_summary_shows_the_counters_targets_judge_first(tmp_path):
     assert "SKIPPED: no CUDA device" in lines[2]
 
 
+def test_the_summary_always_shows_whether_a_row_is_a_fair_measurement(tmp_path):
+    """Counters past the first few that say whether the row measured what it claims
+    (review finding: pageable_MiB and memlock_capped, the suspects of a 17.7x row, never
+    reached the table)."""
+    row = {"name": "BM_Gpu_Apollo_Fused_Tiered/268435456", "run_type": "iteration",
+           "real_time": 61.5, "time_unit": "ms", "floor_ratio": 1.19, "d2h_GB/s": 50.1,
+           "h2d_GB/s": 48.0, "acquire_wait_ms": 3.0, "budget_waits": 0.0, "exposed_ms": 0.1,
+           "late": 0.0, "misses": 0.0, "pageable_MiB": 512.0, "memlock_capped": 1.0,
+           "skipped": 2.0, "B/param": 26.25}
+    (tmp_path / "optim.json").write_text(json.dumps({"benchmarks": [row]}))
+    (line,) = load_summary().summary(tmp_path)
+    for shown in ("floor_ratio=1.19", "pageable_MiB=512", "memlock_capped=1", "skipped=2",
+                  "B/param=26.25"):
+        assert shown in line, line
+    assert "late=" not in line and "misses=" not in line
+
+
+def test_the_console_fallback_leaves_out_aggregates_but_the_median(tmp_path):
+    (tmp_path / "tiering.json").write_text('{"context": {}, "benchmarks": [{"name": "memc')
+    (tmp_path / "tiering.txt").write_text(
+        "store/bidir/manual_time   20.9 ms   0.007 ms   3 GBps=12.86\n"
+        "store/bidir/manual_time_mean   20.9 ms   0.007 ms   3 GBps=12.86\n"
+        "store/bidir/manual_time_median   20.8 ms   0.007 ms   3 GBps=12.9\n"
+        "store/bidir/manual_time_stddev   0.1 ms   0.001 ms   3 GBps=0.1\n"
+        "store/bidir/manual_time_cv   0.01 ms   0.001 ms   3 GBps=0.01\n")
+    names = [line.split()[1] for line in load_summary().summary(tmp_path)]
+    assert names == ["store/bidir/manual_time", "store/bidir/manual_time_median"]
+
+
 def test_the_summary_reads_a_benchmark_cut_short_from_its_console_log(tmp_path):
     (tmp_path / "tiering.json").write_text('{"context": {}, "benchmarks": [{"name": "memc')
     (tmp_path / "tiering.txt").write_text(
