@@ -149,10 +149,26 @@ Apollo::Apollo(std::vector<torch::Tensor> params, ApolloOptions defaults,
 // set). A group added with lr 0 (frozen) keeps them unset, and steps with 0 meanwhile:
 // fixed from 0, its warmup would ramp from 0 to 0, and the group not move for `warmup`
 // steps once given an lr.
+namespace {
+bool options_resolved(const ApolloOptions& options) {
+  return options.init_lr() && options.base_lr() && options.weight_decay_type();
+}
+}  // namespace
+
+// A group add_param_group added with options of its own had only the checks every step
+// makes (Check::training), so one at lr 0 with an init_lr above it was taken, and its
+// warmup moved the "frozen" parameters (review finding); the constructor refuses it.
+void Apollo::check_unresolved_groups() const {
+  for (const auto& group : param_groups_) {
+    const auto& options = static_cast<const ApolloOptions&>(group.options());
+    if (!options_resolved(options)) options.validate(ApolloOptions::Check::group);
+  }
+}
+
 void Apollo::resolve_group_options() {
   for (auto& group : param_groups_) {
     auto& options = static_cast<ApolloOptions&>(group.options());
-    if (options.init_lr() && options.base_lr() && options.weight_decay_type()) continue;
+    if (options_resolved(options)) continue;
     if (options.lr() == 0.0 && !options.base_lr()) {
       options.weight_decay_type(decay_type(options));
       continue;
@@ -302,6 +318,9 @@ StepScalars step_scalars(const ApolloOptions& o, int64_t steps_taken) {
 void step_with_ops(torch::Tensor& p, const torch::Tensor& raw_grad, torch::Tensor& m,
                    torch::Tensor& B, torch::Tensor& d, const ApolloOptions& o,
                    const StepScalars& s) {
+  // Nothing to compute, as in the fused paths; and the belief rebound's inf-norm of an
+  // empty tensor throws (it has no identity), which stopped a step half done.
+  if (p.numel() == 0) return;
   const ApolloWeightDecay decay = decay_type(o);
   const bool belief = o.rebound() == ApolloRebound::belief;
   torch::Tensor grad = raw_grad;
@@ -441,8 +460,11 @@ torch::Tensor Apollo::step(LossClosure closure) {
   // records that order in the first step and replays it as its prefetch schedule, loading
   // as far ahead as its budget allows while this loop computes (tiered_placement.h).
   const std::vector<std::vector<torch::Tensor>> to_step = parameters_to_step();
-  resolve_group_options();  // of groups added since the last step, once checked
+  check_unresolved_groups();
   make_state_before_stepping(to_step);
+  // Of groups added since the last step, once nothing can refuse the step any more: a
+  // refused step fixes nothing from the lr they have now.
+  resolve_group_options();
   StepScope step_scope(*placement_);
   // The parameter stepping after group g's i-th, across groups, or null for the last.
   const auto next_stepping = [&to_step](size_t g, size_t i) -> const torch::Tensor* {

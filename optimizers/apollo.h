@@ -172,6 +172,9 @@ class TIDEPOOL_API Apollo : public torch::optim::Optimizer {
   std::vector<std::vector<torch::Tensor>> parameters_to_step() const;
   void check_each_parameter_once() const;
   void make_state_before_stepping(const std::vector<std::vector<torch::Tensor>>& to_step);
+  // Groups whose lr-dependent options are not fixed yet (added since the last step):
+  // checked as the constructor checks its groups, before anything changes.
+  void check_unresolved_groups() const;
   void resolve_group_options();
 
   std::shared_ptr<StatePlacement> placement_;

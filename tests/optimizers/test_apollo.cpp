@@ -472,6 +472,33 @@ TEST(Apollo, GroupsAddedLaterKeepTheirWarmupThroughLrChanges) {
   EXPECT_EQ(own.init_lr(), std::optional<double>(0.05 / 1000));
 }
 
+// A group added at lr 0 with an init_lr above it is refused at the next step, before
+// anything steps, as the constructor refuses it (review finding: its warmup moved the
+// "frozen" parameters); removed, the optimizer steps on.
+TEST(Apollo, AGroupAddedFrozenWithAWarmupAboveItIsRefusedAsInTheConstructor) {
+  auto a = param(3), c = param(2);
+  const auto frozen = ApolloOptions(0.0).init_lr(1e-3).warmup(10);
+  expect_error_mentions(
+      [&] {
+        Apollo({torch::optim::OptimizerParamGroup({c}, std::make_unique<ApolloOptions>(frozen))},
+               ApolloOptions(0.1));
+      },
+      "init_lr");
+  Apollo opt({a}, ApolloOptions(0.1).warmup(10));
+  opt.add_param_group(
+      torch::optim::OptimizerParamGroup({c}, std::make_unique<ApolloOptions>(frozen)));
+  for (auto* p : {&a, &c}) p->mutable_grad() = torch::ones_like(*p);
+  expect_error_mentions([&] { opt.step(); }, "init_lr");
+  EXPECT_TRUE(torch::equal(a.detach(), param(3).detach())) << "a stepped before the refusal";
+  EXPECT_TRUE(torch::equal(c.detach(), param(2).detach()));
+  EXPECT_TRUE(opt.state().empty());
+  const auto& added = static_cast<const ApolloOptions&>(opt.param_groups()[1].options());
+  EXPECT_FALSE(added.base_lr().has_value()) << "a refused step fixed options";
+  opt.param_groups().pop_back();
+  opt.step();
+  EXPECT_FALSE(torch::equal(a.detach(), param(3).detach()));
+}
+
 // A placement that refuses to make state of `refused` elements (as a tiered store of
 // another device refuses a parameter's state), resident otherwise.
 class RefusingPlacement final : public tidepool::optim::StatePlacement {
@@ -529,6 +556,31 @@ TEST(Apollo, AnEmptyParameterStepsInEveryPlacement) {
   }
   EXPECT_TRUE(torch::equal(results[0], results[1]));
   EXPECT_TRUE(torch::equal(results[0], results[2]));
+}
+
+// The same on the ops path (bf16, or fused kernels off) with the belief rebound, whose
+// inf-norm of an empty tensor threw half-way through the step (review finding): the
+// other parameters step as they do without the empty one.
+TEST(Apollo, AnEmptyParameterStepsOnTheOpsPathWithTheBeliefRebound) {
+  for (const auto dtype : {torch::kBFloat16, torch::kFloat32}) {
+    const auto make = [&](int64_t n) { return param(n).to(dtype).detach().requires_grad_(); };
+    auto a = make(4), empty = make(0), b = make(5);
+    auto a_alone = make(4), b_alone = make(5);
+    const auto options = ApolloOptions(0.1).warmup(0).rebound(ApolloRebound::belief);
+    Apollo opt({a, empty, b}, options);
+    Apollo alone({a_alone, b_alone}, options);
+    opt.set_fused_kernels(false);
+    alone.set_fused_kernels(false);
+    for (int step = 0; step < 3; ++step) {
+      for (auto* p : {&a, &empty, &b, &a_alone, &b_alone}) {
+        p->mutable_grad() = torch::sin(p->detach()) + 1.0;
+      }
+      ASSERT_NO_THROW(opt.step()) << c10::toString(dtype);
+      alone.step();
+    }
+    EXPECT_TRUE(torch::equal(a.detach(), a_alone.detach())) << c10::toString(dtype);
+    EXPECT_TRUE(torch::equal(b.detach(), b_alone.detach())) << c10::toString(dtype);
+  }
 }
 
 // A placement that hands out a copy of each buffer's contents and takes it back only on a
