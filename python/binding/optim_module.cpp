@@ -308,22 +308,30 @@ AADLOptions aadl_options(const py::dict& d) {
 
 using ParamGroups = std::vector<std::pair<std::vector<torch::Tensor>, py::dict>>;
 
+// `defaults`: the constructor's options (the Python optimizer's defaults), which are
+// checked as a constructor's; each group's own are checked as a group's. The first group's
+// options stood in for the defaults before, so a first group at lr 0 (a frozen backbone
+// listed first) or an empty first group was refused, where torch.optim takes them.
 std::unique_ptr<Apollo> make_apollo(const ParamGroups& groups, const std::string& where,
-                                    std::optional<int64_t> budget) {
-  if (groups.empty() || groups.front().first.empty()) {
-    throw py::value_error("tidepool.optim.Apollo: no parameters to optimize");
+                                    std::optional<int64_t> budget, const py::dict& defaults) {
+  const torch::Tensor* first = nullptr;
+  for (const auto& [params, options] : groups) {
+    if (!params.empty()) {
+      first = &params.front();
+      break;
+    }
   }
+  if (first == nullptr) throw py::value_error("tidepool.optim.Apollo: no parameters to optimize");
+  const ApolloOptions resolved_defaults =
+      joining_apollo_options(defaults, ApolloOptions::Check::construction);
   std::vector<torch::optim::OptimizerParamGroup> cpp_groups;
   for (const auto& [params, options] : groups) {
     cpp_groups.emplace_back(params,
                             std::make_unique<ApolloOptions>(joining_apollo_options(options)));
   }
-  auto placement = make_placement(where, budget, groups.front().first.front(),
-                                  TIDEPOOL_TAG_OPTIMIZER_STATE,
+  auto placement = make_placement(where, budget, *first, TIDEPOOL_TAG_OPTIMIZER_STATE,
                                   tidepool::optim::WriteBack::automatic);
-  // Every group has its options; the defaults are the first group's.
-  const auto& defaults = static_cast<const ApolloOptions&>(cpp_groups.front().options());
-  return std::make_unique<Apollo>(cpp_groups, defaults, placement);
+  return std::make_unique<Apollo>(cpp_groups, resolved_defaults, placement);
 }
 
 py::object saved_param_tuple(const std::optional<ApolloSavedParam>& s) {
@@ -468,7 +476,8 @@ PYBIND11_MODULE(_optim, m) {
   });
 
   py::class_<Apollo>(m, "Apollo")
-      .def(py::init(&make_apollo), py::arg("groups"), py::arg("placement"), py::arg("budget"))
+      .def(py::init(&make_apollo), py::arg("groups"), py::arg("placement"), py::arg("budget"),
+           py::arg("defaults"))
       .def("step", [](Apollo& a, const py::object& c) { return step_optimizer(a, c); },
            py::arg("closure"))
       .def("set_options",

@@ -280,6 +280,26 @@ def test_aadl_save_load_continue_equals_an_uninterrupted_run(where):
     assert_bitwise(expected, snapshot(tensors))
 
 
+def test_aadl_reads_wait_for_a_step_or_load_in_another_thread():
+    """accepted, rejected, history_size and placement_stats read the C++ histories, which a
+    load replaces: they wait for the optimizer's other calls (Note [one call at a time];
+    review finding: a read beside a load in another thread read freed memory)."""
+    import threading
+    params, tensors, loss = regression_problem()
+    opt = topt.AADL(torch.optim.SGD(params, lr=0.1), history_depth=4)
+    train(opt, loss, 3)
+    reads = {"accepted": lambda: opt.accepted, "rejected": lambda: opt.rejected,
+             "history_size": opt.history_size, "placement_stats": opt.placement_stats}
+    for name, read in reads.items():
+        done = threading.Event()
+        with opt._lock:  # as a load in another thread holds it
+            reader = threading.Thread(target=lambda: (read(), done.set()))
+            reader.start()
+            assert not done.wait(0.2), f"{name} did not wait for the optimizer's lock"
+        reader.join(10)
+        assert done.is_set(), name
+
+
 def test_aadl_saves_its_history_as_a_tensor_and_loads_the_bytes_of_earlier_versions():
     # Review finding: the history was one bytes object, which torch.save's pickle protocol
     # 2 writes as a latin-1 string (about 1.5x its size) and refuses beyond 4 GiB.
@@ -398,20 +418,52 @@ def test_a_group_frozen_at_lr_0_is_taken_as_the_reference_takes_it():
     """A group given lr 0, in the constructor's list or added later: the reference checks
     only the constructor's lr, and steps the group with the ramp it inherits during the
     warmup (the group's own lr counts after it). It was refused as an invalid lr."""
-    def run(make):
+    def run(make, frozen_first=False):
         params, tensors, loss = regression_problem(torch.float64)
         W, b = tensors
-        opt = make([{"params": [W]}, {"params": [b], "lr": 0.0}], lr=0.01, warmup=2)
+        groups = [{"params": [W]}, {"params": [b], "lr": 0.0}]
+        # A frozen group listed first (a frozen backbone), and an empty group: the first
+        # group's options stood in for the constructor's and were refused (review finding).
+        if frozen_first:
+            groups = [{"params": []}, groups[1], groups[0]]
+        opt = make(groups, lr=0.01, warmup=2)
         train(opt, loss, 4)
         extra = torch.linspace(-1, 1, 3, dtype=torch.float64).requires_grad_()
         opt.add_param_group({"params": [extra], "lr": 0.0})
         train(opt, lambda: loss() + (extra ** 2).sum(), 3)
         return snapshot(tensors + [extra])
-    mine, theirs = run(topt.Apollo), run(ReferenceApollo)
-    for a, b in zip(mine, theirs):
-        assert torch.allclose(a, b, rtol=1e-12, atol=0)
+    for frozen_first in (False, True):
+        mine = run(topt.Apollo, frozen_first)
+        theirs = run(ReferenceApollo, frozen_first)
+        for a, b in zip(mine, theirs):
+            assert torch.allclose(a, b, rtol=1e-12, atol=0)
     with pytest.raises(ValueError, match="learning rate"):
         topt.Apollo([{"params": [torch.zeros(2, requires_grad=True)], "lr": -0.1}], lr=0.01)
+    with pytest.raises(ValueError, match="learning rate"):  # the constructor's own lr
+        topt.Apollo([{"params": [torch.zeros(2, requires_grad=True)], "lr": 0.1}], lr=0.0)
+
+
+def test_after_a_group_is_removed_a_new_optimizer_loads_the_state_dict():
+    """What the README says to do when param_groups changed under Apollo: its state_dict is
+    numbered by the groups as they are now, so a new optimizer over them loads it (review
+    finding: it kept the C++ optimizer's numbers, and the load refused state for a
+    parameter no group lists, or took another parameter's state when shapes matched)."""
+    a, b, c = (torch.randn(n, requires_grad=True) for n in (3, 3, 2))
+    opt = topt.Apollo([{"params": [a]}, {"params": [b, c]}], lr=0.05, warmup=0)
+    for _ in range(2):
+        for p in (a, b, c):
+            p.grad = torch.cos(p.detach())
+        opt.step()
+    del opt.param_groups[0]
+    sd = opt.state_dict()
+    assert sorted(sd["state"]) == [0, 1] and sd["param_groups"][0]["params"] == [0, 1]
+    fresh = topt.Apollo([{"params": [b, c]}], lr=0.05, warmup=0)
+    fresh.load_state_dict(sd)
+    for p, was in zip((b, c), (1, 2)):
+        mine = fresh.state[p]
+        assert mine["step"] == 2
+        before = opt._apollo.saved_param_state(was)  # the C++ numbering: a, b, c
+        assert torch.equal(mine["exp_avg_grad"], before[1])
 
 
 def test_a_refused_group_is_not_added():

@@ -174,7 +174,7 @@ class Apollo(torch.optim.Optimizer):
         super().__init__(params, defaults)
         _check_plain_parameters([p for g in self.param_groups for p in g["params"]], "Apollo")
         groups = [(list(g["params"]), _options_of(g)) for g in self.param_groups]
-        self._apollo = _module().Apollo(groups, state, state_budget)
+        self._apollo = _module().Apollo(groups, state, state_budget, self.defaults)
         self._apollo.fused = bool(fused)
         # The parameters the C++ optimizer steps, group by group (step() checks that
         # param_groups still names them).
@@ -279,9 +279,18 @@ class Apollo(torch.optim.Optimizer):
         (register_state_dict_pre_hook, ...) run as there."""
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
+        # Numbered by the groups as they are now, as "param_groups" below: after a group
+        # was removed or its "params" replaced, this is what a new optimizer over those
+        # groups loads (the C++ optimizer still numbers the tensors it was given, and its
+        # numbers had gone into the state: review finding).
+        saved_all = self._apollo.saved_state()
+        stepped_at = {id(p): i for i, p in
+                      enumerate(itertools.chain.from_iterable(self._stepped))}
         state = {}
-        params = itertools.chain.from_iterable(self._stepped)
-        for index, (p, saved) in enumerate(zip(params, self._apollo.saved_state())):
+        current = itertools.chain.from_iterable(g["params"] for g in self.param_groups)
+        for index, p in enumerate(current):
+            at = stepped_at.get(id(p))
+            saved = saved_all[at] if at is not None else None
             if _apollo_state.shown(p, saved is not None):
                 state[index] = _apollo_state.param_state(p, saved)
         packed, start = [], 0
@@ -457,20 +466,26 @@ class AADL:
         """Where the history lives: "device", "host" or "tiered"."""
         return self._history_placement
 
+    # Reads of the C++ optimizer wait for its step and load too: a load replaces the
+    # histories these read (a read beside it read freed memory: review finding).
     @property
+    @_one_call_at_a_time
     def accepted(self) -> int:
         """Accelerated iterates the safeguard kept so far."""
         return self._aadl.accepted
 
     @property
+    @_one_call_at_a_time
     def rejected(self) -> int:
         """Accelerated iterates the safeguard rejected so far (their loss was not lower)."""
         return self._aadl.rejected
 
+    @_one_call_at_a_time
     def history_size(self, group: int = 0) -> int:
         """How many vectors the history of parameter group `group` holds."""
         return self._aadl.history_size(group)
 
+    @_one_call_at_a_time
     def placement_stats(self, group: int = 0) -> dict:
         """What the placement of parameter group `group`'s history moved and holds, as
         Apollo.placement_stats() says it ("placement" is the C++ placement's name:
