@@ -155,6 +155,9 @@ std::size_t VmmPool::spare_limit_locked() const {
 }
 
 std::size_t VmmPool::release_largest_spare_locked() {
+  // Room to defer its release before the spare leaves the list: a std::bad_alloc then
+  // leaves it a spare, not a handle in neither list (Note [Deferred releases]).
+  deferred_releases_.reserve(deferred_releases_.size() + 1);
   auto largest = std::prev(spares_.end());
   const auto [bytes, h] = *largest;
   spares_.erase(largest);
@@ -171,9 +174,14 @@ void VmmPool::trim_spares_locked() {
 
 void VmmPool::release_spare_host_backings() {
   std::lock_guard lock(mutex_);
-  for (const auto& [bytes, h] : spares_) release_or_defer_locked(h, bytes, MemoryLocation::host);
-  spares_.clear();
-  spare_bytes_ = 0;
+  // One at a time, each out of the list before its release (review finding: released in a
+  // walk of the list and cleared after it, a throw part-way left released handles listed
+  // as spares, to be mapped or released again). Without heap for the deferred list the
+  // rest stay spares, valid and charged, for a later call.
+  try {
+    while (!spares_.empty()) release_largest_spare_locked();
+  } catch (const std::bad_alloc&) {
+  }
 }
 
 // ---- deferred releases and repairs (Note [Deferred releases]) ------------------------------

@@ -433,6 +433,15 @@ bool VmmPool::move_batch_locked(Range& r, const std::vector<std::size_t>& plan,
   // Step 3: the swaps, chunk by chunk.
   for (std::size_t k = begin; k < end; ++k) {
     Chunk& c = r.chunks[plan[k]];
+    // Room to defer one release before the swap: once the new backing is mapped, giving the
+    // old one back must throw nothing (review finding: a std::bad_alloc listing a refused
+    // release there skipped the move's count and its budget ledger entry).
+    try {
+      deferred_releases_.reserve(deferred_releases_.size() + 1);
+    } catch (...) {
+      abandon_from(k);
+      throw;
+    }
     const PhysicalHandle h = fresh[k - begin];
     fresh[k - begin] = PhysicalHandle{};  // swap_chunk_locked owns it from here
     try {

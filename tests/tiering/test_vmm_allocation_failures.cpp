@@ -42,6 +42,22 @@ class CountingBackend final : public ForwardingBackend {
   std::atomic<long> live_{0};
 };
 
+// Refuses every release of a physical backing while `refusing` (a driver error). The
+// error is made beforehand: thrown, it is copied without the heap, which the tests
+// exhaust.
+class RefusingReleases final : public ForwardingBackend {
+ public:
+  using ForwardingBackend::ForwardingBackend;
+  std::atomic<bool> refusing{false};
+
+ private:
+  void do_release_physical(PhysicalHandle h, std::size_t b) override {
+    if (refusing.load()) throw refusal_;
+    ForwardingBackend::do_release_physical(h, b);
+  }
+  const BackendError refusal_{"refused release (test)"};
+};
+
 void expect_nothing_held(VmmPool& pool, const CountingBackend& backend, const std::string& when) {
   const VmmStats s = pool.stats();
   EXPECT_EQ(s.ranges, 0u) << when;
@@ -94,6 +110,45 @@ TEST(VmmAllocationFailures, ARangeThatRunsOutOfHeapLeavesNothingBehind) {
       EXPECT_GT(failures, 2) << label << ": the sweep reached no chunk";
     }
   }
+}
+
+// Review finding: release_spare_host_backings released the spares in a walk of their list
+// and cleared it after; a std::bad_alloc listing a refused release part-way left the
+// released handles listed as spares, to be taken by the next move to the host or released
+// a second time. Now each spare leaves the list before its release, and one without room
+// to be deferred stays a spare, valid: at the end every backing is released exactly once.
+TEST(VmmAllocationFailures, SparesGivenBackWithoutHeapAreReleasedOnceAndNoneIsLost) {
+  auto inner = make_host_backend(0);
+  const std::size_t g = inner->granularity();
+  long failures = 0;
+  for (long n = 0; n < kMaxAllocations; ++n) {
+    const std::string when = "allocation " + std::to_string(n);
+    CountingBackend counting(*inner);
+    RefusingReleases backend(counting);
+    VmmPool pool(backend, VmmPoolOptions{.device_budget_bytes = VmmPoolOptions::kNoDeviceBudget,
+                                         .creation_threads = 0,
+                                         .chunk_granules = 1});
+    void* p = pool.allocate(4 * g, kTagOptimizerState, MemoryLocation::host);
+    pool.migrate(p, MemoryLocation::device);
+    ASSERT_EQ(pool.stats().spare_host_backings, 4u) << when;
+    backend.refusing = true;  // each release is deferred: the deferred list must grow
+    const bool done = test_support::survives_exhaustion(
+        n, [&] { pool.release_spare_host_backings(); });
+    backend.refusing = false;
+    const VmmStats s = pool.stats();
+    EXPECT_EQ(s.spare_host_backings + s.deferred_releases, 4u) << when << ": a spare lost";
+    // The spares left are real backings: a move to the host takes them and its data stays.
+    pool.migrate(p, MemoryLocation::host);
+    pool.migrate(p, MemoryLocation::device);
+    pool.release_spare_host_backings();
+    pool.deallocate(p);
+    EXPECT_EQ(pool.stats().deferred_releases, 0u) << when;
+    EXPECT_EQ(counting.live_physicals(), 0) << when << ": a backing leaked or went twice";
+    if (s.deferred_releases == 4u) break;  // went through with every release deferred
+    ++failures;
+    (void)done;
+  }
+  EXPECT_GT(failures, 0) << "the sweep never failed an allocation";
 }
 
 }  // namespace
