@@ -36,6 +36,7 @@
 #include "tiering/device_budget_ledger.h"
 #include "tiering/pinned_budget.h"
 #include "tiering/stats_json.h"
+#include "tiering/steps_in_flight.h"
 #include "tiering/tiered_store.h"
 #include "tiering/tiering_registry.h"
 #include "tiering/vmm_migration.h"
@@ -181,6 +182,22 @@ int tidepool_range_ids(int device, const void* const* ptrs, size_t n, uint64_t* 
     return 0;
   });
 }
+
+int tidepool_step_begin(int device) {
+  return guarded("tidepool_step_begin", -1, [&] {
+    tidepool::note_step_begin(device);
+    return 0;
+  });
+}
+
+int tidepool_step_end(int device) {
+  return guarded("tidepool_step_end", -1, [&] {
+    tidepool::note_step_end(device);
+    return 0;
+  });
+}
+
+int tidepool_steps_in_flight(int device) { return tidepool::steps_in_flight(device); }
 
 int tidepool_evict_tag(int device, int tag) {
   return guarded("tidepool_evict_tag", -1, [&] {

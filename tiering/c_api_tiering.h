@@ -126,6 +126,19 @@ TIDEPOOL_API int tidepool_device_ranges_except(int device, int tag, const void* 
 TIDEPOOL_API int tidepool_range_ids(int device, const void* const* ptrs, size_t n,
                                     uint64_t* ids);
 
+/* ---- optimizer steps in flight ------------------------------------------------------- */
+/* An optimizer step that uses state on `device` begins / ends on the calling thread (the
+ * Python hooks call these around each torch.optim step; an end comes on the thread of its
+ * begin). While a thread other than the one that runs out of memory has a step in flight
+ * on the device, the out-of-memory policy does not move the device's optimizer state to
+ * the host (Note [Steps of other threads] in tiering/steps_in_flight.cpp): that step's
+ * kernels may be using it. 0 ok; -1 for a device outside 0..15 (message set). An end
+ * without a begin on the thread changes nothing. */
+TIDEPOOL_API int tidepool_step_begin(int device);
+TIDEPOOL_API int tidepool_step_end(int device);
+/* Steps in flight on `device`, over all threads (0 for a device outside 0..15). */
+TIDEPOOL_API int tidepool_steps_in_flight(int device);
+
 /* ---- stats ---------------------------------------------------------------------------- */
 typedef struct tidepool_tiering_stats_v1 {
   uint32_t struct_size; /* set by the caller to sizeof(tidepool_tiering_stats_v1) */

@@ -21,6 +21,7 @@
 #include "allocator/tags.h"
 #include "allocator/tier_routing.h"
 #include "tiering/lock_before.h"
+#include "tiering/steps_in_flight.h"
 #include "tiering/tiered_store.h"
 #include "tiering/vmm_migration.h"
 
@@ -254,6 +255,16 @@ namespace {
 constexpr std::uint64_t kRoutedTags = std::uint64_t{1} << kTagOptimizerState;
 
 std::size_t push_ranges_to_host(VmmPool& pool, std::size_t bytes_needed) {
+  // Note [Steps of other threads] in steps_in_flight.cpp.
+  if (steps_of_other_threads(pool.backend().device())) {
+    static std::once_flag said;
+    std::call_once(said, [&] {
+      std::fprintf(stderr, "tidepool: device %d ran out of memory while another thread's "
+                           "optimizer step was in flight there: its state is not moved to the "
+                           "host under it (said once)\n", pool.backend().device());
+    });
+    return 0;
+  }
   std::size_t moved = 0;
   for (int tag = 0; tag < kTagCount && moved < bytes_needed; ++tag) {
     if ((kRoutedTags >> tag & 1u) == 0) continue;

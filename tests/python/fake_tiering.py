@@ -44,6 +44,8 @@ def fake_tiering(monkeypatch):
     monkeypatch.setattr(_state_moves, "_stream", lambda torch, d: 4242)
     yield moves
     assert _in_flight.in_flight() == {}, "a step is still counted in flight"
+    # The C side's count too (Note [Steps of other threads]): every begin had its end.
+    assert _tiering._fn("tidepool_steps_in_flight")(0) == 0, "a step still counted in C"
 
 
 EVICT = ("evict", 0, _tags.OPTIMIZER_STATE, 4242)

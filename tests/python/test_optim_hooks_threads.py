@@ -184,3 +184,27 @@ def test_a_step_that_begins_while_the_tag_is_evicted_waits_for_the_eviction(
 
     run_threads(b.step, step_a, release_when_a_waits)
     assert fake_tiering == ["evicting", EVICT, prefetch_of(a), EVICT]
+
+
+def test_the_c_side_counts_a_step_in_flight_on_another_thread(fake_cuda, fake_tiering):
+    """Note [Steps of other threads] (tiering/steps_in_flight.cpp): while a step is in
+    flight on one thread, the library knows it, so an out-of-memory on another thread
+    leaves that step's state where it is; once the step is over the count is back to 0."""
+    install()
+    inside, release = threading.Event(), threading.Event()
+    seen = []
+
+    def pace():
+        inside.set()
+        waited(release)
+
+    opt = PacedSGD([model(4)], pace, lr=0.1, momentum=0.9)
+
+    def watch():
+        waited(inside)
+        seen.append(_tiering._fn("tidepool_steps_in_flight")(0))
+        release.set()
+
+    run_threads(opt.step, watch)
+    assert seen == [1]
+    assert _tiering._fn("tidepool_steps_in_flight")(0) == 0

@@ -7,7 +7,9 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <future>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "allocator/c_api.h"
@@ -107,6 +109,48 @@ TEST_F(StatePressureTest, AnOrdinaryAllocationOnAFullDeviceMovesStateOut) {
         << "range " << i;
   }
   tidepool_free(block, 3 * kRange, kSmallDevice, nullptr);
+}
+
+// Note [Steps of other threads] (tiering/steps_in_flight.cpp): while another thread's
+// optimizer step is in flight on the device, an OOM here moves none of the state that step
+// may be using; the thread's own step does not hold it back.
+TEST_F(StatePressureTest, AnotherThreadsStepInFlightKeepsTheStateWhereItIs) {
+  for (int i = 0; i < static_cast<int>(kCapacity / kRange); ++i) {
+    ASSERT_NE(new_state(static_cast<unsigned char>(0x50 + i)), nullptr) << tidepool_last_error();
+  }
+  const std::size_t on_device = pool().stats().device_backed_bytes;
+  std::promise<void> began, finish;
+  std::thread stepping([&] {
+    EXPECT_EQ(tidepool_step_begin(kSmallDevice), 0);
+    began.set_value();
+    finish.get_future().wait();
+    EXPECT_EQ(tidepool_step_end(kSmallDevice), 0);
+  });
+  began.get_future().wait();
+  EXPECT_EQ(tidepool_steps_in_flight(kSmallDevice), 1);
+  void* block = tidepool_malloc(static_cast<ssize_t>(3 * kRange), kSmallDevice, nullptr);
+  EXPECT_EQ(block, nullptr) << "state was moved under another thread's step";
+  EXPECT_EQ(pool().stats().device_backed_bytes, on_device);
+  ASSERT_EQ(tidepool_step_begin(kSmallDevice), 0);  // this thread's own step too
+  EXPECT_EQ(tidepool_malloc(static_cast<ssize_t>(3 * kRange), kSmallDevice, nullptr), nullptr)
+      << "the other thread's step still counts";
+  std::thread([] { EXPECT_EQ(tidepool_step_end(kSmallDevice), 0); }).join();
+  EXPECT_EQ(tidepool_steps_in_flight(kSmallDevice), 2) << "an end without its begin counted";
+  finish.set_value();
+  stepping.join();
+  // Alone now, its own step does not hold the state back: it moves and the block fits.
+  block = tidepool_malloc(static_cast<ssize_t>(3 * kRange), kSmallDevice, nullptr);
+  ASSERT_NE(block, nullptr) << tidepool_last_error();
+  EXPECT_LT(pool().stats().device_backed_bytes, on_device);
+  for (int i = 0; i < static_cast<int>(state_.size()); ++i) {
+    EXPECT_TRUE(holds(state_[static_cast<std::size_t>(i)], static_cast<unsigned char>(0x50 + i)))
+        << "range " << i;
+  }
+  tidepool_free(block, 3 * kRange, kSmallDevice, nullptr);
+  ASSERT_EQ(tidepool_step_end(kSmallDevice), 0);
+  EXPECT_EQ(tidepool_steps_in_flight(kSmallDevice), 0);
+  EXPECT_EQ(tidepool_step_begin(-1), -1);
+  EXPECT_NE(std::string(tidepool_last_error()).find("device -1"), std::string::npos);
 }
 
 TEST_F(StatePressureTest, WhatCannotFitEvenWithAllStateOnTheHostIsStillAClearOom) {

@@ -57,16 +57,25 @@ def begin(devices: list[int]) -> None:
     there in pool mode (Note [steps in flight in pool mode])."""
     if not devices:
         return
+    from . import _tiering
     with _condition:
         _condition.wait_for(lambda: _moving.isdisjoint(devices))
         for d in devices:
             _steps[d] = _steps.get(d, 0) + 1
+    # The C side too, on this thread (Note [Steps of other threads] in
+    # tiering/steps_in_flight.cpp): another thread's out-of-memory then leaves this step's
+    # state where it is.
+    for d in devices:
+        _tiering.note_step(d, begins=True)
 
 
 def end(devices: list[int]) -> None:
-    """The step that began on `devices` is over."""
+    """The step that began on `devices` is over (on the thread where it began)."""
     if not devices:
         return
+    from . import _tiering
+    for d in devices:
+        _tiering.note_step(d, begins=False)
     with _condition:
         for d in devices:
             left = _steps.get(d, 0) - 1

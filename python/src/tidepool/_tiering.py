@@ -59,6 +59,9 @@ _SIGNATURES = {
     "tidepool_vmm_owns": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_int]),
     "tidepool_range_ids": (ctypes.c_int, [ctypes.c_int, ctypes.POINTER(ctypes.c_void_p),
                                           ctypes.c_size_t, ctypes.POINTER(ctypes.c_uint64)]),
+    "tidepool_step_begin": (ctypes.c_int, [ctypes.c_int]),
+    "tidepool_step_end": (ctypes.c_int, [ctypes.c_int]),
+    "tidepool_steps_in_flight": (ctypes.c_int, [ctypes.c_int]),
 }
 
 
@@ -86,6 +89,16 @@ def _synchronize(device: int, stream: int | None) -> None:
         if torch is None:
             raise RuntimeError("tidepool: evicting after a stream needs torch")
         torch.cuda.ExternalStream(stream, device=device).synchronize()
+
+
+def note_step(device: int, begins: bool) -> None:
+    """Tells the C side that a step begins or ends on `device` on this thread (Note [Steps
+    of other threads] in tiering/steps_in_flight.cpp: an out-of-memory then leaves the
+    state of other threads' steps where it is). Nothing with a build without tiering."""
+    name = "tidepool_step_begin" if begins else "tidepool_step_end"
+    if _lib.optional(name) is not None:
+        _check(_fn(name)(device), f"{'beginning' if begins else 'ending'} a step on device "
+                                  f"{device}")
 
 
 def _raw_stats(device: int) -> TieringStatsV1 | None:
