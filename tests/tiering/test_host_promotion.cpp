@@ -13,6 +13,7 @@
 namespace tidepool {
 namespace {
 
+using tiering_test::contents;
 using tiering_test::FailingBackend;
 using tiering_test::first_difference;
 using tiering_test::random_bytes;
@@ -36,11 +37,6 @@ class HostPromotionTest : public tiering_test::TieringStreamTest {
     store.evict(h);
     store.synchronize();
     return seen;
-  }
-  std::vector<unsigned char> contents(TieredStore& store, TieredStore::Handle h) {
-    std::vector<unsigned char> out(store.size(h));
-    store.read(h, out.data());
-    return out;
   }
 };
 

@@ -25,6 +25,7 @@
 namespace tidepool {
 namespace {
 
+using tiering_test::contents;
 using tiering_test::first_difference;
 using tiering_test::random_bytes;
 using tiering_test::StreamGate;
@@ -83,11 +84,6 @@ class LoadsOverWriteBacksTest : public ::testing::TestWithParam<Param> {
     backend().copy_async(dev, data.data(), data.size(), CopyKind::host_to_device, stream_);
     backend().stream_synchronize(stream_);  // `data` stays valid anyway; keeps steps apart
     store.release(h, /*dirty=*/true);
-  }
-  std::vector<unsigned char> contents(TieredStore& store, TieredStore::Handle h) {
-    std::vector<unsigned char> out(store.size(h));
-    store.read(h, out.data());
-    return out;
   }
   // True when the event stays incomplete for 50 ms: the work before it is held back.
   bool stays_pending(Event e) {

@@ -25,6 +25,7 @@
 namespace tidepool {
 namespace {
 
+using tiering_test::contents;
 using tiering_test::first_difference;
 using tiering_test::kMiB;
 using tiering_test::random_bytes;
@@ -111,11 +112,6 @@ class NoRoomNoWaitTest : public tiering_test::TieringStreamTest {
     store.acquire(held.y, other_);
     store.acquire(held.z, other_);
     return held;
-  }
-  std::vector<unsigned char> contents(TieredStore& store, TieredStore::Handle h) {
-    std::vector<unsigned char> out(store.size(h));
-    store.read(h, out.data());
-    return out;
   }
 
   Stream other_;

@@ -28,6 +28,7 @@ namespace tidepool {
 namespace {
 
 using tiering_test::acquire_on_new_stream;
+using tiering_test::contents;
 using tiering_test::first_difference;
 using tiering_test::random_bytes;
 using tiering_test::StreamGate;
@@ -60,11 +61,6 @@ class TieredStoreTest : public tiering_test::TieringStreamTest {
     WrittenHandle written{store.create(bytes, kTagOptimizerState), random_bytes(bytes, seed)};
     store.write(written.handle, written.data.data());
     return written;
-  }
-  std::vector<unsigned char> contents(TieredStore& s, TieredStore::Handle h) {
-    std::vector<unsigned char> out(s.size(h));
-    s.read(h, out.data());
-    return out;
   }
 };
 

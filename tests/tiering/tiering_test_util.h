@@ -158,6 +158,13 @@ inline std::vector<unsigned char> random_bytes(std::size_t n, std::uint64_t seed
   return v;
 }
 
+// The latest contents of a handle not acquired (TieredStore::read: waits for them).
+inline std::vector<unsigned char> contents(TieredStore& store, TieredStore::Handle h) {
+  std::vector<unsigned char> out(store.size(h));
+  store.read(h, out.data());
+  return out;
+}
+
 // Index of the first differing byte, or -1.
 inline long first_difference(const unsigned char* a, const unsigned char* b, std::size_t n) {
   for (std::size_t i = 0; i < n; ++i) {
