@@ -327,6 +327,8 @@ std::string CachingAllocator::Impl::oom_message(std::size_t bytes, std::size_t r
        << " (retried at each release)";
     if (release_error) os << ": " << error_text(release_error);
     os << ". ";
+  } else if (release_error) {  // Note [A stream that cannot be waited for] (segments.cpp)
+    os << "Giving cached memory back stopped short: " << error_text(release_error) << ". ";
   }
   if (info.total_bytes != 0 && bytes > info.total_bytes)
     os << "The request is larger than the whole device: check the size computation.";

@@ -403,22 +403,6 @@ struct ArchiveReader {
   }
 };
 
-// Group g's history from its archive (history_<g>), as a new history of `current`'s depth
-// and placement on the parameters' device, in their dtype; `current` is left as it is.
-//
-// Dtypes. The history vectors are iterates of the parameters and are stored in their
-// dtype, as step() pushes them; an archive saved from a model of another dtype (fp64
-// loaded into fp32, or back) is cast to it, as PyTorch's Optimizer.load_state_dict casts
-// floating-point state to its parameter's dtype: fp64 → fp32 rounds the iterates, the
-// other way is exact. The matrices are then recomputed from the vectors as stored, not
-// taken from the archive: G and c must be DRᵀDR and DRᵀb of exactly the stored vectors,
-// because later pushes add rows computed from the stored values, and G with rows of two
-// origins is the Gram matrix of no history (it need not even be positive semidefinite);
-// recomputing costs one pass per vector, once, at load. gram and rhs are fp64 however the
-// parameters are (anderson_history.h) and save writes them so: any other dtype or shape
-// is no archive of AADL's and is refused, not cast (an fp32 "Gram matrix" cast up would
-// pass for the fp64 accumulator it is not). Vectors that are not floating point are
-// refused too: integer "iterates" are no archive of AADL's either.
 // Note [What a loaded Gram matrix must be]
 // The archive's G is taken as it is (recomputing it costs a pass per vector), so it is
 // checked for what every G AADL saves has, whatever the parameters did: symmetric to the
@@ -439,6 +423,22 @@ void check_saved_gram(const ArchiveReader& reader, const torch::Tensor& gram) {
               "AADL saved (a damaged archive?)");
 }
 
+// Group g's history from its archive (history_<g>), as a new history of `current`'s depth
+// and placement on the parameters' device, in their dtype; `current` is left as it is.
+//
+// Dtypes. The history vectors are iterates of the parameters and are stored in their
+// dtype, as step() pushes them; an archive saved from a model of another dtype (fp64
+// loaded into fp32, or back) is cast to it, as PyTorch's Optimizer.load_state_dict casts
+// floating-point state to its parameter's dtype: fp64 → fp32 rounds the iterates, the
+// other way is exact. The matrices are then recomputed from the vectors as stored, not
+// taken from the archive: G and c must be DRᵀDR and DRᵀb of exactly the stored vectors,
+// because later pushes add rows computed from the stored values, and G with rows of two
+// origins is the Gram matrix of no history (it need not even be positive semidefinite);
+// recomputing costs one pass per vector, once, at load. gram and rhs are fp64 however the
+// parameters are (anderson_history.h) and save writes them so: any other dtype or shape
+// is no archive of AADL's and is refused, not cast (an fp32 "Gram matrix" cast up would
+// pass for the fp64 accumulator it is not). Vectors that are not floating point are
+// refused too: integer "iterates" are no archive of AADL's either.
 std::unique_ptr<AndersonHistory> read_history(torch::serialize::InputArchive& archive, size_t g,
                                               const AndersonHistory& current,
                                               const std::vector<torch::Tensor>& params) {

@@ -24,8 +24,8 @@ SHOWN = 5
 # locked-memory limit, prefetches refused, more bytes moved than the state).
 VALIDITY = ("pageable_MiB", "memlock_capped", "pageable_blocks", "prefetch_skipped", "skipped",
             "B/param")
-# Google Benchmark's aggregate rows other than the median (a run's repetitions show as
-# their median alone).
+# Google Benchmark's aggregate rows other than the median: the console fallback leaves
+# them out (the JSON path also shows a run's repetitions as their median alone).
 AGGREGATES = ("_mean", "_stddev", "_cv")
 
 

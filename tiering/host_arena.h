@@ -174,7 +174,7 @@ class TIDEPOOL_API HostArena {
   // pin one now: never the pageable fallback, so nothing is counted or said as one. The
   // tiered store moves a pageable block into pinned memory with it (Note [Pageable blocks
   // are promoted] in host_promotion.cpp). A refusal says whether the budget was what
-  // stopped it (then asking again costs no system call until it has room). Throws
+  // stopped it (then asking again maps and registers nothing until it has room). Throws
   // HostArenaError (a bad size; mimalloc misbehaving) or std::bad_alloc, as allocate does.
   struct PinnedAttempt {
     HostBlock block;

@@ -16,7 +16,7 @@
 //     out of it (dev_ready: a prefetched copy evicted clean before its load landed) are
 //     done. A block still in use is left for a later load; nothing waits.
 //   - A refusal for want of budget is asked again at every load of a pageable handle:
-//     the arena answers it without a system call, and the budget is resolved anew each
+//     the arena answers it without mapping or registering anything, the budget resolved anew each
 //     time (a raised tidepool.pinned_budget is seen), for each handle's own size. Any
 //     other refusal (the backend would not register, mmap failed, no mimalloc) costs
 //     system calls to find out, so it is asked again only once the arena's pinned room

@@ -16,7 +16,11 @@
 // state there: the allocation fails as it would without tiering, the state intact, and
 // the hooks' own eviction after the steps moves it as usual. The thread's own steps do
 // not hold it back (a step that runs out of memory in its foreach temporaries still
-// pushes state out and goes on).
+// pushes state out and goes on). A step whose closure runs is counted out meanwhile (the
+// hooks end it before the closure and begin it again after): it enqueues nothing on its
+// state then, and the closure's backward runs on PyTorch's autograd threads, whose
+// out-of-memory would otherwise take it for another thread's step. The ranges are asked
+// about before each one moves, as a step may begin while earlier ones move.
 #include "tiering/steps_in_flight.h"
 
 #include <atomic>
@@ -29,7 +33,19 @@ namespace tidepool {
 
 namespace {
 std::atomic<int> g_steps[kMaxDevices];
-thread_local int t_steps[kMaxDevices] = {};
+
+// This thread's steps; what a thread that ends with steps still counted (an unguarded
+// step that raised, its scope never closed) leaves is taken out of the totals, or every
+// later out-of-memory on the device would take it for a step in flight.
+struct ThreadSteps {
+  int n[kMaxDevices] = {};
+  ~ThreadSteps() {
+    for (int d = 0; d < kMaxDevices; ++d) {
+      if (n[d] > 0) g_steps[d].fetch_sub(n[d], std::memory_order_acq_rel);
+    }
+  }
+};
+thread_local ThreadSteps t_steps;
 
 void check_device_index(int device) {
   if (device < 0 || device >= kMaxDevices) {
@@ -41,14 +57,14 @@ void check_device_index(int device) {
 
 void note_step_begin(int device) {
   check_device_index(device);
-  ++t_steps[device];
+  ++t_steps.n[device];
   g_steps[device].fetch_add(1, std::memory_order_acq_rel);
 }
 
 void note_step_end(int device) {
   check_device_index(device);
-  if (t_steps[device] == 0) return;
-  --t_steps[device];
+  if (t_steps.n[device] == 0) return;
+  --t_steps.n[device];
   g_steps[device].fetch_sub(1, std::memory_order_acq_rel);
 }
 
@@ -59,7 +75,7 @@ int steps_in_flight(int device) noexcept {
 
 bool steps_of_other_threads(int device) noexcept {
   if (device < 0 || device >= kMaxDevices) return false;
-  return g_steps[device].load(std::memory_order_acquire) > t_steps[device];
+  return g_steps[device].load(std::memory_order_acquire) > t_steps.n[device];
 }
 
 }  // namespace tidepool

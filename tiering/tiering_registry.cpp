@@ -254,17 +254,21 @@ namespace {
 // ABI made under other tags are their owner's to place.
 constexpr std::uint64_t kRoutedTags = std::uint64_t{1} << kTagOptimizerState;
 
+// Note [Steps of other threads] in steps_in_flight.cpp: asked before each range, as a
+// step may begin while earlier ranges move (each move lets the pool's lock go).
+bool another_thread_steps(const VmmPool& pool) {
+  const int device = pool.backend().device();
+  if (!steps_of_other_threads(device)) return false;
+  static std::once_flag said;
+  std::call_once(said, [&] {
+    std::fprintf(stderr, "tidepool: device %d ran out of memory while another thread's "
+                         "optimizer step was in flight there: its state is not moved to the "
+                         "host under it (said once)\n", device);
+  });
+  return true;
+}
+
 std::size_t push_ranges_to_host(VmmPool& pool, std::size_t bytes_needed) {
-  // Note [Steps of other threads] in steps_in_flight.cpp.
-  if (steps_of_other_threads(pool.backend().device())) {
-    static std::once_flag said;
-    std::call_once(said, [&] {
-      std::fprintf(stderr, "tidepool: device %d ran out of memory while another thread's "
-                           "optimizer step was in flight there: its state is not moved to the "
-                           "host under it (said once)\n", pool.backend().device());
-    });
-    return 0;
-  }
   std::size_t moved = 0;
   for (int tag = 0; tag < kTagCount && moved < bytes_needed; ++tag) {
     if ((kRoutedTags >> tag & 1u) == 0) continue;
@@ -273,7 +277,7 @@ std::size_t push_ranges_to_host(VmmPool& pool, std::size_t bytes_needed) {
     std::vector<std::uint64_t> ids;
     const std::vector<void*> bases = pool.device_backed_ranges(tag, {}, &ids);
     for (std::size_t i = 0; i < bases.size(); ++i) {
-      if (moved >= bytes_needed) break;
+      if (moved >= bytes_needed || another_thread_steps(pool)) break;
       try {
         const MigrationResult r = pool.migrate(bases[i], MemoryLocation::host, ids[i]);
         moved += r.bytes_moved;

@@ -167,9 +167,15 @@ std::size_t VmmPool::release_largest_spare_locked() {
   return deferred_releases_.size() == deferred ? bytes : 0;  // a deferred one stays charged
 }
 
-void VmmPool::trim_spares_locked() {
+// Never throws: it runs where the work is done (a move's end, from a destructor; a free
+// that succeeded). Without heap to defer a release the spares beyond the limit stay, valid,
+// until a later trim.
+void VmmPool::trim_spares_locked() noexcept {
   const std::size_t limit = spare_limit_locked();
-  while (spare_bytes_ > limit && !spares_.empty()) release_largest_spare_locked();
+  try {
+    while (spare_bytes_ > limit && !spares_.empty()) release_largest_spare_locked();
+  } catch (const std::bad_alloc&) {
+  }
 }
 
 void VmmPool::release_spare_host_backings() {

@@ -400,7 +400,7 @@ class TIDEPOOL_API VmmPool {
   PhysicalHandle take_spare_locked(std::size_t bytes);
   void keep_or_release_locked(PhysicalHandle old, std::size_t bytes, MemoryLocation where);
   std::size_t spare_limit_locked() const;
-  void trim_spares_locked();
+  void trim_spares_locked() noexcept;
   // Pre: a spare is kept. Releases the largest; returns its bytes, or 0 when its release
   // was deferred (it stays charged until then).
   std::size_t release_largest_spare_locked();

@@ -208,3 +208,24 @@ def test_the_c_side_counts_a_step_in_flight_on_another_thread(fake_cuda, fake_ti
     run_threads(opt.step, watch)
     assert seen == [1]
     assert _tiering._fn("tidepool_steps_in_flight")(0) == 0
+
+
+def test_a_step_whose_closure_runs_is_no_step_in_flight_for_the_c_side(fake_cuda, fake_tiering):
+    """The closure's backward runs on PyTorch's autograd threads: counted in meanwhile, the
+    step would keep the state from moving when that backward runs out of memory (review
+    finding). So the C side counts it out around its closure, and in again after."""
+    install()
+    counts = {}
+    in_flight = _tiering._fn("tidepool_steps_in_flight")
+
+    def closure():
+        counts["closure"] = in_flight(0)
+        return torch.tensor(1.0)
+
+    opt = PacedSGD([model(4)], lambda: counts.setdefault("after", in_flight(0)), lr=0.1,
+                   momentum=0.9)
+    opt.step()  # its state exists from here: the steps hold device 0
+    counts.clear()
+    opt.step(closure)
+    assert counts == {"closure": 0, "after": 1}
+    assert in_flight(0) == 0

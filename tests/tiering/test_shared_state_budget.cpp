@@ -26,6 +26,7 @@
 namespace tidepool {
 namespace {
 
+using tiering_test::contents;
 using tiering_test::first_difference;
 using tiering_test::random_bytes;
 
@@ -61,11 +62,6 @@ class SharedStateBudgetTest : public tiering_test::TieringStreamTest {
     backend().copy_async(dev, data.data(), data.size(), CopyKind::host_to_device, stream);
     backend().stream_synchronize(stream);
     s.release(h, /*dirty=*/true);
-  }
-  std::vector<unsigned char> contents(TieredStore& s, TieredStore::Handle h) {
-    std::vector<unsigned char> out(s.size(h));
-    s.read(h, out.data());
-    return out;
   }
   // `n` handles of kUnit in `s`, each resident, released and dirty with its own data.
   struct Filled {

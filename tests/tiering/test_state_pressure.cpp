@@ -151,6 +151,9 @@ TEST_F(StatePressureTest, AnotherThreadsStepInFlightKeepsTheStateWhereItIs) {
   EXPECT_EQ(tidepool_steps_in_flight(kSmallDevice), 0);
   EXPECT_EQ(tidepool_step_begin(-1), -1);
   EXPECT_NE(std::string(tidepool_last_error()).find("device -1"), std::string::npos);
+  // A thread that ends with a step still counted (its scope never closed) is counted out.
+  std::thread([] { EXPECT_EQ(tidepool_step_begin(kSmallDevice), 0); }).join();
+  EXPECT_EQ(tidepool_steps_in_flight(kSmallDevice), 0) << "a finished thread's step counts";
 }
 
 TEST_F(StatePressureTest, WhatCannotFitEvenWithAllStateOnTheHostIsStillAClearOom) {

@@ -57,25 +57,48 @@ def begin(devices: list[int]) -> None:
     there in pool mode (Note [steps in flight in pool mode])."""
     if not devices:
         return
-    from . import _tiering
     with _condition:
         _condition.wait_for(lambda: _moving.isdisjoint(devices))
         for d in devices:
             _steps[d] = _steps.get(d, 0) + 1
     # The C side too, on this thread (Note [Steps of other threads] in
     # tiering/steps_in_flight.cpp): another thread's out-of-memory then leaves this step's
-    # state where it is.
-    for d in devices:
-        _tiering.note_step(d, begins=True)
+    # state where it is. Should that fail, the step was never counted in.
+    try:
+        note_in_c(devices, begins=True)
+    except BaseException:
+        _count_out(devices)
+        raise
+
+
+def note_in_c(devices: list[int], begins: bool) -> None:
+    """Tells the C side that a step on `devices` begins (or goes on) on this thread, or
+    ends (or waits for its closure: Note [Steps of other threads]). A begin that fails
+    part-way is taken back."""
+    from . import _tiering
+    done = []
+    try:
+        for d in devices:
+            _tiering.note_step(d, begins=begins)
+            done.append(d)
+    except BaseException:
+        if begins:
+            for d in done:
+                _tiering.note_step(d, begins=False)
+        raise
 
 
 def end(devices: list[int]) -> None:
     """The step that began on `devices` is over (on the thread where it began)."""
     if not devices:
         return
-    from . import _tiering
-    for d in devices:
-        _tiering.note_step(d, begins=False)
+    try:
+        note_in_c(devices, begins=False)
+    finally:
+        _count_out(devices)
+
+
+def _count_out(devices: list[int]) -> None:
     with _condition:
         for d in devices:
             left = _steps.get(d, 0) - 1

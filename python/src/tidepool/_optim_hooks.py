@@ -131,6 +131,9 @@ def _closure_outside_the_scope(optimizer, closure, index: int):
         scope = scopes[-1]
         try:
             _step_scopes._close_scope(step_over=False)
+            # Its state is not used while the closure runs (on the C side it is then no
+            # step in flight: Note [Steps of other threads] in tiering/steps_in_flight.cpp).
+            _in_flight.note_in_c(scope.devices, begins=False)
         except BaseException:
             # Closed all the same (closing goes on through errors), but the step is no
             # longer anyone's to count out: the guard finds no scope of it. Counted out,
@@ -141,6 +144,7 @@ def _closure_outside_the_scope(optimizer, closure, index: int):
             return closure(*args, **kwargs)
         finally:
             try:
+                _in_flight.note_in_c(scope.devices, begins=True)
                 _step_scopes._open_scope(scope.devices, _step_tags._step_tag(optimizer), optimizer,
                                          scope.optimizers, scope.pooled)
             except BaseException:
