@@ -449,6 +449,9 @@ namespace {
 struct Releasable {
   Segment* segment;
   std::size_t head;  // expandable: first granule of the run
+  const char* lo;    // [lo, hi): its addresses
+  const char* hi;
+  Block* from;  // a block at or before the first one overlapping [lo, hi)
 };
 
 // True when every block overlapping [lo, hi) is free (not allocated, quick or pending)
@@ -570,11 +573,14 @@ std::size_t CachingAllocator::Impl::release_cached(std::size_t want, bool wait,
   std::vector<Releasable> found;
   std::size_t found_bytes = 0;
   std::set<void*> streams_to_sync;
-  auto note_owners = [&](const char* lo, const char* hi, Block* from) {
-    for (Block* b = from; b != nullptr && b->ptr < hi; b = b->next)
-      // Released streams' blocks are settled and their streams gone: nothing to wait for.
-      if (b->ptr + b->size > lo && b->owner != released.get())
-        streams_to_sync.insert(b->owner->stream.handle);
+  // The streams of the blocks in a piece found. Released streams' blocks are settled and
+  // their streams gone: nothing to wait for.
+  const auto for_each_owner = [&](const Releasable& r, const auto& fn) {
+    for (const Block* b = r.from; b != nullptr && b->ptr < r.hi; b = b->next)
+      if (b->ptr + b->size > r.lo && b->owner != released.get()) fn(b->owner->stream.handle);
+  };
+  const auto note_owners = [&](const Releasable& r) {
+    for_each_owner(r, [&](void* s) { streams_to_sync.insert(s); });
   };
   for (auto& [base, seg] : segments) {
     if (found_bytes >= want) break;
@@ -583,9 +589,9 @@ std::size_t CachingAllocator::Impl::release_cached(std::size_t want, bool wait,
       // several).
       Block* cursor = seg->first;
       if (all_free(cursor, seg->base, seg->base + seg->size, !wait, waitable, only_owner)) {
-        found.push_back({seg, 0});
+        found.push_back({seg, 0, seg->base, seg->base + seg->size, seg->first});
         found_bytes += seg->size;
-        note_owners(seg->base, seg->base + seg->size, seg->first);
+        note_owners(found.back());
       }
       continue;
     }
@@ -595,9 +601,9 @@ std::size_t CachingAllocator::Impl::release_cached(std::size_t want, bool wait,
       const char* lo = seg->base + g * granule;
       const char* hi = lo + seg->run_granules[g] * granule;
       if (!all_free(cursor, lo, hi, !wait, waitable, only_owner)) continue;
-      found.push_back({seg, g});
+      found.push_back({seg, g, lo, hi, cursor});
       found_bytes += seg->run_granules[g] * granule;
-      note_owners(lo, hi, cursor);
+      note_owners(found.back());
     }
   }
   if (found.empty()) return 0;
@@ -628,17 +634,9 @@ std::size_t CachingAllocator::Impl::release_cached(std::size_t want, bool wait,
   }
   if (!unsynced.empty()) {
     std::erase_if(found, [&](const Releasable& r) {
-      const char* lo = r.segment->base + (r.segment->expandable ? r.head * granule : 0);
-      const char* hi = r.segment->expandable
-                           ? lo + r.segment->run_granules[r.head] * granule
-                           : r.segment->base + r.segment->size;
-      for (const Block* b = r.segment->first; b != nullptr && b->ptr < hi; b = b->next) {
-        if (b->ptr + b->size > lo && b->owner != released.get() &&
-            unsynced.count(b->owner->stream.handle) != 0) {
-          return true;
-        }
-      }
-      return false;
+      bool owned_by_unsynced = false;
+      for_each_owner(r, [&](void* s) { owned_by_unsynced |= unsynced.count(s) != 0; });
+      return owned_by_unsynced;
     });
   }
   unreleased.reserve(unreleased.size() + found.size());  // Note [Unreleased handles]

@@ -168,26 +168,23 @@ std::size_t VmmPool::release_largest_spare_locked() {
 }
 
 // Never throws: it runs where the work is done (a move's end, from a destructor; a free
-// that succeeded). Without heap to defer a release the spares beyond the limit stay, valid,
-// until a later trim.
-void VmmPool::trim_spares_locked() noexcept {
-  const std::size_t limit = spare_limit_locked();
+// that succeeded; empty_cache). One spare at a time, each out of the list before its
+// release (review finding: released in a walk of the list and cleared after it, a throw
+// part-way left released handles listed as spares, to be mapped or released again).
+// Without heap to defer a release the spares beyond `limit` stay, valid and charged,
+// until a later call.
+void VmmPool::release_spares_beyond_locked(std::size_t limit) noexcept {
   try {
     while (spare_bytes_ > limit && !spares_.empty()) release_largest_spare_locked();
   } catch (const std::bad_alloc&) {
   }
 }
 
+void VmmPool::trim_spares_locked() noexcept { release_spares_beyond_locked(spare_limit_locked()); }
+
 void VmmPool::release_spare_host_backings() {
   std::lock_guard lock(mutex_);
-  // One at a time, each out of the list before its release (review finding: released in a
-  // walk of the list and cleared after it, a throw part-way left released handles listed
-  // as spares, to be mapped or released again). Without heap for the deferred list the
-  // rest stay spares, valid and charged, for a later call.
-  try {
-    while (!spares_.empty()) release_largest_spare_locked();
-  } catch (const std::bad_alloc&) {
-  }
+  release_spares_beyond_locked(0);
 }
 
 // ---- deferred releases and repairs (Note [Deferred releases]) ------------------------------

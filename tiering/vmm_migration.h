@@ -401,6 +401,8 @@ class TIDEPOOL_API VmmPool {
   void keep_or_release_locked(PhysicalHandle old, std::size_t bytes, MemoryLocation where);
   std::size_t spare_limit_locked() const;
   void trim_spares_locked() noexcept;
+  // Releases spares, largest first, until at most `limit` bytes of them are left.
+  void release_spares_beyond_locked(std::size_t limit) noexcept;
   // Pre: a spare is kept. Releases the largest; returns its bytes, or 0 when its release
   // was deferred (it stays charged until then).
   std::size_t release_largest_spare_locked();
