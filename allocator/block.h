@@ -97,6 +97,10 @@ struct Segment {
   std::vector<std::int32_t> run_head;
   std::vector<PhysicalHandle> run_handle;
   std::vector<std::uint32_t> run_granules;
+  // Expandable only, one entry per slot: how many of its granules are mapped. Whether a
+  // slot is fully backed, empty or in between is asked on every allocation (choose_fit,
+  // back_block); the count answers without a walk over the slot's granules.
+  std::vector<std::uint32_t> slot_mapped;
   // Expandable only: the head granule of every mapping run, in address order, so scans
   // for free runs visit the runs instead of every granule of the (device-sized) range.
   std::set<std::uint32_t> mapped_runs;

@@ -184,6 +184,14 @@ void CachingAllocator::Impl::insert_free(Block* b, bool is_new_free) {
     pool.erase(b->next);
     merge_into(b, b->next);
   }
+  if (is_new_free && b->segment->expandable) {
+    const auto other_free = [&](const Block* n) {
+      return n != nullptr && n->state == BlockState::free && n->owner != b->owner;
+    };
+    if (b->size >= shortest_slot(b->segment) * granule || b->next == nullptr ||
+        other_free(b->prev) || other_free(b->next))
+      ++movable_epoch;
+  }
   pool.insert(b);
 }
 

@@ -79,8 +79,17 @@ struct __attribute__((visibility("hidden"))) CachingAllocator::Impl {
   // free_epoch at the last recycling scan that found nothing to release: until another
   // block becomes free, scanning again is pointless.
   std::uint64_t futile_recycle_at = UINT64_MAX;
-  // free_epoch at the last search for movable free runs that found none.
+  // Counts the frees after which a whole mapping slot may lie in free memory: the block,
+  // merged with its free neighbours, is as long as the segment's shortest slot, or ends
+  // the segment (past used_end is free), or has a free neighbour of another stream (the
+  // two do not merge). Any other free leaves every slot as it was, backed under some live
+  // block, so a search for movable slots would find what the last one found.
+  std::uint64_t movable_epoch = 0;
+  // movable_epoch at the last search for movable free runs that found none, and the slot
+  // length (granules) it looked for: the small ranges' free granules never back a large
+  // range's slot, so a search for one length says nothing of another.
   std::uint64_t futile_move_at = UINT64_MAX;
+  std::size_t futile_move_granules = 0;
   // Set (under `mutex`) while a try_allocate runs, which waits for nothing: no move that
   // would synchronize with the allocating stream, no recycling (whose releases may).
   bool waits_forbidden = false;
@@ -225,11 +234,13 @@ struct __attribute__((visibility("hidden"))) CachingAllocator::Impl {
     std::size_t head;
     std::size_t granules;
     bool needs_sync;
-    bool whole_slot;  // one run backing a whole slot: only those move
   };
-  // Every free run that may move now. `unsettled`: set when free runs were skipped
-  // because another stream may still use them (a later search may find them settled).
-  std::vector<FreeRun> find_free_runs(StreamPools& allocating, bool& unsettled);
+  // Every free run that may move now into a slot of `granules`: one run backing a whole
+  // slot of that length (a handle maps whole). `unsettled`: set when such runs were
+  // skipped because another stream may still use them (a later search may find them
+  // settled).
+  std::vector<FreeRun> find_free_runs(StreamPools& allocating, std::size_t granules,
+                                      bool& unsettled);
   // Whether backing [ptr, ptr+size) of seg would take reserved memory past the point
   // where moves start (Note [Moving free runs]).
   bool backing_needs_moves(const Segment* seg, const char* ptr, std::size_t size) const;
@@ -244,6 +255,12 @@ struct __attribute__((visibility("hidden"))) CachingAllocator::Impl {
   // Granules of the slot starting at granule `head` (the last slot of a range may be short).
   static std::size_t slot_length(const Segment* seg, std::size_t head) {
     return std::min<std::size_t>(seg->slot_granules, seg->run_head.size() - head);
+  }
+  // Granules in the shortest slot of an expandable segment: its last, when the range is
+  // not a whole number of slots.
+  static std::size_t shortest_slot(const Segment* seg) {
+    const std::size_t rest = seg->run_head.size() % seg->slot_granules;
+    return rest != 0 ? rest : seg->slot_granules;
   }
   // create_physical + map of granules [head, head+granules) of seg; false when out of memory.
   bool create_run(Segment* seg, std::size_t head, std::size_t granules);

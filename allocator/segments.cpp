@@ -47,6 +47,15 @@
 // the moves, choose_fit places a block at whichever end of its best fit is already
 // backed once backing would need moves (backed_fit_when_moving): 76 moves instead of 176
 // over GPT-2's trace, same packing.
+// What the moves cost: each is an unmap and a map (23 + 37 us on the H200) where a new
+// slot is a create and a map (16.8 + 37 us), so moves pay off only for slots that are
+// never needed again where they were. On GPT-2's trace the 76 moves save 11 slots at the
+// peak (1.024 instead of 1.069 reserved per live byte) and cost 1.25x the no-release
+// replay's time at those costs. The moves come while the working set grows over the
+// first four steps, and most go back and forth as each step's large blocks land higher
+// in the range: even a budget set by the trace's own final peak (moves only above 1.03x
+// of it, an oracle) took 49 moves (1.16x). Fewer moves need a placement that keeps the
+// large blocks where they were, not a different slack.
 //
 // Note [Recycling free runs]
 // The older alternative, off by default: with options.recycle_slack >= 0, before new
@@ -123,6 +132,7 @@ CachingAllocator::Impl::Segment* CachingAllocator::Impl::create_segment(StreamPo
     seg->run_head.assign(granules, -1);
     seg->run_handle.assign(granules, PhysicalHandle{});
     seg->run_granules.assign(granules, 0);
+    seg->slot_mapped.assign((granules + seg->slot_granules - 1) / seg->slot_granules, 0);
   }
   // The map node, made in a scratch map: inserting a node handle allocates nothing.
   decltype(segments) scratch;
@@ -269,32 +279,35 @@ bool CachingAllocator::Impl::back_block(Block* b, std::size_t first, std::size_t
   Segment* seg = b->segment;
   // Note [Moving free runs]: moves start once new backing would take reserved memory
   // past (1 + move_slack) x the peak of allocated memory. Movable slots are looked for
-  // once per call, and not at all while no block was freed since a search found none.
-  const bool may_move = options.move_free_runs && futile_move_at != free_epoch;
+  // once per call and slot length, and not at all while no free since a search for that
+  // length found none could have made a slot wholly free (movable_epoch).
   const std::uint64_t move_above = reserved_budget(b->size, options.move_slack);
-  bool searched = false;
+  std::size_t searched_length = 0;  // the slot length `movable` holds runs of
   std::vector<FreeRun> movable;
   const std::size_t per_slot = seg->slot_granules;
   for (std::size_t head = first / per_slot * per_slot; head < end; head += per_slot) {
     const std::size_t length = slot_length(seg, head);
+    const std::size_t mapped = seg->slot_mapped[head / per_slot];
+    if (mapped == length) continue;  // backed whole
     const std::size_t lo = std::max(head, first);
     const std::size_t hi = std::min(head + length, end);
-    bool needed = false;  // some granule under b is unmapped
-    bool empty = true;    // no granule of the slot is mapped
-    for (std::size_t g = head; g < head + length; ++g) {
-      const bool mapped = seg->run_head[g] >= 0;
-      empty = empty && !mapped;
-      needed = needed || (!mapped && g >= lo && g < hi);
-    }
+    const bool empty = mapped == 0;  // no granule of the slot is mapped
+    bool needed = empty;             // some granule under b is unmapped
+    for (std::size_t g = lo; g < hi && !needed; ++g) needed = seg->run_head[g] < 0;
     if (!needed) continue;
     if (created.capacity() == 0) created.reserve(end - first);
     const std::size_t bytes = length * granule;
-    if (empty && may_move && stats.reserved.current + bytes > move_above) {
-      if (!searched) {
-        searched = true;
+    const bool futile = futile_move_at == movable_epoch && futile_move_granules == length;
+    if (empty && options.move_free_runs && stats.reserved.current + bytes > move_above &&
+        (searched_length == length || !futile)) {
+      if (searched_length != length) {
+        searched_length = length;
         bool unsettled = false;
-        movable = find_free_runs(*b->owner, unsettled);
-        if (movable.empty() && !unsettled) futile_move_at = free_epoch;
+        movable = find_free_runs(*b->owner, length, unsettled);
+        if (movable.empty() && !unsettled) {
+          futile_move_at = movable_epoch;
+          futile_move_granules = length;
+        }
       }
       if (move_free_run(seg, head, length, movable, *b->owner)) continue;
     }
@@ -399,6 +412,8 @@ void CachingAllocator::Impl::map_run(Segment* seg, std::size_t head, std::size_t
   ++mapping.map_calls;
   for (std::size_t i = head; i < head + granules; ++i)
     seg->run_head[i] = static_cast<std::int32_t>(head);
+  // A run never crosses a slot boundary: slots are backed whole or granule by granule.
+  seg->slot_mapped[head / seg->slot_granules] += static_cast<std::uint32_t>(granules);
   seg->run_handle[head] = h;
   seg->run_granules[head] = static_cast<std::uint32_t>(granules);
   seg->mapped_bytes += bytes;
@@ -413,6 +428,7 @@ PhysicalHandle CachingAllocator::Impl::unmap_run(Segment* seg, std::size_t head)
   ++mapping.unmap_calls;
   const PhysicalHandle h = seg->run_handle[head];
   for (std::size_t i = head; i < head + granules; ++i) seg->run_head[i] = -1;
+  seg->slot_mapped[head / seg->slot_granules] -= static_cast<std::uint32_t>(granules);
   seg->run_handle[head] = PhysicalHandle{};
   seg->run_granules[head] = 0;
   seg->mapped_runs.erase(static_cast<std::uint32_t>(head));
@@ -431,14 +447,16 @@ std::size_t CachingAllocator::Impl::unbacked_bytes(const Segment* seg, const cha
   std::size_t n = 0;
   for (std::size_t head = first / per_slot * per_slot; head < end; head += per_slot) {
     const std::size_t length = slot_length(seg, head);
-    std::size_t missing = 0;
-    bool empty = true;
-    for (std::size_t g = head; g < head + length; ++g) {
-      const bool mapped = seg->run_head[g] >= 0;
-      empty = empty && !mapped;
-      if (!mapped && g >= first && g < end) ++missing;
+    const std::size_t mapped = seg->slot_mapped[head / per_slot];
+    if (mapped == length) continue;
+    if (mapped == 0) {  // the slot overlaps [lo, hi), so some granule of it is missing
+      n += length * granule;
+      continue;
     }
-    if (missing != 0) n += (empty ? length : missing) * granule;
+    std::size_t missing = 0;
+    for (std::size_t g = std::max(head, first); g < std::min(head + length, end); ++g)
+      missing += seg->run_head[g] < 0 ? 1 : 0;
+    n += missing * granule;
   }
   return n;
 }
@@ -475,7 +493,7 @@ bool all_free(Block*& cursor, const char* lo, const char* hi, bool settled_only,
 }  // namespace
 
 std::vector<CachingAllocator::Impl::FreeRun> CachingAllocator::Impl::find_free_runs(
-    StreamPools& allocating, bool& unsettled) {
+    StreamPools& allocating, std::size_t granules, bool& unsettled) {
   unsettled = false;
   // Runs of other streams qualify once a completed fence covers their frees (no wait);
   // bring every stream's fence up to date first (at most one event per stream).
@@ -483,8 +501,12 @@ std::vector<CachingAllocator::Impl::FreeRun> CachingAllocator::Impl::find_free_r
   std::vector<FreeRun> found;
   for (auto& [base, seg] : segments) {
     if (!seg->expandable || seg->mapped_runs.empty()) continue;
+    if (seg->slot_granules < granules) continue;  // a small range: granule slots
     Block* cursor = seg->first;
     for (const std::uint32_t g : seg->mapped_runs) {
+      if (seg->run_granules[g] != granules || g % seg->slot_granules != 0 ||
+          slot_length(seg, g) != granules)
+        continue;  // not a whole slot of that length
       const char* lo = seg->base + g * granule;
       const char* hi = lo + seg->run_granules[g] * granule;
       if (!all_free(cursor, lo, hi, false)) continue;
@@ -496,9 +518,7 @@ std::vector<CachingAllocator::Impl::FreeRun> CachingAllocator::Impl::find_free_r
       bool needs_sync = false;
       for (const Block* b = cursor; b != nullptr && b->ptr < hi; b = b->next)
         needs_sync = needs_sync || b->free_seq > b->owner->safe_seq;
-      const bool whole_slot = g % seg->slot_granules == 0 &&
-                              seg->run_granules[g] == slot_length(seg, g);
-      found.push_back({seg, g, seg->run_granules[g], needs_sync, whole_slot});
+      found.push_back({seg, g, granules, needs_sync});
     }
   }
   return found;
@@ -520,7 +540,7 @@ bool CachingAllocator::Impl::move_free_run(Segment* seg, std::size_t head,
   std::size_t pick = movable.size();
   for (std::size_t i = movable.size(); i-- > 0;) {
     const FreeRun& r = movable[i];
-    if (r.granules != granules || !r.whole_slot) continue;
+    if (r.granules != granules) continue;
     if (waits_forbidden && must_wait(r)) continue;
     if (pick == movable.size()) pick = i;
     if (!r.needs_sync) {

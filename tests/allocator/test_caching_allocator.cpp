@@ -599,6 +599,84 @@ TEST_P(Moves, ABlockThatReachesItsPoolAfterAFutileSearchCanMove) {
   be.destroy_stream(other);
 }
 
+// After a search found nothing, moves stay off until a free may have made a slot wholly
+// free (movable_epoch). A free block shorter than a slot does so in two ways: as the
+// last block of its range, whose slot runs on past used_end; and beside a free block of
+// another stream, which it does not merge with. Each case below leaves moves off without
+// that rule: the slot stays where it is and new memory is created.
+TEST_P(Moves, TheLastBlocksSlotMovesAfterAFutileSearch) {
+  TIDEPOOL_ALLOCATOR_OR_SKIP(a);
+  Backend& be = a->backend();
+  const std::size_t granule = slot_ / 2;
+  void* keep = a->allocate(slot_);  // searches, finds nothing: moves off
+  void* tail = a->allocate(granule);  // the next slot, backed whole; past it, nothing
+  a->deallocate(tail, granule);
+  be.stream_synchronize({});
+  const std::uint64_t acquired = a->stats().segments.allocated;
+  const Stream other = be.create_stream();
+  void* z = a->allocate(slot_, other);  // a range of its own, backed by tail's slot
+  EXPECT_EQ(a->mapping_stats().runs_moved, 1u);
+  EXPECT_EQ(a->stats().segments.allocated, acquired);
+  Battery::fill_and_check(be, z, slot_, 11);
+  expect_mapping_accounts(*a);
+  a->deallocate(z, slot_, other);
+  a->deallocate(keep, slot_);
+  be.destroy_stream(other);
+}
+
+TEST_P(Moves, ASlotFreedByTwoStreamsMovesAfterAFutileSearch) {
+  TIDEPOOL_ALLOCATOR_OR_SKIP(a);
+  Backend& be = a->backend();
+  const std::size_t granule = slot_ / 2;
+  const Stream other = be.create_stream();
+  char* front = static_cast<char*>(a->allocate(granule));  // searches, finds nothing
+  char* back = static_cast<char*>(a->allocate(granule));
+  void* keep = a->allocate(slot_);
+  ASSERT_EQ(back, front + granule);
+  a->deallocate(front, granule);
+  be.stream_synchronize({});
+  // `other` has no memory: it takes front's block (Note [Cross-stream reuse]).
+  void* taken = a->allocate(granule, other);
+  ASSERT_EQ(taken, front);
+  a->deallocate(back, granule);
+  a->deallocate(taken, granule, other);  // beside `back`, free but another stream's
+  be.stream_synchronize(other);
+  const std::uint64_t acquired = a->stats().segments.allocated;
+  void* z = a->allocate(2 * slot_);  // one slot moved from front and back, one created
+  EXPECT_EQ(a->mapping_stats().runs_moved, 1u);
+  EXPECT_EQ(a->stats().segments.allocated, acquired + 1);
+  Battery::fill_and_check(be, z, 2 * slot_, 12);
+  expect_mapping_accounts(*a);
+  a->deallocate(z, 2 * slot_);
+  a->deallocate(keep, slot_);
+  be.destroy_stream(other);
+}
+
+// A small range's slots are single granules, a large range's are longer: a search that
+// found no free slot of one length leaves moves on for the other.
+TEST_P(Moves, ASearchForOneSlotLengthLeavesTheOtherLengthOn) {
+  TIDEPOOL_ALLOCATOR_OR_SKIP(a);
+  Backend& be = a->backend();
+  constexpr std::size_t kSmall = 4096;
+  void* little = a->allocate(kSmall);  // a small range's granule; searches, finds nothing
+  a->deallocate(little, kSmall);
+  a->flush_thread_caches();  // the block reaches its pool, its granule wholly free
+  void* keep = a->allocate(slot_);  // searches for a large slot, finds none
+  be.stream_synchronize({});
+  const std::uint64_t acquired = a->stats().segments.allocated;
+  const Stream other = be.create_stream();
+  // Too large for the free block (taking it would need no backing): a small range of its
+  // own, whose granule is moved from the free one.
+  void* z = a->allocate(2 * kSmall, other);
+  EXPECT_EQ(a->mapping_stats().runs_moved, 1u);
+  EXPECT_EQ(a->stats().segments.allocated, acquired);
+  Battery::fill_and_check(be, z, 2 * kSmall, 13);
+  expect_mapping_accounts(*a);
+  a->deallocate(z, 2 * kSmall, other);
+  a->deallocate(keep, slot_);
+  be.destroy_stream(other);
+}
+
 TEST_P(Moves, AFailedMapPutsTheSlotBackOrReleasesIt) {
   if (GetParam() != "host") GTEST_SKIP() << "fault injection exists on the host backend only";
   TIDEPOOL_ALLOCATOR_OR_SKIP(a);
