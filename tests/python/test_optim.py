@@ -489,7 +489,12 @@ def test_the_closure_runs_with_grad_and_its_loss_is_returned():
         return value
     result = opt.step(closure)
     assert seen == [True] and isinstance(result, torch.Tensor) and result.item() > 0
-    assert opt.step(lambda: 1.5).item() == 1.5  # a number is taken as the loss
+    # Whatever the closure returns comes back as it was, as from torch.optim's step.
+    assert opt.step(lambda: 1.5) == 1.5
+    outputs = (loss().detach(), {"logits": None})
+    assert opt.step(lambda: outputs) is outputs
+    with torch.no_grad():
+        assert opt.step(lambda: torch.is_grad_enabled()) is True
 
 
 def test_an_exception_in_the_closure_propagates_and_changes_nothing():
@@ -504,8 +509,6 @@ def test_an_exception_in_the_closure_propagates_and_changes_nothing():
         raise KeyError("from the closure")
     with pytest.raises(KeyError, match="from the closure"):
         opt.step(failing)
-    with pytest.raises(TypeError, match="closure must return"):
-        opt.step(lambda: "a string")
     assert_bitwise(snapshot(twin_tensors), snapshot(tensors))
     train(opt, loss, 2)
     train(twin, twin_loss, 2)
@@ -520,6 +523,9 @@ def test_aadl_closure_exception_propagates():
         raise ArithmeticError("inner closure")
     with pytest.raises(ArithmeticError, match="inner closure"):
         opt.step(failing)
+    # AADL's safeguard compares losses: its closure's result must be one.
+    with pytest.raises(TypeError, match="closure must return a tensor, a number or None"):
+        opt.step(lambda: "a string")
 
 
 def test_a_safeguard_closure_that_throws_leaves_every_group_with_this_steps_store():

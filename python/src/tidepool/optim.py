@@ -247,12 +247,19 @@ class Apollo(torch.optim.Optimizer):
     @_one_call_at_a_time
     def step(self, closure=None):
         """One Apollo step for every parameter with a gradient; with a closure, calls it
-        (grad mode on) and returns its loss. A step it refuses (sparse gradients, a dtype
-        other than float32, float64, bfloat16 or float16, invalid options) raises and
-        changes nothing."""
+        first (grad mode on) and returns what it returned, as torch.optim does: the update
+        does not use it (review finding: a number came back as a float64 tensor, and a
+        closure returning (loss, outputs) was refused). A step it refuses (sparse
+        gradients, a dtype other than float32, float64, bfloat16 or float16, invalid
+        options) raises and changes no parameter or state."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
         self._check_parameters()
         self._send_options()
-        return self._apollo.step(closure)
+        self._apollo.step(None)
+        return loss
 
     def _check_parameters(self) -> None:
         """Review finding: a group's "params" replaced (HF Accelerate's parameter switch
