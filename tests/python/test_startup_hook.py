@@ -128,6 +128,38 @@ def test_keys_the_script_sets_before_importing_torch_are_claimed(run_python):
         in result.stderr
 
 
+def test_keys_set_again_after_an_inherited_configuration_are_claimed(run_python):
+    """Note [named again before import torch] in _startup.py: a spawned worker inherits
+    TIDEPOOL_ALLOC_CONF and runs the parent's main module again, whose os.environ[...]
+    line names tidepool in PyTorch's variable before `import torch`. Those keys are
+    claimed too (review finding: left there, PyTorch refused backend:tidepool), and win
+    over the inherited ones."""
+    result = run_python("""
+        import os
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = (
+            "max_split_size_mb:256,backend:tidepool,tidepool.state_budget:1GiB,tidepool.log:off")
+        import torch, tidepool
+        print(os.environ.get("PYTORCH_CUDA_ALLOC_CONF"))
+        print(os.environ.get("TIDEPOOL_ALLOC_CONF"))
+        print(tidepool.config()["state_budget"]["bytes"] == 1 << 30)
+    """, TIDEPOOL_ALLOC_CONF="backend:tidepool,tidepool.state_budget:2GiB,tidepool.log:off")
+    assert result.stdout.strip().splitlines() == [
+        "max_split_size_mb:256", "backend:tidepool,tidepool.state_budget:1GiB,tidepool.log:off",
+        "True"]
+
+
+def test_bytes_that_are_not_utf8_in_pytorchs_entries_pass_through(run_python):
+    """os.environ decodes the environment with surrogateescape; the hook brought it in line
+    with the rewritten variables as UTF-8 only, so a byte that is not UTF-8 in one of
+    PyTorch's entries raised UnicodeDecodeError at the start of every Python process."""
+    result = run_python("""
+        import os
+        print(ascii(os.environ.get("PYTORCH_CUDA_ALLOC_CONF")))
+    """, PYTORCH_CUDA_ALLOC_CONF="backend:tidepool,tidepool.log:off,note:caf\udce9")
+    assert result.stdout.strip() == ascii("note:caf\udce9")
+    assert result.stderr == ""
+
+
 def test_the_hook_is_cheap_when_not_named(run_python):
     result = run_python("""
         import sys

@@ -115,4 +115,4 @@ def sync_environ() -> None:
         if value is None:
             os.environ.pop(name, None)
         else:
-            os.environ[name] = value.decode("utf-8")
+            os.environ[name] = os.fsdecode(value)  # as os.environ decodes: any bytes

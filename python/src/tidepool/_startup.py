@@ -257,8 +257,24 @@ class _ExecutedTorchLoader(importlib.abc.Loader):
         _remove_finder()
 
 
+def _named_since_start() -> bool:
+    """Whether PyTorch's variables mention tidepool again after start() claimed them."""
+    from . import _config as config_module
+    return any("tidepool" in os.environ.get(variable, "")
+               for variable in config_module.VARIABLES)
+
+
 class _TorchImportFinder(importlib.abc.MetaPathFinder):
-    """Finds nothing itself: wraps the loader of `torch` that the other finders find."""
+    """Finds nothing itself: wraps the loader of `torch` that the other finders find.
+
+    Note [named again before import torch]: the keys claimed at start-up may come from
+    TIDEPOOL_ALLOC_CONF (inherited from a parent), and the script may then set PyTorch's
+    variables itself before it imports torch: torch.multiprocessing.spawn's workers run
+    the parent's main module again, whose os.environ["PYTORCH_CUDA_ALLOC_CONF"] =
+    "backend:tidepool" line did that. Nothing claimed those keys, and PyTorch refused
+    them (review finding). So the variables are looked at again when torch is looked
+    for, and keys found there are claimed as at start-up (PyTorch's variables win over an
+    inherited TIDEPOOL_ALLOC_CONF)."""
 
     def find_spec(self, fullname, path=None, target=None):
         if fullname != "torch" or getattr(_searching, "active", False):
@@ -268,6 +284,10 @@ class _TorchImportFinder(importlib.abc.MetaPathFinder):
             return importlib.util.spec_from_loader(
                 "torch", _ExecutedTorchLoader(_torch_after_failure), origin=executed.origin,
                 is_package=True)
+        if _named_since_start():
+            start()
+            if _finder is not self:  # nothing to install any more
+                return None
         _searching.active = True
         try:
             spec = importlib.util.find_spec("torch")
