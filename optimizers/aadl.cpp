@@ -262,14 +262,16 @@ torch::Tensor AADL::step(LossClosure closure) {
   // rest for good. So they still store it before the error goes on (an error of their
   // own then is not the one to report). A group whose own store is what failed goes
   // without this step's vector: there was no room for it.
+  // Each group on its own: one whose store fails leaves the ones after it storing (review
+  // finding: the first failure ended the loop, and those groups lost the step for good).
   size_t group = 0;
   const auto store_the_rest = [&] {
     if (!stores) return;
-    try {
-      for (size_t g = group + 1; g < histories_.size(); ++g) {
+    for (size_t g = group + 1; g < histories_.size(); ++g) {
+      try {
         histories_[g]->push(flatten(inner_->param_groups()[g].params()));
+      } catch (...) {
       }
-    } catch (...) {
     }
   };
   try {

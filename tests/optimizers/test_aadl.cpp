@@ -337,11 +337,13 @@ TEST(AADL, SafeguardRejectsAWorseExtrapolation) {
 }
 
 // A placement whose buffers refuse to be acquired (and so overwritten) while `failing` is
-// set: a tiered store that cannot load a chunk, a device out of memory in the pass.
+// set: a tiered store that cannot load a chunk, a device out of memory in the pass. With
+// `only_numel` >= 0, only the buffers of that many elements refuse.
 class FlakyPlacement final : public tidepool::optim::StatePlacement {
  public:
   explicit FlakyPlacement(bool reuse = false) : reuse_(reuse) {}
   bool failing = false;
+  int64_t only_numel = -1;
   std::unique_ptr<tidepool::optim::StateBuffer> create(const torch::Tensor& initial) override {
     return std::make_unique<Buffer>(initial, *this);
   }
@@ -357,7 +359,9 @@ class FlakyPlacement final : public tidepool::optim::StatePlacement {
 
    private:
     torch::Tensor do_acquire() override {
-      TORCH_CHECK(!owner_.failing, "flaky placement: cannot load");
+      TORCH_CHECK(!owner_.failing ||
+                      (owner_.only_numel >= 0 && tensor_.numel() != owner_.only_numel),
+                  "flaky placement: cannot load");
       return tensor_;
     }
     void do_release(torch::Tensor&, bool) override {}
@@ -461,6 +465,48 @@ TEST(AADL, AFailedStoreOfTheAcceptedIterateLeavesThePlainIterate) {
     EXPECT_EQ(opt.accepted(), 0);
     EXPECT_EQ(opt.history(0).size(), std::min<int64_t>(stored + 1, 4));
     EXPECT_TRUE(torch::equal(p.detach(), opt.history(0).newest()));
+    return;
+  }
+  FAIL() << "no step accelerated";
+}
+
+// Group 0's safeguard closure throws (out of memory in a forward pass), so the groups after
+// it make this step's store before the error goes on; group 1's store fails too (its
+// chunks cannot load). Group 2 still stores this step's vector, or its history would hold
+// other steps than group 0's for good.
+TEST(AADL, AFailedStoreInOneGroupLeavesTheStoresOfTheGroupsAfterIt) {
+  auto placement = std::make_shared<FlakyPlacement>();
+  torch::manual_seed(7);
+  std::vector<torch::Tensor> params;
+  std::vector<torch::optim::OptimizerParamGroup> groups;
+  for (const int64_t n : {6, 5, 4}) {
+    params.push_back(torch::randn({n}, torch::kFloat64).requires_grad_());
+    groups.emplace_back(std::vector<torch::Tensor>{params.back()});
+  }
+  AADL opt(std::make_shared<torch::optim::SGD>(groups, torch::optim::SGDOptions(0.1)),
+           AADLOptions().relaxation(1.0).history_depth(4), placement);
+  for (int step = 0; step < 6; ++step) {
+    const bool accelerates = opt.history(0).size() >= 2;
+    const AADL::LossClosure closure = [&] {
+      if (torch::GradMode::is_enabled()) {
+        for (auto& p : params) p.mutable_grad() = torch::sin(p.detach() * (step + 1));
+        return torch::zeros({}, torch::kFloat64);
+      }
+      placement->failing = true;  // group 1's chunks refuse to load from now on
+      placement->only_numel = 5;
+      TORCH_CHECK(false, "out of memory");
+      return torch::Tensor();
+    };
+    if (!accelerates) {
+      opt.step(closure);
+      continue;
+    }
+    const int64_t stored1 = opt.history(1).size(), stored2 = opt.history(2).size();
+    expect_error_mentions([&] { opt.step(closure); }, "out of memory");
+    placement->failing = false;
+    EXPECT_EQ(opt.history(1).size(), stored1);
+    EXPECT_EQ(opt.history(2).size(), std::min<int64_t>(stored2 + 1, 4));
+    EXPECT_TRUE(torch::equal(opt.history(2).newest(), params[2].detach()));
     return;
   }
   FAIL() << "no step accelerated";
