@@ -389,6 +389,10 @@ int tidepool_enable_peer_access(int device, int peer) {
   });
 }
 
+int tidepool_peer_access_enabled(int device, int peer) {
+  return guarded(-1, [&] { return tidepool::peer_access_enabled(device, peer) ? 1 : 0; });
+}
+
 int tidepool_empty_cache_all(void) {
   return guarded(-1, [] {
     for (int d = 0; d < tidepool::kMaxDevices; ++d) {

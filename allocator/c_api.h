@@ -133,6 +133,11 @@ TIDEPOOL_API int tidepool_device_holds_address(int device, const void* ptr);
  * for a device or peer that does not exist, peer == device, or a peer that cannot access
  * the device (cuDeviceCanAccessPeer); nothing changes then. */
 TIDEPOOL_API int tidepool_enable_peer_access(int device, int peer);
+/* Whether tidepool_enable_peer_access(device, peer) was done (by the caller, by tidepool's
+ * c10 allocator, or by the LD_PRELOAD shim when the program called
+ * cudaDeviceEnablePeerAccess): 1, else 0, or -1 (tidepool_last_error) for an index
+ * outside 0..15. Creates no allocator. */
+TIDEPOOL_API int tidepool_peer_access_enabled(int device, int peer);
 /* Moves the small blocks every thread parked in its per-thread cache, on every device,
  * back to the shared pools (where any thread may reuse them); they stay cached memory.
  * tidepool_empty_cache does this itself before giving memory back. 0, or -1 on error. */

@@ -156,6 +156,22 @@ void enable_peer_access(int device, int peer) {
   }
 }
 
+bool peer_access_enabled(int device, int peer) {
+  for (const int index : {device, peer}) {
+    if (index < 0 || index >= kMaxDevices)
+      throw AllocatorUsageError("tidepool: " + std::to_string(index) +
+                                " is not a device index (0.." + std::to_string(kMaxDevices - 1) +
+                                ")");
+  }
+  Registry& r = registry();
+  std::lock_guard lock(r.mutex);
+  if (CachingAllocator* a = r.allocators[device].load(std::memory_order_acquire)) {
+    const std::vector<int> peers = a->backend().peers();
+    return std::find(peers.begin(), peers.end(), peer) != peers.end();
+  }
+  return r.pending_peers[device].test(peer);
+}
+
 void observe_segment_events(bool on) {
   Registry& r = registry();
   std::lock_guard lock(r.mutex);  // an allocator created meanwhile gets the new state

@@ -38,6 +38,9 @@ TIDEPOOL_API CachingAllocator* checked_existing_allocator(int device);
 // BackendError for a device or peer that does not exist, the same device twice, or a
 // peer that cannot reach the device (check_peer_access); nothing changes then.
 TIDEPOOL_API void enable_peer_access(int device, int peer);
+// Whether enable_peer_access(device, peer) was done: granted to the device's allocator,
+// or remembered for it. Throws AllocatorUsageError for an index outside 0..kMaxDevices-1.
+TIDEPOOL_API bool peer_access_enabled(int device, int peer);
 // Observing the segment events (Note [Segment events], segment_events.h) of every
 // device's allocator, existing and future, so that an observer misses no backing an
 // allocator created after it started. Counted: events flow while more observers started

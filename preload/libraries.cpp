@@ -267,7 +267,8 @@ void* open_or_say(void* (*open)(std::string& tried), const char* failure) {
 constexpr const char* kInterposed =
     "cudaMalloc/cudaFree, cudaMallocAsync/cudaFreeAsync (and their _ptsz forms), "
     "cudaStreamDestroy, cudaIpcGetMemHandle, cudaDeviceReset, the other allocations "
-    "(cudaMallocPitch, ...) and the memory-pool calls the shim watches";
+    "(cudaMallocPitch, ...), the memory-pool calls and cudaDeviceEnablePeerAccess the "
+    "shim watches";
 
 // tidepool.log:off read from the variables themselves, for the one message given before
 // libtidepool (whose parser knows the keys) is loaded, or when it never is.
@@ -324,7 +325,8 @@ void bind_optional(void* cudart, RealCudart& c) {
            symbol("cudaMallocFromPoolAsync_ptsz", c.malloc_from_pool_async_ptsz),
            symbol("cudaDeviceSetMemPool", c.device_set_mem_pool),
            symbol("cudaDeviceGetDefaultMemPool", c.device_get_default_mem_pool),
-           symbol("cudaMemPoolSetAccess", c.mem_pool_set_access));
+           symbol("cudaMemPoolSetAccess", c.mem_pool_set_access),
+           symbol("cudaDeviceEnablePeerAccess", c.device_enable_peer_access));
 }
 
 // Resolves the forwarding target (Note [two once-flags]) and decides whether tidepool may
@@ -393,7 +395,8 @@ void initialise() {
                      symbol("tidepool_holds_address", t.holds_address),
                      symbol("tidepool_device_holds_address", t.device_holds_address),
                      symbol("tidepool_in_forked_child", t.in_forked_child),
-                     symbol("tidepool_empty_cache", t.empty_cache))) {
+                     symbol("tidepool_empty_cache", t.empty_cache),
+                     symbol("tidepool_enable_peer_access", t.enable_peer_access))) {
     return;
   }
   char error[2048] = "";

@@ -65,6 +65,7 @@ struct RealCudart {
   cudaError_t (*device_set_mem_pool)(int, cudaMemPool_t) = nullptr;
   cudaError_t (*device_get_default_mem_pool)(cudaMemPool_t*, int) = nullptr;
   cudaError_t (*mem_pool_set_access)(cudaMemPool_t, const cudaMemAccessDesc*, size_t) = nullptr;
+  cudaError_t (*device_enable_peer_access)(int, unsigned) = nullptr;  // Note [peer access ...]
 };
 
 struct TidepoolAbi {
@@ -83,6 +84,8 @@ struct TidepoolAbi {
   // tidepool_holds_address of one device: the shim asks it once some device was reset
   // (Note [cudaDeviceReset under the shim]).
   int (*device_holds_address)(int, const void*) = nullptr;
+  // Note [peer access under the shim] (watched_calls.cpp).
+  int (*enable_peer_access)(int, int) = nullptr;
 };
 
 struct Allocation {

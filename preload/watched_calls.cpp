@@ -33,10 +33,23 @@
 //     its pools before its first allocation). cudaMalloc does not use pools and stays
 //     tidepool's. Frees need nothing: a pointer the shim did not hand out is the
 //     runtime's.
+//
+// Note [peer access under the shim]
+// cudaDeviceEnablePeerAccess gives the current device access to a peer's cudaMalloc
+// memory, but not to memory mapped through CUDA's virtual memory management, which is what
+// tidepool hands out (expandable segments): a program that enabled peer access and then
+// read another device's buffer from a kernel faulted under the shim (review finding;
+// PyTorch does this for copies between devices). So after the runtime enabled it (or
+// found it enabled), the shim grants the same access to tidepool's memory of the peer
+// device, now and for its mappings to come (tidepool_enable_peer_access, which sets
+// tidepool up first, as a cudaMalloc would). Disabling is forwarded alone: memory that
+// stays reachable breaks no program. A grant tidepool refuses (the runtime allowed it, so
+// it should not) is said on stderr; the program gets the runtime's answer.
 #include <cuda_runtime_api.h>
 
 #include <atomic>
 #include <cstdint>
+#include <string>
 
 #include "allocator/backend.h"
 #include "preload/shim.h"
@@ -140,6 +153,29 @@ TIDEPOOL_PRELOAD_EXPORT cudaError_t cudaDeviceSetMemPool(int device, cudaMemPool
         s.cuda.device_get_default_mem_pool(&default_pool, device) == cudaSuccess &&
         default_pool == pool;
     set_device(s.own_pool_devices, device, !is_default);
+  }
+  return e;
+}
+
+TIDEPOOL_PRELOAD_EXPORT cudaError_t cudaDeviceEnablePeerAccess(int peer_device, unsigned flags) {
+  const cudaError_t e = forward(&RealCudart::device_enable_peer_access, peer_device, flags);
+  if ((e != cudaSuccess && e != cudaErrorPeerAccessAlreadyEnabled) || !watching() ||
+      !tidepool_device(peer_device)) {
+    return e;
+  }
+  ProgramLastError last_error;  // the runtime's answer stays the program's last error
+  int current = 0;
+  if (!ready() || in_forked_child() || shim().cuda.get_device(&current) != cudaSuccess ||
+      !tidepool_device(current)) {
+    return e;
+  }
+  Shim& s = shim();
+  InsideTidepool inside;
+  s.tp.clear_error();
+  if (s.tp.enable_peer_access(peer_device, current) != 0) {
+    say("", std::string("cudaDeviceEnablePeerAccess: tidepool could not give device ") +
+                std::to_string(current) + " access to its memory of device " +
+                std::to_string(peer_device) + ": " + s.tp.last_error());
   }
   return e;
 }

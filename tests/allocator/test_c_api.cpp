@@ -610,6 +610,9 @@ TEST_F(CApi, EnablePeerAccessGrantsTheDevicesMappedMemoryNowAndLater) {
   EXPECT_TRUE(backend.peer_has_access(after, 1));
   EXPECT_TRUE(backend.peer_has_access(static_cast<char*>(after) + kMore - 1, 1));
   EXPECT_FALSE(backend.peer_has_access(after, 3));
+  EXPECT_EQ(tidepool_peer_access_enabled(kDevice, 1), 1);
+  EXPECT_EQ(tidepool_peer_access_enabled(kDevice, 3), 0);
+  EXPECT_EQ(tidepool_peer_access_enabled(1, kDevice), 0);
   tidepool_free(before, kBytes, kDevice, nullptr);
   tidepool_free(after, kMore, kDevice, nullptr);
 }
@@ -617,7 +620,9 @@ TEST_F(CApi, EnablePeerAccessGrantsTheDevicesMappedMemoryNowAndLater) {
 TEST_F(CApi, EnablePeerAccessOnADeviceWithoutAnAllocatorCreatesNoneAndIsKept) {
   constexpr int kDevice = 9;  // no other test in this binary uses it
   ASSERT_EQ(tidepool::existing_device_allocator(kDevice), nullptr);
+  EXPECT_EQ(tidepool_peer_access_enabled(kDevice, 3), 0);
   EXPECT_EQ(tidepool_enable_peer_access(kDevice, 3), 0) << tidepool_last_error();
+  EXPECT_EQ(tidepool_peer_access_enabled(kDevice, 3), 1);  // remembered
   EXPECT_EQ(tidepool::existing_device_allocator(kDevice), nullptr);
   constexpr std::size_t kBytes = 8 << 20;
   void* p = tidepool_malloc(kBytes, kDevice, nullptr);
@@ -640,6 +645,9 @@ TEST_F(CApi, EnablePeerAccessRejectsBadDevicesAndChangesNothing) {
   fails_with(tidepool_enable_peer_access(kDevice, -1), "peer device -1 does not exist");
   fails_with(tidepool_enable_peer_access(kDevice, tidepool::kMaxDevices), "does not exist");
   fails_with(tidepool_enable_peer_access(-1, 1), "device -1 does not exist");
+  fails_with(tidepool_peer_access_enabled(kDevice, tidepool::kMaxDevices),
+             "16 is not a device index");
+  fails_with(tidepool_peer_access_enabled(-1, 1), "-1 is not a device index");
   ::testing::internal::GetCapturedStderr();
   EXPECT_EQ(tidepool::existing_device_allocator(kDevice), nullptr);
   EXPECT_TRUE(tidepool::device_allocator(kDevice).backend().peers().empty());

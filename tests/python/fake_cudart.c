@@ -314,6 +314,21 @@ int cudaMemPoolSetAccess(void* pool, const void* map, size_t count) {
   return 0;
 }
 
+/* Peer access among devices 0-3, as the runtime grants it: from the current device to
+ * `peer`; a second grant of the same pair is cudaErrorPeerAccessAlreadyEnabled. */
+int fake_cudart_peer_access_calls = 0;
+static unsigned peer_granted[4]; /* bit p of [d]: device d may access device p */
+
+int cudaDeviceEnablePeerAccess(int peer, unsigned flags) {
+  ++fake_cudart_peer_access_calls;
+  const int current = env_int("FAKE_CUDART_DEVICE", 0);
+  if (flags != 0) return answer(1);                                          /* InvalidValue */
+  if (peer < 0 || peer > 3 || peer == current || current < 0 || current > 3) return answer(101);
+  if (peer_granted[current] >> peer & 1u) return answer(704); /* PeerAccessAlreadyEnabled */
+  peer_granted[current] |= 1u << peer;
+  return 0;
+}
+
 /* The helper library's function `name`, or NULL when the test did not load it. */
 static void* helper(const char* name) { return dlsym(RTLD_DEFAULT, name); }
 

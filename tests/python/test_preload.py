@@ -385,8 +385,8 @@ def test_another_cuda_major_is_forwarded_untouched(run_python, global_scope):
     assert "is version 12.8, but tidepool was built for CUDA" in stderr
     assert ("tidepool is off: every cudaMalloc/cudaFree, cudaMallocAsync/cudaFreeAsync (and "
             "their _ptsz forms), cudaStreamDestroy, cudaIpcGetMemHandle, cudaDeviceReset, the "
-            "other allocations (cudaMallocPitch, ...) and the memory-pool calls the shim "
-            "watches goes to that runtime unchanged") in stderr
+            "other allocations (cudaMallocPitch, ...), the memory-pool calls and "
+            "cudaDeviceEnablePeerAccess the shim watches goes to that runtime unchanged") in stderr
 
 
 @needs_fake

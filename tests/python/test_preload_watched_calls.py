@@ -258,3 +258,38 @@ def test_the_shim_says_at_exit_when_no_cuda_call_could_reach_it(run_python, tmp_
     else:
         assert result.stderr.count("tidepool preload") == 1, result.stderr
         assert said in result.stderr and "tidepool served none" in result.stderr
+
+
+PEER_ACCESS = """
+p = c_void_p()
+out["malloc_rc"] = process.cudaMalloc(byref(p), 1 << 20)   # device 0's memory; sets tidepool up
+lib = ctypes.CDLL(None)   # libtidepool, in the global scope once the shim set it up
+fake.cudaSetDevice(1)     # not interposed: the runtime's own
+out["rc"] = process.cudaDeviceEnablePeerAccess(0, 0)   # device 1 may read device 0's memory
+out["again_rc"] = process.cudaDeviceEnablePeerAccess(0, 0)
+out["last_error"] = process.cudaGetLastError()          # the runtime's answer to the second
+out["calls"] = counter("fake_cudart_peer_access_calls")
+out["granted"] = lib.tidepool_peer_access_enabled(0, 1)
+out["not_the_other_way"] = lib.tidepool_peer_access_enabled(1, 0)
+out["refused_rc"] = process.cudaDeviceEnablePeerAccess(1, 0)   # itself: the runtime refuses
+out["still_not"] = lib.tidepool_peer_access_enabled(1, 1)
+fake.cudaSetDevice(2)
+out["ahead_rc"] = process.cudaDeviceEnablePeerAccess(3, 0)   # device 3: no memory of it yet
+out["granted_ahead"] = lib.tidepool_peer_access_enabled(3, 2)
+fake.cudaSetDevice(0)
+out["free_rc"] = process.cudaFree(p)
+"""
+
+
+def test_peer_access_the_program_enables_reaches_tidepools_memory(run_python):
+    """Note [peer access under the shim] in preload/watched_calls.cpp: cudaDeviceEnable-
+    PeerAccess covers cudaMalloc memory, not the memory tidepool maps (review finding: a
+    kernel on the peer reading it faulted). The shim grants tidepool's too: for a device it
+    holds memory of, and ahead for one it does not (tidepool remembers it for its
+    mappings)."""
+    out, stderr = run_with_fake(run_python, PEER_ACCESS, global_scope=True,
+                                TIDEPOOL_BACKEND="host")
+    assert out == {"malloc_rc": 0, "rc": 0, "again_rc": 704, "last_error": 704, "calls": 2,
+                   "granted": 1, "not_the_other_way": 0, "refused_rc": 101, "still_not": 0,
+                   "ahead_rc": 0, "granted_ahead": 1, "free_rc": 0}
+    assert "could not give" not in stderr
