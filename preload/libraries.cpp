@@ -459,22 +459,44 @@ __attribute__((constructor)) void preload_start() {
 // tell apart (review finding: telling all of them to load the runtime RTLD_GLOBAL was
 // wrong for most). Nor is one that never loaded libcuda (the shells and compilers that
 // inherit LD_PRELOAD).
-bool libcuda_loaded() {
+bool library_loaded(const char* prefix);  // a library whose file name starts so is loaded
+
+bool libcuda_loaded() { return library_loaded("libcuda.so"); }
+
+// Note [PyTorch's expandable segments under the shim]: with expandable_segments:True in the
+// variable PyTorch reads, PyTorch maps its memory with the driver's cuMemCreate, which no
+// shim sees: tidepool serves nothing PyTorch allocates. Named next to tidepool's keys that
+// is refused at set-up (exit status 2); without them (LD_PRELOAD alone) nothing was said,
+// and the run went on without tidepool (review finding). So at exit, in a process that
+// loaded PyTorch's CUDA library, the shim says so.
+bool library_loaded(const char* prefix) {
+  const std::size_t length = std::strlen(prefix);
   for (const std::string& path : loaded_libraries()) {
     const size_t slash = path.rfind('/');
-    if (path.compare(slash == std::string::npos ? 0 : slash + 1, 10, "libcuda.so") == 0) {
+    if (path.compare(slash == std::string::npos ? 0 : slash + 1, length, prefix) == 0) {
       return true;
     }
   }
   return false;
 }
 
+bool pytorch_reads_expandable_segments() {
+  const char* older = std::getenv("PYTORCH_CUDA_ALLOC_CONF");  // read whenever it is set
+  const char* value = older != nullptr ? older : std::getenv("PYTORCH_ALLOC_CONF");
+  return value != nullptr && std::strstr(value, "expandable_segments:True") != nullptr;
+}
+
 __attribute__((destructor)) void preload_exit() {
   const Shim& s = shim();
-  if (s.cuda_resolved.load(std::memory_order_acquire) || environment_says_log_off() ||
-      !libcuda_loaded()) {
+  if (environment_says_log_off() || !libcuda_loaded()) return;
+  if (pytorch_reads_expandable_segments() && library_loaded("libc10_cuda.so")) {
+    say("", "PyTorch's expandable_segments:True made PyTorch map its memory with the driver's "
+            "cuMemCreate, which the shim does not see: tidepool served none of PyTorch's "
+            "allocations. Leave expandable_segments out (tidepool's own segments are "
+            "expandable)");
     return;
   }
+  if (s.cuda_resolved.load(std::memory_order_acquire)) return;
   if (void* runtime = cudart_already_loaded()) {
     dlclose(runtime);
     return;

@@ -220,6 +220,8 @@ EXIT_PROGRAM = """
 import ctypes, os
 if os.environ.get("LIBCUDA"):
     ctypes.CDLL(os.environ["LIBCUDA"])
+if os.environ.get("LIBC10_CUDA"):              # PyTorch's CUDA library, by its name
+    ctypes.CDLL(os.environ["LIBC10_CUDA"])
 mode = os.environ.get("RUNTIME")
 if mode:
     runtime = ctypes.CDLL(os.environ["FAKE_CUDART_PATH"],
@@ -241,16 +243,25 @@ print("done")
     ({"LIBCUDA": "copy", "CALL": "1", "TIDEPOOL_CUDART": FAKE_CUDART}, None),
     ({"LIBCUDA": "copy", "TIDEPOOL_ALLOC_CONF": "tidepool.log:off"}, None),
     ({}, None),
+    # Note [PyTorch's expandable segments under the shim]: said in a process with PyTorch's
+    # CUDA library, whatever reached the shim; not without it, nor with the key False.
+    ({"LIBCUDA": "copy", "LIBC10_CUDA": "copy", "CALL": "1", "TIDEPOOL_CUDART": FAKE_CUDART,
+      "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}, "expandable_segments:True"),
+    ({"LIBCUDA": "copy", "CALL": "1", "TIDEPOOL_CUDART": FAKE_CUDART,
+      "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}, None),
+    ({"LIBCUDA": "copy", "LIBC10_CUDA": "copy", "CALL": "1", "TIDEPOOL_CUDART": FAKE_CUDART,
+      "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"}, None),
 ], ids=["static-runtime", "local-runtime", "global-runtime", "a-call-came", "log-off",
-        "no-cuda"])
+        "no-cuda", "pytorch-expandable", "expandable-without-pytorch", "expandable-off"])
 def test_the_shim_says_at_exit_when_no_cuda_call_could_reach_it(run_python, tmp_path,
                                                                  variables, said):
     if not os.path.isfile(FAKE_LIBCUDA):
         pytest.skip("fake libcuda not built")
     env = {"FAKE_CUDART_PATH": FAKE_CUDART, **variables}
-    if "LIBCUDA" in env:
-        env["LIBCUDA"] = str(tmp_path / "libcuda.so.1")
-        shutil.copy(FAKE_LIBCUDA, env["LIBCUDA"])
+    for variable, name in (("LIBCUDA", "libcuda.so.1"), ("LIBC10_CUDA", "libc10_cuda.so")):
+        if variable in env:
+            env[variable] = str(tmp_path / name)
+            shutil.copy(FAKE_LIBCUDA, env[variable])
     result = run_python(EXIT_PROGRAM, preload=PRELOAD, **env)
     assert result.stdout.strip() == "done"
     if said is None:
