@@ -326,7 +326,8 @@ void bind_optional(void* cudart, RealCudart& c) {
            symbol("cudaDeviceSetMemPool", c.device_set_mem_pool),
            symbol("cudaDeviceGetDefaultMemPool", c.device_get_default_mem_pool),
            symbol("cudaMemPoolSetAccess", c.mem_pool_set_access),
-           symbol("cudaDeviceEnablePeerAccess", c.device_enable_peer_access));
+           symbol("cudaDeviceEnablePeerAccess", c.device_enable_peer_access),
+           symbol("cudaGetDeviceCount", c.get_device_count));
 }
 
 // Resolves the forwarding target (Note [two once-flags]) and decides whether tidepool may
@@ -396,7 +397,8 @@ void initialise() {
                      symbol("tidepool_device_holds_address", t.device_holds_address),
                      symbol("tidepool_in_forked_child", t.in_forked_child),
                      symbol("tidepool_empty_cache", t.empty_cache),
-                     symbol("tidepool_enable_peer_access", t.enable_peer_access))) {
+                     symbol("tidepool_enable_peer_access", t.enable_peer_access),
+                     symbol("tidepool_backend_name", t.backend_name))) {
     return;
   }
   char error[2048] = "";
@@ -405,6 +407,29 @@ void initialise() {
   if (named < 0) {
     say("", error);
     std::_Exit(2);
+  }
+  // Note [device memory only]: what cudaMalloc hands out must be device memory. tidepool's
+  // host backend (tidepool.device_backend:host or TIDEPOOL_BACKEND=host) hands out host
+  // memory, which the shim returned with cudaSuccess: on a machine with a GPU, a kernel
+  // given it faulted (review finding). So where the runtime sees a CUDA device, the shim
+  // serves with the cuda backend only, and is off otherwise (the runtime gets every
+  // call). Where it sees none (a test machine, the stand-in runtime of the shim's tests),
+  // no kernel can run, and the host backend serves, as the tests need.
+  const char* backend = s.tp.backend_name(0);
+  if (backend == nullptr || std::strcmp(backend, "cuda") != 0) {
+    int devices = 0;
+    {
+      ProgramLastError keep;  // the count's "no device" is not the program's error
+      if (s.cuda.get_device_count == nullptr || s.cuda.get_device_count(&devices) != cudaSuccess)
+        devices = 0;
+    }
+    if (devices > 0) {
+      say("", std::string("tidepool's ") + (backend != nullptr ? backend : "unknown") +
+                  " backend (tidepool.device_backend or TIDEPOOL_BACKEND) cannot serve "
+                  "cudaMalloc, which must return device memory; tidepool is off and the "
+                  "runtime gets every call");
+      return;
+    }
   }
   // The JSON is config_to_json's fixed format (allocator/config.cpp).
   std::string json(s.tp.config_active_json(nullptr, 0) + 1, '\0');

@@ -66,6 +66,7 @@ struct RealCudart {
   cudaError_t (*device_get_default_mem_pool)(cudaMemPool_t*, int) = nullptr;
   cudaError_t (*mem_pool_set_access)(cudaMemPool_t, const cudaMemAccessDesc*, size_t) = nullptr;
   cudaError_t (*device_enable_peer_access)(int, unsigned) = nullptr;  // Note [peer access ...]
+  cudaError_t (*get_device_count)(int*) = nullptr;  // Note [device memory only]
 };
 
 struct TidepoolAbi {
@@ -86,6 +87,7 @@ struct TidepoolAbi {
   int (*device_holds_address)(int, const void*) = nullptr;
   // Note [peer access under the shim] (watched_calls.cpp).
   int (*enable_peer_access)(int, int) = nullptr;
+  const char* (*backend_name)(int) = nullptr;  // Note [device memory only]
 };
 
 struct Allocation {

@@ -329,6 +329,16 @@ int cudaDeviceEnablePeerAccess(int peer, unsigned flags) {
   return 0;
 }
 
+/* FAKE_CUDART_DEVICE_COUNT devices (default none: cudaErrorNoDevice), as a machine with
+ * GPUs: the LD_PRELOAD shim serves with tidepool's host backend only where the runtime
+ * sees none (Note [device memory only] in preload/libraries.cpp). */
+int cudaGetDeviceCount(int* count) {
+  const int devices = env_int("FAKE_CUDART_DEVICE_COUNT", 0);
+  if (devices <= 0) return answer(100); /* cudaErrorNoDevice */
+  *count = devices;
+  return 0;
+}
+
 /* The helper library's function `name`, or NULL when the test did not load it. */
 static void* helper(const char* name) { return dlsym(RTLD_DEFAULT, name); }
 

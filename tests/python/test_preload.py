@@ -327,6 +327,31 @@ def test_cuda_malloc_and_free_are_routed_through_tidepool(run_python, variables)
 
 
 @needs_fake
+@pytest.mark.parametrize("variables", [
+    {"PYTORCH_CUDA_ALLOC_CONF": "tidepool.device_backend:host"},
+    {"TIDEPOOL_BACKEND": "host"},
+], ids=["key", "environment"])
+def test_the_host_backend_serves_no_cuda_malloc_where_the_runtime_sees_a_device(
+        run_python, variables):
+    """Note [device memory only] in preload/libraries.cpp: tidepool's host backend hands out
+    host memory, which a kernel cannot use (review finding: returned with cudaSuccess).
+    With a device in sight the shim is off and says why; the runtime gets the calls."""
+    out, stderr = run_with_fake(run_python, """
+p = c_void_p()
+out["malloc_rc"] = process.cudaMalloc(byref(p), 1 << 20)
+out["cuda_mallocs"] = counter("fake_cudart_malloc_calls")
+out["free_rc"] = process.cudaFree(p)
+out["cuda_frees"] = counter("fake_cudart_free_calls")
+out["last_error"] = process.cudaGetLastError()
+""", FAKE_CUDART_DEVICE_COUNT="1", **variables)
+    assert out == {"malloc_rc": 0, "cuda_mallocs": 1, "free_rc": 0, "cuda_frees": 1,
+                   "last_error": 0}
+    assert stderr.count("tidepool preload:") == 1
+    assert "host backend (tidepool.device_backend or TIDEPOOL_BACKEND) cannot serve cudaMalloc" \
+        in stderr
+
+
+@needs_fake
 def test_cuda_free_null_as_the_first_call_reaches_cuda(run_python):
     # Lazy set-up (the environment does not name tidepool): cudaFree(NULL), the usual
     # "create the context" call, comes before any cudaMalloc and must reach the runtime
