@@ -437,14 +437,20 @@ class Moves : public ::testing::TestWithParam<std::string> {
   }
   // Defined with the test it serves, below.
   void grow_while_a_freed_slot_is_in_use(bool try_only);
+  // One slot was moved in to back z (`bytes`), and the backend had handed out `segments`
+  // by then; z's bytes hold.
+  void expect_a_slot_moved_into(CachingAllocator& a, void* z, std::size_t bytes,
+                                std::uint64_t segments, int seed) {
+    EXPECT_EQ(a.mapping_stats().runs_moved, 1u);
+    EXPECT_EQ(a.stats().segments.allocated, segments);
+    Battery::fill_and_check(a.backend(), z, bytes, seed);
+    expect_mapping_accounts(a);
+  }
   // z, two slots, was backed by one slot moved and one created (segments acquired before
   // it: `acquired`, and one more for the slot of an earlier block); its bytes hold.
   void expect_one_slot_moved_into(CachingAllocator& a, void* z, std::uint64_t acquired,
                                   int seed) {
-    EXPECT_EQ(a.mapping_stats().runs_moved, 1u);
-    EXPECT_EQ(a.stats().segments.allocated, acquired + 2);
-    Battery::fill_and_check(a.backend(), z, 2 * slot_, seed);
-    expect_mapping_accounts(a);
+    expect_a_slot_moved_into(a, z, 2 * slot_, acquired + 2, seed);
   }
   std::size_t slot_ = 0;
 };
@@ -615,10 +621,7 @@ TEST_P(Moves, TheLastBlocksSlotMovesAfterAFutileSearch) {
   const std::uint64_t acquired = a->stats().segments.allocated;
   const Stream other = be.create_stream();
   void* z = a->allocate(slot_, other);  // a range of its own, backed by tail's slot
-  EXPECT_EQ(a->mapping_stats().runs_moved, 1u);
-  EXPECT_EQ(a->stats().segments.allocated, acquired);
-  Battery::fill_and_check(be, z, slot_, 11);
-  expect_mapping_accounts(*a);
+  expect_a_slot_moved_into(*a, z, slot_, acquired, 11);
   a->deallocate(z, slot_, other);
   a->deallocate(keep, slot_);
   be.destroy_stream(other);
@@ -643,10 +646,7 @@ TEST_P(Moves, ASlotFreedByTwoStreamsMovesAfterAFutileSearch) {
   be.stream_synchronize(other);
   const std::uint64_t acquired = a->stats().segments.allocated;
   void* z = a->allocate(2 * slot_);  // one slot moved from front and back, one created
-  EXPECT_EQ(a->mapping_stats().runs_moved, 1u);
-  EXPECT_EQ(a->stats().segments.allocated, acquired + 1);
-  Battery::fill_and_check(be, z, 2 * slot_, 12);
-  expect_mapping_accounts(*a);
+  expect_a_slot_moved_into(*a, z, 2 * slot_, acquired + 1, 12);
   a->deallocate(z, 2 * slot_);
   a->deallocate(keep, slot_);
   be.destroy_stream(other);
@@ -668,10 +668,7 @@ TEST_P(Moves, ASearchForOneSlotLengthLeavesTheOtherLengthOn) {
   // Too large for the free block (taking it would need no backing): a small range of its
   // own, whose granule is moved from the free one.
   void* z = a->allocate(2 * kSmall, other);
-  EXPECT_EQ(a->mapping_stats().runs_moved, 1u);
-  EXPECT_EQ(a->stats().segments.allocated, acquired);
-  Battery::fill_and_check(be, z, 2 * kSmall, 13);
-  expect_mapping_accounts(*a);
+  expect_a_slot_moved_into(*a, z, 2 * kSmall, acquired, 13);
   a->deallocate(z, 2 * kSmall, other);
   a->deallocate(keep, slot_);
   be.destroy_stream(other);
