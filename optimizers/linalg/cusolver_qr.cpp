@@ -72,7 +72,11 @@ DeviceSolver& solver_for(int device) {
   if (!slot) {
     auto created = std::make_unique<DeviceSolver>();
     check_cusolver(cusolverDnCreate(&created->handle), "cusolverDnCreate");
-    check_cusolver(cusolverDnCreateParams(&created->params), "cusolverDnCreateParams");
+    if (const cusolverStatus_t status = cusolverDnCreateParams(&created->params);
+        status != CUSOLVER_STATUS_SUCCESS) {
+      (void)cusolverDnDestroy(created->handle);  // or each retry would leak one
+      check_cusolver(status, "cusolverDnCreateParams");
+    }
     slot = std::move(created);
   }
   return *slot;

@@ -62,8 +62,10 @@ const at::Tensor& GramAccumulator::column(int64_t slot) const {
   return columns_[static_cast<size_t>(slot)];
 }
 
-void GramAccumulator::set_column(int64_t slot, const at::Tensor& column) {
+void GramAccumulator::set_column(int64_t slot, const at::Tensor& given) {
   check_slot(slot, "set_column");
+  // Note [Negative views] (lstsq.cpp): the dot products read raw memory.
+  const at::Tensor column = given.defined() ? given.resolve_neg() : given;
   if (!column.defined() || column.dim() != 1 || column.size(0) == 0) {
     fail("set_column: the column must be a non-empty 1-D tensor");
   }

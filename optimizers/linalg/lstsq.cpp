@@ -99,7 +99,17 @@ void set_dtype_and_device(const at::Tensor& first, const char* name, Problem& pr
   problem.device = first.device();
 }
 
-void add_rhs(const at::Tensor& B, Problem& problem) {
+// Note [Negative views]: a tensor with its negative bit set (x.conj().imag() of a complex
+// x, torch._neg_view) holds -x in memory read as x. The Gram pass and the CUDA kernels read
+// raw memory, so such an A or B came out with the sign of Aᵀb flipped, x = -x_true, while
+// the SVD route (ATen copies) got it right (review finding). Resolved where tensors enter:
+// a copy for such a tensor, nothing for any other.
+at::Tensor without_negative_bit(const at::Tensor& t) {
+  return t.defined() ? t.resolve_neg() : t;
+}
+
+void add_rhs(const at::Tensor& rhs, Problem& problem) {
+  const at::Tensor B = without_negative_bit(rhs);
   if (!B.defined()) fail("B is undefined");
   if (B.dim() != 1 && B.dim() != 2) fail("B must be 1-D (N) or 2-D (N×r), got " + describe(B));
   check_dtype_and_device(B, "B", problem);
@@ -115,7 +125,8 @@ void add_rhs(const at::Tensor& B, Problem& problem) {
   }
 }
 
-Problem dense_problem(const at::Tensor& A, const at::Tensor& B) {
+Problem dense_problem(const at::Tensor& matrix, const at::Tensor& B) {
+  const at::Tensor A = without_negative_bit(matrix);
   if (!A.defined()) fail("A is undefined");
   if (A.dim() != 2) fail("A must be 2-D (N×k), got " + describe(A));
   if (A.size(0) == 0 || A.size(1) == 0) fail("A is empty: " + describe(A));
@@ -128,9 +139,12 @@ Problem dense_problem(const at::Tensor& A, const at::Tensor& B) {
   return problem;
 }
 
-Problem column_problem(const std::vector<at::Tensor>& columns, const at::Tensor& B) {
-  if (columns.empty()) fail("no columns given (A would be empty)");
+Problem column_problem(const std::vector<at::Tensor>& given, const at::Tensor& B) {
+  if (given.empty()) fail("no columns given (A would be empty)");
   Problem problem;
+  std::vector<at::Tensor> columns;
+  columns.reserve(given.size());
+  for (const auto& column : given) columns.push_back(without_negative_bit(column));
   for (size_t j = 0; j < columns.size(); ++j) {
     const auto& column = columns[j];
     const std::string name = "column " + std::to_string(j);

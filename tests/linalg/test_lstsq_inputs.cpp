@@ -3,9 +3,12 @@
 // clear errors, and no route builds an autograd graph.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <string>
+#include <utility>
 #include <vector>
 
+#include "optimizers/linalg/gram_accumulator.h"
 #include "optimizers/linalg/lstsq.h"
 #include "tests/linalg/lstsq_test_problems.h"
 
@@ -66,6 +69,35 @@ TEST(LstsqInputs, NoRouteBuildsAnAutogradGraph) {
                                        options);
     EXPECT_FALSE(columns.solution.requires_grad()) << method_name(method);
   }
+}
+
+// Note [Negative views] in lstsq.cpp: a tensor whose negative bit is set (x.conj().imag()
+// of a complex x) reads as -memory. The Gram route read the memory and came out with the
+// sign of x flipped, while the SVD route got it right.
+TEST(LstsqInputs, NegativeViewsGiveTheSameAnswerOnEveryRoute) {
+  const auto A = at::randn({5000, 3}, kF64);
+  const auto x = at::tensor({1.0, -2.0, 3.0}, kF64);
+  const auto b = A.mv(x);
+  const auto negative_A = at::_neg_view(-A);
+  const auto negative_b = at::_neg_view(-b);
+  ASSERT_TRUE(negative_A.is_neg() && negative_b.is_neg());
+  for (const auto method : kAllMethods) {
+    LstsqOptions options;
+    options.method = method;
+    for (const auto& [a, rhs] : {std::pair{negative_A, b}, std::pair{A, negative_b},
+                                 std::pair{negative_A, negative_b}}) {
+      const auto solution = lstsq(a, rhs, options).solution;
+      EXPECT_LT((solution - x).abs().max().item<double>(), 1e-12) << method_name(method);
+    }
+    const auto columns = lstsq_columns({negative_A.select(1, 0), A.select(1, 1),
+                                        negative_A.select(1, 2)}, negative_b, options);
+    EXPECT_LT((columns.solution - x).abs().max().item<double>(), 1e-12) << method_name(method);
+  }
+  GramAccumulator accumulator(2);
+  accumulator.set_column(0, negative_A.select(1, 0));
+  accumulator.set_column(1, A.select(1, 1));
+  const double cross = A.select(1, 0).dot(A.select(1, 1)).item<double>();
+  EXPECT_NEAR(accumulator.inner_product(0, 1), cross, 1e-9 * std::abs(cross) + 1e-9);
 }
 
 }  // namespace
