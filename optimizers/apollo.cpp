@@ -507,7 +507,16 @@ torch::Tensor Apollo::step(LossClosure closure) {
       const bool fused = fused_kernels_ && fused_dtype &&
                          (p.is_cpu() || (has_fused_kernels() && p.is_cuda()));
       if (fused) {
-        step_fused(p, p.grad(), m, B, d, state.carried_sums, options, scalars);
+        try {
+          step_fused(p, p.grad(), m, B, d, state.carried_sums, options, scalars);
+        } catch (...) {
+          // The sums carried in place may already be this step's while m, B and d go back
+          // to the last (their leases are released clean): the next step computes afresh
+          // (review finding: a throw after the kernels, the copy back of a non-contiguous
+          // parameter, left them to be read as valid).
+          state.carried_sums = torch::Tensor();
+          throw;
+        }
       } else {
         // m, B and d change behind the carried sums' back (Note [carried sums]).
         state.carried_sums = torch::Tensor();

@@ -667,6 +667,32 @@ TEST(Apollo, AFailedWriteBackKeepsTheRestOfTheStepsState) {
   }
 }
 
+// The fused step carries its sums from one step to the next and rewrites them in place. A
+// step that throws after its kernels (the copy back of a parameter whose memory overlaps
+// itself) releases m, B and d clean, and the placement keeps their last contents: the sums
+// must go too, or the next step reads the refused step's sums (review finding).
+TEST(Apollo, AStepThatThrowsAfterItsKernelsLeavesNoCarriedSums) {
+  auto placement = std::make_shared<WriteBackPlacement>();
+  auto a = torch::linspace(0.1, 0.6, 6, torch::kFloat64).requires_grad_();
+  auto b = a.detach().clone().requires_grad_();
+  Apollo opt({a}, ApolloOptions(0.1).warmup(0), placement);
+  Apollo reference({b}, ApolloOptions(0.1).warmup(0));
+  for (int step = 0; step < 3; ++step) {
+    a.mutable_grad() = torch::cos(a.detach() * (step + 1));
+    b.mutable_grad() = torch::cos(b.detach() * (step + 1));
+    if (step == 1) {
+      const torch::Tensor kept = a.detach().clone();
+      a.set_data(torch::full({1}, 0.25, torch::kFloat64).expand({6}));
+      expect_error_mentions([&] { opt.step(); }, "single memory location");
+      a.set_data(kept);
+      continue;
+    }
+    opt.step();
+    reference.step();
+    EXPECT_TRUE(torch::equal(everything(opt, {a}), everything(reference, {b}))) << "step " << step;
+  }
+}
+
 // A prefetch is a hint: one that fails (staging out of device memory) is said once and
 // the step goes on, loading the state when it is used, to the same result.
 TEST(Apollo, AFailedPrefetchDoesNotStopTheStep) {
