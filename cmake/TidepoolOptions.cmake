@@ -142,6 +142,20 @@ macro(tidepool_find_torch _found _mode)
           FORCE)
       message(STATUS "tidepool: TORCH_CUDA_ARCH_LIST ${TORCH_CUDA_ARCH_LIST}")
     endif()
+    # The cache keeps the LibTorch an earlier configure found, and find_package looks no
+    # further: after Debian's fallback, or with another PYTHON, that is not the torch this
+    # interpreter imports, whose Python tests then run against another build. So a
+    # LibTorch outside this torch's prefix is forgotten and looked for again.
+    foreach(_tidepool_torch_dir Torch_DIR Caffe2_DIR)
+      if(DEFINED CACHE{${_tidepool_torch_dir}})
+        string(FIND "${${_tidepool_torch_dir}}" "${TIDEPOOL_TORCH_PREFIX}" _tidepool_at)
+        if(NOT _tidepool_at EQUAL 0)
+          message(STATUS "tidepool: ${_tidepool_torch_dir} (${${_tidepool_torch_dir}}) is not "
+                         "the torch ${Python3_EXECUTABLE} imports; looking again")
+          unset(${_tidepool_torch_dir} CACHE)
+        endif()
+      endif()
+    endforeach()
     find_package(Torch REQUIRED)
     set(${_found} TRUE)
   else()
