@@ -15,11 +15,14 @@
 #include "optimizers/install/torch_cuda_allocator.h"
 
 #include <c10/core/Allocator.h>
+#include <c10/cuda/CUDAAllocatorConfig.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/cuda/CUDAPluggableAllocator.h>
 #include <torch/version.h>
 
+#include <array>
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -63,12 +66,37 @@ void report_usage(void* ptr, std::int64_t signed_bytes, int device) {
                                    cuda_device(device));
 }
 
+// Note [per_process_memory_fraction in global mode]: PyTorch's own allocator caps each
+// device at PYTORCH_CUDA_ALLOC_CONF's per_process_memory_fraction (torch 2.11), a key
+// tidepool leaves to PyTorch; with tidepool's allocator installed in its place, nothing
+// read it and the cap was gone (review finding). So it is applied to each device at its
+// first allocation here, as tidepool's memory fraction, unless the program set one for
+// the device before (torch.cuda.set_per_process_memory_fraction, which reaches tidepool):
+// applied at installation it would create a context on every device.
+void apply_configured_fraction(int device) {
+  static std::array<std::atomic<bool>, kMaxDevices> applied{};
+  if (device < 0 || device >= kMaxDevices || applied[device].load(std::memory_order_acquire))
+    return;
+  static std::mutex mutex;
+  const std::lock_guard lock(mutex);
+  if (applied[device].load(std::memory_order_relaxed)) return;
+  const double fraction =
+      c10::cuda::CUDACachingAllocator::CUDAAllocatorConfig::per_process_memory_fraction();
+  if (fraction < 1.0 && tidepool_get_memory_fraction(device) == 1.0) {
+    TORCH_CHECK(tidepool_set_memory_fraction(fraction, device) == 0,
+                "tidepool: per_process_memory_fraction:", fraction, " (PYTORCH_CUDA_ALLOC_CONF) "
+                "for device ", device, " failed: ", tidepool_last_error());
+  }
+  applied[device].store(true, std::memory_order_release);
+}
+
 // LibTorch does not check the pointer, so a failure must arrive as an exception (Note
 // [OOM into PyTorch] in allocator/c_api.h): running out of memory as c10's
 // OutOfMemoryError, what PyTorch's own allocator throws (Python: torch.OutOfMemoryError,
 // which training loops catch to retry with a smaller batch), anything else as c10::Error.
 // Both record into the allocator's memory history (memory_history.h) when it is on.
 void* torch_alloc(MemoryHistory& history, size_t bytes, int device, cudaStream_t stream) {
+  apply_configured_fraction(device);
   void* p = tidepool_malloc(static_cast<ssize_t>(bytes), device, stream);
   if (p != nullptr) {
     try {

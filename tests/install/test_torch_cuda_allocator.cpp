@@ -718,25 +718,58 @@ TEST_F(TorchCudaAllocatorTest, ExitChildOfTheOutlivesTest) {
   ASSERT_EQ(std::atexit([] { g_python_gone.store(true); }), 0);
 }
 
-TEST_F(TorchCudaAllocatorTest, TheInstalledAllocatorOutlivesTheStaticDestructors) {
-  if (std::getenv(kExitChildVariable) != nullptr) GTEST_SKIP() << "in the child";
-  // The child is this binary afresh (exec, not a bare fork: a fork of a process that has
-  // used tidepool is refused tidepool's calls, Note [Forked child]).
-  std::vector<std::string> args = {
-      "/proc/self/exe", "--gtest_filter=TorchCudaAllocatorTest.ExitChildOfTheOutlivesTest"};
+// Runs this binary afresh on the one test `test` (a TorchCudaAllocatorTest), with
+// `variables` ("NAME=value") ahead of the environment; the child's exit code. Exec, not a
+// bare fork: a fork of a process that has used tidepool is refused tidepool's calls (Note
+// [Forked child]), and c10 reads PYTORCH_CUDA_ALLOC_CONF once per process.
+int run_this_binary(const std::string& test, std::vector<std::string> variables) {
+  std::vector<std::string> args = {"/proc/self/exe",
+                                   "--gtest_filter=TorchCudaAllocatorTest." + test};
   std::vector<char*> argv;
   for (std::string& a : args) argv.push_back(a.data());
   argv.push_back(nullptr);
-  std::vector<std::string> env_strings = {std::string(kExitChildVariable) + "=1"};
-  for (char** e = environ; *e != nullptr; ++e) env_strings.emplace_back(*e);
+  for (char** e = environ; *e != nullptr; ++e) variables.emplace_back(*e);
   std::vector<char*> envp;
-  for (std::string& e : env_strings) envp.push_back(e.data());
+  for (std::string& e : variables) envp.push_back(e.data());
   envp.push_back(nullptr);
   pid_t pid = 0;
-  ASSERT_EQ(posix_spawn(&pid, argv[0], nullptr, nullptr, argv.data(), envp.data()), 0);
-  EXPECT_EQ(test_support::wait_for_child(pid, std::chrono::seconds(120)), 0)
+  if (posix_spawn(&pid, argv[0], nullptr, nullptr, argv.data(), envp.data()) != 0) return -1;
+  return test_support::wait_for_child(pid, std::chrono::seconds(120));
+}
+
+TEST_F(TorchCudaAllocatorTest, TheInstalledAllocatorOutlivesTheStaticDestructors) {
+  if (std::getenv(kExitChildVariable) != nullptr) GTEST_SKIP() << "in the child";
+  EXPECT_EQ(run_this_binary("ExitChildOfTheOutlivesTest", {std::string(kExitChildVariable) + "=1"}),
+            0)
       << "the child (its output is above) released a Python stack during its static "
          "destructors, or failed otherwise";
+}
+
+// Note [per_process_memory_fraction in global mode]: the child runs with
+// PYTORCH_CUDA_ALLOC_CONF=per_process_memory_fraction:0.25, which c10 parses (skipped
+// otherwise).
+constexpr const char* kFractionChildVariable = "TIDEPOOL_TEST_FRACTION_CHILD";
+
+TEST_F(TorchCudaAllocatorTest, FractionChildOfTheConfiguredFractionTest) {
+  if (std::getenv(kFractionChildVariable) == nullptr)
+    GTEST_SKIP() << "run by PytorchsConfiguredFractionCapsEachDeviceAtItsFirstAllocation";
+  const auto allocator =
+      std::dynamic_pointer_cast<torch::cuda::CUDAPluggableAllocator::CUDAPluggableAllocator>(
+          make_torch_cuda_allocator());
+  allocator->setMemoryFraction(0.5, 1);  // the program's own, before device 1's first use
+  for (const int device : {0, 1}) allocator->raw_delete(allocator->malloc(4096, device, nullptr));
+  EXPECT_EQ(tidepool_get_memory_fraction(0), 0.25);
+  EXPECT_EQ(tidepool_get_memory_fraction(1), 0.5);
+  EXPECT_EQ(tidepool::existing_device_allocator(2), nullptr);  // nothing made ahead
+}
+
+TEST_F(TorchCudaAllocatorTest, PytorchsConfiguredFractionCapsEachDeviceAtItsFirstAllocation) {
+  if (std::getenv(kFractionChildVariable) != nullptr) GTEST_SKIP() << "in the child";
+  EXPECT_EQ(run_this_binary("FractionChildOfTheConfiguredFractionTest",
+                            {std::string(kFractionChildVariable) + "=1",
+                             "PYTORCH_CUDA_ALLOC_CONF=per_process_memory_fraction:0.25"}),
+            0)
+      << "the child's output is above";
 }
 
 }  // namespace
