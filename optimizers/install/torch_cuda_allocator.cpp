@@ -128,6 +128,11 @@ void* torch_alloc(MemoryHistory& history, size_t bytes, int device, cudaStream_t
 // of theirs (out of host memory for their bookkeeping) loses them this one event.
 void torch_free(MemoryHistory& history, void* ptr, size_t bytes, int device,
                 cudaStream_t stream) noexcept {
+  // Note [Forked child] (allocator/fork_guard.h): tidepool frees nothing there, and the
+  // history's bookkeeping before the free takes the allocator's lock, which a parent
+  // thread may have held at the fork (review finding: a DataLoader worker collecting a
+  // CUDA tensor it inherited hung in the deleter while the history was on).
+  if (tidepool_in_forked_child() != 0) return;
   std::size_t reported = 0;
   try {
     history.on_free(ptr, bytes, device, stream);  // while the memory is still tidepool's block

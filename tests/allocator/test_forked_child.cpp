@@ -140,8 +140,9 @@ TEST(ForkedChild, FreesNothingAndRefusesTheRestWithoutWaitingOrLocking) {
 
 // A child that leaves through exit() (a forked Python process ending normally) runs its
 // thread's destructors, the thread cache list's among them: it must not wait for the locks
-// a parent thread held at the fork (here one releasing a stream the gate holds, inside the
-// allocator's lock and every thread cache's), which no thread in the child will release.
+// a parent thread held at the fork (here empty_cache, waiting under the allocator's lock for
+// the stream the gate holds, whose freed block it gives back), which no thread in the child
+// will release. (A release of the stream no longer waits under the lock.)
 TEST(ForkedChild, AChildThatExitsNormallyDoesNotWaitForTheParentsLocks) {
   if (fork_test_backend_missing()) GTEST_SKIP() << "no CUDA device";
   tidepool_set_backend(kForkTestBackend);  // refused once an earlier test made the allocator
@@ -151,7 +152,7 @@ TEST(ForkedChild, AChildThatExitsNormallyDoesNotWaitForTheParentsLocks) {
   tidepool::Backend& backend = tidepool::device_allocator(0).backend();
   const tidepool::Stream gated = backend.create_stream();
   StreamGate gate;
-  std::thread releasing;
+  std::thread emptying;
   {
     StreamGate::OpenOnExit open_on_exit{gate};
     backend.launch_host_func(gated, &StreamGate::wait, &gate);
@@ -159,9 +160,9 @@ TEST(ForkedChild, AChildThatExitsNormallyDoesNotWaitForTheParentsLocks) {
     ASSERT_NE(on_gated, nullptr) << tidepool_last_error();
     tidepool_free(on_gated, 1 << 20, 0, gated.handle);
     std::atomic<bool> started{false};
-    releasing = std::thread([&] {
+    emptying = std::thread([&] {
       started = true;
-      tidepool_release_stream(0, gated.handle);  // waits for the gate, holding the locks
+      tidepool_empty_cache(0);  // waits for the gate, holding the allocator's lock
     });
     while (!started) std::this_thread::yield();
     std::this_thread::sleep_for(std::chrono::milliseconds(200));  // inside the wait by now
@@ -172,7 +173,8 @@ TEST(ForkedChild, AChildThatExitsNormallyDoesNotWaitForTheParentsLocks) {
     EXPECT_EQ(wait_for_child(pid, std::chrono::seconds(20)), 0)
         << "-1: the child hung in exit() (killed after 20 s)";
   }
-  releasing.join();
+  emptying.join();
+  EXPECT_EQ(tidepool_release_stream(0, gated.handle), 0) << tidepool_last_error();
   backend.destroy_stream(gated);
 }
 

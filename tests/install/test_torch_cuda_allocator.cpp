@@ -28,6 +28,7 @@
 #include <memory>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <tuple>
 #include <vector>
 
@@ -581,6 +582,49 @@ TEST_F(TorchCudaAllocatorTest, OutOfMemoryIsC10sOutOfMemoryError) {
     EXPECT_EQ(tidepool_last_error_is_out_of_memory(), 0);
   }
   ::testing::internal::GetCapturedStderr();
+}
+
+// Note [Forked child]: in a child forked while a parent thread held the allocator's lock
+// (here empty_cache, waiting under it for a stream the gate holds, whose freed block it
+// gives back), a tensor's deleter frees nothing and takes no lock; with the history on,
+// its bookkeeping took the allocator's lock and the child hung (review finding).
+TEST_F(TorchCudaAllocatorTest, AFreeInAForkedChildTakesNoLockOfTheParents) {
+  const auto allocator =
+      std::dynamic_pointer_cast<torch::cuda::CUDAPluggableAllocator::CUDAPluggableAllocator>(
+          make_torch_cuda_allocator());
+  allocator->recordHistory(true, numbered_context, 100, RecordContext::ALL, true, {});
+  void* block = allocator->malloc(4096, 0, nullptr);
+  ASSERT_NE(block, nullptr);
+  Backend& backend = device_allocator(0).backend();
+  const Stream gated = backend.create_stream();
+  test_support::StreamGate gate;
+  std::thread emptying;
+  {
+    const test_support::StreamGate::OpenOnExit open_on_exit{gate};
+    backend.launch_host_func(gated, &test_support::StreamGate::wait, &gate);
+    tidepool_free(tidepool_malloc(1 << 20, 0, gated.handle), 1 << 20, 0, gated.handle);
+    std::atomic<bool> started{false};
+    emptying = std::thread([&] {
+      started = true;
+      tidepool_empty_cache(0);  // waits for the gate, holding the allocator's lock
+    });
+    while (!started) std::this_thread::yield();
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));  // inside the wait by now
+    std::fflush(nullptr);
+    const pid_t pid = fork();
+    ASSERT_GE(pid, 0);
+    if (pid == 0) {
+      allocator->raw_delete(block);
+      std::_Exit(0);
+    }
+    EXPECT_EQ(test_support::wait_for_child(pid, std::chrono::seconds(20)), 0)
+        << "-1: the child hung freeing the block (killed after 20 s)";
+  }
+  emptying.join();
+  EXPECT_EQ(tidepool_release_stream(0, gated.handle), 0) << tidepool_last_error();
+  backend.destroy_stream(gated);
+  allocator->raw_delete(block);
+  allocator->recordHistory(false, nullptr, 100, RecordContext::NEVER, false, {});
 }
 
 // A call tidepool refuses in global mode: c10's error, naming the way out and what it is
