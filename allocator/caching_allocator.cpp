@@ -321,15 +321,22 @@ Block* CachingAllocator::Impl::try_allocate(StreamPools& sp, std::size_t size, b
   // Backed memory past the last block is the request's if backed for it now.
   Segment* const seg = b->segment;
   const bool tail_was_backed = backed_past_used_end(seg);
+  // Back in its pool when it cannot be backed: the search for movable slots that backing
+  // made ran while b was allocated, and b's own backed slots, wholly free again now, must
+  // not stay hidden behind what that search found (movable_epoch).
+  const auto back_to_the_pool = [&] {
+    insert_free(b, false);
+    if (seg->expandable) ++movable_epoch;
+  };
   bool backed = false;
   try {
     backed = ensure_backed(b);
   } catch (...) {
-    insert_free(b, false);
+    back_to_the_pool();
     throw;
   }
   if (!backed) {
-    insert_free(b, false);
+    back_to_the_pool();
     return nullptr;
   }
   if (!tail_was_backed && backed_past_used_end(seg))

@@ -145,9 +145,12 @@ macro(tidepool_find_torch _found _mode)
     # The cache keeps the LibTorch an earlier configure found, and find_package looks no
     # further: after Debian's fallback, or with another PYTHON, that is not the torch this
     # interpreter imports, whose Python tests then run against another build. So a
-    # LibTorch outside this torch's prefix is forgotten and looked for again.
+    # LibTorch outside this torch's prefix that find_package cached is forgotten and looked
+    # for again; one given on the command line (-DTorch_DIR=...) is the caller's choice.
     foreach(_tidepool_torch_dir Torch_DIR Caffe2_DIR)
-      if(DEFINED CACHE{${_tidepool_torch_dir}})
+      get_property(_tidepool_dir_help CACHE ${_tidepool_torch_dir} PROPERTY HELPSTRING)
+      if(DEFINED CACHE{${_tidepool_torch_dir}} AND
+         NOT _tidepool_dir_help MATCHES "specified on the command line")
         string(FIND "${${_tidepool_torch_dir}}" "${TIDEPOOL_TORCH_PREFIX}" _tidepool_at)
         if(NOT _tidepool_at EQUAL 0)
           message(STATUS "tidepool: ${_tidepool_torch_dir} (${${_tidepool_torch_dir}}) is not "

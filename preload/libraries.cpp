@@ -397,8 +397,7 @@ void initialise() {
                      symbol("tidepool_device_holds_address", t.device_holds_address),
                      symbol("tidepool_in_forked_child", t.in_forked_child),
                      symbol("tidepool_empty_cache", t.empty_cache),
-                     symbol("tidepool_enable_peer_access", t.enable_peer_access),
-                     symbol("tidepool_backend_name", t.backend_name))) {
+                     symbol("tidepool_enable_peer_access", t.enable_peer_access))) {
     return;
   }
   char error[2048] = "";
@@ -408,15 +407,25 @@ void initialise() {
     say("", error);
     std::_Exit(2);
   }
+  // The JSON is config_to_json's fixed format (allocator/config.cpp).
+  std::string json(s.tp.config_active_json(nullptr, 0) + 1, '\0');
+  s.tp.config_active_json(json.data(), json.size());
+  s.quiet = json.find("\"log\":\"off\"") != std::string::npos;
   // Note [device memory only]: what cudaMalloc hands out must be device memory. tidepool's
-  // host backend (tidepool.device_backend:host or TIDEPOOL_BACKEND=host) hands out host
-  // memory, which the shim returned with cudaSuccess: on a machine with a GPU, a kernel
-  // given it faulted (review finding). So where the runtime sees a CUDA device, the shim
-  // serves with the cuda backend only, and is off otherwise (the runtime gets every
-  // call). Where it sees none (a test machine, the stand-in runtime of the shim's tests),
-  // no kernel can run, and the host backend serves, as the tests need.
-  const char* backend = s.tp.backend_name(0);
-  if (backend == nullptr || std::strcmp(backend, "cuda") != 0) {
+  // host backend, chosen by name (tidepool.device_backend:host, or TIDEPOOL_BACKEND=host
+  // under device_backend:auto), hands out host memory, which the shim returned with
+  // cudaSuccess: on a machine with a GPU, a kernel given it faulted (review finding). So
+  // where the runtime sees a CUDA device the shim is then off (the runtime gets every
+  // call); where it sees none (a test machine, the stand-in runtime of the shim's tests),
+  // no kernel can run, and the host backend serves, as the tests need. "auto" is not
+  // resolved here: that would start CUDA before main (a parent that forks GPU workers
+  // must not), and it picks the host backend only where no device exists anyway.
+  const char* named_backend = std::getenv("TIDEPOOL_BACKEND");
+  const bool host_named =
+      json.find("\"device_backend\":\"host\"") != std::string::npos ||
+      (json.find("\"device_backend\":\"auto\"") != std::string::npos &&
+       named_backend != nullptr && std::strcmp(named_backend, "host") == 0);
+  if (host_named) {
     int devices = 0;
     {
       ProgramLastError keep;  // the count's "no device" is not the program's error
@@ -424,17 +433,14 @@ void initialise() {
         devices = 0;
     }
     if (devices > 0) {
-      say("", std::string("tidepool's ") + (backend != nullptr ? backend : "unknown") +
-                  " backend (tidepool.device_backend or TIDEPOOL_BACKEND) cannot serve "
-                  "cudaMalloc, which must return device memory; tidepool is off and the "
-                  "runtime gets every call");
+      if (!s.quiet) {
+        say("", "tidepool's host backend (tidepool.device_backend:host or TIDEPOOL_BACKEND="
+                "host) cannot serve cudaMalloc, which must return device memory; tidepool is "
+                "off and the runtime gets every call");
+      }
       return;
     }
   }
-  // The JSON is config_to_json's fixed format (allocator/config.cpp).
-  std::string json(s.tp.config_active_json(nullptr, 0) + 1, '\0');
-  s.tp.config_active_json(json.data(), json.size());
-  s.quiet = json.find("\"log\":\"off\"") != std::string::npos;
   s.verbose = json.find("\"log\":\"info\"") != std::string::npos ||
               json.find("\"log\":\"debug\"") != std::string::npos;
   if (json.find("\"mode\":\"pool\"") != std::string::npos && !s.quiet) {

@@ -87,7 +87,6 @@ struct TidepoolAbi {
   int (*device_holds_address)(int, const void*) = nullptr;
   // Note [peer access under the shim] (watched_calls.cpp).
   int (*enable_peer_access)(int, int) = nullptr;
-  const char* (*backend_name)(int) = nullptr;  // Note [device memory only]
 };
 
 struct Allocation {

@@ -72,22 +72,32 @@ void report_usage(void* ptr, std::int64_t signed_bytes, int device) {
 // read it and the cap was gone (review finding). So it is applied to each device at its
 // first allocation here, as tidepool's memory fraction, unless the program set one for
 // the device before (torch.cuda.set_per_process_memory_fraction, which reaches tidepool):
-// applied at installation it would create a context on every device.
+// applied at installation it would create a context on every device. A device's fraction
+// is settled once: by the program's setMemoryFraction (any value, 1.0 included) or by this,
+// whichever comes first, under one lock.
+struct DeviceFractions {
+  std::mutex mutex;
+  std::array<std::atomic<bool>, kMaxDevices> settled{};
+};
+DeviceFractions& device_fractions() {
+  static DeviceFractions fractions;
+  return fractions;
+}
+
 void apply_configured_fraction(int device) {
-  static std::array<std::atomic<bool>, kMaxDevices> applied{};
-  if (device < 0 || device >= kMaxDevices || applied[device].load(std::memory_order_acquire))
+  DeviceFractions& f = device_fractions();
+  if (device < 0 || device >= kMaxDevices || f.settled[device].load(std::memory_order_acquire))
     return;
-  static std::mutex mutex;
-  const std::lock_guard lock(mutex);
-  if (applied[device].load(std::memory_order_relaxed)) return;
+  const std::lock_guard lock(f.mutex);
+  if (f.settled[device].load(std::memory_order_relaxed)) return;
   const double fraction =
       c10::cuda::CUDACachingAllocator::CUDAAllocatorConfig::per_process_memory_fraction();
-  if (fraction < 1.0 && tidepool_get_memory_fraction(device) == 1.0) {
+  if (fraction < 1.0) {
     TORCH_CHECK(tidepool_set_memory_fraction(fraction, device) == 0,
                 "tidepool: per_process_memory_fraction:", fraction, " (PYTORCH_CUDA_ALLOC_CONF) "
                 "for device ", device, " failed: ", tidepool_last_error());
   }
-  applied[device].store(true, std::memory_order_release);
+  f.settled[device].store(true, std::memory_order_release);
 }
 
 // LibTorch does not check the pointer, so a failure must arrive as an exception (Note
@@ -167,8 +177,11 @@ void torch_empty_cache() {
 // torch.cuda.set_per_process_memory_fraction: the cap binds all of tidepool's memory on
 // the device (tidepool_set_memory_fraction).
 void torch_set_memory_fraction(double fraction, int device) {
+  DeviceFractions& f = device_fractions();
+  const std::lock_guard lock(f.mutex);  // Note [per_process_memory_fraction in global mode]
   TORCH_CHECK(tidepool_set_memory_fraction(fraction, device) == 0,
               "tidepool: setMemoryFraction failed: ", tidepool_last_error());
+  if (device >= 0 && device < kMaxDevices) f.settled[device].store(true, std::memory_order_release);
 }
 
 // Memory pools: torch.cuda.MemPool, and the private pool a CUDA graph capture allocates

@@ -652,6 +652,32 @@ TEST_P(Moves, ASlotFreedByTwoStreamsMovesAfterAFutileSearch) {
   be.destroy_stream(other);
 }
 
+// A block that could not be backed goes back to its pool with the slot it already had: the
+// search its backing made ran while it was allocated, and found nothing; that slot, wholly
+// free again, is found by the next search.
+TEST_P(Moves, TheSlotOfABlockThatCouldNotBeBackedCanMove) {
+  if (GetParam() != "host") GTEST_SKIP() << "fault injection exists on the host backend only";
+  TIDEPOOL_ALLOCATOR_OR_SKIP(a);
+  Backend& be = a->backend();
+  void* keep = a->allocate(slot_);
+  void* tail = a->allocate(slot_);
+  a->deallocate(tail, slot_);  // the last block, its slot wholly free
+  // Grows tail's block by a slot; its own slot is not free meanwhile, so the search finds
+  // nothing, and the new slot is refused, whole and then granule by granule.
+  be.inject_fault(FaultPoint::create_physical, 2);
+  EXPECT_EQ(a->try_allocate(2 * slot_), nullptr);
+  be.stream_synchronize({});
+  const std::uint64_t acquired = a->stats().segments.allocated;
+  const Stream other = be.create_stream();
+  // Too large for the free block (which `other` would take as it is): a range of its own,
+  // one of its three slots moved from tail's.
+  void* z = a->allocate(3 * slot_, other);
+  expect_a_slot_moved_into(*a, z, 3 * slot_, acquired + 2, 14);
+  a->deallocate(z, 3 * slot_, other);
+  a->deallocate(keep, slot_);
+  be.destroy_stream(other);
+}
+
 // A small range's slots are single granules, a large range's are longer: a search that
 // found no free slot of one length leaves moves on for the other.
 TEST_P(Moves, ASearchForOneSlotLengthLeavesTheOtherLengthOn) {

@@ -790,8 +790,8 @@ TEST_F(TorchCudaAllocatorTest, TheInstalledAllocatorOutlivesTheStaticDestructors
 }
 
 // Note [per_process_memory_fraction in global mode]: the child runs with
-// PYTORCH_CUDA_ALLOC_CONF=per_process_memory_fraction:0.25, which c10 parses (skipped
-// otherwise).
+// PYTORCH_CUDA_ALLOC_CONF=per_process_memory_fraction:0.25, which c10 parses; run alone,
+// it skips.
 constexpr const char* kFractionChildVariable = "TIDEPOOL_TEST_FRACTION_CHILD";
 
 TEST_F(TorchCudaAllocatorTest, FractionChildOfTheConfiguredFractionTest) {
@@ -800,11 +800,16 @@ TEST_F(TorchCudaAllocatorTest, FractionChildOfTheConfiguredFractionTest) {
   const auto allocator =
       std::dynamic_pointer_cast<torch::cuda::CUDAPluggableAllocator::CUDAPluggableAllocator>(
           make_torch_cuda_allocator());
-  allocator->setMemoryFraction(0.5, 1);  // the program's own, before device 1's first use
-  for (const int device : {0, 1}) allocator->raw_delete(allocator->malloc(4096, device, nullptr));
+  // The program's own, before the devices' first use: they win, 1.0 (no cap) included.
+  allocator->setMemoryFraction(0.5, 1);
+  allocator->setMemoryFraction(1.0, 2);
+  for (const int device : {0, 1, 2}) {
+    allocator->raw_delete(allocator->malloc(4096, device, nullptr));
+  }
   EXPECT_EQ(tidepool_get_memory_fraction(0), 0.25);
   EXPECT_EQ(tidepool_get_memory_fraction(1), 0.5);
-  EXPECT_EQ(tidepool::existing_device_allocator(2), nullptr);  // nothing made ahead
+  EXPECT_EQ(tidepool_get_memory_fraction(2), 1.0);
+  EXPECT_EQ(tidepool::existing_device_allocator(3), nullptr);  // nothing made ahead
 }
 
 TEST_F(TorchCudaAllocatorTest, PytorchsConfiguredFractionCapsEachDeviceAtItsFirstAllocation) {

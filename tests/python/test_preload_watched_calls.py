@@ -282,8 +282,8 @@ out["last_error"] = process.cudaGetLastError()          # the runtime's answer t
 out["calls"] = counter("fake_cudart_peer_access_calls")
 out["granted"] = lib.tidepool_peer_access_enabled(0, 1)
 out["not_the_other_way"] = lib.tidepool_peer_access_enabled(1, 0)
-out["refused_rc"] = process.cudaDeviceEnablePeerAccess(1, 0)   # itself: the runtime refuses
-out["still_not"] = lib.tidepool_peer_access_enabled(1, 1)
+out["refused_rc"] = process.cudaDeviceEnablePeerAccess(2, 1)   # flags the runtime refuses
+out["still_not"] = lib.tidepool_peer_access_enabled(2, 1)      # so tidepool grants nothing
 fake.cudaSetDevice(2)
 out["ahead_rc"] = process.cudaDeviceEnablePeerAccess(3, 0)   # device 3: no memory of it yet
 out["granted_ahead"] = lib.tidepool_peer_access_enabled(3, 2)
@@ -301,6 +301,6 @@ def test_peer_access_the_program_enables_reaches_tidepools_memory(run_python):
     out, stderr = run_with_fake(run_python, PEER_ACCESS, global_scope=True,
                                 TIDEPOOL_BACKEND="host")
     assert out == {"malloc_rc": 0, "rc": 0, "again_rc": 704, "last_error": 704, "calls": 2,
-                   "granted": 1, "not_the_other_way": 0, "refused_rc": 101, "still_not": 0,
+                   "granted": 1, "not_the_other_way": 0, "refused_rc": 1, "still_not": 0,
                    "ahead_rc": 0, "granted_ahead": 1, "free_rc": 0}
     assert "could not give" not in stderr
