@@ -347,8 +347,8 @@ out["last_error"] = process.cudaGetLastError()
     assert out == {"malloc_rc": 0, "cuda_mallocs": 1, "free_rc": 0, "cuda_frees": 1,
                    "last_error": 0}
     assert stderr.count("tidepool preload:") == 1
-    assert "host backend (tidepool.device_backend or TIDEPOOL_BACKEND) cannot serve cudaMalloc" \
-        in stderr
+    assert ("host backend (tidepool.device_backend:host or TIDEPOOL_BACKEND=host) cannot serve "
+            "cudaMalloc") in stderr
 
 
 @needs_fake
