@@ -22,6 +22,7 @@
 #include "allocator/device_registry.h"
 #include "allocator/fork_guard.h"
 #include "tests/support/child_process.h"
+#include "tests/support/held_allocator_lock.h"
 #include "tests/support/stream_gate.h"
 
 namespace {
@@ -149,33 +150,13 @@ TEST(ForkedChild, AChildThatExitsNormallyDoesNotWaitForTheParentsLocks) {
   void* small = tidepool_malloc(512, 0, nullptr);  // this thread's cache exists
   ASSERT_NE(small, nullptr) << tidepool_last_error();
   tidepool_free(small, 512, 0, nullptr);
-  tidepool::Backend& backend = tidepool::device_allocator(0).backend();
-  const tidepool::Stream gated = backend.create_stream();
-  StreamGate gate;
-  std::thread emptying;
-  {
-    StreamGate::OpenOnExit open_on_exit{gate};
-    backend.launch_host_func(gated, &StreamGate::wait, &gate);
-    void* on_gated = tidepool_malloc(1 << 20, 0, gated.handle);
-    ASSERT_NE(on_gated, nullptr) << tidepool_last_error();
-    tidepool_free(on_gated, 1 << 20, 0, gated.handle);
-    std::atomic<bool> started{false};
-    emptying = std::thread([&] {
-      started = true;
-      tidepool_empty_cache(0);  // waits for the gate, holding the allocator's lock
-    });
-    while (!started) std::this_thread::yield();
-    std::this_thread::sleep_for(std::chrono::milliseconds(200));  // inside the wait by now
-    std::fflush(nullptr);
-    const pid_t pid = fork();
-    ASSERT_GE(pid, 0) << std::strerror(errno);
-    if (pid == 0) std::exit(0);
-    EXPECT_EQ(wait_for_child(pid, std::chrono::seconds(20)), 0)
-        << "-1: the child hung in exit() (killed after 20 s)";
-  }
-  emptying.join();
-  EXPECT_EQ(tidepool_release_stream(0, gated.handle), 0) << tidepool_last_error();
-  backend.destroy_stream(gated);
+  const tidepool::test_support::HeldAllocatorLock held;
+  std::fflush(nullptr);
+  const pid_t pid = fork();
+  ASSERT_GE(pid, 0) << std::strerror(errno);
+  if (pid == 0) std::exit(0);
+  EXPECT_EQ(wait_for_child(pid, std::chrono::seconds(20)), 0)
+      << "-1: the child hung in exit() (killed after 20 s)";
 }
 
 TEST(ForkedChild, AProcessForkedBeforeTidepoolWasUsedStartsAfresh) {

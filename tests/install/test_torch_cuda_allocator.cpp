@@ -37,6 +37,7 @@
 #include "allocator/device_registry.h"
 #include "optimizers/install/torch_cuda_allocator.h"
 #include "tests/support/child_process.h"
+#include "tests/support/held_allocator_lock.h"
 #include "tests/support/stream_gate.h"
 
 extern char** environ;
@@ -595,21 +596,8 @@ TEST_F(TorchCudaAllocatorTest, AFreeInAForkedChildTakesNoLockOfTheParents) {
   allocator->recordHistory(true, numbered_context, 100, RecordContext::ALL, true, {});
   void* block = allocator->malloc(4096, 0, nullptr);
   ASSERT_NE(block, nullptr);
-  Backend& backend = device_allocator(0).backend();
-  const Stream gated = backend.create_stream();
-  test_support::StreamGate gate;
-  std::thread emptying;
   {
-    const test_support::StreamGate::OpenOnExit open_on_exit{gate};
-    backend.launch_host_func(gated, &test_support::StreamGate::wait, &gate);
-    tidepool_free(tidepool_malloc(1 << 20, 0, gated.handle), 1 << 20, 0, gated.handle);
-    std::atomic<bool> started{false};
-    emptying = std::thread([&] {
-      started = true;
-      tidepool_empty_cache(0);  // waits for the gate, holding the allocator's lock
-    });
-    while (!started) std::this_thread::yield();
-    std::this_thread::sleep_for(std::chrono::milliseconds(200));  // inside the wait by now
+    const test_support::HeldAllocatorLock held;
     std::fflush(nullptr);
     const pid_t pid = fork();
     ASSERT_GE(pid, 0);
@@ -620,9 +608,6 @@ TEST_F(TorchCudaAllocatorTest, AFreeInAForkedChildTakesNoLockOfTheParents) {
     EXPECT_EQ(test_support::wait_for_child(pid, std::chrono::seconds(20)), 0)
         << "-1: the child hung freeing the block (killed after 20 s)";
   }
-  emptying.join();
-  EXPECT_EQ(tidepool_release_stream(0, gated.handle), 0) << tidepool_last_error();
-  backend.destroy_stream(gated);
   allocator->raw_delete(block);
   allocator->recordHistory(false, nullptr, 100, RecordContext::NEVER, false, {});
 }
