@@ -203,6 +203,13 @@ std::vector<std::vector<torch::Tensor>> Apollo::parameters_to_step() const {
       TORCH_CHECK(grad.layout() == torch::kStrided,
                   "Apollo does not support sparse gradients (a ", grad.layout(),
                   " gradient of a ", p.sizes(), " parameter)");
+      // LibTorch refuses an in-place update of an inference tensor outside InferenceMode;
+      // the fused step writes through the data pointer, so it is refused here, before any
+      // parameter steps, as torch.optim's first in-place op would refuse it.
+      TORCH_CHECK(!p.is_inference() || c10::InferenceMode::is_enabled(),
+                  "Apollo: a ", p.sizes(), " parameter is an inference tensor (made under "
+                  "torch.inference_mode), which cannot be updated outside InferenceMode; make "
+                  "the parameters outside it");
       const auto dtype = p.scalar_type();
       TORCH_CHECK(dtype == torch::kFloat32 || dtype == torch::kFloat64 ||
                       dtype == torch::kBFloat16 || dtype == torch::kFloat16,

@@ -122,6 +122,25 @@ TEST(Apollo, SparseGradientsOfEveryLayoutAreRefusedBeforeAnythingSteps) {
   }
 }
 
+// Review finding (session 37 list): an inference tensor cannot be updated in place outside
+// InferenceMode; it was not refused up front, so the parameters before it stepped first.
+TEST(Apollo, AnInferenceTensorParameterIsRefusedBeforeAnythingSteps) {
+  auto a = param(4);
+  torch::Tensor b;
+  {
+    c10::InferenceMode guard;
+    b = torch::full({3}, 0.5, torch::kFloat64);
+  }
+  ASSERT_TRUE(b.is_inference());
+  Apollo opt({a, b}, ApolloOptions(0.1));
+  a.mutable_grad() = torch::ones_like(a);
+  b.mutable_grad() = torch::ones({3}, torch::kFloat64);
+  expect_error_mentions([&] { opt.step(); }, "inference tensor");
+  EXPECT_TRUE(torch::equal(a.detach(), param(4).detach()));
+  EXPECT_TRUE(torch::equal(b, torch::full({3}, 0.5, torch::kFloat64)));
+  EXPECT_TRUE(opt.state().empty());
+}
+
 // Review finding: torch::optim checks duplicates only against state already made, so
 // Apollo({a, a}) took two updates of a per step with one state.
 TEST(Apollo, AParameterGivenTwiceIsRefused) {
