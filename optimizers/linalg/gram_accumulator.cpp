@@ -220,9 +220,10 @@ LstsqResult GramAccumulator::solve(const std::vector<int64_t>& a_slots, int64_t 
           detail::solve_from_gram(G, k, options, rcond, LstsqMethod::gram_eigh, false, kOutput);
     }
   }
-  // A right-hand side that small has lost bᵀb, and with it the Gram residual: measured
-  // directly (rescaled blocks).
-  if (detail::underflowing_column({b}, G, k) >= 0) {
+  // A right-hand side that small has lost bᵀb, and with it the Gram residual, and one
+  // whose Gram residual overflowed: measured directly (rescaled blocks).
+  if (detail::gram_residual_lost(small->residual_norms) ||
+      detail::underflowing_column({b}, G, k) >= 0) {
     small->residual_norms = detail::direct_residual_norms(a_columns, {b}, small->x);
   }
   LstsqResult result;

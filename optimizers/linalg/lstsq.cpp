@@ -256,6 +256,14 @@ SmallSolution select_and_solve(const Problem& problem, const LstsqOptions& optio
   all_columns.insert(all_columns.end(), problem.b_columns.begin(), problem.b_columns.end());
   const auto G = detail::gram_of_columns(all_columns);
   check_finite_gram(G);
+  // AᵀA of a wide A is singular: CholeskyQR has nothing to factor (after the finiteness
+  // check, so that bad input is named as such whatever the method).
+  if (method == LstsqMethod::cholesky_qr && problem.rows < problem.k) {
+    throw std::runtime_error("tidepool::linalg::lstsq: cholesky_qr needs at least as many rows "
+                             "as columns; A is " + std::to_string(problem.rows) + "x" +
+                             std::to_string(problem.k) + ", more columns than rows: use method "
+                             "automatic or svd");
+  }
   if (const int64_t tiny_column = detail::underflowing_column(problem.a_columns, G, 0);
       tiny_column >= 0) {
     if (method == LstsqMethod::automatic) return run_svd(problem, options, rcond);
@@ -268,7 +276,7 @@ SmallSolution select_and_solve(const Problem& problem, const LstsqOptions& optio
   // which a right-hand side whose squares underflow has lost (Note [Underflowing squares]):
   // either way one more pass measures the residuals directly, of the x returned (rounded).
   auto with_residuals = [&](SmallSolution solution) {
-    if (options.exact_residual ||
+    if (options.exact_residual || detail::gram_residual_lost(solution.residual_norms) ||
         detail::underflowing_column(problem.b_columns, G, problem.k) >= 0) {
       solution.residual_norms =
           detail::direct_residual_norms(problem.a_columns, problem.b_columns, solution.x);
@@ -333,8 +341,12 @@ LstsqResult solve(const Problem& problem, const LstsqOptions& requested) {
     }
   }
   // Frobenius norm, scaled by the largest term so that huge residuals do not overflow.
+  // A NaN stays NaN (std::max would drop it, and report a lost residual as 0).
   double peak = 0.0;
-  for (const double norm : result.residual_norms) peak = std::max(peak, norm);
+  for (const double norm : result.residual_norms) {
+    if (!(norm <= peak)) peak = norm;
+    if (std::isnan(peak)) break;
+  }
   double squares = 0.0;
   if (peak > 0.0 && std::isfinite(peak)) {
     for (const double norm : result.residual_norms) squares += (norm / peak) * (norm / peak);

@@ -186,6 +186,10 @@ at::Tensor as_returned(at::Tensor x, at::ScalarType output_dtype) {
   return x;
 }
 
+bool gram_residual_lost(const std::vector<double>& norms) {
+  return std::any_of(norms.begin(), norms.end(), [](double n) { return std::isnan(n); });
+}
+
 std::vector<double> gram_residual_norms(const at::Tensor& G, int64_t k, const at::Tensor& x) {
   const auto Gc = G.to(at::kCPU, at::kDouble).contiguous();
   const auto xc = x.to(at::kCPU, at::kDouble).contiguous();
@@ -204,7 +208,12 @@ std::vector<double> gram_residual_norms(const at::Tensor& G, int64_t k, const at
       for (int64_t l = 0; l < k; ++l) row += g[i * m + l] * xs[l * r + j];
       quadratic += xs[i * r + j] * row;
     }
-    norms[static_cast<size_t>(j)] = std::sqrt(std::max(bb - 2.0 * cross + quadratic, 0.0));
+    // Not bb − 2·cross + quadratic: 2·cross overflows for cross > DBL_MAX/2 although
+    // the residual is finite. A square that still overflows is NaN: measured directly.
+    const double square = (bb - cross) + (quadratic - cross);
+    norms[static_cast<size_t>(j)] = std::isfinite(square)
+                                        ? std::sqrt(std::max(square, 0.0))
+                                        : std::numeric_limits<double>::quiet_NaN();
   }
   return norms;
 }

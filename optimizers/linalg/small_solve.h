@@ -93,8 +93,11 @@ std::optional<SmallSolution> solve_from_gram(const at::Tensor& G, int64_t k,
 
 // ‖b_j − A x_j‖ from the Gram matrix: √(bᵀb − 2xᵀAᵀb + xᵀAᵀAx), clamped at 0, for any x.
 // The square has absolute error ~√N·eps64·(‖b‖ + ‖A‖_F‖x‖)², so the norm is only
-// good to the square root of that (see LstsqOptions::exact_residual).
+// good to the square root of that (see LstsqOptions::exact_residual). A column whose
+// terms overflow fp64 (bᵀb near DBL_MAX) gets NaN: gram_residual_lost says so, and the
+// caller measures that residual directly (direct_residual_norms).
 std::vector<double> gram_residual_norms(const at::Tensor& G, int64_t k, const at::Tensor& x);
+bool gram_residual_lost(const std::vector<double>& norms);
 
 // Minimum-norm solution from R (p×(k+r) fp64 CPU, upper trapezoidal), the R factor of
 // [A·diag(scale) | B]: the minimum-‖y‖ solution of min ‖R_A y − R_B‖ via the SVD of R_A

@@ -274,6 +274,27 @@ TEST(Lstsq, WideAndTinyProblemsUseMinimumNormSvd) {
   EXPECT_EQ(lstsq(tiny, at::randn({20}, kF64)).method, LstsqMethod::svd);
 }
 
+// Review finding: forced cholesky_qr took a wide problem, whose AᵀA is singular: its shifted
+// first pass could come through and return a solution that is not the minimum-norm one.
+// It is refused, naming what to use, for every dtype and whether or not the shift holds.
+TEST(LstsqErrors, ForcedCholeskyQrRefusesAWideProblem) {
+  at::manual_seed(71);
+  for (const auto dtype : {at::kDouble, at::kFloat}) {
+    const auto wide = at::randn({3, 7}, dtype);
+    LstsqOptions options;
+    options.method = LstsqMethod::cholesky_qr;
+    try {
+      lstsq(wide, at::randn({3}, dtype), options);
+      ADD_FAILURE() << "forced cholesky_qr solved a 3x7 problem";
+    } catch (const std::runtime_error& e) {
+      EXPECT_NE(std::string(e.what()).find("more columns than rows"), std::string::npos)
+          << e.what();
+      EXPECT_NE(std::string(e.what()).find("use method automatic or svd"), std::string::npos)
+          << e.what();
+    }
+  }
+}
+
 TEST(Lstsq, RcondTruncatesSmallSingularValuesWhenAsked) {
   const auto A = matrix_with_condition(5000, 5, 1e6, 11);
   const auto b = A.mv(at::ones({5}, kF64));

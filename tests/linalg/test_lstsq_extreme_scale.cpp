@@ -90,5 +90,37 @@ TEST(LstsqExtremeScale, RelativeTikhonovOfTinyColumnsIsNotDropped) {
   }
 }
 
+// Review finding: the Gram residual √(bᵀb − 2xᵀAᵀb + xᵀAᵀAx) doubled xᵀAᵀb ≈ 1.1e308,
+// which overflows although bᵀb and every Gram entry are finite: the square became −inf
+// and the residual read 0 (with two columns, inf − inf: NaN, which the Frobenius norm
+// dropped). The residual here is 0.45e152·√5000 ≈ 3.2e153, on every Gram route.
+TEST(LstsqExtremeScale, AGramResidualWhoseTermsOverflowIsMeasuredDirectly) {
+  constexpr int64_t kRows = 5000;
+  auto alternating = at::empty({kRows}, at::kDouble);
+  auto pairs = at::empty({kRows}, at::kDouble);
+  for (int64_t i = 0; i < kRows; ++i) {
+    alternating[i] = i % 2 == 0 ? 1.0 : -1.0;
+    pairs[i] = i % 4 < 2 ? 1.0 : -1.0;
+  }
+  const auto b = 1.5e152 * (1.0 + 0.3 * alternating);
+  const double expected = 0.45e152 * std::sqrt(static_cast<double>(kRows));
+  const auto one_column = at::full({kRows, 1}, 1e-150, at::kDouble);
+  const auto two_columns = at::stack({at::full({kRows}, 1e-150, at::kDouble), 1e-150 * pairs}, 1);
+  for (const auto& A : {one_column, two_columns}) {
+    for (const auto method :
+         {LstsqMethod::automatic, LstsqMethod::gram_cholesky, LstsqMethod::gram_eigh}) {
+      LstsqOptions options;
+      options.method = method;
+      const auto result = lstsq(A, b, options);
+      SCOPED_TRACE(std::string(method_name(method)) + ", " + std::to_string(A.size(1)) +
+                   " columns");
+      EXPECT_NEAR(result.solution[0].item<double>() / 1.5e302, 1.0, 1e-12);
+      ASSERT_EQ(result.residual_norms.size(), 1u);
+      EXPECT_NEAR(result.residual_norms[0] / expected, 1.0, 1e-10);
+      EXPECT_NEAR(result.residual_norm / expected, 1.0, 1e-10);
+    }
+  }
+}
+
 }  // namespace
 }  // namespace tidepool::linalg

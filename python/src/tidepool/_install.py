@@ -78,14 +78,18 @@ def warn_beside_error(message: str) -> None:
         print(f"TidepoolInactiveWarning: {message}", file=sys.stderr)
 
 
-def entry_points() -> tuple[str, str, str]:
-    """(library, malloc, free) for CUDAPluggableAllocator: libtidepool's PyTorch pair,
-    which routes optimizer state to pointer-stable, evictable ranges and throws
-    tidepool's message on failure. LibraryError when the build lacks it."""
+def entry_points(mode: str = "global") -> tuple[str, str, str]:
+    """(library, malloc, free) for CUDAPluggableAllocator. Both pairs route optimizer
+    state to pointer-stable, evictable ranges. Global mode: libtidepool's PyTorch pair,
+    which throws tidepool's message on failure (PyTorch's current allocator is not
+    checked for NULL). Pool mode: the plain pair, whose NULL PyTorch's caching allocator
+    answers by freeing its own cache, retrying and raising torch.OutOfMemoryError.
+    LibraryError when the build lacks them."""
     path = _lib.library_path()
-    for name in _lib.PYTORCH_ENTRY_POINTS:
+    names = _lib.PYTORCH_ENTRY_POINTS if mode == "global" else _lib.POOL_ENTRY_POINTS
+    for name in names:
         _lib.function(name, "the PyTorch allocator entry points")
-    return (path, *_lib.PYTORCH_ENTRY_POINTS)
+    return (path, *names)
 
 
 def install(torch, config: dict) -> None:
@@ -113,7 +117,7 @@ def install(torch, config: dict) -> None:
                       "tensors (unset it, or set it to cuda or auto)", config)
             return
         try:
-            path, malloc_name, free_name = entry_points()
+            path, malloc_name, free_name = entry_points(config["mode"])
         except _lib.LibraryError as e:
             STATE.torch = STATE.config = None  # nothing installed; a fixed library may retry
             STATE.status = f"failed: {e}"

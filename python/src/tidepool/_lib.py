@@ -25,8 +25,9 @@ import os
 import sys
 import threading
 
-__all__ = ["LibraryError", "PYTORCH_ENTRY_POINTS", "library_path", "load", "optional", "check",
-           "last_error", "torch_cuda_library_path", "load_torch_cuda", "optim_module_path"]
+__all__ = ["LibraryError", "PYTORCH_ENTRY_POINTS", "POOL_ENTRY_POINTS", "library_path", "load",
+           "optional", "check", "last_error", "torch_cuda_library_path", "load_torch_cuda",
+           "optim_module_path"]
 
 
 class LibraryError(RuntimeError):
@@ -44,6 +45,10 @@ _CUDART_SONAME = "libcudart.so.13"
 # tidepool's message on failure (PyTorch does not check for NULL; Note [OOM into
 # PyTorch] in allocator/c_api.h).
 PYTORCH_ENTRY_POINTS = ("tidepool_pytorch_malloc", "tidepool_pytorch_free")
+# A MemPool's allocator is checked for NULL by PyTorch's caching allocator, which then frees
+# its own cached blocks, retries and raises torch.OutOfMemoryError: pool mode hands it the
+# plain pair, whose NULL takes that path (the throwing pair would skip it).
+POOL_ENTRY_POINTS = ("tidepool_malloc", "tidepool_free")
 
 
 def _find_library(variable: str, name: str) -> str | None:
