@@ -549,8 +549,12 @@ EnvPlan plan_from_env(Installer installer) {
   EnvPlan plan;
   if (named.empty()) {
     // Note [inherited configuration]: a parent that claimed the keys left them here.
+    // Blank (spaces and commas only) is unset: a launcher's way of saying "off" (review
+    // finding: it stopped every `import torch` as a leftover that is no tidepool key).
     const char* inherited = std::getenv(kInheritedVariable);
-    if (inherited == nullptr || *inherited == '\0') return plan;
+    if (inherited == nullptr ||
+        std::string_view(inherited).find_first_not_of(" \t,") == std::string_view::npos)
+      return plan;
     const ClaimResult r = claim_config(inherited, kInheritedVariable, installer);
     if (!r.remaining.empty()) {
       throw ConfigError(std::string(kInheritedVariable) + " holds tidepool keys only; '" +

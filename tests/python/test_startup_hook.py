@@ -206,6 +206,18 @@ def test_keys_in_both_variables_are_an_error(run_python):
             "them in one of the two") in result.stderr
 
 
+def test_a_blank_inherited_variable_is_unset(run_python):
+    # Review finding: TIDEPOOL_ALLOC_CONF=" " (a launcher's way of saying "off") stopped
+    # every `import torch` with "holds tidepool keys only; ' ' belongs in PYTORCH_ALLOC_CONF".
+    for blank in (" ", ",", " , "):
+        result = run_python("""
+            import torch, tidepool
+            print(tidepool.status())
+            """, TIDEPOOL_ALLOC_CONF=blank)
+        assert result.stdout.strip().splitlines()[-1].startswith("not enabled"), (
+            repr(blank), result.stdout, result.stderr)
+
+
 def test_a_child_asking_pytorch_for_another_backend_is_not_quietly_given_tidepool(run_python):
     # The parent ran with tidepool (TIDEPOOL_ALLOC_CONF inherited); this child names
     # cudaMallocAsync itself. Note [one backend] in allocator/config.cpp.
