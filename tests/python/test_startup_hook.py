@@ -396,9 +396,20 @@ def test_a_missing_library_is_reported_at_import_torch(run_python):
     result = run_python("import torch", check=False, TIDEPOOL_LIBRARY="/nonexistent/libtidepool.so",
                         PYTORCH_CUDA_ALLOC_CONF="backend:tidepool")
     assert result.returncode == 1
+    # tidepool.LibraryError (a RuntimeError), as tidepool.install() raises it: review finding,
+    # `except tidepool.LibraryError` around `import torch` did not catch a plain RuntimeError.
     assert result.stderr.strip().splitlines()[-1] == (
-        "RuntimeError: tidepool: the allocator configuration names tidepool, but "
+        "tidepool._lib.LibraryError: tidepool: the allocator configuration names tidepool, but "
         "TIDEPOOL_LIBRARY='/nonexistent/libtidepool.so' is not a file")
+    result = run_python("""
+        import tidepool
+        try:
+            import torch
+        except tidepool.LibraryError as e:
+            print("caught", type(e).__name__, isinstance(e, RuntimeError))
+        """, TIDEPOOL_LIBRARY="/nonexistent/libtidepool.so",
+                        PYTORCH_CUDA_ALLOC_CONF="backend:tidepool")
+    assert result.stdout.strip().splitlines()[-1] == "caught LibraryError True", result.stderr
 
 
 def test_asking_whether_torch_is_installed_does_not_spend_the_hook(run_python):

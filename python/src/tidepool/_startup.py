@@ -26,7 +26,7 @@ import os
 import sys
 import threading
 
-from . import _install
+from . import _install, _lib
 
 _error: BaseException | None = None
 _config: dict | None = None
@@ -186,7 +186,10 @@ def on_torch_imported(torch) -> None:
 
         if isinstance(_error, ConfigError):
             raise ConfigError(str(_error)) from None
-        raise RuntimeError(
+        # A missing or broken library stays a LibraryError (a RuntimeError), the type
+        # tidepool.install() raises for it, so that one `except` catches both ways in.
+        error_type = _lib.LibraryError if isinstance(_error, _lib.LibraryError) else RuntimeError
+        raise error_type(
             f"tidepool: the allocator configuration names tidepool, but {_error}") from None
     _install.install(torch, _config)
 
