@@ -212,9 +212,16 @@ SmallSolution run_svd(const Problem& problem, const LstsqOptions& options, doubl
   }
   auto scale = at::ones_like(norms);
   if (options.equilibrate) {
-    // 1/‖a_j‖, kept finite for a column of subnormals; 1 for a zero column, so that it stays
-    // zero and shows up as rank deficiency (as column_scales does).
-    scale = at::where(norms > 0, 1.0 / norms.clamp_min(std::numeric_limits<double>::min()), scale);
+    // 1/‖a_j‖, kept finite for a column of subnormals; for a zero column (which stays zero
+    // and shows up as rank deficiency) the columns' mean scale, as column_scales gives it.
+    // The root mean square ‖norms‖/√k, scaled by the largest, whose square may overflow.
+    const double peak = norms.numel() == 0 ? 0.0 : norms.max().item<double>();
+    const double rms =
+        peak > 0.0 ? peak * std::sqrt((norms / peak).square().sum().item<double>() /
+                                      static_cast<double>(problem.k))
+                   : 0.0;
+    scale = at::where(norms > 0, 1.0 / norms.clamp_min(std::numeric_limits<double>::min()),
+                      scale * detail::zero_column_scale(rms));
   }
   const double lambda_root = detail::tikhonov_root(options, norms, problem.k);
   A.mul_(scale.to(A.device()));  // in X: the equilibrated A beside B
@@ -256,20 +263,20 @@ SmallSolution select_and_solve(const Problem& problem, const LstsqOptions& optio
   all_columns.insert(all_columns.end(), problem.b_columns.begin(), problem.b_columns.end());
   const auto G = detail::gram_of_columns(all_columns);
   check_finite_gram(G);
-  // AᵀA of a wide A is singular: CholeskyQR has nothing to factor (after the finiteness
-  // check, so that bad input is named as such whatever the method).
-  if (method == LstsqMethod::cholesky_qr && problem.rows < problem.k) {
-    throw std::runtime_error("tidepool::linalg::lstsq: cholesky_qr needs at least as many rows "
-                             "as columns; A is " + std::to_string(problem.rows) + "x" +
-                             std::to_string(problem.k) + ", more columns than rows: use method "
-                             "automatic or svd");
-  }
   if (const int64_t tiny_column = detail::underflowing_column(problem.a_columns, G, 0);
       tiny_column >= 0) {
     if (method == LstsqMethod::automatic) return run_svd(problem, options, rcond);
     fail("column " + std::to_string(tiny_column) + " of A is so small that its squares " +
          "underflow float64 (entries below ~1e-154), which method " + method_name(method) +
          " cannot resolve; rescale A, or use method automatic or svd");
+  }
+  // AᵀA of a wide A is singular: CholeskyQR has nothing to factor (after the input
+  // checks, so that bad input is named as such whatever the method).
+  if (method == LstsqMethod::cholesky_qr && problem.rows < problem.k) {
+    throw std::runtime_error("tidepool::linalg::lstsq: cholesky_qr needs at least as many rows "
+                             "as columns; A is " + std::to_string(problem.rows) + "x" +
+                             std::to_string(problem.k) + ", more columns than rows: use method "
+                             "automatic or svd");
   }
 
   // The Gram residual is a cancellation (LstsqOptions::exact_residual), and it needs bᵀb,

@@ -4,6 +4,11 @@
 // and return x = Dy. Scaling columns to unit norm can only lower κ (van der Sluis: within √k
 // of the best diagonal scaling), so the condition estimate and the rank test look at the
 // problem's real difficulty, not at its units. Tikhonov stays on x (λ‖x‖² = λ‖Dy‖²).
+// A zero column has no norm to scale by; it gets 1/√(trace(AᵀA)/k), the columns' mean
+// scale (1 when A is all zero), so that its regularisation entry λ·d_j² is on the same
+// footing as the others' λ/‖a_j‖² whatever A's units (review finding: with scale 1, a
+// relative λ made the rank, κ and the method chosen follow the units). Without λ its
+// scale changes nothing: the column stays zero, and so does its coefficient.
 //
 // Note [Condition from the Gram matrix]: the eigenvalues of the equilibrated AᵀA are
 // σ_i² of AD, computed with absolute error ~k·eps64·λ_max (the Jacobi sweeps, and G's own
@@ -81,12 +86,20 @@ at::Tensor column_norms(const at::Tensor& M) {
   return at::stack(norms);
 }
 
+double zero_column_scale(double rms_norm) {
+  // A mean beyond fp64 (only without a relative λ, which refuses it) or 0: scale 1. The
+  // floor is column_scales' (a squared norm of at least DBL_MIN).
+  if (!(rms_norm > 0.0) || !std::isfinite(rms_norm)) return 1.0;
+  return 1.0 / std::max(rms_norm, std::sqrt(std::numeric_limits<double>::min()));
+}
+
 at::Tensor column_scales(const at::Tensor& gram_diagonal, bool equilibrate) {
   auto scale = at::ones_like(gram_diagonal);
   if (!equilibrate) return scale;
   const auto positive = gram_diagonal > 0;
+  const double mean = gram_diagonal.numel() == 0 ? 0.0 : gram_diagonal.mean().item<double>();
   return at::where(positive, gram_diagonal.clamp_min(std::numeric_limits<double>::min()).rsqrt(),
-                      scale);
+                   scale * zero_column_scale(std::sqrt(mean)));
 }
 
 std::string layout_name(const at::Tensor& t) {
@@ -230,15 +243,15 @@ std::optional<SmallSolution> solve_from_gram(const at::Tensor& G, int64_t k,
   const double* g = Gc.data_ptr<double>();
   const int n = static_cast<int>(k);
 
-  // Note [Equilibration]: scale as column_scales() does (1 for a zero column or when off).
+  // Note [Equilibration]: scale as column_scales() does (1 when off).
   std::vector<double> scale(static_cast<size_t>(k), 1.0);
   double trace = 0.0;
-  for (int64_t j = 0; j < k; ++j) {
+  for (int64_t j = 0; j < k; ++j) trace += g[j * m + j];
+  for (int64_t j = 0; j < k && options.equilibrate; ++j) {
     const double d = g[j * m + j];
-    trace += d;
-    if (options.equilibrate && d > 0.0)
-      scale[static_cast<size_t>(j)] =
-          1.0 / std::sqrt(std::max(d, std::numeric_limits<double>::min()));
+    scale[static_cast<size_t>(j)] =
+        d > 0.0 ? 1.0 / std::sqrt(std::max(d, std::numeric_limits<double>::min()))
+                : zero_column_scale(std::sqrt(trace / static_cast<double>(k)));
   }
   const double lambda = tikhonov_lambda(options, trace, k);
   std::vector<double> ghat(static_cast<size_t>(k * k));

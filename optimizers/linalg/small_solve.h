@@ -37,6 +37,9 @@ at::Tensor column_norms(const at::Tensor& M);
 // 1/‖a_j‖ from the Gram diagonal (k fp64 CPU); 1 for zero columns or when equilibration
 // is off, so a zero column stays zero and shows up as rank deficiency.
 at::Tensor column_scales(const at::Tensor& gram_diagonal, bool equilibrate);
+// A zero column's scale, from the root mean square of the column norms, √(trace(AᵀA)/k)
+// (Note [Equilibration]).
+double zero_column_scale(double rms_norm);
 
 // The rcond used when options.rcond < 0: max(√k·eps(dtype)/2, 10·√N·eps64). The first
 // term is the precision of the data (fp32 input is exact in fp64, but means no more than

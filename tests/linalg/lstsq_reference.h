@@ -148,7 +148,7 @@ struct Reference {
   Matrix A;                        // N×k as given
   Matrix B;                        // N×r as given
   std::vector<Real> column_norm;   // ‖a_j‖
-  std::vector<Real> scale;         // D: 1/‖a_j‖ with equilibration (1 for a zero column)
+  std::vector<Real> scale;         // D: 1/‖a_j‖ with equilibration (zero column: mean)
   Real frobenius = 0.0L;           // ‖A‖_F
   Real lambda = 0.0L;              // Tikhonov λ in absolute terms
   std::vector<Real> sigma;         // singular values of [A·D; √λ·D], descending
@@ -211,6 +211,12 @@ inline Reference make_reference(const at::Tensor& A, const at::Tensor& B,
     trace += squares;
     ref.column_norm.push_back(std::sqrt(squares));
     ref.scale.push_back(options.equilibrate && squares > 0.0L ? 1.0L / std::sqrt(squares) : 1.0L);
+  }
+  // A zero column's scale is the columns' mean one, 1/√(trace/k) (Note [Equilibration] in
+  // small_solve.cpp): only its regularisation entry depends on it.
+  for (int64_t j = 0; j < k; ++j) {
+    if (options.equilibrate && ref.column_norm[static_cast<size_t>(j)] == 0.0L && trace > 0.0L)
+      ref.scale[static_cast<size_t>(j)] = 1.0L / std::sqrt(trace / static_cast<Real>(k));
   }
   ref.frobenius = std::sqrt(trace);
   if (options.tikhonov > 0.0) {

@@ -122,5 +122,36 @@ TEST(LstsqExtremeScale, AGramResidualWhoseTermsOverflowIsMeasuredDirectly) {
   }
 }
 
+// Review finding: under equilibration a zero column kept scale 1, so with a relative λ its
+// regularisation entry was λ where every other column's was λ/‖a_j‖²: the rank, κ and the
+// method chosen followed A's units (forced gram_cholesky refused A·1e-7 as rank 2, and
+// solved A·1e-2). It now takes the columns' mean scale, and nothing depends on the units.
+TEST(LstsqExtremeScale, AZeroColumnWithRelativeTikhonovDoesNotDependOnUnits) {
+  at::manual_seed(51);
+  auto A = at::randn({10000, 3}, at::kDouble);
+  A.select(1, 2).zero_();
+  const auto b = at::randn({10000}, at::kDouble);
+  // Not forced cholesky_qr: it factors A itself, and breaks down on the zero column at
+  // every scale (the regularisation enters only after the factorisation).
+  for (const auto method : {LstsqMethod::automatic, LstsqMethod::gram_cholesky,
+                            LstsqMethod::svd, LstsqMethod::gram_eigh}) {
+    LstsqOptions options;
+    options.method = method;
+    options.tikhonov = 1e-6;
+    options.tikhonov_relative = true;
+    SCOPED_TRACE(method_name(method));
+    const auto reference = lstsq(A, b, options);
+    EXPECT_EQ(reference.solution[2].item<double>(), 0.0);
+    for (const double units : {1e-7, 1e-2, 1e3}) {
+      SCOPED_TRACE(units);
+      const auto scaled = lstsq(A * units, b * units, options);
+      EXPECT_EQ(scaled.method, reference.method);
+      EXPECT_EQ(scaled.rank, reference.rank);
+      EXPECT_NEAR(scaled.condition / reference.condition, 1.0, 1e-8);
+      EXPECT_LT(relative_error(scaled.solution, reference.solution), 1e-10);
+    }
+  }
+}
+
 }  // namespace
 }  // namespace tidepool::linalg
