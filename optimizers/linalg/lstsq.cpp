@@ -229,8 +229,11 @@ SmallSolution run_svd(const Problem& problem, const LstsqOptions& options, doubl
   return detail::solve_from_r_factor(R, problem.k, scale, rcond, lambda_root, problem.dtype);
 }
 
+// `r_trusted`, when given, says whether R alone (before any Tikhonov rows are stacked under
+// it) is well inside CholeskyQR3's proven range: full rank at rcond and κ(R) ≤ 1e11.
 std::optional<SmallSolution> run_cholesky_qr(const Problem& problem, const LstsqOptions& options,
-                                             const at::Tensor& G, double rcond) {
+                                             const at::Tensor& G, double rcond,
+                                             bool* r_trusted = nullptr) {
   const auto diagonal = G.diagonal().narrow(0, 0, problem.k).clone();
   const auto scale = detail::column_scales(diagonal, options.equilibrate);
   // The Gram diagonal is finite and did not underflow (select_and_solve checked): its
@@ -240,6 +243,16 @@ std::optional<SmallSolution> run_cholesky_qr(const Problem& problem, const Lstsq
   const auto A = fp64_matrix(problem.a_columns) * scale.to(problem.device);
   const auto factors = detail::shifted_cholesky_qr3(A, fp64_matrix(problem.b_columns));
   if (!factors) return std::nullopt;
+  if (r_trusted != nullptr) {
+    // Not the rank and κ of the solve below: with λ > 0 they are those of [R; √λ·D],
+    // full rank and bounded whatever R is (review finding).
+    constexpr double kCholeskyQrTrustedCondition = 1e11;
+    const auto sv = at::linalg_svdvals(factors->R.narrow(1, 0, problem.k));
+    const double largest = sv.numel() > 0 ? sv[0].item<double>() : 0.0;
+    const double smallest = sv.numel() > 0 ? sv[-1].item<double>() : 0.0;
+    *r_trusted = smallest > 0.0 && largest <= kCholeskyQrTrustedCondition * smallest &&
+                 smallest > rcond * largest;
+  }
   auto solution =
       detail::solve_from_r_factor(at::cat({factors->R, factors->QtB}, 1), problem.k, scale,
                                   rcond, lambda_root, problem.dtype);
@@ -254,7 +267,8 @@ std::optional<SmallSolution> run_cholesky_qr(const Problem& problem, const Lstsq
 SmallSolution select_and_solve(const Problem& problem, const LstsqOptions& options, double rcond) {
   const LstsqMethod method = options.method;
   const bool tiny =
-      problem.rows < problem.k || problem.rows * problem.k <= options.svd_below_elements;
+      problem.rows < problem.k ||
+      problem.rows <= options.svd_below_elements / problem.k;  // N·k may overflow int64
   if (method == LstsqMethod::svd || (method == LstsqMethod::automatic && tiny)) {
     return run_svd(problem, options, rcond);
   }
@@ -308,10 +322,9 @@ SmallSolution select_and_solve(const Problem& problem, const LstsqOptions& optio
   // CholeskyQR3's R is trusted only well inside its proven range (κ ≲ u⁻¹): an exactly
   // singular A can come out of it with a tiny but non-zero σ_min, so anything near the
   // limit of fp64 goes to the Householder QR + SVD, which decides the rank reliably.
-  constexpr double kCholeskyQrTrustedCondition = 1e11;
-  if (auto solution = run_cholesky_qr(problem, options, G, rcond);
-      solution && solution->rank == problem.k &&
-      solution->condition <= kCholeskyQrTrustedCondition) {
+  bool r_trusted = false;
+  if (auto solution = run_cholesky_qr(problem, options, G, rcond, &r_trusted);
+      solution && r_trusted) {
     return *solution;
   }
   return run_svd(problem, options, rcond);

@@ -564,6 +564,28 @@ TEST(Lstsq, TikhonovMatchesClosedFormAbsoluteAndRelative) {
   }
 }
 
+// Review finding: automatic trusted CholeskyQR3's R by the rank and κ of [R; √λ·D], which
+// any λ > 0 makes full rank and bounded, so an exactly singular A (a duplicated column) got
+// CholeskyQR3's noisy R: 99% relative error at λ = 1e-16, 1% at 1e-14. R is now judged
+// alone, and such problems go to the SVD route, which forced svd matches.
+TEST(Lstsq, RegularisedSingularProblemsAreNotLeftToCholeskyQr) {
+  for (const double lambda : {1e-16, 1e-14, 1e-12, 1e-10}) {
+    at::manual_seed(5);
+    auto A = at::randn({20000, 3}, kF64);
+    A.select(1, 1).copy_(A.select(1, 0));
+    const auto b = at::randn({20000}, kF64);
+    LstsqOptions options;
+    options.tikhonov = lambda;
+    const auto automatic = lstsq(A, b, options);
+    options.method = LstsqMethod::svd;
+    const auto svd = lstsq(A, b, options);
+    SCOPED_TRACE(lambda);
+    EXPECT_NE(automatic.method, LstsqMethod::cholesky_qr);
+    EXPECT_EQ(automatic.rank, 3);
+    EXPECT_LT(relative_error(automatic.solution, svd.solution), 1e-9);
+  }
+}
+
 TEST(Lstsq, ExactResidualOptionAgreesWithGramResidual) {
   const auto A = matrix_with_condition(9000, 3, 5.0, 14);
   at::manual_seed(15);
