@@ -305,6 +305,19 @@ def test_global_mode_replaces_the_current_allocator(fake_cuda):
     assert len(fake_cuda) == 2
 
 
+def test_pytorch_is_handed_the_library_already_loaded(fake_cuda, monkeypatch, tmp_path):
+    # Review finding: the path was looked up again, so a TIDEPOOL_LIBRARY changed after the
+    # package loaded its copy (or a relative one after a chdir) handed PyTorch a second
+    # libtidepool, with the default configuration and none of the package's tag pushes.
+    loaded = _lib.load()._name
+    other = tmp_path / "libtidepool.so"
+    other.write_bytes(b"not loaded")
+    monkeypatch.setenv("TIDEPOOL_LIBRARY", str(other))
+    assert _lib.library_path() == loaded
+    install(mode="pool")
+    assert fake_cuda[0][1] == loaded
+
+
 def test_pool_mode_keeps_pytorchs_allocator_and_makes_the_pool_on_first_use(fake_cuda):
     install(mode="pool")
     # Review finding: the pool got the throwing pair. PyTorch checks a MemPool allocator's

@@ -65,6 +65,12 @@ def _find_library(variable: str, name: str) -> str | None:
 
 def library_path() -> str:
     """Absolute path of the libtidepool.so this process uses (or would use)."""
+    # Once loaded, that copy: looked up again, a TIDEPOOL_LIBRARY changed since (or a
+    # relative one after a chdir) would name another library, and PyTorch would dlopen a
+    # second libtidepool with none of this one's configuration or tags.
+    loaded = _lib
+    if loaded is not None:
+        return loaded._name
     path = _find_library("TIDEPOOL_LIBRARY", "libtidepool.so")
     if path is None:
         raise LibraryError(
