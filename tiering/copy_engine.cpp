@@ -46,18 +46,21 @@ CopyEngine::~CopyEngine() {
   if (h2d_idle && d2h_idle) {
     teardown.attempt("collecting timings", [&] { collect_timings_locked(/*wait=*/true); });
   }
+  // Each event destroyed where it is met: gathered into free_events_ first, a push_back
+  // that ran out of heap would leave this noexcept destructor (std::terminate).
+  const auto destroy_event = [&](Event e) {
+    teardown.attempt("destroying an event", [&] { backend_.destroy_event(e); });
+  };
   for (const std::deque<Timing>& pending : pending_timings_) {
     for (const Timing& t : pending) {
-      free_events_.push_back(t.start);
-      free_events_.push_back(t.end);
+      destroy_event(t.start);
+      destroy_event(t.end);
     }
   }
   for (const OpenBatch& b : batches_) {
-    if (b.open) free_events_.push_back(b.start);
+    if (b.open) destroy_event(b.start);
   }
-  for (Event e : free_events_) {
-    teardown.attempt("destroying an event", [&] { backend_.destroy_event(e); });
-  }
+  for (Event e : free_events_) destroy_event(e);
   teardown.attempt("destroying the H2D stream", [&] { backend_.destroy_stream(h2d_); });
   teardown.attempt("destroying the D2H stream", [&] { backend_.destroy_stream(d2h_); });
 }

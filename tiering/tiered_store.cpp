@@ -157,10 +157,16 @@ TieredStore::~TieredStore() {
       teardown.attempt("synchronising the device", [&] { backend_.device_synchronize(); });
   std::lock_guard lock(mutex_);
   const Stream d2h = copies_.stream(Direction::device_to_host);
+  // Events are destroyed where they are met, not gathered into free_events_ first: a
+  // push_back that runs out of heap here would leave this noexcept destructor (review
+  // finding: std::terminate with more handles than the list had room for).
+  const auto destroy_event = [&](Event ev) {
+    teardown.attempt("destroying an event", [&] { backend_.destroy_event(ev); });
+  };
   for (const PendingFree& f : pending_frees_) {
     if (idle)
       teardown.attempt("freeing a device buffer", [&] { device_.deallocate(f.ptr, f.bytes, d2h); });
-    free_events_.push_back(f.after);
+    destroy_event(f.after);
   }
   pending_frees_.clear();
   for (auto& [id, e] : entries_) {
@@ -171,14 +177,12 @@ TieredStore::~TieredStore() {
       }
       teardown.attempt("freeing a host block", [&] { host_.deallocate(e->host); });
     }
-    free_events_.push_back(e->dev_ready);
-    free_events_.push_back(e->host_ready);
+    destroy_event(e->dev_ready);
+    destroy_event(e->host_ready);
   }
   entries_.clear();
   resident_.clear();
-  for (Event ev : free_events_) {
-    teardown.attempt("destroying an event", [&] { backend_.destroy_event(ev); });
-  }
+  for (Event ev : free_events_) destroy_event(ev);
   free_events_.clear();
   // copies_ destroys its streams after this body: the memory source must forget them
   // first (Note [Stream contract] in caching_allocator.h). Done even when the device

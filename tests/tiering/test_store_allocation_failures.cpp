@@ -5,6 +5,7 @@
 // resident with a buffer that never received them) and nothing is charged that nothing
 // holds (a destroyed store's device bytes are all freed).
 #include <cstddef>
+#include <memory>
 #include <string>
 #include <thread>
 #include <vector>
@@ -135,6 +136,28 @@ TEST_P(StoreAllocationFailuresTest, ADestroyThatRunsOutOfMemoryNeverLeavesAFreed
     store.end_step();
   }
   EXPECT_GT(failures, 0) << "no allocation to fail: the sweep tested nothing";
+}
+
+// Review finding: the destructor gathered each handle's two events (and each pending
+// free's) into a list outside its guarded steps, so a store with more handles than the
+// list had room for called std::terminate when the heap ran out at its teardown (a
+// destructor must not throw: teardown.h).
+TEST_P(StoreAllocationFailuresTest, AStoreWithManyHandlesIsDestroyedWithoutAHeap) {
+  auto store = std::make_unique<TieredStore>(backend(), options());
+  for (std::uint64_t i = 0; i < 64; ++i) {
+    const auto h = create_written(*store, i);
+    if (i % 2 == 0) {
+      EXPECT_TRUE(acquires(*store, h, i));  // some with a device copy
+    }
+  }
+  bool completed = false;
+  ::testing::internal::CaptureStderr();
+  std::thread([&] {
+    completed = test_support::survives_exhaustion(0, [&] { store.reset(); });
+  }).join();
+  ::testing::internal::GetCapturedStderr();
+  EXPECT_TRUE(completed);
+  EXPECT_EQ(store, nullptr);
 }
 
 // A step of a new schedule key begun while the heap runs out: whatever failed, the
