@@ -188,8 +188,8 @@ typedef struct tidepool_tiering_stats_v1 {
    * tiering/device_budget_ledger.h). The stores that share it; the bytes charged to it
    * now by all that share it (stores and ranges; at most the budget, unless ranges
    * allocated on the device, which no budget limits, took more); the handles stores
-   * evicted to give another store room, and their bytes; and the acquires that asked the
-   * other stores for room. */
+   * evicted to give another store room, and their bytes; and the acquires (and creates on
+   * the device) that asked the other stores for room, each once. */
   uint64_t shared_budget_stores, shared_budget_charged_bytes;
   uint64_t peer_evictions, peer_evicted_bytes, peer_room_requests;
   /* Appended: acquires to overwrite (TieredStore::acquire_to_overwrite) that found their

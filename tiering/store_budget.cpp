@@ -17,6 +17,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <utility>
 
 #include "tiering/store_entry.h"
 #include "tiering/tiered_store.h"
@@ -250,6 +251,7 @@ constexpr int kFruitlessPeerAsks = 3;
 void* TieredStore::with_room_from_peers(std::unique_lock<std::mutex>& lock, std::size_t bytes,
                                         const std::function<void*(RoomFor)>& attempt) {
   int fruitless = 0;
+  bool counted = false;  // peer_room_requests counts the calls that asked, not the asks
   while (true) {
     const RoomFor why =
         fruitless < kFruitlessPeerAsks ? RoomFor::acquire_may_ask_peers : RoomFor::acquire;
@@ -258,7 +260,7 @@ void* TieredStore::with_room_from_peers(std::unique_lock<std::mutex>& lock, std:
     if (never_fits_beside_acquired_locked(bytes)) throw_no_room_locked(bytes);
     // At least a byte: a shortfall of 0 means another store took room as this one asked.
     const std::size_t shortfall = std::max<std::size_t>(peer_shortfall_locked(bytes), 1);
-    stats_.peer_room_requests++;
+    if (!std::exchange(counted, true)) stats_.peer_room_requests++;
     lock.unlock();
     const std::size_t given = shared_->ask_peers(shortfall);
     lock.lock();

@@ -184,7 +184,8 @@ struct TieredStoreStats {
   // Note [Shared state budget] in device_budget_ledger.h. budget_shared: the budget is
   // the device's tidepool.state_budget, shared with its other stores built from the
   // configuration and its VMM ranges, which hold peer_bytes of it now. peer_room_requests:
-  // acquires of this store that asked the others for room; peer_evictions and
+  // acquires (and creates on the device) of this store that asked the others for room,
+  // each counted once however often it asked; peer_evictions and
   // peer_evicted_bytes: handles this store evicted (and their bytes) to give another
   // store room.
   bool budget_shared = false;

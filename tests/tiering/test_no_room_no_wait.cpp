@@ -185,6 +185,21 @@ TEST_P(NoRoomNoWaitTest, WithASharedBudgetTheOtherStoresAreAskedWithoutWaitingFi
   EXPECT_EQ(first_difference(contents(*peer, v).data(), data_v.data(), 2 * kMiB), -1);
 }
 
+// Review finding: peer_room_requests is documented as the acquires that asked the other
+// stores for room, but counted every ask: an acquire the peers could not help asked three
+// times (kFruitlessPeerAsks) and was counted three times.
+TEST_P(NoRoomNoWaitTest, PeerRoomRequestsCountsAcquiresNotAsks) {
+  apply_config(claim_config("tidepool.state_budget:" + std::to_string(4 * kMiB)).config);
+  auto store = make_store(TieredStoreOptions::kDeviceBudgetFromConfig);
+  auto peer = make_store(TieredStoreOptions::kDeviceBudgetFromConfig);
+  const auto theirs = peer->create(3 * kMiB, kTagOptimizerState);
+  peer->acquire(theirs, other_);  // held: the peer has nothing to give
+  const auto w = store->create(2 * kMiB, kTagOptimizerState);
+  EXPECT_THROW(store->acquire(w, other_), TieringError);
+  EXPECT_EQ(store->stats().peer_room_requests, 1u);
+  peer->release(theirs, /*dirty=*/false);
+}
+
 // Review finding: an acquire that could not fit beside the acquired handles evicted every
 // released handle first (a copy back each), and with a shared budget had the other stores
 // evict theirs, before it failed all the same. It fails at once, and they stay.
