@@ -224,6 +224,10 @@ def test_each_check_gets_what_is_left_of_check_timeout(checks, monkeypatch):
     monkeypatch.setattr(checks, "DEADLINE", checks.time.monotonic() + 40)
     assert checks.run("resume") == (0, "out", "")
     assert seen["timeout"] == 40 - checks.VERDICT_SECONDS
+    # What the checks run together keep for those run alone after them (review finding: a
+    # hung check took all of CHECK_TIMEOUT, and record_stream was not run).
+    assert checks.run("resume", keep=checks.ALONE_SECONDS) == (0, "out", "")
+    assert seen["timeout"] == 40 - checks.VERDICT_SECONDS - checks.ALONE_SECONDS
     monkeypatch.setattr(checks, "DEADLINE", checks.time.monotonic() + 2)
     rc, _, err = checks.run("resume")
     assert rc == 124 and "not run" in err
