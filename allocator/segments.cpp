@@ -733,16 +733,19 @@ std::size_t CachingAllocator::Impl::drop_empty_released_ranges() {
     Segment* seg = it->second;
     Block* cursor = seg->first;
     // Only ranges a released stream created: a live stream's range stays on its list of
-    // ranges to grow even when released blocks fill it.
+    // ranges to grow even when released blocks fill it. Its free blocks may be live
+    // streams' (a block live at the release becomes the freeing stream's, and steal takes
+    // released blocks): they go too (review finding: such a range stayed reserved for
+    // good). Unbacked, they hold no memory, and what was unmapped was done with.
     if (!seg->expandable || seg->creator != released.get() || !seg->mapped_runs.empty() ||
-        !all_free(cursor, seg->base, seg->used_end, false, nullptr, released.get())) {
+        !all_free(cursor, seg->base, seg->used_end, false)) {
       ++it;
       continue;
     }
     backend->release_address(seg->base, seg->size);  // first: a throw changes nothing
     for (Block* b = seg->first; b != nullptr;) {
       Block* next = b->next;
-      released->pool(seg->small).erase(b);
+      b->owner->pool(seg->small).erase(b);
       blocks.erase(b->ptr);
       recycle(b);
       b = next;

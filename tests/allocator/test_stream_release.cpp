@@ -128,6 +128,29 @@ TEST_P(StreamRelease, ReleasingAStreamGivesBackItsSegmentsAndRanges) {
   alloc_->deallocate(small, 4096, a_);
 }
 
+// Review finding: a range a released stream had made stayed reserved for good once a live
+// stream owned a block in it (a block live at the release and freed later on that stream
+// becomes its block), although empty_cache left it unbacked: streams made and released
+// with a live block each piled up a range of address space (the device's size) apiece.
+TEST_P(StreamRelease, ARangeOfAReleasedStreamGoesOnceEmptyWhoeverFreedItsBlocks) {
+  void* big = alloc_->allocate(8 << 20, a_);  // a_ has nothing free for s to take
+  const std::size_t segments = segment_count(*alloc_);
+  for (int cycle = 0; cycle < 3; ++cycle) {
+    Stream s = backend_create();
+    void* keep = alloc_->allocate(3 << 20, s);
+    alloc_->release_stream(s);
+    backend().destroy_stream(s);
+    alloc_->deallocate(keep, 3 << 20, a_);  // now a_'s free block, in s's range
+    alloc_->empty_cache();
+    EXPECT_EQ(segment_count(*alloc_), segments) << "cycle " << cycle << " "
+                                                << alloc_->snapshot_json();
+  }
+  // a_ works on in what is left.
+  void* again = alloc_->allocate(3 << 20, a_);
+  alloc_->deallocate(again, 3 << 20, a_);
+  alloc_->deallocate(big, 8 << 20, a_);
+}
+
 TEST_P(StreamRelease, FreeMemoryOfAReleasedStreamGoesBackOrServesOthersAtOnce) {
   Stream s = backend_create();
   void* keep = alloc_->allocate(3 << 20, s);  // live: its segment or slot stays backed
