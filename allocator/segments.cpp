@@ -266,13 +266,23 @@ bool CachingAllocator::Impl::ensure_backed(Block* b) {
   // at least one granule of b that was unmapped, so there are at most end - first; room
   // is made before the first (no allocation when b is backed already).
   std::vector<std::size_t> created;
+  // The peaks as they were: runs made for a request that then failed held memory for no
+  // allocation, and a caught OOM must not leave max_memory_reserved near the device's
+  // capacity (review finding; c10 counts a segment only once it is mapped whole).
+  const std::uint64_t reserved_peak = stats.reserved.peak;
+  const std::uint64_t segments_peak = stats.segments.peak;
+  const auto give_back = [&]() noexcept {
+    give_back_runs(seg, created);
+    stats.reserved.peak = std::max(reserved_peak, stats.reserved.current);
+    stats.segments.peak = std::max(segments_peak, stats.segments.current);
+  };
   try {
     if (back_block(b, first, end, created)) return true;
   } catch (...) {
-    give_back_runs(seg, created);
+    give_back();
     throw;
   }
-  give_back_runs(seg, created);
+  give_back();
   return false;
 }
 

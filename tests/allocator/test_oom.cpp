@@ -353,6 +353,10 @@ TEST(OomNearALimit, AFailedRequestLeavesNoPartialBacking) {
   EXPECT_EQ(a.try_allocate(90 * kMiB), nullptr);
   EXPECT_EQ(a.stats().reserved.current, cached);
   EXPECT_EQ(a.backend().device_bytes_in_use(), cached + 8 * kMiB);
+  // Review finding: the peaks kept the slots made for the failed request (PyTorch's
+  // max_memory_reserved near the limit after a caught OOM); no allocation ever held them.
+  EXPECT_EQ(a.stats().reserved.peak, cached);
+  EXPECT_EQ(a.stats().segments.peak, a.stats().segments.current);
   a.backend().device_free(other, 8 * kMiB);
   void* p = a.allocate(90 * kMiB);  // now it fits
   EXPECT_NE(p, nullptr);
