@@ -580,8 +580,9 @@ HostArena::Slab* HostArena::add_slab(std::size_t bytes, std::string* why_not) {
       *why_not = kNoArenaLeft;
       return nullptr;
     }
-    try {  // the one allocation a failed hand-over to mimalloc below may need
-      unreleased_direct_.reserve(unreleased_direct_.size() + 1);
+    try {  // the one allocation a failed hand-over to mimalloc below may need; with room
+           // kept for every direct block (allocate_direct_pinned)
+      unreleased_direct_.reserve(unreleased_direct_.size() + direct_.size() + 1);
     } catch (...) {  // std::bad_alloc
       uncharge(bytes);
       throw;
@@ -639,6 +640,10 @@ void* HostArena::allocate_direct_pinned(std::size_t bytes, std::string* why_not)
   }
   exclude_from_fork(p, mapped);
   try {
+    // Room in unreleased_direct_ for every direct block and this one, so that freeing one
+    // never allocates (Note [A registration that would not go]): a free that threw would
+    // leave the caller's block half given back.
+    unreleased_direct_.reserve(unreleased_direct_.size() + direct_.size() + 1);
     direct_.emplace(p, mapped);
   } catch (...) {  // std::bad_alloc
     munmap(p, mapped);
@@ -678,8 +683,8 @@ void HostArena::deallocate(const HostBlock& block) {
   }
   if (auto it = direct_.find(block.ptr); it != direct_.end()) {
     const std::size_t mapped = it->second;
-    // The one allocation first: a throw here leaves the block as it was, the caller's.
-    unreleased_direct_.reserve(unreleased_direct_.size() + 1);
+    // No allocation: room in unreleased_direct_ for this block was made when it was
+    // handed out (allocate_direct_pinned), so a free of a block the arena owns cannot fail.
     direct_.erase(it);
     stats_.direct_count--;
     stats_.pinned_in_use_bytes -= block.bytes;
@@ -705,7 +710,11 @@ void HostArena::deallocate(const HostBlock& block) {
 // the budget counts them free. So a direct mapping the backend would not unregister is
 // kept as a slab is (mapped, registered, charged), in unreleased_direct_, and
 // release_empty_slabs tries again; one still there when the arena goes is leaked,
-// charged, as its live direct mappings are (Note [What an arena charges]).
+// charged, as its live direct mappings are (Note [What an arena charges]). The list always
+// has room for every live direct mapping (made when each is handed out), so a free never
+// allocates and never fails for want of heap (review finding: its reserve could throw once
+// the list held one, and a tiered store's destroy then kept a handle whose dirty device
+// copy it had already dropped).
 bool HostArena::release_direct_locked(void* p, std::size_t mapped) noexcept {
   try {
     backend_.host_unregister(p);

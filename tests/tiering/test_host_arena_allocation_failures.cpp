@@ -10,8 +10,10 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "tests/support/failing_operator_new.h"
+#include "tests/tiering/failing_backend.h"
 #include "tests/tiering/tiering_test_util.h"
 #include "tiering/host_arena.h"
 
@@ -69,6 +71,31 @@ TEST(HostArenaAllocationFailures, AnAllocationThatRunsOutOfHeapLeavesNothingBehi
       EXPECT_GT(failures, 0) << label << ": no allocation to fail: the sweep tested nothing";
     }
   }
+}
+
+// Review finding: freeing a direct block reserved room in the list of mappings kept after a
+// failed unregistration, and that allocation could fail once the list held one: a free of
+// a block the arena handed out threw (a tiered store's destroy then kept a handle whose
+// dirty device copy it had dropped). The room is now made when a block is handed out.
+TEST(HostArenaAllocationFailures, FreeingADirectBlockNeedsNoHeap) {
+  auto backend = make_host_backend(0);
+  tiering_test::FailingBackend failing(*backend);
+  HostArena arena(failing, tiering_test::test_host_options(64 * kMiB));
+  std::vector<HostBlock> blocks;
+  for (int i = 0; i < 4; ++i) blocks.push_back(arena.allocate(kBytes));
+  for (const HostBlock& b : blocks) ASSERT_EQ(b.tier, HostTier::pinned);
+  failing.fail_calls_to("host_unregister", 1);
+  arena.deallocate(blocks[0]);  // kept, listed (Note [A registration that would not go])
+  ASSERT_EQ(arena.stats().direct_release_failures, 1u);
+  bool freed = false;
+  std::thread([&] {
+    freed = test_support::survives_exhaustion(0, [&] {
+      for (std::size_t i = 1; i < blocks.size(); ++i) arena.deallocate(blocks[i]);
+    });
+  }).join();
+  EXPECT_TRUE(freed) << "a free of a block the arena handed out needed the heap";
+  EXPECT_EQ(arena.stats().direct_count, 0u);
+  EXPECT_EQ(arena.release_empty_slabs(), kBytes);  // the kept one goes once it can
 }
 
 }  // namespace
