@@ -77,8 +77,11 @@ struct __attribute__((visibility("hidden"))) CachingAllocator::Impl {
   // while memory they could use was free, and reserved memory grew).
   std::uint64_t free_epoch = 0;
   // free_epoch at the last recycling scan that found nothing to release: until another
-  // block becomes free, scanning again is pointless.
+  // block becomes free, scanning again is pointless. Not set when the scan passed over
+  // runs only because their streams were not known to be done with them yet
+  // (release_skipped_unsettled): a fence may complete without a new free.
   std::uint64_t futile_recycle_at = UINT64_MAX;
+  bool release_skipped_unsettled = false;  // the last release_cached without waiting did
   // Counts the frees after which a whole mapping slot may lie in free memory: the block,
   // merged with its free neighbours, is as long as the segment's shortest slot, or ends
   // the segment (past used_end is free), or has a free neighbour of another stream (the

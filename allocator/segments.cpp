@@ -259,7 +259,8 @@ bool CachingAllocator::Impl::ensure_backed(Block* b) {
     const std::size_t unbacked = unbacked_bytes(seg, b->ptr, b->ptr + b->size);
     const std::uint64_t budget = reserved_budget(b->size, options.recycle_slack);
     const std::uint64_t after = stats.reserved.current + unbacked;
-    if (unbacked != 0 && after > budget && release_cached(after - budget, false, b->owner) == 0)
+    if (unbacked != 0 && after > budget &&
+        release_cached(after - budget, false, b->owner) == 0 && !release_skipped_unsettled)
       futile_recycle_at = free_epoch;
   }
   // The runs this call creates, given back if it fails (Note [Failed backing]). Each holds
@@ -596,6 +597,7 @@ std::size_t CachingAllocator::Impl::release_cached(std::size_t want, bool wait,
                                                    StreamPools* waitable,
                                                    const StreamPools* only_owner) {
   release_error = nullptr;
+  release_skipped_unsettled = false;
   retry_unreleased();
   if (!options.allow_release) return 0;
   // Without waiting, only memory whose streams are known to be past the frees qualifies:
@@ -614,6 +616,10 @@ std::size_t CachingAllocator::Impl::release_cached(std::size_t want, bool wait,
   const auto note_owners = [&](const Releasable& r) {
     for_each_owner(r, [&](void* s) { streams_to_sync.insert(s); });
   };
+  // Whether [lo, hi), which is not releasable now, would be once its streams are done.
+  const auto free_but_unsettled = [&](Block* from, const char* lo, const char* hi) {
+    return !wait && all_free(from, lo, hi, false, waitable, only_owner);
+  };
   for (auto& [base, seg] : segments) {
     if (found_bytes >= want) break;
     if (!seg->expandable) {
@@ -624,6 +630,8 @@ std::size_t CachingAllocator::Impl::release_cached(std::size_t want, bool wait,
         found.push_back({seg, 0, seg->base, seg->base + seg->size, seg->first});
         found_bytes += seg->size;
         note_owners(found.back());
+      } else if (free_but_unsettled(seg->first, seg->base, seg->base + seg->size)) {
+        release_skipped_unsettled = true;
       }
       continue;
     }
@@ -632,7 +640,11 @@ std::size_t CachingAllocator::Impl::release_cached(std::size_t want, bool wait,
       if (found_bytes >= want) break;
       const char* lo = seg->base + g * granule;
       const char* hi = lo + seg->run_granules[g] * granule;
-      if (!all_free(cursor, lo, hi, !wait, waitable, only_owner)) continue;
+      Block* const from = cursor;
+      if (!all_free(cursor, lo, hi, !wait, waitable, only_owner)) {
+        if (free_but_unsettled(from, lo, hi)) release_skipped_unsettled = true;
+        continue;
+      }
       found.push_back({seg, g, lo, hi, cursor});
       found_bytes += seg->run_granules[g] * granule;
       note_owners(found.back());

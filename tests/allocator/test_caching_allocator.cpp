@@ -399,6 +399,41 @@ TEST_P(Battery, RecyclingMovesBackingFromAHoleToTheGrowingEnd) {
   }
 }
 
+// Review finding: a recycling scan that found only runs another stream had not finished
+// with yet marked itself futile until the next free, so once that stream was done the
+// next request made new memory beside the run it could have released.
+TEST_P(Battery, RecyclingResumesOnceAnotherStreamIsDoneWithItsFrees) {
+  if (!std::get<1>(GetParam())) GTEST_SKIP() << "recycling applies to expandable segments";
+  const std::size_t mib = 1 << 20;
+  AllocatorOptions o;
+  o.recycle_slack = 0.0;
+  o.move_free_runs = false;  // the release path alone
+  o.map_slot_bytes = 2 << 20;
+  CachingAllocator a(test::make_backend(std::get<0>(GetParam())), o);
+  const Stream sa = a.backend().create_stream();
+  const Stream sb = a.backend().create_stream();
+  void* p = a.allocate(64 * mib, sb);
+  void* x = nullptr;
+  {
+    test::StreamHold hold(a.backend(), sb);
+    a.deallocate(p, 64 * mib, sb);  // its stream is busy: not settled
+    x = a.allocate(64 * mib, sa);   // nothing releasable yet: new memory
+    hold.release();
+  }
+  a.backend().stream_synchronize(sb);
+  const std::size_t before = a.stats().reserved.current;
+  ASSERT_EQ(before, 128 * mib);
+  // Too large for sb's free block (no steal): backing it releases that run first.
+  void* y = a.allocate(96 * mib, sa);
+  EXPECT_EQ(a.stats().reserved.current, before - 64 * mib + 96 * mib);
+  a.deallocate(y, 96 * mib, sa);
+  a.deallocate(x, 64 * mib, sa);
+  for (const Stream s : {sa, sb}) {
+    a.release_stream(s);
+    a.backend().destroy_stream(s);
+  }
+}
+
 // ------------------------------------------------------------------- moving free runs
 // Note [Moving free runs] (segments.cpp): a mapping slot lying wholly in free blocks is
 // unmapped and mapped where a block needs backing, instead of creating physical memory.
