@@ -533,6 +533,7 @@ int tidepool_set_backend(const char* name) {
 
 const char* tidepool_backend_name(int device) {
   return guarded<const char*>(nullptr, [&]() -> const char* {
+    tidepool::check_device(device);  // a bad index is an error, as everywhere in this ABI
     if (auto* a = tidepool::existing_device_allocator(device)) return a->backend().name();
     return tidepool::selected_backend() == tidepool::BackendKind::cuda ? "cuda" : "host";
   });

@@ -267,6 +267,10 @@ typedef struct tidepool_pytorch_stats_v1 {
   uint64_t num_device_free;
   int64_t max_split_size;
 } tidepool_pytorch_stats_v1;
+/* The size of tidepool_pytorch_stats_v1 as first released; struct_size may not be less
+ * (fields appended later are not written for a caller built before them). */
+#define TIDEPOOL_PYTORCH_STATS_V1_MIN_SIZE \
+  (offsetof(tidepool_pytorch_stats_v1, max_split_size) + sizeof(int64_t))
 /* Fills `out` (Note [Versioned structs]). 0, or -1 on error (tidepool_last_error). */
 TIDEPOOL_API int tidepool_get_pytorch_stats_v1(int device, tidepool_pytorch_stats_v1* out);
 /* c10's resetAccumulatedStats: the running totals of the PyTorch view count from now on.

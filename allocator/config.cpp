@@ -549,11 +549,12 @@ EnvPlan plan_from_env(Installer installer) {
   EnvPlan plan;
   if (named.empty()) {
     // Note [inherited configuration]: a parent that claimed the keys left them here.
-    // Blank (spaces and commas only) is unset: a launcher's way of saying "off" (review
-    // finding: it stopped every `import torch` as a leftover that is no tidepool key).
+    // Blank (whitespace and commas only, what trim() and the split drop) is unset: a
+    // launcher's way of saying "off" (review finding: it stopped every `import torch` as
+    // a leftover that is no tidepool key).
     const char* inherited = std::getenv(kInheritedVariable);
     if (inherited == nullptr ||
-        std::string_view(inherited).find_first_not_of(" \t,") == std::string_view::npos)
+        std::string_view(inherited).find_first_not_of(" \t\r\n,") == std::string_view::npos)
       return plan;
     const ClaimResult r = claim_config(inherited, kInheritedVariable, installer);
     if (!r.remaining.empty()) {

@@ -88,7 +88,7 @@ extern "C" {
 
 int tidepool_get_pytorch_stats_v1(int device, tidepool_pytorch_stats_v1* out) {
   return guarded([&] {
-    tidepool::detail::check_versioned_struct(out, sizeof(tidepool_pytorch_stats_v1),
+    tidepool::detail::check_versioned_struct(out, TIDEPOOL_PYTORCH_STATS_V1_MIN_SIZE,
                                              "tidepool_pytorch_stats_v1");
     ResetPoints& points = reset_points();
     tidepool_pytorch_stats_v1 v;

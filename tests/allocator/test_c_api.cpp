@@ -710,6 +710,17 @@ TEST_F(CApi, AHostCapacityBeyondAByteCountIsRejected) {
   EXPECT_EQ(tidepool::existing_device_allocator(kDevice), nullptr);
 }
 
+// Review finding: a device index out of range named a backend, with no error, where the
+// rest of the C ABI refuses it.
+TEST_F(CApi, BackendNameOfABadDeviceIsAnError) {
+  for (const int device : {-1, 1 << 20}) {
+    EXPECT_EQ(tidepool_backend_name(device), nullptr) << device;
+    EXPECT_NE(std::string(tidepool_last_error()).find("device"), std::string::npos)
+        << tidepool_last_error();
+  }
+  EXPECT_STREQ(tidepool_backend_name(0), "host");
+}
+
 TEST_F(CApi, BackendIsFixedOnceAnAllocatorExists) {
   void* p = tidepool_malloc(1, 0, nullptr);
   EXPECT_STREQ(tidepool_backend_name(0), "host");

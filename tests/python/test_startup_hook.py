@@ -209,7 +209,7 @@ def test_keys_in_both_variables_are_an_error(run_python):
 def test_a_blank_inherited_variable_is_unset(run_python):
     # Review finding: TIDEPOOL_ALLOC_CONF=" " (a launcher's way of saying "off") stopped
     # every `import torch` with "holds tidepool keys only; ' ' belongs in PYTORCH_ALLOC_CONF".
-    for blank in (" ", ",", " , "):
+    for blank in (" ", ",", " , ", "\n", " \r,\t"):
         result = run_python("""
             import torch, tidepool
             print(tidepool.status())

@@ -15,7 +15,7 @@ import sys as _sys
 def _named() -> bool:
     # TIDEPOOL_ALLOC_CONF: the keys a parent process claimed (or set by hand).
     # A blank one is unset (config.cpp's plan_from_env says why).
-    return bool(_os.environ.get("TIDEPOOL_ALLOC_CONF", "").strip(" \t,")) or any(
+    return bool(_os.environ.get("TIDEPOOL_ALLOC_CONF", "").strip(" \t\r\n,")) or any(
         "tidepool" in _os.environ.get(name, "")
         for name in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"))
 
