@@ -373,6 +373,39 @@ TEST(StateLease, AFailedAcquireLeavesNothingAcquired) {
   }
 }
 
+// A buffer whose release throws once (a host-staged buffer's copy back under a CUDA error).
+class ReleaseFailsOnce final : public tidepool::optim::StateBuffer {
+ public:
+  ReleaseFailsOnce() : StateBuffer({4}, torch::kFloat32), contents_(torch::zeros({4})) {}
+  int releases = 0;
+
+ private:
+  torch::Tensor do_acquire() override { return contents_; }
+  void do_release(torch::Tensor&, bool) override {
+    TORCH_CHECK(releases++ != 0, "copy back failed");
+  }
+  torch::Tensor do_read_host() const override { return contents_.clone(); }
+  torch::Tensor contents_;
+};
+
+// Review finding: StateLease::release let go of its buffer before releasing it, so a
+// release that threw left the buffer acquired for good (its destructor could no longer
+// release it): every later step failed with "acquire called twice", and no checkpoint could
+// read the state. The lease now keeps the buffer until its release went through, and its
+// destructor releases it clean.
+TEST(StateLease, AReleaseThatThrowsLeavesTheBufferToTheLeasesDestructor) {
+  ReleaseFailsOnce buffer;
+  {
+    tidepool::optim::StateLease lease(buffer);
+    tidepool::testing::expect_error_mentions([&] { lease.release(/*dirty=*/true); },
+                                             "copy back failed");
+  }
+  EXPECT_FALSE(buffer.acquired());
+  EXPECT_EQ(buffer.releases, 2);  // the failed one, then the destructor's
+  tidepool::optim::StateLease again(buffer);  // the next step acquires it
+  again.release(/*dirty=*/false);
+}
+
 // A write-back on release whose copy to the host fails: the release throws, and stands
 // (StateBuffer::do_after_release): the buffer is not left acquired, and its contents are
 // the store's device copy, which the next acquire and read_host find.
