@@ -2,9 +2,11 @@
 // algorithm and anderson_history.h for how the history and its matrices are kept).
 #include "optimizers/aadl.h"
 
+#include <algorithm>
 #include <cmath>
 #include <exception>
 #include <limits>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -242,6 +244,21 @@ torch::Tensor AADL::step(LossClosure closure) {
                 ". Parameters changed after wrapping (model.to(...), a resize) need a new AADL "
                 "(or save this one and load it into an AADL over the changed parameters: "
                 "loading recasts the history to their dtype and device)");
+    // A pass over the history holds one stored chunk of each vector at once (up to
+    // history_depth of them, anderson_history.h): a placement that cannot hold that many
+    // would fail the push after the inner step, at every step once the history is that
+    // long (review finding). Refused here, with nothing changed, as Apollo refuses state it
+    // cannot hold at once (Note [State held at once] in apollo.cpp).
+    if (const std::optional<std::size_t> limit = history.placement().held_at_once_limit()) {
+      const auto chunk = static_cast<std::size_t>(std::min(numel, AndersonHistory::kStoreChunk));
+      const std::size_t held =
+          static_cast<std::size_t>(history.depth()) * chunk * params.front().element_size();
+      TORCH_CHECK(held <= *limit, "AADL: a pass over the history of group ", g, " holds one ",
+                  chunk, "-element chunk of each of its up to ", history.depth(),
+                  " vectors at once, ", held, " bytes, more than the history placement's "
+                  "device budget of ", *limit, " bytes; give the tiered store a budget of at "
+                  "least ", held, " bytes (twice that lets the next chunks load meanwhile)");
+    }
   }
   // Note [Loading the history ahead of use] (anderson_history.h): the first pass this step
   // makes over each history starts loading now, while the inner optimizer steps (and,

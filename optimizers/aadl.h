@@ -92,7 +92,8 @@ class TIDEPOOL_API AADL : public torch::optim::Optimizer {
   // parameters (HostStagedPlacement) and plain resident tensors for CPU parameters. A
   // TieredPlacement keeps them in the tiered store; every pass streams them chunk by chunk
   // (anderson_history.h), so its device budget needs room for about two chunks per vector,
-  // not for the history.
+  // not for the history; a step refuses, before anything runs, a budget below one chunk
+  // (2²⁰ elements, or the group's size if smaller) per vector of history_depth.
   AADL(std::shared_ptr<torch::optim::Optimizer> inner, AADLOptions options = {},
        std::shared_ptr<StatePlacement> history_placement = nullptr);
 

@@ -531,6 +531,24 @@ TEST(TieredAADL, HistoryStreamsInChunksUnderABudgetSmallerThanTheHistory) {
   EXPECT_GT(stats.prefetch_issued, 0u);
 }
 
+// Review finding: a history placement whose budget could not hold one chunk of every
+// stored vector at once failed the push after the inner step, every step once the history
+// was that long (here from the fifth): the parameters moved, the history stopped growing,
+// and the store's error named no budget. Refused before anything runs.
+TEST(TieredAADL, AHistoryBudgetTooSmallForOnePassIsRefusedBeforeAnythingSteps) {
+  auto backend = tidepool::make_host_backend();
+  auto store = store_with_budget(*backend, 3 * 1000 * sizeof(float));  // 3 of 5 vectors
+  auto placement = std::make_shared<TieredPlacement>(store);
+  auto w = torch::full({1000}, 0.5, torch::kFloat32).set_requires_grad(true);
+  auto inner = std::make_shared<torch::optim::SGD>(std::vector<torch::Tensor>{w},
+                                                   torch::optim::SGDOptions(0.1));
+  tidepool::optim::AADL aadl(inner, tidepool::optim::AADLOptions().history_depth(5), placement);
+  w.mutable_grad() = torch::ones_like(w);
+  tidepool::testing::expect_error_mentions([&] { aadl.step(); }, "at least 20000 bytes");
+  EXPECT_TRUE(torch::equal(w.detach(), torch::full({1000}, 0.5, torch::kFloat32)));
+  EXPECT_EQ(aadl.history(0).size(), 0);
+}
+
 // The same history with every vector entering the store the way CUDA vectors do (made
 // on the device and written back by the store, Note [Creating on the device]): the same
 // bits, and each stored vector crosses back exactly once, counted in the store's stats,
