@@ -127,6 +127,9 @@ int tag_id(std::string_view name) {
   // The snapshot and the stats carry the names as JSON, whose text is UTF-8.
   if (!valid_utf8(name))
     throw std::invalid_argument("tidepool: tag name is not valid UTF-8: " + json_quoted(name));
+  // tag_name hands the name out as a C string, which would end at the NUL.
+  if (name.find('\0') != std::string_view::npos)
+    throw std::invalid_argument("tidepool: tag name holds a NUL byte: " + json_quoted(name));
   if (name.size() > kMaxTagNameLength)
     throw std::invalid_argument("tidepool: tag name longer than 63 characters: '" +
                                 std::string(name.substr(0, 32)) + "...'");

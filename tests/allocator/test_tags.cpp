@@ -82,6 +82,20 @@ TEST(Tags, ANameThatIsNotUtf8IsRefusedWithAClearError) {
   EXPECT_EQ(tidepool_tag_id("caf\xe9"), -1);
 }
 
+// Review finding: a name with a NUL byte was taken through the C++ tag_id, and read back
+// through tag_name (a C string) as the part before it: two tags both named "a" in the
+// snapshot, the first unreachable by name through the C ABI.
+TEST(Tags, ANameWithANulByteIsRefused) {
+  const int before = tag_count();
+  try {
+    tag_id(std::string_view("nul\0tag", 7));
+    ADD_FAILURE() << "a name with a NUL byte was accepted";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("NUL"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(tag_count(), before);
+}
+
 TEST(Tags, AScopeWhoseTagWasPoppedInsideItEndsWithoutAborting) {
   ::testing::internal::CaptureStderr();
   {
