@@ -252,6 +252,17 @@ void* tidepool_pytorch_malloc(ssize_t size, int device, void* stream) {
   return p;
 }
 
+void* tidepool_pytorch_pool_malloc(ssize_t size, int device, void* stream) {
+  void* p = tidepool_malloc(size, device, stream);
+  // Note [OOM into a MemPool]: NULL for running out only; any other failure throws.
+  if (p == nullptr && size != 0 && !(t_last_error_is_oom && size > 0)) {
+    if (*last_error_text() != '\0') throw std::runtime_error(last_error_text());
+    throw std::runtime_error("tidepool: allocation of " + std::to_string(size) +
+                             " bytes failed on device " + std::to_string(device));
+  }
+  return p;
+}
+
 void tidepool_pytorch_free(void* ptr, size_t size, int device, void* stream) {
   tidepool_free(ptr, size, device, stream);
 }
@@ -533,7 +544,11 @@ int tidepool_set_backend(const char* name) {
 
 const char* tidepool_backend_name(int device) {
   return guarded<const char*>(nullptr, [&]() -> const char* {
-    tidepool::check_device(device);  // a bad index is an error, as everywhere in this ABI
+    // An index outside 0..kMaxDevices-1 is an error, as everywhere in this ABI (not one
+    // beyond the device count: the host backend's tests name devices a GPU machine lacks).
+    if (device < 0 || device >= tidepool::kMaxDevices)
+      throw std::invalid_argument("tidepool: device " + std::to_string(device) +
+                                  " is outside 0.." + std::to_string(tidepool::kMaxDevices - 1));
     if (auto* a = tidepool::existing_device_allocator(device)) return a->backend().name();
     return tidepool::selected_backend() == tidepool::BackendKind::cuda ? "cuda" : "host";
   });

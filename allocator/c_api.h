@@ -22,8 +22,15 @@
  * torch.empty of 1 PiB "succeeded"). tidepool_pytorch_malloc is called only by
  * PyTorch's C++ code, never by a C caller, so where tidepool_malloc would return NULL it
  * throws a std::runtime_error carrying tidepool's message instead; PyTorch turns it into
- * a Python RuntimeError and the process lives on. Hand PyTorch the pair
- * tidepool_pytorch_malloc / tidepool_pytorch_free; C callers use tidepool_malloc.
+ * a Python RuntimeError and the process lives on. Hand PyTorch's current allocator the
+ * pair tidepool_pytorch_malloc / tidepool_pytorch_free; C callers use tidepool_malloc.
+ *
+ * Note [OOM into a MemPool]: a torch.cuda.MemPool's allocator is the exception: PyTorch's
+ * caching allocator checks its NULL, frees its own cached blocks, retries, and raises
+ * torch.OutOfMemoryError. So tidepool_pytorch_pool_malloc returns NULL when tidepool ran
+ * out of memory (after its own OOM policy), and throws tidepool's message for any other
+ * failure (a bad request, a CUDA error), which PyTorch's retry could not help and its OOM
+ * message would misname.
  *
  * Note [record_stream from PyTorch]: PyTorch's CUDAPluggableAllocator drops
  * Tensor.record_stream unless a record-stream function is set on it (it is a no-op by
@@ -58,6 +65,10 @@ TIDEPOOL_API void tidepool_free(void* ptr, size_t size, int device, void* stream
  * tidepool_malloc, except that a failure throws (Note [OOM into PyTorch]); never call it
  * from C. tidepool_pytorch_free is tidepool_free. */
 TIDEPOOL_API void* tidepool_pytorch_malloc(ssize_t size, int device, void* stream);
+/* For a torch.cuda.MemPool's allocator (Note [OOM into a MemPool]): tidepool_malloc, whose
+ * NULL means out of memory only; any other failure throws, as tidepool_pytorch_malloc's
+ * do. Never call it from C. Pair it with tidepool_pytorch_free. */
+TIDEPOOL_API void* tidepool_pytorch_pool_malloc(ssize_t size, int device, void* stream);
 TIDEPOOL_API void tidepool_pytorch_free(void* ptr, size_t size, int device, void* stream);
 /* Marks `ptr` as used on `stream` too: it is not reused until that stream's work
  * enqueued before the free has finished. */
@@ -305,7 +316,8 @@ TIDEPOOL_API int tidepool_in_forked_child(void);
 /* Selects the backend before first use: "cuda", "host" or "auto" (cuda when a GPU is
  * present). Returns -1 once any device allocator exists. */
 TIDEPOOL_API int tidepool_set_backend(const char* name);
-/* Name of the backend in use for `device` ("cuda" or "host"). */
+/* Name of the backend in use for `device` ("cuda" or "host"); NULL for an index outside
+ * 0..15 (tidepool_last_error says so). */
 TIDEPOOL_API const char* tidepool_backend_name(int device);
 
 #ifdef __cplusplus

@@ -545,7 +545,13 @@ torch::Tensor Apollo::step(LossClosure closure) {
           if (!first_error) first_error = std::current_exception();
         }
       }
-      if (first_error) std::rethrow_exception(first_error);
+      if (first_error) {
+        // A buffer whose write-back failed may come back a step behind (the lease's
+        // destructor ends it clean when a dirty retry fails too): the sums carried for the
+        // next fused step would then not be those of its state.
+        state.carried_sums = torch::Tensor();
+        std::rethrow_exception(first_error);
+      }
     }
   }
   return loss;

@@ -104,17 +104,27 @@ class TIDEPOOL_API StateBuffer {
 class StateLease {
  public:
   explicit StateLease(StateBuffer& buffer) : buffer_(&buffer), tensor_(buffer.acquire()) {}
+  // Not released (a scope left by an exception): released unmodified. After a release
+  // that threw: that release once more (a dirty one keeps the update when the copy goes
+  // through now), and if it fails again, a clean one, so that the buffer does not stay
+  // acquired for good (its contents may then be a step behind; the error was thrown).
   ~StateLease() {
     if (buffer_ == nullptr) return;
     tensor_ = torch::Tensor();
-    try {
-      buffer_->release(/*dirty=*/false);
-    } catch (...) {
-      // A destructor does not throw; the buffer's owner reports the failure on next use.
+    for (const bool dirty : {retry_dirty_, false}) {
+      try {
+        buffer_->release(dirty);
+        return;
+      } catch (...) {
+        // A destructor does not throw; the buffer's owner reports the failure on next use.
+      }
+      if (!buffer_->acquired() || !dirty) return;
     }
   }
   StateLease(StateLease&& other) noexcept
-      : buffer_(std::exchange(other.buffer_, nullptr)), tensor_(std::move(other.tensor_)) {}
+      : buffer_(std::exchange(other.buffer_, nullptr)),
+        tensor_(std::move(other.tensor_)),
+        retry_dirty_(other.retry_dirty_) {}
   StateLease(const StateLease&) = delete;
   StateLease& operator=(const StateLease&) = delete;
   StateLease& operator=(StateLease&&) = delete;
@@ -127,13 +137,21 @@ class StateLease {
   void release(bool dirty) {
     TORCH_CHECK(buffer_ != nullptr, "tidepool: StateLease released twice");
     tensor_ = torch::Tensor();  // drop our view before the placement may move the bytes
-    buffer_->release(dirty);
+    try {
+      buffer_->release(dirty);
+    } catch (...) {
+      // Released all the same (a failed do_after_release): nothing left to end.
+      if (!buffer_->acquired()) buffer_ = nullptr;
+      retry_dirty_ = dirty;
+      throw;
+    }
     buffer_ = nullptr;
   }
 
  private:
   StateBuffer* buffer_;
   torch::Tensor tensor_;
+  bool retry_dirty_ = false;  // the dirty flag of a release that threw, retried at the end
 };
 
 // Makes StateBuffers. create() returns a buffer holding `initial` (copied; shape, dtype and

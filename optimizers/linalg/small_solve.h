@@ -34,8 +34,9 @@ struct SmallSolution {
 // where the norm itself exceeds the fp64 range.
 at::Tensor column_norms(const at::Tensor& M);
 
-// 1/‖a_j‖ from the Gram diagonal (k fp64 CPU); 1 for zero columns or when equilibration
-// is off, so a zero column stays zero and shows up as rank deficiency.
+// 1/‖a_j‖ from the Gram diagonal (k fp64 CPU); all 1 when equilibration is off. A zero
+// column (which stays zero and shows up as rank deficiency) gets the columns' mean scale,
+// zero_column_scale (Note [Equilibration] in small_solve.cpp).
 at::Tensor column_scales(const at::Tensor& gram_diagonal, bool equilibrate);
 // A zero column's scale, from the root mean square of the column norms, √(trace(AᵀA)/k)
 // (Note [Equilibration]).

@@ -427,6 +427,28 @@ TEST_F(CApi, OutOfMemoryIsNullWithTheMessageInTheLastError) {
   EXPECT_EQ(tidepool_last_error_is_out_of_memory(), 0);
 }
 
+// Note [OOM into a MemPool] (review finding: pool mode had been given the plain pair, so a
+// bad request or a CUDA error reached PyTorch as an out-of-memory it retried and misnamed):
+// NULL for running out, tidepool's message thrown for anything else.
+TEST_F(CApi, PoolMallocReturnsNullForOutOfMemoryOnlyAndThrowsTheRest) {
+  EXPECT_EQ(tidepool_pytorch_pool_malloc(static_cast<ssize_t>(std::size_t{1} << 40), 0, nullptr),
+            nullptr);  // 1 TiB: PyTorch frees its cache, retries, raises OutOfMemoryError
+  EXPECT_EQ(tidepool_last_error_is_out_of_memory(), 1);
+  ::testing::internal::CaptureStderr();  // the negative size is also reported on stderr
+  std::string thrown;
+  try {
+    tidepool_pytorch_pool_malloc(-5, 0, nullptr);
+  } catch (const std::runtime_error& e) {
+    thrown = e.what();
+  }
+  ::testing::internal::GetCapturedStderr();
+  EXPECT_NE(thrown.find("negative size -5"), std::string::npos) << thrown;
+  EXPECT_EQ(tidepool_pytorch_pool_malloc(0, 0, nullptr), nullptr);  // size 0: no error
+  void* p = tidepool_pytorch_pool_malloc(5000, 0, nullptr);
+  ASSERT_NE(p, nullptr);
+  tidepool_pytorch_free(p, 5000, 0, nullptr);
+}
+
 // Note [OOM into PyTorch]: where tidepool_malloc returns NULL, the PyTorch entry point
 // throws a std::runtime_error carrying the same message, an out-of-memory one after c10's
 // own opening (pytorch_out_of_memory_message in errors.h), which training tools match.

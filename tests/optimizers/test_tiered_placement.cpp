@@ -373,17 +373,22 @@ TEST(StateLease, AFailedAcquireLeavesNothingAcquired) {
   }
 }
 
-// A buffer whose release throws once (a host-staged buffer's copy back under a CUDA error).
+// A buffer whose first `failures` releases throw (a host-staged buffer's copy back under a
+// CUDA error).
 class ReleaseFailsOnce final : public tidepool::optim::StateBuffer {
  public:
-  ReleaseFailsOnce() : StateBuffer({4}, torch::kFloat32), contents_(torch::zeros({4})) {}
+  explicit ReleaseFailsOnce(int failures = 1)
+      : StateBuffer({4}, torch::kFloat32), failures_(failures), contents_(torch::zeros({4})) {}
   int releases = 0;
+  std::vector<bool> dirty_flags;  // of every release tried
 
  private:
   torch::Tensor do_acquire() override { return contents_; }
-  void do_release(torch::Tensor&, bool) override {
-    TORCH_CHECK(releases++ != 0, "copy back failed");
+  void do_release(torch::Tensor&, bool dirty) override {
+    dirty_flags.push_back(dirty);
+    TORCH_CHECK(releases++ >= failures_, "copy back failed");
   }
+  int failures_;
   torch::Tensor do_read_host() const override { return contents_.clone(); }
   torch::Tensor contents_;
 };
@@ -391,19 +396,28 @@ class ReleaseFailsOnce final : public tidepool::optim::StateBuffer {
 // Review finding: StateLease::release let go of its buffer before releasing it, so a
 // release that threw left the buffer acquired for good (its destructor could no longer
 // release it): every later step failed with "acquire called twice", and no checkpoint could
-// read the state. The lease now keeps the buffer until its release went through, and its
-// destructor releases it clean.
-TEST(StateLease, AReleaseThatThrowsLeavesTheBufferToTheLeasesDestructor) {
-  ReleaseFailsOnce buffer;
+// read the state. The lease now keeps the buffer until its release went through; its
+// destructor tries that release again (dirty: the update kept when the copy goes now), and
+// if that fails too, a clean one, which ends the acquire.
+TEST(StateLease, AReleaseThatThrowsIsRetriedByTheLeasesDestructor) {
+  ReleaseFailsOnce buffer(1);
   {
     tidepool::optim::StateLease lease(buffer);
     tidepool::testing::expect_error_mentions([&] { lease.release(/*dirty=*/true); },
                                              "copy back failed");
   }
   EXPECT_FALSE(buffer.acquired());
-  EXPECT_EQ(buffer.releases, 2);  // the failed one, then the destructor's
+  EXPECT_EQ(buffer.dirty_flags, (std::vector<bool>{true, true}));  // the update kept
   tidepool::optim::StateLease again(buffer);  // the next step acquires it
   again.release(/*dirty=*/false);
+
+  ReleaseFailsOnce failing_twice(2);
+  {
+    tidepool::optim::StateLease lease(failing_twice);
+    EXPECT_THROW(lease.release(/*dirty=*/true), c10::Error);
+  }
+  EXPECT_FALSE(failing_twice.acquired());
+  EXPECT_EQ(failing_twice.dirty_flags, (std::vector<bool>{true, true, false}));
 }
 
 // A write-back on release whose copy to the host fails: the release throws, and stands

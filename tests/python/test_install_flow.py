@@ -323,8 +323,8 @@ def test_pool_mode_keeps_pytorchs_allocator_and_makes_the_pool_on_first_use(fake
     # Review finding: the pool got the throwing pair. PyTorch checks a MemPool allocator's
     # NULL (allocPrimitive), frees its own cache, retries and raises torch.OutOfMemoryError;
     # the throw skipped all of that.
-    assert fake_cuda == [("pluggable", _lib.library_path(), "tidepool_malloc",
-                          "tidepool_free")]
+    assert fake_cuda == [("pluggable", _lib.library_path(), "tidepool_pytorch_pool_malloc",
+                          "tidepool_pytorch_free")]
     pool = _install.pool()
     assert _install.pool() is pool
     assert fake_cuda[1] == ("mempool", _install.STATE.allocator.handle)

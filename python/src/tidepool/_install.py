@@ -82,8 +82,9 @@ def entry_points(mode: str = "global") -> tuple[str, str, str]:
     """(library, malloc, free) for CUDAPluggableAllocator. Both pairs route optimizer
     state to pointer-stable, evictable ranges. Global mode: libtidepool's PyTorch pair,
     which throws tidepool's message on failure (PyTorch's current allocator is not
-    checked for NULL). Pool mode: the plain pair, whose NULL PyTorch's caching allocator
-    answers by freeing its own cache, retrying and raising torch.OutOfMemoryError.
+    checked for NULL). Pool mode: the pair whose malloc returns NULL for out of memory
+    (PyTorch's caching allocator then frees its own cache, retries and raises
+    torch.OutOfMemoryError) and throws tidepool's message for any other failure.
     LibraryError when the build lacks them."""
     path = _lib.library_path()
     names = _lib.PYTORCH_ENTRY_POINTS if mode == "global" else _lib.POOL_ENTRY_POINTS

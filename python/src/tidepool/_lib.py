@@ -7,7 +7,8 @@ the LD_PRELOAD shim and C++ trainers share one implementation.
 Where the library is:
   1. $TIDEPOOL_LIBRARY (a path to libtidepool.so), for tests and development builds;
   2. the copy installed with this package (tidepool/lib/libtidepool.so*).
-PyTorch's CUDAPluggableAllocator is handed the same library (PYTORCH_ENTRY_POINTS).
+PyTorch's CUDAPluggableAllocator is handed the same library (PYTORCH_ENTRY_POINTS in
+global mode, POOL_ENTRY_POINTS for pool mode's MemPool).
 Global mode prefers libtidepool_torch_cuda.so (load_torch_cuda), found the same way
 ($TIDEPOOL_TORCH_CUDA_LIBRARY, then tidepool/lib/).
 
@@ -47,8 +48,9 @@ _CUDART_SONAME = "libcudart.so.13"
 PYTORCH_ENTRY_POINTS = ("tidepool_pytorch_malloc", "tidepool_pytorch_free")
 # A MemPool's allocator is checked for NULL by PyTorch's caching allocator, which then frees
 # its own cached blocks, retries and raises torch.OutOfMemoryError: pool mode hands it the
-# plain pair, whose NULL takes that path (the throwing pair would skip it).
-POOL_ENTRY_POINTS = ("tidepool_malloc", "tidepool_free")
+# pair whose malloc returns NULL for out of memory only (and throws tidepool's message for
+# any other failure), Note [OOM into a MemPool] in allocator/c_api.h.
+POOL_ENTRY_POINTS = ("tidepool_pytorch_pool_malloc", "tidepool_pytorch_free")
 
 
 def _find_library(variable: str, name: str) -> str | None:

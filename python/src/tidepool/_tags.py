@@ -27,6 +27,9 @@ def tag_id(tag: str | int) -> int:
 def _check_name(tag) -> None:
     if not isinstance(tag, str) or not tag:
         raise ValueError(f"tidepool: a tag is a non-empty name or an id, not {tag!r}")
+    # ctypes passes a name cut at a NUL byte: another tag's name (libtidepool refuses it).
+    if "\0" in tag:
+        raise ValueError(f"tidepool: tag name holds a NUL byte: {tag!r}")
 
 
 def existing_tag_id(tag: str | int) -> int | None:
