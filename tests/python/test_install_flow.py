@@ -331,6 +331,15 @@ def test_pool_mode_keeps_pytorchs_allocator_and_makes_the_pool_on_first_use(fake
     assert len(fake_cuda) == 2
 
 
+def test_a_tag_name_with_a_nul_byte_is_refused():
+    # Review finding: ctypes passed "a\0b" on as "a", so the name made or found tag "a".
+    before = [_tags.tag_name(i) for i in range(_tags.TAG_MAX)]
+    for call in (_tags.tag_id, _tags.existing_tag_id):
+        with pytest.raises(ValueError, match="NUL byte"):
+            call("nul\0tag")
+    assert [_tags.tag_name(i) for i in range(_tags.TAG_MAX)] == before
+
+
 def test_region_tags_and_in_pool_mode_routes_to_the_pool(fake_cuda):
     install(mode="pool")
     outside = _tags.current()
