@@ -194,6 +194,18 @@ char* tidepool::detail::malloc_c_string(const std::string& s) {
   return out;
 }
 
+namespace {
+
+// A failed tidepool_malloc of `size` on `device` that was not out of memory, thrown as
+// tidepool's message, for PyTorch's entry points (never to a C caller).
+[[noreturn]] void throw_failed_request(ssize_t size, int device) {
+  if (*last_error_text() != '\0') throw std::runtime_error(last_error_text());
+  throw std::runtime_error("tidepool: allocation of " + std::to_string(size) +
+                           " bytes failed on device " + std::to_string(device));
+}
+
+}  // namespace
+
 extern "C" {
 
 void* tidepool_malloc(ssize_t size, int device, void* stream) {
@@ -245,9 +257,7 @@ void* tidepool_pytorch_malloc(ssize_t size, int device, void* stream) {
     if (t_last_error_is_oom && size > 0)
       throw std::runtime_error(tidepool::pytorch_out_of_memory_message(
           static_cast<std::size_t>(size), last_error_text()));
-    if (*last_error_text() != '\0') throw std::runtime_error(last_error_text());
-    throw std::runtime_error("tidepool: allocation of " + std::to_string(size) +
-                             " bytes failed on device " + std::to_string(device));
+    throw_failed_request(size, device);
   }
   return p;
 }
@@ -255,11 +265,8 @@ void* tidepool_pytorch_malloc(ssize_t size, int device, void* stream) {
 void* tidepool_pytorch_pool_malloc(ssize_t size, int device, void* stream) {
   void* p = tidepool_malloc(size, device, stream);
   // Note [OOM into a MemPool]: NULL for running out only; any other failure throws.
-  if (p == nullptr && size != 0 && !(t_last_error_is_oom && size > 0)) {
-    if (*last_error_text() != '\0') throw std::runtime_error(last_error_text());
-    throw std::runtime_error("tidepool: allocation of " + std::to_string(size) +
-                             " bytes failed on device " + std::to_string(device));
-  }
+  if (p == nullptr && size != 0 && !(t_last_error_is_oom && size > 0))
+    throw_failed_request(size, device);
   return p;
 }
 

@@ -34,11 +34,21 @@ namespace {
 
 constexpr std::string_view kTidepoolPrefix = "tidepool.";
 
+// What trim() takes off an entry; with the commas between entries, all a blank
+// configuration string holds.
+constexpr std::string_view kSpaces = " \t\n\r";
+
 std::string_view trim(std::string_view s) {
-  const auto is_space = [](char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r'; };
+  const auto is_space = [](char c) { return kSpaces.find(c) != std::string_view::npos; };
   while (!s.empty() && is_space(s.front())) s.remove_prefix(1);
   while (!s.empty() && is_space(s.back())) s.remove_suffix(1);
   return s;
+}
+
+// Whether `conf` holds no entry at all: only spaces and commas.
+bool blank(std::string_view conf) {
+  return std::all_of(conf.begin(), conf.end(),
+                     [](char c) { return c == ',' || kSpaces.find(c) != std::string_view::npos; });
 }
 
 // Splits on commas outside brackets. Throws on unbalanced brackets, which PyTorch would
@@ -553,9 +563,7 @@ EnvPlan plan_from_env(Installer installer) {
     // launcher's way of saying "off" (review finding: it stopped every `import torch` as
     // a leftover that is no tidepool key).
     const char* inherited = std::getenv(kInheritedVariable);
-    if (inherited == nullptr ||
-        std::string_view(inherited).find_first_not_of(" \t\r\n,") == std::string_view::npos)
-      return plan;
+    if (inherited == nullptr || blank(inherited)) return plan;
     const ClaimResult r = claim_config(inherited, kInheritedVariable, installer);
     if (!r.remaining.empty()) {
       throw ConfigError(std::string(kInheritedVariable) + " holds tidepool keys only; '" +

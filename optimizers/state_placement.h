@@ -132,7 +132,7 @@ class StateLease {
   // The acquired contents on the compute device (undefined after release).
   const torch::Tensor& tensor() const noexcept { return tensor_; }
   // A release that throws leaves the buffer acquired (StateBuffer::release), so the lease
-  // keeps it, and its destructor releases it clean: let go of first, it would stay
+  // keeps it, and its destructor tries again (see there): let go of first, it would stay
   // acquired for good, and every later acquire would fail (review finding).
   void release(bool dirty) {
     TORCH_CHECK(buffer_ != nullptr, "tidepool: StateLease released twice");

@@ -210,20 +210,20 @@ SmallSolution run_svd(const Problem& problem, const LstsqOptions& options, doubl
   if (!at::isfinite(norms).all().item<bool>()) {
     fail("a column of A has a 2-norm beyond the float64 range; rescale A");
   }
+  const detail::NormSpread spread = detail::norm_spread(norms);
   auto scale = at::ones_like(norms);
   if (options.equilibrate) {
     // 1/‖a_j‖, kept finite for a column of subnormals; for a zero column (which stays zero
-    // and shows up as rank deficiency) the columns' mean scale, as column_scales gives it.
-    // The root mean square ‖norms‖/√k, scaled by the largest, whose square may overflow.
-    const double peak = norms.numel() == 0 ? 0.0 : norms.max().item<double>();
+    // and shows up as rank deficiency) the columns' mean scale, as column_scales gives it:
+    // 1 over the root mean square ‖norms‖/√k.
     const double rms =
-        peak > 0.0 ? peak * std::sqrt((norms / peak).square().sum().item<double>() /
-                                      static_cast<double>(problem.k))
-                   : 0.0;
+        spread.largest > 0.0
+            ? spread.largest * std::sqrt(spread.spread / static_cast<double>(problem.k))
+            : 0.0;
     scale = at::where(norms > 0, 1.0 / norms.clamp_min(std::numeric_limits<double>::min()),
                       scale * detail::zero_column_scale(rms));
   }
-  const double lambda_root = detail::tikhonov_root(options, norms, problem.k);
+  const double lambda_root = detail::tikhonov_root(options, spread, problem.k);
   A.mul_(scale.to(A.device()));  // in X: the equilibrated A beside B
   const auto R = detail::householder_r_factor(X);
   return detail::solve_from_r_factor(R, problem.k, scale, rcond, lambda_root, problem.dtype);

@@ -72,9 +72,9 @@ struct LstsqOptions {
   bool equilibrate = true;
   // automatic leaves gram_cholesky when κ((AD)ᵀAD) exceeds this, D the equilibration (I
   // when equilibrate is off). The Gram route's error is ~κ(AᵀA)·eps64, so negative means
-  // the default 1e7 for fp32 input (error
-  // far below the data's eps32) and 1e4 for fp64 input (error ≲ 1e-11, and CPU and CUDA,
-  // which sum the Gram matrix in different orders, agree to ~1e-12).
+  // the default 1e7 for fp32 input (error far below the data's eps32) and 1e4 for fp64
+  // input (error ≲ 1e-11, and CPU and CUDA, which sum the Gram matrix in different
+  // orders, agree to ~1e-12).
   double gram_condition_limit = -1.0;
   // automatic uses SVD directly when N·k is at most this.
   int64_t svd_below_elements = 4096;

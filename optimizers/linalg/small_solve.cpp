@@ -165,16 +165,23 @@ double tikhonov_lambda(const LstsqOptions& options, double gram_trace, int64_t k
   return lambda;
 }
 
-double tikhonov_root(const LstsqOptions& options, const at::Tensor& column_norms, int64_t k) {
+NormSpread norm_spread(const at::Tensor& column_norms) {
+  const auto norms = column_norms.to(at::kDouble).cpu();
+  NormSpread out;
+  out.largest = norms.numel() == 0 ? 0.0 : norms.max().item<double>();
+  if (out.largest > 0.0) out.spread = (norms / out.largest).square().sum().item<double>();
+  return out;
+}
+
+double tikhonov_root(const LstsqOptions& options, const NormSpread& norms, int64_t k) {
   if (options.tikhonov == 0.0) return 0.0;
   if (!options.tikhonov_relative) return std::sqrt(options.tikhonov);
   // √(trace/k) = ‖norms‖₂/√k, with the norms scaled by the largest first: their squares
   // underflow to 0 for columns below ~1e-162, and λ with them, which dropped the
   // regularisation of exactly the tiny problems the SVD path is taken for.
-  const auto norms = column_norms.to(at::kDouble).cpu();
-  const double peak = norms.max().item<double>();
+  const double peak = norms.largest;
   if (!(peak > 0.0)) return 0.0;
-  const double spread = (norms / peak).square().sum().item<double>();
+  const double spread = norms.spread;
   // A trace beyond fp64 is refused as tikhonov_lambda refuses it, so that every method
   // takes or refuses the same problems (only its underflow is no reason to differ). A
   // finite trace keeps the root finite too (tikhonov is finite: check_options).

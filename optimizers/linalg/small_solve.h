@@ -69,11 +69,18 @@ LstsqOptions resolve_defaults(const LstsqOptions& options, at::ScalarType dtype,
 // overflow) a relative λ beyond the fp64 range: trace(AᵀA) can overflow while every G_jj
 // is finite, and a λ of inf made some methods return x = 0 at rank 0.
 double tikhonov_lambda(const LstsqOptions& options, double gram_trace, int64_t k);
-// √λ from A's column 2-norms (any dtype and device): what the R-factor paths stack under
-// R, computed without squaring the norms, so that a relative λ does not underflow to 0
-// for tiny columns (their squares do below ~1e-162). Refuses an overflow as
+// Column 2-norms (any dtype and device) as their largest and Σ(norm/largest)², so that
+// ‖norms‖² = largest²·spread is had without squaring a norm: squares overflow above
+// ~1.3e154 and underflow to 0 below ~1e-162. spread is 0 when largest is not positive.
+struct NormSpread {
+  double largest = 0.0;
+  double spread = 0.0;
+};
+NormSpread norm_spread(const at::Tensor& column_norms);
+// √λ from A's column norms (norm_spread): what the R-factor paths stack under R, so that
+// a relative λ does not underflow to 0 for tiny columns. Refuses an overflow as
 // tikhonov_lambda does.
-double tikhonov_root(const LstsqOptions& options, const at::Tensor& column_norms, int64_t k);
+double tikhonov_root(const LstsqOptions& options, const NormSpread& norms, int64_t k);
 
 // Rounds x (a fresh, contiguous fp64 CPU tensor, modified in place and returned) to the
 // dtype the caller will receive (fp32 or fp64; fp64 leaves it alone): LstsqResult's

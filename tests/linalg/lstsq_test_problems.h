@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <ATen/ATen.h>
@@ -103,15 +104,27 @@ inline at::Tensor rhs_in_layout(const at::Tensor& B, int layout) {
   return view;
 }
 
-// Runs `call` and expects std::invalid_argument whose message contains `fragment`.
-template <typename Call>
-void expect_invalid(Call&& call, const std::string& fragment) {
+// Runs `call` and expects an `Error` whose message contains `fragment`.
+template <typename Error, typename Call>
+void expect_thrown(Call&& call, const std::string& fragment) {
   try {
     call();
     ADD_FAILURE() << "no exception; expected one mentioning '" << fragment << "'";
-  } catch (const std::invalid_argument& error) {
+  } catch (const Error& error) {
     EXPECT_NE(std::string(error.what()).find(fragment), std::string::npos) << error.what();
   }
+}
+
+// Bad input: std::invalid_argument.
+template <typename Call>
+void expect_invalid(Call&& call, const std::string& fragment) {
+  expect_thrown<std::invalid_argument>(std::forward<Call>(call), fragment);
+}
+
+// A problem the forced method cannot solve (a breakdown, a refusal): std::runtime_error.
+template <typename Call>
+void expect_refused(Call&& call, const std::string& fragment) {
+  expect_thrown<std::runtime_error>(std::forward<Call>(call), fragment);
 }
 
 
