@@ -268,24 +268,37 @@ Budget parse_size(std::string_view key, std::string_view value, bool allow_perce
   }
   struct Unit {
     std::string_view name;
-    double multiplier;
+    std::uint64_t multiplier;
   };
   static constexpr Unit units[] = {
-      {"", 1.0},          {"B", 1.0},
-      {"KiB", 1024.0},    {"MiB", 1048576.0},  {"GiB", 1073741824.0}, {"TiB", 1099511627776.0},
-      {"KB", 1e3},        {"MB", 1e6},         {"GB", 1e9},           {"TB", 1e12},
+      {"", 1},          {"B", 1},
+      {"KiB", 1ull << 10}, {"MiB", 1ull << 20}, {"GiB", 1ull << 30}, {"TiB", 1ull << 40},
+      {"KB", 1000ull},     {"MB", 1000000ull},  {"GB", 1000000000ull}, {"TB", 1000000000000ull},
+  };
+  // 2^63: far beyond any memory, and exactly representable so the cast below is defined.
+  constexpr std::uint64_t kTooLarge = 1ull << 63;
+  const auto too_large = [&] {
+    throw ConfigError(std::string(key) + ": '" + std::string(value) + "' is too large");
   };
   for (const Unit& u : units) {
     if (unit != u.name) continue;
-    const double bytes = std::floor(number * u.multiplier);
-    // 2^63: far beyond any memory, and exactly representable so the cast is defined.
-    if (bytes >= 9223372036854775808.0) {
-      throw ConfigError(std::string(key) + ": '" + std::string(value) + "' is too large");
-    }
-    if (u.multiplier == 1.0 && i != int_digits) {
+    if (u.multiplier == 1 && i != int_digits) {
       throw ConfigError(std::string(key) + ": '" + std::string(value) +
                         "' is not a whole number of bytes; use a unit for fractions, e.g. 1.5GiB");
     }
+    if (i == int_digits) {
+      // A whole number is counted exactly: a double has 53 bits, so 9007199254740993
+      // bytes read as one byte less.
+      std::uint64_t whole = 0;
+      std::uint64_t bytes = 0;
+      if (std::from_chars(text.data(), text.data() + i, whole).ec != std::errc{} ||
+          __builtin_mul_overflow(whole, u.multiplier, &bytes) || bytes >= kTooLarge) {
+        too_large();
+      }
+      return Budget{Budget::Kind::bytes, bytes, 0.0};
+    }
+    const double bytes = std::floor(number * static_cast<double>(u.multiplier));
+    if (bytes >= static_cast<double>(kTooLarge)) too_large();
     return Budget{Budget::Kind::bytes, static_cast<std::uint64_t>(bytes), 0.0};
   }
   bad_value("", key, value, allowed);

@@ -291,21 +291,31 @@ torch::Tensor AADL::step(LossClosure closure) {
       }
     }
   };
+  const auto divergence = [&] {
+    return c10::str("AADL: the history of parameter group(s) ", c10::Join(", ", diverged),
+                    " holds NaN or Inf (or values whose inner products overflow): the "
+                    "parameters diverged. Those groups were not accelerated, and are not "
+                    "until that vector has left their history (history_depth = ",
+                    options_.history_depth(), " stores)");
+  };
+  // A group before the one that threw may have diverged; the error that goes on must say
+  // so too (review finding: the divergence was reported only when no group threw, so a
+  // diverged run hitting a later group's out-of-memory showed the OOM alone).
   try {
     for (; group < histories_.size(); ++group) {
       step_group(group, stores, accelerates, closure, diverged);
     }
+  } catch (c10::Error& error) {
+    store_the_rest();
+    if (!diverged.empty()) error.add_context(divergence());
+    throw;
   } catch (...) {
     store_the_rest();
+    if (!diverged.empty()) TORCH_WARN(divergence());
     throw;
   }
-  TORCH_CHECK(diverged.empty(), "AADL: the history of parameter group(s) ",
-              c10::Join(", ", diverged),
-              " holds NaN or Inf (or values whose inner products overflow): the parameters "
-              "diverged. This step's inner update and store were made for every group; those "
-              "groups were not accelerated, and are not until that vector has left their "
-              "history (history_depth = ",
-              options_.history_depth(), " stores)");
+  TORCH_CHECK(diverged.empty(), divergence(),
+              ". This step's inner update and store were made for every group.");
   return loss;
 }
 

@@ -3,7 +3,8 @@
 //
 // Note [cudaMalloc after stream-ordered frees]
 // cudaMalloc allocates from tidepool's NULL-stream pools, and a cudaFreeAsync on the legacy
-// stream (0 or cudaStreamLegacy) of a block allocated there frees it into the same pools,
+// stream (0 or cudaStreamLegacy) of a block allocated there (or on a stream the program
+// has destroyed, whose blocks tidepool no longer ties to it) frees it into the same pools,
 // where tidepool hands it to the next allocation at once (Note [Stream contract] in
 // allocator/caching_allocator.h): legacy-stream work queued before the free may still use
 // it. That is right for cudaMallocAsync on the legacy stream, and on the per-thread and

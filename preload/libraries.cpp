@@ -268,7 +268,7 @@ constexpr const char* kInterposed =
     "cudaMalloc/cudaFree, cudaMallocAsync/cudaFreeAsync (and their _ptsz forms), "
     "cudaStreamDestroy, cudaIpcGetMemHandle, cudaDeviceReset, the other allocations "
     "(cudaMallocPitch, ...), the memory-pool calls and cudaDeviceEnablePeerAccess the "
-    "shim watches";
+    "shim watches, and cudaMemGetInfo";
 
 // tidepool.log:off read from the variables themselves, for the one message given before
 // libtidepool (whose parser knows the keys) is loaded, or when it never is.
@@ -327,7 +327,8 @@ void bind_optional(void* cudart, RealCudart& c) {
            symbol("cudaDeviceGetDefaultMemPool", c.device_get_default_mem_pool),
            symbol("cudaMemPoolSetAccess", c.mem_pool_set_access),
            symbol("cudaDeviceEnablePeerAccess", c.device_enable_peer_access),
-           symbol("cudaGetDeviceCount", c.get_device_count));
+           symbol("cudaGetDeviceCount", c.get_device_count),
+           symbol("cudaMemGetInfo", c.mem_get_info));
 }
 
 // Resolves the forwarding target (Note [two once-flags]) and decides whether tidepool may
@@ -397,7 +398,8 @@ void initialise() {
                      symbol("tidepool_device_holds_address", t.device_holds_address),
                      symbol("tidepool_in_forked_child", t.in_forked_child),
                      symbol("tidepool_empty_cache", t.empty_cache),
-                     symbol("tidepool_enable_peer_access", t.enable_peer_access))) {
+                     symbol("tidepool_enable_peer_access", t.enable_peer_access),
+                     symbol("tidepool_get_stats_v1", t.get_stats_v1))) {
     return;
   }
   char error[2048] = "";

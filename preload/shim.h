@@ -13,6 +13,7 @@
 #include <unordered_map>
 
 #include "allocator/backend.h"
+#include "allocator/c_api.h"
 
 // The functions the shim defines for the program (the library is built with hidden
 // visibility).
@@ -67,6 +68,7 @@ struct RealCudart {
   cudaError_t (*mem_pool_set_access)(cudaMemPool_t, const cudaMemAccessDesc*, size_t) = nullptr;
   cudaError_t (*device_enable_peer_access)(int, unsigned) = nullptr;  // Note [peer access ...]
   cudaError_t (*get_device_count)(int*) = nullptr;  // Note [device memory only]
+  cudaError_t (*mem_get_info)(size_t*, size_t*) = nullptr;  // Note [free memory under ...]
 };
 
 struct TidepoolAbi {
@@ -87,6 +89,8 @@ struct TidepoolAbi {
   int (*device_holds_address)(int, const void*) = nullptr;
   // Note [peer access under the shim] (watched_calls.cpp).
   int (*enable_peer_access)(int, int) = nullptr;
+  // Note [free memory under the shim] (watched_calls.cpp).
+  int (*get_stats_v1)(int, tidepool_stats_v1*) = nullptr;
 };
 
 struct Allocation {

@@ -449,10 +449,12 @@ cudaError_t serve_free_async(void* dev_ptr, const Allocation& a, cudaStream_t me
     restore_owned(dev_ptr, a);
     return e;
   }
-  // Note [cudaMalloc after stream-ordered frees]: reusable at once on the NULL stream.
-  if (stream_for_tidepool == nullptr && a.stream == nullptr) {
-    note_legacy_ordered_free(dev_ptr, a.size, a.device);
-  }
+  // Note [cudaMalloc after stream-ordered frees]: reusable at once on the NULL stream,
+  // whichever stream it was allocated on (review finding: only blocks of the NULL stream
+  // were noted, but the block of a stream the program destroyed becomes the NULL stream's
+  // at once when freed there). A block another live stream holds is held back by tidepool
+  // anyway; noting it costs only an overlap check.
+  if (stream_for_tidepool == nullptr) note_legacy_ordered_free(dev_ptr, a.size, a.device);
   return serve_free(dev_ptr, a, stream_for_tidepool);
 }
 

@@ -45,9 +45,25 @@
 // tidepool up first, as a cudaMalloc would). Disabling is forwarded alone: memory that
 // stays reachable breaks no program. A grant tidepool refuses (the runtime allowed it, so
 // it should not) is said on stderr; the program gets the runtime's answer.
+//
+// Note [free memory under the shim]
+// Without the shim, memory a program gave back with cudaFree is the driver's again and
+// cudaMemGetInfo counts it free. Under the shim it stays in tidepool's cache, where every
+// cudaMalloc and cudaMallocAsync tidepool serves still gets it (tidepool frees its cache
+// before it fails), and cudaMemGetInfo would count it used: programs that size what they
+// allocate by the free memory (a KV cache or a workspace sized to what is free, a pool of
+// a fraction of it) would take less under the shim, or refuse to start (review finding).
+// So for the current device, when tidepool has served allocations there, the runtime's
+// `free` gets tidepool's cached bytes on that device added (reserved less allocated: what
+// its caching allocator holds unused), at most up to `total`. What is then taken through
+// a path the shim does not serve (cuMemAlloc, another process) can find that memory still
+// cached: the first item above says what helps then. The question leaves the program's
+// last error as the call alone would.
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <atomic>
+#include <cstddef>
 #include <cstdint>
 #include <string>
 
@@ -78,6 +94,20 @@ int device_of_default_pool(cudaMemPool_t pool) {
     if (default_pool == pool) return device;
   }
   return -1;
+}
+
+// Note [free memory under the shim]: the bytes tidepool's caching allocator holds unused on
+// `device`; 0 for a device it never served (asking would make its allocator) or when the
+// figures cannot be read.
+std::size_t cached_bytes(int device) {
+  Shim& s = shim();
+  if (!tidepool_device(device) || !has_device(s.served_devices, device)) return 0;
+  InsideTidepool inside;
+  s.tp.clear_error();
+  tidepool_stats_v1 stats{};
+  stats.struct_size = static_cast<std::uint32_t>(offsetof(tidepool_stats_v1, segments_acquired));
+  if (s.tp.get_stats_v1(device, &stats) != 0) return 0;
+  return static_cast<std::size_t>(stats.cached_bytes);
 }
 
 // Whether the pool calls below are the program's own (tidepool's are not watched) and the
@@ -177,6 +207,21 @@ TIDEPOOL_PRELOAD_EXPORT cudaError_t cudaDeviceEnablePeerAccess(int peer_device, 
                 std::to_string(current) + " access to its memory of device " +
                 std::to_string(peer_device) + ": " + s.tp.last_error());
   }
+  return e;
+}
+
+TIDEPOOL_PRELOAD_EXPORT cudaError_t cudaMemGetInfo(size_t* free_bytes, size_t* total_bytes) {
+  const cudaError_t e = forward(&RealCudart::mem_get_info, free_bytes, total_bytes);
+  if (e != cudaSuccess || free_bytes == nullptr || total_bytes == nullptr ||
+      !shim().serving.load(std::memory_order_acquire) || !watching()) {
+    return e;
+  }
+  ProgramLastError last_error;  // Note [free memory under the shim]
+  int device = 0;
+  if (shim().cuda.get_device(&device) != cudaSuccess) return e;
+  const std::size_t cached = cached_bytes(device);
+  const std::size_t room = *total_bytes > *free_bytes ? *total_bytes - *free_bytes : 0;
+  *free_bytes += std::min(cached, room);
   return e;
 }
 

@@ -72,6 +72,17 @@ void timed_call(VmmStats& stats, double& ms, Fn&& fn) {
   fn();
 }
 
+// Called in a handler: a BackendError goes on as a TieringError saying what failed (`what`
+// ends with ": "); anything else (the heap's std::bad_alloc out of the seam's
+// bookkeeping) goes on as it is.
+[[noreturn]] void rethrow_backend_error_as_migrate_error(const std::string& what) {
+  try {
+    throw;
+  } catch (const BackendError& e) {
+    throw TieringError("vmm pool: migrate: " + what + e.what());
+  }
+}
+
 }  // namespace
 
 // ---- backings created ahead (vmm_backing_supply.h) ---------------------------------------------
@@ -408,7 +419,7 @@ bool VmmPool::move_batch_locked(Range& r, const std::vector<std::size_t>& plan,
       throw TieringError(std::string("vmm pool: migrate: copy failed (data stays where it "
                                      "was): ") + e.what());
     }
-  } catch (const TieringError&) {
+  } catch (...) {  // a TieringError, or the heap's std::bad_alloc, which goes on as it is
     bool idle = true;
     try {
       backend_.stream_synchronize(stream_);  // the batch's copies write the scratch range
@@ -464,36 +475,40 @@ bool VmmPool::move_batch_locked(Range& r, const std::vector<std::size_t>& plan,
 void VmmPool::swap_chunk_locked(Range& r, Chunk& c, PhysicalHandle fresh, std::size_t slot,
                                 MemoryLocation to) {
   char* va = r.base + c.offset;
+  // Every failure is handled alike whatever was thrown (review finding: only a
+  // BackendError was, so a std::bad_alloc from the map left the address unmapped while
+  // the chunk counted as mapped, its data unreachable, and `fresh` leaked).
   // Gives `fresh` back and throws: the data stays in the old backing, mapped at `va`.
-  auto abandon = [&](const char* what, const BackendError& e) {
+  auto abandon = [&](const char* what) {
     release_or_defer_locked(fresh, c.bytes, to);
-    throw TieringError(std::string("vmm pool: migrate: ") + what +
-                       " failed (data stays where it was): " + e.what());
+    rethrow_backend_error_as_migrate_error(std::string(what) +
+                                           " failed (data stays where it was): ");
   };
   try {
     timed_call(stats_, stats_.remap_ms, [&] { unmap_scratch_slot_locked(slot); });
-  } catch (const BackendError& e) {
-    abandon("unmapping the scratch range", e);
+  } catch (...) {
+    abandon("unmapping the scratch range");
   }
   try {
     timed_call(stats_, stats_.remap_ms, [&] { backend_.unmap(va, c.bytes); });
-  } catch (const BackendError& e) {
-    abandon("unmapping the original address", e);
+  } catch (...) {
+    abandon("unmapping the original address");
   }
   try {
     timed_call(stats_, stats_.remap_ms, [&] { backend_.map(va, c.bytes, fresh); });
-  } catch (const BackendError& e) {
+  } catch (...) {
     try {
       backend_.map(va, c.bytes, c.physical);  // put the old backing back
-    } catch (const BackendError&) {
+    } catch (...) {
       c.mapped = false;
       unmapped_chunks_++;
     }
     release_or_defer_locked(fresh, c.bytes, to);
-    throw TieringError(std::string("vmm pool: migrate: remapping the original address failed (") +
-                       (c.mapped ? "old backing restored"
-                                 : "old backing kept, mapped there again at the next call") +
-                       "): " + e.what());
+    rethrow_backend_error_as_migrate_error(
+        std::string("remapping the original address failed (") +
+        (c.mapped ? "old backing restored"
+                  : "old backing kept, mapped there again at the next call") +
+        "): ");
   }
   const PhysicalHandle old = c.physical;
   const MemoryLocation from = c.where;

@@ -145,6 +145,20 @@ TEST(ConfigBudget, BadSizesNameTheKeyAndTheForm) {
             std::string::npos);
 }
 
+// Whole byte counts are exact beyond a double's 53 bits (9007199254740993 read as one
+// byte less), up to just below 2^63.
+TEST(ConfigBudget, WholeByteCountsAreExact) {
+  EXPECT_EQ(parse_byte_count("k", "9007199254740993"), 9007199254740993ull);
+  EXPECT_EQ(parse_byte_count("k", "9223372036854775807"), 9223372036854775807ull);
+  EXPECT_EQ(parse_byte_count("k", "8388607TiB"), 8388607ull << 40);
+  EXPECT_EQ(parse_byte_count("k", "9007199254740993B"), 9007199254740993ull);
+  for (const char* v : {"9223372036854775808", "8388608TiB", "18446744073709551616",
+                        "18446744073709551615KiB"}) {
+    EXPECT_NE(error_of([&] { parse_byte_count("k", v); }).find("too large"), std::string::npos)
+        << v;
+  }
+}
+
 TEST(ConfigTierMinBytes, DefaultsToOneMiBAndTakesByteCounts) {
   EXPECT_EQ(Config{}.tier_min_bytes, std::uint64_t{1} << 20);
   EXPECT_EQ(claim_config("backend:tidepool").config.tier_min_bytes, std::uint64_t{1} << 20);

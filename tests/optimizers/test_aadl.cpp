@@ -554,6 +554,46 @@ TEST(AADL, ADivergedGroupIsNamedAfterEveryGroupStepped) {
   expect_error_mentions([&] { step(both, {p0, p1}); }, "diverged");
 }
 
+// Group 0 diverged and group 1's safeguard closure then ran out of memory: the error that
+// goes on is the closure's, and it says that group 0 diverged too (it was reported only
+// when no group threw).
+TEST(AADL, AnErrorOfALaterGroupStillNamesTheDivergedGroup) {
+  torch::manual_seed(6);
+  torch::Tensor p0 = torch::randn({6}, torch::kFloat64).requires_grad_();
+  torch::Tensor p1 = torch::randn({4}, torch::kFloat64).requires_grad_();
+  std::vector<torch::optim::OptimizerParamGroup> groups;
+  groups.emplace_back(std::vector<torch::Tensor>{p0});
+  groups.emplace_back(std::vector<torch::Tensor>{p1});
+  AADL opt(std::make_shared<torch::optim::SGD>(groups, torch::optim::SGDOptions(0.1)),
+           AADLOptions().history_depth(3).wait_iterations(0).relaxation(0.5));
+  bool out_of_memory = false;
+  const AADL::LossClosure closure = [&] {
+    if (torch::GradMode::is_enabled()) {
+      for (auto& p : {p0, p1}) p.mutable_grad() = torch::sin(p.detach());
+      return torch::zeros({}, torch::kFloat64);
+    }
+    TORCH_CHECK(!out_of_memory, "CUDA out of memory in the forward pass");
+    return torch::zeros({}, torch::kFloat64);
+  };
+  for (int i = 0; i < 3; ++i) opt.step(closure);
+  {
+    torch::NoGradGuard no_grad;
+    p0[2] = std::numeric_limits<double>::quiet_NaN();
+  }
+  out_of_memory = true;
+  try {
+    opt.step(closure);
+    FAIL() << "the step did not throw";
+  } catch (const c10::Error& e) {
+    const std::string message = e.what();
+    EXPECT_NE(message.find("CUDA out of memory in the forward pass"), std::string::npos)
+        << message;
+    EXPECT_NE(message.find("parameter group(s) 0 holds NaN"), std::string::npos) << message;
+  }
+  EXPECT_EQ(opt.history(0).size(), 3);
+  EXPECT_EQ(opt.history(1).size(), 3);
+}
+
 TEST(AADL, HistoryPlacementDoesNotChangeAnyBit) {
   const auto run = [](std::shared_ptr<tidepool::optim::StatePlacement> placement) {
     torch::manual_seed(11);

@@ -35,7 +35,9 @@
  *   FAKE_CUDART_MALLOC_AT  when set (an address, as strtoull reads it with base 0), cudaMalloc
  *                        hands out that address instead of memory of its own, as a new
  *                        context after cudaDeviceReset may hand out addresses the old one
- *                        used (nothing is behind it: only freed, never read or written).
+ *                        used (nothing is behind it: only freed, never read or written);
+ *   FAKE_CUDART_FREE_MIB, FAKE_CUDART_TOTAL_MIB  what cudaMemGetInfo answers, in MiB
+ *                        (default 1024 free of 4096).
  *
  * Memory: the fake remembers what its cudaMalloc and cudaMallocAsync (and _ptsz) handed out
  * and not yet freed; as the runtime, a free of any other non-NULL pointer is answered
@@ -336,6 +338,15 @@ int cudaGetDeviceCount(int* count) {
   const int devices = env_int("FAKE_CUDART_DEVICE_COUNT", 0);
   if (devices <= 0) return answer(100); /* cudaErrorNoDevice */
   *count = devices;
+  return 0;
+}
+
+int fake_cudart_mem_get_info_calls = 0;
+int cudaMemGetInfo(size_t* free_bytes, size_t* total_bytes) {
+  ++fake_cudart_mem_get_info_calls;
+  if (free_bytes == NULL || total_bytes == NULL) return answer(1); /* cudaErrorInvalidValue */
+  *free_bytes = (size_t)env_int("FAKE_CUDART_FREE_MIB", 1024) << 20;
+  *total_bytes = (size_t)env_int("FAKE_CUDART_TOTAL_MIB", 4096) << 20;
   return 0;
 }
 

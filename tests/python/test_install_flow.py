@@ -22,6 +22,8 @@ import tidepool
 import fake_torch_cuda
 from fake_torch_cuda import fake_cuda, install  # noqa: F401  (a fixture, and the install)
 
+REAL_LOAD_TORCH_CUDA = _lib.load_torch_cuda  # before fake_cuda replaces it
+
 
 def test_global_mode_prefers_libtidepool_torch_cuda(fake_cuda, monkeypatch):
     # It connects cacheInfo, record_stream and the memory statistics in C++: no Python
@@ -51,6 +53,20 @@ def test_a_refused_swap_is_an_error_with_tidepools_message(fake_cuda, monkeypatc
                        match="already initialized allocator.*before CUDA is first used"):
         install()
     assert fake_cuda == []
+
+
+def test_a_torch_cuda_library_that_is_not_there_is_a_library_error(fake_cuda, monkeypatch):
+    # Review finding: TIDEPOOL_TORCH_CUDA_LIBRARY naming no file came out as a plain
+    # RuntimeError saying tidepool must be installed before CUDA is first used.
+    monkeypatch.setattr(_lib, "load_torch_cuda", REAL_LOAD_TORCH_CUDA)
+    monkeypatch.setenv("TIDEPOOL_TORCH_CUDA_LIBRARY", "/nonexistent/libtidepool_torch_cuda.so")
+    with pytest.raises(_lib.LibraryError, match="TIDEPOOL_TORCH_CUDA_LIBRARY=.*is not a file") \
+            as caught:
+        install()
+    assert "before CUDA is first used" not in str(caught.value)
+    assert fake_cuda == []
+    assert tidepool.status().startswith("failed: TIDEPOOL_TORCH_CUDA_LIBRARY=")
+    assert _install.STATE.torch is None  # nothing installed: a fixed variable may retry
 
 
 def test_without_libtidepool_torch_cuda_global_mode_falls_back_and_says_why(fake_cuda):

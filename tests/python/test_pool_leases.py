@@ -317,3 +317,24 @@ def test_scopes_closed_out_of_order_end_their_own_leases(fake_cuda):
     second.__exit__(None, None, None)
     assert _install.STATE.pool_leases == {}
     assert pool_events(fake_cuda)[-1] == ("exit_pool", 0)
+
+
+def test_a_region_in_a_forked_child_tags_without_a_pool(fake_cuda, monkeypatch):
+    # Review finding: in a child forked after CUDA was used, pool mode's region asked for
+    # the current device and raised "Cannot re-initialize CUDA in forked subprocess"; the
+    # child allocates nothing on the GPU, so the region only tags, as in global mode.
+    install(mode="pool")
+    from tidepool import _lib, _tags
+
+    def no_cuda_here():
+        raise RuntimeError("Cannot re-initialize CUDA in forked subprocess")
+
+    monkeypatch.setattr(torch.cuda, "_is_in_bad_fork", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", no_cuda_here)
+    lib = _lib.load()
+    before = len(pool_events(fake_cuda))
+    with tidepool.region("activation") as tag:
+        assert tag == _tags.tag_id("activation")
+        assert lib.tidepool_tag_current() == tag
+    assert lib.tidepool_tag_current() == 0
+    assert len(pool_events(fake_cuda)) == before

@@ -411,7 +411,8 @@ def test_another_cuda_major_is_forwarded_untouched(run_python, global_scope):
     assert ("tidepool is off: every cudaMalloc/cudaFree, cudaMallocAsync/cudaFreeAsync (and "
             "their _ptsz forms), cudaStreamDestroy, cudaIpcGetMemHandle, cudaDeviceReset, the "
             "other allocations (cudaMallocPitch, ...), the memory-pool calls and "
-            "cudaDeviceEnablePeerAccess the shim watches goes to that runtime unchanged") in stderr
+            "cudaDeviceEnablePeerAccess the shim watches, and cudaMemGetInfo goes to that runtime "
+            "unchanged") in stderr
 
 
 @needs_fake

@@ -182,3 +182,27 @@ out["waits_after_cuda_free"] = waits() - before
     assert out == {"reused": True, "waits_after_fence": 0, "free_rc": 0, "synchronizes": 1,
                    "reused_again": True, "waits_after_cuda_free": 0}
     assert stderr == ""
+
+
+def test_cuda_malloc_waits_for_legacy_frees_of_a_destroyed_streams_block(run_python):
+    # Review finding: only blocks allocated on the NULL stream were noted when freed in the
+    # legacy stream's order. A block of a stream the program had destroyed, freed with
+    # cudaFreeAsync(p, 0), became the NULL stream's at once, and cudaMalloc handed it out
+    # while legacy work before the free still used it.
+    out, stderr = run_with_fake(run_python, LEGACY_FREES_PRELUDE + """
+s = create_stream()
+p = c_void_p()
+out["malloc_async_rc"] = process.cudaMallocAsync(byref(p), LARGE, s)
+out["destroy_rc"] = process.cudaStreamDestroy(s)
+passed = legacy_work_using_memory()
+out["free_rc"] = process.cudaFreeAsync(p, None)
+before = waits()
+r = c_void_p()
+out["malloc_rc"] = process.cudaMalloc(byref(r), LARGE)
+out["reused"] = r.value == p.value
+out["legacy_work_done_when_handed_out"] = fake.cudaEventQuery(passed) == 0
+out["waits"] = waits() - before
+""", TIDEPOOL_BACKEND="host", HOST_STREAMS=HOST_STREAMS, FAKE_CUDART_SYNC_OPENS_GATE="1")
+    assert out == {"malloc_async_rc": 0, "destroy_rc": 0, "free_rc": 0, "malloc_rc": 0,
+                   "reused": True, "legacy_work_done_when_handed_out": True, "waits": 1}
+    assert stderr == ""

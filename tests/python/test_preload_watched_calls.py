@@ -304,3 +304,44 @@ def test_peer_access_the_program_enables_reaches_tidepools_memory(run_python):
                    "granted": 1, "not_the_other_way": 0, "refused_rc": 1, "still_not": 0,
                    "ahead_rc": 0, "granted_ahead": 1, "free_rc": 0}
     assert "could not give" not in stderr
+
+
+MEM_GET_INFO = """
+import tidepool
+process.cudaMemGetInfo.argtypes = [c_void_p, c_void_p]
+free, total = ctypes.c_size_t(), ctypes.c_size_t()
+def mem_get_info():
+    rc = process.cudaMemGetInfo(byref(free), byref(total))
+    return [rc, free.value >> 20, total.value >> 20]
+out["before_setup"] = mem_get_info()
+p, q = c_void_p(), c_void_p()
+process.cudaMalloc(byref(p), 64 << 20)
+process.cudaMalloc(byref(q), 16 << 20)
+out["in_use"] = mem_get_info()
+process.cudaFree(p)                           # cached by tidepool: free again, as without it
+out["cached"] = tidepool.stats(0)["reserved_bytes.all.current"] - \\
+    tidepool.stats(0)["allocated_bytes.all.current"] >= 64 << 20
+out["after_free"] = mem_get_info()
+os.environ["FAKE_CUDART_DEVICE"] = "2"        # a device tidepool never served
+out["other_device"] = mem_get_info()
+os.environ["FAKE_CUDART_DEVICE"] = "0"
+os.environ["FAKE_CUDART_FREE_MIB"] = "4090"   # never more than total
+out["capped"] = mem_get_info()
+out["null_rc"] = process.cudaMemGetInfo(None, byref(total))
+out["last_error"] = process.cudaGetLastError()
+out["calls"] = counter("fake_cudart_mem_get_info_calls")
+process.cudaFree(q)
+"""
+
+
+def test_mem_get_info_counts_tidepools_cache_as_free(run_python):
+    # Review finding: memory freed through cudaFree stayed in tidepool's cache and
+    # cudaMemGetInfo counted it used, where without the shim it is free again: programs
+    # sizing their buffers by it took less, or refused to start.
+    out, stderr = run_with_fake(run_python, MEM_GET_INFO, TIDEPOOL_BACKEND="host")
+    cached = out.pop("after_free")[1] - 1024
+    assert 64 <= cached < 100, cached           # the freed block, and the rest of its slot
+    assert out == {"before_setup": [0, 1024, 4096], "in_use": [0, 1024 + (cached - 64), 4096],
+                   "cached": True, "other_device": [0, 1024, 4096], "capped": [0, 4096, 4096],
+                   "null_rc": 1, "last_error": 1, "calls": 6}
+    assert stderr == ""

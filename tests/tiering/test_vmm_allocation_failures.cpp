@@ -9,7 +9,9 @@
 
 #include <atomic>
 #include <cstddef>
+#include <cstring>
 #include <string>
+#include <vector>
 
 #include "allocator/forwarding_backend.h"
 #include "allocator/tags.h"
@@ -149,6 +151,51 @@ TEST(VmmAllocationFailures, SparesGivenBackWithoutHeapAreReleasedOnceAndNoneIsLo
     (void)done;
   }
   EXPECT_GT(failures, 0) << "the sweep never failed an allocation";
+}
+
+// Review finding: only a BackendError undid a failed step of a move. A std::bad_alloc out of
+// the seam's bookkeeping when the new backing was mapped at the chunk's address left the
+// address unmapped while the chunk counted as mapped (its data out of reach, the range
+// never freed) and leaked the new backing; one while the batch copied into the scratch
+// range leaked the batch's new backings. Sweep the allocation that fails, in a move each
+// way: after each failure the data is intact at its address, the move then goes through,
+// and once the range is freed no backing is left.
+TEST(VmmAllocationFailures, AMoveThatRunsOutOfHeapKeepsTheDataAndLeaksNoBacking) {
+  auto inner = make_host_backend(0);
+  const std::size_t g = inner->granularity();
+  const std::size_t bytes = 4 * g;
+  std::vector<unsigned char> pattern(bytes);
+  for (std::size_t i = 0; i < bytes; ++i) pattern[i] = static_cast<unsigned char>(i * 7 % 251);
+  for (const MemoryLocation to : {MemoryLocation::host, MemoryLocation::device}) {
+    const MemoryLocation from =
+        to == MemoryLocation::host ? MemoryLocation::device : MemoryLocation::host;
+    long failures = 0;
+    for (long n = 0; n < kMaxAllocations; ++n) {
+      const std::string when =
+          std::string(to == MemoryLocation::host ? "to the host" : "to the device") +
+          ", allocation " + std::to_string(n);
+      CountingBackend backend(*inner);
+      VmmPool pool(backend, VmmPoolOptions{.device_budget_bytes = VmmPoolOptions::kNoDeviceBudget,
+                                           .spare_host_bytes = 0,
+                                           .creation_threads = 0,
+                                           .chunk_granules = 1});
+      void* p = pool.allocate(bytes, kTagOptimizerState, from);
+      std::memcpy(p, pattern.data(), bytes);
+      const bool done = test_support::survives(n, [&] { pool.migrate(p, to); });
+      EXPECT_EQ(std::memcmp(p, pattern.data(), bytes), 0) << when << ": data changed";
+      pool.migrate(p, to);
+      EXPECT_EQ(pool.stats().device_backed_bytes, to == MemoryLocation::device ? bytes : 0u)
+          << when;
+      EXPECT_EQ(std::memcmp(p, pattern.data(), bytes), 0) << when << ": data changed";
+      pool.deallocate(p);
+      pool.release_spare_host_backings();
+      EXPECT_EQ(pool.stats().deferred_releases, 0u) << when;
+      EXPECT_EQ(backend.live_physicals(), 0) << when << ": a backing leaked";
+      if (done) break;
+      ++failures;
+    }
+    EXPECT_GT(failures, 2) << "the sweep reached no step of the move";
+  }
 }
 
 }  // namespace

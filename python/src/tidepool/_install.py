@@ -132,6 +132,13 @@ def install(torch, config: dict) -> None:
             else:
                 STATE.allocator = torch.cuda.memory.CUDAPluggableAllocator(path, malloc_name,
                                                                            free_name)
+        except _lib.LibraryError as e:
+            # A library that is not there (TIDEPOOL_TORCH_CUDA_LIBRARY naming no file): the
+            # caller's `except tidepool.LibraryError` catches it, as at the entry points;
+            # review finding: it became a RuntimeError blaming CUDA's first use.
+            STATE.torch = STATE.config = None  # nothing installed
+            STATE.status = f"failed: {e}"
+            raise
         except RuntimeError as e:
             STATE.torch = STATE.config = None  # nothing installed
             STATE.status = f"failed: cannot install the allocator ({e})"
@@ -329,6 +336,12 @@ class _PoolLease:
         self._lease = None
 
     def __enter__(self):
+        if STATE.torch.cuda._is_in_bad_fork():
+            # A child forked after CUDA was used cannot use it (PyTorch refuses), so it
+            # allocates nothing a pool could take: the scope routes nothing, and a
+            # tidepool.region() there tags as in the parent (review finding: asking for
+            # the current device raised "Cannot re-initialize CUDA in forked subprocess").
+            return self
         key = self.device if self.device is not None else STATE.torch.cuda.current_device()
         me = threading.get_ident()
         lease = outer = None
@@ -362,6 +375,8 @@ class _PoolLease:
     def __exit__(self, *exc):
         key, self._key = self._key, None
         lease, self._lease = self._lease, None
+        if lease is None:  # entered in a forked child: routed nothing
+            return False
         me = threading.get_ident()
         with STATE.lock:
             stack = STATE.pool_leases[key][me]
