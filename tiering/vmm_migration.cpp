@@ -341,6 +341,15 @@ void VmmPool::deallocate(void* ptr) {
   if (it == ranges_.end()) {
     throw TieringError("vmm pool: deallocate of a pointer it does not own (or not a range base)");
   }
+  // A failed move's copies may still read a range while the scratch range stays mapped
+  // (its stream could not be synchronized, and repair_locked could not either): releasing
+  // a range's backings now could free memory they read, so the range stays, as at
+  // teardown (Note [Ranges kept at teardown]; review finding: deallocate released it).
+  if (!scratch_mapped_.empty()) {
+    throw TieringError("vmm pool: deallocate: the copies of a failed move may still read this "
+                       "pool's memory (its stream could not be synchronized), so the range "
+                       "stays allocated; free it again once the stream can be synchronized");
+  }
   wait_for_users_locked(it->second);
   try {
     release_range_locked(it->second);

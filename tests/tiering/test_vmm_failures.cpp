@@ -154,6 +154,30 @@ TEST_F(VmmFailureTest, EveryFailedCallOfAMigrationLeavesTheDataAndNoHandleBehind
   }
 }
 
+// Review finding: when a failed move's stream could not be synchronized (nor again when the
+// move gave up), its copies may still read the range; deallocate released the range's
+// backings all the same. It refuses while that stream cannot be synchronized, the range
+// and its bytes stay, and once the stream can be, the range goes and nothing is left.
+TEST_F(VmmFailureTest, ARangeAFailedMoveMayStillReadIsNotFreedUntilItsStreamIsDone) {
+  const std::size_t n = 2 * backend_.granularity();
+  const auto data = random_bytes(n, 43);
+  VmmPool pool(backend_);
+  void* p = pool.allocate(n, kTagOptimizerState);
+  ASSERT_NE(p, nullptr);
+  fill(p, data);
+  // The batch's wait, the wait when the move gives up, and deallocate's retry.
+  backend_.fail_calls_to("stream_synchronize", 3);
+  EXPECT_NE(failure_of([&] { pool.migrate(p, MemoryLocation::host); }, "migrate"), "");
+  EXPECT_NE(failure_of([&] { pool.deallocate(p); }, "deallocate").find("stays allocated"),
+            std::string::npos);
+  backend_.fail_calls_to("stream_synchronize", 0);
+  EXPECT_EQ(pool.stats().ranges, 1u);
+  EXPECT_EQ(difference(p, data), -1);
+  EXPECT_EQ(failure_of([&] { pool.deallocate(p); }, "deallocate"), "");
+  EXPECT_EQ(pool.stats().ranges, 0u);
+  EXPECT_EQ(backend_.live_physicals(), 0u);
+}
+
 // The same for a range of three chunks moved two at a time, their new backings made by
 // helper threads (Note [Migration batches] in vmm_moves.cpp), in both directions, and to
 // the host again taking the spare host backings the move to the device kept (Note [Spare
