@@ -203,6 +203,10 @@ std::vector<std::vector<torch::Tensor>> Apollo::parameters_to_step() const {
       TORCH_CHECK(grad.layout() == torch::kStrided,
                   "Apollo does not support sparse gradients (a ", grad.layout(),
                   " gradient of a ", p.sizes(), " parameter)");
+      // The parameter too (review finding: a sparse parameter with a dense gradient was
+      // given state of its layout and refused part-way through the step).
+      TORCH_CHECK(p.layout() == torch::kStrided, "Apollo does not support sparse parameters (a ",
+                  p.layout(), " ", p.sizes(), " parameter)");
       // LibTorch refuses an in-place update of an inference tensor outside InferenceMode;
       // the fused step writes through the data pointer, so it is refused here, before any
       // parameter steps, as torch.optim's first in-place op would refuse it.

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <exception>
 #include <optional>
 #include <utility>
 
@@ -39,6 +40,46 @@ namespace tidepool {
 // that deviate at every acquire build it at every eviction, which costs what the scan
 // did. Each entry knows its slot (Entry::evictable_slot), and the heap's capacity
 // follows resident_'s (create reserves both), so joining cannot fail.
+
+// Note [A victim that cannot be evicted]
+// An eviction can fail for good for one handle: a stream that used it was destroyed
+// without release_stream (its use event cannot be recorded), or its copy-back keeps
+// failing. The handle then stays resident and, its next use the furthest, the first
+// victim: every acquire that needed room, every prefetch and every reclaim (the
+// allocator's out-of-memory hook, the other stores' requests for room) failed with its
+// error, though other handles could have been evicted (review finding). So within one
+// operation that evicts to make room (make_room_locked, the device's out-of-memory loop in
+// allocate_reserved_locked, reclaim_locked), a victim whose eviction fails is skipped:
+// marked out of evictable_ until the operation ends (SkippedVictims puts it back), and
+// the next victim is taken. The error stays with the handle's own operations (evict,
+// write, destroy say it), and an operation that finds no room without the skipped ones
+// throws the first failure, as before: the caller learns why there was none.
+
+bool TieredStore::evict_or_skip_locked(Entry& victim) {
+  try {
+    evict_locked(victim);
+    return true;
+  } catch (...) {
+    skipped_victims_.push_back(&victim);  // a std::bad_alloc here goes on instead
+    if (!victim_failure_) victim_failure_ = std::current_exception();
+    victim.eviction_skipped = true;
+    evictable_update_locked(victim);
+    return false;
+  }
+}
+
+TieredStore::SkippedVictims::~SkippedVictims() {
+  for (Entry* e : store_.skipped_victims_) {
+    e->eviction_skipped = false;
+    store_.evictable_update_locked(*e);
+  }
+  store_.skipped_victims_.clear();
+  store_.victim_failure_ = nullptr;
+}
+
+void TieredStore::SkippedVictims::rethrow_failure() const {
+  if (store_.victim_failure_) std::rethrow_exception(store_.victim_failure_);
+}
 
 bool TieredStore::evicted_sooner(const Entry* a, const Entry* b) noexcept {
   return a->evict_key != b->evict_key ? a->evict_key > b->evict_key : a->id > b->id;
@@ -82,7 +123,8 @@ void TieredStore::evictable_drop_locked() noexcept {
 
 void TieredStore::evictable_update_locked(Entry& e) noexcept {
   if (!evictable_valid_) return;  // the next eviction builds it
-  const bool evictable = e.resident_slot != Entry::kNotResident && e.pins == 0;
+  const bool evictable =
+      e.resident_slot != Entry::kNotResident && e.pins == 0 && !e.eviction_skipped;
   const bool in_heap = e.evictable_slot != Entry::kNotEvictable;
   if (evictable == in_heap) return;  // a key changes only with an acquire: out, then in
   if (in_heap) {
@@ -115,7 +157,7 @@ void TieredStore::evictable_build_locked() {
   evictable_drop_locked();
   evictable_epoch_ = policy_.eviction_key_epoch();
   for (Entry* e : resident_) {
-    if (e->pins > 0) continue;
+    if (e->pins > 0 || e->eviction_skipped) continue;
     e->evict_key = policy_.eviction_key(e->id);
     evictable_.push_back(e);
   }

@@ -81,6 +81,15 @@ std::size_t TieredStore::peer_shortfall_locked(std::size_t bytes) const {
 // once this returns none (with_room_from_peers), a prefetch never asks them.
 TieredStore::Room TieredStore::make_room_locked(std::size_t bytes, const Entry* incoming,
                                                 bool may_wait, bool others_first) {
+  // Note [A victim that cannot be evicted] (eviction_order.cpp).
+  const SkippedVictims skipped(*this);
+  const Room room = find_room_locked(bytes, incoming, may_wait, others_first);
+  if (room.kind == Room::Kind::none) skipped.rethrow_failure();
+  return room;
+}
+
+TieredStore::Room TieredStore::find_room_locked(std::size_t bytes, const Entry* incoming,
+                                                bool may_wait, bool others_first) {
   const std::size_t budget = options_.device_budget_bytes;
   const std::size_t incoming_score =
       incoming != nullptr && !may_wait ? policy_.eviction_score(incoming->id) : 0;
@@ -104,7 +113,7 @@ TieredStore::Room TieredStore::make_room_locked(std::size_t bytes, const Entry* 
         victim = nullptr;
       }
       if (victim != nullptr) {
-        evict_locked(*victim);
+        evict_or_skip_locked(*victim);
         continue;
       }
       // Note [No room, no wait]
@@ -166,6 +175,7 @@ TieredStore::DeviceBuffer TieredStore::allocate_reserved_locked(std::size_t byte
                                                                 bool may_wait) {
   const Stream s = copies_.stream(Direction::host_to_device);
   void* p = nullptr;
+  const SkippedVictims skipped(*this);  // Note [A victim that cannot be evicted]
   try {
     p = !may_wait && device_.try_allocate ? device_.try_allocate(bytes, s)
                                           : device_.allocate(bytes, s);
@@ -178,7 +188,7 @@ TieredStore::DeviceBuffer TieredStore::allocate_reserved_locked(std::size_t byte
       }
       // The same victim the budget would give up: the furthest next use.
       Entry* victim = eviction_victim_locked(std::nullopt);
-      if (victim != nullptr) evict_locked(*victim);
+      if (victim != nullptr) evict_or_skip_locked(*victim);
       if (victim == nullptr && pending_frees_.empty() && !last_ask &&
           detail::registry_wait_failed_in_store_operation()) {
         // Nothing of this store's left to give, and an OOM hook skipped waiting for a busy
@@ -190,6 +200,7 @@ TieredStore::DeviceBuffer TieredStore::allocate_reserved_locked(std::size_t byte
         continue;
       }
       if (victim == nullptr && pending_frees_.empty()) {
+        skipped.rethrow_failure();
         throw TieringError("tiered store: the device is out of memory for " +
                            std::to_string(bytes) + " bytes of tiered state (the store holds " +
                            std::to_string(device_bytes_) +

@@ -39,6 +39,9 @@ struct TieredStore::Entry {
   static constexpr std::size_t kNotEvictable = static_cast<std::size_t>(-1);
   std::size_t evictable_slot = kNotEvictable;
   std::uint64_t evict_key = 0;
+  // Its eviction failed in the operation under way: out of evictable_ until that ends
+  // (Note [A victim that cannot be evicted] in eviction_order.cpp).
+  bool eviction_skipped = false;
 };
 
 }  // namespace tidepool

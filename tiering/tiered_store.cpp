@@ -669,19 +669,22 @@ void TieredStore::warn_reclaim_failure(const char* why, const char* what) noexce
 }
 
 void TieredStore::reclaim_locked(std::size_t bytes_needed, std::size_t& scheduled) {
+  // A victim whose eviction fails keeps its device copy and is passed over (Note [A victim
+  // that cannot be evicted] in eviction_order.cpp); its failure is thrown once the others
+  // are freed, when they were not enough.
+  const SkippedVictims skipped(*this);
   while (scheduled < bytes_needed) {
     Entry* victim = eviction_victim_locked(std::nullopt);
     if (victim == nullptr) break;
     try {
-      evict_locked(*victim);
-      scheduled += victim->bytes;
-    } catch (...) {
-      // A failed copy-back keeps the device copy; free what was evicted before it.
+      if (evict_or_skip_locked(*victim)) scheduled += victim->bytes;
+    } catch (...) {  // out of heap: free what was evicted before it
       reap_frees_locked(/*wait_all=*/true);
       throw;
     }
   }
   reap_frees_locked(/*wait_all=*/true);
+  if (scheduled < bytes_needed) skipped.rethrow_failure();
 }
 
 void TieredStore::begin_step(std::uint64_t schedule) {

@@ -62,6 +62,7 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <exception>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -377,6 +378,10 @@ class TIDEPOOL_API TieredStore {
   // the budget may give room (Note [Shared state budget], step 1).
   Room make_room_locked(std::size_t bytes, const Entry* incoming, bool may_wait,
                         bool others_first = false);
+  // make_room_locked's search, skipping victims that cannot be evicted (Note [A victim
+  // that cannot be evicted]); none when there is no room without them.
+  Room find_room_locked(std::size_t bytes, const Entry* incoming, bool may_wait,
+                        bool others_first);
   // Room from the pending frees alone, without waiting; none if they cannot give it.
   Room room_from_pending_locked(std::size_t bytes) const;
   // Hands the first `count` pending frees back in stream order; their charge becomes the
@@ -403,6 +408,24 @@ class TIDEPOOL_API TieredStore {
   // nullptr when there is none. (A handle being loaded is not resident: never a victim of
   // its own load.)
   Entry* eviction_victim_locked(std::optional<std::size_t> above);
+  // Note [A victim that cannot be evicted] (eviction_order.cpp): evicts `victim`; when
+  // that fails, keeps the failure, takes `victim` out of the victims until the operation
+  // ends (SkippedVictims) and returns false.
+  bool evict_or_skip_locked(Entry& victim);
+  // For the length of one operation that evicts to make room: the victims it skipped go
+  // back among the victims when it ends; rethrow_failure throws the first of their
+  // failures, if any, for an operation that found no room without them.
+  class SkippedVictims {
+   public:
+    explicit SkippedVictims(TieredStore& store) noexcept : store_(store) {}
+    ~SkippedVictims();
+    SkippedVictims(const SkippedVictims&) = delete;
+    SkippedVictims& operator=(const SkippedVictims&) = delete;
+    void rethrow_failure() const;
+
+   private:
+    TieredStore& store_;
+  };
   // `e`'s device copy was just set / is being dropped: it joins / leaves resident_ (and
   // evictable_).
   void note_resident_locked(Entry& e) noexcept;
@@ -511,6 +534,10 @@ class TIDEPOOL_API TieredStore {
   Handle next_handle_ = 1;
   std::size_t device_bytes_ = 0;
   std::size_t reserved_ = 0;  // charged for the buffer being allocated (make_room_locked)
+  // Note [A victim that cannot be evicted]: the operation's skipped victims, and the
+  // first of their failures.
+  std::vector<Entry*> skipped_victims_;
+  std::exception_ptr victim_failure_;
   TieredStoreStats stats_;
   bool reclaim_failure_warned_ = false;  // warn_once_due, under mutex_
   // The store's seat in the device's ledger when its budget is the configured one (Note

@@ -21,6 +21,7 @@
 #include <torch/csrc/cuda/CUDAPluggableAllocator.h>
 #include <torch/version.h>
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <cstddef>
@@ -282,6 +283,14 @@ class TorchCudaAllocator final : public Pluggable {
   std::shared_ptr<void> getIpcDevPtr(std::string /*handle*/) override { refuse_ipc(); }
 
   double getMemoryFraction(c10::DeviceIndex device) override {
+    // Note [per_process_memory_fraction in global mode]: until the first allocation on the
+    // device applies the configured fraction (or the program sets one), the answer is the
+    // one that allocation will apply (review finding: it was 1.0 until then).
+    if (device >= 0 && device < kMaxDevices &&
+        !device_fractions().settled[device].load(std::memory_order_acquire)) {
+      return std::min(1.0, c10::cuda::CUDACachingAllocator::CUDAAllocatorConfig::
+                               per_process_memory_fraction());
+    }
     const double fraction = tidepool_get_memory_fraction(device);
     TORCH_CHECK(fraction >= 0.0, "tidepool: getMemoryFraction of device ",
                 static_cast<int>(device), " failed: ", tidepool_last_error());

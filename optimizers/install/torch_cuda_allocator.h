@@ -42,7 +42,9 @@
 //   raw_delete      throws for a second zero-byte buffer's null. -> null frees nothing.
 //   attachAllocatorTraceTracker
 //                   throws, failing ProcessGroupNCCL with NCCL buffer registration on.
-//                   -> not called (a warning once): registration is an optimisation.
+//                   -> still refused, but saying why (NCCL would keep registrations of
+//                   memory tidepool remaps and releases) and what to do: unset
+//                   TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK.
 //   memcpyAsync     cudaMemcpyAsync across devices, which memory mapped through CUDA VMM
 //                   for its own device cannot rely on. -> cudaMemcpyPeerAsync across
 //                   devices.

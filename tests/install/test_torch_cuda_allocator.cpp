@@ -788,6 +788,12 @@ TEST_F(TorchCudaAllocatorTest, FractionChildOfTheConfiguredFractionTest) {
   // The program's own, before the devices' first use: they win, 1.0 (no cap) included.
   allocator->setMemoryFraction(0.5, 1);
   allocator->setMemoryFraction(1.0, 2);
+  // Asked before a device's first allocation: the fraction it will have (review finding:
+  // 1.0 until then), and asking makes nothing there.
+  EXPECT_EQ(allocator->getMemoryFraction(0), 0.25);
+  EXPECT_EQ(allocator->getMemoryFraction(1), 0.5);
+  EXPECT_EQ(allocator->getMemoryFraction(2), 1.0);
+  EXPECT_EQ(allocator->getMemoryFraction(3), 0.25);
   for (const int device : {0, 1, 2}) {
     allocator->raw_delete(allocator->malloc(4096, device, nullptr));
   }

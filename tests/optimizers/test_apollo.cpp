@@ -122,6 +122,19 @@ TEST(Apollo, SparseGradientsOfEveryLayoutAreRefusedBeforeAnythingSteps) {
   }
 }
 
+// Review finding: a sparse parameter with a dense gradient (mutable_grad() checks nothing)
+// was given state of its layout and refused part-way through the step.
+TEST(Apollo, ASparseParameterIsRefusedBeforeAnythingSteps) {
+  auto a = param(4);
+  auto b = torch::ones({2, 3}, torch::kFloat64).to_sparse().set_requires_grad(true);
+  Apollo opt({a, b}, ApolloOptions(0.1));
+  a.mutable_grad() = torch::ones_like(a);
+  b.mutable_grad() = torch::ones({2, 3}, torch::kFloat64);
+  expect_error_mentions([&] { opt.step(); }, "sparse parameters");
+  EXPECT_TRUE(torch::equal(a.detach(), param(4).detach()));
+  EXPECT_TRUE(opt.state().empty());
+}
+
 // Review finding (session 37 list): an inference tensor cannot be updated in place outside
 // InferenceMode; it was not refused up front, so the parameters before it stepped first.
 TEST(Apollo, AnInferenceTensorParameterIsRefusedBeforeAnythingSteps) {

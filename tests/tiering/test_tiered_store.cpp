@@ -208,6 +208,50 @@ TEST_P(TieredStoreTest, AStreamDestroyedWithoutReleaseIsAClearErrorAndLosesNothi
   store.destroy(h);
 }
 
+// Note [A victim that cannot be evicted] (store_budget.cpp): a released handle whose use
+// stream was destroyed without release_stream cannot be evicted; the room an acquire
+// needs, and what a reclaim asks for, come from the other handles instead (review
+// finding: the failing handle stayed the first victim, and every acquire that needed room
+// and every reclaim failed with its error until the stream was forgotten).
+TEST_P(TieredStoreTest, AHandleThatCannotBeEvictedLeavesTheOthersEvictable) {
+  if (!on_host()) GTEST_SKIP() << "the host backend reports a destroyed stream";
+  Backend& b = backend();
+  constexpr std::size_t n = 1 << 20;
+  TieredStore store(b, options(2 * n));
+  const auto [stuck, temporary, dev] = acquire_on_new_stream(store, n, kTagOptimizerState);
+  const auto data = random_bytes(n, 35);
+  b.stream_synchronize(temporary);
+  write_device(dev, data);
+  store.release(stuck, /*dirty=*/true);
+  b.destroy_stream(temporary);
+  const TieredStore::Handle other = store.create(n, kTagOptimizerState);
+  store.acquire(other, stream_);
+  store.release(other, /*dirty=*/true);
+  ASSERT_TRUE(store.resident(stuck) && store.resident(other));
+  const TieredStore::Handle incoming = store.create(n, kTagOptimizerState);
+  EXPECT_NO_THROW(store.acquire(incoming, stream_));  // the room is `other`'s
+  EXPECT_TRUE(store.resident(stuck));
+  EXPECT_FALSE(store.resident(other));
+  store.release(incoming, /*dirty=*/false);
+  EXPECT_EQ(store.reclaim(2 * n), n);  // `incoming`; `stuck` stays, said once
+  EXPECT_TRUE(store.resident(stuck));
+  EXPECT_FALSE(store.resident(incoming));
+  // Nothing else to evict: the acquire fails with the stuck handle's error.
+  store.acquire(other, stream_);
+  const TieredStore::Handle third = store.create(n, kTagOptimizerState);
+  try {
+    store.acquire(third, stream_);
+    ADD_FAILURE() << "no room, and no error";
+  } catch (const TieringError& e) {
+    EXPECT_NE(std::string(e.what()).find("release_stream"), std::string::npos) << e.what();
+  }
+  store.release(other, /*dirty=*/false);
+  store.forget_stream(temporary);
+  store.evict(stuck);
+  EXPECT_EQ(first_difference(contents(store, stuck).data(), data.data(), n), -1);
+  for (const TieredStore::Handle h : {stuck, other, incoming, third}) store.destroy(h);
+}
+
 // write() and destroy() drop the device copy without copying it back. When that drop
 // fails (a use stream destroyed without release_stream), the operation did not happen:
 // the dirty device copy must still be the latest, copied back by the next eviction.
