@@ -28,6 +28,7 @@ namespace tidepool {
 struct Backend::FaultState {
   std::mutex mutex;
   std::array<int, static_cast<std::size_t>(FaultPoint::count_)> pending{};
+  std::array<int, static_cast<std::size_t>(FaultPoint::count_)> codes{};
 };
 
 // The device limit and what counts against it. release_physical is not told where a
@@ -95,7 +96,7 @@ Backend::~Backend() = default;
 
 // --- fault injection ------------------------------------------------------------------
 
-void Backend::inject_fault(FaultPoint point, int count) {
+void Backend::inject_fault(FaultPoint point, int count, int cuda_error) {
   const auto index = static_cast<std::size_t>(point);
   if (index >= faults_->pending.size())
     fail("inject_fault", "unknown fault point " + std::to_string(index));
@@ -105,6 +106,14 @@ void Backend::inject_fault(FaultPoint point, int count) {
   if (kind_ == BackendKind::cuda) return;
   std::lock_guard lock(faults_->mutex);
   faults_->pending[index] += count;
+  faults_->codes[index] = cuda_error;
+}
+
+int Backend::injected_fault_code(FaultPoint point) const {
+  const auto index = static_cast<std::size_t>(point);
+  if (index >= faults_->codes.size()) return 0;
+  std::lock_guard lock(faults_->mutex);
+  return faults_->codes[index];
 }
 
 bool Backend::consume_fault(FaultPoint point) {

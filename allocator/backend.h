@@ -98,10 +98,20 @@ struct MemInfo {
 };
 
 // Thrown for failures other than running out of memory: a copy that failed, an invalid
-// handle, a driver error. The message names the operation and the backend's error text.
+// handle, a driver error. The message names the operation and the backend's error text;
+// cuda_error() the CUDA error code behind it (a cudaError_t or CUresult value, which agree
+// for the errors a call can meet after a kernel faulted: 700 an illegal address, 719 a
+// launch failure, ...), 0 when none: the LD_PRELOAD shim answers the program with it.
 class TIDEPOOL_API BackendError : public std::runtime_error {
  public:
-  using std::runtime_error::runtime_error;
+  explicit BackendError(const std::string& what, int cuda_error = 0)
+      : std::runtime_error(what), cuda_error_(cuda_error) {}
+  explicit BackendError(const char* what, int cuda_error = 0)
+      : std::runtime_error(what), cuda_error_(cuda_error) {}
+  int cuda_error() const noexcept { return cuda_error_; }
+
+ private:
+  int cuda_error_ = 0;
 };
 
 // Fault injection for the reliability tests: the host backend consults it before each
@@ -226,7 +236,9 @@ class TIDEPOOL_API Backend {
   // --- fault injection (host backend only) ------------------------------------------
   // The next `count` operations at `point` fail as the device would (out-of-memory for
   // allocations, BackendError otherwise). Ignored by the cuda backend.
-  void inject_fault(FaultPoint point, int count = 1);
+  // A fault that throws (copy, host_register, map, peer_access) carries `cuda_error` as
+  // its BackendError::cuda_error(), as a CUDA call's failure would.
+  void inject_fault(FaultPoint point, int count = 1, int cuda_error = 0);
 
  protected:
   // Defined in backend.cpp: it also creates the fault-injection state.
@@ -234,6 +246,8 @@ class TIDEPOOL_API Backend {
 
   // Returns true (and consumes one) if a fault was injected at `point`.
   bool consume_fault(FaultPoint point);
+  // The code inject_fault gave `point`'s faults (0 when none).
+  int injected_fault_code(FaultPoint point) const;
 
  private:
   virtual void* do_device_alloc(std::size_t bytes) = 0;

@@ -31,6 +31,7 @@
 #include <string_view>
 #include <utility>
 
+#include "allocator/backend.h"
 #include "allocator/c_api_guard.h"
 #include "allocator/device_registry.h"
 #include "allocator/errors.h"
@@ -56,6 +57,8 @@ namespace {
 constinit thread_local std::string* t_last_error = nullptr;
 // Whether t_last_error is an out-of-memory (an OutOfMemoryError, after the OOM policy).
 constinit thread_local bool t_last_error_is_oom = false;
+// The CUDA error code behind t_last_error (BackendError::cuda_error()), 0 when none.
+constinit thread_local int t_last_error_cuda_code = 0;
 
 pthread_key_t last_error_key() {
   static const pthread_key_t key = [] {
@@ -100,6 +103,7 @@ const char* last_error_text() noexcept {
 void set_error(const char* what, bool print) {
   store_last_error(what);
   t_last_error_is_oom = false;
+  t_last_error_cuda_code = 0;
   if (print) std::fprintf(stderr, "%s\n", what);
 }
 
@@ -159,6 +163,7 @@ tidepool::CachingAllocator& allocator_holding_pointers_of(int device, const char
 void tidepool::set_last_error(std::string_view message) {
   store_last_error(message);
   t_last_error_is_oom = false;
+  t_last_error_cuda_code = 0;
 }
 
 void tidepool::detail::record_current_exception(const CErrorStyle& style) noexcept {
@@ -177,6 +182,9 @@ void tidepool::detail::record_current_exception(const CErrorStyle& style) noexce
       t_last_error_is_oom = true;
     } catch (const std::bad_alloc&) {
       record("tidepool: out of host memory for bookkeeping", true);
+    } catch (const BackendError& e) {
+      record(e.what(), true);
+      t_last_error_cuda_code = e.cuda_error();
     } catch (const std::exception& e) {
       record(e.what(), true);
     } catch (...) {
@@ -532,9 +540,12 @@ const char* tidepool_last_error(void) { return last_error_text(); }
 void tidepool_clear_error(void) {
   if (t_last_error != nullptr) t_last_error->clear();
   t_last_error_is_oom = false;
+  t_last_error_cuda_code = 0;
 }
 
 int tidepool_last_error_is_out_of_memory(void) { return t_last_error_is_oom ? 1 : 0; }
+
+int tidepool_last_error_cuda_code(void) { return t_last_error_cuda_code; }
 
 int tidepool_in_forked_child(void) { return tidepool::in_forked_child() ? 1 : 0; }
 

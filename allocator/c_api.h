@@ -302,6 +302,11 @@ TIDEPOOL_API void tidepool_clear_error(void);
  * whole OOM policy ran), 0 for any other error or none: lets a caller tell "too big for
  * now" from a bad request, as PyTorch does with torch.OutOfMemoryError. */
 TIDEPOOL_API int tidepool_last_error_is_out_of_memory(void);
+/* The CUDA error code behind this thread's last error (a cudaError_t, or a CUresult for
+ * the driver's memory calls: the two agree for the errors a call can meet after a kernel
+ * faulted, e.g. 700 for an illegal address), 0 when it came from no CUDA call. The
+ * LD_PRELOAD shim answers a failed cudaMalloc with it, as the runtime would have. */
+TIDEPOOL_API int tidepool_last_error_cuda_code(void);
 
 /* ---- forked children ------------------------------------------------------------- */
 /* 1 when this process was forked after tidepool made a device allocator (in it, or in an

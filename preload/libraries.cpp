@@ -390,6 +390,7 @@ void initialise() {
                      symbol("tidepool_free", t.free), symbol("tidepool_last_error", t.last_error),
                      symbol("tidepool_clear_error", t.clear_error),
                      symbol("tidepool_last_error_is_out_of_memory", t.last_error_is_out_of_memory),
+                     symbol("tidepool_last_error_cuda_code", t.last_error_cuda_code),
                      symbol("tidepool_install_from_env_for_preload", t.install_from_env),
                      symbol("tidepool_config_apply", t.config_apply),
                      symbol("tidepool_config_active_json", t.config_active_json),

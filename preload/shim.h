@@ -77,6 +77,7 @@ struct TidepoolAbi {
   const char* (*last_error)() = nullptr;
   void (*clear_error)() = nullptr;
   int (*last_error_is_out_of_memory)() = nullptr;
+  int (*last_error_cuda_code)() = nullptr;  // Note [errors keep CUDA's meaning]
   int (*install_from_env)(char*, size_t) = nullptr;
   int (*config_apply)(const char*, char*, size_t) = nullptr;
   size_t (*config_active_json)(char*, size_t) = nullptr;

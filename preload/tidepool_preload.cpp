@@ -129,10 +129,12 @@
 //     cudaFreeAsync, after asking tidepool (tidepool_holds_address: slow, but only frees
 //     of pointers the shim does not own pay it). Memory of a device that was reset does
 //     not count (Note [cudaDeviceReset under the shim]).
-//   - Errors keep CUDA's meaning: cudaErrorMemoryAllocation for out-of-memory
+//   - Note [errors keep CUDA's meaning]: cudaErrorMemoryAllocation for out-of-memory
 //     (tidepool_last_error_is_out_of_memory) and for a size above tidepool's limit
-//     (Note [sizes beyond any device]), cudaErrorInvalidValue for any other failure of
-//     tidepool_malloc or tidepool_free (tidepool prints those itself).
+//     (Note [sizes beyond any device]); for any other failure of tidepool_malloc or
+//     tidepool_free (tidepool prints those itself) the CUDA error behind it
+//     (tidepool_last_error_cuda_code: after a kernel faulted, cudaErrorIllegalAddress,
+//     as the runtime would answer), else cudaErrorInvalidValue (a bad request).
 //   - Note [sizes beyond any device]: tidepool_malloc rejects a size above 2^50
 //     (kMaxRequest) as a bad request, not an out-of-memory, because for its callers
 //     such a size is a bug (a negative size cast). The runtime has no such rule: it
@@ -215,6 +217,13 @@ bool serves_device(int device) { return tidepool_device(device) && !uses_program
 
 namespace {
 
+// The answer to a call tidepool failed (not for running out of memory): the CUDA error
+// behind its failure, else cudaErrorInvalidValue (Note [errors keep CUDA's meaning]).
+cudaError_t cuda_error_of_last_failure() {
+  const int code = shim().tp.last_error_cuda_code();
+  return code != 0 ? static_cast<cudaError_t>(code) : cudaErrorInvalidValue;
+}
+
 // Serves an allocation through tidepool on `device` and `stream` (cudaMalloc: the NULL
 // stream). `call` names the CUDA function in messages.
 cudaError_t serve_malloc(const char* call, void** dev_ptr, size_t size, int device,
@@ -235,9 +244,11 @@ cudaError_t serve_malloc(const char* call, void** dev_ptr, size_t size, int devi
   }
   if (ptr == nullptr) {
     // Only a real out-of-memory is cudaErrorMemoryAllocation: callers free caches and
-    // retry on it, which would hide a bad request. Anything else (a device tidepool
-    // cannot serve) is a bad request, whose message libtidepool has already printed.
-    if (s.tp.last_error_is_out_of_memory() == 0) return cudaErrorInvalidValue;
+    // retry on it, which would hide a bad request. Anything else is libtidepool's message
+    // (printed already) with the CUDA error behind it, when a CUDA call failed (a kernel
+    // that faulted: cudaErrorIllegalAddress), else a bad request (a device tidepool
+    // cannot serve).
+    if (s.tp.last_error_is_out_of_memory() == 0) return cuda_error_of_last_failure();
     if (!s.quiet) say(call, std::string(": ") + s.tp.last_error());
     return cudaErrorMemoryAllocation;
   }
@@ -395,7 +406,7 @@ cudaError_t serve_free(void* ptr, const Allocation& a, cudaStream_t stream) {
   // runtime, which must never see a pointer into tidepool's memory.
   if (*s.tp.last_error() == '\0') return cudaSuccess;
   restore_owned(ptr, a);
-  return cudaErrorInvalidValue;
+  return cuda_error_of_last_failure();
 }
 
 using MallocAsync = cudaError_t (*)(void**, size_t, cudaStream_t);

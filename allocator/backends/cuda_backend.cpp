@@ -165,19 +165,22 @@ std::string error_text(CUresult res) {
   return std::string(name) + " (" + std::to_string(static_cast<int>(res)) + "): " + text;
 }
 
-[[noreturn]] void fail_call(int device, const char* call, const std::string& text) {
+// `code`: the CUDA error code, kept in the BackendError for the LD_PRELOAD shim's answer.
+[[noreturn]] void fail_call(int device, const char* call, const std::string& text,
+                            int code = 0) {
   throw BackendError("tidepool cuda backend (device " + std::to_string(device) + "): " + call +
-                     " failed: " + text);
+                         " failed: " + text,
+                     code);
 }
 
 void check(int device, cudaError_t err, const char* call) {
   if (err == cudaSuccess) return;
   (void)runtime().get_last_error();  // clear the non-sticky last error; we report it ourselves
-  fail_call(device, call, error_text(err));
+  fail_call(device, call, error_text(err), static_cast<int>(err));
 }
 
 void check(int device, CUresult res, const char* call) {
-  if (res != CUDA_SUCCESS) fail_call(device, call, error_text(res));
+  if (res != CUDA_SUCCESS) fail_call(device, call, error_text(res), static_cast<int>(res));
 }
 
 enum class ApiLevel { runtime, driver };

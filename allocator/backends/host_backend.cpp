@@ -51,8 +51,8 @@ using host_detail::StreamMarker;
 constexpr std::size_t kDeviceAlignment = 256;
 constexpr std::size_t kGranularity = std::size_t{2} << 20;  // 2 MiB, as on CUDA
 
-[[noreturn]] void fail(const char* op, const std::string& what) {
-  throw BackendError(std::string("tidepool host backend: ") + op + ": " + what);
+[[noreturn]] void fail(const char* op, const std::string& what, int cuda_error = 0) {
+  throw BackendError(std::string("tidepool host backend: ") + op + ": " + what, cuda_error);
 }
 
 std::string errno_text(int err) { return std::string(std::strerror(err)); }
@@ -373,7 +373,8 @@ void HostBackend::do_copy_async(void* dst, const void* src, std::size_t bytes, C
                                 Stream s) {
   auto stream = stream_of("copy_async", s);
   if (consume_fault(FaultPoint::copy))
-    fail("copy_async", "injected fault: copy of " + std::to_string(bytes) + " bytes failed");
+    fail("copy_async", "injected fault: copy of " + std::to_string(bytes) + " bytes failed",
+         injected_fault_code(FaultPoint::copy));
   stream->enqueue([dst, src, bytes] { std::memcpy(dst, src, bytes); });
 }
 
@@ -393,8 +394,10 @@ void HostBackend::do_launch_host_func(Stream s, void (*fn)(void*), void* arg) {
 
 void HostBackend::do_host_register(void* ptr, std::size_t bytes) {
   if (consume_fault(FaultPoint::host_register))
-    fail("host_register", "injected fault: registering " + std::to_string(bytes) +
-                              " bytes at " + hex(ptr) + " failed");
+    fail("host_register",
+         "injected fault: registering " + std::to_string(bytes) + " bytes at " + hex(ptr) +
+             " failed",
+         injected_fault_code(FaultPoint::host_register));
   const auto start = reinterpret_cast<std::uintptr_t>(ptr);
   if (bytes > UINTPTR_MAX - start) fail("host_register", "range wraps around the address space");
   std::lock_guard lock(pinned_mutex_);
@@ -498,8 +501,9 @@ void HostBackend::do_release_physical(PhysicalHandle h, std::size_t bytes) {
 
 void HostBackend::do_map(void* va, std::size_t bytes, PhysicalHandle h) {
   if (consume_fault(FaultPoint::map))
-    fail("map", "injected fault: mapping " + std::to_string(bytes) + " bytes at " + hex(va) +
-                    " failed");
+    fail("map",
+         "injected fault: mapping " + std::to_string(bytes) + " bytes at " + hex(va) + " failed",
+         injected_fault_code(FaultPoint::map));
   const auto start = reinterpret_cast<std::uintptr_t>(va);
   std::lock_guard lock(vm_mutex_);
   auto phys = physicals_.find(h.value);
@@ -561,7 +565,8 @@ void HostBackend::do_unmap(void* va, std::size_t bytes) {
 
 void HostBackend::do_grant_peer_access(void* va, std::size_t bytes, const std::vector<int>& peers) {
   if (consume_fault(FaultPoint::peer_access))
-    fail("grant_peer_access", "injected fault: granting peer access to " + hex(va) + " failed");
+    fail("grant_peer_access", "injected fault: granting peer access to " + hex(va) + " failed",
+         injected_fault_code(FaultPoint::peer_access));
   std::lock_guard lock(vm_mutex_);
   auto it = mappings_.find(reinterpret_cast<std::uintptr_t>(va));
   if (it == mappings_.end() || it->second.bytes != bytes)

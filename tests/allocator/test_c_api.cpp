@@ -400,6 +400,36 @@ TEST_F(CApi, EmptyCacheOfADeviceWithoutAnAllocatorCreatesNone) {
       << tidepool_last_error();
 }
 
+// A failure that came from a backend call keeps its CUDA error code
+// (tidepool_last_error_cuda_code), which the LD_PRELOAD shim answers the program with; any
+// other error, and clearing, give 0.
+TEST_F(CApi, AFailedCudaCallsErrorCodeReachesTheLastError) {
+  tidepool::Backend& backend = tidepool::device_allocator(0).backend();
+  backend.inject_fault(tidepool::FaultPoint::map, 1, /*cudaErrorIllegalAddress*/ 700);
+  ::testing::internal::CaptureStderr();
+  void* p = tidepool_malloc(static_cast<ssize_t>(std::size_t{64} << 20), 0, nullptr);
+  const std::string printed = ::testing::internal::GetCapturedStderr();
+  EXPECT_EQ(p, nullptr);
+  EXPECT_NE(std::string(tidepool_last_error()).find("injected fault"), std::string::npos)
+      << tidepool_last_error();
+  EXPECT_EQ(tidepool_last_error_is_out_of_memory(), 0);
+  EXPECT_EQ(tidepool_last_error_cuda_code(), 700);
+  ::testing::internal::CaptureStderr();
+  EXPECT_EQ(tidepool_malloc(-1, 0, nullptr), nullptr);  // a bad request: no CUDA call
+  ::testing::internal::GetCapturedStderr();
+  EXPECT_EQ(tidepool_last_error_cuda_code(), 0);
+  backend.inject_fault(tidepool::FaultPoint::map, 1, 700);
+  ::testing::internal::CaptureStderr();
+  EXPECT_EQ(tidepool_malloc(static_cast<ssize_t>(std::size_t{64} << 20), 0, nullptr), nullptr);
+  ::testing::internal::GetCapturedStderr();
+  ASSERT_EQ(tidepool_last_error_cuda_code(), 700);
+  tidepool_clear_error();
+  EXPECT_EQ(tidepool_last_error_cuda_code(), 0);
+  void* q = tidepool_malloc(static_cast<ssize_t>(std::size_t{64} << 20), 0, nullptr);
+  EXPECT_NE(q, nullptr) << tidepool_last_error();  // the process and the allocator live on
+  tidepool_free(q, std::size_t{64} << 20, 0, nullptr);
+}
+
 TEST_F(CApi, OutOfMemoryIsNullWithTheMessageInTheLastError) {
   const std::uint64_t ooms = stats().oom_count;
   ::testing::internal::CaptureStderr();

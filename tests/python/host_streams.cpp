@@ -16,7 +16,9 @@
 //   - a gate: host_streams_hold enqueues a wait for it, host_streams_open opens it, so a
 //     test holds a stream's work back for as long as it needs, with no timing.
 //   - a failure: host_streams_fail enqueues work that fails, so the stream's next
-//     synchronize (and the device's) fails once, as after a kernel's error.
+//     synchronize (and the device's) fails once, as after a kernel's error;
+//     host_streams_fail_next_map makes the device's next mapping of memory fail with a
+//     CUDA error code, as a driver call after a kernel faulted.
 #include <condition_variable>
 #include <cstdint>
 #include <memory>
@@ -177,6 +179,13 @@ __attribute__((visibility("default"))) int host_streams_synchronize(void* stream
 // cudaDeviceSynchronize of `device`: every stream of its backend, held ones included.
 __attribute__((visibility("default"))) void host_streams_synchronize_device(int device) {
   backend_of(device).device_synchronize();
+}
+
+// The next `count` mappings of memory on `device` fail with the CUDA error `code`.
+__attribute__((visibility("default"))) void host_streams_fail_next_map(int device, int count,
+                                                                       int code) {
+  tidepool::device_allocator(device).backend().inject_fault(tidepool::FaultPoint::map, count,
+                                                            code);
 }
 
 }  // extern "C"

@@ -206,3 +206,22 @@ out["waits"] = waits() - before
     assert out == {"malloc_async_rc": 0, "destroy_rc": 0, "free_rc": 0, "malloc_rc": 0,
                    "reused": True, "legacy_work_done_when_handed_out": True, "waits": 1}
     assert stderr == ""
+
+
+def test_a_cuda_error_inside_tidepool_is_the_programs_answer(run_python):
+    # Note [errors keep CUDA's meaning] in preload/tidepool_preload.cpp: a cudaMalloc that
+    # failed in a CUDA call inside tidepool (a kernel faulted: the driver's next call
+    # answers cudaErrorIllegalAddress) answers that error, as the runtime would, not
+    # cudaErrorInvalidValue; a bad request still answers cudaErrorInvalidValue.
+    out, stderr = run_with_fake(run_python, STREAMS_PRELUDE + """
+helper.host_streams_fail_next_map.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int]
+helper.host_streams_fail_next_map(0, 1, 700)
+p = c_void_p()
+out["rc"] = process.cudaMalloc(byref(p), 64 << 20)
+out["last_error"] = process.cudaGetLastError()
+out["ptr"] = p.value
+out["again_rc"] = process.cudaMalloc(byref(p), 64 << 20)   # the fault was once
+out["free_rc"] = process.cudaFree(p)
+""", TIDEPOOL_BACKEND="host", HOST_STREAMS=HOST_STREAMS)
+    assert out == {"rc": 700, "last_error": 700, "ptr": None, "again_rc": 0, "free_rc": 0}
+    assert "injected fault" in stderr   # libtidepool says what failed
