@@ -52,12 +52,17 @@ def counters_text(row: dict) -> str:
 def json_lines(stem: str, rows: list) -> list:
     lines = []
     for row in rows:
+        # An error first (review finding: a repeated benchmark's errored repetitions were
+        # dropped with its other repetitions, and when too few succeeded for a median the
+        # row vanished from the table without a word); each error said once.
+        if row.get("error_occurred"):
+            line = f"{stem:9s} {row['name'][:60]:60s} SKIPPED: {row.get('error_message')}"
+            if line not in lines:
+                lines.append(line)
+            continue
         if row.get("run_type") == "aggregate" and row.get("aggregate_name") != "median":
             continue
         if row.get("run_type") == "iteration" and row.get("repetitions", 1) > 1:
-            continue
-        if row.get("error_occurred"):
-            lines.append(f"{stem:9s} {row['name'][:60]:60s} SKIPPED: {row.get('error_message')}")
             continue
         lines.append(f"{stem:9s} {row['name'][:60]:60s} {row.get('real_time', 0):11.4g} "
                      f"{row.get('time_unit', '')} {counters_text(row)}")

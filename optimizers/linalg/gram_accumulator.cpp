@@ -221,8 +221,9 @@ LstsqResult GramAccumulator::solve(const std::vector<int64_t>& a_slots, int64_t 
     }
   }
   // A right-hand side that small has lost bᵀb, and with it the Gram residual, and one
-  // whose Gram residual overflowed: measured directly (rescaled blocks).
-  if (detail::gram_residual_lost(small->residual_norms) ||
+  // whose Gram residual overflowed: measured directly (rescaled blocks); so is any when
+  // the caller asks (review finding: exact_residual was lstsq's only).
+  if (options.exact_residual || detail::gram_residual_lost(small->residual_norms) ||
       detail::underflowing_column({b}, G, k) >= 0) {
     small->residual_norms = detail::direct_residual_norms(a_columns, {b}, small->x);
   }

@@ -70,7 +70,8 @@ class TIDEPOOL_API GramAccumulator {
   // ≲ 1e-154) is not in the Gram matrix to any accuracy: automatic then solves by the SVD
   // from the columns (y still fp64 CPU), the forced gram_cholesky and gram_eigh throw
   // std::invalid_argument naming the slot; a right-hand side that small has its residual
-  // measured from the columns (Note [Underflowing squares] in lstsq.cpp). Options are
+  // measured from the columns (Note [Underflowing squares] in lstsq.cpp), as is any with
+  // options.exact_residual. Options are
   // checked as lstsq checks them, and refused with the same std::invalid_argument message.
   LstsqResult solve(const std::vector<int64_t>& a_slots, int64_t b_slot,
                     const LstsqOptions& options = {}) const;

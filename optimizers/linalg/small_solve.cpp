@@ -124,6 +124,12 @@ void check_options(const LstsqOptions& options, const char* caller) {
   const auto fail = [caller](const std::string& message) {
     throw std::invalid_argument(std::string(caller) + ": " + message);
   };
+  // A value cast from an unchecked integer would otherwise run as automatic.
+  const auto method = static_cast<int>(options.method);
+  if (method < static_cast<int>(LstsqMethod::automatic) ||
+      method > static_cast<int>(LstsqMethod::gram_eigh)) {
+    fail("options.method " + std::to_string(method) + " is no LstsqMethod");
+  }
   if (!std::isfinite(options.rcond)) fail("options.rcond must be finite");
   // rcond·σ_max at or above σ_max drops every direction: x = 0 at rank 0 for any A.
   if (options.rcond >= 1.0) {

@@ -242,6 +242,46 @@ TEST(GramAccumulator, InvalidOptionsAreRejectedAsLstsqRejectsThem) {
   }
 }
 
+// Review finding: an LstsqMethod value outside the enum (cast from an unchecked integer)
+// ran as automatic, here and in lstsq.
+TEST(GramAccumulator, AMethodOutsideTheEnumIsRefusedAsLstsqRefusesIt) {
+  at::manual_seed(36);
+  const auto a0 = at::randn({kRows}, at::kDouble);
+  const auto b = at::randn({kRows}, at::kDouble);
+  GramAccumulator accumulator(2);
+  accumulator.set_column(0, a0);
+  accumulator.set_column(1, b);
+  for (const int value : {-1, 5, 7}) {
+    LstsqOptions options;
+    options.method = static_cast<LstsqMethod>(value);
+    const std::string reason = "options.method " + std::to_string(value) + " is no LstsqMethod";
+    expect_invalid([&] { lstsq_columns({a0}, b, options); }, reason);
+    expect_invalid([&] { accumulator.solve({0}, 1, options); }, reason);
+  }
+}
+
+// Review finding: solve took the Gram residual (a cancellation) even when the caller asked
+// for exact_residual, as lstsq honours it: for a nearly consistent system that residual
+// is noise of ~√(√N·eps64) of the problem's scale.
+TEST(GramAccumulator, ExactResidualIsMeasuredFromTheColumns) {
+  at::manual_seed(37);
+  const auto a0 = at::randn({kRows}, at::kDouble);
+  const auto a1 = at::randn({kRows}, at::kDouble);
+  const auto b = a0 + 2.0 * a1 + 1e-9 * at::randn({kRows}, at::kDouble);
+  GramAccumulator accumulator(3);
+  accumulator.set_column(0, a0);
+  accumulator.set_column(1, a1);
+  accumulator.set_column(2, b);
+  LstsqOptions options;
+  options.exact_residual = true;
+  const auto result = accumulator.solve({0, 1}, 2, options);
+  const double direct = (b - a0 * result.solution[0].item<double>() -
+                         a1 * result.solution[1].item<double>())
+                            .norm()
+                            .item<double>();
+  EXPECT_NEAR(result.residual_norm / direct, 1.0, 1e-6) << result.residual_norm << " " << direct;
+}
+
 // Review finding: the Gram eigenvalues summed ‖G‖²_F unscaled, which overflows for entries
 // ≳ 1.3e154 and underflows for entries ≲ 1e-162, so no Jacobi sweep ran and G's diagonal
 // passed for its eigenvalues: unequilibrated, this κ = 1e7 history read as κ ≈ 7.5 and

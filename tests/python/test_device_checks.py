@@ -573,6 +573,18 @@ def test_the_summary_shows_the_counters_targets_judge_first(tmp_path):
     assert "SKIPPED: no CUDA device" in lines[2]
 
 
+def test_the_summary_says_the_errors_of_a_repeated_benchmark(tmp_path):
+    """Review finding: the errored repetitions of a repeated benchmark were dropped with its
+    other repetitions, so a row whose repetitions all failed (no median) vanished."""
+    error = {"name": "store/h2d/manual_time", "run_type": "iteration", "repetitions": 3,
+             "error_occurred": True, "error_message": "the store moved 1 of 2 bytes"}
+    (tmp_path / "tiering.json").write_text(json.dumps({"benchmarks": [error] * 3}))
+    lines = load_summary().summary(tmp_path)
+    assert len(lines) == 1
+    assert "store/h2d/manual_time" in lines[0]
+    assert "SKIPPED: the store moved 1 of 2 bytes" in lines[0]
+
+
 def test_the_summary_always_shows_whether_a_row_is_a_fair_measurement(tmp_path):
     """Counters past the first few that say whether the row measured what it claims
     (review finding: pageable_MiB and memlock_capped, the suspects of a 17.7x row, never
