@@ -14,6 +14,7 @@
 #include "optimizers/linalg/gram.h"
 
 #include <algorithm>
+#include <cmath>
 #include <limits>
 #include <stdexcept>
 #include <string>
@@ -172,6 +173,29 @@ int64_t underflowing_column(const std::vector<at::Tensor>& columns, const at::Te
   for (size_t j = 0; j < columns.size(); ++j) {
     if (d[j] >= limit) continue;
     if (d[j] > 0.0 || columns[j].ne(0).any().item<bool>()) return static_cast<int64_t>(j);
+  }
+  return -1;
+}
+
+int64_t underflowing_cross_products(const std::vector<at::Tensor>& a_columns,
+                                    const std::vector<at::Tensor>& b_columns,
+                                    const at::Tensor& G) {
+  const auto k = static_cast<int64_t>(a_columns.size());
+  if (underflowing_column(b_columns, G, k) < 0) return -1;
+  const double limit =
+      static_cast<double>(a_columns.front().size(0)) * std::numeric_limits<double>::min();
+  const auto diagonal = G.diagonal().contiguous();
+  const double* d = diagonal.data_ptr<double>();
+  double smallest_a = std::numeric_limits<double>::infinity();  // of the nonzero columns
+  for (int64_t j = 0; j < k; ++j) {
+    if (d[j] > 0.0) smallest_a = std::min(smallest_a, std::sqrt(d[j]));
+  }
+  // ‖b_c‖ measured without squaring it (rescaled blocks): the residual of x = 0.
+  const auto zero = at::zeros({k, static_cast<int64_t>(b_columns.size())},
+                              at::TensorOptions().dtype(at::kDouble));
+  const std::vector<double> b_norms = direct_residual_norms(a_columns, b_columns, zero);
+  for (size_t c = 0; c < b_columns.size(); ++c) {
+    if (b_norms[c] > 0.0 && smallest_a * b_norms[c] < limit) return static_cast<int64_t>(c);
   }
   return -1;
 }

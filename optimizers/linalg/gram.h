@@ -34,6 +34,15 @@ std::vector<double> direct_residual_norms(const std::vector<at::Tensor>& a_colum
 int64_t underflowing_column(const std::vector<at::Tensor>& columns, const at::Tensor& G,
                             int64_t first);
 
+// The first column of `b_columns` whose products with a nonzero column of `a_columns`
+// underflow fp64 (‖a_j‖·‖b_c‖ < N·DBL_MIN: the entries of AᵀB are then subnormal, wrong by
+// percents, or 0; Note [Underflowing squares] in lstsq.cpp), or -1. Possible only for a
+// right-hand side whose own squares underflowed (underflowing_column), the only case that
+// reads the columns again. `G` is the Gram matrix of [A | B].
+int64_t underflowing_cross_products(const std::vector<at::Tensor>& a_columns,
+                                    const std::vector<at::Tensor>& b_columns,
+                                    const at::Tensor& G);
+
 // Columns of a 2-D matrix as strided 1-D views (no copy).
 std::vector<at::Tensor> columns_of(const at::Tensor& matrix);
 

@@ -189,12 +189,20 @@ LstsqResult GramAccumulator::solve(const std::vector<int64_t>& a_slots, int64_t 
   // Note [Underflowing squares] (lstsq.cpp): a column whose squares underflow is not in G
   // to any accuracy; as lstsq does, automatic solves by the SVD from the columns and the
   // forced Gram methods refuse.
-  if (const int64_t tiny = detail::underflowing_column(a_columns, G, 0); tiny >= 0) {
+  // So does a right-hand side so small beside them that AᵀB's own products underflow.
+  const int64_t tiny = detail::underflowing_column(a_columns, G, 0);
+  if (tiny >= 0 || detail::underflowing_cross_products(a_columns, {b}, G) >= 0) {
     if (requested.method != LstsqMethod::automatic) {
-      fail("solve: the column in slot " + std::to_string(a_slots[static_cast<size_t>(tiny)]) +
-           " is so small that its squares underflow float64 (entries below ~1e-154), which "
-           "method " + method_name(requested.method) + " cannot resolve; rescale the "
-           "columns, or use method automatic or svd");
+      const std::string what =
+          tiny >= 0 ? "the column in slot " +
+                          std::to_string(a_slots[static_cast<size_t>(tiny)]) +
+                          " is so small that its squares underflow float64 (entries below "
+                          "~1e-154)"
+                    : "the column in slot " + std::to_string(b_slot) +
+                          " is so small beside the others that their products underflow "
+                          "float64";
+      fail("solve: " + what + ", which method " + method_name(requested.method) +
+           " cannot resolve; rescale the columns, or use method automatic or svd");
     }
     LstsqOptions svd = requested;
     svd.method = LstsqMethod::svd;

@@ -18,7 +18,9 @@
 // automatic takes the SVD, which scales by column_norms() before it squares anything; a
 // forced method that needs G refuses, as it does for squares that overflow. A right-hand
 // side that small loses bᵀb, and with it the Gram residual: its residual is measured
-// directly (direct_residual_norms rescales too).
+// directly (direct_residual_norms rescales too). Smaller still beside A
+// (‖a_j‖·‖b‖ < N·DBL_MIN), AᵀB's own products underflow: automatic takes the SVD, the
+// forced Gram methods refuse (underflowing_cross_products).
 #include "optimizers/linalg/lstsq.h"
 
 #include <ATen/core/grad_mode.h>
@@ -283,6 +285,19 @@ SmallSolution select_and_solve(const Problem& problem, const LstsqOptions& optio
     fail("column " + std::to_string(tiny_column) + " of A is so small that its squares " +
          "underflow float64 (entries below ~1e-154), which method " + method_name(method) +
          " cannot resolve; rescale A, or use method automatic or svd");
+  }
+  // A right-hand side so small beside A that AᵀB's products underflow: the Gram routes
+  // would solve from an AᵀB wrong by percents, or 0 (review finding); CholeskyQR3 and the
+  // SVD factor [A | B] without forming it.
+  if (method != LstsqMethod::cholesky_qr) {
+    if (const int64_t c = detail::underflowing_cross_products(problem.a_columns,
+                                                              problem.b_columns, G);
+        c >= 0) {
+      if (method == LstsqMethod::automatic) return run_svd(problem, options, rcond);
+      fail("column " + std::to_string(c) + " of B is so small beside A that the products " +
+           "AᵀB underflow float64, which method " + method_name(method) + " cannot " +
+           "resolve; rescale B, or use method automatic or svd");
+    }
   }
   // AᵀA of a wide A is singular: CholeskyQR has nothing to factor (after the input
   // checks, so that bad input is named as such whatever the method).

@@ -112,7 +112,10 @@ struct LstsqResult {
 // overflow fp64 where a method needs them: the Gram pass, a relative tikhonov). Squares
 // that underflow cannot be resolved by the Gram pass either: when a column of A is not zero
 // but ‖a_j‖² < N·DBL_MIN (fp64 entries ≲ 1e-154), automatic solves by the SVD and the
-// forced gram_cholesky, cholesky_qr and gram_eigh throw std::invalid_argument.
+// forced gram_cholesky, cholesky_qr and gram_eigh throw std::invalid_argument; so do
+// automatic and the forced gram_cholesky and gram_eigh when a column of B is that small
+// beside A, ‖a_j‖·‖b‖ < N·DBL_MIN (AᵀB's products underflow; cholesky_qr does not form
+// them).
 // No autograd: the solution never requires grad, whatever A and B do, on every route.
 TIDEPOOL_API LstsqResult lstsq(const at::Tensor& A, const at::Tensor& B,
                                const LstsqOptions& options = {});

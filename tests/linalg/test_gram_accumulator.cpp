@@ -369,5 +369,28 @@ TEST(GramAccumulator, ATinyRightHandSidesResidualIsMeasuredFromTheColumns) {
   EXPECT_GT(result.residual_norm, 0.0);
 }
 
+// The same for the accumulator: a right-hand side whose products with the columns
+// underflow is solved by the SVD from the columns (automatic), or refused (forced Gram).
+TEST(GramAccumulator, ARightHandSideWhoseProductsUnderflowIsSolvedFromTheColumns) {
+  at::manual_seed(38);
+  const auto a0 = at::randn({kRows}, at::kDouble) * 1e-100;
+  const auto a1 = at::randn({kRows}, at::kDouble) * 1e-100;
+  const auto b = (a0 - 2.0 * a1) * 1e-122;
+  GramAccumulator accumulator(3);
+  accumulator.set_column(0, a0);
+  accumulator.set_column(1, a1);
+  accumulator.set_column(2, b);
+  const auto result = accumulator.solve({0, 1}, 2);
+  EXPECT_EQ(result.method, LstsqMethod::svd);
+  const auto y = result.solution * 1e122;
+  EXPECT_NEAR(y[0].item<double>(), 1.0, 1e-10);
+  EXPECT_NEAR(y[1].item<double>(), -2.0, 1e-10);
+  for (const auto method : {LstsqMethod::gram_cholesky, LstsqMethod::gram_eigh}) {
+    LstsqOptions options;
+    options.method = method;
+    expect_invalid([&] { accumulator.solve({0, 1}, 2, options); }, "products underflow");
+  }
+}
+
 }  // namespace
 }  // namespace tidepool::linalg

@@ -539,6 +539,29 @@ TEST(Lstsq, ResidualsOfATinyRightHandSideDoNotUnderflow) {
   }
 }
 
+// Review finding: with A ~ 1e-100 (its squares fine) and b ~ 1e-222, the products of AᵀB
+// are subnormal: the Gram route solved from an AᵀB wrong by percents (or 0 for b ~
+// 1e-230, x = 0 at rank 2). automatic takes the SVD; the forced Gram methods refuse.
+TEST(Lstsq, ARightHandSideWhoseProductsWithAUnderflowLeavesTheGramRoute) {
+  at::manual_seed(48);
+  const auto A = at::randn({10000, 2}, kF64) * 1e-100;
+  for (const double scale : {1e-122, 1e-130}) {
+    const auto x_true = testing::values({1.0, -2.0}) * scale;
+    const auto b = A.mv(x_true);
+    const auto result = lstsq(A, b);
+    EXPECT_EQ(result.method, LstsqMethod::svd) << scale;
+    EXPECT_LT(relative_error(result.solution, x_true), 1e-10) << scale;
+    for (const auto method : {LstsqMethod::gram_cholesky, LstsqMethod::gram_eigh}) {
+      LstsqOptions options;
+      options.method = method;
+      expect_invalid([&] { lstsq(A, b, options); }, "AᵀB underflow");
+    }
+    LstsqOptions cholesky_qr;
+    cholesky_qr.method = LstsqMethod::cholesky_qr;
+    EXPECT_LT(relative_error(lstsq(A, b, cholesky_qr).solution, x_true), 1e-10) << scale;
+  }
+}
+
 TEST(Lstsq, TikhonovMatchesClosedFormAbsoluteAndRelative) {
   const auto A = matrix_with_condition(6000, 5, 1e5, 12);
   at::manual_seed(13);
