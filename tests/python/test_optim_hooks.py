@@ -499,6 +499,46 @@ def test_a_step_without_the_guard_has_its_scope_closed_by_the_next_step(fake_cud
     assert _tags.current() == outside
 
 
+def test_a_scope_an_unguarded_step_left_is_closed_and_evicted_by_the_next_guarded_step(
+        fake_cuda, fake_tiering):
+    # Review finding: a step reached past the guard (a bound method or a framework's
+    # wrapper taken before a late tidepool.install()) that raised left its scope open, and
+    # the next guarded step kept it as an enclosing step's: its tag stayed on after that
+    # step, its step stayed in flight, and its devices were never evicted again.
+    install(state_budget="1GiB")
+
+    @unguarded
+    class HandWrappedSGD(torch.optim.SGD):
+        def step(self, closure=None):
+            return super().step(closure)
+
+    class GuardedSGD(torch.optim.SGD):
+        def step(self, closure=None):
+            return super().step(closure)
+
+    p, q = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(3))
+    hand = HandWrappedSGD([p], lr=0.1, momentum=0.9)
+    guarded = GuardedSGD([q], lr=0.1, momentum=0.9)
+    outside = _tags.current()
+    p.grad, q.grad = torch.ones(2), torch.ones(3)
+    hand.step()
+    guarded.step()
+    fake_tiering.clear()
+    with pytest.raises(RuntimeError, match="boom"):
+        hand.step(raising_closure)
+    assert _tags.current() != outside  # no guard, and torch ran no post-hook
+    guarded.step()
+    assert _tags.current() == outside
+    assert _in_flight.in_flight() == {}
+    # The leftover's state is evicted as its guard would have, then the guarded step's.
+    assert fake_tiering[0] == prefetch_of(hand)
+    assert fake_tiering[1:] == [EVICT, prefetch_of(guarded), EVICT]
+    fake_tiering.clear()
+    guarded.step()  # and the steps after it go on as usual
+    assert fake_tiering == [prefetch_of(guarded), EVICT]
+    assert _tags.current() == outside
+
+
 @pytest.mark.parametrize("mode,budget", [("global", "0"), ("pool", "1GiB")])
 def test_a_step_inside_a_step_keeps_the_outer_scope(fake_cuda, fake_tiering, mode, budget):
     install(mode=mode, state_budget=budget)

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import sys
 import weakref
 
 from . import (_captured_steps, _in_flight, _install, _loaded_state, _patches, _state_moves,
@@ -62,10 +63,11 @@ def _guard_step(hooked_step):
 
     Scopes nest: each guarded step's pre-hook keeps the scopes below the depth at which
     its step began (an enclosing step's, guarded or not) and closes any above it (left
-    by an unguarded step that raised: one wrapped by hand, past torch's patcher). Such
-    a step's own pre-hook keeps the scopes of the guarded steps running around it and
-    closes the rest, so a scope it left when it raised is closed by the next step on the
-    thread."""
+    by an unguarded step that raised: one wrapped by hand, past torch's patcher, or
+    reached through a reference taken before a late install). Every pre-hook also closes
+    the scopes whose steps are no longer running, and evicts their state (Note [a scope
+    no running step owns], _scopes_to_keep), so a scope an unguarded step left when it
+    raised is closed by the next step on the thread, guarded or not."""
 
     @functools.wraps(hooked_step)
     def guarded_step(*args, **kwargs):
@@ -76,13 +78,7 @@ def _guard_step(hooked_step):
             return hooked_step(*args, **kwargs)
         except BaseException:
             errors = []  # the step's own error is the one to raise
-            closed = _step_scopes._close_scopes_down_to(base, errors)
-            devices = sorted({d for scope in closed for d in scope.devices})
-            if devices and _tiering.available():
-                try:
-                    _state_moves._evict(devices, [o for scope in closed for o in scope.optimizers])
-                except Exception as evict_error:  # noqa: BLE001
-                    errors.append(evict_error)
+            _evict_closed(_step_scopes._close_scopes_down_to(base, errors), errors)
             for error in errors:
                 _install.warn_beside_error(f"tidepool: closing the scope of a step that raised, "
                                            f"or evicting its optimizer state, failed: {error}")
@@ -94,13 +90,43 @@ def _guard_step(hooked_step):
     return guarded_step
 
 
+def _evict_closed(closed: list, errors: list) -> None:
+    """Evicts the state on the devices of the step scopes `closed` (closed without their
+    post-hooks), as the post-hooks would have; a failure goes to `errors`."""
+    devices = sorted({d for scope in closed for d in scope.devices})
+    if devices and _tiering.available():
+        try:
+            _state_moves._evict(devices, [o for scope in closed for o in scope.optimizers])
+        except Exception as evict_error:  # noqa: BLE001
+            errors.append(evict_error)
+
+
 def _scopes_to_keep() -> int:
     """How many open scopes belong to steps still running around this pre-hook's step
     (see _guard_step); the ones above are left by a step that raised unguarded. The
     innermost guarded step's own pre-hook finds exactly its base open (its scope is not
-    yet); a step nested inside it finds that scope too, and keeps it."""
+    yet); a step nested inside it finds that scope too, and keeps it.
+
+    Note [a scope no running step owns]: a step reached past the guard (a bound method or
+    a framework's wrapper of step() taken before a late tidepool.install(), a step wrapped
+    by hand) that raised left its scope open, below any guarded step that began after it,
+    which kept it as an enclosing step's: its tag stayed on, its step in flight, and its
+    devices were never evicted again (review finding). So a scope also counts as running
+    only while the frame of torch's hooked step() that opened it is on this thread's
+    stack; the first one whose frame is not, and every scope above it, are left over."""
+    scopes = _step_scopes._scopes()
     steps = _step_scopes._guarded_steps()
-    return min(len(_step_scopes._scopes()), steps[-1] + 1) if steps else 0
+    keep = min(len(scopes), steps[-1] + 1) if steps else len(scopes)
+    running = set()
+    frame = sys._getframe(1)
+    while frame is not None:
+        running.add(id(frame))
+        frame = frame.f_back
+    for index in range(keep):
+        owner = scopes[index].frame
+        if owner is not None and id(owner) not in running:
+            return index
+    return keep
 
 
 def _closure_outside_the_scope(optimizer, closure, index: int):
@@ -146,7 +172,7 @@ def _closure_outside_the_scope(optimizer, closure, index: int):
             try:
                 _in_flight.note_in_c(scope.devices, begins=True)
                 _step_scopes._open_scope(scope.devices, _step_tags._step_tag(optimizer), optimizer,
-                                         scope.optimizers, scope.pooled)
+                                         scope.optimizers, scope.pooled, scope.frame)
             except BaseException:
                 _scope_not_reopened(scope)
                 raise
@@ -232,18 +258,27 @@ def _pre_step(optimizer, args, kwargs):
     if _captured_steps.captured(optimizer, devices):  # Note [a step captured in a CUDA graph]
         return None
     _untiered_history.check(optimizer)
-    _step_scopes._close_scopes_down_to(_scopes_to_keep())
+    # Scopes no running step owns (Note [a scope no running step owns]): closed, and their
+    # state evicted as their steps' post-hooks would have.
+    errors = []
+    _evict_closed(_step_scopes._close_scopes_down_to(_scopes_to_keep()), errors)
+    for error in errors:
+        _install.warn_beside_error(f"tidepool: evicting the optimizer state of a step that "
+                                   f"raised without its scope closed failed: {error}")
     own = _step_scopes._devices_not_held(devices)
     _stray_state.step_begins(optimizer, devices)
 
     prefetched = []
+
+    frame = sys._getframe(1)  # torch's hooked step(): Note [a scope no running step owns]
 
     def prefetch_and_open():  # counted in first: Note [steps in flight]
         if devices and _state_moves._tiering_or_warn() \
                 and _state_moves._state_budget_allows_prefetch() and not _being_stepped(optimizer):
             _state_moves._prefetch_state(optimizer, _closure_index(args, kwargs) is not None)
             prefetched.append(optimizer)
-        _step_scopes._open_scope(own, _step_tags._step_tag(optimizer), optimizer, pooled=devices)
+        _step_scopes._open_scope(own, _step_tags._step_tag(optimizer), optimizer, pooled=devices,
+                                 frame=frame)
 
     try:
         _step_scopes._begun(own, prefetch_and_open)

@@ -28,6 +28,10 @@ class _Scope(NamedTuple):
     stepping: int | None  # id() of the optimizer whose step opened it; None for a load
     optimizers: list     # its optimizer, then those stepped inside it (Note [steps in flight])
     pooled: list[int]    # the devices it routes to tidepool's MemPools under optimizer_state
+    # The frame of torch's hooked step() that opened it (None for a scope that is not a
+    # step's): the scope is a step's still running while that frame is on the thread's
+    # stack (Note [a scope no running step owns] in _optim_hooks.py).
+    frame: object = None
 
 
 def _scopes() -> list[_Scope]:
@@ -98,7 +102,7 @@ def _devices_not_held(devices: list[int]) -> list[int]:
 
 
 def _open_scope(own: list[int], tag: int, stepping=None, optimizers: list | None = None,
-                pooled: list[int] | None = None) -> None:
+                pooled: list[int] | None = None, frame=None) -> None:
     """Allocations of this thread go under `tag` (and, in pool mode, when `tag` is
     optimizer_state, to the tidepool MemPool of each device in `pooled`, by default
     `own`: Note [only state steps enter the pool]) until _close_scope, which counts the
@@ -141,7 +145,7 @@ def _open_scope(own: list[int], tag: int, stepping=None, optimizers: list | None
     if optimizers is None:
         optimizers = [] if stepping is None else [stepping]
     _scopes().append(_Scope(own, contexts, tag, None if stepping is None else id(stepping),
-                            optimizers, pooled))
+                            optimizers, pooled, frame))
 
 
 def _begun(own: list[int], begin_scope) -> None:
