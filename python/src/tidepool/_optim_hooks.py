@@ -117,6 +117,8 @@ def _scopes_to_keep() -> int:
     scopes = _step_scopes._scopes()
     steps = _step_scopes._guarded_steps()
     keep = min(len(scopes), steps[-1] + 1) if steps else len(scopes)
+    if keep == 0:  # the common case: no step around this one
+        return 0
     running = set()
     frame = sys._getframe(1)
     while frame is not None:
