@@ -564,9 +564,7 @@ const char* tidepool_backend_name(int device) {
   return guarded<const char*>(nullptr, [&]() -> const char* {
     // An index outside 0..kMaxDevices-1 is an error, as everywhere in this ABI (not one
     // beyond the device count: the host backend's tests name devices a GPU machine lacks).
-    if (device < 0 || device >= tidepool::kMaxDevices)
-      throw std::invalid_argument("tidepool: device " + std::to_string(device) +
-                                  " is outside 0.." + std::to_string(tidepool::kMaxDevices - 1));
+    tidepool::check_device_index(device);
     if (auto* a = tidepool::existing_device_allocator(device)) return a->backend().name();
     return tidepool::selected_backend() == tidepool::BackendKind::cuda ? "cuda" : "host";
   });

@@ -156,13 +156,16 @@ void enable_peer_access(int device, int peer) {
   }
 }
 
+void check_device_index(int device) {
+  if (device < 0 || device >= kMaxDevices)
+    throw AllocatorUsageError("tidepool: " + std::to_string(device) +
+                              " is not a device index (0.." + std::to_string(kMaxDevices - 1) +
+                              ")");
+}
+
 bool peer_access_enabled(int device, int peer) {
-  for (const int index : {device, peer}) {
-    if (index < 0 || index >= kMaxDevices)
-      throw AllocatorUsageError("tidepool: " + std::to_string(index) +
-                                " is not a device index (0.." + std::to_string(kMaxDevices - 1) +
-                                ")");
-  }
+  check_device_index(device);
+  check_device_index(peer);
   Registry& r = registry();
   std::lock_guard lock(r.mutex);
   if (CachingAllocator* a = r.allocators[device].load(std::memory_order_acquire)) {

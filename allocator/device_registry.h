@@ -27,6 +27,9 @@ TIDEPOOL_API CachingAllocator* existing_device_allocator(int device) noexcept;
 // Throws what device_allocator(device) throws for a device that does not exist, without
 // creating an allocator (on CUDA, a context on that device).
 TIDEPOOL_API void check_device(int device);
+// Throws AllocatorUsageError for an index outside 0..kMaxDevices-1, whether or not such a
+// device exists: for calls that take any of tidepool's indices.
+TIDEPOOL_API void check_device_index(int device);
 // The device's allocator if it exists; else nullptr, once check_device(device) found the
 // device exists. For calls that need nothing from a device tidepool never allocated on
 // (stats, resets, a stream's release). Never creates one.
